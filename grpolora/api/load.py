@@ -1,0 +1,207 @@
+"""Read GRPOLoraJob documents and turn every problem into a message that names its field path and line.
+
+Used by `grpolora validate|render|run` and by the operator (where the path goes into the InvalidSpec condition).
+"""
+
+from __future__ import annotations
+
+import difflib
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from grpolora.api import constants as c
+from grpolora.api.spec import FieldErrors, GRPOLoraJob
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong (or worth a warning) in a job document."""
+
+    path: str
+    message: str
+    line: int | None = None
+
+    def __str__(self) -> str:
+        where = f"line {self.line}: " if self.line else ""
+        return f"{where}{self.path}: {self.message}" if self.path else f"{where}{self.message}"
+
+
+class InvalidJob(ValueError):
+    """A job document that cannot run, with every problem found in it."""
+
+    def __init__(self, problems: list[Problem], source: str = ""):
+        self.problems = problems
+        self.source = source
+        prefix = f"{source}: " if source else ""
+        super().__init__("\n".join(f"{prefix}{p}" for p in problems))
+
+
+def parse_job(document: Any, *, source: str = "", node: yaml.Node | None = None) -> GRPOLoraJob:
+    """Validate one parsed document; raise InvalidJob listing all problems, each at its field path."""
+    if not isinstance(document, Mapping):
+        raise InvalidJob([Problem("", f"expected a GRPOLoraJob mapping, got {type(document).__name__}")], source)
+    try:
+        return GRPOLoraJob.model_validate(document)
+    except ValidationError as exc:
+        problems = [p for error in exc.errors() for p in _problems_from(error)]
+        if node is not None:
+            problems = [Problem(p.path, p.message, _line_of(node, p.path)) for p in problems]
+        raise InvalidJob(problems, source) from None
+
+
+def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
+    """Every GRPOLoraJob in a YAML file (one or more `---` documents); InvalidJob on any problem in any."""
+    source = str(path)
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise InvalidJob([Problem("", f"cannot read file: {exc.strerror}")], source) from None
+    return load_jobs_from_text(text, source=source)
+
+
+def load_jobs_from_text(text: str, *, source: str = "<input>") -> list[GRPOLoraJob]:
+    try:
+        nodes = [n for n in yaml.compose_all(text, Loader=yaml.SafeLoader) if n is not None]
+        documents = [yaml.load(yaml.serialize(n), Loader=yaml.SafeLoader) for n in nodes]
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise InvalidJob([Problem("", f"YAML syntax error: {problem}", line)], source) from None
+    if not documents:
+        raise InvalidJob([Problem("", "no YAML document found")], source)
+    jobs, problems = [], []
+    for index, (node, document) in enumerate(zip(nodes, documents, strict=True)):
+        try:
+            jobs.append(parse_job(document, source=source, node=node))
+        except InvalidJob as exc:
+            label = f"document {index + 1}: " if len(documents) > 1 else ""
+            problems += [Problem(p.path, label + p.message, p.line) for p in exc.problems]
+    if problems:
+        raise InvalidJob(problems, source)
+    return jobs
+
+
+def job_warnings(job: GRPOLoraJob) -> list[Problem]:
+    """Things that run but may surprise: said by `grpolora validate` and as operator Events."""
+    spec, warnings = job.spec, []
+    if spec.lora.rank not in c.VLLM_MAX_LORA_RANKS:
+        warnings.append(
+            Problem(
+                "spec.lora.rank",
+                f"rank {spec.lora.rank} is served in vLLM's {spec.lora.vllm_max_lora_rank}-rank LoRA slots "
+                f"(vLLM sizes slots at {', '.join(map(str, c.VLLM_MAX_LORA_RANKS))}); the adapter keeps rank "
+                f"{spec.lora.rank}",
+            )
+        )
+    if spec.checkpoint.pvc is None:
+        warnings.append(
+            Problem(
+                "spec.checkpoint.pvc",
+                "not set: in a cluster, checkpoints live in an emptyDir, so a replaced trainer pod restarts at step 0",
+            )
+        )
+    return warnings
+
+
+# ---- error formatting -------------------------------------------------------------------------------------
+
+
+def _problems_from(error: Mapping[str, Any]) -> Iterable[Problem]:
+    loc = tuple(error["loc"])
+    cause = (error.get("ctx") or {}).get("error")
+    if isinstance(cause, FieldErrors):
+        for sub_path, message in cause.errors:
+            yield Problem(_join(loc + tuple(_split(sub_path))), message)
+        return
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        field = str(loc[-1])
+        valid = _field_names_at(loc[:-1])
+        hint = difflib.get_close_matches(field, valid, n=1)
+        message = f"unknown field `{field}`"
+        if hint:
+            message += f" (did you mean `{hint[0]}`?)"
+        if valid:
+            message += f"; valid fields: {', '.join(valid)}"
+        yield Problem(_join(loc), message)
+    elif kind == "missing":
+        yield Problem(_join(loc), "required field is missing")
+    else:
+        message = error["msg"].removeprefix("Value error, ")
+        given = error.get("input")
+        if isinstance(given, str | int | float | bool) and kind != "value_error":
+            message += f" (got {given!r})"
+        yield Problem(_join(loc), message)
+
+
+def _join(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _field_names_at(loc: tuple[Any, ...]) -> list[str]:
+    """The wire names of the fields of the model found at `loc` (empty if it is not a model)."""
+    model: Any = GRPOLoraJob
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        model = _model_in(_field_annotation(model, str(part)))
+        if model is None:
+            return []
+    return [f.alias or name for name, f in model.model_fields.items()] if model else []
+
+
+def _field_annotation(model: type[BaseModel], wire_name: str) -> Any:
+    for name, field in model.model_fields.items():
+        if wire_name in (name, field.alias):
+            return field.annotation
+    return None
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _line_of(node: yaml.Node, path: str) -> int | None:
+    """1-based line of the deepest node along `path` (a missing field points at its parent)."""
+    line = node.start_mark.line + 1
+    for part in _split(path):
+        child = None
+        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
+            child = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
+            if child is None:  # an unknown key: point at the key itself
+                child = next((k for k, _ in node.value if getattr(k, "value", None) == part), None)
+        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
+            child = node.value[part]
+        if child is None:
+            break
+        node, line = child, child.start_mark.line + 1
+    return line
+
+
+def _split(path: str) -> list[str | int]:
+    parts: list[str | int] = []
+    for dotted in path.split("."):
+        name, *indices = dotted.replace("]", "").split("[")
+        if name:
+            parts.append(name)
+        parts += [int(i) for i in indices]
+    return parts

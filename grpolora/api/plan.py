@@ -1,0 +1,231 @@
+"""plan(job) -> JobPlan: the pure, single source of roles, replicas, ranks, names, ports, placement and env.
+
+The operator turns a JobPlan into Kubernetes objects (grpolora.operator.builders); the local launcher turns the
+same plan, built for the loopback network, into Ray actors. Neither decides any of these facts itself.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from grpolora.api import constants as c
+from grpolora.api import contract as env
+from grpolora.api.spec import GRPOLoraJob, RoleSpec
+
+Role = Literal["trainer", "inference"]
+MODEL_MOUNT = "/models"
+
+
+@dataclass(frozen=True)
+class ClusterNetwork:
+    """Pods reach each other by the DNS names of their role's headless Service."""
+
+    def host(self, plan_name: str, namespace: str, role: Role, index: int) -> str:
+        workload = child_names(plan_name)[role]
+        return f"{workload}-{index}.{workload}.{namespace}.svc"
+
+    def inference_port(self, base: int, index: int) -> int:
+        return base
+
+    bind_addr: str = "0.0.0.0"
+
+
+@dataclass(frozen=True)
+class LoopbackNetwork:
+    """Everything on one machine (`grpolora run`): one address, so inference replica i listens on port + i."""
+
+    def host(self, plan_name: str, namespace: str, role: Role, index: int) -> str:
+        return "127.0.0.1"
+
+    def inference_port(self, base: int, index: int) -> int:
+        return base + index
+
+    bind_addr: str = "127.0.0.1"
+
+
+Network = ClusterNetwork | LoopbackNetwork
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """One contract variable: a literal value, this pod's index in its role, or a Secret key."""
+
+    name: str
+    value: str | None = None
+    replica_index: bool = False
+    secret: tuple[str, str] | None = None  # (Secret name, key)
+
+
+@dataclass(frozen=True)
+class Placement:
+    image: str
+    image_pull_policy: str | None
+    gpus: int
+    resources: Mapping[str, Any]
+    node_selector: Mapping[str, str]
+    tolerations: tuple[Mapping[str, Any], ...]
+    affinity: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: Role
+    replicas: int
+    procs_per_replica: int  # processes per pod (one per GPU for the trainer)
+    workload_name: str
+    service_name: str
+    hosts: tuple[str, ...]  # address of each replica, by index
+    ports: Mapping[str, int]  # named container ports
+    env: tuple[EnvVar, ...]  # the contract, then the user's extra env (as written)
+    user_env: tuple[Mapping[str, Any], ...]
+    placement: Placement
+
+
+@dataclass(frozen=True)
+class SyncPlan:
+    addr: str
+    port: int
+    world_size: int  # at full membership
+    backend: Literal["nccl", "gloo"]
+    epoch: int
+    timeout_seconds: int
+    bucket_bytes: int
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    name: str
+    namespace: str
+    trainer: RolePlan
+    inference: RolePlan
+    master_addr: str
+    master_port: int
+    trainer_world_size: int
+    sync: SyncPlan
+    inference_endpoints: tuple[str, ...]
+    token_secret: str
+    model: str
+    checkpoint_dir: str
+    job: GRPOLoraJob = field(repr=False)
+
+    def role(self, role: Role) -> RolePlan:
+        return self.trainer if role == c.ROLE_TRAINER else self.inference
+
+    def env_for(self, role: Role, index: int, *, token: str) -> dict[str, str]:
+        """Concrete environment of one pod/actor: what the launcher passes to a worker process."""
+        values: dict[str, str] = {}
+        for var in self.role(role).env:
+            if var.replica_index:
+                values[var.name] = str(index)
+            elif var.secret is not None:
+                values[var.name] = token
+            else:
+                assert var.value is not None
+                values[var.name] = var.value
+        return values
+
+
+def child_names(job_name: str) -> dict[str, str]:
+    """Names of the objects made for a job (workloads and their Services share the role name)."""
+    return {
+        c.ROLE_TRAINER: f"{job_name}-{c.ROLE_TRAINER}",
+        c.ROLE_INFERENCE: f"{job_name}-{c.ROLE_INFERENCE}",
+        "token": f"{job_name}-token",
+        "networkPolicy": job_name,
+    }
+
+
+def plan(job: GRPOLoraJob, network: Network | None = None) -> JobPlan:
+    network = network or ClusterNetwork()
+    spec, name, namespace = job.spec, job.name, job.namespace
+    names = child_names(name)
+
+    def hosts(role: Role, count: int) -> tuple[str, ...]:
+        return tuple(network.host(name, namespace, role, i) for i in range(count))
+
+    trainer_hosts = hosts(c.ROLE_TRAINER, spec.trainer.replicas)
+    inference_hosts = hosts(c.ROLE_INFERENCE, spec.inference.replicas)
+    endpoints = tuple(
+        f"http://{host}:{network.inference_port(spec.inference.port, i)}" for i, host in enumerate(inference_hosts)
+    )
+    procs = max(spec.trainer.gpus_per_replica, 1)
+    sync = SyncPlan(
+        addr=trainer_hosts[0],
+        port=spec.sync.port,
+        world_size=1 + spec.inference.replicas,
+        backend=spec.sync_backend,
+        epoch=0,
+        timeout_seconds=spec.sync.timeout_seconds,
+        bucket_bytes=spec.sync.bucket_mib * 1024 * 1024,
+    )
+    model = f"{MODEL_MOUNT}/{spec.model.name.lstrip('/')}" if spec.model.source else spec.model.name
+    common = (
+        EnvVar(env.JOB_NAME, name),
+        EnvVar(env.NAMESPACE, namespace),
+        EnvVar(env.SPEC, json.dumps(spec.to_wire(), separators=(",", ":"), sort_keys=True)),
+        EnvVar(env.MODEL, model),
+        EnvVar(env.REPLICA_INDEX, replica_index=True),
+        EnvVar(env.TOKEN, secret=(names["token"], c.TOKEN_SECRET_KEY)),
+        EnvVar(env.BIND_ADDR, network.bind_addr),
+        EnvVar(env.MASTER_ADDR, trainer_hosts[0]),
+        EnvVar(env.MASTER_PORT, str(spec.trainer.master_port)),
+        EnvVar(env.WORLD_SIZE, str(spec.trainer.replicas * procs)),
+        EnvVar(env.NODE_RANK, replica_index=True),
+        EnvVar(env.LOCAL_WORLD_SIZE, str(procs)),
+        EnvVar(env.SYNC_ADDR, sync.addr),
+        EnvVar(env.SYNC_PORT, str(sync.port)),
+        EnvVar(env.SYNC_WORLD_SIZE, str(sync.world_size)),
+        EnvVar(env.SYNC_BACKEND, sync.backend),
+        EnvVar(env.SYNC_EPOCH, str(sync.epoch)),
+        EnvVar(env.SYNC_TIMEOUT_SECONDS, str(sync.timeout_seconds)),
+        EnvVar(env.INFERENCE_ENDPOINTS, ",".join(endpoints)),
+        EnvVar(env.STATUS_PORT, str(spec.trainer.status_port)),
+        EnvVar(env.CHECKPOINT_DIR, spec.checkpoint.path),
+    )
+
+    def role_plan(role: Role, role_spec: RoleSpec, role_hosts: tuple[str, ...], ports: dict[str, int]) -> RolePlan:
+        return RolePlan(
+            role=role,
+            replicas=role_spec.replicas,
+            procs_per_replica=procs if role == c.ROLE_TRAINER else 1,
+            workload_name=names[role],
+            service_name=names[role],
+            hosts=role_hosts,
+            ports=ports,
+            env=(EnvVar(env.ROLE, role), *common),
+            user_env=tuple(role_spec.env),
+            placement=_placement(role_spec),
+        )
+
+    trainer_ports = {"master": spec.trainer.master_port, "sync": spec.sync.port, "http": spec.trainer.status_port}
+    return JobPlan(
+        name=name,
+        namespace=namespace,
+        trainer=role_plan(c.ROLE_TRAINER, spec.trainer, trainer_hosts, trainer_ports),
+        inference=role_plan(c.ROLE_INFERENCE, spec.inference, inference_hosts, {"http": spec.inference.port}),
+        master_addr=trainer_hosts[0],
+        master_port=spec.trainer.master_port,
+        trainer_world_size=spec.trainer.replicas * procs,
+        sync=sync,
+        inference_endpoints=endpoints,
+        token_secret=names["token"],
+        model=model,
+        checkpoint_dir=spec.checkpoint.path,
+        job=job,
+    )
+
+
+def _placement(role_spec: RoleSpec) -> Placement:
+    gpus = role_spec.gpus_per_replica
+    return Placement(
+        image=role_spec.image or (c.DEFAULT_WORKER_IMAGE_GPU if gpus else c.DEFAULT_WORKER_IMAGE_CPU),
+        image_pull_policy=role_spec.image_pull_policy,
+        gpus=gpus,
+        resources=role_spec.resources,
+        node_selector=role_spec.node_selector,
+        tolerations=tuple(role_spec.tolerations),
+        affinity=role_spec.affinity,
+    )

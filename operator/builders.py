@@ -1,0 +1,283 @@
+"""JobPlan -> the Kubernetes objects of one job. Pure: no API calls, no clock, no randomness.
+
+`grpolora render` prints exactly these; the operator creates exactly these. Choices, and why:
+- Trainer: an Indexed Job. Pods get stable hostnames `<job>-trainer-<i>` under the headless Service (the
+  MASTER_ADDR), and "all indexes completed" is the success signal. `backoffLimit: 0` because a rank that fails
+  breaks the collective for all: the operator restarts the whole trainer group (from the latest checkpoint), up
+  to spec.trainer.maxRestarts, as JobSet does.
+- Inference: a StatefulSet. Long-running servers with stable names that Kubernetes replaces when lost; the
+  trainer re-forms the sync group around the replacement. `podManagementPolicy: Parallel` starts all at once.
+- Headless Services with `publishNotReadyAddresses`, so rendezvous DNS exists before any pod is ready.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from grpolora.api import constants as c
+from grpolora.api.plan import MODEL_MOUNT, JobPlan, RolePlan
+
+K8sObject = dict[str, Any]
+
+WORKER_UID = 1000
+SHM_MOUNT = "/dev/shm"
+CACHE_MOUNT = "/cache"
+# Inference servers need minutes for large models (download + load); give the startup probe 30 minutes.
+STARTUP_PROBE_PERIOD_SECONDS = 10
+STARTUP_PROBE_FAILURES = 180
+
+
+def owner_reference(plan: JobPlan, uid: str) -> dict[str, Any]:
+    return {
+        "apiVersion": c.API_VERSION,
+        "kind": c.KIND,
+        "name": plan.name,
+        "uid": uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+
+
+def labels(plan: JobPlan, role: str | None = None) -> dict[str, str]:
+    result = {
+        c.LABEL_NAME: c.APP_NAME,
+        c.LABEL_INSTANCE: plan.name,
+        c.LABEL_MANAGED_BY: c.OPERATOR_NAME,
+        c.LABEL_JOB: plan.name,
+    }
+    if role:
+        result[c.LABEL_COMPONENT] = role
+        result[c.LABEL_ROLE] = role
+    return result
+
+
+def selector(plan: JobPlan, role: str | None = None) -> dict[str, str]:
+    """The labels that select a job's pods (of one role): never the mutable recommended labels."""
+    result = {c.LABEL_JOB: plan.name}
+    if role:
+        result[c.LABEL_ROLE] = role
+    return result
+
+
+def build_children(plan: JobPlan, *, owner_uid: str, token: str) -> list[K8sObject]:
+    """Every object the operator creates for a job that is not suspended, in creation order."""
+    objects = [token_secret(plan, token), *services(plan)]
+    if plan.job.spec.network_policy.enabled:
+        objects.append(network_policy(plan))
+    objects += workloads(plan)
+    owner = owner_reference(plan, owner_uid)
+    for obj in objects:
+        obj["metadata"]["ownerReferences"] = [dict(owner)]
+    return objects
+
+
+def workloads(plan: JobPlan) -> list[K8sObject]:
+    """The objects that run pods (removed while the job is suspended)."""
+    return [trainer_job(plan), inference_statefulset(plan)]
+
+
+def _metadata(plan: JobPlan, name: str, role: str | None = None) -> dict[str, Any]:
+    return {"name": name, "namespace": plan.namespace, "labels": labels(plan, role)}
+
+
+def token_secret(plan: JobPlan, token: str) -> K8sObject:
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(plan, plan.token_secret),
+        "type": "Opaque",
+        "stringData": {c.TOKEN_SECRET_KEY: token},
+    }
+
+
+def services(plan: JobPlan) -> list[K8sObject]:
+    result = []
+    for role_plan in (plan.trainer, plan.inference):
+        result.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": _metadata(plan, role_plan.service_name, role_plan.role),
+                "spec": {
+                    "clusterIP": "None",
+                    # Rendezvous needs every pod's DNS record before any pod is ready.
+                    "publishNotReadyAddresses": True,
+                    "selector": selector(plan, role_plan.role),
+                    "ports": [
+                        {"name": name, "port": port, "targetPort": port, "protocol": "TCP"}
+                        for name, port in role_plan.ports.items()
+                    ],
+                },
+            }
+        )
+    return result
+
+
+def network_policy(plan: JobPlan) -> K8sObject:
+    spec = plan.job.spec
+    http_ports = sorted({spec.trainer.status_port, spec.inference.port})
+    ingress: list[dict[str, Any]] = [
+        # gloo and NCCL open data connections on ephemeral ports, so the job's own pods get every port.
+        {"from": [{"podSelector": {"matchLabels": selector(plan)}}]},
+        # The operator polls trainer rank 0's /status.
+        {
+            "from": [
+                {
+                    "namespaceSelector": {},
+                    "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_NAME}},
+                }
+            ],
+            "ports": [{"port": spec.trainer.status_port, "protocol": "TCP"}],
+        },
+    ]
+    if spec.network_policy.metrics_from:
+        ingress.append(
+            {
+                "from": [copy.deepcopy(peer) for peer in spec.network_policy.metrics_from],
+                "ports": [{"port": port, "protocol": "TCP"} for port in http_ports],
+            }
+        )
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(plan, plan.name),
+        "spec": {"podSelector": {"matchLabels": selector(plan)}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def trainer_job(plan: JobPlan) -> K8sObject:
+    role = plan.trainer
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": _metadata(plan, role.workload_name, role.role),
+        "spec": {
+            "completionMode": "Indexed",
+            "completions": role.replicas,
+            "parallelism": role.replicas,
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": labels(plan, role.role)},
+                "spec": _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name),
+            },
+        },
+    }
+
+
+def inference_statefulset(plan: JobPlan) -> K8sObject:
+    role = plan.inference
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(plan, role.workload_name, role.role),
+        "spec": {
+            "serviceName": role.service_name,
+            "replicas": role.replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(plan, role.role)},
+            "template": {
+                "metadata": {"labels": labels(plan, role.role)},
+                "spec": _pod_spec(plan, role, restart_policy="Always"),
+            },
+        },
+    }
+
+
+def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:
+    placement = role.placement
+    spec = plan.job.spec
+    http = role.ports["http"]
+    container: dict[str, Any] = {
+        "name": role.role,
+        "image": placement.image,
+        "args": ["worker", role.role],
+        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
+        "env": _env(plan, role),
+        "resources": _resources(placement.resources, placement.gpus),
+        "volumeMounts": [
+            {"name": "shm", "mountPath": SHM_MOUNT},
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+    }
+    if placement.image_pull_policy:
+        container["imagePullPolicy"] = placement.image_pull_policy
+    volumes: list[dict[str, Any]] = [
+        # NCCL and vLLM's CPU backend use shared memory well beyond the default 64 MiB.
+        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    if spec.model.source is not None:
+        pvc = spec.model.source.pvc
+        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
+        if pvc.sub_path:
+            mount["subPath"] = pvc.sub_path
+        container["volumeMounts"].append(mount)
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+    if role.role == c.ROLE_TRAINER:
+        container["volumeMounts"].append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
+        ckpt_pvc = spec.checkpoint.pvc
+        volumes.append(
+            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt_pvc.claim_name}}
+            if ckpt_pvc
+            else {"name": "checkpoints", "emptyDir": {}}
+        )
+        container["readinessProbe"] = _http_probe("/health", http, period=10)
+    else:
+        container["startupProbe"] = _http_probe(
+            "/health", http, period=STARTUP_PROBE_PERIOD_SECONDS, failures=STARTUP_PROBE_FAILURES
+        )
+        # Ready = engine up and serving the adapter version the trainer last sent.
+        container["readinessProbe"] = _http_probe("/ready", http, period=5)
+        container["livenessProbe"] = _http_probe("/health", http, period=20, failures=6)
+    pod: dict[str, Any] = {
+        "restartPolicy": restart_policy,
+        # Workers talk to nobody's API server: progress flows to the operator over HTTP.
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": WORKER_UID,
+            "runAsGroup": WORKER_UID,
+            "fsGroup": WORKER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": volumes,
+    }
+    if subdomain:
+        pod["subdomain"] = subdomain
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        pod["tolerations"] = [copy.deepcopy(dict(t)) for t in placement.tolerations]
+    if placement.affinity:
+        pod["affinity"] = copy.deepcopy(dict(placement.affinity))
+    return pod
+
+
+def _env(plan: JobPlan, role: RolePlan) -> list[dict[str, Any]]:
+    index_field = c.JOB_COMPLETION_INDEX_FIELD if role.role == c.ROLE_TRAINER else c.STATEFULSET_POD_INDEX_FIELD
+    result: list[dict[str, Any]] = []
+    for var in role.env:
+        if var.replica_index:
+            result.append({"name": var.name, "valueFrom": {"fieldRef": {"fieldPath": index_field}}})
+        elif var.secret is not None:
+            secret_name, key = var.secret
+            result.append({"name": var.name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}})
+        else:
+            result.append({"name": var.name, "value": var.value})
+    return result + [copy.deepcopy(dict(v)) for v in role.user_env]
+
+
+def _resources(resources: Mapping[str, Any], gpus: int) -> dict[str, Any]:
+    result = copy.deepcopy(dict(resources))
+    if gpus:
+        result.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+    return result
+
+
+def _http_probe(path: str, port: int, *, period: int, failures: int = 3) -> dict[str, Any]:
+    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}

@@ -1,0 +1,75 @@
+"""`grpolora validate | render | crd` as a user runs them (in a subprocess, through the installed entry point)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+from tests.helpers import EXAMPLES, ROOT
+
+
+def grpolora(*args: str, cwd=ROOT) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("grpolora") or sys.executable
+    cmd = [exe, *args] if exe != sys.executable else [exe, "-m", "grpolora.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_validate_accepts_the_examples():
+    result = grpolora("validate", *map(str, EXAMPLES))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("is valid") == len(EXAMPLES)
+
+
+def test_validate_reports_every_error_with_path_and_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "apiVersion: grpolora.dev/v1alpha1\n"
+        "kind: GRPOLoraJob\n"
+        "metadata: {name: bad}\n"
+        "spec:\n"
+        "  model: {name: m}\n"
+        "  lora:\n"
+        "    rnk: 8\n"
+        "  grpo:\n"
+        "    generationsPerPrompt: 1\n"
+    )
+    result = grpolora("validate", str(bad), str(EXAMPLES[0]))
+    assert result.returncode == 1
+    assert f"{bad}: line 7: spec.lora.rnk: unknown field `rnk` (did you mean `rank`?)" in result.stderr
+    assert f"{bad}: line 9: spec.grpo.generationsPerPrompt: Input should be greater than or equal to 2" in (
+        result.stderr
+    )
+    assert "is valid" in result.stdout  # the good file is still checked
+
+
+def test_validate_reports_yaml_syntax_and_missing_files(tmp_path):
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("spec:\n  model: {name: [x}\n")
+    result = grpolora("validate", str(broken), str(tmp_path / "missing.yaml"))
+    assert result.returncode == 1
+    assert f"{broken}: line 2: YAML syntax error" in result.stderr
+    assert "missing.yaml: cannot read file" in result.stderr
+
+
+def test_render_prints_every_child_object():
+    result = grpolora("render", "examples/qwen3-0.6b-gpu.yaml")
+    assert result.returncode == 0, result.stderr
+    kinds = [o["kind"] for o in yaml.safe_load_all(result.stdout)]
+    assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "Job", "StatefulSet"]
+
+
+def test_render_refuses_an_invalid_job(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("apiVersion: grpolora.dev/v1alpha1\nkind: GRPOLoraJob\nmetadata: {name: x}\nspec: {}\n")
+    result = grpolora("render", str(bad))
+    assert result.returncode == 1 and "spec.model: required field is missing" in result.stderr
+    assert result.stdout == ""
+
+
+def test_crd_command_prints_the_shipped_file():
+    result = grpolora("crd")
+    assert result.returncode == 0
+    assert result.stdout == (ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml").read_text()

@@ -1,0 +1,152 @@
+"""The CRD: generated from the models, equal to the shipped file, structural, and accepting our examples."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from grpolora.api.crd import PRESERVE, crd, crd_yaml
+from grpolora.api.load import parse_job
+from grpolora.api.status import Condition, JobStatus, RendezvousStatus, ReplicaCounts
+from tests.helpers import EXAMPLES, ROOT, job_doc
+
+SHIPPED = ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml"
+
+
+def schema() -> dict[str, Any]:
+    return crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_shipped_crd_equals_the_generated_one():
+    assert SHIPPED.read_text() == crd_yaml(), "regenerate: grpolora crd > crds/grpolorajobs.grpolora.dev.yaml"
+
+
+def test_crd_is_a_valid_apiextensions_object():
+    kubernetes_validate.validate(crd(), "1.33.0", strict=True)
+
+
+def test_identity_and_printer_columns():
+    spec = crd()["spec"]
+    assert spec["group"] == "grpolora.dev" and spec["scope"] == "Namespaced"
+    assert spec["names"]["plural"] == "grpolorajobs" and spec["names"]["shortNames"] == ["glj"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if not c.get("priority")}
+    assert columns == {
+        "Phase": ".status.phase",
+        "Step": ".status.step",
+        "SyncRound": ".status.syncRound",
+        "Reward": ".status.rewardMean",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def walk(node: dict[str, Any], path: str = ""):
+    yield path, node
+    for name, child in node.get("properties", {}).items():
+        yield from walk(child, f"{path}.{name}")
+    if isinstance(node.get("items"), dict):
+        yield from walk(node["items"], f"{path}[]")
+    if isinstance(node.get("additionalProperties"), dict):
+        yield from walk(node["additionalProperties"], f"{path}{{}}")
+
+
+def test_schema_is_structural_and_documented():
+    for path, node in walk(schema()["properties"]["spec"], "spec"):
+        if not path.endswith(("[]", "{}")):
+            assert node.get("description"), f"{path} has no description (kubectl explain shows nothing)"
+        assert "type" in node or node.get(PRESERVE), f"{path} has no type"
+        for bad in ("anyOf", "oneOf", "allOf", "$ref", "title", "const"):
+            assert bad not in node, f"{path} uses {bad}"
+
+
+def openapi_validator(subschema: dict[str, Any]) -> jsonschema.Draft4Validator:
+    # OpenAPI v3.0 schemas use draft-4 semantics (boolean exclusiveMinimum); x-kubernetes-* keys are ignored.
+    return jsonschema.Draft4Validator(subschema)
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_validate_against_the_crd_schema(path):
+    for doc in yaml.safe_load_all(path.read_text()):
+        openapi_validator(schema()).validate(doc)
+
+
+def test_crd_schema_rejects_what_the_model_rejects():
+    with pytest.raises(jsonschema.ValidationError):
+        openapi_validator(schema()).validate(job_doc(lora={"rank": 0}))
+    with pytest.raises(jsonschema.ValidationError):
+        openapi_validator(schema()).validate(job_doc(grpo={"generationsPerPrompt": 1}))
+
+
+def pruned(value: Any, node: dict[str, Any]) -> Any:
+    """What the API server keeps of `value` under a structural schema (unknown fields are dropped)."""
+    if node.get(PRESERVE):
+        return value
+    if isinstance(value, dict):
+        if "properties" in node:
+            return {k: pruned(v, node["properties"][k]) for k, v in value.items() if k in node["properties"]}
+        if isinstance(node.get("additionalProperties"), dict):
+            return {k: pruned(v, node["additionalProperties"]) for k, v in value.items()}
+        return {}
+    if isinstance(value, list):
+        return [pruned(v, node.get("items", {})) for v in value]
+    return value
+
+
+def test_everything_the_operator_writes_to_status_survives_pruning():
+    status = JobStatus(
+        phase="Running",
+        message="training",
+        observed_generation=2,
+        step=3,
+        total_steps=10,
+        sync_round=3,
+        last_sync_time="2026-01-01T00:00:00Z",
+        last_sync_seconds=0.2,
+        last_sync_bytes=123,
+        reward_mean=0.5,
+        kl=0.01,
+        mismatch=0.001,
+        trainer_restarts=0,
+        start_time="2026-01-01T00:00:00Z",
+        completion_time="2026-01-01T01:00:00Z",
+        conditions=[
+            Condition(
+                type="Progressing",
+                status="True",
+                reason="Training",
+                message="m",
+                last_transition_time="2026-01-01T00:00:00Z",
+                observed_generation=2,
+            )
+        ],
+        replicas=ReplicaCounts(),
+        rendezvous=RendezvousStatus(
+            master_addr="a",
+            master_port=1,
+            trainer_world_size=1,
+            sync_addr="a",
+            sync_port=2,
+            sync_world_size=3,
+            sync_backend="gloo",
+            epoch=1,
+            inference_endpoints=["http://x:8000"],
+        ),
+    ).to_wire()
+    status["kopf"] = {"progress": {"handler": {"retries": 1}}}
+    status_schema = schema()["properties"]["status"]
+    assert pruned(status, status_schema) == status
+    openapi_validator(status_schema).validate(status)
+    # The example above sets every status field, so this covers all of them.
+    assert {field.alias for field in JobStatus.model_fields.values()} <= set(status)
+
+
+def test_spec_fields_survive_pruning():
+    spec = parse_job(
+        job_doc(trainer={"tolerations": [{"key": "k", "operator": "Exists"}], "affinity": {"nodeAffinity": {"x": 1}}})
+    ).spec.to_wire()
+    assert pruned(spec, schema()["properties"]["spec"]) == spec

@@ -1,0 +1,146 @@
+"""The operator's desired state, rendered from the plan: valid Kubernetes objects with placement and env."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from grpolora.api import constants as c
+from grpolora.api import contract
+from grpolora.api.load import load_jobs, parse_job
+from grpolora.api.plan import plan
+from grpolora.operator.builders import build_children, workloads
+from tests.helpers import EXAMPLES, ROOT, job_doc
+
+K8S_VERSION = "1.33.0"
+
+
+def children(doc_or_job, uid: str = "1234") -> list[dict[str, Any]]:
+    job = parse_job(doc_or_job) if isinstance(doc_or_job, dict) else doc_or_job
+    return build_children(plan(job), owner_uid=uid, token="tok")
+
+
+def by_kind(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def env_of(workload: dict[str, Any]) -> dict[str, Any]:
+    container = workload["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container["env"]}
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_object_validates_against_kubernetes_schemas(path):
+    for job in load_jobs(path):
+        for obj in children(job):
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_a_job_gets_secret_services_policy_and_both_workloads():
+    objs = by_kind(children(job_doc(inference={"replicas": 2})))
+    assert set(objs) == {
+        ("Secret", "demo-token"),
+        ("Service", "demo-trainer"),
+        ("Service", "demo-inference"),
+        ("NetworkPolicy", "demo"),
+        ("Job", "demo-trainer"),
+        ("StatefulSet", "demo-inference"),
+    }
+    for obj in objs.values():
+        (owner,) = obj["metadata"]["ownerReferences"]
+        assert owner == {
+            "apiVersion": "grpolora.dev/v1alpha1",
+            "kind": "GRPOLoraJob",
+            "name": "demo",
+            "uid": "1234",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        labels = obj["metadata"]["labels"]
+        assert labels[c.LABEL_NAME] == "grpo-lora" and labels[c.LABEL_INSTANCE] == "demo"
+        assert labels[c.LABEL_JOB] == "demo"
+        assert obj["metadata"]["namespace"] == "team-a"
+
+
+def test_headless_services_publish_not_ready_addresses():
+    objs = by_kind(children(job_doc()))
+    for role in ("trainer", "inference"):
+        svc = objs[("Service", f"demo-{role}")]["spec"]
+        assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
+        assert svc["selector"] == {c.LABEL_JOB: "demo", c.LABEL_ROLE: role}
+    ports = {p["name"]: p["port"] for p in objs[("Service", "demo-trainer")]["spec"]["ports"]}
+    assert ports == {"master": 29500, "sync": 29600, "http": 8080}
+
+
+def test_gpu_example_places_each_role_on_its_own_pool_with_full_rendezvous_env():
+    (job,) = load_jobs(ROOT / "examples" / "qwen3-0.6b-gpu.yaml")
+    objs = by_kind(children(job))
+    trainer = objs[("Job", "qwen3-arithmetic-trainer")]
+    inference = objs[("StatefulSet", "qwen3-arithmetic-inference")]
+    for workload, pool, gpus in ((trainer, "trainer", 1), (inference, "inference", 1)):
+        pod = workload["spec"]["template"]["spec"]
+        assert pod["nodeSelector"] == {"grpolora.dev/pool": pool}
+        assert pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == gpus
+        assert pod["automountServiceAccountToken"] is False
+    t_env, i_env = env_of(trainer), env_of(inference)
+    master = "qwen3-arithmetic-trainer-0.qwen3-arithmetic-trainer.rl.svc"
+    assert t_env[contract.MASTER_ADDR] == master and t_env[contract.SYNC_ADDR] == master
+    assert t_env[contract.MASTER_PORT] == "29500" and t_env[contract.WORLD_SIZE] == "1"
+    assert t_env[contract.SYNC_WORLD_SIZE] == "3" and t_env[contract.SYNC_BACKEND] == "nccl"
+    assert t_env[contract.INFERENCE_ENDPOINTS].count("http://") == 2
+    assert t_env[contract.NODE_RANK] == {"fieldRef": {"fieldPath": c.JOB_COMPLETION_INDEX_FIELD}}
+    assert i_env[contract.REPLICA_INDEX] == {"fieldRef": {"fieldPath": c.STATEFULSET_POD_INDEX_FIELD}}
+    assert i_env[contract.TOKEN] == {"secretKeyRef": {"name": "qwen3-arithmetic-token", "key": "token"}}
+    assert set(contract.ALL) - {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR} <= set(t_env)
+
+
+def test_trainer_is_an_indexed_job_the_operator_restarts_as_a_group():
+    objs = by_kind(children(job_doc(trainer={"replicas": 3})))
+    spec = objs[("Job", "demo-trainer")]["spec"]
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == 3
+    assert spec["backoffLimit"] == 0
+    assert spec["template"]["spec"]["subdomain"] == "demo-trainer"
+    assert spec["template"]["spec"]["restartPolicy"] == "Never"
+
+
+def test_inference_probes_separate_started_from_ready():
+    objs = by_kind(children(job_doc()))
+    container = objs[("StatefulSet", "demo-inference")]["spec"]["template"]["spec"]["containers"][0]
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+
+
+def test_user_env_and_volumes():
+    doc = job_doc(
+        trainer={"env": [{"name": "NCCL_DEBUG", "value": "INFO"}]},
+        model={"name": "llama", "source": {"pvc": {"claimName": "weights", "subPath": "hub"}}},
+        checkpoint={"path": "/ckpt", "pvc": {"claimName": "ckpts"}},
+    )
+    objs = by_kind(children(doc))
+    pod = objs[("Job", "demo-trainer")]["spec"]["template"]["spec"]
+    assert env_of(objs[("Job", "demo-trainer")])["NCCL_DEBUG"] == "INFO"
+    assert env_of(objs[("Job", "demo-trainer")])[contract.MODEL] == "/models/llama"
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    assert mounts["model"] == {"name": "model", "mountPath": "/models", "readOnly": True, "subPath": "hub"}
+    assert mounts["checkpoints"]["mountPath"] == "/ckpt"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpts"}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory"}
+
+
+def test_network_policy_admits_only_the_jobs_pods_and_the_operator():
+    peers = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    objs = by_kind(children(job_doc(networkPolicy={"metricsFrom": peers})))
+    ingress = objs[("NetworkPolicy", "demo")]["spec"]["ingress"]
+    assert ingress[0] == {"from": [{"podSelector": {"matchLabels": {c.LABEL_JOB: "demo"}}}]}
+    assert ingress[1]["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    assert ingress[2]["from"] == peers
+    assert not [o for o in children(job_doc(networkPolicy={"enabled": False})) if o["kind"] == "NetworkPolicy"]
+
+
+def test_workloads_are_the_pod_owning_children():
+    p = plan(parse_job(job_doc()))
+    assert [w["kind"] for w in workloads(p)] == ["Job", "StatefulSet"]

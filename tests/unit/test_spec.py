@@ -1,0 +1,192 @@
+"""The job schema: defaults, and one failing case per validation rule, each naming its field path."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from grpolora.api.load import InvalidJob, job_warnings, load_jobs_from_text, parse_job
+from grpolora.api.spec import GRPOLoraJobSpec, max_job_name_length
+from tests.helpers import job_doc
+
+
+def problems_of(doc) -> list[str]:
+    with pytest.raises(InvalidJob) as info:
+        parse_job(doc)
+    return [str(p) for p in info.value.problems]
+
+
+def test_defaults_are_the_documented_ones():
+    spec = parse_job(job_doc()).spec
+    assert (spec.lora.rank, spec.lora.alpha, spec.lora.dropout, spec.lora.target_modules) == (
+        16,
+        32.0,
+        0.0,
+        "all-linear",
+    )
+    g = spec.grpo
+    assert (g.steps, g.prompts_per_step, g.generations_per_prompt) == (100, 8, 8)
+    assert (g.learning_rate, g.kl_coef, g.clip_epsilon, g.max_new_tokens) == (1e-5, 0.01, 0.2, 256)
+    assert (g.temperature, g.seed, g.sync_every_steps, g.pipelined) == (1.0, 0, 1, False)
+    assert spec.task.name == "arithmetic"
+    assert (spec.trainer.replicas, spec.trainer.gpus_per_replica) == (1, 1)
+    inf = spec.inference
+    assert (inf.replicas, inf.gpus_per_replica, inf.tensor_parallel_size, inf.max_loras) == (1, 1, 1, 2)
+    assert (spec.sync.backend, spec.sync.port, spec.sync.timeout_seconds) == ("auto", 29600, 600)
+    assert spec.checkpoint.every_steps == 50
+    assert spec.suspend is False and spec.ttl_seconds_after_finished is None
+    assert spec.model.dtype == "bfloat16"
+
+
+def test_wire_form_round_trips():
+    spec = parse_job(job_doc(lora={"targetModules": ["q_proj", "v_proj"]})).spec
+    again = GRPOLoraJobSpec.model_validate(spec.to_wire())
+    assert again == spec
+    assert spec.to_wire()["lora"]["targetModules"] == ["q_proj", "v_proj"]
+
+
+def test_sync_backend_auto_resolves_by_gpus():
+    assert parse_job(job_doc()).spec.sync_backend == "nccl"
+    cpu = job_doc(trainer={"gpusPerReplica": 0}, inference={"gpusPerReplica": 0})
+    assert parse_job(cpu).spec.sync_backend == "gloo"
+    mixed = job_doc(inference={"gpusPerReplica": 0})
+    assert parse_job(mixed).spec.sync_backend == "gloo"
+
+
+def _without_model_name():
+    doc = job_doc()
+    del doc["spec"]["model"]["name"]
+    return doc
+
+
+CPU = {"gpusPerReplica": 0}
+# (document, field path that must be named, words the message must contain)
+INVALID = [
+    (_without_model_name(), "spec.model.name", "required"),
+    (job_doc(model={"name": ""}), "spec.model.name", "at least 1"),
+    (job_doc(model={"name": "offline:gpt5"}), "spec.model.name", "offline:smollm2-135m-instruct"),
+    (job_doc(model={"dtype": "fp8"}), "spec.model.dtype", "'bfloat16'"),
+    (job_doc(grpo={"steps": 0}), "spec.grpo.steps", "greater than 0"),
+    (job_doc(grpo={"steps": "many"}), "spec.grpo.steps", "valid integer"),
+    (job_doc(grpo={"promptsPerStep": -2}), "spec.grpo.promptsPerStep", "greater than 0"),
+    (job_doc(grpo={"generationsPerPrompt": 1}), "spec.grpo.generationsPerPrompt", "greater than or equal to 2"),
+    (job_doc(grpo={"learningRate": 0}), "spec.grpo.learningRate", "greater than 0"),
+    (job_doc(grpo={"maxNewTokens": 0}), "spec.grpo.maxNewTokens", "greater than 0"),
+    (job_doc(grpo={"temperature": 0}), "spec.grpo.temperature", "greater than 0"),
+    (job_doc(grpo={"syncEverySteps": 0}), "spec.grpo.syncEverySteps", "greater than 0"),
+    (job_doc(grpo={"advantage": "median"}), "spec.grpo.advantage", "leave-one-out"),
+    (job_doc(lora={"rank": 0}), "spec.lora.rank", "greater than 0"),
+    (job_doc(lora={"rank": 1024}), "spec.lora.rank", "less than or equal to 512"),
+    (job_doc(lora={"alpha": -1}), "spec.lora.alpha", "greater than 0"),
+    (job_doc(lora={"dropout": 1.0}), "spec.lora.dropout", "less than 1"),
+    (job_doc(lora={"dropout": -0.1}), "spec.lora.dropout", "greater than or equal to 0"),
+    (job_doc(lora={"targetModules": []}), "spec.lora.targetModules", "non-empty list"),
+    (job_doc(lora={"targetModules": "attention"}), "spec.lora.targetModules", "all-linear"),
+    (job_doc(lora={"rnk": 8}), "spec.lora.rnk", "did you mean `rank`"),
+    (job_doc(trainer={"replicas": 0}), "spec.trainer.replicas", "greater than 0"),
+    (job_doc(inference={"replicas": 0}), "spec.inference.replicas", "greater than 0"),
+    (job_doc(inference={"gpusPerReplica": -1}), "spec.inference.gpusPerReplica", "greater than or equal to 0"),
+    (
+        job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 3}),
+        "spec.inference.tensorParallelSize",
+        "does not divide",
+    ),
+    (
+        job_doc(inference={"gpusPerReplica": 0, "tensorParallelSize": 2}),
+        "spec.inference.tensorParallelSize",
+        "CPU replicas",
+    ),
+    (job_doc(inference={"maxLoras": 1}), "spec.inference.maxLoras", "greater than or equal to 2"),
+    (job_doc(sync={"backend": "nccl"}, trainer=CPU, inference=CPU), "spec.sync.backend", "needs GPUs"),
+    (job_doc(sync={"backend": "nccl"}, inference=CPU), "spec.sync.backend", "needs GPUs"),
+    (job_doc(sync={"backend": "mpi"}), "spec.sync.backend", "'gloo'"),
+    (job_doc(sync={"port": 80}), "spec.sync.port", "greater than or equal to 1024"),
+    (job_doc(sync={"port": 70000}), "spec.sync.port", "less than or equal to 65535"),
+    (job_doc(sync={"port": 29500}), "spec.sync.port", "already used by trainer.masterPort"),
+    (job_doc(trainer={"statusPort": 29500}), "spec.trainer.statusPort", "already used by trainer.masterPort"),
+    (job_doc(sync={"timeoutSeconds": 0}), "spec.sync.timeoutSeconds", "greater than 0"),
+    (job_doc(task={"name": "arithmetic", "dataset": {"path": "x.jsonl"}, "reward": "m:f"}), "spec.task", "exactly one"),
+    (job_doc(task={"name": None}), "spec.task", "exactly one"),
+    (job_doc(task={"name": "chess"}), "spec.task.name", "arithmetic"),
+    (job_doc(task={"name": None, "dataset": {"path": "x.jsonl"}}), "spec.task.reward", "needs `reward"),
+    (job_doc(task={"name": "arithmetic", "reward": "no_colon"}), "spec.task.reward", "should match pattern"),
+    (job_doc(task={"name": "arithmetic", "reward": "pkg.mod:"}), "spec.task.reward", "should match pattern"),
+    (job_doc(task={"name": "arithmetic", "reward": "1pkg:f"}), "spec.task.reward", "should match pattern"),
+    (job_doc(trainer={"resources": {"limits": {"nvidia.com/gpu": 2}}}), "spec.trainer.resources", "gpusPerReplica"),
+    (
+        job_doc(trainer={"env": [{"name": "MASTER_ADDR", "value": "x"}]}),
+        "spec.trainer.env[0].name",
+        "set by the operator",
+    ),
+    (job_doc(trainer={"env": [{"value": "x"}]}), "spec.trainer.env[0].name", "needs a `name`"),
+    (job_doc(checkpoint={"everySteps": 0}), "spec.checkpoint.everySteps", "greater than 0"),
+    (job_doc(checkpoint={"path": "relative/dir"}), "spec.checkpoint.path", "should match pattern"),
+    (job_doc(ttlSecondsAfterFinished=-5), "spec.ttlSecondsAfterFinished", "greater than or equal to 0"),
+    (job_doc(suspend="maybe"), "spec.suspend", "valid boolean"),
+    (job_doc(replicas=3), "spec.replicas", "unknown field"),
+    ({**job_doc(), "apiVersion": "grpolora.dev/v1"}, "apiVersion", "grpolora.dev/v1alpha1"),
+    ({**job_doc(), "kind": "PyTorchJob"}, "kind", "GRPOLoraJob"),
+    ({**job_doc(), "metadata": {"name": "Demo_Job"}}, "metadata.name", "lower-case"),
+    ({**job_doc(), "metadata": {"name": "9lives"}}, "metadata.name", "starting with a letter"),
+    ({**job_doc(), "metadata": {"name": "a" * 50}}, "metadata.name", "at most"),
+]
+
+
+@pytest.mark.parametrize(("doc", "path", "words"), INVALID, ids=[f"{p}:{w}" for _, p, w in INVALID])
+def test_each_rule_names_its_field(doc, path, words):
+    problems = problems_of(doc)
+    assert any(p.startswith(f"{path}:") and words in p for p in problems), problems
+
+
+def test_all_errors_are_reported_at_once():
+    doc = job_doc(lora={"rank": -1, "alpah": 3}, grpo={"steps": 0, "generationsPerPrompt": 1})
+    paths = {p.split(":")[0] for p in problems_of(doc)}
+    assert {"spec.lora.rank", "spec.lora.alpah", "spec.grpo.steps", "spec.grpo.generationsPerPrompt"} <= paths
+
+
+def test_name_length_limit_is_derived_from_the_longest_child_name():
+    longest = max_job_name_length()
+    assert len(f"{'a' * longest}-inference") + 11 <= 63
+    parse_job({**job_doc(), "metadata": {"name": "a" * longest}})
+    assert problems_of({**job_doc(), "metadata": {"name": "a" * (longest + 1)}})
+
+
+def test_yaml_syntax_error_has_a_line_number():
+    with pytest.raises(InvalidJob) as info:
+        load_jobs_from_text("apiVersion: grpolora.dev/v1alpha1\nspec:\n  model: [unclosed\n  lora: {}\n")
+    (problem,) = info.value.problems
+    assert problem.line in (3, 4) and "YAML syntax error" in problem.message
+
+
+def test_field_errors_carry_their_line():
+    text = (
+        "apiVersion: grpolora.dev/v1alpha1\nkind: GRPOLoraJob\nmetadata: {name: demo}\n"
+        "spec:\n  model: {name: m}\n  lora:\n    rank: -4\n"
+    )
+    with pytest.raises(InvalidJob) as info:
+        load_jobs_from_text(text, source="job.yaml")
+    assert "job.yaml: line 7: spec.lora.rank: Input should be greater than 0 (got -4)" in str(info.value)
+
+
+def test_multi_document_files_report_each_document():
+    good = "apiVersion: grpolora.dev/v1alpha1\nkind: GRPOLoraJob\nmetadata: {name: a}\nspec: {model: {name: m}}\n"
+    bad = good.replace("name: m", "name: m, dtype: int4")
+    with pytest.raises(InvalidJob) as info:
+        load_jobs_from_text(good + "---\n" + bad)
+    assert "document 2" in str(info.value) and "spec.model.dtype" in str(info.value)
+    assert len(load_jobs_from_text(good + "---\n" + good.replace("name: a", "name: b"))) == 2
+
+
+def test_odd_lora_rank_is_served_in_the_next_vllm_slot_with_a_warning():
+    job = parse_job(job_doc(lora={"rank": 12}))
+    assert job.spec.lora.vllm_max_lora_rank == 16
+    assert any(w.path == "spec.lora.rank" and "16-rank" in w.message for w in job_warnings(job))
+    assert not [w for w in job_warnings(parse_job(job_doc())) if w.path == "spec.lora.rank"]
+
+
+def test_a_parsed_job_is_immutable():
+    job = parse_job(job_doc())
+    with pytest.raises(Exception):  # noqa: B017 - pydantic raises its own ValidationError subclass
+        job.spec.lora.rank = 3  # type: ignore[misc]
+    assert copy.deepcopy(job) == job
