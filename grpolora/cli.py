@@ -62,6 +62,31 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Run one worker process; everything it needs comes from the env contract (docs/contract.md)."""
+    import logging
+
+    from grpolora.api.contract import ContractError, WorkerEnv
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        env = WorkerEnv.from_environ()
+    except ContractError as exc:
+        print(f"grpolora worker: {exc}", file=sys.stderr)
+        return 2
+    if env.role != args.role:
+        print(f"grpolora worker {args.role}: GRPOLORA_ROLE is {env.role!r}", file=sys.stderr)
+        return 2
+    if args.role == "inference":
+        from grpolora.workers.inference.server import serve
+
+        serve(env)
+        return 0
+    from grpolora.workers.trainer.main import run_trainer_pod
+
+    return run_trainer_pod(env)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpolora", description="GRPO with LoRA on Kubernetes: trainer and vLLM on separate node pools."
@@ -80,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("crd", help="print the GRPOLoraJob CustomResourceDefinition")
     p.set_defaults(func=cmd_crd)
+
+    p = sub.add_parser("worker", help="run a worker process (in a pod or a local actor), configured by env")
+    p.add_argument("role", choices=["trainer", "inference"])
+    p.set_defaults(func=cmd_worker)
     return parser
 
 

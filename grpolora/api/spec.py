@@ -268,8 +268,8 @@ class InferenceSpec(RoleSpec):
     """Context length the engine reserves for; defaults to the model's."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (GPU replicas)."""
-    kv_cache_gib: float = Field(default=2.0, gt=0, alias="kvCacheGiB")
-    """KV-cache size for CPU replicas (VLLM_CPU_KVCACHE_SPACE)."""
+    kv_cache_gib: int = Field(default=2, gt=0, alias="kvCacheGiB")
+    """KV-cache size in GiB for CPU replicas (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
 
 
 class SyncSpec(SpecModel):

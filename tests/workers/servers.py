@@ -1,0 +1,87 @@
+"""Inference servers as real processes (`grpolora worker inference`), configured by the same plan and env
+contract as in a cluster, on the loopback network."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from grpolora.api.load import parse_job
+from grpolora.api.plan import JobPlan, LoopbackNetwork, plan
+from tests.helpers import job_doc
+from tests.workers.syncfakes import free_port
+
+TOKEN = "test-token"
+
+
+def tiny_cpu_job(**overrides) -> JobPlan:
+    """A CPU job on the tiny Llama with free ports, for tests."""
+    spec = {
+        "model": {"name": "offline:tiny-llama", "dtype": "float32"},
+        "lora": {"rank": 8, "alpha": 16},
+        "trainer": {"gpusPerReplica": 0, "masterPort": free_port(), "statusPort": free_port()},
+        "inference": {"gpusPerReplica": 0, "kvCacheGiB": 1, "maxModelLen": 256, "port": free_port()},
+        "sync": {"backend": "gloo", "port": free_port(), "timeoutSeconds": 10},
+    }
+    for key, value in overrides.items():
+        spec[key] = spec.get(key, {}) | value if isinstance(value, dict) else value
+    return plan(parse_job(job_doc(**spec)), LoopbackNetwork())
+
+
+class ServerProcess:
+    def __init__(self, job: JobPlan, index: int, log_dir: Path):
+        self.index = index
+        self.url = job.inference_endpoints[index]
+        env = dict(os.environ) | job.env_for("inference", index, token=TOKEN)
+        env.setdefault("OMP_NUM_THREADS", "2")
+        self.log = log_dir / f"inference-{index}-{int(time.time() * 1000)}.log"
+        # Its own session: killing the group takes vLLM's engine processes with it, as a pod's death would.
+        self.proc = subprocess.Popen(
+            ["grpolora", "worker", "inference"],
+            env=env,
+            cwd=log_dir,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"inference server {self.index} exited; log:\n{self.log.read_text()[-4000:]}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"inference server {self.index} not healthy after {timeout}s")
+
+    def kill(self) -> None:
+        """Like a pod lost: SIGKILL the server and its engine processes."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(30)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(30)
+        else:
+            with contextlib.suppress(ProcessLookupError):  # engine processes may outlive a crashed server
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def generate(url: str, body: dict, timeout: float = 120.0) -> httpx.Response:
+    return httpx.post(f"{url}/v1/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=timeout)

@@ -1,0 +1,58 @@
+"""In-process stand-ins for the parts around the sync protocol: a sink that records activations, and a member
+that calls an AdapterReceiver directly instead of over HTTP. The collectives, the store and the wire format
+under test are the real ones."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import torch
+
+from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
+from grpolora.workers.sync.receiver import AdapterReceiver
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self._version = 0
+        self.adapters: dict[int, dict[str, torch.Tensor]] = {}
+        self.activated = threading.Event()
+
+    @property
+    def live_version(self) -> int:
+        return self._version
+
+    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        self.adapters[version] = {k: v.clone() for k, v in tensors.items()}
+        self._version = version
+        self.activated.set()
+
+
+class LocalMember:
+    def __init__(self, index: int, receiver: AdapterReceiver):
+        self.index = index
+        self.receiver = receiver
+        self.down = False  # simulates a replica that no longer answers its control endpoint
+
+    def _check(self) -> None:
+        if self.down:
+            raise MemberUnreachable(f"replica {self.index} is down")
+
+    def state(self) -> MemberState:
+        self._check()
+        return self.receiver.state()
+
+    def join(self, request: JoinRequest) -> None:
+        self._check()
+        self.receiver.join(request)
+
+    def prepare(self, request: PrepareRequest) -> None:
+        self._check()
+        self.receiver.prepare(request)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

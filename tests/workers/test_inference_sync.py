@@ -1,0 +1,243 @@
+"""Two real inference servers (vLLM CPU engines, separate processes) receive adapters from a sender in this
+process, round after round, over gloo: parity with HF + peft, swaps under load, refused corruption, a replica
+killed mid-round and its replacement, fingerprint mismatch. One pair of engines serves the whole module."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+
+import httpx
+import pytest
+import torch
+
+from grpolora.workers.models import fingerprint, resolve_model
+from grpolora.workers.sync import wire
+from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
+from grpolora.workers.sync.sender import AdapterSender
+from grpolora.workers.sync.transport import connect_store
+from grpolora.workers.trainer.adapter import lora_config, lora_tensors
+from tests.workers.servers import TOKEN, ServerProcess, generate, tiny_cpu_job
+from tests.workers.syncfakes import free_port
+
+pytestmark = pytest.mark.vllm
+log = logging.getLogger(__name__)
+PROMPT = "The quick brown fox"
+
+
+@pytest.fixture(scope="module")
+def job():
+    # Small buckets: every round spans several broadcasts, so "mid-round" exists.
+    return tiny_cpu_job(inference={"replicas": 2}, sync={"bucketMiB": 1, "timeoutSeconds": 10})
+
+
+@pytest.fixture(scope="module")
+def servers(job, tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("inference")
+    started: list[ServerProcess] = []
+    try:
+        started += [ServerProcess(job, i, log_dir) for i in range(2)]
+        for server in started:
+            server.wait_healthy()
+        yield started
+    finally:
+        for server in started:
+            server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model("offline:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def policy(model_dir):
+    """HF + peft with the same LoRA config as the job; B starts at zero as peft initialises it."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
+
+
+def randomize_adapter(model, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+
+
+@pytest.fixture(scope="module")
+def sender(job, servers, model_dir):
+    store = connect_store("127.0.0.1", job.sync.port, is_master=True, timeout_seconds=job.sync.timeout_seconds)
+    members = [HttpMember(i, url, TOKEN) for i, url in enumerate(job.inference_endpoints)]
+    made = AdapterSender(
+        members,
+        store=store,
+        store_addr="127.0.0.1",
+        store_port=job.sync.port,
+        backend="gloo",
+        timeout_seconds=job.sync.timeout_seconds,
+        bucket_bytes=job.sync.bucket_bytes,
+        fingerprint=fingerprint(model_dir),
+    )
+    made.form_group(wait_for_all_seconds=60)
+    yield made
+    made.close()
+
+
+def tokens(model_dir) -> list[int]:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
+
+
+def hf_logprobs(model, prompt: list[int], completion: list[int], *, adapter: bool = True) -> torch.Tensor:
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        if adapter:
+            logits = model(ids).logits[0]
+        else:
+            with model.disable_adapter():
+                logits = model(ids).logits[0]
+    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
+    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def greedy(url: str, prompt: list[int], version: int | None, max_tokens: int = 12) -> dict:
+    response = generate(
+        url,
+        {"prompt_token_ids": [prompt], "temperature": 0.0, "max_tokens": max_tokens, "adapter_version": version},
+    )
+    assert response.status_code == 200, response.text
+    body = response.json()
+    return {"version": body["adapter_version"], **body["results"][0]["samples"][0]}
+
+
+def test_control_endpoints_need_the_token(servers):
+    url = servers[0].url
+    assert httpx.post(f"{url}/v1/generate", json={"prompts": ["x"]}).status_code == 401
+    assert httpx.get(f"{url}/v1/sync/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert "grpolora_inference_adapter_version" in httpx.get(f"{url}/metrics").text
+
+
+def test_synced_adapter_serves_with_logprob_parity(servers, sender, policy, model_dir):
+    prompt = tokens(model_dir)
+    randomize_adapter(policy, seed=1)
+    report = sender.send(lora_tensors(policy), lora_config(policy))
+    assert report.members == (0, 1) and not report.refused
+    for server in servers:
+        out = greedy(server.url, prompt, report.version)
+        assert out["version"] == report.version
+        expected = hf_logprobs(policy, prompt, out["token_ids"])
+        delta = (expected - torch.tensor(out["logprobs"])).abs().max().item()
+        log.warning("parity: replica %d, version %d, max |dlogprob| = %.2e", server.index, report.version, delta)
+        assert delta <= 1e-3
+        # Greedy tokens are the trainer's argmax too, and the adapter really changed the output distribution.
+        ids = torch.tensor([prompt + out["token_ids"]])
+        with torch.no_grad():
+            argmax = policy(ids).logits[0, len(prompt) - 1 : -1].argmax(-1).tolist()
+        assert argmax == out["token_ids"]
+        base = hf_logprobs(policy, prompt, out["token_ids"], adapter=False)
+        assert (base - expected).abs().max().item() > 0.05
+    assert httpx.get(f"{servers[0].url}/ready").status_code == 200
+
+
+def test_requests_racing_a_swap_complete_each_on_one_version(servers, sender, policy, model_dir):
+    prompt = tokens(model_dir)
+    randomize_adapter(policy, seed=2)
+    before = sender.send(lora_tensors(policy), lora_config(policy)).version
+    old_state = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" in k}
+    body = {"prompt_token_ids": [prompt], "n": 2, "temperature": 1.0, "max_tokens": 24, "seed": 7}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+        futures = [pool.submit(generate, servers[i % 2].url, body) for i in range(8)]
+        randomize_adapter(policy, seed=3)
+        after = sender.send(lora_tensors(policy), lora_config(policy)).version
+        futures += [pool.submit(generate, servers[i % 2].url, body) for i in range(4)]
+        responses = [f.result() for f in futures]
+    new_state = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" in k}
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses if r.status_code != 200]
+    versions = [r.json()["adapter_version"] for r in responses]
+    assert set(versions) <= {before, after} and versions[-4:] == [after] * 4
+    for response in responses:  # every sample's logprobs belong wholly to the version the response names
+        version = response.json()["adapter_version"]
+        policy.load_state_dict(old_state if version == before else new_state, strict=False)
+        for sample in response.json()["results"][0]["samples"]:
+            expected = hf_logprobs(policy, prompt, sample["token_ids"])
+            assert (expected - torch.tensor(sample["logprobs"])).abs().max().item() <= 1e-3
+    policy.load_state_dict(new_state, strict=False)
+
+
+def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers, sender, policy, monkeypatch):
+    live = sender.version
+    real_pack = wire.pack
+
+    def corrupting_pack(*args, **kwargs):
+        header, buckets = real_pack(*args, **kwargs)
+        buckets[-1][-1] ^= 0x5A
+        return header, buckets
+
+    monkeypatch.setattr(wire, "pack", corrupting_pack)
+    with pytest.raises(SyncError, match="every replica refused"):
+        sender.send(lora_tensors(policy), lora_config(policy))
+    monkeypatch.setattr(wire, "pack", real_pack)
+    for server in servers:
+        assert httpx.get(f"{server.url}/v1/adapter").json()["live_version"] == live
+        assert greedy(server.url, [1, 2, 3], None)["version"] == live
+        state = httpx.get(f"{server.url}/v1/sync/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
+        assert "checksum mismatch" in state["last_error"]
+        assert 'grpolora_inference_sync_failures_total{reason="refused"} 1.0' in httpx.get(f"{server.url}/metrics").text
+
+
+def test_fingerprint_mismatch_is_refused_with_both_named(job, servers):
+    store = connect_store("127.0.0.1", free_port(), is_master=True, timeout_seconds=5)
+    members = [HttpMember(i, url, TOKEN) for i, url in enumerate(job.inference_endpoints)]
+    wrong = AdapterSender(
+        members,
+        store=store,
+        store_addr="127.0.0.1",
+        store_port=0,
+        backend="gloo",
+        timeout_seconds=5,
+        bucket_bytes=1 << 20,
+        fingerprint="0" * 64,
+    )
+    with pytest.raises(FingerprintMismatch, match=f"the trainer loaded {'0' * 64}, inference replica 0 loaded"):
+        wrong.form_group()
+    wrong.close()
+
+
+def test_a_replica_killed_mid_round_is_dropped_then_its_replacement_catches_up(
+    job, servers, sender, policy, model_dir, tmp_path_factory
+):
+    victim = servers[1]
+    epoch = sender.epoch
+
+    def kill_after_first_bucket(index: int) -> None:
+        if index == 0 and victim.proc.poll() is None:
+            victim.kill()
+
+    randomize_adapter(policy, seed=4)
+    sender._on_bucket_sent = kill_after_first_bucket
+    try:
+        report = sender.send(lora_tensors(policy), lora_config(policy))
+    finally:
+        sender._on_bucket_sent = None
+    assert report.members == (0,) and report.epoch > epoch and report.attempts >= 2
+    prompt = tokens(model_dir)
+    out = greedy(servers[0].url, prompt, report.version)
+    assert (hf_logprobs(policy, prompt, out["token_ids"]) - torch.tensor(out["logprobs"])).abs().max() <= 1e-3
+
+    replacement = ServerProcess(job, 1, tmp_path_factory.mktemp("replacement"))
+    servers[1] = replacement  # the module fixture stops it
+    replacement.wait_healthy()
+    assert httpx.get(f"{replacement.url}/ready").status_code == 503  # not before it has the adapter
+    assert sender.refresh() is True
+    assert sender.group == (0, 1)
+    out = greedy(replacement.url, prompt, report.version)
+    assert (hf_logprobs(policy, prompt, out["token_ids"]) - torch.tensor(out["logprobs"])).abs().max() <= 1e-3
+    assert httpx.get(f"{replacement.url}/ready").status_code == 200
+    report = sender.send(lora_tensors(policy), lora_config(policy))
+    assert report.members == (0, 1)

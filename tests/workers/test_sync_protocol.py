@@ -1,0 +1,282 @@
+"""The sync protocol over real gloo collectives and a real TCP store, in one process: a sender and receivers on
+threads, with recording sinks instead of vLLM (tests/workers/test_inference_sync.py covers real servers)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from grpolora.workers.sync import wire
+from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, SyncError
+from grpolora.workers.sync.receiver import AdapterReceiver
+from grpolora.workers.sync.sender import AdapterSender
+from grpolora.workers.sync.transport import connect_store
+from tests.workers.syncfakes import LocalMember, RecordingSink, free_port
+
+TIMEOUT = 3.0
+
+
+def eventually(condition, seconds: float = 10.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition never became true"
+        time.sleep(0.01)
+
+
+def adapter(seed: int, layers: int = 4, width: int = 64, rank: int = 8) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for i in range(layers):
+        tensors[f"base_model.model.layers.{i}.q_proj.lora_A.weight"] = torch.randn(rank, width, generator=g)
+        tensors[f"base_model.model.layers.{i}.q_proj.lora_B.weight"] = torch.randn(width, rank, generator=g)
+    return tensors
+
+
+class Cluster:
+    """A sender and `n` receivers wired through LocalMembers."""
+
+    def __init__(self, n: int, *, bucket_bytes: int = 1 << 20, fingerprint: str = "fp", on_bucket_sent=None):
+        self.port = free_port()
+        self.store = connect_store("127.0.0.1", self.port, is_master=True, timeout_seconds=TIMEOUT)
+        self.sinks = [RecordingSink() for _ in range(n)]
+        self.receivers = [AdapterReceiver(s, replica_index=i, fingerprint="fp") for i, s in enumerate(self.sinks)]
+        self.members = [LocalMember(i, r) for i, r in enumerate(self.receivers)]
+        self.sender = self.make_sender(
+            bucket_bytes=bucket_bytes, fingerprint=fingerprint, on_bucket_sent=on_bucket_sent
+        )
+
+    def make_sender(self, **kwargs) -> AdapterSender:
+        options = {"bucket_bytes": 1 << 20, "fingerprint": "fp"} | kwargs
+        return AdapterSender(
+            self.members,
+            store=self.store,
+            store_addr="127.0.0.1",
+            store_port=self.port,
+            backend="gloo",
+            timeout_seconds=TIMEOUT,
+            **options,
+        )
+
+    def wait_live(self, version: int, indices=None) -> None:
+        deadline = time.monotonic() + 10
+        for i in indices if indices is not None else range(len(self.sinks)):
+            while self.sinks[i].live_version < version:
+                assert time.monotonic() < deadline, f"replica {i} never reached version {version}"
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        self.sender.close()
+        for receiver in self.receivers:
+            receiver.close()
+
+
+@pytest.fixture
+def cluster():
+    made: list[Cluster] = []
+
+    def make(n: int = 2, **kwargs) -> Cluster:
+        made.append(Cluster(n, **kwargs))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close()
+
+
+def test_wire_round_trip_with_mixed_dtypes_and_many_buckets():
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(100).to(torch.bfloat16),
+        "c": torch.randn(7, 7).to(torch.float16),
+        "d": torch.randn(1000),
+    }
+    header, buckets = wire.pack(tensors, version=4, epoch=2, bucket_bytes=512)
+    # a, b, c share the first 512-byte bucket (64 + 256 + 128 bytes, aligned); d is larger than a bucket: its own.
+    assert header.bucket_sizes == (448, 4032)  # 4000 bytes padded to the 64-byte alignment
+    assert {t.name: t.bucket for t in header.tensors} == {"a": 0, "b": 0, "c": 0, "d": 1}
+    decoded = wire.RoundHeader.decode(header.encode())
+    assert decoded == header
+    wire.verify(decoded, buckets)
+    for name, tensor in wire.unpack(decoded, buckets).items():
+        assert torch.equal(tensor, tensors[name]) and tensor.dtype == tensors[name].dtype
+
+
+def test_checksum_detects_flips_swaps_and_truncation():
+    header, buckets = wire.pack({"x": torch.arange(64, dtype=torch.float32)}, version=1, epoch=0, bucket_bytes=1 << 20)
+    flipped = [b.clone() for b in buckets]
+    flipped[0][5] ^= 1
+    with pytest.raises(wire.WireError, match="checksum mismatch"):
+        wire.verify(header, flipped)
+    swapped = [b.clone() for b in buckets]
+    swapped[0][0:4], swapped[0][4:8] = buckets[0][4:8].clone(), buckets[0][0:4].clone()
+    with pytest.raises(wire.WireError, match="checksum mismatch"):
+        wire.verify(header, swapped)
+    with pytest.raises(wire.WireError, match="short transfer"):
+        wire.verify(header, [buckets[0][:-64]])
+
+
+def test_malformed_headers_are_rejected():
+    header, _ = wire.pack({"x": torch.zeros(4)}, version=1, epoch=0, bucket_bytes=1 << 20)
+    with pytest.raises(wire.WireError, match="malformed"):
+        wire.RoundHeader.decode(b"{not json")
+    bad_layout = header.encode().replace(b'"nbytes":16', b'"nbytes":20')
+    with pytest.raises(wire.WireError, match="do not hold shape"):
+        wire.RoundHeader.decode(bad_layout)
+
+
+def test_rounds_deliver_exact_tensors_and_versions_grow(cluster):
+    c = cluster(2, bucket_bytes=4096)  # the adapter spans several buckets and arrives whole
+    for version, seed in ((1, 0), (2, 1)):
+        report = c.sender.send(adapter(seed), {"r": 8})
+        assert report.version == version and report.members == (0, 1) and not report.refused
+        assert report.bytes >= sum(t.numel() * 4 for t in adapter(seed).values())
+        c.wait_live(version)
+        for sink in c.sinks:
+            got = sink.adapters[version]
+            assert got.keys() == adapter(seed).keys()
+            assert all(torch.equal(got[k], v) for k, v in adapter(seed).items())
+
+
+def test_corrupted_round_is_refused_and_the_old_version_keeps_serving(cluster, monkeypatch):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    real_pack = wire.pack
+
+    def corrupting_pack(*args, **kwargs):
+        header, buckets = real_pack(*args, **kwargs)
+        buckets[0][3] ^= 0xFF  # after the checksum was computed: what a bad link or a bug would do
+        return header, buckets
+
+    monkeypatch.setattr(wire, "pack", corrupting_pack)
+    with pytest.raises(SyncError, match="every replica refused version 2"):
+        c.sender.send(adapter(1), {})
+    assert [s.live_version for s in c.sinks] == [1, 1]
+    eventually(lambda: all("checksum mismatch" in (r.state().last_error or "") for r in c.receivers))
+    monkeypatch.setattr(wire, "pack", real_pack)
+    report = c.sender.send(adapter(1), {})  # the group is intact: the next good round goes through
+    assert report.members == (0, 1)
+    c.wait_live(report.version)
+
+
+def test_truncated_round_activates_nothing(cluster, monkeypatch):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    real_pack = wire.pack
+
+    def truncating_pack(*args, **kwargs):
+        header, buckets = real_pack(*args, **kwargs)
+        return header, buckets[:-1]  # the header announces a bucket that never comes
+
+    monkeypatch.setattr(wire, "pack", truncating_pack)
+    with pytest.raises(SyncError, match="could not be sent"):
+        c.sender.send(adapter(1), {})
+    assert [s.live_version for s in c.sinks] == [1, 1]
+    assert all(len(s.adapters) == 1 for s in c.sinks)
+
+
+def test_a_lost_replica_is_dropped_and_its_replacement_catches_up(cluster):
+    """(Death in the middle of a round needs separate processes: tests/workers/test_inference_sync.py.)"""
+    c = cluster(3, bucket_bytes=1024)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    first_epoch = c.sender.epoch
+    victim = c.members[2]
+    victim.down = True
+    victim.receiver.close()
+    report = c.sender.send(adapter(1), {})
+    assert report.members == (0, 1) and report.attempts == 2 and report.epoch > first_epoch
+    c.wait_live(2, indices=[0, 1])
+
+    # The replacement (same replica index, fresh process) joins the next epoch and gets version 2 at once.
+    sink = RecordingSink()
+    c.sinks[2] = sink
+    c.receivers[2] = AdapterReceiver(sink, replica_index=2, fingerprint="fp")
+    c.members[2].receiver, c.members[2].down = c.receivers[2], False
+    assert not c.receivers[2].ready
+    assert c.sender.refresh() is True
+    c.wait_live(2, indices=[2])
+    assert c.receivers[2].ready
+    name = "base_model.model.layers.0.q_proj.lora_A.weight"
+    assert torch.equal(sink.adapters[2][name], adapter(1)[name])
+    report = c.sender.send(adapter(2), {})
+    assert report.members == (0, 1, 2) and report.version == 3
+    assert c.sender.refresh() is False
+
+
+def test_a_hung_replica_times_out_and_the_group_reforms(cluster):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    hung = c.members[1]
+    real_prepare = hung.prepare
+
+    def hang(request) -> None:  # answers, then never enters the round, and stops answering (SIGSTOP-like)
+        hung.down = True
+
+    hung.prepare = hang
+    started = time.monotonic()
+    report = c.sender.send(adapter(1), {})
+    assert time.monotonic() - started >= TIMEOUT * 0.9  # the round waited for the collective's timeout
+    assert report.members == (0,)
+    hung.prepare = real_prepare
+
+
+def test_fingerprint_mismatch_is_refused_naming_both(cluster):
+    c = cluster(1)
+    sender = c.make_sender(fingerprint="trainer-fp")
+    with pytest.raises(FingerprintMismatch, match="trainer loaded trainer-fp, inference replica 0 loaded fp"):
+        sender.form_group()
+    sender.close()
+    with pytest.raises(FingerprintMismatch, match="this replica \\(index 0\\) loaded fp"):
+        c.receivers[0].join(
+            JoinRequest(
+                epoch=9,
+                rank=1,
+                world_size=2,
+                store_addr="x",
+                store_port=1,
+                backend="gloo",
+                timeout_seconds=1,
+                trainer_fingerprint="other",
+                current_version=0,
+            )
+        )
+
+
+def test_versions_and_epochs_never_go_backwards_across_a_sender_restart(cluster):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.sender.send(adapter(1), {})
+    c.wait_live(2)
+    epoch = c.sender.epoch
+    c.sender.close()
+    # A restarted trainer (from an older checkpoint, version 1) must not reuse version 2 or the epoch.
+    c.sender = c.make_sender(first_version=1, first_epoch=0)
+    report = c.sender.send(adapter(5), {})
+    assert report.version == 3 and report.epoch > epoch
+    c.wait_live(3)
+
+
+def test_sends_from_threads_do_not_interleave(cluster):
+    """The trainer may call send from a background thread (pipelined mode); rounds are serialized."""
+    c = cluster(1)
+    errors: list[BaseException] = []
+
+    def send(seed: int) -> None:
+        try:
+            c.sender.send(adapter(seed), {})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=send, args=(s,)) for s in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    c.wait_live(3)

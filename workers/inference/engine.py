@@ -1,0 +1,238 @@
+"""A vLLM engine with LoRA slots, serving adapter versions that arrive by sync.
+
+Every synced adapter becomes a new LoRA id (= its version), so activation never waits for a drain: a new
+version is loaded next to the old one, new requests get it from the moment it is live, requests already running
+finish on the version they started with, and the old one is unloaded when its last request ends. This needs two
+LoRA slots (`maxLoras >= 2`); version 0 is the base model (no adapter).
+
+Adapters reach vLLM through its public API: the verified tensors are written as a standard peft folder on tmpfs
+and loaded with `add_lora(LoRARequest(...))`, so the same path works for any tensor- or data-parallel layout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from grpolora.workers.inference import metrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: str
+    dtype: str
+    max_lora_rank: int
+    max_loras: int
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    max_model_len: int | None = None
+    gpu_memory_utilization: float = 0.85
+    seed: int = 0
+    enforce_eager: bool = False
+
+
+@dataclass(frozen=True)
+class Sample:
+    token_ids: list[int]
+    logprobs: list[float]  # of each sampled token under the sampling distribution (temperature applied)
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    n: int
+    temperature: float
+    top_p: float
+    max_tokens: int
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = ()
+
+
+class VersionUnavailable(RuntimeError):
+    """The requested adapter version is not (or no longer) served here."""
+
+
+def default_adapter_root(tag: str) -> Path:
+    """Adapters are small and written once per round: tmpfs keeps that off the disk."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    return base / f"grpolora-adapters-{tag}-{os.getpid()}"
+
+
+class AdapterEngine:
+    """The vLLM engine plus the adapter versions it serves. `activate` is called from the sync thread."""
+
+    def __init__(self, config: EngineConfig, *, adapter_root: Path):
+        self.config = config
+        self._adapter_root = adapter_root
+        self._engine = None  # vllm AsyncLLM, created in start()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._live_version = 0
+        self._leases: dict[int, int] = {}  # version -> requests running on it
+        self._version_changed: asyncio.Condition | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._loop = asyncio.get_running_loop()
+        self._version_changed = asyncio.Condition()
+        self._adapter_root.mkdir(parents=True, exist_ok=True)
+        cfg = self.config
+        args = AsyncEngineArgs(
+            model=cfg.model_dir,
+            tokenizer=cfg.model_dir,
+            dtype=cfg.dtype,  # explicit: left unset, a float32 model would be served in bfloat16
+            seed=cfg.seed,
+            enable_lora=True,
+            max_lora_rank=cfg.max_lora_rank,
+            max_loras=cfg.max_loras,
+            max_cpu_loras=cfg.max_loras + 1,  # room for a version arriving while two are still in use
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            data_parallel_size=cfg.data_parallel_size,
+            max_model_len=cfg.max_model_len,
+            gpu_memory_utilization=cfg.gpu_memory_utilization,
+            enforce_eager=cfg.enforce_eager,
+            # Logprobs of the distribution tokens were sampled from (temperature applied): the behaviour policy
+            # that GRPO's importance ratio needs.
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+        self._engine = AsyncLLM.from_engine_args(args)
+        log.info("vLLM engine ready: %s (%s)", cfg.model_dir, cfg.dtype)
+
+    @property
+    def started(self) -> bool:
+        return self._engine is not None
+
+    def shutdown(self) -> None:
+        engine, self._engine = self._engine, None
+        if engine is not None:
+            engine.shutdown()
+        shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    # ---- adapter versions -------------------------------------------------------------------------------
+
+    @property
+    def live_version(self) -> int:
+        return self._live_version
+
+    def loaded_versions(self) -> list[int]:
+        return sorted({self._live_version, *self._leases} - {0})
+
+    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        """Load `version` next to the live one and switch new requests to it (called from the sync thread)."""
+        assert self._loop is not None, "engine not started"
+        asyncio.run_coroutine_threadsafe(self._activate(version, tensors, adapter_config), self._loop).result()
+
+    async def _activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        from vllm.lora.request import LoRARequest
+
+        started = time.perf_counter()
+        folder = self._adapter_root / f"v{version}"
+        await asyncio.to_thread(_write_peft_folder, folder, tensors, adapter_config)
+        await self._engine.add_lora(LoRARequest(f"v{version}", version, str(folder)))
+        async with self._version_changed:
+            previous, self._live_version = self._live_version, version
+            self._version_changed.notify_all()
+        metrics.ADAPTER_VERSION.set(version)
+        metrics.ACTIVATION_SECONDS.observe(time.perf_counter() - started)
+        log.info("adapter version %d live (was %d)", version, previous)
+        await self._unload_if_idle(previous)
+
+    async def _unload_if_idle(self, version: int) -> None:
+        if version == 0 or version == self._live_version or self._leases.get(version):
+            return
+        await self._engine.remove_lora(version)
+        shutil.rmtree(self._adapter_root / f"v{version}", ignore_errors=True)
+        log.info("adapter version %d unloaded", version)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, version: int | None, wait_seconds: float) -> AsyncIterator[int]:
+        """Hold an adapter version for one request: the live one, or `version` (waiting until it is live)."""
+        if version is None:
+            version = self._live_version
+        elif version > self._live_version:
+            async with self._version_changed:
+                try:
+                    await asyncio.wait_for(
+                        self._version_changed.wait_for(lambda: self._live_version >= version), wait_seconds
+                    )
+                except TimeoutError:
+                    raise VersionUnavailable(
+                        f"adapter version {version} is not live after {wait_seconds:.0f}s (live: {self._live_version})"
+                    ) from None
+        if version != self._live_version and not self._leases.get(version):
+            raise VersionUnavailable(f"adapter version {version} is no longer served (live: {self._live_version})")
+        self._leases[version] = self._leases.get(version, 0) + 1
+        try:
+            yield version
+        finally:
+            self._leases[version] -= 1
+            if not self._leases[version]:
+                del self._leases[version]
+                await self._unload_if_idle(version)
+
+    # ---- generation -------------------------------------------------------------------------------------
+
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
+        """`request.n` samples for one prompt on adapter `version` (hold a lease on it while this runs)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.lora.request import LoRARequest
+
+        params = SamplingParams(
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+            logprobs=0,  # the sampled token's own logprob
+            stop_token_ids=list(request.stop_token_ids) or None,
+        )
+        lora = LoRARequest(f"v{version}", version, str(self._adapter_root / f"v{version}")) if version else None
+        final = None
+        async for output in self._engine.generate(
+            TokensPrompt(prompt_token_ids=prompt_token_ids), params, uuid.uuid4().hex, lora_request=lora
+        ):
+            final = output
+        assert final is not None
+        samples = []
+        for completion in sorted(final.outputs, key=lambda c: c.index):
+            token_ids = list(completion.token_ids)
+            logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], token_ids, strict=True)]
+            samples.append(Sample(token_ids, logprobs, completion.text, completion.finish_reason))
+            metrics.GENERATED_TOKENS.inc(len(token_ids))
+        return samples
+
+    async def encode(self, text: str) -> list[int]:
+        tokenizer = self._engine.get_tokenizer()
+        return list(tokenizer.encode(text))
+
+
+def _write_peft_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    on_host = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    save_file(on_host, str(staging / "adapter_model.safetensors"))
+    (staging / "adapter_config.json").write_text(json.dumps(adapter_config))
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)

@@ -1,0 +1,278 @@
+"""The inference server's HTTP API (FastAPI), configured only from the env contract.
+
+Open: GET /health (engine up; liveness and startup probe), GET /ready (engine up and serving the adapter version
+the trainer last called current; readiness probe), GET /metrics, GET /v1/adapter.
+Token-guarded (`Authorization: Bearer <GRPOLORA_TOKEN>`): POST /v1/generate, GET /v1/sync/state,
+POST /v1/sync/join, POST /v1/sync/prepare.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Annotated
+
+from fastapi import Depends, FastAPI, Header, HTTPException, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from grpolora.api.contract import WorkerEnv
+from grpolora.workers.inference import metrics
+from grpolora.workers.inference.engine import (
+    AdapterEngine,
+    EngineConfig,
+    SamplingRequest,
+    VersionUnavailable,
+    default_adapter_root,
+)
+from grpolora.workers.sync.control import (
+    JOIN_PATH,
+    PREPARE_PATH,
+    STATE_PATH,
+    FingerprintMismatch,
+    JoinRequest,
+    MemberState,
+    PrepareRequest,
+    StaleEpoch,
+)
+from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome
+
+log = logging.getLogger(__name__)
+
+
+class GenerateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    prompt_token_ids: list[list[int]] | None = None
+    prompts: list[str] | None = None  # tokenized as is (apply a chat template before sending)
+    n: int = Field(default=1, ge=1)
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int = Field(default=256, ge=1)
+    seed: int | None = None
+    stop_token_ids: list[int] = Field(default_factory=list)
+    adapter_version: int | None = Field(default=None, ge=0)  # None: the live one; N: wait until N is live
+
+    @model_validator(mode="after")
+    def _one_kind_of_prompt(self) -> GenerateRequest:
+        if (self.prompt_token_ids is None) == (self.prompts is None):
+            raise ValueError("give exactly one of prompt_token_ids or prompts")
+        return self
+
+
+class SampleOut(BaseModel):
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str | None
+
+
+class PromptResult(BaseModel):
+    prompt_token_ids: list[int]
+    samples: list[SampleOut]
+
+
+class GenerateResponse(BaseModel):
+    adapter_version: int
+    results: list[PromptResult]
+
+
+def create_app(
+    engine: AdapterEngine,
+    receiver_factory,
+    *,
+    token: str,
+    version_wait_seconds: float,
+    prepare=None,
+) -> FastAPI:
+    """The API around an engine. `prepare` (optional coroutine) loads the model and starts the engine in the
+    background, so that /health answers (503) while a large model loads."""
+    state: dict[str, object] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async def boot() -> None:
+            try:
+                if prepare is not None:
+                    await prepare()
+                await engine.start()
+                state["receiver"] = receiver_factory(engine)
+            except Exception as exc:  # surfaced by /health; the pod then restarts
+                log.exception("inference server failed to start")
+                state["error"] = f"{type(exc).__name__}: {exc}"
+
+        task = asyncio.create_task(boot())
+        try:
+            yield
+        finally:
+            task.cancel()
+            receiver = state.get("receiver")
+            if isinstance(receiver, AdapterReceiver):
+                await asyncio.to_thread(receiver.close)
+            await asyncio.to_thread(engine.shutdown)
+
+    app = FastAPI(title="grpo-lora inference", lifespan=lifespan)
+
+    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
+        expected = f"Bearer {token}"
+        if authorization is None or not hmac.compare_digest(authorization.encode(), expected.encode()):
+            raise HTTPException(status_code=401, detail="missing or wrong bearer token (GRPOLORA_TOKEN)")
+
+    def receiver() -> AdapterReceiver:
+        found = state.get("receiver")
+        if not isinstance(found, AdapterReceiver):
+            raise HTTPException(status_code=503, detail=str(state.get("error") or "engine is starting"))
+        return found
+
+    guarded = [Depends(authorized)]
+
+    @app.get("/health")
+    async def health() -> Response:
+        if "error" in state:
+            return Response(f"failed: {state['error']}", status_code=500)
+        if not isinstance(state.get("receiver"), AdapterReceiver):
+            return Response("starting", status_code=503)
+        return Response("ok")
+
+    @app.get("/ready")
+    async def ready() -> Response:
+        found = state.get("receiver")
+        if isinstance(found, AdapterReceiver) and found.ready:
+            return Response("ready")
+        return Response("not ready: engine starting or waiting for the current adapter", status_code=503)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/adapter")
+    async def adapter() -> dict:
+        return {"live_version": engine.live_version, "loaded_versions": engine.loaded_versions()}
+
+    @app.post("/v1/generate", dependencies=guarded, response_model=GenerateResponse)
+    async def generate(request: GenerateRequest) -> GenerateResponse:
+        receiver()  # 503 while starting
+        started = time.perf_counter()
+        sampling = SamplingRequest(
+            n=request.n,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            max_tokens=request.max_tokens,
+            seed=request.seed,
+            stop_token_ids=request.stop_token_ids,
+        )
+        prompts = request.prompt_token_ids or [await engine.encode(text) for text in request.prompts or []]
+        try:
+            async with engine.lease(request.adapter_version, version_wait_seconds) as version:
+                outputs = await asyncio.gather(*(engine.generate(p, sampling, version) for p in prompts))
+        except VersionUnavailable as exc:
+            metrics.REQUESTS.labels(status="version_unavailable").inc()
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except Exception:
+            metrics.REQUESTS.labels(status="error").inc()
+            raise
+        metrics.REQUESTS.labels(status="ok").inc()
+        metrics.REQUEST_SECONDS.observe(time.perf_counter() - started)
+        return GenerateResponse(
+            adapter_version=version,
+            results=[
+                PromptResult(prompt_token_ids=p, samples=[SampleOut(**vars(s)) for s in samples])
+                for p, samples in zip(prompts, outputs, strict=True)
+            ],
+        )
+
+    @app.get(STATE_PATH, dependencies=guarded, response_model=MemberState)
+    async def sync_state() -> MemberState:
+        return receiver().state()
+
+    @app.post(JOIN_PATH, dependencies=guarded, status_code=202)
+    async def sync_join(request: JoinRequest) -> dict:
+        try:
+            receiver().join(request)
+        except FingerprintMismatch as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        return {"accepted": True}
+
+    @app.post(PREPARE_PATH, dependencies=guarded, status_code=202)
+    async def sync_prepare(request: PrepareRequest) -> dict:
+        try:
+            receiver().prepare(request)
+        except StaleEpoch as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        return {"accepted": True}
+
+    return app
+
+
+def _count_round(outcome: RoundOutcome) -> None:
+    if outcome.activated:
+        log.info(
+            "adapter version %d: %d bytes received in %.3fs, live after %.3fs",
+            outcome.version,
+            outcome.bytes,
+            outcome.receive_seconds,
+            outcome.activate_seconds,
+        )
+
+
+def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
+    spec = env.spec
+    inference = spec.inference
+    gpus = inference.gpus_per_replica
+    return EngineConfig(
+        model_dir=model_dir,
+        dtype=spec.model.dtype,
+        max_lora_rank=spec.lora.vllm_max_lora_rank,
+        max_loras=inference.max_loras,
+        tensor_parallel_size=inference.tensor_parallel_size,
+        data_parallel_size=max(gpus // inference.tensor_parallel_size, 1),
+        max_model_len=inference.max_model_len,
+        # On CPUs the KV cache is sized by VLLM_CPU_KVCACHE_SPACE; a low fraction keeps vLLM's memory check from
+        # failing when the trainer shares the machine.
+        gpu_memory_utilization=inference.gpu_memory_utilization if gpus else 0.05,
+        seed=spec.grpo.seed,
+        enforce_eager=not gpus,  # compiling on CPUs costs minutes at start-up and gains little
+    )
+
+
+def serve(env: WorkerEnv) -> None:
+    """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters."""
+    import torch
+    import uvicorn
+
+    from grpolora.workers.models import fingerprint, resolve_model
+
+    if not env.spec.inference.gpus_per_replica:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(env.spec.inference.kv_cache_gib))
+    holder: dict[str, str] = {}
+
+    async def prepare() -> None:
+        model_dir = await asyncio.to_thread(resolve_model, env.model, env.spec.model.revision)
+        holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
+        engine.config = engine_config(env, str(model_dir))
+
+    def receiver_factory(engine: AdapterEngine) -> AdapterReceiver:
+        device = torch.device("cuda", 0) if env.sync_backend == "nccl" else None
+        return AdapterReceiver(
+            engine,
+            replica_index=env.replica_index,
+            fingerprint=holder["fingerprint"],
+            device=device,
+            on_round=_count_round,
+            on_error=lambda kind: metrics.SYNC_FAILURES.labels(reason=kind).inc(),
+        )
+
+    engine = AdapterEngine(engine_config(env, env.model), adapter_root=default_adapter_root(env.job_name))
+    app = create_app(
+        engine,
+        receiver_factory,
+        token=env.token,
+        version_wait_seconds=env.sync_timeout_seconds,
+        prepare=prepare,
+    )
+    port = int(env.own_endpoint.rsplit(":", 1)[1])
+    uvicorn.run(app, host=env.bind_addr, port=port, log_level="info", access_log=False)

@@ -1,0 +1,129 @@
+"""The control channel of the sync group: how trainer rank 0 asks inference replicas to join an epoch and to
+take part in a round. Messages are small JSON over the inference server's token-guarded HTTP API; the tensors
+themselves never go over HTTP.
+
+Why a control channel at all: collectives have timeouts, and replicas idle between rounds for as long as a
+training step takes. So receivers wait outside any collective and enter one only when told a round starts
+(`prepare`). A replica that does not answer is found out in seconds, not after the collective's timeout.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx
+from pydantic import BaseModel, ConfigDict
+
+from grpolora.api.constants import TOKEN_HEADER
+
+JOIN_PATH = "/v1/sync/join"
+PREPARE_PATH = "/v1/sync/prepare"
+STATE_PATH = "/v1/sync/state"
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class JoinRequest(_Message):
+    epoch: int
+    rank: int
+    world_size: int
+    store_addr: str
+    store_port: int
+    backend: str
+    timeout_seconds: float
+    trainer_fingerprint: str
+    current_version: int  # the replica reports ready once it serves at least this version
+
+
+class PrepareRequest(_Message):
+    epoch: int
+    version: int
+
+
+class MemberState(_Message):
+    """What a replica says about itself (GET /v1/sync/state)."""
+
+    replica_index: int
+    fingerprint: str
+    epoch: int | None  # the epoch it has joined, if any
+    rank: int | None
+    live_version: int  # adapter version serving new requests (0 = base model)
+    required_version: int  # the version the trainer last said is current
+    busy: bool  # forming a group or inside a round
+    last_error: str | None = None
+
+
+class SyncError(RuntimeError):
+    """A sync round or group formation failed for good (after re-forming and retrying)."""
+
+
+class FingerprintMismatch(SyncError):
+    """Trainer and replica loaded different base models: fatal, the adapter would be meaningless there."""
+
+
+class StaleEpoch(SyncError):
+    """A request for an epoch the replica is not in (the sender must re-form)."""
+
+
+class MemberUnreachable(SyncError):
+    """The replica did not answer its control endpoint."""
+
+
+class Member(Protocol):
+    """Trainer rank 0's handle on one inference replica."""
+
+    index: int
+
+    def state(self) -> MemberState:
+        """Raises MemberUnreachable if the replica does not answer."""
+        ...
+
+    def join(self, request: JoinRequest) -> None:
+        """Raises FingerprintMismatch, or MemberUnreachable."""
+        ...
+
+    def prepare(self, request: PrepareRequest) -> None:
+        """Raises StaleEpoch, or MemberUnreachable."""
+        ...
+
+
+class HttpMember:
+    """A replica reached over its HTTP API (inference server)."""
+
+    def __init__(self, index: int, base_url: str, token: str, *, timeout_seconds: float = 10.0):
+        self.index = index
+        self.base_url = base_url.rstrip("/")
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            headers={TOKEN_HEADER: f"Bearer {token}"},
+            timeout=timeout_seconds,
+        )
+
+    def _call(self, method: str, path: str, body: BaseModel | None = None) -> httpx.Response:
+        try:
+            response = self._client.request(method, path, json=body.model_dump() if body else None)
+        except httpx.HTTPError as exc:
+            raise MemberUnreachable(f"inference replica {self.index} ({self.base_url}): {exc}") from exc
+        if response.status_code == 409:
+            detail = response.json().get("detail", response.text)
+            error = FingerprintMismatch if "fingerprint" in str(detail) else StaleEpoch
+            raise error(f"inference replica {self.index}: {detail}")
+        if response.status_code >= 400:
+            raise MemberUnreachable(
+                f"inference replica {self.index} ({self.base_url}) answered {response.status_code}: {response.text}"
+            )
+        return response
+
+    def state(self) -> MemberState:
+        return MemberState.model_validate(self._call("GET", STATE_PATH).json())
+
+    def join(self, request: JoinRequest) -> None:
+        self._call("POST", JOIN_PATH, request)
+
+    def prepare(self, request: PrepareRequest) -> None:
+        self._call("POST", PREPARE_PATH, request)
+
+    def close(self) -> None:
+        self._client.close()

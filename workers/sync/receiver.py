@@ -1,0 +1,265 @@
+"""The receiving side of adapter sync, inside each inference server.
+
+One worker thread owns the collective: it forms the group when told to join an epoch and takes part in a round
+when told to prepare one. A round's buckets are verified against the header's checksum before anything is
+activated; a corrupted, short or interrupted round activates nothing, and the version already live keeps
+serving. Activation itself belongs to the `AdapterSink` (the vLLM engine wrapper), injected so that the
+protocol is testable without vLLM.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from grpolora.workers.sync import wire
+from grpolora.workers.sync.control import (
+    FingerprintMismatch,
+    JoinRequest,
+    MemberState,
+    PrepareRequest,
+    StaleEpoch,
+)
+from grpolora.workers.sync.transport import Transport, TransportError, connect_store, create_transport
+
+log = logging.getLogger(__name__)
+
+# What each receiver reports for a round in the closing all-reduce (one slot per rank).
+VERIFIED = 1
+REFUSED = 2
+
+
+class AdapterSink(Protocol):
+    """Where verified adapters go: makes `version` serve new requests, atomically."""
+
+    @property
+    def live_version(self) -> int: ...
+
+    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None: ...
+
+
+@dataclass
+class RoundOutcome:
+    version: int
+    epoch: int
+    verified: bool
+    activated: bool
+    reason: str | None
+    bytes: int
+    receive_seconds: float
+    activate_seconds: float
+
+
+def receive_round(transport: Transport) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
+    """One round on a receiving rank: header, buckets, verification, and the closing status all-reduce.
+
+    Returns the header, the buckets and None if they verified, or a reason if they did not. Raises
+    TransportError when the collective breaks, and WireError (after leaving the group) on an unreadable header,
+    since a rank that cannot follow the announced layout cannot stay in lockstep with the others.
+    """
+    length = torch.zeros(1, dtype=torch.int64, device=transport.device)
+    transport.broadcast(length)
+    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=transport.device)
+    transport.broadcast(raw)
+    try:
+        header = wire.RoundHeader.decode(bytes(raw.cpu().numpy()))
+    except wire.WireError:
+        transport.close()
+        raise
+    buckets = [torch.empty(size, dtype=torch.uint8, device=transport.device) for size in header.bucket_sizes]
+    for bucket in buckets:
+        transport.broadcast(bucket)
+    reason = None
+    try:
+        wire.verify(header, buckets)
+    except wire.WireError as exc:
+        reason = str(exc)
+    status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
+    status[transport.rank] = VERIFIED if reason is None else REFUSED
+    transport.all_reduce_sum(status)
+    return header, buckets, reason
+
+
+class AdapterReceiver:
+    """The sync-group member of one inference replica."""
+
+    def __init__(
+        self,
+        sink: AdapterSink,
+        *,
+        replica_index: int,
+        fingerprint: str,
+        device: torch.device | None = None,
+        on_round: Callable[[RoundOutcome], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+    ):
+        self._sink = sink
+        self.replica_index = replica_index
+        self.fingerprint = fingerprint
+        self._device = device
+        self._on_round = on_round
+        self._on_error = on_error  # called with a short kind: formation, interrupted, refused
+        self._commands: queue.Queue[JoinRequest | PrepareRequest | None] = queue.Queue()
+        self._lock = threading.Lock()
+        self._transport: Transport | None = None
+        self._joined: JoinRequest | None = None  # the epoch whose group is formed
+        self._pending_join: JoinRequest | None = None
+        self._required_version = 0
+        self._has_joined = False
+        self._busy = False
+        self._last_error: str | None = None
+        self.rounds: list[RoundOutcome] = []
+        self._thread = threading.Thread(target=self._run, name="adapter-receiver", daemon=True)
+        self._thread.start()
+
+    # ---- control (called from the HTTP handlers) -------------------------------------------------------------
+
+    def state(self) -> MemberState:
+        with self._lock:
+            joined = self._joined
+            return MemberState(
+                replica_index=self.replica_index,
+                fingerprint=self.fingerprint,
+                epoch=joined.epoch if joined else None,
+                rank=joined.rank if joined else None,
+                live_version=self._sink.live_version,
+                required_version=self._required_version,
+                busy=self._busy,
+                last_error=self._last_error,
+            )
+
+    @property
+    def ready(self) -> bool:
+        """Has been in a group and serves at least the version the trainer last called current.
+
+        A replacement replica is not ready before its first adapter arrives; a member whose group is re-forming
+        stays ready, since it still serves the current version.
+        """
+        with self._lock:
+            return self._has_joined and self._sink.live_version >= self._required_version
+
+    def join(self, request: JoinRequest) -> None:
+        if request.trainer_fingerprint != self.fingerprint:
+            raise FingerprintMismatch(
+                f"base model fingerprint mismatch: the trainer loaded {request.trainer_fingerprint}, this replica "
+                f"(index {self.replica_index}) loaded {self.fingerprint}; both must load the same model, revision "
+                "and files"
+            )
+        with self._lock:
+            self._pending_join = request
+            self._required_version = max(self._required_version, request.current_version)
+        self._commands.put(request)
+
+    def prepare(self, request: PrepareRequest) -> None:
+        with self._lock:
+            target = self._pending_join or self._joined
+            if target is None or target.epoch != request.epoch:
+                have = target.epoch if target else None
+                raise StaleEpoch(f"round for epoch {request.epoch}, but this replica is in epoch {have}")
+        self._commands.put(request)
+
+    def close(self) -> None:
+        self._commands.put(None)
+        self._thread.join(timeout=30)
+        self._leave()
+
+    # ---- the worker thread ---------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while (command := self._commands.get()) is not None:
+            with self._lock:
+                self._busy = True
+            try:
+                if isinstance(command, JoinRequest):
+                    self._form(command)
+                else:
+                    self._round(command)
+            except Exception as exc:  # the thread must survive anything and keep the old version serving
+                log.exception("adapter sync: %s failed", type(command).__name__)
+                kind = "formation" if isinstance(command, JoinRequest) else "interrupted"
+                self._fail(kind, f"{type(command).__name__}: {exc}")
+            finally:
+                with self._lock:
+                    self._busy = False
+
+    def _form(self, request: JoinRequest) -> None:
+        self._leave()
+        with self._lock:
+            if self._pending_join is not request:
+                return  # a newer join arrived while this one waited in the queue
+        store = connect_store(
+            request.store_addr, request.store_port, is_master=False, timeout_seconds=request.timeout_seconds
+        )
+        transport = create_transport(
+            request.backend,  # type: ignore[arg-type]
+            store,
+            epoch=request.epoch,
+            rank=request.rank,
+            world_size=request.world_size,
+            timeout_seconds=request.timeout_seconds,
+            device=self._device,
+        )
+        with self._lock:
+            self._transport, self._joined, self._last_error = transport, request, None
+            self._has_joined = True
+            if self._pending_join is request:
+                self._pending_join = None
+        log.info("adapter sync: joined epoch %d as rank %d of %d", request.epoch, request.rank, request.world_size)
+
+    def _round(self, request: PrepareRequest) -> None:
+        with self._lock:
+            transport, joined = self._transport, self._joined
+        if transport is None or joined is None or joined.epoch != request.epoch:
+            self._fail("interrupted", f"round for epoch {request.epoch} arrived outside that epoch's group")
+            return
+        started = time.perf_counter()
+        try:
+            header, buckets, reason = receive_round(transport)
+        except (TransportError, wire.WireError) as exc:
+            self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
+            return
+        received = time.perf_counter()
+        outcome = RoundOutcome(
+            version=header.version,
+            epoch=header.epoch,
+            verified=reason is None,
+            activated=False,
+            reason=reason,
+            bytes=header.total_bytes,
+            receive_seconds=received - started,
+            activate_seconds=0.0,
+        )
+        if reason is None and header.version > self._sink.live_version:
+            self._sink.activate(header.version, wire.unpack(header, buckets), dict(header.adapter_config))
+            outcome.activated = True
+            outcome.activate_seconds = time.perf_counter() - received
+        elif reason is not None:
+            log.error("adapter sync: refused version %d: %s", header.version, reason)
+            if self._on_error is not None:
+                self._on_error("refused")
+        with self._lock:
+            self._last_error = reason
+            self.rounds.append(outcome)
+        if self._on_round is not None:
+            self._on_round(outcome)
+
+    def _fail(self, kind: str, reason: str) -> None:
+        log.error("adapter sync: %s", reason)
+        if self._on_error is not None:
+            self._on_error(kind)
+        self._leave()
+        with self._lock:
+            self._last_error = reason
+
+    def _leave(self) -> None:
+        with self._lock:
+            transport, self._transport, self._joined = self._transport, None, None
+        if transport is not None:
+            transport.close()

@@ -1,0 +1,282 @@
+"""The sending side of adapter sync, on trainer rank 0.
+
+Trainer rank 0 hosts the rendezvous store, decides each epoch's membership, and sends every adapter version in
+one round: header, buckets, closing status all-reduce. When a member dies or hangs mid-round, the collective
+fails (at once, or after `timeout_seconds`); the sender then re-forms the group under the next epoch with the
+members that still answer and sends the same version again. A member that comes back (a replacement pod) is
+joined into the next epoch and receives the current adapter at once, before the trainer relies on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from grpolora.workers.sync import wire
+from grpolora.workers.sync.control import (
+    FingerprintMismatch,
+    JoinRequest,
+    Member,
+    MemberState,
+    MemberUnreachable,
+    PrepareRequest,
+    StaleEpoch,
+    SyncError,
+)
+from grpolora.workers.sync.receiver import REFUSED, VERIFIED
+from grpolora.workers.sync.transport import Backend, Transport, TransportError, create_transport
+
+log = logging.getLogger(__name__)
+
+MAX_ATTEMPTS = 3
+
+
+@dataclass(frozen=True)
+class RoundReport:
+    version: int
+    epoch: int
+    members: tuple[int, ...]  # replica indices that verified this version
+    refused: Mapping[int, str]  # replica index -> why it refused
+    bytes: int
+    seconds: float  # pack + broadcast + status, the last (successful) attempt
+    transport_seconds: float  # header + buckets + status collectives only
+    attempts: int
+    finished_at: float = field(default_factory=time.time)
+
+
+def send_round(
+    transport: Transport,
+    header: wire.RoundHeader,
+    buckets: Sequence[torch.Tensor],
+    on_bucket_sent: Callable[[int], None] | None = None,
+) -> list[int]:
+    """One round from sync rank 0; returns each rank's status code (index = rank)."""
+    raw = header.encode()
+    transport.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=transport.device))
+    transport.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(transport.device))
+    for index, bucket in enumerate(buckets):
+        transport.broadcast(bucket)
+        if on_bucket_sent is not None:
+            on_bucket_sent(index)
+    status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
+    transport.all_reduce_sum(status)
+    return status.tolist()
+
+
+class AdapterSender:
+    def __init__(
+        self,
+        members: Sequence[Member],
+        *,
+        store: dist.Store,
+        store_addr: str,
+        store_port: int,
+        backend: Backend,
+        timeout_seconds: float,
+        bucket_bytes: int,
+        fingerprint: str,
+        first_epoch: int = 0,
+        first_version: int = 0,
+        device: torch.device | None = None,
+        on_bucket_sent: Callable[[int], None] | None = None,
+    ):
+        self._members = {m.index: m for m in members}
+        self._store = store
+        self._store_addr, self._store_port = store_addr, store_port
+        self._backend = backend
+        self._timeout = timeout_seconds
+        self._bucket_bytes = bucket_bytes
+        self.fingerprint = fingerprint
+        self._device = device or torch.device("cpu")
+        self._on_bucket_sent = on_bucket_sent
+        self.epoch = first_epoch - 1  # the first formation makes it first_epoch (or later, see form_group)
+        self.version = first_version
+        self.group: tuple[int, ...] = ()  # replica indices in the current epoch, by sync rank - 1
+        self._transport: Transport | None = None
+        self._last_round: tuple[Mapping[str, torch.Tensor], Mapping] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
+        self._lock = threading.RLock()  # one round or re-formation at a time, whichever thread asks
+
+    # ---- membership --------------------------------------------------------------------------------------
+
+    def _states(self) -> dict[int, MemberState]:
+        """Members that answer, with what they say about themselves."""
+
+        def probe(member: Member) -> MemberState | None:
+            try:
+                return member.state()
+            except MemberUnreachable:
+                return None
+
+        found = dict(zip(self._members, self._pool.map(probe, self._members.values()), strict=True))
+        return {index: state for index, state in found.items() if state is not None}
+
+    def form_group(self, *, wait_for_all_seconds: float = 0.0) -> tuple[int, ...]:
+        """Form the next epoch with every member that answers (waiting up to `wait_for_all_seconds` for all)."""
+        deadline = time.monotonic() + wait_for_all_seconds
+        while True:
+            states = self._states()
+            if len(states) == len(self._members) or time.monotonic() >= deadline:
+                break
+            time.sleep(0.5)
+        if not states:
+            raise SyncError(f"no inference replica answers ({len(self._members)} expected)")
+        for state in states.values():
+            if state.fingerprint != self.fingerprint:
+                raise FingerprintMismatch(
+                    f"base model fingerprint mismatch: the trainer loaded {self.fingerprint}, inference replica "
+                    f"{state.replica_index} loaded {state.fingerprint}; both must load the same model, revision "
+                    "and files"
+                )
+        # Versions and epochs never go backwards, also across trainer restarts: start past what replicas hold.
+        self.version = max([self.version, *(s.live_version for s in states.values())])
+        self.epoch = max([self.epoch + 1, *(s.epoch + 1 for s in states.values() if s.epoch is not None)])
+        self._leave()
+        group = tuple(sorted(states))
+        world_size = 1 + len(group)
+
+        def join(rank: int, index: int) -> None:
+            self._members[index].join(
+                JoinRequest(
+                    epoch=self.epoch,
+                    rank=rank,
+                    world_size=world_size,
+                    store_addr=self._store_addr,
+                    store_port=self._store_port,
+                    backend=self._backend,
+                    timeout_seconds=self._timeout,
+                    trainer_fingerprint=self.fingerprint,
+                    current_version=self.version,
+                )
+            )
+
+        list(self._pool.map(join, range(1, world_size), group))
+        self._transport = create_transport(
+            self._backend,
+            self._store,
+            epoch=self.epoch,
+            rank=0,
+            world_size=world_size,
+            timeout_seconds=self._timeout,
+            device=self._device,
+        )
+        self.group = group
+        log.info("adapter sync: epoch %d formed with replicas %s", self.epoch, list(group))
+        return group
+
+    def refresh(self) -> bool:
+        """Re-form if membership changed (a member lost or back); a newcomer gets the current adapter now.
+
+        Returns True if the group changed. Cheap when nothing changed: one state request per member.
+        """
+        with self._lock:
+            return self._refresh()
+
+    def _refresh(self) -> bool:
+        states = self._states()
+        lost = [i for i in self.group if i not in states or states[i].epoch != self.epoch]
+        new = [i for i in states if i not in self.group]
+        if not lost and not new and self._transport is not None:
+            return False
+        log.info("adapter sync: membership changed (lost %s, new %s); re-forming", lost, new)
+        self._form_with_retries()
+        if self._last_round is not None and any(states[i].live_version < self.version for i in new if i in states):
+            tensors, config = self._last_round
+            self._send_attempts(tensors, config, self.version)
+        return True
+
+    def _form_with_retries(self) -> None:
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                self.form_group()
+                return
+            except (TransportError, MemberUnreachable, StaleEpoch) as exc:
+                log.warning("adapter sync: forming epoch %d failed (attempt %d): %s", self.epoch, attempt, exc)
+                self._leave()
+        raise SyncError(f"could not form the sync group after {MAX_ATTEMPTS} attempts")
+
+    # ---- rounds ------------------------------------------------------------------------------------------
+
+    def send(self, tensors: Mapping[str, torch.Tensor], adapter_config: Mapping) -> RoundReport:
+        """Send the adapter as the next version to every member; re-forms and retries on member failure."""
+        with self._lock:
+            if self._transport is None:
+                self._form_with_retries()
+            version = self.version + 1
+            report = self._send_attempts(tensors, adapter_config, version)
+            self._last_round = ({k: v.detach() for k, v in tensors.items()}, dict(adapter_config))
+            return report
+
+    def _send_attempts(self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int) -> RoundReport:
+        last_error: Exception | None = None
+        for attempt in range(1, MAX_ATTEMPTS + 1):
+            try:
+                report = self._send_once(tensors, config, version, attempt)
+            except (TransportError, MemberUnreachable, StaleEpoch) as exc:
+                last_error = exc
+                log.warning("adapter sync: round %d failed in epoch %d: %s; re-forming", version, self.epoch, exc)
+                self._leave()
+                self._form_with_retries()
+                continue
+            self.version = version
+            if report.refused:
+                # Verified nowhere is a failure; verified on some means the others get it next round.
+                if not report.members:
+                    raise SyncError(f"every replica refused version {version}: {dict(report.refused)}")
+                log.error("adapter sync: version %d refused by %s", version, dict(report.refused))
+            return report
+        raise SyncError(f"version {version} could not be sent after {MAX_ATTEMPTS} attempts: {last_error}")
+
+    def _send_once(self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int, attempt: int):
+        assert self._transport is not None
+        started = time.perf_counter()
+        header, buckets = wire.pack(
+            tensors,
+            version=version,
+            epoch=self.epoch,
+            bucket_bytes=self._bucket_bytes,
+            device=self._transport.device,
+            adapter_config=config,
+        )
+        list(
+            self._pool.map(
+                lambda index: self._members[index].prepare(PrepareRequest(epoch=self.epoch, version=version)),
+                self.group,
+            )
+        )
+        sent = time.perf_counter()
+        codes = send_round(self._transport, header, buckets, self._on_bucket_sent)
+        finished = time.perf_counter()
+        verified = tuple(index for rank, index in enumerate(self.group, start=1) if codes[rank] == VERIFIED)
+        refused = {
+            index: "checksum or size mismatch" if codes[rank] == REFUSED else f"status {codes[rank]}"
+            for rank, index in enumerate(self.group, start=1)
+            if codes[rank] != VERIFIED
+        }
+        return RoundReport(
+            version=version,
+            epoch=self.epoch,
+            members=verified,
+            refused=refused,
+            bytes=header.total_bytes,
+            seconds=finished - started,
+            transport_seconds=finished - sent,
+            attempts=attempt,
+        )
+
+    def _leave(self) -> None:
+        transport, self._transport = self._transport, None
+        self.group = ()
+        if transport is not None:
+            transport.close()
+
+    def close(self) -> None:
+        self._leave()
+        self._pool.shutdown(wait=False, cancel_futures=True)

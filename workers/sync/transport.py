@@ -1,0 +1,80 @@
+"""The transport interface: the three collectives a sync round needs, over a group outside the default one.
+
+Each group is built on the rendezvous store hosted by trainer rank 0, under the key prefix `epoch/<n>/`, so a
+re-formed group never meets stale keys of an earlier epoch. Transports are created per epoch and closed when
+the group re-forms; they never touch torch.distributed's default process group (which the trainer ranks use).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+Backend = Literal["gloo", "nccl"]
+
+
+class TransportError(RuntimeError):
+    """A collective failed or timed out (a peer died, hung or left)."""
+
+
+class Transport(ABC):
+    """One rank's handle on one epoch of the sync group."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+
+    @abstractmethod
+    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """In place on every rank; raises TransportError on failure or timeout."""
+
+    @abstractmethod
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """In place on every rank; raises TransportError on failure or timeout."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Leave the group; safe to call after a failure."""
+
+
+def epoch_store(store: dist.Store, epoch: int) -> dist.Store:
+    return dist.PrefixStore(f"epoch/{epoch}/", store)
+
+
+def connect_store(addr: str, port: int, *, is_master: bool, timeout_seconds: float) -> dist.TCPStore:
+    """The rendezvous store: trainer rank 0 hosts it for the whole run; receivers connect per epoch."""
+    return dist.TCPStore(
+        addr,
+        port,
+        None,
+        is_master,
+        timedelta(seconds=timeout_seconds),
+        wait_for_workers=False,
+    )
+
+
+def create_transport(
+    backend: Backend,
+    store: dist.Store,
+    *,
+    epoch: int,
+    rank: int,
+    world_size: int,
+    timeout_seconds: float,
+    device: torch.device | None = None,
+) -> Transport:
+    """Join epoch `epoch` of the group as `rank` (blocks until all `world_size` ranks have joined)."""
+    prefixed = epoch_store(store, epoch)
+    if backend == "gloo":
+        from grpolora.workers.sync.gloo import GlooTransport
+
+        return GlooTransport(prefixed, rank=rank, world_size=world_size, timeout_seconds=timeout_seconds)
+    if backend == "nccl":
+        from grpolora.workers.sync.nccl import NcclTransport
+
+        return NcclTransport(prefixed, rank=rank, world_size=world_size, timeout_seconds=timeout_seconds, device=device)
+    raise ValueError(f"unknown sync backend {backend!r}; expected gloo or nccl")

@@ -1,0 +1,1 @@
+"""The trainer: PEFT LoRA on the base model, GRPO math, the training step, checkpoints."""
