@@ -62,6 +62,12 @@ def cmd_crd(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    from grpolora.workers.launcher.local import run
+
+    return run(args.file, run_dir=args.run_dir, ray_address=args.ray_address)
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker process; everything it needs comes from the env contract (docs/contract.md)."""
     import logging
@@ -105,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("crd", help="print the GRPOLoraJob CustomResourceDefinition")
     p.set_defaults(func=cmd_crd)
+
+    p = sub.add_parser("run", help="run a job on this machine (Ray): trainer and inference as separate actors")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--run-dir", help="folder for metrics, adapter, checkpoints, logs (default runs/<job name>)")
+    p.add_argument("--ray-address", help="join this Ray cluster instead of starting one (default $RAY_ADDRESS)")
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("worker", help="run a worker process (in a pod or a local actor), configured by env")
     p.add_argument("role", choices=["trainer", "inference"])

@@ -138,8 +138,17 @@ def child_names(job_name: str) -> dict[str, str]:
     }
 
 
-def plan(job: GRPOLoraJob, network: Network | None = None) -> JobPlan:
+def plan(
+    job: GRPOLoraJob,
+    network: Network | None = None,
+    *,
+    checkpoint_dir: str | None = None,
+    output_dir: str | None = None,
+) -> JobPlan:
+    """The plan of one job. `checkpoint_dir` and `output_dir` are for local runs (`grpolora run` keeps them in
+    its run folder); in a cluster checkpoints go to spec.checkpoint.path and outputs next to them."""
     network = network or ClusterNetwork()
+    checkpoint_dir = checkpoint_dir or job.spec.checkpoint.path
     spec, name, namespace = job.spec, job.name, job.namespace
     names = child_names(name)
 
@@ -183,7 +192,8 @@ def plan(job: GRPOLoraJob, network: Network | None = None) -> JobPlan:
         EnvVar(env.SYNC_TIMEOUT_SECONDS, str(sync.timeout_seconds)),
         EnvVar(env.INFERENCE_ENDPOINTS, ",".join(endpoints)),
         EnvVar(env.STATUS_PORT, str(spec.trainer.status_port)),
-        EnvVar(env.CHECKPOINT_DIR, spec.checkpoint.path),
+        EnvVar(env.CHECKPOINT_DIR, checkpoint_dir),
+        *((EnvVar(env.OUTPUT_DIR, output_dir),) if output_dir else ()),
     )
 
     def role_plan(role: Role, role_spec: RoleSpec, role_hosts: tuple[str, ...], ports: dict[str, int]) -> RolePlan:
@@ -213,7 +223,7 @@ def plan(job: GRPOLoraJob, network: Network | None = None) -> JobPlan:
         inference_endpoints=endpoints,
         token_secret=names["token"],
         model=model,
-        checkpoint_dir=spec.checkpoint.path,
+        checkpoint_dir=checkpoint_dir,
         job=job,
     )
 

@@ -118,6 +118,16 @@ def test_checksum_detects_flips_swaps_and_truncation():
         wire.verify(header, [buckets[0][:-64]])
 
 
+@pytest.mark.parametrize("algorithm", wire.CHECKSUMS)
+def test_both_checksum_algorithms_catch_a_single_bit(algorithm):
+    _, buckets = wire.pack({"x": torch.randn(1000)}, version=1, epoch=0, bucket_bytes=1 << 20)
+    clean = wire.checksum(buckets, algorithm)
+    assert wire.checksum([b.clone() for b in buckets], algorithm) == clean
+    flipped = [b.clone() for b in buckets]
+    flipped[0][1234] ^= 0x10
+    assert wire.checksum(flipped, algorithm) != clean
+
+
 def test_malformed_headers_are_rejected():
     header, _ = wire.pack({"x": torch.zeros(4)}, version=1, epoch=0, bucket_bytes=1 << 20)
     with pytest.raises(wire.WireError, match="malformed"):

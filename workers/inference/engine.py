@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import shutil
@@ -25,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
+from grpolora.workers.adapter import save_adapter
 from grpolora.workers.inference import metrics
 
 log = logging.getLogger(__name__)
@@ -83,6 +82,7 @@ class AdapterEngine:
         self._engine = None  # vllm AsyncLLM, created in start()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live_version = 0
+        self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
         self._leases: dict[int, int] = {}  # version -> requests running on it
         self._version_changed: asyncio.Condition | None = None
 
@@ -147,14 +147,23 @@ class AdapterEngine:
 
         started = time.perf_counter()
         folder = self._adapter_root / f"v{version}"
-        await asyncio.to_thread(_write_peft_folder, folder, tensors, adapter_config)
+        await asyncio.to_thread(save_adapter, folder, tensors, adapter_config)
+        written = time.perf_counter()
         await self._engine.add_lora(LoRARequest(f"v{version}", version, str(folder)))
+        loaded = time.perf_counter()
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
+            self.live_since = time.time()
             self._version_changed.notify_all()
         metrics.ADAPTER_VERSION.set(version)
         metrics.ACTIVATION_SECONDS.observe(time.perf_counter() - started)
-        log.info("adapter version %d live (was %d)", version, previous)
+        log.info(
+            "adapter version %d live (was %d): written in %.3fs, loaded by vLLM in %.3fs",
+            version,
+            previous,
+            written - started,
+            loaded - written,
+        )
         await self._unload_if_idle(previous)
 
     async def _unload_if_idle(self, version: int) -> None:
@@ -225,14 +234,3 @@ class AdapterEngine:
     async def encode(self, text: str) -> list[int]:
         tokenizer = self._engine.get_tokenizer()
         return list(tokenizer.encode(text))
-
-
-def _write_peft_folder(folder: Path, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
-    staging = folder.with_name(folder.name + ".tmp")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    on_host = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
-    save_file(on_host, str(staging / "adapter_model.safetensors"))
-    (staging / "adapter_config.json").write_text(json.dumps(adapter_config))
-    shutil.rmtree(folder, ignore_errors=True)
-    staging.rename(folder)

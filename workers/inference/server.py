@@ -151,7 +151,11 @@ def create_app(
 
     @app.get("/v1/adapter")
     async def adapter() -> dict:
-        return {"live_version": engine.live_version, "loaded_versions": engine.loaded_versions()}
+        return {
+            "live_version": engine.live_version,
+            "live_since": engine.live_since,
+            "loaded_versions": engine.loaded_versions(),
+        }
 
     @app.post("/v1/generate", dependencies=guarded, response_model=GenerateResponse)
     async def generate(request: GenerateRequest) -> GenerateResponse:

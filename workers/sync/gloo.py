@@ -7,10 +7,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpolora.workers.sync.transport import Transport, TransportError
+from grpolora.workers.sync.transport import Pending, Transport, TransportError
+
+PIECE_BYTES = 4 << 20  # large enough for full TCP throughput, small enough to overlap checking with receiving
+
+
+class _GlooPending(Pending):
+    def __init__(self, work: dist.Work | None, what: str, error: str | None = None):
+        self._work, self._what, self._error = work, what, error
+
+    def wait(self) -> None:
+        error = self._error
+        if error is None and self._work is not None:
+            try:
+                self._work.wait()
+            except RuntimeError as exc:
+                error = f"gloo {self._what} failed: {exc}"
+            self._work = None
+        if error is not None:
+            # Raised outside the handler so that no traceback keeps the group alive after close() (see there).
+            raise TransportError(error)
 
 
 class GlooTransport(Transport):
+    piece_bytes = PIECE_BYTES
+
     def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout_seconds: float):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
         try:
@@ -25,25 +46,21 @@ class GlooTransport(Transport):
             raise TransportError("the group is closed")
         return self._group
 
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
-        self._run(lambda group: group.broadcast([tensor], options), "broadcast")
+        return self._start(lambda group: group.broadcast([tensor], options), "broadcast")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
-        self._run(lambda group: group.allreduce([tensor], options), "all-reduce")
+        self._start(lambda group: group.allreduce([tensor], options), "all-reduce").wait()
 
-    def _run(self, start, what: str) -> None:
-        error = None
+    def _start(self, start, what: str) -> Pending:
         try:
-            start(self._group_or_fail()).wait()
-        except RuntimeError as exc:
-            error = f"gloo {what} failed: {exc}"
-        if error is not None:
-            # Raised outside the handler so that no traceback keeps the group alive after close() (see there).
-            raise TransportError(error)
+            return _GlooPending(start(self._group_or_fail()), what)
+        except (RuntimeError, TransportError) as exc:
+            return _GlooPending(None, what, f"gloo {what} failed: {exc}")
 
     def close(self) -> None:
         # Gloo has no abort that interrupts peers; destroying the group closes its TCP pairs, and peers blocked in

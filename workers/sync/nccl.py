@@ -13,7 +13,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpolora.workers.sync.transport import Transport, TransportError
+from grpolora.workers.sync.transport import Pending, Transport, TransportError
+
+
+class _NcclPending(Pending):
+    def __init__(self, work: dist.Work, device: torch.device, what: str):
+        self._work, self._device, self._what = work, device, what
+
+    def wait(self) -> None:
+        try:
+            self._work.wait()
+            torch.cuda.current_stream(self._device).synchronize()
+        except RuntimeError as exc:
+            raise TransportError(f"NCCL {self._what} failed: {exc}") from exc
 
 
 class NcclTransport(Transport):
@@ -45,22 +57,22 @@ class NcclTransport(Transport):
             raise TransportError("the group is closed")
         return self._group
 
-    def _run(self, work: dist.Work, what: str) -> None:
-        try:
-            work.wait()
-            torch.cuda.current_stream(self.device).synchronize()
-        except RuntimeError as exc:
-            raise TransportError(f"NCCL {what} failed: {exc}") from exc
-
-    def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
-        self._run(self._group_or_fail().broadcast([tensor], options), "broadcast")
+        try:
+            return _NcclPending(self._group_or_fail().broadcast([tensor], options), self.device, "broadcast")
+        except RuntimeError as exc:
+            raise TransportError(f"NCCL broadcast failed: {exc}") from exc
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         options = dist.AllreduceOptions()
         options.reduceOp = dist.ReduceOp.SUM
-        self._run(self._group_or_fail().allreduce([tensor], options), "all-reduce")
+        try:
+            work = self._group_or_fail().allreduce([tensor], options)
+        except RuntimeError as exc:
+            raise TransportError(f"NCCL all-reduce failed: {exc}") from exc
+        _NcclPending(work, self.device, "all-reduce").wait()
 
     def close(self) -> None:
         group, self._group = self._group, None

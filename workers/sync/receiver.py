@@ -74,11 +74,17 @@ def receive_round(transport: Transport) -> tuple[wire.RoundHeader, list[torch.Te
         transport.close()
         raise
     buckets = [torch.empty(size, dtype=torch.uint8, device=transport.device) for size in header.bucket_sizes]
-    for bucket in buckets:
-        transport.broadcast(bucket)
+    # Every piece is posted at once; each is checked as it lands while the following ones are still arriving.
+    pieces = [piece for bucket in buckets for piece in transport.pieces(bucket)]
+    pending = [transport.start_broadcast(piece) for piece in pieces]
+    crc = wire.Crc32Accumulator() if header.checksum.startswith("crc32:") else None
+    for piece, op in zip(pieces, pending, strict=True):
+        op.wait()
+        if crc is not None:
+            crc.update(piece)
     reason = None
     try:
-        wire.verify(header, buckets)
+        wire.verify(header, buckets, computed=crc.hexdigest() if crc is not None else None)
     except wire.WireError as exc:
         reason = str(exc)
     status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)

@@ -61,8 +61,10 @@ def send_round(
     raw = header.encode()
     transport.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=transport.device))
     transport.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(transport.device))
-    for index, bucket in enumerate(buckets):
-        transport.broadcast(bucket)
+    posted = [[transport.start_broadcast(piece) for piece in transport.pieces(bucket)] for bucket in buckets]
+    for index, pending in enumerate(posted):
+        for op in pending:
+            op.wait()
         if on_bucket_sent is not None:
             on_bucket_sent(index)
     status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)

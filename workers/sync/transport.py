@@ -21,16 +21,36 @@ class TransportError(RuntimeError):
     """A collective failed or timed out (a peer died, hung or left)."""
 
 
+class Pending(ABC):
+    """A collective in flight."""
+
+    @abstractmethod
+    def wait(self) -> None:
+        """Raises TransportError on failure or timeout."""
+
+
 class Transport(ABC):
     """One rank's handle on one epoch of the sync group."""
 
     rank: int
     world_size: int
     device: torch.device
+    # Buffers travel in pieces of at most this many bytes, several in flight at once, so that a receiver checks
+    # one piece while the next arrives. None: one piece per buffer.
+    piece_bytes: int | None = None
 
     @abstractmethod
+    def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
+        """Start an in-place broadcast; operations complete in the order they were started on every rank."""
+
     def broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """In place on every rank; raises TransportError on failure or timeout."""
+        self.start_broadcast(tensor, src).wait()
+
+    def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        if self.piece_bytes is None or buffer.numel() <= self.piece_bytes:
+            return [buffer]
+        return list(buffer.split(self.piece_bytes))
 
     @abstractmethod
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:

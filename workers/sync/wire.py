@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -141,17 +142,20 @@ def pack(
     if not tensors:
         raise WireError("nothing to send: the adapter has no tensors")
     entries, sizes = plan_buckets(tensors, bucket_bytes)
-    buckets = [torch.zeros(size, dtype=torch.uint8, device=device) for size in sizes]
+    # Padding bytes stay uninitialised: they travel like the rest, and the checksum covers what was sent.
+    buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
     for entry in entries:
-        source = tensors[entry.name].detach().contiguous().reshape(-1)
+        source = tensors[entry.name].detach().reshape(-1)
         view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes]
-        view.copy_(source.to(device).view(torch.uint8))
+        # Copy as the tensor's own dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
+        view.view(source.dtype).copy_(source)
+    algorithm = checksum_algorithm(torch.device(device))
     header = RoundHeader(
         version=version,
         epoch=epoch,
         tensors=tuple(entries),
         bucket_sizes=tuple(sizes),
-        checksum=checksum(buckets),
+        checksum=f"{algorithm}:{checksum(buckets, algorithm)}",
         adapter_config=dict(adapter_config or {}),
     )
     return header, buckets
@@ -168,24 +172,65 @@ def unpack(header: RoundHeader, buckets: Sequence[torch.Tensor]) -> dict[str, to
     return result
 
 
-def verify(header: RoundHeader, buckets: Sequence[torch.Tensor]) -> None:
-    """Raise WireError unless the buckets are exactly what the header announced."""
+def verify(header: RoundHeader, buckets: Sequence[torch.Tensor], *, computed: str | None = None) -> None:
+    """Raise WireError unless the buckets are exactly what the header announced. `computed`: the checksum
+    already accumulated while the bytes arrived (see Crc32Accumulator), instead of a second pass."""
     sizes = tuple(int(b.numel()) for b in buckets)
     if sizes != header.bucket_sizes:
         raise WireError(f"bucket sizes {sizes} differ from the announced {header.bucket_sizes} (short transfer)")
-    actual = checksum(buckets)
-    if actual != header.checksum:
-        raise WireError(f"checksum mismatch: announced {header.checksum}, received {actual}")
+    algorithm, _, announced = header.checksum.partition(":")
+    if algorithm not in CHECKSUMS:
+        raise WireError(f"unknown checksum algorithm {algorithm!r}")
+    actual = computed if computed is not None else checksum(buckets, algorithm)
+    if actual != announced:
+        raise WireError(f"checksum mismatch: announced {announced}, received {actual} ({algorithm})")
 
 
-def checksum(buckets: Sequence[torch.Tensor]) -> str:
-    """A position-sensitive 64-bit sum per bucket (Fletcher-like), folded with sha256.
+# Both ends of a transport hold their buffers on the same kind of device (gloo: CPU, NCCL: GPU), and the header
+# names the algorithm, so each side checks where its bytes already are.
+CHECKSUMS = ("crc32", "sum64")
 
-    Computed with integer tensor ops on the buffers' own device, so a GPU receiver checks its buffers without a
-    copy to the host, and CPU and GPU agree exactly (int64 sums wrap identically, in any order). It detects
-    corrupted, reordered and missing bytes; it is not a defence against an attacker (the per-job token and the
-    NetworkPolicy are).
-    """
+
+def checksum_algorithm(device: torch.device) -> str:
+    return "crc32" if device.type == "cpu" else "sum64"
+
+
+def checksum(buckets: Sequence[torch.Tensor], algorithm: str) -> str:
+    """Detects corrupted, reordered and missing bytes over all buckets; not a defence against an attacker (the
+    per-job token and the NetworkPolicy are)."""
+    if algorithm == "crc32":
+        return _crc32(buckets)
+    if algorithm == "sum64":
+        return _sum64(buckets)
+    raise WireError(f"unknown checksum algorithm {algorithm!r}")
+
+
+def _crc32(buckets: Sequence[torch.Tensor]) -> str:
+    """zlib's CRC-32 over each bucket's bytes, in place (no copy), a few GB/s on a CPU."""
+    accumulator = Crc32Accumulator()
+    for bucket in buckets:
+        accumulator.update(bucket)
+    return accumulator.hexdigest()
+
+
+class Crc32Accumulator:
+    """CRC-32 fed piece by piece in wire order, so a receiver checks each piece while the next one arrives."""
+
+    def __init__(self) -> None:
+        self._value = 0
+
+    def update(self, piece: torch.Tensor) -> None:
+        host = piece if piece.device.type == "cpu" else piece.cpu()
+        self._value = zlib.crc32(memoryview(host.numpy()), self._value)  # zlib drops the GIL on large buffers
+
+    def hexdigest(self) -> str:
+        return f"{self._value:08x}"
+
+
+def _sum64(buckets: Sequence[torch.Tensor]) -> str:
+    """A position-sensitive 64-bit sum per bucket (Fletcher-like), folded with sha256, computed with integer
+    tensor ops on the buffers' own device so that a GPU checks its buffers without a copy to the host (int64
+    sums wrap identically in any order, so CPU and GPU agree)."""
     digest = hashlib.sha256()
     for bucket in buckets:
         padded = bucket

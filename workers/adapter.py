@@ -1,0 +1,54 @@
+"""The adapter as it travels and as it is saved: full LoRA tensors under peft's saved names, and its peft config.
+
+Receivers write exactly these as `adapter_model.safetensors` + `adapter_config.json`, the folder layout that peft
+and vLLM load, so the synced adapter and a saved checkpoint are the same thing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+WEIGHTS_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def lora_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every LoRA A/B tensor of a peft model, full (gathered if sharded), detached, under peft's saved names."""
+    from peft import get_peft_model_state_dict
+
+    state = get_peft_model_state_dict(model)
+    result = {}
+    for name, tensor in state.items():
+        full = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2 shards are DTensors
+        result[name] = full.detach()
+    return result
+
+
+def lora_config(model: torch.nn.Module, adapter_name: str = "default") -> dict[str, Any]:
+    """The peft LoraConfig as JSON-safe data (sets become sorted lists)."""
+    config = model.peft_config[adapter_name].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+def save_adapter(folder: Path, tensors: dict[str, torch.Tensor], config: dict[str, Any]) -> None:
+    """Write a peft adapter folder atomically (a reader never sees half of one)."""
+    from safetensors.torch import save_file
+
+    staging = folder.with_name(folder.name + ".tmp")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(staging / WEIGHTS_FILE))
+    (staging / CONFIG_FILE).write_text(json.dumps(config, indent=2))
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def load_adapter(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / WEIGHTS_FILE)), json.loads((folder / CONFIG_FILE).read_text())

@@ -1,0 +1,1 @@
+"""Launchers that run a job outside Kubernetes (the local one on Ray)."""

@@ -1,0 +1,125 @@
+"""Trainer checkpoints: the adapter (standard peft folder, loadable anywhere), the optimizer, step, sync round,
+epoch, RNG state and the prompt stream's position, every `checkpoint.everySteps` and at the end.
+
+A checkpoint is a folder `step-<N>` written under a temporary name and renamed when complete, so a trainer killed
+mid-write resumes from the previous one. Only trainer rank 0 writes; with several ranks the full optimizer state
+is gathered first (a collective all ranks join) and scattered back on resume.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grpolora.workers.adapter import load_adapter, lora_config, lora_tensors, save_adapter
+
+log = logging.getLogger(__name__)
+
+PREFIX = "step-"
+STATE_FILE = "trainer_state.pt"
+ADAPTER_DIR = "adapter"
+
+
+@dataclass
+class Progress:
+    """What must survive a restart besides the weights. step and sync_round never go backwards."""
+
+    step: int = 0
+    sync_round: int = 0
+    epoch: int = 0
+    prompts_consumed: int = 0
+
+
+def latest(root: Path) -> Path | None:
+    steps = sorted(
+        (p for p in root.glob(f"{PREFIX}*") if p.is_dir() and (p / STATE_FILE).exists()),
+        key=lambda p: int(p.name.removeprefix(PREFIX)),
+    )
+    return steps[-1] if steps else None
+
+
+def _sharded(model: torch.nn.Module) -> bool:
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, progress: Progress, keep: int) -> Path:
+    """Called on every rank (gathering is collective); rank 0 writes. Returns the checkpoint folder."""
+    tensors = lora_tensors(model)
+    optim_state = _full_optimizer_state(model, optimizer)
+    target = root / f"{PREFIX}{progress.step:08d}"
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return target
+    staging = root / f".tmp-{target.name}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_adapter(staging / ADAPTER_DIR, tensors, lora_config(model))
+    torch.save(
+        {
+            "progress": asdict(progress),
+            "optimizer": optim_state,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        },
+        staging / STATE_FILE,
+    )
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    for old in sorted(root.glob(f"{PREFIX}*"), key=lambda p: p.name)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    log.info("checkpoint %s written", target)
+    return target
+
+
+def restore(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
+    """Load a checkpoint into an already built policy and optimizer (every rank calls this)."""
+    tensors, _ = load_adapter(folder / ADAPTER_DIR)
+    state = torch.load(folder / STATE_FILE, weights_only=False)
+    if _sharded(model):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, _with_adapter_names(model, tensors), options=options)
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
+    else:
+        missing = _load_adapter_tensors(model, tensors)
+        if missing:
+            raise ValueError(f"checkpoint {folder} lacks adapter tensors {missing[:3]}... for this model/LoRA config")
+        optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    progress = Progress(**state["progress"])
+    log.info("resumed from %s at step %d (sync round %d)", folder, progress.step, progress.sync_round)
+    return progress
+
+
+def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if not _sharded(model):
+        return optimizer.state_dict()
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def _with_adapter_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """peft saves `...lora_A.weight`; the live module names them `...lora_A.default.weight`."""
+    return {
+        name.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): t
+        for name, t in tensors.items()
+    }
+
+
+def _load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
+    from peft import set_peft_model_state_dict
+
+    result = set_peft_model_state_dict(model, tensors)
+    return [k for k in result.missing_keys if "lora_" in k]

@@ -1,0 +1,313 @@
+"""The GRPO loop. Trainer rank 0 drives it: prompts -> rollouts from every inference replica -> rewards ->
+group-relative advantages -> one optimizer step on all trainer ranks -> adapter sync -> status and metrics.
+Other ranks follow in lockstep: each step rank 0 broadcasts what to do (the batch, whether to sync, checkpoint
+or stop), and all ranks take part in the collectives that gather the adapter and the optimizer state.
+
+Sequential mode is on-policy: a step's rollouts come from the adapter version the step starts from. With
+`grpo.pipelined`, step n+1's rollouts are generated while step n trains and syncs, from the version before step
+n's update (one step off-policy); the importance ratio then uses the sampler's behaviour logprobs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.workers import adapter as adapter_io
+from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.trainer import checkpoint, metrics
+from grpolora.workers.trainer.checkpoint import Progress
+from grpolora.workers.trainer.grpo import group_advantages
+from grpolora.workers.trainer.policy import Batch, Policy, build_batch
+from grpolora.workers.trainer.rollout import Completion, RolloutClient, Sampling
+from grpolora.workers.trainer.status_server import StatusBoard
+from grpolora.workers.trainer.step import StepStats, make_optimizer, train_step
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Instruction:
+    """What rank 0 tells every rank to do this step (broadcast as one object)."""
+
+    batch: Batch | None
+    on_policy: bool = True
+    sync: bool = False
+    checkpoint: bool = False
+    stop: bool = False
+
+
+@dataclass
+class Rollouts:
+    prompts: list[Prompt]
+    prompt_ids: list[list[int]]
+    completions: list[list[Completion]]
+    version: int
+    seconds: float
+
+
+@dataclass
+class TrainerContext:
+    spec: GRPOLoraJobSpec
+    policy: Policy
+    rank: int
+    world_size: int
+    checkpoint_dir: Path
+    output_dir: Path
+    optimizer: torch.optim.Optimizer = field(init=False)
+    progress: Progress = field(default_factory=Progress)
+
+    def __post_init__(self) -> None:
+        self.optimizer = make_optimizer(self.policy, self.spec.grpo)
+
+    def resume(self) -> None:
+        found = checkpoint.latest(self.checkpoint_dir)
+        if found is not None:
+            self.progress = checkpoint.restore(found, self.policy.model, self.optimizer)
+
+    def save(self) -> None:
+        checkpoint.save(
+            self.checkpoint_dir, self.policy.model, self.optimizer, self.progress, keep=self.spec.checkpoint.keep
+        )
+
+
+def broadcast_instruction(instruction: Instruction | None, world_size: int) -> Instruction:
+    if world_size == 1:
+        assert instruction is not None
+        return instruction
+    holder = [instruction]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def run_follower(ctx: TrainerContext) -> None:
+    """Trainer ranks > 0: do what rank 0 says until it says stop."""
+    while True:
+        instruction = broadcast_instruction(None, ctx.world_size)
+        if instruction.stop:
+            return
+        if instruction.batch is not None:
+            train_step(
+                ctx.policy,
+                ctx.optimizer,
+                instruction.batch,
+                ctx.spec.grpo,
+                on_policy=instruction.on_policy,
+                rank=ctx.rank,
+                world_size=ctx.world_size,
+            )
+        if instruction.sync:
+            adapter_io.lora_tensors(ctx.policy.model)  # the gather is collective; rank 0 sends the result
+        if instruction.checkpoint:
+            ctx.save()
+
+
+class Controller:
+    """Rank 0's loop. The sender, rollout client and task are injected (built by the entry point)."""
+
+    def __init__(self, ctx: TrainerContext, *, task: Task, sender, rollouts: RolloutClient, board: StatusBoard):
+        self.ctx = ctx
+        self.spec = ctx.spec
+        self.task = task
+        self.sender = sender
+        self.rollouts = rollouts
+        self.board = board
+        self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
+        self._metrics_file = ctx.output_dir / "metrics.jsonl"
+        self._prompts = self._prompt_stream()
+
+    def _prompt_stream(self) -> Iterator[Prompt]:
+        # The stream is deterministic for the seed; a resumed run skips what it already consumed.
+        stream = self.task.prompts(self.spec.grpo.seed)
+        return islice(stream, self.ctx.progress.prompts_consumed, None)
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        tokenizer = self.ctx.policy.tokenizer
+        text = tokenizer.apply_chat_template(
+            chat_messages(prompt, self.spec.task.system_prompt), tokenize=False, add_generation_prompt=True
+        )
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _generate(self, prompts: list[Prompt], version: int) -> Rollouts:
+        started = time.perf_counter()
+        grpo = self.spec.grpo
+        ids = [self._tokenize(p) for p in prompts]
+        sampling = Sampling(
+            n=grpo.generations_per_prompt,
+            temperature=grpo.temperature,
+            top_p=grpo.top_p,
+            max_tokens=grpo.max_new_tokens,
+        )
+        completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.group)
+        return Rollouts(prompts, ids, completions, version, time.perf_counter() - started)
+
+    def _next_prompts(self) -> list[Prompt]:
+        prompts = list(islice(self._prompts, self.spec.grpo.prompts_per_step))
+        self.ctx.progress.prompts_consumed += len(prompts)
+        return prompts
+
+    def run(self) -> None:
+        ctx, grpo = self.ctx, self.spec.grpo
+        self.board.update(phase="Running", step=ctx.progress.step, sync_round=ctx.progress.sync_round)
+        if self.sender.version > 0 or ctx.progress.step > 0:
+            # Resumed (or replicas already serve an adapter): make every replica serve this checkpoint's adapter.
+            self._sync(final=False)
+        pending: Future[Rollouts] | None = None
+        while ctx.progress.step < grpo.steps:
+            self.sender.refresh()
+            if pending is None:
+                rollouts = self._generate(self._next_prompts(), self.sender.version)
+            else:
+                rollouts = pending.result()
+            step_started = time.perf_counter()
+            on_policy = rollouts.version == self.sender.version
+            last = ctx.progress.step + 1 == grpo.steps
+            if grpo.pipelined and not last:
+                # Overlap the next step's generation with this step's training and sync.
+                pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
+            reward_started = time.perf_counter()
+            rewards, batch = self._score(rollouts)
+            reward_seconds = time.perf_counter() - reward_started
+            sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last
+            save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
+            instruction = Instruction(batch=batch, on_policy=on_policy, sync=sync_now, checkpoint=save_now)
+            broadcast_instruction(instruction, ctx.world_size)
+            train_started = time.perf_counter()
+            stats = train_step(
+                ctx.policy, ctx.optimizer, batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
+            )
+            train_seconds = time.perf_counter() - train_started
+            ctx.progress.step += 1
+            report = self._sync(final=False) if sync_now else None
+            if save_now:
+                ctx.save()
+            self._record(
+                rollouts,
+                rewards,
+                stats,
+                report,
+                on_policy,
+                {
+                    "generate": rollouts.seconds,
+                    "reward": reward_seconds,
+                    "train": train_seconds,
+                    "sync": report.seconds if report else 0.0,
+                    "step": time.perf_counter() - step_started + (0.0 if grpo.pipelined else rollouts.seconds),
+                },
+            )
+        broadcast_instruction(Instruction(batch=None, stop=True), ctx.world_size)
+        adapter_io.save_adapter(
+            ctx.output_dir / "final-adapter",
+            adapter_io.lora_tensors(ctx.policy.model),
+            adapter_io.lora_config(ctx.policy.model),
+        )
+        self.board.update(phase="Succeeded", message=f"{grpo.steps} steps done")
+        self._generator.shutdown(wait=False, cancel_futures=True)
+
+    def _score(self, rollouts: Rollouts) -> tuple[torch.Tensor, Batch]:
+        rewards = torch.tensor(
+            [
+                [float(self.task.reward(prompt, c.text)) for c in completions]
+                for prompt, completions in zip(rollouts.prompts, rollouts.completions, strict=True)
+            ],
+            dtype=torch.float32,
+        )
+        advantages = group_advantages(rewards, self.spec.grpo.advantage)
+        sequences, flat_advantages = [], []
+        for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
+            for completion, advantage in zip(completions, row.tolist(), strict=True):
+                sequences.append((ids, completion.token_ids, completion.logprobs))
+                flat_advantages.append(advantage)
+        pad = self.ctx.policy.tokenizer.pad_token_id
+        return rewards, build_batch(sequences, flat_advantages, pad)
+
+    def _sync(self, *, final: bool):
+        tensors = adapter_io.lora_tensors(self.ctx.policy.model)
+        report = self.sender.send(tensors, adapter_io.lora_config(self.ctx.policy.model))
+        progress = self.ctx.progress
+        progress.sync_round, progress.epoch = report.version, report.epoch
+        metrics.SYNC_ROUND.set(report.version)
+        metrics.SYNC_EPOCH.set(report.epoch)
+        metrics.SYNC_SECONDS.observe(report.seconds)
+        metrics.SYNC_BYTES.inc(report.bytes)
+        self.board.update(
+            sync_round=report.version,
+            epoch=report.epoch,
+            sync_members=list(report.members),
+            last_sync_seconds=report.seconds,
+            last_sync_bytes=report.bytes,
+            last_sync_time=datetime.fromtimestamp(report.finished_at, UTC).isoformat(),
+        )
+        return report
+
+    def _record(
+        self,
+        rollouts: Rollouts,
+        rewards: torch.Tensor,
+        stats: StepStats,
+        report,
+        on_policy: bool,
+        seconds: dict[str, float],
+    ) -> None:
+        progress = self.ctx.progress
+        lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
+        record: dict[str, Any] = {
+            "step": progress.step,
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std()),
+            "kl": stats.kl,
+            "loss": stats.loss,
+            "clip_fraction": stats.clip_fraction,
+            "grad_norm": stats.grad_norm,
+            "mismatch": stats.mismatch,
+            "mismatch_max_abs": stats.mismatch_max,
+            "gen_kl": stats.gen_kl,
+            "tokens": stats.tokens,
+            "completion_length_mean": sum(lengths) / max(len(lengths), 1),
+            "rollout_version": rollouts.version,
+            "on_policy": on_policy,
+            "sync_round": progress.sync_round,
+            "epoch": progress.epoch,
+            "sync_bytes": report.bytes if report else 0,
+            "sync_transport_seconds": report.transport_seconds if report else 0.0,
+            "seconds": seconds,
+            "time": time.time(),
+        }
+        with self._metrics_file.open("a") as handle:
+            handle.write(json.dumps(record) + "\n")
+        metrics.STEP.set(progress.step)
+        metrics.REWARD_MEAN.set(record["reward_mean"])
+        metrics.KL.set(stats.kl)
+        metrics.MISMATCH.set(stats.mismatch)
+        for phase in ("generate", "reward", "train", "sync"):
+            metrics.PHASE_SECONDS.labels(phase=phase).observe(seconds[phase])
+        self.board.update(
+            step=progress.step,
+            reward_mean=record["reward_mean"],
+            reward_std=record["reward_std"],
+            kl=stats.kl,
+            mismatch=stats.mismatch,
+            gen_kl=stats.gen_kl,
+        )
+        log.info(
+            "step %d/%d reward %.3f kl %.4f mismatch %.2e sync %.3fs (round %d)",
+            progress.step,
+            self.spec.grpo.steps,
+            record["reward_mean"],
+            stats.kl,
+            stats.mismatch,
+            seconds["sync"],
+            progress.sync_round,
+        )

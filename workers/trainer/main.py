@@ -1,0 +1,126 @@
+"""`grpolora worker trainer`: one trainer pod (or local actor). It starts LOCAL_WORLD_SIZE rank processes (one per
+GPU, as torchrun does) and each joins torch.distributed with the rendezvous from the env contract."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from grpolora.api import contract
+from grpolora.api.contract import WorkerEnv
+from grpolora.api.status import TrainerStatus
+
+log = logging.getLogger(__name__)
+
+STARTUP_WAIT_SECONDS = 1800.0
+
+
+def run_trainer_pod(env: WorkerEnv) -> int:
+    if env.local_world_size == 1:
+        return run_rank(env, local_rank=0)
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_spawned_rank, args=(env,), nprocs=env.local_world_size, start_method="spawn")
+    return 0
+
+
+def _spawned_rank(local_rank: int, env: WorkerEnv) -> None:
+    code = run_rank(env, local_rank)
+    if code:
+        raise SystemExit(code)
+
+
+def run_rank(env: WorkerEnv, local_rank: int) -> int:
+    from grpolora.workers.models import fingerprint, resolve_model
+    from grpolora.workers.tasks import load_task
+    from grpolora.workers.trainer.controller import Controller, TrainerContext, run_follower
+    from grpolora.workers.trainer.policy import Policy
+    from grpolora.workers.trainer.status_server import StatusBoard, start_status_server
+
+    rank = env.node_rank * env.local_world_size + local_rank
+    os.environ[contract.RANK], os.environ[contract.LOCAL_RANK] = str(rank), str(local_rank)
+    spec = env.spec
+    use_gpu = spec.trainer.gpus_per_replica > 0
+    device = torch.device("cuda", local_rank) if use_gpu else torch.device("cpu")
+    if use_gpu:
+        torch.cuda.set_device(device)
+    board = StatusBoard(TrainerStatus(phase="Starting", total_steps=spec.grpo.steps)) if rank == 0 else None
+    # Every trainer pod answers /health (readiness); rank 0 also serves /status and /metrics.
+    server = start_status_server(board, env.bind_addr, env.status_port) if local_rank == 0 else None
+    try:
+        task = load_task(spec.task) if rank == 0 else None  # a bad dataset or plugin fails before any work
+        if env.world_size > 1:
+            dist.init_process_group(
+                backend="nccl" if use_gpu else "gloo",
+                init_method=f"tcp://{env.master_addr}:{env.master_port}",
+                rank=rank,
+                world_size=env.world_size,
+                device_id=device if use_gpu else None,
+            )
+        model_dir = resolve_model(env.model, spec.model.revision)
+        policy = Policy(model_dir, spec, device=device, shard=env.world_size > 1)
+        output_dir = Path(env.output_dir or env.checkpoint_dir)
+        checkpoint_dir = Path(env.checkpoint_dir)
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        output_dir.mkdir(parents=True, exist_ok=True)
+        ctx = TrainerContext(
+            spec=spec,
+            policy=policy,
+            rank=rank,
+            world_size=env.world_size,
+            checkpoint_dir=checkpoint_dir,
+            output_dir=output_dir,
+        )
+        ctx.resume()
+        if rank != 0:
+            run_follower(ctx)
+            return 0
+        assert board is not None and task is not None
+        sender, rollouts = _connect(env, fingerprint(model_dir), ctx, device)
+        try:
+            # Inference engines may still be downloading and loading the model: wait for all of them.
+            sender.form_group(wait_for_all_seconds=STARTUP_WAIT_SECONDS)
+            Controller(ctx, task=task, sender=sender, rollouts=rollouts, board=board).run()
+        finally:
+            sender.close()
+            rollouts.close()
+        return 0
+    except Exception as exc:
+        log.exception("trainer rank %d failed", rank)
+        if board is not None:
+            board.update(phase="Failed", message=f"{type(exc).__name__}: {exc}")
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        if server is not None:
+            server.shutdown()
+
+
+def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
+    from grpolora.workers.sync.control import HttpMember
+    from grpolora.workers.sync.sender import AdapterSender
+    from grpolora.workers.sync.transport import connect_store
+    from grpolora.workers.trainer.rollout import RolloutClient
+
+    store = connect_store(env.bind_addr, env.sync_port, is_master=True, timeout_seconds=env.sync_timeout_seconds)
+    members = [HttpMember(i, url, env.token) for i, url in enumerate(env.inference_endpoints)]
+    sender = AdapterSender(
+        members,
+        store=store,
+        store_addr=env.sync_addr,
+        store_port=env.sync_port,
+        backend=env.sync_backend,
+        timeout_seconds=env.sync_timeout_seconds,
+        bucket_bytes=env.spec.sync.bucket_mib << 20,
+        fingerprint=model_fingerprint,
+        first_epoch=max(env.sync_epoch, ctx.progress.epoch + 1 if ctx.progress.step else env.sync_epoch),
+        first_version=ctx.progress.sync_round,
+        device=device if env.sync_backend == "nccl" else None,
+    )
+    rollouts = RolloutClient(env.inference_endpoints, env.token, timeout_seconds=max(env.sync_timeout_seconds, 600))
+    return sender, rollouts

@@ -1,0 +1,32 @@
+"""Prometheus metrics of trainer rank 0 (all declared here; served at GET /metrics on the status port)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+REGISTRY = CollectorRegistry(auto_describe=True)
+
+STEP = Gauge("grpolora_trainer_step", "Optimizer steps completed", registry=REGISTRY)
+SYNC_ROUND = Gauge(
+    "grpolora_trainer_sync_round", "Adapter version last sent to the inference replicas", registry=REGISTRY
+)
+SYNC_EPOCH = Gauge("grpolora_trainer_sync_epoch", "Sync-group epoch (grows when the group re-forms)", registry=REGISTRY)
+SYNC_SECONDS = Histogram(
+    "grpolora_trainer_sync_seconds",
+    "Wall time of a sync round (pack, broadcast, verify)",
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+    registry=REGISTRY,
+)
+SYNC_BYTES = Counter("grpolora_trainer_sync_bytes_total", "Adapter bytes broadcast", registry=REGISTRY)
+REWARD_MEAN = Gauge("grpolora_trainer_reward_mean", "Mean reward of the last step", registry=REGISTRY)
+KL = Gauge("grpolora_trainer_kl", "Mean k3 KL to the reference policy at the last step", registry=REGISTRY)
+MISMATCH = Gauge(
+    "grpolora_trainer_logprob_mismatch",
+    "Mean exp(|logprob_trainer - logprob_vllm|) - 1 over the last step's tokens",
+    registry=REGISTRY,
+)
+PHASE_SECONDS = Histogram(
+    "grpolora_trainer_phase_seconds",
+    "Time per step phase",
+    ["phase"],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)

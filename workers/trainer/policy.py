@@ -1,0 +1,154 @@
+"""The policy: the base model with a PEFT LoRA adapter; the reference policy is the same model with the adapter
+disabled, so there is no second copy of the weights.
+
+The base model runs in the spec's compute dtype; the LoRA weights stay float32 (peft's default
+`autocast_adapter_dtype`), so small updates are not rounded away. With several trainer ranks the model is
+sharded with FSDP2 (`fully_shard` per decoder layer and at the root); LoRA tensors are then DTensors that
+`lora_tensors` gathers whole for sync and checkpoints.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.workers.trainer.grpo import token_logprobs
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Sequences (prompt + completion, right-padded) and which positions are completion tokens.
+
+    `completion_mask[b, t]` marks whether token t + 1 of sequence b is a completion token: position t's logits
+    predict it. `behaviour_logprobs` are the sampler's logprobs of those tokens (zeros elsewhere).
+    """
+
+    input_ids: torch.Tensor  # [B, T] int64
+    attention_mask: torch.Tensor  # [B, T] int64
+    completion_mask: torch.Tensor  # [B, T-1] float32
+    behaviour_logprobs: torch.Tensor  # [B, T-1] float32
+    advantages: torch.Tensor  # [B] float32
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    def select(self, index: slice | torch.Tensor) -> Batch:
+        return Batch(
+            *(
+                t[index]
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.completion_mask,
+                    self.behaviour_logprobs,
+                    self.advantages,
+                )
+            )
+        )
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(
+            *(
+                t.to(device)
+                for t in (
+                    self.input_ids,
+                    self.attention_mask,
+                    self.completion_mask,
+                    self.behaviour_logprobs,
+                    self.advantages,
+                )
+            )
+        )
+
+
+def build_batch(
+    sequences: list[tuple[list[int], list[int], list[float]]], advantages: list[float], pad_id: int
+) -> Batch:
+    """(prompt ids, completion ids, completion logprobs) per sequence -> a right-padded Batch."""
+    length = max(len(p) + len(c) for p, c, _ in sequences)
+    size = len(sequences)
+    input_ids = torch.full((size, length), pad_id, dtype=torch.int64)
+    attention = torch.zeros((size, length), dtype=torch.int64)
+    completion = torch.zeros((size, length - 1), dtype=torch.float32)
+    behaviour = torch.zeros((size, length - 1), dtype=torch.float32)
+    for row, (prompt, tokens, logprobs) in enumerate(sequences):
+        total = len(prompt) + len(tokens)
+        input_ids[row, :total] = torch.tensor(prompt + tokens)
+        attention[row, :total] = 1
+        start = len(prompt) - 1  # logits at position len(prompt) - 1 predict the first completion token
+        completion[row, start : start + len(tokens)] = 1.0
+        behaviour[row, start : start + len(tokens)] = torch.tensor(logprobs, dtype=torch.float32)
+    return Batch(input_ids, attention, completion, behaviour, torch.tensor(advantages, dtype=torch.float32))
+
+
+class Policy:
+    def __init__(
+        self,
+        model_dir: Path,
+        spec: GRPOLoraJobSpec,
+        *,
+        device: torch.device,
+        shard: bool = False,
+    ):
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.spec = spec
+        self.device = device
+        self.temperature = spec.grpo.temperature
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[spec.model.dtype])
+        base.config.use_cache = False
+        lora = spec.lora
+        torch.manual_seed(spec.grpo.seed)  # LoRA A's initialisation is part of the run's reproducibility
+        config = LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=lora.target_modules,
+            task_type="CAUSAL_LM",
+        )
+        self.model = get_peft_model(base, config).to(device)
+        if shard:
+            self._fully_shard()
+        trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        log.info("policy: %s with LoRA r=%d (%d trainable parameters)", model_dir, lora.rank, trainable)
+
+    def _fully_shard(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = getattr(self.model.get_base_model().model, "layers", None)
+        if layers is None:
+            raise ValueError("FSDP2 sharding expects a decoder with model.layers (Llama, Qwen, Mistral, ...)")
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(self.model)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def reference(self) -> Iterator[None]:
+        """The reference policy: the same weights with the adapter switched off."""
+        with self.model.disable_adapter():
+            yield
+
+    def logprobs(self, batch: Batch) -> torch.Tensor:
+        """Per-token logprobs [B, T-1] at the sampling temperature, float32 (the same distribution vLLM samples)."""
+        logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        logits = logits[:, :-1]
+        if self.temperature != 1.0:
+            logits = logits / self.temperature
+        return token_logprobs(logits, batch.input_ids[:, 1:])
