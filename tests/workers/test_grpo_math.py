@@ -69,6 +69,8 @@ def test_advantages_reject_bad_input():
         group_advantages(torch.zeros(3, 1), "group-normalized")
     with pytest.raises(ValueError, match=r"\[num_groups, group_size\]"):
         group_advantages(torch.zeros(8), "group-normalized")
+    with pytest.raises(ValueError, match="must be finite"):
+        group_advantages(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "leave-one-out")
     with pytest.raises(ValueError, match="unknown advantage method"):
         group_advantages(torch.zeros(2, 4), "mean")  # type: ignore[arg-type]
 

@@ -263,10 +263,17 @@ def test_reward_plugin_must_return_a_finite_number(tmp_path, value):
         task.reward(next(task.prompts(0)), "x")
 
 
-def test_plugin_import_path_is_restored(tmp_path):
+def test_plugin_folder_is_appended_to_the_import_path_once(tmp_path):
+    # Appended (an installed module of the same name wins) and kept (a plugin may import a sibling lazily).
+    body = "def score(prompt, completion, answer):\n    import helper_{h}\n    return helper_{h}.VALUE\n"
+    helper = uuid.uuid4().hex[:8]
+    (tmp_path / f"helper_{helper}.py").write_text("VALUE = 0.5\n")
+    module = write_plugin(tmp_path, body.format(h=helper))
     before = list(sys.path)
-    load_task(task_spec(name="keyword", reward=f"{write_plugin(tmp_path, REWARD_BODY)}:score"), root=tmp_path)
-    assert sys.path == before
+    for _ in range(2):
+        task = load_task(task_spec(name="keyword", reward=f"{module}:score"), root=tmp_path)
+    assert sys.path == [*before, str(tmp_path.resolve())]
+    assert task.reward(next(task.prompts(0)), "x") == 0.5
 
 
 def test_tasks_import_without_torch():

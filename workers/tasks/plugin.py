@@ -12,7 +12,6 @@ import math
 import numbers
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError
@@ -20,19 +19,13 @@ from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError
 FIELD = "spec.task.reward"
 
 
-@contextmanager
-def _importable_from(folder: Path) -> Iterator[None]:
+def _add_to_import_path(folder: Path) -> None:
     # As with `python -m`, modules next to the job (the current directory by default) are importable without
-    # installing them; the path is restored afterwards so nothing else resolves differently.
-    entry = str(folder)
-    added = entry not in sys.path
-    if added:
-        sys.path.insert(0, entry)
-    try:
-        yield
-    finally:
-        if added:
-            sys.path.remove(entry)
+    # installing them. Appended, so they never shadow an installed module, and kept, so that a plugin which
+    # imports a sibling module lazily (inside the function) still finds it later.
+    entry = str(folder.resolve())
+    if entry not in sys.path:
+        sys.path.append(entry)
 
 
 def load_reward_function(ref: str, root: Path | None = None) -> RewardFn:
@@ -41,15 +34,15 @@ def load_reward_function(ref: str, root: Path | None = None) -> RewardFn:
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise TaskError(FIELD, f"{ref!r} is not of the form package.module:function")
-    with _importable_from(root or Path.cwd()):
-        try:
-            module = importlib.import_module(module_name)
-        except ModuleNotFoundError as err:
-            if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-                raise TaskError(FIELD, f"cannot import module {module_name!r}: {err}") from err
-            raise TaskError(FIELD, f"importing module {module_name!r} failed: {err}") from err
-        except Exception as err:  # the plugin's own import-time error, reported as the user's
-            raise TaskError(FIELD, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err
+    _add_to_import_path(root or Path.cwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise TaskError(FIELD, f"cannot import module {module_name!r}: {err}") from err
+        raise TaskError(FIELD, f"importing module {module_name!r} failed: {err}") from err
+    except Exception as err:  # the plugin's own import-time error, reported as the user's
+        raise TaskError(FIELD, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err
     if not hasattr(module, attr):
         raise TaskError(FIELD, f"{module_name!r} has no function {attr!r}")
     fn = getattr(module, attr)

@@ -40,6 +40,8 @@ def group_advantages(rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6
     if eps <= 0:
         raise ValueError(f"eps must be positive, got {eps}")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards must be finite (a NaN or inf would spread to every advantage of its group)")
     centered = r - r.mean(dim=1, keepdim=True)
     if method == "group-normalized":
         std = r.std(dim=1, keepdim=True, correction=0)
@@ -63,7 +65,8 @@ def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, 
     another one for the backward pass (GiBs for a 150k vocabulary). This computes logsumexp over chunks of at
     most `chunk_size` positions of one sequence, and the backward pass recomputes softmax chunk by chunk from the
     saved logits, so the float32 working set is one [chunk_size, V] slice. Returns [B, T] float32 (float64 for
-    float64 logits).
+    float64 logits). Padding positions need a valid token id too (e.g. the pad token, not -100); the loss's mask
+    ignores their values.
     """
     if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(
@@ -231,15 +234,18 @@ def grpo_loss(
     loss = (per_token * weight).sum() / token_normalizer
 
     with torch.no_grad():
-        stats = LossStats(
-            token_count=float(weight.sum()),
-            ratio_sum=float((ratio * weight).sum()),
-            clipped_low=float(((ratio < 1 - clip_epsilon) & (adv < 0) & keep).sum()),
-            clipped_high=float(((ratio > 1 + clip_epsilon) & (adv > 0) & keep).sum()),
-            kl_sum=float((kl * weight).sum()) if kl is not None else 0.0,
-            policy_loss_sum=float((policy_loss * weight).sum()),
+        sums = torch.stack(
+            [
+                weight.sum(),
+                (ratio * weight).sum(),
+                ((ratio < 1 - clip_epsilon) & (adv < 0) & keep).sum().to(weight.dtype),
+                ((ratio > 1 + clip_epsilon) & (adv > 0) & keep).sum().to(weight.dtype),
+                (kl * weight).sum() if kl is not None else zero,
+                (policy_loss * weight).sum(),
+            ]
         )
-    return loss, stats
+    # One device-to-host copy for all six figures (each float() on a GPU tensor would wait for the device).
+    return loss, LossStats(*sums.tolist())
 
 
 @dataclass(frozen=True)
