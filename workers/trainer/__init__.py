@@ -1,1 +1,1 @@
-"""The trainer: PEFT LoRA on the base model, GRPO math, the training step, checkpoints."""
+"""The trainer role: PEFT LoRA on the base model, the GRPO math (grpo.py), the step, checkpoints, the loop."""

@@ -1,0 +1,345 @@
+"""The GRPO math against values worked out by hand (the arithmetic is in the comments)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from grpolora.workers.trainer.grpo import (
+    LossStats,
+    MismatchStats,
+    group_advantages,
+    grpo_loss,
+    k3_kl,
+    logprob_mismatch,
+    token_logprobs,
+)
+
+LN2 = math.log(2.0)
+
+
+def close(actual: torch.Tensor, expected: list | float, tol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), atol=tol, rtol=0)
+
+
+# --- advantages -----------------------------------------------------------------------------------------------------
+
+
+def test_group_normalized_uses_population_std():
+    # [1, 0, 0, 0]: mean 0.25, centred [0.75, -0.25, -0.25, -0.25],
+    #   population variance (0.5625 + 3 * 0.0625) / 4 = 0.1875, std 0.4330127 → [sqrt(3), -1/sqrt(3) x3].
+    # [2, 4, 6, 8]: mean 5, centred [-3, -1, 1, 3], variance (9 + 1 + 1 + 9) / 4 = 5, std sqrt(5)
+    #   → [-3, -1, 1, 3] / 2.2360680 = [-1.3416408, -0.4472136, 0.4472136, 1.3416408].
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 6.0, 8.0]])
+    advantages = group_advantages(rewards, "group-normalized", eps=1e-12)
+    s3 = math.sqrt(3.0)
+    close(advantages, [[s3, -1 / s3, -1 / s3, -1 / s3], [-1.3416408, -0.4472136, 0.4472136, 1.3416408]])
+    # Population std: zero mean and unit variance within each group.
+    close(advantages.mean(dim=1), [0.0, 0.0])
+    close(advantages.pow(2).mean(dim=1), [1.0, 1.0], tol=1e-5)
+
+
+def test_group_normalized_eps_keeps_tiny_spreads_finite():
+    # [0, 1e-9]: centred ±5e-10, std 5e-10; with eps 1e-6 → ±5e-10 / (5e-10 + 1e-6) ≈ ±4.9975e-4 (float64).
+    advantages = group_advantages(torch.tensor([[0.0, 1e-9]], dtype=torch.float64), "group-normalized")
+    close(advantages, [[-4.9975012e-4, 4.9975012e-4]], tol=1e-10)
+
+
+def test_leave_one_out_exact():
+    # [1, 0, 0, 0]: 1 - (0+0+0)/3 = 1;  0 - (1+0+0)/3 = -1/3.
+    # [2, 4, 6, 8]: 2 - 18/3 = -4;  4 - 16/3 = -4/3;  6 - 14/3 = 4/3;  8 - 12/3 = 4.
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 6.0, 8.0]])
+    advantages = group_advantages(rewards, "leave-one-out")
+    close(advantages, [[1.0, -1 / 3, -1 / 3, -1 / 3], [-4.0, -4 / 3, 4 / 3, 4.0]], tol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["group-normalized", "leave-one-out"])
+@pytest.mark.parametrize("value", [0.0, 0.1, 1 / 3, 0.7, 1.1])
+def test_identical_rewards_give_exact_zero_advantage(method, value):
+    rewards = torch.tensor([[value] * 8, [0.0, 1.0] * 4])
+    advantages = group_advantages(rewards, method)
+    assert torch.equal(advantages[0], torch.zeros(8))
+    assert advantages[1].abs().min() > 0.5
+
+
+def test_advantages_reject_bad_input():
+    with pytest.raises(ValueError, match="at least 2"):
+        group_advantages(torch.zeros(3, 1), "group-normalized")
+    with pytest.raises(ValueError, match=r"\[num_groups, group_size\]"):
+        group_advantages(torch.zeros(8), "group-normalized")
+    with pytest.raises(ValueError, match="must be finite"):
+        group_advantages(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "leave-one-out")
+    with pytest.raises(ValueError, match="unknown advantage method"):
+        group_advantages(torch.zeros(2, 4), "mean")  # type: ignore[arg-type]
+
+
+# --- token logprobs -------------------------------------------------------------------------------------------------
+
+
+def test_token_logprobs_hand_computed():
+    # logits [0, ln 3] → softmax [1/4, 3/4]: token 1 → ln(3/4) = -0.2876821, token 0 → ln(1/4) = -1.3862944.
+    # temperature 2 → logits [0, ln(3)/2] → p(token 0) = 1 / (1 + sqrt(3)) → -ln(2.7320508) = -1.0050525.
+    logits = torch.tensor([[[0.0, math.log(3.0)], [0.0, math.log(3.0)]]])
+    close(token_logprobs(logits, torch.tensor([[1, 0]])), [[-0.2876821, -1.3862944]])
+    close(token_logprobs(logits, torch.tensor([[0, 0]]), temperature=2.0), [[-1.0050525, -1.0050525]])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 1024])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_matches_log_softmax_values_and_grads(chunk_size, temperature):
+    torch.manual_seed(0)
+    full = torch.randn(3, 8, 11, requires_grad=True)
+    logits = full[:, :-1]  # a non-contiguous view, as `outputs.logits[:, :-1]` is
+    tokens = torch.randint(0, 11, (3, 7))
+    weights = torch.randn(3, 7)
+
+    ours = token_logprobs(logits, tokens, temperature=temperature, chunk_size=chunk_size)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), full)
+    reference = torch.log_softmax(logits / temperature, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    (grad_ref,) = torch.autograd.grad((reference * weights).sum(), full)
+
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(grad_ours, grad_ref)
+
+
+def test_token_logprobs_gradcheck_float64():
+    torch.manual_seed(1)
+    logits = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 6, (2, 5))
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, temperature=0.9, chunk_size=2), (logits,))
+
+
+def test_token_logprobs_bf16_computes_in_float32_without_keeping_a_float32_copy():
+    torch.manual_seed(2)
+    logits = torch.randn(2, 6, 50).to(torch.bfloat16).requires_grad_()
+    tokens = torch.randint(0, 50, (2, 6))
+    saved: list[torch.Tensor] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        ours = token_logprobs(logits, tokens, chunk_size=4)
+    assert ours.dtype == torch.float32
+    # Autograd keeps the bf16 logits it was given and [B, T] float32 logsumexps, never a float32 [B, T, V] copy.
+    assert not [t for t in saved if t.dtype == torch.float32 and t.shape == logits.shape]
+    reference = torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    torch.testing.assert_close(ours, reference)
+    ours.sum().backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+
+
+# --- k3 KL ----------------------------------------------------------------------------------------------------------
+
+
+def test_k3_hand_computed():
+    # logp = ln 1/2, ref = ln 1/4: d = ref - logp = -ln 2 → e^d - d - 1 = 0.5 + 0.6931472 - 1 = 0.1931472.
+    # logp = ln 1/4, ref = ln 1/2: d = ln 2 → 2 - 0.6931472 - 1 = 0.3068528.
+    logp = torch.tensor([math.log(0.5), math.log(0.25)])
+    ref = torch.tensor([math.log(0.25), math.log(0.5)])
+    close(k3_kl(logp, ref), [0.1931472, 0.3068528])
+
+
+def test_k3_non_negative_and_zero_iff_equal():
+    torch.manual_seed(3)
+    logp, ref = torch.randn(1000) - 3, torch.randn(1000) - 3
+    kl = k3_kl(logp, ref)
+    assert (kl > 0).all()
+    assert torch.equal(k3_kl(logp, logp), torch.zeros(1000))
+
+
+def test_k3_is_unbiased_for_kl_under_samples_from_pi():
+    # E_{x~pi}[k3(x)] = sum_x pi(x) k3(x) must equal KL(pi || ref) = sum_x pi(x) (log pi(x) - log ref(x)) exactly.
+    pi_logp = torch.log_softmax(torch.tensor([1.0, 0.2, -0.5, 2.0], dtype=torch.float64), dim=0)
+    ref_logp = torch.log_softmax(torch.tensor([0.0, 1.0, 0.3, 0.5], dtype=torch.float64), dim=0)
+    expectation = (pi_logp.exp() * k3_kl(pi_logp, ref_logp)).sum()
+    kl = (pi_logp.exp() * (pi_logp - ref_logp)).sum()
+    torch.testing.assert_close(expectation, kl)
+
+
+# --- loss -----------------------------------------------------------------------------------------------------------
+
+
+def test_ratio_one_gives_minus_advantage_plus_kl():
+    # A = [2, -1], mask [[1,1,1],[1,1,0]] → 5 tokens. logp = behaviour (ratio 1), ref = logp + ln 2 (k3 = 0.3068528).
+    # policy: -(2 * 3) + (1 * 2) = -4 → -4 / 5 = -0.8; KL: 0.1 * 0.3068528 * 5 / 5 = 0.0306853 → -0.7693147.
+    logp = torch.full((2, 3), -1.0, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    loss, stats = grpo_loss(
+        logp,
+        logp.detach(),
+        logp.detach() + LN2,
+        torch.tensor([2.0, -1.0]),
+        mask,
+        clip_epsilon=0.2,
+        kl_coef=0.1,
+        token_normalizer=5,
+    )
+    close(loss, -0.7693147)
+    # d l_t / d logp_t = -A + kl_coef * (1 - e^(ref - logp)) = -A + 0.1 * (1 - 2) = -A - 0.1, over 5 tokens:
+    # row 0: (-2 - 0.1) / 5 = -0.42; row 1: (1 - 0.1) / 5 = 0.18; the padding token: 0.
+    loss.backward()
+    close(logp.grad, [[-0.42, -0.42, -0.42], [0.18, 0.18, 0.0]])
+    assert stats == LossStats(
+        token_count=5.0,
+        ratio_sum=5.0,
+        clipped_low=0.0,
+        clipped_high=0.0,
+        kl_sum=pytest.approx(5 * 0.3068528),
+        policy_loss_sum=-4.0,
+    )
+    assert stats.mean_ratio == 1.0 and stats.clip_fraction == 0.0
+
+
+def test_clipping_on_both_sides():
+    # eps 0.2, one token per sequence, A = [1, 1, -1, -1], ratio = [1.5, 0.5, 0.5, 1.5]:
+    #   A>0, r=1.5: min(1.5, 1.2) = 1.2  → loss -1.2, clipped (no gradient)
+    #   A>0, r=0.5: min(0.5, 0.8) = 0.5  → loss -0.5, gradient -A * r = -0.5
+    #   A<0, r=0.5: min(-0.5, -0.8) = -0.8 → loss 0.8, clipped (no gradient)
+    #   A<0, r=1.5: min(-1.5, -1.2) = -1.5 → loss 1.5, gradient -A * r = 1.5
+    # sum 0.6 / 4 tokens = 0.15; gradients / 4 = [0, -0.125, 0, 0.375].
+    behaviour = torch.full((4, 1), -2.0)
+    logp = (behaviour + torch.tensor([[1.5], [0.5], [0.5], [1.5]]).log()).requires_grad_()
+    loss, stats = grpo_loss(
+        logp,
+        behaviour,
+        None,
+        torch.tensor([1.0, 1.0, -1.0, -1.0]),
+        torch.ones(4, 1),
+        clip_epsilon=0.2,
+        kl_coef=0.0,
+        token_normalizer=4,
+    )
+    close(loss, 0.15)
+    loss.backward()
+    close(logp.grad, [[0.0], [-0.125], [0.0], [0.375]])
+    assert (stats.clipped_low, stats.clipped_high, stats.clip_fraction) == (1.0, 1.0, 0.5)
+    assert stats.mean_ratio == pytest.approx(1.0)
+    assert stats.policy_loss_sum == pytest.approx(0.6)
+
+
+def _random_batch(seed: int, batch: int = 4, length: int = 6, vocab: int = 9):
+    generator = torch.Generator().manual_seed(seed)
+    logits = torch.randn(batch, length, vocab, generator=generator)
+    tokens = torch.randint(0, vocab, (batch, length), generator=generator)
+    behaviour = torch.log_softmax(logits + 0.3 * torch.randn(logits.shape, generator=generator), -1)
+    ref = torch.log_softmax(logits + 0.3 * torch.randn(logits.shape, generator=generator), -1)
+    behaviour = behaviour.gather(-1, tokens[..., None]).squeeze(-1)
+    ref = ref.gather(-1, tokens[..., None]).squeeze(-1)
+    lengths = torch.tensor([6, 2, 4, 1])[:batch]
+    mask = (torch.arange(length)[None, :] < lengths[:, None]).float()
+    advantages = torch.randn(batch, generator=generator)
+    return logits, tokens, behaviour, ref, advantages, mask
+
+
+def _loss_and_grad(logits, tokens, behaviour, ref, advantages, mask, normalizer):
+    params = logits.clone().requires_grad_()
+    loss, stats = grpo_loss(
+        token_logprobs(params, tokens),
+        behaviour,
+        ref,
+        advantages,
+        mask,
+        clip_epsilon=0.2,
+        kl_coef=0.05,
+        token_normalizer=normalizer,
+    )
+    loss.backward()
+    return loss.detach(), params.grad, stats
+
+
+def test_padding_never_affects_loss_or_gradients():
+    logits, tokens, behaviour, ref, advantages, mask = _random_batch(4)
+    loss, grad, stats = _loss_and_grad(logits, tokens, behaviour, ref, advantages, mask, 13.0)
+    pad = mask == 0
+    # Garbage in every padded position: other logits and tokens, inf and NaN logprobs.
+    logits2 = torch.where(pad[..., None], torch.randn(logits.shape) * 50, logits)
+    tokens2 = torch.where(pad, (tokens + 1) % 9, tokens)
+    behaviour2 = torch.where(pad, torch.tensor(float("-inf")), behaviour)
+    ref2 = torch.where(pad, torch.tensor(float("nan")), ref)
+    loss2, grad2, stats2 = _loss_and_grad(logits2, tokens2, behaviour2, ref2, advantages, mask, 13.0)
+    torch.testing.assert_close(loss2, loss)
+    torch.testing.assert_close(grad2, grad)
+    assert torch.equal(grad[pad], torch.zeros_like(grad[pad]))
+    assert stats2 == stats and stats.token_count == 13.0
+
+
+def test_micro_batches_with_shared_normalizer_equal_one_batch():
+    logits, tokens, behaviour, ref, advantages, mask = _random_batch(5)
+    total = float(mask.sum())  # 6 + 2 + 4 + 1 = 13 tokens in the step
+    loss, grad, stats = _loss_and_grad(logits, tokens, behaviour, ref, advantages, mask, total)
+
+    params = logits.clone().requires_grad_()
+    losses, all_stats = [], []
+    for rows in (slice(0, 1), slice(1, 4)):  # unequal micro-batches: 6 tokens, then 7
+        part, part_stats = grpo_loss(
+            token_logprobs(params[rows], tokens[rows]),
+            behaviour[rows],
+            ref[rows],
+            advantages[rows],
+            mask[rows],
+            clip_epsilon=0.2,
+            kl_coef=0.05,
+            token_normalizer=total,
+        )
+        part.backward()  # gradients accumulate in params.grad
+        losses.append(part.detach())
+        all_stats.append(part_stats)
+    torch.testing.assert_close(sum(losses), loss)
+    torch.testing.assert_close(params.grad, grad)
+    summed = sum(all_stats, LossStats())
+    for name in ("token_count", "ratio_sum", "kl_sum", "policy_loss_sum", "clipped_low", "clipped_high"):
+        assert getattr(summed, name) == pytest.approx(getattr(stats, name))
+    assert LossStats.from_tensor(summed.as_tensor()) == summed
+
+
+def test_identical_reward_group_gives_zero_policy_gradient():
+    logits, tokens, behaviour, _, _, mask = _random_batch(6)
+    advantages = group_advantages(torch.full((1, 4), 0.7), "group-normalized").flatten()
+    params = logits.clone().requires_grad_()
+    loss, _ = grpo_loss(
+        token_logprobs(params, tokens),
+        behaviour,
+        None,
+        advantages,
+        mask,
+        clip_epsilon=0.2,
+        kl_coef=0.0,
+        token_normalizer=float(mask.sum()),
+    )
+    loss.backward()
+    assert torch.equal(params.grad, torch.zeros_like(params))
+
+
+def test_loss_rejects_bad_arguments():
+    x = torch.zeros(2, 3)
+    common = {"clip_epsilon": 0.2, "kl_coef": 0.1, "token_normalizer": 6}
+    with pytest.raises(ValueError, match="ref_logp is required"):
+        grpo_loss(x, x, None, torch.zeros(2), torch.ones(2, 3), **common)
+    with pytest.raises(ValueError, match="token_normalizer must be positive"):
+        grpo_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), **{**common, "token_normalizer": 0})
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(x, x, x, torch.zeros(3), torch.ones(2, 3), **common)
+
+
+# --- mismatch -------------------------------------------------------------------------------------------------------
+
+
+def test_mismatch_hand_computed():
+    # Δ = trainer - sampler over the two real tokens = [ln 2, 0]:
+    #   exp(|Δ|) - 1 = [1, 0] → mean 0.5; max |Δ| = ln 2;
+    #   k3(sampler, trainer) = e^Δ - Δ - 1 = [2 - ln 2 - 1, 0] = [0.3068528, 0] → mean 0.1534264.
+    trainer = torch.tensor([[math.log(0.5), math.log(0.25), 5.0]])
+    sampler = torch.tensor([[math.log(0.25), math.log(0.25), float("nan")]])
+    stats = logprob_mismatch(trainer, sampler, torch.tensor([[1, 1, 0]]))
+    assert stats.token_count == 2.0
+    assert stats.mean_exp_abs_diff == pytest.approx(0.5)
+    assert stats.max_abs_diff == pytest.approx(LN2)
+    assert stats.mean_kl == pytest.approx(0.1534264)
+
+
+def test_mismatch_zero_for_identical_and_empty_and_adds_up():
+    logp = torch.randn(3, 4)
+    assert logprob_mismatch(logp, logp.clone(), torch.ones(3, 4)) == MismatchStats(token_count=12.0)
+    assert logprob_mismatch(logp, logp + 1, torch.zeros(3, 4)) == MismatchStats()
+    a = MismatchStats(token_count=2, exp_abs_diff_sum=1.0, max_abs_diff=0.7, kl_sum=0.3)
+    b = MismatchStats(token_count=3, exp_abs_diff_sum=0.5, max_abs_diff=0.2, kl_sum=0.1)
+    assert a + b == MismatchStats(token_count=5, exp_abs_diff_sum=1.5, max_abs_diff=0.7, kl_sum=pytest.approx(0.4))

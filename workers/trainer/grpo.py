@@ -1,0 +1,310 @@
+"""The GRPO math as small pure functions over tensors: advantages, token logprobs, the k3 KL estimator, the clipped
+loss and the trainer-vs-sampler mismatch. Nothing here knows about models, optimizers or processes, so every
+formula is unit-tested on CPU against hand-computed values (tests/workers/test_grpo_math.py).
+
+Shapes: B sequences (completions), T completion positions, V vocabulary; G completions per prompt form a group.
+`mask[B, T]` is 1 on completion tokens and 0 on padding (prompt tokens are not part of these tensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+AdvantageMethod = Literal["group-normalized", "leave-one-out"]
+
+
+def group_advantages(rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6) -> Tensor:
+    """Group-relative advantages, one per completion, from `rewards[num_groups, group_size]`.
+
+    - `group-normalized`: A_i = (r_i - mean(r)) / (std(r) + eps), with the *population* std
+      sqrt(sum_j (r_j - mean)^2 / G). We take the population std (not Bessel's G - 1) because then each group's
+      advantages have exactly zero mean and unit variance whatever G is; the sample std would shrink them by
+      sqrt((G - 1) / G), a group-size-dependent rescaling of the learning rate. (TRL's GRPOTrainer uses the
+      sample std, so its advantages are ours times sqrt((G - 1) / G), about 0.935 for G = 8.)
+    - `leave-one-out` (RLOO): A_i = r_i - sum_{j != i} r_j / (G - 1), the reward minus the mean of the others,
+      which equals G / (G - 1) * (r_i - mean(r)); not rescaled by a std.
+
+    A group whose rewards are all equal gets exactly zero advantages (it carries no signal about which completion
+    is better), also where floating-point rounding would leave a residue of order 1e-17 / eps.
+    Returns float32 (or float64 for float64 input) of the same shape as `rewards`.
+    """
+    if rewards.ndim != 2:
+        raise ValueError(f"rewards must be [num_groups, group_size], got shape {tuple(rewards.shape)}")
+    group_size = rewards.shape[1]
+    if group_size < 2:
+        raise ValueError(f"a group needs at least 2 completions to compare, got group_size={group_size}")
+    if eps <= 0:
+        raise ValueError(f"eps must be positive, got {eps}")
+    r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    if not torch.isfinite(r).all():
+        raise ValueError("rewards must be finite (a NaN or inf would spread to every advantage of its group)")
+    centered = r - r.mean(dim=1, keepdim=True)
+    if method == "group-normalized":
+        std = r.std(dim=1, keepdim=True, correction=0)
+        advantages = centered / (std + eps)
+    elif method == "leave-one-out":
+        advantages = centered * (group_size / (group_size - 1))
+    else:
+        raise ValueError(f"unknown advantage method {method!r}; valid: group-normalized, leave-one-out")
+    flat = (r == r[:, :1]).all(dim=1, keepdim=True)
+    return torch.where(flat, torch.zeros_like(advantages), advantages)
+
+
+def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
+    """log softmax(logits / temperature)[b, t, tokens[b, t]], computed in (at least) float32.
+
+    `logits[B, T, V]` must already be aligned with `tokens[B, T]` (the logits at position t predict token t, i.e.
+    the model output shifted by one). `temperature` must equal the sampler's when the sampler's logprobs are of
+    the temperature-scaled distribution (so that the importance ratio compares like with like).
+
+    Memory: `log_softmax(logits.float())` would materialise a float32 [B, T, V] copy and autograd would keep
+    another one for the backward pass (GiBs for a 150k vocabulary). This computes logsumexp over chunks of at
+    most `chunk_size` positions of one sequence, and the backward pass recomputes softmax chunk by chunk from the
+    saved logits, so the float32 working set is one [chunk_size, V] slice. Returns [B, T] float32 (float64 for
+    float64 logits). Padding positions need a valid token id too (e.g. the pad token, not -100); the loss's mask
+    ignores their values.
+    """
+    if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(
+            f"need logits [B, T, V] and tokens [B, T], got {tuple(logits.shape)} and {tuple(tokens.shape)}"
+        )
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    return _ChunkedTokenLogprobs.apply(logits, tokens, temperature, chunk_size)
+
+
+def _chunks(batch: int, length: int, chunk_size: int):
+    # Chunks stay inside one sequence so that `logits[b, s:e]` is a view even when `logits` is a non-contiguous
+    # slice such as `output.logits[:, :-1]` (reshaping that to [B * T, V] would copy it).
+    for b in range(batch):
+        for start in range(0, length, chunk_size):
+            yield b, slice(start, min(start + chunk_size, length))
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int) -> Tensor:
+        compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+        batch, length, _ = logits.shape
+        out = torch.empty(batch, length, dtype=compute_dtype, device=logits.device)
+        lse = torch.empty_like(out)
+        for b, s in _chunks(batch, length, chunk_size):
+            x = logits[b, s].to(compute_dtype) / temperature
+            lse[b, s] = torch.logsumexp(x, dim=-1)
+            out[b, s] = x.gather(-1, tokens[b, s, None]).squeeze(-1) - lse[b, s]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        # d logp_t / d logits_v = (onehot(t)_v - softmax(logits / temperature)_v) / temperature
+        grad = torch.empty_like(logits)
+        for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
+            g_out = grad_out[b, s, None]
+            probs = torch.exp(logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None])
+            g = (-probs * g_out).scatter_add_(-1, tokens[b, s, None], g_out)
+            grad[b, s] = (g / ctx.temperature).to(logits.dtype)
+        return grad, None, None, None
+
+
+def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Per-token k3 estimator of KL(pi || ref): exp(ref_logp - logp) - (ref_logp - logp) - 1.
+
+    With tokens sampled from pi, E[exp(ref - logp)] = 1, so the expectation is E[logp - ref] = KL(pi || ref):
+    unbiased, and lower-variance than log(pi / ref) because each term is >= 0 (e^x >= 1 + x), with equality
+    exactly where logp == ref_logp. Its gradient with respect to logp is 1 - exp(ref - logp).
+    """
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+@dataclass(frozen=True)
+class LossStats:
+    """Detached sums from one `grpo_loss` call. Sums (not means) so that micro-batches and ranks add up exactly:
+    `sum(stats, LossStats())`, or all-reduce the fields of `as_tensor()` and rebuild with `from_tensor`."""
+
+    token_count: float = 0.0
+    """Completion tokens (mask sum)."""
+    ratio_sum: float = 0.0
+    """Sum of the importance ratios exp(logp - behaviour_logp)."""
+    clipped_low: float = 0.0
+    """Tokens with A < 0 and ratio < 1 - epsilon: the clip zeroes their policy gradient."""
+    clipped_high: float = 0.0
+    """Tokens with A > 0 and ratio > 1 + epsilon: the clip zeroes their policy gradient."""
+    kl_sum: float = 0.0
+    """Sum of the per-token k3 KL to the reference (0 when no reference logprobs were given)."""
+    policy_loss_sum: float = 0.0
+    """Sum of the per-token clipped surrogate loss, -min(ratio * A, clip(ratio) * A)."""
+
+    def __add__(self, other: LossStats) -> LossStats:
+        return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def as_tensor(self) -> Tensor:
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_tensor(cls, values: Tensor) -> LossStats:
+        return cls(*(float(v) for v in values.tolist()))
+
+    @property
+    def clip_fraction(self) -> float:
+        return _safe_div(self.clipped_low + self.clipped_high, self.token_count)
+
+    @property
+    def mean_ratio(self) -> float:
+        return _safe_div(self.ratio_sum, self.token_count)
+
+    @property
+    def mean_kl(self) -> float:
+        return _safe_div(self.kl_sum, self.token_count)
+
+
+def _safe_div(numerator: float, denominator: float) -> float:
+    # An empty batch reports 0 rather than NaN, which JSON (the /status contract) cannot carry.
+    return numerator / denominator if denominator else 0.0
+
+
+def grpo_loss(
+    logp: Tensor,
+    behaviour_logp: Tensor,
+    ref_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_epsilon: float,
+    kl_coef: float,
+    token_normalizer: float,
+) -> tuple[Tensor, LossStats]:
+    """GRPO loss of one micro-batch: PPO clipped surrogate plus k3 KL, summed over completion tokens only.
+
+        ratio_t = exp(logp_t - behaviour_logp_t)
+        l_t     = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp_t, ref_logp_t)
+        loss    = sum_t(l_t * mask_t) / token_normalizer
+
+    A = advantages[b] is the sequence's advantage, the same for every token of that completion. `behaviour_logp`
+    are the logprobs of the policy that sampled the tokens (the sampler's, or the trainer's own before the step).
+
+    `token_normalizer` is the number of completion tokens in the whole optimizer step, not in this micro-batch:
+    backward() of every micro-batch then adds up to the gradient of the token-level mean over the step, exactly,
+    however the step is split (a per-micro-batch mean would weight the tokens of short micro-batches more).
+    With data parallelism, count the tokens over all ranks; if the gradient reduction averages over ranks
+    (DDP and FSDP do by default), pass total_tokens / world_size so that the average is the global token mean.
+
+    Padding positions (mask 0) never reach the loss or the gradient, even if their logprobs are inf or NaN.
+    `ref_logp` may be None only when kl_coef == 0 (the reference forward pass can then be skipped).
+    """
+    if clip_epsilon <= 0:
+        raise ValueError(f"clip_epsilon must be positive, got {clip_epsilon}")
+    if kl_coef < 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if not token_normalizer > 0:
+        raise ValueError(f"token_normalizer must be positive (completion tokens in the step), got {token_normalizer}")
+    if ref_logp is None and kl_coef != 0:
+        raise ValueError("ref_logp is required when kl_coef > 0")
+    if advantages.shape != logp.shape[:1] or mask.shape != logp.shape or behaviour_logp.shape != logp.shape:
+        raise ValueError(
+            f"need logp, behaviour_logp and mask [B, T] and advantages [B]; got {tuple(logp.shape)}, "
+            f"{tuple(behaviour_logp.shape)}, {tuple(mask.shape)} and {tuple(advantages.shape)}"
+        )
+    keep = mask.bool()
+    weight = keep.to(logp.dtype)
+    # Padding is replaced before any arithmetic: where() passes no gradient to the dropped branch, whereas a
+    # multiply by zero would turn an inf/NaN there into a NaN loss or gradient.
+    zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
+    logp = torch.where(keep, logp, zero)
+    behaviour_logp = torch.where(keep, behaviour_logp.detach(), zero)
+    adv = advantages.detach().to(logp.dtype)[:, None]
+
+    ratio = torch.exp(logp - behaviour_logp)
+    clipped_ratio = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon)
+    policy_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    per_token = policy_loss
+    kl = None
+    if ref_logp is not None:
+        kl = k3_kl(logp, torch.where(keep, ref_logp.detach(), zero))
+        per_token = per_token + kl_coef * kl
+    loss = (per_token * weight).sum() / token_normalizer
+
+    with torch.no_grad():
+        sums = torch.stack(
+            [
+                weight.sum(),
+                (ratio * weight).sum(),
+                ((ratio < 1 - clip_epsilon) & (adv < 0) & keep).sum().to(weight.dtype),
+                ((ratio > 1 + clip_epsilon) & (adv > 0) & keep).sum().to(weight.dtype),
+                (kl * weight).sum() if kl is not None else zero,
+                (policy_loss * weight).sum(),
+            ]
+        )
+    # One device-to-host copy for all six figures (each float() on a GPU tensor would wait for the device).
+    return loss, LossStats(*sums.tolist())
+
+
+@dataclass(frozen=True)
+class MismatchStats:
+    """How far the trainer's logprobs are from the sampler's for the same tokens (sums, so they add up over
+    micro-batches; `max_abs_diff` takes the max)."""
+
+    token_count: float = 0.0
+    exp_abs_diff_sum: float = 0.0
+    """Sum of exp(|trainer_logp - sampler_logp|) - 1 (0 for identical logprobs; ~|diff| when small)."""
+    max_abs_diff: float = 0.0
+    """Largest |trainer_logp - sampler_logp| over the tokens."""
+    kl_sum: float = 0.0
+    """Sum of the k3 estimate of KL(sampler || trainer) per token."""
+
+    def __add__(self, other: MismatchStats) -> MismatchStats:
+        return MismatchStats(
+            token_count=self.token_count + other.token_count,
+            exp_abs_diff_sum=self.exp_abs_diff_sum + other.exp_abs_diff_sum,
+            max_abs_diff=max(self.max_abs_diff, other.max_abs_diff),
+            kl_sum=self.kl_sum + other.kl_sum,
+        )
+
+    @property
+    def mean_exp_abs_diff(self) -> float:
+        """Mean over tokens of exp(|Δlogprob|) - 1."""
+        return _safe_div(self.exp_abs_diff_sum, self.token_count)
+
+    @property
+    def mean_kl(self) -> float:
+        """k3 estimate of KL(sampler || trainer) per token."""
+        return _safe_div(self.kl_sum, self.token_count)
+
+
+@torch.no_grad()
+def logprob_mismatch(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -> MismatchStats:
+    """Train-vs-inference mismatch over the completion tokens, as RL practitioners report it.
+
+        Δ_t = trainer_logp_t - sampler_logp_t
+        mean exp(|Δ_t|) - 1,   max |Δ_t|,   KL(sampler || trainer) ≈ mean k3(sampler_logp_t, trainer_logp_t)
+
+    The KL is taken with the sampler as the sampling distribution because that is where the tokens came from,
+    which is what makes k3 unbiased. Identical logprobs give zeros everywhere.
+    """
+    if trainer_logp.shape != sampler_logp.shape or mask.shape != trainer_logp.shape:
+        raise ValueError(
+            f"need matching [B, T] shapes, got {tuple(trainer_logp.shape)}, {tuple(sampler_logp.shape)}, "
+            f"{tuple(mask.shape)}"
+        )
+    keep = mask.bool()
+    dtype = torch.promote_types(trainer_logp.dtype, torch.float32)
+    trainer = trainer_logp.to(dtype)[keep]
+    sampler = sampler_logp.to(dtype)[keep]
+    if trainer.numel() == 0:
+        return MismatchStats()
+    abs_diff = (trainer - sampler).abs()
+    return MismatchStats(
+        token_count=float(trainer.numel()),
+        exp_abs_diff_sum=float(torch.expm1(abs_diff).sum()),
+        max_abs_diff=float(abs_diff.max()),
+        kl_sum=float(k3_kl(sampler, trainer).sum()),
+    )
