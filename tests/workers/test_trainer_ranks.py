@@ -58,7 +58,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         policy = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=True)
         optimizer = make_optimizer(policy, SPEC.grpo)
         stats = train_step(
-            policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=False, rank=rank, world_size=world_size
+            policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=True, rank=rank, world_size=world_size
         )
         state = lora_state(policy)  # a collective: every rank gathers
         folder = Path(out) / "ckpt"
@@ -82,7 +82,7 @@ def one_rank():
     policy = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"))
     before = lora_state(policy)
     optimizer = make_optimizer(policy, SPEC.grpo)
-    stats = train_step(policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=False)
+    stats = train_step(policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=True)
     return before, lora_state(policy), stats
 
 

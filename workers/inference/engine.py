@@ -206,6 +206,7 @@ class AdapterEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.lora.request import LoRARequest
+        from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
             n=request.n,
@@ -215,6 +216,8 @@ class AdapterEngine:
             seed=request.seed,
             logprobs=0,  # the sampled token's own logprob
             stop_token_ids=list(request.stop_token_ids) or None,
+            # One output holding all n samples; streamed outputs of n > 1 can carry only the samples that moved.
+            output_kind=RequestOutputKind.FINAL_ONLY,
         )
         lora = LoRARequest(f"v{version}", version, str(self._adapter_root / f"v{version}")) if version else None
         final = None

@@ -148,7 +148,4 @@ class Policy:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """Per-token logprobs [B, T-1] at the sampling temperature, float32 (the same distribution vLLM samples)."""
         logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-        logits = logits[:, :-1]
-        if self.temperature != 1.0:
-            logits = logits / self.temperature
-        return token_logprobs(logits, batch.input_ids[:, 1:])
+        return token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature=self.temperature)

@@ -1,19 +1,19 @@
 """One GRPO optimizer step on one trainer rank: its shard of the batch, in micro-batches, then the update.
 
 Every rank normalises its loss by the completion-token count of the WHOLE step (all ranks, all micro-batches),
-so accumulating micro-batches and summing gradients over ranks gives exactly the token-level mean. FSDP
-averages gradients over ranks, so each rank's loss is scaled by the world size to turn that average into the sum.
+so accumulating micro-batches and reducing gradients over ranks gives exactly the token-level mean.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from grpolora.api.spec import GRPOSpec
-from grpolora.workers.trainer.grpo import grpo_loss, logprob_mismatch
+from grpolora.workers.trainer.grpo import LossStats, MismatchStats, grpo_loss, logprob_mismatch
 from grpolora.workers.trainer.policy import Batch, Policy
 
 
@@ -38,10 +38,10 @@ def make_optimizer(policy: Policy, grpo: GRPOSpec) -> torch.optim.Optimizer:
     return torch.optim.AdamW(policy.trainable_parameters(), lr=grpo.learning_rate, weight_decay=grpo.weight_decay)
 
 
-def _all_reduce(values: list[float], world_size: int, device: torch.device) -> list[float]:
+def _all_reduce(values: list[float], world_size: int, device: torch.device, op: str = "sum") -> list[float]:
     tensor = torch.tensor(values, dtype=torch.float64, device=device)
     if world_size > 1:
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor.tolist()
 
 
@@ -60,18 +60,21 @@ def train_step(
     behind) against the sampler's behaviour logprobs."""
     local = shard(batch, rank, world_size).to(policy.device)
     (total_tokens,) = _all_reduce([float(local.completion_mask.sum())], world_size, policy.device)
-    normalizer = max(total_tokens, 1.0)
+    # FSDP averages gradients over ranks: normalising by tokens / world_size makes that average the global
+    # token-level mean (see grpo_loss).
+    normalizer = max(total_tokens, 1.0) / world_size
     policy.model.train()
     optimizer.zero_grad(set_to_none=True)
-    sums = {"loss": 0.0, "kl": 0.0, "clipped": 0.0, "mismatch": 0.0, "mismatch_max": 0.0, "gen_kl": 0.0}
+    loss_stats, mismatch = LossStats(), MismatchStats()
     size = grpo.micro_batch_size
-    for start in range(0, max(len(local), 1), size):
-        micro = local.select(slice(start, start + size))
-        if len(micro) == 0:
-            # A rank with no sequences still runs forward/backward so that FSDP's collectives stay matched.
-            micro = local.select(slice(0, 0)) if len(local) else _empty_like(batch, policy.device)
-        with torch.no_grad(), policy.reference():
-            ref = policy.logprobs(micro)
+    # Every rank runs the same number of micro-batches (FSDP's collectives must match), padding with empty ones.
+    (micro_batches,) = _all_reduce([float(math.ceil(len(local) / size))], world_size, policy.device, op="max")
+    for index in range(int(micro_batches)):
+        micro = local.select(slice(index * size, (index + 1) * size))
+        ref = None
+        if grpo.kl_coef > 0:
+            with torch.no_grad(), policy.reference():
+                ref = policy.logprobs(micro)
         logp = policy.logprobs(micro)
         behaviour = logp.detach() if on_policy else micro.behaviour_logprobs
         loss, stats = grpo_loss(
@@ -84,29 +87,35 @@ def train_step(
             kl_coef=grpo.kl_coef,
             token_normalizer=normalizer,
         )
-        (loss * world_size).backward()
-        mismatch = logprob_mismatch(logp.detach(), micro.behaviour_logprobs, micro.completion_mask)
-        sums["loss"] += float(loss.detach())
-        sums["kl"] += stats.kl_sum
-        sums["clipped"] += stats.clipped_tokens
-        sums["mismatch"] += mismatch.mismatch * mismatch.tokens
-        sums["gen_kl"] += mismatch.gen_kl * mismatch.tokens
-        sums["mismatch_max"] = max(sums["mismatch_max"], mismatch.max_abs_delta)
+        loss.backward()
+        loss_stats = loss_stats + stats
+        mismatch = mismatch + logprob_mismatch(logp.detach(), micro.behaviour_logprobs, micro.completion_mask)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), grpo.max_grad_norm)
     optimizer.step()
-    keys = ["loss", "kl", "clipped", "mismatch", "gen_kl"]
-    totals = dict(zip(keys, _all_reduce([sums[k] for k in keys], world_size, policy.device), strict=True))
+    totals = LossStats.from_tensor(_reduce_tensor(loss_stats.as_tensor(), world_size, policy.device))
+    mismatch_sums = _all_reduce(
+        [mismatch.token_count, mismatch.exp_abs_diff_sum, mismatch.kl_sum], world_size, policy.device
+    )
+    (mismatch_max,) = _all_reduce([mismatch.max_abs_diff], world_size, policy.device, op="max")
+    merged = MismatchStats(mismatch_sums[0], mismatch_sums[1], mismatch_max, mismatch_sums[2])
     return StepStats(
-        loss=totals["loss"],
-        kl=totals["kl"] / normalizer,
-        clip_fraction=totals["clipped"] / normalizer,
+        loss=_safe(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
+        kl=totals.mean_kl,
+        clip_fraction=totals.clip_fraction,
         grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-        tokens=int(total_tokens),
-        mismatch=totals["mismatch"] / normalizer,
-        mismatch_max=sums["mismatch_max"],
-        gen_kl=totals["gen_kl"] / normalizer,
+        tokens=int(totals.token_count),
+        mismatch=merged.mean_exp_abs_diff,
+        mismatch_max=merged.max_abs_diff,
+        gen_kl=merged.mean_kl,
     )
 
 
-def _empty_like(batch: Batch, device: torch.device) -> Batch:
-    return batch.select(slice(0, 0)).to(device)
+def _safe(numerator: float, denominator: float) -> float:
+    return numerator / denominator if denominator else 0.0
+
+
+def _reduce_tensor(values: torch.Tensor, world_size: int, device: torch.device) -> torch.Tensor:
+    values = values.to(device)
+    if world_size > 1:
+        dist.all_reduce(values)
+    return values.cpu()
