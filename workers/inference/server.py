@@ -252,6 +252,9 @@ def serve(env: WorkerEnv) -> None:
 
     if not env.spec.inference.gpus_per_replica:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(env.spec.inference.kv_cache_gib))
+        # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
+        # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
+        os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
     holder: dict[str, str] = {}
 
     async def prepare() -> None:

@@ -220,15 +220,25 @@ class LocalRun:
 
 
 class _Progress:
+    """A progress bar on a terminal; one line per step otherwise (CI logs, files)."""
+
     def __init__(self, total: int, *, enabled: bool):
         self._bar = None
-        if enabled:
+        self._enabled = enabled
+        self._last_line: tuple | None = None
+        if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def update(self, status: TrainerStatus) -> None:
         if self._bar is None:
+            if self._enabled and (status.phase, status.step) != self._last_line:
+                self._last_line = (status.phase, status.step)
+                reward = "" if status.reward_mean is None else f" reward {status.reward_mean:.3f}"
+                kl = "" if status.kl is None else f" kl {status.kl:.4f}"
+                sync = "" if status.last_sync_seconds is None else f" sync {status.last_sync_seconds * 1000:.0f} ms"
+                print(f"[{status.phase}] step {status.step}/{status.total_steps}{reward}{kl}{sync}", file=sys.stderr)
             return
         self._bar.n = status.step
         postfix = {"phase": status.phase}
@@ -328,7 +338,8 @@ def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = 
         return 1
     folder = Path(run_dir or Path("runs") / job.name)
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "metrics.jsonl").unlink(missing_ok=True) if not (folder / "checkpoints").exists() else None
+    if not (folder / "checkpoints").exists():
+        (folder / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; with checkpoints the run resumes
     local = LocalRun(job, folder, ray_address=ray_address or os.environ.get("RAY_ADDRESS"))
     print(
         f"grpolora run: {job.name}: {job.spec.trainer.replicas} trainer + {job.spec.inference.replicas} inference "
@@ -347,9 +358,13 @@ def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = 
         local.stop()
         return 1
     local.stop()
+    final = folder / "status.json"
+    if final.exists():
+        status = TrainerStatus.model_validate_json(final.read_text())
+        print(f"trainer: {status.phase} after {status.step}/{status.total_steps} steps, sync round {status.sync_round}")
     records = read_metrics(folder)
     if records:
         plot(records, folder / "plot.png")
     print(summarize(records))
-    print(f"run folder: {folder}: metrics.jsonl, final-adapter/, checkpoints/, plot.png, logs/")
+    print(f"run folder: {folder}: metrics.jsonl, status.json, final-adapter/, checkpoints/, plot.png, logs/")
     return 0

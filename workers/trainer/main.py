@@ -3,6 +3,7 @@ GPU, as torchrun does) and each joins torch.distributed with the rendezvous from
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -88,17 +89,28 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         finally:
             sender.close()
             rollouts.close()
+        _write_final_status(board, output_dir)
         return 0
     except Exception as exc:
         log.exception("trainer rank %d failed", rank)
         if board is not None:
             board.update(phase="Failed", message=f"{type(exc).__name__}: {exc}")
+            _write_final_status(board, Path(env.output_dir or env.checkpoint_dir))
         return 1
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         if server is not None:
             server.shutdown()
+
+
+def _write_final_status(board, folder: Path) -> None:
+    """The last /status, kept next to metrics.jsonl: the trainer's endpoint goes away when it exits."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "status.json").write_text(json.dumps(board.get().to_wire(), indent=2))
+    except OSError as exc:
+        log.warning("could not write status.json: %s", exc)
 
 
 def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
