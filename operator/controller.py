@@ -221,7 +221,7 @@ class Controller:
         return job
 
     def _schedule(self, job: _Job, decision: rec.Decision) -> None:
-        if self._done(decision):
+        if decision.idle:
             return
         loop = asyncio.get_running_loop()
         job.due = loop.time() + self._delay(decision)
@@ -229,10 +229,6 @@ class Controller:
             job.task = asyncio.create_task(self._monitor(job), name=f"grpolora monitor {job.namespace}/{job.name}")
         else:
             job.wake.set()
-
-    def _done(self, decision: rec.Decision) -> bool:
-        """Nothing left to watch: finished, no TTL pending, nothing being removed."""
-        return rec.is_finished(decision.status) and decision.requeue_after is None and not decision.delete
 
     def _delay(self, decision: rec.Decision) -> float:
         if decision.requeue_after is not None:
@@ -268,6 +264,6 @@ class Controller:
                 job.due = loop.time() + backoff
                 continue
             failures = 0
-            if self._done(decision):
+            if decision.idle:
                 return
             job.due = loop.time() + self._delay(decision)

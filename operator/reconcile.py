@@ -204,6 +204,9 @@ class Decision:
     requeue_after: float | None = None
     """Look again after this many seconds instead of the regular interval."""
     events: tuple[Event, ...] = ()
+    idle: bool = False
+    """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
+    keep watching; a spec change runs a new pass."""
 
 
 def is_finished(status: JobStatus) -> bool:
@@ -352,6 +355,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         start_time=old.start_time or stamp,
         completion_time=completion,
     )
+    settled = not creates and not deletes and not delete_job and requeue is None
     return Decision(
         status=status,
         create=tuple(creates),
@@ -359,6 +363,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         delete_job=delete_job,
         requeue_after=requeue,
         events=tuple(transition_events(old, status)),
+        idle=settled and (finished or phase == "Suspended"),
     )
 
 
@@ -375,7 +380,7 @@ def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
     )
-    return Decision(status=status, events=tuple(transition_events(old, status)))
+    return Decision(status=status, events=tuple(transition_events(old, status)), idle=True)
 
 
 def _rendezvous(job_plan: JobPlan, epoch: int) -> RendezvousStatus:

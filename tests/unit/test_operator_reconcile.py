@@ -377,3 +377,27 @@ def test_a_hand_edited_applied_spec_annotation_falls_back_to_the_current_spec():
     doc["metadata"]["annotations"] = {names.APPLIED_SPEC_ANNOTATION: "{not json"}
     view = job_view(copy.deepcopy(doc))
     assert view.job is not None and view.record_applied is not None and view.refused == ()
+
+
+@pytest.mark.parametrize(
+    ("case", "idle"),
+    [
+        ("running", False),
+        ("suspending", False),  # the workloads are still being removed
+        ("suspended", True),
+        ("finished", True),
+        ("finished-with-ttl", False),
+        ("invalid", True),
+    ],
+)
+def test_idle_when_only_a_spec_change_can_change_anything(case, idle):
+    done = running(phase="Succeeded", completion_time=EARLIER)
+    decisions = {
+        "running": lambda: decide(applied_view(), running(), Observed(trainer_job(active=1), statefulset(1)), NOW),
+        "suspending": lambda: decide(applied_view(suspend=True), running(), Observed(trainer_job(active=1)), NOW),
+        "suspended": lambda: decide(applied_view(suspend=True), running(phase="Suspended"), Observed(), NOW),
+        "finished": lambda: decide(applied_view(), done, Observed(trainer_job(condition="Complete")), NOW),
+        "finished-with-ttl": lambda: decide(applied_view(ttlSecondsAfterFinished=99999), done, Observed(), NOW),
+        "invalid": lambda: decide(job_view(body(grpo={"steps": 0})), JobStatus(), Observed(), NOW),
+    }
+    assert decisions[case]().idle is idle
