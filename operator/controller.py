@@ -125,7 +125,12 @@ class Controller:
         old = rec.stored_status(job.status)
         if full and view.job is not None and not rec.is_finished(old):
             await self._ensure_kept_children(job, view)
-        observed = await self._observe(view, old)
+        if view.record_applied is not None:
+            # First pass of a new job: its workloads cannot exist yet, so skip reading them (were they there after
+            # all, e.g. a hand-removed annotation, creating them answers 409 and the next pass reads them).
+            observed = rec.Observed()
+        else:
+            observed = await self._observe(view, old)
         decision = rec.decide(view, old, observed, self.clock())
         await self._carry_out(job, decision)
         return decision
@@ -173,11 +178,13 @@ class Controller:
         return rec.Observed(trainer_job, inference, tuple(pods), report, error)
 
     async def _carry_out(self, job: _Job, decision: rec.Decision) -> None:
+        # Deletes first: a replaced trainer Job is deleted and created under the same name.
+        await asyncio.gather(*(self.client.delete(kube.KINDS[r.kind], job.namespace, r.name) for r in decision.delete))
         for ref in decision.delete:
-            await self.client.delete(kube.KINDS[ref.kind], job.namespace, ref.name)
             logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
-        for obj in decision.create:
-            if await self.client.create(obj):
+        created = await asyncio.gather(*(self.client.create(obj) for obj in decision.create))
+        for obj, new in zip(decision.create, created, strict=True):
+            if new:
                 logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
         patch = rec.status_patch(job.status, decision.status)
         if patch is not None:

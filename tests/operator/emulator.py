@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import itertools
 import secrets
+import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
@@ -55,11 +56,18 @@ _VERBS = {
 class Emulator(kmock.KubernetesEmulator):
     calls: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)
     """(verb, API group, resource[/subresource]) of every request not sent by the test itself."""
+    log: list[tuple[str, str, str | None]] = attrs.field(factory=list, init=False)
+    """(verb, resource[/subresource], name) of every request not sent by the test itself, in order."""
     created: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     """(resource, namespace, name) of every successful create, in order (to spot duplicates)."""
+    created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
+    """time.monotonic() of the last successful create of each object (for the benchmark)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
+        # kmock matches each request against its reactions by scanning its whole request history, which makes a
+        # long run quadratic; keep only the current request (the tests read `log` instead).
+        del self._requests[:-1]
         deleted_uid = None
         if request.resource is not None and request.resource.plural:
             self._record(request)
@@ -74,7 +82,9 @@ class Emulator(kmock.KubernetesEmulator):
         response = await super()._handle(request)
         if request.action == kmock.action.CREATE and response.status < 300:
             meta = request.data.get("metadata", {})
-            self.created.append((str(request.resource.plural), meta.get("namespace"), meta.get("name")))
+            key = (str(request.resource.plural), meta.get("namespace"), meta.get("name"))
+            self.created.append(key)
+            self.created_at[key] = time.monotonic()
         if deleted_uid and response.status < 300:
             await self._collect_garbage(deleted_uid)
         return response
@@ -91,6 +101,7 @@ class Emulator(kmock.KubernetesEmulator):
         if request.subresource:
             resource += f"/{request.subresource}"
         self.calls.add((verb, str(request.resource.group), resource))
+        self.log.append((verb, resource, request.name))
 
     def _on_create(self, request: kmock.Request) -> None:
         meta = request.data.setdefault("metadata", {})
@@ -142,6 +153,24 @@ class Emulator(kmock.KubernetesEmulator):
             uid = obj.last.get("metadata", {}).get("uid")
             if uid:
                 await self._collect_garbage(uid)
+
+    def _KubernetesEmulator__get_objs(self, request: kmock.Request, strict: bool) -> list[kmock.Object]:
+        """kmock's object lookup, without scanning every object for a named one (the benchmark holds thousands).
+
+        Same result as the base class: exact (resource, namespace, name) when strict or namespaced, else a scan.
+        """
+        store: dict[Any, kmock.Object] = self.objects._objects
+        if request.name is not None and (strict or request.namespace is not None):
+            found = store.get((request.resource, request.namespace, request.name))
+            return [found] if found is not None else []
+        wanted = (request.resource.group, request.resource.version, request.resource.plural)
+        return [
+            obj
+            for (resource, namespace, name), obj in store.items()
+            if (resource.group, resource.version, resource.plural) == wanted
+            and (request.namespace is None or namespace == request.namespace)
+            and (request.name is None or name == request.name)
+        ]
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         result = await super()._serve_list(request)

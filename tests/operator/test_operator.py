@@ -225,6 +225,16 @@ async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates
     await wait_for(lambda: reasons(cluster) == expected, "Created, Suspended and Resumed events")
 
 
+async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, operator):
+    doc = job_doc(suspend=True)
+    doc["metadata"]["name"] = "sleepy"
+    await cluster.apply(doc)
+    await wait_for(lambda: phase(cluster, "sleepy") == "Suspended", "phase Suspended")
+    assert cluster.get("v1/secrets", "sleepy-token") and cluster.get("v1/services", "sleepy-trainer")
+    assert cluster.get("batch/v1/jobs", "sleepy-trainer") is None
+    assert cluster.get("apps/v1/statefulsets", "sleepy-inference") is None
+
+
 # ---- delete ------------------------------------------------------------------------------------------------
 
 
@@ -236,9 +246,9 @@ async def test_deleting_a_job_takes_its_children_and_stops_its_monitor(cluster, 
         assert cluster.objects(resource) == {}, f"{resource} left behind"
     await wait_for(lambda: not operator.controller.jobs, "the operator to forget the job")
     assert "finalizers" not in cluster.emulator.objects[CRD_RESOURCE, NAMESPACE, "demo"].last["metadata"]
-    before = len(cluster.emulator._requests)
+    before = len(cluster.emulator.log)
     await asyncio.sleep(5 * FAST_INTERVAL)
-    late = [r for r in cluster.emulator._requests[before:] if r.name == "demo"]
+    late = [entry for entry in cluster.emulator.log[before:] if entry[2] == "demo"]
     assert late == [], "the operator kept working on a deleted job"
 
 
