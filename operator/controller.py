@@ -125,7 +125,7 @@ class Controller:
         old = rec.stored_status(job.status)
         if full and view.job is not None and not rec.is_finished(old):
             await self._ensure_kept_children(job, view)
-        if view.record_applied is not None:
+        if view.record_applied is not None and view.job is not None and not view.job.spec.suspend:
             # First pass of a new job: its workloads cannot exist yet, so skip reading them (were they there after
             # all, e.g. a hand-removed annotation, creating them answers 409 and the next pass reads them).
             observed = rec.Observed()

@@ -129,7 +129,7 @@ async def serve(
             standalone=options.peering is None,
             peering_name=options.peering,
             priority=priority,
-            identity=identity,  # type: ignore[arg-type]  # kopf.Identity is a NewType of str
+            identity=identity,  # type: ignore[arg-type]  # kopf.Identity is a NewType of str, a str at run time
             clusterwide=options.all_namespaces,
             namespaces=list(options.namespaces),
             liveness_endpoint=f"http://{options.bind}:{options.health_port}/healthz" if options.health_port else None,
