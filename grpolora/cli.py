@@ -93,6 +93,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
     return run_trainer_pod(env)
 
 
+def cmd_operator(args: argparse.Namespace) -> int:
+    import asyncio
+    import logging
+
+    from grpolora.operator.main import OperatorOptions, serve
+
+    try:
+        options = OperatorOptions(
+            namespaces=tuple(args.namespaces or ()),
+            all_namespaces=args.all_namespaces,
+            metrics_port=args.metrics_port,
+            health_port=args.health_port,
+            peering=None if args.standalone else args.peering,
+            priority=args.priority,
+            status_interval=args.status_interval,
+        )
+    except ValueError as exc:
+        print(f"grpolora operator: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(serve(options))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="grpolora", description="GRPO with LoRA on Kubernetes: trainer and vLLM on separate node pools."
@@ -121,6 +145,26 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("worker", help="run a worker process (in a pod or a local actor), configured by env")
     p.add_argument("role", choices=["trainer", "inference"])
     p.set_defaults(func=cmd_worker)
+
+    p = sub.add_parser("operator", help="run the Kubernetes operator (reconciles GRPOLoraJobs; see docs/operator.md)")
+    scope = p.add_mutually_exclusive_group(required=True)
+    scope.add_argument(
+        "--namespace", action="append", dest="namespaces", metavar="NS", help="serve this namespace (repeatable)"
+    )
+    scope.add_argument("--all-namespaces", action="store_true", help="serve every namespace")
+    p.add_argument("--metrics-port", type=int, default=9090, help="Prometheus /metrics port, 0 disables (9090)")
+    p.add_argument("--health-port", type=int, default=8081, help="liveness endpoint /healthz port, 0 disables (8081)")
+    peering = p.add_mutually_exclusive_group()
+    peering.add_argument(
+        "--peering", default="grpo-lora-operator", metavar="NAME", help="Kopf peering object for leader election"
+    )
+    peering.add_argument("--standalone", action="store_true", help="run without peering (a single replica)")
+    p.add_argument("--priority", type=int, help="peering priority (random by default, so replicas never tie)")
+    p.add_argument(
+        "--status-interval", type=float, default=10.0, metavar="SECONDS", help="poll each trainer every SECONDS (10)"
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    p.set_defaults(func=cmd_operator)
     return parser
 
 

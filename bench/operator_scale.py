@@ -1,0 +1,204 @@
+"""Operator scale benchmark: N GRPOLoraJobs created against the Kubernetes API emulator.
+
+The operator runs as users run it (`grpolora operator`, its own process, logged in through a kubeconfig); the
+emulator (kmock, extended as in the tests) runs in this process and timestamps every object it creates. Reported:
+time until every job has all its children, per-job create->children latency (p50/p99: from the job's creation to
+the last of its six children), and the operator's peak RSS (VmHWM).
+
+    python bench/operator_scale.py --jobs 500            # all at once (a burst)
+    python bench/operator_scale.py --jobs 500 --rate 50  # paced: 50 jobs per second
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.helpers import job_doc  # noqa: E402  (the repository root is importable only from here on)
+from tests.operator.harness import running_cluster  # noqa: E402
+
+NAMESPACE = "bench"
+CHILDREN = (
+    ("secrets", "{}-token"),
+    ("services", "{}-trainer"),
+    ("services", "{}-inference"),
+    ("networkpolicies", "{}"),
+    ("jobs", "{}-trainer"),
+    ("statefulsets", "{}-inference"),
+)
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/<pid>/status")
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(fraction * (len(ordered) - 1)))]
+
+
+async def run(
+    jobs: int,
+    rate: float,
+    concurrency: int,
+    timeout: float,
+    log_path: str | None = None,
+    log_level: str = "warning",
+    profile_path: str | None = None,
+    settle: float = 15.0,
+) -> dict[str, Any]:
+    async with running_cluster() as cluster:
+        emulator = cluster.emulator
+        with tempfile.TemporaryDirectory() as tmp, open(log_path or Path(tmp) / "operator.log", "wb") as log:
+            kubeconfig = Path(tmp) / "kubeconfig"
+            kubeconfig.write_text(
+                yaml.safe_dump(
+                    {
+                        "apiVersion": "v1",
+                        "kind": "Config",
+                        "clusters": [{"name": "emulator", "cluster": {"server": cluster.url}}],
+                        "users": [{"name": "bench", "user": {}}],
+                        "contexts": [{"name": "bench", "context": {"cluster": "emulator", "user": "bench"}}],
+                        "current-context": "bench",
+                    }
+                )
+            )
+            profile = ["-m", "cProfile", "-o", profile_path] if profile_path else []
+            flags = ["--namespace", NAMESPACE, "--standalone", "--metrics-port", "0", "--health-port", "0"]
+            operator = await asyncio.create_subprocess_exec(
+                *[sys.executable, *profile, "-m", "grpolora.cli", "operator", *flags, "--log-level", log_level],
+                env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=log.fileno(),
+            )
+            try:
+                await _wait_until_watching(emulator)
+                idle_rss = peak_rss_mib(operator.pid)
+                names = [f"job-{i:04d}" for i in range(jobs)]
+                cpu_before = cpu_seconds(operator.pid)
+                started = time.monotonic()
+                await _create_all(cluster, names, rate, concurrency)
+                posted = time.monotonic()
+                missing = await _wait_for_children(emulator, names, timeout)
+                finished = time.monotonic()
+                creation_cpu = cpu_seconds(operator.pid) - cpu_before
+                creation_rss = peak_rss_mib(operator.pid)
+                # Then every job's monitor polls its workloads (and lists its not-ready pods) for a while.
+                requests_before = len(emulator.log)
+                await asyncio.sleep(settle)
+                steady_requests = len(emulator.log) - requests_before
+                rss = peak_rss_mib(operator.pid)
+            finally:
+                operator.terminate()
+                await operator.wait()
+            errors = Path(log.name).read_text()[-5000:]
+    if missing:
+        raise SystemExit(f"{len(missing)} jobs lack children after {timeout} s, e.g. {missing[:3]}\n{errors}")
+    latencies = []
+    for name in names:
+        job_created = emulator.created_at[("grpolorajobs", NAMESPACE, name)]
+        last_child = max(emulator.created_at[(kind, NAMESPACE, pattern.format(name))] for kind, pattern in CHILDREN)
+        latencies.append(last_child - job_created)
+    duplicates = len(emulator.created) - len(set(emulator.created))
+    return {
+        "jobs": jobs,
+        "rate_per_second": rate or "burst",
+        "create_seconds": round(posted - started, 2),
+        "all_children_seconds": round(finished - started, 2),
+        "p50_ms": round(statistics.median(latencies) * 1000, 1),
+        "p99_ms": round(percentile(latencies, 0.99) * 1000, 1),
+        "max_ms": round(max(latencies) * 1000, 1),
+        "operator_cpu_ms_per_job": round(creation_cpu / jobs * 1000, 1),
+        "operator_idle_rss_mib": round(idle_rss, 1),
+        "operator_peak_rss_mib_creating": round(creation_rss, 1),
+        "operator_peak_rss_mib": round(rss, 1),
+        "steady_requests_per_second": round(steady_requests / settle, 1) if settle else None,
+        "operator_api_requests": len(emulator.log),
+        "duplicate_creates": duplicates,
+        "cpus": os.cpu_count(),
+        "load_average_1m": round(os.getloadavg()[0], 2),
+    }
+
+
+async def _wait_until_watching(emulator: Any) -> None:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if any(verb == "watch" for verb, _, _ in emulator.log):
+            return
+        await asyncio.sleep(0.05)
+    raise SystemExit("the operator did not start watching within 60 s")
+
+
+async def _create_all(cluster: Any, names: list[str], rate: float, concurrency: int) -> None:
+    queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
+    for item in enumerate(names):
+        queue.put_nowait(item)
+    start = time.monotonic()
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            index, name = queue.get_nowait()
+            if rate:
+                await asyncio.sleep(max(0.0, start + index / rate - time.monotonic()))
+            doc = job_doc()
+            doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+            path = f"{cluster.url}/apis/grpolora.dev/v1alpha1/namespaces/{NAMESPACE}/grpolorajobs"
+            async with session.post(path, json=doc) as response:
+                assert response.status < 300, await response.text()
+
+    async with aiohttp.ClientSession(headers={"User-Agent": "grpolora-tests/bench"}) as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+
+
+async def _wait_for_children(emulator: Any, names: list[str], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while True:
+        missing = [
+            name
+            for name in names
+            if ("statefulsets", NAMESPACE, f"{name}-inference") not in emulator.created_at
+            or any((kind, NAMESPACE, pattern.format(name)) not in emulator.created_at for kind, pattern in CHILDREN)
+        ]
+        if not missing or time.monotonic() > deadline:
+            return missing
+        await asyncio.sleep(0.05)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=500)
+    parser.add_argument("--rate", type=float, default=0.0, help="jobs created per second; 0 = all at once")
+    parser.add_argument("--concurrency", type=int, default=16, help="parallel create requests")
+    parser.add_argument("--timeout", type=float, default=300.0)
+    parser.add_argument("--operator-log", metavar="PATH", help="keep the operator's log here")
+    parser.add_argument("--log-level", default="warning", help="the operator's --log-level")
+    args = parser.parse_args()
+    result = asyncio.run(run(args.jobs, args.rate, args.concurrency, args.timeout, args.operator_log, args.log_level))
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""The Kopf handlers: thin, typed, each hands over to the Controller and maps its outcome to Kopf's errors.
+
+Registered on a registry built here (not Kopf's global one), so tests and the benchmark can run operators with
+their own login and settings in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import kopf
+
+from grpolora.api import constants as c
+from grpolora.operator import conditions as cond
+from grpolora.operator import kube, names
+from grpolora.operator.controller import Controller, JobGone
+
+# A transient API failure (unreachable, throttled, 5xx) is retried this soon; Kopf's default backoff is 60 s.
+API_RETRY_SECONDS = 5.0
+
+
+def _controller(memo: kopf.Memo) -> Controller:
+    controller: Controller = memo["controller"]
+    return controller
+
+
+async def login(memo: kopf.Memo, **_: Any) -> kopf.ConnectionInfo:
+    """One login for Kopf and for our API client (grpolora.operator.kube), from the same credentials."""
+    info = memo["login"]()
+    if info is None:
+        raise kopf.LoginError("no Kubernetes credentials: neither a service account nor a kubeconfig was found")
+    _controller(memo).client.use(info)
+    return info
+
+
+async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """create / resume / spec update: a full reconcile pass (see grpolora.operator.controller)."""
+    try:
+        decision = await _controller(memo).reconcile(_plain(body))
+    except kube.ApiError as exc:
+        if exc.transient:
+            raise kopf.TemporaryError(f"Kubernetes API unavailable: {exc}", delay=API_RETRY_SECONDS) from exc
+        raise  # e.g. 403 from missing RBAC: Kopf logs it and retries with its backoff
+    except JobGone:
+        return
+    invalid = cond.find(decision.status.conditions, names.INVALID_SPEC)
+    if invalid is not None and invalid.status == "True":
+        # Already reported in status and an Event; retrying cannot help until the spec changes.
+        raise kopf.PermanentError(f"invalid spec: {invalid.message}")
+
+
+def _is_deletion(event: kopf.RawEvent, **_: Any) -> bool:
+    return event["type"] == "DELETED"
+
+
+async def forget_deleted(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """Stop a deleted job's monitor (no finalizer: we learn of deletions from the watch stream)."""
+    _controller(memo).forget(namespace, name)
+
+
+async def monitored_jobs(memo: kopf.Memo, **_: Any) -> int:
+    """Reported at the liveness endpoint (/healthz) next to Kopf's own checks."""
+    return len(_controller(memo).jobs)
+
+
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await _controller(memo).stop()
+
+
+def build_registry() -> kopf.OperatorRegistry:
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(login)
+    kopf.on.cleanup(registry=registry)(cleanup)
+    kopf.on.probe(registry=registry, id="monitoredJobs")(monitored_jobs)
+    resource = (c.GROUP, c.VERSION, c.PLURAL)
+    # One id for all three: a create seen at start-up is handled once, not once as create and once as resume.
+    kopf.on.create(*resource, registry=registry, id="reconcile")(reconcile)
+    kopf.on.resume(*resource, registry=registry, id="reconcile")(reconcile)
+    # Only spec changes matter (our own annotation and status writes must not trigger a pass).
+    kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(reconcile)
+    # Filtered before invocation, so the other events (every status write) cost nothing and log nothing.
+    kopf.on.event(*resource, registry=registry, id="forget-deleted", when=_is_deletion)(forget_deleted)
+    return registry
+
+
+def _plain(value: Any) -> Any:
+    """Kopf's body views -> plain dicts and lists (the controller keeps and edits its own copy)."""
+    if isinstance(value, Mapping):
+        return {key: _plain(value[key]) for key in value}
+    if isinstance(value, list | tuple):
+        return [_plain(item) for item in value]
+    return value

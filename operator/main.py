@@ -1,0 +1,143 @@
+"""Assemble and run the operator: Kopf settings, the controller, the metrics endpoint (`grpolora operator`)."""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from grpolora.api import constants as c
+from grpolora.operator import names
+from grpolora.operator.controller import Controller, ControllerConfig
+from grpolora.operator.handlers import build_registry
+from grpolora.operator.kube import KubeClient, Login
+from grpolora.operator.metrics import Metrics
+from grpolora.operator.peering import PeeringGate, Standalone
+from grpolora.operator.trainer_client import TrainerStatusClient
+
+
+@dataclass(frozen=True)
+class OperatorOptions:
+    namespaces: tuple[str, ...] = ()
+    """Serve these namespaces (exact names); empty with all_namespaces."""
+    all_namespaces: bool = False
+    metrics_port: int = 9090
+    """Prometheus /metrics; 0 disables it."""
+    health_port: int = 8081
+    """Kopf's liveness endpoint /healthz; 0 disables it."""
+    peering: str | None = c.OPERATOR_NAME
+    """Kopf peering object name (leader election between replicas); None runs standalone."""
+    priority: int | None = None
+    """Peering priority; random by default, so that replicas never tie (Kopf pauses all replicas on a tie)."""
+    status_interval: float = 10.0
+    """Seconds between a job's monitor passes (trainer /status polls)."""
+    bind: str = "0.0.0.0"
+
+    def __post_init__(self) -> None:
+        if self.all_namespaces == bool(self.namespaces):
+            raise ValueError("serve either all namespaces or a list of namespaces")
+        for port, flag in ((self.metrics_port, "--metrics-port"), (self.health_port, "--health-port")):
+            if not 0 <= port <= 65535:
+                raise ValueError(f"{flag}: {port} is not a port number")
+        if self.status_interval <= 0:
+            raise ValueError(f"--status-interval must be positive, got {self.status_interval}")
+
+
+def build_settings() -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # Namespaces are named exactly and the CRD is installed before the operator, so Kopf need not list namespaces
+    # or watch CRDs: two cluster-wide permissions fewer (see grpolora.operator.rbac).
+    settings.scanning.disabled = True
+    # The controller posts its own Events for the key transitions; Kopf's per-handler events would repeat them.
+    settings.posting.enabled = False
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=names.KOPF_PREFIX, key="last-handled-configuration"
+    )
+    settings.persistence.progress_storage = kopf.SmartProgressStorage(prefix=names.KOPF_PREFIX)
+    # Reconnect watches now and then: a silently dropped connection would otherwise stall the operator.
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    return settings
+
+
+def default_login(settings: kopf.OperatorSettings) -> Login:
+    """In a pod: the service account; elsewhere: the kubeconfig ($KUBECONFIG or ~/.kube/config)."""
+
+    def login() -> kopf.ConnectionInfo | None:
+        return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+
+    return login
+
+
+def own_identity() -> str:
+    """This replica's name among peers: the pod name where the chart sets POD_ID, else host and a random tag."""
+    return os.environ.get("POD_ID") or f"{socket.gethostname()}/{secrets.token_hex(3)}"
+
+
+async def start_metrics_server(metrics: Metrics, host: str, port: int) -> web.AppRunner:
+    async def serve_metrics(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    app = web.Application()
+    app.router.add_get("/metrics", serve_metrics)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def serve(
+    options: OperatorOptions,
+    *,
+    login: Login | None = None,
+    stop_flag: Any = None,
+    ready_flag: Any = None,
+    on_controller: Callable[[Controller], None] | None = None,
+) -> None:
+    """Run until stopped (SIGINT/SIGTERM, or `stop_flag` when run inside another program such as the tests)."""
+    settings = build_settings()
+    login = login or default_login(settings)
+    identity = own_identity()
+    priority = options.priority if options.priority is not None else random.randint(1, 2**31 - 1)
+    client = KubeClient(login, instance=identity)
+    gate = (
+        Standalone()
+        if options.peering is None
+        else PeeringGate(
+            client, name=options.peering, identity=identity, priority=priority, clusterwide=options.all_namespaces
+        )
+    )
+    metrics = Metrics()
+    controller = Controller(
+        client, TrainerStatusClient(), metrics, ControllerConfig(interval=options.status_interval), gate=gate
+    )
+    if on_controller is not None:
+        on_controller(controller)
+    runner = await start_metrics_server(metrics, options.bind, options.metrics_port) if options.metrics_port else None
+    try:
+        await kopf.operator(
+            registry=build_registry(),
+            settings=settings,
+            standalone=options.peering is None,
+            peering_name=options.peering,
+            priority=priority,
+            identity=identity,  # type: ignore[arg-type]  # kopf.Identity is a NewType of str, a str at run time
+            clusterwide=options.all_namespaces,
+            namespaces=list(options.namespaces),
+            liveness_endpoint=f"http://{options.bind}:{options.health_port}/healthz" if options.health_port else None,
+            memo=kopf.Memo(controller=controller, login=login),
+            stop_flag=stop_flag,
+            ready_flag=ready_flag,
+        )
+    finally:
+        await controller.stop()  # also when Kopf failed before its cleanup handlers ran
+        if runner is not None:
+            await runner.cleanup()

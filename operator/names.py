@@ -1,0 +1,82 @@
+"""Names the operator writes where users and tools read them: condition types and reasons, event reasons,
+annotations. One module, so that docs/operator.md, the tests and `kubectl wait --for=condition=...` agree.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from grpolora.api import constants as c
+
+# ---- annotations ------------------------------------------------------------------------------------------
+# The spec the children were built from (JSON). Kept on the job so that an operator restart still knows it and
+# can refuse changes that cannot apply to a running job.
+APPLIED_SPEC_ANNOTATION: Final = f"{c.GROUP}/applied-spec"
+# On the trainer Job: which restart attempt created it (absent = 0). A Job whose attempt is older than
+# status.trainerRestarts is stale and is replaced; the idea comes from JobSet's restart-attempt label.
+RESTART_ATTEMPT_ANNOTATION: Final = f"{c.GROUP}/restart-attempt"
+# Kopf's own bookkeeping (last handled spec, handler progress) lives under this prefix.
+KOPF_PREFIX: Final = c.GROUP
+
+# ---- condition types (status.conditions[].type), in the order they are written ----------------------------
+CREATED: Final = "Created"
+PODS_READY: Final = "PodsReady"
+RENDEZVOUS_READY: Final = "RendezvousReady"
+PROGRESSING: Final = "Progressing"
+SUCCEEDED: Final = "Succeeded"
+FAILED: Final = "Failed"
+SUSPENDED: Final = "Suspended"
+INVALID_SPEC: Final = "InvalidSpec"
+SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
+CONDITION_TYPES: Final = (
+    CREATED,
+    PODS_READY,
+    RENDEZVOUS_READY,
+    PROGRESSING,
+    SUCCEEDED,
+    FAILED,
+    SUSPENDED,
+    INVALID_SPEC,
+    SPEC_CHANGE_REFUSED,
+)
+
+# ---- reasons (conditions and events) -----------------------------------------------------------------------
+R_CHILDREN_CREATED: Final = "ChildrenCreated"
+R_NOT_CREATED: Final = "NotCreated"
+R_ALL_READY: Final = "AllReady"
+R_WAITING_FOR_PODS: Final = "WaitingForPods"
+R_NO_WORKLOADS: Final = "NoWorkloads"
+R_GROUP_FORMED: Final = "SyncGroupFormed"
+R_FORMING: Final = "Forming"
+R_WAITING_FOR_TRAINER: Final = "WaitingForTrainer"
+R_TRAINING: Final = "Training"
+R_TRAINER_RESTARTING: Final = "TrainerRestarting"
+R_PENDING: Final = "Pending"
+R_FINISHED: Final = "Finished"
+R_COMPLETED: Final = "TrainingComplete"
+R_IN_PROGRESS: Final = "InProgress"
+R_TRAINER_FAILED: Final = "TrainerFailed"
+R_BACKOFF_LIMIT: Final = "BackoffLimitExceeded"
+R_NO_FAILURE: Final = "NoFailure"
+R_SUSPENDED: Final = "Suspended"
+R_NOT_SUSPENDED: Final = "NotSuspended"
+R_INVALID: Final = "InvalidSpec"
+R_VALID: Final = "Valid"
+R_REFUSED: Final = "SpecChangeRefused"
+R_UNCHANGED: Final = "SpecUnchanged"
+
+# Event-only reasons.
+E_CREATED: Final = "Created"
+E_RUNNING: Final = "Running"
+E_SUCCEEDED: Final = "Succeeded"
+E_FAILED: Final = "Failed"
+E_SUSPENDED: Final = "Suspended"
+E_RESUMED: Final = "Resumed"
+E_TRAINER_RESTARTING: Final = "TrainerRestarting"
+E_GROUP_REFORMED: Final = "SyncGroupReformed"
+E_PODS_NOT_READY: Final = "PodsNotReady"
+E_INVALID_SPEC: Final = "InvalidSpec"
+E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
+
+# Spec fields that may change on a running job; every other change is refused.
+MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")

@@ -1,0 +1,189 @@
+"""Pure readers of what the cluster and the trainer report: child workload state, why pods are not ready, and
+the fold of trainer rank 0's /status into the job's progress figures."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from grpolora.api.status import JobStatus, TrainerStatus
+from grpolora.operator import names
+
+K8sObject = Mapping[str, Any]
+
+
+# ---- workloads ---------------------------------------------------------------------------------------------
+
+
+def _status(obj: K8sObject | None) -> Mapping[str, Any]:
+    return (obj or {}).get("status") or {}
+
+
+def job_condition(job: K8sObject | None, type_: str) -> Mapping[str, Any] | None:
+    """A batch/v1 Job condition of this type with status True (Complete, Failed), if any."""
+    for condition in _status(job).get("conditions") or []:
+        if condition.get("type") == type_ and condition.get("status") == "True":
+            return condition
+    return None
+
+
+def job_succeeded(job: K8sObject | None) -> bool:
+    return job_condition(job, "Complete") is not None
+
+
+def job_failed(job: K8sObject | None) -> bool:
+    # FailureTarget (Kubernetes 1.31+) comes first while pods still terminate; wait for the final Failed.
+    return job_condition(job, "Failed") is not None
+
+
+def job_failure_message(job: K8sObject | None) -> str:
+    condition = job_condition(job, "Failed") or {}
+    reason, message = condition.get("reason", ""), condition.get("message", "")
+    return ": ".join(part for part in (reason, message) if part) or "the trainer Job failed"
+
+
+def job_active(job: K8sObject | None) -> int:
+    return int(_status(job).get("active") or 0)
+
+
+def job_ready(job: K8sObject | None) -> int:
+    return int(_status(job).get("ready") or 0)
+
+
+def statefulset_ready(statefulset: K8sObject | None) -> int:
+    return int(_status(statefulset).get("readyReplicas") or 0)
+
+
+def deleting(obj: K8sObject | None) -> bool:
+    return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
+
+
+def restart_attempt(job: K8sObject | None) -> int:
+    """Which restart created this trainer Job (see names.RESTART_ATTEMPT_ANNOTATION); 0 when absent."""
+    annotations = ((job or {}).get("metadata") or {}).get("annotations") or {}
+    try:
+        return int(annotations.get(names.RESTART_ATTEMPT_ANNOTATION, 0))
+    except (TypeError, ValueError):
+        return 0
+
+
+# ---- why pods are not ready --------------------------------------------------------------------------------
+
+# Waiting reasons that will not fix themselves; ordered before the transient ones below.
+_STUCK_REASONS = (
+    "ErrImagePull",
+    "ImagePullBackOff",
+    "InvalidImageName",
+    "CreateContainerConfigError",
+    "CreateContainerError",
+    "RunContainerError",
+    "CrashLoopBackOff",
+)
+# Worst first: a pod stuck pulling its image says more than one still being created.
+_SEVERITY = (*_STUCK_REASONS, "Unschedulable", "ContainerCreating", "PodInitializing", "NotReady", "Pending")
+_MAX_PODS_NAMED = 3
+
+
+@dataclass(frozen=True)
+class NotReady:
+    reason: str
+    message: str
+
+
+def _pod_problem(pod: K8sObject) -> tuple[str, str] | None:
+    status = pod.get("status") or {}
+    if status.get("phase") in ("Succeeded", "Failed") or deleting(pod):
+        return None  # finished pods are the Job's business; terminating ones are being replaced
+    for condition in status.get("conditions") or []:
+        if condition.get("type") == "PodScheduled" and condition.get("status") == "False":
+            return condition.get("reason") or "Unschedulable", condition.get("message") or "not scheduled"
+    containers = [*(status.get("initContainerStatuses") or []), *(status.get("containerStatuses") or [])]
+    for container in containers:
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting and waiting.get("reason") in _STUCK_REASONS:
+            return waiting["reason"], waiting.get("message") or f"container {container.get('name')}"
+    for container in containers:
+        waiting = (container.get("state") or {}).get("waiting")
+        if waiting:
+            return waiting.get("reason") or "Pending", waiting.get("message") or f"container {container.get('name')}"
+    ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+    if status.get("phase") == "Running" and not ready:
+        return "NotReady", "running, readiness probe not passing yet"
+    if status.get("phase") in (None, "Pending"):
+        return "Pending", "pending"
+    return None
+
+
+def why_not_ready(pods: Sequence[K8sObject]) -> NotReady | None:
+    """The most severe reason the job's pods are not ready, naming the pods (None if no pod says why)."""
+    found: dict[str, list[str]] = {}
+    for pod in sorted(pods, key=lambda p: (p.get("metadata") or {}).get("name", "")):
+        problem = _pod_problem(pod)
+        if problem is not None:
+            reason, message = problem
+            found.setdefault(reason, []).append(f"{pod['metadata']['name']}: {message}")
+    if not found:
+        return None
+    reason = min(found, key=lambda r: _SEVERITY.index(r) if r in _SEVERITY else len(_SEVERITY))
+    lines = found[reason]
+    message = "; ".join(lines[:_MAX_PODS_NAMED])
+    if len(lines) > _MAX_PODS_NAMED:
+        message += f" (and {len(lines) - _MAX_PODS_NAMED} more)"
+    return NotReady(reason, f"{reason}: {message}")
+
+
+# ---- trainer progress --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The training figures of the status, after folding in one trainer report."""
+
+    step: int | None = None
+    sync_round: int | None = None
+    last_sync_time: str | None = None
+    last_sync_seconds: float | None = None
+    last_sync_bytes: int | None = None
+    reward_mean: float | None = None
+    kl: float | None = None
+    mismatch: float | None = None
+    epoch: int = 0
+
+
+def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
+    """Fold a trainer report into the previous figures.
+
+    step and syncRound never go back: a trainer restarted from an older checkpoint reports lower numbers until it
+    catches up, and the sync figures of such a report describe an older round, so they are kept from before.
+    """
+    epoch = old.rendezvous.epoch if old.rendezvous is not None else 0
+    before = Progress(
+        step=old.step,
+        sync_round=old.sync_round,
+        last_sync_time=old.last_sync_time,
+        last_sync_seconds=old.last_sync_seconds,
+        last_sync_bytes=old.last_sync_bytes,
+        reward_mean=old.reward_mean,
+        kl=old.kl,
+        mismatch=old.mismatch,
+        epoch=epoch,
+    )
+    if report is None:
+        return before
+    current_round = report.sync_round >= (old.sync_round or 0)
+    return Progress(
+        step=max(old.step or 0, report.step),
+        sync_round=max(old.sync_round or 0, report.sync_round),
+        last_sync_time=_newer(current_round, report.last_sync_time, old.last_sync_time),
+        last_sync_seconds=_newer(current_round, report.last_sync_seconds, old.last_sync_seconds),
+        last_sync_bytes=_newer(current_round, report.last_sync_bytes, old.last_sync_bytes),
+        reward_mean=report.reward_mean if report.reward_mean is not None else old.reward_mean,
+        kl=report.kl if report.kl is not None else old.kl,
+        mismatch=report.mismatch if report.mismatch is not None else old.mismatch,
+        epoch=report.epoch,
+    )
+
+
+def _newer(use_report: bool, reported: Any, previous: Any) -> Any:
+    return reported if use_report and reported is not None else previous

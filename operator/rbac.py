@@ -1,0 +1,71 @@
+"""The operator's least-privilege RBAC, one rule per (API group, resources) with the reason for each verb.
+
+The single source of truth: the Helm chart's ClusterRole is checked against RULES, and the operator tests record
+every (verb, group, resource) the operator sends to the API emulator and check that RULES covers it.
+Not needed, on purpose: `get`/`update` on Secrets (the token is only ever created, never read back), `list`/`watch`
+on namespaces and CRDs (Kopf runs with scanning disabled, see grpolora.operator.main.build_settings), and anything
+on pods but `list` (workers are never touched directly; their workloads are).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+from grpolora.api import constants as c
+
+
+@dataclass(frozen=True)
+class Rule:
+    api_groups: tuple[str, ...]
+    resources: tuple[str, ...]
+    verbs: tuple[str, ...]
+    reason: str
+
+    def allows(self, verb: str, group: str, resource: str) -> bool:
+        return group in self.api_groups and resource in self.resources and verb in self.verbs
+
+
+RULES: Final[tuple[Rule, ...]] = (
+    Rule(
+        (c.GROUP,),
+        (c.PLURAL,),
+        ("list", "watch", "patch", "delete"),
+        "Kopf watches the jobs and keeps its handler state in annotations; the operator records the applied spec "
+        "(patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)",
+    ),
+    Rule((c.GROUP,), (f"{c.PLURAL}/status",), ("patch",), "the job status: phase, progress, conditions"),
+    Rule(("",), ("secrets",), ("create",), "the per-job token Secret, created once and never read back"),
+    Rule(("",), ("services",), ("create",), "the headless Services that give the trainer and inference pods DNS"),
+    Rule(
+        ("networking.k8s.io",),
+        ("networkpolicies",),
+        ("create",),
+        "the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods",
+    ),
+    Rule(
+        ("batch",),
+        ("jobs",),
+        ("get", "create", "delete"),
+        "the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer",
+    ),
+    Rule(
+        ("apps",),
+        ("statefulsets",),
+        ("get", "create", "delete"),
+        "the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends",
+    ),
+    Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
+    Rule(("",), ("events",), ("create",), "Events on the job for each key transition"),
+    Rule(
+        ("kopf.dev",),
+        ("kopfpeerings", "clusterkopfpeerings"),
+        ("get", "list", "watch", "patch"),
+        "Kopf peering (leader election) with --peering: Kopf keeps its peer record alive (list, watch, patch); the "
+        "job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces",
+    ),
+)
+
+
+def allowed(verb: str, group: str, resource: str) -> bool:
+    return any(rule.allows(verb, group, resource) for rule in RULES)

@@ -1,0 +1,588 @@
+"""The reconcile decision, pure: from the job, what exists and what the trainer reports, decide which workloads to
+create or delete and what the status is. No I/O, no clock (`now` is passed in), no randomness; the controller
+(grpolora.operator.controller) reads the inputs and carries the decision out.
+
+Level-triggered: every pass decides from scratch, so a pass that is repeated or interrupted decides the same
+again. The trainer restart is two-phase, as in JobSet: one pass commits `status.trainerRestarts + 1` (the status
+write is the commit point); later passes see a trainer Job whose restart attempt is older than that count and
+replace it. A crash between the two phases therefore neither loses nor doubles a restart.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+from pydantic import ValidationError
+
+from grpolora.api import constants as c
+from grpolora.api.load import InvalidJob, parse_job
+from grpolora.api.plan import JobPlan, plan
+from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, ObjectMeta
+from grpolora.api.status import (
+    Condition,
+    JobPhase,
+    JobStatus,
+    RendezvousStatus,
+    ReplicaCounts,
+    RoleReplicas,
+    TrainerStatus,
+)
+from grpolora.operator import builders, names
+from grpolora.operator import conditions as cond
+from grpolora.operator import observe as obs
+
+K8sObject = dict[str, Any]
+WORKLOAD_KINDS: Final = ("Job", "StatefulSet")
+TERMINAL: Final = ("Succeeded", "Failed")
+# After replacing a trainer Job, look again soon: the old one may take a moment to leave the API.
+REPLACE_RECHECK_SECONDS: Final = 1.0
+SUSPENDED_MESSAGE: Final = (
+    "suspended: the trainer Job and inference StatefulSet are removed; the Secret, Services, NetworkPolicy and "
+    "checkpoints are kept. Set spec.suspend: false to resume from the latest checkpoint"
+)
+_QUIET_POD_REASONS: Final = (
+    names.R_WAITING_FOR_PODS,
+    names.R_NO_WORKLOADS,
+    names.R_ALL_READY,
+    "ContainerCreating",
+    "PodInitializing",
+    "NotReady",
+    "Pending",
+)
+
+
+# ---- what a pass knows about the job itself ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class JobView:
+    namespace: str
+    name: str
+    uid: str
+    generation: int | None
+    job: GRPOLoraJob | None
+    """What runs: the applied spec with the current suspend/ttl. None if the job was never valid."""
+    record_applied: str | None = None
+    """The applied-spec annotation to write before creating anything (first valid pass only)."""
+    problems: tuple[str, ...] = ()
+    """Why the current spec is invalid (field path: message)."""
+    refused: tuple[str, ...] = ()
+    """Field paths changed since the spec was applied that cannot change on a created job."""
+
+
+def spec_json(spec: GRPOLoraJobSpec) -> str:
+    return json.dumps(spec.to_wire(), sort_keys=True, separators=(",", ":"))
+
+
+def job_view(body: Mapping[str, Any]) -> JobView:
+    """Parse the job and reconcile its current spec with the applied one (see names.APPLIED_SPEC_ANNOTATION)."""
+    meta = body.get("metadata") or {}
+    namespace, name = meta.get("namespace", "default"), meta.get("name", "")
+    uid, generation = meta.get("uid", ""), meta.get("generation")
+    applied = _applied_spec(meta)
+    try:
+        current = parse_job(body)
+    except InvalidJob as exc:
+        problems = tuple(str(problem) for problem in exc.problems)
+        job = _fallback_job(body, applied) if applied is not None else None
+        return JobView(namespace, name, uid, generation, job, problems=problems)
+    if applied is None:
+        return JobView(namespace, name, uid, generation, current, record_applied=spec_json(current.spec))
+    refused = tuple(changed_fields(applied.to_wire(), current.spec.to_wire()))
+    running = applied.model_copy(
+        update={
+            "suspend": current.spec.suspend,
+            "ttl_seconds_after_finished": current.spec.ttl_seconds_after_finished,
+        }
+    )
+    return JobView(namespace, name, uid, generation, current.model_copy(update={"spec": running}), refused=refused)
+
+
+def _applied_spec(meta: Mapping[str, Any]) -> GRPOLoraJobSpec | None:
+    raw = (meta.get("annotations") or {}).get(names.APPLIED_SPEC_ANNOTATION)
+    if not raw:
+        return None
+    try:
+        return GRPOLoraJobSpec.model_validate(json.loads(raw))
+    except (ValueError, ValidationError):
+        # Hand-edited or written by an incompatible version: the current spec becomes the applied one.
+        return None
+
+
+def _fallback_job(body: Mapping[str, Any], applied: GRPOLoraJobSpec) -> GRPOLoraJob | None:
+    """The job as applied, for a running job whose current spec became invalid (the children keep running)."""
+    raw_spec = body.get("spec") or {}
+    update: dict[str, Any] = {}
+    if isinstance(raw_spec.get("suspend"), bool):
+        update["suspend"] = raw_spec["suspend"]
+    try:
+        return GRPOLoraJob(
+            apiVersion=c.API_VERSION,
+            kind=c.KIND,
+            metadata=ObjectMeta.model_validate(body.get("metadata") or {}),
+            spec=applied.model_copy(update=update),
+        )
+    except ValidationError:
+        return None
+
+
+def changed_fields(applied: Mapping[str, Any], current: Mapping[str, Any], prefix: str = "spec") -> list[str]:
+    """Field paths whose values differ, except the fields a running job may change (names.MUTABLE_SPEC_FIELDS).
+
+    Lists compare whole (a changed toleration list is one path), dicts recursively.
+    """
+    paths: list[str] = []
+    for key in sorted(set(applied) | set(current)):
+        if prefix == "spec" and key in names.MUTABLE_SPEC_FIELDS:
+            continue
+        before, after = applied.get(key), current.get(key)
+        if isinstance(before, Mapping) and isinstance(after, Mapping):
+            paths += changed_fields(before, after, f"{prefix}.{key}")
+        elif before != after:
+            paths.append(f"{prefix}.{key}")
+    return paths
+
+
+# ---- children ----------------------------------------------------------------------------------------------
+
+
+def children(job_plan: JobPlan, *, uid: str, token: str) -> tuple[list[K8sObject], dict[str, K8sObject]]:
+    """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them."""
+    objects = builders.build_children(job_plan, owner_uid=uid, token=token)
+    kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
+    return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
+
+
+def with_restart_attempt(trainer_job: K8sObject, attempt: int) -> K8sObject:
+    """The trainer Job marked with the restart that creates it (unmarked for the first, as rendered)."""
+    if attempt == 0:
+        return trainer_job
+    marked = copy.deepcopy(trainer_job)
+    marked["metadata"].setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
+    return marked
+
+
+# ---- the decision ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Observed:
+    """What one pass read: the workloads (None = absent), the job's pods, trainer rank 0's report."""
+
+    trainer_job: K8sObject | None = None
+    inference: K8sObject | None = None
+    pods: tuple[K8sObject, ...] = ()
+    trainer: TrainerStatus | None = None
+    trainer_error: str | None = None
+
+
+@dataclass(frozen=True)
+class ChildRef:
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
+class Event:
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    status: JobStatus
+    create: tuple[K8sObject, ...] = ()
+    delete: tuple[ChildRef, ...] = ()
+    delete_job: bool = False
+    """ttlSecondsAfterFinished has passed: delete the GRPOLoraJob (its children follow by ownerReferences)."""
+    requeue_after: float | None = None
+    """Look again after this many seconds instead of the regular interval."""
+    events: tuple[Event, ...] = ()
+    idle: bool = False
+    """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
+    keep watching; a spec change runs a new pass."""
+
+
+def is_finished(status: JobStatus) -> bool:
+    return status.phase in TERMINAL and status.completion_time is not None
+
+
+def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | None) -> bool:
+    """Poll trainer rank 0 only while its pod can answer (saves a connection error per pass while pending)."""
+    if view.job is None or view.job.spec.suspend or is_finished(old) or trainer_job is None:
+        return False
+    return obs.job_active(trainer_job) > 0 and not obs.job_failed(trainer_job)
+
+
+def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
+    stamp = cond.rfc3339(now)
+    if view.job is None:
+        return _decide_invalid(view, old, stamp)
+    job, report = view.job, observed.trainer
+    spec = job.spec
+    job_plan = plan(job)
+    progress = obs.fold_trainer(old, report)
+    tj, sts = observed.trainer_job, observed.inference
+    restarts = old.trainer_restarts or 0
+    creates: list[K8sObject] = []
+    deletes: list[ChildRef] = []
+    requeue: float | None = None
+    phase: JobPhase = old.phase if is_finished(old) and old.phase else "Pending"
+    completion = old.completion_time
+    final_message: str | None = old.message if is_finished(old) else None
+    restart_note: str | None = None
+
+    if is_finished(old):
+        pass  # terminal phases stick; only releasing the inference pods and the TTL are left
+    elif spec.suspend:
+        phase = "Suspended"
+        for kind, obj in (("Job", tj), ("StatefulSet", sts)):
+            if obj is not None and not obs.deleting(obj):
+                deletes.append(ChildRef(kind, obj["metadata"]["name"]))
+    else:
+        _, workloads = children(job_plan, uid=view.uid, token="")
+        trainer_name = workloads["Job"]["metadata"]["name"]
+        if tj is not None and obs.restart_attempt(tj) < restarts:
+            # Committed restart: replace the stale Job (the create is retried if the old one is still leaving).
+            if not obs.deleting(tj):
+                deletes.append(ChildRef("Job", trainer_name))
+            creates.append(with_restart_attempt(workloads["Job"], restarts))
+            restart_note = f"restart {restarts} of {spec.trainer.max_restarts}: replacing the failed trainer Job"
+            requeue = REPLACE_RECHECK_SECONDS
+        elif tj is not None and obs.deleting(tj):
+            requeue = REPLACE_RECHECK_SECONDS
+        elif tj is None:
+            creates.append(with_restart_attempt(workloads["Job"], restarts))
+        elif obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
+            phase, completion = "Succeeded", stamp
+            final_message = (
+                f"trained {progress.step or 0}/{spec.grpo.steps} steps; "
+                f"the inference replicas served adapter version {progress.sync_round or 0}"
+            )
+        elif obs.job_failed(tj):
+            failure = obs.job_failure_message(tj)
+            if restarts < spec.trainer.max_restarts:
+                restarts += 1
+                restart_note = (
+                    f"restart {restarts} of {spec.trainer.max_restarts} from the latest checkpoint: {failure}"
+                )
+                requeue = 0.0
+            else:
+                phase, completion = "Failed", stamp
+                final_message = (
+                    f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
+                    f"used up; last failure: {failure}"
+                )
+        if phase not in TERMINAL:
+            if sts is None:
+                creates.append(workloads["StatefulSet"])
+            alive = report is not None and report.phase in ("Starting", "Running")
+            phase = "Running" if alive or old.phase == "Running" else "Pending"
+
+    finished = phase in TERMINAL and completion is not None
+    if finished and sts is not None and not obs.deleting(sts):
+        deletes.append(ChildRef("StatefulSet", sts["metadata"]["name"]))  # release the inference GPUs
+    delete_job = False
+    ttl = spec.ttl_seconds_after_finished
+    if finished and ttl is not None and completion is not None:
+        left = (_parse_time(completion) + datetime.timedelta(seconds=ttl) - now).total_seconds()
+        delete_job = left <= 0
+        requeue = None if delete_job else min(left, requeue if requeue is not None else left)
+
+    wanted = phase not in (*TERMINAL, "Suspended")
+    counts = ReplicaCounts(
+        trainer=RoleReplicas(
+            desired=spec.trainer.replicas if wanted else 0,
+            ready=obs.job_ready(tj) if tj is not None and restart_note is None else 0,
+        ),
+        inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts)),
+    )
+    pods = _pods_condition(wanted, phase, counts, observed)
+    rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
+    pending_why = pods.message if pods.status == "False" and wanted else ""
+    if rendezvous.status != "True" and observed.trainer_error and wanted:
+        pending_why = "; ".join(p for p in (pending_why, f"trainer rank 0: {observed.trainer_error}") if p)
+    running_message = (
+        f"step {progress.step or 0}/{spec.grpo.steps}, sync round {progress.sync_round or 0}, "
+        f"sync-group epoch {progress.epoch}"
+    )
+    message = {
+        "Pending": pending_why or "waiting for the trainer and inference pods",
+        "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
+        "Suspended": SUSPENDED_MESSAGE,
+    }.get(phase, final_message or "")
+
+    wants = [
+        cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
+        pods,
+        rendezvous,
+        _progressing_condition(phase, restart_note, running_message, message),
+        cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
+        if phase == "Succeeded"
+        else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
+        cond.Want(names.FAILED, "True", names.R_BACKOFF_LIMIT, message)
+        if phase == "Failed"
+        else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
+        cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, SUSPENDED_MESSAGE)
+        if phase == "Suspended"
+        else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
+        _invalid_condition(view.problems),
+        _refused_condition(view.refused),
+    ]
+    status = JobStatus(
+        phase=phase,
+        message=message,
+        observed_generation=view.generation,
+        conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+        step=progress.step,
+        total_steps=spec.grpo.steps,
+        sync_round=progress.sync_round,
+        last_sync_time=progress.last_sync_time,
+        last_sync_seconds=progress.last_sync_seconds,
+        last_sync_bytes=progress.last_sync_bytes,
+        reward_mean=progress.reward_mean,
+        kl=progress.kl,
+        mismatch=progress.mismatch,
+        replicas=counts,
+        rendezvous=_rendezvous(job_plan, progress.epoch),
+        trainer_restarts=restarts,
+        start_time=old.start_time or stamp,
+        completion_time=completion,
+    )
+    settled = not creates and not deletes and not delete_job and requeue is None
+    return Decision(
+        status=status,
+        create=tuple(creates),
+        delete=tuple(deletes),
+        delete_job=delete_job,
+        requeue_after=requeue,
+        events=tuple(transition_events(old, status)),
+        idle=settled and (finished or phase == "Suspended"),
+    )
+
+
+def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
+    message = "invalid spec: " + "; ".join(view.problems)
+    wants = [
+        cond.Want(names.CREATED, "False", names.R_INVALID, "nothing is created for an invalid spec"),
+        cond.Want(names.FAILED, "True", names.R_INVALID, message),
+        _invalid_condition(view.problems),
+    ]
+    status = JobStatus(
+        phase="Failed",
+        message=message,
+        observed_generation=view.generation,
+        conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+    )
+    return Decision(status=status, events=tuple(transition_events(old, status)), idle=True)
+
+
+def _rendezvous(job_plan: JobPlan, epoch: int) -> RendezvousStatus:
+    return RendezvousStatus(
+        master_addr=job_plan.master_addr,
+        master_port=job_plan.master_port,
+        trainer_world_size=job_plan.trainer_world_size,
+        sync_addr=job_plan.sync.addr,
+        sync_port=job_plan.sync.port,
+        sync_world_size=job_plan.sync.world_size,
+        sync_backend=job_plan.sync.backend,
+        epoch=epoch,
+        inference_endpoints=list(job_plan.inference_endpoints),
+    )
+
+
+def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: Observed) -> cond.Want:
+    if not wanted:
+        return cond.Want(names.PODS_READY, "False", names.R_NO_WORKLOADS, f"no pods: the job is {phase.lower()}")
+    t, i = counts.trainer, counts.inference
+    summary = f"trainer {t.ready}/{t.desired} ready, inference {i.ready}/{i.desired} ready"
+    if t.ready >= t.desired and i.ready >= i.desired:
+        return cond.Want(names.PODS_READY, "True", names.R_ALL_READY, summary)
+    why = obs.why_not_ready(observed.pods)
+    if why is None:
+        return cond.Want(names.PODS_READY, "False", names.R_WAITING_FOR_PODS, summary)
+    return cond.Want(names.PODS_READY, "False", why.reason, f"{summary}; {why.message}")
+
+
+def _rendezvous_condition(
+    wanted: bool,
+    phase: str,
+    old: JobStatus,
+    observed: Observed,
+    progress: obs.Progress,
+    job_plan: JobPlan,
+    *,
+    replaced: str | None,
+) -> cond.Want:
+    report = observed.trainer
+    if not wanted:
+        reason = names.R_SUSPENDED if phase == "Suspended" else names.R_FINISHED
+        return cond.Want(names.RENDEZVOUS_READY, "False", reason, f"the job is {phase.lower()}")
+    if report is not None and report.phase == "Running":
+        members = ", ".join(map(str, report.sync_members)) or "none"
+        return cond.Want(
+            names.RENDEZVOUS_READY,
+            "True",
+            names.R_GROUP_FORMED,
+            f"epoch {progress.epoch}: trainer rank 0 and inference replicas [{members}] "
+            f"({len(report.sync_members)}/{job_plan.inference.replicas}) at {job_plan.sync.addr}:{job_plan.sync.port}",
+        )
+    if report is not None:
+        detail = f": {report.message}" if report.message else ""
+        return cond.Want(
+            names.RENDEZVOUS_READY,
+            "False",
+            names.R_FORMING,
+            f"trainer rank 0 is {report.phase.lower()}, forming the process groups{detail}",
+        )
+    previous = cond.find(old.conditions, names.RENDEZVOUS_READY)
+    if previous is not None and replaced is None and observed.trainer_job is not None and old.phase == "Running":
+        # No new report (a missed poll): no new information, so no flip.
+        return cond.Want(previous.type, previous.status, previous.reason, previous.message)
+    why = observed.trainer_error or "trainer rank 0 is not running yet"
+    return cond.Want(names.RENDEZVOUS_READY, "False", names.R_WAITING_FOR_TRAINER, why)
+
+
+def _progressing_condition(phase: str, restart_note: str | None, running: str, message: str) -> cond.Want:
+    if phase in TERMINAL:
+        return cond.Want(names.PROGRESSING, "False", names.R_FINISHED, f"the job {phase.lower()}")
+    if phase == "Suspended":
+        return cond.Want(names.PROGRESSING, "False", names.R_SUSPENDED, "suspended")
+    if restart_note is not None:
+        return cond.Want(names.PROGRESSING, "True", names.R_TRAINER_RESTARTING, restart_note)
+    if phase == "Running":
+        return cond.Want(names.PROGRESSING, "True", names.R_TRAINING, running)
+    return cond.Want(names.PROGRESSING, "False", names.R_PENDING, message)
+
+
+def _invalid_condition(problems: Sequence[str]) -> cond.Want:
+    if problems:
+        return cond.Want(names.INVALID_SPEC, "True", names.R_INVALID, "; ".join(problems))
+    return cond.Want(names.INVALID_SPEC, "False", names.R_VALID)
+
+
+def _refused_condition(refused: Sequence[str]) -> cond.Want:
+    if not refused:
+        return cond.Want(names.SPEC_CHANGE_REFUSED, "False", names.R_UNCHANGED)
+    return cond.Want(
+        names.SPEC_CHANGE_REFUSED,
+        "True",
+        names.R_REFUSED,
+        f"{', '.join(refused)} cannot change on a created job (only spec.suspend and spec.ttlSecondsAfterFinished "
+        "can); the children keep the applied spec. Delete and re-create the job to apply the change",
+    )
+
+
+def _parse_time(value: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))
+
+
+# ---- events ------------------------------------------------------------------------------------------------
+
+
+def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
+    """Events for the key transitions between two statuses; repeating a pass repeats no event."""
+    events: list[Event] = []
+
+    def became_true(type_: str) -> Condition | None:
+        now, before = cond.find(new.conditions, type_), cond.find(old.conditions, type_)
+        if now is None or now.status != "True":
+            return None
+        if before is not None and before.status == "True" and before.message == now.message:
+            return None
+        return now
+
+    if became_true(names.CREATED):
+        what = "the token Secret, headless Services and NetworkPolicy"
+        if new.phase != "Suspended":
+            what += ", the trainer Job and the inference StatefulSet"
+        events.append(Event("Normal", names.E_CREATED, f"created {what}"))
+    if new.phase != old.phase:
+        if old.phase == "Suspended" and new.phase in ("Pending", "Running"):
+            events.append(
+                Event(
+                    "Normal",
+                    names.E_RESUMED,
+                    "recreated the trainer Job and inference StatefulSet; training resumes from the latest checkpoint",
+                )
+            )
+        by_phase = {
+            "Running": Event("Normal", names.E_RUNNING, new.message or "running"),
+            "Succeeded": Event("Normal", names.E_SUCCEEDED, new.message or "succeeded"),
+            "Failed": Event("Warning", names.E_FAILED, new.message or "failed"),
+            "Suspended": Event("Normal", names.E_SUSPENDED, SUSPENDED_MESSAGE),
+        }
+        if new.phase in by_phase:
+            events.append(by_phase[new.phase])
+    if (new.trainer_restarts or 0) > (old.trainer_restarts or 0):
+        progressing = cond.find(new.conditions, names.PROGRESSING)
+        events.append(
+            Event("Warning", names.E_TRAINER_RESTARTING, progressing.message if progressing else "restarting")
+        )
+    # A re-form, not the first formation: the group had formed before under an older epoch.
+    old_epoch = old.rendezvous.epoch if old.rendezvous is not None else None
+    formed_before = cond.is_true(old.conditions, names.RENDEZVOUS_READY)
+    if formed_before and old_epoch is not None and new.rendezvous is not None and new.rendezvous.epoch > old_epoch:
+        rendezvous = cond.find(new.conditions, names.RENDEZVOUS_READY)
+        detail = rendezvous.message if rendezvous is not None else ""
+        events.append(Event("Normal", names.E_GROUP_REFORMED, f"the sync group re-formed: {detail}"))
+    pods_now, pods_before = cond.find(new.conditions, names.PODS_READY), cond.find(old.conditions, names.PODS_READY)
+    if (
+        pods_now is not None
+        and pods_now.status == "False"
+        and pods_now.reason not in _QUIET_POD_REASONS
+        and (pods_before is None or pods_before.reason != pods_now.reason)
+    ):
+        events.append(Event("Warning", names.E_PODS_NOT_READY, pods_now.message))
+    invalid = became_true(names.INVALID_SPEC)
+    if invalid is not None:
+        events.append(Event("Warning", names.E_INVALID_SPEC, invalid.message))
+    refused = became_true(names.SPEC_CHANGE_REFUSED)
+    if refused is not None:
+        events.append(Event("Warning", names.E_SPEC_CHANGE_REFUSED, refused.message))
+    return events
+
+
+# ---- the status write --------------------------------------------------------------------------------------
+
+
+def status_patch(old: Mapping[str, Any], new: JobStatus) -> dict[str, Any] | None:
+    """The merge patch that turns the stored status into `new` (None if nothing changed).
+
+    Fields that disappear are sent as null (a merge patch keeps what it does not mention); Kopf's own
+    `status.kopf` is left alone.
+    """
+    ours = {key: value for key, value in old.items() if key != "kopf"}
+    wanted = new.to_wire()
+    if ours == wanted:
+        return None
+    return _merge_patch(ours, wanted)
+
+
+def _merge_patch(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    patch: dict[str, Any] = {}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            if before != value:
+                patch[key] = _merge_patch(before, value)
+        elif before != value or key not in old:
+            patch[key] = value
+    for key in old:
+        if key not in new:
+            patch[key] = None
+    return patch
+
+
+def stored_status(raw: Mapping[str, Any] | None) -> JobStatus:
+    """The status as stored; an unreadable one counts as empty (the next write replaces it)."""
+    try:
+        return JobStatus.model_validate({k: v for k, v in (raw or {}).items() if k != "kopf"})
+    except ValidationError:
+        return JobStatus()

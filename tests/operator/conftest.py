@@ -1,0 +1,30 @@
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+
+from grpolora.operator import rbac
+from tests.operator.harness import Cluster, FakeTrainer, OperatorThread, fake_trainer, operator_options, running_cluster
+
+
+@pytest.fixture
+async def cluster() -> AsyncIterator[Cluster]:
+    async with running_cluster() as running:
+        yield running
+        # Every call the operator made in this test must be allowed by the RBAC rules the chart ships.
+        denied = sorted(call for call in running.emulator.calls if not rbac.allowed(*call))
+        assert not denied, f"calls that grpolora.operator.rbac.RULES does not allow (verb, group, resource): {denied}"
+
+
+@pytest.fixture
+async def trainer() -> AsyncIterator[FakeTrainer]:
+    async with fake_trainer() as fake:
+        yield fake
+
+
+@pytest.fixture
+async def operator(cluster: Cluster, trainer: FakeTrainer) -> AsyncIterator[OperatorThread]:
+    running = await OperatorThread(cluster.url, operator_options()).start()
+    yield running
+    await running.stop()

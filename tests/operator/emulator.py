@@ -1,0 +1,202 @@
+"""kmock's Kubernetes emulator, extended with the API server behaviour the operator relies on.
+
+Added here (in the tests, not in the operator): uid, creationTimestamp, resourceVersion on every write and
+generation on spec changes; `generateName`; the status subresource (a /status patch changes only status, a main
+patch never changes the status of a resource that has the subresource); label selectors on lists; garbage
+collection by ownerReferences on delete; and a record of every (verb, group, resource) a client other than the
+test itself sent, for the RBAC check.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import secrets
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import kmock
+
+from grpolora.api import constants as c
+
+TEST_USER_AGENT = "grpolora-tests"
+CRD_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
+ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
+# What the operator touches, declared for API discovery (Kopf reads it at start-up and serves only watchable ones).
+RESOURCES: dict[str, kmock.ResourceInfo] = {
+    CRD_RESOURCE: kmock.ResourceInfo(
+        kind=c.KIND, namespaced=True, subresources={"status"}, shortnames={"glj"}, verbs=ALL_VERBS
+    ),
+    "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
+    "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
+    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
+    "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
+    "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
+    "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
+    "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True, subresources={"status"}),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
+}
+PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
+    "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),
+    "kopf.dev/v1/clusterkopfpeerings": kmock.ResourceInfo(kind="ClusterKopfPeering", namespaced=False, verbs=ALL_VERBS),
+}
+_VERBS = {
+    kmock.action.LIST: "list",
+    kmock.action.WATCH: "watch",
+    kmock.action.FETCH: "get",
+    kmock.action.CREATE: "create",
+    kmock.action.DELETE: "delete",
+}
+
+
+@attrs.define(kw_only=True)
+class Emulator(kmock.KubernetesEmulator):
+    calls: set[tuple[str, str, str]] = attrs.field(factory=set, init=False)
+    """(verb, API group, resource[/subresource]) of every request not sent by the test itself."""
+    log: list[tuple[str, str, str | None]] = attrs.field(factory=list, init=False)
+    """(verb, resource[/subresource], name) of every request not sent by the test itself, in order."""
+    created: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    """(resource, namespace, name) of every successful create, in order (to spot duplicates)."""
+    created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
+    """time.monotonic() of the last successful create of each object (for the benchmark)."""
+    _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        # kmock matches each request against its reactions by scanning its whole request history, which makes a
+        # long run quadratic; keep only the current request (the tests read `log` instead).
+        del self._requests[:-1]
+        deleted_uid = None
+        if request.resource is not None and request.resource.plural:
+            self._record(request)
+            if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+                self._on_create(request)
+            elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
+                self._on_patch(request)
+            elif request.action == kmock.action.DELETE and request.name:
+                key = (request.resource, request.namespace, request.name)
+                if key in self.objects and not self.objects[key].deleted:
+                    deleted_uid = self.objects[key].get("metadata", {}).get("uid")
+        response = await super()._handle(request)
+        if request.action == kmock.action.CREATE and response.status < 300:
+            meta = request.data.get("metadata", {})
+            key = (str(request.resource.plural), meta.get("namespace"), meta.get("name"))
+            self.created.append(key)
+            self.created_at[key] = time.monotonic()
+        if deleted_uid and response.status < 300:
+            await self._collect_garbage(deleted_uid)
+        return response
+
+    def _record(self, request: kmock.Request) -> None:
+        if request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT):
+            return
+        verb = _VERBS.get(request.action) if request.action else None
+        if request.action == kmock.action.UPDATE:
+            verb = "patch" if request.method == kmock.method.PATCH else "update"
+        if verb is None:
+            verb = str(request.method).lower()
+        resource = str(request.resource.plural)
+        if request.subresource:
+            resource += f"/{request.subresource}"
+        self.calls.add((verb, str(request.resource.group), resource))
+        self.log.append((verb, resource, request.name))
+
+    def _on_create(self, request: kmock.Request) -> None:
+        meta = request.data.setdefault("metadata", {})
+        if not meta.get("name") and meta.get("generateName"):
+            meta["name"] = meta["generateName"] + secrets.token_hex(3)
+        if request.namespace and not meta.get("namespace"):
+            meta["namespace"] = request.namespace
+        key = (request.resource, meta.get("namespace"), meta.get("name"))
+        if key in self.objects and not self.objects[key].deleted:
+            return  # the base class answers 409; nothing of the request is kept
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["resourceVersion"] = str(next(self._versions))
+        meta["generation"] = 1
+
+    def _on_patch(self, request: kmock.Request) -> None:
+        data: dict[str, Any] = request.data
+        key = (request.resource, request.namespace, request.name)
+        current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+        if request.subresource == "status":
+            for field in [k for k in data if k != "status"]:
+                del data[field]
+        elif self._has_status_subresource(request.resource):
+            data.pop("status", None)
+        meta = data.setdefault("metadata", {})
+        meta["resourceVersion"] = str(next(self._versions))
+        if current is not None and "spec" in data:
+            new_spec = _merge(current.get("spec") or {}, data["spec"])
+            if new_spec != (current.get("spec") or {}):
+                meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+
+    def _has_status_subresource(self, resource: kmock.resource) -> bool:
+        return resource in self.resources and "status" in self.resources[resource].subresources
+
+    async def _collect_garbage(self, owner_uid: str) -> None:
+        """What the garbage collector does after a delete: remove dependents, recursively."""
+        async with self._lock:
+            dependents = [
+                (key, obj)
+                for key, obj in self.objects.items()
+                if not obj.deleted
+                and any(ref.get("uid") == owner_uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
+            ]
+            for (resource, _, _), obj in dependents:
+                raw = obj.raw
+                obj.delete()
+                await self._buses[resource].put({"type": "DELETED", "object": raw})
+        for _, obj in dependents:
+            uid = obj.last.get("metadata", {}).get("uid")
+            if uid:
+                await self._collect_garbage(uid)
+
+    def _KubernetesEmulator__get_objs(self, request: kmock.Request, strict: bool) -> list[kmock.Object]:
+        """kmock's object lookup, without scanning every object for a named one (the benchmark holds thousands).
+
+        Same result as the base class: exact (resource, namespace, name) when strict or namespaced, else a scan.
+        """
+        store: dict[Any, kmock.Object] = self.objects._objects
+        if request.name is not None and (strict or request.namespace is not None):
+            found = store.get((request.resource, request.namespace, request.name))
+            return [found] if found is not None else []
+        wanted = (request.resource.group, request.resource.version, request.resource.plural)
+        return [
+            obj
+            for (resource, namespace, name), obj in store.items()
+            if (resource.group, resource.version, resource.plural) == wanted
+            and (request.namespace is None or namespace == request.namespace)
+            and (request.name is None or name == request.name)
+        ]
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        result = await super()._serve_list(request)
+        selector = (request.params or {}).get("labelSelector")
+        if selector:
+            wanted = dict(term.split("=", 1) for term in selector.split(","))
+            result["items"] = [item for item in result["items"] if _labels_match(item, wanted)]
+        return result
+
+
+def _labels_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
+    labels = (obj.get("metadata") or {}).get("labels") or {}
+    return all(labels.get(key) == value for key, value in wanted.items())
+
+
+def _merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
+    result = dict(base)
+    for key, value in patch.items():
+        if value is None:
+            result.pop(key, None)
+        elif isinstance(value, Mapping) and isinstance(result.get(key), Mapping):
+            result[key] = _merge(result[key], value)
+        else:
+            result[key] = value
+    return result
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

@@ -1,0 +1,406 @@
+"""The real operator (Kopf, handlers, controller, API client) against the Kubernetes API emulator over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+from typing import Any
+
+import aiohttp
+
+from grpolora.api import constants as c
+from grpolora.api.load import parse_job
+from grpolora.api.plan import plan
+from grpolora.operator import names
+from grpolora.operator.builders import build_children
+from tests.helpers import example, job_doc
+from tests.operator.emulator import CRD_RESOURCE
+from tests.operator.harness import (
+    FAST_INTERVAL,
+    NAMESPACE,
+    Cluster,
+    OperatorThread,
+    operator_options,
+    wait_for,
+)
+
+RESOURCE_OF = {
+    "Secret": "v1/secrets",
+    "Service": "v1/services",
+    "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+    "Job": "batch/v1/jobs",
+    "StatefulSet": "apps/v1/statefulsets",
+}
+SERVER_FIELDS = ("uid", "resourceVersion", "creationTimestamp", "generation")
+
+
+def as_sent(obj: dict[str, Any]) -> dict[str, Any]:
+    """The object without the fields the API server adds."""
+    result = copy.deepcopy(obj)
+    for key in SERVER_FIELDS:
+        result["metadata"].pop(key, None)
+    return result
+
+
+def report(phase: str = "Running", **fields: Any) -> dict[str, Any]:
+    return {"phase": phase, "totalSteps": 3, "syncMembers": [0], **fields}
+
+
+async def created(cluster: Cluster, name: str = "demo") -> None:
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", f"{name}-inference"), f"{name}'s children")
+
+
+async def pods_up(cluster: Cluster, name: str = "demo", *, inference: int = 1) -> None:
+    """Play the Job and StatefulSet controllers: the trainer pod runs, the inference pods are ready."""
+    await cluster.set_status("batch/v1/jobs", f"{name}-trainer", {"active": 1, "ready": 1})
+    await cluster.set_status(
+        "apps/v1/statefulsets", f"{name}-inference", {"replicas": inference, "readyReplicas": inference}
+    )
+
+
+def phase(cluster: Cluster, name: str = "demo") -> str | None:
+    return cluster.status(name).get("phase")
+
+
+def reasons(cluster: Cluster, name: str = "demo") -> list[str]:
+    return [reason for _, reason, _ in cluster.events(name)]
+
+
+def epoch_of(cluster: Cluster, name: str = "demo") -> int | None:
+    return (cluster.status(name).get("rendezvous") or {}).get("epoch")
+
+
+def history(cluster: Cluster, name: str = "demo") -> list[dict[str, Any]]:
+    """Every stored version of the job's status, oldest first."""
+    versions = cluster.emulator.objects[CRD_RESOURCE, NAMESPACE, name].history
+    return [dict(v.raw.get("status") or {}) for v in versions if v is not None]
+
+
+# ---- create ------------------------------------------------------------------------------------------------
+
+
+async def test_a_job_gets_exactly_the_rendered_children_placed_with_rendezvous_env(cluster, operator):
+    doc = example("qwen3-0.6b-gpu.yaml")
+    doc["metadata"]["namespace"] = NAMESPACE
+    await cluster.apply(copy.deepcopy(doc))
+    name = doc["metadata"]["name"]
+    await created(cluster, name)
+    await wait_for(lambda: phase(cluster, name) == "Pending", "phase Pending")
+    job = cluster.job(name)
+    token = cluster.get("v1/secrets", f"{name}-token")["stringData"]["token"]
+    assert len(token) >= 43  # secrets.token_urlsafe(32)
+
+    expected = build_children(plan(parse_job(doc)), owner_uid=job["metadata"]["uid"], token=token)
+    for obj in expected:
+        actual = cluster.get(RESOURCE_OF[obj["kind"]], obj["metadata"]["name"])
+        assert actual is not None, f"missing {obj['kind']} {obj['metadata']['name']}"
+        assert as_sent(actual) == obj, f"{obj['kind']} differs from `grpolora render`"
+
+    trainer = cluster.get("batch/v1/jobs", f"{name}-trainer")["spec"]["template"]["spec"]
+    inference = cluster.get("apps/v1/statefulsets", f"{name}-inference")["spec"]["template"]["spec"]
+    assert trainer["nodeSelector"] == {"grpolora.dev/pool": "trainer"}
+    assert inference["nodeSelector"] == {"grpolora.dev/pool": "inference"}
+    assert trainer["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert inference["tolerations"][0]["key"] == "nvidia.com/gpu"
+    assert trainer["automountServiceAccountToken"] is False and inference["automountServiceAccountToken"] is False
+    env = {e["name"]: e.get("value") for e in trainer["containers"][0]["env"]}
+    assert env["MASTER_ADDR"] == f"{name}-trainer-0.{name}-trainer.{NAMESPACE}.svc"
+    assert env["GRPOLORA_SYNC_WORLD_SIZE"] == "3" and env["GRPOLORA_SYNC_BACKEND"] == "nccl"
+
+    status = cluster.status(name)
+    assert status["observedGeneration"] == 1 and status["totalSteps"] == 200
+    assert status["rendezvous"]["syncWorldSize"] == 3 and status["replicas"]["inference"] == {"desired": 2, "ready": 0}
+    assert cluster.condition(name, names.CREATED)["status"] == "True"
+    assert json.loads(job["metadata"]["annotations"][names.APPLIED_SPEC_ANNOTATION])["lora"]["rank"] == 16
+    await wait_for(lambda: reasons(cluster, name) == [names.E_CREATED], "the Created event")  # after the write
+    assert len(cluster.emulator.created) == len(set(cluster.emulator.created)), "something was created twice"
+
+
+# ---- status ------------------------------------------------------------------------------------------------
+
+
+async def test_status_follows_the_trainer_through_sync_rounds_to_succeeded(cluster, trainer, unused_tcp_port):
+    operator = await OperatorThread(cluster.url, operator_options(metrics_port=unused_tcp_port)).start()
+    try:
+        await cluster.apply(job_doc(grpo={"steps": 3}))
+        await created(cluster)
+        await pods_up(cluster)
+        # The trainer pod runs but its server is not up yet: the job waits and says why.
+        await wait_for(lambda: "HTTP 503" in cluster.status("demo").get("message", ""), "the trainer's 503")
+        assert phase(cluster) == "Pending"
+
+        trainer.report = report("Starting")
+        await wait_for(lambda: phase(cluster) == "Running", "phase Running")
+        assert cluster.condition("demo", names.RENDEZVOUS_READY)["reason"] == names.R_FORMING
+        for rounds in (1, 2, 3):
+            trainer.report = report(
+                step=rounds,
+                syncRound=rounds,
+                epoch=1,
+                lastSyncSeconds=0.25 * rounds,
+                lastSyncBytes=1000 * rounds,
+                lastSyncTime=f"2026-01-01T00:00:0{rounds}Z",
+                rewardMean=rounds / 10,
+                kl=0.01,
+                mismatch=0.002,
+            )
+            await wait_for(lambda r=rounds: cluster.status("demo").get("syncRound") == r, f"sync round {rounds}")
+        status = cluster.status("demo")
+        assert (status["step"], status["lastSyncBytes"], status["lastSyncSeconds"]) == (3, 3000, 0.75)
+        assert (status["rewardMean"], status["kl"], status["mismatch"]) == (0.3, 0.01, 0.002)
+        assert status["lastSyncTime"] == "2026-01-01T00:00:03Z" and status["rendezvous"]["epoch"] == 1
+        assert cluster.condition("demo", names.RENDEZVOUS_READY)["status"] == "True"
+
+        async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{unused_tcp_port}/metrics") as got:
+            scraped = await got.text()
+        assert f'grpolora_job_sync_rounds_total{{job="demo",namespace="{NAMESPACE}"}} 3.0' in scraped
+        assert f'grpolora_job_last_sync_bytes{{job="demo",namespace="{NAMESPACE}"}} 3000.0' in scraped
+        assert 'grpolora_jobs{phase="Running"} 1.0' in scraped
+
+        trainer.report = report("Succeeded", step=3, syncRound=3, epoch=1)
+        await wait_for(lambda: phase(cluster) == "Succeeded", "phase Succeeded")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
+        status = cluster.status("demo")
+        assert status["completionTime"] and "3/3 steps" in status["message"]
+        assert cluster.condition("demo", names.SUCCEEDED)["status"] == "True"
+        await wait_for(lambda: len(cluster.events("demo")) == 3, "three events")  # posted after the status write
+        assert reasons(cluster) == [names.E_CREATED, names.E_RUNNING, names.E_SUCCEEDED]
+    finally:
+        await operator.stop()
+
+    # Over every status ever stored: syncRound never went back, Created never re-transitioned.
+    versions = [s for s in history(cluster) if s.get("syncRound") is not None]
+    rounds = [s["syncRound"] for s in versions]
+    assert rounds == sorted(rounds) and rounds[-1] == 3
+    created_at = {c["lastTransitionTime"] for s in versions for c in s["conditions"] if c["type"] == names.CREATED}
+    assert len(created_at) == 1
+
+
+# ---- invalid -----------------------------------------------------------------------------------------------
+
+
+async def test_an_invalid_job_fails_with_field_paths_and_gets_no_children_until_fixed(cluster, operator):
+    await cluster.apply(job_doc(grpo={"generationsPerPrompt": 1}, lora={"rnk": 8}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    invalid = cluster.condition("demo", names.INVALID_SPEC)
+    assert invalid["status"] == "True" and invalid["reason"] == names.R_INVALID
+    assert "spec.grpo.generationsPerPrompt" in invalid["message"] and "spec.lora.rnk" in invalid["message"]
+    await wait_for(lambda: names.E_INVALID_SPEC in reasons(cluster), "the InvalidSpec event")
+    assert ("Warning", names.E_INVALID_SPEC, invalid["message"]) in cluster.events("demo")
+    await asyncio.sleep(5 * FAST_INTERVAL)
+    for resource in RESOURCE_OF.values():
+        assert cluster.objects(resource) == {}, f"{resource} created for an invalid job"
+
+    await cluster.patch_spec("demo", {"grpo": {"generationsPerPrompt": 4}, "lora": {"rnk": None}})
+    await created(cluster)
+    await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after the fix")
+    assert cluster.condition("demo", names.INVALID_SPEC)["status"] == "False"
+
+
+# ---- suspend -----------------------------------------------------------------------------------------------
+
+
+async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates_them(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    token = cluster.get("v1/secrets", "demo-token")["stringData"]["token"]
+
+    await cluster.patch_spec("demo", {"suspend": True})
+    await wait_for(lambda: phase(cluster) == "Suspended", "phase Suspended")
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+    assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
+    assert set(cluster.objects("v1/services")) == {"demo-trainer", "demo-inference"}
+    assert set(cluster.objects("networking.k8s.io/v1/networkpolicies")) == {"demo"}
+    assert cluster.condition("demo", names.SUSPENDED)["status"] == "True"
+    assert cluster.status("demo")["replicas"]["trainer"]["desired"] == 0
+
+    await cluster.patch_spec("demo", {"suspend": False})
+    await created(cluster)
+    await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after resume")
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is not None
+    assert cluster.get("v1/secrets", "demo-token")["stringData"]["token"] == token  # never regenerated
+    assert cluster.condition("demo", names.SUSPENDED)["status"] == "False"
+    expected = [names.E_CREATED, names.E_SUSPENDED, names.E_RESUMED]
+    await wait_for(lambda: reasons(cluster) == expected, "Created, Suspended and Resumed events")
+
+
+async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, operator):
+    doc = job_doc(suspend=True)
+    doc["metadata"]["name"] = "sleepy"
+    await cluster.apply(doc)
+    await wait_for(lambda: phase(cluster, "sleepy") == "Suspended", "phase Suspended")
+    assert cluster.get("v1/secrets", "sleepy-token") and cluster.get("v1/services", "sleepy-trainer")
+    assert cluster.get("batch/v1/jobs", "sleepy-trainer") is None
+    assert cluster.get("apps/v1/statefulsets", "sleepy-inference") is None
+
+
+# ---- delete ------------------------------------------------------------------------------------------------
+
+
+async def test_deleting_a_job_takes_its_children_and_stops_its_monitor(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await cluster.delete_job("demo")
+    for resource in RESOURCE_OF.values():
+        assert cluster.objects(resource) == {}, f"{resource} left behind"
+    await wait_for(lambda: not operator.controller.jobs, "the operator to forget the job")
+    assert "finalizers" not in cluster.emulator.objects[CRD_RESOURCE, NAMESPACE, "demo"].last["metadata"]
+    await asyncio.sleep(3 * FAST_INTERVAL)  # a request a cancelled pass had already sent may still arrive
+    before = len(cluster.emulator.log)
+    await asyncio.sleep(10 * FAST_INTERVAL)
+    late = [entry for entry in cluster.emulator.log[before:] if entry[2] == "demo"]
+    assert late == [], "the operator kept working on a deleted job"
+
+
+# ---- restart -----------------------------------------------------------------------------------------------
+
+
+async def test_an_operator_restart_mid_job_duplicates_nothing_and_status_continues(cluster, trainer):
+    first = await OperatorThread(cluster.url, operator_options()).start()
+    try:
+        await cluster.apply(job_doc())
+        await created(cluster)
+        await pods_up(cluster)
+        trainer.report = report(step=2, syncRound=2, epoch=1)
+        await wait_for(lambda: cluster.status("demo").get("syncRound") == 2, "sync round 2")
+        await wait_for(lambda: names.E_RUNNING in reasons(cluster), "the Running event")
+    finally:
+        await first.stop()
+    formed_at = cluster.condition("demo", names.RENDEZVOUS_READY)["lastTransitionTime"]
+    creates = list(cluster.emulator.created)
+
+    trainer.report = report(step=3, syncRound=3, epoch=1)
+    second = await OperatorThread(cluster.url, operator_options()).start()
+    try:
+        await wait_for(lambda: cluster.status("demo").get("syncRound") == 3, "sync round 3 after the restart")
+    finally:
+        await second.stop()
+    assert cluster.emulator.created[: len(creates)] == creates
+    new_creates = [key for key in cluster.emulator.created[len(creates) :] if key[0] != "events"]
+    assert new_creates == [], f"created again after the restart: {new_creates}"
+    assert cluster.condition("demo", names.RENDEZVOUS_READY)["lastTransitionTime"] == formed_at
+    assert reasons(cluster).count(names.E_CREATED) == 1 and reasons(cluster).count(names.E_RUNNING) == 1
+
+
+# ---- spec changes ------------------------------------------------------------------------------------------
+
+
+async def test_a_change_that_cannot_apply_is_refused_and_the_children_stay(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await cluster.patch_spec("demo", {"lora": {"rank": 8}, "trainer": {"replicas": 2}})
+    await wait_for(lambda: cluster.condition("demo", names.SPEC_CHANGE_REFUSED).get("status") == "True", "refusal")
+    message = cluster.condition("demo", names.SPEC_CHANGE_REFUSED)["message"]
+    assert "spec.lora.rank, spec.trainer.replicas cannot change" in message
+    await wait_for(lambda: ("Warning", names.E_SPEC_CHANGE_REFUSED, message) in cluster.events("demo"), "the event")
+    trainer = cluster.get("batch/v1/jobs", "demo-trainer")
+    env = {e["name"]: e.get("value") for e in trainer["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert json.loads(env["GRPOLORA_SPEC"])["lora"]["rank"] == 16
+    assert [k for k in cluster.emulator.created if k[0] == "jobs"] == [("jobs", NAMESPACE, "demo-trainer")]
+    assert cluster.status("demo")["observedGeneration"] == 2
+
+    await cluster.patch_spec("demo", {"lora": {"rank": 16}, "trainer": {"replicas": 1}})
+    await wait_for(lambda: cluster.condition("demo", names.SPEC_CHANGE_REFUSED).get("status") == "False", "revert")
+
+
+# ---- failures ----------------------------------------------------------------------------------------------
+
+
+async def test_a_failed_trainer_is_restarted_then_the_job_fails_with_the_reason(cluster, operator):
+    await cluster.apply(job_doc(trainer={"maxRestarts": 1}))
+    await created(cluster)
+    failed = {
+        "conditions": [
+            {
+                "type": "Failed",
+                "status": "True",
+                "reason": "BackoffLimitExceeded",
+                "message": "Job has reached the specified backoff limit",
+            }
+        ]
+    }
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", failed)
+    await wait_for(lambda: [k for k in cluster.emulator.created if k[0] == "jobs"].__len__() == 2, "a new trainer")
+    replacement = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert replacement["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "1"
+    assert "status" not in replacement or not replacement["status"].get("conditions")
+    await wait_for(lambda: cluster.status("demo").get("trainerRestarts") == 1, "trainerRestarts 1")
+    await wait_for(lambda: names.E_TRAINER_RESTARTING in reasons(cluster), "the TrainerRestarting event")
+
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", failed)
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    failed_condition = cluster.condition("demo", names.FAILED)
+    assert failed_condition["reason"] == names.R_BACKOFF_LIMIT and "backoff limit" in failed_condition["message"]
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
+    await wait_for(lambda: reasons(cluster)[-1] == names.E_FAILED, "the Failed event")
+    assert [k for k in cluster.emulator.created if k[0] == "jobs"].__len__() == 2
+
+
+async def test_a_lost_inference_pod_re_forms_the_sync_group_and_the_job_goes_on(cluster, trainer, operator):
+    await cluster.apply(job_doc(inference={"replicas": 2}))
+    await created(cluster)
+    await pods_up(cluster, inference=2)
+    for epoch, members, rounds in ((1, [0, 1], 1), (2, [0], 2), (3, [0, 1], 3)):
+        trainer.report = report(syncRound=rounds, step=rounds, epoch=epoch, syncMembers=members)
+        await wait_for(lambda e=epoch: epoch_of(cluster) == e, f"epoch {epoch}")
+        assert phase(cluster) == "Running"
+    assert "[0, 1] (2/2)" in cluster.condition("demo", names.RENDEZVOUS_READY)["message"]
+    await wait_for(lambda: reasons(cluster).count(names.E_GROUP_REFORMED) == 2, "two SyncGroupReformed events")
+    assert [k for k in cluster.emulator.created if k[0] == "statefulsets"] == [
+        ("statefulsets", NAMESPACE, "demo-inference")
+    ]
+
+
+async def test_pods_stuck_unschedulable_or_pulling_say_why(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    labels = {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}
+    await cluster.add_pod(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "demo-trainer-0-abcde", "namespace": NAMESPACE, "labels": labels},
+            "status": {
+                "phase": "Pending",
+                "conditions": [
+                    {
+                        "type": "PodScheduled",
+                        "status": "False",
+                        "reason": "Unschedulable",
+                        "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                    }
+                ],
+            },
+        }
+    )
+    # Another job's pod must not be blamed (the operator lists by label selector).
+    await cluster.add_pod(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "other-trainer-0-x", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "other"}},
+            "status": {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {"name": "trainer", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "denied"}}}
+                ],
+            },
+        }
+    )
+    await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("reason") == "Unschedulable", "why")
+    message = cluster.condition("demo", names.PODS_READY)["message"]
+    assert "demo-trainer-0-abcde: 0/3 nodes are available" in message and "other" not in message
+    assert "Insufficient nvidia.com/gpu" in cluster.status("demo")["message"]
+    await wait_for(lambda: names.E_PODS_NOT_READY in reasons(cluster), "the PodsNotReady event")
+    assert [r for t, r, _ in cluster.events("demo") if t == "Warning"] == [names.E_PODS_NOT_READY]
+
+
+async def test_ttl_deletes_a_finished_job(cluster, operator):
+    await cluster.apply(job_doc(ttlSecondsAfterFinished=1))
+    await created(cluster)
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True"}]})
+    await wait_for(lambda: phase(cluster) == "Succeeded", "phase Succeeded")
+    await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "deletion after the TTL", timeout=5)
+    for resource in RESOURCE_OF.values():
+        assert cluster.objects(resource) == {}

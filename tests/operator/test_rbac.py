@@ -1,0 +1,59 @@
+"""RBAC: a whole job lifecycle under Kopf peering and --all-namespaces, recording every API call the operator makes.
+
+Every call must be allowed by grpolora.operator.rbac.RULES (the chart's ClusterRole is checked against RULES), and
+every verb of every rule must have been needed: least privilege in both directions.
+"""
+
+from __future__ import annotations
+
+from grpolora.api import constants as c
+from grpolora.operator import rbac
+from tests.helpers import job_doc
+from tests.operator.emulator import CRD_RESOURCE
+from tests.operator.harness import NAMESPACE, OperatorThread, fake_trainer, operator_options, running_cluster, wait_for
+
+PEERING = "grpo-lora-operator"
+
+
+async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_needed():
+    async with running_cluster(peering=True) as cluster, fake_trainer() as trainer:
+        await cluster._call(
+            "POST",
+            "/apis/kopf.dev/v1/clusterkopfpeerings",
+            {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": PEERING}, "status": {}},
+        )
+        options = operator_options(namespaces=(), all_namespaces=True, peering=PEERING, priority=10)
+        operator = await OperatorThread(cluster.url, options).start()
+        try:
+            await cluster.apply(job_doc(trainer={"maxRestarts": 1}, ttlSecondsAfterFinished=0))
+            await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "children")
+            await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1})
+            trainer.report = {"phase": "Running", "totalSteps": 100, "step": 1, "syncRound": 1}
+            await wait_for(lambda: cluster.status("demo").get("syncRound") == 1, "a trainer report")
+
+            failed = {"conditions": [{"type": "Failed", "status": "True", "reason": "PodFailure"}]}
+            await cluster.set_status("batch/v1/jobs", "demo-trainer", failed)
+            await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "a restart")
+
+            await cluster.patch_spec("demo", {"suspend": True})
+            await wait_for(lambda: cluster.status("demo").get("phase") == "Suspended", "suspend")
+            await cluster.patch_spec("demo", {"suspend": False})
+            await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "resume")
+
+            complete = {"conditions": [{"type": "Complete", "status": "True"}]}
+            await cluster.set_status("batch/v1/jobs", "demo-trainer", complete)
+            await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo", NAMESPACE) is None, "deletion after the TTL")
+        finally:
+            await operator.stop()
+
+        calls = cluster.emulator.calls
+        denied = sorted(call for call in calls if not rbac.allowed(*call))
+        assert not denied, f"not allowed by RULES: {denied}"
+        unused = [
+            (rule.api_groups, rule.resources, verb)
+            for rule in rbac.RULES
+            for verb in rule.verbs
+            if not any((verb, group, resource) in calls for group in rule.api_groups for resource in rule.resources)
+        ]
+        assert not unused, f"RULES grant verbs the operator never used: {unused}"
+        assert ("patch", c.GROUP, f"{c.PLURAL}/status") in calls

@@ -1,0 +1,193 @@
+"""The operator's small parts: pod diagnosis, trainer folding, peering rule, metrics names, RBAC shape, API paths."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from grpolora.api.status import JobStatus, RendezvousStatus, TrainerStatus
+from grpolora.operator import kube, rbac
+from grpolora.operator.metrics import Metrics
+from grpolora.operator.observe import fold_trainer, why_not_ready
+from grpolora.operator.peering import outranked
+
+NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+
+
+def pod(name: str, phase: str = "Pending", conditions=(), containers=()) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name},
+        "status": {"phase": phase, "conditions": list(conditions), "containerStatuses": list(containers)},
+    }
+
+
+def waiting(reason: str, message: str = "") -> dict[str, Any]:
+    return {"name": "worker", "state": {"waiting": {"reason": reason, "message": message}}}
+
+
+UNSCHEDULABLE = {"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/4 nodes: gpu"}
+
+
+@pytest.mark.parametrize(
+    ("pods", "reason", "fragment"),
+    [
+        ([], None, None),
+        ([pod("a", conditions=[UNSCHEDULABLE])], "Unschedulable", "a: 0/4 nodes: gpu"),
+        ([pod("a", containers=[waiting("ImagePullBackOff", "pull denied")])], "ImagePullBackOff", "a: pull denied"),
+        ([pod("a", containers=[waiting("ContainerCreating")])], "ContainerCreating", "a: container worker"),
+        (
+            [pod("a", conditions=[UNSCHEDULABLE]), pod("b", containers=[waiting("CrashLoopBackOff", "exit 1")])],
+            "CrashLoopBackOff",  # the worse reason wins
+            "b: exit 1",
+        ),
+        ([pod("a", phase="Running", conditions=[{"type": "Ready", "status": "False"}])], "NotReady", "a: running"),
+        ([pod("a", phase="Running", conditions=[{"type": "Ready", "status": "True"}])], None, None),
+        ([pod("a", phase="Failed")], None, None),  # the Job's business
+    ],
+    ids=["none", "unschedulable", "image", "creating", "worst-wins", "not-ready", "ready", "finished"],
+)
+def test_why_pods_are_not_ready(pods, reason, fragment):
+    found = why_not_ready(pods)
+    if reason is None:
+        assert found is None
+    else:
+        assert found is not None and found.reason == reason and fragment in found.message
+
+
+def test_why_names_at_most_three_pods():
+    found = why_not_ready([pod(f"p{i}", conditions=[UNSCHEDULABLE]) for i in range(5)])
+    assert found is not None and found.message.count("0/4 nodes") == 3 and "(and 2 more)" in found.message
+
+
+@pytest.mark.parametrize(
+    ("old_round", "reported_round", "expected_round", "takes_sync_figures"),
+    [(None, 2, 2, True), (2, 2, 2, True), (2, 5, 5, True), (5, 2, 5, False)],
+)
+def test_fold_keeps_sync_round_monotonic(old_round, reported_round, expected_round, takes_sync_figures):
+    old = JobStatus(sync_round=old_round, step=old_round, last_sync_seconds=1.0)
+    report = TrainerStatus(
+        phase="Running", total_steps=10, step=reported_round, sync_round=reported_round, last_sync_seconds=2.0
+    )
+    progress = fold_trainer(old, report)
+    assert progress.sync_round == expected_round and progress.step == expected_round
+    assert progress.last_sync_seconds == (2.0 if takes_sync_figures else 1.0)
+
+
+def test_fold_without_a_report_keeps_everything():
+    rendezvous = RendezvousStatus(
+        master_addr="a",
+        master_port=1,
+        trainer_world_size=1,
+        sync_addr="a",
+        sync_port=2,
+        sync_world_size=2,
+        sync_backend="gloo",
+        epoch=4,
+    )
+    old = JobStatus(step=3, sync_round=3, reward_mean=0.25, rendezvous=rendezvous)
+    progress = fold_trainer(old, None)
+    assert (progress.step, progress.sync_round, progress.reward_mean, progress.epoch) == (3, 3, 0.25, 4)
+
+
+def peer(priority: int, seconds_ago: float, lifetime: int = 60) -> dict[str, Any]:
+    lastseen = (NOW - datetime.timedelta(seconds=seconds_ago)).isoformat()
+    return {"priority": priority, "lastseen": lastseen, "lifetime": lifetime}
+
+
+@pytest.mark.parametrize(
+    ("peers", "paused"),
+    [
+        ({}, False),
+        ({"me": peer(5, 0)}, False),
+        ({"me": peer(5, 0), "other": peer(3, 0)}, False),
+        ({"me": peer(5, 0), "other": peer(7, 0)}, True),
+        ({"me": peer(5, 0), "other": peer(5, 0)}, True),  # a tie pauses both, as in Kopf
+        ({"me": peer(5, 0), "other": peer(7, 120)}, False),  # dead peer
+        ({"me": peer(5, 0), "other": "garbage"}, False),
+    ],
+    ids=["alone-empty", "alone", "lower", "higher", "tie", "dead", "malformed"],
+)
+def test_peering_rule(peers, paused):
+    assert outranked(peers, identity="me", priority=5, now=NOW) is paused
+
+
+def test_metrics_have_the_agreed_names_and_labels():
+    metrics = Metrics()
+    metrics.set_job(
+        "ns", "a", JobStatus(phase="Running", step=7, sync_round=6, last_sync_seconds=0.5, last_sync_bytes=9)
+    )
+    metrics.set_job("ns", "b", JobStatus(phase="Pending"))
+    with metrics.timed("reconcile"):
+        pass
+    with pytest.raises(RuntimeError), metrics.timed("monitor"):
+        raise RuntimeError("boom")
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    job = (("job", "a"), ("namespace", "ns"))
+    assert samples[("grpolora_jobs", (("phase", "Running"),))] == 1
+    assert samples[("grpolora_jobs", (("phase", "Pending"),))] == 1
+    assert samples[("grpolora_jobs", (("phase", "Failed"),))] == 0
+    assert samples[("grpolora_job_sync_rounds_total", job)] == 6
+    assert samples[("grpolora_job_step", job)] == 7
+    assert samples[("grpolora_job_last_sync_seconds", job)] == 0.5
+    assert samples[("grpolora_job_last_sync_bytes", job)] == 9
+    assert samples[("grpolora_reconcile_errors_total", (("handler", "monitor"),))] == 1
+    assert samples[("grpolora_reconcile_errors_total", (("handler", "reconcile"),))] == 0
+    assert samples[("grpolora_reconcile_duration_seconds_count", (("handler", "reconcile"),))] == 1
+    metrics.forget_job("ns", "a")
+    assert 'job="a"' not in metrics.exposition().decode()
+
+
+def test_rbac_rules_have_the_shape_the_chart_test_reads():
+    assert isinstance(rbac.RULES, tuple) and rbac.RULES
+    for rule in rbac.RULES:
+        assert dataclasses.is_dataclass(rule) and type(rule).__dataclass_params__.frozen
+        assert [f.name for f in dataclasses.fields(rule)] == ["api_groups", "resources", "verbs", "reason"]
+        for values in (rule.api_groups, rule.resources, rule.verbs):
+            assert isinstance(values, tuple) and all(isinstance(v, str) for v in values)
+        assert rule.reason.strip()
+        assert set(rule.verbs) <= {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
+    # Least privilege: nothing that reads Secrets, nothing cluster-wide beyond Kopf's own peering objects.
+    assert not rbac.allowed("get", "", "secrets") and not rbac.allowed("list", "", "secrets")
+    assert not rbac.allowed("list", "", "namespaces")
+
+
+@pytest.mark.parametrize(
+    ("kind", "namespace", "name", "sub", "path"),
+    [
+        (kube.SECRET, "ns", None, None, "/api/v1/namespaces/ns/secrets"),
+        (kube.JOB, "ns", "j", None, "/apis/batch/v1/namespaces/ns/jobs/j"),
+        (kube.GRPOLORAJOB, "ns", "x", "status", "/apis/grpolora.dev/v1alpha1/namespaces/ns/grpolorajobs/x/status"),
+        (kube.CLUSTER_KOPF_PEERING, None, "p", None, "/apis/kopf.dev/v1/clusterkopfpeerings/p"),
+    ],
+)
+def test_api_paths(kind, namespace, name, sub, path):
+    assert kind.path(namespace, name, sub) == path
+
+
+def test_kind_of_refuses_unknown_objects():
+    assert kube.kind_of({"apiVersion": "apps/v1", "kind": "StatefulSet"}) is kube.STATEFULSET
+    with pytest.raises(ValueError, match="apps/v2 StatefulSet"):
+        kube.kind_of({"apiVersion": "apps/v2", "kind": "StatefulSet"})
+
+
+def test_event_bodies_are_core_v1_events_with_bounded_messages():
+    event = kube.event_body(
+        {"namespace": "ns", "name": "job", "uid": "u"}, "Warning", "Failed", "x" * 5000, now=NOW, instance="op-1"
+    )
+    assert event["involvedObject"] == {
+        "apiVersion": "grpolora.dev/v1alpha1",
+        "kind": "GRPOLoraJob",
+        "name": "job",
+        "namespace": "ns",
+        "uid": "u",
+    }
+    assert event["metadata"] == {"generateName": "job.", "namespace": "ns"}
+    assert len(event["message"]) == kube.EVENT_MESSAGE_MAX and event["firstTimestamp"] == "2026-01-01T12:00:00Z"

@@ -1,0 +1,403 @@
+"""The pure reconcile decision: table-driven cases from the job, its children and the trainer's report."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import json
+from typing import Any
+
+import pytest
+
+from grpolora.api.plan import plan
+from grpolora.api.status import JobStatus, TrainerStatus
+from grpolora.operator import names
+from grpolora.operator.reconcile import (
+    ChildRef,
+    Decision,
+    JobView,
+    Observed,
+    changed_fields,
+    children,
+    decide,
+    job_view,
+    should_poll_trainer,
+    spec_json,
+    status_patch,
+)
+from tests.helpers import job_doc
+
+NOW = datetime.datetime(2026, 1, 1, 12, 0, 0, tzinfo=datetime.UTC)
+STAMP = "2026-01-01T12:00:00Z"
+EARLIER = "2026-01-01T11:00:00Z"
+
+
+def body(*, applied: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+    doc = job_doc(**spec)
+    doc["metadata"].update(uid="uid-1", generation=2)
+    if applied is not None:
+        doc["metadata"]["annotations"] = {names.APPLIED_SPEC_ANNOTATION: json.dumps(applied)}
+    return doc
+
+
+def applied_view(**spec: Any) -> JobView:
+    """A job whose children were already created from this spec."""
+    view = job_view(body(**spec))
+    assert view.job is not None
+    return job_view(body(applied=json.loads(spec_json(view.job.spec)), **spec))
+
+
+def trainer_job(
+    *, active: int = 0, ready: int = 0, condition: str | None = None, attempt: int = 0, message: str = ""
+) -> dict[str, Any]:
+    obj: dict[str, Any] = {"metadata": {"name": "demo-trainer"}, "status": {"active": active, "ready": ready}}
+    if condition:
+        obj["status"]["conditions"] = [{"type": condition, "status": "True", "reason": "R", "message": message}]
+    if attempt:
+        obj["metadata"]["annotations"] = {names.RESTART_ATTEMPT_ANNOTATION: str(attempt)}
+    return obj
+
+
+def statefulset(ready: int = 0) -> dict[str, Any]:
+    return {"metadata": {"name": "demo-inference"}, "status": {"readyReplicas": ready}}
+
+
+def report(phase: str = "Running", **fields: Any) -> TrainerStatus:
+    return TrainerStatus.model_validate({"phase": phase, "totalSteps": 100, "syncMembers": [0], **fields})
+
+
+def pending() -> JobStatus:
+    """The status right after the children were created."""
+    return decide(applied_view(), JobStatus(), Observed(), NOW - datetime.timedelta(hours=1)).status
+
+
+def running(**fields: Any) -> JobStatus:
+    """The status of a job that has been running for a while."""
+    previous = decide(
+        applied_view(),
+        JobStatus(),
+        Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=3, syncRound=3, epoch=1)),
+        NOW - datetime.timedelta(hours=1),
+    ).status
+    return previous.model_copy(update=fields)
+
+
+def condition(decision: Decision, type_: str) -> tuple[str, str]:
+    found = next(c for c in decision.status.conditions if c.type == type_)
+    return found.status, found.reason
+
+
+def reasons(decision: Decision) -> list[str]:
+    return [event.reason for event in decision.events]
+
+
+def kinds(objects: tuple[dict[str, Any], ...]) -> list[str]:
+    return [o["kind"] for o in objects]
+
+
+# ---- lifecycle ---------------------------------------------------------------------------------------------
+
+
+def test_a_new_job_gets_both_workloads_exactly_as_rendered():
+    view = job_view(body())
+    decision = decide(view, JobStatus(), Observed(), NOW)
+    assert kinds(decision.create) == ["Job", "StatefulSet"]
+    _, rendered = children(plan(view.job), uid="uid-1", token="unused")
+    assert list(decision.create) == [rendered["Job"], rendered["StatefulSet"]]
+    assert decision.status.phase == "Pending"
+    assert condition(decision, names.CREATED) == ("True", names.R_CHILDREN_CREATED)
+    assert condition(decision, names.PODS_READY) == ("False", names.R_WAITING_FOR_PODS)
+    assert decision.status.start_time == STAMP and decision.status.observed_generation == 2
+    assert view.record_applied == spec_json(view.job.spec)
+    assert reasons(decision) == [names.E_CREATED]
+
+
+def test_a_running_trainer_makes_the_job_running_with_its_figures():
+    obs = Observed(
+        trainer_job(active=1, ready=1),
+        statefulset(1),
+        trainer=report(step=7, syncRound=7, epoch=2, syncMembers=[0], rewardMean=0.5, lastSyncBytes=1024),
+    )
+    decision = decide(applied_view(), pending(), obs, NOW)
+    s = decision.status
+    assert (s.phase, s.step, s.sync_round, s.reward_mean, s.last_sync_bytes) == ("Running", 7, 7, 0.5, 1024)
+    assert s.rendezvous.epoch == 2 and s.total_steps == 100
+    assert s.replicas.trainer.ready == 1 and s.replicas.inference.desired == 1
+    assert condition(decision, names.RENDEZVOUS_READY) == ("True", names.R_GROUP_FORMED)
+    assert condition(decision, names.PROGRESSING) == ("True", names.R_TRAINING)
+    assert condition(decision, names.PODS_READY) == ("True", names.R_ALL_READY)
+    assert decision.create == () and decision.delete == ()
+    assert reasons(decision) == [names.E_RUNNING]
+
+
+@pytest.mark.parametrize(
+    ("trainer_report", "expected"),
+    [
+        (None, ("Pending", "False", names.R_WAITING_FOR_TRAINER)),
+        (report("Starting"), ("Running", "False", names.R_FORMING)),
+        (report("Running"), ("Running", "True", names.R_GROUP_FORMED)),
+    ],
+    ids=["no-answer", "starting", "running"],
+)
+def test_rendezvous_follows_the_trainer_phase(trainer_report, expected):
+    obs = Observed(trainer_job(active=1), statefulset(), trainer=trainer_report, trainer_error="connection refused")
+    decision = decide(applied_view(), pending(), obs, NOW)
+    assert (decision.status.phase, *condition(decision, names.RENDEZVOUS_READY)) == expected
+
+
+def test_a_missed_poll_changes_nothing_it_cannot_know():
+    before = running()
+    obs = Observed(trainer_job(active=1, ready=1), statefulset(1), trainer_error="timeout")
+    decision = decide(applied_view(), before, obs, NOW)
+    assert decision.status.phase == "Running"
+    assert condition(decision, names.RENDEZVOUS_READY) == ("True", names.R_GROUP_FORMED)
+    assert decision.status.sync_round == 3 and decision.events == ()
+
+
+def test_step_and_sync_round_never_go_back():
+    before = running(last_sync_seconds=1.5, last_sync_time=EARLIER)
+    # A trainer restarted from an older checkpoint reports an older round with its own (older) sync figures.
+    obs = Observed(trainer_job(active=1), statefulset(1), trainer=report(step=1, syncRound=1, lastSyncSeconds=9.0))
+    s = decide(applied_view(), before, obs, NOW).status
+    assert (s.step, s.sync_round, s.last_sync_seconds, s.last_sync_time) == (3, 3, 1.5, EARLIER)
+
+
+def test_sync_group_reformed_under_a_new_epoch_is_an_event_and_the_job_goes_on():
+    obs = Observed(trainer_job(active=1, ready=1), statefulset(0), trainer=report(syncRound=4, epoch=2))
+    decision = decide(applied_view(), running(), obs, NOW)
+    assert decision.status.phase == "Running" and decision.status.rendezvous.epoch == 2
+    assert decision.delete == () and decision.create == ()  # the StatefulSet replaces its pod itself
+    assert names.E_GROUP_REFORMED in reasons(decision)
+
+
+def test_the_trainer_job_completing_succeeds_the_job_and_releases_inference():
+    obs = Observed(trainer_job(condition="Complete"), statefulset(1))
+    decision = decide(applied_view(), running(), obs, NOW)
+    assert decision.status.phase == "Succeeded" and decision.status.completion_time == STAMP
+    assert decision.delete == (ChildRef("StatefulSet", "demo-inference"),)
+    assert condition(decision, names.SUCCEEDED) == ("True", names.R_COMPLETED)
+    assert condition(decision, names.PROGRESSING) == ("False", names.R_FINISHED)
+    assert reasons(decision) == [names.E_SUCCEEDED]
+
+
+def test_the_trainer_reporting_succeeded_is_enough():
+    obs = Observed(trainer_job(active=1), statefulset(1), trainer=report("Succeeded", step=100, syncRound=100))
+    decision = decide(applied_view(), running(), obs, NOW)
+    assert decision.status.phase == "Succeeded" and "100/100" in decision.status.message
+
+
+def test_finished_jobs_stay_finished():
+    done = running(phase="Succeeded", completion_time=EARLIER, message="trained")
+    obs = Observed(trainer_job(condition="Failed"), None)
+    decision = decide(applied_view(), done, obs, NOW)
+    assert decision.status.phase == "Succeeded" and decision.status.completion_time == EARLIER
+    assert decision.create == () and decision.delete == () and decision.events == ()
+
+
+# ---- trainer failures --------------------------------------------------------------------------------------
+
+
+def test_a_failed_trainer_is_restarted_in_two_phases():
+    view = applied_view(trainer={"maxRestarts": 2})
+    failed = trainer_job(condition="Failed", message="pod demo-trainer-0 exited with 1")
+    # Phase one commits the restart in the status only.
+    first = decide(view, running(), Observed(failed, statefulset(1)), NOW)
+    assert first.status.trainer_restarts == 1 and first.requeue_after == 0.0
+    assert first.delete == () and first.create == ()
+    assert condition(first, names.PROGRESSING) == ("True", names.R_TRAINER_RESTARTING)
+    assert reasons(first) == [names.E_TRAINER_RESTARTING]
+    assert "restart 1 of 2" in first.events[0].message and "exited with 1" in first.events[0].message
+    # Phase two (and any repeat of it) replaces the stale Job with one marked as attempt 1.
+    second = decide(view, first.status, Observed(failed, statefulset(1)), NOW)
+    assert second.delete == (ChildRef("Job", "demo-trainer"),)
+    (job,) = second.create
+    assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
+    assert second.status.trainer_restarts == 1 and second.events == ()
+    # The replacement runs: nothing more to do.
+    third = decide(view, second.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
+    assert third.create == () and third.delete == () and third.status.phase == "Running"
+
+
+def test_a_trainer_that_keeps_failing_fails_the_job_with_the_reason():
+    view = applied_view(trainer={"maxRestarts": 1})
+    obs = Observed(trainer_job(condition="Failed", attempt=1, message="OOMKilled"), statefulset(1))
+    decision = decide(view, running(trainer_restarts=1), obs, NOW)
+    assert decision.status.phase == "Failed" and decision.status.completion_time == STAMP
+    assert condition(decision, names.FAILED) == ("True", names.R_BACKOFF_LIMIT)
+    assert "maxRestarts (1)" in decision.status.message and "OOMKilled" in decision.status.message
+    assert decision.delete == (ChildRef("StatefulSet", "demo-inference"),)
+    assert reasons(decision) == [names.E_FAILED]
+    assert decision.events[0].type == "Warning"
+
+
+# ---- suspend and TTL ---------------------------------------------------------------------------------------
+
+
+def test_suspend_removes_the_workloads_and_resume_recreates_them():
+    suspended = decide(applied_view(suspend=True), running(), Observed(trainer_job(active=1), statefulset(1)), NOW)
+    assert set(suspended.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
+    assert suspended.status.phase == "Suspended" and suspended.create == ()
+    assert suspended.status.replicas.trainer.desired == 0
+    assert condition(suspended, names.SUSPENDED) == ("True", names.R_SUSPENDED)
+    assert reasons(suspended) == [names.E_SUSPENDED]
+    resumed = decide(applied_view(), suspended.status, Observed(), NOW)
+    assert kinds(resumed.create) == ["Job", "StatefulSet"] and resumed.status.phase == "Pending"
+    assert reasons(resumed) == [names.E_RESUMED]
+
+
+@pytest.mark.parametrize(
+    ("ttl", "completed_minutes_ago", "deletes", "requeue"),
+    [(None, 60, False, None), (600, 5, False, 300.0), (600, 10, True, None), (0, 0, True, None)],
+    ids=["no-ttl", "not-yet", "expired", "zero"],
+)
+def test_ttl_after_finished(ttl, completed_minutes_ago, deletes, requeue):
+    completed = NOW - datetime.timedelta(minutes=completed_minutes_ago)
+    done = running(phase="Succeeded", completion_time=completed.strftime("%Y-%m-%dT%H:%M:%SZ"))
+    decision = decide(applied_view(ttlSecondsAfterFinished=ttl), done, Observed(trainer_job(condition="Complete")), NOW)
+    assert decision.delete_job is deletes and decision.requeue_after == requeue
+
+
+# ---- spec problems -----------------------------------------------------------------------------------------
+
+
+def test_an_invalid_job_fails_with_field_paths_and_creates_nothing():
+    view = job_view(body(grpo={"generationsPerPrompt": 1}, lora={"rnk": 8}))
+    assert view.job is None
+    decision = decide(view, JobStatus(), Observed(), NOW)
+    assert decision.status.phase == "Failed" and decision.create == ()
+    assert condition(decision, names.INVALID_SPEC) == ("True", names.R_INVALID)
+    assert condition(decision, names.CREATED) == ("False", names.R_INVALID)
+    message = decision.status.message
+    assert "spec.grpo.generationsPerPrompt" in message and "spec.lora.rnk" in message
+    assert reasons(decision) == [names.E_FAILED, names.E_INVALID_SPEC]
+    assert decision.status.completion_time is None  # not terminal: fixing the spec creates the job
+
+
+def test_a_fixed_spec_is_not_stuck_in_failed():
+    failed = decide(job_view(body(grpo={"generationsPerPrompt": 1})), JobStatus(), Observed(), NOW).status
+    decision = decide(job_view(body()), failed, Observed(), NOW)
+    assert decision.status.phase == "Pending" and kinds(decision.create) == ["Job", "StatefulSet"]
+    assert condition(decision, names.INVALID_SPEC) == ("False", names.R_VALID)
+
+
+def test_changes_that_cannot_apply_are_refused_and_the_children_keep_the_applied_spec():
+    applied = json.loads(spec_json(job_view(body()).job.spec))
+    view = job_view(body(applied=applied, lora={"rank": 8}, trainer={"replicas": 2}, suspend=True))
+    assert view.refused == ("spec.lora.rank", "spec.trainer.replicas")
+    assert view.job.spec.lora.rank == 16 and view.job.spec.suspend is True  # suspend applies, the rest not
+    decision = decide(view, running(), Observed(trainer_job(active=1), statefulset(1)), NOW)
+    status, reason = condition(decision, names.SPEC_CHANGE_REFUSED)
+    assert (status, reason) == ("True", names.R_REFUSED)
+    assert names.E_SPEC_CHANGE_REFUSED in reasons(decision)
+    refused = next(e for e in decision.events if e.reason == names.E_SPEC_CHANGE_REFUSED)
+    assert "spec.lora.rank, spec.trainer.replicas" in refused.message
+
+
+def test_a_running_job_whose_spec_turns_invalid_keeps_running_from_the_applied_spec():
+    applied = json.loads(spec_json(job_view(body()).job.spec))
+    view = job_view(body(applied=applied, grpo={"generationsPerPrompt": 1}))
+    assert view.job is not None and view.problems
+    decision = decide(view, running(), Observed(trainer_job(active=1, ready=1), statefulset(1)), NOW)
+    assert decision.status.phase == "Running" and decision.create == () and decision.delete == ()
+    assert condition(decision, names.INVALID_SPEC) == ("True", names.R_INVALID)
+
+
+@pytest.mark.parametrize(
+    ("applied", "current", "expected"),
+    [
+        ({"a": 1}, {"a": 1}, []),
+        ({"a": 1}, {"a": 2}, ["spec.a"]),
+        ({"suspend": False, "ttlSecondsAfterFinished": 5}, {"suspend": True}, []),
+        ({"lora": {"rank": 16, "alpha": 32}}, {"lora": {"rank": 8, "alpha": 32}}, ["spec.lora.rank"]),
+        ({"t": {"tolerations": [{"k": 1}]}}, {"t": {"tolerations": []}}, ["spec.t.tolerations"]),
+        ({"x": {"suspend": 1}}, {"x": {"suspend": 2}}, ["spec.x.suspend"]),  # only the top-level one is mutable
+        ({}, {"new": {"field": 1}}, ["spec.new"]),
+    ],
+)
+def test_changed_fields(applied, current, expected):
+    assert changed_fields(applied, current) == expected
+
+
+# ---- pods ----------------------------------------------------------------------------------------------
+
+
+def pod(name: str, **status: Any) -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": {"phase": "Pending", **status}}
+
+
+def test_stuck_pods_say_why_once():
+    unschedulable = pod(
+        "demo-trainer-0-x",
+        conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": "0/3 nodes"}],
+    )
+    obs = Observed(trainer_job(active=1), statefulset(0), pods=(unschedulable,))
+    first = decide(applied_view(), pending(), obs, NOW)
+    assert condition(first, names.PODS_READY) == ("False", "Unschedulable")
+    assert "demo-trainer-0-x: 0/3 nodes" in first.status.message
+    assert names.E_PODS_NOT_READY in reasons(first)
+    again = decide(applied_view(), first.status, obs, NOW)
+    assert names.E_PODS_NOT_READY not in reasons(again)
+
+
+# ---- idempotence and the status write ----------------------------------------------------------------------
+
+
+def test_a_repeated_pass_decides_the_same_and_writes_nothing():
+    obs = Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=5, syncRound=5))
+    first = decide(applied_view(), running(), obs, NOW)
+    second = decide(applied_view(), first.status, obs, NOW + datetime.timedelta(seconds=10))
+    assert second.status == first.status and second.events == ()
+    assert status_patch(first.status.to_wire(), second.status) is None
+
+
+def test_status_patch_sends_removed_fields_as_null_and_leaves_kopf_alone():
+    old = {"phase": "Running", "message": "m", "kopf": {"progress": {}}, "replicas": {"trainer": {"ready": 1}}}
+    new = JobStatus(phase="Suspended")
+    patch = status_patch(old, new)
+    assert patch == {"phase": "Suspended", "message": None, "replicas": None, "conditions": []}
+
+
+def test_status_patch_recurses_into_objects():
+    old = running().to_wire()
+    new = running(rendezvous=running().rendezvous.model_copy(update={"epoch": 5}))
+    assert status_patch(old, new) == {"rendezvous": {"epoch": 5}}
+
+
+def test_the_trainer_is_polled_only_while_its_pod_can_answer():
+    view = applied_view()
+    assert should_poll_trainer(view, JobStatus(), trainer_job(active=1))
+    assert not should_poll_trainer(view, JobStatus(), None)
+    assert not should_poll_trainer(view, JobStatus(), trainer_job(active=0))
+    assert not should_poll_trainer(view, JobStatus(), trainer_job(active=1, condition="Failed"))
+    assert not should_poll_trainer(applied_view(suspend=True), JobStatus(), trainer_job(active=1))
+
+
+def test_a_hand_edited_applied_spec_annotation_falls_back_to_the_current_spec():
+    doc = body()
+    doc["metadata"]["annotations"] = {names.APPLIED_SPEC_ANNOTATION: "{not json"}
+    view = job_view(copy.deepcopy(doc))
+    assert view.job is not None and view.record_applied is not None and view.refused == ()
+
+
+@pytest.mark.parametrize(
+    ("case", "idle"),
+    [
+        ("running", False),
+        ("suspending", False),  # the workloads are still being removed
+        ("suspended", True),
+        ("finished", True),
+        ("finished-with-ttl", False),
+        ("invalid", True),
+    ],
+)
+def test_idle_when_only_a_spec_change_can_change_anything(case, idle):
+    done = running(phase="Succeeded", completion_time=EARLIER)
+    decisions = {
+        "running": lambda: decide(applied_view(), running(), Observed(trainer_job(active=1), statefulset(1)), NOW),
+        "suspending": lambda: decide(applied_view(suspend=True), running(), Observed(trainer_job(active=1)), NOW),
+        "suspended": lambda: decide(applied_view(suspend=True), running(phase="Suspended"), Observed(), NOW),
+        "finished": lambda: decide(applied_view(), done, Observed(trainer_job(condition="Complete")), NOW),
+        "finished-with-ttl": lambda: decide(applied_view(ttlSecondsAfterFinished=99999), done, Observed(), NOW),
+        "invalid": lambda: decide(job_view(body(grpo={"steps": 0})), JobStatus(), Observed(), NOW),
+    }
+    assert decisions[case]().idle is idle
