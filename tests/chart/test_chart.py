@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from typing import Any
 
@@ -381,3 +382,32 @@ def test_rendered_crd_is_the_shipped_crd_verbatim_plus_the_keep_policy(chart):
 def test_crd_can_be_left_to_someone_else(chart):
     objects = chart.render({"crds": {"install": False}}, include_crds=False)
     assert "CustomResourceDefinition" not in kinds(objects)
+
+
+# --- docs ---------------------------------------------------------------------------------------------------------
+
+DOCS_WITH_VALUES = [
+    ROOT / "README.md",
+    ROOT / "docs" / "operations.md",
+    CHART / "README.md",
+    ROOT / "tests" / "e2e" / "kind" / "run.sh",
+    ROOT / "tests" / "e2e" / "kind" / "gpu.sh",
+]
+
+
+def value_paths(values: Any, prefix: str = "") -> set[str]:
+    paths = {prefix} if prefix else set()
+    if isinstance(values, dict):
+        for key, child in values.items():
+            paths |= value_paths(child, f"{prefix}.{key}" if prefix else key)
+    return paths
+
+
+@pytest.mark.parametrize("path", DOCS_WITH_VALUES, ids=lambda p: p.name)
+def test_every_value_the_docs_and_scripts_set_exists(path):
+    known = value_paths(yaml.safe_load((CHART / "values.yaml").read_text()))
+    named = re.findall(r"--set ['\"]?([A-Za-z][\w.]*)=", path.read_text())
+    assert named, f"{path.name} sets no chart value any more: drop it from DOCS_WITH_VALUES"
+    for key in named:
+        # Maps whose keys are the user's (labels, annotations) accept any sub-key.
+        assert key in known or any(key.startswith(f"{k}.") and k.endswith("labels") for k in known), key
