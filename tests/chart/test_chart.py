@@ -113,6 +113,12 @@ def test_object_names(chart, release, override, expected):
     assert names == {expected}
 
 
+def test_chart_refuses_a_kubernetes_older_than_1_28(chart):
+    with pytest.raises(HelmFailed, match="kubeVersion"):
+        chart.run("template", "grpo-lora", str(CHART), "--kube-version", "1.27.0")
+    chart.run("template", "grpo-lora", str(CHART), "--kube-version", "1.28.0")
+
+
 # --- the operator pod ---------------------------------------------------------------------------------------------
 
 

@@ -43,7 +43,7 @@ finish() {
 }
 trap finish EXIT
 
-if kind get clusters 2>/dev/null | grep -qx "$CLUSTER_NAME"; then
+if kind get clusters 2>/dev/null | grep -x "$CLUSTER_NAME" >/dev/null; then
   log "reusing kind cluster $CLUSTER_NAME"
 else
   log "creating kind cluster $CLUSTER_NAME (node pools: trainer, inference)"
