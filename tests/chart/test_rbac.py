@@ -82,7 +82,10 @@ def rbac(objects: list[dict[str, Any]]) -> tuple[set[Triple], dict[str, set[Trip
             namespaced.setdefault(ns, set()).update(triples(find(objects, "Role", ref["name"], ns)["rules"]))
     roles = {(o["metadata"].get("namespace"), o["metadata"]["name"]) for o in objects if o["kind"] == "Role"}
     cluster_roles = [o for o in objects if o["kind"] == "ClusterRole"]
-    assert len(cluster_roles) == 1 and len(roles) == len(namespaced), "a role without a binding (or two)"
+    cluster_bindings = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
+    # A ClusterRole exists only where something is granted cluster-wide (every namespace watched).
+    assert len(cluster_roles) == len(cluster_bindings) <= 1, "a cluster role without a binding (or two)"
+    assert len(roles) == len(namespaced), "a role without a binding (or two)"
     return cluster, namespaced
 
 

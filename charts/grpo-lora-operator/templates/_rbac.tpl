@@ -3,65 +3,58 @@ The operator's permissions: exactly grpolora.operator.rbac.RULES (operator/rbac.
 tests/chart/test_rbac.py renders the chart and compares; on a mismatch it prints the rules to paste here.
 
 Namespaced rules: in the ClusterRole when all namespaces are watched, else in a Role in each watched namespace.
-Cluster-scoped rules: always in a ClusterRole (a Role cannot grant them).
+The operator needs no cluster-scoped resource (Kopf runs with CRD and namespace scanning off).
 Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, ClusterKopfPeering cluster-wide.
 */}}
 
 {{- define "grpo-lora-operator.rules.namespaced" -}}
-# Kopf watches GRPOLoraJobs and patches its finalizer and progress annotations on them; delete implements ttlSecondsAfterFinished.
+# Kopf watches the jobs and keeps its handler state in annotations; the operator records the applied spec (patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs"]
-  verbs: ["get", "list", "watch", "patch", "delete"]
-# The operator writes phase, step, syncRound, conditions and the rest of a job's status.
+  verbs: ["list", "watch", "patch", "delete"]
+# the job status: phase, progress, conditions
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/status"]
-  verbs: ["get", "patch"]
-# Events on a job for each handler outcome and key transition.
+  verbs: ["patch"]
+# the per-job token Secret, created once and never read back
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
+# the headless Services that give the trainer and inference pods DNS
+- apiGroups: [""]
+  resources: ["services"]
+  verbs: ["create"]
+# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["create"]
+# the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "create", "delete"]
+# the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends
+- apiGroups: ["apps"]
+  resources: ["statefulsets"]
+  verbs: ["get", "create", "delete"]
+# say why a job's pods are not ready (unschedulable, image pull errors)
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["list"]
+# Events on the job for each key transition
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
-# The per-job token Secret: created once, read back to authenticate to trainer rank 0's /status.
-- apiGroups: [""]
-  resources: ["secrets"]
-  verbs: ["get", "create"]
-# The headless per-role Services that give rendezvous DNS names.
-- apiGroups: [""]
-  resources: ["services"]
-  verbs: ["get", "create"]
-# The per-job NetworkPolicy admitting sync and control ports only from the job's own pods.
-- apiGroups: ["networking.k8s.io"]
-  resources: ["networkpolicies"]
-  verbs: ["get", "create"]
-# The trainer Indexed Job: created, watched for completion, deleted to restart from a checkpoint or on suspend.
-- apiGroups: ["batch"]
-  resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "delete"]
-# The inference StatefulSet: created, watched for ready replicas, scaled, deleted on suspend.
-- apiGroups: ["apps"]
-  resources: ["statefulsets"]
-  verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Worker pods are read to count ready replicas and say why a job is stuck (Pending, image pull, OOMKilled).
-- apiGroups: [""]
-  resources: ["pods"]
-  verbs: ["get", "list", "watch"]
-{{- end }}
-
-{{- define "grpo-lora-operator.rules.cluster" -}}
-# Kopf watches CustomResourceDefinitions to notice the GRPOLoraJob CRD being (re)installed without a restart.
-- apiGroups: ["apiextensions.k8s.io"]
-  resources: ["customresourcedefinitions"]
-  verbs: ["list", "watch"]
 {{- end }}
 
 {{- define "grpo-lora-operator.rules.peering.namespaced" -}}
-# Kopf peering in namespaced mode: operators announce themselves in the KopfPeering of each served namespace.
+# Kopf peering (leader election) with --peering: Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
 {{- end }}
 
 {{- define "grpo-lora-operator.rules.peering.cluster" -}}
-# Kopf peering in cluster-wide mode: operators announce themselves in the ClusterKopfPeering.
+# Kopf peering (leader election) with --peering: Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
   verbs: ["get", "list", "watch", "patch"]
