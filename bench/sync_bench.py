@@ -15,9 +15,11 @@ layers, float32. Three ways to get a trained policy into a vLLM engine, each int
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -70,6 +72,7 @@ def merged_state(model) -> dict[str, torch.Tensor]:
 
 def full_weight_receiver(model_dir: str, port: int, ready) -> None:
     """A vLLM engine that takes full weights the way TRL's server does (bench only)."""
+    os.setsid()  # a process group of its own: the parent kills it, vLLM's engine processes included, at the end
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from safetensors.torch import save_file
     from vllm import LLM
@@ -199,9 +202,9 @@ def main() -> None:
         sender.close()
     finally:
         server.stop()
-        receiver.join(120)
-        if receiver.is_alive():
-            receiver.kill()
+        receiver.join(30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(receiver.pid, signal.SIGKILL)
 
     def med(kind: str, key: str) -> float:
         return statistics.median(r[key] for r in results[kind])

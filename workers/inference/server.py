@@ -255,6 +255,9 @@ def serve(env: WorkerEnv) -> None:
         # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
         # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
         os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+        # vLLM keeps a core for its front end by default: on a small machine that halves generation. Our front end
+        # is light, and sequential GRPO leaves the trainer idle while it generates.
+        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     holder: dict[str, str] = {}
 
     async def prepare() -> None:

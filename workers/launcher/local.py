@@ -99,7 +99,9 @@ def _worker_actor_class():
     class WorkerProcess:
         """Holds one worker process: the actor's resources (GPUs via CUDA_VISIBLE_DEVICES) are the worker's."""
 
-        def __init__(self, env: dict[str, str], log_path: str, role: str):
+        def __init__(self, env: dict[str, str], log_path: str, role: str, cpus: list[int] | None = None):
+            if cpus:
+                os.sched_setaffinity(0, cpus)  # the worker (and vLLM's engine processes) inherit it
             full_env = dict(os.environ) | env
             with open(log_path, "ab") as log:
                 self.proc = subprocess.Popen(
@@ -108,7 +110,11 @@ def _worker_actor_class():
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,  # one group: stopping it stops vLLM's engine processes too
+                    preexec_fn=_die_with_parent,  # an actor killed by Ray (e.g. for memory) takes its worker along
                 )
+
+        def pgid(self) -> int:
+            return self.proc.pid
 
         def poll(self) -> int | None:
             return self.proc.poll()
@@ -125,13 +131,34 @@ def _worker_actor_class():
 
 
 def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
 
 
+def _die_with_parent() -> None:
+    """In the worker, before exec: Linux sends it SIGKILL when the actor process dies."""
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
 class LocalRun:
-    def __init__(self, job: GRPOLoraJob, run_dir: Path, *, ray_address: str | None, show_progress: bool = True):
+    def __init__(
+        self,
+        job: GRPOLoraJob,
+        run_dir: Path,
+        *,
+        ray_address: str | None,
+        show_progress: bool = True,
+        cpus: dict[str, list[int]] | None = None,
+        role_env: dict[str, dict[str, str]] | None = None,
+    ):
+        """`cpus` pins each role's workers to cores and `role_env` adds environment variables per role: on one CPU
+        machine, that keeps trainer and inference off each other's cores, as separate node pools would."""
         self.job = job
+        self.cpus = cpus or {}
+        self.role_env = role_env or {}
         self.run_dir = run_dir
         self.ray_address = ray_address
         self.show_progress = show_progress
@@ -165,15 +192,17 @@ class LocalRun:
             role_plan = self.plan.role(role)
             for index in range(role_plan.replicas):
                 worker = Worker(role, index, role_plan.placement.gpus, logs / f"{role}-{index}.log")
-                env = self.plan.env_for(role, index, token=self.token)
+                env = self.plan.env_for(role, index, token=self.token) | self.role_env.get(role, {})
                 env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
                 actor = actor_class.options(
                     name=f"{self.job.name}-{role}-{index}-{os.getpid()}",
                     num_cpus=1,
                     num_gpus=worker.gpus,
-                ).remote(env, str(worker.log), role)
+                ).remote(env, str(worker.log), role, self.cpus.get(role))
                 self.workers.append(worker)
                 self._actors.append(actor)
+        # Worker process groups on this machine: stop() kills what is left of them even if an actor is gone.
+        self._groups = ray.get([a.pgid.remote() for a in self._actors]) if self._started_ray else []
 
     def wait(self) -> TrainerStatus | None:
         """Until trainer rank 0 exits: progress from its /status; a failed worker stops the run (RunFailed)."""
@@ -210,10 +239,14 @@ class LocalRun:
         import ray
 
         if self._actors:
-            ray.get([a.stop.remote(STOP_GRACE_SECONDS) for a in self._actors])
             for actor in self._actors:
+                with contextlib.suppress(Exception):  # an actor already dead (e.g. killed for memory)
+                    ray.get(actor.stop.remote(STOP_GRACE_SECONDS))
                 ray.kill(actor)
             self._actors = []
+        for group in getattr(self, "_groups", []):
+            _signal_group(group, signal.SIGKILL)
+        self._groups = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False

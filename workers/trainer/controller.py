@@ -166,12 +166,12 @@ class Controller:
             self._sync(final=False)
         pending: Future[Rollouts] | None = None
         while ctx.progress.step < grpo.steps:
+            iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
             self.sender.refresh()
             if pending is None:
                 rollouts = self._generate(self._next_prompts(), self.sender.version)
             else:
                 rollouts = pending.result()
-            step_started = time.perf_counter()
             on_policy = rollouts.version == self.sender.version
             last = ctx.progress.step + 1 == grpo.steps
             if grpo.pipelined and not last:
@@ -204,7 +204,7 @@ class Controller:
                     "reward": reward_seconds,
                     "train": train_seconds,
                     "sync": report.seconds if report else 0.0,
-                    "step": time.perf_counter() - step_started + (0.0 if grpo.pipelined else rollouts.seconds),
+                    "step": time.perf_counter() - iteration_started,
                 },
             )
         broadcast_instruction(Instruction(batch=None, stop=True), ctx.world_size)

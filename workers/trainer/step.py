@@ -58,7 +58,7 @@ def train_step(
     """`on_policy`: the batch was sampled from the current weights (sequential mode), so the importance ratio is
     taken against the trainer's own logprobs (exactly 1, gradient of log pi); otherwise (pipelined, one step
     behind) against the sampler's behaviour logprobs."""
-    local = shard(batch, rank, world_size).to(policy.device)
+    local = shard(batch, rank, world_size).by_length().to(policy.device)
     (total_tokens,) = _all_reduce([float(local.completion_mask.sum())], world_size, policy.device)
     # FSDP averages gradients over ranks: normalising by tokens / world_size makes that average the global
     # token-level mean (see grpo_loss).
@@ -70,7 +70,7 @@ def train_step(
     # Every rank runs the same number of micro-batches (FSDP's collectives must match), padding with empty ones.
     (micro_batches,) = _all_reduce([float(math.ceil(len(local) / size))], world_size, policy.device, op="max")
     for index in range(int(micro_batches)):
-        micro = local.select(slice(index * size, (index + 1) * size))
+        micro = local.select(slice(index * size, (index + 1) * size)).trimmed()
         ref = None
         if grpo.kl_coef > 0:
             with torch.no_grad(), policy.reference():
