@@ -55,7 +55,12 @@ def bgmv_expand(inputs, lora_b_weights, output_tensor, lora_indices_tensor, add_
 
 
 def bgmv_expand_slice(
-    inputs, lora_b_weights, output_tensor, lora_indices_tensor, slice_offset: int, slice_size: int,
+    inputs,
+    lora_b_weights,
+    output_tensor,
+    lora_indices_tensor,
+    slice_offset: int,
+    slice_size: int,
     add_inputs: bool = True,
 ):
     outputs = _grouped_products(inputs, lora_b_weights, lora_indices_tensor, output_tensor.dtype)
