@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -43,7 +44,7 @@ class ServerProcess:
         self.log = log_dir / f"inference-{index}-{int(time.time() * 1000)}.log"
         # Its own session: killing the group takes vLLM's engine processes with it, as a pod's death would.
         self.proc = subprocess.Popen(
-            ["grpolora", "worker", "inference"],
+            [sys.executable, "-m", "grpolora.cli", "worker", "inference"],
             env=env,
             cwd=log_dir,
             stdout=self.log.open("w"),

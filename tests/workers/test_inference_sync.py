@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import time
 
 import httpx
 import pytest
@@ -105,6 +106,13 @@ def hf_logprobs(model, prompt: list[int], completion: list[int], *, adapter: boo
     return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
 
+def wait_live(url: str, version: int, seconds: float = 30.0) -> None:
+    deadline = time.monotonic() + seconds
+    while httpx.get(f"{url}/v1/adapter").json()["live_version"] < version:
+        assert time.monotonic() < deadline, f"{url} never served version {version}"
+        time.sleep(0.05)
+
+
 def greedy(url: str, prompt: list[int], version: int | None, max_tokens: int = 12) -> dict:
     response = generate(
         url,
@@ -149,12 +157,16 @@ def test_requests_racing_a_swap_complete_each_on_one_version(servers, sender, po
     prompt = tokens(model_dir)
     randomize_adapter(policy, seed=2)
     before = sender.send(lora_tensors(policy), lora_config(policy)).version
+    for server in servers:  # send() returns once verified; activation follows on each replica
+        wait_live(server.url, before)
     old_state = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" in k}
     body = {"prompt_token_ids": [prompt], "n": 2, "temperature": 1.0, "max_tokens": 24, "seed": 7}
     with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
         futures = [pool.submit(generate, servers[i % 2].url, body) for i in range(8)]
         randomize_adapter(policy, seed=3)
         after = sender.send(lora_tensors(policy), lora_config(policy)).version
+        for server in servers:
+            wait_live(server.url, after)
         futures += [pool.submit(generate, servers[i % 2].url, body) for i in range(4)]
         responses = [f.result() for f in futures]
     new_state = {k: v.clone() for k, v in policy.state_dict().items() if "lora_" in k}

@@ -56,7 +56,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     )
     try:
         policy = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=True)
-        optimizer = make_optimizer(policy, SPEC.grpo)
+        optimizer = sgd(policy)
         stats = train_step(
             policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=True, rank=rank, world_size=world_size
         )
@@ -65,7 +65,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         checkpoint.save(folder, policy.model, optimizer, checkpoint.Progress(step=1, sync_round=1), keep=1)
         dist.barrier()
         fresh = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=True)
-        fresh_optimizer = make_optimizer(fresh, SPEC.grpo)
+        fresh_optimizer = sgd(fresh)
         progress = checkpoint.restore(checkpoint.latest(folder), fresh.model, fresh_optimizer)
         restored = lora_state(fresh)
         if rank == 0:
@@ -77,11 +77,18 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         dist.destroy_process_group()
 
 
+def sgd(policy: Policy) -> torch.optim.Optimizer:
+    """SGD with lr 1: the first update is the (clipped) gradient itself (the momentum buffer starts as the gradient
+    and gives the checkpoint some optimizer state to carry). Adam would hide a wrong gradient scale, since it
+    normalises the update, which is exactly what the rank-equivalence test must catch."""
+    return torch.optim.SGD(policy.trainable_parameters(), lr=1.0, momentum=0.9)
+
+
 @pytest.fixture(scope="module")
 def one_rank():
     policy = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"))
     before = lora_state(policy)
-    optimizer = make_optimizer(policy, SPEC.grpo)
+    optimizer = sgd(policy)
     stats = train_step(policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=True)
     return before, lora_state(policy), stats
 
@@ -95,7 +102,7 @@ def test_two_fsdp_ranks_give_the_same_update_as_one(one_rank, tmp_path):
     moved = max((after_one[k] - before[k]).abs().max().item() for k in before)
     assert moved > 1e-3  # the step really changed the adapter, so agreement below means something
     worst = max((after_two[k] - after_one[k]).abs().max().item() for k in after_one)
-    assert worst < 1e-5, f"two ranks differ from one by {worst}"
+    assert worst < 1e-4 * moved, f"two ranks differ from one by {worst} (the update is {moved})"
     assert stats_two.tokens == stats_one.tokens
     assert stats_two.loss == pytest.approx(stats_one.loss, rel=1e-4, abs=1e-6)
     assert stats_two.kl == pytest.approx(stats_one.kl, rel=1e-4, abs=1e-7)
