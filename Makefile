@@ -13,7 +13,9 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 .PHONY: quickstart test lint venv crd clean
 
 quickstart: venv
-	$(BIN)/grpolora run examples/quickstart.yaml
+	# A fresh run each time (`grpolora run` would otherwise resume from runs/quickstart/checkpoints).
+	rm -rf runs/quickstart
+	$(BIN)/grpolora run examples/quickstart.yaml --run-dir runs/quickstart
 
 test: venv
 	$(BIN)/ruff check .

@@ -86,8 +86,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.role == "inference":
         from grpolora.workers.inference.server import serve
 
-        serve(env)
-        return 0
+        return serve(env)
     from grpolora.workers.trainer.main import run_trainer_pod
 
     return run_trainer_pod(env)

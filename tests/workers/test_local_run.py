@@ -96,10 +96,11 @@ def test_status_contract_is_the_documented_one():
         assert f"`{field.alias}`" in documented, f"document {field.alias} in docs/status.md"
 
 
-def test_a_second_run_resumes_from_the_checkpoint(first_run):
+def test_a_second_run_resumes_from_the_checkpoint_and_pipelines(first_run):
     tmp, run_dir, _ = first_run
     longer = json.loads(json.dumps(JOB))
     longer["spec"]["grpo"]["steps"] = 5
+    longer["spec"]["grpo"]["pipelined"] = True
     result = grpolora_run(longer, tmp, run_dir)
     assert result.returncode == 0, result.stderr[-6000:]
     steps = records(run_dir)
@@ -107,6 +108,9 @@ def test_a_second_run_resumes_from_the_checkpoint(first_run):
     rounds = [r["sync_round"] for r in steps]
     assert rounds == sorted(rounds) and len(set(rounds)) == 5  # and sync rounds never go back
     assert steps[3]["epoch"] > steps[2]["epoch"]
+    # Pipelined: step 5's rollouts were generated while step 4 trained, from the adapter before step 4's update.
+    assert steps[3]["on_policy"] and not steps[4]["on_policy"]
+    assert steps[4]["rollout_version"] == steps[3]["rollout_version"] < steps[3]["sync_round"]
 
 
 def test_a_bad_reward_plugin_fails_before_any_worker_starts(tmp_path):
@@ -116,3 +120,13 @@ def test_a_bad_reward_plugin_fails_before_any_worker_starts(tmp_path):
     assert result.returncode == 1
     assert "spec.task.reward" in result.stderr and "no_such_module" in result.stderr
     assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_failing_worker_stops_the_run_with_its_error(tmp_path):
+    job = json.loads(json.dumps(JOB))
+    job["spec"]["model"]["name"] = "/nonexistent/model"
+    result = grpolora_run(job, tmp_path, tmp_path / "run")
+    assert result.returncode == 1
+    assert "exited with code 1" in result.stderr and "model path /nonexistent/model does not exist" in result.stderr
+    leftovers = subprocess.run(["pgrep", "-f", "grpolora.cli worker"], capture_output=True, text=True).stdout
+    assert not leftovers.strip(), f"worker processes left running: {leftovers}"

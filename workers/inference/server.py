@@ -88,6 +88,7 @@ def create_app(
     token: str,
     version_wait_seconds: float,
     prepare=None,
+    on_fatal=None,
 ) -> FastAPI:
     """The API around an engine. `prepare` (optional coroutine) loads the model and starts the engine in the
     background, so that /health answers (503) while a large model loads."""
@@ -101,9 +102,11 @@ def create_app(
                     await prepare()
                 await engine.start()
                 state["receiver"] = receiver_factory(engine)
-            except Exception as exc:  # surfaced by /health; the pod then restarts
+            except Exception as exc:  # the server stops and exits non-zero: Kubernetes or the launcher sees it
                 log.exception("inference server failed to start")
                 state["error"] = f"{type(exc).__name__}: {exc}"
+                if on_fatal is not None:
+                    on_fatal()
 
         task = asyncio.create_task(boot())
         try:
@@ -243,7 +246,7 @@ def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
     )
 
 
-def serve(env: WorkerEnv) -> None:
+def serve(env: WorkerEnv) -> int:
     """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters."""
     import torch
     import uvicorn
@@ -276,6 +279,12 @@ def serve(env: WorkerEnv) -> None:
             on_error=lambda kind: metrics.SYNC_FAILURES.labels(reason=kind).inc(),
         )
 
+    failed: list[bool] = []
+
+    def stop_on_fatal() -> None:  # closes over `server`, assigned below before it can run
+        failed.append(True)
+        server.should_exit = True
+
     engine = AdapterEngine(engine_config(env, env.model), adapter_root=default_adapter_root(env.job_name))
     app = create_app(
         engine,
@@ -283,6 +292,9 @@ def serve(env: WorkerEnv) -> None:
         token=env.token,
         version_wait_seconds=env.sync_timeout_seconds,
         prepare=prepare,
+        on_fatal=stop_on_fatal,
     )
     port = int(env.own_endpoint.rsplit(":", 1)[1])
-    uvicorn.run(app, host=env.bind_addr, port=port, log_level="info", access_log=False)
+    server = uvicorn.Server(uvicorn.Config(app, host=env.bind_addr, port=port, log_level="info", access_log=False))
+    server.run()
+    return 1 if failed else 0

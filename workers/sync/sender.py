@@ -236,7 +236,9 @@ class AdapterSender:
             return report
         raise SyncError(f"version {version} could not be sent after {MAX_ATTEMPTS} attempts: {last_error}")
 
-    def _send_once(self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int, attempt: int):
+    def _send_once(
+        self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int, attempt: int
+    ) -> RoundReport:
         assert self._transport is not None
         started = time.perf_counter()
         header, buckets = wire.pack(

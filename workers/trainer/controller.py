@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
+from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task, chat_messages
 from grpolora.workers.trainer import checkpoint, metrics
 from grpolora.workers.trainer.checkpoint import Progress
@@ -163,7 +164,7 @@ class Controller:
         self.board.update(phase="Running", step=ctx.progress.step, sync_round=ctx.progress.sync_round)
         if self.sender.version > 0 or ctx.progress.step > 0:
             # Resumed (or replicas already serve an adapter): make every replica serve this checkpoint's adapter.
-            self._sync(final=False)
+            self._sync()
         pending: Future[Rollouts] | None = None
         while ctx.progress.step < grpo.steps:
             iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
@@ -190,7 +191,7 @@ class Controller:
             )
             train_seconds = time.perf_counter() - train_started
             ctx.progress.step += 1
-            report = self._sync(final=False) if sync_now else None
+            report = self._sync() if sync_now else None
             if save_now:
                 ctx.save()
             self._record(
@@ -233,7 +234,7 @@ class Controller:
         pad = self.ctx.policy.tokenizer.pad_token_id
         return rewards, build_batch(sequences, flat_advantages, pad)
 
-    def _sync(self, *, final: bool):
+    def _sync(self) -> RoundReport:
         tensors = adapter_io.lora_tensors(self.ctx.policy.model)
         report = self.sender.send(tensors, adapter_io.lora_config(self.ctx.policy.model))
         progress = self.ctx.progress
