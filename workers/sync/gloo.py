@@ -7,7 +7,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpolora.workers.sync.transport import Pending, Transport, TransportError
+from grpolora.workers.sync.transport import Pending, Transport, TransportError, broadcast_options, sum_options
 
 PIECE_BYTES = 4 << 20  # large enough for full TCP throughput, small enough to overlap checking with receiving
 
@@ -47,13 +47,11 @@ class GlooTransport(Transport):
         return self._group
 
     def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor = src, 0
+        options = broadcast_options(src)
         return self._start(lambda group: group.broadcast([tensor], options), "broadcast")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
+        options = sum_options()
         self._start(lambda group: group.allreduce([tensor], options), "all-reduce").wait()
 
     def _start(self, start, what: str) -> Pending:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpolora.workers.sync.transport import Pending, Transport, TransportError
+from grpolora.workers.sync.transport import Pending, Transport, TransportError, broadcast_options, sum_options
 
 
 class _NcclPending(Pending):
@@ -58,16 +58,14 @@ class NcclTransport(Transport):
         return self._group
 
     def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
-        options = dist.BroadcastOptions()
-        options.rootRank, options.rootTensor = src, 0
+        options = broadcast_options(src)
         try:
             return _NcclPending(self._group_or_fail().broadcast([tensor], options), self.device, "broadcast")
         except RuntimeError as exc:
             raise TransportError(f"NCCL broadcast failed: {exc}") from exc
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        options = dist.AllreduceOptions()
-        options.reduceOp = dist.ReduceOp.SUM
+        options = sum_options()
         try:
             work = self._group_or_fail().allreduce([tensor], options)
         except RuntimeError as exc:

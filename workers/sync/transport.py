@@ -61,6 +61,18 @@ class Transport(ABC):
         """Leave the group; safe to call after a failure."""
 
 
+def broadcast_options(src: int) -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank, options.rootTensor = src, 0
+    return options
+
+
+def sum_options() -> dist.AllreduceOptions:
+    options = dist.AllreduceOptions()
+    options.reduceOp = dist.ReduceOp.SUM
+    return options
+
+
 def epoch_store(store: dist.Store, epoch: int) -> dist.Store:
     return dist.PrefixStore(f"epoch/{epoch}/", store)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
@@ -42,19 +42,11 @@ class Batch:
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
+    def _map(self, fn) -> Batch:
+        return Batch(*(fn(getattr(self, f.name)) for f in fields(self)))
+
     def select(self, index: slice | torch.Tensor) -> Batch:
-        return Batch(
-            *(
-                t[index]
-                for t in (
-                    self.input_ids,
-                    self.attention_mask,
-                    self.completion_mask,
-                    self.behaviour_logprobs,
-                    self.advantages,
-                )
-            )
-        )
+        return self._map(lambda t: t[index])
 
     def trimmed(self) -> Batch:
         """Without the padding columns that no sequence of this (micro-)batch uses: compute scales with length."""
@@ -73,18 +65,7 @@ class Batch:
         return self.select(torch.argsort(self.attention_mask.sum(dim=1), stable=True))
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(
-            *(
-                t.to(device)
-                for t in (
-                    self.input_ids,
-                    self.attention_mask,
-                    self.completion_mask,
-                    self.behaviour_logprobs,
-                    self.advantages,
-                )
-            )
-        )
+        return self._map(lambda t: t.to(device))
 
 
 def build_batch(
