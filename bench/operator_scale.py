@@ -89,7 +89,7 @@ async def run(
             profile = ["-m", "cProfile", "-o", profile_path] if profile_path else []
             flags = ["--namespace", NAMESPACE, "--standalone", "--metrics-port", "0", "--health-port", "0"]
             operator = await asyncio.create_subprocess_exec(
-                *[sys.executable, *profile, "-m", "grpolora.cli", "operator", *flags, "--log-level", log_level],
+                *[sys.executable, "-P", *profile, "-m", "grpolora.cli", "operator", *flags, "--log-level", log_level],
                 env={**os.environ, "KUBECONFIG": str(kubeconfig)},
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=log.fileno(),

@@ -25,7 +25,7 @@ def free_port() -> int:
 
 def command(*args: str) -> list[str]:
     exe = shutil.which("grpolora")
-    return [exe, *args] if exe else [sys.executable, "-m", "grpolora.cli", *args]
+    return [exe, *args] if exe else [sys.executable, "-P", "-m", "grpolora.cli", *args]
 
 
 async def get(url: str) -> tuple[int, str]:

@@ -13,7 +13,8 @@ from tests.helpers import EXAMPLES, ROOT
 
 def grpolora(*args: str, cwd=ROOT) -> subprocess.CompletedProcess[str]:
     exe = shutil.which("grpolora") or sys.executable
-    cmd = [exe, *args] if exe != sys.executable else [exe, "-m", "grpolora.cli", *args]
+    # -P: from the repo root, `-m` would otherwise put the repo's operator/ before the stdlib's `operator`.
+    cmd = [exe, *args] if exe != sys.executable else [exe, "-P", "-m", "grpolora.cli", *args]
     return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120)
 
 

@@ -41,6 +41,7 @@ class ServerProcess:
         self.url = job.inference_endpoints[index]
         env = dict(os.environ) | job.env_for("inference", index, token=TOKEN)
         env.setdefault("OMP_NUM_THREADS", "2")
+        env["PYTHONSAFEPATH"] = "1"  # see the Makefile: the repo's operator/ must not shadow the stdlib
         self.log = log_dir / f"inference-{index}-{int(time.time() * 1000)}.log"
         # Its own session: killing the group takes vLLM's engine processes with it, as a pod's death would.
         self.proc = subprocess.Popen(

@@ -43,7 +43,7 @@ def grpolora_run(job: dict, tmp_path: Path, run_dir: Path) -> subprocess.Complet
     path = tmp_path / f"{job['spec']['grpo']['steps']}-steps.yaml"
     path.write_text(yaml.safe_dump(job))
     return subprocess.run(
-        [sys.executable, "-m", "grpolora.cli", "run", str(path), "--run-dir", str(run_dir)],
+        [sys.executable, "-P", "-m", "grpolora.cli", "run", str(path), "--run-dir", str(run_dir)],
         capture_output=True,
         text=True,
         timeout=900,

@@ -193,6 +193,9 @@ class LocalRun:
             for index in range(role_plan.replicas):
                 worker = Worker(role, index, role_plan.placement.gpus, logs / f"{role}-{index}.log")
                 env = self.plan.env_for(role, index, token=self.token) | self.role_env.get(role, {})
+                # Workers run `python -m ...` from the user's directory: never let a folder there shadow a module
+                # (the repository's own operator/ would shadow the stdlib's `operator`).
+                env["PYTHONSAFEPATH"] = "1"
                 env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
                 actor = actor_class.options(
                     name=f"{self.job.name}-{role}-{index}-{os.getpid()}",
