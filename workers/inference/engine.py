@@ -143,13 +143,10 @@ class AdapterEngine:
         asyncio.run_coroutine_threadsafe(self._activate(version, tensors, adapter_config), self._loop).result()
 
     async def _activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
-        from vllm.lora.request import LoRARequest
-
         started = time.perf_counter()
-        folder = self._adapter_root / f"v{version}"
-        await asyncio.to_thread(save_adapter, folder, tensors, adapter_config)
+        await asyncio.to_thread(save_adapter, self._folder(version), tensors, adapter_config)
         written = time.perf_counter()
-        await self._engine.add_lora(LoRARequest(f"v{version}", version, str(folder)))
+        await self._engine.add_lora(self._lora_request(version))
         loaded = time.perf_counter()
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
@@ -166,11 +163,20 @@ class AdapterEngine:
         )
         await self._unload_if_idle(previous)
 
+    def _folder(self, version: int) -> Path:
+        return self._adapter_root / f"v{version}"
+
+    def _lora_request(self, version: int):
+        """Version N is LoRA id N, loaded from its own peft folder: a new id per version, so no drain."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"v{version}", version, str(self._folder(version)))
+
     async def _unload_if_idle(self, version: int) -> None:
         if version == 0 or version == self._live_version or self._leases.get(version):
             return
         await self._engine.remove_lora(version)
-        shutil.rmtree(self._adapter_root / f"v{version}", ignore_errors=True)
+        shutil.rmtree(self._folder(version), ignore_errors=True)
         log.info("adapter version %d unloaded", version)
 
     @contextlib.asynccontextmanager
@@ -205,7 +211,6 @@ class AdapterEngine:
         """`request.n` samples for one prompt on adapter `version` (hold a lease on it while this runs)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
-        from vllm.lora.request import LoRARequest
         from vllm.sampling_params import RequestOutputKind
 
         params = SamplingParams(
@@ -219,7 +224,7 @@ class AdapterEngine:
             # One output holding all n samples; streamed outputs of n > 1 can carry only the samples that moved.
             output_kind=RequestOutputKind.FINAL_ONLY,
         )
-        lora = LoRARequest(f"v{version}", version, str(self._adapter_root / f"v{version}")) if version else None
+        lora = self._lora_request(version) if version else None
         final = None
         async for output in self._engine.generate(
             TokensPrompt(prompt_token_ids=prompt_token_ids), params, uuid.uuid4().hex, lora_request=lora

@@ -121,7 +121,6 @@ class AdapterReceiver:
         self._has_joined = False
         self._busy = False
         self._last_error: str | None = None
-        self.rounds: list[RoundOutcome] = []
         self._thread = threading.Thread(target=self._run, name="adapter-receiver", daemon=True)
         self._thread.start()
 
@@ -252,7 +251,6 @@ class AdapterReceiver:
                 self._on_error("refused")
         with self._lock:
             self._last_error = reason
-            self.rounds.append(outcome)
         if self._on_round is not None:
             self._on_round(outcome)
 

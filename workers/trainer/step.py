@@ -92,7 +92,7 @@ def train_step(
         mismatch = mismatch + logprob_mismatch(logp.detach(), micro.behaviour_logprobs, micro.completion_mask)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), grpo.max_grad_norm)
     optimizer.step()
-    totals = LossStats.from_tensor(_reduce_tensor(loss_stats.as_tensor(), world_size, policy.device))
+    totals = LossStats(*_all_reduce(loss_stats.as_tensor().tolist(), world_size, policy.device))
     mismatch_sums = _all_reduce(
         [mismatch.token_count, mismatch.exp_abs_diff_sum, mismatch.kl_sum], world_size, policy.device
     )
@@ -112,10 +112,3 @@ def train_step(
 
 def _safe(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
-
-
-def _reduce_tensor(values: torch.Tensor, world_size: int, device: torch.device) -> torch.Tensor:
-    values = values.to(device)
-    if world_size > 1:
-        dist.all_reduce(values)
-    return values.cpu()
