@@ -279,6 +279,9 @@ class SyncSpec(SpecModel):
     """Port of the sync group's rendezvous store on trainer rank 0."""
     timeout_seconds: int = Field(default=600, gt=0)
     """A round that takes longer is abandoned: the group re-forms without the unresponsive replicas."""
+    join_timeout_seconds: int = Field(default=30, gt=0)
+    """A replica that answers but has not joined the sync group this long after being asked is left out: the
+    group forms without it, and it is asked again after a back-off (30 s, doubling to 10 min)."""
     bucket_mib: int = Field(default=256, gt=0, alias="bucketMiB")
     """Adapter tensors are packed into buffers of at most this size (one broadcast each)."""
 

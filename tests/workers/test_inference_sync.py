@@ -80,6 +80,7 @@ def sender(job, servers, model_dir):
         store_port=job.sync.port,
         backend="gloo",
         timeout_seconds=job.sync.timeout_seconds,
+        join_timeout_seconds=30,
         bucket_bytes=job.sync.bucket_bytes,
         fingerprint=fingerprint(model_dir),
     )
@@ -213,6 +214,7 @@ def test_fingerprint_mismatch_is_refused_with_both_named(job, servers):
         store_port=0,
         backend="gloo",
         timeout_seconds=5,
+        join_timeout_seconds=5,
         bucket_bytes=1 << 20,
         fingerprint="0" * 64,
     )
