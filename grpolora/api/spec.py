@@ -59,6 +59,15 @@ class SpecModel(BaseModel):
 KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 
 
+def kube_checked(value: Any, type_name: str) -> Any:
+    """`value` (one Kubernetes object, or a list of them) checked as the API server would (grpolora.api.kubetypes)."""
+    from grpolora.api import kubetypes
+
+    items = enumerate(value) if isinstance(value, list) else [(None, value)]
+    raise_if_any([e for i, item in items for e in kubetypes.problems(item, type_name, "" if i is None else f"[{i}]")])
+    return value
+
+
 class PvcRef(SpecModel):
     claim_name: NonEmptyStr
     """Name of a PersistentVolumeClaim in the job's namespace."""
@@ -203,6 +212,11 @@ class NetworkPolicySpec(SpecModel):
     metrics_from: list[KubeObject] = Field(default_factory=list)
     """NetworkPolicyPeers (e.g. your Prometheus) also admitted to the workers' HTTP ports for /metrics."""
 
+    @field_validator("metrics_from")
+    @classmethod
+    def _kube_metrics_from(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "NetworkPolicyPeer")
+
 
 class RoleSpec(SpecModel):
     replicas: int = Field(default=1, gt=0)
@@ -227,10 +241,21 @@ class RoleSpec(SpecModel):
     @field_validator("resources")
     @classmethod
     def _no_gpu_in_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
+        kube_checked(value, "ResourceRequirements")
         for section in ("limits", "requests"):
             if "nvidia.com/gpu" in (value.get(section) or {}):
                 raise ValueError(f"{section}: set GPUs with `gpusPerReplica`, not `nvidia.com/gpu`")
         return value
+
+    @field_validator("tolerations")
+    @classmethod
+    def _kube_tolerations(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "Toleration")
+
+    @field_validator("affinity")
+    @classmethod
+    def _kube_affinity(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return kube_checked(value, "Affinity")
 
     @field_validator("env")
     @classmethod
@@ -245,7 +270,7 @@ class RoleSpec(SpecModel):
             elif name in CONTRACT_NAMES:
                 errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
         raise_if_any(errors)
-        return value
+        return kube_checked(value, "EnvVar")
 
 
 class TrainerSpec(RoleSpec):

@@ -147,6 +147,13 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
 
 def test_spec_fields_survive_pruning():
     spec = parse_job(
-        job_doc(trainer={"tolerations": [{"key": "k", "operator": "Exists"}], "affinity": {"nodeAffinity": {"x": 1}}})
+        job_doc(
+            trainer={
+                "tolerations": [{"key": "k", "operator": "Exists"}],
+                "affinity": {
+                    "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+                },
+            }
+        )
     ).spec.to_wire()
     assert pruned(spec, schema()["properties"]["spec"]) == spec
