@@ -35,6 +35,13 @@ RULES: Final[tuple[Rule, ...]] = (
         "(patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)",
     ),
     Rule((c.GROUP,), (f"{c.PLURAL}/status",), ("patch",), "the job status: phase, progress, conditions"),
+    Rule(
+        (c.GROUP,),
+        (f"{c.PLURAL}/finalizers",),
+        ("update",),
+        "the children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
+        "admission plugin (on in OpenShift) allows only to whoever may update the owner's finalizers",
+    ),
     Rule(("",), ("secrets",), ("create",), "the per-job token Secret, created once and never read back"),
     Rule(("",), ("services",), ("create",), "the headless Services that give the trainer and inference pods DNS"),
     Rule(

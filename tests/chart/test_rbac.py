@@ -197,3 +197,12 @@ def test_chart_grants_exactly_the_operators_rules(chart, values):
     assert not problems, (
         f"{problems}\n\nRULES as template lines for templates/_rbac.tpl:\n{rules_yaml(rbac_module.RULES)}"
     )
+
+
+@pytest.mark.parametrize("values", list(SCOPES.values()), ids=list(SCOPES))
+def test_chart_grants_update_on_the_jobs_finalizers_for_owner_reference_enforcement(chart, values):
+    # OpenShift (and any cluster with OwnerReferencesPermissionEnforcement) refuses children whose ownerReferences
+    # set blockOwnerDeletion unless their creator may update the owner's finalizers.
+    cluster, namespaced = rbac(chart.render(values))
+    granted = cluster | set().union(*namespaced.values())
+    assert ("grpolora.dev", "grpolorajobs/finalizers", "update") in granted

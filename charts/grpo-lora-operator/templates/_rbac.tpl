@@ -16,6 +16,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/status"]
   verbs: ["patch"]
+# the children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) allows only to whoever may update the owner's finalizers
+- apiGroups: ["grpolora.dev"]
+  resources: ["grpolorajobs/finalizers"]
+  verbs: ["update"]
 # the per-job token Secret, created once and never read back
 - apiGroups: [""]
   resources: ["secrets"]
