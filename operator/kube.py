@@ -23,6 +23,7 @@ from grpolora.api import constants as c
 logger = logging.getLogger(__name__)
 K8sObject = dict[str, Any]
 EVENT_MESSAGE_MAX: Final = 1024  # the API server rejects longer event messages
+STRICT: Final = {"fieldValidation": "Strict"}
 
 
 @dataclass(frozen=True)
@@ -160,10 +161,13 @@ class KubeClient:
     # ---- verbs -------------------------------------------------------------------------------------------
 
     async def create(self, obj: Mapping[str, Any]) -> bool:
-        """Create if absent: True if created, False if an object of that name already exists (never replaced)."""
+        """Create if absent: True if created, False if an object of that name already exists (never replaced).
+
+        With strict field validation: an unknown field is refused (400) rather than dropped without a word.
+        """
         meta = obj["metadata"]
         try:
-            await self._call("POST", kind_of(obj).path(meta["namespace"]), body=obj)
+            await self._call("POST", kind_of(obj).path(meta["namespace"]), params=STRICT, body=obj)
         except ApiError as exc:
             if exc.status == 409:
                 return False

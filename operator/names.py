@@ -64,6 +64,12 @@ R_INVALID: Final = "InvalidSpec"
 R_VALID: Final = "Valid"
 R_REFUSED: Final = "SpecChangeRefused"
 R_UNCHANGED: Final = "SpecUnchanged"
+# The API server refused to create a child (422 invalid, 403 forbidden by RBAC or admission, 400): the job fails
+# with the API's message until its spec changes; transient API failures (5xx, 429, unreachable) are retried.
+R_CREATE_REFUSED: Final = "CreateRefused"
+R_API_RETRYING: Final = "APIRetrying"
+# A child of that name still belongs to a deleted job of the same name (garbage collection takes a moment).
+R_WAITING_FOR_PREVIOUS_JOB: Final = "WaitingForPreviousJob"
 
 # Event-only reasons.
 E_CREATED: Final = "Created"

@@ -59,6 +59,14 @@ def deleting(obj: K8sObject | None) -> bool:
     return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
 
 
+def controller_uid(obj: K8sObject | None) -> str | None:
+    """The uid of the object's controlling owner (ownerReferences with controller: true), if any."""
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
+
+
 def restart_attempt(job: K8sObject | None) -> int:
     """Which restart created this trainer Job (see names.RESTART_ATTEMPT_ANNOTATION); 0 when absent."""
     annotations = ((job or {}).get("metadata") or {}).get("annotations") or {}

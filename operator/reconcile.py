@@ -80,11 +80,15 @@ def spec_json(spec: GRPOLoraJobSpec) -> str:
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
-    """Parse the job and reconcile its current spec with the applied one (see names.APPLIED_SPEC_ANNOTATION)."""
+    """Parse the job and reconcile its current spec with the applied one (see names.APPLIED_SPEC_ANNOTATION).
+
+    Until its children have been created (status condition Created), a job has no applied spec to keep: a spec
+    fixed after the API server refused a child applies as a whole.
+    """
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", "default"), meta.get("name", "")
     uid, generation = meta.get("uid", ""), meta.get("generation")
-    applied = _applied_spec(meta)
+    applied = _applied_spec(meta) if cond.is_true(stored_status(body.get("status")).conditions, names.CREATED) else None
     try:
         current = parse_job(body)
     except InvalidJob as exc:
@@ -171,6 +175,12 @@ def with_restart_attempt(trainer_job: K8sObject, attempt: int) -> K8sObject:
 
 
 @dataclass(frozen=True)
+class ChildRef:
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Observed:
     """What one pass read: the workloads (None = absent), the job's pods, trainer rank 0's report."""
 
@@ -179,12 +189,24 @@ class Observed:
     pods: tuple[K8sObject, ...] = ()
     trainer: TrainerStatus | None = None
     trainer_error: str | None = None
+    blocked: tuple[ChildRef, ...] = ()
+    """Children of this job's names that still belong to a deleted job of the same name (read as absent, never
+    created over, never read as this job's): the garbage collector removes them shortly."""
 
 
 @dataclass(frozen=True)
-class ChildRef:
+class Refusal:
+    """The API server refused to create a child."""
+
     kind: str
     name: str
+    status: int
+    message: str
+
+    @property
+    def transient(self) -> bool:
+        """Unreachable, throttled or a server-side failure: retried as is (as kube.ApiError.transient)."""
+        return self.status == 0 or self.status == 429 or self.status >= 500
 
 
 @dataclass(frozen=True)
@@ -248,7 +270,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     else:
         _, workloads = children(job_plan, uid=view.uid, token="")
         trainer_name = workloads["Job"]["metadata"]["name"]
-        if tj is not None and obs.restart_attempt(tj) < restarts:
+        blocked_kinds = {ref.kind for ref in observed.blocked}
+        if blocked_kinds:
+            requeue = REPLACE_RECHECK_SECONDS
+        if tj is None and "Job" in blocked_kinds:
+            pass  # the previous job's trainer Job is still being collected
+        elif tj is not None and obs.restart_attempt(tj) < restarts:
             # Committed restart: replace the stale Job (the create is retried if the old one is still leaving).
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
@@ -280,7 +307,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                     f"used up; last failure: {failure}"
                 )
         if phase not in TERMINAL:
-            if sts is None:
+            if sts is None and "StatefulSet" not in blocked_kinds:
                 creates.append(workloads["StatefulSet"])
             alive = report is not None and report.phase in ("Starting", "Running")
             phase = "Running" if alive or old.phase == "Running" else "Pending"
@@ -306,6 +333,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     pods = _pods_condition(wanted, phase, counts, observed)
     rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
     pending_why = pods.message if pods.status == "False" and wanted else ""
+    if observed.blocked:
+        pending_why = _blocked_message(observed.blocked)
     if rendezvous.status != "True" and observed.trainer_error and wanted:
         pending_why = "; ".join(p for p in (pending_why, f"trainer rank 0: {observed.trainer_error}") if p)
     running_message = (
@@ -319,7 +348,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     }.get(phase, final_message or "")
 
     wants = [
-        cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
+        cond.Want(names.CREATED, "False", names.R_WAITING_FOR_PREVIOUS_JOB, _blocked_message(observed.blocked))
+        if observed.blocked
+        else cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
         pods,
         rendezvous,
         _progressing_condition(phase, restart_note, running_message, message),
@@ -365,6 +396,65 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _blocked_message(blocked: Sequence[ChildRef]) -> str:
+    listed = ", ".join(f"{ref.kind} {ref.name}" for ref in blocked)
+    return f"waiting for the garbage collector to remove {listed}, left by a deleted job of the same name"
+
+
+API_RETRY_SECONDS: Final = 5.0
+_KIND_WORDS: Final = {
+    "Secret": "token Secret",
+    "Service": "headless Service",
+    "NetworkPolicy": "NetworkPolicy",
+    "Job": "trainer Job",
+    "StatefulSet": "inference StatefulSet",
+}
+
+
+def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetime.datetime) -> Decision:
+    """The API server refused to create a child: the job fails with its message, or waits if it may pass later.
+
+    A refusal (invalid object, forbidden by RBAC or an admission webhook, quota) repeats until something changes,
+    so the job fails with the API's message (no completionTime: a spec change runs a new pass, and until the
+    children exist every field may change). A transient failure keeps the phase and is retried.
+    """
+    stamp = cond.rfc3339(now)
+    what = f"{_KIND_WORDS.get(refusal.kind, refusal.kind)} {refusal.name}"
+    if refusal.transient:
+        message = f"retrying: the Kubernetes API failed to create the {what}: {refusal.message}"
+        wants = [
+            cond.Want(k.type, k.status, k.reason, k.message) for k in old.conditions if k.type != names.PROGRESSING
+        ]
+        wants.append(cond.Want(names.PROGRESSING, "False", names.R_API_RETRYING, message))
+        status = old.model_copy(
+            update={
+                "phase": old.phase or "Pending",
+                "message": message,
+                "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+                "start_time": old.start_time or stamp,
+            }
+        )
+        before = cond.find(old.conditions, names.PROGRESSING)
+        events = () if before is not None and before.reason == names.R_API_RETRYING else (
+            Event("Warning", names.R_API_RETRYING, message),
+        )  # fmt: skip
+        return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
+    message = f"the API server refused the {what}: {refusal.message}"
+    wants = [
+        cond.Want(names.CREATED, "False", names.R_CREATE_REFUSED, message),
+        cond.Want(names.FAILED, "True", names.R_CREATE_REFUSED, message),
+        _invalid_condition(view.problems),
+    ]
+    status = JobStatus(
+        phase="Failed",
+        message=message,
+        observed_generation=view.generation,
+        conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+        start_time=old.start_time or stamp,
+    )
+    return Decision(status=status, events=tuple(transition_events(old, status)), idle=True)
 
 
 def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:

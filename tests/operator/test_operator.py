@@ -22,6 +22,7 @@ from tests.operator.harness import (
     Cluster,
     OperatorThread,
     operator_options,
+    running_cluster,
     wait_for,
 )
 
@@ -412,3 +413,88 @@ async def test_ttl_deletes_a_finished_job(cluster, operator):
     await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "deletion after the TTL", timeout=5)
     for resource in RESOURCE_OF.values():
         await wait_for(lambda r=resource: cluster.objects(r) == {}, f"{resource} to be collected")
+
+
+# ---- what a real API server refuses --------------------------------------------------------------------------
+
+
+async def test_a_child_the_api_refuses_fails_the_job_with_the_apis_message_and_a_fix_recovers(cluster, operator):
+    # Valid by the schema (so `grpolora validate` passes it) but refused by the API server's own rules.
+    await cluster.apply(job_doc(trainer={"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+    api_message = (
+        'Job.batch "demo-trainer" is invalid: spec.template.spec.tolerations[0].operator: Invalid value: "yes": '
+        "value must be empty when `operator` is 'Exists'"
+    )
+    failed = cluster.condition("demo", names.FAILED)
+    assert failed["status"] == "True" and failed["reason"] == names.R_CREATE_REFUSED
+    assert api_message in failed["message"] and "trainer Job demo-trainer" in failed["message"]
+    assert api_message in cluster.status("demo")["message"]
+    assert cluster.condition("demo", names.CREATED)["reason"] == names.R_CREATE_REFUSED
+    await wait_for(lambda: any(t == "Warning" and api_message in m for t, _, m in cluster.events("demo")), "event")
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+    # The children were never all created, so the spec may still change: fixing it runs the job.
+    await cluster.patch_spec("demo", {"trainer": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}})
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job after the fix")
+    await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after the fix")
+    assert cluster.condition("demo", names.SPEC_CHANGE_REFUSED)["status"] == "False"
+    assert cluster.condition("demo", names.FAILED)["status"] == "False"
+
+
+async def test_without_rights_on_the_jobs_finalizers_the_job_fails_saying_so(trainer):
+    # OpenShift's OwnerReferencesPermissionEnforcement with an operator lacking update on grpolorajobs/finalizers.
+    def without_finalizers(verb: str, group: str, resource: str) -> bool:
+        return resource != f"{c.PLURAL}/finalizers"
+
+    async with running_cluster(authorize=without_finalizers) as cluster:
+        operator = await OperatorThread(cluster.url, operator_options()).start()
+        try:
+            await cluster.apply(job_doc())
+            await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+        finally:
+            await operator.stop()
+        message = cluster.condition("demo", names.FAILED)["message"]
+        assert "forbidden: cannot set blockOwnerDeletion" in message and "grpolorajobs/finalizers" in message
+
+
+async def test_delete_and_re_apply_under_the_same_name_gets_children_owned_by_the_new_job(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    old_uid = cluster.job("demo")["metadata"]["uid"]
+    # The old trainer Job completed: it must never mark the new job Succeeded.
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True"}]})
+    await wait_for(lambda: phase(cluster) == "Succeeded", "the old job succeeded")
+    cluster.emulator.gc_delay = 1.0  # the collector is slow: the new job meets the old one's children
+    await cluster.delete_job("demo")
+    await cluster.apply(job_doc())
+    new_uid = cluster.job("demo")["metadata"]["uid"]
+    assert new_uid != old_uid
+    versions_before = len(history(cluster)) - 1  # the stored versions of the new job start with its creation
+
+    def owners() -> dict[str, str]:
+        found = {}
+        for resource in RESOURCE_OF.values():
+            for name, obj in cluster.objects(resource).items():
+                found[f"{resource}/{name}"] = obj["metadata"]["ownerReferences"][0]["uid"]
+        return found
+
+    await wait_for(
+        lambda: len(owners()) == len(RESOURCE_OF) + 1 and set(owners().values()) == {new_uid},
+        "every child owned by the new job",
+        timeout=10,
+    )
+    assert [s.get("phase") for s in history(cluster)[versions_before:] if s.get("phase") == "Succeeded"] == []
+    assert phase(cluster) == "Pending"
+    assert cluster.get("batch/v1/jobs", "demo-trainer").get("status", {}).get("conditions") is None
+
+
+async def test_a_deleted_service_or_network_policy_comes_back(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    uid = cluster.job("demo")["metadata"]["uid"]
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/demo-trainer")
+    await cluster._call("DELETE", f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/demo")
+    await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service back")
+    await wait_for(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo"), "the NetworkPolicy back")
+    assert cluster.get("v1/services", "demo-trainer")["metadata"]["ownerReferences"][0]["uid"] == uid

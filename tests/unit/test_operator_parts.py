@@ -154,8 +154,9 @@ def test_rbac_rules_have_the_shape_the_chart_test_reads():
             assert isinstance(values, tuple) and all(isinstance(v, str) for v in values)
         assert rule.reason.strip()
         assert set(rule.verbs) <= {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
-    # Least privilege: nothing that reads Secrets, nothing cluster-wide beyond Kopf's own peering objects.
-    assert not rbac.allowed("get", "", "secrets") and not rbac.allowed("list", "", "secrets")
+    # Least privilege: no listing or watching of Secrets (only `get` of the job's own token Secret by name, to check
+    # its owner), nothing cluster-wide beyond Kopf's own peering objects.
+    assert not rbac.allowed("list", "", "secrets") and not rbac.allowed("watch", "", "secrets")
     assert not rbac.allowed("list", "", "namespaces")
 
 

@@ -20,18 +20,18 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/finalizers"]
   verbs: ["update"]
-# the per-job token Secret, created once and never read back
+# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create"]
-# the headless Services that give the trainer and inference pods DNS
+  verbs: ["get", "create"]
+# the headless Services that give the trainer and inference pods DNS; read to check their owner and re-create them if deleted
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create"]
-# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods
+  verbs: ["get", "create"]
+# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check its owner and re-create it if deleted
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 # the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
