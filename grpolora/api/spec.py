@@ -218,6 +218,19 @@ class NetworkPolicySpec(SpecModel):
         return kube_checked(value, "NetworkPolicyPeer")
 
 
+class PodSecuritySpec(SpecModel):
+    """User and group ids of the worker pods. Unset by default: the images run as the numeric user 1000:1000 (so
+    `runAsNonRoot` holds), and OpenShift's restricted SCC assigns ids from the namespace's range and refuses fixed
+    ones. Set `fsGroup` (e.g. 1000) where PersistentVolumes are root-owned and the trainer must write checkpoints."""
+
+    run_as_user: int | None = Field(default=None, ge=1)
+    """runAsUser of the worker pods (never 0: the pods run as non-root)."""
+    run_as_group: int | None = Field(default=None, ge=0)
+    """runAsGroup of the worker pods."""
+    fs_group: int | None = Field(default=None, ge=0)
+    """fsGroup: the group that owns the pods' volumes (changed only where the volume root does not match)."""
+
+
 class RoleSpec(SpecModel):
     replicas: int = Field(default=1, gt=0)
     """Number of pods of this role."""
@@ -237,6 +250,17 @@ class RoleSpec(SpecModel):
     """Affinity of this role's pods."""
     env: list[KubeObject] = Field(default_factory=list)
     """Extra environment variables (EnvVar objects) for the worker container."""
+    shm_size_limit: str = "8Gi"
+    """Size limit of the memory-backed /dev/shm (NCCL and vLLM use shared memory; it counts as the pod's memory)."""
+
+    @field_validator("shm_size_limit")
+    @classmethod
+    def _shm_quantity(cls, value: str) -> str:
+        from grpolora.api.kubetypes import QUANTITY
+
+        if not QUANTITY.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8Gi, 512Mi)")
+        return value
 
     @field_validator("resources")
     @classmethod
@@ -338,6 +362,8 @@ class GRPOLoraJobSpec(SpecModel):
     """Checkpointing of the trainer."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Network isolation of the job's pods."""
+    pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
+    """User and group ids of the worker pods (unset: the image's non-root user, or what OpenShift assigns)."""
     suspend: bool = False
     """True removes the job's pods but keeps the job, its token and checkpoints; false again resumes training."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)

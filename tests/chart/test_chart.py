@@ -132,7 +132,8 @@ def test_operator_pod_is_locked_down_and_probed_on_healthz(chart):
     assert pod["serviceAccountName"] == FULLNAME
     assert find(objects, "ServiceAccount", FULLNAME)["automountServiceAccountToken"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["runAsUser"] == 1000
+    # No fixed uid by default: OpenShift's restricted-v2 SCC refuses one outside the namespace's range.
+    assert "runAsUser" not in pod["securityContext"] and "runAsGroup" not in pod["securityContext"]
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
@@ -144,6 +145,11 @@ def test_operator_pod_is_locked_down_and_probed_on_healthz(chart):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
     assert container["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
     assert container["image"] == "ghcr.io/grpo-lora-operator/operator:0.1.0"
+
+
+def test_operator_pod_ids_are_settable_in_values(chart):
+    pod = deployment(chart.render({"podSecurity": {"runAsUser": 1000, "runAsGroup": 1000}}))["spec"]["template"]
+    assert pod["spec"]["securityContext"]["runAsUser"] == 1000 and pod["spec"]["securityContext"]["runAsGroup"] == 1000
 
 
 def test_operator_pod_is_admitted_by_every_jobs_network_policy(chart):
