@@ -210,19 +210,35 @@ class Controller:
             inference = None
         spec = view.job.spec
         pods: list[dict[str, Any]] = []
+        warnings: tuple[obs.NotReady, ...] = ()
         not_ready = (
             obs.job_ready(trainer_job) < spec.trainer.replicas
             or obs.statefulset_ready(inference) < spec.inference.replicas
         )
-        if not spec.suspend and not rec.is_finished(old) and (trainer_job or inference) and not_ready:
-            pods = await self.client.list(kube.POD, view.namespace, {c.LABEL_JOB: view.name})
+        running = not spec.suspend and not rec.is_finished(old)
+        if running and (trainer_job or inference) and not_ready:
+            pods, events = await asyncio.gather(
+                self.client.list(kube.POD, view.namespace, {c.LABEL_JOB: view.name}),
+                self.client.list(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
+            )
+            desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
+            present = [w for w in (trainer_job, inference) if w is not None]
+            warnings = obs.pod_warnings(events, present, pods, desired)
+        claims: dict[str, tuple[str, ...] | None] = {}
+        if running:
+            uses = rec.volume_uses(spec)
+            found = await asyncio.gather(*(self.client.get(kube.PVC, view.namespace, use.claim) for use in uses))
+            for use, claim in zip(uses, found, strict=True):
+                claims[use.claim] = tuple((claim.get("spec") or {}).get("accessModes") or ()) if claim else None
         report, error = None, None
         if rec.should_poll_trainer(view, old, trainer_job):
             try:
                 report = await self.trainer.fetch(status_url(plan(view.job)))
             except TrainerUnavailable as exc:
                 error = str(exc)
-        return rec.Observed(trainer_job, inference, tuple(pods), report, error, blocked=tuple(blocked))
+        return rec.Observed(
+            trainer_job, inference, tuple(pods), report, error, blocked=tuple(blocked), warnings=warnings, claims=claims
+        )
 
     async def _change_workloads(self, job: _Job, decision: rec.Decision) -> None:
         # Deletes first: a replaced trainer Job is deleted and created under the same name.

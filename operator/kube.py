@@ -52,6 +52,7 @@ SECRET: Final = Kind("", "v1", "secrets", "Secret")
 SERVICE: Final = Kind("", "v1", "services", "Service")
 POD: Final = Kind("", "v1", "pods", "Pod")
 EVENT: Final = Kind("", "v1", "events", "Event")
+PVC: Final = Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 JOB: Final = Kind("batch", "v1", "jobs", "Job")
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
@@ -182,9 +183,15 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[K8sObject]:
-        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-        result = await self._call("GET", kind.path(namespace), params={"labelSelector": selector})
+    async def list(
+        self, kind: Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
+    ) -> list[K8sObject]:
+        params = {}
+        if labels:
+            params["labelSelector"] = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        if fields:
+            params["fieldSelector"] = ",".join(f"{key}={value}" for key, value in sorted(fields.items()))
+        result = await self._call("GET", kind.path(namespace), params=params)
         return list((result or {}).get("items") or [])
 
     async def patch(

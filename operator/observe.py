@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from grpolora.api.status import JobStatus, TrainerStatus
 from grpolora.operator import names
@@ -195,3 +195,98 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
 
 def _newer(use_report: bool, reported: Any, previous: Any) -> Any:
     return reported if use_report and reported is not None else previous
+
+
+# ---- warning events about the job's workloads and pods ---------------------------------------------------------
+
+
+def pod_warnings(
+    events: Sequence[K8sObject], workloads: Sequence[K8sObject], pods: Sequence[K8sObject], desired: Mapping[str, int]
+) -> tuple[NotReady, ...]:
+    """Why pods are missing or stuck, from Warning events (names.POD_WARNING_REASONS), most telling first.
+
+    FailedCreate counts only for a workload that has fewer pods than it wants, mount failures only for a pod still
+    waiting to start, and an event about an older object of the same name (another uid) not at all.
+    """
+    live: dict[tuple[str, str], str] = {}
+    for workload in workloads:
+        meta = workload.get("metadata") or {}
+        have = sum(1 for pod in pods if _owned_by(pod, meta.get("uid")))
+        if have < desired.get(workload.get("kind", ""), 0):
+            live[(workload.get("kind", ""), meta.get("name", ""))] = meta.get("uid", "")
+    for pod in pods:
+        waiting = [
+            (s.get("state") or {}).get("waiting") for s in ((pod.get("status") or {}).get("containerStatuses") or [])
+        ]
+        if (pod.get("status") or {}).get("phase") in (None, "Pending") and (not waiting or any(waiting)):
+            meta = pod.get("metadata") or {}
+            live[("Pod", meta.get("name", ""))] = meta.get("uid", "")
+    found: dict[str, NotReady] = {}
+    for event in sorted(events, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or "")):
+        involved = event.get("involvedObject") or {}
+        key = (involved.get("kind", ""), involved.get("name", ""))
+        reason = event.get("reason", "")
+        if key not in live or reason not in names.POD_WARNING_REASONS:
+            continue
+        if involved.get("uid") and live[key] and involved["uid"] != live[key]:
+            continue
+        found[reason] = NotReady(reason, f"{reason}: {key[0]} {key[1]}: {event.get('message', '')}")
+    return tuple(found[r] for r in names.POD_WARNING_REASONS if r in found)
+
+
+def _owned_by(pod: K8sObject, uid: str | None) -> bool:
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return uid is None or not refs or any(ref.get("uid") == uid for ref in refs)
+
+
+# ---- shared volumes ------------------------------------------------------------------------------------------
+
+MANY_NODES_READ: Final = ("ReadOnlyMany", "ReadWriteMany")
+
+
+@dataclass(frozen=True)
+class VolumeUse:
+    """A claim the job's pods share: `pods` of them mount it, read-only or to write."""
+
+    claim: str
+    role: str
+    pods: int
+    writes: bool
+
+
+@dataclass(frozen=True)
+class VolumeCheck:
+    refusal: str | None = None
+    """Why the job cannot run with these claims (the pods would never start)."""
+    warning: str | None = None
+    """Why it may hang: a single-node access mode shared by several pods (Multi-Attach unless on one node)."""
+
+
+def volume_check(uses: Sequence[VolumeUse], modes: Mapping[str, tuple[str, ...] | None]) -> VolumeCheck:
+    """Do the claims' access modes let every pod that mounts them do so? (Absent claims: the scheduler says.)"""
+    refusals, warnings = [], []
+    for use in uses:
+        have = modes.get(use.claim)
+        if not have:
+            continue
+        listed = ", ".join(have)
+        if use.writes and set(have) <= {"ReadOnlyMany"}:
+            needed = "ReadWriteOnce or ReadWriteMany" if use.pods == 1 else "ReadWriteMany"
+            refusals.append(
+                f"claim {use.claim} ({listed}) is read-only but the {use.role} writes to it; it needs {needed}"
+            )
+            continue
+        if use.pods <= 1 or any(m in have for m in (("ReadWriteMany",) if use.writes else MANY_NODES_READ)):
+            continue
+        needed = "ReadWriteMany" if use.writes else "ReadOnlyMany or ReadWriteMany"
+        if "ReadWriteOnce" not in have:  # ReadWriteOncePod: one pod, whatever the node
+            refusals.append(
+                f"claim {use.claim} ({listed}) admits one pod but {use.pods} {use.role} pods mount it; it needs "
+                f"{needed}"
+            )
+        else:
+            warnings.append(
+                f"claim {use.claim} is ReadWriteOnce but {use.pods} {use.role} pods mount it: pods on a second node "
+                f"hang in Multi-Attach unless all run on one node; use a claim with {needed}"
+            )
+    return VolumeCheck("; ".join(refusals) or None, "; ".join(warnings) or None)

@@ -77,7 +77,19 @@ RULES: Final[tuple[Rule, ...]] = (
         "the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends",
     ),
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
-    Rule(("",), ("events",), ("create",), "Events on the job for each key transition"),
+    Rule(
+        ("",),
+        ("events",),
+        ("create", "list"),
+        "Events on the job for each key transition; list Warning events to say why pods are never created (quota, "
+        "Pod Security admission) or cannot mount their volumes (Multi-Attach)",
+    ),
+    Rule(
+        ("",),
+        ("persistentvolumeclaims",),
+        ("get",),
+        "read the access modes of the model and checkpoint claims that several pods share",
+    ),
     Rule(
         ("kopf.dev",),
         ("kopfpeerings", "clusterkopfpeerings"),

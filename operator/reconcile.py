@@ -14,7 +14,7 @@ import copy
 import datetime
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from pydantic import ValidationError
@@ -192,6 +192,10 @@ class Observed:
     blocked: tuple[ChildRef, ...] = ()
     """Children of this job's names that still belong to a deleted job of the same name (read as absent, never
     created over, never read as this job's): the garbage collector removes them shortly."""
+    warnings: tuple[obs.NotReady, ...] = ()
+    """Why pods are missing or stuck, from Warning events (see observe.pod_warnings)."""
+    claims: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
+    """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
 
 
 @dataclass(frozen=True)
@@ -231,6 +235,17 @@ class Decision:
     keep watching; a spec change runs a new pass."""
 
 
+def volume_uses(spec: GRPOLoraJobSpec) -> list[obs.VolumeUse]:
+    """The claims the job's pods share: the model on every pod (read-only), checkpoints on every trainer rank."""
+    uses = []
+    if spec.model.source is not None:
+        pods = spec.trainer.replicas + spec.inference.replicas
+        uses.append(obs.VolumeUse(spec.model.source.pvc.claim_name, "trainer and inference", pods, writes=False))
+    if spec.checkpoint.pvc is not None:
+        uses.append(obs.VolumeUse(spec.checkpoint.pvc.claim_name, "trainer", spec.trainer.replicas, writes=True))
+    return uses
+
+
 def is_finished(status: JobStatus) -> bool:
     return status.phase in TERMINAL and status.completion_time is not None
 
@@ -249,6 +264,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     job, report = view.job, observed.trainer
     spec = job.spec
     job_plan = plan(job)
+    volumes = obs.volume_check(volume_uses(spec), observed.claims)
+    if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
+        return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
     progress = obs.fold_trainer(old, report)
     tj, sts = observed.trainer_job, observed.inference
     restarts = old.trainer_restarts or 0
@@ -365,6 +383,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
         _invalid_condition(view.problems),
         _refused_condition(view.refused),
+        cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_SINGLE_NODE_ACCESS, volumes.warning)
+        if volumes.warning
+        else cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT),
     ]
     status = JobStatus(
         phase=phase,
@@ -441,10 +462,17 @@ def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetim
             Event("Warning", names.R_API_RETRYING, message),
         )  # fmt: skip
         return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
-    message = f"the API server refused the {what}: {refusal.message}"
+    return _failed_to_start(
+        view, old, names.R_CREATE_REFUSED, f"the API server refused the {what}: {refusal.message}", stamp
+    )
+
+
+def _failed_to_start(view: JobView, old: JobStatus, reason: str, message: str, stamp: str) -> Decision:
+    """The job cannot start as specified: Failed without a completionTime (a spec change runs a new pass, and until
+    the children exist every field may change)."""
     wants = [
-        cond.Want(names.CREATED, "False", names.R_CREATE_REFUSED, message),
-        cond.Want(names.FAILED, "True", names.R_CREATE_REFUSED, message),
+        cond.Want(names.CREATED, "False", reason, message),
+        cond.Want(names.FAILED, "True", reason, message),
         _invalid_condition(view.problems),
     ]
     status = JobStatus(
@@ -494,7 +522,8 @@ def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: O
     summary = f"trainer {t.ready}/{t.desired} ready, inference {i.ready}/{i.desired} ready"
     if t.ready >= t.desired and i.ready >= i.desired:
         return cond.Want(names.PODS_READY, "True", names.R_ALL_READY, summary)
-    why = obs.why_not_ready(observed.pods)
+    # Pods never created (FailedCreate) or stuck mounting say more than the pods' own "ContainerCreating".
+    why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
     if why is None:
         return cond.Want(names.PODS_READY, "False", names.R_WAITING_FOR_PODS, summary)
     return cond.Want(names.PODS_READY, "False", why.reason, f"{summary}; {why.message}")
@@ -636,6 +665,16 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
     refused = became_true(names.SPEC_CHANGE_REFUSED)
     if refused is not None:
         events.append(Event("Warning", names.E_SPEC_CHANGE_REFUSED, refused.message))
+    volumes, volumes_before = (
+        cond.find(new.conditions, names.VOLUMES_SHAREABLE),
+        cond.find(old.conditions, names.VOLUMES_SHAREABLE),
+    )
+    if (
+        volumes is not None
+        and volumes.status == "False"
+        and (volumes_before is None or volumes_before.status != "False")
+    ):
+        events.append(Event("Warning", names.E_VOLUMES_NOT_SHAREABLE, volumes.message))
     return events
 
 

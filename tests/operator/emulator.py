@@ -40,6 +40,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
+    "v1/persistentvolumeclaims": kmock.ResourceInfo(kind="PersistentVolumeClaim", namespaced=True),
     "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
     "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True, subresources={"status"}),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
@@ -220,11 +221,26 @@ class Emulator(kmock.KubernetesEmulator):
         if selector:
             wanted = dict(term.split("=", 1) for term in selector.split(","))
             result["items"] = [item for item in result["items"] if _labels_match(item, wanted)]
+        fields = (request.params or {}).get("fieldSelector")
+        if fields:
+            wanted = dict(term.split("=", 1) for term in fields.split(","))
+            result["items"] = [item for item in result["items"] if _fields_match(item, wanted)]
         return result
 
 
 def _from_test(request: kmock.Request) -> bool:
     return request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT)
+
+
+def _fields_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
+    """Field selectors: equality on dotted paths (e.g. type=Warning, involvedObject.name=x)."""
+    for path, value in wanted.items():
+        found: Any = obj
+        for part in path.split("."):
+            found = found.get(part) if isinstance(found, Mapping) else None
+        if str(found) != value:
+            return False
+    return True
 
 
 def _labels_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:

@@ -498,3 +498,100 @@ async def test_a_deleted_service_or_network_policy_comes_back(cluster, operator)
     await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service back")
     await wait_for(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo"), "the NetworkPolicy back")
     assert cluster.get("v1/services", "demo-trainer")["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+# ---- pods that are never created, volumes that cannot attach ------------------------------------------------------
+
+
+async def post_event(cluster: Cluster, kind: str, name: str, reason: str, message: str) -> None:
+    """A Warning event as the Job or StatefulSet controller or the kubelet posts it."""
+    api_version = {"Job": "batch/v1", "StatefulSet": "apps/v1", "Pod": "v1"}[kind]
+    await cluster._call(
+        "POST",
+        f"/api/v1/namespaces/{NAMESPACE}/events",
+        {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": NAMESPACE},
+            "involvedObject": {"apiVersion": api_version, "kind": kind, "name": name, "namespace": NAMESPACE},
+            "type": "Warning",
+            "reason": reason,
+            "message": message,
+        },
+    )
+
+
+async def test_pods_the_cluster_refuses_to_create_say_why_in_the_status(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    quota = (
+        'Error creating: pods "demo-trainer-0-x7k2p" is forbidden: exceeded quota: gpu-quota, requested: '
+        "requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=4, limited: requests.nvidia.com/gpu=4"
+    )
+    await post_event(cluster, "Job", "demo-trainer", "FailedCreate", quota)
+    await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("reason") == "FailedCreate", "why")
+    assert f"Job demo-trainer: {quota}" in cluster.condition("demo", names.PODS_READY)["message"]
+    assert "exceeded quota: gpu-quota" in cluster.status("demo")["message"]
+    await wait_for(lambda: ("Warning", names.E_PODS_NOT_READY) in [e[:2] for e in cluster.events("demo")], "event")
+
+
+async def test_a_volume_that_cannot_attach_says_why_instead_of_a_quiet_container_creating(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await cluster.add_pod(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "demo-inference-0", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "demo"}},
+            "status": {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "inference",
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "worker:1",
+                        "imageID": "",
+                        "state": {"waiting": {"reason": "ContainerCreating"}},
+                    }
+                ],
+            },
+        }
+    )
+    multi_attach = 'Multi-Attach error for volume "pvc-4f1c" Volume is already used by pod(s) demo-trainer-0-x7k2p'
+    await post_event(cluster, "Pod", "demo-inference-0", "FailedAttachVolume", multi_attach)
+    await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("reason") == "FailedAttachVolume", "why")
+    assert multi_attach in cluster.condition("demo", names.PODS_READY)["message"]
+    await wait_for(lambda: any(multi_attach in m for t, _, m in cluster.events("demo") if t == "Warning"), "event")
+
+
+async def add_claim(cluster: Cluster, name: str, *modes: str) -> None:
+    await cluster._call(
+        "POST",
+        f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims",
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": "10Gi"}}},
+        },
+    )
+
+
+async def test_a_read_write_once_model_claim_shared_by_several_pods_is_a_warning(cluster, operator):
+    await add_claim(cluster, "weights", "ReadWriteOnce")
+    await cluster.apply(job_doc(model={"source": {"pvc": {"claimName": "weights"}}}, inference={"replicas": 2}))
+    await created(cluster)  # it may work if every pod lands on one node: warned, not refused
+    await wait_for(lambda: cluster.condition("demo", names.VOLUMES_SHAREABLE).get("status") == "False", "warning")
+    message = cluster.condition("demo", names.VOLUMES_SHAREABLE)["message"]
+    assert "weights" in message and "ReadWriteOnce" in message and "ReadOnlyMany or ReadWriteMany" in message
+    await wait_for(lambda: any("weights" in m for t, _, m in cluster.events("demo") if t == "Warning"), "event")
+
+
+async def test_a_checkpoint_claim_that_several_trainer_ranks_cannot_share_is_refused(cluster, operator):
+    await add_claim(cluster, "ckpts", "ReadWriteOncePod")
+    await cluster.apply(job_doc(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    message = cluster.condition("demo", names.FAILED)["message"]
+    assert "ckpts" in message and "ReadWriteOncePod" in message and "ReadWriteMany" in message
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None

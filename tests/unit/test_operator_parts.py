@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpolora.api.status import JobStatus, RendezvousStatus, TrainerStatus
-from grpolora.operator import kube, rbac
+from grpolora.operator import kube, observe, rbac
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.observe import fold_trainer, why_not_ready
 from grpolora.operator.peering import outranked
@@ -192,3 +192,26 @@ def test_event_bodies_are_core_v1_events_with_bounded_messages():
     }
     assert event["metadata"] == {"generateName": "job.", "namespace": "ns"}
     assert len(event["message"]) == kube.EVENT_MESSAGE_MAX and event["firstTimestamp"] == "2026-01-01T12:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("pods", "writes", "modes", "refused", "warned"),
+    [
+        (3, False, ("ReadOnlyMany",), False, False),
+        (3, False, ("ReadWriteMany",), False, False),
+        (3, False, ("ReadWriteOnce",), False, True),  # works only if every pod lands on one node
+        (3, False, ("ReadWriteOncePod",), True, False),
+        (1, False, ("ReadWriteOncePod",), False, False),
+        (2, True, ("ReadWriteOnce",), False, True),
+        (2, True, ("ReadWriteMany",), False, False),
+        (2, True, ("ReadOnlyMany",), True, False),
+        (1, True, ("ReadOnlyMany",), True, False),
+        (1, True, ("ReadWriteOnce",), False, False),
+        (3, False, None, False, False),  # an absent claim: the scheduler says so on the pods
+    ],
+)
+def test_shared_claims_access_modes(pods, writes, modes, refused, warned):
+    check = observe.volume_check([observe.VolumeUse("c", "trainer", pods, writes)], {"c": modes})
+    assert (check.refusal is not None, check.warning is not None) == (refused, warned)
+    for text in filter(None, (check.refusal, check.warning)):
+        assert "claim c" in text and ("ReadWriteMany" in text or "ReadWriteOnce" in text)

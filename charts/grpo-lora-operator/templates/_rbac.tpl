@@ -44,10 +44,14 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
-# Events on the job for each key transition
+# Events on the job for each key transition; list Warning events to say why pods are never created (quota, Pod Security admission) or cannot mount their volumes (Multi-Attach)
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
+# read the access modes of the model and checkpoint claims that several pods share
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 {{- end }}
 
 {{- define "grpo-lora-operator.rules.peering.namespaced" -}}
