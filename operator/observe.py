@@ -149,6 +149,7 @@ class Progress:
     """The training figures of the status, after folding in one trainer report."""
 
     step: int | None = None
+    steps_lost: int | None = None
     sync_round: int | None = None
     last_sync_time: str | None = None
     last_sync_seconds: float | None = None
@@ -162,12 +163,14 @@ class Progress:
 def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
     """Fold a trainer report into the previous figures.
 
-    step and syncRound never go back: a trainer restarted from an older checkpoint reports lower numbers until it
-    catches up, and the sync figures of such a report describe an older round, so they are kept from before.
+    step is the step the trainer actually reached: after a restart from an older checkpoint (or from scratch, with
+    checkpoints in an emptyDir) it is lower, and the difference is added to steps_lost. syncRound, the adapter
+    version the replicas serve, never goes back; the sync figures of a report of an older round are kept from before.
     """
     epoch = old.rendezvous.epoch if old.rendezvous is not None else 0
     before = Progress(
         step=old.step,
+        steps_lost=old.steps_lost,
         sync_round=old.sync_round,
         last_sync_time=old.last_sync_time,
         last_sync_seconds=old.last_sync_seconds,
@@ -180,8 +183,12 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
     if report is None:
         return before
     current_round = report.sync_round >= (old.sync_round or 0)
+    lost = old.steps_lost
+    if report.step < (old.step or 0):
+        lost = (lost or 0) + (old.step or 0) - report.step
     return Progress(
-        step=max(old.step or 0, report.step),
+        step=report.step,
+        steps_lost=lost,
         sync_round=max(old.sync_round or 0, report.sync_round),
         last_sync_time=_newer(current_round, report.last_sync_time, old.last_sync_time),
         last_sync_seconds=_newer(current_round, report.last_sync_seconds, old.last_sync_seconds),

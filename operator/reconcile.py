@@ -41,10 +41,22 @@ WORKLOAD_KINDS: Final = ("Job", "StatefulSet")
 TERMINAL: Final = ("Succeeded", "Failed")
 # After replacing a trainer Job, look again soon: the old one may take a moment to leave the API.
 REPLACE_RECHECK_SECONDS: Final = 1.0
-SUSPENDED_MESSAGE: Final = (
-    "suspended: the trainer Job and inference StatefulSet are removed; the Secret, Services, NetworkPolicy and "
-    "checkpoints are kept. Set spec.suspend: false to resume from the latest checkpoint"
-)
+
+
+def suspended_message(spec: GRPOLoraJobSpec) -> str:
+    """What suspension removes and what it really keeps (checkpoints only on a PVC)."""
+    removed = "suspended: the trainer Job and inference StatefulSet are removed; the Secret, Services, NetworkPolicy"
+    if spec.checkpoint.pvc is not None:
+        return (
+            f"{removed} and the checkpoints in claim {spec.checkpoint.pvc.claim_name} are kept. Set "
+            "spec.suspend: false to resume from the latest checkpoint"
+        )
+    return (
+        f"{removed} are kept, but the checkpoints were in the trainer pods' emptyDir and are gone: resuming "
+        "(spec.suspend: false) trains from step 0 (set spec.checkpoint.pvc to keep checkpoints)"
+    )
+
+
 _QUIET_POD_REASONS: Final = (
     names.R_WAITING_FOR_PODS,
     names.R_NO_WORKLOADS,
@@ -355,14 +367,15 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         pending_why = _blocked_message(observed.blocked)
     if rendezvous.status != "True" and observed.trainer_error and wanted:
         pending_why = "; ".join(p for p in (pending_why, f"trainer rank 0: {observed.trainer_error}") if p)
+    lost = f" ({progress.steps_lost} steps lost to trainer restarts)" if progress.steps_lost else ""
     running_message = (
-        f"step {progress.step or 0}/{spec.grpo.steps}, sync round {progress.sync_round or 0}, "
+        f"step {progress.step or 0}/{spec.grpo.steps}{lost}, sync round {progress.sync_round or 0}, "
         f"sync-group epoch {progress.epoch}"
     )
     message = {
         "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
-        "Suspended": SUSPENDED_MESSAGE,
+        "Suspended": suspended_message(spec),
     }.get(phase, final_message or "")
 
     wants = [
@@ -378,7 +391,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         cond.Want(names.FAILED, "True", names.R_BACKOFF_LIMIT, message)
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
-        cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, SUSPENDED_MESSAGE)
+        cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, suspended_message(spec))
         if phase == "Suspended"
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
         _invalid_condition(view.problems),
@@ -393,6 +406,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         step=progress.step,
+        steps_lost=progress.steps_lost,
         total_steps=spec.grpo.steps,
         sync_round=progress.sync_round,
         last_sync_time=progress.last_sync_time,
@@ -628,14 +642,15 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
                 Event(
                     "Normal",
                     names.E_RESUMED,
-                    "recreated the trainer Job and inference StatefulSet; training resumes from the latest checkpoint",
+                    "recreated the trainer Job and inference StatefulSet; training resumes from the latest checkpoint "
+                    "(from step 0 without a checkpoint PVC)",
                 )
             )
         by_phase = {
             "Running": Event("Normal", names.E_RUNNING, new.message or "running"),
             "Succeeded": Event("Normal", names.E_SUCCEEDED, new.message or "succeeded"),
             "Failed": Event("Warning", names.E_FAILED, new.message or "failed"),
-            "Suspended": Event("Normal", names.E_SUSPENDED, SUSPENDED_MESSAGE),
+            "Suspended": Event("Normal", names.E_SUSPENDED, new.message or "suspended"),
         }
         if new.phase in by_phase:
             events.append(by_phase[new.phase])

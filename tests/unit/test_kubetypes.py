@@ -94,3 +94,12 @@ def test_validate_names_the_wrong_toleration_field(tmp_path):
     result = grpolora("validate", str(bad))
     assert result.returncode != 0
     assert 'spec.trainer.tolerations[0].operator: Unsupported value: "Exist"' in result.stderr + result.stdout
+
+
+def test_validate_warns_that_a_job_without_a_checkpoint_claim_loses_progress_and_its_final_adapter(tmp_path):
+    path = tmp_path / "job.yaml"
+    path.write_text(json.dumps(job_doc()))
+    result = grpolora("validate", str(path))
+    assert result.returncode == 0
+    said = result.stdout + result.stderr
+    assert "spec.checkpoint.pvc" in said and "step 0" in said and "final adapter" in said

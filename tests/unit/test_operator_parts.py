@@ -68,13 +68,29 @@ def test_why_names_at_most_three_pods():
     [(None, 2, 2, True), (2, 2, 2, True), (2, 5, 5, True), (5, 2, 5, False)],
 )
 def test_fold_keeps_sync_round_monotonic(old_round, reported_round, expected_round, takes_sync_figures):
-    old = JobStatus(sync_round=old_round, step=old_round, last_sync_seconds=1.0)
+    old = JobStatus(sync_round=old_round, last_sync_seconds=1.0)
     report = TrainerStatus(
         phase="Running", total_steps=10, step=reported_round, sync_round=reported_round, last_sync_seconds=2.0
     )
     progress = fold_trainer(old, report)
-    assert progress.sync_round == expected_round and progress.step == expected_round
+    assert progress.sync_round == expected_round
     assert progress.last_sync_seconds == (2.0 if takes_sync_figures else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("old_step", "old_lost", "reported", "step", "lost"),
+    [
+        (None, None, 3, 3, None),
+        (3, None, 5, 5, None),
+        (15, None, 0, 0, 15),  # restarted from scratch (checkpoints in an emptyDir went with the pod)
+        (15, None, 10, 10, 5),  # resumed from the checkpoint of step 10
+        (4, 15, 2, 2, 17),  # lost again after an earlier loss
+    ],
+)
+def test_fold_reports_the_step_actually_reached_and_the_steps_lost(old_step, old_lost, reported, step, lost):
+    old = JobStatus(step=old_step, steps_lost=old_lost)
+    progress = fold_trainer(old, TrainerStatus(phase="Running", total_steps=20, step=reported))
+    assert (progress.step, progress.steps_lost) == (step, lost)
 
 
 def test_fold_without_a_report_keeps_everything():

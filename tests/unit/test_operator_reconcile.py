@@ -161,12 +161,12 @@ def test_a_missed_poll_changes_nothing_it_cannot_know():
     assert decision.status.sync_round == 3 and decision.events == ()
 
 
-def test_step_and_sync_round_never_go_back():
+def test_sync_round_never_goes_back_the_step_is_the_one_reached():
     before = running(last_sync_seconds=1.5, last_sync_time=EARLIER)
     # A trainer restarted from an older checkpoint reports an older round with its own (older) sync figures.
     obs = Observed(trainer_job(active=1), statefulset(1), trainer=report(step=1, syncRound=1, lastSyncSeconds=9.0))
     s = decide(applied_view(), before, obs, NOW).status
-    assert (s.step, s.sync_round, s.last_sync_seconds, s.last_sync_time) == (3, 3, 1.5, EARLIER)
+    assert (s.step, s.steps_lost, s.sync_round, s.last_sync_seconds, s.last_sync_time) == (1, 2, 3, 1.5, EARLIER)
 
 
 def test_sync_group_reformed_under_a_new_epoch_is_an_event_and_the_job_goes_on():
@@ -443,3 +443,32 @@ def test_children_of_a_deleted_job_of_the_same_name_are_waited_for_never_created
     assert decision.requeue_after is not None and not decision.idle
     assert condition(decision, names.CREATED) == ("False", names.R_WAITING_FOR_PREVIOUS_JOB)
     assert "Job demo-trainer, Secret demo-token" in decision.status.message
+
+
+def test_a_trainer_restarted_without_checkpoints_shows_its_real_step_and_the_loss():
+    old = running(step=15, sync_round=15)
+    decision = decide(
+        applied_view(),
+        old,
+        Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=1, syncRound=16)),
+        NOW,
+    )
+    assert decision.status.step == 1 and decision.status.steps_lost == 14
+    assert "step 1/" in decision.status.message and "14 steps lost to trainer restarts" in decision.status.message
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "kept", "lost"),
+    [({"pvc": {"claimName": "ckpts"}}, "checkpoints in claim ckpts are kept", None),
+     ({}, None, "checkpoints were in the trainer pods' emptyDir and are gone")],
+)  # fmt: skip
+def test_the_suspend_message_says_what_is_really_kept(checkpoint, kept, lost):
+    decision = decide(applied_view(checkpoint=checkpoint, suspend=True), running(), Observed(), NOW)
+    message = decision.status.message
+    assert decision.status.phase == "Suspended"
+    if kept:
+        assert kept in message and "resume from the latest checkpoint" in message
+    else:
+        assert lost in message and "from step 0" in message and "checkpoints are kept" not in message
+    suspended = next(c for c in decision.status.conditions if c.type == names.SUSPENDED)
+    assert suspended.message == message
