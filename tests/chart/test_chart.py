@@ -294,6 +294,25 @@ def test_worker_pod_monitor_selects_trainer_and_inference_pods(chart, values, na
         assert endpoint["port"] in port_names, workload["kind"]
 
 
+def test_worker_pod_monitor_skips_trainer_ranks_that_serve_no_metrics(chart):
+    # Only trainer rank 0 serves /metrics; ranks > 0 would be down targets. Indexed Job pods carry their index in the
+    # label batch.kubernetes.io/job-completion-index, which Prometheus sees as the meta label below.
+    monitor = find(chart.render(VALUE_SETS["monitoring"]), "PodMonitor", f"{FULLNAME}-workers", NAMESPACE)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    drops = [r for r in endpoint.get("relabelings", []) if r.get("action") == "drop"]
+    assert len(drops) == 1
+    (drop,) = drops
+    meta = "__meta_kubernetes_pod_label_"
+    assert drop["sourceLabels"] == [f"{meta}grpolora_dev_role", f"{meta}batch_kubernetes_io_job_completion_index"]
+    separator = drop.get("separator", ";")
+
+    def dropped(role: str, index: str) -> bool:
+        return re.fullmatch(drop["regex"], f"{role}{separator}{index}") is not None  # Prometheus anchors regexes
+
+    assert not dropped("trainer", "0") and not dropped("inference", "")
+    assert dropped("trainer", "1") and dropped("trainer", "12")
+
+
 def test_dashboard_configmap_carries_the_dashboard_json(chart):
     objects = chart.render(VALUE_SETS["monitoring"])
     config_map = find(objects, "ConfigMap", f"{FULLNAME}-dashboard", "monitoring")
