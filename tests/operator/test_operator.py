@@ -484,8 +484,9 @@ async def test_delete_and_re_apply_under_the_same_name_gets_children_owned_by_th
         "every child owned by the new job",
         timeout=10,
     )
+    # The status write follows the children in the same pass: wait for it rather than race it.
+    await wait_for(lambda: phase(cluster) == "Pending", "the new job Pending")
     assert [s.get("phase") for s in history(cluster)[versions_before:] if s.get("phase") == "Succeeded"] == []
-    assert phase(cluster) == "Pending"
     assert cluster.get("batch/v1/jobs", "demo-trainer").get("status", {}).get("conditions") is None
 
 
