@@ -413,3 +413,15 @@ def test_mismatch_zero_for_identical_and_empty_and_adds_up():
     a = MismatchStats(token_count=2, exp_abs_diff_sum=1.0, max_abs_diff=0.7, kl_sum=0.3)
     b = MismatchStats(token_count=3, exp_abs_diff_sum=0.5, max_abs_diff=0.2, kl_sum=0.1)
     assert a + b == MismatchStats(token_count=5, exp_abs_diff_sum=1.5, max_abs_diff=0.7, kl_sum=pytest.approx(0.4))
+
+
+def test_mismatch_reduces_by_field_name_sums_and_max():
+    # Two ranks' stats as an all-reduce sees them: the SUM and the MAX of the as_tensor()s rebuild the merged
+    # stats with max_abs_diff a max (0.7) and the rest sums, exactly what adding them gives.
+    a = MismatchStats(token_count=2, exp_abs_diff_sum=1.0, max_abs_diff=0.7, kl_sum=0.3)
+    b = MismatchStats(token_count=3, exp_abs_diff_sum=0.5, max_abs_diff=0.2, kl_sum=0.1)
+    stacked = torch.stack([a.as_tensor(), b.as_tensor()])
+    merged = MismatchStats.from_reduced(stacked.sum(0), stacked.amax(0))
+    assert merged == MismatchStats(token_count=5, exp_abs_diff_sum=1.5, max_abs_diff=0.7, kl_sum=pytest.approx(0.4))
+    assert merged == a + b
+    assert MismatchStats.from_reduced(a.as_tensor(), a.as_tensor()) == a

@@ -303,12 +303,19 @@ class MismatchStats:
     """Sum of the k3 estimate of KL(sampler || trainer) per token."""
 
     def __add__(self, other: MismatchStats) -> MismatchStats:
-        return MismatchStats(
-            token_count=self.token_count + other.token_count,
-            exp_abs_diff_sum=self.exp_abs_diff_sum + other.exp_abs_diff_sum,
-            max_abs_diff=max(self.max_abs_diff, other.max_abs_diff),
-            kl_sum=self.kl_sum + other.kl_sum,
-        )
+        mine, theirs = self.as_tensor(), other.as_tensor()
+        return MismatchStats.from_reduced(mine + theirs, torch.maximum(mine, theirs))
+
+    def as_tensor(self) -> Tensor:
+        """The fields in declaration order, for an all-reduce: rebuild with `from_reduced` from its SUM and MAX."""
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_reduced(cls, sums: Tensor | list[float], maxima: Tensor | list[float]) -> MismatchStats:
+        """From the element-wise sum and max of several `as_tensor()`s (micro-batches, ranks): `max_abs_diff` is
+        a max, every other field a sum. Fields are matched by name, so adding a field cannot shift the others."""
+        sums, maxima = torch.as_tensor(sums), torch.as_tensor(maxima)
+        return cls(**{f.name: float((maxima if f.name in _MAX_FIELDS else sums)[i]) for i, f in enumerate(fields(cls))})
 
     @property
     def mean_exp_abs_diff(self) -> float:
@@ -319,6 +326,9 @@ class MismatchStats:
     def mean_kl(self) -> float:
         """k3 estimate of KL(sampler || trainer) per token."""
         return _safe_div(self.kl_sum, self.token_count)
+
+
+_MAX_FIELDS = frozenset({"max_abs_diff"})
 
 
 @torch.no_grad()
