@@ -12,14 +12,13 @@ import httpx
 import pytest
 import torch
 
+from grpolora.testing.servers import TOKEN, ServerProcess, free_port, generate, tiny_cpu_job
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.models import fingerprint, resolve_model
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
 from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store
-from tests.workers.servers import TOKEN, ServerProcess, generate, tiny_cpu_job
-from tests.workers.syncfakes import free_port
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
