@@ -3,6 +3,7 @@ all replicas at once, each request asking for the adapter version the trainer me
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,7 +30,18 @@ class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
-    seed: int | None = None
+
+
+def prompt_seed(run_seed: int, prompt_index: int) -> int:
+    """The sampling seed of the prompt at `prompt_index` in the run's prompt stream (step * promptsPerStep + its
+    place in the step): the same prompt of the same run gets the same seed on any replica, after any resume.
+
+    A hash rather than `run_seed + prompt_index`: vLLM seeds a prompt's n samples with seed, seed + 1, ...,
+    seed + n - 1, so consecutive seeds would make neighbouring prompts (and neighbouring runs) share noise.
+    62 bits leave room for that + n inside vLLM's int64.
+    """
+    digest = hashlib.blake2b(f"{run_seed}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 class RolloutError(RuntimeError):
@@ -43,9 +55,18 @@ class RolloutClient:
         self._pool = ThreadPoolExecutor(max_workers=max(len(self.endpoints), 1), thread_name_prefix="rollout")
 
     def generate(
-        self, prompts: Sequence[list[int]], sampling: Sampling, *, version: int, replicas: Sequence[int]
+        self,
+        prompts: Sequence[list[int]],
+        sampling: Sampling,
+        *,
+        version: int,
+        replicas: Sequence[int],
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices)."""
+        """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices); `seeds`, one
+        per prompt, make each prompt's samples reproducible whichever replica serves it."""
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"need one seed per prompt, got {len(seeds)} seeds for {len(prompts)} prompts")
         if not replicas:
             raise RolloutError("no inference replica is in the sync group")
         shares: dict[int, list[int]] = {r: [] for r in replicas}
@@ -63,7 +84,7 @@ class RolloutClient:
                 "temperature": sampling.temperature,
                 "top_p": sampling.top_p,
                 "max_tokens": sampling.max_tokens,
-                "seed": None if sampling.seed is None else sampling.seed + positions[0],
+                "seed": None if seeds is None else [seeds[p] for p in positions],
                 "adapter_version": version,
             }
             try:
@@ -82,7 +103,13 @@ class RolloutClient:
             alive = [r for r in replicas if not any(p in failed for p in shares[r])]
             if not alive:
                 raise RolloutError(f"every replica failed to generate ({len(failed)} prompts lost)")
-            retry = self.generate([prompts[p] for p in failed], sampling, version=version, replicas=alive)
+            retry = self.generate(
+                [prompts[p] for p in failed],
+                sampling,
+                version=version,
+                replicas=alive,
+                seeds=None if seeds is None else [seeds[p] for p in failed],
+            )
             for position, completions in zip(failed, retry, strict=True):
                 results[position] = completions
         return [r for r in results if r is not None]
