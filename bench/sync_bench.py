@@ -21,7 +21,6 @@ import multiprocessing as mp
 import os
 import signal
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -29,17 +28,14 @@ from pathlib import Path
 import httpx
 import torch
 
-sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: the repo's operator/ must not shadow stdlib
-
 from grpolora.api.load import parse_job
 from grpolora.api.plan import LoopbackNetwork, plan
+from grpolora.testing.jobs import job_doc
+from grpolora.testing.servers import TOKEN, ServerProcess, free_port
 from grpolora.workers.models import fingerprint, resolve_model
 from grpolora.workers.sync.control import HttpMember
 from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store, create_transport
-from tests.helpers import job_doc
-from tests.workers.servers import TOKEN, ServerProcess
-from tests.workers.syncfakes import free_port
 
 MODEL = "offline:smollm2-135m-instruct"
 STOP, RAW, MERGED = 0, 1, 2

@@ -190,3 +190,36 @@ def test_a_parsed_job_is_immutable():
     with pytest.raises(Exception):  # noqa: B017 - pydantic raises its own ValidationError subclass
         job.spec.lora.rank = 3  # type: ignore[misc]
     assert copy.deepcopy(job) == job
+
+
+# Numeric bounds: a value just outside each is refused, naming the field, and the bound itself (or the nearest
+# value inside) is accepted, so that loosening or tightening any bound (`le` turned into `lt`, a dropped `ge=0`)
+# fails here and not only in the shipped-CRD comparison that `make crd` regenerates.
+# (section, field, just outside, just inside, words of the message)
+BOUNDS = [
+    ("grpo", "topP", 1.0001, 1.0, "less than or equal to 1"),
+    ("grpo", "topP", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "klCoef", -1e-9, 0.0, "greater than or equal to 0"),
+    ("grpo", "clipEpsilon", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "seed", -1, 0, "greater than or equal to 0"),
+    ("grpo", "maxGradNorm", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "weightDecay", -1e-9, 0.0, "greater than or equal to 0"),
+    ("grpo", "microBatchSize", 0, 1, "greater than 0"),
+    ("trainer", "gpusPerReplica", -1, 0, "greater than or equal to 0"),
+    ("trainer", "maxRestarts", -1, 0, "greater than or equal to 0"),
+    ("inference", "maxModelLen", 0, 1, "greater than 0"),
+    ("inference", "gpuMemoryUtilization", 1.0001, 1.0, "less than or equal to 1"),
+    ("inference", "gpuMemoryUtilization", 0.0, 1e-6, "greater than 0"),
+    ("inference", "kvCacheGiB", 0, 1, "greater than 0"),
+    ("sync", "bucketMiB", 0, 1, "greater than 0"),
+    ("checkpoint", "keep", 0, 1, "greater than 0"),
+]
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "outside", "inside", "words"), BOUNDS, ids=[f"{s}.{f}={o}" for s, f, o, _, _ in BOUNDS]
+)
+def test_each_numeric_bound_refuses_a_value_just_outside_it(section, field, outside, inside, words):
+    problems = problems_of(job_doc(**{section: {field: outside}}))
+    assert any(p.startswith(f"spec.{section}.{field}:") and words in p for p in problems), problems
+    parse_job(job_doc(**{section: {field: inside}}))

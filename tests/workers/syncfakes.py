@@ -4,11 +4,11 @@ under test are the real ones."""
 
 from __future__ import annotations
 
-import socket
 import threading
 
 import torch
 
+from grpolora.testing.servers import free_port  # noqa: F401  (re-exported: the port helper the sync tests use)
 from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
 from grpolora.workers.sync.receiver import AdapterReceiver
 
@@ -50,9 +50,3 @@ class LocalMember:
     def prepare(self, request: PrepareRequest) -> None:
         self._check()
         self.receiver.prepare(request)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

@@ -14,6 +14,7 @@ from grpolora.workers.trainer.grpo import (
     grpo_loss,
     k3_kl,
     logprob_mismatch,
+    nucleus_mask,
     token_logprobs,
 )
 
@@ -125,6 +126,75 @@ def test_token_logprobs_bf16_computes_in_float32_without_keeping_a_float32_copy(
     torch.testing.assert_close(ours, reference)
     ours.sum().backward()
     assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+
+
+def test_top_p_logprobs_hand_computed():
+    # probs [0.1, 0.2, 0.3, 0.4]; ascending cumulative mass [0.1, 0.3, 0.6, 1.0]; a token is dropped when that
+    # mass is <= 1 - top_p, the most likely one never.
+    #   top_p 0.65 (drop <= 0.35): tokens 0, 1 dropped; token 2, where the nucleus reaches 0.65, kept → {2, 3},
+    #     mass 0.7: token 3 → ln(0.4 / 0.7) = -0.5596158, token 2 → ln(0.3 / 0.7) = -0.8472979.
+    #   top_p 0.75 (drop <= 0.25): only token 0 dropped → {1, 2, 3}, mass 0.9: token 1 → ln(0.2 / 0.9) = -1.5040774.
+    #   top_p 0.3 (drop <= 0.7): only the most likely token is left → token 3 → ln 1 = 0.
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).expand(1, 2, 4)
+    assert nucleus_mask(logits[0, 0], 0.65).tolist() == [False, False, True, True]
+    assert nucleus_mask(logits[0, 0], 0.75).tolist() == [False, True, True, True]
+    assert nucleus_mask(logits[0, 0], 0.3).tolist() == [False, False, False, True]
+    close(token_logprobs(logits, torch.tensor([[3, 2]]), top_p=0.65), [[-0.5596158, -0.8472979]])
+    close(token_logprobs(logits, torch.tensor([[1, 3]]), top_p=0.75), [[-1.5040774, math.log(0.4 / 0.9)]])
+    close(token_logprobs(logits, torch.tensor([[3, 3]]), top_p=0.3), [[0.0, 0.0]])
+    # A target outside the nucleus (trainer and sampler logits differ by rounding) counts as kept, so its logprob
+    # is finite: top_p 0.65, token 0 → ln(0.1 / (0.1 + 0.7)) = ln(1/8) = -2.0794415.
+    close(token_logprobs(logits, torch.tensor([[0, 3]]), top_p=0.65), [[-2.0794415, -0.5596158]])
+    # Temperature first, then the nucleus: logits ln[0.1, 0.2, 0.3, 0.4] / 0.5 → probs ∝ [1, 4, 9, 16] / 30;
+    # cumulative [1, 5, 14, 30] / 30, top_p 0.65 (drop <= 10.5 / 30) → {2, 3}: token 3 → ln(16 / 25) = -0.4462871.
+    close(token_logprobs(logits, torch.tensor([[3, 3]]), temperature=0.5, top_p=0.65), [[-0.4462871, -0.4462871]])
+
+
+def test_top_p_splits_a_tie_at_the_boundary_and_keeps_the_top_token():
+    # probs [1/4, 1/4, 1/2]: top_p 0.6 (drop <= 0.4) keeps the top token and exactly one of the tied pair (the
+    # one sorted after the other), as vLLM does; the kept mass is 3/4, so the top token has ln(2/3).
+    logits = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
+    mask = nucleus_mask(logits[0, 0], 0.6)
+    assert mask[2] and int(mask[:2].sum()) == 1
+    close(token_logprobs(logits, torch.tensor([[2]]), top_p=0.6), [[math.log(2 / 3)]])
+    assert nucleus_mask(torch.tensor([[5.0, 5.0, 5.0]]), 1e-6).sum() == 1  # a tiny top_p still keeps one token
+    with pytest.raises(ValueError, match="top_p"):
+        token_logprobs(logits, torch.tensor([[2]]), top_p=0.0)
+
+
+def test_nucleus_is_vllms_for_the_installed_version():
+    """Against vLLM's own top-p (the PyTorch path its CPU sampler takes) on random, tied and peaked logits."""
+    topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    g = torch.Generator().manual_seed(3)
+    rows = [torch.randn(64, 50, generator=g) * scale for scale in (0.5, 2.0, 8.0)]
+    rows.append(torch.randint(0, 4, (64, 50), generator=g).float())  # many ties
+    for logits in rows:
+        for top_p in (0.1, 0.5, 0.9, 0.95, 0.999):
+            p = torch.full((logits.shape[0],), top_p, dtype=torch.float32)
+            theirs = topk_topp.apply_top_k_top_p_pytorch(logits.clone(), None, p, allow_cpu_sync=True)
+            assert torch.equal(nucleus_mask(logits, top_p), theirs > float("-inf")), top_p
+
+
+@pytest.mark.parametrize("chunk_size", [1, 1024])
+def test_top_p_logprobs_values_and_grads_match_the_truncated_softmax(chunk_size):
+    torch.manual_seed(4)
+    full = torch.randn(2, 6, 13, requires_grad=True)
+    logits = full[:, :-1]
+    scaled = logits.detach() / 0.7
+    tokens = torch.distributions.Categorical(logits=scaled).sample()  # mostly inside the nucleus, some outside
+    weights = torch.randn(2, 5)
+    ours = token_logprobs(logits, tokens, temperature=0.7, top_p=0.8, chunk_size=chunk_size)
+    (grad_ours,) = torch.autograd.grad((ours * weights).sum(), full)
+    keep = nucleus_mask(scaled, 0.8).scatter(-1, tokens[..., None], True)
+    truncated = (logits / 0.7).masked_fill(~keep, float("-inf"))
+    reference = torch.log_softmax(truncated, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
+    (grad_ref,) = torch.autograd.grad((reference * weights).sum(), full)
+    torch.testing.assert_close(ours, reference)
+    torch.testing.assert_close(grad_ours, grad_ref)
+    assert torch.autograd.gradcheck(
+        lambda x: token_logprobs(x, tokens, temperature=0.7, top_p=0.8, chunk_size=2),
+        (logits.detach().double().requires_grad_(),),
+    )
 
 
 # --- k3 KL ----------------------------------------------------------------------------------------------------------
@@ -343,3 +413,15 @@ def test_mismatch_zero_for_identical_and_empty_and_adds_up():
     a = MismatchStats(token_count=2, exp_abs_diff_sum=1.0, max_abs_diff=0.7, kl_sum=0.3)
     b = MismatchStats(token_count=3, exp_abs_diff_sum=0.5, max_abs_diff=0.2, kl_sum=0.1)
     assert a + b == MismatchStats(token_count=5, exp_abs_diff_sum=1.5, max_abs_diff=0.7, kl_sum=pytest.approx(0.4))
+
+
+def test_mismatch_reduces_by_field_name_sums_and_max():
+    # Two ranks' stats as an all-reduce sees them: the SUM and the MAX of the as_tensor()s rebuild the merged
+    # stats with max_abs_diff a max (0.7) and the rest sums, exactly what adding them gives.
+    a = MismatchStats(token_count=2, exp_abs_diff_sum=1.0, max_abs_diff=0.7, kl_sum=0.3)
+    b = MismatchStats(token_count=3, exp_abs_diff_sum=0.5, max_abs_diff=0.2, kl_sum=0.1)
+    stacked = torch.stack([a.as_tensor(), b.as_tensor()])
+    merged = MismatchStats.from_reduced(stacked.sum(0), stacked.amax(0))
+    assert merged == MismatchStats(token_count=5, exp_abs_diff_sum=1.5, max_abs_diff=0.7, kl_sum=pytest.approx(0.4))
+    assert merged == a + b
+    assert MismatchStats.from_reduced(a.as_tensor(), a.as_tensor()) == a

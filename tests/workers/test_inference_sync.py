@@ -12,14 +12,16 @@ import httpx
 import pytest
 import torch
 
+from grpolora.testing.servers import TOKEN, ServerProcess, free_port, generate, tiny_cpu_job
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.models import fingerprint, resolve_model
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
 from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store
-from tests.workers.servers import TOKEN, ServerProcess, generate, tiny_cpu_job
-from tests.workers.syncfakes import free_port
+from grpolora.workers.trainer.grpo import token_logprobs
+from grpolora.workers.trainer.policy import Policy, build_batch
+from grpolora.workers.trainer.rollout import RolloutClient, Sampling, prompt_seed
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
@@ -181,6 +183,58 @@ def test_requests_racing_a_swap_complete_each_on_one_version(servers, sender, po
             expected = hf_logprobs(policy, prompt, sample["token_ids"])
             assert (expected - torch.tensor(sample["logprobs"])).abs().max().item() <= 1e-3
     policy.load_state_dict(new_state, strict=False)
+
+
+def test_trainer_logprobs_match_vllms_at_temperature_and_top_p(job, servers, sender, model_dir):
+    """With topP < 1 vLLM samples from, and reports logprobs of, the nucleus renormalised: the trainer's
+    Policy.logprobs must describe that same distribution, or every importance ratio is biased."""
+    spec = job.job.spec
+    spec = spec.model_copy(update={"grpo": spec.grpo.model_copy(update={"temperature": 0.7, "top_p": 0.9})})
+    trainer = Policy(model_dir, spec, device=torch.device("cpu"))
+    randomize_adapter(trainer.model, seed=5)
+    report = sender.send(lora_tensors(trainer.model), lora_config(trainer.model))
+    prompt = tokens(model_dir)
+    body = {"prompt_token_ids": [prompt], "n": 8, "temperature": 0.7, "top_p": 0.9, "max_tokens": 24, "seed": 11}
+    response = generate(servers[0].url, body | {"adapter_version": report.version})
+    assert response.status_code == 200, response.text
+    samples = response.json()["results"][0]["samples"]
+    batch = build_batch(
+        [(prompt, s["token_ids"], s["logprobs"]) for s in samples], [0.0] * len(samples), trainer.tokenizer.pad_token_id
+    )
+    keep = batch.completion_mask.bool()
+    with torch.no_grad():
+        ours = trainer.logprobs(batch)[keep]
+        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        full_softmax = token_logprobs(logits, batch.input_ids[:, 1:], temperature=0.7)[keep]
+    vllm = batch.behaviour_logprobs[keep]
+    delta = (ours - vllm).abs().max().item()
+    log.warning("top-p parity: %d tokens, max |dlogprob| = %.2e", int(keep.sum()), delta)
+    assert delta <= 1e-3
+    # The nucleus really truncated something: over the full softmax the trainer's logprobs would be lower by
+    # -ln(mass kept), far beyond the parity above, at the tokens whose nucleus left out a real share of the mass.
+    bias = vllm - full_softmax
+    log.warning("top-p: the full softmax would be off by up to %.2e", bias.max().item())
+    assert bias.min().item() > -1e-3 and bias.max().item() > 0.05
+
+
+def test_seeded_rollouts_repeat_token_for_token(job, servers, sender, model_dir):
+    """The trainer's per-prompt seeds (from grpo.seed and the prompt's place in the stream) make a rollout
+    repeatable: the same request twice gives the same tokens; the same prompt at another place gets others."""
+    client = RolloutClient(job.inference_endpoints, TOKEN, timeout_seconds=120)
+    prompt = tokens(model_dir)
+    sampling = Sampling(n=3, temperature=1.0, top_p=0.95, max_tokens=16)
+    seeds = [prompt_seed(7, 0), prompt_seed(7, 1)]
+    try:
+        runs = [
+            client.generate([prompt, prompt], sampling, version=sender.version, replicas=[0], seeds=seeds)
+            for _ in range(2)
+        ]
+    finally:
+        client.close()
+    first, again = ([[c.token_ids for c in group] for group in run] for run in runs)
+    assert first == again
+    assert first[0] != first[1]
+    assert len({tuple(t) for t in first[0]}) > 1  # the n samples of one prompt differ too (seed, seed + 1, ...)
 
 
 def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers, sender, policy, monkeypatch):

@@ -53,7 +53,7 @@ class GenerateRequest(BaseModel):
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
-    seed: int | None = None
+    seed: int | list[int] | None = None  # one for every prompt, or one per prompt
     stop_token_ids: list[int] = Field(default_factory=list)
     adapter_version: int | None = Field(default=None, ge=0)  # None: the live one; N: wait until N is live
 
@@ -61,7 +61,13 @@ class GenerateRequest(BaseModel):
     def _one_kind_of_prompt(self) -> GenerateRequest:
         if (self.prompt_token_ids is None) == (self.prompts is None):
             raise ValueError("give exactly one of prompt_token_ids or prompts")
+        count = len(self.prompt_token_ids or self.prompts or [])
+        if isinstance(self.seed, list) and len(self.seed) != count:
+            raise ValueError(f"seed: a list needs one seed per prompt ({count}), got {len(self.seed)}")
         return self
+
+    def seed_of(self, prompt: int) -> int | None:
+        return self.seed[prompt] if isinstance(self.seed, list) else self.seed
 
 
 class SampleOut(BaseModel):
@@ -164,18 +170,23 @@ def create_app(
     async def generate(request: GenerateRequest) -> GenerateResponse:
         receiver()  # 503 while starting
         started = time.perf_counter()
-        sampling = SamplingRequest(
-            n=request.n,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            max_tokens=request.max_tokens,
-            seed=request.seed,
-            stop_token_ids=request.stop_token_ids,
-        )
         prompts = request.prompt_token_ids or [await engine.encode(text) for text in request.prompts or []]
+        samplings = [
+            SamplingRequest(
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=request.max_tokens,
+                seed=request.seed_of(index),
+                stop_token_ids=request.stop_token_ids,
+            )
+            for index in range(len(prompts))
+        ]
         try:
             async with engine.lease(request.adapter_version, version_wait_seconds) as version:
-                outputs = await asyncio.gather(*(engine.generate(p, sampling, version) for p in prompts))
+                outputs = await asyncio.gather(
+                    *(engine.generate(p, s, version) for p, s in zip(prompts, samplings, strict=True))
+                )
         except VersionUnavailable as exc:
             metrics.REQUESTS.labels(status="version_unavailable").inc()
             raise HTTPException(status_code=409, detail=str(exc)) from None

@@ -1,9 +1,12 @@
 """Trainer checkpoints: the adapter (standard peft folder, loadable anywhere), the optimizer, step, sync round,
-epoch, RNG state and the prompt stream's position, every `checkpoint.everySteps` and at the end.
+epoch, RNG state (CPU, Python, and CUDA where present) and the prompt stream's position, every
+`checkpoint.everySteps` and at the end.
 
 A checkpoint is a folder `step-<N>` written under a temporary name and renamed when complete, so a trainer killed
 mid-write resumes from the previous one. Only trainer rank 0 writes; with several ranks the full optimizer state
-is gathered first (a collective all ranks join) and scattered back on resume.
+is gathered first (a collective all ranks join) and scattered back on resume. The state file is read with
+`torch.load(weights_only=True)` (tensors and plain data only, no arbitrary pickled code), and a restore is strict:
+the checkpoint's adapter tensors must be exactly the model's, by name, or it fails naming the difference.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class Progress:
     sync_round: int = 0
     epoch: int = 0
     prompts_consumed: int = 0
+    """Prompts of the stream trained on (not merely drawn: a pipelined step draws the next step's early)."""
 
 
 def latest(root: Path) -> Path | None:
@@ -64,7 +68,7 @@ def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, p
         {
             "progress": asdict(progress),
             "optimizer": optim_state,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rng": _rng_state(),
         },
         staging / STATE_FILE,
     )
@@ -79,7 +83,9 @@ def save(root: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer, p
 def restore(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Progress:
     """Load a checkpoint into an already built policy and optimizer (every rank calls this)."""
     tensors, _ = load_adapter(folder / ADAPTER_DIR)
-    state = torch.load(folder / STATE_FILE, weights_only=False)
+    state = torch.load(folder / STATE_FILE, weights_only=True)
+    tensors = _with_adapter_names(tensors)
+    _check_names(folder, model, tensors)
     if _sharded(model):
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -87,16 +93,18 @@ def restore(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
             set_optimizer_state_dict,
         )
 
+        # strict=False only because the base weights are (rightly) not in the checkpoint; _check_names has made
+        # sure that every adapter tensor is there and lands on a parameter.
         options = StateDictOptions(full_state_dict=True, strict=False)
-        set_model_state_dict(model, _with_adapter_names(model, tensors), options=options)
+        set_model_state_dict(model, tensors, options=options)
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=options)
     else:
-        missing = _load_adapter_tensors(model, tensors)
-        if missing:
-            raise ValueError(f"checkpoint {folder} lacks adapter tensors {missing[:3]}... for this model/LoRA config")
+        with torch.no_grad():
+            parameters = dict(model.named_parameters())
+            for name, tensor in tensors.items():
+                parameters[name].copy_(tensor)
         optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
+    _set_rng_state(state["rng"])
     progress = Progress(**state["progress"])
     log.info("resumed from %s at step %d (sync round %d)", folder, progress.step, progress.sync_round)
     return progress
@@ -110,7 +118,7 @@ def _full_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimiz
     return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def _with_adapter_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _with_adapter_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """peft saves `...lora_A.weight`; the live module names them `...lora_A.default.weight`."""
     return {
         name.replace(".lora_A.weight", ".lora_A.default.weight").replace(".lora_B.weight", ".lora_B.default.weight"): t
@@ -118,8 +126,33 @@ def _with_adapter_names(model: torch.nn.Module, tensors: dict[str, torch.Tensor]
     }
 
 
-def _load_adapter_tensors(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> list[str]:
-    from peft import set_peft_model_state_dict
+def _check_names(folder: Path, model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """The checkpoint's adapter tensors are exactly the model's trainable LoRA parameters, with their shapes: a
+    checkpoint of another model or LoRA config must fail here, not load partly or not at all."""
+    live = {name: p.shape for name, p in model.named_parameters() if p.requires_grad}
+    missing = sorted(live.keys() - tensors.keys())
+    unexpected = sorted(tensors.keys() - live.keys())
+    reshaped = sorted(n for n in live.keys() & tensors.keys() if tuple(tensors[n].shape) != tuple(live[n]))
+    if missing or unexpected or reshaped:
+        raise ValueError(
+            f"checkpoint {folder} does not fit this model's LoRA adapter (spec.model, spec.lora): "
+            f"{len(missing)} tensors missing {missing[:2]}, {len(unexpected)} unexpected {unexpected[:2]}, "
+            f"{len(reshaped)} of another shape {reshaped[:2]}"
+        )
 
-    result = set_peft_model_state_dict(model, tensors)
-    return [k for k in result.missing_keys if "lora_" in k]
+
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state:
+        if torch.cuda.is_available() and torch.cuda.device_count() == len(state["cuda"]):
+            torch.cuda.set_rng_state_all(state["cuda"])
+        else:
+            log.warning("checkpoint: CUDA RNG state of %d devices not restored on this machine", len(state["cuda"]))

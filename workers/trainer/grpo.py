@@ -54,19 +54,47 @@ def group_advantages(rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6
     return torch.where(flat, torch.zeros_like(advantages), advantages)
 
 
-def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, chunk_size: int = 1024) -> Tensor:
-    """log softmax(logits / temperature)[b, t, tokens[b, t]], computed in (at least) float32.
+def nucleus_mask(logits: Tensor, top_p: float) -> Tensor:
+    """Which tokens survive top-p (nucleus) truncation of softmax(`logits`), by vLLM's rule, op for op.
+
+    `logits[..., V]` are the temperature-scaled logits the sampler truncates. This is the CPU/PyTorch path of the
+    installed vLLM (`apply_top_k_top_p_pytorch` in vllm/v1/sample/ops/topk_topp_sampler.py): sort ascending,
+    cumulate the softmax from the least likely token up, drop every token whose cumulative probability (its own
+    plus all less likely ones) is <= 1 - top_p, and always keep the most likely one. So the token at which the
+    nucleus reaches top_p is kept, and the kept set's mass is >= top_p. Tied logits are ordered by the same
+    `sort` call, so a tie straddling the boundary is split the way vLLM splits it on the same logits. `1 - top_p`
+    is taken in float32 as vLLM does (its per-request top_p is a float32 tensor), which matters at the boundary.
+    Returns a bool mask shaped like `logits` (True: kept).
+    """
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= 1 - torch.tensor(top_p, dtype=torch.float32)
+    drop[..., -1] = False
+    return torch.empty_like(drop).scatter_(-1, order, ~drop)
+
+
+def token_logprobs(
+    logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, top_p: float = 1.0, chunk_size: int = 1024
+) -> Tensor:
+    """log softmax(logits / temperature)[b, t, tokens[b, t]], over the top-p nucleus when top_p < 1; computed in
+    (at least) float32.
 
     `logits[B, T, V]` must already be aligned with `tokens[B, T]` (the logits at position t predict token t, i.e.
-    the model output shifted by one). `temperature` must equal the sampler's when the sampler's logprobs are of
-    the temperature-scaled distribution (so that the importance ratio compares like with like).
+    the model output shifted by one). `temperature` and `top_p` must equal the sampler's: vLLM's
+    `processed_logprobs` are those of the distribution it samples from, softmax(logits / temperature) truncated to
+    the nucleus (`nucleus_mask`) and renormalised over it, and the importance ratio must compare like with like.
+    The token itself always counts as kept: vLLM only samples inside its nucleus, so this changes nothing unless
+    the trainer's slightly different logits put the sampled token just outside the trainer's nucleus, where it
+    gives a finite logprob (and gradient) instead of -inf.
 
     Memory: `log_softmax(logits.float())` would materialise a float32 [B, T, V] copy and autograd would keep
     another one for the backward pass (GiBs for a 150k vocabulary). This computes logsumexp over chunks of at
-    most `chunk_size` positions of one sequence, and the backward pass recomputes softmax chunk by chunk from the
-    saved logits, so the float32 working set is one [chunk_size, V] slice. Returns [B, T] float32 (float64 for
-    float64 logits). Padding positions need a valid token id too (e.g. the pad token, not -100); the loss's mask
-    ignores their values.
+    most `chunk_size` positions of one sequence, and the backward pass recomputes softmax (and the nucleus) chunk
+    by chunk from the saved logits, so the float32 working set is one [chunk_size, V] slice (with top_p < 1, also
+    the sort's int64 indices of that slice). Returns [B, T] float32 (float64 for float64 logits). Padding
+    positions need a valid token id too (e.g. the pad token, not -100); the loss's mask ignores their values.
     """
     if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
         raise ValueError(
@@ -74,9 +102,11 @@ def token_logprobs(logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, 
         )
     if temperature <= 0:
         raise ValueError(f"temperature must be positive, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedTokenLogprobs.apply(logits, tokens, temperature, chunk_size)
+    return _ChunkedTokenLogprobs.apply(logits, tokens, temperature, top_p, chunk_size)
 
 
 def _chunks(batch: int, length: int, chunk_size: int):
@@ -87,32 +117,43 @@ def _chunks(batch: int, length: int, chunk_size: int):
             yield b, slice(start, min(start + chunk_size, length))
 
 
+def _scaled(logits: Tensor, tokens: Tensor, dtype: torch.dtype, temperature: float, top_p: float) -> Tensor:
+    """logits / temperature in `dtype`, with the tokens outside the nucleus (but never `tokens`) at -inf."""
+    x = logits.to(dtype) / temperature
+    if top_p < 1:
+        keep = nucleus_mask(x, top_p).scatter_(-1, tokens[..., None], True)
+        x = x.masked_fill(~keep, float("-inf"))
+    return x
+
+
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, chunk_size: int) -> Tensor:
+    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, top_p: float, chunk_size: int) -> Tensor:
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         batch, length, _ = logits.shape
         out = torch.empty(batch, length, dtype=compute_dtype, device=logits.device)
         lse = torch.empty_like(out)
         for b, s in _chunks(batch, length, chunk_size):
-            x = logits[b, s].to(compute_dtype) / temperature
+            x = _scaled(logits[b, s], tokens[b, s], compute_dtype, temperature, top_p)
             lse[b, s] = torch.logsumexp(x, dim=-1)
             out[b, s] = x.gather(-1, tokens[b, s, None]).squeeze(-1) - lse[b, s]
         ctx.save_for_backward(logits, tokens, lse)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.top_p, ctx.chunk_size = temperature, top_p, chunk_size
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         logits, tokens, lse = ctx.saved_tensors
-        # d logp_t / d logits_v = (onehot(t)_v - softmax(logits / temperature)_v) / temperature
+        # d logp_t / d logits_v = (onehot(t)_v - p_v) / temperature, p the (truncated) sampling distribution:
+        # tokens outside the nucleus have p_v = 0 (the nucleus is piecewise constant in the logits).
         grad = torch.empty_like(logits)
         for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
             g_out = grad_out[b, s, None]
-            probs = torch.exp(logits[b, s].to(lse.dtype) / ctx.temperature - lse[b, s, None])
+            x = _scaled(logits[b, s], tokens[b, s], lse.dtype, ctx.temperature, ctx.top_p)
+            probs = torch.exp(x - lse[b, s, None])
             g = (-probs * g_out).scatter_add_(-1, tokens[b, s, None], g_out)
             grad[b, s] = (g / ctx.temperature).to(logits.dtype)
-        return grad, None, None, None
+        return grad, None, None, None, None
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
@@ -262,12 +303,19 @@ class MismatchStats:
     """Sum of the k3 estimate of KL(sampler || trainer) per token."""
 
     def __add__(self, other: MismatchStats) -> MismatchStats:
-        return MismatchStats(
-            token_count=self.token_count + other.token_count,
-            exp_abs_diff_sum=self.exp_abs_diff_sum + other.exp_abs_diff_sum,
-            max_abs_diff=max(self.max_abs_diff, other.max_abs_diff),
-            kl_sum=self.kl_sum + other.kl_sum,
-        )
+        mine, theirs = self.as_tensor(), other.as_tensor()
+        return MismatchStats.from_reduced(mine + theirs, torch.maximum(mine, theirs))
+
+    def as_tensor(self) -> Tensor:
+        """The fields in declaration order, for an all-reduce: rebuild with `from_reduced` from its SUM and MAX."""
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_reduced(cls, sums: Tensor | list[float], maxima: Tensor | list[float]) -> MismatchStats:
+        """From the element-wise sum and max of several `as_tensor()`s (micro-batches, ranks): `max_abs_diff` is
+        a max, every other field a sum. Fields are matched by name, so adding a field cannot shift the others."""
+        sums, maxima = torch.as_tensor(sums), torch.as_tensor(maxima)
+        return cls(**{f.name: float((maxima if f.name in _MAX_FIELDS else sums)[i]) for i, f in enumerate(fields(cls))})
 
     @property
     def mean_exp_abs_diff(self) -> float:
@@ -278,6 +326,9 @@ class MismatchStats:
     def mean_kl(self) -> float:
         """k3 estimate of KL(sampler || trainer) per token."""
         return _safe_div(self.kl_sum, self.token_count)
+
+
+_MAX_FIELDS = frozenset({"max_abs_diff"})
 
 
 @torch.no_grad()

@@ -114,6 +114,7 @@ class Policy:
         self.spec = spec
         self.device = device
         self.temperature = spec.grpo.temperature
+        self.top_p = spec.grpo.top_p
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
@@ -158,17 +159,19 @@ class Policy:
             yield
 
     def logprobs(self, batch: Batch) -> torch.Tensor:
-        """Per-token logprobs [B, T-1] at the sampling temperature, float32 (the same distribution vLLM samples);
-        exact at completion positions, zero elsewhere when only those are computed."""
+        """Per-token logprobs [B, T-1] at the sampling temperature and top-p, float32 (the same distribution vLLM
+        samples); exact at completion positions, zero elsewhere when only those are computed."""
         if not self._selective_head:
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            return token_logprobs(logits[:, :-1], batch.input_ids[:, 1:], temperature=self.temperature)
+            return token_logprobs(
+                logits[:, :-1], batch.input_ids[:, 1:], temperature=self.temperature, top_p=self.top_p
+            )
         causal_lm = self.model.get_base_model()
         hidden = causal_lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         keep = batch.completion_mask.bool()
         logits = causal_lm.lm_head(hidden[:, :-1][keep])  # [completion tokens, V]
         targets = batch.input_ids[:, 1:][keep]
-        selected = token_logprobs(logits[None], targets[None], temperature=self.temperature)[0]
+        selected = token_logprobs(logits[None], targets[None], temperature=self.temperature, top_p=self.top_p)[0]
         return torch.zeros(keep.shape, dtype=selected.dtype, device=selected.device).masked_scatter(keep, selected)
 
     def _selective_head_matches(self) -> bool:
@@ -185,7 +188,10 @@ class Policy:
         )
         with torch.no_grad():
             full = token_logprobs(
-                self.model(input_ids=probe).logits[:, :-1], probe[:, 1:], temperature=self.temperature
+                self.model(input_ids=probe).logits[:, :-1],
+                probe[:, 1:],
+                temperature=self.temperature,
+                top_p=self.top_p,
             )
             try:
                 self._selective_head = True

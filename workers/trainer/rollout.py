@@ -3,6 +3,7 @@ all replicas at once, each request asking for the adapter version the trainer me
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +31,18 @@ class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
-    seed: int | None = None
+
+
+def prompt_seed(run_seed: int, prompt_index: int) -> int:
+    """The sampling seed of the prompt at `prompt_index` in the run's prompt stream (step * promptsPerStep + its
+    place in the step): the same prompt of the same run gets the same seed on any replica, after any resume.
+
+    A hash rather than `run_seed + prompt_index`: vLLM seeds a prompt's n samples with seed, seed + 1, ...,
+    seed + n - 1, so consecutive seeds would make neighbouring prompts (and neighbouring runs) share noise.
+    62 bits leave room for that + n inside vLLM's int64.
+    """
+    digest = hashlib.blake2b(f"{run_seed}:{prompt_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") >> 2
 
 
 class RolloutError(RuntimeError):
@@ -55,9 +67,16 @@ class RolloutClient:
         self._pool = ThreadPoolExecutor(max_workers=max(len(self.endpoints), 1), thread_name_prefix="rollout")
 
     def generate(
-        self, prompts: Sequence[list[int]], sampling: Sampling, *, version: int, replicas: Sequence[int]
+        self,
+        prompts: Sequence[list[int]],
+        sampling: Sampling,
+        *,
+        version: int,
+        replicas: Sequence[int],
+        seeds: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices).
+        """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices); `seeds`, one
+        per prompt, make each prompt's samples reproducible whichever replica serves it.
 
         A replica that has moved past `version` (a pipelined step's retry after the next version went live) serves
         its live version instead: each Completion says which version generated it, so the step is accounted as
@@ -65,6 +84,8 @@ class RolloutClient:
         reaching `version`) has its share served by the others. A request the replica refuses (400/422) is an
         error in the request: it is raised, since every replica would refuse it.
         """
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"need one seed per prompt, got {len(seeds)} seeds for {len(prompts)} prompts")
         if not replicas:
             raise RolloutError(f"no inference replica in the sync group serves adapter version {version}")
         shares: dict[int, list[int]] = {r: [] for r in replicas}
@@ -76,12 +97,14 @@ class RolloutClient:
         def request(replica: int, positions: list[int]) -> None:
             if not positions:
                 return
+            share = [prompts[p] for p in positions]
+            share_seeds = None if seeds is None else [seeds[p] for p in positions]
             try:
                 try:
-                    answer = self._post(replica, [prompts[p] for p in positions], sampling, version, positions[0])
+                    answer = self._post(replica, share, sampling, version, share_seeds)
                 except _VersionGone as gone:
                     log.info("rollout: replica %d serves version %d, no longer %d", replica, gone.live, version)
-                    answer = self._post(replica, [prompts[p] for p in positions], sampling, None, positions[0])
+                    answer = self._post(replica, share, sampling, None, share_seeds)
             except httpx.HTTPError as exc:  # unreachable, 5xx, or behind and never reaching `version` (409)
                 log.warning("rollout: replica %d failed: %s", replica, exc)
                 failed[replica] = str(exc)
@@ -98,13 +121,19 @@ class RolloutClient:
             if not alive:
                 reasons = "; ".join(f"replica {r}: {why}" for r, why in sorted(failed.items()))
                 raise RolloutError(f"every replica failed to generate ({len(lost)} prompts lost): {reasons}")
-            retry = self.generate([prompts[p] for p in lost], sampling, version=version, replicas=alive)
+            retry = self.generate(
+                [prompts[p] for p in lost],
+                sampling,
+                version=version,
+                replicas=alive,
+                seeds=None if seeds is None else [seeds[p] for p in lost],
+            )
             for position, completions in zip(lost, retry, strict=True):
                 results[position] = completions
         return [r for r in results if r is not None]
 
     def _post(
-        self, replica: int, prompts: list[list[int]], sampling: Sampling, version: int | None, first: int
+        self, replica: int, prompts: list[list[int]], sampling: Sampling, version: int | None, seeds: list[int] | None
     ) -> dict:
         body = {
             "prompt_token_ids": prompts,
@@ -112,7 +141,7 @@ class RolloutClient:
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
-            "seed": None if sampling.seed is None else sampling.seed + first,
+            "seed": seeds,
             "adapter_version": version,
         }
         response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)

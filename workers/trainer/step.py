@@ -95,11 +95,11 @@ def train_step(
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), grpo.max_grad_norm)
     optimizer.step()
     totals = LossStats(*_all_reduce(loss_stats.as_tensor().tolist(), world_size, policy.device))
-    mismatch_sums = _all_reduce(
-        [mismatch.token_count, mismatch.exp_abs_diff_sum, mismatch.kl_sum], world_size, policy.device
+    mismatch_values = mismatch.as_tensor().tolist()
+    merged = MismatchStats.from_reduced(
+        _all_reduce(mismatch_values, world_size, policy.device),
+        _all_reduce(mismatch_values, world_size, policy.device, op="max"),
     )
-    (mismatch_max,) = _all_reduce([mismatch.max_abs_diff], world_size, policy.device, op="max")
-    merged = MismatchStats(mismatch_sums[0], mismatch_sums[1], mismatch_max, mismatch_sums[2])
     return StepStats(
         loss=_safe(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
         kl=totals.mean_kl,

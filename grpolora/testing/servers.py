@@ -1,11 +1,12 @@
 """Inference servers as real processes (`grpolora worker inference`), configured by the same plan and env
-contract as in a cluster, on the loopback network."""
+contract as in a cluster, on the loopback network: for the tests and the benchmarks (bench/)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,10 +16,15 @@ import httpx
 
 from grpolora.api.load import parse_job
 from grpolora.api.plan import JobPlan, LoopbackNetwork, plan
-from tests.helpers import job_doc
-from tests.workers.syncfakes import free_port
+from grpolora.testing.jobs import job_doc
 
 TOKEN = "test-token"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def tiny_cpu_job(**overrides) -> JobPlan:

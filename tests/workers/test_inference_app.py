@@ -1,0 +1,113 @@
+"""The inference server's HTTP app around an in-process engine stand-in (no vLLM): the bearer-token guard on
+every data and control endpoint, and how a request's sampling settings reach the engine. The same app with a
+real vLLM engine is tested in test_inference_sync.py (marked vllm); this keeps the guard in the fast run."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from grpolora.workers.inference.engine import Sample, SamplingRequest
+from grpolora.workers.inference.server import create_app
+from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
+from grpolora.workers.sync.receiver import AdapterReceiver
+
+TOKEN = "s3cret"
+
+
+class EchoEngine:
+    """Answers each prompt with its own token ids and records the sampling settings it was given."""
+
+    def __init__(self) -> None:
+        self.live_version = 0
+        self.live_since = time.time()
+        self.requests: list[tuple[list[int], SamplingRequest]] = []
+
+    async def start(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+    def loaded_versions(self) -> list[int]:
+        return []
+
+    def activate(self, version: int, tensors: dict, adapter_config: dict) -> None:
+        self.live_version = version
+
+    @contextlib.asynccontextmanager
+    async def lease(self, version: int | None, wait_seconds: float):
+        yield self.live_version if version is None else version
+
+    async def generate(self, prompt: list[int], request: SamplingRequest, version: int) -> list[Sample]:
+        self.requests.append((prompt, request))
+        return [Sample(list(prompt), [0.0] * len(prompt), "", "stop") for _ in range(request.n)]
+
+    async def encode(self, text: str) -> list[int]:
+        return [ord(c) for c in text]
+
+
+@pytest.fixture
+def served():
+    engine = EchoEngine()
+    receivers: list[AdapterReceiver] = []
+
+    def receiver_factory(sink) -> AdapterReceiver:
+        receivers.append(AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64))
+        return receivers[-1]
+
+    app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
+    with TestClient(app) as client:
+        deadline = time.monotonic() + 10
+        while client.get("/health").status_code != 200:
+            assert time.monotonic() < deadline, "the app never became healthy"
+            time.sleep(0.01)
+        yield client, engine
+
+
+GUARDED = [
+    ("post", "/v1/generate", {"prompt_token_ids": [[1, 2]]}),
+    ("get", STATE_PATH, None),
+    ("post", JOIN_PATH, {}),
+    ("post", PREPARE_PATH, {}),
+]
+WRONG = [None, "Bearer wrong", f"bearer {TOKEN}", TOKEN, f"Bearer {TOKEN}x", f"Basic {TOKEN}"]
+
+
+@pytest.mark.parametrize(("method", "path", "body"), GUARDED, ids=[p for _, p, _ in GUARDED])
+@pytest.mark.parametrize("header", WRONG, ids=[str(h) for h in WRONG])
+def test_data_and_control_endpoints_refuse_a_missing_or_wrong_token(served, method, path, body, header):
+    client, engine = served
+    headers = {} if header is None else {"Authorization": header}
+    response = client.request(method, path, json=body, headers=headers)
+    assert response.status_code == 401, response.text
+    assert "GRPOLORA_TOKEN" in response.json()["detail"]
+    assert engine.requests == []
+
+
+def test_the_right_token_is_let_through_and_probes_stay_open(served):
+    client, _ = served
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    response = client.post("/v1/generate", json={"prompt_token_ids": [[1, 2]]}, headers=auth)
+    assert response.status_code == 200 and response.json()["results"][0]["samples"][0]["token_ids"] == [1, 2]
+    assert client.get(STATE_PATH, headers=auth).json()["replica_index"] == 0
+    for path in ("/health", "/metrics", "/v1/adapter"):  # probes and scraping carry no token
+        assert client.get(path).status_code == 200, path
+    assert client.get("/ready").status_code in (200, 503)  # open too; readiness depends on the adapter
+
+
+def test_one_seed_per_prompt_reaches_the_engine(served):
+    client, engine = served
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    body = {"prompt_token_ids": [[1], [2], [3]], "n": 2, "temperature": 0.7, "top_p": 0.9, "seed": [11, 22, 33]}
+    assert client.post("/v1/generate", json=body, headers=auth).status_code == 200
+    assert {tuple(p): r.seed for p, r in engine.requests} == {(1,): 11, (2,): 22, (3,): 33}
+    assert all((r.n, r.temperature, r.top_p) == (2, 0.7, 0.9) for _, r in engine.requests)
+    engine.requests.clear()
+    assert client.post("/v1/generate", json=body | {"seed": 5}, headers=auth).status_code == 200
+    assert [r.seed for _, r in engine.requests] == [5, 5, 5]  # one int seeds every prompt alike
+    refused = client.post("/v1/generate", json=body | {"seed": [1, 2]}, headers=auth)
+    assert refused.status_code == 422 and "one seed per prompt" in refused.text
