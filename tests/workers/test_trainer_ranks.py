@@ -68,7 +68,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         )
         state = lora_state(policy)  # a collective: every rank gathers
         folder = Path(out) / "ckpt"
-        checkpoint.save(folder, policy.model, optimizer, checkpoint.Progress(step=1, sync_round=1), keep=1)
+        checkpoint.save(folder, policy.model, optimizer, checkpoint.Progress(step=1, version=1), keep=1)
         dist.barrier()
         fresh = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=True)
         fresh_optimizer = sgd(fresh)
@@ -128,13 +128,13 @@ def test_single_rank_checkpoint_round_trip(one_rank, tmp_path):
         tmp_path,
         policy.model,
         optimizer,
-        checkpoint.Progress(step=7, sync_round=9, epoch=2, prompts_consumed=28),
+        checkpoint.Progress(step=7, version=9, epoch=2, prompts_consumed=28),
         keep=2,
     )
     fresh = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"))
     fresh_optimizer = make_optimizer(fresh, SPEC.grpo)
     progress = checkpoint.restore(checkpoint.latest(tmp_path), fresh.model, fresh_optimizer)
-    assert (progress.step, progress.sync_round, progress.epoch, progress.prompts_consumed) == (7, 9, 2, 28)
+    assert (progress.step, progress.version, progress.epoch, progress.prompts_consumed) == (7, 9, 2, 28)
     saved, restored = lora_state(policy), lora_state(fresh)
     assert all(torch.equal(saved[k], restored[k]) for k in saved)
     assert fresh_optimizer.state_dict()["state"].keys() == optimizer.state_dict()["state"].keys()
@@ -153,3 +153,9 @@ def test_old_checkpoints_are_pruned_and_a_partial_one_is_ignored(one_rank, tmp_p
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000002", "step-00000003"]
     (tmp_path / "step-00000009").mkdir()  # a folder without its state file: a crash mid-write
     assert checkpoint.latest(tmp_path).name == "step-00000003"
+
+
+def test_a_checkpoint_written_before_the_version_rename_still_resumes():
+    """Progress called the adapter version `sync_round` until it took the one name the code uses everywhere."""
+    progress = checkpoint.Progress.from_saved({"step": 4, "sync_round": 3, "epoch": 1, "prompts_consumed": 8})
+    assert (progress.step, progress.version, progress.epoch, progress.prompts_consumed) == (4, 3, 1, 8)

@@ -32,13 +32,23 @@ ADAPTER_DIR = "adapter"
 
 @dataclass
 class Progress:
-    """What must survive a restart besides the weights. step and sync_round never go backwards."""
+    """What must survive a restart besides the weights. step and version never go backwards."""
 
     step: int = 0
-    sync_round: int = 0
+    version: int = 0
+    """The adapter version last sent to the inference replicas (what the API calls the sync round)."""
     epoch: int = 0
     prompts_consumed: int = 0
     """Prompts of the stream trained on (not merely drawn: a pipelined step draws the next step's early)."""
+
+
+    @classmethod
+    def from_saved(cls, saved: dict[str, int]) -> Progress:
+        """Also reads checkpoints written before the field was renamed from `sync_round` to `version`."""
+        saved = dict(saved)
+        if "sync_round" in saved:
+            saved["version"] = saved.pop("sync_round")
+        return cls(**saved)
 
 
 def latest(root: Path) -> Path | None:
@@ -105,8 +115,8 @@ def restore(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimiz
                 parameters[name].copy_(tensor)
         optimizer.load_state_dict(state["optimizer"])
     _set_rng_state(state["rng"])
-    progress = Progress(**state["progress"])
-    log.info("resumed from %s at step %d (sync round %d)", folder, progress.step, progress.sync_round)
+    progress = Progress.from_saved(state["progress"])
+    log.info("resumed from %s at step %d (adapter version %d)", folder, progress.step, progress.version)
     return progress
 
 

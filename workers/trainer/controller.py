@@ -174,7 +174,7 @@ class Controller:
 
     def run(self) -> None:
         ctx, grpo = self.ctx, self.spec.grpo
-        self.board.update(phase="Running", step=ctx.progress.step, sync_round=ctx.progress.sync_round)
+        self.board.update(phase="Running", step=ctx.progress.step, sync_round=ctx.progress.version)
         if self.sender.version > 0 or ctx.progress.step > 0:
             # Resumed (or replicas already serve an adapter): make every replica serve this checkpoint's adapter.
             broadcast_instruction(Instruction(gather=True), ctx.world_size)
@@ -256,7 +256,7 @@ class Controller:
         tensors = adapter_io.lora_tensors(self.ctx.policy.model)
         report = self.sender.send(tensors, adapter_io.lora_config(self.ctx.policy.model))
         progress = self.ctx.progress
-        progress.sync_round, progress.epoch = report.version, report.epoch
+        progress.version, progress.epoch = report.version, report.epoch
         self._weights_version = report.version
         metrics.SYNC_ROUND.set(report.version)
         metrics.SYNC_EPOCH.set(report.epoch)
@@ -298,7 +298,7 @@ class Controller:
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
-            "sync_round": progress.sync_round,
+            "sync_round": progress.version,  # the API name of the adapter version
             "epoch": progress.epoch,
             "sync_bytes": report.bytes if report else 0,
             "sync_transport_seconds": report.transport_seconds if report else 0.0,
@@ -329,5 +329,5 @@ class Controller:
             stats.kl,
             stats.mismatch,
             seconds["sync"],
-            progress.sync_round,
+            progress.version,
         )

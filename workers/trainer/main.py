@@ -132,7 +132,7 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         bucket_bytes=env.spec.sync.bucket_mib << 20,
         fingerprint=model_fingerprint,
         first_epoch=max(env.sync_epoch, ctx.progress.epoch + 1 if ctx.progress.step else env.sync_epoch),
-        first_version=ctx.progress.sync_round,
+        first_version=ctx.progress.version,
         device=device if env.sync_backend == "nccl" else None,
     )
     rollouts = RolloutClient(env.inference_endpoints, env.token, timeout_seconds=max(env.sync_timeout_seconds, 600))
