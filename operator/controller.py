@@ -50,6 +50,8 @@ class ControllerConfig:
     """Fraction of the interval added at random, so that many jobs do not poll in lockstep."""
     max_backoff: float = 60.0
     """Longest wait after failed passes (doubling from the interval)."""
+    operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+    """Where the operator runs: the jobs' NetworkPolicies admit its /status polls from there only."""
 
 
 class JobGone(Exception):
@@ -177,7 +179,12 @@ class Controller:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent).
-        kept, _ = rec.children(plan(view.job), uid=view.uid, token=secrets.token_urlsafe(TOKEN_BYTES))
+        kept, _ = rec.children(
+            plan(view.job),
+            uid=view.uid,
+            token=secrets.token_urlsafe(TOKEN_BYTES),
+            operator_namespace=self.config.operator_namespace,
+        )
 
         async def ensure(obj: dict[str, Any]) -> rec.ChildRef | None:
             kind, name = kube.kind_of(obj), obj["metadata"]["name"]

@@ -7,7 +7,7 @@ import random
 import secrets
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -40,6 +40,11 @@ class OperatorOptions:
     status_interval: float = 10.0
     """Seconds between a job's monitor passes (trainer /status polls)."""
     bind: str = "0.0.0.0"
+    operator_namespace: str = field(
+        default_factory=lambda: os.environ.get("POD_NAMESPACE") or c.DEFAULT_OPERATOR_NAMESPACE
+    )
+    """The operator's own namespace (the chart sets POD_NAMESPACE from the pod): job NetworkPolicies admit its
+    /status polls from there only."""
 
     def __post_init__(self) -> None:
         if self.all_namespaces == bool(self.namespaces):
@@ -117,7 +122,11 @@ async def serve(
     )
     metrics = Metrics()
     controller = Controller(
-        client, TrainerStatusClient(), metrics, ControllerConfig(interval=options.status_interval), gate=gate
+        client,
+        TrainerStatusClient(),
+        metrics,
+        ControllerConfig(interval=options.status_interval, operator_namespace=options.operator_namespace),
+        gate=gate,
     )
     if on_controller is not None:
         on_controller(controller)

@@ -167,9 +167,11 @@ def changed_fields(applied: Mapping[str, Any], current: Mapping[str, Any], prefi
 # ---- children ----------------------------------------------------------------------------------------------
 
 
-def children(job_plan: JobPlan, *, uid: str, token: str) -> tuple[list[K8sObject], dict[str, K8sObject]]:
+def children(
+    job_plan: JobPlan, *, uid: str, token: str, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+) -> tuple[list[K8sObject], dict[str, K8sObject]]:
     """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them."""
-    objects = builders.build_children(job_plan, owner_uid=uid, token=token)
+    objects = builders.build_children(job_plan, owner_uid=uid, token=token, operator_namespace=operator_namespace)
     kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
     return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
 

@@ -162,6 +162,12 @@ def test_operator_pod_is_admitted_by_every_jobs_network_policy(chart):
     ]
     assert operator_peers, "the job NetworkPolicy has no rule for the operator"
     assert all(matches(peer["podSelector"], pod_labels) for peer in operator_peers)
+    # Only from the operator's own namespace (the unauthenticated /status must not be open to any pod that copies the
+    # operator's label elsewhere): the chart tells the operator its namespace, which the policy selects by name.
+    env = {e["name"]: e for e in operator_container(chart.render())["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    for peer in operator_peers:
+        assert peer["namespaceSelector"] == {"matchLabels": {"kubernetes.io/metadata.name": NAMESPACE}}
 
 
 def test_a_fullname_override_keeps_the_label_network_policies_select(chart):

@@ -99,3 +99,12 @@ async def test_the_operator_command_needs_a_scope():
     _, error = await process.communicate()
     assert process.returncode == 2
     assert "one of the arguments --namespace --all-namespaces is required" in error.decode()
+
+
+def test_the_operator_learns_its_namespace_from_the_pod(monkeypatch):
+    from grpolora.operator.main import OperatorOptions
+
+    monkeypatch.setenv("POD_NAMESPACE", "ops")
+    assert OperatorOptions(all_namespaces=True).operator_namespace == "ops"
+    monkeypatch.delenv("POD_NAMESPACE")
+    assert OperatorOptions(all_namespaces=True).operator_namespace == "grpo-lora-system"
