@@ -20,7 +20,7 @@ from grpolora.operator.controller import Controller, ControllerConfig
 from grpolora.operator.handlers import build_registry
 from grpolora.operator.kube import KubeClient, Login
 from grpolora.operator.metrics import Metrics
-from grpolora.operator.peering import PeeringGate, Standalone
+from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_objects
 from grpolora.operator.trainer_client import TrainerStatusClient
 
 
@@ -132,6 +132,10 @@ async def serve(
         on_controller(controller)
     runner = await start_metrics_server(metrics, options.bind, options.metrics_port) if options.metrics_port else None
     try:
+        if options.peering is not None:
+            await ensure_peering_objects(
+                client, name=options.peering, clusterwide=options.all_namespaces, namespaces=options.namespaces
+            )
         await kopf.operator(
             registry=build_registry(),
             settings=settings,
