@@ -595,3 +595,13 @@ async def test_a_checkpoint_claim_that_several_trainer_ranks_cannot_share_is_ref
     message = cluster.condition("demo", names.FAILED)["message"]
     assert "ckpts" in message and "ReadWriteOncePod" in message and "ReadWriteMany" in message
     assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+
+async def test_a_toleration_the_kubernetes_schema_refuses_fails_the_job_naming_the_field(cluster, operator):
+    # The CRD keeps tolerations as written (x-kubernetes-preserve-unknown-fields), so the apply passes; the operator
+    # checks them as the API server would, before creating anything.
+    await cluster.apply(job_doc(trainer={"tolerations": [{"key": "gpu", "operator": "Exist"}]}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+    invalid = cluster.condition("demo", names.INVALID_SPEC)
+    assert 'spec.trainer.tolerations[0].operator: Unsupported value: "Exist"' in invalid["message"]
+    assert cluster.get("v1/secrets", "demo-token") is None and cluster.get("batch/v1/jobs", "demo-trainer") is None
