@@ -29,11 +29,11 @@ import kubernetes_validate
 from referencing import Registry, Resource
 
 from grpolora.api.crd import crd
+from grpolora.api.kubetypes import QUANTITY
 
 KUBERNETES_VERSION = "1.33.0"
 # pkg/apis/core/validation: IsEnvVarName (a C identifier, plus '-' and '.').
 ENV_VAR_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
 
 
 class Refused(kmock.KubernetesError):
