@@ -1,8 +1,8 @@
 """Carries out reconcile passes: read the job's children and trainer rank 0, let the pure `decide` choose, then
 delete/create children, write the status once, and post events only after that write succeeded.
 
-Two kinds of pass share one function and one per-job lock:
-- the Kopf handlers (create/resume/update) run a *full* pass;
+Two kinds of pass, the same work, share one function and one per-job lock:
+- the Kopf handlers (create/resume/update) run a pass at once;
 - a per-job monitor task runs a pass every `interval` seconds (sooner when a decision asks) to follow the
   workloads and the trainer's /status, restart a failed trainer, and delete the job after its TTL.
 Every pass makes sure the Secret, Services and NetworkPolicy exist (drift repair: one deleted by hand comes back;
@@ -106,12 +106,12 @@ class Controller:
     # ---- entry points ------------------------------------------------------------------------------------
 
     async def reconcile(self, body: Mapping[str, Any]) -> rec.Decision:
-        """A full pass for a created, resumed or changed job; then make sure its monitor runs."""
+        """A pass for a created, resumed or changed job; then make sure its monitor runs."""
         job = self._track(body)
         try:
             with self.metrics.timed("reconcile"):
                 async with job.lock:
-                    decision = await self._pass(job, full=True)
+                    decision = await self._pass(job)
         except JobGone:
             self.forget(job.namespace, job.name)
             raise
@@ -136,8 +136,8 @@ class Controller:
 
     # ---- the pass ----------------------------------------------------------------------------------------
 
-    async def _pass(self, job: _Job, *, full: bool) -> rec.Decision:
-        """One reconcile pass (`full` for the handlers' passes; both kinds do the same work today)."""
+    async def _pass(self, job: _Job) -> rec.Decision:
+        """One reconcile pass."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
         old = rec.stored_status(job.status)
@@ -348,7 +348,7 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
-                        decision = await self._pass(job, full=False)
+                        decision = await self._pass(job)
             except JobGone:
                 self.forget(job.namespace, job.name)
                 return
