@@ -398,9 +398,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
         _invalid_condition(view.problems),
         _refused_condition(view.refused),
-        cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_SINGLE_NODE_ACCESS, volumes.warning)
-        if volumes.warning
-        else cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT),
+        _volumes_condition(volumes),
     ]
     status = JobStatus(
         phase=phase,
@@ -594,6 +592,14 @@ def _progressing_condition(phase: str, restart_note: str | None, running: str, m
     if phase == "Running":
         return cond.Want(names.PROGRESSING, "True", names.R_TRAINING, running)
     return cond.Want(names.PROGRESSING, "False", names.R_PENDING, message)
+
+
+def _volumes_condition(volumes: obs.VolumeCheck) -> cond.Want:
+    if volumes.refusal:  # a running job whose claim changed under it: it keeps running, the condition says why not
+        return cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_VOLUME_ACCESS_MODE, volumes.refusal)
+    if volumes.warning:
+        return cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_SINGLE_NODE_ACCESS, volumes.warning)
+    return cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT)
 
 
 def _invalid_condition(problems: Sequence[str]) -> cond.Want:
