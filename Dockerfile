@@ -9,9 +9,17 @@
 #   docker build --target worker-cpu -t ghcr.io/grpo-lora-operator/worker-cpu:0.1.0 .
 #   docker build --target worker-gpu -t ghcr.io/grpo-lora-operator/worker-gpu:0.1.0 .
 #
-# Every image runs as uid/gid 1000 (the pods' runAsUser), keeps HOME and the Hugging Face cache under /cache (the
-# worker pods mount an emptyDir there), and starts the `grpolora` CLI: the chart passes `operator ...`, the operator
-# gives worker pods `worker trainer` or `worker inference`.
+# Every image runs as the numeric user 1000:1000 (so the pods' runAsNonRoot holds without fixing a uid, which
+# OpenShift refuses), keeps HOME and the Hugging Face cache under /cache (the worker pods mount an emptyDir there),
+# and starts the `grpolora` CLI: the chart passes `operator ...`, the operator gives worker pods `worker trainer`
+# or `worker inference`.
+#
+# Base images: named by tag here, pinned by digest at build time. The digests are not written into this file
+# because they could not be looked up where it was written (no registry access) and a made-up digest would break
+# every build; pass them instead, as .github/workflows/release.yaml does for published images:
+#   docker build --build-arg PYTHON_IMAGE=python:3.12.12-slim-bookworm@sha256:<digest> \
+#                --build-arg CUDA_IMAGE=nvidia/cuda:12.9.1-base-ubuntu24.04@sha256:<digest> --target ... .
+# (`docker buildx imagetools inspect <image> --format '{{json .Manifest.Digest}}'` prints a tag's digest.)
 
 ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.9.1-base-ubuntu24.04

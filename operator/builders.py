@@ -27,6 +27,8 @@ WORKER_UID = 1000
 SHM_MOUNT = "/dev/shm"
 CACHE_MOUNT = "/cache"
 # Inference servers need minutes for large models (download + load); give the startup probe 30 minutes.
+# Set by Kubernetes (1.21+) on every namespace: selects a namespace by name in NetworkPolicies.
+NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 
@@ -63,11 +65,16 @@ def selector(plan: JobPlan, role: str | None = None) -> dict[str, str]:
     return result
 
 
-def build_children(plan: JobPlan, *, owner_uid: str, token: str) -> list[K8sObject]:
-    """Every object the operator creates for a job that is not suspended, in creation order."""
+def build_children(
+    plan: JobPlan, *, owner_uid: str, token: str, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+) -> list[K8sObject]:
+    """Every object the operator creates for a job that is not suspended, in creation order.
+
+    `operator_namespace`: where the operator runs; the NetworkPolicy admits its /status polls from there only.
+    """
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
-        objects.append(network_policy(plan))
+        objects.append(network_policy(plan, operator_namespace))
     objects += workloads(plan)
     owner = owner_reference(plan, owner_uid)
     for obj in objects:
@@ -117,17 +124,18 @@ def services(plan: JobPlan) -> list[K8sObject]:
     return result
 
 
-def network_policy(plan: JobPlan) -> K8sObject:
+def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE) -> K8sObject:
     spec = plan.job.spec
     http_ports = sorted({spec.trainer.status_port, spec.inference.port})
     ingress: list[dict[str, Any]] = [
         # gloo and NCCL open data connections on ephemeral ports, so the job's own pods get every port.
         {"from": [{"podSelector": {"matchLabels": selector(plan)}}]},
-        # The operator polls trainer rank 0's /status.
+        # The operator polls trainer rank 0's /status (unauthenticated): from the operator's pods in its own
+        # namespace only, not from any pod elsewhere that copies the operator's label.
         {
             "from": [
                 {
-                    "namespaceSelector": {},
+                    "namespaceSelector": {"matchLabels": {NAMESPACE_NAME_LABEL: operator_namespace}},
                     "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_NAME}},
                 }
             ],

@@ -1,8 +1,8 @@
 """Carries out reconcile passes: read the job's children and trainer rank 0, let the pure `decide` choose, then
 delete/create children, write the status once, and post events only after that write succeeded.
 
-Two kinds of pass share one function and one per-job lock:
-- the Kopf handlers (create/resume/update) run a *full* pass;
+Two kinds of pass, the same work, share one function and one per-job lock:
+- the Kopf handlers (create/resume/update) run a pass at once;
 - a per-job monitor task runs a pass every `interval` seconds (sooner when a decision asks) to follow the
   workloads and the trainer's /status, restart a failed trainer, and delete the job after its TTL.
 Every pass makes sure the Secret, Services and NetworkPolicy exist (drift repair: one deleted by hand comes back;
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import logging
 import random
@@ -50,6 +51,8 @@ class ControllerConfig:
     """Fraction of the interval added at random, so that many jobs do not poll in lockstep."""
     max_backoff: float = 60.0
     """Longest wait after failed passes (doubling from the interval)."""
+    operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+    """Where the operator runs: the jobs' NetworkPolicies admit its /status polls from there only."""
 
 
 class JobGone(Exception):
@@ -103,12 +106,12 @@ class Controller:
     # ---- entry points ------------------------------------------------------------------------------------
 
     async def reconcile(self, body: Mapping[str, Any]) -> rec.Decision:
-        """A full pass for a created, resumed or changed job; then make sure its monitor runs."""
+        """A pass for a created, resumed or changed job; then make sure its monitor runs."""
         job = self._track(body)
         try:
             with self.metrics.timed("reconcile"):
                 async with job.lock:
-                    decision = await self._pass(job, full=True)
+                    decision = await self._pass(job)
         except JobGone:
             self.forget(job.namespace, job.name)
             raise
@@ -133,17 +136,25 @@ class Controller:
 
     # ---- the pass ----------------------------------------------------------------------------------------
 
-    async def _pass(self, job: _Job, *, full: bool) -> rec.Decision:
-        """One reconcile pass (`full` for the handlers' passes; both kinds do the same work today)."""
-        view = rec.job_view(job.body)
+    async def _pass(self, job: _Job) -> rec.Decision:
+        """One reconcile pass."""
+        # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
+        view = rec.job_view({**job.body, "status": job.status})
         old = rec.stored_status(job.status)
         try:
             blocked: list[rec.ChildRef] = []
             if view.job is not None and not rec.is_finished(old):
                 blocked += await self._ensure_kept_children(job, view)
-            observed = await self._observe(view, old, blocked)
+            if view.record_applied is not None and not blocked and view.job is not None and not view.job.spec.suspend:
+                # First pass of a new job whose kept children were all just created: its workloads cannot exist
+                # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
+                observed = rec.Observed(claims=await self._claims(view))
+            else:
+                observed = await self._observe(view, old, blocked)
             decision = rec.decide(view, old, observed, self.clock())
-            await self._change_workloads(job, decision)
+            if not await self._change_workloads(job, decision):
+                # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
+                decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         except ChildRefused as refused:
             decision = rec.decide_refused(view, old, refused.refusal, self.clock())
             logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
@@ -177,15 +188,24 @@ class Controller:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent).
-        kept, _ = rec.children(plan(view.job), uid=view.uid, token=secrets.token_urlsafe(TOKEN_BYTES))
+        kept, _ = rec.children(
+            plan(view.job),
+            uid=view.uid,
+            token=secrets.token_urlsafe(TOKEN_BYTES),
+            operator_namespace=self.config.operator_namespace,
+        )
+
+        new_job = view.record_applied is not None
 
         async def ensure(obj: dict[str, Any]) -> rec.ChildRef | None:
             kind, name = kube.kind_of(obj), obj["metadata"]["name"]
-            existing = await self.client.get(kind, job.namespace, name)
+            # A new job's children are normally absent: create first, and read only on a conflict. Later passes
+            # read first (drift repair without a failed create per child and pass).
+            existing = None if new_job else await self.client.get(kind, job.namespace, name)
             if existing is None:
                 if await self._create(job, obj):
                     return None
-                existing = await self.client.get(kind, job.namespace, name)  # created meanwhile: by whom?
+                existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             return None
@@ -224,12 +244,7 @@ class Controller:
             desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
             present = [w for w in (trainer_job, inference) if w is not None]
             warnings = obs.pod_warnings(events, present, pods, desired)
-        claims: dict[str, tuple[str, ...] | None] = {}
-        if running:
-            uses = rec.volume_uses(spec)
-            found = await asyncio.gather(*(self.client.get(kube.PVC, view.namespace, use.claim) for use in uses))
-            for use, claim in zip(uses, found, strict=True):
-                claims[use.claim] = tuple((claim.get("spec") or {}).get("accessModes") or ()) if claim else None
+        claims = await self._claims(view) if running else {}
         report, error = None, None
         if rec.should_poll_trainer(view, old, trainer_job):
             try:
@@ -240,13 +255,24 @@ class Controller:
             trainer_job, inference, tuple(pods), report, error, blocked=tuple(blocked), warnings=warnings, claims=claims
         )
 
-    async def _change_workloads(self, job: _Job, decision: rec.Decision) -> None:
+    async def _claims(self, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
+        """Access modes of the claims the job's pods share (None: no such claim)."""
+        assert view.job is not None
+        uses = rec.volume_uses(view.job.spec)
+        found = await asyncio.gather(*(self.client.get(kube.PVC, view.namespace, use.claim) for use in uses))
+        return {
+            use.claim: tuple((claim.get("spec") or {}).get("accessModes") or ()) if claim else None
+            for use, claim in zip(uses, found, strict=True)
+        }
+
+    async def _change_workloads(self, job: _Job, decision: rec.Decision) -> bool:
+        """Delete, then create; False if a create found the name taken (409)."""
         # Deletes first: a replaced trainer Job is deleted and created under the same name.
         await asyncio.gather(*(self.client.delete(kube.KINDS[r.kind], job.namespace, r.name) for r in decision.delete))
         for ref in decision.delete:
             logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
-        # A 409 (created meanwhile, e.g. by an older job of this name) is read, owner and all, on the next pass.
-        await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
+        created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
+        return all(created)
 
     async def _record(self, job: _Job, decision: rec.Decision) -> None:
         """Write the status, then post the events (only after the write succeeded); delete the job after its TTL."""
@@ -322,7 +348,7 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
-                        decision = await self._pass(job, full=False)
+                        decision = await self._pass(job)
             except JobGone:
                 self.forget(job.namespace, job.name)
                 return

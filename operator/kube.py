@@ -60,7 +60,22 @@ GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
 KOPF_PEERING: Final = Kind("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERING: Final = Kind("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
-KINDS: Final = {k.kind: k for k in (SECRET, SERVICE, POD, EVENT, NETWORK_POLICY, JOB, STATEFULSET, GRPOLORAJOB)}
+KINDS: Final = {
+    k.kind: k
+    for k in (
+        SECRET,
+        SERVICE,
+        POD,
+        EVENT,
+        NETWORK_POLICY,
+        JOB,
+        STATEFULSET,
+        GRPOLORAJOB,
+        PVC,
+        KOPF_PEERING,
+        CLUSTER_KOPF_PEERING,
+    )
+}
 
 
 def kind_of(obj: Mapping[str, Any]) -> Kind:
@@ -168,7 +183,7 @@ class KubeClient:
         """
         meta = obj["metadata"]
         try:
-            await self._call("POST", kind_of(obj).path(meta["namespace"]), params=STRICT, body=obj)
+            await self._call("POST", kind_of(obj).path(meta.get("namespace")), params=STRICT, body=obj)
         except ApiError as exc:
             if exc.status == 409:
                 return False

@@ -7,7 +7,7 @@ import random
 import secrets
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -20,7 +20,7 @@ from grpolora.operator.controller import Controller, ControllerConfig
 from grpolora.operator.handlers import build_registry
 from grpolora.operator.kube import KubeClient, Login
 from grpolora.operator.metrics import Metrics
-from grpolora.operator.peering import PeeringGate, Standalone
+from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_objects
 from grpolora.operator.trainer_client import TrainerStatusClient
 
 
@@ -40,6 +40,11 @@ class OperatorOptions:
     status_interval: float = 10.0
     """Seconds between a job's monitor passes (trainer /status polls)."""
     bind: str = "0.0.0.0"
+    operator_namespace: str = field(
+        default_factory=lambda: os.environ.get("POD_NAMESPACE") or c.DEFAULT_OPERATOR_NAMESPACE
+    )
+    """The operator's own namespace (the chart sets POD_NAMESPACE from the pod): job NetworkPolicies admit its
+    /status polls from there only."""
 
     def __post_init__(self) -> None:
         if self.all_namespaces == bool(self.namespaces):
@@ -117,12 +122,20 @@ async def serve(
     )
     metrics = Metrics()
     controller = Controller(
-        client, TrainerStatusClient(), metrics, ControllerConfig(interval=options.status_interval), gate=gate
+        client,
+        TrainerStatusClient(),
+        metrics,
+        ControllerConfig(interval=options.status_interval, operator_namespace=options.operator_namespace),
+        gate=gate,
     )
     if on_controller is not None:
         on_controller(controller)
     runner = await start_metrics_server(metrics, options.bind, options.metrics_port) if options.metrics_port else None
     try:
+        if options.peering is not None:
+            await ensure_peering_objects(
+                client, name=options.peering, clusterwide=options.all_namespaces, namespaces=options.namespaces
+            )
         await kopf.operator(
             registry=build_registry(),
             settings=settings,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 from grpolora.operator import kube
@@ -41,6 +41,21 @@ def outranked(peers: Mapping[str, Any], *, identity: str, priority: int, now: da
         except (TypeError, ValueError):
             continue  # a malformed entry is ignored, as by Kopf
     return False
+
+
+async def ensure_peering_objects(
+    client: kube.KubeClient, *, name: str, clusterwide: bool, namespaces: Sequence[str]
+) -> None:
+    """Create the peering object Kopf waits for (create-if-absent): a ClusterKopfPeering, or a KopfPeering in each
+    served namespace. The chart cannot: Helm refuses an object whose CRD it installs in the same release."""
+    if clusterwide:
+        objects = [{"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}]
+    else:
+        objects = [
+            {"apiVersion": "kopf.dev/v1", "kind": "KopfPeering", "metadata": {"name": name, "namespace": namespace}}
+            for namespace in namespaces
+        ]
+    await asyncio.gather(*(client.create(obj) for obj in objects))
 
 
 class PeeringGate:

@@ -93,9 +93,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("kopf.dev",),
         ("kopfpeerings", "clusterkopfpeerings"),
-        ("get", "list", "watch", "patch"),
-        "Kopf peering (leader election) with --peering: Kopf keeps its peer record alive (list, watch, patch); the "
-        "job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces",
+        ("get", "list", "watch", "create", "patch"),
+        "Kopf peering (leader election) with --peering: the operator creates the peering object if absent (create); "
+        "Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the "
+        "active one (get). ClusterKopfPeering with --all-namespaces",
     ),
 )
 

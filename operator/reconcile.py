@@ -167,9 +167,11 @@ def changed_fields(applied: Mapping[str, Any], current: Mapping[str, Any], prefi
 # ---- children ----------------------------------------------------------------------------------------------
 
 
-def children(job_plan: JobPlan, *, uid: str, token: str) -> tuple[list[K8sObject], dict[str, K8sObject]]:
+def children(
+    job_plan: JobPlan, *, uid: str, token: str, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+) -> tuple[list[K8sObject], dict[str, K8sObject]]:
     """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them."""
-    objects = builders.build_children(job_plan, owner_uid=uid, token=token)
+    objects = builders.build_children(job_plan, owner_uid=uid, token=token, operator_namespace=operator_namespace)
     kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
     return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
 
@@ -396,9 +398,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
         _invalid_condition(view.problems),
         _refused_condition(view.refused),
-        cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_SINGLE_NODE_ACCESS, volumes.warning)
-        if volumes.warning
-        else cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT),
+        _volumes_condition(volumes),
     ]
     status = JobStatus(
         phase=phase,
@@ -592,6 +592,14 @@ def _progressing_condition(phase: str, restart_note: str | None, running: str, m
     if phase == "Running":
         return cond.Want(names.PROGRESSING, "True", names.R_TRAINING, running)
     return cond.Want(names.PROGRESSING, "False", names.R_PENDING, message)
+
+
+def _volumes_condition(volumes: obs.VolumeCheck) -> cond.Want:
+    if volumes.refusal:  # a running job whose claim changed under it: it keeps running, the condition says why not
+        return cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_VOLUME_ACCESS_MODE, volumes.refusal)
+    if volumes.warning:
+        return cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_SINGLE_NODE_ACCESS, volumes.warning)
+    return cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT)
 
 
 def _invalid_condition(problems: Sequence[str]) -> cond.Want:

@@ -55,3 +55,6 @@ OFFLINE_MODELS: Final = ("smollm2-135m-instruct", "tiny-llama")
 
 DEFAULT_WORKER_IMAGE_GPU: Final = "ghcr.io/grpo-lora-operator/worker-gpu:0.1.0"
 DEFAULT_WORKER_IMAGE_CPU: Final = "ghcr.io/grpo-lora-operator/worker-cpu:0.1.0"
+
+# Where the chart installs the operator (README); job NetworkPolicies admit the operator's pods from its namespace.
+DEFAULT_OPERATOR_NAMESPACE: Final = "grpo-lora-system"

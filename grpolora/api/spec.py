@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from pydantic.alias_generators import to_camel
 
 from grpolora.api import constants as c
+from grpolora.api import kubetypes
 
 Port = Annotated[int, Field(ge=1024, le=65535)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
@@ -61,8 +62,6 @@ KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-pr
 
 def kube_checked(value: Any, type_name: str) -> Any:
     """`value` (one Kubernetes object, or a list of them) checked as the API server would (grpolora.api.kubetypes)."""
-    from grpolora.api import kubetypes
-
     items = enumerate(value) if isinstance(value, list) else [(None, value)]
     raise_if_any([e for i, item in items for e in kubetypes.problems(item, type_name, "" if i is None else f"[{i}]")])
     return value
@@ -256,9 +255,7 @@ class RoleSpec(SpecModel):
     @field_validator("shm_size_limit")
     @classmethod
     def _shm_quantity(cls, value: str) -> str:
-        from grpolora.api.kubetypes import QUANTITY
-
-        if not QUANTITY.match(value):
+        if not kubetypes.QUANTITY.match(value):
             raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8Gi, 512Mi)")
         return value
 
@@ -368,7 +365,8 @@ class GRPOLoraJobSpec(SpecModel):
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
     """User and group ids of the worker pods (unset: the image's non-root user, or what OpenShift assigns)."""
     suspend: bool = False
-    """True removes the job's pods but keeps the job, its token and checkpoints; false again resumes training."""
+    """True removes the job's pods but keeps the job, its token and (on `checkpoint.pvc`) its checkpoints; false again
+    resumes training."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
     """Delete the job this many seconds after it succeeded or failed."""
 

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
+from grpolora.api import constants as c
 from grpolora.operator.builders import CACHE_MOUNT, WORKER_UID
 from tests.chart.tools import HADOLINT_PACKAGE, linter_or_skip
 from tests.helpers import ROOT
@@ -212,3 +214,37 @@ def test_dockerignore_lets_in_exactly_what_the_build_copies():
     folders = set(config["tool"]["setuptools"]["package-dir"].values())
     assert copied == allowed == folders | {"pyproject.toml", config["project"]["readme"]}
     assert (ROOT / ".dockerignore").read_text().splitlines()[1] == "*", "an allow-list starts by ignoring all"
+
+
+RELEASE_WORKFLOW = ROOT / ".github" / "workflows" / "release.yaml"
+
+
+def test_a_release_tag_builds_and_publishes_the_three_images_where_the_chart_and_jobs_look():
+    workflow = yaml.safe_load(RELEASE_WORKFLOW.read_text())
+    assert workflow[True]["push"] == {"tags": ["v*"]}  # PyYAML reads the key `on` as True
+    (job,) = workflow["jobs"].values()
+    assert tuple(job["strategy"]["matrix"]["target"]) == TARGETS
+    build = next(step for step in job["steps"] if str(step.get("uses", "")).startswith("docker/build-push-action"))
+    assert build["with"]["target"] == "${{ matrix.target }}" and build["with"]["push"] is True
+    registry = workflow["env"]["REGISTRY"]
+    values = yaml.safe_load((ROOT / "charts" / "grpo-lora-operator" / "values.yaml").read_text())
+    assert values["image"]["repository"] == f"{registry}/operator"
+    assert c.DEFAULT_WORKER_IMAGE_GPU.startswith(f"{registry}/worker-gpu:")
+    assert c.DEFAULT_WORKER_IMAGE_CPU.startswith(f"{registry}/worker-cpu:")
+    # The base images are pinned by digest when published (the Dockerfile takes them as build arguments).
+    for arg in ("PYTHON_IMAGE", "CUDA_IMAGE"):
+        assert f"{arg}=${{{{ steps.bases.outputs.{arg} }}}}" in build["with"]["build-args"]
+        assert f"ARG {arg}=" in DOCKERFILE.read_text()
+    assert "@sha256:<digest>" in DOCKERFILE.read_text(), "the Dockerfile says how to pin its base images"
+
+
+def test_the_readme_builds_and_pushes_the_images_before_installing():
+    readme = (ROOT / "README.md").read_text()
+    cluster = readme[readme.index("## On a cluster") :]
+    cluster = cluster[: cluster.index("\n## ", 1)]
+    for target in TARGETS:
+        assert f"--target {target}" in cluster, target
+    assert "docker push" in cluster and "kind load docker-image" in cluster
+    assert cluster.index("docker build") < cluster.index("helm install")
+    assert "--set image.repository=" in cluster, "the install must name the image just pushed"
+    assert "nobody has published" in cluster or "not published" in cluster

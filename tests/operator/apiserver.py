@@ -16,21 +16,24 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import kmock
 import kubernetes_validate
+from referencing import Registry, Resource
 
 from grpolora.api.crd import crd
+from grpolora.api.kubetypes import QUANTITY
 
 KUBERNETES_VERSION = "1.33.0"
 # pkg/apis/core/validation: IsEnvVarName (a C identifier, plus '-' and '.').
 ENV_VAR_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
 
 
 class Refused(kmock.KubernetesError):
@@ -63,19 +66,33 @@ def forbidden(resource: str, name: str, message: str) -> Refused:
 # ---- built-in kinds ----------------------------------------------------------------------------------------
 
 
+@functools.cache
+def _builtin_validator(kind: str, api_version: str, strict: bool) -> jsonschema.Draft202012Validator | None:
+    """kubernetes-validate's schema for this kind, compiled once (its own validate() reloads it on every call)."""
+    folder = Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema"
+    folder /= f"v{KUBERNETES_VERSION}-local" + ("-strict" if strict else "")
+    group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)  # batch/v1 -> batch-v1, as it names files
+    schema_file = folder / f"{kind.lower()}-{group_version}.json"
+    if not schema_file.exists():
+        return None
+    schema = json.loads(schema_file.read_text())
+    definitions = json.loads((folder / "_definitions.json").read_text())
+    registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    return jsonschema.Draft202012Validator(schema, registry=registry)
+
+
 def validate_builtin(obj: Mapping[str, Any], *, strict: bool) -> None:
-    try:
-        kubernetes_validate.validate(dict(obj), KUBERNETES_VERSION, strict=strict)
-    except kubernetes_validate.SchemaNotFoundError:
-        return
-    except kubernetes_validate.ValidationError as exc:
+    validator = _builtin_validator(str(obj.get("kind", "")), str(obj.get("apiVersion", "")), strict)
+    error = jsonschema.exceptions.best_match(validator.iter_errors(dict(obj))) if validator is not None else None
+    if error is not None:
+        exc = error
         path = _path(exc.path)
         kind = obj.get("kind")
         if strict and "Additional properties" in exc.message:
             field = re.findall(r"'([^']+)' was unexpected", exc.message)
             where = ".".join(p for p in (path, *field) if p)
-            raise bad_request(f'strict decoding error: unknown field "{where}"') from None
-        raise bad_request(f'{kind} in version "v1" cannot be handled as a {kind}: {path}: {exc.message}') from None
+            raise bad_request(f'strict decoding error: unknown field "{where}"')
+        raise bad_request(f'{kind} in version "v1" cannot be handled as a {kind}: {path}: {exc.message}')
     causes = list(_go_rules(obj))
     if causes:
         raise invalid(obj, causes)
@@ -154,9 +171,15 @@ def validate_custom(obj: dict[str, Any], schema: Mapping[str, Any], *, strict: b
     if unknown and strict:
         raise bad_request("strict decoding error: " + ", ".join(f'unknown field "{p}"' for p in unknown))
     obj[part] = _pruned(obj[part], sub_schema)
-    errors = sorted(jsonschema.Draft4Validator(sub_schema).iter_errors(obj[part]), key=lambda e: list(e.path))
+    errors = sorted(_crd_validator(part).iter_errors(obj[part]), key=lambda e: list(e.path))
     if errors:
         raise invalid(obj, [(_path([part, *e.path]), _detail(e)) for e in errors])
+
+
+@functools.cache
+def _crd_validator(part: str) -> jsonschema.Draft4Validator:
+    """openAPIV3Schema is close to JSON Schema draft 4 (boolean exclusiveMinimum/Maximum)."""
+    return jsonschema.Draft4Validator(crd_schema()["properties"][part])
 
 
 def _detail(error: jsonschema.ValidationError) -> str:

@@ -194,10 +194,10 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    *, peering: bool = False, authorize: Callable[[str, str, str], bool] | None = rbac.allowed
+    *, peering: bool = False, authorize: Callable[[str, str, str], bool] | None = rbac.allowed, validate: bool = True
 ) -> AsyncIterator[Cluster]:
     """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it)."""
-    async with Emulator(authorize=authorize) as emulator, kmock.Server(emulator) as server:
+    async with Emulator(authorize=authorize, validate=validate) as emulator, kmock.Server(emulator) as server:
         for resource, info in RESOURCES.items():
             emulator.resources[resource] = info
         if peering:

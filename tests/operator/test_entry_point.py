@@ -99,3 +99,22 @@ async def test_the_operator_command_needs_a_scope():
     _, error = await process.communicate()
     assert process.returncode == 2
     assert "one of the arguments --namespace --all-namespaces is required" in error.decode()
+
+
+def test_the_operator_learns_its_namespace_from_the_pod(monkeypatch):
+    from grpolora.operator.main import OperatorOptions
+
+    monkeypatch.setenv("POD_NAMESPACE", "ops")
+    assert OperatorOptions(all_namespaces=True).operator_namespace == "ops"
+    monkeypatch.delenv("POD_NAMESPACE")
+    assert OperatorOptions(all_namespaces=True).operator_namespace == "grpo-lora-system"
+
+
+async def test_a_peered_operator_creates_its_kopf_peering_in_each_namespace():
+    from tests.operator.harness import OperatorThread, operator_options, running_cluster
+
+    async with running_cluster(peering=True) as cluster:
+        operator = await OperatorThread(cluster.url, operator_options(namespaces=("a", "b"), peering="rl")).start()
+        await operator.stop()
+        for namespace in ("a", "b"):
+            assert cluster.get("kopf.dev/v1/kopfpeerings", "rl", namespace) is not None, namespace

@@ -421,7 +421,7 @@ async def test_ttl_deletes_a_finished_job(cluster, operator):
 async def test_a_child_the_api_refuses_fails_the_job_with_the_apis_message_and_a_fix_recovers(cluster, operator):
     # Valid by the schema (so `grpolora validate` passes it) but refused by the API server's own rules.
     await cluster.apply(job_doc(trainer={"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]}))
-    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
     api_message = (
         'Job.batch "demo-trainer" is invalid: spec.template.spec.tolerations[0].operator: Invalid value: "yes": '
         "value must be empty when `operator` is 'Exists'"
@@ -451,7 +451,7 @@ async def test_without_rights_on_the_jobs_finalizers_the_job_fails_saying_so(tra
         operator = await OperatorThread(cluster.url, operator_options()).start()
         try:
             await cluster.apply(job_doc())
-            await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+            await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
         finally:
             await operator.stop()
         message = cluster.condition("demo", names.FAILED)["message"]
@@ -596,3 +596,13 @@ async def test_a_checkpoint_claim_that_several_trainer_ranks_cannot_share_is_ref
     message = cluster.condition("demo", names.FAILED)["message"]
     assert "ckpts" in message and "ReadWriteOncePod" in message and "ReadWriteMany" in message
     assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+
+async def test_a_toleration_the_kubernetes_schema_refuses_fails_the_job_naming_the_field(cluster, operator):
+    # The CRD keeps tolerations as written (x-kubernetes-preserve-unknown-fields), so the apply passes; the operator
+    # checks them as the API server would, before creating anything.
+    await cluster.apply(job_doc(trainer={"tolerations": [{"key": "gpu", "operator": "Exist"}]}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    invalid = cluster.condition("demo", names.INVALID_SPEC)
+    assert 'spec.trainer.tolerations[0].operator: Unsupported value: "Exist"' in invalid["message"]
+    assert cluster.get("v1/secrets", "demo-token") is None and cluster.get("batch/v1/jobs", "demo-trainer") is None

@@ -472,3 +472,11 @@ def test_the_suspend_message_says_what_is_really_kept(checkpoint, kept, lost):
         assert lost in message and "from step 0" in message and "checkpoints are kept" not in message
     suspended = next(c for c in decision.status.conditions if c.type == names.SUSPENDED)
     assert suspended.message == message
+
+
+def test_a_running_job_whose_claim_cannot_serve_it_keeps_running_and_says_why():
+    view = applied_view(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2})
+    observed = Observed(trainer_job(active=2), statefulset(1), claims={"ckpts": ("ReadWriteOncePod",)})
+    decision = decide(view, running(), observed, NOW)
+    assert decision.status.phase == "Running"
+    assert condition(decision, names.VOLUMES_SHAREABLE) == ("False", names.R_VOLUME_ACCESS_MODE)

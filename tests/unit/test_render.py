@@ -137,6 +137,18 @@ def test_network_policy_admits_only_the_jobs_pods_and_the_operator():
     ingress = objs[("NetworkPolicy", "demo")]["spec"]["ingress"]
     assert ingress[0] == {"from": [{"podSelector": {"matchLabels": {c.LABEL_JOB: "demo"}}}]}
     assert ingress[1]["ports"] == [{"port": 8080, "protocol": "TCP"}]
+    # The operator's /status poll: from the operator's pods in the operator's namespace only.
+    assert ingress[1]["from"] == [
+        {
+            "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "grpo-lora-system"}},
+            "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_NAME}},
+        }
+    ]
+    elsewhere = build_children(plan(parse_job(job_doc())), owner_uid="u", token="t", operator_namespace="ops")
+    policy = next(o for o in elsewhere if o["kind"] == "NetworkPolicy")
+    assert policy["spec"]["ingress"][1]["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "ops"
+    }
     assert ingress[2]["from"] == peers
     assert not [o for o in children(job_doc(networkPolicy={"enabled": False})) if o["kind"] == "NetworkPolicy"]
 

@@ -55,15 +55,15 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 {{- end }}
 
 {{- define "grpo-lora-operator.rules.peering.namespaced" -}}
-# Kopf peering (leader election) with --peering: Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces
+# Kopf peering (leader election) with --peering: the operator creates the peering object if absent (create); Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces
 - apiGroups: ["kopf.dev"]
   resources: ["kopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}
 
 {{- define "grpo-lora-operator.rules.peering.cluster" -}}
-# Kopf peering (leader election) with --peering: Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces
+# Kopf peering (leader election) with --peering: the operator creates the peering object if absent (create); Kopf keeps its peer record alive (list, watch, patch); the job monitors check that this replica is the active one (get). ClusterKopfPeering with --all-namespaces
 - apiGroups: ["kopf.dev"]
   resources: ["clusterkopfpeerings"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}
