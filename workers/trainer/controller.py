@@ -32,7 +32,7 @@ from grpolora.workers.trainer import checkpoint, metrics
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
 from grpolora.workers.trainer.policy import Batch, Policy, build_batch
-from grpolora.workers.trainer.rollout import Completion, RolloutClient, Sampling
+from grpolora.workers.trainer.rollout import Completion, RolloutClient, Sampling, prompt_seed
 from grpolora.workers.trainer.status_server import StatusBoard
 from grpolora.workers.trainer.step import StepStats, make_optimizer, train_step
 
@@ -57,6 +57,7 @@ class Rollouts:
     completions: list[list[Completion]]
     version: int
     seconds: float
+    first_prompt: int  # stream position of prompts[0]
 
 
 @dataclass
@@ -128,6 +129,9 @@ class Controller:
         self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self._metrics_file = ctx.output_dir / "metrics.jsonl"
         self._prompts = self._prompt_stream()
+        # Prompts drawn from the stream, which runs ahead of progress.prompts_consumed (prompts trained on) while
+        # a pipelined step's rollouts are in flight.
+        self._drawn = ctx.progress.prompts_consumed
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
@@ -141,7 +145,7 @@ class Controller:
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _generate(self, prompts: list[Prompt], version: int) -> Rollouts:
+    def _generate(self, prompts: list[Prompt], first_prompt: int, version: int) -> Rollouts:
         started = time.perf_counter()
         grpo = self.spec.grpo
         ids = [self._tokenize(p) for p in prompts]
@@ -151,13 +155,15 @@ class Controller:
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
         )
-        completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.group)
-        return Rollouts(prompts, ids, completions, version, time.perf_counter() - started)
+        seeds = [prompt_seed(grpo.seed, first_prompt + k) for k in range(len(ids))]
+        completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.group, seeds=seeds)
+        return Rollouts(prompts, ids, completions, version, time.perf_counter() - started, first_prompt)
 
-    def _next_prompts(self) -> list[Prompt]:
+    def _next_prompts(self) -> tuple[list[Prompt], int]:
+        """The next step's prompts and the stream position of the first."""
         prompts = list(islice(self._prompts, self.spec.grpo.prompts_per_step))
-        self.ctx.progress.prompts_consumed += len(prompts)
-        return prompts
+        first, self._drawn = self._drawn, self._drawn + len(prompts)
+        return prompts, first
 
     def run(self) -> None:
         ctx, grpo = self.ctx, self.spec.grpo
@@ -170,14 +176,14 @@ class Controller:
             iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
             self.sender.refresh()
             if pending is None:
-                rollouts = self._generate(self._next_prompts(), self.sender.version)
+                rollouts = self._generate(*self._next_prompts(), self.sender.version)
             else:
                 rollouts = pending.result()
             on_policy = rollouts.version == self.sender.version
             last = ctx.progress.step + 1 == grpo.steps
             if grpo.pipelined and not last:
                 # Overlap the next step's generation with this step's training and sync.
-                pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
+                pending = self._generator.submit(self._generate, *self._next_prompts(), self.sender.version)
             reward_started = time.perf_counter()
             rewards, batch = self._score(rollouts)
             reward_seconds = time.perf_counter() - reward_started
@@ -191,6 +197,9 @@ class Controller:
             )
             train_seconds = time.perf_counter() - train_started
             ctx.progress.step += 1
+            # Saved with the checkpoint: a resumed run starts at the first prompt not trained on, including
+            # those of a pipelined next step that were drawn but not trained.
+            ctx.progress.prompts_consumed = rollouts.first_prompt + len(rollouts.prompts)
             report = self._sync() if sync_now else None
             if save_now:
                 ctx.save()
