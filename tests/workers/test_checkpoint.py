@@ -74,7 +74,7 @@ def test_the_state_file_is_loaded_without_running_pickled_code(saved, tmp_path):
     state = torch.load(hostile / checkpoint.STATE_FILE, weights_only=True)
     marker = tmp_path / "code-ran"
     state["extra"] = _Payload(marker)
-    torch.save(state, hostile / checkpoint.STATE_FILE, pickle_protocol=pickle.HIGHEST_PROTOCOL)
+    torch.save(state, hostile / checkpoint.STATE_FILE)
     policy = new_policy()
     with pytest.raises(pickle.UnpicklingError, match="Weights only load failed"):
         checkpoint.restore(hostile, policy.model, make_optimizer(policy, SPEC.grpo))

@@ -4,8 +4,9 @@ LoRA matmuls for vLLM's CPU backend.
 vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`) gather a full copy of the adapter weight for every token,
 `weights[indices]` (tokens x out x rank), then einsum. In RL almost every token in a batch uses the same adapter
 version, and never more than a few, so grouping tokens by adapter and doing one matmul per group computes the same
-products without the per-token copies: generation with an adapter on a CPU replica gets ~3x faster (measured in
-BENCHMARKS.md). Nothing changes on GPUs, which use vLLM's Triton kernels.
+products without the per-token copies: generation with an adapter on a CPU replica was about 3x faster in one run
+on 2 cores (bench/lora_plugin_bench.py, plugin on vs off; BENCHMARKS.md). Nothing changes on GPUs, which use vLLM's
+Triton kernels.
 
 This replaces private functions, so it is guarded: it applies only to the vLLM versions it was written and tested
 against (tests/workers/test_vllm_plugin.py compares it with the originals), and only on CPU platforms.

@@ -33,7 +33,7 @@ from grpolora.workers.trainer import checkpoint, metrics
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
 from grpolora.workers.trainer.policy import Batch, Policy, build_batch
-from grpolora.workers.trainer.rollout import Completion, RolloutClient, Sampling
+from grpolora.workers.trainer.rollout import Completion, RolloutClient, Sampling, prompt_seed
 from grpolora.workers.trainer.status_server import StatusBoard
 from grpolora.workers.trainer.step import StepStats, make_optimizer, train_step
 
@@ -137,6 +137,9 @@ class Controller:
         # The adapter version that equals the trainer's weights right now; None once they moved past every synced
         # version (between an optimizer step and the next sync).
         self._weights_version: int | None = None
+        # Stream position of the next prompt to draw (ahead of progress.prompts_consumed while a pipelined step's
+        # rollouts are in flight): it numbers the per-prompt sampling seeds.
+        self._drawn = ctx.progress.prompts_consumed
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
@@ -150,7 +153,7 @@ class Controller:
         )
         return tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _generate(self, prompts: list[Prompt], version: int) -> Rollouts:
+    def _generate(self, prompts: list[Prompt], first_prompt: int, version: int) -> Rollouts:
         started = time.perf_counter()
         grpo = self.spec.grpo
         ids = [self._tokenize(p) for p in prompts]
@@ -160,13 +163,19 @@ class Controller:
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
         )
-        completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.serving(version))
+        seeds = [prompt_seed(grpo.seed, first_prompt + k) for k in range(len(ids))]
+        completions = self.rollouts.generate(
+            ids, sampling, version=version, replicas=self.sender.serving(version), seeds=seeds
+        )
         return Rollouts(prompts, ids, completions, time.perf_counter() - started)
 
-    def _next_prompts(self) -> list[Prompt]:
-        # Not counted as consumed until trained on: a pipelined step's prompts fetched ahead of a checkpoint are
-        # generated again after a restart, never skipped.
-        return list(islice(self._prompts, self.spec.grpo.prompts_per_step))
+    def _next_prompts(self) -> tuple[list[Prompt], int]:
+        """The next step's prompts and the stream position of the first. Not counted as consumed until trained on:
+        a pipelined step's prompts fetched ahead of a checkpoint are generated again after a restart, never
+        skipped (with the same seeds)."""
+        prompts = list(islice(self._prompts, self.spec.grpo.prompts_per_step))
+        first, self._drawn = self._drawn, self._drawn + len(prompts)
+        return prompts, first
 
     def _on_policy(self, rollouts: Rollouts) -> bool:
         """Sampled from exactly the trainer's current weights: the synced version they equal, unmoved since."""
@@ -186,14 +195,14 @@ class Controller:
             iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
             self.sender.refresh()
             if pending is None:
-                rollouts = self._generate(self._next_prompts(), self.sender.version)
+                rollouts = self._generate(*self._next_prompts(), self.sender.version)
             else:
                 rollouts = pending.result()
             on_policy = self._on_policy(rollouts)
             last = ctx.progress.step + 1 == grpo.steps
             if grpo.pipelined and not last:
                 # Overlap the next step's generation with this step's training and sync.
-                pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
+                pending = self._generator.submit(self._generate, *self._next_prompts(), self.sender.version)
             reward_started = time.perf_counter()
             rewards, batch = self._score(rollouts)
             reward_seconds = time.perf_counter() - reward_started
