@@ -41,7 +41,6 @@ class Progress:
     prompts_consumed: int = 0
     """Prompts of the stream trained on (not merely drawn: a pipelined step draws the next step's early)."""
 
-
     @classmethod
     def from_saved(cls, saved: dict[str, int]) -> Progress:
         """Also reads checkpoints written before the field was renamed from `sync_round` to `version`."""
