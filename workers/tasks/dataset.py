@@ -7,7 +7,7 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
-from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError
+from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError, TaskUnreachable
 from grpolora.workers.tasks.plugin import call_reward
 
 FIELD = "spec.task.dataset.path"
@@ -22,7 +22,7 @@ def read_jsonl(
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise TaskError(FIELD, f"file not found: {shown}") from None
+        raise TaskUnreachable(FIELD, f"file not found: {shown}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise TaskError(FIELD, f"cannot read {shown}: {err}") from None
     prompts = []
