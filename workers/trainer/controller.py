@@ -28,6 +28,7 @@ from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.tasks.dataset import DatasetTask
 from grpolora.workers.trainer import checkpoint, metrics
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
@@ -127,7 +128,23 @@ class Controller:
         self.board = board
         self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self._metrics_file = ctx.output_dir / "metrics.jsonl"
+        self._drop_prompts_that_cannot_fit()
         self._prompts = self._prompt_stream()
+
+    def _drop_prompts_that_cannot_fit(self) -> None:
+        """A dataset prompt the engine cannot take (with room for one generated token) is reported once, here, and
+        never drawn: sent, it would be refused by every replica and end the run."""
+        if not isinstance(self.task, DatasetTask):
+            return  # built-in tasks generate short prompts
+        limit = self.spec.inference.max_model_len or getattr(self.ctx.policy.model.config, "max_position_embeddings", 0)
+        if not limit:
+            return
+        report = self.task.drop_prompts(
+            lambda p: len(self._tokenize(p)) < limit,
+            f"do not fit in the model length {limit} (inference.maxModelLen) with room for one generated token",
+        )
+        if report:
+            log.warning("%s", report)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.

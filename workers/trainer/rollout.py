@@ -45,47 +45,67 @@ class RolloutClient:
     def generate(
         self, prompts: Sequence[list[int]], sampling: Sampling, *, version: int, replicas: Sequence[int]
     ) -> list[list[Completion]]:
-        """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices)."""
+        """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices).
+
+        A replica that fails (gone, engine error, version not live) loses its share to the others; the sync group
+        re-forms without it before the next round. A request a replica refuses as invalid (4xx) would be refused
+        by every replica, so it fails at once with the replica's reason."""
         if not replicas:
             raise RolloutError("no inference replica is in the sync group")
-        shares: dict[int, list[int]] = {r: [] for r in replicas}
-        for position in range(len(prompts)):
-            shares[replicas[position % len(replicas)]].append(position)
         results: list[list[Completion] | None] = [None] * len(prompts)
-        failed: list[int] = []
-
-        def request(replica: int, positions: list[int]) -> None:
-            if not positions:
-                return
-            body = {
-                "prompt_token_ids": [prompts[p] for p in positions],
-                "n": sampling.n,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "max_tokens": sampling.max_tokens,
-                "seed": None if sampling.seed is None else sampling.seed + positions[0],
-                "adapter_version": version,
-            }
-            try:
-                response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
-                response.raise_for_status()
-            except httpx.HTTPError as exc:
-                log.warning("rollout: replica %d failed: %s", replica, exc)
-                failed.extend(positions)
-                return
-            for position, result in zip(positions, response.json()["results"], strict=True):
-                results[position] = [Completion(**sample) for sample in result["samples"]]
-
-        list(self._pool.map(lambda item: request(*item), shares.items()))
-        if failed:
-            # Another replica takes over the lost share; the sync group re-forms before the next round.
-            alive = [r for r in replicas if not any(p in failed for p in shares[r])]
+        pending = list(range(len(prompts)))
+        alive = list(replicas)
+        errors: dict[int, str] = {}
+        while pending:
             if not alive:
-                raise RolloutError(f"every replica failed to generate ({len(failed)} prompts lost)")
-            retry = self.generate([prompts[p] for p in failed], sampling, version=version, replicas=alive)
-            for position, completions in zip(failed, retry, strict=True):
-                results[position] = completions
+                named = "; ".join(f"replica {r} ({self.endpoints[r]}): {e}" for r, e in sorted(errors.items()))
+                raise RolloutError(f"every replica failed to generate ({len(pending)} prompts lost): {named}")
+            shares: dict[int, list[int]] = {r: [] for r in alive}
+            for turn, position in enumerate(pending):
+                shares[alive[turn % len(alive)]].append(position)
+            outcomes = self._pool.map(lambda item: self._request(*item, prompts, sampling, version), shares.items())
+            pending = []
+            for (replica, positions), outcome in zip(shares.items(), outcomes, strict=True):
+                if isinstance(outcome, str):
+                    log.warning("rollout: replica %d failed: %s", replica, outcome)
+                    errors[replica] = outcome
+                    alive.remove(replica)
+                    pending += positions
+                    continue
+                for position, completions in zip(positions, outcome, strict=True):
+                    results[position] = completions
         return [r for r in results if r is not None]
+
+    def _request(
+        self, replica: int, positions: list[int], prompts: Sequence[list[int]], sampling: Sampling, version: int
+    ) -> list[list[Completion]] | str:
+        """The completions of `positions` from one replica, or why it failed; RolloutError if it refused them."""
+        if not positions:
+            return []
+        body = {
+            "prompt_token_ids": [prompts[p] for p in positions],
+            "n": sampling.n,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "max_tokens": sampling.max_tokens,
+            "seed": None if sampling.seed is None else sampling.seed + positions[0],
+            "adapter_version": version,
+        }
+        try:
+            response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
+        except httpx.HTTPError as exc:
+            return f"{type(exc).__name__}: {exc}"
+        if response.status_code != 200:
+            try:
+                detail = response.json().get("detail", response.text)
+            except ValueError:
+                detail = response.text
+            detail = str(detail)[:2000]
+            # 409: the version is not live there (a replica behind); 5xx: the replica's fault. Both fail over.
+            if 400 <= response.status_code < 500 and response.status_code != 409:
+                raise RolloutError(f"replica {replica} refused the request ({response.status_code}): {detail}")
+            return f"{response.status_code} {detail}"
+        return [[Completion(**s) for s in result["samples"]] for result in response.json()["results"]]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
