@@ -84,6 +84,7 @@ def sender(job, servers, model_dir):
         timeout_seconds=job.sync.timeout_seconds,
         bucket_bytes=job.sync.bucket_bytes,
         fingerprint=fingerprint(model_dir),
+        token=TOKEN,
     )
     made.form_group(wait_for_all_seconds=60)
     yield made
@@ -282,6 +283,7 @@ def test_fingerprint_mismatch_is_refused_with_both_named(job, servers):
         timeout_seconds=5,
         bucket_bytes=1 << 20,
         fingerprint="0" * 64,
+        token=TOKEN,
     )
     with pytest.raises(FingerprintMismatch, match=f"the trainer loaded {'0' * 64}, inference replica 0 loaded"):
         wrong.form_group()

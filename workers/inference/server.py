@@ -35,6 +35,7 @@ from grpolora.workers.inference.engine import (
     SamplingRequest,
     VersionUnavailable,
     default_adapter_root,
+    remove_stale_adapter_roots,
 )
 from grpolora.workers.sync.control import (
     JOIN_PATH,
@@ -58,6 +59,7 @@ MAX_PROMPTS = 4096
 """Most prompts in one generate request."""
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
+SHUTDOWN_GRACE_SECONDS = 3
 
 
 class GenerateRequest(BaseModel):
@@ -337,6 +339,7 @@ def serve(env: WorkerEnv) -> int:
             engine,
             replica_index=env.replica_index,
             fingerprint=holder["fingerprint"],
+            token=env.token,
             device=device,
             on_round=_count_round,
             on_error=lambda kind: metrics.SYNC_FAILURES.labels(reason=kind).inc(),
@@ -348,6 +351,8 @@ def serve(env: WorkerEnv) -> int:
         failed.append(True)
         server.should_exit = True
 
+    for stale in remove_stale_adapter_roots():
+        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
     engine = AdapterEngine(engine_config(env, env.model), adapter_root=default_adapter_root(env.job_name))
     app = create_app(
         engine,
@@ -358,6 +363,17 @@ def serve(env: WorkerEnv) -> int:
         on_fatal=stop_on_fatal,
     )
     port = int(env.own_endpoint.rsplit(":", 1)[1])
-    server = uvicorn.Server(uvicorn.Config(app, host=env.bind_addr, port=port, log_level="info", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=env.bind_addr,
+            port=port,
+            log_level="info",
+            access_log=False,
+            # On SIGTERM, requests in flight get this long; then the engine shuts down (uvicorn would otherwise wait
+            # for them without limit, and a client that is gone already cannot end them).
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+        )
+    )
     server.run()
     return 1 if failed else 0

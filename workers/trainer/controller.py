@@ -85,6 +85,25 @@ class TrainerContext:
         )
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """A resumed run redoes the steps after its checkpoint: drop the interrupted run's records of them (and a line
+    cut off mid-write), so that each step is in metrics.jsonl once. Returns how many lines were dropped."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if len(kept) != len(lines):
+        path.write_text("".join(f"{line}\n" for line in kept))
+    return len(lines) - len(kept)
+
+
 def broadcast_instruction(instruction: Instruction | None, world_size: int) -> Instruction:
     if world_size == 1:
         assert instruction is not None
@@ -128,6 +147,9 @@ class Controller:
         self.board = board
         self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self._metrics_file = ctx.output_dir / "metrics.jsonl"
+        dropped = drop_records_after(self._metrics_file, ctx.progress.step)
+        if dropped:
+            log.info("metrics.jsonl: dropped %d records of steps after the checkpoint this run resumes from", dropped)
         self._drop_prompts_that_cannot_fit()
         self._prompts = self._prompt_stream()
 
