@@ -7,6 +7,8 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import logging
+import os
+import signal
 import socket
 import time
 
@@ -20,7 +22,7 @@ from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
 from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store
-from tests.workers.servers import TOKEN, ServerProcess, generate, tiny_cpu_job
+from tests.workers.servers import TOKEN, ServerProcess, alive, descendants, generate, tiny_cpu_job
 from tests.workers.syncfakes import free_port
 
 pytestmark = pytest.mark.vllm
@@ -322,3 +324,16 @@ def test_a_replica_killed_mid_round_is_dropped_then_its_replacement_catches_up(
     assert httpx.get(f"{replacement.url}/ready").status_code == 200
     report = sender.send(lora_tensors(policy), lora_config(policy))
     assert report.members == (0, 1)
+
+
+def test_engine_processes_die_with_their_server(servers):
+    """The server process alone killed (as the OOM killer does): vLLM's engine processes must not live on."""
+    victim = servers[-1]
+    engine = descendants(victim.proc.pid)
+    assert engine, "the inference server has no engine processes"
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(30)
+    deadline = time.monotonic() + 5
+    while [p for p in engine if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in engine if alive(p)], "vLLM's engine processes outlived their server"

@@ -3,7 +3,6 @@ machine, a tiny model, real adapter sync every step; then a second run resumes f
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -18,6 +17,7 @@ import yaml
 
 from grpolora.api.status import TrainerStatus
 from tests.helpers import ROOT
+from tests.workers.servers import alive, descendants
 
 pytestmark = pytest.mark.vllm
 
@@ -160,24 +160,9 @@ def worker_pids(job_name: str, role: str, index: int) -> list[int]:
     return found
 
 
-def descendants(pid: int) -> list[int]:
-    children = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            children += [int(c) for c in (task / "children").read_text().split()]
-    return children + [d for c in children for d in descendants(c)]
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except OSError:
-        return False
-
-
 class RunningCommand:
-    """`grpolora run` in its own session (so that a test can Ctrl-C it as a terminal would: SIGINT to the whole
-    foreground group), with its stderr lines collected as they come."""
+    """`grpolora run` in its own session (so that a test can kill whatever it leaves), with its stderr lines
+    collected as they come."""
 
     def __init__(self, job: dict, tmp_path: Path, run_dir: Path):
         path = tmp_path / f"{job['metadata']['name']}.yaml"
@@ -249,7 +234,9 @@ def test_ctrl_c_is_quick_leaves_nothing_behind_and_the_rerun_records_each_step_o
     try:
         run.wait_for("step 3/6")  # the checkpoint is at step 2
         pressed = time.monotonic()
-        os.killpg(run.proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole foreground group
+        # SIGINT to `grpolora run` alone (as `kill -INT` or a supervisor sends it): the launcher stops the workers.
+        # (A terminal's Ctrl-C signals the whole group; Ray's actors then die too, and their workers with them.)
+        run.proc.send_signal(signal.SIGINT)
         code = run.finish(timeout=120)
         seconds = time.monotonic() - pressed
     finally:

@@ -228,9 +228,8 @@ class LocalRun:
         return (
             _worker_actor_class()
             .options(
-                name=f"{self.job.name}-{worker.role}-{worker.index}-{os.getpid()}-{self.restarts.get(worker.index, 0)}"
-                if worker.role == "inference"
-                else f"{self.job.name}-{worker.role}-{worker.index}-{os.getpid()}",
+                # A replacement's name differs from the killed actor's, which Ray may still be tearing down.
+                name=f"{self.job.name}-{worker.role}-{worker.index}-{os.getpid()}-{self.restarts.get(worker.index, 0)}",
                 num_cpus=1,
                 num_gpus=worker.gpus,
             )

@@ -114,6 +114,9 @@ def _record_and_exit_on_sigterm(board, folder: Path) -> None:
 
     def stop(signum: int, _frame) -> None:
         status = board.get()
+        if status.phase == "Succeeded":  # every step is done and the final adapter written: only the record is left
+            _write_final_status(board, folder)
+            os._exit(0)
         board.update(
             phase="Failed",
             message=f"stopped by SIGTERM after step {status.step}/{status.total_steps}; run it again to resume from "
