@@ -147,6 +147,7 @@ def main() -> None:
             store_port=job.sync.port,
             backend="gloo",
             timeout_seconds=60,
+            join_timeout_seconds=60,
             bucket_bytes=job.sync.bucket_bytes,
             fingerprint=fingerprint(model_dir),
             token=TOKEN,

@@ -18,9 +18,11 @@ from typing import Any
 
 from grpolora.api import constants as c
 from grpolora.api.plan import MODEL_MOUNT, JobPlan, RolePlan
+from grpolora.api.spec import PodSecuritySpec, RoleSpec
 
 K8sObject = dict[str, Any]
 
+# The images' numeric USER (Dockerfile): runAsNonRoot holds without the pods fixing a uid (see PodSecuritySpec).
 WORKER_UID = 1000
 SHM_MOUNT = "/dev/shm"
 CACHE_MOUNT = "/cache"
@@ -206,7 +208,7 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
         container["imagePullPolicy"] = placement.image_pull_policy
     volumes: list[dict[str, Any]] = [
         # NCCL and vLLM's CPU backend use shared memory well beyond the default 64 MiB.
-        {"name": "shm", "emptyDir": {"medium": "Memory"}},
+        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec(plan, role).shm_size_limit}},
         {"name": "cache", "emptyDir": {}},
     ]
     if spec.model.source is not None:
@@ -237,13 +239,7 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
         # Workers talk to nobody's API server: progress flows to the operator over HTTP.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": WORKER_UID,
-            "runAsGroup": WORKER_UID,
-            "fsGroup": WORKER_UID,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _pod_security(spec.pod_security),
         "containers": [container],
         "volumes": volumes,
     }
@@ -256,6 +252,27 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
     if placement.affinity:
         pod["affinity"] = copy.deepcopy(dict(placement.affinity))
     return pod
+
+
+def role_spec(plan: JobPlan, role: RolePlan) -> RoleSpec:
+    spec = plan.job.spec
+    return spec.trainer if role.role == c.ROLE_TRAINER else spec.inference
+
+
+def _pod_security(security: PodSecuritySpec) -> dict[str, Any]:
+    result: dict[str, Any] = {"runAsNonRoot": True}
+    for key, value in (
+        ("runAsUser", security.run_as_user),
+        ("runAsGroup", security.run_as_group),
+        ("fsGroup", security.fs_group),
+    ):
+        if value is not None:
+            result[key] = value
+    if security.fs_group is not None:
+        # Large PVCs: change ownership only when the volume root does not already match, not on every start.
+        result["fsGroupChangePolicy"] = "OnRootMismatch"
+    result["seccompProfile"] = {"type": "RuntimeDefault"}
+    return result
 
 
 def _env(plan: JobPlan, role: RolePlan) -> list[dict[str, Any]]:

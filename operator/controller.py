@@ -2,10 +2,14 @@
 delete/create children, write the status once, and post events only after that write succeeded.
 
 Two kinds of pass share one function and one per-job lock:
-- the Kopf handlers (create/resume/update) run a *full* pass, which also makes sure the Secret, Services and
-  NetworkPolicy exist (create-if-absent: a 409 means it exists and is kept, so the token is never regenerated);
+- the Kopf handlers (create/resume/update) run a *full* pass;
 - a per-job monitor task runs a pass every `interval` seconds (sooner when a decision asks) to follow the
   workloads and the trainer's /status, restart a failed trainer, and delete the job after its TTL.
+Every pass makes sure the Secret, Services and NetworkPolicy exist (drift repair: one deleted by hand comes back;
+create-if-absent, so the token is never regenerated) and reads each child's controlling owner: a child of the same
+name that still belongs to a deleted job of the same name (garbage collection takes a moment) is never taken for
+this job's; the pass waits for it to go. A child the API server refuses to create fails the job with the API's
+message (grpolora.operator.reconcile.decide_refused) instead of leaving Kopf to retry it silently.
 
 The monitors are plain asyncio tasks rather than Kopf daemons or timers: those make Kopf put a finalizer on every
 job, so `kubectl delete` would hang whenever the operator is down or uninstalled, while nothing outside the
@@ -50,6 +54,15 @@ class ControllerConfig:
 
 class JobGone(Exception):
     """The GRPOLoraJob no longer exists (deleted, or removed after its TTL)."""
+
+
+class ChildRefused(Exception):
+    """The API server refused to create one of the job's children."""
+
+    def __init__(self, error: kube.ApiError, obj: Mapping[str, Any]):
+        super().__init__(str(error))
+        self.error = error
+        self.refusal = rec.Refusal(obj["kind"], obj["metadata"]["name"], error.status, error.message or error.reason)
 
 
 @dataclass
@@ -121,21 +134,38 @@ class Controller:
     # ---- the pass ----------------------------------------------------------------------------------------
 
     async def _pass(self, job: _Job, *, full: bool) -> rec.Decision:
+        """One reconcile pass (`full` for the handlers' passes; both kinds do the same work today)."""
         view = rec.job_view(job.body)
         old = rec.stored_status(job.status)
-        if full and view.job is not None and not rec.is_finished(old):
-            await self._ensure_kept_children(job, view)
-        if view.record_applied is not None and view.job is not None and not view.job.spec.suspend:
-            # First pass of a new job: its workloads cannot exist yet, so skip reading them (were they there after
-            # all, e.g. a hand-removed annotation, creating them answers 409 and the next pass reads them).
-            observed = rec.Observed()
-        else:
-            observed = await self._observe(view, old)
-        decision = rec.decide(view, old, observed, self.clock())
-        await self._carry_out(job, decision)
+        try:
+            blocked: list[rec.ChildRef] = []
+            if view.job is not None and not rec.is_finished(old):
+                blocked += await self._ensure_kept_children(job, view)
+            observed = await self._observe(view, old, blocked)
+            decision = rec.decide(view, old, observed, self.clock())
+            await self._change_workloads(job, decision)
+        except ChildRefused as refused:
+            decision = rec.decide_refused(view, old, refused.refusal, self.clock())
+            logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
+            await self._record(job, decision)
+            if refused.refusal.transient:
+                raise refused.error from None
+            return decision
+        await self._record(job, decision)
         return decision
 
-    async def _ensure_kept_children(self, job: _Job, view: rec.JobView) -> None:
+    async def _create(self, job: _Job, obj: Mapping[str, Any]) -> bool:
+        """Create if absent (False on 409); an API refusal becomes ChildRefused."""
+        try:
+            new = await self.client.create(obj)
+        except kube.ApiError as exc:
+            raise ChildRefused(exc, obj) from exc
+        if new:
+            logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
+        return new
+
+    async def _ensure_kept_children(self, job: _Job, view: rec.JobView) -> list[rec.ChildRef]:
+        """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
         assert view.job is not None
         if view.record_applied is not None:
             # Recorded before anything is created, so a restarted operator always knows what the children run.
@@ -148,12 +178,22 @@ class Controller:
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent).
         kept, _ = rec.children(plan(view.job), uid=view.uid, token=secrets.token_urlsafe(TOKEN_BYTES))
-        created = await asyncio.gather(*(self.client.create(obj) for obj in kept))
-        for obj, new in zip(kept, created, strict=True):
-            if new:
-                logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
 
-    async def _observe(self, view: rec.JobView, old: JobStatus) -> rec.Observed:
+        async def ensure(obj: dict[str, Any]) -> rec.ChildRef | None:
+            kind, name = kube.kind_of(obj), obj["metadata"]["name"]
+            existing = await self.client.get(kind, job.namespace, name)
+            if existing is None:
+                if await self._create(job, obj):
+                    return None
+                existing = await self.client.get(kind, job.namespace, name)  # created meanwhile: by whom?
+            if existing is not None and obs.controller_uid(existing) != view.uid:
+                return rec.ChildRef(kind.kind, name)
+            return None
+
+        found = await asyncio.gather(*(ensure(obj) for obj in kept))
+        return [ref for ref in found if ref is not None]
+
+    async def _observe(self, view: rec.JobView, old: JobStatus, blocked: list[rec.ChildRef]) -> rec.Observed:
         if view.job is None:
             return rec.Observed()
         workloads = child_names(view.name)
@@ -161,31 +201,55 @@ class Controller:
             self.client.get(kube.JOB, view.namespace, workloads["trainer"]),
             self.client.get(kube.STATEFULSET, view.namespace, workloads["inference"]),
         )
+        # A workload of a deleted job of the same name is not this job's: its state (e.g. Complete) says nothing.
+        if trainer_job is not None and obs.controller_uid(trainer_job) != view.uid:
+            blocked.append(rec.ChildRef("Job", workloads["trainer"]))
+            trainer_job = None
+        if inference is not None and obs.controller_uid(inference) != view.uid:
+            blocked.append(rec.ChildRef("StatefulSet", workloads["inference"]))
+            inference = None
         spec = view.job.spec
         pods: list[dict[str, Any]] = []
+        warnings: tuple[obs.NotReady, ...] = ()
         not_ready = (
             obs.job_ready(trainer_job) < spec.trainer.replicas
             or obs.statefulset_ready(inference) < spec.inference.replicas
         )
-        if not spec.suspend and not rec.is_finished(old) and (trainer_job or inference) and not_ready:
-            pods = await self.client.list(kube.POD, view.namespace, {c.LABEL_JOB: view.name})
+        running = not spec.suspend and not rec.is_finished(old)
+        if running and (trainer_job or inference) and not_ready:
+            pods, events = await asyncio.gather(
+                self.client.list(kube.POD, view.namespace, {c.LABEL_JOB: view.name}),
+                self.client.list(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
+            )
+            desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
+            present = [w for w in (trainer_job, inference) if w is not None]
+            warnings = obs.pod_warnings(events, present, pods, desired)
+        claims: dict[str, tuple[str, ...] | None] = {}
+        if running:
+            uses = rec.volume_uses(spec)
+            found = await asyncio.gather(*(self.client.get(kube.PVC, view.namespace, use.claim) for use in uses))
+            for use, claim in zip(uses, found, strict=True):
+                claims[use.claim] = tuple((claim.get("spec") or {}).get("accessModes") or ()) if claim else None
         report, error = None, None
         if rec.should_poll_trainer(view, old, trainer_job):
             try:
                 report = await self.trainer.fetch(status_url(plan(view.job)))
             except TrainerUnavailable as exc:
                 error = str(exc)
-        return rec.Observed(trainer_job, inference, tuple(pods), report, error)
+        return rec.Observed(
+            trainer_job, inference, tuple(pods), report, error, blocked=tuple(blocked), warnings=warnings, claims=claims
+        )
 
-    async def _carry_out(self, job: _Job, decision: rec.Decision) -> None:
+    async def _change_workloads(self, job: _Job, decision: rec.Decision) -> None:
         # Deletes first: a replaced trainer Job is deleted and created under the same name.
         await asyncio.gather(*(self.client.delete(kube.KINDS[r.kind], job.namespace, r.name) for r in decision.delete))
         for ref in decision.delete:
             logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
-        created = await asyncio.gather(*(self.client.create(obj) for obj in decision.create))
-        for obj, new in zip(decision.create, created, strict=True):
-            if new:
-                logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
+        # A 409 (created meanwhile, e.g. by an older job of this name) is read, owner and all, on the next pass.
+        await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
+
+    async def _record(self, job: _Job, decision: rec.Decision) -> None:
+        """Write the status, then post the events (only after the write succeeded); delete the job after its TTL."""
         patch = rec.status_patch(job.status, decision.status)
         if patch is not None:
             written = await self.client.patch(

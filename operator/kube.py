@@ -23,6 +23,7 @@ from grpolora.api import constants as c
 logger = logging.getLogger(__name__)
 K8sObject = dict[str, Any]
 EVENT_MESSAGE_MAX: Final = 1024  # the API server rejects longer event messages
+STRICT: Final = {"fieldValidation": "Strict"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ SECRET: Final = Kind("", "v1", "secrets", "Secret")
 SERVICE: Final = Kind("", "v1", "services", "Service")
 POD: Final = Kind("", "v1", "pods", "Pod")
 EVENT: Final = Kind("", "v1", "events", "Event")
+PVC: Final = Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 JOB: Final = Kind("batch", "v1", "jobs", "Job")
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
@@ -160,10 +162,13 @@ class KubeClient:
     # ---- verbs -------------------------------------------------------------------------------------------
 
     async def create(self, obj: Mapping[str, Any]) -> bool:
-        """Create if absent: True if created, False if an object of that name already exists (never replaced)."""
+        """Create if absent: True if created, False if an object of that name already exists (never replaced).
+
+        With strict field validation: an unknown field is refused (400) rather than dropped without a word.
+        """
         meta = obj["metadata"]
         try:
-            await self._call("POST", kind_of(obj).path(meta["namespace"]), body=obj)
+            await self._call("POST", kind_of(obj).path(meta["namespace"]), params=STRICT, body=obj)
         except ApiError as exc:
             if exc.status == 409:
                 return False
@@ -178,9 +183,15 @@ class KubeClient:
                 return None
             raise
 
-    async def list(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[K8sObject]:
-        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-        result = await self._call("GET", kind.path(namespace), params={"labelSelector": selector})
+    async def list(
+        self, kind: Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
+    ) -> list[K8sObject]:
+        params = {}
+        if labels:
+            params["labelSelector"] = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        if fields:
+            params["fieldSelector"] = ",".join(f"{key}={value}" for key, value in sorted(fields.items()))
+        result = await self._call("GET", kind.path(namespace), params=params)
         return list((result or {}).get("items") or [])
 
     async def patch(

@@ -28,6 +28,7 @@ FAILED: Final = "Failed"
 SUSPENDED: Final = "Suspended"
 INVALID_SPEC: Final = "InvalidSpec"
 SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
+VOLUMES_SHAREABLE: Final = "VolumesShareable"
 CONDITION_TYPES: Final = (
     CREATED,
     PODS_READY,
@@ -38,6 +39,7 @@ CONDITION_TYPES: Final = (
     SUSPENDED,
     INVALID_SPEC,
     SPEC_CHANGE_REFUSED,
+    VOLUMES_SHAREABLE,
 )
 
 # ---- reasons (conditions and events) -----------------------------------------------------------------------
@@ -64,6 +66,19 @@ R_INVALID: Final = "InvalidSpec"
 R_VALID: Final = "Valid"
 R_REFUSED: Final = "SpecChangeRefused"
 R_UNCHANGED: Final = "SpecUnchanged"
+# The API server refused to create a child (422 invalid, 403 forbidden by RBAC or admission, 400): the job fails
+# with the API's message until its spec changes; transient API failures (5xx, 429, unreachable) are retried.
+R_CREATE_REFUSED: Final = "CreateRefused"
+R_API_RETRYING: Final = "APIRetrying"
+# Shared PersistentVolumeClaims (model: every pod; checkpoints: every trainer rank) and their access modes.
+R_ACCESS_MODES_FIT: Final = "AccessModesFit"
+R_SINGLE_NODE_ACCESS: Final = "SingleNodeAccessMode"
+R_VOLUME_ACCESS_MODE: Final = "VolumeAccessMode"
+# Why pods are missing or stuck, from the Warning events of the workloads and pods (FailedCreate: quota, Pod
+# Security admission, a webhook; FailedAttachVolume: Multi-Attach; FailedMount).
+POD_WARNING_REASONS: Final = ("FailedCreate", "FailedAttachVolume", "FailedMount")
+# A child of that name still belongs to a deleted job of the same name (garbage collection takes a moment).
+R_WAITING_FOR_PREVIOUS_JOB: Final = "WaitingForPreviousJob"
 
 # Event-only reasons.
 E_CREATED: Final = "Created"
@@ -77,6 +92,7 @@ E_GROUP_REFORMED: Final = "SyncGroupReformed"
 E_PODS_NOT_READY: Final = "PodsNotReady"
 E_INVALID_SPEC: Final = "InvalidSpec"
 E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
+E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
 
 # Spec fields that may change on a running job; every other change is refused.
 MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from grpolora.api.status import JobStatus, TrainerStatus
 from grpolora.operator import names
@@ -57,6 +57,14 @@ def statefulset_ready(statefulset: K8sObject | None) -> int:
 
 def deleting(obj: K8sObject | None) -> bool:
     return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
+
+
+def controller_uid(obj: K8sObject | None) -> str | None:
+    """The uid of the object's controlling owner (ownerReferences with controller: true), if any."""
+    for ref in ((obj or {}).get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("controller"):
+            return str(ref.get("uid"))
+    return None
 
 
 def restart_attempt(job: K8sObject | None) -> int:
@@ -141,6 +149,7 @@ class Progress:
     """The training figures of the status, after folding in one trainer report."""
 
     step: int | None = None
+    steps_lost: int | None = None
     sync_round: int | None = None
     last_sync_time: str | None = None
     last_sync_seconds: float | None = None
@@ -154,12 +163,14 @@ class Progress:
 def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
     """Fold a trainer report into the previous figures.
 
-    step and syncRound never go back: a trainer restarted from an older checkpoint reports lower numbers until it
-    catches up, and the sync figures of such a report describe an older round, so they are kept from before.
+    step is the step the trainer actually reached: after a restart from an older checkpoint (or from scratch, with
+    checkpoints in an emptyDir) it is lower, and the difference is added to steps_lost. syncRound, the adapter
+    version the replicas serve, never goes back; the sync figures of a report of an older round are kept from before.
     """
     epoch = old.rendezvous.epoch if old.rendezvous is not None else 0
     before = Progress(
         step=old.step,
+        steps_lost=old.steps_lost,
         sync_round=old.sync_round,
         last_sync_time=old.last_sync_time,
         last_sync_seconds=old.last_sync_seconds,
@@ -172,8 +183,12 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
     if report is None:
         return before
     current_round = report.sync_round >= (old.sync_round or 0)
+    lost = old.steps_lost
+    if report.step < (old.step or 0):
+        lost = (lost or 0) + (old.step or 0) - report.step
     return Progress(
-        step=max(old.step or 0, report.step),
+        step=report.step,
+        steps_lost=lost,
         sync_round=max(old.sync_round or 0, report.sync_round),
         last_sync_time=_newer(current_round, report.last_sync_time, old.last_sync_time),
         last_sync_seconds=_newer(current_round, report.last_sync_seconds, old.last_sync_seconds),
@@ -187,3 +202,98 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
 
 def _newer(use_report: bool, reported: Any, previous: Any) -> Any:
     return reported if use_report and reported is not None else previous
+
+
+# ---- warning events about the job's workloads and pods ---------------------------------------------------------
+
+
+def pod_warnings(
+    events: Sequence[K8sObject], workloads: Sequence[K8sObject], pods: Sequence[K8sObject], desired: Mapping[str, int]
+) -> tuple[NotReady, ...]:
+    """Why pods are missing or stuck, from Warning events (names.POD_WARNING_REASONS), most telling first.
+
+    FailedCreate counts only for a workload that has fewer pods than it wants, mount failures only for a pod still
+    waiting to start, and an event about an older object of the same name (another uid) not at all.
+    """
+    live: dict[tuple[str, str], str] = {}
+    for workload in workloads:
+        meta = workload.get("metadata") or {}
+        have = sum(1 for pod in pods if _owned_by(pod, meta.get("uid")))
+        if have < desired.get(workload.get("kind", ""), 0):
+            live[(workload.get("kind", ""), meta.get("name", ""))] = meta.get("uid", "")
+    for pod in pods:
+        waiting = [
+            (s.get("state") or {}).get("waiting") for s in ((pod.get("status") or {}).get("containerStatuses") or [])
+        ]
+        if (pod.get("status") or {}).get("phase") in (None, "Pending") and (not waiting or any(waiting)):
+            meta = pod.get("metadata") or {}
+            live[("Pod", meta.get("name", ""))] = meta.get("uid", "")
+    found: dict[str, NotReady] = {}
+    for event in sorted(events, key=lambda e: str(e.get("lastTimestamp") or e.get("eventTime") or "")):
+        involved = event.get("involvedObject") or {}
+        key = (involved.get("kind", ""), involved.get("name", ""))
+        reason = event.get("reason", "")
+        if key not in live or reason not in names.POD_WARNING_REASONS:
+            continue
+        if involved.get("uid") and live[key] and involved["uid"] != live[key]:
+            continue
+        found[reason] = NotReady(reason, f"{reason}: {key[0]} {key[1]}: {event.get('message', '')}")
+    return tuple(found[r] for r in names.POD_WARNING_REASONS if r in found)
+
+
+def _owned_by(pod: K8sObject, uid: str | None) -> bool:
+    refs = (pod.get("metadata") or {}).get("ownerReferences") or []
+    return uid is None or not refs or any(ref.get("uid") == uid for ref in refs)
+
+
+# ---- shared volumes ------------------------------------------------------------------------------------------
+
+MANY_NODES_READ: Final = ("ReadOnlyMany", "ReadWriteMany")
+
+
+@dataclass(frozen=True)
+class VolumeUse:
+    """A claim the job's pods share: `pods` of them mount it, read-only or to write."""
+
+    claim: str
+    role: str
+    pods: int
+    writes: bool
+
+
+@dataclass(frozen=True)
+class VolumeCheck:
+    refusal: str | None = None
+    """Why the job cannot run with these claims (the pods would never start)."""
+    warning: str | None = None
+    """Why it may hang: a single-node access mode shared by several pods (Multi-Attach unless on one node)."""
+
+
+def volume_check(uses: Sequence[VolumeUse], modes: Mapping[str, tuple[str, ...] | None]) -> VolumeCheck:
+    """Do the claims' access modes let every pod that mounts them do so? (Absent claims: the scheduler says.)"""
+    refusals, warnings = [], []
+    for use in uses:
+        have = modes.get(use.claim)
+        if not have:
+            continue
+        listed = ", ".join(have)
+        if use.writes and set(have) <= {"ReadOnlyMany"}:
+            needed = "ReadWriteOnce or ReadWriteMany" if use.pods == 1 else "ReadWriteMany"
+            refusals.append(
+                f"claim {use.claim} ({listed}) is read-only but the {use.role} writes to it; it needs {needed}"
+            )
+            continue
+        if use.pods <= 1 or any(m in have for m in (("ReadWriteMany",) if use.writes else MANY_NODES_READ)):
+            continue
+        needed = "ReadWriteMany" if use.writes else "ReadOnlyMany or ReadWriteMany"
+        if "ReadWriteOnce" not in have:  # ReadWriteOncePod: one pod, whatever the node
+            refusals.append(
+                f"claim {use.claim} ({listed}) admits one pod but {use.pods} {use.role} pods mount it; it needs "
+                f"{needed}"
+            )
+        else:
+            warnings.append(
+                f"claim {use.claim} is ReadWriteOnce but {use.pods} {use.role} pods mount it: pods on a second node "
+                f"hang in Multi-Attach unless all run on one node; use a claim with {needed}"
+            )
+    return VolumeCheck("; ".join(refusals) or None, "; ".join(warnings) or None)

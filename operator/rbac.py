@@ -2,7 +2,8 @@
 
 The single source of truth: the Helm chart's ClusterRole is checked against RULES, and the operator tests record
 every (verb, group, resource) the operator sends to the API emulator and check that RULES covers it.
-Not needed, on purpose: `get`/`update` on Secrets (the token is only ever created, never read back), `list`/`watch`
+Not needed, on purpose: `list`/`update` on Secrets (the token is created once; `get` only reads the Secret of this
+job's name to check its owner, after a delete and re-apply under the same name), `list`/`watch`
 on namespaces and CRDs (Kopf runs with scanning disabled, see grpolora.operator.main.build_settings), and anything
 on pods but `list` (workers are never touched directly; their workloads are).
 """
@@ -35,13 +36,33 @@ RULES: Final[tuple[Rule, ...]] = (
         "(patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)",
     ),
     Rule((c.GROUP,), (f"{c.PLURAL}/status",), ("patch",), "the job status: phase, progress, conditions"),
-    Rule(("",), ("secrets",), ("create",), "the per-job token Secret, created once and never read back"),
-    Rule(("",), ("services",), ("create",), "the headless Services that give the trainer and inference pods DNS"),
+    Rule(
+        (c.GROUP,),
+        (f"{c.PLURAL}/finalizers",),
+        ("update",),
+        "the children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
+        "admission plugin (on in OpenShift) allows only to whoever may update the owner's finalizers",
+    ),
+    Rule(
+        ("",),
+        ("secrets",),
+        ("get", "create"),
+        "the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and "
+        "re-created if deleted",
+    ),
+    Rule(
+        ("",),
+        ("services",),
+        ("get", "create"),
+        "the headless Services that give the trainer and inference pods DNS; read to check their owner and re-create "
+        "them if deleted",
+    ),
     Rule(
         ("networking.k8s.io",),
         ("networkpolicies",),
-        ("create",),
-        "the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods",
+        ("get", "create"),
+        "the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check "
+        "its owner and re-create it if deleted",
     ),
     Rule(
         ("batch",),
@@ -56,7 +77,19 @@ RULES: Final[tuple[Rule, ...]] = (
         "the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends",
     ),
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
-    Rule(("",), ("events",), ("create",), "Events on the job for each key transition"),
+    Rule(
+        ("",),
+        ("events",),
+        ("create", "list"),
+        "Events on the job for each key transition; list Warning events to say why pods are never created (quota, "
+        "Pod Security admission) or cannot mount their volumes (Multi-Attach)",
+    ),
+    Rule(
+        ("",),
+        ("persistentvolumeclaims",),
+        ("get",),
+        "read the access modes of the model and checkpoint claims that several pods share",
+    ),
     Rule(
         ("kopf.dev",),
         ("kopfpeerings", "clusterkopfpeerings"),

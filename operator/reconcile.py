@@ -14,7 +14,7 @@ import copy
 import datetime
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
 from pydantic import ValidationError
@@ -41,10 +41,22 @@ WORKLOAD_KINDS: Final = ("Job", "StatefulSet")
 TERMINAL: Final = ("Succeeded", "Failed")
 # After replacing a trainer Job, look again soon: the old one may take a moment to leave the API.
 REPLACE_RECHECK_SECONDS: Final = 1.0
-SUSPENDED_MESSAGE: Final = (
-    "suspended: the trainer Job and inference StatefulSet are removed; the Secret, Services, NetworkPolicy and "
-    "checkpoints are kept. Set spec.suspend: false to resume from the latest checkpoint"
-)
+
+
+def suspended_message(spec: GRPOLoraJobSpec) -> str:
+    """What suspension removes and what it really keeps (checkpoints only on a PVC)."""
+    removed = "suspended: the trainer Job and inference StatefulSet are removed; the Secret, Services, NetworkPolicy"
+    if spec.checkpoint.pvc is not None:
+        return (
+            f"{removed} and the checkpoints in claim {spec.checkpoint.pvc.claim_name} are kept. Set "
+            "spec.suspend: false to resume from the latest checkpoint"
+        )
+    return (
+        f"{removed} are kept, but the checkpoints were in the trainer pods' emptyDir and are gone: resuming "
+        "(spec.suspend: false) trains from step 0 (set spec.checkpoint.pvc to keep checkpoints)"
+    )
+
+
 _QUIET_POD_REASONS: Final = (
     names.R_WAITING_FOR_PODS,
     names.R_NO_WORKLOADS,
@@ -80,11 +92,15 @@ def spec_json(spec: GRPOLoraJobSpec) -> str:
 
 
 def job_view(body: Mapping[str, Any]) -> JobView:
-    """Parse the job and reconcile its current spec with the applied one (see names.APPLIED_SPEC_ANNOTATION)."""
+    """Parse the job and reconcile its current spec with the applied one (see names.APPLIED_SPEC_ANNOTATION).
+
+    Until its children have been created (status condition Created), a job has no applied spec to keep: a spec
+    fixed after the API server refused a child applies as a whole.
+    """
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", "default"), meta.get("name", "")
     uid, generation = meta.get("uid", ""), meta.get("generation")
-    applied = _applied_spec(meta)
+    applied = _applied_spec(meta) if cond.is_true(stored_status(body.get("status")).conditions, names.CREATED) else None
     try:
         current = parse_job(body)
     except InvalidJob as exc:
@@ -171,6 +187,12 @@ def with_restart_attempt(trainer_job: K8sObject, attempt: int) -> K8sObject:
 
 
 @dataclass(frozen=True)
+class ChildRef:
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True)
 class Observed:
     """What one pass read: the workloads (None = absent), the job's pods, trainer rank 0's report."""
 
@@ -179,12 +201,28 @@ class Observed:
     pods: tuple[K8sObject, ...] = ()
     trainer: TrainerStatus | None = None
     trainer_error: str | None = None
+    blocked: tuple[ChildRef, ...] = ()
+    """Children of this job's names that still belong to a deleted job of the same name (read as absent, never
+    created over, never read as this job's): the garbage collector removes them shortly."""
+    warnings: tuple[obs.NotReady, ...] = ()
+    """Why pods are missing or stuck, from Warning events (see observe.pod_warnings)."""
+    claims: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
+    """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
 
 
 @dataclass(frozen=True)
-class ChildRef:
+class Refusal:
+    """The API server refused to create a child."""
+
     kind: str
     name: str
+    status: int
+    message: str
+
+    @property
+    def transient(self) -> bool:
+        """Unreachable, throttled or a server-side failure: retried as is (as kube.ApiError.transient)."""
+        return self.status == 0 or self.status == 429 or self.status >= 500
 
 
 @dataclass(frozen=True)
@@ -209,6 +247,17 @@ class Decision:
     keep watching; a spec change runs a new pass."""
 
 
+def volume_uses(spec: GRPOLoraJobSpec) -> list[obs.VolumeUse]:
+    """The claims the job's pods share: the model on every pod (read-only), checkpoints on every trainer rank."""
+    uses = []
+    if spec.model.source is not None:
+        pods = spec.trainer.replicas + spec.inference.replicas
+        uses.append(obs.VolumeUse(spec.model.source.pvc.claim_name, "trainer and inference", pods, writes=False))
+    if spec.checkpoint.pvc is not None:
+        uses.append(obs.VolumeUse(spec.checkpoint.pvc.claim_name, "trainer", spec.trainer.replicas, writes=True))
+    return uses
+
+
 def is_finished(status: JobStatus) -> bool:
     return status.phase in TERMINAL and status.completion_time is not None
 
@@ -227,6 +276,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     job, report = view.job, observed.trainer
     spec = job.spec
     job_plan = plan(job)
+    volumes = obs.volume_check(volume_uses(spec), observed.claims)
+    if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
+        return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
     progress = obs.fold_trainer(old, report)
     tj, sts = observed.trainer_job, observed.inference
     restarts = old.trainer_restarts or 0
@@ -248,7 +300,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     else:
         _, workloads = children(job_plan, uid=view.uid, token="")
         trainer_name = workloads["Job"]["metadata"]["name"]
-        if tj is not None and obs.restart_attempt(tj) < restarts:
+        blocked_kinds = {ref.kind for ref in observed.blocked}
+        if blocked_kinds:
+            requeue = REPLACE_RECHECK_SECONDS
+        if tj is None and "Job" in blocked_kinds:
+            pass  # the previous job's trainer Job is still being collected
+        elif tj is not None and obs.restart_attempt(tj) < restarts:
             # Committed restart: replace the stale Job (the create is retried if the old one is still leaving).
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
@@ -280,7 +337,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                     f"used up; last failure: {failure}"
                 )
         if phase not in TERMINAL:
-            if sts is None:
+            if sts is None and "StatefulSet" not in blocked_kinds:
                 creates.append(workloads["StatefulSet"])
             alive = report is not None and report.phase in ("Starting", "Running")
             phase = "Running" if alive or old.phase == "Running" else "Pending"
@@ -306,20 +363,25 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     pods = _pods_condition(wanted, phase, counts, observed)
     rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
     pending_why = pods.message if pods.status == "False" and wanted else ""
+    if observed.blocked:
+        pending_why = _blocked_message(observed.blocked)
     if rendezvous.status != "True" and observed.trainer_error and wanted:
         pending_why = "; ".join(p for p in (pending_why, f"trainer rank 0: {observed.trainer_error}") if p)
+    lost = f" ({progress.steps_lost} steps lost to trainer restarts)" if progress.steps_lost else ""
     running_message = (
-        f"step {progress.step or 0}/{spec.grpo.steps}, sync round {progress.sync_round or 0}, "
+        f"step {progress.step or 0}/{spec.grpo.steps}{lost}, sync round {progress.sync_round or 0}, "
         f"sync-group epoch {progress.epoch}"
     )
     message = {
         "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
-        "Suspended": SUSPENDED_MESSAGE,
+        "Suspended": suspended_message(spec),
     }.get(phase, final_message or "")
 
     wants = [
-        cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
+        cond.Want(names.CREATED, "False", names.R_WAITING_FOR_PREVIOUS_JOB, _blocked_message(observed.blocked))
+        if observed.blocked
+        else cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
         pods,
         rendezvous,
         _progressing_condition(phase, restart_note, running_message, message),
@@ -329,11 +391,14 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         cond.Want(names.FAILED, "True", names.R_BACKOFF_LIMIT, message)
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
-        cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, SUSPENDED_MESSAGE)
+        cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, suspended_message(spec))
         if phase == "Suspended"
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
         _invalid_condition(view.problems),
         _refused_condition(view.refused),
+        cond.Want(names.VOLUMES_SHAREABLE, "False", names.R_SINGLE_NODE_ACCESS, volumes.warning)
+        if volumes.warning
+        else cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT),
     ]
     status = JobStatus(
         phase=phase,
@@ -341,6 +406,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         step=progress.step,
+        steps_lost=progress.steps_lost,
         total_steps=spec.grpo.steps,
         sync_round=progress.sync_round,
         last_sync_time=progress.last_sync_time,
@@ -365,6 +431,72 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _blocked_message(blocked: Sequence[ChildRef]) -> str:
+    listed = ", ".join(f"{ref.kind} {ref.name}" for ref in blocked)
+    return f"waiting for the garbage collector to remove {listed}, left by a deleted job of the same name"
+
+
+API_RETRY_SECONDS: Final = 5.0
+_KIND_WORDS: Final = {
+    "Secret": "token Secret",
+    "Service": "headless Service",
+    "NetworkPolicy": "NetworkPolicy",
+    "Job": "trainer Job",
+    "StatefulSet": "inference StatefulSet",
+}
+
+
+def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetime.datetime) -> Decision:
+    """The API server refused to create a child: the job fails with its message, or waits if it may pass later.
+
+    A refusal (invalid object, forbidden by RBAC or an admission webhook, quota) repeats until something changes,
+    so the job fails with the API's message (no completionTime: a spec change runs a new pass, and until the
+    children exist every field may change). A transient failure keeps the phase and is retried.
+    """
+    stamp = cond.rfc3339(now)
+    what = f"{_KIND_WORDS.get(refusal.kind, refusal.kind)} {refusal.name}"
+    if refusal.transient:
+        message = f"retrying: the Kubernetes API failed to create the {what}: {refusal.message}"
+        wants = [
+            cond.Want(k.type, k.status, k.reason, k.message) for k in old.conditions if k.type != names.PROGRESSING
+        ]
+        wants.append(cond.Want(names.PROGRESSING, "False", names.R_API_RETRYING, message))
+        status = old.model_copy(
+            update={
+                "phase": old.phase or "Pending",
+                "message": message,
+                "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+                "start_time": old.start_time or stamp,
+            }
+        )
+        before = cond.find(old.conditions, names.PROGRESSING)
+        events = () if before is not None and before.reason == names.R_API_RETRYING else (
+            Event("Warning", names.R_API_RETRYING, message),
+        )  # fmt: skip
+        return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
+    return _failed_to_start(
+        view, old, names.R_CREATE_REFUSED, f"the API server refused the {what}: {refusal.message}", stamp
+    )
+
+
+def _failed_to_start(view: JobView, old: JobStatus, reason: str, message: str, stamp: str) -> Decision:
+    """The job cannot start as specified: Failed without a completionTime (a spec change runs a new pass, and until
+    the children exist every field may change)."""
+    wants = [
+        cond.Want(names.CREATED, "False", reason, message),
+        cond.Want(names.FAILED, "True", reason, message),
+        _invalid_condition(view.problems),
+    ]
+    status = JobStatus(
+        phase="Failed",
+        message=message,
+        observed_generation=view.generation,
+        conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+        start_time=old.start_time or stamp,
+    )
+    return Decision(status=status, events=tuple(transition_events(old, status)), idle=True)
 
 
 def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
@@ -404,7 +536,8 @@ def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: O
     summary = f"trainer {t.ready}/{t.desired} ready, inference {i.ready}/{i.desired} ready"
     if t.ready >= t.desired and i.ready >= i.desired:
         return cond.Want(names.PODS_READY, "True", names.R_ALL_READY, summary)
-    why = obs.why_not_ready(observed.pods)
+    # Pods never created (FailedCreate) or stuck mounting say more than the pods' own "ContainerCreating".
+    why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
     if why is None:
         return cond.Want(names.PODS_READY, "False", names.R_WAITING_FOR_PODS, summary)
     return cond.Want(names.PODS_READY, "False", why.reason, f"{summary}; {why.message}")
@@ -509,14 +642,15 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
                 Event(
                     "Normal",
                     names.E_RESUMED,
-                    "recreated the trainer Job and inference StatefulSet; training resumes from the latest checkpoint",
+                    "recreated the trainer Job and inference StatefulSet; training resumes from the latest checkpoint "
+                    "(from step 0 without a checkpoint PVC)",
                 )
             )
         by_phase = {
             "Running": Event("Normal", names.E_RUNNING, new.message or "running"),
             "Succeeded": Event("Normal", names.E_SUCCEEDED, new.message or "succeeded"),
             "Failed": Event("Warning", names.E_FAILED, new.message or "failed"),
-            "Suspended": Event("Normal", names.E_SUSPENDED, SUSPENDED_MESSAGE),
+            "Suspended": Event("Normal", names.E_SUSPENDED, new.message or "suspended"),
         }
         if new.phase in by_phase:
             events.append(by_phase[new.phase])
@@ -546,6 +680,16 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
     refused = became_true(names.SPEC_CHANGE_REFUSED)
     if refused is not None:
         events.append(Event("Warning", names.E_SPEC_CHANGE_REFUSED, refused.message))
+    volumes, volumes_before = (
+        cond.find(new.conditions, names.VOLUMES_SHAREABLE),
+        cond.find(old.conditions, names.VOLUMES_SHAREABLE),
+    )
+    if (
+        volumes is not None
+        and volumes.status == "False"
+        and (volumes_before is None or volumes_before.status != "False")
+    ):
+        events.append(Event("Warning", names.E_VOLUMES_NOT_SHAREABLE, volumes.message))
     return events
 
 

@@ -106,7 +106,8 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
         warnings.append(
             Problem(
                 "spec.checkpoint.pvc",
-                "not set: in a cluster, checkpoints live in an emptyDir, so a replaced trainer pod restarts at step 0",
+                "not set: in a cluster, checkpoints live in the trainer pod's emptyDir and go with it: a replaced or "
+                "restarted trainer starts again at step 0, and the final adapter is lost when the pod goes",
             )
         )
     return warnings

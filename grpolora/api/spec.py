@@ -87,6 +87,15 @@ class SpecModel(BaseModel):
 KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 
 
+def kube_checked(value: Any, type_name: str) -> Any:
+    """`value` (one Kubernetes object, or a list of them) checked as the API server would (grpolora.api.kubetypes)."""
+    from grpolora.api import kubetypes
+
+    items = enumerate(value) if isinstance(value, list) else [(None, value)]
+    raise_if_any([e for i, item in items for e in kubetypes.problems(item, type_name, "" if i is None else f"[{i}]")])
+    return value
+
+
 class PvcRef(SpecModel):
     claim_name: NonEmptyStr
     """Name of a PersistentVolumeClaim in the job's namespace."""
@@ -231,6 +240,24 @@ class NetworkPolicySpec(SpecModel):
     metrics_from: list[KubeObject] = Field(default_factory=list)
     """NetworkPolicyPeers (e.g. your Prometheus) also admitted to the workers' HTTP ports for /metrics."""
 
+    @field_validator("metrics_from")
+    @classmethod
+    def _kube_metrics_from(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "NetworkPolicyPeer")
+
+
+class PodSecuritySpec(SpecModel):
+    """User and group ids of the worker pods. Unset by default: the images run as the numeric user 1000:1000 (so
+    `runAsNonRoot` holds), and OpenShift's restricted SCC assigns ids from the namespace's range and refuses fixed
+    ones. Set `fsGroup` (e.g. 1000) where PersistentVolumes are root-owned and the trainer must write checkpoints."""
+
+    run_as_user: int | None = Field(default=None, ge=1)
+    """runAsUser of the worker pods (never 0: the pods run as non-root)."""
+    run_as_group: int | None = Field(default=None, ge=0)
+    """runAsGroup of the worker pods."""
+    fs_group: int | None = Field(default=None, ge=0)
+    """fsGroup: the group that owns the pods' volumes (changed only where the volume root does not match)."""
+
 
 class RoleSpec(SpecModel):
     replicas: int = Field(default=1, gt=0)
@@ -251,14 +278,36 @@ class RoleSpec(SpecModel):
     """Affinity of this role's pods."""
     env: list[KubeObject] = Field(default_factory=list)
     """Extra environment variables (EnvVar objects) for the worker container."""
+    shm_size_limit: str = "8Gi"
+    """Size limit of the memory-backed /dev/shm (NCCL and vLLM use shared memory; it counts as the pod's memory)."""
+
+    @field_validator("shm_size_limit")
+    @classmethod
+    def _shm_quantity(cls, value: str) -> str:
+        from grpolora.api.kubetypes import QUANTITY
+
+        if not QUANTITY.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8Gi, 512Mi)")
+        return value
 
     @field_validator("resources")
     @classmethod
     def _no_gpu_in_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
+        kube_checked(value, "ResourceRequirements")
         for section in ("limits", "requests"):
             if "nvidia.com/gpu" in (value.get(section) or {}):
                 raise ValueError(f"{section}: set GPUs with `gpusPerReplica`, not `nvidia.com/gpu`")
         return value
+
+    @field_validator("tolerations")
+    @classmethod
+    def _kube_tolerations(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "Toleration")
+
+    @field_validator("affinity")
+    @classmethod
+    def _kube_affinity(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return kube_checked(value, "Affinity")
 
     @field_validator("env")
     @classmethod
@@ -273,7 +322,7 @@ class RoleSpec(SpecModel):
             elif name in CONTRACT_NAMES:
                 errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
         raise_if_any(errors)
-        return value
+        return kube_checked(value, "EnvVar")
 
 
 class TrainerSpec(RoleSpec):
@@ -307,6 +356,9 @@ class SyncSpec(SpecModel):
     """Port of the sync group's rendezvous store on trainer rank 0."""
     timeout_seconds: int = Field(default=600, gt=0)
     """A round that takes longer is abandoned: the group re-forms without the unresponsive replicas."""
+    join_timeout_seconds: int = Field(default=30, gt=0)
+    """A replica that answers but has not joined the sync group this long after being asked is left out: the
+    group forms without it, and it is asked again after a back-off (30 s, doubling to 10 min)."""
     bucket_mib: int = Field(default=256, gt=0, alias="bucketMiB")
     """Adapter tensors are packed into buffers of at most this size (one broadcast each)."""
 
@@ -341,6 +393,8 @@ class GRPOLoraJobSpec(SpecModel):
     """Checkpointing of the trainer."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Network isolation of the job's pods."""
+    pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
+    """User and group ids of the worker pods (unset: the image's non-root user, or what OpenShift assigns)."""
     suspend: bool = False
     """True removes the job's pods but keeps the job, its token and checkpoints; false again resumes training."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)

@@ -127,6 +127,9 @@ class JobStatus(_Wire):
     """Conditions in metav1.Condition shape; the whole list is written each time."""
     step: int | None = None
     """Optimizer steps completed (from trainer rank 0)."""
+    steps_lost: int | None = None
+    """Steps trained and then lost to trainer restarts: those after the last checkpoint, or all of them without a
+    checkpoint PVC (the step above is the one the restarted trainer actually reached)."""
     total_steps: int | None = None
     """spec.grpo.steps."""
     sync_round: int | None = None

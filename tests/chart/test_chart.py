@@ -132,7 +132,8 @@ def test_operator_pod_is_locked_down_and_probed_on_healthz(chart):
     assert pod["serviceAccountName"] == FULLNAME
     assert find(objects, "ServiceAccount", FULLNAME)["automountServiceAccountToken"] is False
     assert pod["securityContext"]["runAsNonRoot"] is True
-    assert pod["securityContext"]["runAsUser"] == 1000
+    # No fixed uid by default: OpenShift's restricted-v2 SCC refuses one outside the namespace's range.
+    assert "runAsUser" not in pod["securityContext"] and "runAsGroup" not in pod["securityContext"]
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     sc = container["securityContext"]
     assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
@@ -144,6 +145,11 @@ def test_operator_pod_is_locked_down_and_probed_on_healthz(chart):
         assert container[probe]["httpGet"] == {"path": "/healthz", "port": "health"}, probe
     assert container["resources"] == {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "512Mi"}}
     assert container["image"] == "ghcr.io/grpo-lora-operator/operator:0.1.0"
+
+
+def test_operator_pod_ids_are_settable_in_values(chart):
+    pod = deployment(chart.render({"podSecurity": {"runAsUser": 1000, "runAsGroup": 1000}}))["spec"]["template"]
+    assert pod["spec"]["securityContext"]["runAsUser"] == 1000 and pod["spec"]["securityContext"]["runAsGroup"] == 1000
 
 
 def test_operator_pod_is_admitted_by_every_jobs_network_policy(chart):
@@ -286,6 +292,25 @@ def test_worker_pod_monitor_selects_trainer_and_inference_pods(chart, values, na
         assert matches(spec["selector"], template["metadata"]["labels"]), workload["kind"]
         port_names = {p["name"] for p in template["spec"]["containers"][0]["ports"]}
         assert endpoint["port"] in port_names, workload["kind"]
+
+
+def test_worker_pod_monitor_skips_trainer_ranks_that_serve_no_metrics(chart):
+    # Only trainer rank 0 serves /metrics; ranks > 0 would be down targets. Indexed Job pods carry their index in the
+    # label batch.kubernetes.io/job-completion-index, which Prometheus sees as the meta label below.
+    monitor = find(chart.render(VALUE_SETS["monitoring"]), "PodMonitor", f"{FULLNAME}-workers", NAMESPACE)
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    drops = [r for r in endpoint.get("relabelings", []) if r.get("action") == "drop"]
+    assert len(drops) == 1
+    (drop,) = drops
+    meta = "__meta_kubernetes_pod_label_"
+    assert drop["sourceLabels"] == [f"{meta}grpolora_dev_role", f"{meta}batch_kubernetes_io_job_completion_index"]
+    separator = drop.get("separator", ";")
+
+    def dropped(role: str, index: str) -> bool:
+        return re.fullmatch(drop["regex"], f"{role}{separator}{index}") is not None  # Prometheus anchors regexes
+
+    assert not dropped("trainer", "0") and not dropped("inference", "")
+    assert dropped("trainer", "1") and dropped("trainer", "12")
 
 
 def test_dashboard_configmap_carries_the_dashboard_json(chart):

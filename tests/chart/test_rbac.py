@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests.chart.chart import NAMESPACE, VALUE_SETS, find
+from tests.chart.chart import CHART, NAMESPACE, VALUE_SETS, find
 
 Triple = tuple[str, str, str]
 
@@ -197,3 +197,20 @@ def test_chart_grants_exactly_the_operators_rules(chart, values):
     assert not problems, (
         f"{problems}\n\nRULES as template lines for templates/_rbac.tpl:\n{rules_yaml(rbac_module.RULES)}"
     )
+
+
+@pytest.mark.parametrize("values", list(SCOPES.values()), ids=list(SCOPES))
+def test_chart_grants_update_on_the_jobs_finalizers_for_owner_reference_enforcement(chart, values):
+    # OpenShift (and any cluster with OwnerReferencesPermissionEnforcement) refuses children whose ownerReferences
+    # set blockOwnerDeletion unless their creator may update the owner's finalizers.
+    cluster, namespaced = rbac(chart.render(values))
+    granted = cluster | set().union(*namespaced.values())
+    assert ("grpolora.dev", "grpolorajobs/finalizers", "update") in granted
+
+
+def test_the_docs_promise_no_cluster_role_that_listed_namespaces_do_not_get(chart):
+    objects = chart.render({"watch": {"namespaces": ["team-a"]}})
+    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    for path in (CHART / "values.yaml", CHART / "README.md"):
+        text = " ".join(path.read_text().split())
+        assert "ClusterRole remains" not in text, path

@@ -2,25 +2,30 @@
 
 Added here (in the tests, not in the operator): uid, creationTimestamp, resourceVersion on every write and
 generation on spec changes; `generateName`; the status subresource (a /status patch changes only status, a main
-patch never changes the status of a resource that has the subresource); label selectors on lists; garbage
-collection by ownerReferences on delete; and a record of every (verb, group, resource) a client other than the
-test itself sent, for the RBAC check.
+patch never changes the status of a resource that has the subresource); label and field selectors on lists;
+what a real API server refuses (tests/operator/apiserver.py: schema validation of built-in kinds and of
+GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against the requester's RBAC rules);
+garbage collection that takes time, as the real collector does (objects whose owners are all gone are removed
+by a sweep every `gc_delay` seconds, not at once); and a record of every (verb, group, resource) a client other
+than the test itself sent, for the RBAC check.
 """
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import itertools
 import secrets
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 import kmock
 
 from grpolora.api import constants as c
+from tests.operator import apiserver
 
 TEST_USER_AGENT = "grpolora-tests"
 CRD_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
@@ -35,6 +40,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
+    "v1/persistentvolumeclaims": kmock.ResourceInfo(kind="PersistentVolumeClaim", namespaced=True),
     "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
     "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True, subresources={"status"}),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
@@ -62,35 +68,88 @@ class Emulator(kmock.KubernetesEmulator):
     """(resource, namespace, name) of every successful create, in order (to spot duplicates)."""
     created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
     """time.monotonic() of the last successful create of each object (for the benchmark)."""
+    authorize: Callable[[str, str, str], bool] | None = None
+    """RBAC of the clients other than the test, as (verb, group, resource) -> allowed; None allows everything."""
+    gc_delay: float = 0.2
+    """Seconds between garbage-collector sweeps (a real collector also takes a while)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _crd_schema: dict[str, Any] = attrs.field(factory=apiserver.crd_schema, init=False)
 
     async def _handle(self, request: kmock.Request) -> Any:
         # kmock matches each request against its reactions by scanning its whole request history, which makes a
         # long run quadratic; keep only the current request (the tests read `log` instead).
         del self._requests[:-1]
-        deleted_uid = None
         if request.resource is not None and request.resource.plural:
             self._record(request)
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
+                self._admit(request, request.data, created=True)
             elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
-                self._on_patch(request)
-            elif request.action == kmock.action.DELETE and request.name:
-                key = (request.resource, request.namespace, request.name)
-                if key in self.objects and not self.objects[key].deleted:
-                    deleted_uid = self.objects[key].get("metadata", {}).get("uid")
+                merged = self._on_patch(request)
+                if merged is not None:
+                    self._admit(request, merged, created=False)
         response = await super()._handle(request)
         if request.action == kmock.action.CREATE and response.status < 300:
             meta = request.data.get("metadata", {})
             key = (str(request.resource.plural), meta.get("namespace"), meta.get("name"))
             self.created.append(key)
             self.created_at[key] = time.monotonic()
-        if deleted_uid and response.status < 300:
-            await self._collect_garbage(deleted_uid)
         return response
 
+    def _admit(self, request: kmock.Request, obj: dict[str, Any], *, created: bool) -> None:
+        """Refuse what a real API server refuses (see tests/operator/apiserver.py), before anything is stored."""
+        strict = (request.params or {}).get("fieldValidation") == "Strict"
+        if request.resource.plural == c.PLURAL and request.resource.group == c.GROUP:
+            part = "status" if request.subresource == "status" else "spec"
+            if created:
+                apiserver.validate_custom(obj, self._crd_schema, strict=strict, part="spec")
+            else:
+                apiserver.validate_custom(obj, self._crd_schema, strict=strict, part=part)
+        elif request.subresource != "status":
+            apiserver.validate_builtin(obj, strict=strict)
+        if not created and "ownerReferences" not in (request.data.get("metadata") or {}):
+            return
+        if self.authorize is None or _from_test(request):
+            return
+        for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+            if not ref.get("blockOwnerDeletion"):
+                continue
+            group = str(ref.get("apiVersion", "")).rpartition("/")[0]
+            plural = next((str(r).rsplit("/", 1)[-1] for r, i in RESOURCES.items() if i.kind == ref.get("kind")), "")
+            check = ("update", group, f"{plural}/finalizers")
+            self.calls.add(check)
+            if not self.authorize(*check):
+                resource = f"{request.resource.plural}.{request.resource.group}".rstrip(".")
+                raise apiserver.forbidden(
+                    resource,
+                    (obj.get("metadata") or {}).get("name", ""),
+                    "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set "
+                    f'finalizers on: cannot update resource "{plural}/finalizers" in API group "{group}"',
+                )
+
+    async def collect_garbage_forever(self) -> None:
+        """The garbage collector: every `gc_delay` seconds, remove the objects whose owners are all gone."""
+        while True:
+            await asyncio.sleep(self.gc_delay)
+            await self.collect_garbage()
+
+    async def collect_garbage(self) -> None:
+        async with self._lock:
+            live = {obj.get("metadata", {}).get("uid") for obj in self.objects._objects.values() if not obj.deleted}
+            orphans = [
+                (resource, obj)
+                for (resource, _, _), obj in self.objects._objects.items()
+                if not obj.deleted
+                and (refs := obj.get("metadata", {}).get("ownerReferences") or [])
+                and not any(ref.get("uid") in live for ref in refs)
+            ]
+            for resource, obj in orphans:
+                raw = obj.raw
+                obj.delete()
+                await self._buses[resource].put({"type": "DELETED", "object": raw})
+
     def _record(self, request: kmock.Request) -> None:
-        if request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT):
+        if _from_test(request):
             return
         verb = _VERBS.get(request.action) if request.action else None
         if request.action == kmock.action.UPDATE:
@@ -117,7 +176,8 @@ class Emulator(kmock.KubernetesEmulator):
         meta["resourceVersion"] = str(next(self._versions))
         meta["generation"] = 1
 
-    def _on_patch(self, request: kmock.Request) -> None:
+    def _on_patch(self, request: kmock.Request) -> dict[str, Any] | None:
+        """Server-set fields on the patch; returns the object as it will be (None if it does not exist)."""
         data: dict[str, Any] = request.data
         key = (request.resource, request.namespace, request.name)
         current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
@@ -132,27 +192,10 @@ class Emulator(kmock.KubernetesEmulator):
             new_spec = _merge(current.get("spec") or {}, data["spec"])
             if new_spec != (current.get("spec") or {}):
                 meta["generation"] = int(current.get("metadata", {}).get("generation", 1)) + 1
+        return _merge(current, data) if current is not None else None
 
     def _has_status_subresource(self, resource: kmock.resource) -> bool:
         return resource in self.resources and "status" in self.resources[resource].subresources
-
-    async def _collect_garbage(self, owner_uid: str) -> None:
-        """What the garbage collector does after a delete: remove dependents, recursively."""
-        async with self._lock:
-            dependents = [
-                (key, obj)
-                for key, obj in self.objects.items()
-                if not obj.deleted
-                and any(ref.get("uid") == owner_uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
-            ]
-            for (resource, _, _), obj in dependents:
-                raw = obj.raw
-                obj.delete()
-                await self._buses[resource].put({"type": "DELETED", "object": raw})
-        for _, obj in dependents:
-            uid = obj.last.get("metadata", {}).get("uid")
-            if uid:
-                await self._collect_garbage(uid)
 
     def _KubernetesEmulator__get_objs(self, request: kmock.Request, strict: bool) -> list[kmock.Object]:
         """kmock's object lookup, without scanning every object for a named one (the benchmark holds thousands).
@@ -178,7 +221,26 @@ class Emulator(kmock.KubernetesEmulator):
         if selector:
             wanted = dict(term.split("=", 1) for term in selector.split(","))
             result["items"] = [item for item in result["items"] if _labels_match(item, wanted)]
+        fields = (request.params or {}).get("fieldSelector")
+        if fields:
+            wanted = dict(term.split("=", 1) for term in fields.split(","))
+            result["items"] = [item for item in result["items"] if _fields_match(item, wanted)]
         return result
+
+
+def _from_test(request: kmock.Request) -> bool:
+    return request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT)
+
+
+def _fields_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
+    """Field selectors: equality on dotted paths (e.g. type=Warning, involvedObject.name=x)."""
+    for path, value in wanted.items():
+        found: Any = obj
+        for part in path.split("."):
+            found = found.get(part) if isinstance(found, Mapping) else None
+        if str(found) != value:
+            return False
+    return True
 
 
 def _labels_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:

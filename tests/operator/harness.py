@@ -21,6 +21,7 @@ import kopf
 from aiohttp import web
 
 from grpolora.api import constants as c
+from grpolora.operator import rbac
 from grpolora.operator.controller import Controller
 from grpolora.operator.main import OperatorOptions, serve
 from tests.operator.emulator import CRD_RESOURCE, RESOURCES, TEST_USER_AGENT, Emulator
@@ -121,7 +122,9 @@ class Cluster:
 
     async def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
         namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
-        return await self._call("POST", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}", doc)
+        # kubectl's default: unknown fields are refused, not silently dropped.
+        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}?fieldValidation=Strict"
+        return await self._call("POST", path, doc)
 
     async def patch_spec(self, name: str, spec: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call(
@@ -190,8 +193,11 @@ class Cluster:
 
 
 @contextlib.asynccontextmanager
-async def running_cluster(*, peering: bool = False) -> AsyncIterator[Cluster]:
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
+async def running_cluster(
+    *, peering: bool = False, authorize: Callable[[str, str, str], bool] | None = rbac.allowed
+) -> AsyncIterator[Cluster]:
+    """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it)."""
+    async with Emulator(authorize=authorize) as emulator, kmock.Server(emulator) as server:
         for resource, info in RESOURCES.items():
             emulator.resources[resource] = info
         if peering:
@@ -200,8 +206,14 @@ async def running_cluster(*, peering: bool = False) -> AsyncIterator[Cluster]:
             for resource, info in PEERING_RESOURCES.items():
                 emulator.resources[resource] = info
         url = str(server.url).rstrip("/")
-        async with aiohttp.ClientSession(headers={"User-Agent": TEST_USER_AGENT}) as session:
-            yield Cluster(emulator, url, session)
+        collector = asyncio.create_task(emulator.collect_garbage_forever(), name="garbage collector")
+        try:
+            async with aiohttp.ClientSession(headers={"User-Agent": TEST_USER_AGENT}) as session:
+                yield Cluster(emulator, url, session)
+        finally:
+            collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collector
 
 
 @contextlib.asynccontextmanager

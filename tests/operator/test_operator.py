@@ -22,6 +22,7 @@ from tests.operator.harness import (
     Cluster,
     OperatorThread,
     operator_options,
+    running_cluster,
     wait_for,
 )
 
@@ -181,18 +182,19 @@ async def test_status_follows_the_trainer_through_sync_rounds_to_succeeded(clust
 
 
 async def test_an_invalid_job_fails_with_field_paths_and_gets_no_children_until_fixed(cluster, operator):
-    await cluster.apply(job_doc(grpo={"generationsPerPrompt": 1}, lora={"rnk": 8}))
+    # Errors the CRD schema cannot express (the API server refuses the others at apply, as in test_apiserver.py).
+    await cluster.apply(job_doc(sync={"backend": "nccl"}, trainer={"gpusPerReplica": 0, "statusPort": 29500}))
     await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
     invalid = cluster.condition("demo", names.INVALID_SPEC)
     assert invalid["status"] == "True" and invalid["reason"] == names.R_INVALID
-    assert "spec.grpo.generationsPerPrompt" in invalid["message"] and "spec.lora.rnk" in invalid["message"]
+    assert "spec.sync.backend" in invalid["message"] and "spec.trainer.statusPort" in invalid["message"]
     await wait_for(lambda: names.E_INVALID_SPEC in reasons(cluster), "the InvalidSpec event")
     assert ("Warning", names.E_INVALID_SPEC, invalid["message"]) in cluster.events("demo")
     await asyncio.sleep(5 * FAST_INTERVAL)
     for resource in RESOURCE_OF.values():
         assert cluster.objects(resource) == {}, f"{resource} created for an invalid job"
 
-    await cluster.patch_spec("demo", {"grpo": {"generationsPerPrompt": 4}, "lora": {"rnk": None}})
+    await cluster.patch_spec("demo", {"sync": {"backend": "auto"}, "trainer": {"statusPort": 8080}})
     await created(cluster)
     await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after the fix")
     assert cluster.condition("demo", names.INVALID_SPEC)["status"] == "False"
@@ -242,8 +244,8 @@ async def test_deleting_a_job_takes_its_children_and_stops_its_monitor(cluster, 
     await cluster.apply(job_doc())
     await created(cluster)
     await cluster.delete_job("demo")
-    for resource in RESOURCE_OF.values():
-        assert cluster.objects(resource) == {}, f"{resource} left behind"
+    for resource in RESOURCE_OF.values():  # by the garbage collector, which takes a moment
+        await wait_for(lambda r=resource: cluster.objects(r) == {}, f"{resource} to be collected")
     await wait_for(lambda: not operator.controller.jobs, "the operator to forget the job")
     assert "finalizers" not in cluster.emulator.objects[CRD_RESOURCE, NAMESPACE, "demo"].last["metadata"]
     await asyncio.sleep(3 * FAST_INTERVAL)  # a request a cancelled pass had already sent may still arrive
@@ -383,7 +385,14 @@ async def test_pods_stuck_unschedulable_or_pulling_say_why(cluster, operator):
             "status": {
                 "phase": "Pending",
                 "containerStatuses": [
-                    {"name": "trainer", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "denied"}}}
+                    {
+                        "name": "trainer",
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "worker:1",
+                        "imageID": "",
+                        "state": {"waiting": {"reason": "ImagePullBackOff", "message": "denied"}},
+                    }
                 ],
             },
         }
@@ -403,4 +412,186 @@ async def test_ttl_deletes_a_finished_job(cluster, operator):
     await wait_for(lambda: phase(cluster) == "Succeeded", "phase Succeeded")
     await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "deletion after the TTL", timeout=5)
     for resource in RESOURCE_OF.values():
-        assert cluster.objects(resource) == {}
+        await wait_for(lambda r=resource: cluster.objects(r) == {}, f"{resource} to be collected")
+
+
+# ---- what a real API server refuses --------------------------------------------------------------------------
+
+
+async def test_a_child_the_api_refuses_fails_the_job_with_the_apis_message_and_a_fix_recovers(cluster, operator):
+    # Valid by the schema (so `grpolora validate` passes it) but refused by the API server's own rules.
+    await cluster.apply(job_doc(trainer={"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+    api_message = (
+        'Job.batch "demo-trainer" is invalid: spec.template.spec.tolerations[0].operator: Invalid value: "yes": '
+        "value must be empty when `operator` is 'Exists'"
+    )
+    failed = cluster.condition("demo", names.FAILED)
+    assert failed["status"] == "True" and failed["reason"] == names.R_CREATE_REFUSED
+    assert api_message in failed["message"] and "trainer Job demo-trainer" in failed["message"]
+    assert api_message in cluster.status("demo")["message"]
+    assert cluster.condition("demo", names.CREATED)["reason"] == names.R_CREATE_REFUSED
+    await wait_for(lambda: any(t == "Warning" and api_message in m for t, _, m in cluster.events("demo")), "event")
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+    # The children were never all created, so the spec may still change: fixing it runs the job.
+    await cluster.patch_spec("demo", {"trainer": {"tolerations": [{"key": "gpu", "operator": "Exists"}]}})
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job after the fix")
+    await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after the fix")
+    assert cluster.condition("demo", names.SPEC_CHANGE_REFUSED)["status"] == "False"
+    assert cluster.condition("demo", names.FAILED)["status"] == "False"
+
+
+async def test_without_rights_on_the_jobs_finalizers_the_job_fails_saying_so(trainer):
+    # OpenShift's OwnerReferencesPermissionEnforcement with an operator lacking update on grpolorajobs/finalizers.
+    def without_finalizers(verb: str, group: str, resource: str) -> bool:
+        return resource != f"{c.PLURAL}/finalizers"
+
+    async with running_cluster(authorize=without_finalizers) as cluster:
+        operator = await OperatorThread(cluster.url, operator_options()).start()
+        try:
+            await cluster.apply(job_doc())
+            await wait_for(lambda: phase(cluster) == "Failed", "phase Failed", timeout=5)
+        finally:
+            await operator.stop()
+        message = cluster.condition("demo", names.FAILED)["message"]
+        assert "forbidden: cannot set blockOwnerDeletion" in message and "grpolorajobs/finalizers" in message
+
+
+async def test_delete_and_re_apply_under_the_same_name_gets_children_owned_by_the_new_job(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    old_uid = cluster.job("demo")["metadata"]["uid"]
+    # The old trainer Job completed: it must never mark the new job Succeeded.
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True"}]})
+    await wait_for(lambda: phase(cluster) == "Succeeded", "the old job succeeded")
+    cluster.emulator.gc_delay = 1.0  # the collector is slow: the new job meets the old one's children
+    await cluster.delete_job("demo")
+    await cluster.apply(job_doc())
+    new_uid = cluster.job("demo")["metadata"]["uid"]
+    assert new_uid != old_uid
+    versions_before = len(history(cluster)) - 1  # the stored versions of the new job start with its creation
+
+    def owners() -> dict[str, str]:
+        found = {}
+        for resource in RESOURCE_OF.values():
+            for name, obj in cluster.objects(resource).items():
+                found[f"{resource}/{name}"] = obj["metadata"]["ownerReferences"][0]["uid"]
+        return found
+
+    await wait_for(
+        lambda: len(owners()) == len(RESOURCE_OF) + 1 and set(owners().values()) == {new_uid},
+        "every child owned by the new job",
+        timeout=10,
+    )
+    assert [s.get("phase") for s in history(cluster)[versions_before:] if s.get("phase") == "Succeeded"] == []
+    assert phase(cluster) == "Pending"
+    assert cluster.get("batch/v1/jobs", "demo-trainer").get("status", {}).get("conditions") is None
+
+
+async def test_a_deleted_service_or_network_policy_comes_back(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    uid = cluster.job("demo")["metadata"]["uid"]
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/demo-trainer")
+    await cluster._call("DELETE", f"/apis/networking.k8s.io/v1/namespaces/{NAMESPACE}/networkpolicies/demo")
+    await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service back")
+    await wait_for(lambda: cluster.get("networking.k8s.io/v1/networkpolicies", "demo"), "the NetworkPolicy back")
+    assert cluster.get("v1/services", "demo-trainer")["metadata"]["ownerReferences"][0]["uid"] == uid
+
+
+# ---- pods that are never created, volumes that cannot attach ------------------------------------------------------
+
+
+async def post_event(cluster: Cluster, kind: str, name: str, reason: str, message: str) -> None:
+    """A Warning event as the Job or StatefulSet controller or the kubelet posts it."""
+    api_version = {"Job": "batch/v1", "StatefulSet": "apps/v1", "Pod": "v1"}[kind]
+    await cluster._call(
+        "POST",
+        f"/api/v1/namespaces/{NAMESPACE}/events",
+        {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{name}.", "namespace": NAMESPACE},
+            "involvedObject": {"apiVersion": api_version, "kind": kind, "name": name, "namespace": NAMESPACE},
+            "type": "Warning",
+            "reason": reason,
+            "message": message,
+        },
+    )
+
+
+async def test_pods_the_cluster_refuses_to_create_say_why_in_the_status(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    quota = (
+        'Error creating: pods "demo-trainer-0-x7k2p" is forbidden: exceeded quota: gpu-quota, requested: '
+        "requests.nvidia.com/gpu=1, used: requests.nvidia.com/gpu=4, limited: requests.nvidia.com/gpu=4"
+    )
+    await post_event(cluster, "Job", "demo-trainer", "FailedCreate", quota)
+    await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("reason") == "FailedCreate", "why")
+    assert f"Job demo-trainer: {quota}" in cluster.condition("demo", names.PODS_READY)["message"]
+    assert "exceeded quota: gpu-quota" in cluster.status("demo")["message"]
+    await wait_for(lambda: ("Warning", names.E_PODS_NOT_READY) in [e[:2] for e in cluster.events("demo")], "event")
+
+
+async def test_a_volume_that_cannot_attach_says_why_instead_of_a_quiet_container_creating(cluster, operator):
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await cluster.add_pod(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "demo-inference-0", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "demo"}},
+            "status": {
+                "phase": "Pending",
+                "containerStatuses": [
+                    {
+                        "name": "inference",
+                        "ready": False,
+                        "restartCount": 0,
+                        "image": "worker:1",
+                        "imageID": "",
+                        "state": {"waiting": {"reason": "ContainerCreating"}},
+                    }
+                ],
+            },
+        }
+    )
+    multi_attach = 'Multi-Attach error for volume "pvc-4f1c" Volume is already used by pod(s) demo-trainer-0-x7k2p'
+    await post_event(cluster, "Pod", "demo-inference-0", "FailedAttachVolume", multi_attach)
+    await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("reason") == "FailedAttachVolume", "why")
+    assert multi_attach in cluster.condition("demo", names.PODS_READY)["message"]
+    await wait_for(lambda: any(multi_attach in m for t, _, m in cluster.events("demo") if t == "Warning"), "event")
+
+
+async def add_claim(cluster: Cluster, name: str, *modes: str) -> None:
+    await cluster._call(
+        "POST",
+        f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims",
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": name, "namespace": NAMESPACE},
+            "spec": {"accessModes": list(modes), "resources": {"requests": {"storage": "10Gi"}}},
+        },
+    )
+
+
+async def test_a_read_write_once_model_claim_shared_by_several_pods_is_a_warning(cluster, operator):
+    await add_claim(cluster, "weights", "ReadWriteOnce")
+    await cluster.apply(job_doc(model={"source": {"pvc": {"claimName": "weights"}}}, inference={"replicas": 2}))
+    await created(cluster)  # it may work if every pod lands on one node: warned, not refused
+    await wait_for(lambda: cluster.condition("demo", names.VOLUMES_SHAREABLE).get("status") == "False", "warning")
+    message = cluster.condition("demo", names.VOLUMES_SHAREABLE)["message"]
+    assert "weights" in message and "ReadWriteOnce" in message and "ReadOnlyMany or ReadWriteMany" in message
+    await wait_for(lambda: any("weights" in m for t, _, m in cluster.events("demo") if t == "Warning"), "event")
+
+
+async def test_a_checkpoint_claim_that_several_trainer_ranks_cannot_share_is_refused(cluster, operator):
+    await add_claim(cluster, "ckpts", "ReadWriteOncePod")
+    await cluster.apply(job_doc(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    message = cluster.condition("demo", names.FAILED)["message"]
+    assert "ckpts" in message and "ReadWriteOncePod" in message and "ReadWriteMany" in message
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None

@@ -25,7 +25,8 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
         options = operator_options(namespaces=(), all_namespaces=True, peering=PEERING, priority=10)
         operator = await OperatorThread(cluster.url, options).start()
         try:
-            await cluster.apply(job_doc(trainer={"maxRestarts": 1}, ttlSecondsAfterFinished=0))
+            checkpoints = {"pvc": {"claimName": "ckpts"}}  # its access modes are read
+            await cluster.apply(job_doc(trainer={"maxRestarts": 1}, checkpoint=checkpoints, ttlSecondsAfterFinished=0))
             await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "children")
             await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1})
             trainer.report = {"phase": "Running", "totalSteps": 100, "step": 1, "syncRound": 1}

@@ -103,6 +103,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         message="training",
         observed_generation=2,
         step=3,
+        steps_lost=2,
         total_steps=10,
         sync_round=3,
         last_sync_time="2026-01-01T00:00:00Z",
@@ -147,6 +148,13 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
 
 def test_spec_fields_survive_pruning():
     spec = parse_job(
-        job_doc(trainer={"tolerations": [{"key": "k", "operator": "Exists"}], "affinity": {"nodeAffinity": {"x": 1}}})
+        job_doc(
+            trainer={
+                "tolerations": [{"key": "k", "operator": "Exists"}],
+                "affinity": {
+                    "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": []}}
+                },
+            }
+        )
     ).spec.to_wire()
     assert pruned(spec, schema()["properties"]["spec"]) == spec

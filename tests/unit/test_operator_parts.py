@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from grpolora.api.status import JobStatus, RendezvousStatus, TrainerStatus
-from grpolora.operator import kube, rbac
+from grpolora.operator import kube, observe, rbac
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.observe import fold_trainer, why_not_ready
 from grpolora.operator.peering import outranked
@@ -68,13 +68,29 @@ def test_why_names_at_most_three_pods():
     [(None, 2, 2, True), (2, 2, 2, True), (2, 5, 5, True), (5, 2, 5, False)],
 )
 def test_fold_keeps_sync_round_monotonic(old_round, reported_round, expected_round, takes_sync_figures):
-    old = JobStatus(sync_round=old_round, step=old_round, last_sync_seconds=1.0)
+    old = JobStatus(sync_round=old_round, last_sync_seconds=1.0)
     report = TrainerStatus(
         phase="Running", total_steps=10, step=reported_round, sync_round=reported_round, last_sync_seconds=2.0
     )
     progress = fold_trainer(old, report)
-    assert progress.sync_round == expected_round and progress.step == expected_round
+    assert progress.sync_round == expected_round
     assert progress.last_sync_seconds == (2.0 if takes_sync_figures else 1.0)
+
+
+@pytest.mark.parametrize(
+    ("old_step", "old_lost", "reported", "step", "lost"),
+    [
+        (None, None, 3, 3, None),
+        (3, None, 5, 5, None),
+        (15, None, 0, 0, 15),  # restarted from scratch (checkpoints in an emptyDir went with the pod)
+        (15, None, 10, 10, 5),  # resumed from the checkpoint of step 10
+        (4, 15, 2, 2, 17),  # lost again after an earlier loss
+    ],
+)
+def test_fold_reports_the_step_actually_reached_and_the_steps_lost(old_step, old_lost, reported, step, lost):
+    old = JobStatus(step=old_step, steps_lost=old_lost)
+    progress = fold_trainer(old, TrainerStatus(phase="Running", total_steps=20, step=reported))
+    assert (progress.step, progress.steps_lost) == (step, lost)
 
 
 def test_fold_without_a_report_keeps_everything():
@@ -154,8 +170,9 @@ def test_rbac_rules_have_the_shape_the_chart_test_reads():
             assert isinstance(values, tuple) and all(isinstance(v, str) for v in values)
         assert rule.reason.strip()
         assert set(rule.verbs) <= {"get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"}
-    # Least privilege: nothing that reads Secrets, nothing cluster-wide beyond Kopf's own peering objects.
-    assert not rbac.allowed("get", "", "secrets") and not rbac.allowed("list", "", "secrets")
+    # Least privilege: no listing or watching of Secrets (only `get` of the job's own token Secret by name, to check
+    # its owner), nothing cluster-wide beyond Kopf's own peering objects.
+    assert not rbac.allowed("list", "", "secrets") and not rbac.allowed("watch", "", "secrets")
     assert not rbac.allowed("list", "", "namespaces")
 
 
@@ -191,3 +208,26 @@ def test_event_bodies_are_core_v1_events_with_bounded_messages():
     }
     assert event["metadata"] == {"generateName": "job.", "namespace": "ns"}
     assert len(event["message"]) == kube.EVENT_MESSAGE_MAX and event["firstTimestamp"] == "2026-01-01T12:00:00Z"
+
+
+@pytest.mark.parametrize(
+    ("pods", "writes", "modes", "refused", "warned"),
+    [
+        (3, False, ("ReadOnlyMany",), False, False),
+        (3, False, ("ReadWriteMany",), False, False),
+        (3, False, ("ReadWriteOnce",), False, True),  # works only if every pod lands on one node
+        (3, False, ("ReadWriteOncePod",), True, False),
+        (1, False, ("ReadWriteOncePod",), False, False),
+        (2, True, ("ReadWriteOnce",), False, True),
+        (2, True, ("ReadWriteMany",), False, False),
+        (2, True, ("ReadOnlyMany",), True, False),
+        (1, True, ("ReadOnlyMany",), True, False),
+        (1, True, ("ReadWriteOnce",), False, False),
+        (3, False, None, False, False),  # an absent claim: the scheduler says so on the pods
+    ],
+)
+def test_shared_claims_access_modes(pods, writes, modes, refused, warned):
+    check = observe.volume_check([observe.VolumeUse("c", "trainer", pods, writes)], {"c": modes})
+    assert (check.refusal is not None, check.warning is not None) == (refused, warned)
+    for text in filter(None, (check.refusal, check.warning)):
+        assert "claim c" in text and ("ReadWriteMany" in text or "ReadWriteOnce" in text)

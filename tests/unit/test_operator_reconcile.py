@@ -17,9 +17,11 @@ from grpolora.operator.reconcile import (
     Decision,
     JobView,
     Observed,
+    Refusal,
     changed_fields,
     children,
     decide,
+    decide_refused,
     job_view,
     should_poll_trainer,
     spec_json,
@@ -32,11 +34,16 @@ STAMP = "2026-01-01T12:00:00Z"
 EARLIER = "2026-01-01T11:00:00Z"
 
 
-def body(*, applied: dict[str, Any] | None = None, **spec: Any) -> dict[str, Any]:
+def body(*, applied: dict[str, Any] | None = None, created: bool = True, **spec: Any) -> dict[str, Any]:
+    """The job as stored; with `applied`, its children were created from that spec (unless `created` is False)."""
     doc = job_doc(**spec)
     doc["metadata"].update(uid="uid-1", generation=2)
     if applied is not None:
         doc["metadata"]["annotations"] = {names.APPLIED_SPEC_ANNOTATION: json.dumps(applied)}
+        status = "True" if created else "False"
+        doc["status"] = {
+            "conditions": [{"type": names.CREATED, "status": status, "reason": "R", "lastTransitionTime": EARLIER}]
+        }
     return doc
 
 
@@ -154,12 +161,12 @@ def test_a_missed_poll_changes_nothing_it_cannot_know():
     assert decision.status.sync_round == 3 and decision.events == ()
 
 
-def test_step_and_sync_round_never_go_back():
+def test_sync_round_never_goes_back_the_step_is_the_one_reached():
     before = running(last_sync_seconds=1.5, last_sync_time=EARLIER)
     # A trainer restarted from an older checkpoint reports an older round with its own (older) sync figures.
     obs = Observed(trainer_job(active=1), statefulset(1), trainer=report(step=1, syncRound=1, lastSyncSeconds=9.0))
     s = decide(applied_view(), before, obs, NOW).status
-    assert (s.step, s.sync_round, s.last_sync_seconds, s.last_sync_time) == (3, 3, 1.5, EARLIER)
+    assert (s.step, s.steps_lost, s.sync_round, s.last_sync_seconds, s.last_sync_time) == (1, 2, 3, 1.5, EARLIER)
 
 
 def test_sync_group_reformed_under_a_new_epoch_is_an_event_and_the_job_goes_on():
@@ -293,6 +300,14 @@ def test_changes_that_cannot_apply_are_refused_and_the_children_keep_the_applied
     assert "spec.lora.rank, spec.trainer.replicas" in refused.message
 
 
+def test_until_its_children_are_created_a_job_may_change_any_field():
+    # e.g. the API server refused the trainer Job for a bad toleration: the fixed spec applies as a whole.
+    applied = json.loads(spec_json(job_view(body()).job.spec))
+    view = job_view(body(applied=applied, created=False, lora={"rank": 8}))
+    assert view.refused == () and view.job.spec.lora.rank == 8
+    assert view.record_applied is not None and json.loads(view.record_applied)["lora"]["rank"] == 8
+
+
 def test_a_running_job_whose_spec_turns_invalid_keeps_running_from_the_applied_spec():
     applied = json.loads(spec_json(job_view(body()).job.spec))
     view = job_view(body(applied=applied, grpo={"generationsPerPrompt": 1}))
@@ -401,3 +416,59 @@ def test_idle_when_only_a_spec_change_can_change_anything(case, idle):
         "invalid": lambda: decide(job_view(body(grpo={"steps": 0})), JobStatus(), Observed(), NOW),
     }
     assert decisions[case]().idle is idle
+
+
+def test_a_transient_api_failure_keeps_the_phase_and_retries_with_one_warning():
+    refusal = Refusal("Job", "demo-trainer", 503, "etcdserver: leader changed")
+    first = decide_refused(applied_view(), running(), refusal, NOW)
+    assert first.status.phase == "Running" and first.requeue_after == 5.0 and not first.idle
+    assert condition(first, names.PROGRESSING) == ("False", names.R_API_RETRYING)
+    assert "trainer Job demo-trainer: etcdserver: leader changed" in first.status.message
+    assert [(e.type, e.reason) for e in first.events] == [("Warning", names.R_API_RETRYING)]
+    assert decide_refused(applied_view(), first.status, refusal, NOW).events == ()
+
+
+def test_a_refused_child_fails_the_job_without_a_completion_time():
+    refusal = Refusal("NetworkPolicy", "demo", 403, 'networkpolicies "demo" is forbidden: quota')
+    decision = decide_refused(applied_view(), pending(), refusal, NOW)
+    assert decision.status.phase == "Failed" and decision.status.completion_time is None and decision.idle
+    assert condition(decision, names.FAILED) == ("True", names.R_CREATE_REFUSED)
+    assert ("Warning", names.E_FAILED) in [(e.type, e.reason) for e in decision.events]
+
+
+def test_children_of_a_deleted_job_of_the_same_name_are_waited_for_never_created_over():
+    blocked = (ChildRef("Job", "demo-trainer"), ChildRef("Secret", "demo-token"))
+    decision = decide(applied_view(), JobStatus(), Observed(blocked=blocked), NOW)
+    assert kinds(decision.create) == ["StatefulSet"]
+    assert decision.requeue_after is not None and not decision.idle
+    assert condition(decision, names.CREATED) == ("False", names.R_WAITING_FOR_PREVIOUS_JOB)
+    assert "Job demo-trainer, Secret demo-token" in decision.status.message
+
+
+def test_a_trainer_restarted_without_checkpoints_shows_its_real_step_and_the_loss():
+    old = running(step=15, sync_round=15)
+    decision = decide(
+        applied_view(),
+        old,
+        Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=1, syncRound=16)),
+        NOW,
+    )
+    assert decision.status.step == 1 and decision.status.steps_lost == 14
+    assert "step 1/" in decision.status.message and "14 steps lost to trainer restarts" in decision.status.message
+
+
+@pytest.mark.parametrize(
+    ("checkpoint", "kept", "lost"),
+    [({"pvc": {"claimName": "ckpts"}}, "checkpoints in claim ckpts are kept", None),
+     ({}, None, "checkpoints were in the trainer pods' emptyDir and are gone")],
+)  # fmt: skip
+def test_the_suspend_message_says_what_is_really_kept(checkpoint, kept, lost):
+    decision = decide(applied_view(checkpoint=checkpoint, suspend=True), running(), Observed(), NOW)
+    message = decision.status.message
+    assert decision.status.phase == "Suspended"
+    if kept:
+        assert kept in message and "resume from the latest checkpoint" in message
+    else:
+        assert lost in message and "from step 0" in message and "checkpoints are kept" not in message
+    suspended = next(c for c in decision.status.conditions if c.type == names.SUSPENDED)
+    assert suspended.message == message

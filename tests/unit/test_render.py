@@ -128,7 +128,7 @@ def test_user_env_and_volumes():
     assert mounts["checkpoints"]["mountPath"] == "/ckpt"
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpts"}
-    assert volumes["shm"]["emptyDir"] == {"medium": "Memory"}
+    assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
 
 
 def test_network_policy_admits_only_the_jobs_pods_and_the_operator():
@@ -144,3 +144,33 @@ def test_network_policy_admits_only_the_jobs_pods_and_the_operator():
 def test_workloads_are_the_pod_owning_children():
     p = plan(parse_job(job_doc()))
     assert [w["kind"] for w in workloads(p)] == ["Job", "StatefulSet"]
+
+
+def pod_of(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    return next(o for o in objects if o["kind"] == kind)["spec"]["template"]["spec"]
+
+
+def test_pods_run_as_non_root_without_a_fixed_uid_by_default():
+    # OpenShift's restricted-v2 assigns the UID and fsGroup from the namespace's range and refuses fixed ones; the
+    # images run as the numeric USER 1000:1000, which satisfies runAsNonRoot elsewhere.
+    for kind in ("Job", "StatefulSet"):
+        security = pod_of(children(job_doc()), kind)["securityContext"]
+        assert security == {"runAsNonRoot": True, "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def test_pod_security_ids_are_settable_in_the_spec():
+    objects = children(job_doc(podSecurity={"runAsUser": 1001, "runAsGroup": 1002, "fsGroup": 2000}))
+    for kind in ("Job", "StatefulSet"):
+        security = pod_of(objects, kind)["securityContext"]
+        assert (security["runAsUser"], security["runAsGroup"], security["fsGroup"]) == (1001, 1002, 2000)
+        # Large PVCs (models, checkpoints): no recursive chown on every start once the root has the right group.
+        assert security["fsGroupChangePolicy"] == "OnRootMismatch"
+        kubernetes_validate.validate(next(o for o in objects if o["kind"] == kind), K8S_VERSION, strict=True)
+
+
+def test_shared_memory_is_bounded():
+    for kind in ("Job", "StatefulSet"):
+        shm = next(v for v in pod_of(children(job_doc()), kind)["volumes"] if v["name"] == "shm")
+        assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+    big = children(job_doc(trainer={"shmSizeLimit": "32Gi"}))
+    assert next(v for v in pod_of(big, "Job")["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"] == "32Gi"

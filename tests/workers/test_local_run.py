@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from grpolora.api.status import TrainerStatus
@@ -116,6 +117,10 @@ def test_a_second_run_resumes_from_the_checkpoint_and_pipelines(first_run):
     # Pipelined: step 5's rollouts were generated while step 4 trained, from the adapter before step 4's update.
     assert steps[3]["on_policy"] and not steps[4]["on_policy"]
     assert steps[4]["rollout_version"] == steps[3]["rollout_version"] < steps[3]["sync_round"]
+    # Step 4's checkpoint was written while step 5's prompts were already being generated: they are not counted
+    # as consumed, so a restart from it generates them again instead of skipping them.
+    state = torch.load(run_dir / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=False)
+    assert state["progress"]["prompts_consumed"] == 4 * JOB["spec"]["grpo"]["promptsPerStep"]
 
 
 def test_a_bad_reward_plugin_fails_before_any_worker_starts(tmp_path):

@@ -1,5 +1,6 @@
-"""The rollout client against real HTTP servers on loopback that fail the way replicas fail: an engine error
-(500), a refused request (400 with the reason) and a replica that is gone (connection refused)."""
+"""The rollout client against replicas that fail as replicas do: an engine error (a 500 with the server's
+reason, from a plain HTTP server on loopback) and a replica that is gone (connection refused). The other cases
+are in test_rollout_client.py, against the real inference API."""
 
 from __future__ import annotations
 
@@ -52,16 +53,6 @@ def broken():
     yield from replica(500, "EngineDeadError: engine core died")
 
 
-@pytest.fixture
-def healthy():
-    yield from replica(200, "")
-
-
-@pytest.fixture
-def refusing():
-    yield from replica(400, "prompt 0 has 300 tokens; it does not fit in the model length 256")
-
-
 def test_every_replica_failing_names_each_replica_and_its_error(broken):
     gone = f"http://127.0.0.1:{free_port()}"
     client = RolloutClient([broken, gone], "t", timeout_seconds=5)
@@ -71,18 +62,4 @@ def test_every_replica_failing_names_each_replica_and_its_error(broken):
     assert "every replica failed to generate" in message
     assert f"replica 0 ({broken}): 500 EngineDeadError: engine core died" in message
     assert f"replica 1 ({gone}): ConnectError" in message
-    client.close()
-
-
-def test_a_lost_replicas_share_goes_to_the_others(broken, healthy):
-    client = RolloutClient([broken, healthy], "t", timeout_seconds=5)
-    completions = client.generate([[1], [2], [3]], SAMPLING, version=0, replicas=[0, 1])
-    assert [len(c) for c in completions] == [2, 2, 2]
-    client.close()
-
-
-def test_a_refused_request_fails_with_the_replicas_reason_and_is_not_retried_elsewhere(refusing, healthy):
-    client = RolloutClient([refusing, healthy], "t", timeout_seconds=5)
-    with pytest.raises(RolloutError, match=r"replica 0 refused the request \(400\): prompt 0 has 300 tokens"):
-        client.generate([[1], [2]], SAMPLING, version=0, replicas=[0, 1])
     client.close()

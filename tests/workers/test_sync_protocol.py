@@ -57,15 +57,15 @@ class Cluster:
         )
 
     def make_sender(self, **kwargs) -> AdapterSender:
-        options = {"bucket_bytes": 1 << 20, "fingerprint": "fp", "token": TOKEN} | kwargs
+        options = {
+            "bucket_bytes": 1 << 20,
+            "fingerprint": "fp",
+            "token": TOKEN,
+            "timeout_seconds": TIMEOUT,
+            "join_timeout_seconds": TIMEOUT,
+        } | kwargs
         return AdapterSender(
-            self.members,
-            store=self.store,
-            store_addr="127.0.0.1",
-            store_port=self.port,
-            backend="gloo",
-            timeout_seconds=TIMEOUT,
-            **options,
+            self.members, store=self.store, store_addr="127.0.0.1", store_port=self.port, backend="gloo", **options
         )
 
     def wait_live(self, version: int, indices=None) -> None:
@@ -259,8 +259,10 @@ def test_corrupted_round_is_refused_and_the_old_version_keeps_serving(cluster, m
     monkeypatch.setattr(wire, "pack", corrupting_pack)
     with pytest.raises(SyncError, match="every replica refused version 2"):
         c.sender.send(adapter(1), {})
-    assert [s.live_version for s in c.sinks] == [1, 1]
+    # Asserted once the receivers have recorded the refusal, so that an activation after it would be seen.
     eventually(lambda: all("checksum mismatch" in (r.state().last_error or "") for r in c.receivers))
+    assert [s.live_version for s in c.sinks] == [1, 1]
+    assert all(sorted(s.adapters) == [1] for s in c.sinks)
     monkeypatch.setattr(wire, "pack", real_pack)
     report = c.sender.send(adapter(1), {})  # the group is intact: the next good round goes through
     assert report.members == (0, 1)
@@ -347,6 +349,7 @@ def test_fingerprint_mismatch_is_refused_naming_both(cluster):
                 store_port=1,
                 backend="gloo",
                 timeout_seconds=1,
+                join_timeout_seconds=1,
                 trainer_fingerprint="other",
                 current_version=0,
             )
@@ -385,3 +388,104 @@ def test_sends_from_threads_do_not_interleave(cluster):
         t.join()
     assert not errors
     c.wait_live(3)
+
+
+def test_a_late_joiner_gets_the_bytes_of_the_version_it_is_told(cluster):
+    """The sender keeps the last version for newcomers: a copy, not a view of weights that train on."""
+    c = cluster(2)
+    c.members[1].down = True
+    live = adapter(0)  # stands for the trainer's parameters
+    sent = {k: v.clone() for k, v in live.items()}
+    c.sender.send(live, {})
+    c.wait_live(1, indices=[0])
+    for tensor in live.values():
+        tensor.add_(1.0)  # the next optimizer step, in place, before the next sync
+    c.members[1].down = False
+    assert c.sender.refresh() is True
+    c.wait_live(1, indices=[1])
+    assert all(torch.equal(c.sinks[1].adapters[1][k], sent[k]) for k in sent)
+
+
+def replace_replica(c: Cluster, index: int, sink=None) -> None:
+    """A fresh process takes over replica `index` (same address): it has joined no epoch and serves version 0."""
+    c.receivers[index].close()
+    c.sinks[index] = sink or RecordingSink()
+    c.receivers[index] = AdapterReceiver(c.sinks[index], replica_index=index, fingerprint="fp", token=TOKEN)
+    c.members[index].receiver = c.receivers[index]
+
+
+def test_a_replica_replaced_between_rounds_gets_the_current_adapter(cluster):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.sender.send(adapter(1), {})
+    c.wait_live(2)
+    replace_replica(c, 1)  # never seen unreachable: its slot is still listed in the group
+    assert c.sender.refresh() is True
+    c.wait_live(2, indices=[1])
+    assert c.receivers[1].ready
+    assert all(torch.equal(c.sinks[1].adapters[2][k], v) for k, v in adapter(1).items())
+    assert c.sender.serving(2) == (0, 1)
+
+
+class FlakySink(RecordingSink):
+    """vLLM's add_lora failing once (out of LoRA slots, a bad folder): the version never went live."""
+
+    def __init__(self, failures: int = 1) -> None:
+        super().__init__()
+        self.failures = failures
+
+    def activate(self, version, tensors, adapter_config) -> None:
+        if self.failures:
+            self.failures -= 1
+            raise RuntimeError("add_lora failed")
+        super().activate(version, tensors, adapter_config)
+
+
+def test_a_round_is_acknowledged_only_after_activation(cluster):
+    c = cluster(2)
+    replace_replica(c, 1, FlakySink())
+    report = c.sender.send(adapter(0), {})
+    assert report.members == (0,) and "activation failed" in report.refused[1]
+    assert c.sinks[1].live_version == 0 and not c.receivers[1].ready
+    # Out of the rollout set until re-synced: rollouts for version 1 go to replica 0 only.
+    assert c.sender.serving(1) == (0,)
+    report = c.sender.send(adapter(1), {})  # the next round brings it back
+    assert report.members == (0, 1)
+    assert c.sender.serving(2) == (0, 1)
+
+
+def test_a_replica_that_answers_but_cannot_join_is_dropped_then_re_added(cluster):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    half_alive = c.members[1]
+    real_join = half_alive.join
+    half_alive.join = lambda request: None  # answers HTTP, never reaches the sync store
+    c.sender.close()
+    c.sender = c.make_sender(join_timeout_seconds=1.0, rejoin_backoff_seconds=0.5, timeout_seconds=60.0)
+    started = time.monotonic()
+    report = c.sender.send(adapter(1), {})
+    # Dropped after one join timeout, not retried with the same membership until the (60 s) sync timeout.
+    assert time.monotonic() - started < 10
+    assert report.members == (0,) and c.sender.group == (0,)
+    half_alive.join = real_join
+    time.sleep(0.6)  # its back-off has passed: the next refresh tries it again, and it catches up
+    assert c.sender.refresh() is True
+    c.wait_live(2, indices=[1])
+    assert c.sender.group == (0, 1) and c.sender.serving(2) == (0, 1)
+
+
+def test_a_receiver_never_activates_a_version_at_or_below_its_own(cluster):
+    """The receiver's own guard, whatever a (buggy or restarted) sender sends."""
+    c = cluster(1)
+    c.sender.send(adapter(0), {})
+    c.sender.send(adapter(1), {})
+    c.wait_live(2)
+    with c.sender._lock:  # a round of version 1 again, bypassing the sender's own numbering
+        c.sender._send_once(adapter(5), {}, 1, 1)
+    eventually(lambda: not c.receivers[0].state().busy)
+    assert c.sinks[0].live_version == 2 and sorted(c.sinks[0].adapters) == [1, 2]
+    assert torch.equal(
+        c.sinks[0].adapters[1]["base_model.model.layers.0.q_proj.lora_A.weight"],
+        adapter(0)["base_model.model.layers.0.q_proj.lora_A.weight"],
+    )

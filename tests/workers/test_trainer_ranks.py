@@ -24,17 +24,18 @@ SPEC = parse_job(
     job_doc(
         model={"name": "offline:tiny-llama", "dtype": "float32"},
         lora={"rank": 8, "alpha": 16},
-        grpo={"learningRate": 1e-2, "microBatchSize": 2, "klCoef": 0.05, "temperature": 0.8},
+        # No gradient clipping: a clip to 1.0 would rescale a wrong gradient scale across ranks away.
+        grpo={"learningRate": 1e-2, "microBatchSize": 2, "klCoef": 0.05, "temperature": 0.8, "maxGradNorm": 1e6},
         trainer={"gpusPerReplica": 0},
         inference={"gpusPerReplica": 0},
     )
 ).spec
 
 
-def synthetic_batch() -> Batch:
+def synthetic_batch(size: int = 6) -> Batch:
     g = torch.Generator().manual_seed(0)
     sequences, advantages = [], []
-    for i in range(6):  # uneven lengths, so padding and the token-level normaliser matter
+    for i in range(size):  # uneven lengths, so padding and the token-level normaliser matter
         prompt = torch.randint(5, 1000, (4 + i % 3,), generator=g).tolist()
         completion = torch.randint(5, 1000, (3 + 2 * (i % 2),), generator=g).tolist()
         sequences.append((prompt, completion, (-torch.rand(len(completion), generator=g)).tolist()))
@@ -48,6 +49,11 @@ def lora_state(policy: Policy) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in lora_tensors(policy.model).items()}
 
 
+# An odd count: rank 0 takes 3 sequences (two micro-batches of 2), rank 1 takes 2 (one), so rank 1 must take
+# part in a second micro-batch's collectives with no sequence of its own.
+SEQUENCES = 5
+
+
 def _rank(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -58,7 +64,7 @@ def _rank(rank: int, world_size: int, port: int, out: str) -> None:
         policy = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=True)
         optimizer = sgd(policy)
         stats = train_step(
-            policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=True, rank=rank, world_size=world_size
+            policy, optimizer, synthetic_batch(SEQUENCES), SPEC.grpo, on_policy=True, rank=rank, world_size=world_size
         )
         state = lora_state(policy)  # a collective: every rank gathers
         folder = Path(out) / "ckpt"
@@ -89,7 +95,7 @@ def one_rank():
     policy = Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"))
     before = lora_state(policy)
     optimizer = sgd(policy)
-    stats = train_step(policy, optimizer, synthetic_batch(), SPEC.grpo, on_policy=True)
+    stats = train_step(policy, optimizer, synthetic_batch(SEQUENCES), SPEC.grpo, on_policy=True)
     return before, lora_state(policy), stats
 
 
@@ -103,6 +109,9 @@ def test_two_fsdp_ranks_give_the_same_update_as_one(one_rank, tmp_path):
     assert moved > 1e-3  # the step really changed the adapter, so agreement below means something
     worst = max((after_two[k] - after_one[k]).abs().max().item() for k in after_one)
     assert worst < 1e-4 * moved, f"two ranks differ from one by {worst} (the update is {moved})"
+    # The gradient before any clipping: a scale error across ranks (a lost `/ world_size`, a per-micro-batch
+    # normaliser) shows here even where the update would hide it.
+    assert stats_two.grad_norm == pytest.approx(stats_one.grad_norm, rel=1e-4)
     assert stats_two.tokens == stats_one.tokens
     assert stats_two.loss == pytest.approx(stats_one.loss, rel=1e-4, abs=1e-6)
     assert stats_two.kl == pytest.approx(stats_one.kl, rel=1e-4, abs=1e-7)

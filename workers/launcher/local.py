@@ -30,6 +30,7 @@ from pathlib import Path
 
 import httpx
 
+from grpolora.api import contract
 from grpolora.api.load import InvalidJob, job_warnings, load_jobs
 from grpolora.api.plan import JobPlan, LoopbackNetwork, Role, plan
 from grpolora.api.spec import GRPOLoraJob
@@ -217,6 +218,10 @@ class LocalRun:
                 # Workers run `python -m ...` from the user's directory: never let a folder there shadow a module
                 # (the repository's own operator/ would shadow the stdlib's `operator`).
                 env["PYTHONSAFEPATH"] = "1"
+                if role == "trainer" and index > 0:
+                    # Pods have an address each; here every trainer replica shares 127.0.0.1, so the /health
+                    # endpoint of replicas > 0 (rank 0 alone serves /status) needs a port of its own.
+                    env[contract.STATUS_PORT] = str(free_ports(1)[0])
                 env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
                 self.workers.append(worker)
                 self._envs.append(env)

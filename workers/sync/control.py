@@ -32,7 +32,8 @@ class JoinRequest(_Message):
     store_addr: str
     store_port: int
     backend: str
-    timeout_seconds: float
+    timeout_seconds: float  # bounds every collective of the epoch
+    join_timeout_seconds: float  # bounds forming the group: a replica that cannot join by then is left out
     trainer_fingerprint: str
     current_version: int  # the replica reports ready once it serves at least this version
 

@@ -32,14 +32,19 @@ class _GlooPending(Pending):
 class GlooTransport(Transport):
     piece_bytes = PIECE_BYTES
 
-    def __init__(self, store: dist.Store, *, rank: int, world_size: int, timeout_seconds: float):
+    def __init__(
+        self, store: dist.Store, *, rank: int, world_size: int, timeout_seconds: float, join_timeout_seconds: float
+    ):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
         try:
-            self._group: dist.ProcessGroupGloo | None = dist.ProcessGroupGloo(
-                store, rank, world_size, timedelta(seconds=timeout_seconds)
-            )
+            # Formation waits at most the join timeout for every rank; collectives then get the sync timeout.
+            group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=join_timeout_seconds))
         except RuntimeError as exc:
-            raise TransportError(f"gloo group of {world_size} did not form: {exc}") from exc
+            raise TransportError(
+                f"gloo group of {world_size} did not form within {join_timeout_seconds:g}s: {exc}"
+            ) from exc
+        group.set_timeout(timedelta(seconds=timeout_seconds))
+        self._group: dist.ProcessGroupGloo | None = group
 
     def _group_or_fail(self) -> dist.ProcessGroupGloo:
         if self._group is None:

@@ -1,13 +1,25 @@
 """NCCL transport: GPU tensors over NVLink/InfiniBand/TCP. Used when both roles have GPUs.
 
 A ProcessGroupNCCL built directly on the epoch's store: a communicator of its own, outside torch.distributed's
-default group (which the trainer ranks use for FSDP), with NCCL's own timeout watchdog, and `abort()` to tear it
-down when a peer is lost so that the group can re-form under the next epoch.
+default group (which the trainer ranks use for FSDP), and `abort()` to tear it down when a peer is lost so that
+the group can re-form under the next epoch.
+
+Error handling is set explicitly for this group (ERROR_ENVIRONMENT, read by ProcessGroupNCCL when it is built),
+because PyTorch's default is the wrong one for a group whose peers may die: its watchdog tears the whole process
+down on a failed or timed-out collective (TORCH_NCCL_ASYNC_ERROR_HANDLING=3). Here a dead or hung peer must be an
+error in the thread that waits, which the sender answers by re-forming the group without it:
+- TORCH_NCCL_ASYNC_ERROR_HANDLING=2: on an error or timeout the watchdog aborts the communicator only;
+- TORCH_NCCL_BLOCKING_WAIT=1: `wait()` blocks and raises (DistBackendError, a RuntimeError) when the collective
+  failed or ran past the group's timeout (`sync.timeoutSeconds`), which becomes a TransportError.
+The trainer's own FSDP group keeps PyTorch's defaults: a lost trainer rank ends the trainer, and the operator
+restarts the whole group.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
 import torch
@@ -15,16 +27,39 @@ import torch.distributed as dist
 
 from grpolora.workers.sync.transport import Pending, Transport, TransportError, broadcast_options, sum_options
 
+ERROR_ENVIRONMENT: Mapping[str, str] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+    "TORCH_NCCL_BLOCKING_WAIT": "1",
+}
+
+
+@contextlib.contextmanager
+def _environment(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in os.environ while a process group reads them at construction; then as they were."""
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
 
 class _NcclPending(Pending):
-    def __init__(self, work: dist.Work, device: torch.device, what: str):
-        self._work, self._device, self._what = work, device, what
+    def __init__(self, work: dist.Work, device: torch.device, what: str, timeout: timedelta | None = None):
+        self._work, self._device, self._what, self._timeout = work, device, what, timeout
 
     def wait(self) -> None:
         try:
-            self._work.wait()
+            if self._timeout is None:
+                self._work.wait()
+            else:
+                self._work.wait(self._timeout)
             torch.cuda.current_stream(self._device).synchronize()
-        except RuntimeError as exc:
+        except RuntimeError as exc:  # DistBackendError: a peer failed, or the collective timed out
             raise TransportError(f"NCCL {self._what} failed: {exc}") from exc
 
 
@@ -36,6 +71,7 @@ class NcclTransport(Transport):
         rank: int,
         world_size: int,
         timeout_seconds: float,
+        join_timeout_seconds: float,
         device: torch.device | None,
     ):
         if not torch.cuda.is_available():
@@ -45,11 +81,16 @@ class NcclTransport(Transport):
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_seconds)
         options.is_high_priority_stream = True  # sync overlaps with generation on inference GPUs
+        self._group: dist.ProcessGroupNCCL | None = None
         try:
-            self._group: dist.ProcessGroupNCCL | None = dist.ProcessGroupNCCL(store, rank, world_size, options)
-            # NCCL communicators are created lazily; a first tiny collective makes "formed" mean formed.
-            self.all_reduce_sum(torch.zeros(1, device=self.device))
-        except RuntimeError as exc:
+            with _environment(ERROR_ENVIRONMENT):
+                self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            # NCCL communicators are created lazily; a first tiny collective makes "formed" mean formed, within
+            # the join timeout.
+            work = self._group.allreduce([torch.zeros(1, device=self.device)], sum_options())
+            _NcclPending(work, self.device, "group formation", timedelta(seconds=join_timeout_seconds)).wait()
+        except (RuntimeError, TransportError) as exc:
+            self.close()
             raise TransportError(f"NCCL group of {world_size} did not form: {exc}") from exc
 
     def _group_or_fail(self) -> dist.ProcessGroupNCCL:

@@ -31,9 +31,11 @@ from grpolora.workers.sync.transport import Transport, TransportError, connect_s
 
 log = logging.getLogger(__name__)
 
-# What each receiver reports for a round in the closing all-reduce (one slot per rank).
-VERIFIED = 1
-REFUSED = 2
+# What each receiver reports for a round in the closing all-reduce (one slot per rank), sent only after the
+# version was activated (or found unusable): the sender counts a replica as serving a version only on VERIFIED.
+VERIFIED = 1  # verified, and this version (or a later one) serves new requests
+REFUSED = 2  # checksum or size mismatch: nothing activated
+ACTIVATION_FAILED = 3  # verified, but the engine could not load it: the older version keeps serving
 
 
 class AdapterSink(Protocol):
@@ -60,7 +62,8 @@ class RoundOutcome:
 def receive_round(
     transport: Transport, key: bytes, announced: PrepareRequest
 ) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
-    """One round on a receiving rank: header, buckets, verification, and the closing status all-reduce.
+    """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
+    once the receiver knows whether the version went live).
 
     Returns the header, the buckets and None if they verified, or a reason if they did not. Raises
     TransportError when the collective breaks, and WireError (after leaving the group) on a header that is
@@ -96,10 +99,14 @@ def receive_round(
         wire.verify(header, buckets, computed=crc.hexdigest() if crc is not None else None)
     except wire.WireError as exc:
         reason = str(exc)
-    status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
-    status[transport.rank] = VERIFIED if reason is None else REFUSED
-    transport.all_reduce_sum(status)
     return header, buckets, reason
+
+
+def report_status(transport: Transport, code: int) -> None:
+    """The round's closing all-reduce: this rank's code in its own slot (the sender's is 0)."""
+    status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
+    status[transport.rank] = code
+    transport.all_reduce_sum(status)
 
 
 class AdapterReceiver:
@@ -211,7 +218,7 @@ class AdapterReceiver:
             if self._pending_join is not request:
                 return  # a newer join arrived while this one waited in the queue
         store = connect_store(
-            request.store_addr, request.store_port, is_master=False, timeout_seconds=request.timeout_seconds
+            request.store_addr, request.store_port, is_master=False, timeout_seconds=request.join_timeout_seconds
         )
         transport = create_transport(
             request.backend,  # type: ignore[arg-type]
@@ -220,6 +227,7 @@ class AdapterReceiver:
             rank=request.rank,
             world_size=request.world_size,
             timeout_seconds=request.timeout_seconds,
+            join_timeout_seconds=request.join_timeout_seconds,
             device=self._device,
         )
         with self._lock:
@@ -252,16 +260,33 @@ class AdapterReceiver:
             receive_seconds=received - started,
             activate_seconds=0.0,
         )
-        if reason is None and header.version > self._sink.live_version:
-            self._sink.activate(header.version, wire.unpack(header, buckets), dict(header.adapter_config))
-            outcome.activated = True
-            outcome.activate_seconds = time.perf_counter() - received
-        elif reason is not None:
+        code = REFUSED
+        if reason is None:
+            code = VERIFIED
+            # Never back to (or again to) a version at or below the live one: versions only grow. A re-sent
+            # current version (to catch another member up) verifies and leaves this replica as it is.
+            if header.version > self._sink.live_version:
+                try:
+                    self._sink.activate(header.version, wire.unpack(header, buckets), dict(header.adapter_config))
+                    outcome.activated = True
+                except Exception as exc:  # the engine refused it: the older version keeps serving
+                    log.exception("adapter sync: version %d verified but not activated", header.version)
+                    reason = f"activation failed: {type(exc).__name__}: {exc}"
+                    code = ACTIVATION_FAILED
+                    with self._lock:  # not ready (readiness probe) until a round brings this version live
+                        self._required_version = max(self._required_version, header.version)
+                outcome.activate_seconds = time.perf_counter() - received
+        else:
             log.error("adapter sync: refused version %d: %s", header.version, reason)
-            if self._on_error is not None:
-                self._on_error("refused")
+        if reason is not None and self._on_error is not None:
+            self._on_error("refused" if code == REFUSED else "activation")
         with self._lock:
             self._last_error = reason
+        try:
+            report_status(transport, code)  # only now: the sender counts VERIFIED as serving this version
+        except TransportError as exc:
+            self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
+            return
         if self._on_round is not None:
             self._on_round(outcome)
 

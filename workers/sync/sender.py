@@ -30,12 +30,19 @@ from grpolora.workers.sync.control import (
     StaleEpoch,
     SyncError,
 )
-from grpolora.workers.sync.receiver import REFUSED, VERIFIED
-from grpolora.workers.sync.transport import Backend, Transport, TransportError, create_transport
+from grpolora.workers.sync.receiver import ACTIVATION_FAILED, REFUSED, VERIFIED
+from grpolora.workers.sync.transport import Backend, Transport, TransportError, arrived_ranks, create_transport
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+# A replica that answers but cannot join is tried again after this, doubling per failure up to the maximum.
+REJOIN_BACKOFF_SECONDS = 30.0
+MAX_REJOIN_BACKOFF_SECONDS = 600.0
+REFUSAL_REASONS = {
+    REFUSED: "checksum or size mismatch",
+    ACTIVATION_FAILED: "activation failed: the engine could not load the version (see the replica's log)",
+}
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class AdapterSender:
         store_port: int,
         backend: Backend,
         timeout_seconds: float,
+        join_timeout_seconds: float,
         bucket_bytes: int,
         fingerprint: str,
         token: str,
@@ -90,12 +98,14 @@ class AdapterSender:
         first_version: int = 0,
         device: torch.device | None = None,
         on_bucket_sent: Callable[[int], None] | None = None,
+        rejoin_backoff_seconds: float = REJOIN_BACKOFF_SECONDS,
     ):
         self._members = {m.index: m for m in members}
         self._store = store
         self._store_addr, self._store_port = store_addr, store_port
         self._backend = backend
         self._timeout = timeout_seconds
+        self._join_timeout = join_timeout_seconds
         self._bucket_bytes = bucket_bytes
         self.fingerprint = fingerprint
         self._key = wire.header_key(token)
@@ -104,6 +114,12 @@ class AdapterSender:
         self.epoch = first_epoch - 1  # the first formation makes it first_epoch (or later, see form_group)
         self.version = first_version
         self.group: tuple[int, ...] = ()  # replica indices in the current epoch, by sync rank - 1
+        # The version each member is known to serve: from its state when the group forms, then from the rounds
+        # it acknowledged (after activation). Rollouts go only to members serving the version they ask for.
+        self._serving: dict[int, int] = {}
+        # Members that answered but could not join: left out until the monotonic time given, then tried again.
+        self._benched: dict[int, tuple[float, int]] = {}  # index -> (retry after, failures so far)
+        self._rejoin_backoff = rejoin_backoff_seconds
         self._transport: Transport | None = None
         self._last_round: tuple[Mapping[str, torch.Tensor], Mapping] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
@@ -111,8 +127,18 @@ class AdapterSender:
 
     # ---- membership --------------------------------------------------------------------------------------
 
+    def serving(self, version: int) -> tuple[int, ...]:
+        """Members of the group that serve `version` or a later one (rollouts may go to them)."""
+        serving = self._serving  # replaced whole, never mutated: readable from any thread
+        return tuple(i for i in self.group if serving.get(i, 0) >= version)
+
+    def _set_serving(self, updates: Mapping[int, int]) -> None:
+        self._serving = {**self._serving, **updates}
+
     def _states(self) -> dict[int, MemberState]:
-        """Members that answer, with what they say about themselves."""
+        """Members that answer (and are not benched), with what they say about themselves."""
+        now = time.monotonic()
+        candidates = [m for i, m in self._members.items() if self._benched.get(i, (0.0, 0))[0] <= now]
 
         def probe(member: Member) -> MemberState | None:
             try:
@@ -120,11 +146,22 @@ class AdapterSender:
             except MemberUnreachable:
                 return None
 
-        found = dict(zip(self._members, self._pool.map(probe, self._members.values()), strict=True))
+        found = dict(zip((m.index for m in candidates), self._pool.map(probe, candidates), strict=True))
         return {index: state for index, state in found.items() if state is not None}
 
+    def _bench(self, indices: Sequence[int], why: str) -> None:
+        for index in indices:
+            _, failures = self._benched.get(index, (0.0, 0))
+            delay = min(self._rejoin_backoff * 2**failures, MAX_REJOIN_BACKOFF_SECONDS)
+            self._benched[index] = (time.monotonic() + delay, failures + 1)
+            log.warning("adapter sync: replica %d left out (%s); trying it again in %.0fs", index, why, delay)
+
     def form_group(self, *, wait_for_all_seconds: float = 0.0) -> tuple[int, ...]:
-        """Form the next epoch with every member that answers (waiting up to `wait_for_all_seconds` for all)."""
+        """Form the next epoch with every member that answers (waiting up to `wait_for_all_seconds` for all).
+
+        A member that answers but does not reach the group within the join timeout is left out (benched, and
+        tried again after a back-off), and the epoch forms again without it, so one half-alive replica costs one
+        join timeout, never the run."""
         deadline = time.monotonic() + wait_for_all_seconds
         while True:
             states = self._states()
@@ -142,42 +179,74 @@ class AdapterSender:
                 )
         # Versions and epochs never go backwards, also across trainer restarts: start past what replicas hold.
         self.version = max([self.version, *(s.live_version for s in states.values())])
-        self.epoch = max([self.epoch + 1, *(s.epoch + 1 for s in states.values() if s.epoch is not None)])
-        self._leave()
-        group = tuple(sorted(states))
-        world_size = 1 + len(group)
+        self.epoch = max([self.epoch, *(s.epoch for s in states.values() if s.epoch is not None)])
+        candidates = sorted(states)
+        for _ in range(MAX_ATTEMPTS):
+            self.epoch += 1
+            self._leave()
+            left_out = self._form(candidates)
+            if not left_out:
+                self.group = tuple(candidates)
+                self._serving = {i: states[i].live_version for i in candidates}
+                log.info("adapter sync: epoch %d formed with replicas %s", self.epoch, list(candidates))
+                return self.group
+            candidates = [i for i in candidates if i not in left_out]
+            if not candidates:
+                break
+        raise SyncError(f"could not form the sync group: no replica of {sorted(states)} joined epoch {self.epoch}")
 
-        def join(rank: int, index: int) -> None:
-            self._members[index].join(
-                JoinRequest(
-                    epoch=self.epoch,
-                    rank=rank,
-                    world_size=world_size,
-                    store_addr=self._store_addr,
-                    store_port=self._store_port,
-                    backend=self._backend,
-                    timeout_seconds=self._timeout,
-                    trainer_fingerprint=self.fingerprint,
-                    current_version=self.version,
+    def _form(self, candidates: list[int]) -> list[int]:
+        """Form this epoch with `candidates`. Returns the members left out (empty: the group formed); raises
+        TransportError when it failed without anyone to blame (every member reached it)."""
+        world_size = 1 + len(candidates)
+
+        def join(rank: int, index: int) -> int | None:
+            try:
+                self._members[index].join(
+                    JoinRequest(
+                        epoch=self.epoch,
+                        rank=rank,
+                        world_size=world_size,
+                        store_addr=self._store_addr,
+                        store_port=self._store_port,
+                        backend=self._backend,
+                        timeout_seconds=self._timeout,
+                        join_timeout_seconds=self._join_timeout,
+                        trainer_fingerprint=self.fingerprint,
+                        current_version=self.version,
+                    )
                 )
-            )
+            except MemberUnreachable:
+                return index
+            return None
 
-        list(self._pool.map(join, range(1, world_size), group))
-        self._transport = create_transport(
-            self._backend,
-            self._store,
-            epoch=self.epoch,
-            rank=0,
-            world_size=world_size,
-            timeout_seconds=self._timeout,
-            device=self._device,
-        )
-        self.group = group
-        log.info("adapter sync: epoch %d formed with replicas %s", self.epoch, list(group))
-        return group
+        refused = [i for i in self._pool.map(join, range(1, world_size), candidates) if i is not None]
+        if refused:
+            self._bench(refused, "its join request failed")
+            return refused
+        try:
+            self._transport = create_transport(
+                self._backend,
+                self._store,
+                epoch=self.epoch,
+                rank=0,
+                world_size=world_size,
+                timeout_seconds=self._timeout,
+                join_timeout_seconds=self._join_timeout,
+                device=self._device,
+            )
+        except TransportError:
+            arrived = arrived_ranks(self._store, self.epoch, world_size)
+            missing = [index for rank, index in enumerate(candidates, start=1) if rank not in arrived]
+            if not missing:
+                raise
+            self._bench(missing, f"it did not join epoch {self.epoch} within {self._join_timeout:g}s")
+            return missing
+        return []
 
     def refresh(self) -> bool:
-        """Re-form if membership changed (a member lost or back); a newcomer gets the current adapter now.
+        """Re-form if membership changed (a member lost, replaced or back); then every member behind the current
+        version gets it at once, before rollouts go to it.
 
         Returns True if the group changed. Cheap when nothing changed: one state request per member.
         """
@@ -188,14 +257,20 @@ class AdapterSender:
         states = self._states()
         lost = [i for i in self.group if i not in states or states[i].epoch != self.epoch]
         new = [i for i in states if i not in self.group]
-        if not lost and not new and self._transport is not None:
-            return False
-        log.info("adapter sync: membership changed (lost %s, new %s); re-forming", lost, new)
-        self._form_with_retries()
-        if self._last_round is not None and any(states[i].live_version < self.version for i in new if i in states):
-            tensors, config = self._last_round
-            self._send_attempts(tensors, config, self.version)
-        return True
+        changed = bool(lost or new or self._transport is None)
+        if changed:
+            log.info("adapter sync: membership changed (lost or replaced %s, new %s); re-forming", lost, new)
+            self._form_with_retries()
+        self._catch_up()
+        return changed
+
+    def _catch_up(self) -> None:
+        """Send the current version again if any member of the group does not serve it (a newcomer, a replaced
+        replica, one whose activation failed); members that already serve it verify and keep it."""
+        if self._last_round is None or len(self.serving(self.version)) == len(self.group):
+            return
+        tensors, config = self._last_round
+        self._send_attempts(tensors, config, self.version)
 
     def _form_with_retries(self) -> None:
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -215,8 +290,11 @@ class AdapterSender:
             if self._transport is None:
                 self._form_with_retries()
             version = self.version + 1
-            report = self._send_attempts(tensors, adapter_config, version)
-            self._last_round = ({k: v.detach() for k, v in tensors.items()}, dict(adapter_config))
+            # A copy, not views of the trainer's parameters: a member caught up later must get these very bytes
+            # under this version number, whatever the optimizer has done to the parameters since.
+            kept = {k: v.detach().clone() for k, v in tensors.items()}
+            report = self._send_attempts(kept, adapter_config, version)
+            self._last_round = (kept, dict(adapter_config))
             return report
 
     def _send_attempts(self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int) -> RoundReport:
@@ -231,6 +309,7 @@ class AdapterSender:
                 self._form_with_retries()
                 continue
             self.version = version
+            self._set_serving({index: version for index in report.members})
             if report.refused:
                 # Verified nowhere is a failure; verified on some means the others get it next round.
                 if not report.members:
@@ -263,7 +342,7 @@ class AdapterSender:
         finished = time.perf_counter()
         verified = tuple(index for rank, index in enumerate(self.group, start=1) if codes[rank] == VERIFIED)
         refused = {
-            index: "checksum or size mismatch" if codes[rank] == REFUSED else f"status {codes[rank]}"
+            index: REFUSAL_REASONS.get(codes[rank], f"status {codes[rank]}")
             for rank, index in enumerate(self.group, start=1)
             if codes[rank] != VERIFIED
         }

@@ -3,9 +3,10 @@ group-relative advantages -> one optimizer step on all trainer ranks -> adapter 
 Other ranks follow in lockstep: each step rank 0 broadcasts what to do (the batch, whether to sync, checkpoint
 or stop), and all ranks take part in the collectives that gather the adapter and the optimizer state.
 
-Sequential mode is on-policy: a step's rollouts come from the adapter version the step starts from. With
-`grpo.pipelined`, step n+1's rollouts are generated while step n trains and syncs, from the version before step
-n's update (one step off-policy); the importance ratio then uses the sampler's behaviour logprobs.
+A step is on-policy only when every rollout came from the adapter version that equals the trainer's weights at
+that moment (the weights have not moved since that version was synced); then the importance ratio is taken
+against the trainer's own logprobs. Otherwise (`grpo.pipelined`, `syncEverySteps > 1`, or a replica that served
+another version) the ratio uses the behaviour logprobs vLLM returned for the version that generated the tokens.
 """
 
 from __future__ import annotations
@@ -42,11 +43,12 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Instruction:
-    """What rank 0 tells every rank to do this step (broadcast as one object)."""
+    """What rank 0 tells every rank to do next (broadcast as one object). Every rank does it in this order:
+    train on `batch`, gather the full adapter (a collective; rank 0 then sends or saves it), checkpoint, stop."""
 
-    batch: Batch | None
+    batch: Batch | None = None
     on_policy: bool = True
-    sync: bool = False
+    gather: bool = False
     checkpoint: bool = False
     stop: bool = False
 
@@ -56,8 +58,12 @@ class Rollouts:
     prompts: list[Prompt]
     prompt_ids: list[list[int]]
     completions: list[list[Completion]]
-    version: int
     seconds: float
+
+    @property
+    def versions(self) -> set[int]:
+        """The adapter versions that generated these completions (a replica may have served another one)."""
+        return {c.version for group in self.completions for c in group}
 
 
 @dataclass
@@ -114,11 +120,9 @@ def broadcast_instruction(instruction: Instruction | None, world_size: int) -> I
 
 
 def run_follower(ctx: TrainerContext) -> None:
-    """Trainer ranks > 0: do what rank 0 says until it says stop."""
+    """Trainer ranks > 0: do what rank 0 says until it says stop, in the order Instruction documents."""
     while True:
         instruction = broadcast_instruction(None, ctx.world_size)
-        if instruction.stop:
-            return
         if instruction.batch is not None:
             train_step(
                 ctx.policy,
@@ -129,10 +133,12 @@ def run_follower(ctx: TrainerContext) -> None:
                 rank=ctx.rank,
                 world_size=ctx.world_size,
             )
-        if instruction.sync:
-            adapter_io.lora_tensors(ctx.policy.model)  # the gather is collective; rank 0 sends the result
+        if instruction.gather:
+            adapter_io.lora_tensors(ctx.policy.model)  # the gather is collective; rank 0 sends or saves the result
         if instruction.checkpoint:
             ctx.save()
+        if instruction.stop:
+            return
 
 
 class Controller:
@@ -152,6 +158,9 @@ class Controller:
             log.info("metrics.jsonl: dropped %d records of steps after the checkpoint this run resumes from", dropped)
         self._drop_prompts_that_cannot_fit()
         self._prompts = self._prompt_stream()
+        # The adapter version that equals the trainer's weights right now; None once they moved past every synced
+        # version (between an optimizer step and the next sync).
+        self._weights_version: int | None = None
 
     def _drop_prompts_that_cannot_fit(self) -> None:
         """A dataset prompt the engine cannot take (with room for one generated token) is reported once, here, and
@@ -190,20 +199,27 @@ class Controller:
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
         )
-        completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.group)
-        return Rollouts(prompts, ids, completions, version, time.perf_counter() - started)
+        completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.serving(version))
+        return Rollouts(prompts, ids, completions, time.perf_counter() - started)
 
     def _next_prompts(self) -> list[Prompt]:
-        prompts = list(islice(self._prompts, self.spec.grpo.prompts_per_step))
-        self.ctx.progress.prompts_consumed += len(prompts)
-        return prompts
+        # Not counted as consumed until trained on: a pipelined step's prompts fetched ahead of a checkpoint are
+        # generated again after a restart, never skipped.
+        return list(islice(self._prompts, self.spec.grpo.prompts_per_step))
+
+    def _on_policy(self, rollouts: Rollouts) -> bool:
+        """Sampled from exactly the trainer's current weights: the synced version they equal, unmoved since."""
+        return self._weights_version is not None and rollouts.versions == {self._weights_version}
 
     def run(self) -> None:
         ctx, grpo = self.ctx, self.spec.grpo
         self.board.update(phase="Running", step=ctx.progress.step, sync_round=ctx.progress.sync_round)
         if self.sender.version > 0 or ctx.progress.step > 0:
             # Resumed (or replicas already serve an adapter): make every replica serve this checkpoint's adapter.
+            broadcast_instruction(Instruction(gather=True), ctx.world_size)
             self._sync()
+        else:
+            self._weights_version = 0  # LoRA B starts at zero: the fresh adapter is exactly the base model
         pending: Future[Rollouts] | None = None
         while ctx.progress.step < grpo.steps:
             iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
@@ -212,7 +228,7 @@ class Controller:
                 rollouts = self._generate(self._next_prompts(), self.sender.version)
             else:
                 rollouts = pending.result()
-            on_policy = rollouts.version == self.sender.version
+            on_policy = self._on_policy(rollouts)
             last = ctx.progress.step + 1 == grpo.steps
             if grpo.pipelined and not last:
                 # Overlap the next step's generation with this step's training and sync.
@@ -222,14 +238,16 @@ class Controller:
             reward_seconds = time.perf_counter() - reward_started
             sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last
             save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
-            instruction = Instruction(batch=batch, on_policy=on_policy, sync=sync_now, checkpoint=save_now)
+            instruction = Instruction(batch=batch, on_policy=on_policy, gather=sync_now, checkpoint=save_now)
             broadcast_instruction(instruction, ctx.world_size)
             train_started = time.perf_counter()
             stats = train_step(
                 ctx.policy, ctx.optimizer, batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
             )
             train_seconds = time.perf_counter() - train_started
+            self._weights_version = None  # the weights moved: no served version equals them until the next sync
             ctx.progress.step += 1
+            ctx.progress.prompts_consumed += len(rollouts.prompts)
             report = self._sync() if sync_now else None
             if save_now:
                 ctx.save()
@@ -247,7 +265,7 @@ class Controller:
                     "step": time.perf_counter() - iteration_started,
                 },
             )
-        broadcast_instruction(Instruction(batch=None, stop=True), ctx.world_size)
+        broadcast_instruction(Instruction(gather=True, stop=True), ctx.world_size)
         adapter_io.save_adapter(
             ctx.output_dir / "final-adapter",
             adapter_io.lora_tensors(ctx.policy.model),
@@ -278,6 +296,7 @@ class Controller:
         report = self.sender.send(tensors, adapter_io.lora_config(self.ctx.policy.model))
         progress = self.ctx.progress
         progress.sync_round, progress.epoch = report.version, report.epoch
+        self._weights_version = report.version
         metrics.SYNC_ROUND.set(report.version)
         metrics.SYNC_EPOCH.set(report.epoch)
         metrics.SYNC_SECONDS.observe(report.seconds)
@@ -316,7 +335,7 @@ class Controller:
             "gen_kl": stats.gen_kl,
             "tokens": stats.tokens,
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
-            "rollout_version": rollouts.version,
+            "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
             "sync_round": progress.sync_round,
             "epoch": progress.epoch,

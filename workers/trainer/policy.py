@@ -60,6 +60,17 @@ class Batch:
             self.advantages,
         )
 
+    @staticmethod
+    def stand_in(device: torch.device | str = "cpu") -> Batch:
+        """One two-token sequence that counts for nothing (no completion token, advantage 0).
+
+        A rank whose share of a step has fewer micro-batches than another's runs this instead: FSDP's all-gathers
+        and reduce-scatters need every rank in every forward and backward, and an HF forward of batch size 0
+        raises. Its loss is exactly 0 yet depends on the weights, so backward runs the same collectives."""
+        ones = torch.ones(1, 2, dtype=torch.int64, device=device)
+        zeros = torch.zeros(1, 1, dtype=torch.float32, device=device)
+        return Batch(ones, ones.clone(), zeros, zeros.clone(), torch.zeros(1, dtype=torch.float32, device=device))
+
     def by_length(self) -> Batch:
         """Sequences sorted by length, so that micro-batches of neighbours pad little."""
         return self.select(torch.argsort(self.attention_mask.sum(dim=1), stable=True))

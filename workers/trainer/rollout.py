@@ -1,4 +1,4 @@
-"""Rollouts from the inference replicas over HTTP: prompts spread evenly over the replicas in the sync group,
+"""Rollouts from the inference replicas over HTTP: prompts spread evenly over the replicas that serve the version,
 all replicas at once, each request asking for the adapter version the trainer means (the server waits for it)."""
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Completion:
     token_ids: list[int]
-    logprobs: list[float]
+    logprobs: list[float]  # behaviour logprobs: those of `version`, the adapter that generated the tokens
     text: str
     finish_reason: str | None
+    version: int
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,17 @@ class RolloutError(RuntimeError):
     """No replica could serve a rollout request."""
 
 
+class RequestRefused(RolloutError):
+    """A replica refused the request itself (4xx other than 409): every replica would, so it is not retried."""
+
+
+class _VersionGone(Exception):
+    """409: the replica serves a newer version than the one asked for; `live` is what it serves now."""
+
+    def __init__(self, live: int):
+        self.live = live
+
+
 class RolloutClient:
     def __init__(self, endpoints: Sequence[str], token: str, *, timeout_seconds: float):
         self.endpoints = list(endpoints)
@@ -47,66 +59,89 @@ class RolloutClient:
     ) -> list[list[Completion]]:
         """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices).
 
-        A replica that fails (gone, engine error, version not live) loses its share to the others; the sync group
-        re-forms without it before the next round. A request a replica refuses as invalid (4xx) would be refused
-        by every replica, so it fails at once with the replica's reason."""
+        A replica that has moved past `version` (a pipelined step's retry after the next version went live) serves
+        its live version instead: each Completion says which version generated it, so the step is accounted as
+        off-policy with the right behaviour logprobs. A replica that fails (unreachable, 5xx, or behind and never
+        reaching `version`) has its share served by the others. A request the replica refuses (400/422) is an
+        error in the request: it is raised, since every replica would refuse it.
+        """
         if not replicas:
-            raise RolloutError("no inference replica is in the sync group")
+            raise RolloutError(f"no inference replica in the sync group serves adapter version {version}")
+        shares: dict[int, list[int]] = {r: [] for r in replicas}
+        for position in range(len(prompts)):
+            shares[replicas[position % len(replicas)]].append(position)
         results: list[list[Completion] | None] = [None] * len(prompts)
-        pending = list(range(len(prompts)))
-        alive = list(replicas)
-        errors: dict[int, str] = {}
-        while pending:
+        failed: dict[int, str] = {}  # replica -> why
+
+        def request(replica: int, positions: list[int]) -> None:
+            if not positions:
+                return
+            try:
+                try:
+                    answer = self._post(replica, [prompts[p] for p in positions], sampling, version, positions[0])
+                except _VersionGone as gone:
+                    log.info("rollout: replica %d serves version %d, no longer %d", replica, gone.live, version)
+                    answer = self._post(replica, [prompts[p] for p in positions], sampling, None, positions[0])
+            except httpx.HTTPError as exc:  # unreachable, 5xx, or behind and never reaching `version` (409)
+                failed[replica] = _reason(exc)
+                log.warning("rollout: replica %d failed: %s", replica, failed[replica])
+                return
+            served = answer["adapter_version"]
+            for position, result in zip(positions, answer["results"], strict=True):
+                results[position] = [Completion(**sample, version=served) for sample in result["samples"]]
+
+        list(self._pool.map(lambda item: request(*item), shares.items()))
+        if failed:
+            # Others take over the lost shares; the sync group re-forms before the next round.
+            alive = [r for r in replicas if r not in failed]
+            lost = [p for r in failed for p in shares[r]]
             if not alive:
-                named = "; ".join(f"replica {r} ({self.endpoints[r]}): {e}" for r, e in sorted(errors.items()))
-                raise RolloutError(f"every replica failed to generate ({len(pending)} prompts lost): {named}")
-            shares: dict[int, list[int]] = {r: [] for r in alive}
-            for turn, position in enumerate(pending):
-                shares[alive[turn % len(alive)]].append(position)
-            outcomes = self._pool.map(lambda item: self._request(*item, prompts, sampling, version), shares.items())
-            pending = []
-            for (replica, positions), outcome in zip(shares.items(), outcomes, strict=True):
-                if isinstance(outcome, str):
-                    log.warning("rollout: replica %d failed: %s", replica, outcome)
-                    errors[replica] = outcome
-                    alive.remove(replica)
-                    pending += positions
-                    continue
-                for position, completions in zip(positions, outcome, strict=True):
-                    results[position] = completions
+                reasons = "; ".join(f"replica {r} ({self.endpoints[r]}): {why}" for r, why in sorted(failed.items()))
+                raise RolloutError(f"every replica failed to generate ({len(lost)} prompts lost): {reasons}")
+            retry = self.generate([prompts[p] for p in lost], sampling, version=version, replicas=alive)
+            for position, completions in zip(lost, retry, strict=True):
+                results[position] = completions
         return [r for r in results if r is not None]
 
-    def _request(
-        self, replica: int, positions: list[int], prompts: Sequence[list[int]], sampling: Sampling, version: int
-    ) -> list[list[Completion]] | str:
-        """The completions of `positions` from one replica, or why it failed; RolloutError if it refused them."""
-        if not positions:
-            return []
+    def _post(
+        self, replica: int, prompts: list[list[int]], sampling: Sampling, version: int | None, first: int
+    ) -> dict:
         body = {
-            "prompt_token_ids": [prompts[p] for p in positions],
+            "prompt_token_ids": prompts,
             "n": sampling.n,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
             "max_tokens": sampling.max_tokens,
-            "seed": None if sampling.seed is None else sampling.seed + positions[0],
+            "seed": None if sampling.seed is None else sampling.seed + first,
             "adapter_version": version,
         }
+        response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
+        if response.status_code == 409 and version is not None:
+            live = self._live_version(replica)
+            if live is not None and live > version:
+                raise _VersionGone(live)
+        if response.status_code in (400, 413, 422):
+            raise RequestRefused(f"inference replica {replica} refused the request: {response.text[:2000]}")
+        response.raise_for_status()
+        return response.json()
+
+    def _live_version(self, replica: int) -> int | None:
         try:
-            response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
-        except httpx.HTTPError as exc:
-            return f"{type(exc).__name__}: {exc}"
-        if response.status_code != 200:
-            try:
-                detail = response.json().get("detail", response.text)
-            except ValueError:
-                detail = response.text
-            detail = str(detail)[:2000]
-            # 409: the version is not live there (a replica behind); 5xx: the replica's fault. Both fail over.
-            if 400 <= response.status_code < 500 and response.status_code != 409:
-                raise RolloutError(f"replica {replica} refused the request ({response.status_code}): {detail}")
-            return f"{response.status_code} {detail}"
-        return [[Completion(**s) for s in result["samples"]] for result in response.json()["results"]]
+            return int(self._client.get(f"{self.endpoints[replica]}/v1/adapter").json()["live_version"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError):
+            return None
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+
+def _reason(exc: httpx.HTTPError) -> str:
+    """Why a replica failed, in its own words where it gave some (the server's `detail`)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        try:
+            detail = exc.response.json().get("detail", exc.response.text)
+        except ValueError:
+            detail = exc.response.text
+        return f"{exc.response.status_code} {str(detail)[:2000]}"
+    return f"{type(exc).__name__}: {exc}"

@@ -67,10 +67,12 @@ def train_step(
     optimizer.zero_grad(set_to_none=True)
     loss_stats, mismatch = LossStats(), MismatchStats()
     size = grpo.micro_batch_size
-    # Every rank runs the same number of micro-batches (FSDP's collectives must match), padding with empty ones.
+    # Every rank runs the same number of micro-batches (FSDP's collectives must match); a rank with fewer
+    # sequences runs a stand-in that contributes nothing.
     (micro_batches,) = _all_reduce([float(math.ceil(len(local) / size))], world_size, policy.device, op="max")
     for index in range(int(micro_batches)):
-        micro = local.select(slice(index * size, (index + 1) * size)).trimmed()
+        micro = local.select(slice(index * size, (index + 1) * size))
+        micro = micro.trimmed() if len(micro) else Batch.stand_in(policy.device)
         ref = None
         if grpo.kl_coef > 0:
             with torch.no_grad(), policy.reference():

@@ -16,18 +16,22 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/status"]
   verbs: ["patch"]
-# the per-job token Secret, created once and never read back
+# the children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) allows only to whoever may update the owner's finalizers
+- apiGroups: ["grpolora.dev"]
+  resources: ["grpolorajobs/finalizers"]
+  verbs: ["update"]
+# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create"]
-# the headless Services that give the trainer and inference pods DNS
+  verbs: ["get", "create"]
+# the headless Services that give the trainer and inference pods DNS; read to check their owner and re-create them if deleted
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["create"]
-# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods
+  verbs: ["get", "create"]
+# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check its owner and re-create it if deleted
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["create"]
+  verbs: ["get", "create"]
 # the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
@@ -40,10 +44,14 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
-# Events on the job for each key transition
+# Events on the job for each key transition; list Warning events to say why pods are never created (quota, Pod Security admission) or cannot mount their volumes (Multi-Attach)
 - apiGroups: [""]
   resources: ["events"]
-  verbs: ["create"]
+  verbs: ["create", "list"]
+# read the access modes of the model and checkpoint claims that several pods share
+- apiGroups: [""]
+  resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
 {{- end }}
 
 {{- define "grpo-lora-operator.rules.peering.namespaced" -}}

@@ -5,7 +5,10 @@
 #
 #   tests/e2e/kind/run.sh
 #
-# Needs docker (with a running daemon), kind, kubectl and helm; without them it prints "skipped: ..." and exits 0.
+# Needs docker (with a running daemon), kind, kubectl and helm; without them it prints "skipped: ..." and exits 0,
+# or 1 when CI is set or E2E_REQUIRED=1. Each run deletes the previous run's job and claim and rolls the operator
+# onto the image it just built; after Succeeded it checks the reward and the final adapter (and, while the job runs,
+# the NetworkPolicy: REQUIRE_NETWORK_POLICY=1 fails where the CNI does not enforce it).
 # Environment: CLUSTER_NAME (default grpolora-e2e; an existing cluster of that name is reused and kept),
 # KEEP_CLUSTER=1 (keep a cluster this script created), TIMEOUT_SECONDS (default 1800), POLL_SECONDS (default 15).
 # shellcheck source-path=SCRIPTDIR
@@ -23,11 +26,14 @@ CLUSTER_NAME="${CLUSTER_NAME:-grpolora-e2e}"
 TIMEOUT_SECONDS="${TIMEOUT_SECONDS:-1800}"
 JOB_NAMESPACE=grpolora-e2e
 JOB_NAME=e2e-cpu
+CLAIM=e2e-cpu-checkpoints
 MIN_SYNC_ROUNDS=3
 # Local tags, loaded into the nodes; job-cpu.yaml names the worker image with imagePullPolicy Never.
 OPERATOR_REPOSITORY=grpolora.local/operator
 WORKER_IMAGE=grpolora.local/worker-cpu:e2e
 TAG=e2e
+PROBE_IMAGE="$WORKER_IMAGE"
+PROBE_PULL_POLICY=Never
 
 created_cluster=0
 finish() {
@@ -62,9 +68,12 @@ install_chart --set "image.repository=$OPERATOR_REPOSITORY" --set "image.tag=$TA
   --set image.pullPolicy=Never --set logLevel=debug
 
 ensure_namespace "$JOB_NAMESPACE"
+fresh_job "$JOB_NAMESPACE" "$JOB_NAME" "$CLAIM"
+ensure_claim "$JOB_NAMESPACE" "$CLAIM"
 log "applying $JOB_NAME"
 kubectl apply --namespace "$JOB_NAMESPACE" -f "$E2E_DIR/job-cpu.yaml"
 
 wait_for_job "$JOB_NAMESPACE" "$JOB_NAME" "$MIN_SYNC_ROUNDS" "$TIMEOUT_SECONDS"
+verify_result "$JOB_NAMESPACE" "$JOB_NAME" "$CLAIM"
 kubectl get glj --namespace "$JOB_NAMESPACE" -o wide
 log "PASS"

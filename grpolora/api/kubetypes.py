@@ -1,0 +1,136 @@
+"""Validate the Kubernetes core types a job passes through to its pods, as the API server would.
+
+`resources`, `tolerations`, `affinity`, `env` and `networkPolicy.metricsFrom` are copied into the trainer Job, the
+inference StatefulSet and the NetworkPolicy as written. Left to the API server, a mistake there is found only when
+the operator creates those objects; checked here, `grpolora validate` and the operator's reconcile name the field.
+
+Two layers: the Kubernetes OpenAPI schemas of those types (kubeschema.json, extracted from kubernetes-validate's
+strict schemas by tests/kube_schema.py: unknown fields, types, required fields), plus the few value rules the API
+server enforces in code that matter here (quantities, toleration operators and effects). Other server-side rules
+(e.g. a toleration with `operator: Exists` must have no value) are left to the API server; the operator reports
+its refusal in the job's status (see grpolora.operator.controller).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+KUBERNETES_VERSION: Final = "1.33.0"
+SCHEMA_FILE: Final = Path(__file__).with_name("kubeschema.json")
+ROOT_TYPES: Final = {
+    "ResourceRequirements": "io.k8s.api.core.v1.ResourceRequirements",
+    "Toleration": "io.k8s.api.core.v1.Toleration",
+    "Affinity": "io.k8s.api.core.v1.Affinity",
+    "EnvVar": "io.k8s.api.core.v1.EnvVar",
+    "NetworkPolicyPeer": "io.k8s.api.networking.v1.NetworkPolicyPeer",
+}
+# k8s.io/apimachinery/pkg/api/resource: the quantity grammar (number, then a binary, decimal or exponent suffix).
+QUANTITY: Final = re.compile(
+    r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
+)
+TOLERATION_OPERATORS: Final = ("Equal", "Exists")
+TAINT_EFFECTS: Final = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+_JSON_TYPES: Final = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+}
+
+
+@functools.cache
+def _definitions() -> dict[str, Any]:
+    definitions: dict[str, Any] = json.loads(SCHEMA_FILE.read_text())["definitions"]
+    return definitions
+
+
+def problems(value: Any, type_name: str, path: str = "") -> list[tuple[str, str]]:
+    """(path below `path`, message) for each way `value` is not a valid Kubernetes `type_name` (see ROOT_TYPES)."""
+    found = list(_walk(value, {"$ref": f"#/$defs/{ROOT_TYPES[type_name]}"}, path))
+    if not found:
+        found = list(_values(value, type_name, path))
+    return found
+
+
+def _walk(value: Any, schema: dict[str, Any], path: str) -> Iterator[tuple[str, str]]:
+    if "$ref" in schema:
+        yield from _walk(value, _definitions()[schema["$ref"].rsplit("/", 1)[-1]], path)
+        return
+    if "oneOf" in schema:
+        if not any(not list(_walk(value, option, path)) for option in schema["oneOf"]):
+            yield path, f"Invalid value: {json.dumps(value)}: must be a string or a number"
+        return
+    types = schema.get("type")
+    if types is not None:
+        allowed = [types] if isinstance(types, str) else types
+        if value is None:
+            if "null" not in allowed:
+                yield path, "Required value"
+            return
+        if not any(_is(value, t) for t in allowed if t != "null"):
+            wanted = " or ".join(t for t in allowed if t != "null")
+            yield path, f"Invalid value: {json.dumps(value)}: expected {wanted}, got {_json_type(value)}"
+            return
+    if "enum" in schema and value not in schema["enum"]:
+        supported = ", ".join(json.dumps(v) for v in schema["enum"])
+        yield path, f"Unsupported value: {json.dumps(value)}: supported values: {supported}"
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        for name in schema.get("required", []):
+            if name not in value:
+                yield _join(path, name), "Required value"
+        extra = schema.get("additionalProperties")
+        for name, item in value.items():
+            if name in properties:
+                yield from _walk(item, properties[name], _join(path, name))
+            elif isinstance(extra, dict):
+                yield from _walk(item, extra, _join(path, name))
+            elif extra is False or properties:
+                yield _join(path, name), f'unknown field "{name}"'
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for index, item in enumerate(value):
+            yield from _walk(item, schema["items"], f"{path}[{index}]")
+
+
+def _values(value: Any, type_name: str, path: str) -> Iterator[tuple[str, str]]:
+    """The API server's value rules that the schemas do not carry (only called on schema-valid values)."""
+    if type_name == "ResourceRequirements":
+        for section in ("limits", "requests"):
+            for resource, quantity in (value.get(section) or {}).items():
+                if isinstance(quantity, str) and not QUANTITY.match(quantity):
+                    yield (
+                        _join(path, f"{section}.{resource}"),
+                        f"Invalid value: {json.dumps(quantity)}: quantities must match the regular expression "
+                        f"'{QUANTITY.pattern}' (e.g. 500m, 2, 16Gi)",
+                    )
+    elif type_name == "Toleration":
+        operator, effect = value.get("operator"), value.get("effect")
+        if operator and operator not in TOLERATION_OPERATORS:
+            supported = ", ".join(f'"{o}"' for o in TOLERATION_OPERATORS)
+            yield _join(path, "operator"), f'Unsupported value: "{operator}": supported values: {supported}'
+        if effect and effect not in TAINT_EFFECTS:
+            supported = ", ".join(f'"{e}"' for e in TAINT_EFFECTS)
+            yield _join(path, "effect"), f'Unsupported value: "{effect}": supported values: {supported}'
+
+
+def _is(value: Any, json_type: str) -> bool:
+    if isinstance(value, bool):
+        return json_type == "boolean"
+    return isinstance(value, _JSON_TYPES.get(json_type, object))
+
+
+def _json_type(value: Any) -> str:
+    return next((t for t in _JSON_TYPES if _is(value, t)), type(value).__name__)
+
+
+def _join(path: str, name: str) -> str:
+    if name.startswith("["):
+        return path + name
+    return f"{path}.{name}" if path else name

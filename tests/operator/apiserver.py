@@ -1,0 +1,221 @@
+"""What a real API server refuses, for the emulator: schema validation, a few value rules, owner-reference admission.
+
+- Built-in kinds are validated against the Kubernetes 1.33 OpenAPI schemas that kubernetes-validate carries (strict,
+  i.e. unknown fields refused, when the request asks for `fieldValidation=Strict` as kubectl and the operator do;
+  a real server drops unknown fields otherwise, and so does nothing here). A schema failure answers 400 BadRequest.
+- A few rules the API server enforces in Go code rather than in its schema answer 422 Invalid with the server's
+  wording: tolerations (operator and effect values, `Exists` with a value, a key-less `Equal`), resource quantities,
+  env var names. Only these; anything else a real server would refuse in code passes here.
+- GRPOLoraJobs are validated against the CRD's openAPIV3Schema (422 Invalid, with the field path); unknown fields are
+  refused under `fieldValidation=Strict` and pruned otherwise, as a real server does. CEL rules
+  (`x-kubernetes-validations`) are not evaluated: the CRD has none, and `crd_schema()` fails if one appears, so that
+  the emulator is extended before it silently accepts what a real server would refuse.
+- OwnerReferencesPermissionEnforcement: setting `blockOwnerDeletion: true` needs `update` on the owner's
+  `finalizers` subresource (403 Forbidden otherwise).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jsonschema
+import kmock
+import kubernetes_validate
+
+from grpolora.api.crd import crd
+
+KUBERNETES_VERSION = "1.33.0"
+# pkg/apis/core/validation: IsEnvVarName (a C identifier, plus '-' and '.').
+ENV_VAR_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+QUANTITY = re.compile(r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$")
+
+
+class Refused(kmock.KubernetesError):
+    """An API refusal, rendered by kmock as a metav1.Status with this code, reason and message."""
+
+
+def invalid(obj: Mapping[str, Any], causes: list[tuple[str, str]]) -> Refused:
+    """422 Invalid, worded as the API server words it: `<Kind>.<group> "<name>" is invalid: <path>: <detail>`."""
+    kind, group = obj.get("kind", ""), str(obj.get("apiVersion", "")).rpartition("/")[0]
+    qualified = f"{kind}.{group}" if group else kind
+    details = [f"{path}: {detail}" for path, detail in causes]
+    listed = details[0] if len(details) == 1 else "[" + ", ".join(details) + "]"
+    name = (obj.get("metadata") or {}).get("name", "")
+    return Refused(
+        status=422,
+        reason="Invalid",
+        message=f'{qualified} "{name}" is invalid: {listed}',
+        details={"name": name, "kind": kind, "causes": [{"field": p, "message": d} for p, d in causes]},
+    )
+
+
+def bad_request(message: str) -> Refused:
+    return Refused(status=400, reason="BadRequest", message=message, details={})
+
+
+def forbidden(resource: str, name: str, message: str) -> Refused:
+    return Refused(status=403, reason="Forbidden", message=f'{resource} "{name}" is forbidden: {message}', details={})
+
+
+# ---- built-in kinds ----------------------------------------------------------------------------------------
+
+
+def validate_builtin(obj: Mapping[str, Any], *, strict: bool) -> None:
+    try:
+        kubernetes_validate.validate(dict(obj), KUBERNETES_VERSION, strict=strict)
+    except kubernetes_validate.SchemaNotFoundError:
+        return
+    except kubernetes_validate.ValidationError as exc:
+        path = _path(exc.path)
+        kind = obj.get("kind")
+        if strict and "Additional properties" in exc.message:
+            field = re.findall(r"'([^']+)' was unexpected", exc.message)
+            where = ".".join(p for p in (path, *field) if p)
+            raise bad_request(f'strict decoding error: unknown field "{where}"') from None
+        raise bad_request(f'{kind} in version "v1" cannot be handled as a {kind}: {path}: {exc.message}') from None
+    causes = list(_go_rules(obj))
+    if causes:
+        raise invalid(obj, causes)
+
+
+def _go_rules(obj: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """pkg/apis/core/validation rules for the pod specs in Pods, Jobs and StatefulSets (the ones listed above)."""
+    spec = obj.get("spec") or {}
+    if obj.get("kind") == "Pod":
+        pod, prefix = spec, "spec"
+    elif obj.get("kind") in ("Job", "StatefulSet"):
+        pod, prefix = (spec.get("template") or {}).get("spec") or {}, "spec.template.spec"
+    else:
+        return
+    for i, toleration in enumerate(pod.get("tolerations") or []):
+        yield from _toleration(toleration, f"{prefix}.tolerations[{i}]")
+    for i, container in enumerate(pod.get("containers") or []):
+        where = f"{prefix}.containers[{i}]"
+        for section in ("limits", "requests"):
+            for resource, quantity in ((container.get("resources") or {}).get(section) or {}).items():
+                if isinstance(quantity, str) and not QUANTITY.match(quantity):
+                    yield (
+                        f"{where}.resources.{section}[{resource}]",
+                        f"Invalid value: {json.dumps(quantity)}: quantities must match the regular expression "
+                        f"'{QUANTITY.pattern}'",
+                    )
+        for j, var in enumerate(container.get("env") or []):
+            if not ENV_VAR_NAME.match(var.get("name") or ""):
+                yield (
+                    f"{where}.env[{j}].name",
+                    f"Invalid value: {json.dumps(var.get('name'))}: a valid environment variable name must consist "
+                    "of alphabetic characters, digits, '_', '-', or '.', and must not start with a digit",
+                )
+
+
+def _toleration(toleration: Mapping[str, Any], where: str) -> Iterator[tuple[str, str]]:
+    key, operator, value, effect = (toleration.get(k) for k in ("key", "operator", "value", "effect"))
+    operator = operator or "Equal"
+    if operator not in ("Equal", "Exists"):
+        yield f"{where}.operator", f'Unsupported value: "{operator}": supported values: "Equal", "Exists"'
+    if not key and operator != "Exists":
+        yield f"{where}.operator", f'Invalid value: "{operator}": operator must be Exists when `key` is empty, ' \
+            "which means \"match all values and all keys\""  # fmt: skip
+    if operator == "Exists" and value:
+        yield f"{where}.operator", f"Invalid value: {json.dumps(value)}: value must be empty when `operator` is " \
+            "'Exists'"  # fmt: skip
+    if effect and effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+        yield (
+            f"{where}.effect",
+            f'Unsupported value: "{effect}": supported values: "NoExecute", "NoSchedule", "PreferNoSchedule"',
+        )
+    if toleration.get("tolerationSeconds") is not None and effect != "NoExecute":
+        yield f"{where}.effect", f"Invalid value: {json.dumps(effect)}: effect must be 'NoExecute' when " \
+            "`tolerationSeconds` is set"  # fmt: skip
+
+
+# ---- the GRPOLoraJob CRD ----------------------------------------------------------------------------------
+
+
+def crd_schema() -> dict[str, Any]:
+    schema: dict[str, Any] = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    if "x-kubernetes-validations" in json.dumps(schema):
+        raise NotImplementedError(
+            "the CRD has CEL rules (x-kubernetes-validations) that tests/operator/apiserver.py cannot evaluate: "
+            "add an evaluator (e.g. the cel-python package) before relying on the emulator for them"
+        )
+    return schema
+
+
+def validate_custom(obj: dict[str, Any], schema: Mapping[str, Any], *, strict: bool, part: str) -> None:
+    """Validate `obj[part]` ('spec' or 'status') as the API server does; prune unknown fields unless strict."""
+    if part not in obj:
+        return
+    sub_schema = schema["properties"][part]
+    unknown = list(_unknown(obj[part], sub_schema, part))
+    if unknown and strict:
+        raise bad_request("strict decoding error: " + ", ".join(f'unknown field "{p}"' for p in unknown))
+    obj[part] = _pruned(obj[part], sub_schema)
+    errors = sorted(jsonschema.Draft4Validator(sub_schema).iter_errors(obj[part]), key=lambda e: list(e.path))
+    if errors:
+        raise invalid(obj, [(_path([part, *e.path]), _detail(e)) for e in errors])
+
+
+def _detail(error: jsonschema.ValidationError) -> str:
+    value = json.dumps(error.instance)
+    if error.validator == "enum":
+        supported = ", ".join(json.dumps(v) for v in error.validator_value)
+        return f"Unsupported value: {value}: supported values: {supported}"
+    if error.validator in ("minimum", "maximum"):
+        relation = "greater than or equal to" if error.validator == "minimum" else "less than or equal to"
+        return f"Invalid value: {value}: {part_of(error)} should be {relation} {error.validator_value}"
+    if error.validator == "type":
+        given = type(error.instance).__name__
+        return f'Invalid value: "{given}": {part_of(error)} must be of type {error.validator_value}'
+    if error.validator == "required":
+        return "Required value"
+    return f"Invalid value: {value}: {error.message}"
+
+
+def part_of(error: jsonschema.ValidationError) -> str:
+    return _path(error.path) or "value"
+
+
+def _unknown(value: Any, schema: Mapping[str, Any], path: str) -> Iterator[str]:
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return
+    if isinstance(value, dict):
+        properties = schema.get("properties")
+        extra = schema.get("additionalProperties")
+        for key, item in value.items():
+            if properties is not None and key in properties:
+                yield from _unknown(item, properties[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                yield from _unknown(item, extra, f"{path}.{key}")
+            elif properties is not None:
+                yield f"{path}.{key}"
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            yield from _unknown(item, schema["items"], f"{path}[{i}]")
+
+
+def _pruned(value: Any, schema: Mapping[str, Any]) -> Any:
+    if schema.get("x-kubernetes-preserve-unknown-fields"):
+        return value
+    if isinstance(value, dict):
+        properties, extra = schema.get("properties"), schema.get("additionalProperties")
+        if properties is None and not isinstance(extra, dict):
+            return value
+        return {
+            key: _pruned(item, properties[key] if properties and key in properties else extra)
+            for key, item in value.items()
+            if (properties and key in properties) or isinstance(extra, dict)
+        }
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_pruned(item, schema["items"]) for item in value]
+    return value
+
+
+def _path(parts: Any) -> str:
+    path = ""
+    for part in parts:
+        path += f"[{part}]" if isinstance(part, int) else (f".{part}" if path else str(part))
+    return path

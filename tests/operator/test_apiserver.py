@@ -1,0 +1,99 @@
+"""The emulator refuses what a real API server refuses (tests/operator/apiserver.py), so the operator tests see it."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import aiohttp
+import pytest
+
+from grpolora.api.load import parse_job
+from grpolora.api.plan import plan
+from grpolora.operator.builders import build_children
+from tests.helpers import job_doc
+from tests.operator.harness import NAMESPACE, Cluster, running_cluster, wait_for
+
+OWNER_UID = "00000000-0000-0000-0000-000000000001"
+
+
+def rendered(kind: str, **spec: Any) -> dict[str, Any]:
+    objects = build_children(plan(parse_job(job_doc(**spec))), owner_uid=OWNER_UID, token="t")
+    return next(o for o in objects if o["kind"] == kind)
+
+
+async def send(cluster: Cluster, method: str, path: str, body: Any, *, agent: str = "grpo-lora-operator/x") -> Any:
+    """A request as the operator would send it (not as the test), so that admission checks its RBAC."""
+    async with (
+        aiohttp.ClientSession(headers={"User-Agent": agent}) as session,
+        session.request(method, cluster.url + path, json=body) as response,
+    ):
+        return response.status, await response.json(content_type=None)
+
+
+JOBS = f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs"
+
+
+async def test_a_toleration_the_api_server_refuses_in_code_is_422_with_its_message():
+    job = rendered("Job", trainer={"tolerations": [{"key": "gpu", "operator": "Exists", "value": "yes"}]})
+    async with running_cluster(authorize=None) as cluster:
+        status, body = await send(cluster, "POST", JOBS + "?fieldValidation=Strict", job)
+    assert status == 422 and body["reason"] == "Invalid"
+    assert body["message"] == (
+        'Job.batch "demo-trainer" is invalid: spec.template.spec.tolerations[0].operator: Invalid value: "yes": '
+        "value must be empty when `operator` is 'Exists'"
+    )
+
+
+async def test_unknown_fields_are_refused_under_strict_field_validation_only():
+    job = rendered("Job")
+    job["spec"]["template"]["spec"]["tolerations"] = [{"key": "gpu", "operator": "Exists", "efect": "NoSchedule"}]
+    async with running_cluster(authorize=None) as cluster:
+        status, body = await send(cluster, "POST", JOBS + "?fieldValidation=Strict", copy.deepcopy(job))
+        assert status == 400
+        assert body["message"] == 'strict decoding error: unknown field "spec.template.spec.tolerations[0].efect"'
+        status, _ = await send(cluster, "POST", JOBS, job)
+        assert status < 300
+
+
+async def test_a_wrongly_typed_field_of_a_built_in_kind_is_refused():
+    job = rendered("Job")
+    job["spec"]["template"]["spec"]["containers"][0]["resources"] = {"limits": {"cpu": ["2"]}}
+    async with running_cluster(authorize=None) as cluster:
+        status, body = await send(cluster, "POST", JOBS, job)
+    assert status == 400 and "spec.template.spec.containers[0].resources.limits.cpu" in body["message"]
+
+
+async def test_grpolorajobs_are_validated_against_the_crd_schema():
+    async with running_cluster() as cluster:
+        with pytest.raises(AssertionError, match=r'unknown field \\"spec.lora.rnk\\"|unknown field "spec.lora.rnk"'):
+            await cluster.apply(job_doc(lora={"rnk": 8}))
+        with pytest.raises(AssertionError, match=r"422.*spec.grpo.generationsPerPrompt: Invalid value: 1"):
+            await cluster.apply(job_doc(grpo={"generationsPerPrompt": 1}))
+        # Without strict field validation, unknown fields are pruned (what a real server does).
+        path = f"/apis/grpolora.dev/v1alpha1/namespaces/{NAMESPACE}/grpolorajobs"
+        stored = await cluster._call("POST", path, job_doc(lora={"rnk": 8}))
+        assert stored["spec"]["lora"] == {}
+
+
+async def test_block_owner_deletion_needs_update_on_the_owners_finalizers():
+    job = rendered("Job")
+    async with running_cluster(authorize=lambda verb, group, resource: resource != "grpolorajobs/finalizers") as c:
+        status, body = await send(c, "POST", JOBS, copy.deepcopy(job))
+        assert status == 403 and body["reason"] == "Forbidden"
+        assert "cannot set blockOwnerDeletion" in body["message"] and "grpolorajobs/finalizers" in body["message"]
+        assert ("update", "grpolora.dev", "grpolorajobs/finalizers") in c.emulator.calls
+        job["metadata"]["ownerReferences"][0]["blockOwnerDeletion"] = False
+        status, _ = await send(c, "POST", JOBS, job)
+        assert status < 300
+
+
+async def test_garbage_collection_takes_a_moment_and_removes_orphans():
+    async with running_cluster() as cluster:
+        owner = await cluster.apply(job_doc())
+        job = rendered("Job")
+        job["metadata"]["ownerReferences"][0]["uid"] = owner["metadata"]["uid"]
+        await cluster._call("POST", JOBS, job)
+        await cluster.delete_job("demo")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is not None, "collected at once"
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the collector")

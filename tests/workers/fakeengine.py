@@ -1,0 +1,91 @@
+"""The real inference API (create_app) and the real version leasing of AdapterEngine, around a stand-in for vLLM,
+served by uvicorn on loopback: for what the HTTP contract does, cheaply and without an engine to start.
+(The real engine's side is tested in tests/workers/test_inference_sync.py.)"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import uvicorn
+
+from grpolora.workers.inference.engine import AdapterEngine, EngineConfig, EngineLimits, Sample, SamplingRequest
+from grpolora.workers.inference.server import create_app
+from grpolora.workers.sync.receiver import AdapterReceiver
+from tests.workers.syncfakes import free_port
+
+TOKEN = "fake-token"
+
+
+class FakeVllmEngine(AdapterEngine):
+    """AdapterEngine's versions and leases, with generation that answers at once: completion i of a prompt is
+    the prompt's last token + i + 1, with logprob -0.5."""
+
+    def __init__(self, tmp: Path):
+        super().__init__(
+            EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=2), adapter_root=tmp
+        )
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._version_changed = asyncio.Condition()
+        self.limits = EngineLimits(max_model_len=256, vocab_size=1000)
+
+    def shutdown(self) -> None:
+        pass
+
+    async def _unload_if_idle(self, version: int) -> None:
+        pass
+
+    async def go_live(self, version: int) -> None:
+        async with self._version_changed:
+            self._live_version = version
+            self._version_changed.notify_all()
+
+    def set_live(self, version: int) -> None:
+        """From the test's thread: `version` serves new requests (and earlier ones are no longer served)."""
+        assert self._loop is not None
+        asyncio.run_coroutine_threadsafe(self.go_live(version), self._loop).result()
+
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
+        return [Sample([prompt_token_ids[-1] + i + 1], [-0.5], f"t{i}", "length") for i in range(request.n)]
+
+
+class FakeServer:
+    def __init__(self, tmp: Path, *, version_wait_seconds: float = 1.0):
+        self.engine = FakeVllmEngine(tmp)
+        self.app = create_app(
+            self.engine,
+            lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", token=TOKEN),
+            token=TOKEN,
+            version_wait_seconds=version_wait_seconds,
+        )
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> FakeServer:
+        self._thread.start()
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            assert time.monotonic() < deadline, "the fake inference server did not start"
+            time.sleep(0.05)
+
+    def __exit__(self, *_) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+@contextlib.contextmanager
+def fake_servers(tmp: Path, count: int, **options) -> Iterator[list[FakeServer]]:
+    with contextlib.ExitStack() as stack:
+        yield [stack.enter_context(FakeServer(tmp / f"s{i}", **options)) for i in range(count)]

@@ -1,0 +1,117 @@
+"""The NCCL transport's error handling, without a GPU: what the group is built with and how NCCL's failures map to
+the transport's error (which makes the sender re-form the group) instead of ending the process.
+
+Running NCCL itself needs GPUs, one per rank; these tests stand a recording class in for ProcessGroupNCCL and
+check the contract around it: the environment PyTorch reads when it builds the group, and the exceptions."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from grpolora.workers.sync import nccl
+from grpolora.workers.sync.transport import TransportError
+
+
+class FakeWork:
+    def __init__(self, error: Exception | None):
+        self.error = error
+        self.waited_with: list[timedelta | None] = []
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waited_with.append(timeout)
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class FakeGroup:
+    """Records the environment at construction, as ProcessGroupNCCL reads it there."""
+
+    built: list[FakeGroup] = []
+    fail_with: Exception | None = None
+
+    class Options:
+        _timeout: timedelta | None = None
+        is_high_priority_stream = False
+
+    def __init__(self, store, rank, world_size, options):
+        self.environment = {name: os.environ.get(name) for name in nccl.ERROR_ENVIRONMENT}
+        self.options = options
+        self.aborted = False
+        self.works: list[FakeWork] = []
+        FakeGroup.built.append(self)
+
+    def allreduce(self, tensors, options) -> FakeWork:
+        self.works.append(FakeWork(FakeGroup.fail_with))
+        return self.works[-1]
+
+    def broadcast(self, tensors, options) -> FakeWork:
+        self.works.append(FakeWork(FakeGroup.fail_with))
+        return self.works[-1]
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+class FakeStream:
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_nccl(monkeypatch):
+    FakeGroup.built, FakeGroup.fail_with = [], None
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeGroup, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    for name in nccl.ERROR_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    return FakeGroup
+
+
+def make(**overrides) -> nccl.NcclTransport:
+    options = {"rank": 0, "world_size": 2, "timeout_seconds": 600, "join_timeout_seconds": 30}
+    return nccl.NcclTransport(object(), device=torch.device("cpu"), **(options | overrides))
+
+
+def test_the_group_is_built_to_raise_not_to_kill_the_process(fake_nccl):
+    transport = make()
+    (group,) = fake_nccl.built
+    # Watchdog aborts the communicator only (not the process); wait() blocks and raises on error or timeout.
+    assert group.environment == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    assert group.options._timeout == timedelta(seconds=600)  # every collective: sync.timeoutSeconds
+    assert group.works[0].waited_with == [timedelta(seconds=30)]  # forming: sync.joinTimeoutSeconds
+    # Only while the group is built: the trainer's own FSDP group keeps PyTorch's defaults.
+    assert all(name not in os.environ for name in nccl.ERROR_ENVIRONMENT)
+    transport.close()
+    assert group.aborted
+
+
+def test_a_peer_lost_mid_collective_is_a_transport_error(fake_nccl):
+    transport = make()
+    fake_nccl.fail_with = dist.DistBackendError("NCCL communicator was aborted: remote process exited")
+    with pytest.raises(TransportError, match=r"NCCL all-reduce failed: .*remote process exited"):
+        transport.all_reduce_sum(torch.zeros(2))
+    with pytest.raises(TransportError, match="NCCL broadcast failed"):
+        transport.broadcast(torch.zeros(2))
+    transport.close()
+    with pytest.raises(TransportError, match="closed"):
+        transport.all_reduce_sum(torch.zeros(2))
+
+
+def test_a_group_that_does_not_form_is_a_transport_error_and_is_torn_down(fake_nccl):
+    fake_nccl.fail_with = dist.DistBackendError("Watchdog caught collective operation timeout")
+    with pytest.raises(TransportError, match=r"NCCL group of 2 did not form: .*timeout"):
+        make()
+    assert fake_nccl.built[0].aborted
+
+
+def test_the_environment_is_put_back_as_it_was(fake_nccl, monkeypatch):
+    monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
+    make().close()
+    assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
