@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -100,42 +98,6 @@ class EngineLimits:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"{where}: token id {bad} is out of vocabulary (valid: 0 to {self.vocab_size - 1})")
-
-
-ADAPTER_ROOT_PREFIX = "grpolora-adapters-"
-
-
-def adapter_base() -> Path:
-    """Adapters are small and written once per round: tmpfs keeps that off the disk."""
-    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-
-
-def default_adapter_root(tag: str) -> Path:
-    """One folder per server process, named by its PID, so that leftovers can be told from live ones."""
-    return adapter_base() / f"{ADAPTER_ROOT_PREFIX}{tag}-{os.getpid()}"
-
-
-def remove_stale_adapter_roots(base: Path | None = None) -> list[Path]:
-    """Remove the adapter folders of server processes that no longer exist (a server killed outright never
-    removes its own, 20-40 MB of tmpfs each). Called when a server starts and when `grpolora run` ends."""
-    removed = []
-    for folder in (base or adapter_base()).glob(f"{ADAPTER_ROOT_PREFIX}*-*"):
-        pid = folder.name.rsplit("-", 1)[1]
-        if not pid.isdigit() or _alive(int(pid)):
-            continue
-        shutil.rmtree(folder, ignore_errors=True)
-        removed.append(folder)
-    return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class AdapterEngine:

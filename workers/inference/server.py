@@ -28,14 +28,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api.contract import WorkerEnv
 from grpolora.workers.inference import metrics
+from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
 from grpolora.workers.inference.engine import (
     AdapterEngine,
     EngineConfig,
     InvalidRequest,
     SamplingRequest,
     VersionUnavailable,
-    default_adapter_root,
-    remove_stale_adapter_roots,
 )
 from grpolora.workers.sync.control import (
     JOIN_PATH,

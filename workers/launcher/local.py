@@ -35,11 +35,14 @@ from grpolora.api.load import InvalidJob, job_warnings, load_jobs
 from grpolora.api.plan import JobPlan, LoopbackNetwork, Role, plan
 from grpolora.api.spec import GRPOLoraJob
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
 from grpolora.workers.lifetime import die_with_parent
 
 POLL_SECONDS = 1.0
 TRAINER_STOP_SECONDS = 10.0  # the trainer records its status and exits at once on SIGTERM
-INFERENCE_STOP_SECONDS = 10.0  # uvicorn's grace for requests in flight, then the engine's own shutdown
+# uvicorn's grace for requests in flight (3 s), then the engine's own shutdown, which waits for its workers (~4 s
+# on a CPU): cut it short, since whatever is left is killed and its adapter folder removed anyway.
+INFERENCE_STOP_SECONDS = 5.0
 INFERENCE_RESTARTS_PER_REPLICA = 3
 """Times `grpolora run` starts a lost inference replica again before the run fails."""
 STATUS_LOG_LINES = 10  # of a failed worker's log, kept in status.json's message
@@ -327,8 +330,6 @@ class LocalRun:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-        from grpolora.workers.inference.engine import remove_stale_adapter_roots
-
         remove_stale_adapter_roots()  # of servers that were killed outright
 
     def record(self, *, failed: str | None = None, own_reason: str = "keep") -> TrainerStatus | None:
