@@ -146,6 +146,7 @@ def main() -> None:
             join_timeout_seconds=60,
             bucket_bytes=job.sync.bucket_bytes,
             fingerprint=fingerprint(model_dir),
+            token=TOKEN,
         )
         sender.form_group(wait_for_all_seconds=60)
         results: dict[str, list[dict]] = {"adapter": [], "merged": [], "raw": []}

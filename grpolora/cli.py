@@ -21,6 +21,10 @@ RENDER_UID_PLACEHOLDER = "<uid of the GRPOLoraJob>"
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
+    """Each file's jobs, and their reward plugin and dataset where they can be reached from here (relative paths
+    and modules from the current directory, as `grpolora run` resolves them)."""
+    from grpolora.workers.tasks import check_task
+
     failed = False
     for path in args.files:
         try:
@@ -30,8 +34,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
             print(exc, file=sys.stderr)
             continue
         for job in jobs:
+            problems, unreachable = check_task(job.spec.task)
+            for problem in problems:
+                print(f"{path}: {problem}", file=sys.stderr)
+            if problems:
+                failed = True
+                continue
             for warning in job_warnings(job):
                 print(f"{path}: warning: {warning}", file=sys.stderr)
+            for missing in unreachable:
+                print(
+                    f"{path}: not checked here: {missing} (the trainer checks it when it starts, where the file or "
+                    "module must be reachable)",
+                    file=sys.stderr,
+                )
             print(f"{path}: {job.kind} {job.namespace}/{job.name} is valid")
     return 1 if failed else 0
 

@@ -78,11 +78,13 @@ def load_jobs_from_text(text: str, *, source: str = "<input>") -> list[GRPOLoraJ
         raise InvalidJob([Problem("", "no YAML document found")], source)
     jobs, problems = [], []
     for index, (node, document) in enumerate(zip(nodes, documents, strict=True)):
+        label = f"document {index + 1}: " if len(documents) > 1 else ""
+        found = _duplicate_keys(node, "")
         try:
             jobs.append(parse_job(document, source=source, node=node))
         except InvalidJob as exc:
-            label = f"document {index + 1}: " if len(documents) > 1 else ""
-            problems += [Problem(p.path, label + p.message, p.line) for p in exc.problems]
+            found += exc.problems
+        problems += [Problem(p.path, label + p.message, p.line) for p in found]
     if problems:
         raise InvalidJob(problems, source)
     return jobs
@@ -179,6 +181,26 @@ def _model_in(annotation: Any) -> type[BaseModel] | None:
         if found is not None:
             return found
     return None
+
+
+def _duplicate_keys(node: yaml.Node, path: str) -> list[Problem]:
+    """Keys given twice in one mapping: YAML keeps the last silently, kubectl's strict decoding refuses them."""
+    problems: list[Problem] = []
+    if isinstance(node, yaml.MappingNode):
+        first_line: dict[str, int] = {}
+        for key, value in node.value:
+            name = str(getattr(key, "value", ""))
+            child = f"{path}.{name}" if path else name
+            line = key.start_mark.line + 1
+            if name in first_line:
+                problems.append(Problem(child, f"duplicate key `{name}` (first at line {first_line[name]})", line))
+            else:
+                first_line[name] = line
+            problems += _duplicate_keys(value, child)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, item in enumerate(node.value):
+            problems += _duplicate_keys(item, f"{path}[{index}]")
+    return problems
 
 
 def _line_of(node: yaml.Node, path: str) -> int | None:

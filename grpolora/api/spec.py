@@ -7,9 +7,17 @@ Every field carries its documentation as an attribute docstring; the CRD's descr
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from grpolora.api import constants as c
@@ -39,7 +47,12 @@ def raise_if_any(errors: list[tuple[str, str]]) -> None:
 
 
 class SpecModel(BaseModel):
-    """Base for every API object: camelCase on the wire, unknown fields rejected, immutable once built."""
+    """Base for every API object: camelCase on the wire, unknown fields rejected, immutable once built.
+
+    Stricter than YAML and pydantic's lax mode, as kubectl's strict decoding is: `.inf` and `.nan` are no numbers
+    here (a learning rate of infinity trains nothing), a boolean is no number (`steps: true` is not 1), and a
+    boolean field takes only true or false (`suspend: 1` or "yes" is a typo, not a decision).
+    """
 
     model_config = ConfigDict(
         extra="forbid",
@@ -48,7 +61,22 @@ class SpecModel(BaseModel):
         frozen=True,
         use_attribute_docstrings=True,
         validate_default=True,
+        allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_scalar_coercion(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.field_name is None:
+            return value
+        kinds = set(
+            get_args(cls.model_fields[info.field_name].annotation) or (cls.model_fields[info.field_name].annotation,)
+        )
+        if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
+            raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        if bool in kinds and value is not None and not isinstance(value, bool):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value
 
     def to_wire(self) -> dict[str, Any]:
         """The camelCase dict a user would write (defaults included)."""
@@ -396,6 +424,14 @@ class GRPOLoraJobSpec(SpecModel):
             if port in seen:
                 errors.append((path, f"port {port} is already used by {seen[port]}; trainer ports must differ"))
             seen[port] = path
+        if inf.max_model_len is not None and self.grpo.max_new_tokens > inf.max_model_len:
+            errors.append(
+                (
+                    "grpo.maxNewTokens",
+                    f"{self.grpo.max_new_tokens} does not fit in inference.maxModelLen ({inf.max_model_len}), which "
+                    "holds prompt and completion together; use at most that, less the longest prompt",
+                )
+            )
         raise_if_any(errors)
         return self
 

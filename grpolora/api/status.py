@@ -58,6 +58,8 @@ class TrainerStatus(_Wire):
     """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
     message: str | None = None
     """Human-readable detail, e.g. why the run failed."""
+    inference_restarts: int | None = None
+    """`grpolora run` only, in status.json: inference replicas it started again after they exited."""
 
 
 class Condition(_Wire):

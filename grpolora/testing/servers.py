@@ -93,3 +93,20 @@ class ServerProcess:
 
 def generate(url: str, body: dict, timeout: float = 120.0) -> httpx.Response:
     return httpx.post(f"{url}/v1/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=timeout)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (from /proc: no psutil needed)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            children += [int(c) for c in (task / "children").read_text().split()]
+    return children + [d for c in children for d in descendants(c)]
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie is not: it has exited and waits for its parent to reap it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False

@@ -74,3 +74,38 @@ def test_crd_command_prints_the_shipped_file():
     result = grpolora("crd")
     assert result.returncode == 0
     assert result.stdout == (ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml").read_text()
+
+
+def _task_job(tmp_path, task: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: grpolora.dev/v1alpha1\nkind: GRPOLoraJob\nmetadata: {name: t}\n"
+        f"spec:\n  model: {{name: m}}\n  task: {task}\n"
+    )
+    return str(path)
+
+
+def test_validate_checks_reward_plugins_and_datasets_it_can_reach(tmp_path):
+    (tmp_path / "rewards.py").write_text("def score(prompt, completion):\n    return 1.0\n")
+    (tmp_path / "data.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n{"prompt": ""}\n')
+    job = _task_job(tmp_path, "{dataset: {path: data.jsonl}, reward: 'rewards:score'}")
+    result = grpolora("validate", job, cwd=tmp_path)
+    assert result.returncode == 1 and "is valid" not in result.stdout
+    assert "spec.task.reward: 'rewards:score' cannot be called as score(prompt, completion, answer)" in result.stderr
+    (tmp_path / "rewards.py").write_text("def score(prompt, completion, answer):\n    return 1.0\n")
+    result = grpolora("validate", job, cwd=tmp_path)
+    assert result.returncode == 1
+    assert "spec.task.dataset.path: line 2: field 'prompt' must be a non-empty string" in result.stderr
+    (tmp_path / "data.jsonl").write_text('{"prompt": "2+2?", "answer": "4"}\n')
+    result = grpolora("validate", job, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "is valid" in result.stdout and "not checked" not in result.stderr
+
+
+def test_validate_says_what_it_could_not_check_from_here(tmp_path):
+    job = _task_job(tmp_path, "{dataset: {path: /data/train.jsonl}, reward: 'team_rewards.math:score'}")
+    result = grpolora("validate", job, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "is valid" in result.stdout
+    assert "not checked here: spec.task.dataset.path: file not found: /data/train.jsonl" in result.stderr
+    assert "not checked here: spec.task.reward: cannot import module 'team_rewards.math'" in result.stderr

@@ -123,7 +123,7 @@ INVALID = [
     (job_doc(checkpoint={"everySteps": 0}), "spec.checkpoint.everySteps", "greater than 0"),
     (job_doc(checkpoint={"path": "relative/dir"}), "spec.checkpoint.path", "should match pattern"),
     (job_doc(ttlSecondsAfterFinished=-5), "spec.ttlSecondsAfterFinished", "greater than or equal to 0"),
-    (job_doc(suspend="maybe"), "spec.suspend", "valid boolean"),
+    (job_doc(suspend="maybe"), "spec.suspend", "expected true or false"),
     (job_doc(replicas=3), "spec.replicas", "unknown field"),
     ({**job_doc(), "apiVersion": "grpolora.dev/v1"}, "apiVersion", "grpolora.dev/v1alpha1"),
     ({**job_doc(), "kind": "PyTorchJob"}, "kind", "GRPOLoraJob"),
@@ -207,7 +207,8 @@ BOUNDS = [
     ("grpo", "microBatchSize", 0, 1, "greater than 0"),
     ("trainer", "gpusPerReplica", -1, 0, "greater than or equal to 0"),
     ("trainer", "maxRestarts", -1, 0, "greater than or equal to 0"),
-    ("inference", "maxModelLen", 0, 1, "greater than 0"),
+    # 257: the nearest value inside that also holds the default maxNewTokens (256) and a prompt token.
+    ("inference", "maxModelLen", 0, 257, "greater than 0"),
     ("inference", "gpuMemoryUtilization", 1.0001, 1.0, "less than or equal to 1"),
     ("inference", "gpuMemoryUtilization", 0.0, 1e-6, "greater than 0"),
     ("inference", "kvCacheGiB", 0, 1, "greater than 0"),
@@ -223,3 +224,54 @@ def test_each_numeric_bound_refuses_a_value_just_outside_it(section, field, outs
     problems = problems_of(job_doc(**{section: {field: outside}}))
     assert any(p.startswith(f"spec.{section}.{field}:") and words in p for p in problems), problems
     parse_job(job_doc(**{section: {field: inside}}))
+
+
+def _text(spec_yaml: str) -> str:
+    return "apiVersion: grpolora.dev/v1alpha1\nkind: GRPOLoraJob\nmetadata: {name: demo}\nspec:\n" + spec_yaml
+
+
+GRPO = "  model: {name: m}\n  grpo:\n"
+FINITE = "Input should be a finite number"
+
+
+@pytest.mark.parametrize(
+    ("spec_yaml", "expected"),
+    [
+        (GRPO + "    learningRate: .inf\n", f"line 7: spec.grpo.learningRate: {FINITE}"),
+        (GRPO + "    temperature: .inf\n", f"line 7: spec.grpo.temperature: {FINITE}"),
+        (GRPO + "    klCoef: .nan\n", f"line 7: spec.grpo.klCoef: {FINITE}"),
+        ("  model: {name: m}\n  lora:\n    alpha: -.inf\n", f"line 7: spec.lora.alpha: {FINITE}"),
+        (GRPO + "    steps: true\n", "line 7: spec.grpo.steps: expected a number, got the boolean true"),
+        (GRPO + "    topP: false\n", "line 7: spec.grpo.topP: expected a number, got the boolean false"),
+        ("  model: {name: m}\n  suspend: 1\n", "line 6: spec.suspend: expected true or false, got 1"),
+        (GRPO + '    pipelined: "yes"\n', "line 7: spec.grpo.pipelined: expected true or false, got 'yes'"),
+    ],
+)
+def test_non_finite_numbers_and_booleans_for_numbers_are_refused_at_their_line(spec_yaml, expected):
+    with pytest.raises(InvalidJob) as info:
+        load_jobs_from_text(_text(spec_yaml), source="job.yaml")
+    assert f"job.yaml: {expected}" in str(info.value)
+
+
+def test_numbers_yaml_reads_as_strings_still_parse():
+    # PyYAML reads `1e-5` (no dot) as a string; kubectl and users treat it as a number.
+    (job,) = load_jobs_from_text(_text("  model: {name: m}\n  grpo:\n    learningRate: 1e-5\n"))
+    assert job.spec.grpo.learning_rate == 1e-5
+
+
+def test_a_duplicated_key_is_refused_naming_both_lines():
+    text = _text("  model: {name: m}\n  grpo:\n    steps: 6\n    promptsPerStep: 2\n    steps: 600\n")
+    with pytest.raises(InvalidJob) as info:
+        load_jobs_from_text(text, source="job.yaml")
+    assert "job.yaml: line 9: spec.grpo.steps: duplicate key `steps` (first at line 7)" in str(info.value)
+    nested = _text("  model: {name: m}\n  model: {name: other}\n")
+    with pytest.raises(InvalidJob) as info:
+        load_jobs_from_text(nested, source="job.yaml")
+    assert "line 6: spec.model: duplicate key `model` (first at line 5)" in str(info.value)
+
+
+def test_max_new_tokens_must_fit_in_the_model_length():
+    doc = job_doc(grpo={"maxNewTokens": 600}, inference={"maxModelLen": 512})
+    assert any(p.startswith("spec.grpo.maxNewTokens:") and "inference.maxModelLen (512)" in p for p in problems_of(doc))
+    parse_job(job_doc(grpo={"maxNewTokens": 256}, inference={"maxModelLen": 512}))
+    parse_job(job_doc(grpo={"maxNewTokens": 600}))  # the model's own length is checked when the engine starts

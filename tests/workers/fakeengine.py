@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from grpolora.workers.inference.engine import AdapterEngine, EngineConfig, Sample, SamplingRequest
+from grpolora.workers.inference.engine import AdapterEngine, EngineConfig, EngineLimits, Sample, SamplingRequest
 from grpolora.workers.inference.server import create_app
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.syncfakes import free_port
@@ -32,8 +32,10 @@ class FakeVllmEngine(AdapterEngine):
         )
 
     async def start(self) -> None:
+        self.requests: list[tuple[list[int], SamplingRequest]] = []  # what generate was asked, in order
         self._loop = asyncio.get_running_loop()
         self._version_changed = asyncio.Condition()
+        self.limits = EngineLimits(max_model_len=256, vocab_size=1000)
 
     def shutdown(self) -> None:
         pass
@@ -52,6 +54,7 @@ class FakeVllmEngine(AdapterEngine):
         asyncio.run_coroutine_threadsafe(self.go_live(version), self._loop).result()
 
     async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
+        self.requests.append((prompt_token_ids, request))
         return [Sample([prompt_token_ids[-1] + i + 1], [-0.5], f"t{i}", "length") for i in range(request.n)]
 
 
@@ -60,7 +63,7 @@ class FakeServer:
         self.engine = FakeVllmEngine(tmp)
         self.app = create_app(
             self.engine,
-            lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp"),
+            lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", token=TOKEN),
             token=TOKEN,
             version_wait_seconds=version_wait_seconds,
         )

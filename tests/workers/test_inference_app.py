@@ -1,63 +1,27 @@
-"""The inference server's HTTP app around an in-process engine stand-in (no vLLM): the bearer-token guard on
-every data and control endpoint, and how a request's sampling settings reach the engine. The same app with a
-real vLLM engine is tested in test_inference_sync.py (marked vllm); this keeps the guard in the fast run."""
+"""The inference server's HTTP app around an in-process engine stand-in (tests/workers/fakeengine.py, no vLLM):
+the bearer-token guard on every data and control endpoint, and how a request's sampling settings reach the
+engine. The same app with a real vLLM engine is tested in test_inference_sync.py (marked vllm); this keeps the
+guard in the fast run."""
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
-from grpolora.workers.inference.engine import Sample, SamplingRequest
 from grpolora.workers.inference.server import create_app
 from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
-
-TOKEN = "s3cret"
-
-
-class EchoEngine:
-    """Answers each prompt with its own token ids and records the sampling settings it was given."""
-
-    def __init__(self) -> None:
-        self.live_version = 0
-        self.live_since = time.time()
-        self.requests: list[tuple[list[int], SamplingRequest]] = []
-
-    async def start(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
-
-    def loaded_versions(self) -> list[int]:
-        return []
-
-    def activate(self, version: int, tensors: dict, adapter_config: dict) -> None:
-        self.live_version = version
-
-    @contextlib.asynccontextmanager
-    async def lease(self, version: int | None, wait_seconds: float):
-        yield self.live_version if version is None else version
-
-    async def generate(self, prompt: list[int], request: SamplingRequest, version: int) -> list[Sample]:
-        self.requests.append((prompt, request))
-        return [Sample(list(prompt), [0.0] * len(prompt), "", "stop") for _ in range(request.n)]
-
-    async def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
+from tests.workers.fakeengine import TOKEN, FakeVllmEngine
 
 
 @pytest.fixture
-def served():
-    engine = EchoEngine()
-    receivers: list[AdapterReceiver] = []
+def served(tmp_path):
+    engine = FakeVllmEngine(tmp_path)
 
     def receiver_factory(sink) -> AdapterReceiver:
-        receivers.append(AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64))
-        return receivers[-1]
+        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, token=TOKEN)
 
     app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
     with TestClient(app) as client:
@@ -92,7 +56,7 @@ def test_the_right_token_is_let_through_and_probes_stay_open(served):
     client, _ = served
     auth = {"Authorization": f"Bearer {TOKEN}"}
     response = client.post("/v1/generate", json={"prompt_token_ids": [[1, 2]]}, headers=auth)
-    assert response.status_code == 200 and response.json()["results"][0]["samples"][0]["token_ids"] == [1, 2]
+    assert response.status_code == 200 and response.json()["results"][0]["samples"][0]["token_ids"] == [3]
     assert client.get(STATE_PATH, headers=auth).json()["replica_index"] == 0
     for path in ("/health", "/metrics", "/v1/adapter"):  # probes and scraping carry no token
         assert client.get(path).status_code == 200, path

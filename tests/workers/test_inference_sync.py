@@ -5,14 +5,18 @@ killed mid-round and its replacement, fingerprint mismatch. One pair of engines 
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
+import os
+import signal
+import socket
 import time
 
 import httpx
 import pytest
 import torch
 
-from grpolora.testing.servers import TOKEN, ServerProcess, free_port, generate, tiny_cpu_job
+from grpolora.testing.servers import TOKEN, ServerProcess, alive, descendants, free_port, generate, tiny_cpu_job
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.models import fingerprint, resolve_model
 from grpolora.workers.sync import wire
@@ -85,6 +89,7 @@ def sender(job, servers, model_dir):
         join_timeout_seconds=30,
         bucket_bytes=job.sync.bucket_bytes,
         fingerprint=fingerprint(model_dir),
+        token=TOKEN,
     )
     made.form_group(wait_for_all_seconds=60)
     yield made
@@ -132,6 +137,71 @@ def test_control_endpoints_need_the_token(servers):
     assert httpx.get(f"{url}/v1/sync/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200
     assert "grpolora_inference_adapter_version" in httpx.get(f"{url}/metrics").text
+
+
+def raw_request(url: str, head: str, body: bytes = b"", wait: float = 10.0) -> str:
+    """One HTTP/1.1 request on a plain socket: the status line comes back even if the body was never sent."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as conn:
+        conn.sendall(head.encode() + b"\r\n\r\n" + body)
+        try:
+            return conn.recv(65536).decode(errors="replace")
+        except TimeoutError:
+            return "(no answer)"
+
+
+def test_unauthenticated_requests_are_refused_before_their_body_is_read(servers):
+    # Headers announce 10 MB that never come: the server must answer without waiting for them.
+    head = "POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000"
+    answer = raw_request(servers[0].url, head, b'{"prompts": [')
+    assert answer.startswith("HTTP/1.1 401"), answer[:200]
+
+
+def test_a_body_over_the_limit_is_413_before_it_is_read(servers):
+    head = (
+        "POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {TOKEN}\r\nContent-Length: {50 << 20}"
+    )
+    answer = raw_request(servers[0].url, head, b'{"prompts": [')
+    assert answer.startswith("HTTP/1.1 413"), answer[:200]
+    # Without a Content-Length (chunked), the count is kept as the body arrives.
+    host, port = servers[0].url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as conn:
+        conn.sendall(
+            b"POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Authorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\n\r\n".encode()
+        )
+        chunk = b"%x\r\n" % (1 << 20) + b" " * (1 << 20) + b"\r\n"
+        with contextlib.suppress(OSError):  # the server may close the connection once it has answered
+            for _ in range(40):
+                conn.sendall(chunk)
+        answer = conn.recv(65536).decode(errors="replace")
+    assert answer.startswith("HTTP/1.1 413"), answer[:200]
+
+
+BAD_REQUESTS = [
+    ({"prompts": [""]}, 422, "prompts"),
+    ({"prompts": []}, 422, "prompts"),
+    ({"prompt_token_ids": [[]]}, 422, "prompt_token_ids"),
+    ({"prompt_token_ids": [[1, 2, 10**9]]}, 400, "out of vocabulary"),
+    ({"prompt_token_ids": [[1, -5]]}, 400, "out of vocabulary"),
+    ({"prompt_token_ids": [[1, 2]], "seed": 2**64 + 1}, 422, "seed"),
+    ({"prompt_token_ids": [[1, 2]], "stop_token_ids": [2**70]}, 400, "stop_token_ids"),
+    ({"prompt_token_ids": [[1]] * 5000}, 422, "prompt_token_ids"),
+    # vLLM's own check (not repeated here): its reason comes back with a 400.
+    ({"prompt_token_ids": [[1, 2]], "n": 10**6}, 400, "n must be at most 16384"),
+    ({"prompt_token_ids": [[1, 2]], "max_tokens": 10_000}, 400, "max_tokens 10000 exceeds the model length 256"),
+    ({"prompt_token_ids": [[1] * 256]}, 400, "prompt 0 has 256 tokens"),
+    ({"prompt_token_ids": [[1, 2]], "temperature": "NaN"}, 422, "temperature"),
+]
+
+
+@pytest.mark.parametrize(("body", "status", "words"), BAD_REQUESTS, ids=[w for _, _, w in BAD_REQUESTS])
+def test_client_errors_are_4xx_with_the_reason(servers, body, status, words):
+    response = generate(servers[0].url, body)
+    assert response.status_code == status, response.text[:300]
+    assert words in response.text
+    assert generate(servers[0].url, {"prompt_token_ids": [[1, 2]], "max_tokens": 2}).status_code == 200
 
 
 def test_synced_adapter_serves_with_logprob_parity(servers, sender, policy, model_dir):
@@ -271,6 +341,7 @@ def test_fingerprint_mismatch_is_refused_with_both_named(job, servers):
         join_timeout_seconds=5,
         bucket_bytes=1 << 20,
         fingerprint="0" * 64,
+        token=TOKEN,
     )
     with pytest.raises(FingerprintMismatch, match=f"the trainer loaded {'0' * 64}, inference replica 0 loaded"):
         wrong.form_group()
@@ -309,3 +380,16 @@ def test_a_replica_killed_mid_round_is_dropped_then_its_replacement_catches_up(
     assert httpx.get(f"{replacement.url}/ready").status_code == 200
     report = sender.send(lora_tensors(policy), lora_config(policy))
     assert report.members == (0, 1)
+
+
+def test_engine_processes_die_with_their_server(servers):
+    """The server process alone killed (as the OOM killer does): vLLM's engine processes must not live on."""
+    victim = servers[-1]
+    engine = descendants(victim.proc.pid)
+    assert engine, "the inference server has no engine processes"
+    os.kill(victim.proc.pid, signal.SIGKILL)
+    victim.proc.wait(30)
+    deadline = time.monotonic() + 5
+    while [p for p in engine if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in engine if alive(p)], "vLLM's engine processes outlived their server"

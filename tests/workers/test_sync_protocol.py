@@ -3,6 +3,10 @@ threads, with recording sinks instead of vLLM (tests/workers/test_inference_sync
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
+import re
 import threading
 import time
 
@@ -17,6 +21,8 @@ from grpolora.workers.sync.transport import connect_store
 from tests.workers.syncfakes import LocalMember, RecordingSink, free_port
 
 TIMEOUT = 3.0
+TOKEN = "job-token"
+KEY = wire.header_key(TOKEN)
 
 
 def eventually(condition, seconds: float = 10.0) -> None:
@@ -42,7 +48,9 @@ class Cluster:
         self.port = free_port()
         self.store = connect_store("127.0.0.1", self.port, is_master=True, timeout_seconds=TIMEOUT)
         self.sinks = [RecordingSink() for _ in range(n)]
-        self.receivers = [AdapterReceiver(s, replica_index=i, fingerprint="fp") for i, s in enumerate(self.sinks)]
+        self.receivers = [
+            AdapterReceiver(s, replica_index=i, fingerprint="fp", token=TOKEN) for i, s in enumerate(self.sinks)
+        ]
         self.members = [LocalMember(i, r) for i, r in enumerate(self.receivers)]
         self.sender = self.make_sender(
             bucket_bytes=bucket_bytes, fingerprint=fingerprint, on_bucket_sent=on_bucket_sent
@@ -52,6 +60,7 @@ class Cluster:
         options = {
             "bucket_bytes": 1 << 20,
             "fingerprint": "fp",
+            "token": TOKEN,
             "timeout_seconds": TIMEOUT,
             "join_timeout_seconds": TIMEOUT,
         } | kwargs
@@ -96,7 +105,7 @@ def test_wire_round_trip_with_mixed_dtypes_and_many_buckets():
     # a, b, c share the first 512-byte bucket (64 + 256 + 128 bytes, aligned); d is larger than a bucket: its own.
     assert header.bucket_sizes == (448, 4032)  # 4000 bytes padded to the 64-byte alignment
     assert {t.name: t.bucket for t in header.tensors} == {"a": 0, "b": 0, "c": 0, "d": 1}
-    decoded = wire.RoundHeader.decode(header.encode())
+    decoded = wire.RoundHeader.decode(header.encode(KEY), KEY)
     assert decoded == header
     wire.verify(decoded, buckets)
     for name, tensor in wire.unpack(decoded, buckets).items():
@@ -127,13 +136,100 @@ def test_both_checksum_algorithms_catch_a_single_bit(algorithm):
     assert wire.checksum(flipped, algorithm) != clean
 
 
+def signed(body: bytes) -> bytes:
+    """A header body with a valid MAC: what only a holder of the token can make (so the bounds are the last line)."""
+    return body + hmac.new(KEY, body, hashlib.sha256).digest()
+
+
 def test_malformed_headers_are_rejected():
     header, _ = wire.pack({"x": torch.zeros(4)}, version=1, epoch=0, bucket_bytes=1 << 20)
     with pytest.raises(wire.WireError, match="malformed"):
-        wire.RoundHeader.decode(b"{not json")
-    bad_layout = header.encode().replace(b'"nbytes":16', b'"nbytes":20')
+        wire.RoundHeader.decode(signed(b"{not json"), KEY)
+    bad_layout = header.encode(KEY)[: -wire.MAC_BYTES].replace(b'"nbytes":16', b'"nbytes":20')
     with pytest.raises(wire.WireError, match="do not hold shape"):
-        wire.RoundHeader.decode(bad_layout)
+        wire.RoundHeader.decode(signed(bad_layout), KEY)
+
+
+def test_a_header_without_the_tokens_mac_is_refused_before_it_is_parsed():
+    header, _ = wire.pack({"x": torch.zeros(4)}, version=1, epoch=0, bucket_bytes=1 << 20)
+    forged = header.encode(wire.header_key("guessed-token"))
+    with pytest.raises(wire.WireError, match="MAC does not verify"):
+        wire.RoundHeader.decode(forged, KEY)
+    tampered = bytearray(header.encode(KEY))
+    tampered[tampered.index(b'"version":1') + 10] = ord("7")  # a new version under the old MAC
+    with pytest.raises(wire.WireError, match="MAC does not verify"):
+        wire.RoundHeader.decode(bytes(tampered), KEY)
+    with pytest.raises(wire.WireError, match="header length"):
+        wire.RoundHeader.decode(b"{}", KEY)
+
+
+def _layout(**changes) -> bytes:
+    """A header for one 4-float tensor in one bucket, with fields replaced, MAC'd with the right key."""
+    data = {
+        "version": 1,
+        "epoch": 0,
+        "tensors": [{"name": "x", "dtype": "float32", "shape": [4], "bucket": 0, "offset": 0, "nbytes": 16}],
+        "bucket_sizes": [64],
+        "checksum": "crc32:0",
+        "adapter_config": {},
+        "wire_version": wire.WIRE_VERSION,
+    }
+    tensor = changes.pop("tensor", {})
+    data["tensors"][0] |= tensor
+    data |= changes
+    return signed(json.dumps(data).encode())
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        (_layout(tensor={"shape": [-4], "nbytes": -16}), "not a non-negative integer"),
+        (_layout(tensor={"shape": [4.0]}), "not a non-negative integer"),
+        (_layout(tensor={"shape": [True, 4]}), "not a non-negative integer"),
+        (_layout(tensor={"shape": [1] * 9, "nbytes": 4}), "9 dimensions"),
+        (_layout(tensor={"shape": [1 << 40], "nbytes": 4 << 40}, bucket_sizes=[4 << 40]), "at most"),
+        (_layout(bucket_sizes=[1 << 30]), "bucket 0: 1073741824 bytes announced, its tensors fill 64"),
+        (_layout(bucket_sizes=[64, 64]), "bucket 1: 64 bytes announced, its tensors fill 0"),
+        (_layout(bucket_sizes=[64] * (wire.MAX_BUCKETS + 1)), "buckets"),
+        (_layout(tensors=[]), "0 tensors"),
+        (_layout(tensor={"offset": 32}), "overlap or leave its bucket"),
+        (_layout(tensor={"offset": 64}), "overlap or leave its bucket"),
+        (_layout(tensor={"bucket": 3}), "bucket 3 of 1"),
+        (_layout(version=-1), "version -1"),
+    ],
+)
+def test_a_header_is_bounded_before_anything_is_allocated(raw, words):
+    with pytest.raises(wire.WireError, match=re.escape(words)):
+        wire.RoundHeader.decode(raw, KEY)
+
+
+def test_two_tensors_may_not_overlap():
+    data = json.loads(_layout()[: -wire.MAC_BYTES])
+    data["tensors"].append(data["tensors"][0] | {"name": "y"})
+    with pytest.raises(wire.WireError, match="overlap"):
+        wire.RoundHeader.decode(signed(json.dumps(data).encode()), KEY)
+
+
+def test_a_sender_without_the_token_gets_nothing_activated(cluster, caplog):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    intruder = c.make_sender(token="not-the-token")  # can reach the store and the sync port, and the control API
+    with pytest.raises(SyncError):
+        intruder.send(adapter(1), {})
+    intruder.close()
+    assert [s.live_version for s in c.sinks] == [1, 1] and all(1 in s.adapters and 2 not in s.adapters for s in c.sinks)
+    assert "header MAC does not verify" in caplog.text  # each receiver said why (a re-formation clears last_error)
+
+
+def test_a_header_for_another_round_than_the_announced_one_is_refused(cluster, monkeypatch, caplog):
+    c = cluster(2)
+    real_pack = wire.pack
+    monkeypatch.setattr(wire, "pack", lambda *a, **kw: real_pack(*a, **kw | {"version": kw["version"] + 5}))
+    with pytest.raises(SyncError):
+        c.sender.send(adapter(0), {})
+    assert [s.live_version for s in c.sinks] == [0, 0]
+    assert "header for version 6 of epoch 0, but the trainer announced version 1 of epoch 0" in caplog.text
 
 
 def test_rounds_deliver_exact_tensors_and_versions_grow(cluster):
@@ -206,7 +302,7 @@ def test_a_lost_replica_is_dropped_and_its_replacement_catches_up(cluster):
     # The replacement (same replica index, fresh process) joins the next epoch and gets version 2 at once.
     sink = RecordingSink()
     c.sinks[2] = sink
-    c.receivers[2] = AdapterReceiver(sink, replica_index=2, fingerprint="fp")
+    c.receivers[2] = AdapterReceiver(sink, replica_index=2, fingerprint="fp", token=TOKEN)
     c.members[2].receiver, c.members[2].down = c.receivers[2], False
     assert not c.receivers[2].ready
     assert c.sender.refresh() is True
@@ -314,7 +410,7 @@ def replace_replica(c: Cluster, index: int, sink=None) -> None:
     """A fresh process takes over replica `index` (same address): it has joined no epoch and serves version 0."""
     c.receivers[index].close()
     c.sinks[index] = sink or RecordingSink()
-    c.receivers[index] = AdapterReceiver(c.sinks[index], replica_index=index, fingerprint="fp")
+    c.receivers[index] = AdapterReceiver(c.sinks[index], replica_index=index, fingerprint="fp", token=TOKEN)
     c.members[index].receiver = c.receivers[index]
 
 

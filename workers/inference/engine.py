@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import shutil
-import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -67,10 +65,39 @@ class VersionUnavailable(RuntimeError):
     """The requested adapter version is not (or no longer) served here."""
 
 
-def default_adapter_root(tag: str) -> Path:
-    """Adapters are small and written once per round: tmpfs keeps that off the disk."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
-    return base / f"grpolora-adapters-{tag}-{os.getpid()}"
+class InvalidRequest(ValueError):
+    """A request this engine cannot serve as asked (the client's error, answered with `status`, never a 500)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """What a request must fit in, read from the engine once it has started."""
+
+    max_model_len: int  # prompt and completion tokens together
+    vocab_size: int  # token ids run from 0 to vocab_size - 1
+
+    def check(self, prompts: Sequence[Sequence[int]], request: SamplingRequest) -> None:
+        """Raise InvalidRequest for what vLLM would refuse only with a bare error (or not at all): ids out of
+        the vocabulary (negative or huge ones overflow inside the engine) and lengths beyond the model's."""
+        if request.max_tokens > self.max_model_len:
+            raise InvalidRequest(f"max_tokens {request.max_tokens} exceeds the model length {self.max_model_len}")
+        for index, prompt in enumerate(prompts):
+            if len(prompt) >= self.max_model_len:
+                raise InvalidRequest(
+                    f"prompt {index} has {len(prompt)} tokens; with at least one generated token it does not fit in "
+                    f"the model length {self.max_model_len}"
+                )
+            self._in_vocabulary(prompt, f"prompt {index}")
+        self._in_vocabulary(request.stop_token_ids, "stop_token_ids")
+
+    def _in_vocabulary(self, ids: Sequence[int], where: str) -> None:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidRequest(f"{where}: token id {bad} is out of vocabulary (valid: 0 to {self.vocab_size - 1})")
 
 
 class AdapterEngine:
@@ -85,6 +112,7 @@ class AdapterEngine:
         self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
         self._leases: dict[int, int] = {}  # version -> requests running on it
         self._version_changed: asyncio.Condition | None = None
+        self.limits: EngineLimits | None = None  # known once started
 
     # ---- lifecycle --------------------------------------------------------------------------------------
 
@@ -116,6 +144,8 @@ class AdapterEngine:
             disable_log_stats=True,
         )
         self._engine = AsyncLLM.from_engine_args(args)
+        model_config = self._engine.model_config
+        self.limits = EngineLimits(model_config.max_model_len, model_config.get_vocab_size())
         log.info("vLLM engine ready: %s (%s)", cfg.model_dir, cfg.dtype)
 
     @property
@@ -210,26 +240,30 @@ class AdapterEngine:
     async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
         """`request.n` samples for one prompt on adapter `version` (hold a lease on it while this runs)."""
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError, VLLMUnprocessableEntityError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            n=request.n,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            max_tokens=request.max_tokens,
-            seed=request.seed,
-            logprobs=0,  # the sampled token's own logprob
-            stop_token_ids=list(request.stop_token_ids) or None,
-            # One output holding all n samples; streamed outputs of n > 1 can carry only the samples that moved.
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
         lora = self._lora_request(version) if version else None
         final = None
-        async for output in self._engine.generate(
-            TokensPrompt(prompt_token_ids=prompt_token_ids), params, uuid.uuid4().hex, lora_request=lora
-        ):
-            final = output
+        try:
+            params = SamplingParams(
+                n=request.n,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                max_tokens=request.max_tokens,
+                seed=request.seed,
+                logprobs=0,  # the sampled token's own logprob
+                stop_token_ids=list(request.stop_token_ids) or None,
+                # One output holding all n samples; streamed outputs of n > 1 can carry only the samples that moved.
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+            async for output in self._engine.generate(
+                TokensPrompt(prompt_token_ids=prompt_token_ids), params, uuid.uuid4().hex, lora_request=lora
+            ):
+                final = output
+        except VLLMClientError as exc:  # vLLM's own verdict on the request: the client's error, with its reason
+            raise InvalidRequest(str(exc), 422 if isinstance(exc, VLLMUnprocessableEntityError) else 400) from None
         assert final is not None
         samples = []
         for completion in sorted(final.outputs, key=lambda c: c.index):

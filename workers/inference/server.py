@@ -2,8 +2,12 @@
 
 Open: GET /health (engine up; liveness and startup probe), GET /ready (engine up and serving the adapter version
 the trainer last called current; readiness probe), GET /metrics, GET /v1/adapter.
-Token-guarded (`Authorization: Bearer <GRPOLORA_TOKEN>`): POST /v1/generate, GET /v1/sync/state,
-POST /v1/sync/join, POST /v1/sync/prepare.
+Token-guarded (`Authorization: Bearer <GRPOLORA_TOKEN>`): everything else, i.e. POST /v1/generate,
+GET /v1/sync/state, POST /v1/sync/join, POST /v1/sync/prepare.
+
+A client's mistake is a 4xx with the reason, never a 500: a missing token is refused (401) and a body over
+MAX_BODY_BYTES cut off (413) before the body is read; requests are checked against the model (length, vocabulary)
+before they reach vLLM, and vLLM's own refusals come back as 400/422 with its message. 500 is for server faults.
 """
 
 from __future__ import annotations
@@ -15,20 +19,22 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from typing import Annotated
+from typing import Annotated, Any
 
-from fastapi import Depends, FastAPI, Header, HTTPException, Response
+from fastapi import FastAPI, HTTPException, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api.contract import WorkerEnv
 from grpolora.workers.inference import metrics
+from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
 from grpolora.workers.inference.engine import (
     AdapterEngine,
     EngineConfig,
+    InvalidRequest,
     SamplingRequest,
     VersionUnavailable,
-    default_adapter_root,
 )
 from grpolora.workers.sync.control import (
     JOIN_PATH,
@@ -44,17 +50,33 @@ from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome
 
 log = logging.getLogger(__name__)
 
+OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/adapter"})
+"""Paths answered without the token; every other path needs it."""
+MAX_BODY_BYTES = 32 << 20
+"""Largest request body: a rollout request of 1024 prompts of 4096 tokens is about 25 MiB of JSON."""
+MAX_PROMPTS = 4096
+"""Most prompts in one generate request."""
+MAX_STOP_TOKEN_IDS = 256
+MAX_SEED = 2**63 - 1
+Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
+SHUTDOWN_GRACE_SECONDS = 3
+
 
 class GenerateRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    prompt_token_ids: list[list[int]] | None = None
-    prompts: list[str] | None = None  # tokenized as is (apply a chat template before sending)
-    n: int = Field(default=1, ge=1)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    prompt_token_ids: (
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(max_length=MAX_PROMPTS)] | None
+    ) = Field(default=None, min_length=1)
+    prompts: Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_PROMPTS)] | None = Field(
+        default=None, min_length=1
+    )  # tokenized as is (apply a chat template before sending)
+    n: int = Field(default=1, ge=1)  # vLLM's cap (VLLM_MAX_N_SEQUENCES) is vLLM's to say
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
     max_tokens: int = Field(default=256, ge=1)
-    seed: int | list[int] | None = None  # one for every prompt, or one per prompt
-    stop_token_ids: list[int] = Field(default_factory=list)
+    # One seed for every prompt, or one per prompt.
+    seed: Seed | list[Seed] | None = None
+    stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     adapter_version: int | None = Field(default=None, ge=0)  # None: the live one; N: wait until N is live
 
     @model_validator(mode="after")
@@ -125,19 +147,13 @@ def create_app(
             await asyncio.to_thread(engine.shutdown)
 
     app = FastAPI(title="grpo-lora inference", lifespan=lifespan)
-
-    def authorized(authorization: Annotated[str | None, Header()] = None) -> None:
-        expected = f"Bearer {token}"
-        if authorization is None or not hmac.compare_digest(authorization.encode(), expected.encode()):
-            raise HTTPException(status_code=401, detail="missing or wrong bearer token (GRPOLORA_TOKEN)")
+    app.add_middleware(RequestGuard, token=token, max_body_bytes=MAX_BODY_BYTES)
 
     def receiver() -> AdapterReceiver:
         found = state.get("receiver")
         if not isinstance(found, AdapterReceiver):
             raise HTTPException(status_code=503, detail=str(state.get("error") or "engine is starting"))
         return found
-
-    guarded = [Depends(authorized)]
 
     @app.get("/health")
     async def health() -> Response:
@@ -166,7 +182,7 @@ def create_app(
             "loaded_versions": engine.loaded_versions(),
         }
 
-    @app.post("/v1/generate", dependencies=guarded, response_model=GenerateResponse)
+    @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(request: GenerateRequest) -> GenerateResponse:
         receiver()  # 503 while starting
         started = time.perf_counter()
@@ -183,6 +199,8 @@ def create_app(
             for index in range(len(prompts))
         ]
         try:
+            assert engine.limits is not None  # the receiver exists only once the engine has started
+            engine.limits.check(prompts, samplings[0])  # the same lengths and stop ids for every prompt
             async with engine.lease(request.adapter_version, version_wait_seconds) as version:
                 outputs = await asyncio.gather(
                     *(engine.generate(p, s, version) for p, s in zip(prompts, samplings, strict=True))
@@ -190,6 +208,9 @@ def create_app(
         except VersionUnavailable as exc:
             metrics.REQUESTS.labels(status="version_unavailable").inc()
             raise HTTPException(status_code=409, detail=str(exc)) from None
+        except InvalidRequest as exc:
+            metrics.REQUESTS.labels(status="invalid").inc()
+            raise HTTPException(status_code=exc.status, detail=str(exc)) from None
         except Exception:
             metrics.REQUESTS.labels(status="error").inc()
             raise
@@ -203,11 +224,11 @@ def create_app(
             ],
         )
 
-    @app.get(STATE_PATH, dependencies=guarded, response_model=MemberState)
+    @app.get(STATE_PATH, response_model=MemberState)
     async def sync_state() -> MemberState:
         return receiver().state()
 
-    @app.post(JOIN_PATH, dependencies=guarded, status_code=202)
+    @app.post(JOIN_PATH, status_code=202)
     async def sync_join(request: JoinRequest) -> dict:
         try:
             receiver().join(request)
@@ -215,7 +236,7 @@ def create_app(
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
 
-    @app.post(PREPARE_PATH, dependencies=guarded, status_code=202)
+    @app.post(PREPARE_PATH, status_code=202)
     async def sync_prepare(request: PrepareRequest) -> dict:
         try:
             receiver().prepare(request)
@@ -224,6 +245,51 @@ def create_app(
         return {"accepted": True}
 
     return app
+
+
+class RequestGuard:
+    """ASGI middleware that refuses a request before its body is read: without the token (401) on a guarded path,
+    or with a body over `max_body_bytes` (413, announced by Content-Length or counted as a chunked body arrives).
+
+    FastAPI reads and parses a body before running a route's dependencies, so a token check there would let anyone
+    make the server read (and hold) whatever they send."""
+
+    def __init__(self, app: Any, *, token: str, max_body_bytes: int):
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+        self._max = max_body_bytes
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        if scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
+            headers.get(b"authorization", b""), self._expected
+        ):
+            await _refuse(scope, receive, send, 401, "missing or wrong bearer token (GRPOLORA_TOKEN)")
+            return
+        length = headers.get(b"content-length")
+        too_large = f"request body over {self._max} bytes"
+        if length is not None and (not length.isdigit() or int(length) > self._max):
+            await _refuse(scope, receive, send, 413, too_large)
+            return
+        received = 0
+
+        async def counted() -> dict:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self._max:
+                raise HTTPException(status_code=413, detail=too_large)  # FastAPI passes it through as is
+            return message
+
+        await self.app(scope, counted, send)
+
+
+async def _refuse(scope: dict, receive: Any, send: Any, status: int, detail: str) -> None:
+    response = JSONResponse({"detail": detail}, status_code=status, headers={"Connection": "close"})
+    await response(scope, receive, send)
 
 
 def _count_round(outcome: RoundOutcome) -> None:
@@ -285,6 +351,7 @@ def serve(env: WorkerEnv) -> int:
             engine,
             replica_index=env.replica_index,
             fingerprint=holder["fingerprint"],
+            token=env.token,
             device=device,
             on_round=_count_round,
             on_error=lambda kind: metrics.SYNC_FAILURES.labels(reason=kind).inc(),
@@ -296,6 +363,8 @@ def serve(env: WorkerEnv) -> int:
         failed.append(True)
         server.should_exit = True
 
+    for stale in remove_stale_adapter_roots():
+        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
     engine = AdapterEngine(engine_config(env, env.model), adapter_root=default_adapter_root(env.job_name))
     app = create_app(
         engine,
@@ -306,6 +375,17 @@ def serve(env: WorkerEnv) -> int:
         on_fatal=stop_on_fatal,
     )
     port = int(env.own_endpoint.rsplit(":", 1)[1])
-    server = uvicorn.Server(uvicorn.Config(app, host=env.bind_addr, port=port, log_level="info", access_log=False))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=env.bind_addr,
+            port=port,
+            log_level="info",
+            access_log=False,
+            # On SIGTERM, requests in flight get this long; then the engine shuts down (uvicorn would otherwise wait
+            # for them without limit, and a client that is gone already cannot end them).
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+        )
+    )
     server.run()
     return 1 if failed else 0

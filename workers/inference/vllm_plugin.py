@@ -1,5 +1,5 @@
 """A vLLM general plugin (entry point `vllm.general_plugins`, loaded by vLLM in each of its processes): faster
-LoRA matmuls for vLLM's CPU backend.
+LoRA matmuls for vLLM's CPU backend, and, in an inference server, engine processes that die with the server.
 
 vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`) gather a full copy of the adapter weight for every token,
 `weights[indices]` (tokens x out x rank), then einsum. In RL almost every token in a batch uses the same adapter
@@ -73,7 +73,16 @@ def bgmv_expand_slice(
 
 def register() -> None:
     """The entry point vLLM calls in every process it starts (idempotent)."""
+    import os
+
     import vllm
+
+    from grpolora.api.contract import ROLE
+    from grpolora.workers.lifetime import tie_children_to_this_process
+
+    if os.environ.get(ROLE) == "inference":  # only in our servers, not in any vLLM run that has this installed
+        # No OS facility beyond Linux's prctl, so this holds for any vLLM version.
+        tie_children_to_this_process()
 
     if not vllm.__version__.startswith(TESTED_VLLM):
         log.info("grpolora vLLM plugin: vLLM %s untested (%s): CPU LoRA ops unchanged", vllm.__version__, TESTED_VLLM)

@@ -5,6 +5,11 @@ own GPUs: trainer and inference never share one). An actor runs the very worker 
 `grpolora worker <role>`, with the env contract that plan() gives the operator, built for the loopback network.
 The driver watches trainer rank 0's /status (as the operator does), draws a progress bar, and at the end writes
 the run folder: metrics.jsonl, the final adapter, checkpoints, worker logs and plot.png.
+
+Faults, as a cluster would take them: a lost inference replica is started again (up to
+INFERENCE_RESTARTS_PER_REPLICA times) while the trainer carries on with the others and re-adds the replacement once
+it serves the current adapter; a trainer failure ends the run (run it again to resume from the checkpoint). Every
+way a run ends leaves status.json saying how, and Ctrl-C stops the trainer first, then every replica at once.
 """
 
 from __future__ import annotations
@@ -30,13 +35,25 @@ from grpolora.api.load import InvalidJob, job_warnings, load_jobs
 from grpolora.api.plan import JobPlan, LoopbackNetwork, Role, plan
 from grpolora.api.spec import GRPOLoraJob
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
+from grpolora.workers.lifetime import die_with_parent
 
 POLL_SECONDS = 1.0
-STOP_GRACE_SECONDS = 30.0
+TRAINER_STOP_SECONDS = 10.0  # the trainer records its status and exits at once on SIGTERM
+# uvicorn's grace for requests in flight (3 s), then the engine's own shutdown, which waits for its workers (~4 s
+# on a CPU): cut it short, since whatever is left is killed and its adapter folder removed anyway.
+INFERENCE_STOP_SECONDS = 5.0
+INFERENCE_RESTARTS_PER_REPLICA = 3
+"""Times `grpolora run` starts a lost inference replica again before the run fails."""
+STATUS_LOG_LINES = 10  # of a failed worker's log, kept in status.json's message
 
 
 class RunFailed(RuntimeError):
     """A worker failed; the message names it and carries the end of its log."""
+
+    def __init__(self, worker: Worker, message: str):
+        super().__init__(message)
+        self.worker = worker
 
 
 @dataclass(frozen=True)
@@ -110,8 +127,8 @@ def _worker_actor_class():
                     env=full_env,
                     stdout=log,
                     stderr=subprocess.STDOUT,
-                    start_new_session=True,  # one group: stopping it stops vLLM's engine processes too
-                    preexec_fn=_die_with_parent,  # an actor killed by Ray (e.g. for memory) takes its worker along
+                    start_new_session=True,  # one group: whatever is left of it is killed at the end
+                    preexec_fn=die_with_parent,  # an actor killed by Ray (e.g. for memory) takes its worker along
                 )
 
         def pgid(self) -> int:
@@ -120,12 +137,19 @@ def _worker_actor_class():
         def poll(self) -> int | None:
             return self.proc.poll()
 
-        def stop(self, grace: float) -> int | None:
+        def stop(self, grace: float, whole_group: bool) -> int | None:
+            """SIGTERM, `grace` seconds, then SIGKILL to what is left of the group. An inference server is signalled
+            alone: it stops its own engine (signalled too, the engine would die at once and leave the server waiting
+            for requests that can never finish)."""
             if self.proc.poll() is None:
-                _signal_group(self.proc.pid, signal.SIGTERM)
+                if whole_group:
+                    _signal_group(self.proc.pid, signal.SIGTERM)
+                else:
+                    with contextlib.suppress(ProcessLookupError):
+                        self.proc.send_signal(signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(grace)
-            _signal_group(self.proc.pid, signal.SIGKILL)  # whatever of the group is left
+            _signal_group(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
 
     return WorkerProcess
@@ -134,14 +158,6 @@ def _worker_actor_class():
 def _signal_group(pid: int, sig: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-
-
-def _die_with_parent() -> None:
-    """In the worker, before exec: Linux sends it SIGKILL when the actor process dies."""
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class LocalRun:
@@ -167,7 +183,16 @@ class LocalRun:
         self.token = secrets.token_urlsafe(24)
         self.workers: list[Worker] = []
         self._actors: list = []
+        self._envs: list[dict[str, str]] = []
+        self._groups: list[int] = []
         self._started_ray = False
+        self._started_at = time.time()
+        self.last_status: TrainerStatus | None = None
+        self.restarts: dict[int, int] = {}  # inference replica index -> times restarted
+
+    @property
+    def inference_restarts(self) -> int:
+        return sum(self.restarts.values())
 
     def _threads_per_worker(self) -> int:
         workers = self.job.spec.trainer.replicas + self.job.spec.inference.replicas
@@ -185,7 +210,6 @@ class LocalRun:
             # Logical CPUs: one per worker process even on a smaller machine (they mostly take turns).
             ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, log_to_driver=False)
             self._started_ray = True
-        actor_class = _worker_actor_class()
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         threads = str(self._threads_per_worker())
@@ -202,40 +226,85 @@ class LocalRun:
                     # endpoint of replicas > 0 (rank 0 alone serves /status) needs a port of its own.
                     env[contract.STATUS_PORT] = str(free_ports(1)[0])
                 env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
-                actor = actor_class.options(
-                    name=f"{self.job.name}-{role}-{index}-{os.getpid()}",
-                    num_cpus=1,
-                    num_gpus=worker.gpus,
-                ).remote(env, str(worker.log), role, self.cpus.get(role))
                 self.workers.append(worker)
-                self._actors.append(actor)
+                self._envs.append(env)
+                self._actors.append(self._start_actor(worker, env))
         # Worker process groups on this machine: stop() kills what is left of them even if an actor is gone.
         self._groups = ray.get([a.pgid.remote() for a in self._actors]) if self._started_ray else []
 
-    def wait(self) -> TrainerStatus | None:
-        """Until trainer rank 0 exits: progress from its /status; a failed worker stops the run (RunFailed)."""
+    def _start_actor(self, worker: Worker, env: dict[str, str]):
+        return (
+            _worker_actor_class()
+            .options(
+                # A replacement's name differs from the killed actor's, which Ray may still be tearing down.
+                name=f"{self.job.name}-{worker.role}-{worker.index}-{os.getpid()}-{self.restarts.get(worker.index, 0)}",
+                num_cpus=1,
+                num_gpus=worker.gpus,
+            )
+            .remote(env, str(worker.log), worker.role, self.cpus.get(worker.role))
+        )
+
+    def _restart(self, position: int, code: int | str) -> None:
+        """Start a lost inference replica again, with the same env (name, port, rank in the job): as a StatefulSet
+        brings back its pod. The trainer re-adds it to the sync group once it serves the current adapter."""
         import ray
 
+        worker, old = self.workers[position], self._actors[position]
+        with contextlib.suppress(Exception):
+            ray.get(old.stop.remote(0.0, True))  # whatever of its group is left
+        ray.kill(old)
+        self.restarts[worker.index] = self.restarts.get(worker.index, 0) + 1
+        with worker.log.open("a") as log:
+            log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[worker.index]} ---\n")
+        self._actors[position] = self._start_actor(worker, self._envs[position])
+        if self._started_ray:
+            self._groups.append(ray.get(self._actors[position].pgid.remote()))
+
+    def _exit_codes(self) -> list[int | str | None]:
+        import ray
+
+        codes: list[int | str | None] = []
+        for actor in self._actors:
+            try:
+                codes.append(ray.get(actor.poll.remote()))
+            except ray.exceptions.RayActorError:
+                codes.append("lost (its Ray actor died)")
+        return codes
+
+    def wait(self) -> TrainerStatus | None:
+        """Until trainer rank 0 exits: progress from its /status; a lost inference replica is restarted within
+        its budget; any other failed worker stops the run (RunFailed)."""
         status_url = f"http://127.0.0.1:{self.plan.job.spec.trainer.status_port}/status"
         progress = _Progress(self.job.spec.grpo.steps, enabled=self.show_progress)
-        last: TrainerStatus | None = None
         client = httpx.Client(timeout=2.0)
         try:
             while True:
-                codes = ray.get([a.poll.remote() for a in self._actors])
-                for worker, code in zip(self.workers, codes, strict=True):
+                for position, (worker, code) in enumerate(zip(self.workers, self._exit_codes(), strict=True)):
                     if code is None:
                         continue
-                    if worker.role == "trainer" and worker.index == 0 and code == 0:
-                        progress.close(last)
-                        return last
-                    raise RunFailed(
-                        f"{worker.role} {worker.index} exited with code {code}; end of {worker.log}:\n"
-                        + _tail(worker.log)
-                    )
+                    if worker.role == "trainer" and code == 0:
+                        if worker.index == 0:
+                            progress.close(self.last_status)
+                            return self.last_status
+                        continue  # a follower rank done with the final collective; rank 0 is still writing
+                    failure = f"{worker.role} {worker.index} exited with code {code}"
+                    if (
+                        worker.role == "inference"
+                        and self.restarts.get(worker.index, 0) < INFERENCE_RESTARTS_PER_REPLICA
+                    ):
+                        progress.note(
+                            f"grpolora run: {failure}; starting it again (restart "
+                            f"{self.restarts.get(worker.index, 0) + 1} of {INFERENCE_RESTARTS_PER_REPLICA}); "
+                            f"the trainer carries on with the other replicas; log: {worker.log}"
+                        )
+                        self._restart(position, code)
+                        continue
+                    if worker.role == "inference":
+                        failure += f" after {INFERENCE_RESTARTS_PER_REPLICA} restarts"
+                    raise RunFailed(worker, f"{failure}; end of {worker.log}:\n{_tail(worker.log)}")
                 try:
-                    last = TrainerStatus.model_validate(client.get(status_url).json())
-                    progress.update(last)
+                    self.last_status = TrainerStatus.model_validate(client.get(status_url).json())
+                    progress.update(self.last_status, self.inference_restarts)
                 except (httpx.HTTPError, ValueError):
                     pass  # the trainer is still starting
                 time.sleep(POLL_SECONDS)
@@ -244,20 +313,51 @@ class LocalRun:
             progress.close(None)
 
     def stop(self) -> None:
+        """The trainer first (it records where it stopped), then every inference replica at once."""
         import ray
 
         if self._actors:
-            for actor in self._actors:
-                with contextlib.suppress(Exception):  # an actor already dead (e.g. killed for memory)
-                    ray.get(actor.stop.remote(STOP_GRACE_SECONDS))
-                ray.kill(actor)
+            for role, grace in (("trainer", TRAINER_STOP_SECONDS), ("inference", INFERENCE_STOP_SECONDS)):
+                actors = [a for w, a in zip(self.workers, self._actors, strict=True) if w.role == role]
+                pending = [a.stop.remote(grace, role == "trainer") for a in actors]
+                for ref in pending:
+                    with contextlib.suppress(Exception):  # an actor already dead (e.g. killed for memory)
+                        ray.get(ref)
+                for actor in actors:
+                    ray.kill(actor)
             self._actors = []
-        for group in getattr(self, "_groups", []):
+        for group in self._groups:
             _signal_group(group, signal.SIGKILL)
         self._groups = []
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+        remove_stale_adapter_roots()  # of servers that were killed outright
+
+    def record(self, *, failed: str | None = None, own_reason: str = "keep") -> TrainerStatus | None:
+        """Complete status.json, whatever way the run ended, with the number of inference restarts.
+
+        `failed` says how the run failed (None: it did not). The trainer's own record, if it wrote one during this
+        run, stays the base; when it already says Failed (its exception, or where SIGTERM stopped it), `own_reason`
+        decides: `keep` its message, `prefix` it with the first clause of `failed` (which worker, which exit
+        code), or `replace` it with `failed` (the cause lies elsewhere, e.g. a replica out of restarts)."""
+        path = self.run_dir / "status.json"
+        own = None
+        if path.exists() and path.stat().st_mtime >= self._started_at:
+            with contextlib.suppress(ValueError):
+                own = TrainerStatus.model_validate_json(path.read_text())
+        status = own or self.last_status
+        if failed is not None:
+            message = failed
+            if own is not None and own.phase == "Failed" and own.message and own_reason != "replace":
+                message = own.message if own_reason == "keep" else f"{failed.split(';')[0]}: {own.message}"
+            base = status or TrainerStatus(phase="Starting", total_steps=self.job.spec.grpo.steps)
+            status = base.model_copy(update={"phase": "Failed", "message": message})
+        if status is None:
+            return None
+        status = status.model_copy(update={"inference_restarts": self.inference_restarts})
+        path.write_text(json.dumps(status.to_wire(), indent=2))
+        return status
 
 
 class _Progress:
@@ -272,14 +372,19 @@ class _Progress:
 
             self._bar = tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True)
 
-    def update(self, status: TrainerStatus) -> None:
+    def update(self, status: TrainerStatus, restarts: int = 0) -> None:
+        replicas = f"{len(status.sync_members)} replica(s) in sync"
         if self._bar is None:
-            if self._enabled and (status.phase, status.step) != self._last_line:
-                self._last_line = (status.phase, status.step)
+            if self._enabled and (status.phase, status.step, restarts) != self._last_line:
+                self._last_line = (status.phase, status.step, restarts)
                 reward = "" if status.reward_mean is None else f" reward {status.reward_mean:.3f}"
                 kl = "" if status.kl is None else f" kl {status.kl:.4f}"
                 sync = "" if status.last_sync_seconds is None else f" sync {status.last_sync_seconds * 1000:.0f} ms"
-                print(f"[{status.phase}] step {status.step}/{status.total_steps}{reward}{kl}{sync}", file=sys.stderr)
+                lost = f" {replicas}, inference restarts {restarts}" if restarts else ""
+                print(
+                    f"[{status.phase}] step {status.step}/{status.total_steps}{reward}{kl}{sync}{lost}",
+                    file=sys.stderr,
+                )
             return
         self._bar.n = status.step
         postfix = {"phase": status.phase}
@@ -287,8 +392,17 @@ class _Progress:
             postfix |= {"reward": f"{status.reward_mean:.3f}", "kl": f"{status.kl or 0:.4f}"}
         if status.last_sync_seconds is not None:
             postfix |= {"sync": f"{status.last_sync_seconds * 1000:.0f}ms", "round": status.sync_round}
+        if restarts:
+            postfix |= {"in sync": len(status.sync_members), "restarts": restarts}
         self._bar.set_postfix(postfix, refresh=False)
         self._bar.refresh()
+
+    def note(self, message: str) -> None:
+        """A line that stays above the bar (or in the log)."""
+        if self._bar is not None:
+            self._bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr)
 
     def close(self, status: TrainerStatus | None) -> None:
         if self._bar is not None:
@@ -356,6 +470,15 @@ def summarize(records: Sequence[dict], window: int = 5) -> str:
     )
 
 
+def _stop_ignoring_interrupts(local: LocalRun) -> None:
+    """A second Ctrl-C while stopping would leave workers behind: stopping takes a few seconds at most."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        local.stop()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = None) -> int:
     """The `grpolora run` command. Returns the exit status."""
     try:
@@ -391,17 +514,20 @@ def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = 
         local.start()
         local.wait()
     except KeyboardInterrupt:
-        print("\ngrpolora run: interrupted; stopping every worker", file=sys.stderr)
-        local.stop()
+        print("\ngrpolora run: interrupted; stopping the trainer, then every inference replica", file=sys.stderr)
+        step = local.last_status.step if local.last_status else 0
+        _stop_ignoring_interrupts(local)
+        local.record(failed=f"interrupted (Ctrl-C) after step {step}; run it again to resume from the checkpoint")
         return 130
     except RunFailed as exc:
         print(f"grpolora run: {exc}", file=sys.stderr)
-        local.stop()
+        _stop_ignoring_interrupts(local)
+        brief = "\n".join(str(exc).splitlines()[: STATUS_LOG_LINES + 1])
+        local.record(failed=brief, own_reason="prefix" if exc.worker.role == "trainer" else "replace")
         return 1
     local.stop()
-    final = folder / "status.json"
-    if final.exists():
-        status = TrainerStatus.model_validate_json(final.read_text())
+    status = local.record()
+    if status is not None:
         print(f"trainer: {status.phase} after {status.step}/{status.total_steps} steps, sync round {status.sync_round}")
     records = read_metrics(folder)
     if records:

@@ -59,20 +59,29 @@ class RoundOutcome:
     activate_seconds: float
 
 
-def receive_round(transport: Transport) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
+def receive_round(
+    transport: Transport, key: bytes, announced: PrepareRequest
+) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
     """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
     once the receiver knows whether the version went live).
 
     Returns the header, the buckets and None if they verified, or a reason if they did not. Raises
-    TransportError when the collective breaks, and WireError (after leaving the group) on an unreadable header,
-    since a rank that cannot follow the announced layout cannot stay in lockstep with the others.
+    TransportError when the collective breaks, and WireError (after leaving the group) on a header that is
+    unreadable, out of bounds, not authenticated by `key`, or for another round than the `announced` one: a rank
+    that cannot follow the layout cannot stay in lockstep with the others, and nothing is allocated from it.
     """
     length = torch.zeros(1, dtype=torch.int64, device=transport.device)
     transport.broadcast(length)
-    raw = torch.empty(int(length.item()), dtype=torch.uint8, device=transport.device)
-    transport.broadcast(raw)
     try:
-        header = wire.RoundHeader.decode(bytes(raw.cpu().numpy()))
+        wire.check_header_length(int(length.item()))
+        raw = torch.empty(int(length.item()), dtype=torch.uint8, device=transport.device)
+        transport.broadcast(raw)
+        header = wire.RoundHeader.decode(bytes(raw.cpu().numpy()), key)
+        if (header.epoch, header.version) != (announced.epoch, announced.version):
+            raise wire.WireError(
+                f"header for version {header.version} of epoch {header.epoch}, but the trainer announced version "
+                f"{announced.version} of epoch {announced.epoch}"
+            )
     except wire.WireError:
         transport.close()
         raise
@@ -109,6 +118,7 @@ class AdapterReceiver:
         *,
         replica_index: int,
         fingerprint: str,
+        token: str,
         device: torch.device | None = None,
         on_round: Callable[[RoundOutcome], None] | None = None,
         on_error: Callable[[str], None] | None = None,
@@ -116,6 +126,7 @@ class AdapterReceiver:
         self._sink = sink
         self.replica_index = replica_index
         self.fingerprint = fingerprint
+        self._key = wire.header_key(token)
         self._device = device
         self._on_round = on_round
         self._on_error = on_error  # called with a short kind: formation, interrupted, refused
@@ -234,7 +245,7 @@ class AdapterReceiver:
             return
         started = time.perf_counter()
         try:
-            header, buckets, reason = receive_round(transport)
+            header, buckets, reason = receive_round(transport, self._key, request)
         except (TransportError, wire.WireError) as exc:
             self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
             return

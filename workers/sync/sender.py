@@ -62,10 +62,11 @@ def send_round(
     transport: Transport,
     header: wire.RoundHeader,
     buckets: Sequence[torch.Tensor],
+    key: bytes,
     on_bucket_sent: Callable[[int], None] | None = None,
 ) -> list[int]:
-    """One round from sync rank 0; returns each rank's status code (index = rank)."""
-    raw = header.encode()
+    """One round from sync rank 0, its header authenticated with `key`; returns each rank's status code."""
+    raw = header.encode(key)
     transport.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=transport.device))
     transport.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(transport.device))
     posted = [[transport.start_broadcast(piece) for piece in transport.pieces(bucket)] for bucket in buckets]
@@ -92,6 +93,7 @@ class AdapterSender:
         join_timeout_seconds: float,
         bucket_bytes: int,
         fingerprint: str,
+        token: str,
         first_epoch: int = 0,
         first_version: int = 0,
         device: torch.device | None = None,
@@ -106,6 +108,7 @@ class AdapterSender:
         self._join_timeout = join_timeout_seconds
         self._bucket_bytes = bucket_bytes
         self.fingerprint = fingerprint
+        self._key = wire.header_key(token)
         self._device = device or torch.device("cpu")
         self._on_bucket_sent = on_bucket_sent
         self.epoch = first_epoch - 1  # the first formation makes it first_epoch (or later, see form_group)
@@ -335,7 +338,7 @@ class AdapterSender:
             )
         )
         sent = time.perf_counter()
-        codes = send_round(self._transport, header, buckets, self._on_bucket_sent)
+        codes = send_round(self._transport, header, buckets, self._key, self._on_bucket_sent)
         finished = time.perf_counter()
         verified = tuple(index for rank, index in enumerate(self.group, start=1) if codes[rank] == VERIFIED)
         refused = {

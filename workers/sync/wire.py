@@ -1,14 +1,21 @@
 """The one wire format of an adapter sync round, used by sender and receiver alike.
 
-A round is: a fixed-size length word, the JSON header, then the buckets (uint8 buffers), each one broadcast from
-sync rank 0. The header names every tensor (name, dtype, shape, bucket, byte offset), the adapter version, the
-epoch, the LoRA config and a checksum over all buckets. Tensors are packed into few large buckets so that a
-round costs a handful of collectives however many LoRA tensors the model has.
+A round is: a fixed-size length word, the JSON header followed by its MAC, then the buckets (uint8 buffers), each
+one broadcast from sync rank 0. The header names every tensor (name, dtype, shape, bucket, byte offset), the
+adapter version, the epoch, the LoRA config and a checksum over all buckets. Tensors are packed into few large
+buckets so that a round costs a handful of collectives however many LoRA tensors the model has.
+
+The sync port and the store are reachable by whoever can reach the pod (a NetworkPolicy is not enforced by every
+CNI), so the header is authenticated: an HMAC-SHA256 keyed by the job token covers it all, checksums, version and
+epoch included, and a receiver refuses a header whose MAC does not verify, or whose version or epoch differ from
+the ones announced by the token-guarded prepare call. Everything a header says is bounded before anything is
+allocated from it.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import zlib
 from collections.abc import Mapping, Sequence
@@ -17,9 +24,17 @@ from typing import Any
 
 import torch
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: the header carries a MAC
 ALIGN = 64  # bytes; every tensor starts aligned so that a byte view can be reinterpreted as any dtype
 CHECKSUM_CHUNK_WORDS = 8 << 20  # bounds the int64 temporaries of the checksum to 64 MiB
+MAC_BYTES = 32  # HMAC-SHA256
+# Bounds on what a header may announce, far above any LoRA adapter (a rank-512 adapter on every linear layer of
+# a 70B model is a few GiB in ~600 tensors), checked before allocating anything.
+MAX_HEADER_BYTES = 64 << 20
+MAX_TENSORS = 1 << 16
+MAX_BUCKETS = 1 << 12
+MAX_NDIM = 8
+MAX_ROUND_BYTES = 64 << 30
 
 _DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -31,6 +46,17 @@ _DTYPES: dict[str, torch.dtype] = {
 
 class WireError(ValueError):
     """A header or buffer that does not follow this format (never activated)."""
+
+
+def header_key(token: str) -> bytes:
+    """The MAC key of round headers, derived from the job token (one secret, a key per purpose)."""
+    return hmac.new(token.encode(), b"grpolora sync round header", hashlib.sha256).digest()
+
+
+def check_header_length(length: int) -> None:
+    """The length word, before a buffer of that size is allocated."""
+    if not MAC_BYTES < length <= MAX_HEADER_BYTES + MAC_BYTES:
+        raise WireError(f"header length {length} outside (32, {MAX_HEADER_BYTES + MAC_BYTES}] bytes")
 
 
 @dataclass(frozen=True)
@@ -57,31 +83,40 @@ class RoundHeader:
     def total_bytes(self) -> int:
         return sum(self.bucket_sizes)
 
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+    def encode(self, key: bytes) -> bytes:
+        """The JSON header followed by its MAC under `key` (see header_key)."""
+        body = json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
+        return body + hmac.new(key, body, hashlib.sha256).digest()
 
     @classmethod
-    def decode(cls, raw: bytes) -> RoundHeader:
+    def decode(cls, raw: bytes, key: bytes) -> RoundHeader:
+        """Verify the MAC first (nothing of an unauthenticated header is even parsed), then the layout."""
+        check_header_length(len(raw))
+        body, mac = raw[:-MAC_BYTES], raw[-MAC_BYTES:]
+        if not hmac.compare_digest(hmac.new(key, body, hashlib.sha256).digest(), mac):
+            raise WireError("header MAC does not verify: not sent by a holder of this job's token")
         try:
-            data = json.loads(raw)
+            data = json.loads(body)
             if data.get("wire_version") != WIRE_VERSION:
                 raise WireError(f"wire version {data.get('wire_version')} is not {WIRE_VERSION}")
+            if len(data["tensors"]) > MAX_TENSORS or len(data["bucket_sizes"]) > MAX_BUCKETS:
+                raise WireError(f"more than {MAX_TENSORS} tensors or {MAX_BUCKETS} buckets")
             tensors = tuple(
                 TensorEntry(
-                    name=t["name"],
-                    dtype=t["dtype"],
-                    shape=tuple(t["shape"]),
-                    bucket=t["bucket"],
-                    offset=t["offset"],
-                    nbytes=t["nbytes"],
+                    name=str(t["name"]),
+                    dtype=str(t["dtype"]),
+                    shape=tuple(_count(d, "dimension") for d in t["shape"]),
+                    bucket=_count(t["bucket"], "bucket"),
+                    offset=_count(t["offset"], "offset"),
+                    nbytes=_count(t["nbytes"], "nbytes"),
                 )
                 for t in data["tensors"]
             )
             header = cls(
-                version=int(data["version"]),
-                epoch=int(data["epoch"]),
+                version=_count(data["version"], "version"),
+                epoch=_count(data["epoch"], "epoch"),
                 tensors=tensors,
-                bucket_sizes=tuple(int(s) for s in data["bucket_sizes"]),
+                bucket_sizes=tuple(_count(s, "bucket size") for s in data["bucket_sizes"]),
                 checksum=str(data["checksum"]),
                 adapter_config=dict(data.get("adapter_config") or {}),
             )
@@ -93,19 +128,44 @@ class RoundHeader:
         return header
 
     def check_layout(self) -> None:
-        """Every tensor lies inside its bucket, with a known dtype and a size matching its shape."""
-        for t in self.tensors:
+        """Bounded, and consistent: every tensor has a known dtype, a size matching its shape, and lies inside its
+        bucket without overlapping another; every bucket ends where its last tensor does (padded)."""
+        if not self.tensors or len(self.tensors) > MAX_TENSORS:
+            raise WireError(f"{len(self.tensors)} tensors (1 to {MAX_TENSORS})")
+        if not 0 < len(self.bucket_sizes) <= MAX_BUCKETS:
+            raise WireError(f"{len(self.bucket_sizes)} buckets (1 to {MAX_BUCKETS})")
+        if self.total_bytes > MAX_ROUND_BYTES:
+            raise WireError(f"{self.total_bytes} bytes announced; at most {MAX_ROUND_BYTES}")
+        if len({t.name for t in self.tensors}) != len(self.tensors):
+            raise WireError("a tensor name appears twice")
+        ends = [0] * len(self.bucket_sizes)
+        for t in sorted(self.tensors, key=lambda t: (t.bucket, t.offset)):
             if t.dtype not in _DTYPES:
                 raise WireError(f"tensor {t.name}: unsupported dtype {t.dtype}")
-            if not 0 <= t.bucket < len(self.bucket_sizes):
+            if len(t.shape) > MAX_NDIM:
+                raise WireError(f"tensor {t.name}: {len(t.shape)} dimensions; at most {MAX_NDIM}")
+            if not t.bucket < len(self.bucket_sizes):
                 raise WireError(f"tensor {t.name}: bucket {t.bucket} of {len(self.bucket_sizes)}")
             elements = 1
             for dim in t.shape:
                 elements *= dim
             if elements * _DTYPES[t.dtype].itemsize != t.nbytes:
                 raise WireError(f"tensor {t.name}: {t.nbytes} bytes do not hold shape {t.shape} of {t.dtype}")
-            if t.offset % ALIGN or t.offset < 0 or t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
-                raise WireError(f"tensor {t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) outside its bucket")
+            if t.offset % ALIGN or t.offset < ends[t.bucket] or t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
+                raise WireError(
+                    f"tensor {t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) overlap or leave its bucket"
+                )
+            ends[t.bucket] = t.offset + _padded(t.nbytes)
+        for index, (end, size) in enumerate(zip(ends, self.bucket_sizes, strict=True)):
+            if end != size:
+                raise WireError(f"bucket {index}: {size} bytes announced, its tensors fill {end}")
+
+
+def _count(value: object, what: str) -> int:
+    """A non-negative integer from JSON (never a bool, a float or a string)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise WireError(f"{what} {value!r} is not a non-negative integer")
+    return value
 
 
 def _padded(nbytes: int) -> int:

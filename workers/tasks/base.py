@@ -22,6 +22,11 @@ class TaskError(ValueError):
         super().__init__(f"{path}: {message}")
 
 
+class TaskUnreachable(TaskError):
+    """A dataset file or reward module that is not there from where the check runs: an error for the trainer, but
+    only "not checked" for `grpolora validate` (in a cluster it may live in a volume or the worker image)."""
+
+
 @dataclass(frozen=True)
 class Prompt:
     text: str

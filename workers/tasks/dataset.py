@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError
+from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError, TaskUnreachable
 from grpolora.workers.tasks.plugin import call_reward
 
 FIELD = "spec.task.dataset.path"
@@ -22,7 +22,7 @@ def read_jsonl(
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise TaskError(FIELD, f"file not found: {shown}") from None
+        raise TaskUnreachable(FIELD, f"file not found: {shown}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise TaskError(FIELD, f"cannot read {shown}: {err}") from None
     prompts = []
@@ -68,6 +68,20 @@ class DatasetTask(Task):
             rng.shuffle(order)
             for index in order:
                 yield self._prompts[index]
+
+    def drop_prompts(self, keep: Callable[[Prompt], bool], why: str) -> str | None:
+        """Drop the prompts `keep` refuses (e.g. too long for the engine), once, before any is drawn; return a
+        report naming their lines (None if all stay). Raises TaskError if none is left."""
+        kept = [p for p in self._prompts if keep(p)]
+        if len(kept) == len(self._prompts):
+            return None
+        if not kept:
+            raise TaskError(FIELD, f"none of the {len(self._prompts)} prompts is left: all {why}")
+        kept_ids = {id(p) for p in kept}
+        lines = ", ".join(str(p.meta.get("line")) for p in self._prompts if id(p) not in kept_ids)
+        report = f"{len(self._prompts) - len(kept)} of {len(self._prompts)} prompts {why}; skipped: lines {lines}"
+        self._prompts = kept
+        return f"{FIELD}: {report}"
 
     def reward(self, prompt: Prompt, completion: str) -> float:
         return call_reward(self._fn, self._ref, prompt, completion)

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError
+from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError, TaskUnreachable
 
 FIELD = "spec.task.reward"
 
@@ -39,7 +39,7 @@ def load_reward_function(ref: str, root: Path | None = None) -> RewardFn:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-            raise TaskError(FIELD, f"cannot import module {module_name!r}: {err}") from err
+            raise TaskUnreachable(FIELD, f"cannot import module {module_name!r}: {err}") from err
         raise TaskError(FIELD, f"importing module {module_name!r} failed: {err}") from err
     except Exception as err:  # the plugin's own import-time error, reported as the user's
         raise TaskError(FIELD, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err

@@ -29,6 +29,7 @@ from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.tasks.dataset import DatasetTask
 from grpolora.workers.trainer import checkpoint, metrics
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
@@ -90,6 +91,25 @@ class TrainerContext:
         )
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """A resumed run redoes the steps after its checkpoint: drop the interrupted run's records of them (and a line
+    cut off mid-write), so that each step is in metrics.jsonl once. Returns how many lines were dropped."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if len(kept) != len(lines):
+        path.write_text("".join(f"{line}\n" for line in kept))
+    return len(lines) - len(kept)
+
+
 def broadcast_instruction(instruction: Instruction | None, world_size: int) -> Instruction:
     if world_size == 1:
         assert instruction is not None
@@ -133,6 +153,10 @@ class Controller:
         self.board = board
         self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self._metrics_file = ctx.output_dir / "metrics.jsonl"
+        dropped = drop_records_after(self._metrics_file, ctx.progress.step)
+        if dropped:
+            log.info("metrics.jsonl: dropped %d records of steps after the checkpoint this run resumes from", dropped)
+        self._drop_prompts_that_cannot_fit()
         self._prompts = self._prompt_stream()
         # The adapter version that equals the trainer's weights right now; None once they moved past every synced
         # version (between an optimizer step and the next sync).
@@ -140,6 +164,21 @@ class Controller:
         # Stream position of the next prompt to draw (ahead of progress.prompts_consumed while a pipelined step's
         # rollouts are in flight): it numbers the per-prompt sampling seeds.
         self._drawn = ctx.progress.prompts_consumed
+
+    def _drop_prompts_that_cannot_fit(self) -> None:
+        """A dataset prompt the engine cannot take (with room for one generated token) is reported once, here, and
+        never drawn: sent, it would be refused by every replica and end the run."""
+        if not isinstance(self.task, DatasetTask):
+            return  # built-in tasks generate short prompts
+        limit = self.spec.inference.max_model_len or getattr(self.ctx.policy.model.config, "max_position_embeddings", 0)
+        if not limit:
+            return
+        report = self.task.drop_prompts(
+            lambda p: len(self._tokenize(p)) < limit,
+            f"do not fit in the model length {limit} (inference.maxModelLen) with room for one generated token",
+        )
+        if report:
+            log.warning("%s", report)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from pathlib import Path
 
 import torch
@@ -50,6 +51,8 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
     if use_gpu:
         torch.cuda.set_device(device)
     board = StatusBoard(TrainerStatus(phase="Starting", total_steps=spec.grpo.steps)) if rank == 0 else None
+    if board is not None:
+        _record_and_exit_on_sigterm(board, Path(env.output_dir or env.checkpoint_dir))
     # Every trainer pod answers /health (readiness); rank 0 also serves /status and /metrics.
     server = start_status_server(board, env.bind_addr, env.status_port) if local_rank == 0 else None
     try:
@@ -104,6 +107,29 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
             server.shutdown()
 
 
+def _record_and_exit_on_sigterm(board, folder: Path) -> None:
+    """SIGTERM (Ctrl-C in `grpolora run`, a pod deleted) leaves status.json saying where the run stopped, then exits
+    at once: the steps since the last checkpoint are redone when the run resumes, so there is nothing to save, and
+    unwinding could wait on a collective or a rollout request for minutes."""
+
+    def stop(signum: int, _frame) -> None:
+        status = board.get()
+        if status.phase == "Succeeded":  # every step is done and the final adapter written: only the record is left
+            _write_final_status(board, folder)
+            os._exit(0)
+        board.update(
+            phase="Failed",
+            message=f"stopped by SIGTERM after step {status.step}/{status.total_steps}; run it again to resume from "
+            "the latest checkpoint",
+        )
+        _write_final_status(board, folder)
+        log.warning("stopped by SIGTERM after step %d", status.step)
+        logging.shutdown()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+
+
 def _write_final_status(board, folder: Path) -> None:
     """The last /status, kept next to metrics.jsonl: the trainer's endpoint goes away when it exits."""
     try:
@@ -131,6 +157,7 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         join_timeout_seconds=env.spec.sync.join_timeout_seconds,
         bucket_bytes=env.spec.sync.bucket_mib << 20,
         fingerprint=model_fingerprint,
+        token=env.token,
         first_epoch=max(env.sync_epoch, ctx.progress.epoch + 1 if ctx.progress.step else env.sync_epoch),
         first_version=ctx.progress.version,
         device=device if env.sync_backend == "nccl" else None,

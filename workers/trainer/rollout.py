@@ -106,8 +106,8 @@ class RolloutClient:
                     log.info("rollout: replica %d serves version %d, no longer %d", replica, gone.live, version)
                     answer = self._post(replica, share, sampling, None, share_seeds)
             except httpx.HTTPError as exc:  # unreachable, 5xx, or behind and never reaching `version` (409)
-                log.warning("rollout: replica %d failed: %s", replica, exc)
-                failed[replica] = str(exc)
+                failed[replica] = _reason(exc)
+                log.warning("rollout: replica %d failed: %s", replica, failed[replica])
                 return
             served = answer["adapter_version"]
             for position, result in zip(positions, answer["results"], strict=True):
@@ -119,7 +119,7 @@ class RolloutClient:
             alive = [r for r in replicas if r not in failed]
             lost = [p for r in failed for p in shares[r]]
             if not alive:
-                reasons = "; ".join(f"replica {r}: {why}" for r, why in sorted(failed.items()))
+                reasons = "; ".join(f"replica {r} ({self.endpoints[r]}): {why}" for r, why in sorted(failed.items()))
                 raise RolloutError(f"every replica failed to generate ({len(lost)} prompts lost): {reasons}")
             retry = self.generate(
                 [prompts[p] for p in lost],
@@ -163,3 +163,14 @@ class RolloutClient:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
+
+
+def _reason(exc: httpx.HTTPError) -> str:
+    """Why a replica failed, in its own words where it gave some (the server's `detail`)."""
+    if isinstance(exc, httpx.HTTPStatusError):
+        try:
+            detail = exc.response.json().get("detail", exc.response.text)
+        except ValueError:
+            detail = exc.response.text
+        return f"{exc.response.status_code} {str(detail)[:2000]}"
+    return f"{type(exc).__name__}: {exc}"
