@@ -19,7 +19,7 @@ RESTART_ATTEMPT_ANNOTATION: Final = f"{c.GROUP}/restart-attempt"
 KOPF_PREFIX: Final = c.GROUP
 
 # ---- condition types (status.conditions[].type), in the order they are written ----------------------------
-CREATED: Final = "Created"
+CREATED: Final = c.CONDITION_CREATED
 PODS_READY: Final = "PodsReady"
 RENDEZVOUS_READY: Final = "RendezvousReady"
 PROGRESSING: Final = "Progressing"
@@ -81,7 +81,7 @@ POD_WARNING_REASONS: Final = ("FailedCreate", "FailedAttachVolume", "FailedMount
 R_WAITING_FOR_PREVIOUS_JOB: Final = "WaitingForPreviousJob"
 
 # Event-only reasons.
-E_CREATED: Final = "Created"
+E_CREATED: Final = c.CONDITION_CREATED
 E_RUNNING: Final = "Running"
 E_SUCCEEDED: Final = "Succeeded"
 E_FAILED: Final = "Failed"
@@ -95,4 +95,4 @@ E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
 
 # Spec fields that may change on a running job; every other change is refused.
-MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
+MUTABLE_SPEC_FIELDS: Final = c.MUTABLE_SPEC_FIELDS

@@ -58,3 +58,9 @@ DEFAULT_WORKER_IMAGE_CPU: Final = "ghcr.io/grpo-lora-operator/worker-cpu:0.1.0"
 
 # Where the chart installs the operator (README); job NetworkPolicies admit the operator's pods from its namespace.
 DEFAULT_OPERATOR_NAMESPACE: Final = "grpo-lora-system"
+
+# The condition type that says a job's children exist; from then on only MUTABLE_SPEC_FIELDS may change (the
+# operator refuses other changes, and the CRD's CEL rule refuses them at admission).
+CONDITION_CREATED: Final = "Created"
+# Spec fields that may change on a running job; every other change is refused.
+MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")

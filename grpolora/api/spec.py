@@ -60,6 +60,29 @@ class SpecModel(BaseModel):
 KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
 
 
+# ---- CEL rules (x-kubernetes-validations) --------------------------------------------------------------------
+# The cross-field rules below are checked twice from this module: in Python by the model validators (the CLI and
+# the operator) and by the API server at `kubectl apply` through these CEL rules, which grpolora.api.crd puts into
+# the CRD. tests/unit/test_crd_cel.py evaluates them on the same objects and keeps the two in agreement.
+CEL_VALIDATIONS = "x-kubernetes-validations"
+
+
+def cel_or_default(path: str, default: Any) -> str:
+    """CEL for `self.<path>` that reads `default` where the field or an object above it is absent, so that a rule
+    does not depend on the API server having defaulted it (object sections have no schema default)."""
+    parts = path.split(".")
+    present = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    return f"({present} ? self.{path} : {default!r})"
+
+
+def cel_rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One x-kubernetes-validations entry; `field_path` (relative to the rule's object) is where the error points."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
+
+
 def kube_checked(value: Any, type_name: str) -> Any:
     """`value` (one Kubernetes object, or a list of them) checked as the API server would (grpolora.api.kubetypes)."""
     items = enumerate(value) if isinstance(value, list) else [(None, value)]
@@ -303,7 +326,19 @@ class TrainerSpec(RoleSpec):
     """HTTP port of trainer rank 0: /status (JSON), /metrics, /health."""
 
 
+def _tensor_parallel_rule() -> dict[str, str]:
+    gpus = cel_or_default("gpusPerReplica", RoleSpec.model_fields["gpus_per_replica"].default)
+    tp = cel_or_default("tensorParallelSize", 1)
+    return cel_rule(
+        f"{gpus} == 0 ? {tp} == 1 : {gpus} % {tp} == 0",
+        "tensorParallelSize must divide gpusPerReplica (CPU replicas, gpusPerReplica 0, need 1)",
+        ".tensorParallelSize",
+    )
+
+
 class InferenceSpec(RoleSpec):
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule()]})
+
     tensor_parallel_size: int = Field(default=1, gt=0)
     """vLLM tensor-parallel size; must divide gpusPerReplica (the quotient runs as vLLM data parallelism)."""
     max_loras: int = Field(default=2, ge=2)
@@ -343,7 +378,32 @@ class CheckpointSpec(SpecModel):
     """How many of the newest checkpoints to keep."""
 
 
+def _job_spec_rules() -> list[dict[str, str]]:
+    gpus = RoleSpec.model_fields["gpus_per_replica"].default
+    trainer_gpus = cel_or_default("trainer.gpusPerReplica", gpus)
+    inference_gpus = cel_or_default("inference.gpusPerReplica", gpus)
+    backend = cel_or_default("sync.backend", SyncSpec.model_fields["backend"].default)
+    ports = [
+        cel_or_default("trainer.masterPort", TrainerSpec.model_fields["master_port"].default),
+        cel_or_default("trainer.statusPort", TrainerSpec.model_fields["status_port"].default),
+        cel_or_default("sync.port", SyncSpec.model_fields["port"].default),
+    ]
+    return [
+        cel_rule(
+            f"{backend} != 'nccl' || ({trainer_gpus} > 0 && {inference_gpus} > 0)",
+            "sync.backend `nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto",
+            ".sync.backend",
+        ),
+        cel_rule(
+            f"{ports[0]} != {ports[1]} && {ports[0]} != {ports[2]} && {ports[1]} != {ports[2]}",
+            "trainer.masterPort, trainer.statusPort and sync.port all listen on trainer rank 0 and must differ",
+        ),
+    ]
+
+
 class GRPOLoraJobSpec(SpecModel):
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: _job_spec_rules()})
+
     model: ModelSpec
     """The base model, loaded by trainer and inference alike (its fingerprint must match across them)."""
     lora: LoraSpec = Field(default_factory=LoraSpec)

@@ -121,7 +121,8 @@ class JobStatus(_Wire):
     """Why the job is in its phase."""
     observed_generation: int | None = None
     """metadata.generation last reconciled."""
-    conditions: list[Condition] = Field(default_factory=list)
+    # Bounded so that the CRD's CEL rule that reads it (the Created condition) has a bounded cost at admission.
+    conditions: list[Condition] = Field(default_factory=list, max_length=32)
     """Conditions in metav1.Condition shape; the whole list is written each time."""
     step: int | None = None
     """Optimizer steps completed (from trainer rank 0)."""

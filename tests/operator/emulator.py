@@ -112,7 +112,10 @@ class Emulator(kmock.KubernetesEmulator):
             strict_fields = (request.params or {}).get("fieldValidation") == "Strict"
             if request.resource.plural == c.PLURAL and request.resource.group == c.GROUP:
                 part = "status" if request.subresource == "status" and not created else "spec"
-                apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part)
+                key = (request.resource, request.namespace, request.name)
+                stored = None if created or key not in self.objects else self.objects[key]
+                old = stored.raw if stored is not None and not stored.deleted else None
+                apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part, old=old)
             elif request.subresource != "status":
                 apiserver.validate_builtin(obj, strict=strict_fields)
         if not created and "ownerReferences" not in (request.data.get("metadata") or {}):

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
@@ -182,19 +183,20 @@ async def test_status_follows_the_trainer_through_sync_rounds_to_succeeded(clust
 
 
 async def test_an_invalid_job_fails_with_field_paths_and_gets_no_children_until_fixed(cluster, operator):
-    # Errors the CRD schema cannot express (the API server refuses the others at apply, as in test_apiserver.py).
-    await cluster.apply(job_doc(sync={"backend": "nccl"}, trainer={"gpusPerReplica": 0, "statusPort": 29500}))
+    # Errors neither the CRD schema nor its CEL rules express (the API server refuses the others at apply, as in
+    # test_apiserver.py).
+    await cluster.apply(job_doc(model={"name": "offline:nope"}, task={"name": "nope"}))
     await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
     invalid = cluster.condition("demo", names.INVALID_SPEC)
     assert invalid["status"] == "True" and invalid["reason"] == names.R_INVALID
-    assert "spec.sync.backend" in invalid["message"] and "spec.trainer.statusPort" in invalid["message"]
+    assert "spec.model.name" in invalid["message"] and "spec.task.name" in invalid["message"]
     await wait_for(lambda: names.E_INVALID_SPEC in reasons(cluster), "the InvalidSpec event")
     assert ("Warning", names.E_INVALID_SPEC, invalid["message"]) in cluster.events("demo")
     await asyncio.sleep(5 * FAST_INTERVAL)
     for resource in RESOURCE_OF.values():
         assert cluster.objects(resource) == {}, f"{resource} created for an invalid job"
 
-    await cluster.patch_spec("demo", {"sync": {"backend": "auto"}, "trainer": {"statusPort": 8080}})
+    await cluster.patch_spec("demo", {"model": {"name": "Qwen/Qwen3-0.6B"}, "task": {"name": "arithmetic"}})
     await created(cluster)
     await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after the fix")
     assert cluster.condition("demo", names.INVALID_SPEC)["status"] == "False"
@@ -291,6 +293,12 @@ async def test_an_operator_restart_mid_job_duplicates_nothing_and_status_continu
 async def test_a_change_that_cannot_apply_is_refused_and_the_children_stay(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
+    # The CRD's CEL rule refuses the change at admission ...
+    with pytest.raises(AssertionError, match=r"422.*only spec.suspend and spec.ttlSecondsAfterFinished can change"):
+        await cluster.patch_spec("demo", {"lora": {"rank": 8}, "trainer": {"replicas": 2}})
+    # ... and where it is not enforced (an API server before CEL validation rules, or a CRD installed without
+    # them), the operator refuses it itself.
+    cluster.emulator.validate = False
     await cluster.patch_spec("demo", {"lora": {"rank": 8}, "trainer": {"replicas": 2}})
     await wait_for(lambda: cluster.condition("demo", names.SPEC_CHANGE_REFUSED).get("status") == "True", "refusal")
     message = cluster.condition("demo", names.SPEC_CHANGE_REFUSED)["message"]
