@@ -76,14 +76,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker process; everything it needs comes from the env contract (docs/contract.md)."""
     import logging
 
-    from grpolora.api.contract import ContractError, WorkerEnv
+    from grpolora.api.contract import EXIT_INVALID_SPEC, ContractError, WorkerEnv, write_termination_message
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         env = WorkerEnv.from_environ()
     except ContractError as exc:
         print(f"grpolora worker: {exc}", file=sys.stderr)
-        return 2
+        write_termination_message(str(exc))
+        return EXIT_INVALID_SPEC
     if env.role != args.role:
         print(f"grpolora worker {args.role}: GRPOLORA_ROLE is {env.role!r}", file=sys.stderr)
         return 2

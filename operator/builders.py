@@ -4,7 +4,10 @@
 - Trainer: an Indexed Job. Pods get stable hostnames `<job>-trainer-<i>` under the headless Service (the
   MASTER_ADDR), and "all indexes completed" is the success signal. `backoffLimit: 0` because a rank that fails
   breaks the collective for all: the operator restarts the whole trainer group (from the latest checkpoint), up
-  to spec.trainer.maxRestarts, as JobSet does.
+  to spec.trainer.maxRestarts, as JobSet does. Its podFailurePolicy tells the operator why it failed (as JobSet's
+  failurePolicy reads it): a disrupted pod (drain, preemption, spot reclaim) restarts the group without spending
+  maxRestarts, and the trainer's "bad spec or data" exit codes fail the job at once.
+- Inference pods have a PodDisruptionBudget (maxUnavailable 1), so a drain never takes every replica at once.
 - Inference: a StatefulSet. Long-running servers with stable names that Kubernetes replaces when lost; the
   trainer re-forms the sync group around the replacement. `podManagementPolicy: Parallel` starts all at once.
 - Headless Services with `publishNotReadyAddresses`, so rendezvous DNS exists before any pod is ready.
@@ -17,8 +20,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpolora.api import constants as c
+from grpolora.api import contract
 from grpolora.api.plan import MODEL_MOUNT, JobPlan, RolePlan
 from grpolora.api.spec import PodSecuritySpec, RoleSpec
+from grpolora.operator import names
 
 K8sObject = dict[str, Any]
 
@@ -31,6 +36,9 @@ CACHE_MOUNT = "/cache"
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
+# The trainer Job's podFailurePolicy rules, in order: a FailJob names the matching rule's index in the Job's
+# Failed condition ("... matching FailJob rule at index 1"), which grpolora.operator.observe maps back to the cause.
+TRAINER_FAILURE_RULE_CAUSES = (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION)
 
 
 def owner_reference(plan: JobPlan, uid: str) -> dict[str, Any]:
@@ -75,6 +83,7 @@ def build_children(
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
         objects.append(network_policy(plan, operator_namespace))
+    objects.append(inference_disruption_budget(plan))
     objects += workloads(plan)
     owner = owner_reference(plan, owner_uid)
     for obj in objects:
@@ -157,6 +166,38 @@ def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_N
     }
 
 
+def inference_disruption_budget(plan: JobPlan) -> K8sObject:
+    """At most one inference pod evicted at a time: the trainer re-forms the sync group around the rest, and a
+    drain waits for the replacement to be ready before it evicts the next (one replica is not protected)."""
+    role = plan.inference
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(plan, role.workload_name, role.role),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(plan, role.role)}},
+    }
+
+
+def _trainer_failure_policy() -> dict[str, Any]:
+    rules = {
+        names.CAUSE_INVALID_INPUT: {
+            "action": "FailJob",
+            "onExitCodes": {
+                "containerName": c.ROLE_TRAINER,
+                "operator": "In",
+                "values": sorted(contract.TRAINER_INPUT_EXIT_CODES),
+            },
+        },
+        # FailJob, not Ignore: Ignore would replace only the disrupted rank, whose peers are stuck in the broken
+        # collective; the operator restarts the whole group instead, without counting it.
+        names.CAUSE_DISRUPTION: {
+            "action": "FailJob",
+            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+        },
+    }
+    return {"rules": [rules[cause] for cause in TRAINER_FAILURE_RULE_CAUSES]}
+
+
 def trainer_job(plan: JobPlan) -> K8sObject:
     role = plan.trainer
     return {
@@ -168,6 +209,7 @@ def trainer_job(plan: JobPlan) -> K8sObject:
             "completions": role.replicas,
             "parallelism": role.replicas,
             "backoffLimit": 0,
+            "podFailurePolicy": _trainer_failure_policy(),
             "template": {
                 "metadata": {"labels": labels(plan, role.role)},
                 "spec": _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name),
@@ -211,6 +253,9 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
             {"name": "cache", "mountPath": CACHE_MOUNT},
         ],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        # The worker's own message (contract.write_termination_message), else its last log lines, reach the
+        # container's terminated state, where the operator reads why it failed.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if placement.image_pull_policy:
         container["imagePullPolicy"] = placement.image_pull_policy

@@ -55,6 +55,7 @@ EVENT: Final = Kind("", "v1", "events", "Event")
 PVC: Final = Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 JOB: Final = Kind("batch", "v1", "jobs", "Job")
+POD_DISRUPTION_BUDGET: Final = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
@@ -68,6 +69,7 @@ KINDS: Final = {
         POD,
         EVENT,
         NETWORK_POLICY,
+        POD_DISRUPTION_BUDGET,
         JOB,
         STATEFULSET,
         GRPOLORAJOB,

@@ -59,6 +59,9 @@ R_COMPLETED: Final = "TrainingComplete"
 R_IN_PROGRESS: Final = "InProgress"
 R_TRAINER_FAILED: Final = "TrainerFailed"
 R_BACKOFF_LIMIT: Final = "BackoffLimitExceeded"
+# The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting
+# cannot help. The name is the batch/v1 Job's own reason for a podFailurePolicy FailJob.
+R_POD_FAILURE_POLICY: Final = "PodFailurePolicy"
 R_NO_FAILURE: Final = "NoFailure"
 R_SUSPENDED: Final = "Suspended"
 R_NOT_SUSPENDED: Final = "NotSuspended"
@@ -93,6 +96,11 @@ E_PODS_NOT_READY: Final = "PodsNotReady"
 E_INVALID_SPEC: Final = "InvalidSpec"
 E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
+
+# Why the trainer Job failed (status.restartsByCause counts the first two; the last fails the job at once).
+CAUSE_FAILURE: Final = "failure"
+CAUSE_DISRUPTION: Final = "disruption"
+CAUSE_INVALID_INPUT: Final = "invalidInput"
 
 # Spec fields that may change on a running job; every other change is refused.
 MUTABLE_SPEC_FIELDS: Final = c.MUTABLE_SPEC_FIELDS

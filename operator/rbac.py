@@ -65,6 +65,13 @@ RULES: Final[tuple[Rule, ...]] = (
         "its owner and re-create it if deleted",
     ),
     Rule(
+        ("policy",),
+        ("poddisruptionbudgets",),
+        ("get", "create"),
+        "the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its "
+        "owner and re-create it if deleted",
+    ),
+    Rule(
         ("batch",),
         ("jobs",),
         ("get", "create", "delete"),

@@ -29,6 +29,7 @@ from grpolora.api.status import (
     JobStatus,
     RendezvousStatus,
     ReplicaCounts,
+    RestartCounts,
     RoleReplicas,
     TrainerStatus,
 )
@@ -284,6 +285,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     progress = obs.fold_trainer(old, report)
     tj, sts = observed.trainer_job, observed.inference
     restarts = old.trainer_restarts or 0
+    # Jobs from before restartsByCause: every restart was a failure.
+    by_cause = old.restarts_by_cause or RestartCounts(failure=restarts)
+    failed_reason = _failed_reason(old) if is_finished(old) else names.R_BACKOFF_LIMIT
     creates: list[K8sObject] = []
     deletes: list[ChildRef] = []
     requeue: float | None = None
@@ -312,7 +316,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
             creates.append(with_restart_attempt(workloads["Job"], restarts))
-            restart_note = f"restart {restarts} of {spec.trainer.max_restarts}: replacing the failed trainer Job"
+            restart_note = f"restart {restarts}: replacing the failed trainer Job"
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is not None and obs.deleting(tj):
             requeue = REPLACE_RECHECK_SECONDS
@@ -325,18 +329,32 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                 f"the inference replicas served adapter version {progress.sync_round or 0}"
             )
         elif obs.job_failed(tj):
-            failure = obs.job_failure_message(tj)
-            if restarts < spec.trainer.max_restarts:
+            failure = obs.trainer_failure(tj, observed.pods)
+            if failure.cause == names.CAUSE_INVALID_INPUT:
+                phase, completion, failed_reason = "Failed", stamp, names.R_POD_FAILURE_POLICY
+                final_message = f"the trainer cannot work with its spec or data (a restart would not help): " \
+                    f"{failure.message}"  # fmt: skip
+            elif failure.cause == names.CAUSE_DISRUPTION:
                 restarts += 1
+                by_cause = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
                 restart_note = (
-                    f"restart {restarts} of {spec.trainer.max_restarts} from the latest checkpoint: {failure}"
+                    f"restart {restarts} from the latest checkpoint after a disruption (not counted against "
+                    f"spec.trainer.maxRestarts): {failure.message}"
+                )
+                requeue = 0.0
+            elif by_cause.failure < spec.trainer.max_restarts:
+                restarts += 1
+                by_cause = by_cause.model_copy(update={"failure": by_cause.failure + 1})
+                restart_note = (
+                    f"restart {by_cause.failure} of {spec.trainer.max_restarts} from the latest checkpoint: "
+                    f"{failure.message}"
                 )
                 requeue = 0.0
             else:
                 phase, completion = "Failed", stamp
                 final_message = (
                     f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
-                    f"used up; last failure: {failure}"
+                    f"used up; last failure: {failure.message}"
                 )
         if phase not in TERMINAL:
             if sts is None and "StatefulSet" not in blocked_kinds:
@@ -390,7 +408,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
         if phase == "Succeeded"
         else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
-        cond.Want(names.FAILED, "True", names.R_BACKOFF_LIMIT, message)
+        cond.Want(names.FAILED, "True", failed_reason, message)
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
         cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, suspended_message(spec))
@@ -418,6 +436,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         replicas=counts,
         rendezvous=_rendezvous(job_plan, progress.epoch),
         trainer_restarts=restarts,
+        restarts_by_cause=by_cause,
         start_time=old.start_time or stamp,
         completion_time=completion,
     )
@@ -431,6 +450,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _failed_reason(old: JobStatus) -> str:
+    """A finished job keeps the reason it failed with."""
+    found = next((c for c in old.conditions if c.type == names.FAILED and c.status == "True"), None)
+    return found.reason if found is not None else names.R_BACKOFF_LIMIT
 
 
 def _blocked_message(blocked: Sequence[ChildRef]) -> str:

@@ -31,6 +31,7 @@ RESOURCE_OF = {
     "Secret": "v1/secrets",
     "Service": "v1/services",
     "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+    "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
     "Job": "batch/v1/jobs",
     "StatefulSet": "apps/v1/statefulsets",
 }
@@ -345,6 +346,64 @@ async def test_a_failed_trainer_is_restarted_then_the_job_fails_with_the_reason(
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
     await wait_for(lambda: reasons(cluster)[-1] == names.E_FAILED, "the Failed event")
     assert [k for k in cluster.emulator.created if k[0] == "jobs"].__len__() == 2
+
+
+def policy_failure(message: str) -> dict[str, Any]:
+    """A trainer Job failed by its podFailurePolicy, worded as the Job controller words it."""
+    condition = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": message}
+    return {"conditions": [condition]}
+
+
+async def test_a_disrupted_trainer_restarts_without_spending_max_restarts(cluster, operator):
+    await cluster.apply(job_doc(trainer={"maxRestarts": 0}))
+    await created(cluster)
+    disrupted = policy_failure(
+        f"Pod {NAMESPACE}/demo-trainer-0-abcde has condition DisruptionTarget matching FailJob rule at index 1"
+    )
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", disrupted)
+    await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "a new trainer")
+    await wait_for(lambda: cluster.status("demo").get("restartsByCause") == {"failure": 0, "disruption": 1}, "count")
+    assert phase(cluster) != "Failed" and cluster.status("demo")["trainerRestarts"] == 1
+    assert cluster.get("policy/v1/poddisruptionbudgets", "demo-inference") is not None
+
+
+async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_message(cluster, operator):
+    await cluster.apply(job_doc(trainer={"maxRestarts": 3}))
+    await created(cluster)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-trainer-0-abcde", "labels": {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}},
+        "spec": {"containers": [{"name": "trainer", "image": "x"}]},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "image": "x",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": 65, "message": "spec.task.dataset.path: file not found: x"}},
+                }
+            ],
+        },
+    }
+    await cluster.add_pod(pod)
+    await cluster.set_status(
+        "batch/v1/jobs",
+        "demo-trainer",
+        policy_failure(
+            f"Container trainer for pod {NAMESPACE}/demo-trainer-0-abcde failed with exit code 65 matching FailJob "
+            "rule at index 0"
+        ),
+    )
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    failed_condition = cluster.condition("demo", names.FAILED)
+    assert failed_condition["reason"] == names.R_POD_FAILURE_POLICY
+    assert "spec.task.dataset.path: file not found: x" in failed_condition["message"]
+    assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1
+    assert cluster.status("demo")["trainerRestarts"] == 0
 
 
 async def test_a_lost_inference_pod_re_forms_the_sync_group_and_the_job_goes_on(cluster, trainer, operator):

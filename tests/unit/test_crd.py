@@ -11,7 +11,7 @@ import yaml
 
 from grpolora.api.crd import PRESERVE, crd, crd_yaml
 from grpolora.api.load import parse_job
-from grpolora.api.status import Condition, JobStatus, RendezvousStatus, ReplicaCounts
+from grpolora.api.status import Condition, JobStatus, RendezvousStatus, ReplicaCounts, RestartCounts
 from tests.helpers import EXAMPLES, ROOT, job_doc
 
 SHIPPED = ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml"
@@ -113,6 +113,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         kl=0.01,
         mismatch=0.001,
         trainer_restarts=0,
+        restarts_by_cause=RestartCounts(failure=1, disruption=2),
         start_time="2026-01-01T00:00:00Z",
         completion_time="2026-01-01T01:00:00Z",
         conditions=[

@@ -32,6 +32,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create"]
+# the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its owner and re-create it if deleted
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create"]
 # the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
