@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpolora.api import constants as c
-from grpolora.api import contract
+from grpolora.api import contract, overlay
 from grpolora.api.plan import MODEL_MOUNT, JobPlan, RolePlan
 from grpolora.api.spec import PodSecuritySpec, RoleSpec
 from grpolora.operator import names
@@ -29,8 +29,8 @@ K8sObject = dict[str, Any]
 
 # The images' numeric USER (Dockerfile): runAsNonRoot holds without the pods fixing a uid (see PodSecuritySpec).
 WORKER_UID = 1000
-SHM_MOUNT = "/dev/shm"
-CACHE_MOUNT = "/cache"
+SHM_MOUNT = c.SHM_MOUNT
+CACHE_MOUNT = c.CACHE_MOUNT
 # Inference servers need minutes for large models (download + load); give the startup probe 30 minutes.
 # Set by Kubernetes (1.21+) on every namespace: selects a namespace by name in NetworkPolicies.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
@@ -210,10 +210,9 @@ def trainer_job(plan: JobPlan) -> K8sObject:
             "parallelism": role.replicas,
             "backoffLimit": 0,
             "podFailurePolicy": _trainer_failure_policy(),
-            "template": {
-                "metadata": {"labels": labels(plan, role.role)},
-                "spec": _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name),
-            },
+            "template": _pod_template(
+                plan, role, _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name)
+            ),
         },
     }
 
@@ -229,12 +228,16 @@ def inference_statefulset(plan: JobPlan) -> K8sObject:
             "replicas": role.replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(plan, role.role)},
-            "template": {
-                "metadata": {"labels": labels(plan, role.role)},
-                "spec": _pod_spec(plan, role, restart_policy="Always"),
-            },
+            "template": _pod_template(plan, role, _pod_spec(plan, role, restart_policy="Always")),
         },
     }
+
+
+def _pod_template(plan: JobPlan, role: RolePlan, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """The role's pod template with spec.<role>.podTemplate merged over it (grpolora.api.overlay; the spec's
+    validation has refused any overlay that would replace what is built here)."""
+    built = {"metadata": {"labels": labels(plan, role.role)}, "spec": pod_spec}
+    return overlay.merge(built, role_spec(plan, role).pod_template)
 
 
 def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:

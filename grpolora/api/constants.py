@@ -64,3 +64,10 @@ DEFAULT_OPERATOR_NAMESPACE: Final = "grpo-lora-system"
 CONDITION_CREATED: Final = "Created"
 # Spec fields that may change on a running job; every other change is refused.
 MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
+
+# Where the operator mounts the volumes of every worker pod (and their volume names); a pod template overlay
+# (grpolora.api.overlay) may add volumes and mounts but not replace these.
+SHM_MOUNT: Final = "/dev/shm"
+CACHE_MOUNT: Final = "/cache"
+MODEL_MOUNT: Final = "/models"
+POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints")

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints, field_vali
 from pydantic.alias_generators import to_camel
 
 from grpolora.api import constants as c
-from grpolora.api import kubetypes
+from grpolora.api import kubetypes, overlay
 
 Port = Annotated[int, Field(ge=1024, le=65535)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
@@ -274,6 +274,12 @@ class RoleSpec(SpecModel):
     """Extra environment variables (EnvVar objects) for the worker container."""
     shm_size_limit: str = "8Gi"
     """Size limit of the memory-backed /dev/shm (NCCL and vLLM use shared memory; it counts as the pod's memory)."""
+    pod_template: KubeObject = Field(default_factory=dict)
+    """A partial PodTemplateSpec (metadata.labels, metadata.annotations, spec.*) merged over the pod template the
+    operator builds, like a strategic merge patch: containers (the worker's is named after the role), volumes, env
+    and imagePullSecrets merge by name, volumeMounts by mountPath; e.g. schedulerName, priorityClassName,
+    serviceAccountName, volumes and mounts, capabilities, sidecars. Fields the operator sets, or that have their
+    own field here, cannot be overridden (docs/operator.md)."""
 
     @field_validator("shm_size_limit")
     @classmethod
@@ -289,6 +295,12 @@ class RoleSpec(SpecModel):
         for section in ("limits", "requests"):
             if "nvidia.com/gpu" in (value.get(section) or {}):
                 raise ValueError(f"{section}: set GPUs with `gpusPerReplica`, not `nvidia.com/gpu`")
+        return value
+
+    @field_validator("pod_template")
+    @classmethod
+    def _kube_pod_template(cls, value: dict[str, Any]) -> dict[str, Any]:
+        raise_if_any(kubetypes.problems(value, "PodTemplateSpec", partial=True))
         return value
 
     @field_validator("tolerations")
@@ -456,6 +468,9 @@ class GRPOLoraJobSpec(SpecModel):
             if port in seen:
                 errors.append((path, f"port {port} is already used by {seen[port]}; trainer ports must differ"))
             seen[port] = path
+        for role, role_spec in ((c.ROLE_TRAINER, self.trainer), (c.ROLE_INFERENCE, inf)):
+            for path, message in overlay.clashes(role, role_spec.pod_template, checkpoint_path=self.checkpoint.path):
+                errors.append((f"{role}.podTemplate.{path}", message))
         raise_if_any(errors)
         return self
 
