@@ -23,7 +23,8 @@ CREATED: Final = c.CONDITION_CREATED
 PODS_READY: Final = "PodsReady"
 RENDEZVOUS_READY: Final = "RendezvousReady"
 PROGRESSING: Final = "Progressing"
-SUCCEEDED: Final = "Succeeded"
+# Complete, Failed, Suspended: the batch/v1 Job's and Kubeflow Trainer's types (Created is Kubeflow Trainer's too).
+SUCCEEDED: Final = "Complete"
 FAILED: Final = "Failed"
 SUSPENDED: Final = "Suspended"
 INVALID_SPEC: Final = "InvalidSpec"

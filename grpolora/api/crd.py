@@ -84,7 +84,10 @@ def crd() -> dict[str, Any]:
                         column("Total", "integer", ".status.totalSteps", "Steps to run", priority=1),
                         column("SyncRound", "integer", ".status.syncRound", "Adapter version being served"),
                         column("Reward", "number", ".status.rewardMean", "Mean reward of the last step"),
+                        column("Ready", "integer", ".status.replicas.inference.ready", "Ready inference replicas"),
+                        column("Restarts", "integer", ".status.trainerRestarts", "Trainer restarts (any cause)"),
                         column("Epoch", "integer", ".status.rendezvous.epoch", "Sync-group epoch", priority=1),
+                        column("Message", "string", ".status.message", "Why the job is in its phase", priority=1),
                         column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
                     ],
                     "schema": {

@@ -41,8 +41,12 @@ def test_identity_and_printer_columns():
         "Step": ".status.step",
         "SyncRound": ".status.syncRound",
         "Reward": ".status.rewardMean",
+        "Ready": ".status.replicas.inference.ready",
+        "Restarts": ".status.trainerRestarts",
         "Age": ".metadata.creationTimestamp",
     }
+    wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert wide == {"Total": ".status.totalSteps", "Epoch": ".status.rendezvous.epoch", "Message": ".status.message"}
 
 
 def walk(node: dict[str, Any], path: str = ""):
