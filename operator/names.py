@@ -60,6 +60,8 @@ R_COMPLETED: Final = "TrainingComplete"
 R_IN_PROGRESS: Final = "InProgress"
 R_TRAINER_FAILED: Final = "TrainerFailed"
 R_BACKOFF_LIMIT: Final = "BackoffLimitExceeded"
+# Pods not all ready spec.scheduling.startupDeadlineSeconds after they were created (PodsReady; Failed with Fail).
+R_STARTUP_DEADLINE: Final = "StartupDeadlineExceeded"
 # The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting
 # cannot help. The name is the batch/v1 Job's own reason for a podFailurePolicy FailJob.
 R_POD_FAILURE_POLICY: Final = "PodFailurePolicy"

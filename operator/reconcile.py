@@ -362,6 +362,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             alive = report is not None and report.phase in ("Starting", "Running")
             phase = "Running" if alive or old.phase == "Running" else "Pending"
 
+    overdue = _startup_overdue(spec, old, phase, tj, sts, observed, now)
+    if overdue is not None and spec.scheduling.on_startup_deadline == "Fail":
+        phase, completion, failed_reason, final_message = "Failed", stamp, names.R_STARTUP_DEADLINE, overdue
+        creates = []
+        if tj is not None and not obs.deleting(tj):
+            deletes.append(ChildRef("Job", tj["metadata"]["name"]))  # release the trainer pool too
     finished = phase in TERMINAL and completion is not None
     if finished and sts is not None and not obs.deleting(sts):
         deletes.append(ChildRef("StatefulSet", sts["metadata"]["name"]))  # release the inference GPUs
@@ -381,6 +387,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts)),
     )
     pods = _pods_condition(wanted, phase, counts, observed)
+    if overdue is not None and wanted:
+        pods = cond.Want(names.PODS_READY, "False", names.R_STARTUP_DEADLINE, overdue)
     rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
     pending_why = pods.message if pods.status == "False" and wanted else ""
     if observed.blocked:
@@ -552,6 +560,36 @@ def _rendezvous(job_plan: JobPlan, epoch: int) -> RendezvousStatus:
         epoch=epoch,
         inference_endpoints=list(job_plan.inference_endpoints),
     )
+
+
+def _startup_overdue(
+    spec: GRPOLoraJobSpec,
+    old: JobStatus,
+    phase: str,
+    tj: K8sObject | None,
+    sts: K8sObject | None,
+    observed: Observed,
+    now: datetime.datetime,
+) -> str | None:
+    """Why the pods are overdue, when spec.scheduling.startupDeadlineSeconds has passed since PodsReady turned
+    False (the children's creation, or the loss of a pod) and they are still not all ready; else None."""
+    deadline = spec.scheduling.startup_deadline_seconds
+    if deadline is None or phase not in ("Pending", "Running") or tj is None or sts is None:
+        return None
+    if obs.job_ready(tj) >= spec.trainer.replicas and obs.statefulset_ready(sts) >= spec.inference.replicas:
+        return None
+    since = cond.find(old.conditions, names.PODS_READY)
+    if since is None or since.status != "False" or not since.last_transition_time:
+        return None
+    if (now - _parse_time(since.last_transition_time)).total_seconds() < deadline:
+        return None
+    why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
+    ready = (
+        f"trainer {obs.job_ready(tj)}/{spec.trainer.replicas} ready, "
+        f"inference {obs.statefulset_ready(sts)}/{spec.inference.replicas} ready"
+    )
+    detail = f"{why.reason}: {why.message}" if why is not None else "no reason reported"
+    return f"pods not all ready {deadline}s (spec.scheduling.startupDeadlineSeconds) after they were created: {ready}; {detail}"  # noqa: E501
 
 
 def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: Observed) -> cond.Want:

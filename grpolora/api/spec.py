@@ -379,6 +379,18 @@ class SyncSpec(SpecModel):
     """Adapter tensors are packed into buffers of at most this size (one broadcast each)."""
 
 
+class SchedulingSpec(SpecModel):
+    """How long the job waits for its pods when they cannot all start (e.g. one GPU pool has room and the other has
+    not). With Kueue (the `kueue.x-k8s.io/queue-name` label) admission decides instead (docs/operator.md)."""
+
+    startup_deadline_seconds: int | None = Field(default=None, gt=0)
+    """Pods not all ready this long after they were created (or after one was lost) report
+    StartupDeadlineExceeded with the scheduler's reason. Unset: wait for ever."""
+    on_startup_deadline: Literal["Report", "Fail"] = "Report"
+    """`Report`: keep waiting and say why (condition PodsReady, an event, the message). `Fail`: fail the job and
+    release both pools, including the one whose pods did start."""
+
+
 class CheckpointSpec(SpecModel):
     path: str = Field(default="/var/lib/grpolora/checkpoints", pattern=r"^/")
     """Absolute folder for checkpoints in the trainer pods (`grpolora run` uses `<run dir>/checkpoints`)."""
@@ -432,6 +444,8 @@ class GRPOLoraJobSpec(SpecModel):
     """Adapter sync between trainer rank 0 and the inference replicas."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpointing of the trainer."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Startup deadline of the pods (partial admission without Kueue)."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Network isolation of the job's pods."""
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
