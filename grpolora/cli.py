@@ -112,6 +112,7 @@ def cmd_operator(args: argparse.Namespace) -> int:
             peering=None if args.standalone else args.peering,
             priority=args.priority,
             status_interval=args.status_interval,
+            resync_interval=args.resync_interval,
         )
     except ValueError as exc:
         print(f"grpolora operator: {exc}", file=sys.stderr)
@@ -171,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=int, help="peering priority (random by default, so replicas never tie)")
     p.add_argument(
         "--status-interval", type=float, default=10.0, metavar="SECONDS", help="poll each trainer every SECONDS (10)"
+    )
+    p.add_argument(
+        "--resync-interval",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="read each job's children from the API every SECONDS (600); between, its workloads come from a watch",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=cmd_operator)

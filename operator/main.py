@@ -39,6 +39,9 @@ class OperatorOptions:
     """Peering priority; random by default, so that replicas never tie (Kopf pauses all replicas on a tie)."""
     status_interval: float = 10.0
     """Seconds between a job's monitor passes (trainer /status polls)."""
+    resync_interval: float = 600.0
+    """Seconds between a job's full passes, which read its children from the API (drift repair of the Secret,
+    Services, NetworkPolicy and PodDisruptionBudget; the workloads otherwise come from the operator's watch)."""
     bind: str = "0.0.0.0"
     operator_namespace: str = field(
         default_factory=lambda: os.environ.get("POD_NAMESPACE") or c.DEFAULT_OPERATOR_NAMESPACE
@@ -54,6 +57,8 @@ class OperatorOptions:
                 raise ValueError(f"{flag}: {port} is not a port number")
         if self.status_interval <= 0:
             raise ValueError(f"--status-interval must be positive, got {self.status_interval}")
+        if self.resync_interval <= 0:
+            raise ValueError(f"--resync-interval must be positive, got {self.resync_interval}")
 
 
 def build_settings() -> kopf.OperatorSettings:
@@ -125,7 +130,11 @@ async def serve(
         client,
         TrainerStatusClient(),
         metrics,
-        ControllerConfig(interval=options.status_interval, operator_namespace=options.operator_namespace),
+        ControllerConfig(
+            interval=options.status_interval,
+            resync_interval=options.resync_interval,
+            operator_namespace=options.operator_namespace,
+        ),
         gate=gate,
     )
     if on_controller is not None:

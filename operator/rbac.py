@@ -74,14 +74,16 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("batch",),
         ("jobs",),
-        ("get", "create", "delete"),
-        "the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer",
+        ("get", "list", "watch", "create", "delete"),
+        "the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, "
+        "delete it to restart or suspend the trainer",
     ),
     Rule(
         ("apps",),
         ("statefulsets",),
-        ("get", "create", "delete"),
-        "the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends",
+        ("get", "list", "watch", "create", "delete"),
+        "the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; read on "
+        "resyncs), create it, delete it on suspend and when the job ends",
     ),
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
     Rule(

@@ -36,14 +36,14 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create"]
-# the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer
+# the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "create", "delete"]
-# the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends
+  verbs: ["get", "list", "watch", "create", "delete"]
+# the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; read on resyncs), create it, delete it on suspend and when the job ends
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # say why a job's pods are not ready (unschedulable, image pull errors)
 - apiGroups: [""]
   resources: ["pods"]
