@@ -113,6 +113,8 @@ def cmd_operator(args: argparse.Namespace) -> int:
             priority=args.priority,
             status_interval=args.status_interval,
             resync_interval=args.resync_interval,
+            api_qps=args.api_qps,
+            api_burst=args.api_burst,
         )
     except ValueError as exc:
         print(f"grpolora operator: {exc}", file=sys.stderr)
@@ -179,6 +181,10 @@ def build_parser() -> argparse.ArgumentParser:
         default=600.0,
         metavar="SECONDS",
         help="read each job's children from the API every SECONDS (600); between, its workloads come from a watch",
+    )
+    p.add_argument("--api-qps", type=float, default=100.0, help="API requests per second, after a burst (100)")
+    p.add_argument(
+        "--api-burst", type=int, default=200, help="API requests sent at once before --api-qps applies (200)"
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=cmd_operator)
