@@ -84,6 +84,8 @@ def build_children(
     if plan.job.spec.network_policy.enabled:
         objects.append(network_policy(plan, operator_namespace))
     objects.append(inference_disruption_budget(plan))
+    if queue_name(plan) is not None:
+        objects.append(queue_workload(plan))
     objects += workloads(plan)
     owner = owner_reference(plan, owner_uid)
     for obj in objects:
@@ -163,6 +165,31 @@ def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_N
         "kind": "NetworkPolicy",
         "metadata": _metadata(plan, plan.name),
         "spec": {"podSelector": {"matchLabels": selector(plan)}, "policyTypes": ["Ingress"], "ingress": ingress},
+    }
+
+
+def queue_name(plan: JobPlan) -> str | None:
+    """The Kueue LocalQueue the job asks for (its kueue.x-k8s.io/queue-name label), if any."""
+    return plan.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL)
+
+
+def queue_workload(plan: JobPlan) -> K8sObject:
+    """One Kueue Workload for the whole job, a pod set per role with the pod templates rendered here: Kueue admits
+    all pod sets or none, so inference never holds its GPUs while the trainer's do not fit (or the reverse). The
+    operator creates the trainer Job and inference StatefulSet only while it is admitted (grpolora.operator.reconcile)
+    and marks it Finished when the job ends, which returns the quota."""
+    trainer, inference = trainer_job(plan), inference_statefulset(plan)
+    return {
+        "apiVersion": c.KUEUE_API_VERSION,
+        "kind": "Workload",
+        "metadata": _metadata(plan, plan.name),
+        "spec": {
+            "queueName": queue_name(plan),
+            "podSets": [
+                {"name": c.ROLE_TRAINER, "count": plan.trainer.replicas, "template": trainer["spec"]["template"]},
+                {"name": c.ROLE_INFERENCE, "count": plan.inference.replicas, "template": inference["spec"]["template"]},
+            ],
+        },
     }
 
 

@@ -36,6 +36,7 @@ from typing import Any, Final
 from grpolora.api import constants as c
 from grpolora.api.plan import child_names, plan
 from grpolora.api.status import JobStatus
+from grpolora.operator import conditions as cond
 from grpolora.operator import kube, names
 from grpolora.operator import observe as obs
 from grpolora.operator import reconcile as rec
@@ -280,6 +281,9 @@ class Controller:
             present = [w for w in (trainer_job, inference) if w is not None]
             warnings = obs.pod_warnings(events, present, pods, desired)
         claims = (await self._claims(job, view) if full else job.claims) if running else {}
+        queue_workload = None
+        if view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) is not None:
+            queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name, full=full)
         report, error = None, None
         if rec.should_poll_trainer(view, old, trainer_job):
             try:
@@ -287,7 +291,15 @@ class Controller:
             except TrainerUnavailable as exc:
                 error = str(exc)
         return rec.Observed(
-            trainer_job, inference, tuple(pods), report, error, blocked=tuple(blocked), warnings=warnings, claims=claims
+            trainer_job,
+            inference,
+            tuple(pods),
+            report,
+            error,
+            blocked=tuple(blocked),
+            warnings=warnings,
+            claims=claims,
+            queue_workload=queue_workload,
         )
 
     async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
@@ -326,6 +338,25 @@ class Controller:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.status = dict(written.get("status") or decision.status.to_wire())
         self.metrics.set_job(job.namespace, job.name, decision.status)
+        if decision.finish_queue_workload:
+            # Kueue returns the quota of a Finished Workload (as its own integrations do when their job ends). The
+            # patch carries the whole list (a merge patch replaces lists): Kueue's conditions, read once, plus ours.
+            workload = await self.client.get(kube.KUEUE_WORKLOAD, job.namespace, job.name) or {}
+            kept = [x for x in (workload.get("status") or {}).get("conditions") or [] if x.get("type") != "Finished"]
+            finished = {
+                "type": "Finished",
+                "status": "True",
+                "reason": decision.status.phase or "Finished",
+                "message": decision.status.message or "",
+                "lastTransitionTime": cond.rfc3339(self.clock()),
+            }
+            await self.client.patch(
+                kube.KUEUE_WORKLOAD,
+                job.namespace,
+                job.name,
+                {"status": {"conditions": [*kept, finished]}},
+                subresource="status",
+            )
         involved = {"namespace": job.namespace, "name": job.name, "uid": job.uid}
         for event in decision.events:
             try:

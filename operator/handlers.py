@@ -88,7 +88,7 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.event(*resource, registry=registry, id="forget-deleted", when=_is_deletion)(forget_deleted)
     # The workloads by watch (one per kind and namespace, shared by all jobs), not by a GET per job and pass.
     ours = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: kopf.PRESENT}
-    for kind in (kube.JOB, kube.STATEFULSET):
+    for kind in (kube.JOB, kube.STATEFULSET, kube.KUEUE_WORKLOAD):
         kopf.on.event(kind.group, kind.version, kind.plural, labels=ours, registry=registry, id=f"watch-{kind.plural}")(
             workload_event
         )

@@ -58,6 +58,7 @@ PVC: Final = Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 JOB: Final = Kind("batch", "v1", "jobs", "Job")
 POD_DISRUPTION_BUDGET: Final = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+KUEUE_WORKLOAD: Final = Kind("kueue.x-k8s.io", "v1beta1", "workloads", "Workload")
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
@@ -72,6 +73,7 @@ KINDS: Final = {
         EVENT,
         NETWORK_POLICY,
         POD_DISRUPTION_BUDGET,
+        KUEUE_WORKLOAD,
         JOB,
         STATEFULSET,
         GRPOLORAJOB,

@@ -30,6 +30,8 @@ SUSPENDED: Final = "Suspended"
 INVALID_SPEC: Final = "InvalidSpec"
 SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 VOLUMES_SHAREABLE: Final = "VolumesShareable"
+# Kueue's admission of the job's Workload (Kueue's own type name); True without a queue.
+ADMITTED: Final = "Admitted"
 CONDITION_TYPES: Final = (
     CREATED,
     PODS_READY,
@@ -41,6 +43,7 @@ CONDITION_TYPES: Final = (
     INVALID_SPEC,
     SPEC_CHANGE_REFUSED,
     VOLUMES_SHAREABLE,
+    ADMITTED,
 )
 
 # ---- reasons (conditions and events) -----------------------------------------------------------------------
@@ -60,6 +63,11 @@ R_COMPLETED: Final = "TrainingComplete"
 R_IN_PROGRESS: Final = "InProgress"
 R_TRAINER_FAILED: Final = "TrainerFailed"
 R_BACKOFF_LIMIT: Final = "BackoffLimitExceeded"
+# Kueue (the Admitted condition): no queue label; waiting in the queue; admitted; evicted (preemption, ...).
+R_NO_QUEUE: Final = "NoQueue"
+R_QUEUED: Final = "Queued"
+R_ADMITTED: Final = "Admitted"
+R_EVICTED: Final = "Evicted"
 # Pods not all ready spec.scheduling.startupDeadlineSeconds after they were created (PodsReady; Failed with Fail).
 R_STARTUP_DEADLINE: Final = "StartupDeadlineExceeded"
 # The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting

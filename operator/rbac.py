@@ -72,6 +72,19 @@ RULES: Final[tuple[Rule, ...]] = (
         "owner and re-create it if deleted",
     ),
     Rule(
+        ("kueue.x-k8s.io",),
+        ("workloads",),
+        ("get", "list", "watch", "create"),
+        "with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both "
+        "pools together); its admission followed by a watch",
+    ),
+    Rule(
+        ("kueue.x-k8s.io",),
+        ("workloads/status",),
+        ("patch",),
+        "mark a finished job's Kueue Workload Finished, so that Kueue returns its quota",
+    ),
+    Rule(
         ("batch",),
         ("jobs",),
         ("get", "list", "watch", "create", "delete"),

@@ -211,6 +211,8 @@ class Observed:
     """Why pods are missing or stuck, from Warning events (see observe.pod_warnings)."""
     claims: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
     """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
+    queue_workload: K8sObject | None = None
+    """The job's Kueue Workload (jobs with the queue label only; None: not there yet)."""
 
 
 @dataclass(frozen=True)
@@ -245,6 +247,8 @@ class Decision:
     requeue_after: float | None = None
     """Look again after this many seconds instead of the regular interval."""
     events: tuple[Event, ...] = ()
+    finish_queue_workload: bool = False
+    """The job is finished: mark its Kueue Workload Finished (Kueue then returns its quota)."""
     idle: bool = False
     """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
     keep watching; a spec change runs a new pass."""
@@ -296,10 +300,13 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     final_message: str | None = old.message if is_finished(old) else None
     restart_note: str | None = None
 
+    queue = builders.queue_name(job_plan)
+    admission = _admission(queue, observed.queue_workload)
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
-    elif spec.suspend:
-        phase = "Suspended"
+    elif spec.suspend or admission.status == "False":
+        # Suspended, or not (or no longer) admitted by Kueue: no pods hold any GPU.
+        phase = "Suspended" if spec.suspend else "Pending"
         for kind, obj in (("Job", tj), ("StatefulSet", sts)):
             if obj is not None and not obs.deleting(obj):
                 deletes.append(ChildRef(kind, obj["metadata"]["name"]))
@@ -400,6 +407,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         f"step {progress.step or 0}/{spec.grpo.steps}{lost}, sync round {progress.sync_round or 0}, "
         f"sync-group epoch {progress.epoch}"
     )
+    if phase == "Pending" and admission.status == "False":
+        pending_why = admission.message
     message = {
         "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
@@ -425,6 +434,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         _invalid_condition(view.problems),
         _refused_condition(view.refused),
         _volumes_condition(volumes),
+        admission,
     ]
     status = JobStatus(
         phase=phase,
@@ -449,7 +459,14 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         completion_time=completion,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
+    finish_queue = (
+        queue is not None
+        and finished
+        and observed.queue_workload is not None
+        and not obs.job_condition(observed.queue_workload, "Finished")
+    )
     return Decision(
+        finish_queue_workload=finish_queue,
         status=status,
         create=tuple(creates),
         delete=tuple(deletes),
@@ -457,6 +474,30 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         requeue_after=requeue,
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
+    )
+
+
+def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
+    """Kueue's verdict on the job's Workload: Admitted True (or no queue), else why not."""
+    if queue is None:
+        return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
+    name = (workload or {}).get("metadata", {}).get("name", "")
+    evicted = obs.job_condition(workload, "Evicted")
+    if evicted is not None:
+        return cond.Want(
+            names.ADMITTED,
+            "False",
+            names.R_EVICTED,
+            f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')}); both pools released, "
+            f"waiting in LocalQueue {queue} to be admitted again",
+        )
+    if obs.job_condition(workload, "Admitted") is not None:
+        return cond.Want(names.ADMITTED, "True", names.R_ADMITTED, f"admitted by Kueue from LocalQueue {queue}")
+    return cond.Want(
+        names.ADMITTED,
+        "False",
+        names.R_QUEUED,
+        f"waiting in Kueue LocalQueue {queue} for both pools to be admitted together (Workload {name or 'pending'})",
     )
 
 

@@ -71,3 +71,8 @@ SHM_MOUNT: Final = "/dev/shm"
 CACHE_MOUNT: Final = "/cache"
 MODEL_MOUNT: Final = "/models"
 POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints")
+
+# Kueue: this label on a GRPOLoraJob names the LocalQueue; the operator then creates one Kueue Workload holding a pod
+# set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+KUEUE_API_VERSION: Final = "kueue.x-k8s.io/v1beta1"

@@ -47,6 +47,10 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     ),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
     "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
+    # Kueue's Workload CRD (installed with Kueue); the tests play Kueue's admission.
+    "kueue.x-k8s.io/v1beta1/workloads": kmock.ResourceInfo(
+        kind="Workload", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
+    ),
 }
 PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),

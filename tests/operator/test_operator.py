@@ -294,6 +294,7 @@ async def test_an_operator_restart_mid_job_duplicates_nothing_and_status_continu
 async def test_a_change_that_cannot_apply_is_refused_and_the_children_stay(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
+    await wait_for(lambda: cluster.condition("demo", names.CREATED).get("status") == "True", "Created recorded")
     # The CRD's CEL rule refuses the change at admission ...
     with pytest.raises(AssertionError, match=r"422.*only spec.suspend and spec.ttlSecondsAfterFinished can change"):
         await cluster.patch_spec("demo", {"lora": {"rank": 8}, "trainer": {"replicas": 2}})

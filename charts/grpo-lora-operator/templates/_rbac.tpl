@@ -36,6 +36,14 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create"]
+# with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create"]
+# mark a finished job's Kueue Workload Finished, so that Kueue returns its quota
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
 # the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
