@@ -93,6 +93,14 @@ class _Job:
     """Access modes of the shared claims, as read by the last full pass."""
 
 
+def _version(obj: Mapping[str, Any]) -> int:
+    """metadata.resourceVersion as a number (etcd's revision; 0 when absent or not a number)."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
+
+
 def utcnow() -> datetime.datetime:
     return datetime.datetime.now(datetime.UTC)
 
@@ -136,11 +144,19 @@ class Controller:
         """A watch event of one of the operator's Jobs or StatefulSets: cache it, and wake its job for a pass."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
-        self.workloads[(kind, namespace, name)] = None if event_type == "DELETED" else dict(body)
+        self._remember((kind, namespace, name), None if event_type == "DELETED" else dict(body), body)
         job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
         if job is not None and job.task is not None and not job.task.done():
             job.due = min(job.due, asyncio.get_running_loop().time())
             job.wake.set()
+
+    def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
+        """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
+        behind a full pass's read must not undo it (e.g. bring back a Workload's admission after its eviction)."""
+        cached = self.workloads.get(key)
+        if cached is not None and _version(seen) < _version(cached):
+            return
+        self.workloads[key] = value
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop its monitor and drop its metrics."""
@@ -245,7 +261,10 @@ class Controller:
         if not full and key in self.workloads:
             cached = self.workloads[key]
             return None if cached is None else dict(cached)
-        return await self.client.get(kind, namespace, name)
+        found = await self.client.get(kind, namespace, name)
+        if found is not None:
+            self._remember(key, dict(found), found)
+        return found
 
     async def _observe(
         self, job: _Job, view: rec.JobView, old: JobStatus, blocked: list[rec.ChildRef], *, full: bool

@@ -37,7 +37,9 @@ async def test_a_queued_job_runs_only_while_kueue_admits_both_pools(cluster, ope
     await admit(cluster, [{"type": "Admitted", "status": "False", "reason": "Pending"}, evicted])
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
-    assert "by job x" in cluster.status("demo")["message"] and phase(cluster) == "Pending"
+    # The workloads go before the status that says why is written (deletes come first in a pass).
+    await wait_for(lambda: "by job x" in cluster.status("demo")["message"], "the eviction in the message")
+    assert phase(cluster) == "Pending"
 
     await admit(cluster, [{"type": "Admitted", "status": "True", "reason": "Admitted"}])
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the trainer again")

@@ -36,3 +36,24 @@ async def test_a_steady_job_costs_no_api_requests_between_resyncs(cluster, train
     finally:
         await operator.stop()
     assert ("watch", "batch", "jobs") in cluster.emulator.calls and rbac.allowed("watch", "apps", "statefulsets")
+
+
+def test_the_watch_cache_never_goes_back_to_an_older_version():
+    """A watch event that lags behind what a full pass read must not undo it (e.g. an eviction)."""
+    from grpolora.operator.controller import Controller
+
+    controller = Controller(client=None, trainer=None, metrics=None)  # type: ignore[arg-type]
+
+    def seen(version: int, admitted: str) -> dict:
+        meta = {"name": "demo", "namespace": "ns", "resourceVersion": str(version)}
+        return {
+            "kind": "Workload",
+            "metadata": meta,
+            "status": {"conditions": [{"type": "Admitted", "status": admitted}]},
+        }
+
+    controller.workload_event("Workload", "MODIFIED", seen(7, "False"))  # what a full pass read, say
+    controller.workload_event("Workload", "MODIFIED", seen(5, "True"))  # a lagging event
+    assert controller.workloads[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
+    controller.workload_event("Workload", "DELETED", seen(8, "False"))
+    assert controller.workloads[("Workload", "ns", "demo")] is None
