@@ -3,7 +3,9 @@
 The operator runs as users run it (`grpolora operator`, its own process, logged in through a kubeconfig); the
 emulator (kmock, extended as in the tests) runs in this process and timestamps every object it creates. Reported:
 time until every job has all its children, per-job create->children latency (p50/p99: from the job's creation to
-the last of its six children), and the operator's peak RSS (VmHWM).
+the last of its seven children), the operator's peak RSS (VmHWM), and the API requests the operator makes per job
+and minute once every job has its children (steady state: nothing changes; no trainer answers here, so this is
+what the operator costs the API server beyond polling the trainers' /status).
 
     python bench/operator_scale.py --jobs 500            # all at once (a burst)
     python bench/operator_scale.py --jobs 500 --rate 50  # paced: 50 jobs per second
@@ -37,6 +39,7 @@ CHILDREN = (
     ("services", "{}-trainer"),
     ("services", "{}-inference"),
     ("networkpolicies", "{}"),
+    ("poddisruptionbudgets", "{}-inference"),
     ("jobs", "{}-trainer"),
     ("statefulsets", "{}-inference"),
 )
@@ -69,6 +72,7 @@ async def run(
     log_level: str = "warning",
     profile_path: str | None = None,
     settle: float = 15.0,
+    resync: float = 600.0,
 ) -> dict[str, Any]:
     # Without the emulator's schema validation: this measures the operator, not the emulator (the operator tests
     # run with it).
@@ -90,6 +94,7 @@ async def run(
             )
             profile = ["-m", "cProfile", "-o", profile_path] if profile_path else []
             flags = ["--namespace", NAMESPACE, "--standalone", "--metrics-port", "0", "--health-port", "0"]
+            flags += ["--resync-interval", str(resync)]
             operator = await asyncio.create_subprocess_exec(
                 *[sys.executable, "-P", *profile, "-m", "grpolora.cli", "operator", *flags, "--log-level", log_level],
                 env={**os.environ, "KUBECONFIG": str(kubeconfig)},
@@ -108,7 +113,10 @@ async def run(
                 finished = time.monotonic()
                 creation_cpu = cpu_seconds(operator.pid) - cpu_before
                 creation_rss = peak_rss_mib(operator.pid)
-                # Then every job's monitor polls its workloads (and lists its not-ready pods) for a while.
+                # Steady state: play the Job and StatefulSet controllers (every pod ready; no trainer is active, so
+                # no /status poll), let the jobs see it, then count the operator's API requests for `settle` s.
+                await _all_ready(cluster, names, concurrency)
+                await asyncio.sleep(15)
                 requests_before = len(emulator.log)
                 await asyncio.sleep(settle)
                 steady_requests = len(emulator.log) - requests_before
@@ -138,6 +146,8 @@ async def run(
         "operator_peak_rss_mib_creating": round(creation_rss, 1),
         "operator_peak_rss_mib": round(rss, 1),
         "steady_requests_per_second": round(steady_requests / settle, 1) if settle else None,
+        "steady_requests_per_job_per_minute": round(steady_requests / jobs / (settle / 60), 2) if settle else None,
+        "steady_seconds": settle,
         "operator_api_requests": len(emulator.log),
         "duplicate_creates": duplicates,
         "cpus": os.cpu_count(),
@@ -175,6 +185,19 @@ async def _create_all(cluster: Any, names: list[str], rate: float, concurrency: 
         await asyncio.gather(*(worker(session) for _ in range(concurrency)))
 
 
+async def _all_ready(cluster: Any, names: list[str], concurrency: int) -> None:
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def ready(name: str) -> None:
+        async with semaphore:
+            await cluster.set_status("batch/v1/jobs", f"{name}-trainer", {"ready": 1}, namespace=NAMESPACE)
+            await cluster.set_status(
+                "apps/v1/statefulsets", f"{name}-inference", {"replicas": 1, "readyReplicas": 1}, namespace=NAMESPACE
+            )
+
+    await asyncio.gather(*(ready(name) for name in names))
+
+
 async def _wait_for_children(emulator: Any, names: list[str], timeout: float) -> list[str]:
     deadline = time.monotonic() + timeout
     while True:
@@ -197,8 +220,21 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--operator-log", metavar="PATH", help="keep the operator's log here")
     parser.add_argument("--log-level", default="warning", help="the operator's --log-level")
+    parser.add_argument("--settle", type=float, default=60.0, help="seconds of steady state to count requests over")
+    parser.add_argument("--resync-interval", type=float, default=600.0, help="the operator's --resync-interval")
     args = parser.parse_args()
-    result = asyncio.run(run(args.jobs, args.rate, args.concurrency, args.timeout, args.operator_log, args.log_level))
+    result = asyncio.run(
+        run(
+            args.jobs,
+            args.rate,
+            args.concurrency,
+            args.timeout,
+            args.operator_log,
+            args.log_level,
+            settle=args.settle,
+            resync=args.resync_interval,
+        )
+    )
     print(json.dumps(result, indent=2))
 
 

@@ -92,14 +92,15 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker process; everything it needs comes from the env contract (docs/contract.md)."""
     import logging
 
-    from grpolora.api.contract import ContractError, WorkerEnv
+    from grpolora.api.contract import EXIT_INVALID_SPEC, ContractError, WorkerEnv, write_termination_message
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         env = WorkerEnv.from_environ()
     except ContractError as exc:
         print(f"grpolora worker: {exc}", file=sys.stderr)
-        return 2
+        write_termination_message(str(exc))
+        return EXIT_INVALID_SPEC
     if env.role != args.role:
         print(f"grpolora worker {args.role}: GRPOLORA_ROLE is {env.role!r}", file=sys.stderr)
         return 2
@@ -127,6 +128,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
             peering=None if args.standalone else args.peering,
             priority=args.priority,
             status_interval=args.status_interval,
+            resync_interval=args.resync_interval,
+            api_qps=args.api_qps,
+            api_burst=args.api_burst,
         )
     except ValueError as exc:
         print(f"grpolora operator: {exc}", file=sys.stderr)
@@ -186,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--priority", type=int, help="peering priority (random by default, so replicas never tie)")
     p.add_argument(
         "--status-interval", type=float, default=10.0, metavar="SECONDS", help="poll each trainer every SECONDS (10)"
+    )
+    p.add_argument(
+        "--resync-interval",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="read each job's children from the API every SECONDS (600); between, its workloads come from a watch",
+    )
+    p.add_argument("--api-qps", type=float, default=100.0, help="API requests per second, after a burst (100)")
+    p.add_argument(
+        "--api-burst", type=int, default=200, help="API requests sent at once before --api-qps applies (200)"
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=cmd_operator)

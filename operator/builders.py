@@ -4,7 +4,10 @@
 - Trainer: an Indexed Job. Pods get stable hostnames `<job>-trainer-<i>` under the headless Service (the
   MASTER_ADDR), and "all indexes completed" is the success signal. `backoffLimit: 0` because a rank that fails
   breaks the collective for all: the operator restarts the whole trainer group (from the latest checkpoint), up
-  to spec.trainer.maxRestarts, as JobSet does.
+  to spec.trainer.maxRestarts, as JobSet does. Its podFailurePolicy tells the operator why it failed (as JobSet's
+  failurePolicy reads it): a disrupted pod (drain, preemption, spot reclaim) restarts the group without spending
+  maxRestarts, and the trainer's "bad spec or data" exit codes fail the job at once.
+- Inference pods have a PodDisruptionBudget (maxUnavailable 1), so a drain never takes every replica at once.
 - Inference: a StatefulSet. Long-running servers with stable names that Kubernetes replaces when lost; the
   trainer re-forms the sync group around the replacement. `podManagementPolicy: Parallel` starts all at once.
 - Headless Services with `publishNotReadyAddresses`, so rendezvous DNS exists before any pod is ready.
@@ -17,20 +20,25 @@ from collections.abc import Mapping
 from typing import Any
 
 from grpolora.api import constants as c
+from grpolora.api import contract, overlay
 from grpolora.api.plan import MODEL_MOUNT, JobPlan, RolePlan
 from grpolora.api.spec import PodSecuritySpec, RoleSpec
+from grpolora.operator import names
 
 K8sObject = dict[str, Any]
 
 # The images' numeric USER (Dockerfile): runAsNonRoot holds without the pods fixing a uid (see PodSecuritySpec).
 WORKER_UID = 1000
-SHM_MOUNT = "/dev/shm"
-CACHE_MOUNT = "/cache"
+SHM_MOUNT = c.SHM_MOUNT
+CACHE_MOUNT = c.CACHE_MOUNT
 # Inference servers need minutes for large models (download + load); give the startup probe 30 minutes.
 # Set by Kubernetes (1.21+) on every namespace: selects a namespace by name in NetworkPolicies.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
 STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
+# The trainer Job's podFailurePolicy rules, in order: a FailJob names the matching rule's index in the Job's
+# Failed condition ("... matching FailJob rule at index 1"), which grpolora.operator.observe maps back to the cause.
+TRAINER_FAILURE_RULE_CAUSES = (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION)
 
 
 def owner_reference(plan: JobPlan, uid: str) -> dict[str, Any]:
@@ -75,6 +83,9 @@ def build_children(
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
         objects.append(network_policy(plan, operator_namespace))
+    objects.append(inference_disruption_budget(plan))
+    if queue_name(plan) is not None:
+        objects.append(queue_workload(plan))
     objects += workloads(plan)
     owner = owner_reference(plan, owner_uid)
     for obj in objects:
@@ -157,6 +168,63 @@ def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_N
     }
 
 
+def queue_name(plan: JobPlan) -> str | None:
+    """The Kueue LocalQueue the job asks for (its kueue.x-k8s.io/queue-name label), if any."""
+    return plan.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL)
+
+
+def queue_workload(plan: JobPlan) -> K8sObject:
+    """One Kueue Workload for the whole job, a pod set per role with the pod templates rendered here: Kueue admits
+    all pod sets or none, so inference never holds its GPUs while the trainer's do not fit (or the reverse). The
+    operator creates the trainer Job and inference StatefulSet only while it is admitted (grpolora.operator.reconcile)
+    and marks it Finished when the job ends, which returns the quota."""
+    trainer, inference = trainer_job(plan), inference_statefulset(plan)
+    return {
+        "apiVersion": c.KUEUE_API_VERSION,
+        "kind": "Workload",
+        "metadata": _metadata(plan, plan.name),
+        "spec": {
+            "queueName": queue_name(plan),
+            "podSets": [
+                {"name": c.ROLE_TRAINER, "count": plan.trainer.replicas, "template": trainer["spec"]["template"]},
+                {"name": c.ROLE_INFERENCE, "count": plan.inference.replicas, "template": inference["spec"]["template"]},
+            ],
+        },
+    }
+
+
+def inference_disruption_budget(plan: JobPlan) -> K8sObject:
+    """At most one inference pod evicted at a time: the trainer re-forms the sync group around the rest, and a
+    drain waits for the replacement to be ready before it evicts the next (one replica is not protected)."""
+    role = plan.inference
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(plan, role.workload_name, role.role),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(plan, role.role)}},
+    }
+
+
+def _trainer_failure_policy() -> dict[str, Any]:
+    rules = {
+        names.CAUSE_INVALID_INPUT: {
+            "action": "FailJob",
+            "onExitCodes": {
+                "containerName": c.ROLE_TRAINER,
+                "operator": "In",
+                "values": sorted(contract.TRAINER_INPUT_EXIT_CODES),
+            },
+        },
+        # FailJob, not Ignore: Ignore would replace only the disrupted rank, whose peers are stuck in the broken
+        # collective; the operator restarts the whole group instead, without counting it.
+        names.CAUSE_DISRUPTION: {
+            "action": "FailJob",
+            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+        },
+    }
+    return {"rules": [rules[cause] for cause in TRAINER_FAILURE_RULE_CAUSES]}
+
+
 def trainer_job(plan: JobPlan) -> K8sObject:
     role = plan.trainer
     return {
@@ -168,10 +236,10 @@ def trainer_job(plan: JobPlan) -> K8sObject:
             "completions": role.replicas,
             "parallelism": role.replicas,
             "backoffLimit": 0,
-            "template": {
-                "metadata": {"labels": labels(plan, role.role)},
-                "spec": _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name),
-            },
+            "podFailurePolicy": _trainer_failure_policy(),
+            "template": _pod_template(
+                plan, role, _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name)
+            ),
         },
     }
 
@@ -187,12 +255,16 @@ def inference_statefulset(plan: JobPlan) -> K8sObject:
             "replicas": role.replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(plan, role.role)},
-            "template": {
-                "metadata": {"labels": labels(plan, role.role)},
-                "spec": _pod_spec(plan, role, restart_policy="Always"),
-            },
+            "template": _pod_template(plan, role, _pod_spec(plan, role, restart_policy="Always")),
         },
     }
+
+
+def _pod_template(plan: JobPlan, role: RolePlan, pod_spec: dict[str, Any]) -> dict[str, Any]:
+    """The role's pod template with spec.<role>.podTemplate merged over it (grpolora.api.overlay; the spec's
+    validation has refused any overlay that would replace what is built here)."""
+    built = {"metadata": {"labels": labels(plan, role.role)}, "spec": pod_spec}
+    return overlay.merge(built, role_spec(plan, role).pod_template)
 
 
 def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:
@@ -211,6 +283,9 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
             {"name": "cache", "mountPath": CACHE_MOUNT},
         ],
         "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        # The worker's own message (contract.write_termination_message), else its last log lines, reach the
+        # container's terminated state, where the operator reads why it failed.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
     if placement.image_pull_policy:
         container["imagePullPolicy"] = placement.image_pull_policy

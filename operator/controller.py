@@ -1,15 +1,19 @@
 """Carries out reconcile passes: read the job's children and trainer rank 0, let the pure `decide` choose, then
 delete/create children, write the status once, and post events only after that write succeeded.
 
-Two kinds of pass, the same work, share one function and one per-job lock:
-- the Kopf handlers (create/resume/update) run a pass at once;
-- a per-job monitor task runs a pass every `interval` seconds (sooner when a decision asks) to follow the
-  workloads and the trainer's /status, restart a failed trainer, and delete the job after its TTL.
-Every pass makes sure the Secret, Services and NetworkPolicy exist (drift repair: one deleted by hand comes back;
-create-if-absent, so the token is never regenerated) and reads each child's controlling owner: a child of the same
-name that still belongs to a deleted job of the same name (garbage collection takes a moment) is never taken for
-this job's; the pass waits for it to go. A child the API server refuses to create fails the job with the API's
-message (grpolora.operator.reconcile.decide_refused) instead of leaving Kopf to retry it silently.
+Two kinds of pass share one function and one per-job lock:
+- full passes: the Kopf handlers (create/resume/update) run one at once, and a job's monitor every
+  `resync_interval` seconds. They make sure the Secret, Services, NetworkPolicy and PodDisruptionBudget exist
+  (drift repair: one deleted by hand comes back; create-if-absent, so the token is never regenerated) and read the
+  workloads from the API.
+- light passes: the monitor every `interval` seconds (the trainer's /status poll; sooner when a decision asks) and
+  whenever the watch of the job's Job or StatefulSet reports a change. They read the workloads from that watch (a
+  cache fed by Kopf event handlers on the owned kinds, filtered by the operator's label): in steady state a job
+  costs the API server nothing between resyncs but its status writes.
+Either pass checks each workload's controlling owner: a child of the same name that still belongs to a deleted job
+of the same name (garbage collection takes a moment) is never taken for this job's; the pass waits for it to go.
+A child the API server refuses to create fails the job with the API's message
+(grpolora.operator.reconcile.decide_refused) instead of leaving Kopf to retry it silently.
 
 The monitors are plain asyncio tasks rather than Kopf daemons or timers: those make Kopf put a finalizer on every
 job, so `kubectl delete` would hang whenever the operator is down or uninstalled, while nothing outside the
@@ -32,6 +36,7 @@ from typing import Any, Final
 from grpolora.api import constants as c
 from grpolora.api.plan import child_names, plan
 from grpolora.api.status import JobStatus
+from grpolora.operator import conditions as cond
 from grpolora.operator import kube, names
 from grpolora.operator import observe as obs
 from grpolora.operator import reconcile as rec
@@ -46,7 +51,9 @@ TOKEN_BYTES: Final = 32
 @dataclass(frozen=True)
 class ControllerConfig:
     interval: float = 10.0
-    """Seconds between monitor passes of one job (trainer /status polls and workload checks)."""
+    """Seconds between monitor passes of one job (trainer /status polls; workloads from the watch)."""
+    resync_interval: float = 600.0
+    """Seconds between full passes of one job (children read from the API, kept children repaired)."""
     jitter: float = 0.1
     """Fraction of the interval added at random, so that many jobs do not poll in lockstep."""
     max_backoff: float = 60.0
@@ -80,6 +87,18 @@ class _Job:
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     due: float = 0.0
     task: asyncio.Task[None] | None = None
+    next_full: float = 0.0
+    """Loop time of the next full pass (see the module docstring)."""
+    claims: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
+    """Access modes of the shared claims, as read by the last full pass."""
+
+
+def _version(obj: Mapping[str, Any]) -> int:
+    """metadata.resourceVersion as a number (etcd's revision; 0 when absent or not a number)."""
+    try:
+        return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
+    except ValueError:
+        return 0
 
 
 def utcnow() -> datetime.datetime:
@@ -102,6 +121,9 @@ class Controller:
         self.gate: Gate = gate or Standalone()
         self.clock = clock
         self.jobs: dict[tuple[str, str], _Job] = {}
+        self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
+        """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
+        namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
 
     # ---- entry points ------------------------------------------------------------------------------------
 
@@ -111,12 +133,30 @@ class Controller:
         try:
             with self.metrics.timed("reconcile"):
                 async with job.lock:
-                    decision = await self._pass(job)
+                    decision = await self._pass(job, full=True)
         except JobGone:
             self.forget(job.namespace, job.name)
             raise
         self._schedule(job, decision)
         return decision
+
+    def workload_event(self, kind: str, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A watch event of one of the operator's Jobs or StatefulSets: cache it, and wake its job for a pass."""
+        meta = body.get("metadata") or {}
+        namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        self._remember((kind, namespace, name), None if event_type == "DELETED" else dict(body), body)
+        job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
+        if job is not None and job.task is not None and not job.task.done():
+            job.due = min(job.due, asyncio.get_running_loop().time())
+            job.wake.set()
+
+    def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
+        """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
+        behind a full pass's read must not undo it (e.g. bring back a Workload's admission after its eviction)."""
+        cached = self.workloads.get(key)
+        if cached is not None and _version(seen) < _version(cached):
+            return
+        self.workloads[key] = value
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop its monitor and drop its metrics."""
@@ -136,21 +176,23 @@ class Controller:
 
     # ---- the pass ----------------------------------------------------------------------------------------
 
-    async def _pass(self, job: _Job) -> rec.Decision:
-        """One reconcile pass."""
+    async def _pass(self, job: _Job, *, full: bool) -> rec.Decision:
+        """One reconcile pass (full: children read from the API; see the module docstring)."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
         old = rec.stored_status(job.status)
+        if full:
+            job.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
         try:
             blocked: list[rec.ChildRef] = []
-            if view.job is not None and not rec.is_finished(old):
+            if full and view.job is not None and not rec.is_finished(old):
                 blocked += await self._ensure_kept_children(job, view)
             if view.record_applied is not None and not blocked and view.job is not None and not view.job.spec.suspend:
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
-                observed = rec.Observed(claims=await self._claims(view))
+                observed = rec.Observed(claims=await self._claims(job, view))
             else:
-                observed = await self._observe(view, old, blocked)
+                observed = await self._observe(job, view, old, blocked, full=full)
             decision = rec.decide(view, old, observed, self.clock())
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
@@ -213,13 +255,26 @@ class Controller:
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
         return [ref for ref in found if ref is not None]
 
-    async def _observe(self, view: rec.JobView, old: JobStatus, blocked: list[rec.ChildRef]) -> rec.Observed:
+    async def _workload(self, kind: kube.Kind, namespace: str, name: str, *, full: bool) -> dict[str, Any] | None:
+        """The workload from the watch's cache, or from the API on full passes and when the watch has not seen it."""
+        key = (kind.kind, namespace, name)
+        if not full and key in self.workloads:
+            cached = self.workloads[key]
+            return None if cached is None else dict(cached)
+        found = await self.client.get(kind, namespace, name)
+        if found is not None:
+            self._remember(key, dict(found), found)
+        return found
+
+    async def _observe(
+        self, job: _Job, view: rec.JobView, old: JobStatus, blocked: list[rec.ChildRef], *, full: bool
+    ) -> rec.Observed:
         if view.job is None:
             return rec.Observed()
         workloads = child_names(view.name)
         trainer_job, inference = await asyncio.gather(
-            self.client.get(kube.JOB, view.namespace, workloads["trainer"]),
-            self.client.get(kube.STATEFULSET, view.namespace, workloads["inference"]),
+            self._workload(kube.JOB, view.namespace, workloads["trainer"], full=full),
+            self._workload(kube.STATEFULSET, view.namespace, workloads["inference"], full=full),
         )
         # A workload of a deleted job of the same name is not this job's: its state (e.g. Complete) says nothing.
         if trainer_job is not None and obs.controller_uid(trainer_job) != view.uid:
@@ -244,7 +299,10 @@ class Controller:
             desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
             present = [w for w in (trainer_job, inference) if w is not None]
             warnings = obs.pod_warnings(events, present, pods, desired)
-        claims = await self._claims(view) if running else {}
+        claims = (await self._claims(job, view) if full else job.claims) if running else {}
+        queue_workload = None
+        if view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) is not None:
+            queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name, full=full)
         report, error = None, None
         if rec.should_poll_trainer(view, old, trainer_job):
             try:
@@ -252,21 +310,35 @@ class Controller:
             except TrainerUnavailable as exc:
                 error = str(exc)
         return rec.Observed(
-            trainer_job, inference, tuple(pods), report, error, blocked=tuple(blocked), warnings=warnings, claims=claims
+            trainer_job,
+            inference,
+            tuple(pods),
+            report,
+            error,
+            blocked=tuple(blocked),
+            warnings=warnings,
+            claims=claims,
+            queue_workload=queue_workload,
         )
 
-    async def _claims(self, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
-        """Access modes of the claims the job's pods share (None: no such claim)."""
+    async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
+        """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
         assert view.job is not None
         uses = rec.volume_uses(view.job.spec)
         found = await asyncio.gather(*(self.client.get(kube.PVC, view.namespace, use.claim) for use in uses))
-        return {
+        job.claims = {
             use.claim: tuple((claim.get("spec") or {}).get("accessModes") or ()) if claim else None
             for use, claim in zip(uses, found, strict=True)
         }
+        return job.claims
 
     async def _change_workloads(self, job: _Job, decision: rec.Decision) -> bool:
         """Delete, then create; False if a create found the name taken (409)."""
+        # What we change, the watch reports later: read it from the API until then.
+        for kind, name in [(r.kind, r.name) for r in decision.delete] + [
+            (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
+        ]:
+            self.workloads.pop((kind, job.namespace, name), None)
         # Deletes first: a replaced trainer Job is deleted and created under the same name.
         await asyncio.gather(*(self.client.delete(kube.KINDS[r.kind], job.namespace, r.name) for r in decision.delete))
         for ref in decision.delete:
@@ -285,6 +357,25 @@ class Controller:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.status = dict(written.get("status") or decision.status.to_wire())
         self.metrics.set_job(job.namespace, job.name, decision.status)
+        if decision.finish_queue_workload:
+            # Kueue returns the quota of a Finished Workload (as its own integrations do when their job ends). The
+            # patch carries the whole list (a merge patch replaces lists): Kueue's conditions, read once, plus ours.
+            workload = await self.client.get(kube.KUEUE_WORKLOAD, job.namespace, job.name) or {}
+            kept = [x for x in (workload.get("status") or {}).get("conditions") or [] if x.get("type") != "Finished"]
+            finished = {
+                "type": "Finished",
+                "status": "True",
+                "reason": decision.status.phase or "Finished",
+                "message": decision.status.message or "",
+                "lastTransitionTime": cond.rfc3339(self.clock()),
+            }
+            await self.client.patch(
+                kube.KUEUE_WORKLOAD,
+                job.namespace,
+                job.name,
+                {"status": {"conditions": [*kept, finished]}},
+                subresource="status",
+            )
         involved = {"namespace": job.namespace, "name": job.name, "uid": job.uid}
         for event in decision.events:
             try:
@@ -348,7 +439,7 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
-                        decision = await self._pass(job)
+                        decision = await self._pass(job, full=loop.time() >= job.next_full)
             except JobGone:
                 self.forget(job.namespace, job.name)
                 return

@@ -59,6 +59,11 @@ async def forget_deleted(name: str, namespace: str, memo: kopf.Memo, **_: Any) -
     _controller(memo).forget(namespace, name)
 
 
+async def workload_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A watch event of one of the operator's trainer Jobs or inference StatefulSets (see Controller.workload_event)."""
+    _controller(memo).workload_event(str(body.get("kind", "")), event.get("type"), _plain(body))
+
+
 async def monitored_jobs(memo: kopf.Memo, **_: Any) -> int:
     """Reported at the liveness endpoint (/healthz) next to Kopf's own checks."""
     return len(_controller(memo).jobs)
@@ -81,6 +86,12 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(reconcile)
     # Filtered before invocation, so the other events (every status write) cost nothing and log nothing.
     kopf.on.event(*resource, registry=registry, id="forget-deleted", when=_is_deletion)(forget_deleted)
+    # The workloads by watch (one per kind and namespace, shared by all jobs), not by a GET per job and pass.
+    ours = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: kopf.PRESENT}
+    for kind in (kube.JOB, kube.STATEFULSET, kube.KUEUE_WORKLOAD):
+        kopf.on.event(kind.group, kind.version, kind.plural, labels=ours, registry=registry, id=f"watch-{kind.plural}")(
+            workload_event
+        )
     return registry
 
 

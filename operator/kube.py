@@ -9,9 +9,11 @@ patch, delete, events), which is all the operator needs, and works unchanged aga
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import logging
-from collections.abc import Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -55,6 +57,8 @@ EVENT: Final = Kind("", "v1", "events", "Event")
 PVC: Final = Kind("", "v1", "persistentvolumeclaims", "PersistentVolumeClaim")
 NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
 JOB: Final = Kind("batch", "v1", "jobs", "Job")
+POD_DISRUPTION_BUDGET: Final = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+KUEUE_WORKLOAD: Final = Kind("kueue.x-k8s.io", "v1beta1", "workloads", "Workload")
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
@@ -68,6 +72,8 @@ KINDS: Final = {
         POD,
         EVENT,
         NETWORK_POLICY,
+        POD_DISRUPTION_BUDGET,
+        KUEUE_WORKLOAD,
         JOB,
         STATEFULSET,
         GRPOLORAJOB,
@@ -101,6 +107,37 @@ class ApiError(Exception):
 Login = Callable[[], kopf.ConnectionInfo | None]
 
 
+class RateLimiter:
+    """A token bucket, as client-go's: up to `burst` requests at once, then `qps` per second. It bounds what a
+    burst of new jobs (or a resync of many) asks of the API server; Kopf's own watches are not counted."""
+
+    def __init__(
+        self,
+        qps: float,
+        burst: int,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+    ):
+        self.qps, self.burst = qps, burst
+        self._clock, self._sleep = clock, sleep
+        self._tokens = float(burst)
+        self._stamp = clock()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self) -> None:
+        async with self._lock:  # waiters are served in order
+            now = self._clock()
+            self._tokens = min(float(self.burst), self._tokens + (now - self._stamp) * self.qps)
+            self._stamp = now
+            if self._tokens >= 1:
+                self._tokens -= 1
+                return
+            wait = (1 - self._tokens) / self.qps
+            await self._sleep(wait)
+            self._tokens, self._stamp = 0.0, now + wait
+
+
 class KubeClient:
     """Create, get, list, merge-patch and delete namespaced objects; post events.
 
@@ -108,8 +145,16 @@ class KubeClient:
     the server answers 401, because service-account tokens are rotated on disk.
     """
 
-    def __init__(self, login: Login, *, timeout: float = 15.0, instance: str = c.OPERATOR_NAME):
+    def __init__(
+        self,
+        login: Login,
+        *,
+        timeout: float = 15.0,
+        instance: str = c.OPERATOR_NAME,
+        rate_limit: RateLimiter | None = None,
+    ):
         self._login = login
+        self._rate_limit = rate_limit
         self._timeout = aiohttp.ClientTimeout(total=timeout)
         self._instance = instance
         self._info: kopf.ConnectionInfo | None = None
@@ -152,6 +197,8 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
     ) -> Any:
+        if self._rate_limit is not None:
+            await self._rate_limit.acquire()
         for attempt in (1, 2):
             info, session = self._current()
             try:

@@ -18,7 +18,7 @@ from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.operator.controller import Controller, ControllerConfig
 from grpolora.operator.handlers import build_registry
-from grpolora.operator.kube import KubeClient, Login
+from grpolora.operator.kube import KubeClient, Login, RateLimiter
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_objects
 from grpolora.operator.trainer_client import TrainerStatusClient
@@ -39,6 +39,12 @@ class OperatorOptions:
     """Peering priority; random by default, so that replicas never tie (Kopf pauses all replicas on a tie)."""
     status_interval: float = 10.0
     """Seconds between a job's monitor passes (trainer /status polls)."""
+    api_qps: float = 100.0
+    """Requests per second the operator's own client may send to the API server (after a burst of api_burst)."""
+    api_burst: int = 200
+    resync_interval: float = 600.0
+    """Seconds between a job's full passes, which read its children from the API (drift repair of the Secret,
+    Services, NetworkPolicy and PodDisruptionBudget; the workloads otherwise come from the operator's watch)."""
     bind: str = "0.0.0.0"
     operator_namespace: str = field(
         default_factory=lambda: os.environ.get("POD_NAMESPACE") or c.DEFAULT_OPERATOR_NAMESPACE
@@ -54,6 +60,12 @@ class OperatorOptions:
                 raise ValueError(f"{flag}: {port} is not a port number")
         if self.status_interval <= 0:
             raise ValueError(f"--status-interval must be positive, got {self.status_interval}")
+        if self.api_qps <= 0 or self.api_burst < 1:
+            raise ValueError(
+                f"--api-qps must be positive and --api-burst at least 1, got {self.api_qps}, {self.api_burst}"
+            )
+        if self.resync_interval <= 0:
+            raise ValueError(f"--resync-interval must be positive, got {self.resync_interval}")
 
 
 def build_settings() -> kopf.OperatorSettings:
@@ -112,7 +124,7 @@ async def serve(
     login = login or default_login(settings)
     identity = own_identity()
     priority = options.priority if options.priority is not None else random.randint(1, 2**31 - 1)
-    client = KubeClient(login, instance=identity)
+    client = KubeClient(login, instance=identity, rate_limit=RateLimiter(options.api_qps, options.api_burst))
     gate = (
         Standalone()
         if options.peering is None
@@ -125,7 +137,11 @@ async def serve(
         client,
         TrainerStatusClient(),
         metrics,
-        ControllerConfig(interval=options.status_interval, operator_namespace=options.operator_namespace),
+        ControllerConfig(
+            interval=options.status_interval,
+            resync_interval=options.resync_interval,
+            operator_namespace=options.operator_namespace,
+        ),
         gate=gate,
     )
     if on_controller is not None:

@@ -19,16 +19,19 @@ RESTART_ATTEMPT_ANNOTATION: Final = f"{c.GROUP}/restart-attempt"
 KOPF_PREFIX: Final = c.GROUP
 
 # ---- condition types (status.conditions[].type), in the order they are written ----------------------------
-CREATED: Final = "Created"
+CREATED: Final = c.CONDITION_CREATED
 PODS_READY: Final = "PodsReady"
 RENDEZVOUS_READY: Final = "RendezvousReady"
 PROGRESSING: Final = "Progressing"
-SUCCEEDED: Final = "Succeeded"
+# Complete, Failed, Suspended: the batch/v1 Job's and Kubeflow Trainer's types (Created is Kubeflow Trainer's too).
+SUCCEEDED: Final = "Complete"
 FAILED: Final = "Failed"
 SUSPENDED: Final = "Suspended"
 INVALID_SPEC: Final = "InvalidSpec"
 SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 VOLUMES_SHAREABLE: Final = "VolumesShareable"
+# Kueue's admission of the job's Workload (Kueue's own type name); True without a queue.
+ADMITTED: Final = "Admitted"
 CONDITION_TYPES: Final = (
     CREATED,
     PODS_READY,
@@ -40,6 +43,7 @@ CONDITION_TYPES: Final = (
     INVALID_SPEC,
     SPEC_CHANGE_REFUSED,
     VOLUMES_SHAREABLE,
+    ADMITTED,
 )
 
 # ---- reasons (conditions and events) -----------------------------------------------------------------------
@@ -59,6 +63,16 @@ R_COMPLETED: Final = "TrainingComplete"
 R_IN_PROGRESS: Final = "InProgress"
 R_TRAINER_FAILED: Final = "TrainerFailed"
 R_BACKOFF_LIMIT: Final = "BackoffLimitExceeded"
+# Kueue (the Admitted condition): no queue label; waiting in the queue; admitted; evicted (preemption, ...).
+R_NO_QUEUE: Final = "NoQueue"
+R_QUEUED: Final = "Queued"
+R_ADMITTED: Final = "Admitted"
+R_EVICTED: Final = "Evicted"
+# Pods not all ready spec.scheduling.startupDeadlineSeconds after they were created (PodsReady; Failed with Fail).
+R_STARTUP_DEADLINE: Final = "StartupDeadlineExceeded"
+# The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting
+# cannot help. The name is the batch/v1 Job's own reason for a podFailurePolicy FailJob.
+R_POD_FAILURE_POLICY: Final = "PodFailurePolicy"
 R_NO_FAILURE: Final = "NoFailure"
 R_SUSPENDED: Final = "Suspended"
 R_NOT_SUSPENDED: Final = "NotSuspended"
@@ -81,7 +95,7 @@ POD_WARNING_REASONS: Final = ("FailedCreate", "FailedAttachVolume", "FailedMount
 R_WAITING_FOR_PREVIOUS_JOB: Final = "WaitingForPreviousJob"
 
 # Event-only reasons.
-E_CREATED: Final = "Created"
+E_CREATED: Final = c.CONDITION_CREATED
 E_RUNNING: Final = "Running"
 E_SUCCEEDED: Final = "Succeeded"
 E_FAILED: Final = "Failed"
@@ -94,5 +108,10 @@ E_INVALID_SPEC: Final = "InvalidSpec"
 E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
 
+# Why the trainer Job failed (status.restartsByCause counts the first two; the last fails the job at once).
+CAUSE_FAILURE: Final = "failure"
+CAUSE_DISRUPTION: Final = "disruption"
+CAUSE_INVALID_INPUT: Final = "invalidInput"
+
 # Spec fields that may change on a running job; every other change is refused.
-MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
+MUTABLE_SPEC_FIELDS: Final = c.MUTABLE_SPEC_FIELDS

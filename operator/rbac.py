@@ -65,16 +65,38 @@ RULES: Final[tuple[Rule, ...]] = (
         "its owner and re-create it if deleted",
     ),
     Rule(
+        ("policy",),
+        ("poddisruptionbudgets",),
+        ("get", "create"),
+        "the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its "
+        "owner and re-create it if deleted",
+    ),
+    Rule(
+        ("kueue.x-k8s.io",),
+        ("workloads",),
+        ("get", "list", "watch", "create"),
+        "with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both "
+        "pools together); its admission followed by a watch",
+    ),
+    Rule(
+        ("kueue.x-k8s.io",),
+        ("workloads/status",),
+        ("patch",),
+        "mark a finished job's Kueue Workload Finished, so that Kueue returns its quota",
+    ),
+    Rule(
         ("batch",),
         ("jobs",),
-        ("get", "create", "delete"),
-        "the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer",
+        ("get", "list", "watch", "create", "delete"),
+        "the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, "
+        "delete it to restart or suspend the trainer",
     ),
     Rule(
         ("apps",),
         ("statefulsets",),
-        ("get", "create", "delete"),
-        "the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends",
+        ("get", "list", "watch", "create", "delete"),
+        "the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; read on "
+        "resyncs), create it, delete it on suspend and when the job ends",
     ),
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
     Rule(

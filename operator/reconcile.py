@@ -29,6 +29,7 @@ from grpolora.api.status import (
     JobStatus,
     RendezvousStatus,
     ReplicaCounts,
+    RestartCounts,
     RoleReplicas,
     TrainerStatus,
 )
@@ -210,6 +211,8 @@ class Observed:
     """Why pods are missing or stuck, from Warning events (see observe.pod_warnings)."""
     claims: Mapping[str, tuple[str, ...] | None] = field(default_factory=dict)
     """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
+    queue_workload: K8sObject | None = None
+    """The job's Kueue Workload (jobs with the queue label only; None: not there yet)."""
 
 
 @dataclass(frozen=True)
@@ -244,6 +247,8 @@ class Decision:
     requeue_after: float | None = None
     """Look again after this many seconds instead of the regular interval."""
     events: tuple[Event, ...] = ()
+    finish_queue_workload: bool = False
+    """The job is finished: mark its Kueue Workload Finished (Kueue then returns its quota)."""
     idle: bool = False
     """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
     keep watching; a spec change runs a new pass."""
@@ -284,6 +289,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     progress = obs.fold_trainer(old, report)
     tj, sts = observed.trainer_job, observed.inference
     restarts = old.trainer_restarts or 0
+    # Jobs from before restartsByCause: every restart was a failure.
+    by_cause = old.restarts_by_cause or RestartCounts(failure=restarts)
+    failed_reason = _failed_reason(old) if is_finished(old) else names.R_BACKOFF_LIMIT
     creates: list[K8sObject] = []
     deletes: list[ChildRef] = []
     requeue: float | None = None
@@ -292,10 +300,13 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     final_message: str | None = old.message if is_finished(old) else None
     restart_note: str | None = None
 
+    queue = builders.queue_name(job_plan)
+    admission = _admission(queue, observed.queue_workload)
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
-    elif spec.suspend:
-        phase = "Suspended"
+    elif spec.suspend or admission.status == "False":
+        # Suspended, or not (or no longer) admitted by Kueue: no pods hold any GPU.
+        phase = "Suspended" if spec.suspend else "Pending"
         for kind, obj in (("Job", tj), ("StatefulSet", sts)):
             if obj is not None and not obs.deleting(obj):
                 deletes.append(ChildRef(kind, obj["metadata"]["name"]))
@@ -312,7 +323,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
             creates.append(with_restart_attempt(workloads["Job"], restarts))
-            restart_note = f"restart {restarts} of {spec.trainer.max_restarts}: replacing the failed trainer Job"
+            restart_note = f"restart {restarts}: replacing the failed trainer Job"
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is not None and obs.deleting(tj):
             requeue = REPLACE_RECHECK_SECONDS
@@ -325,18 +336,32 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                 f"the inference replicas served adapter version {progress.sync_round or 0}"
             )
         elif obs.job_failed(tj):
-            failure = obs.job_failure_message(tj)
-            if restarts < spec.trainer.max_restarts:
+            failure = obs.trainer_failure(tj, observed.pods)
+            if failure.cause == names.CAUSE_INVALID_INPUT:
+                phase, completion, failed_reason = "Failed", stamp, names.R_POD_FAILURE_POLICY
+                final_message = f"the trainer cannot work with its spec or data (a restart would not help): " \
+                    f"{failure.message}"  # fmt: skip
+            elif failure.cause == names.CAUSE_DISRUPTION:
                 restarts += 1
+                by_cause = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
                 restart_note = (
-                    f"restart {restarts} of {spec.trainer.max_restarts} from the latest checkpoint: {failure}"
+                    f"restart {restarts} from the latest checkpoint after a disruption (not counted against "
+                    f"spec.trainer.maxRestarts): {failure.message}"
+                )
+                requeue = 0.0
+            elif by_cause.failure < spec.trainer.max_restarts:
+                restarts += 1
+                by_cause = by_cause.model_copy(update={"failure": by_cause.failure + 1})
+                restart_note = (
+                    f"restart {by_cause.failure} of {spec.trainer.max_restarts} from the latest checkpoint: "
+                    f"{failure.message}"
                 )
                 requeue = 0.0
             else:
                 phase, completion = "Failed", stamp
                 final_message = (
                     f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
-                    f"used up; last failure: {failure}"
+                    f"used up; last failure: {failure.message}"
                 )
         if phase not in TERMINAL:
             if sts is None and "StatefulSet" not in blocked_kinds:
@@ -344,6 +369,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             alive = report is not None and report.phase in ("Starting", "Running")
             phase = "Running" if alive or old.phase == "Running" else "Pending"
 
+    overdue = _startup_overdue(spec, old, phase, tj, sts, observed, now)
+    if overdue is not None and spec.scheduling.on_startup_deadline == "Fail":
+        phase, completion, failed_reason, final_message = "Failed", stamp, names.R_STARTUP_DEADLINE, overdue
+        creates = []
+        if tj is not None and not obs.deleting(tj):
+            deletes.append(ChildRef("Job", tj["metadata"]["name"]))  # release the trainer pool too
     finished = phase in TERMINAL and completion is not None
     if finished and sts is not None and not obs.deleting(sts):
         deletes.append(ChildRef("StatefulSet", sts["metadata"]["name"]))  # release the inference GPUs
@@ -363,6 +394,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts)),
     )
     pods = _pods_condition(wanted, phase, counts, observed)
+    if overdue is not None and wanted:
+        pods = cond.Want(names.PODS_READY, "False", names.R_STARTUP_DEADLINE, overdue)
     rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
     pending_why = pods.message if pods.status == "False" and wanted else ""
     if observed.blocked:
@@ -374,6 +407,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         f"step {progress.step or 0}/{spec.grpo.steps}{lost}, sync round {progress.sync_round or 0}, "
         f"sync-group epoch {progress.epoch}"
     )
+    if phase == "Pending" and admission.status == "False":
+        pending_why = admission.message
     message = {
         "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
@@ -390,7 +425,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
         if phase == "Succeeded"
         else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
-        cond.Want(names.FAILED, "True", names.R_BACKOFF_LIMIT, message)
+        cond.Want(names.FAILED, "True", failed_reason, message)
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
         cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, suspended_message(spec))
@@ -399,6 +434,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         _invalid_condition(view.problems),
         _refused_condition(view.refused),
         _volumes_condition(volumes),
+        admission,
     ]
     status = JobStatus(
         phase=phase,
@@ -418,11 +454,19 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         replicas=counts,
         rendezvous=_rendezvous(job_plan, progress.epoch),
         trainer_restarts=restarts,
+        restarts_by_cause=by_cause,
         start_time=old.start_time or stamp,
         completion_time=completion,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
+    finish_queue = (
+        queue is not None
+        and finished
+        and observed.queue_workload is not None
+        and not obs.job_condition(observed.queue_workload, "Finished")
+    )
     return Decision(
+        finish_queue_workload=finish_queue,
         status=status,
         create=tuple(creates),
         delete=tuple(deletes),
@@ -431,6 +475,36 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
+    """Kueue's verdict on the job's Workload: Admitted True (or no queue), else why not."""
+    if queue is None:
+        return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
+    name = (workload or {}).get("metadata", {}).get("name", "")
+    evicted = obs.job_condition(workload, "Evicted")
+    if evicted is not None:
+        return cond.Want(
+            names.ADMITTED,
+            "False",
+            names.R_EVICTED,
+            f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')}); both pools released, "
+            f"waiting in LocalQueue {queue} to be admitted again",
+        )
+    if obs.job_condition(workload, "Admitted") is not None:
+        return cond.Want(names.ADMITTED, "True", names.R_ADMITTED, f"admitted by Kueue from LocalQueue {queue}")
+    return cond.Want(
+        names.ADMITTED,
+        "False",
+        names.R_QUEUED,
+        f"waiting in Kueue LocalQueue {queue} for both pools to be admitted together (Workload {name or 'pending'})",
+    )
+
+
+def _failed_reason(old: JobStatus) -> str:
+    """A finished job keeps the reason it failed with."""
+    found = next((c for c in old.conditions if c.type == names.FAILED and c.status == "True"), None)
+    return found.reason if found is not None else names.R_BACKOFF_LIMIT
 
 
 def _blocked_message(blocked: Sequence[ChildRef]) -> str:
@@ -527,6 +601,36 @@ def _rendezvous(job_plan: JobPlan, epoch: int) -> RendezvousStatus:
         epoch=epoch,
         inference_endpoints=list(job_plan.inference_endpoints),
     )
+
+
+def _startup_overdue(
+    spec: GRPOLoraJobSpec,
+    old: JobStatus,
+    phase: str,
+    tj: K8sObject | None,
+    sts: K8sObject | None,
+    observed: Observed,
+    now: datetime.datetime,
+) -> str | None:
+    """Why the pods are overdue, when spec.scheduling.startupDeadlineSeconds has passed since PodsReady turned
+    False (the children's creation, or the loss of a pod) and they are still not all ready; else None."""
+    deadline = spec.scheduling.startup_deadline_seconds
+    if deadline is None or phase not in ("Pending", "Running") or tj is None or sts is None:
+        return None
+    if obs.job_ready(tj) >= spec.trainer.replicas and obs.statefulset_ready(sts) >= spec.inference.replicas:
+        return None
+    since = cond.find(old.conditions, names.PODS_READY)
+    if since is None or since.status != "False" or not since.last_transition_time:
+        return None
+    if (now - _parse_time(since.last_transition_time)).total_seconds() < deadline:
+        return None
+    why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
+    ready = (
+        f"trainer {obs.job_ready(tj)}/{spec.trainer.replicas} ready, "
+        f"inference {obs.statefulset_ready(sts)}/{spec.inference.replicas} ready"
+    )
+    detail = f"{why.reason}: {why.message}" if why is not None else "no reason reported"
+    return f"pods not all ready {deadline}s (spec.scheduling.startupDeadlineSeconds) after they were created: {ready}; {detail}"  # noqa: E501
 
 
 def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: Observed) -> cond.Want:

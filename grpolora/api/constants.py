@@ -58,3 +58,21 @@ DEFAULT_WORKER_IMAGE_CPU: Final = "ghcr.io/grpo-lora-operator/worker-cpu:0.1.0"
 
 # Where the chart installs the operator (README); job NetworkPolicies admit the operator's pods from its namespace.
 DEFAULT_OPERATOR_NAMESPACE: Final = "grpo-lora-system"
+
+# The condition type that says a job's children exist; from then on only MUTABLE_SPEC_FIELDS may change (the
+# operator refuses other changes, and the CRD's CEL rule refuses them at admission).
+CONDITION_CREATED: Final = "Created"
+# Spec fields that may change on a running job; every other change is refused.
+MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
+
+# Where the operator mounts the volumes of every worker pod (and their volume names); a pod template overlay
+# (grpolora.api.overlay) may add volumes and mounts but not replace these.
+SHM_MOUNT: Final = "/dev/shm"
+CACHE_MOUNT: Final = "/cache"
+MODEL_MOUNT: Final = "/models"
+POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints")
+
+# Kueue: this label on a GRPOLoraJob names the LocalQueue; the operator then creates one Kueue Workload holding a pod
+# set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).
+KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
+KUEUE_API_VERSION: Final = "kueue.x-k8s.io/v1beta1"

@@ -84,6 +84,26 @@ ALL: Final = (
 )
 
 
+# Exit codes of a worker that will fail the same way however often it is restarted (sysexits.h values). The
+# trainer Job's podFailurePolicy fails the Job at once on them (grpolora.operator.builders), and the operator
+# fails the GRPOLoraJob with the trainer's termination message instead of spending spec.trainer.maxRestarts.
+EXIT_INVALID_SPEC: Final = 78  # EX_CONFIG: the env contract or the spec it carries is invalid
+EXIT_INVALID_DATA: Final = 65  # EX_DATAERR: the task's dataset or reward plugin cannot work
+TRAINER_INPUT_EXIT_CODES: Final = (EXIT_INVALID_DATA, EXIT_INVALID_SPEC)
+# Kubernetes copies this file into the container's terminated state (`message`, 4 KiB at most).
+TERMINATION_LOG: Final = "/dev/termination-log"
+
+
+def write_termination_message(message: str) -> None:
+    """Leave `message` where Kubernetes reads a container's termination message (best effort: outside a pod the
+    file may not exist or be writable)."""
+    try:
+        with open(TERMINATION_LOG, "w", encoding="utf-8") as out:
+            out.write(message[:4096])
+    except OSError:
+        pass
+
+
 class ContractError(ValueError):
     """The environment does not hold what the contract promises (names the variable)."""
 

@@ -11,7 +11,7 @@ from typing import Any
 import yaml
 
 from grpolora.api import constants as c
-from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.api.spec import CEL_VALIDATIONS, DNS_1035_LABEL, GRPOLoraJobSpec, cel_rule, max_job_name_length
 from grpolora.api.status import JobStatus
 
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
@@ -37,6 +37,7 @@ _KEEP = {
     "format",
     "nullable",
     PRESERVE,
+    CEL_VALIDATIONS,
 }
 
 
@@ -83,7 +84,10 @@ def crd() -> dict[str, Any]:
                         column("Total", "integer", ".status.totalSteps", "Steps to run", priority=1),
                         column("SyncRound", "integer", ".status.syncRound", "Adapter version being served"),
                         column("Reward", "number", ".status.rewardMean", "Mean reward of the last step"),
+                        column("Ready", "integer", ".status.replicas.inference.ready", "Ready inference replicas"),
+                        column("Restarts", "integer", ".status.trainerRestarts", "Trainer restarts (any cause)"),
                         column("Epoch", "integer", ".status.rendezvous.epoch", "Sync-group epoch", priority=1),
+                        column("Message", "string", ".status.message", "Why the job is in its phase", priority=1),
                         column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
                     ],
                     "schema": {
@@ -92,6 +96,7 @@ def crd() -> dict[str, Any]:
                             "description": "A GRPO reinforcement-learning job that trains a LoRA adapter and "
                             "syncs it to vLLM inference replicas after each step.",
                             "required": ["spec"],
+                            CEL_VALIDATIONS: root_rules(),
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "grpolora.dev/v1alpha1"},
                                 "kind": {"type": "string", "description": "GRPOLoraJob"},
@@ -105,6 +110,41 @@ def crd() -> dict[str, Any]:
             ],
         },
     }
+
+
+def root_rules() -> list[dict[str, str]]:
+    """CEL rules that need metadata.name or the old object (rules inside the spec come from grpolora.api.spec)."""
+    longest = max_job_name_length()
+    created = (
+        f"has(oldSelf.status) && has(oldSelf.status.conditions) && oldSelf.status.conditions.exists(c, "
+        f"c.type == '{c.CONDITION_CREATED}' && c.status == 'True')"
+    )
+    fixed = [
+        field.alias or name
+        for name, field in GRPOLoraJobSpec.model_fields.items()
+        if (field.alias or name) not in c.MUTABLE_SPEC_FIELDS
+    ]
+    unchanged = " && ".join(
+        f"(has(self.spec.{f}) ? has(oldSelf.spec.{f}) && self.spec.{f} == oldSelf.spec.{f} : !has(oldSelf.spec.{f}))"
+        for f in fixed
+    )
+    return [
+        cel_rule(
+            f"self.metadata.name.matches('{DNS_1035_LABEL.pattern}')",
+            "metadata.name must be an RFC 1035 label: lower-case letters, digits and '-', starting with a letter "
+            "and ending with a letter or digit (it names Services)",
+        ),
+        cel_rule(
+            f"self.metadata.name.size() <= {longest}",
+            f"metadata.name may have at most {longest} characters: child objects are named `<name>-"
+            f"{c.ROLE_INFERENCE}` and must stay within the {c.DNS_LABEL_MAX}-character DNS label limit",
+        ),
+        cel_rule(
+            f"!({created}) || ({unchanged})",
+            "only spec." + " and spec.".join(c.MUTABLE_SPEC_FIELDS) + " can change once the job's children "
+            "exist (condition Created); delete and re-create the job to apply other changes",
+        ),
+    ]
 
 
 class _NoAliasDumper(yaml.SafeDumper):

@@ -28,6 +28,7 @@ ROOT_TYPES: Final = {
     "Affinity": "io.k8s.api.core.v1.Affinity",
     "EnvVar": "io.k8s.api.core.v1.EnvVar",
     "NetworkPolicyPeer": "io.k8s.api.networking.v1.NetworkPolicyPeer",
+    "PodTemplateSpec": "io.k8s.api.core.v1.PodTemplateSpec",
 }
 # k8s.io/apimachinery/pkg/api/resource: the quantity grammar (number, then a binary, decimal or exponent suffix).
 QUANTITY: Final = re.compile(
@@ -51,20 +52,22 @@ def _definitions() -> dict[str, Any]:
     return definitions
 
 
-def problems(value: Any, type_name: str, path: str = "") -> list[tuple[str, str]]:
-    """(path below `path`, message) for each way `value` is not a valid Kubernetes `type_name` (see ROOT_TYPES)."""
-    found = list(_walk(value, {"$ref": f"#/$defs/{ROOT_TYPES[type_name]}"}, path))
+def problems(value: Any, type_name: str, path: str = "", *, partial: bool = False) -> list[tuple[str, str]]:
+    """(path below `path`, message) for each way `value` is not a valid Kubernetes `type_name` (see ROOT_TYPES).
+
+    `partial`: a patch of such an object (required fields may be missing; it is merged over a complete one)."""
+    found = list(_walk(value, {"$ref": f"#/$defs/{ROOT_TYPES[type_name]}"}, path, partial))
     if not found:
         found = list(_values(value, type_name, path))
     return found
 
 
-def _walk(value: Any, schema: dict[str, Any], path: str) -> Iterator[tuple[str, str]]:
+def _walk(value: Any, schema: dict[str, Any], path: str, partial: bool = False) -> Iterator[tuple[str, str]]:
     if "$ref" in schema:
-        yield from _walk(value, _definitions()[schema["$ref"].rsplit("/", 1)[-1]], path)
+        yield from _walk(value, _definitions()[schema["$ref"].rsplit("/", 1)[-1]], path, partial)
         return
     if "oneOf" in schema:
-        if not any(not list(_walk(value, option, path)) for option in schema["oneOf"]):
+        if not any(not list(_walk(value, option, path, partial)) for option in schema["oneOf"]):
             yield path, f"Invalid value: {json.dumps(value)}: must be a string or a number"
         return
     types = schema.get("type")
@@ -83,20 +86,20 @@ def _walk(value: Any, schema: dict[str, Any], path: str) -> Iterator[tuple[str, 
         yield path, f"Unsupported value: {json.dumps(value)}: supported values: {supported}"
     if isinstance(value, dict):
         properties = schema.get("properties", {})
-        for name in schema.get("required", []):
+        for name in [] if partial else schema.get("required", []):
             if name not in value:
                 yield _join(path, name), "Required value"
         extra = schema.get("additionalProperties")
         for name, item in value.items():
             if name in properties:
-                yield from _walk(item, properties[name], _join(path, name))
+                yield from _walk(item, properties[name], _join(path, name), partial)
             elif isinstance(extra, dict):
-                yield from _walk(item, extra, _join(path, name))
+                yield from _walk(item, extra, _join(path, name), partial)
             elif extra is False or properties:
                 yield _join(path, name), f'unknown field "{name}"'
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         for index, item in enumerate(value):
-            yield from _walk(item, schema["items"], f"{path}[{index}]")
+            yield from _walk(item, schema["items"], f"{path}[{index}]", partial)
 
 
 def _values(value: Any, type_name: str, path: str) -> Iterator[tuple[str, str]]:

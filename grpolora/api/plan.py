@@ -16,7 +16,7 @@ from grpolora.api import contract as env
 from grpolora.api.spec import GRPOLoraJob, RoleSpec
 
 Role = Literal["trainer", "inference"]
-MODEL_MOUNT = "/models"
+MODEL_MOUNT = c.MODEL_MOUNT
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from grpolora.api import constants as c
-from grpolora.api import kubetypes
+from grpolora.api import kubetypes, overlay
 
 Port = Annotated[int, Field(ge=1024, le=65535)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
@@ -86,6 +86,29 @@ class SpecModel(BaseModel):
 # Kubernetes core types are passed through to the pods as written; the API server validates them.
 # The schema marks them so that the CRD keeps them unpruned (see grpolora.api.crd).
 KubeObject = Annotated[dict[str, Any], Field(json_schema_extra={"x-kubernetes-preserve-unknown-fields": True})]
+
+
+# ---- CEL rules (x-kubernetes-validations) --------------------------------------------------------------------
+# The cross-field rules below are checked twice from this module: in Python by the model validators (the CLI and
+# the operator) and by the API server at `kubectl apply` through these CEL rules, which grpolora.api.crd puts into
+# the CRD. tests/unit/test_crd_cel.py evaluates them on the same objects and keeps the two in agreement.
+CEL_VALIDATIONS = "x-kubernetes-validations"
+
+
+def cel_or_default(path: str, default: Any) -> str:
+    """CEL for `self.<path>` that reads `default` where the field or an object above it is absent, so that a rule
+    does not depend on the API server having defaulted it (object sections have no schema default)."""
+    parts = path.split(".")
+    present = " && ".join(f"has(self.{'.'.join(parts[: i + 1])})" for i in range(len(parts)))
+    return f"({present} ? self.{path} : {default!r})"
+
+
+def cel_rule(rule: str, message: str, field_path: str | None = None) -> dict[str, str]:
+    """One x-kubernetes-validations entry; `field_path` (relative to the rule's object) is where the error points."""
+    entry = {"rule": rule, "message": message}
+    if field_path:
+        entry["fieldPath"] = field_path
+    return entry
 
 
 def kube_checked(value: Any, type_name: str) -> Any:
@@ -279,6 +302,12 @@ class RoleSpec(SpecModel):
     """Extra environment variables (EnvVar objects) for the worker container."""
     shm_size_limit: str = "8Gi"
     """Size limit of the memory-backed /dev/shm (NCCL and vLLM use shared memory; it counts as the pod's memory)."""
+    pod_template: KubeObject = Field(default_factory=dict)
+    """A partial PodTemplateSpec (metadata.labels, metadata.annotations, spec.*) merged over the pod template the
+    operator builds, like a strategic merge patch: containers (the worker's is named after the role), volumes, env
+    and imagePullSecrets merge by name, volumeMounts by mountPath; e.g. schedulerName, priorityClassName,
+    serviceAccountName, volumes and mounts, capabilities, sidecars. Fields the operator sets, or that have their
+    own field here, cannot be overridden (docs/operator.md)."""
 
     @field_validator("shm_size_limit")
     @classmethod
@@ -294,6 +323,12 @@ class RoleSpec(SpecModel):
         for section in ("limits", "requests"):
             if "nvidia.com/gpu" in (value.get(section) or {}):
                 raise ValueError(f"{section}: set GPUs with `gpusPerReplica`, not `nvidia.com/gpu`")
+        return value
+
+    @field_validator("pod_template")
+    @classmethod
+    def _kube_pod_template(cls, value: dict[str, Any]) -> dict[str, Any]:
+        raise_if_any(kubetypes.problems(value, "PodTemplateSpec", partial=True))
         return value
 
     @field_validator("tolerations")
@@ -331,7 +366,19 @@ class TrainerSpec(RoleSpec):
     """HTTP port of trainer rank 0: /status (JSON), /metrics, /health."""
 
 
+def _tensor_parallel_rule() -> dict[str, str]:
+    gpus = cel_or_default("gpusPerReplica", RoleSpec.model_fields["gpus_per_replica"].default)
+    tp = cel_or_default("tensorParallelSize", 1)
+    return cel_rule(
+        f"{gpus} == 0 ? {tp} == 1 : {gpus} % {tp} == 0",
+        "tensorParallelSize must divide gpusPerReplica (CPU replicas, gpusPerReplica 0, need 1)",
+        ".tensorParallelSize",
+    )
+
+
 class InferenceSpec(RoleSpec):
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule()]})
+
     tensor_parallel_size: int = Field(default=1, gt=0)
     """vLLM tensor-parallel size; must divide gpusPerReplica (the quotient runs as vLLM data parallelism)."""
     max_loras: int = Field(default=2, ge=2)
@@ -360,6 +407,18 @@ class SyncSpec(SpecModel):
     """Adapter tensors are packed into buffers of at most this size (one broadcast each)."""
 
 
+class SchedulingSpec(SpecModel):
+    """How long the job waits for its pods when they cannot all start (e.g. one GPU pool has room and the other has
+    not). With Kueue (the `kueue.x-k8s.io/queue-name` label) admission decides instead (docs/operator.md)."""
+
+    startup_deadline_seconds: int | None = Field(default=None, gt=0)
+    """Pods not all ready this long after they were created (or after one was lost) report
+    StartupDeadlineExceeded with the scheduler's reason. Unset: wait for ever."""
+    on_startup_deadline: Literal["Report", "Fail"] = "Report"
+    """`Report`: keep waiting and say why (condition PodsReady, an event, the message). `Fail`: fail the job and
+    release both pools, including the one whose pods did start."""
+
+
 class CheckpointSpec(SpecModel):
     path: str = Field(default="/var/lib/grpolora/checkpoints", pattern=r"^/")
     """Absolute folder for checkpoints in the trainer pods (`grpolora run` uses `<run dir>/checkpoints`)."""
@@ -371,7 +430,32 @@ class CheckpointSpec(SpecModel):
     """How many of the newest checkpoints to keep."""
 
 
+def _job_spec_rules() -> list[dict[str, str]]:
+    gpus = RoleSpec.model_fields["gpus_per_replica"].default
+    trainer_gpus = cel_or_default("trainer.gpusPerReplica", gpus)
+    inference_gpus = cel_or_default("inference.gpusPerReplica", gpus)
+    backend = cel_or_default("sync.backend", SyncSpec.model_fields["backend"].default)
+    ports = [
+        cel_or_default("trainer.masterPort", TrainerSpec.model_fields["master_port"].default),
+        cel_or_default("trainer.statusPort", TrainerSpec.model_fields["status_port"].default),
+        cel_or_default("sync.port", SyncSpec.model_fields["port"].default),
+    ]
+    return [
+        cel_rule(
+            f"{backend} != 'nccl' || ({trainer_gpus} > 0 && {inference_gpus} > 0)",
+            "sync.backend `nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto",
+            ".sync.backend",
+        ),
+        cel_rule(
+            f"{ports[0]} != {ports[1]} && {ports[0]} != {ports[2]} && {ports[1]} != {ports[2]}",
+            "trainer.masterPort, trainer.statusPort and sync.port all listen on trainer rank 0 and must differ",
+        ),
+    ]
+
+
 class GRPOLoraJobSpec(SpecModel):
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: _job_spec_rules()})
+
     model: ModelSpec
     """The base model, loaded by trainer and inference alike (its fingerprint must match across them)."""
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -388,6 +472,8 @@ class GRPOLoraJobSpec(SpecModel):
     """Adapter sync between trainer rank 0 and the inference replicas."""
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpointing of the trainer."""
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    """Startup deadline of the pods (partial admission without Kueue)."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Network isolation of the job's pods."""
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
@@ -432,6 +518,9 @@ class GRPOLoraJobSpec(SpecModel):
                     "holds prompt and completion together; use at most that, less the longest prompt",
                 )
             )
+        for role, role_spec in ((c.ROLE_TRAINER, self.trainer), (c.ROLE_INFERENCE, inf)):
+            for path, message in overlay.clashes(role, role_spec.pod_template, checkpoint_path=self.checkpoint.path):
+                errors.append((f"{role}.podTemplate.{path}", message))
         raise_if_any(errors)
         return self
 

@@ -86,6 +86,14 @@ class RoleReplicas(_Wire):
     """Pods of this role that are ready."""
 
 
+class RestartCounts(_Wire):
+    failure: int = 0
+    """Restarts after the trainer failed (counted against spec.trainer.maxRestarts)."""
+    disruption: int = 0
+    """Restarts after a pod was disrupted (drain, preemption, spot reclaim: its DisruptionTarget condition); not
+    counted against spec.trainer.maxRestarts."""
+
+
 class ReplicaCounts(_Wire):
     trainer: RoleReplicas = Field(default_factory=RoleReplicas)
     """Trainer pods."""
@@ -123,7 +131,8 @@ class JobStatus(_Wire):
     """Why the job is in its phase."""
     observed_generation: int | None = None
     """metadata.generation last reconciled."""
-    conditions: list[Condition] = Field(default_factory=list)
+    # Bounded so that the CRD's CEL rule that reads it (the Created condition) has a bounded cost at admission.
+    conditions: list[Condition] = Field(default_factory=list, max_length=32)
     """Conditions in metav1.Condition shape; the whole list is written each time."""
     step: int | None = None
     """Optimizer steps completed (from trainer rank 0)."""
@@ -151,7 +160,9 @@ class JobStatus(_Wire):
     rendezvous: RendezvousStatus | None = None
     """Where the trainer ranks and the sync group meet."""
     trainer_restarts: int | None = None
-    """Times the trainer was restarted after a failure."""
+    """Times the trainer group was restarted, for any cause (see restartsByCause)."""
+    restarts_by_cause: RestartCounts | None = None
+    """Trainer restarts by cause: failures (limited by spec.trainer.maxRestarts) and disruptions (not limited)."""
     start_time: str | None = None
     """When the job's children were first created."""
     completion_time: str | None = None

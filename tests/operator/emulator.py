@@ -41,9 +41,16 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(kind="PersistentVolumeClaim", namespaced=True),
-    "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, subresources={"status"}),
-    "apps/v1/statefulsets": kmock.ResourceInfo(kind="StatefulSet", namespaced=True, subresources={"status"}),
+    "batch/v1/jobs": kmock.ResourceInfo(kind="Job", namespaced=True, subresources={"status"}, verbs=ALL_VERBS),
+    "apps/v1/statefulsets": kmock.ResourceInfo(
+        kind="StatefulSet", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
+    ),
     "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
+    # Kueue's Workload CRD (installed with Kueue); the tests play Kueue's admission.
+    "kueue.x-k8s.io/v1beta1/workloads": kmock.ResourceInfo(
+        kind="Workload", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
+    ),
 }
 PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),
@@ -112,7 +119,10 @@ class Emulator(kmock.KubernetesEmulator):
             strict_fields = (request.params or {}).get("fieldValidation") == "Strict"
             if request.resource.plural == c.PLURAL and request.resource.group == c.GROUP:
                 part = "status" if request.subresource == "status" and not created else "spec"
-                apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part)
+                key = (request.resource, request.namespace, request.name)
+                stored = None if created or key not in self.objects else self.objects[key]
+                old = stored.raw if stored is not None and not stored.deleted else None
+                apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part, old=old)
             elif request.subresource != "status":
                 apiserver.validate_builtin(obj, strict=strict_fields)
         if not created and "ownerReferences" not in (request.data.get("metadata") or {}):

@@ -97,3 +97,27 @@ async def test_garbage_collection_takes_a_moment_and_removes_orphans():
         await cluster.delete_job("demo")
         assert cluster.get("batch/v1/jobs", "demo-trainer") is not None, "collected at once"
         await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the collector")
+
+
+async def test_the_crds_cel_rules_are_evaluated_at_admission():
+    async with running_cluster() as cluster:
+        with pytest.raises(AssertionError, match=r"422.*spec.inference.tensorParallelSize: .*must divide"):
+            await cluster.apply(job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 3}))
+        long_name = job_doc()
+        long_name["metadata"]["name"] = "a" * 60
+        with pytest.raises(AssertionError, match=r"422.*metadata.name may have at most"):
+            await cluster.apply(long_name)
+
+
+async def test_spec_changes_are_refused_at_admission_once_the_children_exist():
+    async with running_cluster() as cluster:
+        await cluster.apply(job_doc())
+        await cluster.patch_spec("demo", {"grpo": {"steps": 7}})  # no children yet: any valid change applies
+        path = f"/apis/grpolora.dev/v1alpha1/namespaces/{NAMESPACE}/grpolorajobs/demo/status"
+        created = {"type": "Created", "status": "True", "reason": "ChildrenCreated", "message": "",
+                   "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+        await cluster._call("PATCH", path, {"status": {"conditions": [created]}})
+        with pytest.raises(AssertionError, match=r"422.*only spec.suspend and spec.ttlSecondsAfterFinished can change"):
+            await cluster.patch_spec("demo", {"grpo": {"steps": 8}})
+        await cluster.patch_spec("demo", {"suspend": True})
+        assert cluster.job("demo")["spec"]["suspend"] is True and cluster.job("demo")["spec"]["grpo"]["steps"] == 7

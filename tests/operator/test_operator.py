@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 import aiohttp
+import pytest
 
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
@@ -30,6 +31,7 @@ RESOURCE_OF = {
     "Secret": "v1/secrets",
     "Service": "v1/services",
     "NetworkPolicy": "networking.k8s.io/v1/networkpolicies",
+    "PodDisruptionBudget": "policy/v1/poddisruptionbudgets",
     "Job": "batch/v1/jobs",
     "StatefulSet": "apps/v1/statefulsets",
 }
@@ -182,19 +184,20 @@ async def test_status_follows_the_trainer_through_sync_rounds_to_succeeded(clust
 
 
 async def test_an_invalid_job_fails_with_field_paths_and_gets_no_children_until_fixed(cluster, operator):
-    # Errors the CRD schema cannot express (the API server refuses the others at apply, as in test_apiserver.py).
-    await cluster.apply(job_doc(sync={"backend": "nccl"}, trainer={"gpusPerReplica": 0, "statusPort": 29500}))
+    # Errors neither the CRD schema nor its CEL rules express (the API server refuses the others at apply, as in
+    # test_apiserver.py).
+    await cluster.apply(job_doc(model={"name": "offline:nope"}, task={"name": "nope"}))
     await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
     invalid = cluster.condition("demo", names.INVALID_SPEC)
     assert invalid["status"] == "True" and invalid["reason"] == names.R_INVALID
-    assert "spec.sync.backend" in invalid["message"] and "spec.trainer.statusPort" in invalid["message"]
+    assert "spec.model.name" in invalid["message"] and "spec.task.name" in invalid["message"]
     await wait_for(lambda: names.E_INVALID_SPEC in reasons(cluster), "the InvalidSpec event")
     assert ("Warning", names.E_INVALID_SPEC, invalid["message"]) in cluster.events("demo")
     await asyncio.sleep(5 * FAST_INTERVAL)
     for resource in RESOURCE_OF.values():
         assert cluster.objects(resource) == {}, f"{resource} created for an invalid job"
 
-    await cluster.patch_spec("demo", {"sync": {"backend": "auto"}, "trainer": {"statusPort": 8080}})
+    await cluster.patch_spec("demo", {"model": {"name": "Qwen/Qwen3-0.6B"}, "task": {"name": "arithmetic"}})
     await created(cluster)
     await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after the fix")
     assert cluster.condition("demo", names.INVALID_SPEC)["status"] == "False"
@@ -291,6 +294,13 @@ async def test_an_operator_restart_mid_job_duplicates_nothing_and_status_continu
 async def test_a_change_that_cannot_apply_is_refused_and_the_children_stay(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
+    await wait_for(lambda: cluster.condition("demo", names.CREATED).get("status") == "True", "Created recorded")
+    # The CRD's CEL rule refuses the change at admission ...
+    with pytest.raises(AssertionError, match=r"422.*only spec.suspend and spec.ttlSecondsAfterFinished can change"):
+        await cluster.patch_spec("demo", {"lora": {"rank": 8}, "trainer": {"replicas": 2}})
+    # ... and where it is not enforced (an API server before CEL validation rules, or a CRD installed without
+    # them), the operator refuses it itself.
+    cluster.emulator.validate = False
     await cluster.patch_spec("demo", {"lora": {"rank": 8}, "trainer": {"replicas": 2}})
     await wait_for(lambda: cluster.condition("demo", names.SPEC_CHANGE_REFUSED).get("status") == "True", "refusal")
     message = cluster.condition("demo", names.SPEC_CHANGE_REFUSED)["message"]
@@ -337,6 +347,64 @@ async def test_a_failed_trainer_is_restarted_then_the_job_fails_with_the_reason(
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
     await wait_for(lambda: reasons(cluster)[-1] == names.E_FAILED, "the Failed event")
     assert [k for k in cluster.emulator.created if k[0] == "jobs"].__len__() == 2
+
+
+def policy_failure(message: str) -> dict[str, Any]:
+    """A trainer Job failed by its podFailurePolicy, worded as the Job controller words it."""
+    condition = {"type": "Failed", "status": "True", "reason": "PodFailurePolicy", "message": message}
+    return {"conditions": [condition]}
+
+
+async def test_a_disrupted_trainer_restarts_without_spending_max_restarts(cluster, operator):
+    await cluster.apply(job_doc(trainer={"maxRestarts": 0}))
+    await created(cluster)
+    disrupted = policy_failure(
+        f"Pod {NAMESPACE}/demo-trainer-0-abcde has condition DisruptionTarget matching FailJob rule at index 1"
+    )
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", disrupted)
+    await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "a new trainer")
+    await wait_for(lambda: cluster.status("demo").get("restartsByCause") == {"failure": 0, "disruption": 1}, "count")
+    assert phase(cluster) != "Failed" and cluster.status("demo")["trainerRestarts"] == 1
+    assert cluster.get("policy/v1/poddisruptionbudgets", "demo-inference") is not None
+
+
+async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_message(cluster, operator):
+    await cluster.apply(job_doc(trainer={"maxRestarts": 3}))
+    await created(cluster)
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "demo-trainer-0-abcde", "labels": {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}},
+        "spec": {"containers": [{"name": "trainer", "image": "x"}]},
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": "trainer",
+                    "image": "x",
+                    "imageID": "",
+                    "ready": False,
+                    "restartCount": 0,
+                    "state": {"terminated": {"exitCode": 65, "message": "spec.task.dataset.path: file not found: x"}},
+                }
+            ],
+        },
+    }
+    await cluster.add_pod(pod)
+    await cluster.set_status(
+        "batch/v1/jobs",
+        "demo-trainer",
+        policy_failure(
+            f"Container trainer for pod {NAMESPACE}/demo-trainer-0-abcde failed with exit code 65 matching FailJob "
+            "rule at index 0"
+        ),
+    )
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    failed_condition = cluster.condition("demo", names.FAILED)
+    assert failed_condition["reason"] == names.R_POD_FAILURE_POLICY
+    assert "spec.task.dataset.path: file not found: x" in failed_condition["message"]
+    assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1
+    assert cluster.status("demo")["trainerRestarts"] == 0
 
 
 async def test_a_lost_inference_pod_re_forms_the_sync_group_and_the_job_goes_on(cluster, trainer, operator):

@@ -40,6 +40,22 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             complete = {"conditions": [{"type": "Complete", "status": "True"}]}
             await cluster.set_status("batch/v1/jobs", "demo-trainer", complete)
             await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo", NAMESPACE) is None, "deletion after the TTL")
+
+            # A job queued in Kueue: its Workload is created, followed, and marked Finished at the end.
+            queued = job_doc()
+            queued["metadata"].update(name="queued", labels={c.KUEUE_QUEUE_LABEL: "q"})
+            await cluster.apply(queued)
+            workloads = "kueue.x-k8s.io/v1beta1/workloads"
+            await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+            admitted = [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
+                         "lastTransitionTime": "2026-01-01T00:00:00Z"}]  # fmt: skip
+            path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/queued/status"
+            await cluster._call("PATCH", path, {"status": {"conditions": admitted}})
+            await wait_for(lambda: cluster.get("batch/v1/jobs", "queued-trainer"), "admitted")
+            await cluster.set_status("batch/v1/jobs", "queued-trainer", complete)
+            await wait_for(
+                lambda: len(cluster.get(workloads, "queued")["status"]["conditions"]) == 2, "the Workload Finished"
+            )
         finally:
             await operator.stop()
 

@@ -59,7 +59,7 @@ def test_render_prints_every_child_object():
     result = grpolora("render", "examples/qwen3-0.6b-gpu.yaml")
     assert result.returncode == 0, result.stderr
     kinds = [o["kind"] for o in yaml.safe_load_all(result.stdout)]
-    assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "Job", "StatefulSet"]
+    assert kinds == ["Secret", "Service", "Service", "NetworkPolicy", "PodDisruptionBudget", "Job", "StatefulSet"]
 
 
 def test_render_refuses_an_invalid_job(tmp_path):
@@ -109,3 +109,11 @@ def test_validate_says_what_it_could_not_check_from_here(tmp_path):
     assert "is valid" in result.stdout
     assert "not checked here: spec.task.dataset.path: file not found: /data/train.jsonl" in result.stderr
     assert "not checked here: spec.task.reward: cannot import module 'team_rewards.math'" in result.stderr
+
+
+def test_a_worker_without_its_env_contract_exits_with_the_invalid_spec_code():
+    """The trainer Job's podFailurePolicy fails the job at once on this code (grpolora.api.contract)."""
+    from grpolora.api.contract import EXIT_INVALID_SPEC
+
+    result = grpolora("worker", "trainer")
+    assert result.returncode == EXIT_INVALID_SPEC and "grpolora worker:" in result.stderr

@@ -11,7 +11,7 @@ import yaml
 
 from grpolora.api.crd import PRESERVE, crd, crd_yaml
 from grpolora.api.load import parse_job
-from grpolora.api.status import Condition, JobStatus, RendezvousStatus, ReplicaCounts
+from grpolora.api.status import Condition, JobStatus, RendezvousStatus, ReplicaCounts, RestartCounts
 from tests.helpers import EXAMPLES, ROOT, job_doc
 
 SHIPPED = ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml"
@@ -41,8 +41,12 @@ def test_identity_and_printer_columns():
         "Step": ".status.step",
         "SyncRound": ".status.syncRound",
         "Reward": ".status.rewardMean",
+        "Ready": ".status.replicas.inference.ready",
+        "Restarts": ".status.trainerRestarts",
         "Age": ".metadata.creationTimestamp",
     }
+    wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
+    assert wide == {"Total": ".status.totalSteps", "Epoch": ".status.rendezvous.epoch", "Message": ".status.message"}
 
 
 def walk(node: dict[str, Any], path: str = ""):
@@ -113,6 +117,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         kl=0.01,
         mismatch=0.001,
         trainer_restarts=0,
+        restarts_by_cause=RestartCounts(failure=1, disruption=2),
         start_time="2026-01-01T00:00:00Z",
         completion_time="2026-01-01T01:00:00Z",
         conditions=[

@@ -44,3 +44,15 @@ def test_the_whole_list_is_rebuilt_in_the_wanted_order():
 def test_metav1_time_is_utc_whole_seconds():
     moment = datetime.datetime(2026, 3, 4, 5, 6, 7, 890000, tzinfo=datetime.timezone(datetime.timedelta(hours=2)))
     assert rfc3339(moment) == "2026-03-04T03:06:07Z"
+
+
+def test_condition_types_use_the_anchors_vocabulary_where_the_meaning_is_the_same():
+    """batch/v1 Job and Kubeflow Trainer: Complete, Failed, Suspended; Kubeflow Trainer: Created."""
+    from grpolora.operator import names
+
+    assert (names.CREATED, names.SUCCEEDED, names.FAILED, names.SUSPENDED) == (
+        "Created",
+        "Complete",
+        "Failed",
+        "Suspended",
+    )

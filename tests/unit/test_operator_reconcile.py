@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from grpolora.api.plan import plan
-from grpolora.api.status import JobStatus, TrainerStatus
+from grpolora.api.status import JobStatus, RestartCounts, TrainerStatus
 from grpolora.operator import names
 from grpolora.operator.reconcile import (
     ChildRef,
@@ -228,7 +228,7 @@ def test_a_failed_trainer_is_restarted_in_two_phases():
 def test_a_trainer_that_keeps_failing_fails_the_job_with_the_reason():
     view = applied_view(trainer={"maxRestarts": 1})
     obs = Observed(trainer_job(condition="Failed", attempt=1, message="OOMKilled"), statefulset(1))
-    decision = decide(view, running(trainer_restarts=1), obs, NOW)
+    decision = decide(view, running(trainer_restarts=1, restarts_by_cause=RestartCounts(failure=1)), obs, NOW)
     assert decision.status.phase == "Failed" and decision.status.completion_time == STAMP
     assert condition(decision, names.FAILED) == ("True", names.R_BACKOFF_LIMIT)
     assert "maxRestarts (1)" in decision.status.message and "OOMKilled" in decision.status.message

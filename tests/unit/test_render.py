@@ -45,6 +45,7 @@ def test_a_job_gets_secret_services_policy_and_both_workloads():
         ("Service", "demo-trainer"),
         ("Service", "demo-inference"),
         ("NetworkPolicy", "demo"),
+        ("PodDisruptionBudget", "demo-inference"),
         ("Job", "demo-trainer"),
         ("StatefulSet", "demo-inference"),
     }

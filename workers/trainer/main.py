@@ -15,6 +15,7 @@ import torch.distributed as dist
 from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.tasks.base import TaskError
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +100,9 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         if board is not None:
             board.update(phase="Failed", message=f"{type(exc).__name__}: {exc}")
             _write_final_status(board, Path(env.output_dir or env.checkpoint_dir))
+        if isinstance(exc, TaskError):  # a bad dataset or reward plugin: a restart would fail the same way
+            contract.write_termination_message(str(exc))
+            return contract.EXIT_INVALID_DATA
         return 1
     finally:
         if dist.is_initialized():

@@ -32,14 +32,26 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "create"]
-# the trainer Indexed Job: read its state, create it, delete it to restart or suspend the trainer
+# the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its owner and re-create it if deleted
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "create"]
+# with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads"]
+  verbs: ["get", "list", "watch", "create"]
+# mark a finished job's Kueue Workload Finished, so that Kueue returns its quota
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["workloads/status"]
+  verbs: ["patch"]
+# the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "create", "delete"]
-# the inference StatefulSet: read ready replicas, create it, delete it on suspend and when the job ends
+  verbs: ["get", "list", "watch", "create", "delete"]
+# the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; read on resyncs), create it, delete it on suspend and when the job ends
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "delete"]
 # say why a job's pods are not ready (unschedulable, image pull errors)
 - apiGroups: [""]
   resources: ["pods"]

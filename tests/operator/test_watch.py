@@ -1,0 +1,59 @@
+"""Children by watch, not by polling: between resyncs a running job's passes read its Job and StatefulSet from the
+operator's watch of them (no API request), and a change of a child reaches the job as an event."""
+
+from __future__ import annotations
+
+import asyncio
+
+from grpolora.operator import rbac
+from tests.helpers import job_doc
+from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
+from tests.operator.test_operator import created, pods_up, report
+
+
+async def test_a_steady_job_costs_no_api_requests_between_resyncs(cluster, trainer):
+    operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+    try:
+        await cluster.apply(job_doc())
+        await created(cluster)
+        trainer.report = report(step=1, syncRound=1, epoch=1)
+        await pods_up(cluster)
+        await wait_for(lambda: cluster.status("demo").get("phase") == "Running", "phase Running")
+        await wait_for(
+            lambda: (cluster.status("demo").get("replicas") or {}).get("inference", {}).get("ready") == 1, "ready"
+        )
+        await asyncio.sleep(5 * FAST_INTERVAL)
+        start = len(cluster.emulator.log)
+        await asyncio.sleep(30 * FAST_INTERVAL)  # 30 monitor passes (trainer polls)
+        requests = [entry for entry in cluster.emulator.log[start:] if entry[0] != "watch"]
+        assert requests == [], f"a steady job's passes still call the API: {requests[:10]}"
+
+        # A child's change is an event: it reaches the job without any read of the child.
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"replicas": 1, "readyReplicas": 0})
+        await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 0, "the change, by watch")
+        reads = [e for e in cluster.emulator.log[start:] if e[0] == "get" and e[1] == "statefulsets"]
+        assert reads == []
+    finally:
+        await operator.stop()
+    assert ("watch", "batch", "jobs") in cluster.emulator.calls and rbac.allowed("watch", "apps", "statefulsets")
+
+
+def test_the_watch_cache_never_goes_back_to_an_older_version():
+    """A watch event that lags behind what a full pass read must not undo it (e.g. an eviction)."""
+    from grpolora.operator.controller import Controller
+
+    controller = Controller(client=None, trainer=None, metrics=None)  # type: ignore[arg-type]
+
+    def seen(version: int, admitted: str) -> dict:
+        meta = {"name": "demo", "namespace": "ns", "resourceVersion": str(version)}
+        return {
+            "kind": "Workload",
+            "metadata": meta,
+            "status": {"conditions": [{"type": "Admitted", "status": admitted}]},
+        }
+
+    controller.workload_event("Workload", "MODIFIED", seen(7, "False"))  # what a full pass read, say
+    controller.workload_event("Workload", "MODIFIED", seen(5, "True"))  # a lagging event
+    assert controller.workloads[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
+    controller.workload_event("Workload", "DELETED", seen(8, "False"))
+    assert controller.workloads[("Workload", "ns", "demo")] is None
