@@ -140,8 +140,7 @@ class Controller:
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
-        stream = self.task.prompts(self.spec.grpo.seed)
-        return islice(stream, self.ctx.progress.prompts_consumed, None)
+        return self.task.stream(self.spec.grpo.seed, self.ctx.progress.prompts_consumed)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         tokenizer = self.ctx.policy.tokenizer
@@ -195,7 +194,7 @@ class Controller:
                 # Overlap the next step's generation with this step's training and sync.
                 pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
             reward_started = time.perf_counter()
-            rewards, batch = self._score(rollouts)
+            rewards, reward_parts, batch = self._score(rollouts)
             reward_seconds = time.perf_counter() - reward_started
             sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last
             save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
@@ -215,6 +214,7 @@ class Controller:
             self._record(
                 rollouts,
                 rewards,
+                reward_parts,
                 stats,
                 report,
                 on_policy,
@@ -235,14 +235,12 @@ class Controller:
         self.board.update(phase="Succeeded", message=f"{grpo.steps} steps done")
         self._generator.shutdown(wait=False, cancel_futures=True)
 
-    def _score(self, rollouts: Rollouts) -> tuple[torch.Tensor, Batch]:
-        rewards = torch.tensor(
-            [
-                [float(self.task.reward(prompt, c.text)) for c in completions]
-                for prompt, completions in zip(rollouts.prompts, rollouts.completions, strict=True)
-            ],
-            dtype=torch.float32,
-        )
+    def _score(self, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float], Batch]:
+        """Rewards [prompts, generations], each reward's mean (several rewards), and the batch to train on."""
+        items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
+        scores = self.task.score(items)
+        rewards = torch.tensor(scores.total, dtype=torch.float32).view(len(rollouts.prompts), -1)
+        parts = {label: sum(values) / len(values) for label, values in scores.parts.items()}
         advantages = group_advantages(rewards, self.spec.grpo.advantage)
         sequences, flat_advantages = [], []
         for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
@@ -250,7 +248,7 @@ class Controller:
                 sequences.append((ids, completion.token_ids, completion.logprobs))
                 flat_advantages.append(advantage)
         pad = self.ctx.policy.tokenizer.pad_token_id
-        return rewards, build_batch(sequences, flat_advantages, pad)
+        return rewards, parts, build_batch(sequences, flat_advantages, pad)
 
     def _sync(self) -> RoundReport:
         tensors = adapter_io.lora_tensors(self.ctx.policy.model)
@@ -276,6 +274,7 @@ class Controller:
         self,
         rollouts: Rollouts,
         rewards: torch.Tensor,
+        reward_parts: dict[str, float],
         stats: StepStats,
         report,
         on_policy: bool,
@@ -287,6 +286,7 @@ class Controller:
             "step": progress.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
+            **({"rewards": reward_parts} if reward_parts else {}),
             "kl": stats.kl,
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
