@@ -258,8 +258,8 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
 
 
 def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Mounts and volumes that only the trainer needs: the dataset volume and the Secrets the job names, all
-    read-only (the trainer reads prompts and credentials, never writes them)."""
+    """Mounts and volumes that only the trainer needs: the dataset volume and the Secrets the job names, read-only
+    (the trainer reads prompts and credentials, never writes them), and the output folder."""
     spec = plan.job.spec
     mounts: list[dict[str, Any]] = []
     volumes: list[dict[str, Any]] = []
@@ -272,6 +272,15 @@ def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str,
         volumes.append(
             {"name": "dataset", "persistentVolumeClaim": {"claimName": dataset.pvc.claim_name, "readOnly": True}}
         )
+    if spec.output is not None:
+        mounts.append({"name": "output", "mountPath": spec.output.path})
+        volumes.append(
+            {"name": "output", "persistentVolumeClaim": {"claimName": spec.output.pvc.claim_name}}
+            if spec.output.pvc
+            else {"name": "output", "emptyDir": {}}
+        )
+        if spec.output.pvc and spec.output.pvc.sub_path:
+            mounts[-1]["subPath"] = spec.output.pvc.sub_path
     for i, name in enumerate(trainer_secrets(spec)):
         mounts.append({"name": f"secret-{i}", "mountPath": f"{SECRETS_MOUNT}/{name}", "readOnly": True})
         volumes.append({"name": f"secret-{i}", "secret": {"secretName": name}})

@@ -157,6 +157,8 @@ class Progress:
     reward_mean: float | None = None
     kl: float | None = None
     mismatch: float | None = None
+    eval_reward: float | None = None
+    adapter_path: str | None = None
     epoch: int = 0
 
 
@@ -178,6 +180,8 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         reward_mean=old.reward_mean,
         kl=old.kl,
         mismatch=old.mismatch,
+        eval_reward=old.eval_reward,
+        adapter_path=old.adapter_path,
         epoch=epoch,
     )
     if report is None:
@@ -196,6 +200,8 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         reward_mean=report.reward_mean if report.reward_mean is not None else old.reward_mean,
         kl=report.kl if report.kl is not None else old.kl,
         mismatch=report.mismatch if report.mismatch is not None else old.mismatch,
+        eval_reward=report.eval_reward if report.eval_reward is not None else old.eval_reward,
+        adapter_path=report.adapter_path or old.adapter_path,
         epoch=report.epoch,
     )
 

@@ -415,6 +415,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         reward_mean=progress.reward_mean,
         kl=progress.kl,
         mismatch=progress.mismatch,
+        eval_reward=progress.eval_reward,
+        adapter_path=progress.adapter_path,
         replicas=counts,
         rendezvous=_rendezvous(job_plan, progress.epoch),
         trainer_restarts=restarts,

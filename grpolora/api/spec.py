@@ -269,8 +269,11 @@ class RewardSpec(SpecModel):
             errors.append(("name", f"unknown built-in reward {self.name!r}; valid: {', '.join(c.BUILTIN_REWARDS)}"))
         if self.url is None:
             remote_only = ("timeout_seconds", "concurrency", "batch_size", "retries", "headers_from")
-            for field_name in sorted(self.model_fields_set & set(remote_only)):
-                errors.append((to_camel(field_name), "applies to a remote reward (`url`) only"))
+            # Compared with the defaults, not model_fields_set: the spec reaches the workers with defaults written.
+            fields = type(self).model_fields
+            for field_name in remote_only:
+                if getattr(self, field_name) != fields[field_name].default:
+                    errors.append((to_camel(field_name), "applies to a remote reward (`url`) only"))
         raise_if_any(errors)
         return self
 
@@ -507,6 +510,89 @@ class CheckpointSpec(SpecModel):
     """How many of the newest checkpoints to keep."""
 
 
+class S3PushSpec(SpecModel):
+    url: str = Field(pattern=r"^s3://[^/\s]+(/.*)?$")
+    """Destination prefix, e.g. s3://bucket/adapters/my-run; the final adapter goes to <url>/final-adapter."""
+    endpoint_url: str | None = None
+    """An S3-compatible store's endpoint (MinIO, Ceph, ...); unset: AWS (or AWS_ENDPOINT_URL from the Secret)."""
+    secret_name: str | None = None
+    """Secret whose keys become the trainer's environment for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    optionally AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL."""
+
+
+class PushSpec(SpecModel):
+    s3: S3PushSpec | None = None
+    """Copy the adapter to an S3-compatible store."""
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> PushSpec:
+        if self.s3 is None:
+            raise FieldErrors([("s3", "say where to push (`s3`)")])
+        return self
+
+
+class OutputSpec(SpecModel):
+    """Where the trainer leaves its results: final-adapter/, metrics.jsonl, status.json, samples.jsonl,
+    tensorboard/ (the layout `grpolora run` leaves in its run folder)."""
+
+    path: str = Field(default="/var/lib/grpolora/output", pattern=r"^/")
+    """Absolute folder in the trainer pod."""
+    pvc: PvcRef | None = None
+    """Mount this PersistentVolumeClaim at `path` so the results outlive the pod."""
+    push: PushSpec | None = None
+    """Also copy the final adapter elsewhere (S3-compatible stores)."""
+
+
+class MlflowSpec(SpecModel):
+    tracking_uri: NonEmptyStr
+    """MLflow tracking server, e.g. http://mlflow.mlflow.svc:5000 (or a file:/sqlite: store reachable by the
+    trainer)."""
+    experiment: NonEmptyStr = "grpolora"
+    """Experiment the run is logged under (created if missing)."""
+    secret_name: str | None = None
+    """Secret whose keys become the trainer's environment for MLflow (e.g. MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)."""
+
+
+class WandbSpec(SpecModel):
+    project: NonEmptyStr
+    """Weights & Biases project."""
+    entity: str | None = None
+    """W&B entity (user or team); defaults to the API key's."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the run under the output folder only (upload it later with `wandb sync`)."""
+    secret_name: str | None = None
+    """Secret whose keys become the trainer's environment for W&B (WANDB_API_KEY, optionally WANDB_BASE_URL)."""
+
+
+class TrackingSpec(SpecModel):
+    """Experiment tracking. TensorBoard event files are always written to `<output>/tensorboard`."""
+
+    mlflow: MlflowSpec | None = None
+    """Log to an MLflow tracking server."""
+    wandb: WandbSpec | None = None
+    """Log to Weights & Biases."""
+    samples_every_steps: int = Field(default=10, gt=0)
+    """Every this many steps (and at the last), log a table of sample completions with their rewards and
+    advantages (also appended to `samples.jsonl` in the output folder)."""
+    samples_per_step: int = Field(default=4, gt=0)
+    """Prompts (each with all its completions) in such a table."""
+
+
+class EvalSpec(SpecModel):
+    """Evaluation on the held-out prompts (`task.dataset.eval`, or fresh prompts of a built-in task) through the
+    inference replicas, with the current adapter, scored by the task's reward."""
+
+    every_steps: int | None = Field(default=None, gt=0)
+    """Evaluate every this many steps (and after the last); unset: only after the last step."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    max_prompts: int = Field(default=64, gt=0)
+    """Largest number of prompts per evaluation (a dataset's eval.maxPrompts can lower it)."""
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    """Completion length limit; defaults to grpo.maxNewTokens."""
+
+
 class GRPOLoraJobSpec(SpecModel):
     model: ModelSpec
     """The base model, loaded by trainer and inference alike (its fingerprint must match across them)."""
@@ -528,6 +614,12 @@ class GRPOLoraJobSpec(SpecModel):
     """Network isolation of the job's pods."""
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
     """User and group ids of the worker pods (unset: the image's non-root user, or what OpenShift assigns)."""
+    output: OutputSpec | None = None
+    """Where results go; unset: next to the checkpoints (spec.checkpoint.path, on its PVC when set)."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment tracking (TensorBoard always; MLflow, W&B) and sample completions."""
+    eval: EvalSpec | None = None
+    """Evaluation of the adapter on held-out prompts during and after training (`eval_reward`)."""
     suspend: bool = False
     """True removes the job's pods but keeps the job, its token and checkpoints; false again resumes training."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
@@ -547,6 +639,9 @@ class GRPOLoraJobSpec(SpecModel):
                     "use a divisor of it",
                 )
             )
+        dataset = self.task.dataset
+        if self.eval is not None and dataset is not None and dataset.eval is None:
+            errors.append(("eval", "a dataset task evaluates on held-out prompts: set spec.task.dataset.eval"))
         if self.sync.backend == "nccl" and not (self.trainer.gpus_per_replica and inf.gpus_per_replica):
             errors.append(("sync.backend", "`nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto"))
         # All three listen on trainer rank 0's pod.

@@ -56,6 +56,12 @@ class TrainerStatus(_Wire):
     """Mean exp(|logprob_vllm - logprob_trainer|) - 1 over the last step's tokens (0 means exact agreement)."""
     gen_kl: float | None = None
     """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
+    eval_reward: float | None = None
+    """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
+    eval_step: int | None = None
+    """Step after which that evaluation ran."""
+    adapter_path: str | None = None
+    """Where the final adapter was written (in the trainer pod: on the output volume, or lost with the pod)."""
     message: str | None = None
     """Human-readable detail, e.g. why the run failed."""
 
@@ -142,6 +148,10 @@ class JobStatus(_Wire):
     """Mean reward of the last step."""
     kl: float | None = None
     """KL to the reference policy at the last step."""
+    eval_reward: float | None = None
+    """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
+    adapter_path: str | None = None
+    """Where the trainer wrote the final adapter (a path on the output volume)."""
     mismatch: float | None = None
     """Trainer-vs-vLLM logprob mismatch at the last step."""
     replicas: ReplicaCounts | None = None

@@ -224,3 +224,13 @@ def test_spec_refuses_a_dataset_with_no_source_or_two():
     ):
         with pytest.raises(ValueError, match=message):
             TaskSpec.model_validate({"dataset": dataset, "reward": REWARD})
+
+
+def test_rows_without_answers_load_the_same_in_the_worker(tmp_path):
+    """The worker gets the spec as to_wire() JSON, defaults written out: an answerField left at its default must
+    still be optional there (it was required in the worker only, failing jobs that `grpolora run` accepted)."""
+    (tmp_path / "p.jsonl").write_text('{"prompt": "no answer here"}\n')
+    spec = TaskSpec.model_validate({"dataset": {"path": "p.jsonl"}, "reward": REWARD})
+    in_worker = TaskSpec.model_validate(spec.model_dump(by_alias=True, mode="json", exclude_none=True))
+    for task_spec in (spec, in_worker):
+        assert next(load_task(task_spec, root=tmp_path).prompts(0)).answer is None

@@ -171,3 +171,14 @@ def test_reward_spec_errors_name_the_field(reward, path, message):
 def test_plugin_errors_in_a_list_name_the_entry(tmp_path):
     with pytest.raises(TaskError, match=r"^spec.task.reward\[1\].function: cannot import module 'no_such_mod_q'"):
         rewarded([{"name": "math"}, {"function": "no_such_mod_q:f"}], tmp_path)
+
+
+def test_a_reward_list_survives_the_trip_through_the_worker_env():
+    """The spec travels to the workers as to_wire() JSON, defaults included: it must validate again unchanged."""
+    from grpolora.api.load import parse_job
+    from grpolora.api.spec import GRPOLoraJobSpec
+    from tests.helpers import job_doc
+
+    rewards = [{"url": "http://r:1/score", "concurrency": 2}, {"name": "math", "weight": 0.5}]
+    spec = parse_job(job_doc(task={"name": "arithmetic", "reward": rewards})).spec
+    assert GRPOLoraJobSpec.model_validate(spec.to_wire()) == spec

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import numbers
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -25,9 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from grpolora.api.contract import SECRETS_DIR
-from grpolora.api.plan import SECRETS_MOUNT
 from grpolora.api.spec import RewardSpec
+from grpolora.workers.secrets import SecretError, secret_values
 from grpolora.workers.tasks.arithmetic import arithmetic_reward
 from grpolora.workers.tasks.base import Prompt, RewardFn, Scores, TaskError
 from grpolora.workers.tasks.keyword import keyword_reward
@@ -170,16 +168,6 @@ class RemoteScorer:
         self._client.close()
 
 
-def secret_values(secret_name: str, field: str) -> dict[str, str]:
-    """The keys of a Secret as mounted in the trainer: files in `$GRPOLORA_SECRETS_DIR/<name>/`."""
-    folder = Path(os.environ.get(SECRETS_DIR) or SECRETS_MOUNT) / secret_name
-    if not folder.is_dir():
-        raise TaskError(field, f"Secret {secret_name!r} not found at {folder} (set {SECRETS_DIR} when running "
-                        "locally: one folder per Secret, one file per key)")  # fmt: skip
-    # Kubernetes mounts keys as symlinks into a ..data folder; its dot-entries are not keys.
-    return {f.name: f.read_text().strip() for f in sorted(folder.iterdir()) if not f.name.startswith(".")}
-
-
 class Rewards:
     """The weighted sum of several rewards; each reward's own scores are reported under its label."""
 
@@ -218,7 +206,10 @@ def build_rewards(specs: Sequence[RewardSpec], root: Path, *, plugin_string: boo
             scorer = FunctionScorer(spec.metric_label, fn, spec.function, where)
         else:
             assert spec.url is not None
-            headers = secret_values(spec.headers_from.secret_name, f"{field}.headersFrom") if spec.headers_from else {}
+            try:
+                headers = secret_values(spec.headers_from.secret_name, "") if spec.headers_from else {}
+            except SecretError as err:
+                raise TaskError(f"{field}.headersFrom", str(err).removeprefix(": ")) from None
             scorer = RemoteScorer(
                 spec.metric_label,
                 spec.url,

@@ -27,7 +27,8 @@ def columns_of(spec: DatasetSpec) -> Columns:
         answer=spec.answer_field,
         messages=spec.messages_field,
         system=spec.system_field,
-        answer_required="answer_field" in spec.model_fields_set,
+        # Compared with the default, not model_fields_set: the worker gets the spec with defaults written out.
+        answer_required=spec.answer_field != type(spec).model_fields["answer_field"].default,
     )
 
 

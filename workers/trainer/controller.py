@@ -29,7 +29,8 @@ from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task, chat_messages
-from grpolora.workers.trainer import checkpoint, metrics
+from grpolora.workers.tracking import Tracking
+from grpolora.workers.trainer import checkpoint, evaluate, metrics, outputs
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
 from grpolora.workers.trainer.policy import Batch, Policy, build_batch
@@ -58,6 +59,9 @@ class Rollouts:
     prompt_ids: list[list[int]]
     completions: list[list[Completion]]
     seconds: float
+
+    def prompts_and_completions(self, count: int) -> list[tuple[Prompt, list[Completion]]]:
+        return list(zip(self.prompts[:count], self.completions[:count], strict=True))
 
     @property
     def versions(self) -> set[int]:
@@ -121,10 +125,27 @@ def run_follower(ctx: TrainerContext) -> None:
             return
 
 
+@dataclass
+class Scored:
+    rewards: torch.Tensor  # [prompts, generations], the weighted total
+    parts: dict[str, torch.Tensor]  # each reward's own scores, same shape (several rewards only)
+    advantages: torch.Tensor  # same shape
+    batch: Batch
+
+
 class Controller:
     """Rank 0's loop. The sender, rollout client and task are injected (built by the entry point)."""
 
-    def __init__(self, ctx: TrainerContext, *, task: Task, sender, rollouts: RolloutClient, board: StatusBoard):
+    def __init__(
+        self,
+        ctx: TrainerContext,
+        *,
+        task: Task,
+        sender,
+        rollouts: RolloutClient,
+        board: StatusBoard,
+        run_name: str = "grpolora",
+    ):
         self.ctx = ctx
         self.spec = ctx.spec
         self.task = task
@@ -137,6 +158,9 @@ class Controller:
         # The adapter version that equals the trainer's weights right now; None once they moved past every synced
         # version (between an optimizer step and the next sync).
         self._weights_version: int | None = None
+        self.run_name = run_name
+        self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
+        self._eval_prompts = evaluate.held_out(task, self.spec) if self.spec.eval else []
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
@@ -194,15 +218,17 @@ class Controller:
                 # Overlap the next step's generation with this step's training and sync.
                 pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
             reward_started = time.perf_counter()
-            rewards, reward_parts, batch = self._score(rollouts)
+            scored = self._score(rollouts)
             reward_seconds = time.perf_counter() - reward_started
-            sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last
+            eval_now = self._eval_due(ctx.progress.step + 1, last)
+            # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
+            sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
             save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
-            instruction = Instruction(batch=batch, on_policy=on_policy, gather=sync_now, checkpoint=save_now)
+            instruction = Instruction(batch=scored.batch, on_policy=on_policy, gather=sync_now, checkpoint=save_now)
             broadcast_instruction(instruction, ctx.world_size)
             train_started = time.perf_counter()
             stats = train_step(
-                ctx.policy, ctx.optimizer, batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
+                ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
             )
             train_seconds = time.perf_counter() - train_started
             self._weights_version = None  # the weights moved: no served version equals them until the next sync
@@ -211,10 +237,11 @@ class Controller:
             report = self._sync() if sync_now else None
             if save_now:
                 ctx.save()
+            evaluation = self._evaluate() if eval_now else None
             self._record(
                 rollouts,
-                rewards,
-                reward_parts,
+                scored,
+                evaluation,
                 stats,
                 report,
                 on_policy,
@@ -227,20 +254,49 @@ class Controller:
                 },
             )
         broadcast_instruction(Instruction(gather=True, stop=True), ctx.world_size)
-        adapter_io.save_adapter(
-            ctx.output_dir / "final-adapter",
+        final = outputs.save_adapter(
+            ctx.output_dir / outputs.FINAL_ADAPTER,
             adapter_io.lora_tensors(ctx.policy.model),
             adapter_io.lora_config(ctx.policy.model),
+            self.spec,
+            step=ctx.progress.step,
+            job_name=self.run_name,
         )
-        self.board.update(phase="Succeeded", message=f"{grpo.steps} steps done")
+        pushed = outputs.push(final, self.spec, outputs.FINAL_ADAPTER)
+        where = f"; adapter pushed to {pushed}" if pushed else ""
+        self.board.update(
+            phase="Succeeded", message=f"{grpo.steps} steps done; adapter in {final}{where}", adapter_path=str(final)
+        )
         self._generator.shutdown(wait=False, cancel_futures=True)
 
-    def _score(self, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, float], Batch]:
-        """Rewards [prompts, generations], each reward's mean (several rewards), and the batch to train on."""
+    def close(self) -> None:
+        self.tracking.close()
+
+    def _eval_due(self, step: int, last: bool) -> bool:
+        every = self.spec.eval.every_steps if self.spec.eval else None
+        return self.spec.eval is not None and (last or (every is not None and step % every == 0))
+
+    def _evaluate(self) -> evaluate.EvalResult:
+        version = self.sender.version
+        result = evaluate.evaluate(
+            self._eval_prompts,
+            task=self.task,
+            tokenize=self._tokenize,
+            rollouts=self.rollouts,
+            spec=self.spec,
+            version=version,
+            replicas=self.sender.serving(version),
+        )
+        log.info("eval at step %d: reward %.3f over %d prompts", self.ctx.progress.step, result.reward_mean,
+                 result.prompts)  # fmt: skip
+        return result
+
+    def _score(self, rollouts: Rollouts) -> Scored:
         items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
         scores = self.task.score(items)
-        rewards = torch.tensor(scores.total, dtype=torch.float32).view(len(rollouts.prompts), -1)
-        parts = {label: sum(values) / len(values) for label, values in scores.parts.items()}
+        shape = (len(rollouts.prompts), -1)
+        rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
+        parts = {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
         advantages = group_advantages(rewards, self.spec.grpo.advantage)
         sequences, flat_advantages = [], []
         for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
@@ -248,7 +304,24 @@ class Controller:
                 sequences.append((ids, completion.token_ids, completion.logprobs))
                 flat_advantages.append(advantage)
         pad = self.ctx.policy.tokenizer.pad_token_id
-        return rewards, parts, build_batch(sequences, flat_advantages, pad)
+        return Scored(rewards, parts, advantages, build_batch(sequences, flat_advantages, pad))
+
+    def _samples(self, rollouts: Rollouts, scored: Scored) -> list[dict[str, Any]]:
+        """The first prompts of the step, each with all its completions, rewards and advantages."""
+        rows = []
+        for i, (prompt, group) in enumerate(rollouts.prompts_and_completions(self.spec.tracking.samples_per_step)):
+            for j, completion in enumerate(group):
+                row = {
+                    "prompt": prompt.text,
+                    "answer": prompt.answer,
+                    "completion": completion.text,
+                    "reward": float(scored.rewards[i, j]),
+                    "advantage": float(scored.advantages[i, j]),
+                }
+                if scored.parts:
+                    row["rewards"] = {label: float(v[i, j]) for label, v in scored.parts.items()}
+                rows.append(row)
+        return rows
 
     def _sync(self) -> RoundReport:
         tensors = adapter_io.lora_tensors(self.ctx.policy.model)
@@ -273,20 +346,21 @@ class Controller:
     def _record(
         self,
         rollouts: Rollouts,
-        rewards: torch.Tensor,
-        reward_parts: dict[str, float],
+        scored: Scored,
+        evaluation: evaluate.EvalResult | None,
         stats: StepStats,
         report,
         on_policy: bool,
         seconds: dict[str, float],
     ) -> None:
         progress = self.ctx.progress
+        rewards = scored.rewards
         lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
         record: dict[str, Any] = {
             "step": progress.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            **({"rewards": reward_parts} if reward_parts else {}),
+            **({"rewards": {label: float(v.mean()) for label, v in scored.parts.items()}} if scored.parts else {}),
             "kl": stats.kl,
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
@@ -304,9 +378,16 @@ class Controller:
             "sync_transport_seconds": report.transport_seconds if report else 0.0,
             "seconds": seconds,
             "time": time.time(),
+            **(evaluation.record() if evaluation else {}),
         }
         with self._metrics_file.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        last = progress.step == self.spec.grpo.steps
+        samples = self._samples(rollouts, scored) if self.tracking.samples_due(progress.step, last) else None
+        self.tracking.step(progress.step, record, samples)
+        if evaluation is not None:
+            metrics.EVAL_REWARD.set(evaluation.reward_mean)
+            self.board.update(eval_reward=evaluation.reward_mean, eval_step=progress.step)
         metrics.STEP.set(progress.step)
         metrics.REWARD_MEAN.set(record["reward_mean"])
         metrics.KL.set(stats.kl)

@@ -86,7 +86,13 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         try:
             # Inference engines may still be downloading and loading the model: wait for all of them.
             sender.form_group(wait_for_all_seconds=STARTUP_WAIT_SECONDS)
-            Controller(ctx, task=task, sender=sender, rollouts=rollouts, board=board).run()
+            controller = Controller(
+                ctx, task=task, sender=sender, rollouts=rollouts, board=board, run_name=env.job_name
+            )
+            try:
+                controller.run()
+            finally:
+                controller.close()
         finally:
             sender.close()
             rollouts.close()
