@@ -207,3 +207,40 @@ def test_trainer_mounts_the_dataset_volume_and_named_secrets_read_only():
     assert not {"dataset", "secret-0"} & {v["name"] for v in inference["volumes"]}
     for obj in objs.values():
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_trainer_mounts_the_output_volume_and_tracking_and_push_secrets():
+    (job,) = load_jobs(ROOT / "examples" / "gsm8k-data.yaml")
+    p = plan(job)
+    objs = by_kind(children(job))
+    trainer = objs[("Job", "qwen3-gsm8k-trainer")]
+    pod = trainer["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    output = mounts["/results/qwen3-gsm8k"]
+    assert volumes[output["name"]]["persistentVolumeClaim"] == {"claimName": "results"}
+    assert (
+        env_of(trainer)[contract.OUTPUT_DIR]
+        == "/results/qwen3-gsm8k"
+        == p.env_for("trainer", 0, token="t")[contract.OUTPUT_DIR]
+    )
+    secrets = {m["mountPath"].rsplit("/", 1)[1]: volumes[m["name"]]["secret"]["secretName"] for m in mounts.values()
+               if m["name"].startswith("secret-")}  # fmt: skip
+    assert secrets == {"reward-auth": "reward-auth", "mlflow": "mlflow", "s3": "s3"}
+    assert all(m["readOnly"] for m in mounts.values() if m["name"].startswith("secret-"))
+    # Without spec.output, results stay next to the checkpoints (no output variable: the worker defaults to them).
+    (plain,) = load_jobs(ROOT / "examples" / "qwen3-0.6b-gpu.yaml")
+    assert contract.OUTPUT_DIR not in env_of(by_kind(children(plain))[("Job", f"{plain.name}-trainer")])
+
+
+def test_validate_warns_when_no_output_persists():
+    from grpolora.api.load import job_warnings
+
+    def warned(**fields) -> bool:
+        return any(w.path == "spec.output" for w in job_warnings(parse_job(job_doc(**fields))))
+
+    assert warned()
+    assert warned(output={"path": "/out"}, checkpoint={"pvc": {"claimName": "c"}})  # output set, on no volume
+    assert not warned(checkpoint={"pvc": {"claimName": "c"}})  # outputs default to the checkpoint volume
+    assert not warned(output={"pvc": {"claimName": "r"}})
+    assert not warned(output={"push": {"s3": {"url": "s3://b/p"}}})
