@@ -112,3 +112,28 @@ def test_the_mlflow_run_holds_the_metrics(data_run):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_reward")] == [2, 3]
     assert {"rewards/judge", "rewards/math", "kl", "seconds/sync"} <= set(run.data.metrics)
     assert len(client.list_artifacts(run.info.run_id, "samples")) == 2
+
+
+def test_grpolora_eval_compares_the_saved_adapter_with_the_base_model(data_run):
+    import subprocess
+    import sys
+
+    run_dir, _, served, _ = data_run
+    tmp = run_dir.parent
+    before = sum(len(b["items"]) for b in served.requests)
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "grpolora.cli", "eval", str(tmp / f"{STEPS}-steps.yaml"), "--adapter",
+         str(run_dir / "final-adapter"), "--out", str(tmp / "eval.json")],
+        capture_output=True, text=True, timeout=600, cwd=tmp,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    figures = json.loads((tmp / "eval.json").read_text())
+    assert set(figures) == {"base", "adapter"} and all(f["eval_prompts"] == 3 for f in figures.values())
+    assert set(figures["adapter"]["eval_rewards"]) == {"judge", "math"}
+    assert "base     eval_reward" in result.stdout and "adapter  eval_reward" in result.stdout
+    # Scored by the same rewards (the service saw 3 held-out prompts twice) ...
+    assert sum(len(b["items"]) for b in served.requests) - before == 2 * 3
+    # ... and, greedy on the same prompts, the final adapter scores what the run's last evaluation measured.
+    last = records(run_dir)[-1]
+    assert figures["adapter"]["eval_reward"] == pytest.approx(last["eval_reward"])
+    assert figures["adapter"]["eval_completion_length_mean"] == pytest.approx(last["eval_completion_length_mean"])

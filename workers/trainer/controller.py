@@ -28,7 +28,7 @@ import torch.distributed as dist
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
-from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking
 from grpolora.workers.trainer import checkpoint, evaluate, metrics, outputs
 from grpolora.workers.trainer.checkpoint import Progress
@@ -167,11 +167,7 @@ class Controller:
         return self.task.stream(self.spec.grpo.seed, self.ctx.progress.prompts_consumed)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        tokenizer = self.ctx.policy.tokenizer
-        text = tokenizer.apply_chat_template(
-            chat_messages(prompt, self.spec.task.system_prompt), tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return evaluate.tokenize_prompt(self.ctx.policy.tokenizer, prompt, self.spec.task.system_prompt)
 
     def _generate(self, prompts: list[Prompt], version: int) -> Rollouts:
         started = time.perf_counter()
@@ -282,10 +278,10 @@ class Controller:
             self._eval_prompts,
             task=self.task,
             tokenize=self._tokenize,
-            rollouts=self.rollouts,
+            generate=lambda ids, sampling: self.rollouts.generate(
+                ids, sampling, version=version, replicas=self.sender.serving(version)
+            ),
             spec=self.spec,
-            version=version,
-            replicas=self.sender.serving(version),
         )
         log.info("eval at step %d: reward %.3f over %d prompts", self.ctx.progress.step, result.reward_mean,
                  result.prompts)  # fmt: skip

@@ -9,23 +9,25 @@ problem by chance).
 
 from __future__ import annotations
 
+import asyncio
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
+from pathlib import Path
 
-from grpolora.api.spec import GRPOLoraJobSpec
-from grpolora.workers.tasks import Prompt, Task
-from grpolora.workers.trainer.rollout import RolloutClient, Sampling
+from grpolora.api.spec import EvalSpec, GRPOLoraJobSpec
+from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.trainer.rollout import Completion, Sampling
 
 EVAL_SEED_OFFSET = 1_000_003
 
 
 def held_out(task: Task, spec: GRPOLoraJobSpec) -> list[Prompt]:
     """The evaluation prompts of a job (at most eval.maxPrompts), the same every time."""
-    assert spec.eval is not None
-    limit = spec.eval.max_prompts
+    limit = (spec.eval or EvalSpec()).max_prompts
     rows = task.eval_prompts()
     if rows is not None:
         return [rows[i] for i in range(min(limit, len(rows)))]
@@ -55,27 +57,37 @@ class EvalResult:
         return result
 
 
+Generate = Callable[[list[list[int]], Sampling], list[list[Completion]]]
+"""Completions for token-id prompts: the inference replicas over HTTP (training), or an engine in this process
+(`grpolora eval`)."""
+
+
+def tokenize_prompt(tokenizer, prompt: Prompt, system_prompt: str | None) -> list[int]:
+    """A prompt's token ids as the replicas get them: its chat rendered with the template, generation prompt added."""
+    text = tokenizer.apply_chat_template(
+        chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
 def evaluate(
     prompts: Sequence[Prompt],
     *,
     task: Task,
     tokenize: Callable[[Prompt], list[int]],
-    rollouts: RolloutClient,
+    generate: Generate,
     spec: GRPOLoraJobSpec,
-    version: int | None,
-    replicas: Sequence[int],
 ) -> EvalResult:
-    """Generate one completion per prompt with adapter `version` (None: what the replicas serve) and score it."""
-    assert spec.eval is not None
+    """Generate one completion per prompt and score it with the task's rewards."""
+    evaluation = spec.eval or EvalSpec()
     started = time.perf_counter()
     sampling = Sampling(
         n=1,
-        temperature=spec.eval.temperature,
+        temperature=evaluation.temperature,
         top_p=1.0,
-        max_tokens=spec.eval.max_new_tokens or spec.grpo.max_new_tokens,
+        max_tokens=evaluation.max_new_tokens or spec.grpo.max_new_tokens,
     )
-    completions = rollouts.generate([tokenize(p) for p in prompts], sampling, version=version or 0, replicas=replicas)
-    texts = [group[0] for group in completions]
+    texts = [group[0] for group in generate([tokenize(p) for p in prompts], sampling)]
     scores = task.score([(p, c.text) for p, c in zip(prompts, texts, strict=True)])
     return EvalResult(
         reward_mean=statistics.fmean(scores.total),
@@ -86,3 +98,60 @@ def evaluate(
         version=min(c.version for c in texts),
         seconds=time.perf_counter() - started,
     )
+
+
+def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) -> dict[str, EvalResult]:
+    """`grpolora eval`: the job's evaluation for the base model and for a saved adapter, in one vLLM engine in
+    this process (adapter version 1 next to the base, version 0). Returns {"base": ..., "adapter": ...}."""
+    from transformers import AutoTokenizer
+
+    from grpolora.workers import adapter as adapter_io
+    from grpolora.workers.inference.engine import AdapterEngine, SamplingRequest, config_for, cpu_engine_env
+    from grpolora.workers.models import resolve_model
+    from grpolora.workers.tasks import load_task
+
+    task = load_task(spec.task, root=root)
+    try:
+        prompts = held_out(task, spec)
+        model_dir = str(resolve_model(spec.model.name, spec.model.revision))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tensors, config = adapter_io.load_adapter(adapter_dir)
+        cpu_engine_env(spec)
+        engine = AdapterEngine(
+            config_for(spec, model_dir), adapter_root=Path(tempfile.mkdtemp(prefix="grpolora-eval-"))
+        )
+
+        async def run() -> dict[str, EvalResult]:
+            await engine.start()
+            try:
+                await asyncio.to_thread(engine.activate, 1, tensors, config)  # it waits on this loop
+                loop = asyncio.get_running_loop()
+                results = {}
+                for name, version in (("base", 0), ("adapter", 1)):
+
+                    def generate(ids: list[list[int]], sampling: Sampling, version: int = version):
+                        request = SamplingRequest(sampling.n, sampling.temperature, sampling.top_p,
+                                                  sampling.max_tokens)  # fmt: skip
+                        futures = [
+                            asyncio.run_coroutine_threadsafe(engine.generate(p, request, version), loop) for p in ids
+                        ]
+                        return [
+                            [Completion(s.token_ids, s.logprobs, s.text, s.finish_reason, version) for s in f.result()]
+                            for f in futures
+                        ]
+
+                    results[name] = await asyncio.to_thread(
+                        evaluate,
+                        prompts,
+                        task=task,
+                        tokenize=lambda p: tokenize_prompt(tokenizer, p, spec.task.system_prompt),
+                        generate=generate,
+                        spec=spec,
+                    )
+                return results
+            finally:
+                engine.shutdown()
+
+        return asyncio.run(run())
+    finally:
+        task.close()
