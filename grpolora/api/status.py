@@ -56,6 +56,9 @@ class TrainerStatus(_Wire):
     """Mean exp(|logprob_vllm - logprob_trainer|) - 1 over the last step's tokens (0 means exact agreement)."""
     gen_kl: float | None = None
     """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
+    prompts_skipped: int = 0
+    """Prompts skipped since the trainer started because they do not fit the model length with
+    grpo.maxNewTokens."""
     eval_reward: float | None = None
     """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
     eval_step: int | None = None

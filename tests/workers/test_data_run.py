@@ -19,6 +19,7 @@ from tests.workers.trackservers import mlflow_server
 pytestmark = pytest.mark.vllm
 
 STEPS = 3
+LONG_PROMPT = "Please add these numbers: " + " + ".join(str(i) for i in range(300))
 
 
 def job(reward_url: str, mlflow_uri: str) -> dict:
@@ -55,8 +56,11 @@ def job(reward_url: str, mlflow_uri: str) -> dict:
 @pytest.fixture(scope="module")
 def data_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("data-run")
-    for split, count in (("train", 12), ("test", 5)):
+    for split, count in (("train", 3), ("test", 5)):
         rows = {"question": [f"What is {i} + {i}?" for i in range(count)], "solution": [2 * i for i in range(count)]}
+        if split == "train":  # a prompt longer than the model length (256): skipped, never sent to the replicas
+            rows["question"].append(LONG_PROMPT)
+            rows["solution"].append(0)
         (tmp / "data").mkdir(exist_ok=True)
         pq.write_table(pa.table(rows), tmp / "data" / f"{split}-00000-of-00001.parquet")
     reward = RewardServer().start()
@@ -81,9 +85,16 @@ def test_metrics_hold_each_reward_and_the_evaluations(data_run):
     prompts = {item["prompt"] for body in served.requests for item in body["items"]}
     assert {"What is 0 + 0?", "What is 1 + 1?", "What is 2 + 2?"} <= prompts  # the test split's first 3
     assert sum(len(b["items"]) for b in served.requests) == STEPS * 8 + 2 * 3
+    # 6 prompts trained from 3 short rows: two epochs, each also drawing (and skipping) the long row.
+    assert LONG_PROMPT not in prompts and status_of(run_dir).prompts_skipped >= 1
+    assert steps[-1]["prompts_skipped"] == status_of(run_dir).prompts_skipped
     status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
     assert status.phase == "Succeeded" and status.eval_reward == steps[-1]["eval_reward"] and status.eval_step == 3
     assert status.adapter_path == str((run_dir / "final-adapter").resolve())
+
+
+def status_of(run_dir) -> TrainerStatus:
+    return TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
 
 
 def test_adapter_samples_and_tensorboard_in_the_run_folder(data_run):

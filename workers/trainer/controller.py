@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,8 @@ class Rollouts:
     prompt_ids: list[list[int]]
     completions: list[list[Completion]]
     seconds: float
+    drawn: int = 0
+    """Prompts taken from the stream for this step: these plus those skipped as too long."""
 
     def prompts_and_completions(self, count: int) -> list[tuple[Prompt, list[Completion]]]:
         return list(zip(self.prompts[:count], self.completions[:count], strict=True))
@@ -161,6 +162,11 @@ class Controller:
         self.run_name = run_name
         self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
         self._eval_prompts = evaluate.held_out(task, self.spec) if self.spec.eval else []
+        self._skipped = 0
+        model_length = self.spec.inference.max_model_len or getattr(
+            ctx.policy.model.config, "max_position_embeddings", None
+        )
+        self._max_prompt_tokens = model_length - self.spec.grpo.max_new_tokens if model_length else None
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
@@ -169,10 +175,10 @@ class Controller:
     def _tokenize(self, prompt: Prompt) -> list[int]:
         return evaluate.tokenize_prompt(self.ctx.policy.tokenizer, prompt, self.spec.task.system_prompt)
 
-    def _generate(self, prompts: list[Prompt], version: int) -> Rollouts:
+    def _generate(self, drawn: tuple[list[Prompt], list[list[int]], int], version: int) -> Rollouts:
         started = time.perf_counter()
         grpo = self.spec.grpo
-        ids = [self._tokenize(p) for p in prompts]
+        prompts, ids, count = drawn
         sampling = Sampling(
             n=grpo.generations_per_prompt,
             temperature=grpo.temperature,
@@ -180,12 +186,35 @@ class Controller:
             max_tokens=grpo.max_new_tokens,
         )
         completions = self.rollouts.generate(ids, sampling, version=version, replicas=self.sender.serving(version))
-        return Rollouts(prompts, ids, completions, time.perf_counter() - started)
+        return Rollouts(prompts, ids, completions, time.perf_counter() - started, count)
 
-    def _next_prompts(self) -> list[Prompt]:
-        # Not counted as consumed until trained on: a pipelined step's prompts fetched ahead of a checkpoint are
-        # generated again after a restart, never skipped.
-        return list(islice(self._prompts, self.spec.grpo.prompts_per_step))
+    def _next_prompts(self) -> tuple[list[Prompt], list[list[int]], int]:
+        """The next step's prompts, their token ids, and how many were drawn from the stream to find them.
+
+        A prompt whose tokens and grpo.maxNewTokens cannot fit the model length is skipped (logged, counted in
+        status.promptsSkipped): the replicas would refuse it. Not counted as consumed until trained on: a
+        pipelined step's prompts fetched ahead of a checkpoint are generated again after a restart.
+        """
+        wanted, longest = self.spec.grpo.prompts_per_step, self._max_prompt_tokens
+        prompts: list[Prompt] = []
+        ids: list[list[int]] = []
+        drawn = 0
+        for prompt in self._prompts:
+            drawn += 1
+            tokens = self._tokenize(prompt)
+            if longest is not None and len(tokens) > longest:
+                self._skipped += 1
+                log.warning("prompt skipped: %d tokens, longer than the %d that fit (%.80r)", len(tokens), longest,
+                            prompt.text)  # fmt: skip
+                if drawn >= 100 * wanted and not prompts:
+                    raise ValueError(f"spec.task: none of {drawn} prompts in a row fits in {longest} tokens (the "
+                                     "model length minus grpo.maxNewTokens)")  # fmt: skip
+                continue
+            prompts.append(prompt)
+            ids.append(tokens)
+            if len(prompts) == wanted:
+                break
+        return prompts, ids, drawn
 
     def _on_policy(self, rollouts: Rollouts) -> bool:
         """Sampled from exactly the trainer's current weights: the synced version they equal, unmoved since."""
@@ -229,7 +258,7 @@ class Controller:
             train_seconds = time.perf_counter() - train_started
             self._weights_version = None  # the weights moved: no served version equals them until the next sync
             ctx.progress.step += 1
-            ctx.progress.prompts_consumed += len(rollouts.prompts)
+            ctx.progress.prompts_consumed += rollouts.drawn
             report = self._sync() if sync_now else None
             if save_now:
                 ctx.save()
@@ -366,6 +395,7 @@ class Controller:
             "gen_kl": stats.gen_kl,
             "tokens": stats.tokens,
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
+            "prompts_skipped": self._skipped,
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
             "sync_round": progress.sync_round,
@@ -381,6 +411,7 @@ class Controller:
         last = progress.step == self.spec.grpo.steps
         samples = self._samples(rollouts, scored) if self.tracking.samples_due(progress.step, last) else None
         self.tracking.step(progress.step, record, samples)
+        self.board.update(prompts_skipped=self._skipped)
         if evaluation is not None:
             metrics.EVAL_REWARD.set(evaluation.reward_mean)
             self.board.update(eval_reward=evaluation.reward_mean, eval_step=progress.step)
