@@ -159,6 +159,7 @@ class Progress:
     mismatch: float | None = None
     eval_reward: float | None = None
     adapter_path: str | None = None
+    prompts_skipped: int | None = None
     epoch: int = 0
 
 
@@ -182,6 +183,7 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         mismatch=old.mismatch,
         eval_reward=old.eval_reward,
         adapter_path=old.adapter_path,
+        prompts_skipped=old.prompts_skipped,
         epoch=epoch,
     )
     if report is None:
@@ -202,6 +204,7 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         mismatch=report.mismatch if report.mismatch is not None else old.mismatch,
         eval_reward=report.eval_reward if report.eval_reward is not None else old.eval_reward,
         adapter_path=report.adapter_path or old.adapter_path,
+        prompts_skipped=report.prompts_skipped,
         epoch=report.epoch,
     )
 

@@ -417,6 +417,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         mismatch=progress.mismatch,
         eval_reward=progress.eval_reward,
         adapter_path=progress.adapter_path,
+        prompts_skipped=progress.prompts_skipped,
         replicas=counts,
         rendezvous=_rendezvous(job_plan, progress.epoch),
         trainer_restarts=restarts,

@@ -155,6 +155,8 @@ class JobStatus(_Wire):
     """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
     adapter_path: str | None = None
     """Where the trainer wrote the final adapter (a path on the output volume)."""
+    prompts_skipped: int | None = None
+    """Prompts the trainer skipped because they do not fit the model length (since it last started)."""
     mismatch: float | None = None
     """Trainer-vs-vLLM logprob mismatch at the last step."""
     replicas: ReplicaCounts | None = None

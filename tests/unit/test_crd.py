@@ -114,6 +114,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         mismatch=0.001,
         eval_reward=0.4,
         adapter_path="/var/lib/grpolora/output/final-adapter",
+        prompts_skipped=2,
         trainer_restarts=0,
         start_time="2026-01-01T00:00:00Z",
         completion_time="2026-01-01T01:00:00Z",
