@@ -88,6 +88,43 @@ def cmd_run(args: argparse.Namespace) -> int:
     return run(args.file, run_dir=args.run_dir, ray_address=args.ray_address)
 
 
+def cmd_eval(args: argparse.Namespace) -> int:
+    """Evaluate a saved adapter against the base model on the job's held-out prompts (spec.eval, or its defaults)."""
+    import json
+    import logging
+    from pathlib import Path
+
+    from grpolora.workers.tasks import TaskError
+
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        jobs = load_jobs(args.file)
+    except InvalidJob as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    if len(jobs) != 1:
+        print(f"{args.file}: holds {len(jobs)} jobs; `grpolora eval` evaluates one", file=sys.stderr)
+        return 1
+    adapter = Path(args.adapter)
+    if not (adapter / "adapter_config.json").is_file():
+        print(f"--adapter {adapter}: not a peft adapter folder (no adapter_config.json)", file=sys.stderr)
+        return 1
+    from grpolora.workers.trainer.evaluate import offline
+
+    try:
+        results = offline(jobs[0].spec, adapter)
+    except TaskError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 1
+    for name, result in results.items():
+        parts = "".join(f" {label} {value:.3f}" for label, value in result.parts.items())
+        print(f"{name:8s} eval_reward {result.reward_mean:.3f} (std {result.reward_std:.3f}){parts} over "
+              f"{result.prompts} prompts, mean length {result.completion_length_mean:.1f} tokens")  # fmt: skip
+    if args.out:
+        Path(args.out).write_text(json.dumps({name: r.record() for name, r in results.items()}, indent=2))
+    return 0
+
+
 def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker process; everything it needs comes from the env contract (docs/contract.md)."""
     import logging
@@ -169,6 +206,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", help="folder for metrics, adapter, checkpoints, logs (default runs/<job name>)")
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one (default $RAY_ADDRESS)")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("eval", help="evaluate a saved adapter against the base model on the job's held-out prompts")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--adapter", required=True, help="a peft adapter folder (e.g. <run dir>/final-adapter)")
+    p.add_argument("--out", help="also write the figures of both evaluations to this JSON file")
+    p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("worker", help="run a worker process (in a pod or a local actor), configured by env")
     p.add_argument("role", choices=["trainer", "inference"])

@@ -21,7 +21,7 @@ from typing import Any
 
 from grpolora.api import constants as c
 from grpolora.api import contract, overlay
-from grpolora.api.plan import MODEL_MOUNT, JobPlan, RolePlan
+from grpolora.api.plan import DATASET_MOUNT, MODEL_MOUNT, SECRETS_MOUNT, JobPlan, RolePlan, trainer_secrets
 from grpolora.api.spec import PodSecuritySpec, RoleSpec
 from grpolora.operator import names
 
@@ -309,6 +309,9 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
             if ckpt_pvc
             else {"name": "checkpoints", "emptyDir": {}}
         )
+        mounts, extra = _trainer_inputs(plan)
+        container["volumeMounts"] += mounts
+        volumes += extra
         container["readinessProbe"] = _http_probe("/health", http, period=10)
     else:
         container["startupProbe"] = _http_probe(
@@ -335,6 +338,36 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
     if placement.affinity:
         pod["affinity"] = copy.deepcopy(dict(placement.affinity))
     return pod
+
+
+def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Mounts and volumes that only the trainer needs: the dataset volume and the Secrets the job names, read-only
+    (the trainer reads prompts and credentials, never writes them), and the output folder."""
+    spec = plan.job.spec
+    mounts: list[dict[str, Any]] = []
+    volumes: list[dict[str, Any]] = []
+    dataset = spec.task.dataset
+    if dataset is not None and dataset.pvc is not None:
+        mount = {"name": "dataset", "mountPath": DATASET_MOUNT, "readOnly": True}
+        if dataset.pvc.sub_path:
+            mount["subPath"] = dataset.pvc.sub_path
+        mounts.append(mount)
+        volumes.append(
+            {"name": "dataset", "persistentVolumeClaim": {"claimName": dataset.pvc.claim_name, "readOnly": True}}
+        )
+    if spec.output is not None:
+        mounts.append({"name": "output", "mountPath": spec.output.path})
+        volumes.append(
+            {"name": "output", "persistentVolumeClaim": {"claimName": spec.output.pvc.claim_name}}
+            if spec.output.pvc
+            else {"name": "output", "emptyDir": {}}
+        )
+        if spec.output.pvc and spec.output.pvc.sub_path:
+            mounts[-1]["subPath"] = spec.output.pvc.sub_path
+    for i, name in enumerate(trainer_secrets(spec)):
+        mounts.append({"name": f"secret-{i}", "mountPath": f"{SECRETS_MOUNT}/{name}", "readOnly": True})
+        volumes.append({"name": f"secret-{i}", "secret": {"secretName": name}})
+    return mounts, volumes
 
 
 def role_spec(plan: JobPlan, role: RolePlan) -> RoleSpec:

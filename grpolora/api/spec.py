@@ -221,13 +221,142 @@ class GRPOSpec(SpecModel):
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
 
 
+class HubDatasetSpec(SpecModel):
+    id: NonEmptyStr
+    """Hugging Face dataset id (e.g. openai/gsm8k), or a local folder laid out as a hub dataset repository;
+    loaded with the `datasets` library (offline when HF_HUB_OFFLINE=1: then only the local cache is used)."""
+    config: str | None = None
+    """Dataset configuration (subset) name, e.g. `main`."""
+    split: NonEmptyStr = "train"
+    """Split to train on."""
+    revision: str | None = None
+    """Branch, tag or commit of the dataset repository (a commit pins the data)."""
+
+
+class DatasetEvalSpec(SpecModel):
+    split: str | None = None
+    """Held-out split of the same dataset (`hub`, or a folder whose file names say their split: test.parquet,
+    data/test-00000.parquet ...)."""
+    path: str | None = None
+    """Held-out file or folder, resolved like `dataset.path`."""
+    max_prompts: int | None = Field(default=None, gt=0)
+    """Evaluate on at most this many prompts (the first ones, in file order)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetEvalSpec:
+        if (self.split is None) == (self.path is None):
+            raise FieldErrors([("", "set exactly one of `split` (of the same dataset) or `path` (a file or folder)")])
+        return self
+
+
 class DatasetSpec(SpecModel):
-    path: NonEmptyStr
-    """JSONL file, one object per line (local path, or a path inside the checkpoint or model volume)."""
+    path: str | None = None
+    """A .jsonl, .json or .parquet file, or a folder of them (local path; with `pvc`, a path inside the volume)."""
+    pvc: PvcRef | None = None
+    """Mount this PersistentVolumeClaim read-only on the trainer; `path` is then relative to it."""
+    hub: HubDatasetSpec | None = None
+    """A Hugging Face dataset instead of files."""
     prompt_field: NonEmptyStr = "prompt"
-    """Key of the prompt text in each line."""
+    """Column (key) of the prompt text."""
     answer_field: NonEmptyStr = "answer"
-    """Key of the reference answer handed to the reward function."""
+    """Column of the reference answer handed to the reward (a string or a number; may be absent)."""
+    messages_field: str | None = None
+    """Column holding a chat (a list of {role, content}) to use instead of `promptField`; a trailing assistant
+    message is dropped (and is the answer when the row has no `answerField`)."""
+    system_field: str | None = None
+    """Column holding a per-row system prompt (overrides `task.systemPrompt` for that row)."""
+    eval: DatasetEvalSpec | None = None
+    """Held-out prompts for evaluation (`spec.eval`)."""
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DatasetSpec:
+        if (self.path is None and self.pvc is None) == (self.hub is None):
+            raise FieldErrors([("", "set `path` (and/or `pvc`) for files, or `hub` for a Hugging Face dataset")])
+        return self
+
+
+class SecretRef(SpecModel):
+    secret_name: NonEmptyStr
+    """Name of a Secret in the job's namespace."""
+
+
+REWARD_LABEL = re.compile(r"^[A-Za-z0-9_.-]+$")
+
+
+class RewardSpec(SpecModel):
+    """One reward: a built-in (`name`), a plugin (`function`) or a remote service (`url`), with its weight."""
+
+    name: str | None = None
+    """A built-in reward: `math` (math-verify equivalence with the answer), `arithmetic` or `keyword`."""
+    function: str | None = Field(default=None, pattern=REWARD_REF_PATTERN)
+    """A plugin `package.module:function`, called as function(prompt, completion, answer) -> float."""
+    url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
+    """A reward service: POST {"items": [{"prompt", "completion", "answer"}]} -> {"scores": [...]} (docs/tasks.md)."""
+    weight: float = 1.0
+    """Factor of this reward in the total (rewards are summed after weighting)."""
+    label: str | None = Field(default=None, pattern=REWARD_LABEL.pattern)
+    """Name of this reward in metrics (`rewards.<label>`); defaults to the built-in name, the function's name or
+    the service's host."""
+    timeout_seconds: float = Field(default=30.0, gt=0)
+    """`url` only: a request that takes longer fails (and is retried)."""
+    concurrency: int = Field(default=4, gt=0)
+    """`url` only: requests in flight at once."""
+    batch_size: int = Field(default=64, gt=0)
+    """`url` only: items per request."""
+    retries: int = Field(default=2, ge=0)
+    """`url` only: further attempts after a timeout, a connection error, a 429 or a 5xx answer."""
+    headers_from: SecretRef | None = None
+    """`url` only: HTTP headers from this Secret (each key a header name, its value the header value), e.g. a key
+    `Authorization` with value `Bearer ...`."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> RewardSpec:
+        errors: list[tuple[str, str]] = []
+        kinds = [k for k in ("name", "function", "url") if getattr(self, k) is not None]
+        if len(kinds) != 1:
+            errors.append(("", "set exactly one of `name` (built-in), `function` (plugin) or `url` (service)"))
+        if self.name is not None and self.name not in c.BUILTIN_REWARDS:
+            errors.append(("name", f"unknown built-in reward {self.name!r}; valid: {', '.join(c.BUILTIN_REWARDS)}"))
+        if self.url is None:
+            remote_only = ("timeout_seconds", "concurrency", "batch_size", "retries", "headers_from")
+            # Compared with the defaults, not model_fields_set: the spec reaches the workers with defaults written.
+            fields = type(self).model_fields
+            for field_name in remote_only:
+                if getattr(self, field_name) != fields[field_name].default:
+                    errors.append((to_camel(field_name), "applies to a remote reward (`url`) only"))
+        raise_if_any(errors)
+        return self
+
+    @property
+    def metric_label(self) -> str:
+        """The label in metrics (see `label`)."""
+        if self.label:
+            return self.label
+        if self.name:
+            return self.name
+        if self.function:
+            return self.function.rpartition(":")[2]
+        assert self.url is not None
+        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0])
+
+
+def _reward_entry(index: int, entry: Any) -> RewardSpec:
+    from pydantic import ValidationError
+
+    if isinstance(entry, RewardSpec):
+        return entry
+    try:
+        return RewardSpec.model_validate(entry)
+    except ValidationError as exc:
+        errors: list[tuple[str, str]] = []
+        for error in exc.errors():
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in (index, *error["loc"]))
+            cause = (error.get("ctx") or {}).get("error")
+            if isinstance(cause, FieldErrors):
+                errors += [(f"{where}.{sub}" if sub else where, message) for sub, message in cause.errors]
+            else:
+                errors.append((where, error["msg"].removeprefix("Value error, ")))
+        raise FieldErrors(errors) from None
 
 
 class TaskSpec(SpecModel):
@@ -235,22 +364,57 @@ class TaskSpec(SpecModel):
     """A built-in task, generated in code so it runs offline: `arithmetic` (exact answer plus a format bonus) or
     `keyword` (a short answer that uses a given word; moves within ~20 steps even for a 135M model)."""
     dataset: DatasetSpec | None = None
-    """Prompts from a JSONL file instead of a built-in task."""
-    reward: str | None = Field(default=None, pattern=REWARD_REF_PATTERN)
-    """Reward plugin `package.module:function`, called as function(prompt: str, completion: str, answer: str | None)
-    -> float. Required with `dataset`; overrides a built-in task's reward."""
+    """Prompts from files (JSONL, JSON, Parquet), a volume or a Hugging Face dataset instead of a built-in task."""
+    reward: str | list[RewardSpec] | None = Field(
+        default=None, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """A reward plugin `package.module:function` (called as function(prompt: str, completion: str, answer: str |
+    None) -> float), or a list of weighted rewards (built-in `name`, plugin `function`, or service `url`) summed
+    into one. Required with `dataset`; overrides a built-in task's reward."""
     system_prompt: str | None = None
     """Optional system message put before every prompt in the chat template."""
+
+    @field_validator("reward", mode="before")
+    @classmethod
+    def _plugin_or_list(cls, value: Any) -> Any:
+        # Checked before the union so that a user sees one clear message instead of one per union member.
+        if isinstance(value, str) and not re.match(REWARD_REF_PATTERN, value):
+            raise ValueError(f"{value!r} should match pattern package.module:function (or give a list of rewards)")
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list: give at least one reward")
+        if value is not None and not isinstance(value, str | list):
+            raise ValueError(f"must be `package.module:function` or a list of rewards, got {value!r}")
+        if isinstance(value, list):
+            # Validated here, entry by entry, so that errors point at `reward[i].<field>` rather than at a branch
+            # of the union.
+            return [_reward_entry(i, entry) for i, entry in enumerate(value)]
+        return value
+
+    @property
+    def rewards(self) -> list[RewardSpec]:
+        """`reward` as a list (a plugin string is one reward of weight 1)."""
+        if self.reward is None:
+            return []
+        if isinstance(self.reward, str):
+            return [RewardSpec(function=self.reward)]
+        return list(self.reward)
 
     @model_validator(mode="after")
     def _one_source(self) -> TaskSpec:
         errors: list[tuple[str, str]] = []
         if (self.name is None) == (self.dataset is None):
-            errors.append(("", "set exactly one of `name` (a built-in task) or `dataset` (a JSONL file)"))
+            errors.append(("", "set exactly one of `name` (a built-in task) or `dataset` (files or a hub dataset)"))
         if self.name is not None and self.name not in c.BUILTIN_TASKS:
             errors.append(("name", f"unknown built-in task {self.name!r}; valid: {', '.join(c.BUILTIN_TASKS)}"))
         if self.dataset is not None and self.reward is None:
-            errors.append(("reward", "a `dataset` task needs `reward: package.module:function`"))
+            errors.append(("reward", "a `dataset` task needs `reward: package.module:function` or a list of rewards"))
+        seen: dict[str, int] = {}
+        for i, reward in enumerate(self.rewards):
+            label = reward.metric_label
+            if label in seen:
+                errors.append((f"reward[{i}].label", f"{label!r} is already the label of reward[{seen[label]}]; "
+                               "give each reward its own `label`"))  # fmt: skip
+            seen.setdefault(label, i)
         raise_if_any(errors)
         return self
 
@@ -453,6 +617,89 @@ def _job_spec_rules() -> list[dict[str, str]]:
     ]
 
 
+class S3PushSpec(SpecModel):
+    url: str = Field(pattern=r"^s3://[^/\s]+(/.*)?$")
+    """Destination prefix, e.g. s3://bucket/adapters/my-run; the final adapter goes to <url>/final-adapter."""
+    endpoint_url: str | None = None
+    """An S3-compatible store's endpoint (MinIO, Ceph, ...); unset: AWS (or AWS_ENDPOINT_URL from the Secret)."""
+    secret_name: str | None = None
+    """Secret whose keys become the trainer's environment for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
+    optionally AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL."""
+
+
+class PushSpec(SpecModel):
+    s3: S3PushSpec | None = None
+    """Copy the adapter to an S3-compatible store."""
+
+    @model_validator(mode="after")
+    def _somewhere(self) -> PushSpec:
+        if self.s3 is None:
+            raise FieldErrors([("s3", "say where to push (`s3`)")])
+        return self
+
+
+class OutputSpec(SpecModel):
+    """Where the trainer leaves its results: final-adapter/, metrics.jsonl, status.json, samples.jsonl,
+    tensorboard/ (the layout `grpolora run` leaves in its run folder)."""
+
+    path: str = Field(default="/var/lib/grpolora/output", pattern=r"^/")
+    """Absolute folder in the trainer pod."""
+    pvc: PvcRef | None = None
+    """Mount this PersistentVolumeClaim at `path` so the results outlive the pod."""
+    push: PushSpec | None = None
+    """Also copy the final adapter elsewhere (S3-compatible stores)."""
+
+
+class MlflowSpec(SpecModel):
+    tracking_uri: NonEmptyStr
+    """MLflow tracking server, e.g. http://mlflow.mlflow.svc:5000 (or a file:/sqlite: store reachable by the
+    trainer)."""
+    experiment: NonEmptyStr = "grpolora"
+    """Experiment the run is logged under (created if missing)."""
+    secret_name: str | None = None
+    """Secret whose keys become the trainer's environment for MLflow (e.g. MLFLOW_TRACKING_TOKEN, or
+    MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)."""
+
+
+class WandbSpec(SpecModel):
+    project: NonEmptyStr
+    """Weights & Biases project."""
+    entity: str | None = None
+    """W&B entity (user or team); defaults to the API key's."""
+    mode: Literal["online", "offline"] = "online"
+    """`offline` writes the run under the output folder only (upload it later with `wandb sync`)."""
+    secret_name: str | None = None
+    """Secret whose keys become the trainer's environment for W&B (WANDB_API_KEY, optionally WANDB_BASE_URL)."""
+
+
+class TrackingSpec(SpecModel):
+    """Experiment tracking. TensorBoard event files are always written to `<output>/tensorboard`."""
+
+    mlflow: MlflowSpec | None = None
+    """Log to an MLflow tracking server."""
+    wandb: WandbSpec | None = None
+    """Log to Weights & Biases."""
+    samples_every_steps: int = Field(default=10, gt=0)
+    """Every this many steps (and at the last), log a table of sample completions with their rewards and
+    advantages (also appended to `samples.jsonl` in the output folder)."""
+    samples_per_step: int = Field(default=4, gt=0)
+    """Prompts (each with all its completions) in such a table."""
+
+
+class EvalSpec(SpecModel):
+    """Evaluation on the held-out prompts (`task.dataset.eval`, or fresh prompts of a built-in task) through the
+    inference replicas, with the current adapter, scored by the task's reward."""
+
+    every_steps: int | None = Field(default=None, gt=0)
+    """Evaluate every this many steps (and after the last); unset: only after the last step."""
+    temperature: float = Field(default=0.0, ge=0)
+    """Sampling temperature; 0 is greedy."""
+    max_prompts: int = Field(default=64, gt=0)
+    """Largest number of prompts per evaluation (a dataset's eval.maxPrompts can lower it)."""
+    max_new_tokens: int | None = Field(default=None, gt=0)
+    """Completion length limit; defaults to grpo.maxNewTokens."""
+
+
 class GRPOLoraJobSpec(SpecModel):
     model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: _job_spec_rules()})
 
@@ -478,6 +725,12 @@ class GRPOLoraJobSpec(SpecModel):
     """Network isolation of the job's pods."""
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
     """User and group ids of the worker pods (unset: the image's non-root user, or what OpenShift assigns)."""
+    output: OutputSpec | None = None
+    """Where results go; unset: next to the checkpoints (spec.checkpoint.path, on its PVC when set)."""
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec)
+    """Experiment tracking (TensorBoard always; MLflow, W&B) and sample completions."""
+    eval: EvalSpec | None = None
+    """Evaluation of the adapter on held-out prompts during and after training (`eval_reward`)."""
     suspend: bool = False
     """True removes the job's pods but keeps the job, its token and (on `checkpoint.pvc`) its checkpoints; false again
     resumes training."""
@@ -498,6 +751,9 @@ class GRPOLoraJobSpec(SpecModel):
                     "use a divisor of it",
                 )
             )
+        dataset = self.task.dataset
+        if self.eval is not None and dataset is not None and dataset.eval is None:
+            errors.append(("eval", "a dataset task evaluates on held-out prompts: set spec.task.dataset.eval"))
         if self.sync.backend == "nccl" and not (self.trainer.gpus_per_replica and inf.gpus_per_replica):
             errors.append(("sync.backend", "`nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto"))
         # All three listen on trainer rank 0's pod.

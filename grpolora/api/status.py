@@ -56,6 +56,15 @@ class TrainerStatus(_Wire):
     """Mean exp(|logprob_vllm - logprob_trainer|) - 1 over the last step's tokens (0 means exact agreement)."""
     gen_kl: float | None = None
     """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
+    prompts_skipped: int = 0
+    """Prompts skipped since the trainer started because they do not fit the model length with
+    grpo.maxNewTokens."""
+    eval_reward: float | None = None
+    """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
+    eval_step: int | None = None
+    """Step after which that evaluation ran."""
+    adapter_path: str | None = None
+    """Where the final adapter was written (in the trainer pod: on the output volume, or lost with the pod)."""
     message: str | None = None
     """Human-readable detail, e.g. why the run failed."""
     inference_restarts: int | None = None
@@ -153,6 +162,12 @@ class JobStatus(_Wire):
     """Mean reward of the last step."""
     kl: float | None = None
     """KL to the reference policy at the last step."""
+    eval_reward: float | None = None
+    """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
+    adapter_path: str | None = None
+    """Where the trainer wrote the final adapter (a path on the output volume)."""
+    prompts_skipped: int | None = None
+    """Prompts the trainer skipped because they do not fit the model length (since it last started)."""
     mismatch: float | None = None
     """Trainer-vs-vLLM logprob mismatch at the last step."""
     replicas: ReplicaCounts | None = None

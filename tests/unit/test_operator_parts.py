@@ -231,3 +231,13 @@ def test_shared_claims_access_modes(pods, writes, modes, refused, warned):
     assert (check.refusal is not None, check.warning is not None) == (refused, warned)
     for text in filter(None, (check.refusal, check.warning)):
         assert "claim c" in text and ("ReadWriteMany" in text or "ReadWriteOnce" in text)
+
+
+def test_fold_carries_the_data_figures_and_keeps_the_last_evaluation():
+    report = TrainerStatus(
+        phase="Running", total_steps=20, step=4, eval_reward=0.6, prompts_skipped=3, adapter_path="/out/final-adapter"
+    )
+    progress = fold_trainer(JobStatus(step=2, eval_reward=0.2), report)
+    assert (progress.eval_reward, progress.prompts_skipped, progress.adapter_path) == (0.6, 3, "/out/final-adapter")
+    later = fold_trainer(JobStatus(eval_reward=0.6), TrainerStatus(phase="Running", total_steps=20, step=5))
+    assert later.eval_reward == 0.6  # a step without an evaluation keeps the last one

@@ -95,7 +95,8 @@ def test_gpu_example_places_each_role_on_its_own_pool_with_full_rendezvous_env()
     assert t_env[contract.NODE_RANK] == {"fieldRef": {"fieldPath": c.JOB_COMPLETION_INDEX_FIELD}}
     assert i_env[contract.REPLICA_INDEX] == {"fieldRef": {"fieldPath": c.STATEFULSET_POD_INDEX_FIELD}}
     assert i_env[contract.TOKEN] == {"secretKeyRef": {"name": "qwen3-arithmetic-token", "key": "token"}}
-    assert set(contract.ALL) - {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR} <= set(t_env)
+    optional = {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR, contract.DATA_DIR, contract.SECRETS_DIR}
+    assert set(contract.ALL) - optional <= set(t_env)
 
 
 def test_trainer_is_an_indexed_job_the_operator_restarts_as_a_group():
@@ -187,3 +188,72 @@ def test_shared_memory_is_bounded():
         assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
     big = children(job_doc(trainer={"shmSizeLimit": "32Gi"}))
     assert next(v for v in pod_of(big, "Job")["volumes"] if v["name"] == "shm")["emptyDir"]["sizeLimit"] == "32Gi"
+
+
+def test_trainer_mounts_the_dataset_volume_and_named_secrets_read_only():
+    doc = job_doc(
+        task={
+            "dataset": {"pvc": {"claimName": "prompts", "subPath": "v3"}, "path": "train.parquet"},
+            "reward": [
+                {"name": "math"},
+                {"url": "http://reward.rl.svc:8000/score", "headersFrom": {"secretName": "reward-auth"}},
+            ],
+        }
+    )
+    objs = by_kind(children(doc))
+    trainer = objs[("Job", "demo-trainer")]
+    pod = trainer["spec"]["template"]["spec"]
+    mounts = {m["name"]: m for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert mounts["dataset"] == {"name": "dataset", "mountPath": "/data", "readOnly": True, "subPath": "v3"}
+    assert volumes["dataset"]["persistentVolumeClaim"] == {"claimName": "prompts", "readOnly": True}
+    assert mounts["secret-0"] == {
+        "name": "secret-0",
+        "mountPath": "/var/run/grpolora/secrets/reward-auth",
+        "readOnly": True,
+    }
+    assert volumes["secret-0"] == {"name": "secret-0", "secret": {"secretName": "reward-auth"}}
+    assert env_of(trainer)[contract.DATA_DIR] == "/data"
+    assert env_of(trainer)[contract.SECRETS_DIR] == "/var/run/grpolora/secrets"
+    # Inference pods read neither.
+    inference = objs[("StatefulSet", "demo-inference")]["spec"]["template"]["spec"]
+    assert not {"dataset", "secret-0"} & {v["name"] for v in inference["volumes"]}
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_trainer_mounts_the_output_volume_and_tracking_and_push_secrets():
+    (job,) = load_jobs(ROOT / "examples" / "gsm8k-data.yaml")
+    p = plan(job)
+    objs = by_kind(children(job))
+    trainer = objs[("Job", "qwen3-gsm8k-trainer")]
+    pod = trainer["spec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    output = mounts["/results/qwen3-gsm8k"]
+    assert volumes[output["name"]]["persistentVolumeClaim"] == {"claimName": "results"}
+    assert (
+        env_of(trainer)[contract.OUTPUT_DIR]
+        == "/results/qwen3-gsm8k"
+        == p.env_for("trainer", 0, token="t")[contract.OUTPUT_DIR]
+    )
+    secrets = {m["mountPath"].rsplit("/", 1)[1]: volumes[m["name"]]["secret"]["secretName"] for m in mounts.values()
+               if m["name"].startswith("secret-")}  # fmt: skip
+    assert secrets == {"reward-auth": "reward-auth", "mlflow": "mlflow", "s3": "s3"}
+    assert all(m["readOnly"] for m in mounts.values() if m["name"].startswith("secret-"))
+    # Without spec.output, results stay next to the checkpoints (no output variable: the worker defaults to them).
+    (plain,) = load_jobs(ROOT / "examples" / "qwen3-0.6b-gpu.yaml")
+    assert contract.OUTPUT_DIR not in env_of(by_kind(children(plain))[("Job", f"{plain.name}-trainer")])
+
+
+def test_validate_warns_when_no_output_persists():
+    from grpolora.api.load import job_warnings
+
+    def warned(**fields) -> bool:
+        return any(w.path == "spec.output" for w in job_warnings(parse_job(job_doc(**fields))))
+
+    assert warned()
+    assert warned(output={"path": "/out"}, checkpoint={"pvc": {"claimName": "c"}})  # output set, on no volume
+    assert not warned(checkpoint={"pvc": {"claimName": "c"}})  # outputs default to the checkpoint volume
+    assert not warned(output={"pvc": {"claimName": "r"}})
+    assert not warned(output={"push": {"s3": {"url": "s3://b/p"}}})

@@ -157,17 +157,6 @@ def test_dataset_task_reads_shuffles_per_epoch_and_scores(tmp_path):
     assert task.reward(prompt, "It is city2.") == 1.0 and task.reward(prompt, "No idea") == 0.0
 
 
-def test_dataset_prompts_that_cannot_fit_are_reported_once_and_skipped(tmp_path):
-    path = write_jsonl(tmp_path, [json.dumps({"prompt": "word " * n}) for n in (3, 50, 4, 80)])
-    task = load_task(task_spec(dataset={"path": path}, reward=f"{write_plugin(tmp_path, REWARD_BODY)}:score"), tmp_path)
-    report = task.drop_prompts(lambda p: len(p.text.split()) < 10, "do not fit in the model length 10")
-    assert report == "spec.task.dataset.path: 2 of 4 prompts do not fit in the model length 10; skipped: lines 2, 4"
-    assert sorted(len(p.text.split()) for p in first(task, 0, 6)) == [3, 3, 3, 4, 4, 4]
-    assert task.drop_prompts(lambda p: True, "never") is None
-    with pytest.raises(TaskError, match=r"spec\.task\.dataset\.path: none of the 2 prompts is left: all do not fit"):
-        task.drop_prompts(lambda p: False, "do not fit")
-
-
 def test_dataset_answers_may_be_numbers_or_absent_by_default(tmp_path):
     path = write_jsonl(tmp_path, ['{"prompt": "2+2?", "answer": 4}', '{"prompt": "Say hi"}'])
     task = load_task(task_spec(dataset={"path": path}, reward=f"{write_plugin(tmp_path, REWARD_BODY)}:score"), tmp_path)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import shutil
 import time
 import uuid
@@ -23,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers.adapter import save_adapter
 from grpolora.workers.inference import metrics
 
@@ -98,6 +100,39 @@ class EngineLimits:
         bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidRequest(f"{where}: token id {bad} is out of vocabulary (valid: 0 to {self.vocab_size - 1})")
+
+
+def config_for(spec: GRPOLoraJobSpec, model_dir: str) -> EngineConfig:
+    """The engine of a job's inference replicas (the servers, and `grpolora eval`)."""
+    inference = spec.inference
+    gpus = inference.gpus_per_replica
+    return EngineConfig(
+        model_dir=model_dir,
+        dtype=spec.model.dtype,
+        max_lora_rank=spec.lora.vllm_max_lora_rank,
+        max_loras=inference.max_loras,
+        tensor_parallel_size=inference.tensor_parallel_size,
+        data_parallel_size=max(gpus // inference.tensor_parallel_size, 1),
+        max_model_len=inference.max_model_len,
+        # On CPUs the KV cache is sized by VLLM_CPU_KVCACHE_SPACE; a low fraction keeps vLLM's memory check from
+        # failing when the trainer shares the machine.
+        gpu_memory_utilization=inference.gpu_memory_utilization if gpus else 0.05,
+        seed=spec.grpo.seed,
+        enforce_eager=not gpus,  # compiling on CPUs costs minutes at start-up and gains little
+    )
+
+
+def cpu_engine_env(spec: GRPOLoraJobSpec) -> None:
+    """Environment a CPU engine needs, set before vLLM starts (values already set by the user win)."""
+    if spec.inference.gpus_per_replica:
+        return
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.inference.kv_cache_gib))
+    # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
+    # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
+    os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
+    # vLLM keeps a core for its front end by default: on a small machine that halves generation. Our front end
+    # is light, and sequential GRPO leaves the trainer idle while it generates.
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
 class AdapterEngine:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import hmac
 import logging
-import os
 import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
@@ -35,6 +34,8 @@ from grpolora.workers.inference.engine import (
     InvalidRequest,
     SamplingRequest,
     VersionUnavailable,
+    config_for,
+    cpu_engine_env,
 )
 from grpolora.workers.sync.control import (
     JOIN_PATH,
@@ -304,23 +305,7 @@ def _count_round(outcome: RoundOutcome) -> None:
 
 
 def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
-    spec = env.spec
-    inference = spec.inference
-    gpus = inference.gpus_per_replica
-    return EngineConfig(
-        model_dir=model_dir,
-        dtype=spec.model.dtype,
-        max_lora_rank=spec.lora.vllm_max_lora_rank,
-        max_loras=inference.max_loras,
-        tensor_parallel_size=inference.tensor_parallel_size,
-        data_parallel_size=max(gpus // inference.tensor_parallel_size, 1),
-        max_model_len=inference.max_model_len,
-        # On CPUs the KV cache is sized by VLLM_CPU_KVCACHE_SPACE; a low fraction keeps vLLM's memory check from
-        # failing when the trainer shares the machine.
-        gpu_memory_utilization=inference.gpu_memory_utilization if gpus else 0.05,
-        seed=spec.grpo.seed,
-        enforce_eager=not gpus,  # compiling on CPUs costs minutes at start-up and gains little
-    )
+    return config_for(env.spec, model_dir)
 
 
 def serve(env: WorkerEnv) -> int:
@@ -330,14 +315,7 @@ def serve(env: WorkerEnv) -> int:
 
     from grpolora.workers.models import fingerprint, resolve_model
 
-    if not env.spec.inference.gpus_per_replica:
-        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(env.spec.inference.kv_cache_gib))
-        # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
-        # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
-        os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
-        # vLLM keeps a core for its front end by default: on a small machine that halves generation. Our front end
-        # is light, and sequential GRPO leaves the trainer idle while it generates.
-        os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    cpu_engine_env(env.spec)
     holder: dict[str, str] = {}
 
     async def prepare() -> None:

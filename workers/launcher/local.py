@@ -440,6 +440,10 @@ def plot(records: Sequence[dict], out: Path) -> None:
         ("KL to reference (k3)", [r["kl"] for r in records], None),
         ("adapter sync (ms)", [r["seconds"]["sync"] * 1000 for r in records], None),
     )
+    evaluated = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
+    if evaluated:
+        axes[0].plot(*zip(*evaluated, strict=True), marker="s", color="tab:green", label="eval reward (held out)")
+        axes[0].legend(loc="best")
     for axis, (label, values, spread) in zip(axes, series, strict=True):
         axis.plot(steps, values, marker="o", markersize=3)
         if spread is not None:
@@ -491,7 +495,7 @@ def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = 
         return 1
     job = jobs[0]
     for warning in job_warnings(job):
-        if warning.path != "spec.checkpoint.pvc":  # a cluster concern
+        if warning.path not in ("spec.checkpoint.pvc", "spec.output"):  # cluster concerns
             print(f"{job_file}: warning: {warning}", file=sys.stderr)
     from grpolora.workers.tasks import TaskError, load_task
 
@@ -533,5 +537,8 @@ def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = 
     if records:
         plot(records, folder / "plot.png")
     print(summarize(records))
-    print(f"run folder: {folder}: metrics.jsonl, status.json, final-adapter/, checkpoints/, plot.png, logs/")
+    print(
+        f"run folder: {folder}: metrics.jsonl, status.json, final-adapter/, samples.jsonl, tensorboard/, "
+        "checkpoints/, plot.png, logs/"
+    )
     return 0

@@ -11,10 +11,9 @@ import inspect
 import math
 import numbers
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
-from grpolora.workers.tasks.base import Prompt, RewardFn, Task, TaskError, TaskUnreachable
+from grpolora.workers.tasks.base import Prompt, RewardFn, TaskError, TaskUnreachable
 
 FIELD = "spec.task.reward"
 
@@ -71,19 +70,3 @@ def call_reward(fn: RewardFn, ref: str, prompt: Prompt, completion: str) -> floa
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise TaskError(FIELD, f"{ref!r} returned {value!r} ({type(value).__name__}); it must return a finite float")
     return float(value)
-
-
-class PluginRewardTask(Task):
-    """Another task's prompts with a plugin's reward (a built-in task whose spec sets `reward`)."""
-
-    def __init__(self, prompts_from: Task, fn: RewardFn, ref: str):
-        self.name = prompts_from.name
-        self._prompts_from = prompts_from
-        self._fn = fn
-        self._ref = ref
-
-    def prompts(self, seed: int) -> Iterator[Prompt]:
-        return self._prompts_from.prompts(seed)
-
-    def reward(self, prompt: Prompt, completion: str) -> float:
-        return call_reward(self._fn, self._ref, prompt, completion)

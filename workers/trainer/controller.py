@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +27,9 @@ import torch.distributed as dist
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
-from grpolora.workers.tasks import Prompt, Task, chat_messages
-from grpolora.workers.tasks.dataset import DatasetTask
-from grpolora.workers.trainer import checkpoint, metrics
+from grpolora.workers.tasks import Prompt, Task
+from grpolora.workers.tracking import Tracking
+from grpolora.workers.trainer import checkpoint, evaluate, metrics, outputs
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
 from grpolora.workers.trainer.policy import Batch, Policy, build_batch
@@ -59,6 +58,11 @@ class Rollouts:
     prompt_ids: list[list[int]]
     completions: list[list[Completion]]
     seconds: float
+    drawn: int = 0
+    """Prompts taken from the stream for this step: these plus those skipped as too long."""
+
+    def prompts_and_completions(self, count: int) -> list[tuple[Prompt, list[Completion]]]:
+        return list(zip(self.prompts[:count], self.completions[:count], strict=True))
 
     @property
     def versions(self) -> set[int]:
@@ -141,10 +145,27 @@ def run_follower(ctx: TrainerContext) -> None:
             return
 
 
+@dataclass
+class Scored:
+    rewards: torch.Tensor  # [prompts, generations], the weighted total
+    parts: dict[str, torch.Tensor]  # each reward's own scores, same shape (several rewards only)
+    advantages: torch.Tensor  # same shape
+    batch: Batch
+
+
 class Controller:
     """Rank 0's loop. The sender, rollout client and task are injected (built by the entry point)."""
 
-    def __init__(self, ctx: TrainerContext, *, task: Task, sender, rollouts: RolloutClient, board: StatusBoard):
+    def __init__(
+        self,
+        ctx: TrainerContext,
+        *,
+        task: Task,
+        sender,
+        rollouts: RolloutClient,
+        board: StatusBoard,
+        run_name: str = "grpolora",
+    ):
         self.ctx = ctx
         self.spec = ctx.spec
         self.task = task
@@ -156,7 +177,6 @@ class Controller:
         dropped = drop_records_after(self._metrics_file, ctx.progress.step)
         if dropped:
             log.info("metrics.jsonl: dropped %d records of steps after the checkpoint this run resumes from", dropped)
-        self._drop_prompts_that_cannot_fit()
         self._prompts = self._prompt_stream()
         # The adapter version that equals the trainer's weights right now; None once they moved past every synced
         # version (between an optimizer step and the next sync).
@@ -164,57 +184,69 @@ class Controller:
         # Stream position of the next prompt to draw (ahead of progress.prompts_consumed while a pipelined step's
         # rollouts are in flight): it numbers the per-prompt sampling seeds.
         self._drawn = ctx.progress.prompts_consumed
-
-    def _drop_prompts_that_cannot_fit(self) -> None:
-        """A dataset prompt the engine cannot take (with room for one generated token) is reported once, here, and
-        never drawn: sent, it would be refused by every replica and end the run."""
-        if not isinstance(self.task, DatasetTask):
-            return  # built-in tasks generate short prompts
-        limit = self.spec.inference.max_model_len or getattr(self.ctx.policy.model.config, "max_position_embeddings", 0)
-        if not limit:
-            return
-        report = self.task.drop_prompts(
-            lambda p: len(self._tokenize(p)) < limit,
-            f"do not fit in the model length {limit} (inference.maxModelLen) with room for one generated token",
+        self.run_name = run_name
+        self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
+        self._eval_prompts = evaluate.held_out(task, self.spec) if self.spec.eval else []
+        self._skipped = 0
+        model_length = self.spec.inference.max_model_len or getattr(
+            ctx.policy.model.config, "max_position_embeddings", None
         )
-        if report:
-            log.warning("%s", report)
+        self._max_prompt_tokens = model_length - self.spec.grpo.max_new_tokens if model_length else None
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
-        stream = self.task.prompts(self.spec.grpo.seed)
-        return islice(stream, self.ctx.progress.prompts_consumed, None)
+        return self.task.stream(self.spec.grpo.seed, self.ctx.progress.prompts_consumed)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        tokenizer = self.ctx.policy.tokenizer
-        text = tokenizer.apply_chat_template(
-            chat_messages(prompt, self.spec.task.system_prompt), tokenize=False, add_generation_prompt=True
-        )
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return evaluate.tokenize_prompt(self.ctx.policy.tokenizer, prompt, self.spec.task.system_prompt)
 
-    def _generate(self, prompts: list[Prompt], first_prompt: int, version: int) -> Rollouts:
+    def _generate(self, drawn: tuple[list[Prompt], list[list[int]], int, list[int]], version: int) -> Rollouts:
         started = time.perf_counter()
         grpo = self.spec.grpo
-        ids = [self._tokenize(p) for p in prompts]
+        prompts, ids, count, positions = drawn
         sampling = Sampling(
             n=grpo.generations_per_prompt,
             temperature=grpo.temperature,
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
         )
-        seeds = [prompt_seed(grpo.seed, first_prompt + k) for k in range(len(ids))]
+        seeds = [prompt_seed(grpo.seed, position) for position in positions]
         completions = self.rollouts.generate(
             ids, sampling, version=version, replicas=self.sender.serving(version), seeds=seeds
         )
-        return Rollouts(prompts, ids, completions, time.perf_counter() - started)
+        return Rollouts(prompts, ids, completions, time.perf_counter() - started, count)
 
-    def _next_prompts(self) -> tuple[list[Prompt], int]:
-        """The next step's prompts and the stream position of the first. Not counted as consumed until trained on:
-        a pipelined step's prompts fetched ahead of a checkpoint are generated again after a restart, never
-        skipped (with the same seeds)."""
-        prompts = list(islice(self._prompts, self.spec.grpo.prompts_per_step))
-        first, self._drawn = self._drawn, self._drawn + len(prompts)
-        return prompts, first
+    def _next_prompts(self) -> tuple[list[Prompt], list[list[int]], int, list[int]]:
+        """The next step's prompts, their token ids, how many were drawn from the stream to find them, and each
+        one's stream position (which numbers its sampling seed, the same after a resume).
+
+        A prompt whose tokens and grpo.maxNewTokens cannot fit the model length is skipped (logged, counted in
+        status.promptsSkipped): the replicas would refuse it. Not counted as consumed until trained on: a
+        pipelined step's prompts fetched ahead of a checkpoint are generated again after a restart.
+        """
+        wanted, longest = self.spec.grpo.prompts_per_step, self._max_prompt_tokens
+        prompts: list[Prompt] = []
+        ids: list[list[int]] = []
+        positions: list[int] = []
+        drawn = 0
+        for prompt in self._prompts:
+            drawn += 1
+            tokens = self._tokenize(prompt)
+            if longest is not None and len(tokens) > longest:
+                self._skipped += 1
+                log.warning("prompt skipped: %d tokens, longer than the %d that fit (%.80r)", len(tokens), longest,
+                            prompt.text)  # fmt: skip
+                if drawn >= 100 * wanted and not prompts:
+                    raise ValueError(f"spec.task: none of {drawn} prompts in a row fits in {longest} tokens (the "
+                                     "model length minus grpo.maxNewTokens)")  # fmt: skip
+                continue
+            prompts.append(prompt)
+            ids.append(tokens)
+            positions.append(self._drawn + drawn - 1)
+            if len(prompts) == wanted:
+                break
+        self._drawn += drawn
+        return prompts, ids, drawn, positions
 
     def _on_policy(self, rollouts: Rollouts) -> bool:
         """Sampled from exactly the trainer's current weights: the synced version they equal, unmoved since."""
@@ -234,35 +266,39 @@ class Controller:
             iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
             self.sender.refresh()
             if pending is None:
-                rollouts = self._generate(*self._next_prompts(), self.sender.version)
+                rollouts = self._generate(self._next_prompts(), self.sender.version)
             else:
                 rollouts = pending.result()
             on_policy = self._on_policy(rollouts)
             last = ctx.progress.step + 1 == grpo.steps
             if grpo.pipelined and not last:
                 # Overlap the next step's generation with this step's training and sync.
-                pending = self._generator.submit(self._generate, *self._next_prompts(), self.sender.version)
+                pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
             reward_started = time.perf_counter()
-            rewards, batch = self._score(rollouts)
+            scored = self._score(rollouts)
             reward_seconds = time.perf_counter() - reward_started
-            sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last
+            eval_now = self._eval_due(ctx.progress.step + 1, last)
+            # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
+            sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
             save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
-            instruction = Instruction(batch=batch, on_policy=on_policy, gather=sync_now, checkpoint=save_now)
+            instruction = Instruction(batch=scored.batch, on_policy=on_policy, gather=sync_now, checkpoint=save_now)
             broadcast_instruction(instruction, ctx.world_size)
             train_started = time.perf_counter()
             stats = train_step(
-                ctx.policy, ctx.optimizer, batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
+                ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
             )
             train_seconds = time.perf_counter() - train_started
             self._weights_version = None  # the weights moved: no served version equals them until the next sync
             ctx.progress.step += 1
-            ctx.progress.prompts_consumed += len(rollouts.prompts)
+            ctx.progress.prompts_consumed += rollouts.drawn
             report = self._sync() if sync_now else None
             if save_now:
                 ctx.save()
+            evaluation = self._evaluate() if eval_now else None
             self._record(
                 rollouts,
-                rewards,
+                scored,
+                evaluation,
                 stats,
                 report,
                 on_policy,
@@ -275,22 +311,49 @@ class Controller:
                 },
             )
         broadcast_instruction(Instruction(gather=True, stop=True), ctx.world_size)
-        adapter_io.save_adapter(
-            ctx.output_dir / "final-adapter",
+        final = outputs.save_adapter(
+            ctx.output_dir / outputs.FINAL_ADAPTER,
             adapter_io.lora_tensors(ctx.policy.model),
             adapter_io.lora_config(ctx.policy.model),
+            self.spec,
+            step=ctx.progress.step,
+            job_name=self.run_name,
         )
-        self.board.update(phase="Succeeded", message=f"{grpo.steps} steps done")
+        pushed = outputs.push(final, self.spec, outputs.FINAL_ADAPTER)
+        where = f"; adapter pushed to {pushed}" if pushed else ""
+        self.board.update(
+            phase="Succeeded", message=f"{grpo.steps} steps done; adapter in {final}{where}", adapter_path=str(final)
+        )
         self._generator.shutdown(wait=False, cancel_futures=True)
 
-    def _score(self, rollouts: Rollouts) -> tuple[torch.Tensor, Batch]:
-        rewards = torch.tensor(
-            [
-                [float(self.task.reward(prompt, c.text)) for c in completions]
-                for prompt, completions in zip(rollouts.prompts, rollouts.completions, strict=True)
-            ],
-            dtype=torch.float32,
+    def close(self) -> None:
+        self.tracking.close()
+
+    def _eval_due(self, step: int, last: bool) -> bool:
+        every = self.spec.eval.every_steps if self.spec.eval else None
+        return self.spec.eval is not None and (last or (every is not None and step % every == 0))
+
+    def _evaluate(self) -> evaluate.EvalResult:
+        version = self.sender.version
+        result = evaluate.evaluate(
+            self._eval_prompts,
+            task=self.task,
+            tokenize=self._tokenize,
+            generate=lambda ids, sampling: self.rollouts.generate(
+                ids, sampling, version=version, replicas=self.sender.serving(version)
+            ),
+            spec=self.spec,
         )
+        log.info("eval at step %d: reward %.3f over %d prompts", self.ctx.progress.step, result.reward_mean,
+                 result.prompts)  # fmt: skip
+        return result
+
+    def _score(self, rollouts: Rollouts) -> Scored:
+        items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
+        scores = self.task.score(items)
+        shape = (len(rollouts.prompts), -1)
+        rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
+        parts = {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
         advantages = group_advantages(rewards, self.spec.grpo.advantage)
         sequences, flat_advantages = [], []
         for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
@@ -298,7 +361,24 @@ class Controller:
                 sequences.append((ids, completion.token_ids, completion.logprobs))
                 flat_advantages.append(advantage)
         pad = self.ctx.policy.tokenizer.pad_token_id
-        return rewards, build_batch(sequences, flat_advantages, pad)
+        return Scored(rewards, parts, advantages, build_batch(sequences, flat_advantages, pad))
+
+    def _samples(self, rollouts: Rollouts, scored: Scored) -> list[dict[str, Any]]:
+        """The first prompts of the step, each with all its completions, rewards and advantages."""
+        rows = []
+        for i, (prompt, group) in enumerate(rollouts.prompts_and_completions(self.spec.tracking.samples_per_step)):
+            for j, completion in enumerate(group):
+                row = {
+                    "prompt": prompt.text,
+                    "answer": prompt.answer,
+                    "completion": completion.text,
+                    "reward": float(scored.rewards[i, j]),
+                    "advantage": float(scored.advantages[i, j]),
+                }
+                if scored.parts:
+                    row["rewards"] = {label: float(v[i, j]) for label, v in scored.parts.items()}
+                rows.append(row)
+        return rows
 
     def _sync(self) -> RoundReport:
         tensors = adapter_io.lora_tensors(self.ctx.policy.model)
@@ -323,18 +403,21 @@ class Controller:
     def _record(
         self,
         rollouts: Rollouts,
-        rewards: torch.Tensor,
+        scored: Scored,
+        evaluation: evaluate.EvalResult | None,
         stats: StepStats,
         report,
         on_policy: bool,
         seconds: dict[str, float],
     ) -> None:
         progress = self.ctx.progress
+        rewards = scored.rewards
         lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
         record: dict[str, Any] = {
             "step": progress.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
+            **({"rewards": {label: float(v.mean()) for label, v in scored.parts.items()}} if scored.parts else {}),
             "kl": stats.kl,
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
@@ -344,6 +427,7 @@ class Controller:
             "gen_kl": stats.gen_kl,
             "tokens": stats.tokens,
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
+            "prompts_skipped": self._skipped,
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
             "sync_round": progress.version,  # the API name of the adapter version
@@ -352,9 +436,17 @@ class Controller:
             "sync_transport_seconds": report.transport_seconds if report else 0.0,
             "seconds": seconds,
             "time": time.time(),
+            **(evaluation.record() if evaluation else {}),
         }
         with self._metrics_file.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
+        last = progress.step == self.spec.grpo.steps
+        samples = self._samples(rollouts, scored) if self.tracking.samples_due(progress.step, last) else None
+        self.tracking.step(progress.step, record, samples)
+        self.board.update(prompts_skipped=self._skipped)
+        if evaluation is not None:
+            metrics.EVAL_REWARD.set(evaluation.reward_mean)
+            self.board.update(eval_reward=evaluation.reward_mean, eval_step=progress.step)
         metrics.STEP.set(progress.step)
         metrics.REWARD_MEAN.set(record["reward_mean"])
         metrics.KL.set(stats.kl)

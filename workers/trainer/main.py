@@ -57,7 +57,8 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
     # Every trainer pod answers /health (readiness); rank 0 also serves /status and /metrics.
     server = start_status_server(board, env.bind_addr, env.status_port) if local_rank == 0 else None
     try:
-        task = load_task(spec.task) if rank == 0 else None  # a bad dataset or plugin fails before any work
+        # A bad dataset or reward fails before any work.
+        task = load_task(spec.task, data_root=Path(env.data_dir) if env.data_dir else None) if rank == 0 else None
         if env.world_size > 1:
             dist.init_process_group(
                 backend="nccl" if use_gpu else "gloo",
@@ -89,10 +90,17 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         try:
             # Inference engines may still be downloading and loading the model: wait for all of them.
             sender.form_group(wait_for_all_seconds=STARTUP_WAIT_SECONDS)
-            Controller(ctx, task=task, sender=sender, rollouts=rollouts, board=board).run()
+            controller = Controller(
+                ctx, task=task, sender=sender, rollouts=rollouts, board=board, run_name=env.job_name
+            )
+            try:
+                controller.run()
+            finally:
+                controller.close()
         finally:
             sender.close()
             rollouts.close()
+            task.close()
         _write_final_status(board, output_dir)
         return 0
     except Exception as exc:

@@ -17,6 +17,9 @@ SYNC_SECONDS = Histogram(
 )
 SYNC_BYTES = Counter("grpolora_trainer_sync_bytes_total", "Adapter bytes broadcast", registry=REGISTRY)
 REWARD_MEAN = Gauge("grpolora_trainer_reward_mean", "Mean reward of the last step", registry=REGISTRY)
+EVAL_REWARD = Gauge(
+    "grpolora_trainer_eval_reward", "Mean reward of the last evaluation on the held-out prompts", registry=REGISTRY
+)
 KL = Gauge("grpolora_trainer_kl", "Mean k3 KL to the reference policy at the last step", registry=REGISTRY)
 MISMATCH = Gauge(
     "grpolora_trainer_logprob_mismatch",

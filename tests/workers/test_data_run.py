@@ -1,0 +1,150 @@
+"""`grpolora run` on a user's data: a Parquet dataset with a held-out split, a remote reward service plus a built-in
+reward, MLflow tracking and periodic evaluation, all on loopback. The run must leave the adapter (naming its base
+model), samples, eval figures and an MLflow run holding the metrics."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from grpolora.api.status import TrainerStatus
+from tests.workers.rewardserver import RewardServer
+from tests.workers.test_local_run import grpolora_run, records
+from tests.workers.test_tracking import tensorboard_scalars
+from tests.workers.trackservers import mlflow_server
+
+pytestmark = pytest.mark.vllm
+
+STEPS = 3
+LONG_PROMPT = "Please add these numbers: " + " + ".join(str(i) for i in range(300))
+
+
+def job(reward_url: str, mlflow_uri: str) -> dict:
+    return {
+        "apiVersion": "grpolora.dev/v1alpha1",
+        "kind": "GRPOLoraJob",
+        "metadata": {"name": "data-run"},
+        "spec": {
+            "model": {"name": "offline:tiny-llama", "dtype": "float32"},
+            "lora": {"rank": 8, "alpha": 16},
+            "grpo": {"steps": STEPS, "promptsPerStep": 2, "generationsPerPrompt": 4, "maxNewTokens": 8},
+            "task": {
+                "dataset": {
+                    "path": "data",
+                    "promptField": "question",
+                    "answerField": "solution",
+                    "eval": {"split": "test", "maxPrompts": 3},
+                },
+                "reward": [
+                    {"url": reward_url, "label": "judge", "weight": 1.0, "batchSize": 3, "concurrency": 2},
+                    {"name": "math", "weight": 0.5},
+                ],
+            },
+            "trainer": {"gpusPerReplica": 0},
+            "inference": {"replicas": 1, "gpusPerReplica": 0, "kvCacheGiB": 1, "maxModelLen": 256},
+            "sync": {"backend": "gloo", "timeoutSeconds": 60},
+            "checkpoint": {"everySteps": STEPS},
+            "tracking": {"mlflow": {"trackingUri": mlflow_uri, "experiment": "data-run"}, "samplesEverySteps": 2},
+            "eval": {"everySteps": 2, "maxNewTokens": 6},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def data_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("data-run")
+    for split, count in (("train", 3), ("test", 5)):
+        rows = {"question": [f"What is {i} + {i}?" for i in range(count)], "solution": [2 * i for i in range(count)]}
+        if split == "train":  # a prompt longer than the model length (256): skipped, never sent to the replicas
+            rows["question"].append(LONG_PROMPT)
+            rows["solution"].append(0)
+        (tmp / "data").mkdir(exist_ok=True)
+        pq.write_table(pa.table(rows), tmp / "data" / f"{split}-00000-of-00001.parquet")
+    reward = RewardServer().start()
+    try:
+        with mlflow_server(tmp / "mlflow") as uri:
+            result = grpolora_run(job(f"{reward.url}/score", uri), tmp, tmp / "run")
+            assert result.returncode == 0, result.stderr[-6000:]
+            yield tmp / "run", uri, reward.record, result
+    finally:
+        reward.stop()
+
+
+def test_metrics_hold_each_reward_and_the_evaluations(data_run):
+    run_dir, _, served, _ = data_run
+    steps = records(run_dir)
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    assert all(set(r["rewards"]) == {"judge", "math"} for r in steps)
+    assert all(r["reward_mean"] == pytest.approx(r["rewards"]["judge"] + 0.5 * r["rewards"]["math"]) for r in steps)
+    assert [r["step"] for r in steps if "eval_reward" in r] == [2, 3]  # every 2 steps and after the last
+    assert all(r["eval_prompts"] == 3 for r in steps if "eval_reward" in r)
+    # The service saw the training completions (2 prompts x 4 per step) and the held-out ones (3 per evaluation).
+    prompts = {item["prompt"] for body in served.requests for item in body["items"]}
+    assert {"What is 0 + 0?", "What is 1 + 1?", "What is 2 + 2?"} <= prompts  # the test split's first 3
+    assert sum(len(b["items"]) for b in served.requests) == STEPS * 8 + 2 * 3
+    # 6 prompts trained from 3 short rows: two epochs, each also drawing (and skipping) the long row.
+    assert LONG_PROMPT not in prompts and status_of(run_dir).prompts_skipped >= 1
+    assert steps[-1]["prompts_skipped"] == status_of(run_dir).prompts_skipped
+    status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
+    assert status.phase == "Succeeded" and status.eval_reward == steps[-1]["eval_reward"] and status.eval_step == 3
+    assert status.adapter_path == str((run_dir / "final-adapter").resolve())
+
+
+def status_of(run_dir) -> TrainerStatus:
+    return TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
+
+
+def test_adapter_samples_and_tensorboard_in_the_run_folder(data_run):
+    run_dir, _, _, result = data_run
+    config = json.loads((run_dir / "final-adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "offline:tiny-llama"
+    assert "base_model: offline:tiny-llama" in (run_dir / "final-adapter" / "README.md").read_text()
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert sorted({s["step"] for s in samples}) == [2, 3] and len(samples) == 2 * 2 * 4
+    assert set(samples[0]) == {"step", "prompt", "answer", "completion", "reward", "advantage", "rewards"}
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert [s for s, _ in scalars["reward_mean"]] == [1, 2, 3] and [s for s, _ in scalars["eval_reward"]] == [2, 3]
+    assert (run_dir / "plot.png").exists() and "samples.jsonl" in result.stdout
+
+
+def test_the_mlflow_run_holds_the_metrics(data_run):
+    import mlflow
+
+    run_dir, uri, _, _ = data_run
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("data-run").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "data-run"
+    steps = records(run_dir)
+    history = client.get_metric_history(run.info.run_id, "reward_mean")
+    assert [(m.step, m.value) for m in history] == [(r["step"], pytest.approx(r["reward_mean"])) for r in steps]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval_reward")] == [2, 3]
+    assert {"rewards/judge", "rewards/math", "kl", "seconds/sync"} <= set(run.data.metrics)
+    assert len(client.list_artifacts(run.info.run_id, "samples")) == 2
+
+
+def test_grpolora_eval_compares_the_saved_adapter_with_the_base_model(data_run):
+    import subprocess
+    import sys
+
+    run_dir, _, served, _ = data_run
+    tmp = run_dir.parent
+    before = sum(len(b["items"]) for b in served.requests)
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "grpolora.cli", "eval", str(tmp / f"{STEPS}-steps.yaml"), "--adapter",
+         str(run_dir / "final-adapter"), "--out", str(tmp / "eval.json")],
+        capture_output=True, text=True, timeout=600, cwd=tmp,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    figures = json.loads((tmp / "eval.json").read_text())
+    assert set(figures) == {"base", "adapter"} and all(f["eval_prompts"] == 3 for f in figures.values())
+    assert set(figures["adapter"]["eval_rewards"]) == {"judge", "math"}
+    assert "base     eval_reward" in result.stdout and "adapter  eval_reward" in result.stdout
+    # Scored by the same rewards (the service saw 3 held-out prompts twice) ...
+    assert sum(len(b["items"]) for b in served.requests) - before == 2 * 3
+    # ... and, greedy on the same prompts, the final adapter scores what the run's last evaluation measured.
+    last = records(run_dir)[-1]
+    assert figures["adapter"]["eval_reward"] == pytest.approx(last["eval_reward"])
+    assert figures["adapter"]["eval_completion_length_mean"] == pytest.approx(last["eval_completion_length_mean"])

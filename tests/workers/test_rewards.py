@@ -1,0 +1,184 @@
+"""Weighted rewards: built-ins (math through math-verify), plugins, and a remote service on loopback with bounded
+concurrency, retries and a bounded, clear failure; each reward's scores kept apart."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from grpolora.api import constants
+from grpolora.api.spec import TaskSpec
+from grpolora.workers.tasks import Prompt, TaskError, load_task
+from grpolora.workers.tasks.rewards import BUILTIN_REWARDS, RewardError, math_reward
+from tests.workers.rewardserver import TOKEN, RewardServer
+
+
+@pytest.fixture(scope="module")
+def server():
+    started = RewardServer(fail_first=2, slow_seconds=5).start()
+    yield started
+    started.stop()
+
+
+def rewarded(reward, root: Path | None = None, name: str = "arithmetic"):
+    return load_task(TaskSpec.model_validate({"name": name, "reward": reward}), root=root)
+
+
+ITEMS = [(Prompt(text=f"q{i}", answer=str(i)), f"the answer is {i if i % 2 else i + 1}") for i in range(10)]
+EXPECTED = [0.0 if i % 2 == 0 else 1.0 for i in range(10)]
+
+
+def test_builtin_names_equal_the_api_constants():
+    assert tuple(BUILTIN_REWARDS) == constants.BUILTIN_REWARDS
+
+
+@pytest.mark.parametrize(
+    ("completion", "answer", "expected"),
+    [
+        ("so the result is \\boxed{\\frac{1}{2}}", "0.5", 1.0),
+        ("The answer is 72.", "72", 1.0),
+        ("I think 70", "72", 0.0),
+        ("$x = 2\\sqrt{2}$", "\\sqrt{8}", 1.0),
+        ("no idea", "3", 0.0),
+        ("42", None, 0.0),
+    ],
+)
+def test_math_reward_checks_equivalence(completion, answer, expected):
+    assert math_reward("q", completion, answer) == expected
+
+
+def test_weighted_rewards_are_summed_and_reported_apart(tmp_path, server):
+    module = f"fmt_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(
+        "def short(prompt, completion, answer):\n    return float(len(completion) < 17)\n"
+    )
+    task = rewarded(
+        [
+            {"name": "math", "weight": 1.0},
+            {"function": f"{module}:short", "weight": 0.2},
+            {"url": f"{server.url}/score", "weight": 0.5, "label": "judge"},
+        ],
+        tmp_path,
+    )
+    scores = task.score(ITEMS)
+    short = [float(len(c) < 17) for _, c in ITEMS]
+    assert scores.parts == {"math": EXPECTED, "short": short, "judge": EXPECTED}
+    assert scores.total == pytest.approx([1.5 * e + 0.2 * s for e, s in zip(EXPECTED, short, strict=True)])
+    assert task.reward(*ITEMS[1]) == pytest.approx(1.5 + 0.2 * short[1])
+
+
+def test_the_single_plugin_string_stays_one_reward_of_weight_one(tmp_path):
+    module = f"one_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text("def score(prompt, completion, answer):\n    return 2.0\n")
+    scores = rewarded(f"{module}:score", tmp_path).score(ITEMS[:3])
+    assert scores.total == [2.0, 2.0, 2.0] and scores.parts == {}
+
+
+def test_remote_reward_batches_with_bounded_concurrency(server):
+    before = len(server.record.requests)
+    server.record.most_in_flight = 0
+    task = rewarded([{"url": f"{server.url}/score", "batchSize": 2, "concurrency": 3}])
+    items = ITEMS * 3
+    assert task.score(items).total == EXPECTED * 3
+    bodies = server.record.requests[before:]
+    assert len(bodies) == 15 and all(len(b["items"]) == 2 for b in bodies)
+    assert {"prompt": "q0", "completion": "the answer is 1", "answer": "0"} in [i for b in bodies for i in b["items"]]
+    assert 2 <= server.record.most_in_flight <= 3
+
+
+def test_remote_reward_retries_transient_failures(server):
+    task = rewarded([{"url": f"{server.url}/flaky", "retries": 2, "batchSize": 7}])
+    assert task.score(ITEMS[:7]).total == EXPECTED[:7]  # two 503s, then an answer
+    failing = rewarded([{"url": f"{server.url}/flaky", "retries": 1, "batchSize": 3}])
+    with pytest.raises(RewardError, match=r"^spec.task.reward\[0\].url: .*/flaky failed 2 time\(s\).*HTTP 503"):
+        failing.score(ITEMS[:3])
+
+
+def test_a_slow_service_is_a_bounded_clear_error(server):
+    task = rewarded([{"url": f"{server.url}/slow", "timeoutSeconds": 0.3, "retries": 1}])
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=r"failed 2 time\(s\) for a batch of 2: no answer within 0.3 s"):
+        task.score(ITEMS[:2])
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(
+    ("route", "message"),
+    [
+        ("refuse", r"/refuse refused the request: HTTP 400"),
+        ("short", r"/short returned 2 scores for 3 items; expected 3"),
+    ],
+)
+def test_a_wrong_answer_fails_at_once(server, route, message):
+    task = rewarded([{"url": f"{server.url}/{route}", "retries": 3}])
+    started = time.monotonic()
+    with pytest.raises(RewardError, match=message):
+        task.score(ITEMS[:3])
+    assert time.monotonic() - started < 2  # not retried
+
+
+def test_unreachable_service(server):
+    from grpolora.testing.servers import free_port
+
+    task = rewarded([{"url": f"http://127.0.0.1:{free_port()}/score", "retries": 0}])
+    with pytest.raises(RewardError, match=r"failed 1 time\(s\).*cannot reach it"):
+        task.score(ITEMS[:1])
+
+
+def test_headers_come_from_a_mounted_secret(tmp_path, server, monkeypatch):
+    secret = tmp_path / "secrets" / "reward-auth"
+    secret.mkdir(parents=True)
+    (secret / "Authorization").write_text(TOKEN + "\n")
+    (secret / "..data").mkdir()  # what Kubernetes puts next to the keys
+    monkeypatch.setenv("GRPOLORA_SECRETS_DIR", str(tmp_path / "secrets"))
+    server.app.state.auth = True
+    try:
+        task = rewarded([{"url": f"{server.url}/score", "headersFrom": {"secretName": "reward-auth"}}])
+        assert task.score(ITEMS[:2]).total == EXPECTED[:2]
+        assert server.record.headers[-1]["authorization"] == TOKEN
+        with pytest.raises(RewardError, match="HTTP 401"):
+            rewarded([{"url": f"{server.url}/score"}]).score(ITEMS[:1])
+        with pytest.raises(TaskError, match=r"^spec.task.reward\[0\].headersFrom: Secret 'other' not found"):
+            rewarded([{"url": f"{server.url}/score", "headersFrom": {"secretName": "other"}}])
+    finally:
+        server.app.state.auth = False
+
+
+@pytest.mark.parametrize(
+    ("reward", "path", "message"),
+    [
+        ([{"name": "math", "url": "http://x"}], "spec.task.reward[0]", "set exactly one of"),
+        ([{"name": "nope"}], "spec.task.reward[0].name", "unknown built-in reward 'nope'; valid: math,"),
+        ([{"name": "math", "concurrency": 3}], "spec.task.reward[0].concurrency", "applies to a remote reward"),
+        ([{"url": "reward:8000"}], "spec.task.reward[0].url", "should match pattern"),
+        ([{"name": "math"}, {"name": "math"}], "spec.task.reward[1].label", "'math' is already the label"),
+        ([], "spec.task.reward", "an empty list"),
+        ("nocolon", "spec.task.reward", "should match pattern"),
+    ],
+)
+def test_reward_spec_errors_name_the_field(reward, path, message):
+    from grpolora.api.load import InvalidJob, parse_job
+    from tests.helpers import job_doc
+
+    with pytest.raises(InvalidJob) as raised:
+        parse_job(job_doc(task={"name": "arithmetic", "reward": reward}))
+    assert any(p.path == path and message in p.message for p in raised.value.problems), raised.value.problems
+
+
+def test_plugin_errors_in_a_list_name_the_entry(tmp_path):
+    with pytest.raises(TaskError, match=r"^spec.task.reward\[1\].function: cannot import module 'no_such_mod_q'"):
+        rewarded([{"name": "math"}, {"function": "no_such_mod_q:f"}], tmp_path)
+
+
+def test_a_reward_list_survives_the_trip_through_the_worker_env():
+    """The spec travels to the workers as to_wire() JSON, defaults included: it must validate again unchanged."""
+    from grpolora.api.load import parse_job
+    from grpolora.api.spec import GRPOLoraJobSpec
+    from tests.helpers import job_doc
+
+    rewards = [{"url": "http://r:1/score", "concurrency": 2}, {"name": "math", "weight": 0.5}]
+    spec = parse_job(job_doc(task={"name": "arithmetic", "reward": rewards})).spec
+    assert GRPOLoraJobSpec.model_validate(spec.to_wire()) == spec

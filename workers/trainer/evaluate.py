@@ -1,0 +1,157 @@
+"""Evaluation: held-out prompts through the inference replicas (one completion each, greedy by default), scored by
+the task's reward. The controller runs it every `eval.everySteps` and after the last step; `grpolora eval` runs it
+for a saved adapter against the base model.
+
+Held-out prompts: a dataset's `eval` split or file; for a built-in task, the first prompts of another stream
+(seed grpo.seed + EVAL_SEED_OFFSET), the same at every evaluation (a generated task may still repeat a training
+problem by chance).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from itertools import islice
+from pathlib import Path
+
+from grpolora.api.spec import EvalSpec, GRPOLoraJobSpec
+from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.trainer.rollout import Completion, Sampling
+
+EVAL_SEED_OFFSET = 1_000_003
+
+
+def held_out(task: Task, spec: GRPOLoraJobSpec) -> list[Prompt]:
+    """The evaluation prompts of a job (at most eval.maxPrompts), the same every time."""
+    limit = (spec.eval or EvalSpec()).max_prompts
+    rows = task.eval_prompts()
+    if rows is not None:
+        return [rows[i] for i in range(min(limit, len(rows)))]
+    return list(islice(task.prompts(spec.grpo.seed + EVAL_SEED_OFFSET), limit))
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    reward_mean: float
+    reward_std: float
+    parts: dict[str, float] = field(default_factory=dict)
+    completion_length_mean: float = 0.0
+    prompts: int = 0
+    version: int = 0
+    seconds: float = 0.0
+
+    def record(self) -> dict:
+        """The figures as they go into metrics.jsonl."""
+        result = {
+            "eval_reward": self.reward_mean,
+            "eval_reward_std": self.reward_std,
+            "eval_completion_length_mean": self.completion_length_mean,
+            "eval_prompts": self.prompts,
+        }
+        if self.parts:
+            result["eval_rewards"] = dict(self.parts)
+        return result
+
+
+Generate = Callable[[list[list[int]], Sampling], list[list[Completion]]]
+"""Completions for token-id prompts: the inference replicas over HTTP (training), or an engine in this process
+(`grpolora eval`)."""
+
+
+def tokenize_prompt(tokenizer, prompt: Prompt, system_prompt: str | None) -> list[int]:
+    """A prompt's token ids as the replicas get them: its chat rendered with the template, generation prompt added."""
+    text = tokenizer.apply_chat_template(
+        chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def evaluate(
+    prompts: Sequence[Prompt],
+    *,
+    task: Task,
+    tokenize: Callable[[Prompt], list[int]],
+    generate: Generate,
+    spec: GRPOLoraJobSpec,
+) -> EvalResult:
+    """Generate one completion per prompt and score it with the task's rewards."""
+    evaluation = spec.eval or EvalSpec()
+    started = time.perf_counter()
+    sampling = Sampling(
+        n=1,
+        temperature=evaluation.temperature,
+        top_p=1.0,
+        max_tokens=evaluation.max_new_tokens or spec.grpo.max_new_tokens,
+    )
+    texts = [group[0] for group in generate([tokenize(p) for p in prompts], sampling)]
+    scores = task.score([(p, c.text) for p, c in zip(prompts, texts, strict=True)])
+    return EvalResult(
+        reward_mean=statistics.fmean(scores.total),
+        reward_std=statistics.pstdev(scores.total),
+        parts={label: statistics.fmean(values) for label, values in scores.parts.items()},
+        completion_length_mean=statistics.fmean(len(c.token_ids) for c in texts),
+        prompts=len(prompts),
+        version=min(c.version for c in texts),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) -> dict[str, EvalResult]:
+    """`grpolora eval`: the job's evaluation for the base model and for a saved adapter, in one vLLM engine in
+    this process (adapter version 1 next to the base, version 0). Returns {"base": ..., "adapter": ...}."""
+    from transformers import AutoTokenizer
+
+    from grpolora.workers import adapter as adapter_io
+    from grpolora.workers.inference.engine import AdapterEngine, SamplingRequest, config_for, cpu_engine_env
+    from grpolora.workers.models import resolve_model
+    from grpolora.workers.tasks import load_task
+
+    task = load_task(spec.task, root=root)
+    try:
+        prompts = held_out(task, spec)
+        model_dir = str(resolve_model(spec.model.name, spec.model.revision))
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tensors, config = adapter_io.load_adapter(adapter_dir)
+        cpu_engine_env(spec)
+        engine = AdapterEngine(
+            config_for(spec, model_dir), adapter_root=Path(tempfile.mkdtemp(prefix="grpolora-eval-"))
+        )
+
+        async def run() -> dict[str, EvalResult]:
+            await engine.start()
+            try:
+                await asyncio.to_thread(engine.activate, 1, tensors, config)  # it waits on this loop
+                loop = asyncio.get_running_loop()
+                results = {}
+                for name, version in (("base", 0), ("adapter", 1)):
+
+                    def generate(ids: list[list[int]], sampling: Sampling, version: int = version):
+                        request = SamplingRequest(sampling.n, sampling.temperature, sampling.top_p,
+                                                  sampling.max_tokens)  # fmt: skip
+                        futures = [
+                            asyncio.run_coroutine_threadsafe(engine.generate(p, request, version), loop) for p in ids
+                        ]
+                        return [
+                            [Completion(s.token_ids, s.logprobs, s.text, s.finish_reason, version) for s in f.result()]
+                            for f in futures
+                        ]
+
+                    results[name] = await asyncio.to_thread(
+                        evaluate,
+                        prompts,
+                        task=task,
+                        tokenize=lambda p: tokenize_prompt(tokenizer, p, spec.task.system_prompt),
+                        generate=generate,
+                        spec=spec,
+                    )
+                return results
+            finally:
+                engine.shutdown()
+
+        return asyncio.run(run())
+    finally:
+        task.close()
