@@ -27,8 +27,8 @@ def trainer_secrets(spec: GRPOLoraJobSpec) -> tuple[str, ...]:
     tracking = spec.tracking
     names += [t.secret_name for t in (tracking.mlflow, tracking.wandb) if t is not None and t.secret_name]
     push = spec.output.push if spec.output else None
-    if push is not None and push.s3 is not None and push.s3.secret_name:
-        names.append(push.s3.secret_name)
+    if push is not None:
+        names += [t.secret_name for t in (push.s3, push.hub) if t is not None and t.secret_name]
     return tuple(dict.fromkeys(names))
 
 

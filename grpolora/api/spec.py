@@ -627,14 +627,37 @@ class S3PushSpec(SpecModel):
     optionally AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL."""
 
 
+HUB_REPO = r"^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$"
+
+
+class HubPushSpec(SpecModel):
+    repo: str = Field(pattern=HUB_REPO)
+    """Model repository `owner/name` on the Hugging Face Hub, created if missing; the adapter goes to its root (so
+    `PeftModel.from_pretrained(base, "owner/name")` loads it), one commit per push."""
+    branch: str = Field(default="main", min_length=1)
+    """Branch the pushes are committed to (created from the default branch if missing)."""
+    private: bool = False
+    """Create the repository private (an existing repository keeps its visibility)."""
+    endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
+    """The Hub's URL (a self-hosted Hub or a proxy); unset: HF_ENDPOINT from the Secret or the trainer's
+    environment, else https://huggingface.co."""
+    secret_name: str | None = None
+    """Secret holding a write token under the key HF_TOKEN (optionally HF_ENDPOINT); unset: the trainer's HF_TOKEN."""
+
+
 class PushSpec(SpecModel):
     s3: S3PushSpec | None = None
     """Copy the adapter to an S3-compatible store."""
+    hub: HubPushSpec | None = None
+    """Commit the adapter to a Hugging Face Hub model repository."""
+    every_steps: int | None = Field(default=None, gt=0)
+    """Also push the adapter of every this many steps while training (S3: `<url>/step-000010/`; Hub: a commit on
+    the branch), in the background with at most one push at a time; unset: only the final adapter."""
 
     @model_validator(mode="after")
     def _somewhere(self) -> PushSpec:
-        if self.s3 is None:
-            raise FieldErrors([("s3", "say where to push (`s3`)")])
+        if self.s3 is None and self.hub is None:
+            raise FieldErrors([("", "say where to push: `s3`, `hub` or both")])
         return self
 
 
@@ -647,7 +670,7 @@ class OutputSpec(SpecModel):
     pvc: PvcRef | None = None
     """Mount this PersistentVolumeClaim at `path` so the results outlive the pod."""
     push: PushSpec | None = None
-    """Also copy the final adapter elsewhere (S3-compatible stores)."""
+    """Also copy the final adapter (and, with everySteps, those during training) to S3 or the Hugging Face Hub."""
 
 
 class MlflowSpec(SpecModel):

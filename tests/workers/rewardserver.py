@@ -12,6 +12,7 @@ import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Self
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -81,12 +82,11 @@ def make_app(record: Record, *, fail_first: int = 2, slow_seconds: float = 30.0)
     return app
 
 
-class RewardServer:
-    """uvicorn serving `make_app` on 127.0.0.1 in a daemon thread; `stop()` ends it."""
+class AppServer:
+    """uvicorn serving an ASGI app on 127.0.0.1 in a daemon thread; `stop()` ends it."""
 
-    def __init__(self, **app_options):
-        self.record = Record()
-        self.app = make_app(self.record, **app_options)
+    def __init__(self, app: FastAPI):
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
@@ -95,15 +95,23 @@ class RewardServer:
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    def start(self) -> RewardServer:
+    def start(self) -> Self:
         self._thread.start()
         deadline = time.monotonic() + 10
         while not self._server.started:
             if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError("the reward server did not start")
+                raise RuntimeError(f"{type(self).__name__} did not start")
             time.sleep(0.02)
         return self
 
     def stop(self) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+class RewardServer(AppServer):
+    """The reward service of `make_app`."""
+
+    def __init__(self, **app_options):
+        self.record = Record()
+        super().__init__(make_app(self.record, **app_options))

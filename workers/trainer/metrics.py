@@ -33,3 +33,8 @@ PHASE_SECONDS = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
     registry=REGISTRY,
 )
+PUSH_FAILURES = Counter(
+    "grpolora_trainer_push_failures_total",
+    "Adapter pushes to spec.output.push that failed (during training: reported, training goes on)",
+    registry=REGISTRY,
+)
