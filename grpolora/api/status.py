@@ -65,6 +65,12 @@ class TrainerStatus(_Wire):
     """Step after which that evaluation ran."""
     adapter_path: str | None = None
     """Where the final adapter was written (in the trainer pod: on the output volume, or lost with the pod)."""
+    last_push: str | None = None
+    """Where the newest pushed adapter went (spec.output.push: an S3 prefix, or the Hub commit's URL)."""
+    last_push_step: int | None = None
+    """The step of that adapter."""
+    push_error: str | None = None
+    """Why the last push failed (it names the spec field); cleared by the next push that succeeds."""
     message: str | None = None
     """Human-readable detail, e.g. why the run failed."""
     inference_restarts: int | None = None

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from grpolora.api.status import TrainerStatus
+from tests.workers.hubserver import TOKEN, HubServer
 from tests.workers.rewardserver import RewardServer
 from tests.workers.test_local_run import grpolora_run, records
 from tests.workers.test_tracking import tensorboard_scalars
@@ -22,7 +23,7 @@ STEPS = 3
 LONG_PROMPT = "Please add these numbers: " + " + ".join(str(i) for i in range(300))
 
 
-def job(reward_url: str, mlflow_uri: str) -> dict:
+def job(reward_url: str, mlflow_uri: str, hub_url: str) -> dict:
     return {
         "apiVersion": "grpolora.dev/v1alpha1",
         "kind": "GRPOLoraJob",
@@ -47,6 +48,13 @@ def job(reward_url: str, mlflow_uri: str) -> dict:
             "inference": {"replicas": 1, "gpusPerReplica": 0, "kvCacheGiB": 1, "maxModelLen": 256},
             "sync": {"backend": "gloo", "timeoutSeconds": 60},
             "checkpoint": {"everySteps": STEPS},
+            # The adapter of step 2 is pushed in the background while step 3 trains; the final one at the end.
+            "output": {
+                "push": {
+                    "hub": {"repo": "org/data-run", "endpoint": hub_url, "secretName": "hf-token"},
+                    "everySteps": 2,
+                }
+            },
             "tracking": {"mlflow": {"trackingUri": mlflow_uri, "experiment": "data-run"}, "samplesEverySteps": 2},
             "eval": {"everySteps": 2, "maxNewTokens": 6},
         },
@@ -63,18 +71,24 @@ def data_run(tmp_path_factory):
             rows["solution"].append(0)
         (tmp / "data").mkdir(exist_ok=True)
         pq.write_table(pa.table(rows), tmp / "data" / f"{split}-00000-of-00001.parquet")
-    reward = RewardServer().start()
+    (tmp / "secrets" / "hf-token").mkdir(parents=True)
+    (tmp / "secrets" / "hf-token" / "HF_TOKEN").write_text(TOKEN)
+    reward, hub = RewardServer().start(), HubServer().start()
     try:
-        with mlflow_server(tmp / "mlflow") as uri:
-            result = grpolora_run(job(f"{reward.url}/score", uri), tmp, tmp / "run")
+        # The trainer reads the Secret from GRPOLORA_SECRETS_DIR; the emulator speaks LFS, not Xet.
+        with mlflow_server(tmp / "mlflow") as uri, pytest.MonkeyPatch.context() as env:
+            env.setenv("GRPOLORA_SECRETS_DIR", str(tmp / "secrets"))
+            env.setenv("HF_HUB_DISABLE_XET", "1")
+            result = grpolora_run(job(f"{reward.url}/score", uri, hub.url), tmp, tmp / "run")
             assert result.returncode == 0, result.stderr[-6000:]
-            yield tmp / "run", uri, reward.record, result
+            yield tmp / "run", uri, reward.record, result, hub
     finally:
         reward.stop()
+        hub.stop()
 
 
 def test_metrics_hold_each_reward_and_the_evaluations(data_run):
-    run_dir, _, served, _ = data_run
+    run_dir, _, served, _, _ = data_run
     steps = records(run_dir)
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(set(r["rewards"]) == {"judge", "math"} for r in steps)
@@ -98,10 +112,10 @@ def status_of(run_dir) -> TrainerStatus:
 
 
 def test_adapter_samples_and_tensorboard_in_the_run_folder(data_run):
-    run_dir, _, _, result = data_run
+    run_dir, _, _, result, _ = data_run
     config = json.loads((run_dir / "final-adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "offline:tiny-llama"
-    assert "base_model: offline:tiny-llama" in (run_dir / "final-adapter" / "README.md").read_text()
+    assert "base model: `offline:tiny-llama`" in (run_dir / "final-adapter" / "README.md").read_text()
     samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
     assert sorted({s["step"] for s in samples}) == [2, 3] and len(samples) == 2 * 2 * 4
     assert set(samples[0]) == {"step", "prompt", "answer", "completion", "reward", "advantage", "rewards"}
@@ -110,10 +124,32 @@ def test_adapter_samples_and_tensorboard_in_the_run_folder(data_run):
     assert (run_dir / "plot.png").exists() and "samples.jsonl" in result.stdout
 
 
+def test_the_adapter_of_every_2_steps_and_the_final_one_are_commits_on_the_hub(data_run):
+    run_dir, _, _, _, hub = data_run
+    assert hub.messages("org/data-run") == [
+        "initial commit",
+        "grpolora data-run: adapter at step 2",
+        "grpolora data-run: final adapter after step 3",
+    ]
+    final = run_dir / "final-adapter"
+    stored = hub.files("org/data-run")
+    assert {name: stored[name] for name in ("README.md", "adapter_config.json", "adapter_model.safetensors")} == {
+        f.name: f.read_bytes() for f in final.iterdir()
+    }
+    status = status_of(run_dir)
+    head = hub.state.repos["org/data-run"].head("main")
+    assert (status.last_push, status.last_push_step, status.push_error) == (
+        f"{hub.url}/org/data-run/commit/{head.oid}",
+        STEPS,
+        None,
+    )
+    assert "pushed to" in status.message and not list(run_dir.glob(".push-*"))
+
+
 def test_the_mlflow_run_holds_the_metrics(data_run):
     import mlflow
 
-    run_dir, uri, _, _ = data_run
+    run_dir, uri, _, _, _ = data_run
     client = mlflow.MlflowClient(uri)
     (run,) = client.search_runs([client.get_experiment_by_name("data-run").experiment_id])
     assert run.info.status == "FINISHED" and run.info.run_name == "data-run"
@@ -129,7 +165,7 @@ def test_grpolora_eval_compares_the_saved_adapter_with_the_base_model(data_run):
     import subprocess
     import sys
 
-    run_dir, _, served, _ = data_run
+    run_dir, _, served, _, _ = data_run
     tmp = run_dir.parent
     before = sum(len(b["items"]) for b in served.requests)
     result = subprocess.run(

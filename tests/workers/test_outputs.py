@@ -246,7 +246,9 @@ def test_a_failing_background_push_is_reported_and_training_goes_on(tmp_path, hu
     assert status["push_error"] == report["push_error"] and status["last_push"] is None
     # The final push fails loudly (the job fails) but the adapter stays in the output folder.
     final = outputs.save_adapter(tmp_path / "final-adapter", TENSORS, CONFIG, job, step=2, job_name="demo")
-    with pytest.raises(outputs.PushError, match=r"spec.output.push.hub.secretName: .*\(401 Unauthorized\)"):
+    with pytest.raises(
+        outputs.PushError, match=r"secretName: .*\(401 Unauthorized\).*; the adapter is in .*final-adapter$"
+    ):
         pusher.finish(final, step=2)
     assert (final / "adapter_model.safetensors").exists()
     assert "401" in pusher.status()["push_error"]

@@ -186,6 +186,7 @@ class Controller:
         self._drawn = ctx.progress.prompts_consumed
         self.run_name = run_name
         self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
+        self.pushes = outputs.Pusher(self.spec, ctx.output_dir, job_name=run_name)
         self._eval_prompts = evaluate.held_out(task, self.spec) if self.spec.eval else []
         self._skipped = 0
         model_length = self.spec.inference.max_model_len or getattr(
@@ -281,7 +282,10 @@ class Controller:
             # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
             sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
             save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
-            instruction = Instruction(batch=scored.batch, on_policy=on_policy, gather=sync_now, checkpoint=save_now)
+            push_now = self.pushes.due(ctx.progress.step + 1, last)
+            instruction = Instruction(
+                batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
+            )
             broadcast_instruction(instruction, ctx.world_size)
             train_started = time.perf_counter()
             stats = train_step(
@@ -291,7 +295,12 @@ class Controller:
             self._weights_version = None  # the weights moved: no served version equals them until the next sync
             ctx.progress.step += 1
             ctx.progress.prompts_consumed += rollouts.drawn
-            report = self._sync() if sync_now else None
+            # One gather per instruction on every rank: the sync and the push share its tensors.
+            tensors = adapter_io.lora_tensors(ctx.policy.model) if sync_now or push_now else None
+            report = self._sync(tensors) if sync_now else None
+            if push_now:
+                assert tensors is not None
+                self.pushes.submit(ctx.progress.step, tensors, adapter_io.lora_config(ctx.policy.model))
             if save_now:
                 ctx.save()
             evaluation = self._evaluate() if eval_now else None
@@ -319,11 +328,13 @@ class Controller:
             step=ctx.progress.step,
             job_name=self.run_name,
         )
-        pushed = outputs.push(final, self.spec, outputs.FINAL_ADAPTER)
-        where = f"; adapter pushed to {pushed}" if pushed else ""
-        self.board.update(
-            phase="Succeeded", message=f"{grpo.steps} steps done; adapter in {final}{where}", adapter_path=str(final)
-        )
+        self.board.update(adapter_path=str(final))  # a failed push below leaves the adapter there, and says so
+        try:
+            pushed = self.pushes.finish(final, step=ctx.progress.step)
+        finally:
+            self.board.update(**self.pushes.status())
+        where = f"; pushed to {', '.join(pushed)}" if pushed else ""
+        self.board.update(phase="Succeeded", message=f"{grpo.steps} steps done; adapter in {final}{where}")
         self._generator.shutdown(wait=False, cancel_futures=True)
 
     def close(self) -> None:
@@ -380,8 +391,10 @@ class Controller:
                 rows.append(row)
         return rows
 
-    def _sync(self) -> RoundReport:
-        tensors = adapter_io.lora_tensors(self.ctx.policy.model)
+    def _sync(self, tensors: dict[str, torch.Tensor] | None = None) -> RoundReport:
+        """Send the adapter (`tensors` when this step's gather already made them)."""
+        if tensors is None:
+            tensors = adapter_io.lora_tensors(self.ctx.policy.model)
         report = self.sender.send(tensors, adapter_io.lora_config(self.ctx.policy.model))
         progress = self.ctx.progress
         progress.version, progress.epoch = report.version, report.epoch
@@ -437,13 +450,14 @@ class Controller:
             "seconds": seconds,
             "time": time.time(),
             **(evaluation.record() if evaluation else {}),
+            **self.pushes.report(),
         }
         with self._metrics_file.open("a") as handle:
             handle.write(json.dumps(record) + "\n")
         last = progress.step == self.spec.grpo.steps
         samples = self._samples(rollouts, scored) if self.tracking.samples_due(progress.step, last) else None
         self.tracking.step(progress.step, record, samples)
-        self.board.update(prompts_skipped=self._skipped)
+        self.board.update(prompts_skipped=self._skipped, **self.pushes.status())
         if evaluation is not None:
             metrics.EVAL_REWARD.set(evaluation.reward_mean)
             self.board.update(eval_reward=evaluation.reward_mean, eval_step=progress.step)

@@ -316,7 +316,7 @@ class Pusher:
         except PushError as err:
             with self._lock:
                 self._record(PushResult(step, time.perf_counter() - started, [], str(err)))
-            raise
+            raise PushError(f"{err}; the adapter is in {folder}") from err
         if pushed:
             with self._lock:
                 self._record(PushResult(step, time.perf_counter() - started, pushed))
