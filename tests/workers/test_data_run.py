@@ -122,6 +122,10 @@ def test_adapter_samples_and_tensorboard_in_the_run_folder(data_run):
     scalars = tensorboard_scalars(run_dir / "tensorboard")
     assert [s for s, _ in scalars["reward_mean"]] == [1, 2, 3] and [s for s, _ in scalars["eval_reward"]] == [2, 3]
     assert (run_dir / "plot.png").exists() and "samples.jsonl" in result.stdout
+    # The terminal progress shows the first sample of each sampled step.
+    shown = [line for line in result.stderr.splitlines() if " sample: " in line]
+    assert [line.split(" sample: ")[0] for line in shown] == ["step 2", "step 3"], result.stderr[-3000:]
+    assert f'"{samples[0]["prompt"][:5]}' in shown[0] and "(reward " in shown[0]
 
 
 def test_the_adapter_of_every_2_steps_and_the_final_one_are_commits_on_the_hub(data_run):

@@ -19,14 +19,16 @@ import json
 import math
 import os
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -37,6 +39,7 @@ from grpolora.api.spec import GRPOLoraJob
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
 from grpolora.workers.lifetime import die_with_parent
+from grpolora.workers.tracking import SAMPLES_FILE
 
 POLL_SECONDS = 1.0
 TRAINER_STOP_SECONDS = 10.0  # the trainer records its status and exits at once on SIGTERM
@@ -275,7 +278,7 @@ class LocalRun:
         """Until trainer rank 0 exits: progress from its /status; a lost inference replica is restarted within
         its budget; any other failed worker stops the run (RunFailed)."""
         status_url = f"http://127.0.0.1:{self.plan.job.spec.trainer.status_port}/status"
-        progress = _Progress(self.job.spec.grpo.steps, enabled=self.show_progress)
+        progress = _Progress(self.job.spec.grpo.steps, enabled=self.show_progress, samples=self.run_dir / SAMPLES_FILE)
         client = httpx.Client(timeout=2.0)
         try:
             while True:
@@ -360,19 +363,83 @@ class LocalRun:
         return status
 
 
-class _Progress:
-    """A progress bar on a terminal; one line per step otherwise (CI logs, files)."""
+def sample_line(row: Mapping[str, Any], width: int) -> str:
+    """One line of `grpolora run`'s progress for a row of samples.jsonl, at most `width` columns:
+    `step 10 sample: "<prompt>" -> "<completion>" (reward 1.100, adv +0.817)`. Newlines and other control characters
+    are escaped; the completion gets at least two thirds of the room for the texts, and each text is shortened with
+    `…` when it does not fit."""
+    head = f"step {row['step']} sample: "
+    tail = f" (reward {row['reward']:.3f}, adv {row['advantage']:+.3f})"
+    prompt, completion = _escape(row["prompt"]), _escape(row["completion"])
+    room = width - len(head) - len(tail) - len('"" -> ""')
+    prompt_room = min(len(prompt), max(room // 3, room - len(completion), 1))
+    text = f'"{_shorten(prompt, prompt_room)}" -> "{_shorten(completion, room - prompt_room)}"'
+    return _shorten(head + text + tail, width)
 
-    def __init__(self, total: int, *, enabled: bool):
+
+def _escape(text: str) -> str:
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
+def _shorten(text: str, room: int) -> str:
+    if len(text) <= room:
+        return text
+    return text[: room - 1] + "…" if room > 0 else ""
+
+
+class _SampleTail:
+    """New rows of the run's samples.jsonl (those written after it was opened), read as the trainer appends them;
+    a line still being written is read on a later call."""
+
+    def __init__(self, path: Path):
+        self._path = path
+        self._offset = path.stat().st_size if path.exists() else 0
+
+    def new_rows(self) -> list[dict[str, Any]]:
+        try:
+            with self._path.open("rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        rows = []
+        for line in complete.splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+        return rows
+
+
+class _Progress:
+    """A progress bar on a terminal; one line per step otherwise (CI logs, files). Each step with sample
+    completions (tracking.samplesEverySteps) adds a line with its first sample (`sample_line`)."""
+
+    def __init__(self, total: int, *, enabled: bool, samples: Path | None = None):
         self._bar = None
         self._enabled = enabled
         self._last_line: tuple | None = None
+        self._samples = _SampleTail(samples) if enabled and samples is not None else None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True)
 
     def update(self, status: TrainerStatus, restarts: int = 0) -> None:
+        self._update(status, restarts)
+        self._show_samples()
+
+    def _show_samples(self) -> None:
+        if self._samples is None:
+            return
+        shown: set[int] = set()
+        for row in self._samples.new_rows():
+            if row.get("step") not in shown:  # the first sample of each step: its first prompt's first completion
+                shown.add(row.get("step"))
+                with contextlib.suppress(KeyError, TypeError, ValueError):  # a row not in the documented shape
+                    self.note(sample_line(row, shutil.get_terminal_size().columns))
+
+    def _update(self, status: TrainerStatus, restarts: int) -> None:
         replicas = f"{len(status.sync_members)} replica(s) in sync"
         if self._bar is None:
             if self._enabled and (status.phase, status.step, restarts) != self._last_line:
@@ -405,6 +472,7 @@ class _Progress:
             print(message, file=sys.stderr)
 
     def close(self, status: TrainerStatus | None) -> None:
+        self._show_samples()  # the last step's, written just before the trainer exits
         if self._bar is not None:
             if status is not None:
                 self.update(status)
