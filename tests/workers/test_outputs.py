@@ -46,6 +46,7 @@ def secrets_dir(tmp_path, monkeypatch):
         "hf-token": {"HF_TOKEN": TOKEN},
         "hf-wrong": {"HF_TOKEN": "hf_not_the_token"},
         "hf-misnamed": {"token": TOKEN},
+        "hf-with-endpoint": {"HF_TOKEN": TOKEN},  # + HF_ENDPOINT, set by the test that needs it
     }
     for name, values in keys.items():
         (tmp_path / "secrets" / name).mkdir(parents=True)
@@ -252,3 +253,11 @@ def test_a_failing_background_push_is_reported_and_training_goes_on(tmp_path, hu
         pusher.finish(final, step=2)
     assert (final / "adapter_model.safetensors").exists()
     assert "401" in pusher.status()["push_error"]
+
+
+def test_the_hub_endpoint_may_come_from_the_secret(tmp_path, hub, secrets_dir):
+    (secrets_dir / "hf-with-endpoint" / "HF_ENDPOINT").write_text(hub.url)
+    job = spec(output={"push": {"hub": {"repo": "org/from-secret", "secretName": "hf-with-endpoint"}}})
+    folder = outputs.save_adapter(tmp_path / "a", TENSORS, CONFIG, job, step=2, job_name="demo")
+    assert outputs.push(folder, job, step=2, final=True, job_name="demo")[0].startswith(f"{hub.url}/org/from-secret/")
+    assert hub.messages("org/from-secret")[-1] == "grpolora demo: final adapter after step 2"
