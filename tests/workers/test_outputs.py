@@ -158,6 +158,9 @@ def test_a_model_card_names_a_local_base_model_only_in_its_text(tmp_path):
     folder = outputs.save_adapter(tmp_path / "a", TENSORS, CONFIG, job, step=1, job_name="demo")
     card = (folder / "README.md").read_text()
     assert "base_model:" not in card and "base model: `/models/my-base`" in card
+    for hub_id in ("gpt2", "Qwen/Qwen3-0.6B"):  # a model id, with or without its owner, is metadata
+        card = outputs.model_card(spec(model={"name": hub_id}), 1, "demo")
+        assert f"base_model: {hub_id}\n" in card
 
 
 @pytest.mark.parametrize(

@@ -26,12 +26,15 @@ from typing import Any
 
 import torch
 
-from grpolora.api.spec import HUB_REPO, GRPOLoraJobSpec, HubPushSpec, S3PushSpec
+from grpolora.api.spec import GRPOLoraJobSpec, HubPushSpec, S3PushSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.secrets import SecretError, export_secret, secret_values
 from grpolora.workers.trainer import metrics
 
 log = logging.getLogger(__name__)
+
+# A Hub model id, with or without its owner (`gpt2`, `Qwen/Qwen3-0.6B`), as opposed to a path or an `offline:` name.
+HUB_MODEL_ID = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*/)?[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 FINAL_ADAPTER = "final-adapter"
 CARD_FILE = "README.md"
@@ -49,7 +52,7 @@ def adapter_config(config: dict[str, Any], spec: GRPOLoraJobSpec) -> dict[str, A
 def model_card(spec: GRPOLoraJobSpec, step: int, job_name: str) -> str:
     revision = spec.model.revision or "(default branch)"
     # The Hub refuses card metadata whose base_model is no model id: a local path is named in the text only.
-    hub_id = re.fullmatch(HUB_REPO, spec.model.name) is not None
+    hub_id = HUB_MODEL_ID.fullmatch(spec.model.name) is not None
     lines = [
         "---",
         "library_name: peft",
