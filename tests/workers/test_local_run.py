@@ -105,6 +105,12 @@ def worker_pids(job_name: str, role: str, index: int) -> list[int]:
     return found
 
 
+def workers_left() -> list[str]:
+    """This job's workers still running (other runs on a shared machine may have workers of their own)."""
+    replicas = [("trainer", 0)] + [("inference", i) for i in range(JOB["spec"]["inference"]["replicas"])]
+    return [f"{role} {i}" for role, i in replicas if worker_pids(NAME, role, i)]
+
+
 STEP_LINE = re.compile(r"\] step (\d+)/\d+")
 
 
@@ -223,9 +229,7 @@ def interrupted(tmp_path_factory) -> Interrupted:
         if run.proc.poll() is None:
             os.killpg(run.proc.pid, signal.SIGKILL)
     print(f"Ctrl-C to exit: {seconds:.1f} s")
-    left = [
-        f"{role} {i}" for role, i in (("trainer", 0), ("inference", 0), ("inference", 1)) if worker_pids(NAME, role, i)
-    ]
+    left = workers_left()
     checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
     return Interrupted(
         tmp=tmp,
@@ -384,5 +388,5 @@ def test_a_failing_worker_stops_the_run_with_its_error(tmp_path):
     result = grpolora_run(job, tmp_path, tmp_path / "run")
     assert result.returncode == 1
     assert "exited with code 1" in result.stderr and "model path /nonexistent/model does not exist" in result.stderr
-    leftovers = subprocess.run(["pgrep", "-f", "grpolora.cli worker"], capture_output=True, text=True).stdout
-    assert not leftovers.strip(), f"worker processes left running: {leftovers}"
+    left = workers_left()
+    assert not left, f"worker processes left running: {left}"
