@@ -3,42 +3,16 @@ the model (by name or shape), on one rank and on sharded FSDP2 ranks; and they b
 
 from __future__ import annotations
 
-import os
 import pickle
 import shutil
-from datetime import timedelta
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
 
-from grpolora.workers.adapter import WEIGHTS_FILE
-from grpolora.workers.models import resolve_model
 from grpolora.workers.trainer import checkpoint
-from grpolora.workers.trainer.policy import Policy
 from grpolora.workers.trainer.step import make_optimizer
-from tests.workers.syncfakes import free_port
-from tests.workers.test_trainer_ranks import SPEC
-
-
-def new_policy(shard: bool = False) -> Policy:
-    return Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=shard)
-
-
-def tamper(folder: Path, target: Path, edit) -> Path:
-    """A copy of checkpoint `folder` at `target` whose adapter tensors went through `edit`."""
-    shutil.copytree(folder, target)
-    weights = target / checkpoint.ADAPTER_DIR / WEIGHTS_FILE
-    save_file(edit(load_file(str(weights))), str(weights))
-    return target
-
-
-def renamed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    first = sorted(tensors)[0]
-    return {(k.replace("layers.0.", "layers.1000.") if k == first else k): v for k, v in tensors.items()}
+from tests.workers.ranks import SPEC, new_policy, outcome_file, renamed, tamper
 
 
 def with_extra(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -109,31 +83,8 @@ def test_rng_states_come_back(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(state["rng"]["cuda"], expected[2], strict=True))
 
 
-def _sharded_rank(rank: int, world_size: int, port: int, out: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
-    )
-    try:
-        policy = new_policy(shard=True)
-        optimizer = make_optimizer(policy, SPEC.grpo)
-        folder = checkpoint.save(Path(out) / "ckpt", policy.model, optimizer, checkpoint.Progress(step=1), keep=1)
-        if rank == 0:
-            tamper(folder, Path(out) / "renamed", renamed)
-        dist.barrier()
-        try:
-            checkpoint.restore(Path(out) / "renamed", policy.model, optimizer)
-            outcome = "loaded"
-        except ValueError as exc:
-            outcome = str(exc)
-        (Path(out) / f"rank-{rank}.txt").write_text(outcome)
-    finally:
-        dist.destroy_process_group()
-
-
-def test_a_sharded_restore_refuses_a_renamed_tensor(tmp_path):
-    mp.start_processes(_sharded_rank, args=(2, free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+def test_a_sharded_restore_refuses_a_renamed_tensor(two_ranks):
+    # tests/workers/ranks.py: both FSDP2 ranks restore a sharded checkpoint with one tensor renamed.
     for rank in (0, 1):
-        outcome = (tmp_path / f"rank-{rank}.txt").read_text()
+        outcome = (two_ranks / outcome_file(rank)).read_text()
         assert "does not fit this model's LoRA adapter" in outcome and "layers.1000." in outcome, outcome

@@ -1,15 +1,23 @@
 """`grpolora run` end to end, as a user runs it: a trainer and two vLLM inference replicas as Ray actors on this
-machine, a tiny model, real adapter sync every step; then a second run resumes from the checkpoint."""
+machine, a tiny model, real adapter sync every step.
+
+Engine starts dominate the time of these tests, so one job carries the whole story in two `grpolora run`s:
+the first loses an inference replica (SIGKILLed at step 2, restarted, back in the sync group while the run goes on)
+and is then interrupted with SIGINT; the second, pipelined and with more steps, resumes it from its checkpoint and
+runs to the end. Module fixtures run the job once and record what they saw; each test asserts one behaviour on
+that record, so a failure still names what broke."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -43,6 +51,13 @@ JOB = {
         "checkpoint": {"everySteps": 2},
     },
 }
+NAME = JOB["metadata"]["name"]
+# The first run never gets this far: it is interrupted a few steps after the lost replica is back in the group
+# (an engine start takes 20-60 s on 2 shared cores; a step a few seconds).
+FIRST_RUN_STEPS = 60
+STEPS_AFTER_REJOIN = 2  # steps that sync to the replacement too before the interrupt
+ENGINE_DEATH_SECONDS = 5.0  # vLLM's engine processes must die this soon after their server is SIGKILLed
+CTRL_C_SECONDS = 20.0
 
 
 def grpolora_run(job: dict, tmp_path: Path, run_dir: Path) -> subprocess.CompletedProcess[str]:
@@ -61,85 +76,10 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
-def first_run(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("local-run")
-    run_dir = tmp / "run"
-    result = grpolora_run(JOB, tmp, run_dir)
-    assert result.returncode == 0, result.stderr[-6000:]
-    return tmp, run_dir, result
-
-
-def test_every_step_syncs_with_exact_logprobs(first_run):
-    _, run_dir, result = first_run
-    steps = records(run_dir)
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert [r["sync_round"] for r in steps] == [1, 2, 3]  # syncRound equals steps
-    assert all(r["on_policy"] and r["rollout_version"] == r["step"] - 1 for r in steps)
-    worst = max(r["mismatch_max_abs"] for r in steps)
-    print(f"largest |logprob_trainer - logprob_vllm| over the run: {worst:.2e}")
-    assert worst <= 1e-3
-    assert all(r["sync_bytes"] > 0 and r["seconds"]["sync"] > 0 for r in steps)
-    assert "mean reward, first 3 steps" in result.stdout
-
-
-def test_run_folder_holds_adapter_plot_logs_and_final_status(first_run):
-    _, run_dir, _ = first_run
-    from peft import PeftConfig
-
-    config = PeftConfig.from_pretrained(run_dir / "final-adapter")  # the standard peft format
-    assert config.r == 8
-    assert (run_dir / "plot.png").stat().st_size > 10_000
-    assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
-    status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
-    assert status.phase == "Succeeded" and status.step == status.total_steps == 3 and status.sync_round == 3
-    assert set(status.sync_members) == {0, 1}
-
-
-def test_status_contract_is_the_documented_one():
-    documented = (ROOT / "docs" / "status.md").read_text()
-    for field in TrainerStatus.model_fields.values():
-        assert f"`{field.alias}`" in documented, f"document {field.alias} in docs/status.md"
-
-
-def test_a_second_run_resumes_from_the_checkpoint_and_pipelines(first_run):
-    tmp, run_dir, _ = first_run
-    longer = json.loads(json.dumps(JOB))
-    longer["spec"]["grpo"]["steps"] = 5
-    longer["spec"]["grpo"]["pipelined"] = True
-    result = grpolora_run(longer, tmp, run_dir)
-    assert result.returncode == 0, result.stderr[-6000:]
-    steps = records(run_dir)
-    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]  # the step count continues
-    rounds = [r["sync_round"] for r in steps]
-    assert rounds == sorted(rounds) and len(set(rounds)) == 5  # and sync rounds never go back
-    assert steps[3]["epoch"] > steps[2]["epoch"]
-    # Pipelined: step 5's rollouts were generated while step 4 trained, from the adapter before step 4's update.
-    assert steps[3]["on_policy"] and not steps[4]["on_policy"]
-    assert steps[4]["rollout_version"] == steps[3]["rollout_version"] < steps[3]["sync_round"]
-    # Step 4's checkpoint was written while step 5's prompts were already being generated: they are not counted
-    # as consumed, so a restart from it generates them again instead of skipping them.
-    state = torch.load(run_dir / "checkpoints" / "step-00000004" / "trainer_state.pt", weights_only=False)
-    assert state["progress"]["prompts_consumed"] == 4 * JOB["spec"]["grpo"]["promptsPerStep"]
-
-
-def test_a_bad_reward_plugin_fails_before_any_worker_starts(tmp_path):
+def with_grpo(**grpo) -> dict:
     job = json.loads(json.dumps(JOB))
-    job["spec"]["task"] = {"name": "keyword", "reward": "no_such_module:score"}
-    result = grpolora_run(job, tmp_path, tmp_path / "run")
-    assert result.returncode == 1
-    assert "spec.task.reward" in result.stderr and "no_such_module" in result.stderr
-    assert not (tmp_path / "run" / "logs").exists()
-
-
-def test_a_failing_worker_stops_the_run_with_its_error(tmp_path):
-    job = json.loads(json.dumps(JOB))
-    job["spec"]["model"]["name"] = "/nonexistent/model"
-    result = grpolora_run(job, tmp_path, tmp_path / "run")
-    assert result.returncode == 1
-    assert "exited with code 1" in result.stderr and "model path /nonexistent/model does not exist" in result.stderr
-    leftovers = subprocess.run(["pgrep", "-f", "grpolora.cli worker"], capture_output=True, text=True).stdout
-    assert not leftovers.strip(), f"worker processes left running: {leftovers}"
+    job["spec"]["grpo"] |= grpo
+    return job
 
 
 def worker_pids(job_name: str, role: str, index: int) -> list[int]:
@@ -165,6 +105,22 @@ def worker_pids(job_name: str, role: str, index: int) -> list[int]:
     return found
 
 
+def workers_left() -> list[str]:
+    """This job's workers still running (other runs on a shared machine may have workers of their own)."""
+    replicas = [("trainer", 0)] + [("inference", i) for i in range(JOB["spec"]["inference"]["replicas"])]
+    return [f"{role} {i}" for role, i in replicas if worker_pids(NAME, role, i)]
+
+
+STEP_LINE = re.compile(r"\] step (\d+)/\d+")
+
+
+def default_sigint() -> None:
+    """Run in the child before exec: SIGINT at its default, so that `grpolora run` takes it as a Ctrl-C. A shell
+    starts a background job with SIGINT ignored and children inherit that; without this, the interrupt tests would
+    pass or fail by how pytest itself was started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class RunningCommand:
     """`grpolora run` in its own session (so that a test can kill whatever it leaves), with its stderr lines
     collected as they come."""
@@ -179,16 +135,34 @@ class RunningCommand:
             text=True,
             cwd=tmp_path,
             start_new_session=True,
+            preexec_fn=default_sigint,
         )
         self.lines: list[str] = []
         self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stderr.readline, "")))
         self._reader.start()
 
-    def wait_for(self, words: str, timeout: float = 600) -> None:
+    def wait_for(self, words: str, timeout: float = 600) -> int:
+        """Until a stderr line holds `words`; returns that line's position."""
+        return self.wait_until(lambda line: words in line, f"never saw {words!r}", timeout=timeout)
+
+    def wait_for_step(self, wanted, what: str, *, after: int = 0, timeout: float = 600) -> int:
+        """Until a progress line from position `after` on shows a step for which `wanted(step)` holds. (The
+        launcher prints one line per poll, so a step can be skipped: ask for a condition, not a number.)"""
+
+        def shows(line: str) -> bool:
+            match = STEP_LINE.search(line)
+            return match is not None and wanted(int(match.group(1)))
+
+        return self.wait_until(shows, f"never saw {what}", after=after, timeout=timeout)
+
+    def wait_until(self, matches, failure: str, *, after: int = 0, timeout: float = 600) -> int:
         deadline = time.monotonic() + timeout
-        while not any(words in line for line in self.lines):
-            assert self.proc.poll() is None, "".join(self.lines)[-6000:]
-            assert time.monotonic() < deadline, f"never saw {words!r}:\n" + "".join(self.lines)[-6000:]
+        while True:
+            for position in range(after, len(self.lines)):
+                if matches(self.lines[position]):
+                    return position
+            assert self.proc.poll() is None, f"{failure}; the run exited:\n" + self.stderr[-6000:]
+            assert time.monotonic() < deadline, f"{failure}:\n" + self.stderr[-6000:]
             time.sleep(0.2)
 
     def finish(self, timeout: float = 900) -> int:
@@ -201,43 +175,50 @@ class RunningCommand:
         return "".join(self.lines)
 
 
-def healing_job(name: str, steps: int) -> dict:
-    job = json.loads(json.dumps(JOB))
-    job["metadata"]["name"] = name
-    job["spec"]["grpo"]["steps"] = steps
-    return job
+@dataclass
+class Interrupted:
+    """What the first run showed: healed, then stopped with SIGINT."""
+
+    tmp: Path
+    run_dir: Path
+    job: dict
+    engine_survivors: list[int]  # vLLM engine processes still running 5 s after their server was SIGKILLed
+    code: int
+    seconds_to_exit: float
+    stderr: str
+    left_running: list[str]  # workers still there after `grpolora run` exited
+    adapter_folders_left: list[Path]
+    status: TrainerStatus
+    records: list[dict]
+    checkpoint: int  # the last checkpoint's step when interrupted
+    replica_log: str  # inference-1.log
 
 
-def test_a_sigkilled_inference_replica_is_restarted_and_rejoins_while_the_run_goes_on(tmp_path):
-    run_dir = tmp_path / "run"
-    run = RunningCommand(healing_job("heal", 24), tmp_path, run_dir)
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory) -> Interrupted:
+    tmp = tmp_path_factory.mktemp("local-run")
+    run_dir = tmp / "run"
+    job = with_grpo(steps=FIRST_RUN_STEPS)
+    run = RunningCommand(job, tmp, run_dir)
     try:
-        run.wait_for("step 2/24")
-        (server,) = worker_pids("heal", "inference", 1)
+        run.wait_for_step(lambda step: step >= 2, "step 2")
+        (server,) = worker_pids(NAME, "inference", 1)
         engine = descendants(server)
         assert engine, "the inference server has no engine processes"
         os.kill(server, signal.SIGKILL)  # the server process alone, as the OOM killer would
-        time.sleep(5)
-        assert not [p for p in engine if alive(p)], "vLLM's engine processes outlived their server"
+        deadline = time.monotonic() + ENGINE_DEATH_SECONDS
+        while [p for p in engine if alive(p)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [p for p in engine if alive(p)]
         run.wait_for("inference 1 exited with code -9; starting it again (restart 1 of 3)")
-        run.wait_for("2 replica(s) in sync, inference restarts 1")  # the replacement is back in the group
-        code = run.finish()
-    finally:
-        if run.proc.poll() is None:
-            os.killpg(run.proc.pid, signal.SIGKILL)
-    assert code == 0, run.stderr[-6000:]
-    assert [r["step"] for r in records(run_dir)] == list(range(1, 25))
-    status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
-    assert status.phase == "Succeeded" and status.inference_restarts == 1 and status.sync_members == [0, 1]
-    assert "--- grpolora run: exited with code -9; restart 1 ---" in (run_dir / "logs" / "inference-1.log").read_text()
-
-
-def test_ctrl_c_is_quick_leaves_nothing_behind_and_the_rerun_records_each_step_once(tmp_path):
-    run_dir = tmp_path / "run"
-    job = healing_job("interrupted", 6)
-    run = RunningCommand(job, tmp_path, run_dir)
-    try:
-        run.wait_for("step 3/6")  # the checkpoint is at step 2
+        # The trainer leaves the lost replica out at its next sync (a line printed before that may still show the
+        # members of the sync before the kill), then re-adds the replacement once it serves the current adapter.
+        out = run.wait_for("1 replica(s) in sync, inference restarts 1")
+        back = run.wait_until(lambda line: "2 replica(s) in sync, inference restarts 1" in line, "no rejoin", after=out)
+        (rejoined,) = map(int, STEP_LINE.search(run.lines[back]).groups())
+        # A step after which no checkpoint is written yet (they are every 2 steps), so that the rerun must drop
+        # its record and record it again.
+        run.wait_for_step(lambda step: step >= rejoined + STEPS_AFTER_REJOIN and step % 2, "an odd step", after=back)
         pressed = time.monotonic()
         # SIGINT to `grpolora run` alone (as `kill -INT` or a supervisor sends it): the launcher stops the workers.
         # (A terminal's Ctrl-C signals the whole group; Ray's actors then die too, and their workers with them.)
@@ -248,15 +229,164 @@ def test_ctrl_c_is_quick_leaves_nothing_behind_and_the_rerun_records_each_step_o
         if run.proc.poll() is None:
             os.killpg(run.proc.pid, signal.SIGKILL)
     print(f"Ctrl-C to exit: {seconds:.1f} s")
-    assert code == 130, run.stderr[-4000:]
-    assert seconds < 20, run.stderr[-4000:]
-    for role, index in (("trainer", 0), ("inference", 0), ("inference", 1)):
-        assert not worker_pids("interrupted", role, index), f"{role} {index} left running"
-    assert not list(Path("/dev/shm").glob("grpolora-adapters-interrupted-*")), "adapter folders left in /dev/shm"
-    status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
-    assert status.phase == "Failed" and status.step >= 3 and "run it again to resume" in (status.message or "")
-    assert any(r["step"] == 3 for r in records(run_dir))
+    left = workers_left()
+    checkpoints = sorted((run_dir / "checkpoints").glob("step-*"))
+    return Interrupted(
+        tmp=tmp,
+        run_dir=run_dir,
+        job=job,
+        engine_survivors=survivors,
+        code=code,
+        seconds_to_exit=seconds,
+        stderr=run.stderr,
+        left_running=left,
+        adapter_folders_left=list(Path("/dev/shm").glob(f"grpolora-adapters-{NAME}-*")),
+        status=TrainerStatus.model_validate_json((run_dir / "status.json").read_text()),
+        records=records(run_dir),
+        checkpoint=int(checkpoints[-1].name.removeprefix("step-")) if checkpoints else 0,
+        replica_log=(run_dir / "logs" / "inference-1.log").read_text(),
+    )
 
-    again = grpolora_run(job, tmp_path, run_dir)
-    assert again.returncode == 0, again.stderr[-6000:]
-    assert [r["step"] for r in records(run_dir)] == [1, 2, 3, 4, 5, 6]  # step 3 once, from the resumed run
+
+@dataclass
+class Resumed:
+    """The second run: the same job resumed from the first run's checkpoint, pipelined, to its end."""
+
+    run_dir: Path
+    steps: int
+    result: subprocess.CompletedProcess[str]
+    records: list[dict]
+
+
+@pytest.fixture(scope="module")
+def resumed(interrupted: Interrupted) -> Resumed:
+    done = max(r["step"] for r in interrupted.records)
+    # Two steps past the checkpoint show pipelining (the first refills the pipeline, the second samples the
+    # adapter from before its predecessor's update) and the next checkpoint is written while a third is generated.
+    steps = max(done, interrupted.checkpoint + 3)
+    job = with_grpo(steps=steps, pipelined=True)
+    result = grpolora_run(job, interrupted.tmp, interrupted.run_dir)
+    assert result.returncode == 0, result.stderr[-6000:]
+    return Resumed(interrupted.run_dir, steps, result, records(interrupted.run_dir))
+
+
+# --- the first run, up to its interrupt: every step syncs, a lost replica is healed ---
+
+
+def test_every_step_syncs_with_exact_logprobs(interrupted):
+    steps = interrupted.records
+    assert [r["step"] for r in steps] == list(range(1, len(steps) + 1))  # also while a replica was being restarted
+    assert [r["sync_round"] for r in steps] == [r["step"] for r in steps]  # syncRound equals steps
+    assert all(r["on_policy"] and r["rollout_version"] == r["step"] - 1 for r in steps)
+    worst = max(r["mismatch_max_abs"] for r in steps)
+    print(f"largest |logprob_trainer - logprob_vllm| over the run: {worst:.2e}")
+    assert worst <= 1e-3
+    assert all(r["sync_bytes"] > 0 and r["seconds"]["sync"] > 0 for r in steps)
+
+
+def test_a_sigkilled_replicas_engine_processes_die_with_it(interrupted):
+    assert not interrupted.engine_survivors, "vLLM's engine processes outlived their server"
+
+
+def test_a_sigkilled_inference_replica_is_restarted_and_rejoins_while_the_run_goes_on(interrupted):
+    # The fixture saw the restart and then both replicas in sync on later steps; the status says the same.
+    status = interrupted.status
+    assert status.inference_restarts == 1 and status.sync_members == [0, 1]
+    assert status.step >= 2 + STEPS_AFTER_REJOIN
+    assert "--- grpolora run: exited with code -9; restart 1 ---" in interrupted.replica_log
+
+
+def test_ctrl_c_is_quick(interrupted):
+    assert interrupted.code == 130, interrupted.stderr[-4000:]
+    assert interrupted.seconds_to_exit < CTRL_C_SECONDS, interrupted.stderr[-4000:]
+
+
+def test_ctrl_c_leaves_nothing_behind(interrupted):
+    assert not interrupted.left_running, f"left running: {interrupted.left_running}"
+    assert not interrupted.adapter_folders_left, "adapter folders left in /dev/shm"
+
+
+def test_ctrl_c_records_where_the_run_stopped(interrupted):
+    status, steps = interrupted.status, interrupted.records
+    assert status.phase == "Failed" and "run it again to resume" in (status.message or "")
+    assert status.step >= 3 and any(r["step"] == status.step for r in steps)
+    assert steps[-1]["step"] > interrupted.checkpoint  # a recorded step the rerun must compute again
+
+
+# --- the second run: resumed from the checkpoint, pipelined, to the end ---
+
+
+def test_the_rerun_records_each_step_once(interrupted, resumed):
+    assert [r["step"] for r in resumed.records] == list(range(1, resumed.steps + 1))  # the step count continues
+    redone = interrupted.checkpoint + 1
+    assert resumed.records[redone - 1]["epoch"] > interrupted.records[redone - 1]["epoch"]  # from the second run
+
+
+def test_a_resumed_run_continues_sync_rounds_in_a_new_epoch(interrupted, resumed):
+    steps = resumed.records
+    rounds = [r["sync_round"] for r in steps]
+    assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds)  # sync rounds never go back
+    first = interrupted.checkpoint  # the first step of the second run, counted from 0
+    assert steps[first]["epoch"] > steps[first - 1]["epoch"]
+    assert all(r["sync_bytes"] > 0 and r["seconds"]["sync"] > 0 for r in steps)
+
+
+def test_a_resumed_pipelined_run_samples_from_the_adapter_before_the_last_update(interrupted, resumed):
+    steps = resumed.records
+    first = interrupted.checkpoint  # index of the first step of the second run
+    # Pipelined: the second step's rollouts were generated while the first trained, from the adapter before the
+    # first step's update.
+    assert steps[first]["on_policy"] and not steps[first + 1]["on_policy"]
+    assert steps[first + 1]["rollout_version"] == steps[first]["rollout_version"] < steps[first]["sync_round"]
+    assert max(r["mismatch_max_abs"] for r in steps if r["on_policy"]) <= 1e-3
+
+
+def test_a_pipelined_checkpoint_counts_only_the_prompts_it_trained_on(interrupted, resumed):
+    # This checkpoint was written while the next step's prompts were already being generated: they are not counted
+    # as consumed, so a restart from it generates them again instead of skipping them.
+    step = interrupted.checkpoint + 2
+    state = torch.load(resumed.run_dir / "checkpoints" / f"step-{step:08d}" / "trainer_state.pt", weights_only=False)
+    assert state["progress"]["prompts_consumed"] == step * JOB["spec"]["grpo"]["promptsPerStep"]
+
+
+def test_run_folder_holds_adapter_plot_logs_and_final_status(resumed):
+    from peft import PeftConfig
+
+    run_dir = resumed.run_dir
+    config = PeftConfig.from_pretrained(run_dir / "final-adapter")  # the standard peft format
+    assert config.r == 8
+    assert (run_dir / "plot.png").stat().st_size > 10_000
+    assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
+    status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
+    assert status.phase == "Succeeded" and status.step == status.total_steps == resumed.steps
+    assert status.sync_round == resumed.records[-1]["sync_round"] and status.inference_restarts == 0
+    assert set(status.sync_members) == {0, 1}
+    assert f"mean reward, first {min(5, resumed.steps)} steps" in resumed.result.stdout
+
+
+# --- without engines ---
+
+
+def test_status_contract_is_the_documented_one():
+    documented = (ROOT / "docs" / "status.md").read_text()
+    for field in TrainerStatus.model_fields.values():
+        assert f"`{field.alias}`" in documented, f"document {field.alias} in docs/status.md"
+
+
+def test_a_bad_reward_plugin_fails_before_any_worker_starts(tmp_path):
+    job = json.loads(json.dumps(JOB))
+    job["spec"]["task"] = {"name": "keyword", "reward": "no_such_module:score"}
+    result = grpolora_run(job, tmp_path, tmp_path / "run")
+    assert result.returncode == 1
+    assert "spec.task.reward" in result.stderr and "no_such_module" in result.stderr
+    assert not (tmp_path / "run" / "logs").exists()
+
+
+def test_a_failing_worker_stops_the_run_with_its_error(tmp_path):
+    job = json.loads(json.dumps(JOB))
+    job["spec"]["model"]["name"] = "/nonexistent/model"
+    result = grpolora_run(job, tmp_path, tmp_path / "run")
+    assert result.returncode == 1
+    assert "exited with code 1" in result.stderr and "model path /nonexistent/model does not exist" in result.stderr
+    left = workers_left()
+    assert not left, f"worker processes left running: {left}"

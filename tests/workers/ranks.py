@@ -1,0 +1,123 @@
+"""Two gloo trainer ranks with FSDP2, started once for the whole session: spawning them (each imports torch,
+transformers and peft and loads the model) costs far more than what they compute, so one pair of processes does
+what several tests check — the rank-equivalence of an update (test_trainer_ranks.py), a sharded checkpoint's
+round trip, and a sharded restore refusing an adapter that does not fit (test_checkpoint.py). Each rank writes
+what it saw to files; the tests read them (the `two_ranks` fixture in conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from grpolora.api.load import parse_job
+from grpolora.workers.adapter import WEIGHTS_FILE
+from grpolora.workers.models import resolve_model
+from grpolora.workers.trainer import checkpoint
+from grpolora.workers.trainer.policy import Batch, Policy, build_batch
+from grpolora.workers.trainer.step import train_step
+from tests.helpers import job_doc
+
+SPEC = parse_job(
+    job_doc(
+        model={"name": "offline:tiny-llama", "dtype": "float32"},
+        lora={"rank": 8, "alpha": 16},
+        # No gradient clipping: a clip to 1.0 would rescale a wrong gradient scale across ranks away.
+        grpo={"learningRate": 1e-2, "microBatchSize": 2, "klCoef": 0.05, "temperature": 0.8, "maxGradNorm": 1e6},
+        trainer={"gpusPerReplica": 0},
+        inference={"gpusPerReplica": 0},
+    )
+).spec
+
+# An odd count: rank 0 takes 3 sequences (two micro-batches of 2), rank 1 takes 2 (one), so rank 1 must take
+# part in a second micro-batch's collectives with no sequence of its own.
+SEQUENCES = 5
+RESULT_FILE = "two_ranks.pt"  # rank 0's update, stats and restored adapter
+
+
+def outcome_file(rank: int) -> str:
+    """What restoring the checkpoint with a renamed tensor did on `rank`."""
+    return f"renamed-restore-rank-{rank}.txt"
+
+
+def new_policy(shard: bool = False) -> Policy:
+    return Policy(resolve_model("offline:tiny-llama"), SPEC, device=torch.device("cpu"), shard=shard)
+
+
+def synthetic_batch(size: int = 6) -> Batch:
+    g = torch.Generator().manual_seed(0)
+    sequences, advantages = [], []
+    for i in range(size):  # uneven lengths, so padding and the token-level normaliser matter
+        prompt = torch.randint(5, 1000, (4 + i % 3,), generator=g).tolist()
+        completion = torch.randint(5, 1000, (3 + 2 * (i % 2),), generator=g).tolist()
+        sequences.append((prompt, completion, (-torch.rand(len(completion), generator=g)).tolist()))
+        advantages.append(float(torch.randn(1, generator=g)))
+    return build_batch(sequences, advantages, pad_id=0)
+
+
+def lora_state(policy: Policy) -> dict[str, torch.Tensor]:
+    from grpolora.workers.adapter import lora_tensors
+
+    return {k: v.detach().cpu().clone() for k, v in lora_tensors(policy.model).items()}
+
+
+def sgd(policy: Policy) -> torch.optim.Optimizer:
+    """SGD with lr 1: the first update is the (clipped) gradient itself (the momentum buffer starts as the gradient
+    and gives the checkpoint some optimizer state to carry). Adam would hide a wrong gradient scale, since it
+    normalises the update, which is exactly what the rank-equivalence test must catch."""
+    return torch.optim.SGD(policy.trainable_parameters(), lr=1.0, momentum=0.9)
+
+
+def tamper(folder: Path, target: Path, edit) -> Path:
+    """A copy of checkpoint `folder` at `target` whose adapter tensors went through `edit`."""
+    shutil.copytree(folder, target)
+    weights = target / checkpoint.ADAPTER_DIR / WEIGHTS_FILE
+    save_file(edit(load_file(str(weights))), str(weights))
+    return target
+
+
+def renamed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    first = sorted(tensors)[0]
+    return {(k.replace("layers.0.", "layers.1000.") if k == first else k): v for k, v in tensors.items()}
+
+
+def sharded_rank(rank: int, world_size: int, port: int, out: str) -> None:
+    """One rank: a training step on its share of the batch, a sharded checkpoint restored into a fresh policy,
+    then the same checkpoint with one tensor renamed, which must be refused."""
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size, timeout=timedelta(seconds=120)
+    )
+    try:
+        policy = new_policy(shard=True)
+        optimizer = sgd(policy)
+        stats = train_step(
+            policy, optimizer, synthetic_batch(SEQUENCES), SPEC.grpo, on_policy=True, rank=rank, world_size=world_size
+        )
+        state = lora_state(policy)  # a collective: every rank gathers
+        folder = checkpoint.save(Path(out) / "ckpt", policy.model, optimizer, checkpoint.Progress(step=1, version=1), 1)
+        dist.barrier()
+        fresh = new_policy(shard=True)
+        fresh_optimizer = sgd(fresh)
+        progress = checkpoint.restore(checkpoint.latest(Path(out) / "ckpt"), fresh.model, fresh_optimizer)
+        restored = lora_state(fresh)
+        if rank == 0:
+            torch.save(
+                {"state": state, "stats": stats, "restored": restored, "step": progress.step}, Path(out) / RESULT_FILE
+            )
+            tamper(folder, Path(out) / "renamed", renamed)
+        dist.barrier()
+        try:
+            checkpoint.restore(Path(out) / "renamed", policy.model, optimizer)
+            outcome = "loaded"
+        except ValueError as exc:
+            outcome = str(exc)
+        (Path(out) / outcome_file(rank)).write_text(outcome)
+    finally:
+        dist.destroy_process_group()
