@@ -194,6 +194,10 @@ class Controller:
             else:
                 observed = await self._observe(job, view, old, blocked, full=full)
             decision = rec.decide(view, old, observed, self.clock())
+            if decision.read_flavors:
+                # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
+                flavors = await self._flavors(decision.read_flavors)
+                decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
                 decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
@@ -321,6 +325,12 @@ class Controller:
             queue_workload=queue_workload,
         )
 
+    async def _flavors(self, names_: tuple[str, ...]) -> dict[str, dict[str, Any] | None]:
+        """Kueue ResourceFlavors by name (cluster-scoped; None: not found). Read only when workloads are about to be
+        created, so no watch is kept (Kueue's own integrations read them at the same moment)."""
+        found = await asyncio.gather(*(self.client.get(kube.KUEUE_RESOURCE_FLAVOR, None, name) for name in names_))
+        return dict(zip(names_, found, strict=True))
+
     async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
         """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
         assert view.job is not None
@@ -365,7 +375,7 @@ class Controller:
             finished = {
                 "type": "Finished",
                 "status": "True",
-                "reason": decision.status.phase or "Finished",
+                "reason": decision.queue_finish_reason or "Finished",
                 "message": decision.status.message or "",
                 "lastTransitionTime": cond.rfc3339(self.clock()),
             }

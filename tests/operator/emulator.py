@@ -51,6 +51,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kueue.x-k8s.io/v1beta1/workloads": kmock.ResourceInfo(
         kind="Workload", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
     ),
+    "kueue.x-k8s.io/v1beta1/resourceflavors": kmock.ResourceInfo(kind="ResourceFlavor", namespaced=False),
 }
 PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),
