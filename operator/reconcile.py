@@ -356,22 +356,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                 phase, completion, failed_reason = "Failed", stamp, names.R_POD_FAILURE_POLICY
                 final_message = f"the trainer cannot work with its spec or data (a restart would not help): " \
                     f"{failure.message}"  # fmt: skip
-            elif failure.cause == names.CAUSE_DISRUPTION:
-                restarts += 1
-                by_cause = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
-                restart_note = (
-                    f"restart {restarts} from the latest checkpoint after a disruption (not counted against "
-                    f"spec.trainer.maxRestarts): {failure.message}"
-                )
-                requeue = 0.0
-            elif by_cause.failure < spec.trainer.max_restarts:
-                restarts += 1
-                by_cause = by_cause.model_copy(update={"failure": by_cause.failure + 1})
-                restart_note = (
-                    f"restart {by_cause.failure} of {spec.trainer.max_restarts} from the latest checkpoint: "
-                    f"{failure.message}"
-                )
-                requeue = 0.0
+            elif failure.cause == names.CAUSE_DISRUPTION or by_cause.failure < spec.trainer.max_restarts:
+                restarts, by_cause, restart_note = _commit_restart(restarts, by_cause, failure, spec)
+                requeue = 0.0  # the next pass replaces the trainer Job
             else:
                 phase, completion = "Failed", stamp
                 final_message = (
@@ -521,6 +508,24 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _commit_restart(
+    restarts: int, by_cause: RestartCounts, failure: obs.TrainerFailure, spec: GRPOLoraJobSpec
+) -> tuple[int, RestartCounts, str]:
+    """One more trainer restart (committed by the status write), counted under its cause: a disruption does not
+    spend spec.trainer.maxRestarts, a failure does. Returns the counts and the note for the Progressing condition."""
+    if failure.cause == names.CAUSE_DISRUPTION:
+        counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
+        note = (
+            f"restart {restarts + 1} from the latest checkpoint after a disruption (not counted against "
+            f"spec.trainer.maxRestarts): {failure.message}"
+        )
+    else:
+        counted = by_cause.model_copy(update={"failure": by_cause.failure + 1})
+        limit = spec.trainer.max_restarts
+        note = f"restart {counted.failure} of {limit} from the latest checkpoint: {failure.message}"
+    return restarts + 1, counted, note
 
 
 @dataclass(frozen=True)
