@@ -27,11 +27,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.helpers import job_doc  # noqa: E402  (the repository root is importable only from here on)
-from tests.operator.harness import running_cluster  # noqa: E402
+from grpolora.testing.jobs import job_doc
+from grpolora.testing.kube_emulator import running_cluster
 
 NAMESPACE = "bench"
 CHILDREN = (

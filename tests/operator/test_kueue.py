@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import names
+from grpolora.testing.kube_emulator import NAMESPACE
 from tests.helpers import job_doc
-from tests.operator.harness import NAMESPACE, wait_for
+from tests.operator.harness import wait_for
 from tests.operator.test_operator import phase
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"

@@ -15,17 +15,9 @@ from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.operator import names
 from grpolora.operator.builders import build_children
+from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, Cluster, running_cluster
 from tests.helpers import example, job_doc
-from tests.operator.emulator import CRD_RESOURCE
-from tests.operator.harness import (
-    FAST_INTERVAL,
-    NAMESPACE,
-    Cluster,
-    OperatorThread,
-    operator_options,
-    running_cluster,
-    wait_for,
-)
+from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
 
 RESOURCE_OF = {
     "Secret": "v1/secrets",

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import rbac
+from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, running_cluster
 from tests.helpers import job_doc
-from tests.operator.emulator import CRD_RESOURCE
-from tests.operator.harness import NAMESPACE, OperatorThread, fake_trainer, operator_options, running_cluster, wait_for
+from tests.operator.harness import OperatorThread, fake_trainer, operator_options, wait_for
 
 PEERING = "grpo-lora-operator"
 
