@@ -124,6 +124,8 @@ class Controller:
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
+        self.listings: dict[tuple[Any, ...], tuple[float, asyncio.Future[list[dict[str, Any]]]]] = {}
+        """Shared pod and Warning-event listings by (plural, namespace, labels, fields): (loop time, the listing)."""
 
     # ---- entry points ------------------------------------------------------------------------------------
 
@@ -296,10 +298,11 @@ class Controller:
         )
         running = not spec.suspend and not rec.is_finished(old)
         if running and (trainer_job or inference) and not_ready:
-            pods, events = await asyncio.gather(
-                self.client.list(kube.POD, view.namespace, {c.LABEL_JOB: view.name}),
-                self.client.list(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
+            ours, events = await asyncio.gather(
+                self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}),
+                self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
             )
+            pods = [p for p in ours if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
             desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
             present = [w for w in (trainer_job, inference) if w is not None]
             warnings = obs.pod_warnings(events, present, pods, desired)
@@ -324,6 +327,22 @@ class Controller:
             claims=claims,
             queue_workload=queue_workload,
         )
+
+    async def _listing(
+        self, kind: kube.Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """A namespace's pods or Warning events, listed at most once per monitor interval and shared by every job
+        there that waits for its pods (each picks its own): a burst of new jobs would otherwise list twice per job and
+        pass, and spend the client's rate limit on it. A listing that failed is not reused."""
+        key = (kind.plural, namespace, tuple(sorted(labels.items())), tuple(sorted((fields or {}).items())))
+        now = asyncio.get_running_loop().time()
+        cached = self.listings.get(key)
+        stale = cached is None or now - cached[0] >= self.config.interval
+        if stale or (cached is not None and cached[1].done() and cached[1].exception() is not None):
+            cached = (now, asyncio.ensure_future(self.client.list(kind, namespace, labels, fields=fields)))
+            self.listings[key] = cached
+        # Shielded: a pass cancelled while it waits must not cancel the listing that other jobs wait for.
+        return await asyncio.shield(cached[1])
 
     async def _flavors(self, names_: tuple[str, ...]) -> dict[str, dict[str, Any] | None]:
         """Kueue ResourceFlavors by name (cluster-scoped; None: not found). Read only when workloads are about to be

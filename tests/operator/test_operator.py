@@ -38,6 +38,11 @@ def as_sent(obj: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def pod_labels(job: str, role: str) -> dict[str, str]:
+    """A pod's labels as the job's pod template sets them (the operator lists its pods by the managed-by label)."""
+    return {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: job, c.LABEL_ROLE: role}
+
+
 def report(phase: str = "Running", **fields: Any) -> dict[str, Any]:
     return {"phase": phase, "totalSteps": 3, "syncMembers": [0], **fields}
 
@@ -366,7 +371,7 @@ async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_me
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "demo-trainer-0-abcde", "labels": {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}},
+        "metadata": {"name": "demo-trainer-0-abcde", "labels": pod_labels("demo", "trainer")},
         "spec": {"containers": [{"name": "trainer", "image": "x"}]},
         "status": {
             "phase": "Failed",
@@ -417,7 +422,7 @@ async def test_a_lost_inference_pod_re_forms_the_sync_group_and_the_job_goes_on(
 async def test_pods_stuck_unschedulable_or_pulling_say_why(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
-    labels = {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}
+    labels = pod_labels("demo", "trainer")
     await cluster.add_pod(
         {
             "apiVersion": "v1",
@@ -441,7 +446,7 @@ async def test_pods_stuck_unschedulable_or_pulling_say_why(cluster, operator):
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "other-trainer-0-x", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "other"}},
+            "metadata": {"name": "other-trainer-0-x", "namespace": NAMESPACE, "labels": pod_labels("other", "trainer")},
             "status": {
                 "phase": "Pending",
                 "containerStatuses": [
@@ -603,7 +608,7 @@ async def test_a_volume_that_cannot_attach_says_why_instead_of_a_quiet_container
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "demo-inference-0", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "demo"}},
+            "metadata": {"name": "demo-inference-0", "namespace": NAMESPACE, "labels": pod_labels("demo", "inference")},
             "status": {
                 "phase": "Pending",
                 "containerStatuses": [

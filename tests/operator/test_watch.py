@@ -57,3 +57,26 @@ def test_the_watch_cache_never_goes_back_to_an_older_version():
     assert controller.workloads[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
     controller.workload_event("Workload", "DELETED", seen(8, "False"))
     assert controller.workloads[("Workload", "ns", "demo")] is None
+
+
+async def test_jobs_waiting_for_pods_share_one_pod_and_event_listing_per_namespace(cluster, trainer):
+    """Why pods are not ready comes from the namespace's pods and Warning events: one listing per namespace and
+    monitor interval serves every job there (a burst of new jobs would otherwise list twice per job and pass)."""
+    operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+    names = [f"job-{i}" for i in range(4)]
+    try:
+        for name in names:
+            doc = job_doc()
+            doc["metadata"]["name"] = name
+            await cluster.apply(doc)
+        for name in names:
+            await created(cluster, name)
+        await asyncio.sleep(5 * FAST_INTERVAL)
+        start = len(cluster.emulator.log)
+        await asyncio.sleep(20 * FAST_INTERVAL)  # about 20 monitor passes of each job, none of its pods ready
+        listings = [entry[1] for entry in cluster.emulator.log[start:] if entry[0] == "list"]
+        # One per namespace and interval (and one more at the edges), not one per job and pass (4 x 20).
+        assert listings.count("pods") <= 25 and listings.count("events") <= 25, listings
+        assert listings.count("pods") >= 5, "the pods are still listed while they are not ready"
+    finally:
+        await operator.stop()
