@@ -171,7 +171,9 @@ class Controller:
         tasks = [job.task for job in self.jobs.values() if job.task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, listing in self.listings.values():
+            listing.cancel()  # shielded from the passes: cancelled here (a no-op once done)
+        await asyncio.gather(*tasks, *(listing for _, listing in self.listings.values()), return_exceptions=True)
         self.jobs.clear()
         await self.trainer.close()
         await self.client.close()
