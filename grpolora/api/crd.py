@@ -114,9 +114,9 @@ def crd() -> dict[str, Any]:
 
 def metadata_schema() -> dict[str, Any]:
     """metadata.name and generateName bounded (the only metadata fields a CRD may restrict): the CEL rules on the name
-    are then estimated at its real size, not at 3 MiB (Kubernetes before 1.34 assumes an unbounded name otherwise,
-    unless both are typed here). The name must be an RFC 1035 label anyway (a rule below); generateName leaves room
-    for the random suffix."""
+    are then estimated at its real size, not at 3 MiB (Kubernetes releases without the estimator's own 253-character
+    cap assume an unbounded name otherwise, unless both are typed here). The name must be an RFC 1035 label anyway
+    (a rule below); generateName leaves room for the random suffix."""
     return {
         "type": "object",
         "properties": {

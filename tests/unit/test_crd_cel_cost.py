@@ -92,9 +92,9 @@ def decl(schema: Mapping[str, Any], path: str = "self", *, root: bool = False) -
 
 
 def with_object_meta(schema: Mapping[str, Any]) -> Mapping[str, Any]:
-    """model.WithTypeAndObjectMeta as Kubernetes 1.28-1.3x apply it: unless the schema types kind, apiVersion,
-    metadata.name and metadata.generateName as strings, they are added as unbounded strings (newer servers cap the
-    name at 253 themselves)."""
+    """model.WithTypeAndObjectMeta as Kubernetes releases without its 253-character name cap apply it: unless the
+    schema types kind, apiVersion, metadata.name and metadata.generateName as strings, they are added as unbounded
+    strings (newer servers cap the name at 253 themselves)."""
     props = schema.get("properties") or {}
     meta = (props.get("metadata") or {}).get("properties") or {}
     typed = all(props.get(k, {}).get("type") == "string" for k in ("kind", "apiVersion"))
@@ -202,7 +202,7 @@ class Estimator:
         name, args = str(node.children[0]), node.children[1]
         if name == "has":  # a presence test: 1 plus the cost of what is selected from
             (selected,) = args.children
-            dot = next(selected.find_data("member_dot"))
+            dot = next(t for t in selected.iter_subtrees_topdown() if t.data == "member_dot")  # the outermost
             return Est(1 + self.run(dot.children[0]).cost, 1)
         raise NotImplementedError(f"function {name}() not modelled")
 
@@ -317,6 +317,7 @@ def test_single_rule_costs_follow_the_model():
     assert name_rule_cost("self.metadata.name.size() <= 42") == 5  # self, .metadata, .name, size(), <=
     # 3 selects + ceil(0.1 x (4 x 63 + 1)) x ceil(0.25 x len('^[a-z]$'))
     assert name_rule_cost("self.metadata.name.matches('^[a-z]$')") == 3 + 26 * 2
+    assert name_rule_cost("has(self.metadata.name)") == 1 + 2  # the presence test, plus self.metadata
     # An int compared with an int literal: sizes 0 and 1, so the comparison costs nothing beyond its operands.
     assert name_rule_cost("self.metadata.name == 'x'") == 3 + 1
 
