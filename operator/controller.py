@@ -347,9 +347,20 @@ class Controller:
         return await asyncio.shield(cached[1])
 
     async def _flavors(self, names_: tuple[str, ...]) -> dict[str, dict[str, Any] | None]:
-        """Kueue ResourceFlavors by name (cluster-scoped; None: not found). Read only when workloads are about to be
-        created, so no watch is kept (Kueue's own integrations read them at the same moment)."""
-        found = await asyncio.gather(*(self.client.get(kube.KUEUE_RESOURCE_FLAVOR, None, name) for name in names_))
+        """Kueue ResourceFlavors by name (cluster-scoped; None: not found or not readable, e.g. without the chart's
+        kueue.resourceFlavors grant). Read only when workloads are about to be created, so no watch is kept (Kueue's
+        own integrations read them at the same moment). A transient API failure fails the pass (retried)."""
+
+        async def read(name: str) -> dict[str, Any] | None:
+            try:
+                return await self.client.get(kube.KUEUE_RESOURCE_FLAVOR, None, name)
+            except kube.ApiError as exc:
+                if exc.transient:
+                    raise
+                logger.warning("cannot read Kueue ResourceFlavor %s: %s", name, exc)
+                return None
+
+        found = await asyncio.gather(*(read(name) for name in names_))
         return dict(zip(names_, found, strict=True))
 
     async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:

@@ -549,7 +549,11 @@ def _placed_workloads(
     absent = [name for name in wanted if flavors[name] is None]
     if absent:
         listed = ", ".join(f"ResourceFlavor {name}" for name in absent)
-        return _FlavorsMissing((), f"admitted by Kueue, but {listed} cannot be read (not found); retrying")
+        return _FlavorsMissing(
+            (),
+            f"admitted by Kueue, but {listed} cannot be read (not found, or not allowed: the operator needs get on "
+            "resourceflavors.kueue.x-k8s.io, the chart's kueue.resourceFlavors); retrying",
+        )
     try:
         admitted = kueue.pod_set_infos(workload, flavors) if workload is not None else None
         return children(job_plan, uid=uid, token="", admitted=admitted)[1]
