@@ -21,17 +21,15 @@ import statistics
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests.helpers import job_doc  # noqa: E402  (the repository root is importable only from here on)
-from tests.operator.harness import running_cluster  # noqa: E402
+from grpolora.testing.jobs import job_doc
+from grpolora.testing.kube_emulator import running_cluster
 
 NAMESPACE = "bench"
 CHILDREN = (
@@ -111,6 +109,7 @@ async def run(
                 posted = time.monotonic()
                 missing = await _wait_for_children(emulator, names, timeout)
                 finished = time.monotonic()
+                until_children = list(emulator.log)
                 creation_cpu = cpu_seconds(operator.pid) - cpu_before
                 creation_rss = peak_rss_mib(operator.pid)
                 # Steady state: play the Job and StatefulSet controllers (every pod ready; no trainer is active, so
@@ -149,6 +148,9 @@ async def run(
         "steady_requests_per_job_per_minute": round(steady_requests / jobs / (settle / 60), 2) if settle else None,
         "steady_seconds": settle,
         "operator_api_requests": len(emulator.log),
+        # What the operator asked until every job had its children (the burst is paced by the client rate limit).
+        "requests_per_job_until_children": round(len(until_children) / jobs, 2),
+        "requests_until_children": dict(Counter(f"{verb} {res}" for verb, res, _ in until_children).most_common()),
         "duplicate_creates": duplicates,
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),

@@ -23,7 +23,7 @@ from grpolora.api import constants as c
 from grpolora.api import contract, overlay
 from grpolora.api.plan import DATASET_MOUNT, MODEL_MOUNT, SECRETS_MOUNT, JobPlan, RolePlan, trainer_secrets
 from grpolora.api.spec import PodSecuritySpec, RoleSpec
-from grpolora.operator import names
+from grpolora.operator import kueue, names
 
 K8sObject = dict[str, Any]
 
@@ -74,11 +74,18 @@ def selector(plan: JobPlan, role: str | None = None) -> dict[str, str]:
 
 
 def build_children(
-    plan: JobPlan, *, owner_uid: str, token: str, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+    plan: JobPlan,
+    *,
+    owner_uid: str,
+    token: str,
+    operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
+    admitted: Mapping[str, kueue.PodSetInfo] | None = None,
 ) -> list[K8sObject]:
     """Every object the operator creates for a job that is not suspended, in creation order.
 
     `operator_namespace`: where the operator runs; the NetworkPolicy admits its /status polls from there only.
+    `admitted`: what Kueue's admission adds to the workloads' pod templates (see workloads()); the Kueue Workload
+    itself always carries the templates as rendered.
     """
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
@@ -86,16 +93,21 @@ def build_children(
     objects.append(inference_disruption_budget(plan))
     if queue_name(plan) is not None:
         objects.append(queue_workload(plan))
-    objects += workloads(plan)
+    objects += workloads(plan, admitted)
     owner = owner_reference(plan, owner_uid)
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [dict(owner)]
     return objects
 
 
-def workloads(plan: JobPlan) -> list[K8sObject]:
-    """The objects that run pods (removed while the job is suspended)."""
-    return [trainer_job(plan), inference_statefulset(plan)]
+def workloads(plan: JobPlan, admitted: Mapping[str, kueue.PodSetInfo] | None = None) -> list[K8sObject]:
+    """The objects that run pods (removed while the job is suspended). `admitted`: what Kueue's admission adds to
+    each role's pod template, by pod set name (grpolora.operator.kueue; raises kueue.PodSetConflict)."""
+    admitted = admitted or {}
+    return [
+        trainer_job(plan, admitted.get(c.ROLE_TRAINER)),
+        inference_statefulset(plan, admitted.get(c.ROLE_INFERENCE)),
+    ]
 
 
 def _metadata(plan: JobPlan, name: str, role: str | None = None) -> dict[str, Any]:
@@ -225,7 +237,7 @@ def _trainer_failure_policy() -> dict[str, Any]:
     return {"rules": [rules[cause] for cause in TRAINER_FAILURE_RULE_CAUSES]}
 
 
-def trainer_job(plan: JobPlan) -> K8sObject:
+def trainer_job(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
     role = plan.trainer
     return {
         "apiVersion": "batch/v1",
@@ -238,13 +250,13 @@ def trainer_job(plan: JobPlan) -> K8sObject:
             "backoffLimit": 0,
             "podFailurePolicy": _trainer_failure_policy(),
             "template": _pod_template(
-                plan, role, _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name)
+                plan, role, _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name), admitted
             ),
         },
     }
 
 
-def inference_statefulset(plan: JobPlan) -> K8sObject:
+def inference_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
     role = plan.inference
     return {
         "apiVersion": "apps/v1",
@@ -255,16 +267,22 @@ def inference_statefulset(plan: JobPlan) -> K8sObject:
             "replicas": role.replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(plan, role.role)},
-            "template": _pod_template(plan, role, _pod_spec(plan, role, restart_policy="Always")),
+            "template": _pod_template(plan, role, _pod_spec(plan, role, restart_policy="Always"), admitted),
         },
     }
 
 
-def _pod_template(plan: JobPlan, role: RolePlan, pod_spec: dict[str, Any]) -> dict[str, Any]:
+def _pod_template(
+    plan: JobPlan, role: RolePlan, pod_spec: dict[str, Any], admitted: kueue.PodSetInfo | None = None
+) -> dict[str, Any]:
     """The role's pod template with spec.<role>.podTemplate merged over it (grpolora.api.overlay; the spec's
-    validation has refused any overlay that would replace what is built here)."""
+    validation has refused any overlay that would replace what is built here), then what Kueue's admission adds."""
     built = {"metadata": {"labels": labels(plan, role.role)}, "spec": pod_spec}
-    return overlay.merge(built, role_spec(plan, role).pod_template)
+    template = overlay.merge(built, role_spec(plan, role).pod_template)
+    if admitted is None:
+        return template
+    holder = f"the {role.role} pod template (spec.{role.role}.nodeSelector, spec.{role.role}.podTemplate)"
+    return kueue.apply(template, admitted, holder=holder)
 
 
 def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:

@@ -124,6 +124,8 @@ class Controller:
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
+        self.listings: dict[tuple[Any, ...], tuple[float, asyncio.Future[list[dict[str, Any]]]]] = {}
+        """Shared pod and Warning-event listings by (plural, namespace, labels, fields): (loop time, the listing)."""
 
     # ---- entry points ------------------------------------------------------------------------------------
 
@@ -169,7 +171,9 @@ class Controller:
         tasks = [job.task for job in self.jobs.values() if job.task is not None]
         for task in tasks:
             task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        for _, listing in self.listings.values():
+            listing.cancel()  # shielded from the passes: cancelled here (a no-op once done)
+        await asyncio.gather(*tasks, *(listing for _, listing in self.listings.values()), return_exceptions=True)
         self.jobs.clear()
         await self.trainer.close()
         await self.client.close()
@@ -194,6 +198,10 @@ class Controller:
             else:
                 observed = await self._observe(job, view, old, blocked, full=full)
             decision = rec.decide(view, old, observed, self.clock())
+            if decision.read_flavors:
+                # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
+                flavors = await self._flavors(decision.read_flavors)
+                decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
                 decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
@@ -292,10 +300,11 @@ class Controller:
         )
         running = not spec.suspend and not rec.is_finished(old)
         if running and (trainer_job or inference) and not_ready:
-            pods, events = await asyncio.gather(
-                self.client.list(kube.POD, view.namespace, {c.LABEL_JOB: view.name}),
-                self.client.list(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
+            ours, events = await asyncio.gather(
+                self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}),
+                self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
             )
+            pods = [p for p in ours if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
             desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
             present = [w for w in (trainer_job, inference) if w is not None]
             warnings = obs.pod_warnings(events, present, pods, desired)
@@ -320,6 +329,39 @@ class Controller:
             claims=claims,
             queue_workload=queue_workload,
         )
+
+    async def _listing(
+        self, kind: kube.Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
+    ) -> list[dict[str, Any]]:
+        """A namespace's pods or Warning events, listed at most once per monitor interval and shared by every job
+        there that waits for its pods (each picks its own): a burst of new jobs would otherwise list twice per job and
+        pass, and spend the client's rate limit on it. A listing that failed is not reused."""
+        key = (kind.plural, namespace, tuple(sorted(labels.items())), tuple(sorted((fields or {}).items())))
+        now = asyncio.get_running_loop().time()
+        cached = self.listings.get(key)
+        stale = cached is None or now - cached[0] >= self.config.interval
+        if stale or (cached is not None and cached[1].done() and cached[1].exception() is not None):
+            cached = (now, asyncio.ensure_future(self.client.list(kind, namespace, labels, fields=fields)))
+            self.listings[key] = cached
+        # Shielded: a pass cancelled while it waits must not cancel the listing that other jobs wait for.
+        return await asyncio.shield(cached[1])
+
+    async def _flavors(self, names_: tuple[str, ...]) -> dict[str, dict[str, Any] | None]:
+        """Kueue ResourceFlavors by name (cluster-scoped; None: not found or not readable, e.g. without the chart's
+        kueue.resourceFlavors grant). Read only when workloads are about to be created, so no watch is kept (Kueue's
+        own integrations read them at the same moment). A transient API failure fails the pass (retried)."""
+
+        async def read(name: str) -> dict[str, Any] | None:
+            try:
+                return await self.client.get(kube.KUEUE_RESOURCE_FLAVOR, None, name)
+            except kube.ApiError as exc:
+                if exc.transient:
+                    raise
+                logger.warning("cannot read Kueue ResourceFlavor %s: %s", name, exc)
+                return None
+
+        found = await asyncio.gather(*(read(name) for name in names_))
+        return dict(zip(names_, found, strict=True))
 
     async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
         """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
@@ -365,7 +407,7 @@ class Controller:
             finished = {
                 "type": "Finished",
                 "status": "True",
-                "reason": decision.status.phase or "Finished",
+                "reason": decision.queue_finish_reason or "Finished",
                 "message": decision.status.message or "",
                 "lastTransitionTime": cond.rfc3339(self.clock()),
             }

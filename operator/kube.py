@@ -59,6 +59,7 @@ NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "Netw
 JOB: Final = Kind("batch", "v1", "jobs", "Job")
 POD_DISRUPTION_BUDGET: Final = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
 KUEUE_WORKLOAD: Final = Kind("kueue.x-k8s.io", "v1beta1", "workloads", "Workload")
+KUEUE_RESOURCE_FLAVOR: Final = Kind("kueue.x-k8s.io", "v1beta1", "resourceflavors", "ResourceFlavor", namespaced=False)
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
@@ -74,6 +75,7 @@ KINDS: Final = {
         NETWORK_POLICY,
         POD_DISRUPTION_BUDGET,
         KUEUE_WORKLOAD,
+        KUEUE_RESOURCE_FLAVOR,
         JOB,
         STATEFULSET,
         GRPOLORAJOB,

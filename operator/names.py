@@ -68,6 +68,9 @@ R_NO_QUEUE: Final = "NoQueue"
 R_QUEUED: Final = "Queued"
 R_ADMITTED: Final = "Admitted"
 R_EVICTED: Final = "Evicted"
+# Kueue's admission (a ResourceFlavor's nodeLabels, an admission check's update) contradicts the pod template, e.g. a
+# nodeSelector key set to another value: Failed, and the Workload Finished with this reason (Kueue's own word).
+R_FAILED_TO_START: Final = "FailedToStart"
 # Pods not all ready spec.scheduling.startupDeadlineSeconds after they were created (PodsReady; Failed with Fail).
 R_STARTUP_DEADLINE: Final = "StartupDeadlineExceeded"
 # The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting

@@ -80,6 +80,13 @@ RULES: Final[tuple[Rule, ...]] = (
     ),
     Rule(
         ("kueue.x-k8s.io",),
+        ("resourceflavors",),
+        ("get",),
+        "read the ResourceFlavors a Kueue admission names (cluster-scoped), to give the pods their node labels and "
+        "tolerations as Kueue's own integrations do; read when the pods are created, so no list or watch",
+    ),
+    Rule(
+        ("kueue.x-k8s.io",),
         ("workloads/status",),
         ("patch",),
         "mark a finished job's Kueue Workload Finished, so that Kueue returns its quota",

@@ -33,7 +33,7 @@ from grpolora.api.status import (
     RoleReplicas,
     TrainerStatus,
 )
-from grpolora.operator import builders, names
+from grpolora.operator import builders, kueue, names
 from grpolora.operator import conditions as cond
 from grpolora.operator import observe as obs
 
@@ -169,10 +169,18 @@ def changed_fields(applied: Mapping[str, Any], current: Mapping[str, Any], prefi
 
 
 def children(
-    job_plan: JobPlan, *, uid: str, token: str, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+    job_plan: JobPlan,
+    *,
+    uid: str,
+    token: str,
+    operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
+    admitted: Mapping[str, kueue.PodSetInfo] | None = None,
 ) -> tuple[list[K8sObject], dict[str, K8sObject]]:
-    """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them."""
-    objects = builders.build_children(job_plan, owner_uid=uid, token=token, operator_namespace=operator_namespace)
+    """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them, with
+    what Kueue's admission adds to the workloads' pod templates (raises kueue.PodSetConflict)."""
+    objects = builders.build_children(
+        job_plan, owner_uid=uid, token=token, operator_namespace=operator_namespace, admitted=admitted
+    )
     kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
     return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
 
@@ -213,6 +221,9 @@ class Observed:
     """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
     queue_workload: K8sObject | None = None
     """The job's Kueue Workload (jobs with the queue label only; None: not there yet)."""
+    flavors: Mapping[str, K8sObject | None] | None = None
+    """The Kueue ResourceFlavors its admission names, by name (None in the map: no such flavor). Read only when a
+    decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
 
 
 @dataclass(frozen=True)
@@ -249,6 +260,10 @@ class Decision:
     events: tuple[Event, ...] = ()
     finish_queue_workload: bool = False
     """The job is finished: mark its Kueue Workload Finished (Kueue then returns its quota)."""
+    queue_finish_reason: str = ""
+    """The reason of that Finished condition: the phase, or Kueue's own FailedToStart."""
+    read_flavors: tuple[str, ...] = ()
+    """Read these ResourceFlavors and decide again: the workloads wait for them (see Observed.flavors)."""
     idle: bool = False
     """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
     keep watching; a spec change runs a new pass."""
@@ -293,6 +308,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     by_cause = old.restarts_by_cause or RestartCounts(failure=restarts)
     failed_reason = _failed_reason(old) if is_finished(old) else names.R_BACKOFF_LIMIT
     creates: list[K8sObject] = []
+    wanted_kinds: list[str] = []  # the workloads to create (built below, once Kueue's additions are known)
     deletes: list[ChildRef] = []
     requeue: float | None = None
     phase: JobPhase = old.phase if is_finished(old) and old.phase else "Pending"
@@ -311,8 +327,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             if obj is not None and not obs.deleting(obj):
                 deletes.append(ChildRef(kind, obj["metadata"]["name"]))
     else:
-        _, workloads = children(job_plan, uid=view.uid, token="")
-        trainer_name = workloads["Job"]["metadata"]["name"]
+        trainer_name = job_plan.trainer.workload_name
         blocked_kinds = {ref.kind for ref in observed.blocked}
         if blocked_kinds:
             requeue = REPLACE_RECHECK_SECONDS
@@ -322,13 +337,13 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             # Committed restart: replace the stale Job (the create is retried if the old one is still leaving).
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
-            creates.append(with_restart_attempt(workloads["Job"], restarts))
+            wanted_kinds.append("Job")
             restart_note = f"restart {restarts}: replacing the failed trainer Job"
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is not None and obs.deleting(tj):
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is None:
-            creates.append(with_restart_attempt(workloads["Job"], restarts))
+            wanted_kinds.append("Job")
         elif obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
             phase, completion = "Succeeded", stamp
             final_message = (
@@ -341,22 +356,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                 phase, completion, failed_reason = "Failed", stamp, names.R_POD_FAILURE_POLICY
                 final_message = f"the trainer cannot work with its spec or data (a restart would not help): " \
                     f"{failure.message}"  # fmt: skip
-            elif failure.cause == names.CAUSE_DISRUPTION:
-                restarts += 1
-                by_cause = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
-                restart_note = (
-                    f"restart {restarts} from the latest checkpoint after a disruption (not counted against "
-                    f"spec.trainer.maxRestarts): {failure.message}"
-                )
-                requeue = 0.0
-            elif by_cause.failure < spec.trainer.max_restarts:
-                restarts += 1
-                by_cause = by_cause.model_copy(update={"failure": by_cause.failure + 1})
-                restart_note = (
-                    f"restart {by_cause.failure} of {spec.trainer.max_restarts} from the latest checkpoint: "
-                    f"{failure.message}"
-                )
-                requeue = 0.0
+            elif failure.cause == names.CAUSE_DISRUPTION or by_cause.failure < spec.trainer.max_restarts:
+                restarts, by_cause, restart_note = _commit_restart(restarts, by_cause, failure, spec)
+                requeue = 0.0  # the next pass replaces the trainer Job
             else:
                 phase, completion = "Failed", stamp
                 final_message = (
@@ -365,9 +367,32 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                 )
         if phase not in TERMINAL:
             if sts is None and "StatefulSet" not in blocked_kinds:
-                creates.append(workloads["StatefulSet"])
+                wanted_kinds.append("StatefulSet")
             alive = report is not None and report.phase in ("Starting", "Running")
             phase = "Running" if alive or old.phase == "Running" else "Pending"
+
+    # The workloads to create, with what Kueue's admission adds to their pod templates.
+    read_flavors: tuple[str, ...] = ()
+    flavor_wait: str | None = None
+    if wanted_kinds:
+        placed = _placed_workloads(job_plan, view.uid, queue, observed)
+        if isinstance(placed, kueue.PodSetConflict):
+            phase, completion, failed_reason = "Failed", stamp, names.R_FAILED_TO_START
+            final_message = (
+                f"cannot start the pods where Kueue admitted them: {placed}. Kueue's own integrations refuse this "
+                f"too: the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. Re-create "
+                f"the job with {placed.field_name} {placed.key} unset or set to {placed.wanted}"
+            )
+            restart_note = None
+            if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
+                deletes.append(ChildRef("Job", tj["metadata"]["name"]))
+        elif isinstance(placed, _FlavorsMissing):
+            read_flavors, flavor_wait = placed.unread, placed.message
+            requeue = API_RETRY_SECONDS if not placed.unread else REPLACE_RECHECK_SECONDS
+        else:
+            creates = [
+                with_restart_attempt(placed[kind], restarts) if kind == "Job" else placed[kind] for kind in wanted_kinds
+            ]
 
     overdue = _startup_overdue(spec, old, phase, tj, sts, observed, now)
     if overdue is not None and spec.scheduling.on_startup_deadline == "Fail":
@@ -409,6 +434,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     )
     if phase == "Pending" and admission.status == "False":
         pending_why = admission.message
+    if flavor_wait is not None and phase == "Pending":
+        pending_why = flavor_wait
     message = {
         "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
@@ -470,6 +497,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     )
     return Decision(
         finish_queue_workload=finish_queue,
+        # Kueue's own reason when its admission could not be honoured, else the phase.
+        queue_finish_reason=failed_reason if failed_reason == names.R_FAILED_TO_START else phase,
+        read_flavors=read_flavors,
         status=status,
         create=tuple(creates),
         delete=tuple(deletes),
@@ -478,6 +508,57 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _commit_restart(
+    restarts: int, by_cause: RestartCounts, failure: obs.TrainerFailure, spec: GRPOLoraJobSpec
+) -> tuple[int, RestartCounts, str]:
+    """One more trainer restart (committed by the status write), counted under its cause: a disruption does not
+    spend spec.trainer.maxRestarts, a failure does. Returns the counts and the note for the Progressing condition."""
+    if failure.cause == names.CAUSE_DISRUPTION:
+        counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
+        note = (
+            f"restart {restarts + 1} from the latest checkpoint after a disruption (not counted against "
+            f"spec.trainer.maxRestarts): {failure.message}"
+        )
+    else:
+        counted = by_cause.model_copy(update={"failure": by_cause.failure + 1})
+        limit = spec.trainer.max_restarts
+        note = f"restart {counted.failure} of {limit} from the latest checkpoint: {failure.message}"
+    return restarts + 1, counted, note
+
+
+@dataclass(frozen=True)
+class _FlavorsMissing:
+    unread: tuple[str, ...]
+    """Not read yet: read them and decide again."""
+    message: str
+
+
+def _placed_workloads(
+    job_plan: JobPlan, uid: str, queue: str | None, observed: Observed
+) -> dict[str, K8sObject] | kueue.PodSetConflict | _FlavorsMissing:
+    """The workloads by kind with what Kueue's admission adds (grpolora.operator.kueue); or why they cannot be built
+    yet (ResourceFlavors to read, or one that does not exist), or the conflict that keeps them from starting."""
+    workload = observed.queue_workload if queue is not None else None
+    wanted = kueue.flavor_names(workload)
+    flavors = observed.flavors or {}
+    unread = tuple(name for name in wanted if name not in flavors)
+    if unread:
+        return _FlavorsMissing(unread, f"reading the ResourceFlavors Kueue admitted the job to: {', '.join(unread)}")
+    absent = [name for name in wanted if flavors[name] is None]
+    if absent:
+        listed = ", ".join(f"ResourceFlavor {name}" for name in absent)
+        return _FlavorsMissing(
+            (),
+            f"admitted by Kueue, but {listed} cannot be read (not found, or not allowed: the operator needs get on "
+            "resourceflavors.kueue.x-k8s.io, the chart's kueue.resourceFlavors); retrying",
+        )
+    try:
+        admitted = kueue.pod_set_infos(workload, flavors) if workload is not None else None
+        return children(job_plan, uid=uid, token="", admitted=admitted)[1]
+    except kueue.PodSetConflict as conflict:
+        return conflict
 
 
 def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:

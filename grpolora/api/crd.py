@@ -100,7 +100,7 @@ def crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string", "description": "grpolora.dev/v1alpha1"},
                                 "kind": {"type": "string", "description": "GRPOLoraJob"},
-                                "metadata": {"type": "object"},
+                                "metadata": metadata_schema(),
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },
@@ -108,6 +108,20 @@ def crd() -> dict[str, Any]:
                     },
                 }
             ],
+        },
+    }
+
+
+def metadata_schema() -> dict[str, Any]:
+    """metadata.name and generateName bounded (the only metadata fields a CRD may restrict): the CEL rules on the name
+    are then estimated at its real size, not at 3 MiB (Kubernetes releases without the estimator's own 253-character
+    cap assume an unbounded name otherwise, unless both are typed here). The name must be an RFC 1035 label anyway
+    (a rule below); generateName leaves room for the random suffix."""
+    return {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": c.DNS_LABEL_MAX},
+            "generateName": {"type": "string", "maxLength": c.DNS_LABEL_MAX - 1},
         },
     }
 

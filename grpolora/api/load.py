@@ -65,6 +65,15 @@ def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
     return load_jobs_from_text(text, source=source)
 
 
+def load_one_job(path: str | Path, what: str) -> GRPOLoraJob:
+    """The one GRPOLoraJob in a YAML file, for the commands that take one (`what` says so, e.g. "`grpolora run` runs
+    one"); InvalidJob on any problem, or when the file holds several."""
+    jobs = load_jobs(path)
+    if len(jobs) != 1:
+        raise InvalidJob([Problem("", f"holds {len(jobs)} jobs; {what}")], str(path))
+    return jobs[0]
+
+
 def load_jobs_from_text(text: str, *, source: str = "<input>") -> list[GRPOLoraJob]:
     try:
         nodes = [n for n in yaml.compose_all(text, Loader=yaml.SafeLoader) if n is not None]

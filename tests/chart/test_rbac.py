@@ -4,7 +4,8 @@ RULES (operator/rbac.py) is the single source: each rule is (api_groups, resourc
 writes the same rules by hand in templates/_rbac.tpl, each under its reason as a comment; this test renders the
 chart in every scope and compares (group, resource, verb) triples. How the chart places them:
 - all namespaces: one ClusterRole with every rule;
-- listed namespaces: namespaced rules in a Role in each namespace, cluster-scoped ones in a small ClusterRole;
+- listed namespaces: namespaced rules in a Role in each namespace, cluster-scoped ones (Kueue's ResourceFlavors,
+  unless kueue.resourceFlavors is false) in a small ClusterRole;
 - Kopf peering rules (api group kopf.dev) only with peering on: kopfpeerings in the namespaced scope,
   clusterkopfpeerings in the cluster-wide one (Kopf picks the kind by scope).
 """
@@ -26,12 +27,15 @@ CLUSTER_SCOPED = {
     ("", "namespaces"),
     ("", "nodes"),
     ("kopf.dev", "clusterkopfpeerings"),
+    ("kueue.x-k8s.io", "resourceflavors"),
     ("scheduling.k8s.io", "priorityclasses"),
 }
 PEERING_GROUP = "kopf.dev"
 ESCALATING_VERBS = {"bind", "escalate", "impersonate", "*"}
 SCOPES = {
     "all namespaces": {},
+    "all namespaces, no ResourceFlavors": {"kueue": {"resourceFlavors": False}},
+    "listed namespaces, no ResourceFlavors": {"watch": {"namespaces": ["team-a"]}, "kueue": {"resourceFlavors": False}},
     "all namespaces, peering": {"peering": {"enabled": True}},
     "listed namespaces": {"watch": {"namespaces": ["team-a", "team-b"]}},
     "listed namespaces, peering": {"watch": {"namespaces": ["team-a", "team-b"]}, "peering": {"enabled": True}},
@@ -54,10 +58,15 @@ def is_cluster_scoped(triple: Triple) -> bool:
     return (triple[0], triple[1].split("/")[0]) in CLUSTER_SCOPED
 
 
-def expected_grant(rules: set[Triple], *, all_namespaces: bool, peering: bool) -> set[Triple]:
+def expected_grant(rules: set[Triple], *, all_namespaces: bool, peering: bool, flavors: bool = True) -> set[Triple]:
     """What the chart should grant in a scope, given the operator's full rule set."""
     unused_peering = "kopfpeerings" if all_namespaces else "clusterkopfpeerings"
-    return {t for t in rules if t[0] != PEERING_GROUP or (peering and t[1].split("/")[0] != unused_peering)}
+    return {
+        t
+        for t in rules
+        if (t[0] != PEERING_GROUP or (peering and t[1].split("/")[0] != unused_peering))
+        and (flavors or t[1] != "resourceflavors")
+    }
 
 
 def rbac(objects: list[dict[str, Any]]) -> tuple[set[Triple], dict[str, set[Triple]]]:
@@ -187,6 +196,7 @@ def test_chart_grants_exactly_the_operators_rules(chart, values):
         triples(rbac_module.RULES),
         all_namespaces=not values.get("watch", {}).get("namespaces"),
         peering=values.get("peering", {}).get("enabled", False),
+        flavors=values.get("kueue", {}).get("resourceFlavors", True),
     )
     cluster, namespaced = rbac(chart.render(values))
     problems = compare(cluster | set().union(*namespaced.values()), wanted)
@@ -209,8 +219,11 @@ def test_chart_grants_update_on_the_jobs_finalizers_for_owner_reference_enforcem
 
 
 def test_the_docs_promise_no_cluster_role_that_listed_namespaces_do_not_get(chart):
-    objects = chart.render({"watch": {"namespaces": ["team-a"]}})
+    objects = chart.render({"watch": {"namespaces": ["team-a"]}, "kueue": {"resourceFlavors": False}})
     assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
+    # With Kueue's ResourceFlavors readable (the default), the ClusterRole holds that one rule only.
+    (role,) = [o for o in chart.render({"watch": {"namespaces": ["team-a"]}}) if o["kind"] == "ClusterRole"]
+    assert triples(role["rules"]) == {("kueue.x-k8s.io", "resourceflavors", "get")}
     for path in (CHART / "values.yaml", CHART / "README.md"):
         text = " ".join(path.read_text().split())
         assert "ClusterRole remains" not in text, path

@@ -5,7 +5,8 @@ from collections.abc import AsyncIterator
 import pytest
 
 from grpolora.operator import rbac
-from tests.operator.harness import Cluster, FakeTrainer, OperatorThread, fake_trainer, operator_options, running_cluster
+from grpolora.testing.kube_emulator import Cluster, running_cluster
+from tests.operator.harness import FakeTrainer, OperatorThread, fake_trainer, operator_options
 
 
 @pytest.fixture

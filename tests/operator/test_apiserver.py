@@ -1,4 +1,4 @@
-"""The emulator refuses what a real API server refuses (tests/operator/apiserver.py), so the operator tests see it."""
+"""The emulator refuses what a real API server refuses (grpolora.testing.kube_apiserver), so the tests see it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.operator.builders import build_children
+from grpolora.testing.kube_emulator import NAMESPACE, Cluster, running_cluster
 from tests.helpers import job_doc
-from tests.operator.harness import NAMESPACE, Cluster, running_cluster, wait_for
+from tests.operator.harness import wait_for
 
 OWNER_UID = "00000000-0000-0000-0000-000000000001"
 

@@ -13,8 +13,9 @@ import sys
 import aiohttp
 import yaml
 
+from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import ROOT, job_doc
-from tests.operator.harness import NAMESPACE, running_cluster, wait_for
+from tests.operator.harness import wait_for
 
 
 def free_port() -> int:
@@ -111,7 +112,7 @@ def test_the_operator_learns_its_namespace_from_the_pod(monkeypatch):
 
 
 async def test_a_peered_operator_creates_its_kopf_peering_in_each_namespace():
-    from tests.operator.harness import OperatorThread, operator_options, running_cluster
+    from tests.operator.harness import OperatorThread, operator_options
 
     async with running_cluster(peering=True) as cluster:
         operator = await OperatorThread(cluster.url, operator_options(namespaces=("a", "b"), peering="rl")).start()

@@ -15,17 +15,9 @@ from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.operator import names
 from grpolora.operator.builders import build_children
+from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, Cluster, running_cluster
 from tests.helpers import example, job_doc
-from tests.operator.emulator import CRD_RESOURCE
-from tests.operator.harness import (
-    FAST_INTERVAL,
-    NAMESPACE,
-    Cluster,
-    OperatorThread,
-    operator_options,
-    running_cluster,
-    wait_for,
-)
+from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
 
 RESOURCE_OF = {
     "Secret": "v1/secrets",
@@ -44,6 +36,11 @@ def as_sent(obj: dict[str, Any]) -> dict[str, Any]:
     for key in SERVER_FIELDS:
         result["metadata"].pop(key, None)
     return result
+
+
+def pod_labels(job: str, role: str) -> dict[str, str]:
+    """A pod's labels as the job's pod template sets them (the operator lists its pods by the managed-by label)."""
+    return {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: job, c.LABEL_ROLE: role}
 
 
 def report(phase: str = "Running", **fields: Any) -> dict[str, Any]:
@@ -374,7 +371,7 @@ async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_me
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
-        "metadata": {"name": "demo-trainer-0-abcde", "labels": {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}},
+        "metadata": {"name": "demo-trainer-0-abcde", "labels": pod_labels("demo", "trainer")},
         "spec": {"containers": [{"name": "trainer", "image": "x"}]},
         "status": {
             "phase": "Failed",
@@ -425,7 +422,7 @@ async def test_a_lost_inference_pod_re_forms_the_sync_group_and_the_job_goes_on(
 async def test_pods_stuck_unschedulable_or_pulling_say_why(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
-    labels = {c.LABEL_JOB: "demo", c.LABEL_ROLE: "trainer"}
+    labels = pod_labels("demo", "trainer")
     await cluster.add_pod(
         {
             "apiVersion": "v1",
@@ -449,7 +446,7 @@ async def test_pods_stuck_unschedulable_or_pulling_say_why(cluster, operator):
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "other-trainer-0-x", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "other"}},
+            "metadata": {"name": "other-trainer-0-x", "namespace": NAMESPACE, "labels": pod_labels("other", "trainer")},
             "status": {
                 "phase": "Pending",
                 "containerStatuses": [
@@ -611,7 +608,7 @@ async def test_a_volume_that_cannot_attach_says_why_instead_of_a_quiet_container
         {
             "apiVersion": "v1",
             "kind": "Pod",
-            "metadata": {"name": "demo-inference-0", "namespace": NAMESPACE, "labels": {c.LABEL_JOB: "demo"}},
+            "metadata": {"name": "demo-inference-0", "namespace": NAMESPACE, "labels": pod_labels("demo", "inference")},
             "status": {
                 "phase": "Pending",
                 "containerStatuses": [

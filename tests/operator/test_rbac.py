@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import rbac
+from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, running_cluster
 from tests.helpers import job_doc
-from tests.operator.emulator import CRD_RESOURCE
-from tests.operator.harness import NAMESPACE, OperatorThread, fake_trainer, operator_options, running_cluster, wait_for
+from tests.operator.harness import OperatorThread, fake_trainer, operator_options, wait_for
 
 PEERING = "grpo-lora-operator"
 
@@ -49,8 +49,13 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
             admitted = [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
                          "lastTransitionTime": "2026-01-01T00:00:00Z"}]  # fmt: skip
+            # Admitted to a ResourceFlavor, which the operator reads to place the pods.
+            flavor = {"apiVersion": "kueue.x-k8s.io/v1beta1", "kind": "ResourceFlavor", "metadata": {"name": "gpu"}}
+            await cluster._call("POST", "/apis/kueue.x-k8s.io/v1beta1/resourceflavors", flavor)
+            assignments = [{"name": role, "flavors": {"nvidia.com/gpu": "gpu"}} for role in ("trainer", "inference")]
+            admission = {"clusterQueue": "cq", "podSetAssignments": assignments}
             path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/queued/status"
-            await cluster._call("PATCH", path, {"status": {"conditions": admitted}})
+            await cluster._call("PATCH", path, {"status": {"conditions": admitted, "admission": admission}})
             await wait_for(lambda: cluster.get("batch/v1/jobs", "queued-trainer"), "admitted")
             await cluster.set_status("batch/v1/jobs", "queued-trainer", complete)
             await wait_for(

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
+import kopf
+
 from grpolora.operator import rbac
+from grpolora.operator.controller import Controller, ControllerConfig
+from grpolora.operator.kube import KubeClient
+from grpolora.operator.metrics import Metrics
+from grpolora.operator.trainer_client import TrainerStatusClient
+from grpolora.testing.kube_emulator import NAMESPACE
 from tests.helpers import job_doc
 from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
 from tests.operator.test_operator import created, pods_up, report
@@ -57,3 +64,28 @@ def test_the_watch_cache_never_goes_back_to_an_older_version():
     assert controller.workloads[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
     controller.workload_event("Workload", "DELETED", seen(8, "False"))
     assert controller.workloads[("Workload", "ns", "demo")] is None
+
+
+async def test_jobs_waiting_for_pods_share_one_pod_and_event_listing_per_namespace(cluster):
+    """Why pods are not ready comes from the namespace's pods and Warning events: one listing per namespace and
+    monitor interval serves every job there (a burst of new jobs would otherwise list twice per job and pass).
+    Passes run by hand here (no monitor timer fires within the hour-long interval), so the count is exact."""
+    client = KubeClient(lambda: None)
+    client.use(kopf.ConnectionInfo(server=cluster.url))
+    config = ControllerConfig(interval=3600.0, resync_interval=3600.0)
+    controller = Controller(client, TrainerStatusClient(), Metrics(), config)
+    names = [f"job-{i}" for i in range(4)]
+    try:
+        for name in names:
+            doc = job_doc()
+            doc["metadata"]["name"] = name
+            await cluster.apply(doc)
+            await controller.reconcile(cluster.job(name))  # creates its children
+        start = len(cluster.emulator.log)
+        for _ in range(3):  # three light passes of every job, none of its pods ready
+            await asyncio.gather(*(controller._pass(controller.jobs[(NAMESPACE, n)], full=False) for n in names))
+        listings = [entry[1] for entry in cluster.emulator.log[start:] if entry[0] == "list"]
+        assert (listings.count("pods"), listings.count("events")) == (1, 1), listings
+        assert cluster.status("job-3")["phase"] == "Pending"
+    finally:
+        await controller.stop()

@@ -117,3 +117,34 @@ def test_a_worker_without_its_env_contract_exits_with_the_invalid_spec_code():
 
     result = grpolora("worker", "trainer")
     assert result.returncode == EXIT_INVALID_SPEC and "grpolora worker:" in result.stderr
+
+
+def two_jobs(tmp_path):
+    """A file with two valid jobs (`---`)."""
+    text = EXAMPLES[0].read_text()
+    second = yaml.safe_load(text)
+    second["metadata"]["name"] += "-2"
+    path = tmp_path / "two.yaml"
+    path.write_text(text + "\n---\n" + yaml.safe_dump(second))
+    return path
+
+
+def test_load_one_job_returns_the_one_job_and_refuses_a_file_with_several(tmp_path):
+    from grpolora.api.load import InvalidJob, load_one_job
+
+    assert load_one_job(EXAMPLES[0], "`grpolora run` runs one").metadata.name
+    path = two_jobs(tmp_path)
+    try:
+        load_one_job(path, "`grpolora run` runs one")
+    except InvalidJob as exc:
+        assert str(exc) == f"{path}: holds 2 jobs; `grpolora run` runs one"
+    else:
+        raise AssertionError("a file with two jobs was accepted")
+
+
+def test_eval_and_run_refuse_a_file_with_several_jobs_naming_it(tmp_path):
+    path = two_jobs(tmp_path)
+    result = grpolora("eval", str(path), "--adapter", str(tmp_path))
+    assert result.returncode == 1 and result.stderr.strip() == f"{path}: holds 2 jobs; `grpolora eval` evaluates one"
+    result = grpolora("run", str(path))
+    assert result.returncode == 1 and result.stderr.strip() == f"{path}: holds 2 jobs; `grpolora run` runs one"

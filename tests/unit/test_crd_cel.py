@@ -13,8 +13,8 @@ from grpolora.api.crd import crd
 from grpolora.api.load import InvalidJob, parse_job
 from grpolora.api.spec import GRPOSpec, max_job_name_length
 from grpolora.operator.reconcile import changed_fields
+from grpolora.testing.kube_apiserver import cel_rules, cel_violations
 from tests.helpers import EXAMPLES, job_doc
-from tests.operator.apiserver import cel_rules, cel_violations
 
 
 def schema() -> dict[str, Any]:

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
+
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.api.status import JobStatus
-from grpolora.operator import builders, names
+from grpolora.operator import builders, kueue, names
 from grpolora.operator.reconcile import ChildRef, Observed, decide, job_view, spec_json
 from tests.helpers import job_doc
 from tests.unit.test_operator_reconcile import NOW, body, condition, statefulset, trainer_job
@@ -93,3 +95,141 @@ def test_a_finished_job_marks_its_workload_finished():
     done = admitted()
     done["status"]["conditions"].append({"type": "Finished", "status": "True"})
     assert not decide(view_of(queued_doc()), decision.status, Observed(queue_workload=done), NOW).finish_queue_workload
+
+
+# ---- what Kueue applies on admission: the admitted ResourceFlavors' node labels and tolerations -----------------
+
+GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+
+
+def flavor(name: str, node_labels: dict[str, str] | None = None, tolerations: list | None = None) -> dict[str, Any]:
+    return {
+        "apiVersion": "kueue.x-k8s.io/v1beta1",
+        "kind": "ResourceFlavor",
+        "metadata": {"name": name},
+        "spec": {"nodeLabels": node_labels or {}, "tolerations": tolerations or []},
+    }
+
+
+FLAVORS = {
+    "h100": flavor("h100", {"pool": "h100", "zone": "a"}, [GPU_TAINT]),
+    "cpu": flavor("cpu", {"cpu-pool": "general"}),
+    "l4": flavor("l4", {"pool": "l4"}, [{"key": "spot", "operator": "Equal", "value": "yes", "effect": "NoSchedule"}]),
+}
+
+
+def admitted_to(trainer: dict[str, str], inference: dict[str, str], checks: list | None = None) -> dict[str, Any]:
+    """An admitted Workload whose pod sets got these flavors (resource -> ResourceFlavor name)."""
+    workload = admitted()
+    workload["status"]["admission"] = {
+        "clusterQueue": "cq",
+        "podSetAssignments": [
+            {"name": "trainer", "flavors": trainer, "count": 1},
+            {"name": "inference", "flavors": inference, "count": 1},
+        ],
+    }
+    if checks:
+        workload["status"]["admissionChecks"] = checks
+    return workload
+
+
+H100_L4 = admitted_to({"nvidia.com/gpu": "h100", "cpu": "cpu"}, {"nvidia.com/gpu": "l4"})
+
+
+def test_the_flavors_of_each_pod_set_become_its_node_selector_and_tolerations():
+    infos = kueue.pod_set_infos(H100_L4, FLAVORS)
+    assert kueue.flavor_names(H100_L4) == ("cpu", "h100", "l4")
+    trainer, inference = infos["trainer"], infos["inference"]
+    assert trainer.node_selector == {"pool": "h100", "zone": "a", "cpu-pool": "general"}
+    assert trainer.tolerations == [GPU_TAINT]
+    assert inference.node_selector == {"pool": "l4"}
+    assert inference.labels == {kueue.PODSET_LABEL: "inference"}
+
+
+def test_merging_adds_to_the_template_and_never_duplicates_a_toleration():
+    template = {
+        "metadata": {"labels": {"app": "x"}},
+        "spec": {
+            "nodeSelector": {"zone": "a"},  # the same value as the flavor's: no clash
+            # The same toleration, spelled with the default operator: kept once.
+            "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            "containers": [],
+        },
+    }
+    merged = kueue.apply(template, kueue.pod_set_infos(H100_L4, FLAVORS)["trainer"])
+    assert merged["spec"]["nodeSelector"] == {"zone": "a", "pool": "h100", "cpu-pool": "general"}
+    assert merged["spec"]["tolerations"] == [GPU_TAINT]
+    assert merged["metadata"]["labels"] == {"app": "x", kueue.PODSET_LABEL: "trainer"}
+    assert template["spec"]["nodeSelector"] == {"zone": "a"}, "the input is not modified"
+    equal_default = {"key": "spot", "value": "yes", "effect": "NoSchedule"}  # operator "" means Equal
+    infos = kueue.pod_set_infos(H100_L4, FLAVORS)
+    inference = kueue.apply({"spec": {"tolerations": [equal_default]}}, infos["inference"])
+    assert inference["spec"]["tolerations"] == [equal_default]
+
+
+def test_a_node_selector_the_flavor_contradicts_is_a_conflict_naming_both_values():
+    template = {"spec": {"nodeSelector": {"pool": "a100"}}}
+    with pytest.raises(kueue.PodSetConflict) as caught:
+        kueue.apply(template, kueue.pod_set_infos(H100_L4, FLAVORS)["trainer"])
+    message = str(caught.value)
+    assert "nodeSelector" in message and "pool" in message and "a100" in message and "h100" in message
+    assert "ResourceFlavor h100" in message
+
+
+def test_admission_check_pod_set_updates_are_merged_and_may_clash_with_the_flavors():
+    checks = [
+        {
+            "name": "provisioning",
+            "state": "Ready",
+            "podSetUpdates": [
+                {"name": "trainer", "annotations": {"cluster-autoscaler.kubernetes.io/consume": "pr-1"}},
+                {"name": "inference", "nodeSelector": {"pool": "h100"}},  # the flavor says l4
+            ],
+        }
+    ]
+    workload = admitted_to({"nvidia.com/gpu": "h100"}, {"nvidia.com/gpu": "l4"}, checks)
+    with pytest.raises(kueue.PodSetConflict, match="admission check provisioning"):
+        kueue.pod_set_infos(workload, FLAVORS)
+    checks[0]["podSetUpdates"].pop()
+    infos = kueue.pod_set_infos(workload, FLAVORS)
+    assert infos["trainer"].annotations == {"cluster-autoscaler.kubernetes.io/consume": "pr-1"}
+
+
+def test_once_admitted_the_workloads_carry_the_admitted_flavors():
+    observed = Observed(queue_workload=H100_L4, flavors=FLAVORS)
+    decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
+    created = {o["kind"]: o["spec"]["template"]["spec"] for o in decision.create}
+    assert created["Job"]["nodeSelector"] == {"pool": "h100", "zone": "a", "cpu-pool": "general"}
+    assert created["Job"]["tolerations"] == [GPU_TAINT]
+    assert created["StatefulSet"]["nodeSelector"] == {"pool": "l4"}
+    assert decision.read_flavors == ()
+
+
+def test_the_flavors_are_read_before_the_workloads_are_created():
+    decision = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=H100_L4), NOW)
+    assert decision.create == () and decision.read_flavors == ("cpu", "h100", "l4")
+    gone = {**FLAVORS, "l4": None}  # read, and not there
+    decision = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=H100_L4, flavors=gone), NOW)
+    assert decision.create == () and decision.read_flavors == () and decision.requeue_after is not None
+    assert decision.status.phase == "Pending" and "ResourceFlavor l4" in decision.status.message
+
+
+def test_a_restarted_trainer_job_gets_the_flavors_too():
+    observed = Observed(trainer_job(active=1, attempt=0), statefulset(1), queue_workload=H100_L4, flavors=FLAVORS)
+    status = JobStatus(trainer_restarts=1)
+    (created,) = decide(view_of(queued_doc()), status, observed, NOW).create
+    assert created["kind"] == "Job" and created["spec"]["template"]["spec"]["nodeSelector"]["pool"] == "h100"
+
+
+def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_as_kueue_does():
+    doc = queued_doc(trainer={"nodeSelector": {"pool": "a100"}})
+    observed = Observed(queue_workload=H100_L4, flavors=FLAVORS)
+    decision = decide(view_of(doc), JobStatus(), observed, NOW)
+    assert decision.create == ()
+    assert decision.status.phase == "Failed" and decision.status.completion_time is not None
+    assert condition(decision, names.FAILED) == ("True", names.R_FAILED_TO_START)
+    assert "pool" in decision.status.message and "a100" in decision.status.message
+    assert "spec.trainer.nodeSelector" in decision.status.message
+    assert [(e.type, e.reason) for e in decision.events if e.reason == "Failed"] == [("Warning", "Failed")]
+    # Kueue's own integrations mark the Workload Finished with reason FailedToStart (its quota goes back).
+    assert decision.finish_queue_workload and decision.queue_finish_reason == "FailedToStart"

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from grpolora.api import contract
-from grpolora.api.load import InvalidJob, job_warnings, load_jobs
+from grpolora.api.load import InvalidJob, job_warnings, load_one_job
 from grpolora.api.plan import JobPlan, LoopbackNetwork, Role, plan
 from grpolora.api.spec import GRPOLoraJob
 from grpolora.api.status import TrainerStatus
@@ -554,14 +554,10 @@ def _stop_ignoring_interrupts(local: LocalRun) -> None:
 def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = None) -> int:
     """The `grpolora run` command. Returns the exit status."""
     try:
-        jobs = load_jobs(job_file)
+        job = load_one_job(job_file, "`grpolora run` runs one")
     except InvalidJob as exc:
         print(exc, file=sys.stderr)
         return 1
-    if len(jobs) != 1:
-        print(f"{job_file}: holds {len(jobs)} jobs; `grpolora run` runs one", file=sys.stderr)
-        return 1
-    job = jobs[0]
     for warning in job_warnings(job):
         if warning.path not in ("spec.checkpoint.pvc", "spec.output"):  # cluster concerns
             print(f"{job_file}: warning: {warning}", file=sys.stderr)

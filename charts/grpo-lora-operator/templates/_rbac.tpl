@@ -3,7 +3,8 @@ The operator's permissions: exactly grpolora.operator.rbac.RULES (operator/rbac.
 tests/chart/test_rbac.py renders the chart and compares; on a mismatch it prints the rules to paste here.
 
 Namespaced rules: in the ClusterRole when all namespaces are watched, else in a Role in each watched namespace.
-The operator needs no cluster-scoped resource (Kopf runs with CRD and namespace scanning off).
+The one cluster-scoped resource the operator reads is Kueue's ResourceFlavors (with kueue.resourceFlavors): in the
+ClusterRole, or in a ClusterRole of its own when namespaces are listed (Kopf runs with CRD and namespace scanning off).
 Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, ClusterKopfPeering cluster-wide.
 */}}
 
@@ -63,6 +64,13 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 # read the access modes of the model and checkpoint claims that several pods share
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
+{{- end }}
+
+{{- define "grpo-lora-operator.rules.kueue.cluster" -}}
+# read the ResourceFlavors a Kueue admission names (cluster-scoped), to give the pods their node labels and tolerations as Kueue's own integrations do; read when the pods are created, so no list or watch
+- apiGroups: ["kueue.x-k8s.io"]
+  resources: ["resourceflavors"]
   verbs: ["get"]
 {{- end }}
 

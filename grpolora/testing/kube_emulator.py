@@ -1,9 +1,10 @@
 """kmock's Kubernetes emulator, extended with the API server behaviour the operator relies on.
 
-Added here (in the tests, not in the operator): uid, creationTimestamp, resourceVersion on every write and
+Shared by the operator tests (tests/operator) and the scale benchmark (bench/operator_scale.py). Added here (not
+in the operator): uid, creationTimestamp, resourceVersion on every write and
 generation on spec changes; `generateName`; the status subresource (a /status patch changes only status, a main
 patch never changes the status of a resource that has the subresource); label and field selectors on lists;
-what a real API server refuses (tests/operator/apiserver.py: schema validation of built-in kinds and of
+what a real API server refuses (grpolora.testing.kube_apiserver: schema validation of built-in kinds and of
 GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against the requester's RBAC rules);
 garbage collection that takes time, as the real collector does (objects whose owners are all gone are removed
 by a sweep every `gc_delay` seconds, not at once); and a record of every (verb, group, resource) a client other
@@ -13,21 +14,25 @@ than the test itself sent, for the RBAC check.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import datetime
 import itertools
 import secrets
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+import aiohttp
 import attrs
 import kmock
 
 from grpolora.api import constants as c
-from tests.operator import apiserver
+from grpolora.operator import rbac
+from grpolora.testing import kube_apiserver
 
 TEST_USER_AGENT = "grpolora-tests"
+NAMESPACE = "team-a"  # where the helpers below put and read objects unless told otherwise
 CRD_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
 ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 # What the operator touches, declared for API discovery (Kopf reads it at start-up and serves only watchable ones).
@@ -51,6 +56,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kueue.x-k8s.io/v1beta1/workloads": kmock.ResourceInfo(
         kind="Workload", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
     ),
+    "kueue.x-k8s.io/v1beta1/resourceflavors": kmock.ResourceInfo(kind="ResourceFlavor", namespaced=False),
 }
 PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),
@@ -78,12 +84,12 @@ class Emulator(kmock.KubernetesEmulator):
     authorize: Callable[[str, str, str], bool] | None = None
     """RBAC of the clients other than the test, as (verb, group, resource) -> allowed; None allows everything."""
     validate: bool = True
-    """Refuse what a real API server refuses (tests/operator/apiserver.py); the scale benchmark turns it off to
+    """Refuse what a real API server refuses (grpolora.testing.kube_apiserver); the scale benchmark turns it off to
     measure the operator rather than the emulator's schema validation."""
     gc_delay: float = 0.2
     """Seconds between garbage-collector sweeps (a real collector also takes a while)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
-    _crd_schema: dict[str, Any] = attrs.field(factory=apiserver.crd_schema, init=False)
+    _crd_schema: dict[str, Any] = attrs.field(factory=kube_apiserver.crd_schema, init=False)
     _gc_due: bool = attrs.field(default=False, init=False)
     """Something was deleted, or created with owners, since the last sweep (the collector is event-driven too)."""
 
@@ -114,7 +120,7 @@ class Emulator(kmock.KubernetesEmulator):
         return response
 
     def _admit(self, request: kmock.Request, obj: dict[str, Any], *, created: bool) -> None:
-        """Refuse what a real API server refuses (see tests/operator/apiserver.py), before anything is stored."""
+        """Refuse what a real API server refuses (see grpolora.testing.kube_apiserver), before anything is stored."""
         if self.validate:
             strict_fields = (request.params or {}).get("fieldValidation") == "Strict"
             if request.resource.plural == c.PLURAL and request.resource.group == c.GROUP:
@@ -122,9 +128,9 @@ class Emulator(kmock.KubernetesEmulator):
                 key = (request.resource, request.namespace, request.name)
                 stored = None if created or key not in self.objects else self.objects[key]
                 old = stored.raw if stored is not None and not stored.deleted else None
-                apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part, old=old)
+                kube_apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part, old=old)
             elif request.subresource != "status":
-                apiserver.validate_builtin(obj, strict=strict_fields)
+                kube_apiserver.validate_builtin(obj, strict=strict_fields)
         if not created and "ownerReferences" not in (request.data.get("metadata") or {}):
             return
         if self.authorize is None or _from_test(request):
@@ -138,7 +144,7 @@ class Emulator(kmock.KubernetesEmulator):
             self.calls.add(check)
             if not self.authorize(*check):
                 resource = f"{request.resource.plural}.{request.resource.group}".rstrip(".")
-                raise apiserver.forbidden(
+                raise kube_apiserver.forbidden(
                     resource,
                     (obj.get("metadata") or {}).get("name", ""),
                     "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set "
@@ -282,3 +288,108 @@ def _merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
 
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ---- the emulator over HTTP, with helpers that play kubectl and the Kubernetes controllers --------------------
+
+
+class Cluster:
+    """The emulator plus helpers that play the parts of kubectl and of the Kubernetes controllers."""
+
+    def __init__(self, emulator: Emulator, url: str, session: aiohttp.ClientSession):
+        self.emulator, self.url, self.session = emulator, url, session
+
+    # ---- kubectl --------------------------------------------------------------------------------------
+
+    async def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
+        namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
+        # kubectl's default: unknown fields are refused, not silently dropped.
+        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}?fieldValidation=Strict"
+        return await self._call("POST", path, doc)
+
+    async def patch_spec(self, name: str, spec: dict[str, Any], namespace: str = NAMESPACE) -> None:
+        await self._call(
+            "PATCH", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}", {"spec": spec}
+        )
+
+    async def delete_job(self, name: str, namespace: str = NAMESPACE) -> None:
+        await self._call("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}")
+
+    # ---- the Job, StatefulSet and kubelet controllers ----------------------------------------------------
+
+    async def set_status(self, resource: str, name: str, status: dict[str, Any], namespace: str = NAMESPACE) -> None:
+        """Patch a child's status, as its controller would (e.g. resource='batch/v1/jobs')."""
+        group_version, plural = resource.rsplit("/", 1)
+        root = f"/api/{group_version}" if group_version == "v1" else f"/apis/{group_version}"
+        await self._call("PATCH", f"{root}/namespaces/{namespace}/{plural}/{name}/status", {"status": status})
+
+    async def add_pod(self, pod: dict[str, Any], namespace: str = NAMESPACE) -> None:
+        await self._call("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+
+    async def _call(self, method: str, path: str, body: Any = None) -> Any:
+        async with self.session.request(method, self.url + path, json=body) as response:
+            payload = await response.json(content_type=None)
+            assert response.status < 300, f"{method} {path}: {response.status} {payload}"
+            return payload
+
+    # ---- reading ------------------------------------------------------------------------------------------
+
+    def get(self, resource: str, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
+        key = (kmock.resource(resource), namespace, name)
+        if key not in self.emulator.objects or self.emulator.objects[key].deleted:
+            return None
+        return self.emulator.objects[key].raw
+
+    def job(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        found = self.get(CRD_RESOURCE, name, namespace)
+        assert found is not None, f"GRPOLoraJob {namespace}/{name} is gone"
+        return found
+
+    def status(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        return self.job(name, namespace).get("status") or {}
+
+    def condition(self, name: str, type_: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        for condition in self.status(name, namespace).get("conditions") or []:
+            if condition["type"] == type_:
+                return condition
+        return {}
+
+    def objects(self, resource: str, namespace: str = NAMESPACE) -> dict[str, dict[str, Any]]:
+        return {
+            name: obj.raw
+            for (res, ns, name), obj in self.emulator.objects.items()
+            if res == resource and ns == namespace and not obj.deleted
+        }
+
+    def events(self, name: str, namespace: str = NAMESPACE) -> list[tuple[str, str, str]]:
+        """(type, reason, message) of the events about a job, oldest first."""
+        found = [
+            obj.raw
+            for (res, ns, _), obj in self.emulator.objects.items()
+            if res == "v1/events" and ns == namespace and not obj.deleted
+        ]
+        found = [e for e in found if e["involvedObject"]["name"] == name]
+        found.sort(key=lambda e: int(e["metadata"]["resourceVersion"]))
+        return [(e["type"], e["reason"], e["message"]) for e in found]
+
+
+@contextlib.asynccontextmanager
+async def running_cluster(
+    *, peering: bool = False, authorize: Callable[[str, str, str], bool] | None = rbac.allowed, validate: bool = True
+) -> AsyncIterator[Cluster]:
+    """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it)."""
+    async with Emulator(authorize=authorize, validate=validate) as emulator, kmock.Server(emulator) as server:
+        for resource, info in RESOURCES.items():
+            emulator.resources[resource] = info
+        if peering:
+            for resource, info in PEERING_RESOURCES.items():
+                emulator.resources[resource] = info
+        url = str(server.url).rstrip("/")
+        collector = asyncio.create_task(emulator.collect_garbage_forever(), name="garbage collector")
+        try:
+            async with aiohttp.ClientSession(headers={"User-Agent": TEST_USER_AGENT}) as session:
+                yield Cluster(emulator, url, session)
+        finally:
+            collector.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await collector
