@@ -200,6 +200,9 @@ class Progress:
     mismatch: float | None = None
     eval_reward: float | None = None
     adapter_path: str | None = None
+    last_push: str | None = None
+    last_push_step: int | None = None
+    push_error: str | None = None
     prompts_skipped: int | None = None
     epoch: int = 0
 
@@ -224,6 +227,9 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         mismatch=old.mismatch,
         eval_reward=old.eval_reward,
         adapter_path=old.adapter_path,
+        last_push=old.last_push,
+        last_push_step=old.last_push_step,
+        push_error=old.push_error,
         prompts_skipped=old.prompts_skipped,
         epoch=epoch,
     )
@@ -245,6 +251,9 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         mismatch=report.mismatch if report.mismatch is not None else old.mismatch,
         eval_reward=report.eval_reward if report.eval_reward is not None else old.eval_reward,
         adapter_path=report.adapter_path or old.adapter_path,
+        last_push=report.last_push or old.last_push,
+        last_push_step=report.last_push_step if report.last_push_step is not None else old.last_push_step,
+        push_error=report.push_error,
         prompts_skipped=report.prompts_skipped,
         epoch=report.epoch,
     )

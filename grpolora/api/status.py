@@ -172,6 +172,12 @@ class JobStatus(_Wire):
     """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
     adapter_path: str | None = None
     """Where the trainer wrote the final adapter (a path on the output volume)."""
+    last_push: str | None = None
+    """Where the newest pushed adapter went (spec.output.push: an S3 prefix, or the Hub commit's URL)."""
+    last_push_step: int | None = None
+    """The step of that adapter."""
+    push_error: str | None = None
+    """Why the trainer's last push failed (it names the spec field); pushes never stop training."""
     prompts_skipped: int | None = None
     """Prompts the trainer skipped because they do not fit the model length (since it last started)."""
     mismatch: float | None = None

@@ -241,3 +241,28 @@ def test_fold_carries_the_data_figures_and_keeps_the_last_evaluation():
     assert (progress.eval_reward, progress.prompts_skipped, progress.adapter_path) == (0.6, 3, "/out/final-adapter")
     later = fold_trainer(JobStatus(eval_reward=0.6), TrainerStatus(phase="Running", total_steps=20, step=5))
     assert later.eval_reward == 0.6  # a step without an evaluation keeps the last one
+
+
+def test_fold_carries_the_push_figures_to_the_job_status():
+    """spec.output.push: where the newest adapter went and why the last push failed reach `kubectl get glj -o yaml`,
+    not only the trainer's /status (a push error is never raised in training, so the status is where it shows)."""
+    report = TrainerStatus(
+        phase="Running",
+        total_steps=20,
+        step=6,
+        last_push="s3://bucket/run/step-000004/",
+        last_push_step=4,
+        push_error="spec.output.push.s3: 403 Forbidden",
+    )
+    progress = fold_trainer(JobStatus(step=4), report)
+    assert (progress.last_push, progress.last_push_step, progress.push_error) == (
+        "s3://bucket/run/step-000004/",
+        4,
+        "spec.output.push.s3: 403 Forbidden",
+    )
+    # A later report keeps where the last push went; its push error is the trainer's current one (cleared by a
+    # push that succeeded, or by a restarted trainer that has not failed one).
+    old = JobStatus(last_push="s3://bucket/run/step-000004/", last_push_step=4, push_error="spec.output.push.s3: 403")
+    later = fold_trainer(old, TrainerStatus(phase="Running", total_steps=20, step=7))
+    assert (later.last_push, later.last_push_step, later.push_error) == ("s3://bucket/run/step-000004/", 4, None)
+    assert JobStatus(last_push_step=4).model_dump(by_alias=True, exclude_none=True)["lastPushStep"] == 4
