@@ -229,6 +229,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "tokens": tokens,
             "micro_batch_size": spec.grpo.micro_batch_size,
             "kl_coef": spec.grpo.kl_coef,
+            # Logits only at completion positions, where they provably match the full forward (Policy checks).
+            "selective_logprob_head": policy._selective_head,
         },
         "step": {
             "median_seconds": step_median,

@@ -66,6 +66,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     assert result["config"]["name"] == "tiny" and result["dtype"] == "bfloat16"
     batch = result["batch"]
     assert batch["sequences"] == 6 and batch["micro_batch_size"] == 4
+    assert isinstance(batch["selective_logprob_head"], bool)
     # completions spread from half to all of the maximum: 4 + (9 - 4) * (i + 1) // 6 tokens for i = 0..5
     completions = [4 + 5 * (i + 1) // 6 for i in range(6)]
     assert batch["completion_tokens"] == sum(completions)
