@@ -14,6 +14,7 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -108,17 +109,36 @@ class Policy:
         device: torch.device,
         shard: bool = False,
     ):
-        from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[spec.model.dtype])
+        self._attach(base, tokenizer, spec, device=device, shard=shard, source=str(model_dir))
+
+    @classmethod
+    def from_model(
+        cls, base: torch.nn.Module, spec: GRPOLoraJobSpec, *, device: torch.device, tokenizer: Any = None
+    ) -> Policy:
+        """A policy over a causal LM already built in memory (e.g. randomly initialised from a config, as
+        bench/gpu_scale.py does to measure a large model without downloading it); `tokenizer` may be None where
+        nothing is tokenised. The LoRA wrapping, the reference and the logprobs are those of a loaded model."""
+        policy = cls.__new__(cls)
+        policy._attach(base, tokenizer, spec, device=device, shard=False, source=type(base).__name__)
+        return policy
+
+    def _attach(
+        self, base: torch.nn.Module, tokenizer: Any, spec: GRPOLoraJobSpec, *, device: torch.device, shard: bool,
+        source: str,
+    ) -> None:  # fmt: skip
+        from peft import LoraConfig, get_peft_model
 
         self.spec = spec
         self.device = device
         self.temperature = spec.grpo.temperature
         self.top_p = spec.grpo.top_p
-        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if self.tokenizer.pad_token_id is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[spec.model.dtype])
+        self.tokenizer = tokenizer
         base.config.use_cache = False
         lora = spec.lora
         torch.manual_seed(spec.grpo.seed)  # LoRA A's initialisation is part of the run's reproducibility
@@ -137,7 +157,7 @@ class Policy:
         if shard:
             self._fully_shard()
         trainable = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-        log.info("policy: %s with LoRA r=%d (%d trainable parameters)", model_dir, lora.rank, trainable)
+        log.info("policy: %s with LoRA r=%d (%d trainable parameters)", source, lora.rank, trainable)
 
     def _fully_shard(self) -> None:
         from torch.distributed.fsdp import fully_shard
