@@ -39,3 +39,34 @@ def test_engine_keeps_k_plus_one_versions_in_its_slots():
     assert isinstance(config, EngineConfig)
     assert (config.kept_versions, config.max_loras) == (3, 3)
     assert min_lora_slots(0) == min_lora_slots(1) == 2 and min_lora_slots(2) == 3
+
+
+def test_render_shows_the_slots_in_the_inference_args():
+    from grpolora.api.load import parse_job
+    from grpolora.api.plan import plan
+    from grpolora.operator.builders import build_children
+
+    job = parse_job(job_doc(grpo={"maxStaleness": 3}, inference={"maxLoras": 4}))
+    args = {
+        o["metadata"]["name"]: o["spec"]["template"]["spec"]["containers"][0]["args"]
+        for o in build_children(plan(job), owner_uid="1", token="t")
+        if o["kind"] in ("StatefulSet", "Job")
+    }
+    assert ["worker", "inference", "--lora-slots=4"] in args.values()
+    assert ["worker", "trainer"] in args.values()
+
+
+def test_an_inference_worker_refuses_slots_that_disagree_with_its_spec():
+    import os
+    import subprocess
+    import sys
+
+    from grpolora.api.load import parse_job
+    from grpolora.api.plan import plan
+
+    job = parse_job(job_doc(inference={"maxLoras": 3}))
+    env = {**os.environ, **plan(job).env_for("inference", 0, token="t")}
+    command = [sys.executable, "-P", "-m", "grpolora.cli", "worker", "inference", "--lora-slots=5"]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "--lora-slots=5 but the spec's inference.maxLoras is 3" in result.stderr
