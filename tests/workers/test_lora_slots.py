@@ -70,3 +70,40 @@ def test_an_inference_worker_refuses_slots_that_disagree_with_its_spec():
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "--lora-slots=5 but the spec's inference.maxLoras is 3" in result.stderr
+
+
+def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its_request_ends(tmp_path):
+    """AdapterEngine's own leasing and unloading (vLLM's remove_lora recorded: the real engine's side of loading
+    is in tests/workers/test_inference_sync.py)."""
+    import asyncio
+
+    from grpolora.workers.inference.engine import AdapterEngine, VersionUnavailable
+
+    class RemoveRecorder:
+        def __init__(self) -> None:
+            self.removed: list[int] = []
+
+        async def remove_lora(self, lora_id: int) -> None:
+            self.removed.append(lora_id)
+
+    async def scenario() -> list[int]:
+        config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=3, kept_versions=3)
+        engine = AdapterEngine(config, adapter_root=tmp_path)
+        engine._engine = vllm = RemoveRecorder()
+        engine._version_changed = asyncio.Condition()
+        engine._loaded, engine._live_version = {1, 2, 3, 4}, 4  # k = 2: 2, 3, 4 kept
+        async with engine.lease(1, wait_seconds=1):  # a request still running on version 1 ...
+            async with engine.lease(2, wait_seconds=1):  # ... and one for a version in the window: served
+                pass
+            engine._live_version = 5
+            await engine._unload_unneeded()
+            assert vllm.removed == [2]  # 2 fell out of the window (3, 4, 5); 1 is still in use
+        assert vllm.removed == [2, 1]  # ... and goes when its request ends
+        try:
+            async with engine.lease(2, wait_seconds=1):
+                pass
+        except VersionUnavailable:
+            return engine.loaded_versions()
+        raise AssertionError("a version out of the window was served")
+
+    assert asyncio.run(scenario()) == [3, 4, 5]
