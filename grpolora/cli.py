@@ -141,6 +141,11 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.role == "inference":
         from grpolora.workers.inference.server import serve
 
+        if args.lora_slots is not None and args.lora_slots != env.spec.inference.max_loras:
+            print(f"grpolora worker inference: --lora-slots={args.lora_slots} but the spec's inference.maxLoras is "
+                  f"{env.spec.inference.max_loras}", file=sys.stderr)  # fmt: skip
+            return 2
+
         return serve(env)
     from grpolora.workers.trainer.main import run_trainer_pod
 
@@ -212,6 +217,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("worker", help="run a worker process (in a pod or a local actor), configured by env")
     p.add_argument("role", choices=["trainer", "inference"])
+    p.add_argument(
+        "--lora-slots", type=int, help="inference: the engine's LoRA slots (inference.maxLoras), as rendered"
+    )
     p.set_defaults(func=cmd_worker)
 
     p = sub.add_parser("operator", help="run the Kubernetes operator (reconciles GRPOLoraJobs; see docs/operator.md)")

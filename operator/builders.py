@@ -292,7 +292,13 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
     container: dict[str, Any] = {
         "name": role.role,
         "image": placement.image,
-        "args": ["worker", role.role],
+        # The inference engine's LoRA slots, visible in `grpolora render` and `kubectl describe`; the worker checks
+        # them against the spec it reads from the environment.
+        "args": [
+            "worker",
+            role.role,
+            *([f"--lora-slots={spec.inference.max_loras}"] if role.role == "inference" else []),
+        ],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
         "env": _env(plan, role),
         "resources": _resources(placement.resources, placement.gpus),

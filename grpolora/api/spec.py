@@ -185,6 +185,26 @@ class LoraSpec(SpecModel):
         return min(r for r in c.VLLM_MAX_LORA_RANKS if r >= self.rank)
 
 
+_STALENESS_CLASH = (
+    "`pipelined: true` means grpo.maxStaleness 1, but grpo.maxStaleness is {k}: set only maxStaleness (pipelined is "
+    "its alias)"
+)
+
+
+def _staleness_alias_rule() -> dict[str, str]:
+    return cel_rule(
+        "!has(self.pipelined) || !self.pipelined || !has(self.maxStaleness) || self.maxStaleness == 1",
+        _STALENESS_CLASH.format(k="another value"),
+        ".pipelined",
+    )
+
+
+def min_lora_slots(staleness: int) -> int:
+    """LoRA slots an inference engine needs for staleness k: requests on versions live - k ... live may run at once
+    (k + 1), and never fewer than 2 (version N - 1 finishes its requests while N serves new ones)."""
+    return max(2, staleness + 1)
+
+
 class GRPOSpec(SpecModel):
     steps: int = Field(default=100, gt=0)
     """Number of optimizer steps (one batch of prompts each)."""
@@ -209,7 +229,17 @@ class GRPOSpec(SpecModel):
     sync_every_steps: int = Field(default=1, gt=0)
     """Send the adapter to the inference replicas every this many steps."""
     pipelined: bool = False
-    """Generate step n+1 while step n trains (one step off-policy; the ratio uses the behaviour logprobs)."""
+    """Alias of `maxStaleness: 1` (generate step n+1 while step n trains), kept for existing jobs."""
+    # ---- bounded staleness (asynchronous GRPO) ----
+    max_staleness: int | None = Field(default=None, ge=0)
+    """How many adapter versions a trained sample may lag the trainer's latest synced version (k). 0: on-policy,
+    generation and training take turns. k > 0: the replicas generate continuously into a buffer, at most k steps'
+    batches ahead; the trainer takes the buffered groups within k versions of its own, drops older ones (counted
+    as `dropped_stale`) and corrects the rest with the decoupled PPO objective (docs/design.md). Needs
+    `inference.maxLoras` >= k + 1. Unset: 1 with `pipelined: true`, else 0."""
+    importance_weight_cap: float = Field(default=2.0, gt=1)
+    """Off-policy steps: the behaviour importance weight pi_trainer / pi_sampler of each token is truncated at
+    this value (bounds the variance of stale or mismatched samples)."""
     advantage: Literal["group-normalized", "leave-one-out"] = "group-normalized"
     """Baseline: `group-normalized` (reward minus group mean, over group std) or `leave-one-out` (reward minus
     the mean of the other completions in the group)."""
@@ -219,6 +249,21 @@ class GRPOSpec(SpecModel):
     """AdamW weight decay."""
     micro_batch_size: int = Field(default=8, gt=0)
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
+
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_staleness_alias_rule()]})
+
+    @model_validator(mode="after")
+    def _staleness_alias(self) -> GRPOSpec:
+        if self.pipelined and self.max_staleness not in (None, 1):
+            raise FieldErrors([("pipelined", _STALENESS_CLASH.format(k=self.max_staleness))])
+        return self
+
+    @property
+    def staleness(self) -> int:
+        """k, the bound in force: `maxStaleness`, or its alias `pipelined` (1) when unset."""
+        if self.max_staleness is not None:
+            return self.max_staleness
+        return 1 if self.pipelined else 0
 
 
 class HubDatasetSpec(SpecModel):
@@ -604,7 +649,15 @@ def _job_spec_rules() -> list[dict[str, str]]:
         cel_or_default("trainer.statusPort", TrainerSpec.model_fields["status_port"].default),
         cel_or_default("sync.port", SyncSpec.model_fields["port"].default),
     ]
+    pipelined = cel_or_default("grpo.pipelined", False).replace("False", "false")
+    staleness = f"(has(self.grpo) && has(self.grpo.maxStaleness) ? self.grpo.maxStaleness : ({pipelined} ? 1 : 0))"
+    max_loras = cel_or_default("inference.maxLoras", InferenceSpec.model_fields["max_loras"].default)
     return [
+        cel_rule(
+            f"{max_loras} >= {staleness} + 1",
+            "inference.maxLoras must be at least grpo.maxStaleness + 1 (the adapter versions kept in use)",
+            ".inference.maxLoras",
+        ),
         cel_rule(
             f"{backend} != 'nccl' || ({trainer_gpus} > 0 && {inference_gpus} > 0)",
             "sync.backend `nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto",
@@ -789,6 +842,15 @@ class GRPOLoraJobSpec(SpecModel):
             if port in seen:
                 errors.append((path, f"port {port} is already used by {seen[port]}; trainer ports must differ"))
             seen[port] = path
+        slots = min_lora_slots(self.grpo.staleness)
+        if inf.max_loras < slots:
+            errors.append(
+                (
+                    "inference.maxLoras",
+                    f"{inf.max_loras} LoRA slots cannot hold the {slots} adapter versions that grpo.maxStaleness "
+                    f"{self.grpo.staleness} keeps in use; set inference.maxLoras to at least {slots}",
+                )
+            )
         if inf.max_model_len is not None and self.grpo.max_new_tokens > inf.max_model_len:
             errors.append(
                 (

@@ -59,6 +59,20 @@ class TrainerStatus(_Wire):
     prompts_skipped: int = 0
     """Prompts skipped since the trainer started because they do not fit the model length with
     grpo.maxNewTokens."""
+    # ---- bounded staleness (grpo.maxStaleness) ----
+    staleness: int | None = None
+    """Versions the oldest group of the last step lagged the trainer's latest synced adapter (at most
+    grpo.maxStaleness)."""
+    dropped_stale: int = 0
+    """Groups (a prompt and its completions) dropped since the trainer started because they were generated more
+    than grpo.maxStaleness versions before the trainer's."""
+    importance_weight_mean: float | None = None
+    """Mean behaviour importance weight pi_trainer / pi_vLLM over the last step's off-policy tokens (0 when the
+    step was on-policy)."""
+    importance_weight_max: float | None = None
+    """Largest behaviour importance weight of the last step, before truncation at grpo.importanceWeightCap."""
+    truncated_fraction: float | None = None
+    """Share of the last step's off-policy tokens whose importance weight was truncated."""
     eval_reward: float | None = None
     """Mean reward of the last evaluation on the held-out prompts (spec.eval)."""
     eval_step: int | None = None

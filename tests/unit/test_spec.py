@@ -98,6 +98,16 @@ INVALID = [
         "CPU replicas",
     ),
     (job_doc(inference={"maxLoras": 1}), "spec.inference.maxLoras", "greater than or equal to 2"),
+    (job_doc(grpo={"maxStaleness": -1}), "spec.grpo.maxStaleness", "greater than or equal to 0"),
+    (job_doc(grpo={"pipelined": True, "maxStaleness": 2}), "spec.grpo.pipelined", "grpo.maxStaleness is 2"),
+    (job_doc(grpo={"pipelined": True, "maxStaleness": 0}), "spec.grpo.pipelined", "set only maxStaleness"),
+    (job_doc(grpo={"maxStaleness": 2}), "spec.inference.maxLoras", "set inference.maxLoras to at least 3"),
+    (
+        job_doc(grpo={"maxStaleness": 4}, inference={"maxLoras": 4}),
+        "spec.inference.maxLoras",
+        "set inference.maxLoras to at least 5",
+    ),
+    (job_doc(grpo={"importanceWeightCap": 1.0}), "spec.grpo.importanceWeightCap", "greater than 1"),
     (job_doc(sync={"backend": "nccl"}, trainer=CPU, inference=CPU), "spec.sync.backend", "needs GPUs"),
     (job_doc(sync={"backend": "nccl"}, inference=CPU), "spec.sync.backend", "needs GPUs"),
     (job_doc(sync={"backend": "mpi"}), "spec.sync.backend", "'gloo'"),
@@ -275,3 +285,14 @@ def test_max_new_tokens_must_fit_in_the_model_length():
     assert any(p.startswith("spec.grpo.maxNewTokens:") and "inference.maxModelLen (512)" in p for p in problems_of(doc))
     parse_job(job_doc(grpo={"maxNewTokens": 256}, inference={"maxModelLen": 512}))
     parse_job(job_doc(grpo={"maxNewTokens": 600}))  # the model's own length is checked when the engine starts
+
+
+@pytest.mark.parametrize(
+    ("grpo", "k"),
+    [({}, 0), ({"pipelined": True}, 1), ({"pipelined": True, "maxStaleness": 1}, 1), ({"maxStaleness": 2}, 2)],
+)
+def test_staleness_bound_and_its_pipelined_alias(grpo, k):
+    spec = parse_job(job_doc(grpo=grpo, inference={"maxLoras": 3})).spec
+    assert spec.grpo.staleness == k
+    # What reaches the workers (defaults written) parses to the same bound.
+    assert GRPOLoraJobSpec.model_validate(spec.to_wire()).grpo.staleness == k

@@ -286,6 +286,59 @@ def test_clipping_on_both_sides():
     assert stats.policy_loss_sum == pytest.approx(0.6)
 
 
+def test_decoupled_objective_with_truncated_behaviour_weight():
+    # Off-policy (docs/design.md): w = min(exp(proximal - behaviour), cap) times PPO's clipped surrogate of
+    # r = exp(logp - proximal). eps 0.2, cap 2, one token per sequence, 4 tokens:
+    #   row 0: A  1, w = 1.5,           r = 1   → loss -1.5 * 1 = -1.5;   d/dlogp = -w A r = -1.5
+    #   row 1: A  1, w = 3 → 2 (cut),   r = 1   → loss -2;                d/dlogp = -2
+    #   row 2: A -1, w = 0.5,           r = 1   → loss -0.5 * -1 = 0.5;   d/dlogp = +0.5
+    #   row 3: A  1, w = 1,             r = 1.5 → min(1.5, 1.2) = 1.2, loss -1.2, clipped: no gradient
+    # loss (-1.5 - 2 + 0.5 - 1.2) / 4 = -1.05; gradients / 4 = [-0.375, -0.5, 0.125, 0].
+    behaviour = torch.full((4, 1), -2.0)
+    proximal = behaviour + torch.tensor([[1.5], [3.0], [0.5], [1.0]]).log()
+    logp = (proximal + torch.tensor([[1.0], [1.0], [1.0], [1.5]]).log()).requires_grad_()
+    loss, stats = grpo_loss(
+        logp,
+        proximal,
+        None,
+        torch.tensor([1.0, 1.0, -1.0, 1.0]),
+        torch.ones(4, 1),
+        clip_epsilon=0.2,
+        kl_coef=0.0,
+        token_normalizer=4,
+        behaviour_logp=behaviour,
+        weight_cap=2.0,
+    )
+    close(loss, -1.05)
+    loss.backward()
+    close(logp.grad, [[-0.375], [-0.5], [0.125], [0.0]])
+    # Spread of the untruncated weights: mean (1.5 + 3 + 0.5 + 1) / 4 = 1.5, max 3; one token of four truncated.
+    assert stats.off_policy_tokens == 4.0
+    assert stats.mean_weight == pytest.approx(1.5) and stats.weight_max == pytest.approx(3.0)
+    assert stats.truncated_fraction == 0.25
+    assert (stats.clipped_high, stats.clip_fraction) == (1.0, 0.25)
+    assert stats.policy_loss_sum == pytest.approx(-4.2)
+
+
+def test_behaviour_weight_stats_add_up_over_micro_batches_and_ranks():
+    # Sums add, the largest weight is a max (an all-reduce of as_tensor() with SUM and MAX, rebuilt by field name).
+    a = LossStats(token_count=2, off_policy_tokens=2, weight_sum=3.0, weight_max=2.5, truncated=1)
+    b = LossStats(token_count=3, off_policy_tokens=3, weight_sum=3.0, weight_max=1.5)
+    total = a + b
+    assert (total.token_count, total.weight_sum, total.weight_max, total.truncated) == (5, 6.0, 2.5, 1)
+    both = torch.stack([a.as_tensor(), b.as_tensor()])
+    assert LossStats.from_reduced(both.sum(0), both.max(0).values) == total
+
+
+def test_on_policy_loss_reports_no_behaviour_weights():
+    logp = torch.full((1, 2), -1.0, requires_grad=True)
+    _, stats = grpo_loss(
+        logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2), clip_epsilon=0.2, kl_coef=0.0,
+        token_normalizer=2,
+    )  # fmt: skip
+    assert (stats.off_policy_tokens, stats.mean_weight, stats.truncated_fraction) == (0.0, 0.0, 0.0)
+
+
 def _random_batch(seed: int, batch: int = 4, length: int = 6, vocab: int = 9):
     generator = torch.Generator().manual_seed(seed)
     logits = torch.randn(batch, length, vocab, generator=generator)

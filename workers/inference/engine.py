@@ -2,8 +2,10 @@
 
 Every synced adapter becomes a new LoRA id (= its version), so activation never waits for a drain: a new
 version is loaded next to the old one, new requests get it from the moment it is live, requests already running
-finish on the version they started with, and the old one is unloaded when its last request ends. This needs two
-LoRA slots (`maxLoras >= 2`); version 0 is the base model (no adapter).
+finish on the version they started with, and an old one is unloaded when its last request ends. Under
+grpo.maxStaleness = k the engine keeps the newest k + 1 versions loaded (buffered and in-flight rollouts may still
+ask for them), so it needs k + 1 LoRA slots and never fewer than two (`inference.maxLoras`, checked by the spec);
+version 0 is the base model (no adapter).
 
 Adapters reach vLLM through its public API: the verified tensors are written as a standard peft folder on tmpfs
 and loaded with `add_lora(LoRARequest(...))`, so the same path works for any tensor- or data-parallel layout.
@@ -18,7 +20,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,6 +45,8 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.85
     seed: int = 0
     enforce_eager: bool = False
+    kept_versions: int = 1
+    """The newest versions kept loaded while idle (grpo.maxStaleness + 1); older ones go when their requests end."""
 
 
 @dataclass(frozen=True)
@@ -119,7 +123,14 @@ def config_for(spec: GRPOLoraJobSpec, model_dir: str) -> EngineConfig:
         gpu_memory_utilization=inference.gpu_memory_utilization if gpus else 0.05,
         seed=spec.grpo.seed,
         enforce_eager=not gpus,  # compiling on CPUs costs minutes at start-up and gains little
+        kept_versions=spec.grpo.staleness + 1,
     )
+
+
+def versions_to_unload(loaded: Iterable[int], *, live: int, leases: Mapping[int, int], kept: int) -> list[int]:
+    """The loaded adapter versions to unload now: older than the newest `kept` (live - kept + 1 ... live) and with
+    no request running on them. Version 0 is the base model, never unloaded."""
+    return sorted(v for v in loaded if 0 < v <= live - kept and not leases.get(v))
 
 
 def cpu_engine_env(spec: GRPOLoraJobSpec) -> None:
@@ -146,6 +157,7 @@ class AdapterEngine:
         self._live_version = 0
         self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
         self._leases: dict[int, int] = {}  # version -> requests running on it
+        self._loaded: set[int] = set()  # versions added to vLLM and not yet removed
         self._version_changed: asyncio.Condition | None = None
         self.limits: EngineLimits | None = None  # known once started
 
@@ -200,7 +212,7 @@ class AdapterEngine:
         return self._live_version
 
     def loaded_versions(self) -> list[int]:
-        return sorted({self._live_version, *self._leases} - {0})
+        return sorted({self._live_version, *self._leases, *self._loaded} - {0})
 
     def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
         """Load `version` next to the live one and switch new requests to it (called from the sync thread)."""
@@ -212,6 +224,7 @@ class AdapterEngine:
         await asyncio.to_thread(save_adapter, self._folder(version), tensors, adapter_config)
         written = time.perf_counter()
         await self._engine.add_lora(self._lora_request(version))
+        self._loaded.add(version)
         loaded = time.perf_counter()
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
@@ -226,7 +239,7 @@ class AdapterEngine:
             written - started,
             loaded - written,
         )
-        await self._unload_if_idle(previous)
+        await self._unload_unneeded()
 
     def _folder(self, version: int) -> Path:
         return self._adapter_root / f"v{version}"
@@ -237,9 +250,16 @@ class AdapterEngine:
 
         return LoRARequest(f"v{version}", version, str(self._folder(version)))
 
+    async def _unload_unneeded(self) -> None:
+        for version in versions_to_unload(
+            self._loaded, live=self._live_version, leases=self._leases, kept=self.config.kept_versions
+        ):
+            await self._unload_if_idle(version)
+
     async def _unload_if_idle(self, version: int) -> None:
         if version == 0 or version == self._live_version or self._leases.get(version):
             return
+        self._loaded.discard(version)
         await self._engine.remove_lora(version)
         shutil.rmtree(self._folder(version), ignore_errors=True)
         log.info("adapter version %d unloaded", version)
@@ -259,7 +279,7 @@ class AdapterEngine:
                     raise VersionUnavailable(
                         f"adapter version {version} is not live after {wait_seconds:.0f}s (live: {self._live_version})"
                     ) from None
-        if version != self._live_version and not self._leases.get(version):
+        if version != self._live_version and version not in self._loaded and not self._leases.get(version):
             raise VersionUnavailable(f"adapter version {version} is no longer served (live: {self._live_version})")
         self._leases[version] = self._leases.get(version, 0) + 1
         try:
@@ -268,7 +288,7 @@ class AdapterEngine:
             self._leases[version] -= 1
             if not self._leases[version]:
                 del self._leases[version]
-                await self._unload_if_idle(version)
+                await self._unload_unneeded()
 
     # ---- generation -------------------------------------------------------------------------------------
 

@@ -3,19 +3,22 @@ group-relative advantages -> one optimizer step on all trainer ranks -> adapter 
 Other ranks follow in lockstep: each step rank 0 broadcasts what to do (the batch, whether to sync, checkpoint
 or stop), and all ranks take part in the collectives that gather the adapter and the optimizer state.
 
+Rollouts come through a RolloutBuffer (buffer.py) filled by a producer thread on rank 0 that generates on every
+replica, at most grpo.maxStaleness (k) steps ahead: k = 0 takes turns (generate, then train), k >= 1 overlaps.
+
 A step is on-policy only when every rollout came from the adapter version that equals the trainer's weights at
 that moment (the weights have not moved since that version was synced); then the importance ratio is taken
-against the trainer's own logprobs. Otherwise (`grpo.pipelined`, `syncEverySteps > 1`, or a replica that served
-another version) the ratio uses the behaviour logprobs vLLM returned for the version that generated the tokens.
+against the trainer's own logprobs. Otherwise (k > 0, `syncEverySteps > 1`, or a replica that served another
+version) the decoupled objective weights each token by the trainer's over the sampler's (vLLM's) probability.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,6 +33,7 @@ from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking
 from grpolora.workers.trainer import checkpoint, evaluate, metrics, outputs
+from grpolora.workers.trainer.buffer import BufferClosed, Group, RolloutBuffer
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.grpo import group_advantages
 from grpolora.workers.trainer.policy import Batch, Policy, build_batch
@@ -58,8 +62,16 @@ class Rollouts:
     prompt_ids: list[list[int]]
     completions: list[list[Completion]]
     seconds: float
-    drawn: int = 0
-    """Prompts taken from the stream for this step: these plus those skipped as too long."""
+    """Wall time of the generation round(s) that produced them (the longest)."""
+
+    @classmethod
+    def of(cls, groups: list[Group]) -> Rollouts:
+        return cls(
+            [g.prompt for g in groups],
+            [g.prompt_ids for g in groups],
+            [g.completions for g in groups],
+            max(g.seconds for g in groups),
+        )
 
     def prompts_and_completions(self, count: int) -> list[tuple[Prompt, list[Completion]]]:
         return list(zip(self.prompts[:count], self.completions[:count], strict=True))
@@ -172,7 +184,6 @@ class Controller:
         self.sender = sender
         self.rollouts = rollouts
         self.board = board
-        self._generator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="generate")
         self._metrics_file = ctx.output_dir / "metrics.jsonl"
         dropped = drop_records_after(self._metrics_file, ctx.progress.step)
         if dropped:
@@ -181,9 +192,11 @@ class Controller:
         # The adapter version that equals the trainer's weights right now; None once they moved past every synced
         # version (between an optimizer step and the next sync).
         self._weights_version: int | None = None
-        # Stream position of the next prompt to draw (ahead of progress.prompts_consumed while a pipelined step's
-        # rollouts are in flight): it numbers the per-prompt sampling seeds.
-        self._drawn = ctx.progress.prompts_consumed
+        # Groups generated ahead of the trainer (at most grpo.maxStaleness steps' worth); it also keeps the stream
+        # position of the next prompt to draw (ahead of progress.prompts_consumed while groups are buffered or in
+        # flight), which numbers the per-prompt sampling seeds.
+        self._buffer = RolloutBuffer(self.spec.grpo.staleness, ctx.progress.prompts_consumed)
+        self._dropped = 0  # groups dropped as too stale since the start
         self.run_name = run_name
         self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
         self.pushes = outputs.Pusher(self.spec, ctx.output_dir, job_name=run_name)
@@ -201,31 +214,51 @@ class Controller:
     def _tokenize(self, prompt: Prompt) -> list[int]:
         return evaluate.tokenize_prompt(self.ctx.policy.tokenizer, prompt, self.spec.task.system_prompt)
 
-    def _generate(self, drawn: tuple[list[Prompt], list[list[int]], int, list[int]], version: int) -> Rollouts:
-        started = time.perf_counter()
+    def _produce(self) -> None:
+        """The producer thread: generate groups on the live adapter version, as far ahead as the buffer allows."""
         grpo = self.spec.grpo
-        prompts, ids, count, positions = drawn
         sampling = Sampling(
             n=grpo.generations_per_prompt,
             temperature=grpo.temperature,
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
         )
-        seeds = [prompt_seed(grpo.seed, position) for position in positions]
-        completions = self.rollouts.generate(
-            ids, sampling, version=version, replicas=self.sender.serving(version), seeds=seeds
-        )
-        return Rollouts(prompts, ids, completions, time.perf_counter() - started, count)
+        try:
+            while True:
+                count, start = self._buffer.reserve(grpo.prompts_per_step)
+                prompts, ids, drawn, positions = self._next_prompts(count, start)
+                if not prompts:
+                    raise ValueError("spec.task: the prompt stream ended before grpo.steps were trained")
+                started = time.perf_counter()
+                version = self.sender.version
+                completions = self.rollouts.generate(
+                    ids,
+                    sampling,
+                    version=version,
+                    replicas=self.sender.serving(version),
+                    seeds=[prompt_seed(grpo.seed, position) for position in positions],
+                )
+                seconds = time.perf_counter() - started
+                groups = [
+                    Group(position, prompt, prompt_ids, group, seconds)
+                    for position, prompt, prompt_ids, group in zip(positions, prompts, ids, completions, strict=True)
+                ]
+                self._buffer.deliver(groups, reserved=count, next_position=start + drawn)
+        except BufferClosed:
+            return
+        except BaseException as exc:  # the trainer's take() raises it
+            self._buffer.fail(exc)
 
-    def _next_prompts(self) -> tuple[list[Prompt], list[list[int]], int, list[int]]:
-        """The next step's prompts, their token ids, how many were drawn from the stream to find them, and each
-        one's stream position (which numbers its sampling seed, the same after a resume).
+    def _next_prompts(self, wanted: int, start: int) -> tuple[list[Prompt], list[list[int]], int, list[int]]:
+        """The next `wanted` prompts from stream position `start`, their token ids, how many were drawn from the
+        stream to find them, and each one's stream position (which numbers its sampling seed, the same after a
+        resume).
 
         A prompt whose tokens and grpo.maxNewTokens cannot fit the model length is skipped (logged, counted in
-        status.promptsSkipped): the replicas would refuse it. Not counted as consumed until trained on: a
-        pipelined step's prompts fetched ahead of a checkpoint are generated again after a restart.
+        status.promptsSkipped): the replicas would refuse it. Not counted as consumed until trained on or dropped
+        (RolloutBuffer.consumed): prompts generated ahead of a checkpoint are generated again after a restart.
         """
-        wanted, longest = self.spec.grpo.prompts_per_step, self._max_prompt_tokens
+        longest = self._max_prompt_tokens
         prompts: list[Prompt] = []
         ids: list[list[int]] = []
         positions: list[int] = []
@@ -243,10 +276,9 @@ class Controller:
                 continue
             prompts.append(prompt)
             ids.append(tokens)
-            positions.append(self._drawn + drawn - 1)
+            positions.append(start + drawn - 1)
             if len(prompts) == wanted:
                 break
-        self._drawn += drawn
         return prompts, ids, drawn, positions
 
     def _on_policy(self, rollouts: Rollouts) -> bool:
@@ -262,63 +294,13 @@ class Controller:
             self._sync()
         else:
             self._weights_version = 0  # LoRA B starts at zero: the fresh adapter is exactly the base model
-        pending: Future[Rollouts] | None = None
-        while ctx.progress.step < grpo.steps:
-            iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
-            self.sender.refresh()
-            if pending is None:
-                rollouts = self._generate(self._next_prompts(), self.sender.version)
-            else:
-                rollouts = pending.result()
-            on_policy = self._on_policy(rollouts)
-            last = ctx.progress.step + 1 == grpo.steps
-            if grpo.pipelined and not last:
-                # Overlap the next step's generation with this step's training and sync.
-                pending = self._generator.submit(self._generate, self._next_prompts(), self.sender.version)
-            reward_started = time.perf_counter()
-            scored = self._score(rollouts)
-            reward_seconds = time.perf_counter() - reward_started
-            eval_now = self._eval_due(ctx.progress.step + 1, last)
-            # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
-            sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
-            save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
-            push_now = self.pushes.due(ctx.progress.step + 1, last)
-            instruction = Instruction(
-                batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
-            )
-            broadcast_instruction(instruction, ctx.world_size)
-            train_started = time.perf_counter()
-            stats = train_step(
-                ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
-            )
-            train_seconds = time.perf_counter() - train_started
-            self._weights_version = None  # the weights moved: no served version equals them until the next sync
-            ctx.progress.step += 1
-            ctx.progress.prompts_consumed += rollouts.drawn
-            # One gather per instruction on every rank: the sync and the push share its tensors.
-            tensors = adapter_io.lora_tensors(ctx.policy.model) if sync_now or push_now else None
-            report = self._sync(tensors) if sync_now else None
-            if push_now:
-                assert tensors is not None
-                self.pushes.submit(ctx.progress.step, tensors, adapter_io.lora_config(ctx.policy.model))
-            if save_now:
-                ctx.save()
-            evaluation = self._evaluate() if eval_now else None
-            self._record(
-                rollouts,
-                scored,
-                evaluation,
-                stats,
-                report,
-                on_policy,
-                {
-                    "generate": rollouts.seconds,
-                    "reward": reward_seconds,
-                    "train": train_seconds,
-                    "sync": report.seconds if report else 0.0,
-                    "step": time.perf_counter() - iteration_started,
-                },
-            )
+        producer = threading.Thread(target=self._produce, name="rollout-producer", daemon=True)
+        producer.start()
+        try:
+            while ctx.progress.step < grpo.steps:
+                self._train_one_step()
+        finally:
+            self._buffer.close()
         broadcast_instruction(Instruction(gather=True, stop=True), ctx.world_size)
         final = outputs.save_adapter(
             ctx.output_dir / outputs.FINAL_ADAPTER,
@@ -335,7 +317,73 @@ class Controller:
             self.board.update(**self.pushes.status())
         where = f"; pushed to {', '.join(pushed)}" if pushed else ""
         self.board.update(phase="Succeeded", message=f"{grpo.steps} steps done; adapter in {final}{where}")
-        self._generator.shutdown(wait=False, cancel_futures=True)
+
+    def _train_one_step(self) -> None:
+        ctx, grpo = self.ctx, self.spec.grpo
+        iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
+        self.sender.refresh()
+        step, per_step, k = ctx.progress.step, grpo.prompts_per_step, grpo.staleness
+        # While the trainer waits it allows this step's groups and k steps more; while it trains, k steps.
+        self._buffer.allow(min(k + 1, grpo.steps - step) * per_step)
+        trainer_version = self.sender.version
+        groups, dropped = self._buffer.take(per_step, trainer_version)
+        wait_seconds = time.perf_counter() - iteration_started
+        self._buffer.allow(min(k, grpo.steps - step - 1) * per_step)
+        self._dropped += dropped
+        rollouts = Rollouts.of(groups)
+        on_policy = self._on_policy(rollouts)
+        last = step + 1 == grpo.steps
+        reward_started = time.perf_counter()
+        scored = self._score(rollouts)
+        reward_seconds = time.perf_counter() - reward_started
+        eval_now = self._eval_due(ctx.progress.step + 1, last)
+        # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
+        sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
+        save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
+        push_now = self.pushes.due(ctx.progress.step + 1, last)
+        instruction = Instruction(
+            batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
+        )
+        broadcast_instruction(instruction, ctx.world_size)
+        train_started = time.perf_counter()
+        stats = train_step(
+            ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
+        )
+        train_seconds = time.perf_counter() - train_started
+        self._weights_version = None  # the weights moved: no served version equals them until the next sync
+        ctx.progress.step += 1
+        # Only what was trained on or dropped: buffered and in-flight groups are generated again after a resume.
+        ctx.progress.prompts_consumed = self._buffer.consumed()
+        # One gather per instruction on every rank: the sync and the push share its tensors.
+        tensors = adapter_io.lora_tensors(ctx.policy.model) if sync_now or push_now else None
+        report = self._sync(tensors) if sync_now else None
+        if push_now:
+            assert tensors is not None
+            self.pushes.submit(ctx.progress.step, tensors, adapter_io.lora_config(ctx.policy.model))
+        if save_now:
+            ctx.save()
+        evaluation = self._evaluate() if eval_now else None
+        self._record(
+            rollouts,
+            scored,
+            evaluation,
+            stats,
+            report,
+            on_policy,
+            {
+                "trainer_version": trainer_version,
+                "staleness_max": trainer_version - min(rollouts.versions),
+                "dropped_stale": dropped,
+            },
+            {
+                "generate": rollouts.seconds,
+                "wait": wait_seconds,
+                "reward": reward_seconds,
+                "train": train_seconds,
+                "sync": report.seconds if report else 0.0,
+                "step": time.perf_counter() - iteration_started,
+            },
+        )
 
     def close(self) -> None:
         self.tracking.close()
@@ -421,8 +469,11 @@ class Controller:
         stats: StepStats,
         report,
         on_policy: bool,
+        staleness: dict[str, int],
         seconds: dict[str, float],
     ) -> None:
+        """`staleness`: the version the trainer measured staleness against (its latest synced one), the largest
+        lag of a trained group behind it, and the groups dropped as more than grpo.maxStaleness behind."""
         progress = self.ctx.progress
         rewards = scored.rewards
         lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
@@ -438,11 +489,16 @@ class Controller:
             "mismatch": stats.mismatch,
             "mismatch_max_abs": stats.mismatch_max,
             "gen_kl": stats.gen_kl,
+            "importance_weight_mean": stats.weight_mean,
+            "importance_weight_max": stats.weight_max,
+            "truncated_fraction": stats.truncated_fraction,
             "tokens": stats.tokens,
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
             "prompts_skipped": self._skipped,
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
+            **staleness,
+            "dropped_stale_total": self._dropped,
             "sync_round": progress.version,  # the API name of the adapter version
             "epoch": progress.epoch,
             "sync_bytes": report.bytes if report else 0,
@@ -474,6 +530,11 @@ class Controller:
             kl=stats.kl,
             mismatch=stats.mismatch,
             gen_kl=stats.gen_kl,
+            importance_weight_mean=stats.weight_mean,
+            importance_weight_max=stats.weight_max,
+            truncated_fraction=stats.truncated_fraction,
+            staleness=staleness["staleness_max"],
+            dropped_stale=self._dropped,
         )
         log.info(
             "step %d/%d reward %.3f kl %.4f mismatch %.2e sync %.3fs (round %d)",

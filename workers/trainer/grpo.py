@@ -167,15 +167,40 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(log_ratio) - log_ratio - 1
 
 
+class _Reducible:
+    """Detached per-token sums (and a few maxima) that add up over micro-batches and ranks: `a + b`, or all-reduce
+    `as_tensor()` with SUM and with MAX and rebuild with `from_reduced`. Fields named in `_max_fields` take the
+    max, every other field the sum; matched by name, so adding a field cannot shift the others."""
+
+    _max_fields: frozenset[str] = frozenset()
+
+    def __add__(self, other):
+        mine, theirs = self.as_tensor(), other.as_tensor()
+        return type(self).from_reduced(mine + theirs, torch.maximum(mine, theirs))
+
+    def as_tensor(self) -> Tensor:
+        """The fields in declaration order, for an all-reduce."""
+        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+
+    @classmethod
+    def from_reduced(cls, sums: Tensor | list[float], maxima: Tensor | list[float]):
+        """From the element-wise sum and max of several `as_tensor()`s (micro-batches, ranks)."""
+        sums, maxima = torch.as_tensor(sums), torch.as_tensor(maxima)
+        return cls(
+            **{f.name: float((maxima if f.name in cls._max_fields else sums)[i]) for i, f in enumerate(fields(cls))}
+        )
+
+
 @dataclass(frozen=True)
-class LossStats:
-    """Detached sums from one `grpo_loss` call. Sums (not means) so that micro-batches and ranks add up exactly:
-    `sum(stats, LossStats())`, or all-reduce the fields of `as_tensor()` and rebuild with `from_tensor`."""
+class LossStats(_Reducible):
+    """Detached sums from one `grpo_loss` call, so that micro-batches and ranks add up exactly (`_Reducible`)."""
+
+    _max_fields = frozenset({"weight_max"})
 
     token_count: float = 0.0
     """Completion tokens (mask sum)."""
     ratio_sum: float = 0.0
-    """Sum of the importance ratios exp(logp - behaviour_logp)."""
+    """Sum of the PPO ratios exp(logp - proximal_logp)."""
     clipped_low: float = 0.0
     """Tokens with A < 0 and ratio < 1 - epsilon: the clip zeroes their policy gradient."""
     clipped_high: float = 0.0
@@ -183,13 +208,15 @@ class LossStats:
     kl_sum: float = 0.0
     """Sum of the per-token k3 KL to the reference (0 when no reference logprobs were given)."""
     policy_loss_sum: float = 0.0
-    """Sum of the per-token clipped surrogate loss, -min(ratio * A, clip(ratio) * A)."""
-
-    def __add__(self, other: LossStats) -> LossStats:
-        return LossStats(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
-
-    def as_tensor(self) -> Tensor:
-        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
+    """Sum of the per-token (weighted) clipped surrogate loss."""
+    off_policy_tokens: float = 0.0
+    """Tokens weighted by a behaviour importance weight (0 on an on-policy step)."""
+    weight_sum: float = 0.0
+    """Sum of the behaviour importance weights exp(proximal_logp - behaviour_logp), before truncation."""
+    weight_max: float = 0.0
+    """Largest behaviour importance weight, before truncation."""
+    truncated: float = 0.0
+    """Tokens whose behaviour importance weight was cut to the cap."""
 
     @classmethod
     def from_tensor(cls, values: Tensor) -> LossStats:
@@ -207,6 +234,16 @@ class LossStats:
     def mean_kl(self) -> float:
         return _safe_div(self.kl_sum, self.token_count)
 
+    @property
+    def mean_weight(self) -> float:
+        """Mean behaviour importance weight over the off-policy tokens (0 when there were none)."""
+        return _safe_div(self.weight_sum, self.off_policy_tokens)
+
+    @property
+    def truncated_fraction(self) -> float:
+        """Share of the off-policy tokens whose importance weight was truncated."""
+        return _safe_div(self.truncated, self.off_policy_tokens)
+
 
 def _safe_div(numerator: float, denominator: float) -> float:
     # An empty batch reports 0 rather than NaN, which JSON (the /status contract) cannot carry.
@@ -215,7 +252,7 @@ def _safe_div(numerator: float, denominator: float) -> float:
 
 def grpo_loss(
     logp: Tensor,
-    behaviour_logp: Tensor,
+    proximal_logp: Tensor,
     ref_logp: Tensor | None,
     advantages: Tensor,
     mask: Tensor,
@@ -223,15 +260,23 @@ def grpo_loss(
     clip_epsilon: float,
     kl_coef: float,
     token_normalizer: float,
+    behaviour_logp: Tensor | None = None,
+    weight_cap: float = float("inf"),
 ) -> tuple[Tensor, LossStats]:
-    """GRPO loss of one micro-batch: PPO clipped surrogate plus k3 KL, summed over completion tokens only.
+    """GRPO loss of one micro-batch: PPO clipped surrogate plus k3 KL, summed over completion tokens only; with
+    `behaviour_logp`, the decoupled PPO objective (Hilton et al. 2021, as AReaL uses it; docs/design.md).
 
-        ratio_t = exp(logp_t - behaviour_logp_t)
-        l_t     = -min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp_t, ref_logp_t)
+        ratio_t = exp(logp_t - proximal_logp_t)
+        w_t     = min(exp(proximal_logp_t - behaviour_logp_t), weight_cap)     (1 without behaviour_logp)
+        l_t     = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp_t, ref_logp_t)
         loss    = sum_t(l_t * mask_t) / token_normalizer
 
-    A = advantages[b] is the sequence's advantage, the same for every token of that completion. `behaviour_logp`
-    are the logprobs of the policy that sampled the tokens (the sampler's, or the trainer's own before the step).
+    A = advantages[b] is the sequence's advantage, the same for every token of that completion.
+    `proximal_logp` anchors the trust region: the trainer's own logprobs before this step. `behaviour_logp` are the
+    logprobs of the policy that sampled the tokens (vLLM's, for the adapter version that generated them): the
+    weight w_t corrects for sampling from that older (or numerically different) policy, and is truncated at
+    `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance. Without it (an
+    on-policy step) this is the plain clipped surrogate.
 
     `token_normalizer` is the number of completion tokens in the whole optimizer step, not in this micro-batch:
     backward() of every micro-batch then adds up to the gradient of the token-level mean over the step, exactly,
@@ -250,10 +295,13 @@ def grpo_loss(
         raise ValueError(f"token_normalizer must be positive (completion tokens in the step), got {token_normalizer}")
     if ref_logp is None and kl_coef != 0:
         raise ValueError("ref_logp is required when kl_coef > 0")
-    if advantages.shape != logp.shape[:1] or mask.shape != logp.shape or behaviour_logp.shape != logp.shape:
+    if not weight_cap > 0:
+        raise ValueError(f"weight_cap must be positive, got {weight_cap}")
+    shapes = [t.shape for t in (proximal_logp, mask, behaviour_logp) if t is not None]
+    if advantages.shape != logp.shape[:1] or any(shape != logp.shape for shape in shapes):
         raise ValueError(
-            f"need logp, behaviour_logp and mask [B, T] and advantages [B]; got {tuple(logp.shape)}, "
-            f"{tuple(behaviour_logp.shape)}, {tuple(mask.shape)} and {tuple(advantages.shape)}"
+            f"need logp, proximal_logp, behaviour_logp and mask [B, T] and advantages [B]; got {tuple(logp.shape)}, "
+            f"{[tuple(shape) for shape in shapes]} and {tuple(advantages.shape)}"
         )
     keep = mask.bool()
     weight = keep.to(logp.dtype)
@@ -261,12 +309,15 @@ def grpo_loss(
     # multiply by zero would turn an inf/NaN there into a NaN loss or gradient.
     zero = torch.zeros((), dtype=logp.dtype, device=logp.device)
     logp = torch.where(keep, logp, zero)
-    behaviour_logp = torch.where(keep, behaviour_logp.detach(), zero)
+    proximal_logp = torch.where(keep, proximal_logp.detach(), zero)
     adv = advantages.detach().to(logp.dtype)[:, None]
 
-    ratio = torch.exp(logp - behaviour_logp)
+    ratio = torch.exp(logp - proximal_logp)
     clipped_ratio = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon)
     policy_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    if behaviour_logp is not None:
+        behaviour_weight = torch.exp(proximal_logp - torch.where(keep, behaviour_logp.detach(), zero))
+        policy_loss = behaviour_weight.clamp(max=weight_cap) * policy_loss
     per_token = policy_loss
     kl = None
     if ref_logp is not None:
@@ -283,16 +334,28 @@ def grpo_loss(
                 ((ratio > 1 + clip_epsilon) & (adv > 0) & keep).sum().to(weight.dtype),
                 (kl * weight).sum() if kl is not None else zero,
                 (policy_loss * weight).sum(),
+                *(
+                    (
+                        weight.sum(),
+                        (behaviour_weight * weight).sum(),
+                        torch.where(keep, behaviour_weight, zero).max() if keep.any() else zero,
+                        ((behaviour_weight > weight_cap) & keep).sum().to(weight.dtype),
+                    )
+                    if behaviour_logp is not None
+                    else (zero, zero, zero, zero)
+                ),
             ]
         )
-    # One device-to-host copy for all six figures (each float() on a GPU tensor would wait for the device).
+    # One device-to-host copy for all the figures (each float() on a GPU tensor would wait for the device).
     return loss, LossStats(*sums.tolist())
 
 
 @dataclass(frozen=True)
-class MismatchStats:
+class MismatchStats(_Reducible):
     """How far the trainer's logprobs are from the sampler's for the same tokens (sums, so they add up over
     micro-batches; `max_abs_diff` takes the max)."""
+
+    _max_fields = frozenset({"max_abs_diff"})
 
     token_count: float = 0.0
     exp_abs_diff_sum: float = 0.0
@@ -301,21 +364,6 @@ class MismatchStats:
     """Largest |trainer_logp - sampler_logp| over the tokens."""
     kl_sum: float = 0.0
     """Sum of the k3 estimate of KL(sampler || trainer) per token."""
-
-    def __add__(self, other: MismatchStats) -> MismatchStats:
-        mine, theirs = self.as_tensor(), other.as_tensor()
-        return MismatchStats.from_reduced(mine + theirs, torch.maximum(mine, theirs))
-
-    def as_tensor(self) -> Tensor:
-        """The fields in declaration order, for an all-reduce: rebuild with `from_reduced` from its SUM and MAX."""
-        return torch.tensor([getattr(self, f.name) for f in fields(self)], dtype=torch.float64)
-
-    @classmethod
-    def from_reduced(cls, sums: Tensor | list[float], maxima: Tensor | list[float]) -> MismatchStats:
-        """From the element-wise sum and max of several `as_tensor()`s (micro-batches, ranks): `max_abs_diff` is
-        a max, every other field a sum. Fields are matched by name, so adding a field cannot shift the others."""
-        sums, maxima = torch.as_tensor(sums), torch.as_tensor(maxima)
-        return cls(**{f.name: float((maxima if f.name in _MAX_FIELDS else sums)[i]) for i, f in enumerate(fields(cls))})
 
     @property
     def mean_exp_abs_diff(self) -> float:
@@ -326,9 +374,6 @@ class MismatchStats:
     def mean_kl(self) -> float:
         """k3 estimate of KL(sampler || trainer) per token."""
         return _safe_div(self.kl_sum, self.token_count)
-
-
-_MAX_FIELDS = frozenset({"max_abs_diff"})
 
 
 @torch.no_grad()

@@ -78,8 +78,8 @@ class RolloutClient:
         """`sampling.n` completions per prompt, on adapter `version`, spread over `replicas` (indices); `seeds`, one
         per prompt, make each prompt's samples reproducible whichever replica serves it.
 
-        A replica that has moved past `version` (a pipelined step's retry after the next version went live) serves
-        its live version instead: each Completion says which version generated it, so the step is accounted as
+        A replica that has moved past `version` (a request generated ahead, retried after a newer version went live)
+        serves its live version instead: each Completion says which version generated it, so the step is accounted as
         off-policy with the right behaviour logprobs. A replica that fails (unreachable, 5xx, or behind and never
         reaching `version`) has its share served by the others. A request the replica refuses (400/422) is an
         error in the request: it is raised, since every replica would refuse it.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,8 @@ import torch.distributed as dist
 from grpolora.api.spec import GRPOSpec
 from grpolora.workers.trainer.grpo import LossStats, MismatchStats, grpo_loss, logprob_mismatch
 from grpolora.workers.trainer.policy import Batch, Policy
+
+_Stats = TypeVar("_Stats", LossStats, MismatchStats)
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,9 @@ class StepStats:
     mismatch: float  # mean exp(|logp_trainer - logp_sampler|) - 1 (trainer before the update)
     mismatch_max: float
     gen_kl: float  # k3 estimate of KL(sampler || trainer)
+    weight_mean: float = 0.0  # behaviour importance weight pi_trainer / pi_sampler, mean over tokens (off-policy)
+    weight_max: float = 0.0  # ... and its largest value, both before truncation
+    truncated_fraction: float = 0.0  # share of off-policy tokens whose weight was cut to grpo.importanceWeightCap
 
 
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
@@ -55,9 +61,10 @@ def train_step(
     rank: int = 0,
     world_size: int = 1,
 ) -> StepStats:
-    """`on_policy`: the batch was sampled from the current weights (sequential mode), so the importance ratio is
-    taken against the trainer's own logprobs (exactly 1, gradient of log pi); otherwise (pipelined, one step
-    behind) against the sampler's behaviour logprobs."""
+    """`on_policy`: the batch was sampled from the current weights, so the loss is the plain clipped surrogate
+    around the trainer's own logprobs (ratio exactly 1, gradient of log pi). Otherwise (grpo.maxStaleness > 0,
+    syncEverySteps > 1, a replica that served another version) the decoupled objective weights each token by
+    pi_trainer / pi_sampler (the sampler's behaviour logprobs), truncated at grpo.importanceWeightCap."""
     local = shard(batch, rank, world_size).by_length().to(policy.device)
     (total_tokens,) = _all_reduce([float(local.completion_mask.sum())], world_size, policy.device)
     # FSDP averages gradients over ranks: normalising by tokens / world_size makes that average the global
@@ -78,28 +85,27 @@ def train_step(
             with torch.no_grad(), policy.reference():
                 ref = policy.logprobs(micro)
         logp = policy.logprobs(micro)
-        behaviour = logp.detach() if on_policy else micro.behaviour_logprobs
+        # One optimizer step per batch: the proximal policy (the trust region's centre) is the trainer's own
+        # weights before the step, so the ratio is 1 and the clip never binds; the behaviour weight corrects.
         loss, stats = grpo_loss(
             logp,
-            behaviour,
+            logp.detach(),
             ref,
             micro.advantages,
             micro.completion_mask,
             clip_epsilon=grpo.clip_epsilon,
             kl_coef=grpo.kl_coef,
             token_normalizer=normalizer,
+            behaviour_logp=None if on_policy else micro.behaviour_logprobs,
+            weight_cap=grpo.importance_weight_cap,
         )
         loss.backward()
         loss_stats = loss_stats + stats
         mismatch = mismatch + logprob_mismatch(logp.detach(), micro.behaviour_logprobs, micro.completion_mask)
     grad_norm = torch.nn.utils.clip_grad_norm_(policy.trainable_parameters(), grpo.max_grad_norm)
     optimizer.step()
-    totals = LossStats(*_all_reduce(loss_stats.as_tensor().tolist(), world_size, policy.device))
-    mismatch_values = mismatch.as_tensor().tolist()
-    merged = MismatchStats.from_reduced(
-        _all_reduce(mismatch_values, world_size, policy.device),
-        _all_reduce(mismatch_values, world_size, policy.device, op="max"),
-    )
+    totals = _reduced(loss_stats, world_size, policy.device)
+    merged = _reduced(mismatch, world_size, policy.device)
     return StepStats(
         loss=_safe(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
         kl=totals.mean_kl,
@@ -109,6 +115,17 @@ def train_step(
         mismatch=merged.mean_exp_abs_diff,
         mismatch_max=merged.max_abs_diff,
         gen_kl=merged.mean_kl,
+        weight_mean=totals.mean_weight,
+        weight_max=totals.weight_max,
+        truncated_fraction=totals.truncated_fraction,
+    )
+
+
+def _reduced(stats: _Stats, world_size: int, device: torch.device) -> _Stats:
+    """`stats` of all ranks together: sums summed, maxima maxed."""
+    values = stats.as_tensor().tolist()
+    return type(stats).from_reduced(
+        _all_reduce(values, world_size, device), _all_reduce(values, world_size, device, op="max")
     )
 
 
