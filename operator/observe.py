@@ -203,6 +203,8 @@ class Progress:
     last_push: str | None = None
     last_push_step: int | None = None
     push_error: str | None = None
+    staleness: int | None = None
+    dropped_stale: int | None = None
     prompts_skipped: int | None = None
     epoch: int = 0
 
@@ -230,6 +232,8 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         last_push=old.last_push,
         last_push_step=old.last_push_step,
         push_error=old.push_error,
+        staleness=old.staleness,
+        dropped_stale=old.dropped_stale,
         prompts_skipped=old.prompts_skipped,
         epoch=epoch,
     )
@@ -254,6 +258,8 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
         last_push=report.last_push or old.last_push,
         last_push_step=report.last_push_step if report.last_push_step is not None else old.last_push_step,
         push_error=report.push_error,
+        staleness=report.staleness if report.staleness is not None else old.staleness,
+        dropped_stale=report.dropped_stale,
         prompts_skipped=report.prompts_skipped,
         epoch=report.epoch,
     )

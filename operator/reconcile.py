@@ -483,6 +483,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         last_push=progress.last_push,
         last_push_step=progress.last_push_step,
         push_error=progress.push_error,
+        staleness=progress.staleness,
+        dropped_stale=progress.dropped_stale,
         prompts_skipped=progress.prompts_skipped,
         replicas=counts,
         rendezvous=_rendezvous(job_plan, progress.epoch),

@@ -192,6 +192,10 @@ class JobStatus(_Wire):
     """The step of that adapter."""
     push_error: str | None = None
     """Why the trainer's last push failed (it names the spec field); pushes never stop training."""
+    staleness: int | None = None
+    """Versions the oldest group of the last step lagged the trainer's adapter (at most grpo.maxStaleness)."""
+    dropped_stale: int | None = None
+    """Groups dropped (since the trainer last started) as more than grpo.maxStaleness versions behind."""
     prompts_skipped: int | None = None
     """Prompts the trainer skipped because they do not fit the model length (since it last started)."""
     mismatch: float | None = None

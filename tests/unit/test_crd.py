@@ -121,6 +121,8 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         last_push="s3://bucket/run/step-000002/",
         last_push_step=2,
         push_error="spec.output.push.s3: 403 Forbidden",
+        staleness=1,
+        dropped_stale=0,
         prompts_skipped=2,
         trainer_restarts=0,
         restarts_by_cause=RestartCounts(failure=1, disruption=2),

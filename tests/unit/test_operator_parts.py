@@ -266,3 +266,13 @@ def test_fold_carries_the_push_figures_to_the_job_status():
     later = fold_trainer(old, TrainerStatus(phase="Running", total_steps=20, step=7))
     assert (later.last_push, later.last_push_step, later.push_error) == ("s3://bucket/run/step-000004/", 4, None)
     assert JobStatus(last_push_step=4).model_dump(by_alias=True, exclude_none=True)["lastPushStep"] == 4
+
+
+def test_fold_carries_the_staleness_figures_to_the_job_status():
+    """grpo.maxStaleness: how stale the last step's samples were and how many groups were dropped reach the job's
+    status (a user tuning k reads them with kubectl, not from the trainer pod)."""
+    report = TrainerStatus(phase="Running", total_steps=20, step=6, staleness=2, dropped_stale=3)
+    progress = fold_trainer(JobStatus(step=5), report)
+    assert (progress.staleness, progress.dropped_stale) == (2, 3)
+    assert fold_trainer(JobStatus(staleness=1, dropped_stale=3), None).dropped_stale == 3
+    assert JobStatus(dropped_stale=3).model_dump(by_alias=True, exclude_none=True)["droppedStale"] == 3
