@@ -97,3 +97,14 @@ def test_a_failed_producer_fails_take_and_close_stops_the_producer():
     buffer.close()
     with pytest.raises(BufferClosed):
         buffer.reserve(1)
+
+
+def test_a_producer_error_reaches_the_trainer_as_itself():
+    """A bad dataset row is found by the producer thread (it draws the prompts): the trainer must see the TaskError
+    itself, which fails the job at once (EXIT_INVALID_DATA), not a RuntimeError the operator would restart."""
+    from grpolora.workers.tasks.base import TaskError
+
+    buffer = RolloutBuffer(staleness=1, next_position=0)
+    buffer.fail(TaskError("spec.task.dataset", "train.jsonl line 7: missing field 'prompt'"))
+    with pytest.raises(TaskError, match="line 7"):
+        buffer.take(1, version=0)

@@ -115,7 +115,9 @@ class RolloutBuffer:
                     self._cond.notify_all()
                     return taken, dropped
                 if self._error is not None:
-                    raise RuntimeError(f"rollout generation failed: {self._error}") from self._error
+                    # The producer's own exception, so that its type still decides the exit (a TaskError from a
+                    # bad dataset row fails the job at once; a RolloutError is retried by a restart).
+                    raise self._error
                 self._cond.wait()
 
     def consumed(self) -> int:

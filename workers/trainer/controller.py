@@ -247,6 +247,7 @@ class Controller:
         except BufferClosed:
             return
         except BaseException as exc:  # the trainer's take() raises it
+            exc.add_note("raised in the rollout producer thread")
             self._buffer.fail(exc)
 
     def _next_prompts(self, wanted: int, start: int) -> tuple[list[Prompt], list[list[int]], int, list[int]]:
