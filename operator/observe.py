@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Final
 
 from grpolora.api import constants as c
@@ -207,6 +207,19 @@ class Progress:
     dropped_stale: int | None = None
     prompts_skipped: int | None = None
     epoch: int = 0
+    """The sync group's epoch (it goes to status.rendezvous, not to a field of its own)."""
+
+    @classmethod
+    def of(cls, status: JobStatus, epoch: int) -> Progress:
+        """The figures a job's status already holds (every field but epoch is a JobStatus field of the same name)."""
+        return cls(**{name: getattr(status, name) for name in _STATUS_FIELDS}, epoch=epoch)
+
+    def status_fields(self) -> dict[str, Any]:
+        """The figures as JobStatus keyword arguments."""
+        return {name: getattr(self, name) for name in _STATUS_FIELDS}
+
+
+_STATUS_FIELDS = tuple(f.name for f in fields(Progress) if f.name != "epoch")
 
 
 def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
@@ -217,26 +230,7 @@ def fold_trainer(old: JobStatus, report: TrainerStatus | None) -> Progress:
     version the replicas serve, never goes back; the sync figures of a report of an older round are kept from before.
     """
     epoch = old.rendezvous.epoch if old.rendezvous is not None else 0
-    before = Progress(
-        step=old.step,
-        steps_lost=old.steps_lost,
-        sync_round=old.sync_round,
-        last_sync_time=old.last_sync_time,
-        last_sync_seconds=old.last_sync_seconds,
-        last_sync_bytes=old.last_sync_bytes,
-        reward_mean=old.reward_mean,
-        kl=old.kl,
-        mismatch=old.mismatch,
-        eval_reward=old.eval_reward,
-        adapter_path=old.adapter_path,
-        last_push=old.last_push,
-        last_push_step=old.last_push_step,
-        push_error=old.push_error,
-        staleness=old.staleness,
-        dropped_stale=old.dropped_stale,
-        prompts_skipped=old.prompts_skipped,
-        epoch=epoch,
-    )
+    before = Progress.of(old, epoch)
     if report is None:
         return before
     current_round = report.sync_round >= (old.sync_round or 0)
