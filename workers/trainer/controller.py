@@ -196,7 +196,6 @@ class Controller:
         # position of the next prompt to draw (ahead of progress.prompts_consumed while groups are buffered or in
         # flight), which numbers the per-prompt sampling seeds.
         self._buffer = RolloutBuffer(self.spec.grpo.staleness, ctx.progress.prompts_consumed)
-        self._dropped = 0  # groups dropped as too stale since the start
         self.run_name = run_name
         self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
         self.pushes = outputs.Pusher(self.spec, ctx.output_dir, job_name=run_name)
@@ -330,7 +329,6 @@ class Controller:
         groups, dropped = self._buffer.take(per_step, trainer_version)
         wait_seconds = time.perf_counter() - iteration_started
         self._buffer.allow(min(k, grpo.steps - step - 1) * per_step)
-        self._dropped += dropped
         rollouts = Rollouts.of(groups)
         on_policy = self._on_policy(rollouts)
         last = step + 1 == grpo.steps
@@ -341,7 +339,7 @@ class Controller:
         # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
         sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
         save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
-        push_now = self.pushes.due(ctx.progress.step + 1, last)
+        push_now = self.pushes.due(ctx.progress.step + 1)
         instruction = Instruction(
             batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
         )
@@ -499,7 +497,7 @@ class Controller:
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
             **staleness,
-            "dropped_stale_total": self._dropped,
+            "dropped_stale_total": self._buffer.dropped,
             "sync_round": progress.version,  # the API name of the adapter version
             "epoch": progress.epoch,
             "sync_bytes": report.bytes if report else 0,
@@ -535,7 +533,7 @@ class Controller:
             importance_weight_max=stats.weight_max,
             truncated_fraction=stats.truncated_fraction,
             staleness=staleness["staleness_max"],
-            dropped_stale=self._dropped,
+            dropped_stale=self._buffer.dropped,
         )
         log.info(
             "step %d/%d reward %.3f kl %.4f mismatch %.2e sync %.3fs (round %d)",

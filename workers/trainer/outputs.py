@@ -219,9 +219,9 @@ class Pusher:
         self._last_ok: PushResult | None = None
         self._last_error: str | None = None
 
-    def due(self, step: int, last: bool = False) -> bool:
+    def due(self, step: int) -> bool:
         """Push the adapter of `step` during training? (The last step's adapter is the final push.)"""
-        return self.every is not None and step % self.every == 0 and step < self.spec.grpo.steps and not last
+        return self.every is not None and step % self.every == 0 and step < self.spec.grpo.steps
 
     @property
     def in_flight(self) -> int:
