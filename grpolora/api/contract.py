@@ -57,6 +57,14 @@ OUTPUT_DIR: Final = "GRPOLORA_OUTPUT_DIR"  # metrics.jsonl, final adapter, plot
 DATA_DIR: Final = "GRPOLORA_DATA_DIR"  # where spec.task.dataset paths start (the dataset volume's mount)
 SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/<secret name>/<key>, one file a key
 
+# The servers of a RolloutPool (shared by several jobs) get these instead of the job's: GRPOLORA_ROLE (inference),
+# GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR, GRPOLORA_INFERENCE_ENDPOINTS (the
+# pool's own replicas) and GRPOLORA_SYNC_BACKEND (the device adapters arrive on) have the same meaning as above.
+POOL_NAME: Final = "GRPOLORA_POOL_NAME"
+POOL_SPEC: Final = "GRPOLORA_POOL_SPEC"  # the validated RolloutPool spec as JSON (camelCase, defaults filled in)
+POOL_JOBS_FILE: Final = "GRPOLORA_POOL_JOBS_FILE"  # the attachment list (grpolora.api.pool), re-read when it changes
+POOL_ONLY: Final = (POOL_NAME, POOL_SPEC, POOL_JOBS_FILE)
+
 ALL: Final = (
     MASTER_ADDR,
     MASTER_PORT,
@@ -85,6 +93,7 @@ ALL: Final = (
     OUTPUT_DIR,
     DATA_DIR,
     SECRETS_DIR,
+    *POOL_ONLY,
 )
 
 

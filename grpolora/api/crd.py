@@ -44,6 +44,10 @@ _KEEP = {
 def crd() -> dict[str, Any]:
     """The CustomResourceDefinition as a dict."""
     spec_schema = structural(GRPOLoraJobSpec.model_json_schema(by_alias=True, mode="validation"))
+    # No server-side defaults in `inference`: the API server would fill them in before the CEL rules run, and a job on
+    # a pool (inference.poolRef) must leave them unset. The model supplies them wherever they are read.
+    for field in spec_schema["properties"]["inference"]["properties"].values():
+        field.pop("default", None)
     status_schema = structural(JobStatus.model_json_schema(by_alias=True, mode="serialization"))
     # Kopf keeps its own bookkeeping under status.kopf when told to; keep it unpruned.
     status_schema["properties"]["kopf"] = {

@@ -67,11 +67,11 @@ def _merge_list(base: list[Any], overlay: list[Any], merge_key: str) -> list[Any
     return result
 
 
-def owned_paths(role: str, *, checkpoint_path: str) -> dict[str, str]:
+def owned_paths(role: str, *, checkpoint_path: str | None, fields_at: str | None = None) -> dict[str, str]:
     """Pod template paths (list items as `[key]`) the overlay of `role` cannot set, and who sets them: the operator
-    or a field of spec.<role> / spec."""
+    or a field of spec.<role> / spec (`fields_at`: where the role's fields are, `spec` for a RolloutPool)."""
     container = f"spec.containers[{role}]"
-    spec_role = f"spec.{role}"
+    spec_role = fields_at or f"spec.{role}"
     owned = {f"metadata.labels.{label}": OPERATOR for label in _OPERATOR_LABELS}
     for field in ("restartPolicy", "automountServiceAccountToken", "enableServiceLinks", "subdomain"):
         owned[f"spec.{field}"] = OPERATOR
@@ -90,15 +90,17 @@ def owned_paths(role: str, *, checkpoint_path: str) -> dict[str, str]:
         owned[f"{container}.{field}"] = OPERATOR
     for field in ("allowPrivilegeEscalation", "capabilities.drop"):
         owned[f"{container}.securityContext.{field}"] = OPERATOR
-    for mount in (c.SHM_MOUNT, c.CACHE_MOUNT, c.MODEL_MOUNT, checkpoint_path):
+    for mount in (c.SHM_MOUNT, c.CACHE_MOUNT, c.MODEL_MOUNT, *([checkpoint_path] if checkpoint_path else [])):
         owned[f"{container}.volumeMounts[{mount}]"] = OPERATOR
     return owned
 
 
-def clashes(role: str, overlay: Mapping[str, Any], *, checkpoint_path: str) -> list[tuple[str, str]]:
+def clashes(
+    role: str, overlay: Mapping[str, Any], *, checkpoint_path: str | None, fields_at: str | None = None
+) -> list[tuple[str, str]]:
     """(the overlay's path as written, message naming the rendered pod template's path and its owner) for each
     place where `overlay` would replace what the operator sets."""
-    owned = owned_paths(role, checkpoint_path=checkpoint_path)
+    owned = owned_paths(role, checkpoint_path=checkpoint_path, fields_at=fields_at)
     found, reported = [], set()
     for written, keyed in _leaves(overlay):
         for path, owner in owned.items():

@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from grpolora.api import constants as c
 from grpolora.api import contract as env
-from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, RoleSpec
+from grpolora.api.pool import JOBS_FILE_KEY, bind, fit_errors
+from grpolora.api.spec import FieldErrors, GRPOLoraJob, GRPOLoraJobSpec, RoleSpec, RolloutPool
 
 Role = Literal["trainer", "inference"]
 MODEL_MOUNT = c.MODEL_MOUNT
@@ -36,8 +37,7 @@ def trainer_secrets(spec: GRPOLoraJobSpec) -> tuple[str, ...]:
 class ClusterNetwork:
     """Pods reach each other by the DNS names of their role's headless Service."""
 
-    def host(self, plan_name: str, namespace: str, role: Role, index: int) -> str:
-        workload = child_names(plan_name)[role]
+    def host(self, workload: str, namespace: str, index: int) -> str:
         return f"{workload}-{index}.{workload}.{namespace}.svc"
 
     def inference_port(self, base: int, index: int) -> int:
@@ -50,7 +50,7 @@ class ClusterNetwork:
 class LoopbackNetwork:
     """Everything on one machine (`grpolora run`): one address, so inference replica i listens on port + i."""
 
-    def host(self, plan_name: str, namespace: str, role: Role, index: int) -> str:
+    def host(self, workload: str, namespace: str, index: int) -> str:
         return "127.0.0.1"
 
     def inference_port(self, base: int, index: int) -> int:
@@ -113,7 +113,7 @@ class JobPlan:
     name: str
     namespace: str
     trainer: RolePlan
-    inference: RolePlan
+    inference: RolePlan | None  # None: the rollouts run on the RolloutPool `pool`, which owns the servers
     master_addr: str
     master_port: int
     trainer_world_size: int
@@ -123,9 +123,19 @@ class JobPlan:
     model: str
     checkpoint_dir: str
     job: GRPOLoraJob = field(repr=False)
+    spec: GRPOLoraJobSpec = field(repr=False)  # what the workers run with: the job's, bound to its pool if any
+    pool: str | None = None
+
+    @property
+    def roles(self) -> tuple[RolePlan, ...]:
+        """The roles whose workloads this job owns (no inference role on a pool)."""
+        return (self.trainer,) if self.inference is None else (self.trainer, self.inference)
 
     def role(self, role: Role) -> RolePlan:
-        return self.trainer if role == c.ROLE_TRAINER else self.inference
+        found = self.trainer if role == c.ROLE_TRAINER else self.inference
+        if found is None:
+            raise ValueError(f"job {self.name} has no {role} role of its own: it runs on RolloutPool {self.pool}")
+        return found
 
     def env_for(self, role: Role, index: int, *, token: str) -> dict[str, str]:
         """Concrete environment of one pod/actor: what the launcher passes to a worker process."""
@@ -151,31 +161,126 @@ def child_names(job_name: str) -> dict[str, str]:
     }
 
 
+def pool_child_names(pool_name: str) -> dict[str, str]:
+    """Names of the objects made for a RolloutPool: its servers' StatefulSet and Service, the Secret holding its
+    attachment list, its NetworkPolicy. `-pool` keeps them apart from a job of the same name."""
+    return {
+        c.ROLE_INFERENCE: f"{pool_name}-pool",
+        "jobs": f"{pool_name}-pool-jobs",
+        "networkPolicy": f"{pool_name}-pool",
+    }
+
+
+class PoolMismatch(FieldErrors):
+    """The job cannot run on the pool it names (grpolora.api.pool.fit_errors), or the pool is not the one named."""
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """The plan of one RolloutPool: its servers (role inference) and where jobs reach them."""
+
+    name: str
+    namespace: str
+    inference: RolePlan
+    endpoints: tuple[str, ...]
+    jobs_secret: str
+    model: str
+    pool: RolloutPool = field(repr=False)
+
+    def env_for(self, index: int, *, jobs_file: str) -> dict[str, str]:
+        """Concrete environment of one pool server; `jobs_file` is where its attachment list is (the Secret's mount
+        in a cluster, a file of the run folder locally)."""
+        values = {var.name: str(index) if var.replica_index else var.value or "" for var in self.inference.env}
+        values[env.POOL_JOBS_FILE] = jobs_file
+        return values
+
+
+def _endpoints(network: Network, workload: str, namespace: str, port: int, count: int) -> tuple[str, ...]:
+    return tuple(
+        f"http://{network.host(workload, namespace, i)}:{network.inference_port(port, i)}" for i in range(count)
+    )
+
+
+def _model_location(spec_model) -> str:
+    return f"{MODEL_MOUNT}/{spec_model.name.lstrip('/')}" if spec_model.source else spec_model.name
+
+
+POOL_JOBS_MOUNT = "/var/run/grpolora/pool"
+
+
+def plan_pool(pool: RolloutPool, network: Network | None = None) -> PoolPlan:
+    """The plan of a RolloutPool's servers."""
+    network = network or ClusterNetwork()
+    spec, name, namespace = pool.spec, pool.name, pool.namespace
+    names = pool_child_names(name)
+    workload = names[c.ROLE_INFERENCE]
+    endpoints = _endpoints(network, workload, namespace, spec.port, spec.replicas)
+    model = _model_location(spec.model)
+    variables = (
+        EnvVar(env.ROLE, c.ROLE_INFERENCE),
+        EnvVar(env.POOL_NAME, name),
+        EnvVar(env.NAMESPACE, namespace),
+        EnvVar(env.POOL_SPEC, json.dumps(spec.to_wire(), separators=(",", ":"), sort_keys=True)),
+        EnvVar(env.MODEL, model),
+        EnvVar(env.REPLICA_INDEX, replica_index=True),
+        EnvVar(env.BIND_ADDR, network.bind_addr),
+        EnvVar(env.INFERENCE_ENDPOINTS, ",".join(endpoints)),
+        EnvVar(env.SYNC_BACKEND, "nccl" if spec.gpus_per_replica else "gloo"),
+        EnvVar(env.POOL_JOBS_FILE, f"{POOL_JOBS_MOUNT}/{JOBS_FILE_KEY}"),
+    )
+    role = RolePlan(
+        role=c.ROLE_INFERENCE,
+        replicas=spec.replicas,
+        procs_per_replica=1,
+        workload_name=workload,
+        service_name=workload,
+        hosts=tuple(network.host(workload, namespace, i) for i in range(spec.replicas)),
+        ports={"http": spec.port},
+        env=variables,
+        user_env=tuple(spec.env),
+        placement=_placement(spec),
+    )
+    return PoolPlan(
+        name=name,
+        namespace=namespace,
+        inference=role,
+        endpoints=endpoints,
+        jobs_secret=names["jobs"],
+        model=model,
+        pool=pool,
+    )
+
+
 def plan(
     job: GRPOLoraJob,
     network: Network | None = None,
     *,
+    pool: RolloutPool | None = None,
     checkpoint_dir: str | None = None,
     output_dir: str | None = None,
 ) -> JobPlan:
-    """The plan of one job. `checkpoint_dir` and `output_dir` are for local runs (`grpolora run` keeps them in
-    its run folder); in a cluster checkpoints go to spec.checkpoint.path and outputs to spec.output.path, or
-    next to the checkpoints."""
+    """The plan of one job. A job with inference.poolRef needs that `pool` (PoolMismatch if it does not fit it);
+    its trainer then runs with the job's spec bound to the pool (grpolora.api.pool.bind). `checkpoint_dir` and
+    `output_dir` are for local runs (`grpolora run` keeps them in its run folder); in a cluster checkpoints go to
+    spec.checkpoint.path and outputs to spec.output.path, or next to the checkpoints."""
     network = network or ClusterNetwork()
     cluster = isinstance(network, ClusterNetwork)
     output_dir = output_dir or (job.spec.output.path if job.spec.output else None)
     checkpoint_dir = checkpoint_dir or job.spec.checkpoint.path
     spec, name, namespace = job.spec, job.name, job.namespace
     names = child_names(name)
+    pool_plan = None
+    if spec.inference.pool_ref is not None:
+        pool_plan = _pool_of(job, pool, network)
+        spec = bind(spec, pool_plan.pool.spec)
 
-    def hosts(role: Role, count: int) -> tuple[str, ...]:
-        return tuple(network.host(name, namespace, role, i) for i in range(count))
-
-    trainer_hosts = hosts(c.ROLE_TRAINER, spec.trainer.replicas)
-    inference_hosts = hosts(c.ROLE_INFERENCE, spec.inference.replicas)
-    endpoints = tuple(
-        f"http://{host}:{network.inference_port(spec.inference.port, i)}" for i, host in enumerate(inference_hosts)
-    )
+    trainer_hosts = tuple(network.host(names[c.ROLE_TRAINER], namespace, i) for i in range(spec.trainer.replicas))
+    if pool_plan is None:
+        workload, count = names[c.ROLE_INFERENCE], spec.inference.replicas
+        inference_hosts = tuple(network.host(workload, namespace, i) for i in range(count))
+        endpoints = _endpoints(network, workload, namespace, spec.inference.port, count)
+    else:
+        endpoints = pool_plan.endpoints
     procs = max(spec.trainer.gpus_per_replica, 1)
     sync = SyncPlan(
         addr=trainer_hosts[0],
@@ -186,7 +291,7 @@ def plan(
         timeout_seconds=spec.sync.timeout_seconds,
         bucket_bytes=spec.sync.bucket_mib * 1024 * 1024,
     )
-    model = f"{MODEL_MOUNT}/{spec.model.name.lstrip('/')}" if spec.model.source else spec.model.name
+    model = _model_location(spec.model)
     common = (
         EnvVar(env.JOB_NAME, name),
         EnvVar(env.NAMESPACE, namespace),
@@ -234,7 +339,9 @@ def plan(
         name=name,
         namespace=namespace,
         trainer=role_plan(c.ROLE_TRAINER, spec.trainer, trainer_hosts, trainer_ports),
-        inference=role_plan(c.ROLE_INFERENCE, spec.inference, inference_hosts, {"http": spec.inference.port}),
+        inference=None
+        if pool_plan
+        else role_plan(c.ROLE_INFERENCE, spec.inference, inference_hosts, {"http": spec.inference.port}),
         master_addr=trainer_hosts[0],
         master_port=spec.trainer.master_port,
         trainer_world_size=spec.trainer.replicas * procs,
@@ -244,7 +351,23 @@ def plan(
         model=model,
         checkpoint_dir=checkpoint_dir,
         job=job,
+        spec=spec,
+        pool=pool_plan.name if pool_plan else None,
     )
+
+
+def _pool_of(job: GRPOLoraJob, pool: RolloutPool | None, network: Network) -> PoolPlan:
+    ref = job.spec.inference.pool_ref
+    assert ref is not None
+    if pool is None or pool.name != ref.name or pool.namespace != job.namespace:
+        given = f"{pool.namespace}/{pool.name}" if pool else "none"
+        raise PoolMismatch(
+            [("inference.poolRef.name", f"names RolloutPool {job.namespace}/{ref.name}, but the pool given is {given}")]
+        )
+    errors = fit_errors(pool.name, pool.spec, job.spec)
+    if errors:
+        raise PoolMismatch(errors)
+    return plan_pool(pool, network)
 
 
 def _placement(role_spec: RoleSpec) -> Placement:

@@ -585,13 +585,13 @@ def _tensor_parallel_rule() -> dict[str, str]:
     )
 
 
-class InferenceSpec(RoleSpec):
+class ServingSpec(RoleSpec):
+    """The vLLM servers' fields, the same in a job's own `inference` and in a RolloutPool."""
+
     model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule()]})
 
     tensor_parallel_size: int = Field(default=1, gt=0)
     """vLLM tensor-parallel size; must divide gpusPerReplica (the quotient runs as vLLM data parallelism)."""
-    max_loras: int = Field(default=2, ge=2)
-    """LoRA slots per engine. At least 2: version N-1 finishes its requests while N serves new ones."""
     port: Port = 8000
     """HTTP port of each inference server: generate, health, readiness, metrics, sync control."""
     max_model_len: int | None = Field(default=None, gt=0)
@@ -600,6 +600,49 @@ class InferenceSpec(RoleSpec):
     """Fraction of GPU memory vLLM may take (GPU replicas)."""
     kv_cache_gib: int = Field(default=2, gt=0, alias="kvCacheGiB")
     """KV-cache size in GiB for CPU replicas (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
+
+    def serving_errors(self, at: str) -> list[tuple[str, str]]:
+        """Cross-field problems of the serving fields, at paths under `at` (e.g. `inference`)."""
+        if self.gpus_per_replica == 0 and self.tensor_parallel_size != 1:
+            return [(f"{at}tensorParallelSize", "CPU replicas (gpusPerReplica: 0) need 1")]
+        if self.gpus_per_replica and self.gpus_per_replica % self.tensor_parallel_size:
+            return [
+                (
+                    f"{at}tensorParallelSize",
+                    f"{self.tensor_parallel_size} does not divide {at}gpusPerReplica ({self.gpus_per_replica}); "
+                    "use a divisor of it",
+                )
+            ]
+        return []
+
+
+class PoolRef(SpecModel):
+    name: NonEmptyStr
+    """Name of a RolloutPool in the job's namespace."""
+
+
+def serving_wire_names() -> tuple[str, ...]:
+    """The serving fields as written (camelCase): a pool's, copied into a job's `inference` when it attaches."""
+    return tuple(f.alias or to_camel(name) for name, f in ServingSpec.model_fields.items())
+
+
+def _pool_ref_rule() -> dict[str, str]:
+    own = " || ".join(f"has(self.{field})" for field in (*serving_wire_names(), "maxLoras"))
+    return cel_rule(
+        f"!has(self.poolRef) || !({own})",
+        "a job on a RolloutPool (inference.poolRef) takes its inference servers from the pool: set only poolRef",
+        ".poolRef",
+    )
+
+
+class InferenceSpec(ServingSpec):
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule(), _pool_ref_rule()]})
+
+    max_loras: int = Field(default=2, ge=2)
+    """LoRA slots per engine. At least 2: version N-1 finishes its requests while N serves new ones."""
+    pool_ref: PoolRef | None = None
+    """Run the rollouts on a shared RolloutPool of the same base model instead of servers of the job's own; the
+    job then brings only its trainer, and every other field here must be left unset (the pool's apply)."""
 
 
 class SyncSpec(SpecModel):
@@ -652,14 +695,15 @@ def _job_spec_rules() -> list[dict[str, str]]:
     pipelined = cel_or_default("grpo.pipelined", False).replace("False", "false")
     staleness = f"(has(self.grpo) && has(self.grpo.maxStaleness) ? self.grpo.maxStaleness : ({pipelined} ? 1 : 0))"
     max_loras = cel_or_default("inference.maxLoras", InferenceSpec.model_fields["max_loras"].default)
+    on_pool = "(has(self.inference) && has(self.inference.poolRef))"
     return [
         cel_rule(
-            f"{max_loras} >= {staleness} + 1",
+            f"{on_pool} || {max_loras} >= {staleness} + 1",
             "inference.maxLoras must be at least grpo.maxStaleness + 1 (the adapter versions kept in use)",
             ".inference.maxLoras",
         ),
         cel_rule(
-            f"{backend} != 'nccl' || ({trainer_gpus} > 0 && {inference_gpus} > 0)",
+            f"{backend} != 'nccl' || {on_pool} || ({trainer_gpus} > 0 && {inference_gpus} > 0)",
             "sync.backend `nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto",
             ".sync.backend",
         ),
@@ -817,20 +861,19 @@ class GRPOLoraJobSpec(SpecModel):
     def _cross_field(self) -> GRPOLoraJobSpec:
         errors: list[tuple[str, str]] = []
         inf = self.inference
-        if inf.gpus_per_replica == 0 and inf.tensor_parallel_size != 1:
-            errors.append(("inference.tensorParallelSize", "CPU replicas (gpusPerReplica: 0) need 1"))
-        elif inf.gpus_per_replica and inf.gpus_per_replica % inf.tensor_parallel_size:
-            errors.append(
-                (
-                    "inference.tensorParallelSize",
-                    f"{inf.tensor_parallel_size} does not divide inference.gpusPerReplica ({inf.gpus_per_replica}); "
-                    "use a divisor of it",
-                )
-            )
+        on_pool = inf.pool_ref is not None
+        if on_pool:
+            own = sorted(InferenceSpec.model_fields[f].alias or f for f in inf.model_fields_set if f != "pool_ref")
+            errors += [
+                (f"inference.{alias}", "a job on a RolloutPool (inference.poolRef) takes this from the pool; remove it")
+                for alias in own
+            ]
+        errors += inf.serving_errors("inference.")
         dataset = self.task.dataset
         if self.eval is not None and dataset is not None and dataset.eval is None:
             errors.append(("eval", "a dataset task evaluates on held-out prompts: set spec.task.dataset.eval"))
-        if self.sync.backend == "nccl" and not (self.trainer.gpus_per_replica and inf.gpus_per_replica):
+        # A pool's GPUs are the pool's: attaching checks them (grpolora.api.pool.fit_errors).
+        if self.sync.backend == "nccl" and not on_pool and not (self.trainer.gpus_per_replica and inf.gpus_per_replica):
             errors.append(("sync.backend", "`nccl` needs GPUs on both roles (gpusPerReplica > 0); use gloo or auto"))
         # All three listen on trainer rank 0's pod.
         seen: dict[int, str] = {}
@@ -843,7 +886,7 @@ class GRPOLoraJobSpec(SpecModel):
                 errors.append((path, f"port {port} is already used by {seen[port]}; trainer ports must differ"))
             seen[port] = path
         slots = min_lora_slots(self.grpo.staleness)
-        if inf.max_loras < slots:
+        if inf.max_loras < slots and not on_pool:
             errors.append(
                 (
                     "inference.maxLoras",
@@ -867,7 +910,8 @@ class GRPOLoraJobSpec(SpecModel):
 
     @property
     def sync_backend(self) -> Literal["nccl", "gloo"]:
-        """The collective actually used (resolves `auto`)."""
+        """The collective actually used (resolves `auto`). A job on a pool is resolved once bound to it
+        (grpolora.api.pool.bind), which copies the pool's GPUs into `inference`."""
         if self.sync.backend != "auto":
             return self.sync.backend
         return "nccl" if self.trainer.gpus_per_replica and self.inference.gpus_per_replica else "gloo"
@@ -923,6 +967,80 @@ class GRPOLoraJob(BaseModel):
     kind: Literal["GRPOLoraJob"]
     metadata: ObjectMeta
     spec: GRPOLoraJobSpec
+    status: dict[str, Any] | None = None
+
+    @property
+    def name(self) -> str:
+        return self.metadata.name
+
+    @property
+    def namespace(self) -> str:
+        return self.metadata.namespace
+
+
+# ---- RolloutPool: one vLLM fleet shared by several jobs ------------------------------------------------------
+
+
+class RolloutPoolSpec(ServingSpec):
+    """vLLM servers of one base model that serve the rollouts of several GRPOLoraJobs (`inference.poolRef`), each
+    job's adapters in LoRA slots of its own; the serving fields are those of a job's `inference`."""
+
+    model: ModelSpec
+    """The base model; a job attaches only when its `model` (name, revision, dtype, source) is the same."""
+    max_jobs: int = Field(default=4, gt=0)
+    """Jobs attached at once; a job beyond them waits (phase Pending, reason PoolFull) until one detaches."""
+    adapters_per_job: int = Field(default=2, ge=2)
+    """LoRA slots of each attached job: its live version and the ones still in use. A job with grpo.maxStaleness k
+    needs k + 1 (and never fewer than 2); vLLM holds maxJobs x adaptersPerJob adapters."""
+    max_lora_rank: int = Field(default=16, gt=0)
+    """Largest LoRA rank a job may train (a vLLM slot size: 1, 8, 16, 32, 64, 128, 256, 320 or 512)."""
+    lora_target_modules: Literal["all-linear"] | list[NonEmptyStr] = Field(
+        default="all-linear", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """Modules a job's adapter may target: `all-linear` (any linear layer but the output head) or a list of
+    module names; a job whose lora.targetModules is not within it does not attach."""
+    max_in_flight_per_job: int = Field(default=256, gt=0)
+    """Sequences (prompts x completions) one job may have generating at once on a replica; more wait their turn, so
+    that a job sending a large batch cannot starve the others."""
+    adapter_wait_seconds: int = Field(default=600, gt=0)
+    """A rollout request for an adapter version not yet live waits this long for it (then 409)."""
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
+    """Network isolation of the pool's pods: only attached jobs' trainers (and the operator) reach them."""
+    pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
+    """User and group ids of the pool's pods."""
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _vllm_slot_size(cls, value: int) -> int:
+        if value not in c.VLLM_MAX_LORA_RANKS:
+            sizes = ", ".join(map(str, c.VLLM_MAX_LORA_RANKS))
+            raise ValueError(f"{value} is not a vLLM LoRA slot size; use one of {sizes}")
+        return value
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> RolloutPoolSpec:
+        errors = self.serving_errors("")
+        for path, message in overlay.clashes(
+            c.ROLE_INFERENCE, self.pod_template, checkpoint_path=None, fields_at="spec"
+        ):
+            errors.append((f"podTemplate.{path}", message))
+        raise_if_any(errors)
+        return self
+
+    @property
+    def lora_slots(self) -> int:
+        """vLLM's max_loras: every attached job's slots."""
+        return self.max_jobs * self.adapters_per_job
+
+
+class RolloutPool(BaseModel):
+    """A whole RolloutPool document as applied with kubectl."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    apiVersion: Literal["grpolora.dev/v1alpha1"]
+    kind: Literal["RolloutPool"]
+    metadata: ObjectMeta
+    spec: RolloutPoolSpec
     status: dict[str, Any] | None = None
 
     @property

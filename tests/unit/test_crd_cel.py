@@ -62,6 +62,12 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
         job_doc(grpo={"pipelined": True, "maxStaleness": 2}, inference={"maxLoras": 3}),
         False,
     ),
+    # A job on a pool: its serving fields are the pool's (fit is checked when it attaches, not at apply).
+    ("on a pool", job_doc(inference={"poolRef": {"name": "shared"}}), True),
+    ("on a pool, staleness 3", job_doc(inference={"poolRef": {"name": "shared"}}, grpo={"maxStaleness": 3}), True),
+    ("on a pool with nccl", job_doc(inference={"poolRef": {"name": "shared"}}, sync={"backend": "nccl"}), True),
+    ("on a pool with replicas", job_doc(inference={"poolRef": {"name": "shared"}, "replicas": 2}), False),
+    ("on a pool with maxLoras", job_doc(inference={"poolRef": {"name": "shared"}, "maxLoras": 4}), False),
     ("longest name", named("a" * LONGEST), True),
     ("name one too long", named("a" * (LONGEST + 1)), False),
     ("name with capitals", named("Demo"), False),

@@ -95,7 +95,8 @@ def test_gpu_example_places_each_role_on_its_own_pool_with_full_rendezvous_env()
     assert t_env[contract.NODE_RANK] == {"fieldRef": {"fieldPath": c.JOB_COMPLETION_INDEX_FIELD}}
     assert i_env[contract.REPLICA_INDEX] == {"fieldRef": {"fieldPath": c.STATEFULSET_POD_INDEX_FIELD}}
     assert i_env[contract.TOKEN] == {"secretKeyRef": {"name": "qwen3-arithmetic-token", "key": "token"}}
-    optional = {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR, contract.DATA_DIR, contract.SECRETS_DIR}
+    optional = {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR, contract.DATA_DIR, contract.SECRETS_DIR,
+                *contract.POOL_ONLY}  # fmt: skip
     assert set(contract.ALL) - optional <= set(t_env)
 
 
