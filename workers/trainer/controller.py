@@ -18,7 +18,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -30,7 +30,7 @@ import torch.distributed as dist
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
-from grpolora.workers.tasks import Prompt, Task
+from grpolora.workers.tasks import Prompt, Task, TaskError
 from grpolora.workers.tracking import Tracking
 from grpolora.workers.trainer import checkpoint, evaluate, metrics, outputs
 from grpolora.workers.trainer.buffer import BufferClosed, Group, RolloutBuffer
@@ -158,6 +158,56 @@ def run_follower(ctx: TrainerContext) -> None:
 
 
 @dataclass
+class DrawnPrompts:
+    prompts: list[Prompt]
+    ids: list[list[int]]  # each prompt's token ids
+    drawn: int  # taken from the stream to find them (skipped ones included)
+    positions: list[int]  # each prompt's stream position (it numbers the sampling seed, the same after a resume)
+    skipped: int  # too long to fit
+
+
+# Prompts that cannot fit, drawn in a row before the task is called unusable (for `wanted` prompts: 100 x wanted).
+SKIPPED_IN_A_ROW_PER_PROMPT = 100
+
+
+def draw_prompts(
+    stream: Iterator[Prompt],
+    tokenize: Callable[[Prompt], list[int]],
+    wanted: int,
+    start: int,
+    longest: int | None,
+) -> DrawnPrompts:
+    """The next `wanted` prompts from stream position `start`.
+
+    A prompt whose tokens and grpo.maxNewTokens cannot fit the model length (`longest` tokens left for it) is
+    skipped (logged, counted in status.promptsSkipped): the replicas would refuse it. Not counted as consumed until
+    trained on or dropped (RolloutBuffer.consumed): prompts generated ahead of a checkpoint are generated again after
+    a restart. A task that yields nothing usable is a TaskError (the trainer exits with EXIT_INVALID_DATA, so the
+    job fails instead of restarting into the same wall).
+    """
+    result = DrawnPrompts([], [], 0, [], 0)
+    for prompt in stream:
+        result.drawn += 1
+        tokens = tokenize(prompt)
+        if longest is not None and len(tokens) > longest:
+            result.skipped += 1
+            log.warning("prompt skipped: %d tokens, longer than the %d that fit (%.80r)", len(tokens), longest,
+                        prompt.text)  # fmt: skip
+            if result.drawn >= SKIPPED_IN_A_ROW_PER_PROMPT * wanted and not result.prompts:
+                raise TaskError("spec.task", f"none of {result.drawn} prompts in a row fits in {longest} tokens (the "
+                                "model length minus grpo.maxNewTokens)")  # fmt: skip
+            continue
+        result.prompts.append(prompt)
+        result.ids.append(tokens)
+        result.positions.append(start + result.drawn - 1)
+        if len(result.prompts) == wanted:
+            break
+    if not result.prompts:
+        raise TaskError("spec.task", "the prompt stream ended before grpo.steps were trained")
+    return result
+
+
+@dataclass
 class Scored:
     rewards: torch.Tensor  # [prompts, generations], the weighted total
     parts: dict[str, torch.Tensor]  # each reward's own scores, same shape (several rewards only)
@@ -226,8 +276,6 @@ class Controller:
             while True:
                 count, start = self._buffer.reserve(grpo.prompts_per_step)
                 prompts, ids, drawn, positions = self._next_prompts(count, start)
-                if not prompts:
-                    raise ValueError("spec.task: the prompt stream ended before grpo.steps were trained")
                 started = time.perf_counter()
                 version = self.sender.version
                 completions = self.rollouts.generate(
@@ -250,36 +298,9 @@ class Controller:
             self._buffer.fail(exc)
 
     def _next_prompts(self, wanted: int, start: int) -> tuple[list[Prompt], list[list[int]], int, list[int]]:
-        """The next `wanted` prompts from stream position `start`, their token ids, how many were drawn from the
-        stream to find them, and each one's stream position (which numbers its sampling seed, the same after a
-        resume).
-
-        A prompt whose tokens and grpo.maxNewTokens cannot fit the model length is skipped (logged, counted in
-        status.promptsSkipped): the replicas would refuse it. Not counted as consumed until trained on or dropped
-        (RolloutBuffer.consumed): prompts generated ahead of a checkpoint are generated again after a restart.
-        """
-        longest = self._max_prompt_tokens
-        prompts: list[Prompt] = []
-        ids: list[list[int]] = []
-        positions: list[int] = []
-        drawn = 0
-        for prompt in self._prompts:
-            drawn += 1
-            tokens = self._tokenize(prompt)
-            if longest is not None and len(tokens) > longest:
-                self._skipped += 1
-                log.warning("prompt skipped: %d tokens, longer than the %d that fit (%.80r)", len(tokens), longest,
-                            prompt.text)  # fmt: skip
-                if drawn >= 100 * wanted and not prompts:
-                    raise ValueError(f"spec.task: none of {drawn} prompts in a row fits in {longest} tokens (the "
-                                     "model length minus grpo.maxNewTokens)")  # fmt: skip
-                continue
-            prompts.append(prompt)
-            ids.append(tokens)
-            positions.append(start + drawn - 1)
-            if len(prompts) == wanted:
-                break
-        return prompts, ids, drawn, positions
+        drawn = draw_prompts(self._prompts, self._tokenize, wanted, start, self._max_prompt_tokens)
+        self._skipped += drawn.skipped
+        return drawn.prompts, drawn.ids, drawn.drawn, drawn.positions
 
     def _on_policy(self, rollouts: Rollouts) -> bool:
         """Sampled from exactly the trainer's current weights: the synced version they equal, unmoved since."""
