@@ -78,7 +78,7 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_crd(args: argparse.Namespace) -> int:
     from grpolora.api.crd import crd_yaml
 
-    sys.stdout.write(crd_yaml())
+    sys.stdout.write(crd_yaml(args.kind))
     return 0
 
 
@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=cmd_render)
 
-    p = sub.add_parser("crd", help="print the GRPOLoraJob CustomResourceDefinition")
+    p = sub.add_parser("crd", help="print a CustomResourceDefinition (GRPOLoraJob unless --kind says otherwise)")
+    p.add_argument("--kind", choices=[c.KIND, c.POOL_KIND], default=c.KIND, help=f"the resource ({c.KIND})")
     p.set_defaults(func=cmd_crd)
 
     p = sub.add_parser("run", help="run a job on this machine (Ray): trainer and inference as separate actors")
