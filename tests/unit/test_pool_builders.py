@@ -140,3 +140,13 @@ def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool():
     objects = builders.build_children(plan(parse_job(doc), pool=pool()), owner_uid="u", token="t")
     workload = next(o for o in objects if o["kind"] == "Workload")
     assert [(s["name"], s["count"]) for s in workload["spec"]["podSets"]] == [("trainer", 1)]
+
+
+def test_a_job_on_a_pool_round_trips_through_its_wire_form():
+    """The operator records the applied spec as JSON (to_wire) and reads it back on every pass; a job on a pool
+    wrote only poolRef under inference, so its wire form must too (the defaults would read as set fields)."""
+    from grpolora.api.spec import GRPOLoraJobSpec
+
+    spec = job_on_pool().spec
+    assert spec.to_wire()["inference"] == {"poolRef": {"name": "shared"}}
+    assert GRPOLoraJobSpec.model_validate(spec.to_wire()) == spec
