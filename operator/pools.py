@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
-from grpolora.api.load import InvalidJob, parse_job
+from grpolora.api.load import InvalidJob, parse_job, parse_pool
 from grpolora.api.pool import Attachment, fit_errors, job_key
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import AttachedJob, Condition, PoolStatus, ReplicaAdapter, RoleReplicas
@@ -83,13 +83,14 @@ def admit(max_jobs: int, candidates: Sequence[Candidate], previous: Sequence[Att
     """Attached: the jobs already attached that still want the pool (the same uid: a job re-created under the same
     name is a new job), then the waiting ones in order of creation (then name), up to max_jobs. A job attached
     before is never detached to make room (a lowered maxJobs takes effect as jobs leave). A job that cannot be
-    attached yet (no token Secret) keeps its place in line without holding up those behind it."""
+    attached yet (its token Secret is being created) keeps its place: those behind it wait too, so that the order
+    of creation is the order of attachment whatever the timing of the jobs' own passes."""
     wanting = {c.key: c for c in candidates if c.wants}
     kept = [a.job for a in previous if a.job in wanting and wanting[a.job].uid == a.uid]
     line = sorted((c for c in wanting.values() if c.key not in kept), key=lambda c: (c.created, c.key))
     attached, waiting = list(kept), []
     for entry in line:
-        if len(attached) < max_jobs and entry.ready:
+        if not waiting and len(attached) < max_jobs and entry.ready:
             attached.append(entry.key)
         else:
             waiting.append(entry.key)
@@ -123,7 +124,10 @@ def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str) -> PoolPlac
     count = f"{len(status.attached_jobs)}/{pool.spec.max_jobs} jobs attached"
     if key in status.waiting_jobs:
         position = ordinal(status.waiting_jobs.index(key) + 1)
-        return PoolPlace(False, names.R_POOL_FULL, f"{position} in line for {where} ({count})")
+        # Not full: the job is about to attach (its token Secret is being made, or the pool's next pass is due).
+        full = len(status.attached_jobs) >= pool.spec.max_jobs
+        reason = names.R_POOL_FULL if full else names.R_WAITING_FOR_POOL
+        return PoolPlace(False, reason, f"{position} in line for {where} ({count})")
     return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to attach it ({count})")
 
 
@@ -219,3 +223,34 @@ def stored_pool_status(raw: Mapping[str, Any] | None) -> PoolStatus:
 def attached_condition(old: Sequence[Condition]) -> bool:
     """Was the job attached to its pool (so that losing the pool fails it rather than making it wait)?"""
     return cond.is_true(old, names.POOL_ATTACHED)
+
+
+# ---- what a job's pass reads of its pool ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """A job's pool as its pass sees it."""
+
+    name: str
+    pool: RolloutPool | None
+    """None: not found, or its spec is invalid (problems)."""
+    status: PoolStatus
+    problems: tuple[str, ...] = ()
+
+    def fit_errors(self, job: GRPOLoraJob) -> list[tuple[str, str]]:
+        return fit_errors(self.pool.name, self.pool.spec, job.spec) if self.pool is not None else []
+
+    def usable_by(self, job: GRPOLoraJob) -> bool:
+        """The job can be planned on this pool (it exists, is valid, and the job fits it)."""
+        return self.pool is not None and not self.fit_errors(job)
+
+
+def pool_view(name: str, body: Mapping[str, Any] | None) -> PoolView:
+    if body is None:
+        return PoolView(name, None, PoolStatus())
+    status = stored_pool_status(body.get("status"))
+    try:
+        return PoolView(name, parse_pool(body), status)
+    except InvalidJob as exc:
+        return PoolView(name, None, status, tuple(str(p) for p in exc.problems))

@@ -59,9 +59,11 @@ def test_a_job_recreated_under_the_same_name_is_a_new_job_and_queues_again():
     assert admit(1, jobs, [was("a", "old-uid")]) == Admission(attached=("rl/b",), waiting=("rl/a",))
 
 
-def test_a_job_without_its_token_yet_waits_without_holding_up_the_line():
+def test_a_job_without_its_token_yet_keeps_its_place_and_those_behind_it_wait():
     jobs = [cand("a", "2026-01-01T00:00:00Z", ready=False), cand("b", "2026-01-01T00:00:01Z")]
-    assert admit(2, jobs, []) == Admission(attached=("rl/b",), waiting=("rl/a",))
+    assert admit(2, jobs, []) == Admission(attached=(), waiting=("rl/a", "rl/b"))
+    jobs = [cand("a", "2026-01-01T00:00:00Z"), cand("b", "2026-01-01T00:00:01Z", ready=False)]
+    assert admit(2, jobs, []) == Admission(attached=("rl/a",), waiting=("rl/b",))
 
 
 def test_ordinals():
