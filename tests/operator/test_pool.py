@@ -179,3 +179,44 @@ async def test_the_pool_status_carries_each_replicas_adapter_version_of_each_job
     await wait_for(lambda: (cluster.status("job-a").get("replicas") or {}).get("inference", {}).get("ready") == 1,
                    "job-a's inference replicas (the pool's) in kubectl get glj")  # fmt: skip
     assert cluster.get(POOL_RESOURCE, POOL)["status"]["conditions"][0]["type"] == names.READY
+
+
+async def test_a_suspended_job_detaches_and_queues_again_when_resumed(cluster, operator):
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await cluster.apply(job_on_pool("job-b"))
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+
+    await cluster.patch_spec("job-a", {"suspend": True})
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-b"], "job-a detached, job-b attached")
+    await wait_for(lambda: trainer(cluster, "job-b"), "job-b's trainer Job")
+    await wait_for(lambda: trainer(cluster, "job-a") is None, "job-a's trainer removed")
+
+    await cluster.patch_spec("job-a", {"suspend": False})
+    await wait_for(
+        lambda: cluster.status("job-a").get("message") == "1st in line for RolloutPool shared (1/1 jobs attached)",
+        "job-a back in line",
+    )
+    assert attached_condition(cluster, "job-a")["reason"] == names.R_POOL_FULL and trainer(cluster, "job-a") is None
+
+
+async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_it_starts_once_admitted_and_attached(
+    cluster, operator
+):
+    workloads = "kueue.x-k8s.io/v1beta1/workloads"
+    doc = job_on_pool("queued")
+    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    await cluster.apply(pool_doc())
+    await cluster.apply(doc)
+    await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+    assert [(p["name"], p["count"]) for p in cluster.get(workloads, "queued")["spec"]["podSets"]] == [("trainer", 1)]
+    # A pool's place is a LoRA slot, not a GPU: the job takes it while Kueue still holds its trainer back.
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/queued"], "attached while queued")
+    await wait_for(lambda: cluster.condition("queued", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
+    assert trainer(cluster, "queued") is None
+
+    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/queued/status"
+    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    await cluster._call("PATCH", path, {"status": {"conditions": [admitted]}})
+    await wait_for(lambda: trainer(cluster, "queued"), "the trainer Job once admitted")
