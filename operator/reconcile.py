@@ -920,9 +920,12 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         return now
 
     if became_true(names.CREATED):
-        what = "the token Secret, headless Services and NetworkPolicy"
-        if new.phase != "Suspended":
-            what += ", the trainer Job and the inference StatefulSet"
+        if new.pool is not None:  # a job on a RolloutPool: its trainer waits for the pool to attach it
+            what = "the token Secret, the trainer's headless Service and the NetworkPolicy"
+        else:
+            what = "the token Secret, headless Services and NetworkPolicy"
+            if new.phase != "Suspended":
+                what += ", the trainer Job and the inference StatefulSet"
         events.append(Event("Normal", names.E_CREATED, f"created {what}"))
     if new.phase != old.phase:
         if old.phase == "Suspended" and new.phase in ("Pending", "Running"):

@@ -104,6 +104,8 @@ async def test_jobs_attach_in_turn_and_a_finished_job_detaches_for_the_next(clus
         lambda: (names.E_ATTACHED, "attached to RolloutPool shared") in [e[1:] for e in cluster.events("job-b")],
         "job-b's AttachedToPool event",
     )
+    created = "created the token Secret, the trainer's headless Service and the NetworkPolicy"
+    assert (names.E_CREATED, created) in [e[1:] for e in cluster.events("job-b")]
 
 
 async def test_deleting_an_attached_job_detaches_it_and_attaches_the_next(cluster, operator):
