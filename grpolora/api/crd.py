@@ -86,12 +86,22 @@ def crd() -> dict[str, Any]:
 def pool_crd() -> dict[str, Any]:
     """The RolloutPool CustomResourceDefinition as a dict (same machinery, same group and version)."""
     column = _printer_column
+    spec_schema = structural(RolloutPoolSpec.model_json_schema(by_alias=True, mode="validation"))
+    # The servers run with the spec they were started with (the engine's LoRA slots and rank, the model, ...), and
+    # jobs attach by it: a change would let jobs attach by a spec the servers do not run.
+    spec_schema.setdefault(CEL_VALIDATIONS, []).append(
+        cel_rule(
+            "self == oldSelf",
+            "a RolloutPool's spec cannot change: its servers run with the spec they were started with; delete and "
+            "re-create the RolloutPool (its attached jobs then fail with PoolDeleted)",
+        )
+    )
     return _custom_resource(
         kind=c.POOL_KIND,
         plural=c.POOL_PLURAL,
         singular=c.POOL_SINGULAR,
         short_names=c.POOL_SHORT_NAMES,
-        spec_schema=structural(RolloutPoolSpec.model_json_schema(by_alias=True, mode="validation")),
+        spec_schema=spec_schema,
         status_schema=structural(PoolStatus.model_json_schema(by_alias=True, mode="serialization")),
         spec_description="Desired state of a shared rollout pool.",
         description="vLLM servers of one base model shared by several GRPOLoraJobs (spec.inference.poolRef), each "

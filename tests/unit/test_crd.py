@@ -249,3 +249,14 @@ def test_everything_the_operator_writes_to_a_pool_status_survives_pruning():
     assert pruned(status, status_schema) == status
     openapi_validator(status_schema).validate(status)
     assert {field.alias for field in PoolStatus.model_fields.values()} <= set(status)
+
+
+def test_a_pool_spec_cannot_change_once_created_its_servers_run_with_it():
+    from grpolora.testing.kube_apiserver import cel_violations
+
+    doc = yaml.safe_load(POOL_EXAMPLE.read_text())
+    changed = {**doc, "spec": {**doc["spec"], "maxJobs": 9}}
+    assert cel_violations(pool_schema(), doc, doc) == []
+    ((path, message),) = cel_violations(pool_schema(), changed, doc)
+    assert path == "spec" and "delete and re-create the RolloutPool" in message
+    assert cel_violations(pool_schema(), changed) == []  # a create has no old object
