@@ -36,7 +36,7 @@ from typing import Any, Final
 
 from grpolora.api import constants as c
 from grpolora.api.load import InvalidJob, parse_pool
-from grpolora.api.plan import JobPlan, child_names, plan, plan_pool, pool_child_names
+from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
 from grpolora.api.pool import Attachment, Attachments, attachment
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import JobStatus, PoolStatus
@@ -168,7 +168,7 @@ class Controller:
         try:
             with self.metrics.timed("pool"):
                 async with pool.lock:
-                    decision = await self._pool_pass(pool)
+                    decision = await self._pool_pass(pool, full=True)
         except JobGone:
             self.forget_pool(pool.namespace, pool.name)
             raise
@@ -207,7 +207,10 @@ class Controller:
             self.pool_members[key] = (ref, seen)
         for pool in {before[0] if before else None, ref} - {None}:
             if before is None or before != (ref, seen) or event_type == "DELETED":
-                self._wake(self.pools.get((key[0], pool)))
+                tracked = self.pools.get((key[0], pool))
+                if tracked is not None:
+                    tracked.next_full = 0.0  # admission must look again: a full pass
+                self._wake(tracked)
 
     def forget_pool(self, namespace: str, name: str) -> None:
         pool = self.pools.pop((namespace, name), None)
@@ -324,13 +327,18 @@ class Controller:
 
     # ---- the pool's pass -----------------------------------------------------------------------------------
 
-    async def _pool_pass(self, pool: _Job) -> PoolPass:
-        """One pass of a RolloutPool: decide its attachments (it alone does), write them to the Secret its servers
-        read, keep its children, read its replicas, then write its status once (which its jobs read)."""
+    async def _pool_pass(self, pool: _Job, *, full: bool) -> PoolPass:
+        """One pass of a RolloutPool. Full (its handlers, a job of it that came, finished or went, and every
+        resync): decide its attachments (it alone does) from a list of its namespace's jobs, write them to the Secret
+        its servers read, keep its children. Light (the monitor's interval otherwise): read only its replicas (the
+        StatefulSet, each one's GET /v1/adapter). Either writes its status once (which its jobs read)."""
         namespace, name = pool.namespace, pool.name
         meta = pool.body.get("metadata") or {}
         old = pools.stored_pool_status(pool.status)
         generation = meta.get("generation")
+        if not full and old.observed_generation == generation and old.replicas is not None:
+            return await self._pool_light_pass(pool, old)
+        pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
         try:
             rollout_pool = parse_pool(pool.body)
         except InvalidJob as exc:
@@ -373,12 +381,7 @@ class Controller:
                 logger.info("%s/%s: RolloutPool: updated %s %s", namespace, name, obj["kind"], obj["metadata"]["name"])
             if obj["kind"] == "StatefulSet":
                 statefulset = current
-        ready = obs.statefulset_ready(statefulset) if statefulset is not None else 0
-        reports = (
-            await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints))
-            if ready
-            else []
-        )
+        reports = await self._adapter_reports(pool_plan, statefulset)
         uids = {entry.job: entry.uid for entry in attachments.jobs}
         status = pools.pool_status(
             rollout_pool,
@@ -392,6 +395,31 @@ class Controller:
         )
         await self._record_pool(pool, status)
         return PoolPass()
+
+    async def _pool_light_pass(self, pool: _Job, old: PoolStatus) -> PoolPass:
+        """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
+        rollout_pool = parse_pool(pool.body)  # valid: a full pass wrote a status for this generation
+        pool_plan = plan_pool(rollout_pool)
+        statefulset = await self.client.get(kube.STATEFULSET, pool.namespace, pool_plan.inference.workload_name)
+        if statefulset is not None and obs.controller_uid(statefulset) != pool.uid:
+            statefulset = None
+        reports = await self._adapter_reports(pool_plan, statefulset)
+        attached = {entry.job: entry.uid for entry in old.attached_jobs}
+        admission = pools.Admission(tuple(attached), tuple(old.waiting_jobs))
+        status = pools.pool_status(
+            rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
+            now=self.clock(),
+        )  # fmt: skip
+        await self._record_pool(pool, status)
+        return PoolPass()
+
+    async def _adapter_reports(
+        self, pool_plan: PoolPlan, statefulset: Mapping[str, Any] | None
+    ) -> list[dict[str, Any] | None]:
+        """Each replica's open GET /v1/adapter (None where it does not answer); none while no replica is ready."""
+        if statefulset is None or not obs.statefulset_ready(statefulset):
+            return []
+        return list(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
 
     async def _admit(
         self, rollout_pool: RolloutPool, listed: list[dict[str, Any]], previous: list[Attachment]
@@ -733,7 +761,7 @@ class Controller:
                 with self.metrics.timed("monitor"):
                     async with job.lock:
                         decision: rec.Decision | PoolPass = (
-                            await self._pool_pass(job)
+                            await self._pool_pass(job, full=loop.time() >= job.next_full)
                             if job.kind == c.POOL_KIND
                             else await self._pass(job, full=loop.time() >= job.next_full)
                         )
