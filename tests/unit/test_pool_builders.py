@@ -121,6 +121,8 @@ def test_a_job_on_a_pool_brings_only_its_trainer_and_admits_the_pool_servers():
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
         ("Secret", "demo-token"), ("Service", "demo-trainer"), ("NetworkPolicy", "demo"), ("Job", "demo-trainer")
     ]  # fmt: skip
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.33.0", strict=True)
     policy = next(o for o in objects if o["kind"] == "NetworkPolicy")["spec"]
     assert policy["ingress"][0]["from"] == [
         {"podSelector": {"matchLabels": {c.LABEL_JOB: "demo"}}},
