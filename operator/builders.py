@@ -449,8 +449,9 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
     if isinstance(plan, PoolPlan):
         # The attachment list: the Secret's key is a file in this folder, updated in place when jobs attach or
         # detach (a whole-volume mount, not subPath, so that the kubelet refreshes it).
-        container["volumeMounts"].append({"name": "pool-jobs", "mountPath": POOL_JOBS_MOUNT, "readOnly": True})
-        volumes.append({"name": "pool-jobs", "secret": {"secretName": plan.jobs_secret}})
+        volume = c.POOL_JOBS_VOLUME
+        container["volumeMounts"].append({"name": volume, "mountPath": POOL_JOBS_MOUNT, "readOnly": True})
+        volumes.append({"name": volume, "secret": {"secretName": plan.jobs_secret}})
     if role.role == c.ROLE_TRAINER:
         assert isinstance(plan, JobPlan)
         spec = plan.spec

@@ -80,7 +80,10 @@ MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
 SHM_MOUNT: Final = "/dev/shm"
 CACHE_MOUNT: Final = "/cache"
 MODEL_MOUNT: Final = "/models"
-POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints")
+# A RolloutPool's attachment list (its Secret, mounted into its servers).
+POOL_JOBS_VOLUME: Final = "pool-jobs"
+POOL_JOBS_MOUNT: Final = "/var/run/grpolora/pool"
+POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME)
 
 # Kueue: this label on a GRPOLoraJob names the LocalQueue; the operator then creates one Kueue Workload holding a pod
 # set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).

@@ -152,3 +152,18 @@ def test_a_job_on_a_pool_round_trips_through_its_wire_form():
     spec = job_on_pool().spec
     assert spec.to_wire()["inference"] == {"poolRef": {"name": "shared"}}
     assert GRPOLoraJobSpec.model_validate(spec.to_wire()) == spec
+
+
+def test_a_pool_pod_template_cannot_replace_the_attachment_list_or_the_pool_label():
+    import pytest
+
+    from grpolora.api.spec import FieldErrors
+
+    swap = {"spec": {"volumes": [{"name": "pool-jobs", "secret": {"secretName": "my-own-list"}}]}}
+    relabel = {"metadata": {"labels": {c.LABEL_POOL: "other"}}}
+    remount = {"spec": {"containers": [{"name": "inference", "volumeMounts": [
+        {"name": "x", "mountPath": "/var/run/grpolora/pool"}]}]}}  # fmt: skip
+    for overlay, path in ((swap, "spec.volumes"), (relabel, "metadata.labels"), (remount, "volumeMounts")):
+        with pytest.raises((FieldErrors, ValueError)) as caught:
+            RolloutPool.model_validate(pool_doc(podTemplate=overlay))
+        assert path in str(caught.value), overlay
