@@ -370,15 +370,35 @@ class Controller:
                 if obj["kind"] == "Secret"
                 else await self.client.get(kube.kind_of(obj), namespace, obj["metadata"]["name"])
             )
-            if current is None:
-                await self.client.create(obj)
-            elif obs.controller_uid(current) != pool.uid:
+            if current is not None and obs.controller_uid(current) != pool.uid:
                 return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
-            elif (rewritten := _POOL_REWRITTEN.get(obj["kind"])) and current.get(rewritten) != obj[rewritten]:
-                await self.client.patch(
-                    kube.kind_of(obj), namespace, obj["metadata"]["name"], {rewritten: obj[rewritten]}
+            rewritten = _POOL_REWRITTEN.get(obj["kind"])
+            try:
+                if current is None:
+                    await self.client.create(obj)
+                elif rewritten and current.get(rewritten) != obj[rewritten]:
+                    patch = {rewritten: obj[rewritten]}
+                    await self.client.patch(kube.kind_of(obj), namespace, obj["metadata"]["name"], patch)
+                    logger.info(
+                        "%s/%s: RolloutPool: updated %s %s", namespace, name, obj["kind"], obj["metadata"]["name"]
+                    )
+            except kube.ApiError as exc:
+                if exc.transient:
+                    raise
+                logger.warning(
+                    "%s/%s: RolloutPool: %s %s refused: %s", namespace, name, obj["kind"], obj["metadata"]["name"], exc
                 )
-                logger.info("%s/%s: RolloutPool: updated %s %s", namespace, name, obj["kind"], obj["metadata"]["name"])
+                refused = pools.refused_pool_status(
+                    old,
+                    obj["kind"],
+                    obj["metadata"]["name"],
+                    exc.message or exc.reason,
+                    generation=generation,
+                    now=self.clock(),
+                )
+                await self._record_pool(pool, refused)
+                pool.next_full = 0.0  # try again at the next interval, not at the next resync
+                return PoolPass()
             if obj["kind"] == "StatefulSet":
                 statefulset = current
         reports = await self._adapter_reports(pool_plan, statefulset)

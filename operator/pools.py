@@ -212,6 +212,25 @@ def invalid_pool_status(old: PoolStatus, problems: Sequence[str], *, generation:
     )
 
 
+def refused_pool_status(
+    old: PoolStatus, kind: str, name: str, error: str, *, generation: int | None, now: datetime.datetime
+) -> PoolStatus:
+    """The API server refused a child of the pool (RBAC, an admission webhook, a quota): said in the status, with
+    the API's message; the pass is retried (a refusal lasts until something changes)."""
+    message = f"the API server refused the {kind} {name}: {error}"
+    wants = [
+        cond.Want(names.READY, "False", names.R_CREATE_REFUSED, message),
+        cond.Want(names.INVALID_SPEC, "False", names.R_VALID),
+    ]
+    return old.model_copy(
+        update={
+            "message": message,
+            "observed_generation": generation,
+            "conditions": cond.merge(old.conditions, wants, now=cond.rfc3339(now), generation=generation),
+        }
+    )
+
+
 def stored_pool_status(raw: Mapping[str, Any] | None) -> PoolStatus:
     """The status as stored; an unreadable one counts as empty (the next write replaces it)."""
     try:

@@ -226,3 +226,28 @@ async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_it_starts_on
                 "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
     await cluster._call("PATCH", path, {"status": {"conditions": [admitted]}})
     await wait_for(lambda: trainer(cluster, "queued"), "the trainer Job once admitted")
+
+
+async def test_a_pool_child_the_api_server_refuses_is_reported_in_the_pool_status():
+    """E.g. no `update` on rolloutpools/finalizers where the OwnerReferencesPermissionEnforcement plugin is on
+    (OpenShift): the children's blockOwnerDeletion is refused with 403."""
+    from grpolora.operator import rbac
+    from grpolora.testing.kube_emulator import running_cluster
+    from tests.operator.harness import OperatorThread, fake_trainer, operator_options
+
+    def authorize(verb: str, group: str, resource: str) -> bool:
+        return resource != f"{c.POOL_PLURAL}/finalizers" and rbac.allowed(verb, group, resource)
+
+    async with running_cluster(authorize=authorize) as cluster, fake_trainer():
+        operator = await OperatorThread(cluster.url, operator_options()).start()
+        try:
+            await cluster.apply(pool_doc())
+            await wait_for(
+                lambda: cluster.get(POOL_RESOURCE, POOL).get("status", {}).get("conditions"), "the pool's status"
+            )
+            ready = cluster.pool_status(POOL)["conditions"][0]
+            assert (ready["type"], ready["status"], ready["reason"]) == (names.READY, "False", names.R_CREATE_REFUSED)
+            assert "the API server refused the Secret shared-pool-jobs: " in ready["message"]
+            assert "rolloutpools/finalizers" in cluster.pool_status(POOL)["message"]
+        finally:
+            await operator.stop()
