@@ -28,9 +28,10 @@ lint: venv
 	$(BIN)/ruff check . && $(BIN)/ruff format --check .
 
 crd: venv
-	$(BIN)/grpolora crd > crds/grpolorajobs.grpolora.dev.yaml
-	# The chart installs the same file (a test keeps the two equal).
-	cp crds/grpolorajobs.grpolora.dev.yaml charts/grpo-lora-operator/files/
+	$(BIN)/grpolora crd --kind GRPOLoraJob > crds/grpolorajobs.grpolora.dev.yaml
+	$(BIN)/grpolora crd --kind RolloutPool > crds/rolloutpools.grpolora.dev.yaml
+	# The chart installs the same files (a test keeps them equal).
+	cp crds/grpolorajobs.grpolora.dev.yaml crds/rolloutpools.grpolora.dev.yaml charts/grpo-lora-operator/files/
 
 venv: $(STAMP)
 

@@ -1,6 +1,9 @@
-"""JobPlan -> the Kubernetes objects of one job. Pure: no API calls, no clock, no randomness.
+"""JobPlan -> the Kubernetes objects of one job; PoolPlan -> those of one RolloutPool. Pure: no API calls, no clock, no
+randomness.
 
-`grpolora render` prints exactly these; the operator creates exactly these. Choices, and why:
+`grpolora render` prints exactly these; the operator creates exactly these. A RolloutPool's servers are an inference
+role like a job's own: the same functions build its StatefulSet, headless Service, PodDisruptionBudget and
+NetworkPolicy, over the pool's RolePlan with the pool as owner (`Plan` is either). Choices, and why:
 - Trainer: an Indexed Job. Pods get stable hostnames `<job>-trainer-<i>` under the headless Service (the
   MASTER_ADDR), and "all indexes completed" is the success signal. `backoffLimit: 0` because a rank that fails
   breaks the collective for all: the operator restarts the whole trainer group (from the latest checkpoint), up
@@ -15,17 +18,30 @@
 
 from __future__ import annotations
 
+import base64
 import copy
 from collections.abc import Mapping
 from typing import Any
 
 from grpolora.api import constants as c
 from grpolora.api import contract, overlay
-from grpolora.api.plan import DATASET_MOUNT, MODEL_MOUNT, SECRETS_MOUNT, JobPlan, RolePlan, trainer_secrets
-from grpolora.api.spec import PodSecuritySpec, RoleSpec
+from grpolora.api.plan import (
+    DATASET_MOUNT,
+    MODEL_MOUNT,
+    POOL_JOBS_MOUNT,
+    SECRETS_MOUNT,
+    JobPlan,
+    PoolPlan,
+    RolePlan,
+    trainer_secrets,
+)
+from grpolora.api.pool import JOBS_FILE_KEY, Attachments
+from grpolora.api.spec import ModelSpec, NetworkPolicySpec, PodSecuritySpec, RoleSpec
 from grpolora.operator import kueue, names
 
 K8sObject = dict[str, Any]
+Plan = JobPlan | PoolPlan
+"""The owner of the objects built: a job, or a RolloutPool (whose one role is its servers, role inference)."""
 
 # The images' numeric USER (Dockerfile): runAsNonRoot holds without the pods fixing a uid (see PodSecuritySpec).
 WORKER_UID = 1000
@@ -41,10 +57,10 @@ STARTUP_PROBE_FAILURES = 180
 TRAINER_FAILURE_RULE_CAUSES = (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION)
 
 
-def owner_reference(plan: JobPlan, uid: str) -> dict[str, Any]:
+def owner_reference(plan: Plan, uid: str) -> dict[str, Any]:
     return {
         "apiVersion": c.API_VERSION,
-        "kind": c.KIND,
+        "kind": c.POOL_KIND if isinstance(plan, PoolPlan) else c.KIND,
         "name": plan.name,
         "uid": uid,
         "controller": True,
@@ -52,12 +68,22 @@ def owner_reference(plan: JobPlan, uid: str) -> dict[str, Any]:
     }
 
 
-def labels(plan: JobPlan, role: str | None = None) -> dict[str, str]:
+def _identity(plan: Plan) -> dict[str, str]:
+    """The label that says whose a pod or child is: the job's (grpolora.dev/job) or the pool's."""
+    return {c.LABEL_POOL: plan.name} if isinstance(plan, PoolPlan) else {c.LABEL_JOB: plan.name}
+
+
+def pool_selector(pool_name: str) -> dict[str, str]:
+    """The labels that select a RolloutPool's server pods (admitted by the NetworkPolicies of its jobs)."""
+    return {c.LABEL_POOL: pool_name}
+
+
+def labels(plan: Plan, role: str | None = None) -> dict[str, str]:
     result = {
         c.LABEL_NAME: c.APP_NAME,
         c.LABEL_INSTANCE: plan.name,
         c.LABEL_MANAGED_BY: c.OPERATOR_NAME,
-        c.LABEL_JOB: plan.name,
+        **_identity(plan),
     }
     if role:
         result[c.LABEL_COMPONENT] = role
@@ -65,9 +91,9 @@ def labels(plan: JobPlan, role: str | None = None) -> dict[str, str]:
     return result
 
 
-def selector(plan: JobPlan, role: str | None = None) -> dict[str, str]:
-    """The labels that select a job's pods (of one role): never the mutable recommended labels."""
-    result = {c.LABEL_JOB: plan.name}
+def selector(plan: Plan, role: str | None = None) -> dict[str, str]:
+    """The labels that select a job's (or pool's) pods (of one role): never the mutable recommended labels."""
+    result = _identity(plan)
     if role:
         result[c.LABEL_ROLE] = role
     return result
@@ -90,10 +116,33 @@ def build_children(
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
         objects.append(network_policy(plan, operator_namespace))
-    objects.append(inference_disruption_budget(plan))
+    if plan.inference is not None:  # a job on a RolloutPool has no servers of its own
+        objects.append(inference_disruption_budget(plan))
     if queue_name(plan) is not None:
         objects.append(queue_workload(plan))
     objects += workloads(plan, admitted)
+    return _owned(plan, owner_uid, objects)
+
+
+def build_pool_children(
+    plan: PoolPlan,
+    *,
+    owner_uid: str,
+    attachments: Attachments,
+    operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
+) -> list[K8sObject]:
+    """Every object the operator creates for a RolloutPool, in creation order: the attachment-list Secret (which jobs
+    the servers serve; the operator rewrites it as jobs attach and detach), the headless Service, the NetworkPolicy
+    (which admits exactly the attached jobs' trainers), the PodDisruptionBudget and the servers' StatefulSet."""
+    attached = [entry.job.partition("/")[2] for entry in attachments.jobs]
+    objects = [pool_jobs_secret(plan, attachments), *services(plan)]
+    if plan.pool.spec.network_policy.enabled:
+        objects.append(pool_network_policy(plan, attached, operator_namespace))
+    objects += [inference_disruption_budget(plan), inference_statefulset(plan)]
+    return _owned(plan, owner_uid, objects)
+
+
+def _owned(plan: Plan, owner_uid: str, objects: list[K8sObject]) -> list[K8sObject]:
     owner = owner_reference(plan, owner_uid)
     for obj in objects:
         obj["metadata"]["ownerReferences"] = [dict(owner)]
@@ -104,13 +153,13 @@ def workloads(plan: JobPlan, admitted: Mapping[str, kueue.PodSetInfo] | None = N
     """The objects that run pods (removed while the job is suspended). `admitted`: what Kueue's admission adds to
     each role's pod template, by pod set name (grpolora.operator.kueue; raises kueue.PodSetConflict)."""
     admitted = admitted or {}
-    return [
-        trainer_job(plan, admitted.get(c.ROLE_TRAINER)),
-        inference_statefulset(plan, admitted.get(c.ROLE_INFERENCE)),
-    ]
+    result = [trainer_job(plan, admitted.get(c.ROLE_TRAINER))]
+    if plan.inference is not None:
+        result.append(inference_statefulset(plan, admitted.get(c.ROLE_INFERENCE)))
+    return result
 
 
-def _metadata(plan: JobPlan, name: str, role: str | None = None) -> dict[str, Any]:
+def _metadata(plan: Plan, name: str, role: str | None = None) -> dict[str, Any]:
     return {"name": name, "namespace": plan.namespace, "labels": labels(plan, role)}
 
 
@@ -124,9 +173,37 @@ def token_secret(plan: JobPlan, token: str) -> K8sObject:
     }
 
 
-def services(plan: JobPlan) -> list[K8sObject]:
+def pool_jobs_secret(plan: PoolPlan, attachments: Attachments) -> K8sObject:
+    """The pool's attachment list (grpolora.api.pool), mounted read-only into its servers. It holds no job token.
+    Written as `data` (base64), which reads back the same from a real API server (stringData is write-only)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _metadata(plan, plan.jobs_secret),
+        "type": "Opaque",
+        "data": {JOBS_FILE_KEY: base64.b64encode(attachments.to_json().encode()).decode()},
+    }
+
+
+def attachments_of(secret: Mapping[str, Any] | None) -> Attachments | None:
+    """The attachment list a pool's Secret holds (None: no Secret, or not a readable list)."""
+    if secret is None:
+        return None
+    try:
+        if JOBS_FILE_KEY in (secret.get("data") or {}):
+            return Attachments.from_json(base64.b64decode(secret["data"][JOBS_FILE_KEY]).decode())
+        return Attachments.from_json((secret.get("stringData") or {})[JOBS_FILE_KEY])
+    except (KeyError, ValueError):
+        return None
+
+
+def _roles(plan: Plan) -> tuple[RolePlan, ...]:
+    return (plan.inference,) if isinstance(plan, PoolPlan) else plan.roles
+
+
+def services(plan: Plan) -> list[K8sObject]:
     result = []
-    for role_plan in (plan.trainer, plan.inference):
+    for role_plan in _roles(plan):
         result.append(
             {
                 "apiVersion": "v1",
@@ -149,12 +226,57 @@ def services(plan: JobPlan) -> list[K8sObject]:
 
 def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE) -> K8sObject:
     spec = plan.job.spec
-    http_ports = sorted({spec.trainer.status_port, spec.inference.port})
-    ingress: list[dict[str, Any]] = [
-        # gloo and NCCL open data connections on ephemeral ports, so the job's own pods get every port.
-        {"from": [{"podSelector": {"matchLabels": selector(plan)}}]},
-        # The operator polls trainer rank 0's /status (unauthenticated): from the operator's pods in its own
-        # namespace only, not from any pod elsewhere that copies the operator's label.
+    # gloo and NCCL open data connections on ephemeral ports, so the job's own pods get every port; so do the
+    # servers of its RolloutPool, whose receivers join the job's sync group at its trainer's store (sync port).
+    peers = [{"podSelector": {"matchLabels": selector(plan)}}]
+    if plan.pool is not None:
+        peers.append({"podSelector": {"matchLabels": pool_selector(plan.pool)}})
+    # The operator polls trainer rank 0's /status (unauthenticated).
+    return _network_policy(
+        plan,
+        plan.name,
+        [{"from": peers}],
+        operator_namespace,
+        operator_port=spec.trainer.status_port,
+        http_ports=[r.ports["http"] for r in plan.roles],
+        policy=spec.network_policy,
+    )
+
+
+def pool_network_policy(
+    plan: PoolPlan, attached: list[str], operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE
+) -> K8sObject:
+    """Admits exactly the trainer pods of the attached jobs (names in the pool's namespace), on every port: they call
+    the servers' HTTP API, and gloo pairs connect on ephemeral ports. With none attached the rule is left out (a rule
+    with an empty `from` would admit everyone). The operator reads the servers' GET /v1/adapter on the HTTP port."""
+    http = plan.inference.ports["http"]
+    trainers = [
+        {"podSelector": {"matchLabels": {c.LABEL_JOB: job, c.LABEL_ROLE: c.ROLE_TRAINER}}} for job in sorted(attached)
+    ]
+    return _network_policy(
+        plan,
+        plan.inference.workload_name,
+        [{"from": trainers}] if trainers else [],
+        operator_namespace,
+        operator_port=http,
+        http_ports=[http],
+        policy=plan.pool.spec.network_policy,
+    )
+
+
+def _network_policy(
+    plan: Plan,
+    name: str,
+    ingress: list[dict[str, Any]],
+    operator_namespace: str,
+    *,
+    operator_port: int,
+    http_ports: list[int],
+    policy: NetworkPolicySpec,
+) -> K8sObject:
+    ingress = [
+        *ingress,
+        # From the operator's pods in its own namespace only, not from any pod elsewhere that copies its label.
         {
             "from": [
                 {
@@ -162,20 +284,20 @@ def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_N
                     "podSelector": {"matchLabels": {c.LABEL_NAME: c.OPERATOR_NAME}},
                 }
             ],
-            "ports": [{"port": spec.trainer.status_port, "protocol": "TCP"}],
+            "ports": [{"port": operator_port, "protocol": "TCP"}],
         },
     ]
-    if spec.network_policy.metrics_from:
+    if policy.metrics_from:
         ingress.append(
             {
-                "from": [copy.deepcopy(peer) for peer in spec.network_policy.metrics_from],
-                "ports": [{"port": port, "protocol": "TCP"} for port in http_ports],
+                "from": [copy.deepcopy(peer) for peer in policy.metrics_from],
+                "ports": [{"port": port, "protocol": "TCP"} for port in sorted(set(http_ports))],
             }
         )
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(plan, plan.name),
+        "metadata": _metadata(plan, name),
         "spec": {"podSelector": {"matchLabels": selector(plan)}, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
@@ -190,22 +312,20 @@ def queue_workload(plan: JobPlan) -> K8sObject:
     all pod sets or none, so inference never holds its GPUs while the trainer's do not fit (or the reverse). The
     operator creates the trainer Job and inference StatefulSet only while it is admitted (grpolora.operator.reconcile)
     and marks it Finished when the job ends, which returns the quota."""
-    trainer, inference = trainer_job(plan), inference_statefulset(plan)
+    # A job on a RolloutPool has only its trainer: the pool's servers are not the job's to queue.
+    pod_sets = [
+        {"name": role.role, "count": role.replicas, "template": workload["spec"]["template"]}
+        for role, workload in zip(plan.roles, workloads(plan), strict=True)
+    ]
     return {
         "apiVersion": c.KUEUE_API_VERSION,
         "kind": "Workload",
         "metadata": _metadata(plan, plan.name),
-        "spec": {
-            "queueName": queue_name(plan),
-            "podSets": [
-                {"name": c.ROLE_TRAINER, "count": plan.trainer.replicas, "template": trainer["spec"]["template"]},
-                {"name": c.ROLE_INFERENCE, "count": plan.inference.replicas, "template": inference["spec"]["template"]},
-            ],
-        },
+        "spec": {"queueName": queue_name(plan), "podSets": pod_sets},
     }
 
 
-def inference_disruption_budget(plan: JobPlan) -> K8sObject:
+def inference_disruption_budget(plan: Plan) -> K8sObject:
     """At most one inference pod evicted at a time: the trainer re-forms the sync group around the rest, and a
     drain waits for the replacement to be ready before it evicts the next (one replica is not protected)."""
     role = plan.inference
@@ -256,8 +376,9 @@ def trainer_job(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sO
     }
 
 
-def inference_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
+def inference_statefulset(plan: Plan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
     role = plan.inference
+    assert role is not None, "a job on a RolloutPool has no inference StatefulSet of its own"
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -273,7 +394,7 @@ def inference_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = Non
 
 
 def _pod_template(
-    plan: JobPlan, role: RolePlan, pod_spec: dict[str, Any], admitted: kueue.PodSetInfo | None = None
+    plan: Plan, role: RolePlan, pod_spec: dict[str, Any], admitted: kueue.PodSetInfo | None = None
 ) -> dict[str, Any]:
     """The role's pod template with spec.<role>.podTemplate merged over it (grpolora.api.overlay; the spec's
     validation has refused any overlay that would replace what is built here), then what Kueue's admission adds."""
@@ -285,9 +406,9 @@ def _pod_template(
     return kueue.apply(template, admitted, holder=holder)
 
 
-def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:
+def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:
     placement = role.placement
-    spec = plan.job.spec
+    model, security = _model_and_security(plan)
     http = role.ports["http"]
     container: dict[str, Any] = {
         "name": role.role,
@@ -297,7 +418,7 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
         "args": [
             "worker",
             role.role,
-            *([f"--lora-slots={spec.inference.max_loras}"] if role.role == "inference" else []),
+            *([f"--lora-slots={_lora_slots(plan)}"] if role.role == "inference" else []),
         ],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
         "env": _env(plan, role),
@@ -318,14 +439,22 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec(plan, role).shm_size_limit}},
         {"name": "cache", "emptyDir": {}},
     ]
-    if spec.model.source is not None:
-        pvc = spec.model.source.pvc
+    if model.source is not None:
+        pvc = model.source.pvc
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
         if pvc.sub_path:
             mount["subPath"] = pvc.sub_path
         container["volumeMounts"].append(mount)
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+    if isinstance(plan, PoolPlan):
+        # The attachment list: the Secret's key is a file in this folder, updated in place when jobs attach or
+        # detach (a whole-volume mount, not subPath, so that the kubelet refreshes it).
+        volume = c.POOL_JOBS_VOLUME
+        container["volumeMounts"].append({"name": volume, "mountPath": POOL_JOBS_MOUNT, "readOnly": True})
+        volumes.append({"name": volume, "secret": {"secretName": plan.jobs_secret}})
     if role.role == c.ROLE_TRAINER:
+        assert isinstance(plan, JobPlan)
+        spec = plan.spec
         container["volumeMounts"].append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
         ckpt_pvc = spec.checkpoint.pvc
         volumes.append(
@@ -349,7 +478,7 @@ def _pod_spec(plan: JobPlan, role: RolePlan, *, restart_policy: str, subdomain: 
         # Workers talk to nobody's API server: progress flows to the operator over HTTP.
         "automountServiceAccountToken": False,
         "enableServiceLinks": False,
-        "securityContext": _pod_security(spec.pod_security),
+        "securityContext": _pod_security(security),
         "containers": [container],
         "volumes": volumes,
     }
@@ -394,9 +523,21 @@ def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str,
     return mounts, volumes
 
 
-def role_spec(plan: JobPlan, role: RolePlan) -> RoleSpec:
-    spec = plan.job.spec
+def role_spec(plan: Plan, role: RolePlan) -> RoleSpec:
+    if isinstance(plan, PoolPlan):
+        return plan.pool.spec
+    spec = plan.spec
     return spec.trainer if role.role == c.ROLE_TRAINER else spec.inference
+
+
+def _model_and_security(plan: Plan) -> tuple[ModelSpec, PodSecuritySpec]:
+    spec = plan.pool.spec if isinstance(plan, PoolPlan) else plan.spec
+    return spec.model, spec.pod_security
+
+
+def _lora_slots(plan: Plan) -> int:
+    """The engine's LoRA slots: a job's inference.maxLoras, or every attached job's slots on a pool."""
+    return plan.pool.spec.lora_slots if isinstance(plan, PoolPlan) else plan.spec.inference.max_loras
 
 
 def _pod_security(security: PodSecuritySpec) -> dict[str, Any]:
@@ -415,7 +556,7 @@ def _pod_security(security: PodSecuritySpec) -> dict[str, Any]:
     return result
 
 
-def _env(plan: JobPlan, role: RolePlan) -> list[dict[str, Any]]:
+def _env(plan: Plan, role: RolePlan) -> list[dict[str, Any]]:
     index_field = c.JOB_COMPLETION_INDEX_FIELD if role.role == c.ROLE_TRAINER else c.STATEFULSET_POD_INDEX_FIELD
     result: list[dict[str, Any]] = []
     for var in role.env:

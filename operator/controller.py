@@ -23,6 +23,7 @@ cluster needs cleaning up (children go by ownerReferences).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import dataclasses
 import datetime
@@ -34,10 +35,13 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from grpolora.api import constants as c
-from grpolora.api.plan import child_names, plan
-from grpolora.api.status import JobStatus
+from grpolora.api.load import InvalidJob, parse_pool
+from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
+from grpolora.api.pool import Attachment, Attachments, attachment
+from grpolora.api.spec import RolloutPool
+from grpolora.api.status import JobStatus, PoolStatus
+from grpolora.operator import builders, kube, names, pools
 from grpolora.operator import conditions as cond
-from grpolora.operator import kube, names
 from grpolora.operator import observe as obs
 from grpolora.operator import reconcile as rec
 from grpolora.operator.metrics import Metrics
@@ -75,8 +79,19 @@ class ChildRefused(Exception):
         self.refusal = rec.Refusal(obj["kind"], obj["metadata"]["name"], error.status, error.message or error.reason)
 
 
+@dataclass(frozen=True)
+class PoolPass:
+    """What a RolloutPool's pass leaves to its monitor (the counterpart of reconcile.Decision for jobs)."""
+
+    idle: bool = False
+    requeue_after: float | None = None
+
+
 @dataclass
 class _Job:
+    """A GRPOLoraJob or RolloutPool (`kind`) the operator follows: its last body and status, its pass lock, its
+    monitor."""
+
     namespace: str
     name: str
     uid: str
@@ -91,6 +106,7 @@ class _Job:
     """Loop time of the next full pass (see the module docstring)."""
     claims: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     """Access modes of the shared claims, as read by the last full pass."""
+    kind: str = c.KIND
 
 
 def _version(obj: Mapping[str, Any]) -> int:
@@ -121,6 +137,10 @@ class Controller:
         self.gate: Gate = gate or Standalone()
         self.clock = clock
         self.jobs: dict[tuple[str, str], _Job] = {}
+        self.pools: dict[tuple[str, str], _Job] = {}
+        """The RolloutPools, by (namespace, name)."""
+        self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
+        """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it)."""
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
@@ -142,15 +162,90 @@ class Controller:
         self._schedule(job, decision)
         return decision
 
+    async def reconcile_pool(self, body: Mapping[str, Any]) -> PoolPass:
+        """A pass for a created, resumed or changed RolloutPool; then make sure its monitor runs."""
+        pool = self._track(body, kind=c.POOL_KIND)
+        try:
+            with self.metrics.timed("pool"):
+                async with pool.lock:
+                    decision = await self._pool_pass(pool, full=True)
+        except JobGone:
+            self.forget_pool(pool.namespace, pool.name)
+            raise
+        self._schedule(pool, decision)
+        return decision
+
+    def pool_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A watch event of a RolloutPool: cache it for its jobs' passes and wake them when what they read of it
+        changed (their attachment, their place in line, the pool's replicas), or when it is gone."""
+        meta = body.get("metadata") or {}
+        namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        self._pool_seen(namespace, name, None if event_type == "DELETED" else dict(body), body)
+        if event_type == "DELETED":
+            self.forget_pool(namespace, name)
+
+    def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
+        """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
+        changed (created, its children made, finished, suspended, deleted). The pool's pass then lists the jobs
+        from the API: the watch only says when to look, never what to decide."""
+        meta = body.get("metadata") or {}
+        key = (meta.get("namespace", ""), meta.get("name", ""))
+        ref = (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
+        status = body.get("status") or {}
+        created = next(
+            (x.get("status") for x in status.get("conditions") or [] if x.get("type") == names.CREATED), None
+        )
+        seen = (
+            meta.get("uid"),
+            status.get("phase"),
+            (body.get("spec") or {}).get("suspend"),
+            bool(meta.get("deletionTimestamp")),
+            created,
+        )
+        before = self.pool_members.pop(key, None)
+        if event_type != "DELETED" and ref:
+            self.pool_members[key] = (ref, seen)
+        for pool in {before[0] if before else None, ref} - {None}:
+            if before is None or before != (ref, seen) or event_type == "DELETED":
+                tracked = self.pools.get((key[0], pool))
+                if tracked is not None:
+                    tracked.next_full = 0.0  # admission must look again: a full pass
+                self._wake(tracked)
+
+    def forget_pool(self, namespace: str, name: str) -> None:
+        pool = self.pools.pop((namespace, name), None)
+        if pool is not None and pool.task is not None and pool.task is not asyncio.current_task():
+            pool.task.cancel()
+
+    def _pool_seen(
+        self, namespace: str, name: str, value: dict[str, Any] | None, seen: Mapping[str, Any], *, read: bool = False
+    ) -> None:
+        """Cache a pool as the watch (or, `read`, the API) shows it; wake its jobs if what they read changed."""
+        key = (c.POOL_KIND, namespace, name)
+        before = self.workloads.get(key)
+        if read and value is None:
+            self.workloads[key] = None  # a 404 from the API: gone now, whatever the watch last said
+        else:
+            self._remember(key, value, seen)
+        if _pool_facts(self.workloads.get(key)) != _pool_facts(before):
+            for job in list(self.jobs.values()):
+                spec = (job.body.get("spec") or {}).get("inference") or {}
+                if job.namespace == namespace and (spec.get("poolRef") or {}).get("name") == name:
+                    self._wake(job)
+
+    @staticmethod
+    def _wake(tracked: _Job | None) -> None:
+        """Run the job's (or pool's) next monitor pass now."""
+        if tracked is not None and tracked.task is not None and not tracked.task.done():
+            tracked.due = min(tracked.due, asyncio.get_running_loop().time())
+            tracked.wake.set()
+
     def workload_event(self, kind: str, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of one of the operator's Jobs or StatefulSets: cache it, and wake its job for a pass."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
         self._remember((kind, namespace, name), None if event_type == "DELETED" else dict(body), body)
-        job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
-        if job is not None and job.task is not None and not job.task.done():
-            job.due = min(job.due, asyncio.get_running_loop().time())
-            job.wake.set()
+        self._wake(self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, "")))))
 
     def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
         """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
@@ -168,13 +263,14 @@ class Controller:
         self.metrics.forget_job(namespace, name)
 
     async def stop(self) -> None:
-        tasks = [job.task for job in self.jobs.values() if job.task is not None]
+        tasks = [job.task for job in [*self.jobs.values(), *self.pools.values()] if job.task is not None]
         for task in tasks:
             task.cancel()
         for _, listing in self.listings.values():
             listing.cancel()  # shielded from the passes: cancelled here (a no-op once done)
         await asyncio.gather(*tasks, *(listing for _, listing in self.listings.values()), return_exceptions=True)
         self.jobs.clear()
+        self.pools.clear()
         await self.trainer.close()
         await self.client.close()
 
@@ -185,18 +281,32 @@ class Controller:
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
         old = rec.stored_status(job.status)
+        # Children never created (e.g. the job waited for its pool): create them now, not at the next resync.
+        full = full or view.record_applied is not None
         if full:
             job.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
+        pool: pools.PoolView | None = None
+        if view.job is not None and view.job.spec.inference.pool_ref is not None:
+            pool = await self._pool_view(view, full=full)
+        # A job on a pool is planned with it; one whose pool is missing or does not fit gets no children.
+        job_plan = None
+        if view.job is not None and (pool is None or pool.usable_by(view.job)):
+            job_plan = plan(view.job, pool=pool.pool if pool else None)
         try:
             blocked: list[rec.ChildRef] = []
-            if full and view.job is not None and not rec.is_finished(old):
-                blocked += await self._ensure_kept_children(job, view)
-            if view.record_applied is not None and not blocked and view.job is not None and not view.job.spec.suspend:
+            if full and job_plan is not None and not rec.is_finished(old):
+                blocked += await self._ensure_kept_children(job, view, job_plan)
+            if (
+                view.record_applied is not None
+                and not blocked
+                and job_plan is not None
+                and not job_plan.job.spec.suspend
+            ):
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
-                observed = rec.Observed(claims=await self._claims(job, view))
+                observed = rec.Observed(claims=await self._claims(job, view), pool=pool)
             else:
-                observed = await self._observe(job, view, old, blocked, full=full)
+                observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
             decision = rec.decide(view, old, observed, self.clock())
             if decision.read_flavors:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
@@ -215,6 +325,172 @@ class Controller:
         await self._record(job, decision)
         return decision
 
+    # ---- the pool's pass -----------------------------------------------------------------------------------
+
+    async def _pool_pass(self, pool: _Job, *, full: bool) -> PoolPass:
+        """One pass of a RolloutPool. Full (its handlers, a job of it that came, finished or went, and every
+        resync): decide its attachments (it alone does) from a list of its namespace's jobs, write them to the Secret
+        its servers read, keep its children. Light (the monitor's interval otherwise): read only its replicas (the
+        StatefulSet, each one's GET /v1/adapter). Either writes its status once (which its jobs read)."""
+        namespace, name = pool.namespace, pool.name
+        meta = pool.body.get("metadata") or {}
+        old = pools.stored_pool_status(pool.status)
+        generation = meta.get("generation")
+        if not full and old.observed_generation == generation and old.replicas is not None:
+            return await self._pool_light_pass(pool, old)
+        pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
+        try:
+            rollout_pool = parse_pool(pool.body)
+        except InvalidJob as exc:
+            problems = [str(p) for p in exc.problems]
+            await self._record_pool(
+                pool, pools.invalid_pool_status(old, problems, generation=generation, now=self.clock())
+            )
+            return PoolPass(idle=True)
+        pool_plan = plan_pool(rollout_pool)
+        children = pool_child_names(name)
+        listed, secret = await asyncio.gather(
+            self.client.list(kube.GRPOLORAJOB, namespace, {}),
+            self.client.get(kube.SECRET, namespace, children["jobs"]),
+        )
+        if secret is not None and obs.controller_uid(secret) != pool.uid:
+            # Still the Secret of a deleted pool of the same name: the garbage collector removes it shortly.
+            return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
+        previous = builders.attachments_of(secret)
+        attachments, admission = await self._admit(rollout_pool, listed, previous.jobs if previous else [])
+        objects = builders.build_pool_children(
+            pool_plan, owner_uid=pool.uid, attachments=attachments, operator_namespace=self.config.operator_namespace
+        )
+        # The Secret first, then the NetworkPolicy: the servers and the network know a job before its status says
+        # it is attached (which starts its trainer).
+        statefulset = None
+        for obj in objects:
+            current = (
+                secret
+                if obj["kind"] == "Secret"
+                else await self.client.get(kube.kind_of(obj), namespace, obj["metadata"]["name"])
+            )
+            if current is not None and obs.controller_uid(current) != pool.uid:
+                return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
+            rewritten = _POOL_REWRITTEN.get(obj["kind"])
+            try:
+                if current is None:
+                    await self.client.create(obj)
+                elif rewritten and current.get(rewritten) != obj[rewritten]:
+                    patch = {rewritten: obj[rewritten]}
+                    await self.client.patch(kube.kind_of(obj), namespace, obj["metadata"]["name"], patch)
+                    logger.info(
+                        "%s/%s: RolloutPool: updated %s %s", namespace, name, obj["kind"], obj["metadata"]["name"]
+                    )
+            except kube.ApiError as exc:
+                if exc.transient:
+                    raise
+                logger.warning(
+                    "%s/%s: RolloutPool: %s %s refused: %s", namespace, name, obj["kind"], obj["metadata"]["name"], exc
+                )
+                refused = pools.refused_pool_status(
+                    old,
+                    obj["kind"],
+                    obj["metadata"]["name"],
+                    exc.message or exc.reason,
+                    generation=generation,
+                    now=self.clock(),
+                )
+                await self._record_pool(pool, refused)
+                pool.next_full = 0.0  # try again at the next interval, not at the next resync
+                return PoolPass()
+            if obj["kind"] == "StatefulSet":
+                statefulset = current
+        reports = await self._adapter_reports(pool_plan, statefulset)
+        uids = {entry.job: entry.uid for entry in attachments.jobs}
+        status = pools.pool_status(
+            rollout_pool,
+            old,
+            admission,
+            uids,
+            statefulset,
+            reports,
+            generation=generation,
+            now=self.clock(),
+        )
+        await self._record_pool(pool, status)
+        return PoolPass()
+
+    async def _pool_light_pass(self, pool: _Job, old: PoolStatus) -> PoolPass:
+        """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
+        rollout_pool = parse_pool(pool.body)  # valid: a full pass wrote a status for this generation
+        pool_plan = plan_pool(rollout_pool)
+        statefulset = await self.client.get(kube.STATEFULSET, pool.namespace, pool_plan.inference.workload_name)
+        if statefulset is not None and obs.controller_uid(statefulset) != pool.uid:
+            statefulset = None
+        reports = await self._adapter_reports(pool_plan, statefulset)
+        attached = {entry.job: entry.uid for entry in old.attached_jobs}
+        admission = pools.Admission(tuple(attached), tuple(old.waiting_jobs))
+        status = pools.pool_status(
+            rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
+            now=self.clock(),
+        )  # fmt: skip
+        await self._record_pool(pool, status)
+        return PoolPass()
+
+    async def _adapter_reports(
+        self, pool_plan: PoolPlan, statefulset: Mapping[str, Any] | None
+    ) -> list[dict[str, Any] | None]:
+        """Each replica's open GET /v1/adapter (None where it does not answer); none while no replica is ready."""
+        if statefulset is None or not obs.statefulset_ready(statefulset):
+            return []
+        return list(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
+
+    async def _admit(
+        self, rollout_pool: RolloutPool, listed: list[dict[str, Any]], previous: list[Attachment]
+    ) -> tuple[Attachments, pools.Admission]:
+        """The attachment list (and the admission it follows): pools.admit over the jobs that name the pool, with the
+        token digest of each newly attached job read from its token Secret (one whose Secret is not there yet keeps
+        waiting). Entries of jobs attached before are kept as they are (their Secrets are not read again)."""
+        candidates = {found.key: found for body in listed if (found := pools.candidate(body, rollout_pool)) is not None}
+        kept = {entry.job: entry for entry in previous}
+        entries: dict[str, Attachment] = {}
+        not_ready: set[str] = set()
+        while True:
+            line = [dataclasses.replace(found, ready=key not in not_ready) for key, found in candidates.items()]
+            admission = pools.admit(rollout_pool.spec.max_jobs, line, previous)
+            new = [
+                key
+                for key in admission.attached
+                if key not in entries and not (key in kept and kept[key].uid == candidates[key].uid)
+            ]
+            if not new:
+                break
+            secrets_ = await asyncio.gather(
+                *(
+                    self.client.get(kube.SECRET, rollout_pool.namespace, child_names(key.partition("/")[2])["token"])
+                    for key in new
+                )
+            )
+            for key, secret in zip(new, secrets_, strict=True):
+                found = candidates[key]
+                token = _token_of(secret) if secret is not None and obs.controller_uid(secret) == found.uid else None
+                if token is None or found.job is None:
+                    not_ready.add(key)
+                else:
+                    namespace, _, job_name = key.partition("/")
+                    entries[key] = attachment(namespace, job_name, found.uid, token, found.job.spec)
+        jobs = [entries.get(key) or kept[key] for key in admission.attached]
+        return Attachments(pool=rollout_pool.name, jobs=jobs), admission
+
+    async def _record_pool(self, pool: _Job, status: PoolStatus) -> None:
+        """Write the pool's status (once per pass, skipped when unchanged), then let its jobs see it at once."""
+        patch = rec.status_patch(pool.status, status)
+        if patch is None:
+            return
+        written = await self.client.patch(
+            kube.ROLLOUTPOOL, pool.namespace, pool.name, {"status": patch}, subresource="status"
+        )
+        if written is None:
+            raise JobGone(f"RolloutPool {pool.namespace}/{pool.name}")
+        pool.status = dict(written.get("status") or status.to_wire())
+        self._pool_seen(pool.namespace, pool.name, dict(written), written)
+
     async def _create(self, job: _Job, obj: Mapping[str, Any]) -> bool:
         """Create if absent (False on 409); an API refusal becomes ChildRefused."""
         try:
@@ -225,7 +501,7 @@ class Controller:
             logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
         return new
 
-    async def _ensure_kept_children(self, job: _Job, view: rec.JobView) -> list[rec.ChildRef]:
+    async def _ensure_kept_children(self, job: _Job, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
         """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
         assert view.job is not None
         if view.record_applied is not None:
@@ -239,7 +515,7 @@ class Controller:
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent).
         kept, _ = rec.children(
-            plan(view.job),
+            job_plan,
             uid=view.uid,
             token=secrets.token_urlsafe(TOKEN_BYTES),
             operator_namespace=self.config.operator_namespace,
@@ -275,14 +551,24 @@ class Controller:
         return found
 
     async def _observe(
-        self, job: _Job, view: rec.JobView, old: JobStatus, blocked: list[rec.ChildRef], *, full: bool
+        self,
+        job: _Job,
+        view: rec.JobView,
+        old: JobStatus,
+        blocked: list[rec.ChildRef],
+        *,
+        full: bool,
+        job_plan: JobPlan | None,
+        pool: pools.PoolView | None,
     ) -> rec.Observed:
         if view.job is None:
             return rec.Observed()
         workloads = child_names(view.name)
+        on_pool = view.job.spec.inference.pool_ref is not None
         trainer_job, inference = await asyncio.gather(
             self._workload(kube.JOB, view.namespace, workloads["trainer"], full=full),
-            self._workload(kube.STATEFULSET, view.namespace, workloads["inference"], full=full),
+            # A job on a pool has no StatefulSet of its own.
+            _none() if on_pool else self._workload(kube.STATEFULSET, view.namespace, workloads["inference"], full=full),
         )
         # A workload of a deleted job of the same name is not this job's: its state (e.g. Complete) says nothing.
         if trainer_job is not None and obs.controller_uid(trainer_job) != view.uid:
@@ -294,9 +580,8 @@ class Controller:
         spec = view.job.spec
         pods: list[dict[str, Any]] = []
         warnings: tuple[obs.NotReady, ...] = ()
-        not_ready = (
-            obs.job_ready(trainer_job) < spec.trainer.replicas
-            or obs.statefulset_ready(inference) < spec.inference.replicas
+        not_ready = obs.job_ready(trainer_job) < spec.trainer.replicas or (
+            not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas
         )
         running = not spec.suspend and not rec.is_finished(old)
         if running and (trainer_job or inference) and not_ready:
@@ -313,9 +598,9 @@ class Controller:
         if view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) is not None:
             queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name, full=full)
         report, error = None, None
-        if rec.should_poll_trainer(view, old, trainer_job):
+        if job_plan is not None and rec.should_poll_trainer(view, old, trainer_job):
             try:
-                report = await self.trainer.fetch(status_url(plan(view.job)))
+                report = await self.trainer.fetch(status_url(job_plan))
             except TrainerUnavailable as exc:
                 error = str(exc)
         return rec.Observed(
@@ -328,7 +613,20 @@ class Controller:
             warnings=warnings,
             claims=claims,
             queue_workload=queue_workload,
+            pool=pool,
         )
+
+    async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
+        """The job's RolloutPool: from the pools' watch (a cache, like the workloads'), or from the API on full passes
+        and when the watch has not shown it."""
+        assert view.job is not None and view.job.spec.inference.pool_ref is not None
+        name = view.job.spec.inference.pool_ref.name
+        key = (c.POOL_KIND, view.namespace, name)
+        if full or key not in self.workloads:
+            found = await self.client.get(kube.ROLLOUTPOOL, view.namespace, name)
+            self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
+        body = self.workloads.get(key)
+        return pools.pool_view(name, body)
 
     async def _listing(
         self, kind: kube.Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
@@ -431,16 +729,17 @@ class Controller:
 
     # ---- monitors ----------------------------------------------------------------------------------------
 
-    def _track(self, body: Mapping[str, Any]) -> _Job:
+    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> _Job:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", "default"), meta.get("name", ""))
         uid = meta.get("uid", "")
-        job = self.jobs.get(key)
+        table, forget = (self.pools, self.forget_pool) if kind == c.POOL_KIND else (self.jobs, self.forget)
+        job = table.get(key)
         if job is None or job.uid != uid:  # new, or deleted and re-created under the same name
             if job is not None:
-                self.forget(*key)
-            job = _Job(key[0], key[1], uid, dict(body), dict(body.get("status") or {}))
-            self.jobs[key] = job
+                forget(*key)
+            job = _Job(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
+            table[key] = job
         else:
             known = (job.body.get("metadata") or {}).get("annotations") or {}
             job.body = dict(body)
@@ -450,7 +749,7 @@ class Controller:
                 annotations[names.APPLIED_SPEC_ANNOTATION] = applied  # the event predates our own write
         return job
 
-    def _schedule(self, job: _Job, decision: rec.Decision) -> None:
+    def _schedule(self, job: _Job, decision: rec.Decision | PoolPass) -> None:
         if decision.idle:
             return
         loop = asyncio.get_running_loop()
@@ -460,7 +759,7 @@ class Controller:
         else:
             job.wake.set()
 
-    def _delay(self, decision: rec.Decision) -> float:
+    def _delay(self, decision: rec.Decision | PoolPass) -> float:
         if decision.requeue_after is not None:
             return decision.requeue_after
         return self.config.interval * (1 + random.uniform(0, self.config.jitter))
@@ -481,9 +780,13 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
-                        decision = await self._pass(job, full=loop.time() >= job.next_full)
+                        decision: rec.Decision | PoolPass = (
+                            await self._pool_pass(job, full=loop.time() >= job.next_full)
+                            if job.kind == c.POOL_KIND
+                            else await self._pass(job, full=loop.time() >= job.next_full)
+                        )
             except JobGone:
-                self.forget(job.namespace, job.name)
+                (self.forget_pool if job.kind == c.POOL_KIND else self.forget)(job.namespace, job.name)
                 return
             except Exception as exc:
                 failures += 1
@@ -497,3 +800,31 @@ class Controller:
             if decision.idle:
                 return
             job.due = loop.time() + self._delay(decision)
+
+
+async def _none() -> None:
+    return None
+
+
+def _pool_facts(body: Mapping[str, Any] | None) -> Any:
+    """What a job's pass reads of its pool: the spec, its attached and waiting jobs, its replicas (not the adapter
+    versions and rates, which change every pass)."""
+    if body is None:
+        return None
+    status = body.get("status") or {}
+    attached = [(j.get("job"), j.get("uid")) for j in status.get("attachedJobs") or []]
+    return (body.get("spec"), attached, status.get("waitingJobs"), status.get("replicas"))
+
+
+# What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
+# list, and the NetworkPolicy that admits exactly the attached jobs.
+_POOL_REWRITTEN: Final = {"Secret": "data", "NetworkPolicy": "spec"}
+
+
+def _token_of(secret: Mapping[str, Any]) -> str | None:
+    """A job's token from its Secret (`data`, base64, as a real API server returns it; `stringData` as written)."""
+    written = (secret.get("stringData") or {}).get(c.TOKEN_SECRET_KEY)
+    if written:
+        return str(written)
+    encoded = (secret.get("data") or {}).get(c.TOKEN_SECRET_KEY)
+    return base64.b64decode(encoded).decode() if encoded else None

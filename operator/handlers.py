@@ -50,6 +50,32 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         raise kopf.PermanentError(f"invalid spec: {invalid.message}")
 
 
+async def reconcile_pool(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """RolloutPool create / resume / spec update: a pass of the pool (its admission, children and status)."""
+    try:
+        await _controller(memo).reconcile_pool(_plain(body))
+    except kube.ApiError as exc:
+        if exc.transient:
+            raise kopf.TemporaryError(f"Kubernetes API unavailable: {exc}", delay=API_RETRY_SECONDS) from exc
+        raise
+    except JobGone:
+        return
+
+
+async def pool_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Every watch event of a RolloutPool: its jobs read it from this cache (see Controller.pool_event)."""
+    _controller(memo).pool_event(event.get("type"), _plain(body))
+
+
+def _on_a_pool(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("inference") or {}).get("poolRef"))
+
+
+async def job_on_pool_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A watch event of a job on a RolloutPool: may wake the pool's pass (see Controller.job_event)."""
+    _controller(memo).job_event(event.get("type"), _plain(body))
+
+
 def _is_deletion(event: kopf.RawEvent, **_: Any) -> bool:
     return event["type"] == "DELETED"
 
@@ -86,6 +112,14 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(reconcile)
     # Filtered before invocation, so the other events (every status write) cost nothing and log nothing.
     kopf.on.event(*resource, registry=registry, id="forget-deleted", when=_is_deletion)(forget_deleted)
+    # RolloutPools: the same pass machinery. Jobs on a pool wake their pool's pass when they come, finish or go (the
+    # pass itself lists the jobs from the API); the pools' own events feed the cache their jobs read.
+    kopf.on.event(*resource, registry=registry, id="wake-pool", when=_on_a_pool)(job_on_pool_event)
+    pools = (c.GROUP, c.VERSION, c.POOL_PLURAL)
+    kopf.on.create(*pools, registry=registry, id="reconcile")(reconcile_pool)
+    kopf.on.resume(*pools, registry=registry, id="reconcile")(reconcile_pool)
+    kopf.on.update(*pools, registry=registry, id="reconcile", field="spec")(reconcile_pool)
+    kopf.on.event(*pools, registry=registry, id="watch-pools")(pool_event)
     # The workloads by watch (one per kind and namespace, shared by all jobs), not by a GET per job and pass.
     ours = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: kopf.PRESENT}
     for kind in (kube.JOB, kube.STATEFULSET, kube.KUEUE_WORKLOAD):

@@ -62,6 +62,7 @@ KUEUE_WORKLOAD: Final = Kind("kueue.x-k8s.io", "v1beta1", "workloads", "Workload
 KUEUE_RESOURCE_FLAVOR: Final = Kind("kueue.x-k8s.io", "v1beta1", "resourceflavors", "ResourceFlavor", namespaced=False)
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
+ROLLOUTPOOL: Final = Kind(c.GROUP, c.VERSION, c.POOL_PLURAL, c.POOL_KIND)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
 KOPF_PEERING: Final = Kind("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERING: Final = Kind("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
@@ -79,6 +80,7 @@ KINDS: Final = {
         JOB,
         STATEFULSET,
         GRPOLORAJOB,
+        ROLLOUTPOOL,
         PVC,
         KOPF_PEERING,
         CLUSTER_KOPF_PEERING,

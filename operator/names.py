@@ -32,6 +32,8 @@ SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 VOLUMES_SHAREABLE: Final = "VolumesShareable"
 # Kueue's admission of the job's Workload (Kueue's own type name); True without a queue.
 ADMITTED: Final = "Admitted"
+# A job on a RolloutPool (spec.inference.poolRef): whether the pool serves it. Written only on such jobs.
+POOL_ATTACHED: Final = "PoolAttached"
 CONDITION_TYPES: Final = (
     CREATED,
     PODS_READY,
@@ -44,7 +46,10 @@ CONDITION_TYPES: Final = (
     SPEC_CHANGE_REFUSED,
     VOLUMES_SHAREABLE,
     ADMITTED,
+    POOL_ATTACHED,
 )
+# A RolloutPool's own conditions: Ready (every server replica ready) and InvalidSpec.
+READY: Final = "Ready"
 
 # ---- reasons (conditions and events) -----------------------------------------------------------------------
 R_CHILDREN_CREATED: Final = "ChildrenCreated"
@@ -97,6 +102,15 @@ POD_WARNING_REASONS: Final = ("FailedCreate", "FailedAttachVolume", "FailedMount
 # A child of that name still belongs to a deleted job of the same name (garbage collection takes a moment).
 R_WAITING_FOR_PREVIOUS_JOB: Final = "WaitingForPreviousJob"
 
+# RolloutPools (the PoolAttached condition of a job on one; Failed with the last three).
+R_POOL_ATTACHED: Final = "Attached"
+R_POOL_FULL: Final = "PoolFull"
+R_WAITING_FOR_POOL: Final = "WaitingForPool"
+R_POOL_NOT_FOUND: Final = "PoolNotFound"
+R_POOL_INVALID: Final = "PoolInvalid"
+R_POOL_MISMATCH: Final = "PoolMismatch"
+R_POOL_DELETED: Final = "PoolDeleted"
+
 # Event-only reasons.
 E_CREATED: Final = c.CONDITION_CREATED
 E_RUNNING: Final = "Running"
@@ -110,6 +124,7 @@ E_PODS_NOT_READY: Final = "PodsNotReady"
 E_INVALID_SPEC: Final = "InvalidSpec"
 E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
+E_ATTACHED: Final = "AttachedToPool"
 
 # Why the trainer Job failed (status.restartsByCause counts the first two; the last fails the job at once).
 CAUSE_FAILURE: Final = "failure"

@@ -38,7 +38,20 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule((c.GROUP,), (f"{c.PLURAL}/status",), ("patch",), "the job status: phase, progress, conditions"),
     Rule(
         (c.GROUP,),
-        (f"{c.PLURAL}/finalizers",),
+        (c.POOL_PLURAL,),
+        ("get", "list", "watch", "patch"),
+        "Kopf watches the RolloutPools and keeps its handler state in annotations (patch); a job's pass reads its "
+        "pool on resyncs (get)",
+    ),
+    Rule(
+        (c.GROUP,),
+        (f"{c.POOL_PLURAL}/status",),
+        ("patch",),
+        "the pool status: attached and waiting jobs (the jobs read their place there), replicas, adapter versions",
+    ),
+    Rule(
+        (c.GROUP,),
+        (f"{c.PLURAL}/finalizers", f"{c.POOL_PLURAL}/finalizers"),
         ("update",),
         "the children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement "
         "admission plugin (on in OpenShift) allows only to whoever may update the owner's finalizers",
@@ -46,9 +59,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("",),
         ("secrets",),
-        ("get", "create"),
+        ("get", "create", "patch"),
         "the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and "
-        "re-created if deleted",
+        "re-created if deleted. A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and "
+        "rewrites its attachment-list Secret as jobs attach and detach (patch)",
     ),
     Rule(
         ("",),
@@ -60,9 +74,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("networking.k8s.io",),
         ("networkpolicies",),
-        ("get", "create"),
+        ("get", "create", "patch"),
         "the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check "
-        "its owner and re-create it if deleted",
+        "its owner and re-create it if deleted. A RolloutPool's admits exactly its attached jobs' trainers: "
+        "rewritten as they change (patch)",
     ),
     Rule(
         ("policy",),

@@ -22,6 +22,7 @@ from pydantic import ValidationError
 from grpolora.api import constants as c
 from grpolora.api.load import InvalidJob, parse_job
 from grpolora.api.plan import JobPlan, plan
+from grpolora.api.pool import job_key
 from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, ObjectMeta
 from grpolora.api.status import (
     Condition,
@@ -33,7 +34,7 @@ from grpolora.api.status import (
     RoleReplicas,
     TrainerStatus,
 )
-from grpolora.operator import builders, kueue, names
+from grpolora.operator import builders, kueue, names, pools
 from grpolora.operator import conditions as cond
 from grpolora.operator import observe as obs
 
@@ -224,6 +225,8 @@ class Observed:
     flavors: Mapping[str, K8sObject | None] | None = None
     """The Kueue ResourceFlavors its admission names, by name (None in the map: no such flavor). Read only when a
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
+    pool: pools.PoolView | None = None
+    """The job's RolloutPool (jobs with spec.inference.poolRef only): its spec and status (the attachment list)."""
 
 
 @dataclass(frozen=True)
@@ -296,8 +299,18 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     if view.job is None:
         return _decide_invalid(view, old, stamp)
     job, report = view.job, observed.trainer
-    spec = job.spec
-    job_plan = plan(job)
+    place: pools.PoolPlace | None = None
+    if job.spec.inference.pool_ref is not None:
+        assert observed.pool is not None, "a job on a RolloutPool is decided with its pool"
+        unusable = _decide_without_pool(view, old, observed, now)
+        if unusable is not None:
+            return unusable
+        assert observed.pool.pool is not None
+        job_plan = plan(job, pool=observed.pool.pool)
+        place = pools.place(observed.pool.pool, observed.pool.status, job_key(view.namespace, view.name), view.uid)
+    else:
+        job_plan = plan(job)
+    spec = job_plan.spec  # on a pool: bound to it (its inference fields are the pool's)
     volumes = obs.volume_check(volume_uses(spec), observed.claims)
     if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
         return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
@@ -320,8 +333,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     admission = _admission(queue, observed.queue_workload)
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
-    elif spec.suspend or admission.status == "False":
-        # Suspended, or not (or no longer) admitted by Kueue: no pods hold any GPU.
+    elif spec.suspend or admission.status == "False" or (place is not None and not place.attached):
+        # Suspended, not (or no longer) admitted by Kueue, or not (or no longer) served by its RolloutPool (whose
+        # servers would refuse the trainer): no pods hold any GPU.
         phase = "Suspended" if spec.suspend else "Pending"
         for kind, obj in (("Job", tj), ("StatefulSet", sts)):
             if obj is not None and not obs.deleting(obj):
@@ -366,7 +380,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                     f"used up; last failure: {failure.message}"
                 )
         if phase not in TERMINAL:
-            if sts is None and "StatefulSet" not in blocked_kinds:
+            if sts is None and "StatefulSet" not in blocked_kinds and job_plan.inference is not None:
                 wanted_kinds.append("StatefulSet")
             alive = report is not None and report.phase in ("Starting", "Running")
             phase = "Running" if alive or old.phase == "Running" else "Pending"
@@ -404,9 +418,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     if finished and sts is not None and not obs.deleting(sts):
         deletes.append(ChildRef("StatefulSet", sts["metadata"]["name"]))  # release the inference GPUs
     delete_job = False
-    ttl = spec.ttl_seconds_after_finished
-    if finished and ttl is not None and completion is not None:
-        left = (_parse_time(completion) + datetime.timedelta(seconds=ttl) - now).total_seconds()
+    left = _ttl_left(spec, completion, now) if finished else None
+    if left is not None:
         delete_job = left <= 0
         requeue = None if delete_job else min(left, requeue if requeue is not None else left)
 
@@ -416,7 +429,10 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             desired=spec.trainer.replicas if wanted else 0,
             ready=obs.job_ready(tj) if tj is not None and restart_note is None else 0,
         ),
-        inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts)),
+        # On a pool: the pool's server replicas, which serve this job while it is attached.
+        inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts))
+        if place is None
+        else RoleReplicas(desired=place.desired if wanted else 0, ready=place.ready),
     )
     pods = _pods_condition(wanted, phase, counts, observed)
     if overdue is not None and wanted:
@@ -436,6 +452,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         pending_why = admission.message
     if flavor_wait is not None and phase == "Pending":
         pending_why = flavor_wait
+    if place is not None and not place.attached and phase == "Pending" and admission.status == "True":
+        pending_why = place.message
     message = {
         "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
@@ -462,6 +480,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         _refused_condition(view.refused),
         _volumes_condition(volumes),
         admission,
+        *([cond.Want(names.POOL_ATTACHED, _true(place.attached), place.reason, place.message)] if place else []),
     ]
     status = JobStatus(
         phase=phase,
@@ -476,6 +495,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         restarts_by_cause=by_cause,
         start_time=old.start_time or stamp,
         completion_time=completion,
+        pool=job_plan.pool,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
     finish_queue = (
@@ -628,13 +648,16 @@ def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetim
     )
 
 
-def _failed_to_start(view: JobView, old: JobStatus, reason: str, message: str, stamp: str) -> Decision:
+def _failed_to_start(
+    view: JobView, old: JobStatus, reason: str, message: str, stamp: str, *, pool: str | None = None
+) -> Decision:
     """The job cannot start as specified: Failed without a completionTime (a spec change runs a new pass, and until
     the children exist every field may change)."""
     wants = [
         cond.Want(names.CREATED, "False", reason, message),
         cond.Want(names.FAILED, "True", reason, message),
         _invalid_condition(view.problems),
+        *([cond.Want(names.POOL_ATTACHED, "False", reason, message)] if pool else []),
     ]
     status = JobStatus(
         phase="Failed",
@@ -642,8 +665,88 @@ def _failed_to_start(view: JobView, old: JobStatus, reason: str, message: str, s
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         start_time=old.start_time or stamp,
+        pool=pool,
     )
     return Decision(status=status, events=tuple(transition_events(old, status)), idle=True)
+
+
+def _decide_without_pool(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision | None:
+    """A job on a RolloutPool that cannot be planned on it: the pool is missing or invalid, or the job does not fit
+    it. None when it can (the regular decision follows).
+
+    Does not fit: Failed at once, naming each mismatch (field and both values); nothing is created. Missing: a job
+    that has not run on it waits (Pending, PoolNotFound) for it to be created; a job that ran on it fails
+    (PoolDeleted): its servers and its sync group are gone with the pool, so its trainer Job is deleted (the
+    checkpoints on spec.checkpoint.pvc stay; re-create the pool and the job to go on from the latest)."""
+    assert view.job is not None and observed.pool is not None
+    stamp = cond.rfc3339(now)
+    pool, ref = observed.pool, observed.pool.name
+    where = f"RolloutPool {view.namespace}/{ref}"
+    if pool.usable_by(view.job):
+        return None
+    if is_finished(old):  # terminal phases stick; only the TTL is left
+        left = _ttl_left(view.job.spec, old.completion_time, now)
+        return Decision(status=old, delete_job=left is not None and left <= 0, requeue_after=left, idle=left is None)
+    mismatch = pool.fit_errors(view.job)
+    if mismatch:
+        message = f"cannot run on {where}: " + "; ".join(f"spec.{path}: {why}" for path, why in mismatch)
+        return _failed_to_start(view, old, names.R_POOL_MISMATCH, message, stamp, pool=ref)
+    deletes: tuple[ChildRef, ...] = ()
+    if pools.attached_condition(old.conditions):
+        phase: JobPhase = "Failed"
+        reason = names.R_POOL_DELETED
+        message = (
+            f"{where} was deleted while the job ran on it: its servers and sync group are gone. Re-create the pool "
+            "and the job (with spec.checkpoint.pvc, training goes on from the latest checkpoint)"
+        )
+        tj = observed.trainer_job
+        if tj is not None and not obs.deleting(tj):
+            deletes = (ChildRef("Job", tj["metadata"]["name"]),)
+    else:
+        phase = "Pending"
+        reason = names.R_POOL_INVALID if pool.problems else names.R_POOL_NOT_FOUND
+        message = (
+            f"waiting for {where}, which is invalid: {'; '.join(pool.problems)}"
+            if pool.problems
+            else f"waiting for {where}, which does not exist (spec.inference.poolRef); nothing is created until it does"
+        )
+    created = cond.find(old.conditions, names.CREATED)
+    wants = [
+        cond.Want(created.type, created.status, created.reason, created.message)
+        if created is not None
+        else cond.Want(names.CREATED, "False", reason, message),
+        _progressing_condition(phase, None, "", message),
+        cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
+        cond.Want(names.FAILED, "True", reason, message)
+        if phase == "Failed"
+        else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
+        _invalid_condition(view.problems),
+        _refused_condition(view.refused),
+        cond.Want(names.POOL_ATTACHED, "False", reason, message),
+    ]
+    status = old.model_copy(
+        update={
+            "phase": phase,
+            "message": message,
+            "observed_generation": view.generation,
+            "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+            "completion_time": stamp if phase == "Failed" else None,
+            "pool": ref,
+        }
+    )
+    return Decision(status=status, delete=deletes, events=tuple(transition_events(old, status)))
+
+
+def _ttl_left(spec: GRPOLoraJobSpec, completion: str | None, now: datetime.datetime) -> float | None:
+    """Seconds until a finished job is deleted (spec.ttlSecondsAfterFinished); None without a TTL."""
+    ttl = spec.ttl_seconds_after_finished
+    if ttl is None or completion is None:
+        return None
+    return (_parse_time(completion) + datetime.timedelta(seconds=ttl) - now).total_seconds()
+
+
+def _true(value: bool) -> Literal["True", "False"]:
+    return "True" if value else "False"
 
 
 def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
@@ -741,7 +844,7 @@ def _rendezvous_condition(
             "True",
             names.R_GROUP_FORMED,
             f"epoch {progress.epoch}: trainer rank 0 and inference replicas [{members}] "
-            f"({len(report.sync_members)}/{job_plan.inference.replicas}) at {job_plan.sync.addr}:{job_plan.sync.port}",
+            f"({len(report.sync_members)}/{job_plan.sync.world_size - 1}) at {job_plan.sync.addr}:{job_plan.sync.port}",
         )
     if report is not None:
         detail = f": {report.message}" if report.message else ""
@@ -817,9 +920,12 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         return now
 
     if became_true(names.CREATED):
-        what = "the token Secret, headless Services and NetworkPolicy"
-        if new.phase != "Suspended":
-            what += ", the trainer Job and the inference StatefulSet"
+        if new.pool is not None:  # a job on a RolloutPool: its trainer waits for the pool to attach it
+            what = "the token Secret, the trainer's headless Service and the NetworkPolicy"
+        else:
+            what = "the token Secret, headless Services and NetworkPolicy"
+            if new.phase != "Suspended":
+                what += ", the trainer Job and the inference StatefulSet"
         events.append(Event("Normal", names.E_CREATED, f"created {what}"))
     if new.phase != old.phase:
         if old.phase == "Suspended" and new.phase in ("Pending", "Running"):
@@ -859,6 +965,9 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         and (pods_before is None or pods_before.reason != pods_now.reason)
     ):
         events.append(Event("Warning", names.E_PODS_NOT_READY, pods_now.message))
+    attached = became_true(names.POOL_ATTACHED)
+    if attached is not None:
+        events.append(Event("Normal", names.E_ATTACHED, attached.message))
     invalid = became_true(names.INVALID_SPEC)
     if invalid is not None:
         events.append(Event("Warning", names.E_INVALID_SPEC, invalid.message))

@@ -10,6 +10,12 @@ PLURAL: Final = "grpolorajobs"
 SINGULAR: Final = "grpolorajob"
 SHORT_NAMES: Final = ("glj",)
 CRD_NAME: Final = f"{PLURAL}.{GROUP}"
+# RolloutPool: one vLLM fleet shared by several jobs (inference.poolRef).
+POOL_KIND: Final = "RolloutPool"
+POOL_PLURAL: Final = "rolloutpools"
+POOL_SINGULAR: Final = "rolloutpool"
+POOL_SHORT_NAMES: Final = ("rpool",)
+POOL_CRD_NAME: Final = f"{POOL_PLURAL}.{GROUP}"
 
 APP_NAME: Final = "grpo-lora"
 OPERATOR_NAME: Final = "grpo-lora-operator"
@@ -21,6 +27,8 @@ LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_JOB: Final = f"{GROUP}/job"
 LABEL_ROLE: Final = f"{GROUP}/role"
+# On a RolloutPool's children and pods (not `grpolora.dev/pool`: the examples use that one as a node label).
+LABEL_POOL: Final = f"{GROUP}/rollout-pool"
 
 ROLE_TRAINER: Final = "trainer"
 ROLE_INFERENCE: Final = "inference"
@@ -72,7 +80,10 @@ MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
 SHM_MOUNT: Final = "/dev/shm"
 CACHE_MOUNT: Final = "/cache"
 MODEL_MOUNT: Final = "/models"
-POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints")
+# A RolloutPool's attachment list (its Secret, mounted into its servers).
+POOL_JOBS_VOLUME: Final = "pool-jobs"
+POOL_JOBS_MOUNT: Final = "/var/run/grpolora/pool"
+POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME)
 
 # Kueue: this label on a GRPOLoraJob names the LocalQueue; the operator then creates one Kueue Workload holding a pod
 # set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).

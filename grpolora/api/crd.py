@@ -1,7 +1,8 @@
-"""The GRPOLoraJob CustomResourceDefinition, generated from the spec and status models (its one source).
+"""The CustomResourceDefinitions (GRPOLoraJob, RolloutPool), generated from the spec and status models (their one
+source) by one function.
 
-`crds/grpolorajobs.grpolora.dev.yaml` is this function's output; a test keeps the two equal
-(`grpolora crd > crds/grpolorajobs.grpolora.dev.yaml` regenerates it).
+`crds/<plural>.grpolora.dev.yaml` are these functions' output (CRD_FILES); a test keeps them equal
+(`make crd`, i.e. `grpolora crd --kind <Kind>`, regenerates them).
 """
 
 from __future__ import annotations
@@ -11,8 +12,15 @@ from typing import Any
 import yaml
 
 from grpolora.api import constants as c
-from grpolora.api.spec import CEL_VALIDATIONS, DNS_1035_LABEL, GRPOLoraJobSpec, cel_rule, max_job_name_length
-from grpolora.api.status import JobStatus
+from grpolora.api.spec import (
+    CEL_VALIDATIONS,
+    DNS_1035_LABEL,
+    GRPOLoraJobSpec,
+    RolloutPoolSpec,
+    cel_rule,
+    max_job_name_length,
+)
+from grpolora.api.status import JobStatus, PoolStatus
 
 PRESERVE = "x-kubernetes-preserve-unknown-fields"
 # Keys a structural OpenAPI v3 schema may carry (JSON-Schema-only keys such as `title` are dropped).
@@ -42,38 +50,113 @@ _KEEP = {
 
 
 def crd() -> dict[str, Any]:
-    """The CustomResourceDefinition as a dict."""
+    """The GRPOLoraJob CustomResourceDefinition as a dict."""
     spec_schema = structural(GRPOLoraJobSpec.model_json_schema(by_alias=True, mode="validation"))
     # No server-side defaults in `inference`: the API server would fill them in before the CEL rules run, and a job on
     # a pool (inference.poolRef) must leave them unset. The model supplies them wherever they are read.
     for field in spec_schema["properties"]["inference"]["properties"].values():
         field.pop("default", None)
-    status_schema = structural(JobStatus.model_json_schema(by_alias=True, mode="serialization"))
+    column = _printer_column
+    return _custom_resource(
+        kind=c.KIND,
+        plural=c.PLURAL,
+        singular=c.SINGULAR,
+        short_names=c.SHORT_NAMES,
+        spec_schema=spec_schema,
+        status_schema=structural(JobStatus.model_json_schema(by_alias=True, mode="serialization")),
+        spec_description="Desired state of a GRPO LoRA training job.",
+        description="A GRPO reinforcement-learning job that trains a LoRA adapter and syncs it to vLLM inference "
+        "replicas after each step.",
+        rules=root_rules(),
+        columns=[
+            column("Phase", "string", ".status.phase", "Job phase"),
+            column("Step", "integer", ".status.step", "Optimizer steps completed"),
+            column("Total", "integer", ".status.totalSteps", "Steps to run", priority=1),
+            column("SyncRound", "integer", ".status.syncRound", "Adapter version being served"),
+            column("Reward", "number", ".status.rewardMean", "Mean reward of the last step"),
+            column("Ready", "integer", ".status.replicas.inference.ready", "Ready inference replicas"),
+            column("Restarts", "integer", ".status.trainerRestarts", "Trainer restarts (any cause)"),
+            column("Epoch", "integer", ".status.rendezvous.epoch", "Sync-group epoch", priority=1),
+            column("Message", "string", ".status.message", "Why the job is in its phase", priority=1),
+            column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
+        ],
+    )
+
+
+def pool_crd() -> dict[str, Any]:
+    """The RolloutPool CustomResourceDefinition as a dict (same machinery, same group and version)."""
+    column = _printer_column
+    spec_schema = structural(RolloutPoolSpec.model_json_schema(by_alias=True, mode="validation"))
+    # The servers run with the spec they were started with (the engine's LoRA slots and rank, the model, ...), and
+    # jobs attach by it: a change would let jobs attach by a spec the servers do not run.
+    spec_schema.setdefault(CEL_VALIDATIONS, []).append(
+        cel_rule(
+            "self == oldSelf",
+            "a RolloutPool's spec cannot change: its servers run with the spec they were started with; delete and "
+            "re-create the RolloutPool (its attached jobs then fail with PoolDeleted)",
+        )
+    )
+    return _custom_resource(
+        kind=c.POOL_KIND,
+        plural=c.POOL_PLURAL,
+        singular=c.POOL_SINGULAR,
+        short_names=c.POOL_SHORT_NAMES,
+        spec_schema=spec_schema,
+        status_schema=structural(PoolStatus.model_json_schema(by_alias=True, mode="serialization")),
+        spec_description="Desired state of a shared rollout pool.",
+        description="vLLM servers of one base model shared by several GRPOLoraJobs (spec.inference.poolRef), each "
+        "job's adapters in LoRA slots of its own.",
+        rules=name_rules(),
+        columns=[
+            column("Ready", "integer", ".status.replicas.ready", "Ready server replicas"),
+            column("Desired", "integer", ".status.replicas.desired", "Server replicas", priority=1),
+            column("Jobs", "string", ".status.jobs", "Jobs attached / spec.maxJobs"),
+            column("Waiting", "integer", ".status.waiting", "Jobs waiting for a free place"),
+            column("Tokens/s", "number", ".status.tokensPerSecond", "Completion tokens per second, all jobs"),
+            column("Slots", "integer", ".status.slotsInUse", "LoRA slots in use", priority=1),
+            column("Message", "string", ".status.message", "What the pool is doing", priority=1),
+            column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
+        ],
+    )
+
+
+def _custom_resource(
+    *,
+    kind: str,
+    plural: str,
+    singular: str,
+    short_names: tuple[str, ...],
+    spec_schema: dict[str, Any],
+    status_schema: dict[str, Any],
+    spec_description: str,
+    description: str,
+    rules: list[dict[str, str]],
+    columns: list[dict[str, Any]],
+) -> dict[str, Any]:
     # Kopf keeps its own bookkeeping under status.kopf when told to; keep it unpruned.
     status_schema["properties"]["kopf"] = {
         "type": "object",
         PRESERVE: True,
         "description": "Kopf's handler bookkeeping.",
     }
-    spec_schema["description"] = "Desired state of a GRPO LoRA training job."
+    spec_schema["description"] = spec_description
     status_schema["description"] = "Observed state, written by the operator."
-    column = _printer_column
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
         "metadata": {
-            "name": c.CRD_NAME,
+            "name": f"{plural}.{c.GROUP}",
             "labels": {c.LABEL_NAME: c.OPERATOR_NAME},
         },
         "spec": {
             "group": c.GROUP,
             "scope": "Namespaced",
             "names": {
-                "kind": c.KIND,
-                "listKind": f"{c.KIND}List",
-                "plural": c.PLURAL,
-                "singular": c.SINGULAR,
-                "shortNames": list(c.SHORT_NAMES),
+                "kind": kind,
+                "listKind": f"{kind}List",
+                "plural": plural,
+                "singular": singular,
+                "shortNames": list(short_names),
                 "categories": ["all", "grpolora"],
             },
             "versions": [
@@ -82,28 +165,16 @@ def crd() -> dict[str, Any]:
                     "served": True,
                     "storage": True,
                     "subresources": {"status": {}},
-                    "additionalPrinterColumns": [
-                        column("Phase", "string", ".status.phase", "Job phase"),
-                        column("Step", "integer", ".status.step", "Optimizer steps completed"),
-                        column("Total", "integer", ".status.totalSteps", "Steps to run", priority=1),
-                        column("SyncRound", "integer", ".status.syncRound", "Adapter version being served"),
-                        column("Reward", "number", ".status.rewardMean", "Mean reward of the last step"),
-                        column("Ready", "integer", ".status.replicas.inference.ready", "Ready inference replicas"),
-                        column("Restarts", "integer", ".status.trainerRestarts", "Trainer restarts (any cause)"),
-                        column("Epoch", "integer", ".status.rendezvous.epoch", "Sync-group epoch", priority=1),
-                        column("Message", "string", ".status.message", "Why the job is in its phase", priority=1),
-                        column("Age", "date", ".metadata.creationTimestamp", "Time since creation"),
-                    ],
+                    "additionalPrinterColumns": columns,
                     "schema": {
                         "openAPIV3Schema": {
                             "type": "object",
-                            "description": "A GRPO reinforcement-learning job that trains a LoRA adapter and "
-                            "syncs it to vLLM inference replicas after each step.",
+                            "description": description,
                             "required": ["spec"],
-                            CEL_VALIDATIONS: root_rules(),
+                            CEL_VALIDATIONS: rules,
                             "properties": {
-                                "apiVersion": {"type": "string", "description": "grpolora.dev/v1alpha1"},
-                                "kind": {"type": "string", "description": "GRPOLoraJob"},
+                                "apiVersion": {"type": "string", "description": c.API_VERSION},
+                                "kind": {"type": "string", "description": kind},
                                 "metadata": metadata_schema(),
                                 "spec": spec_schema,
                                 "status": status_schema,
@@ -130,9 +201,25 @@ def metadata_schema() -> dict[str, Any]:
     }
 
 
+def name_rules() -> list[dict[str, str]]:
+    """CEL rules on metadata.name, the same for jobs and pools (both name children `<name>-<suffix>`)."""
+    longest = max_job_name_length()
+    return [
+        cel_rule(
+            f"self.metadata.name.matches('{DNS_1035_LABEL.pattern}')",
+            "metadata.name must be an RFC 1035 label: lower-case letters, digits and '-', starting with a letter "
+            "and ending with a letter or digit (it names Services)",
+        ),
+        cel_rule(
+            f"self.metadata.name.size() <= {longest}",
+            f"metadata.name may have at most {longest} characters: child objects are named `<name>-"
+            f"{c.ROLE_INFERENCE}` and must stay within the {c.DNS_LABEL_MAX}-character DNS label limit",
+        ),
+    ]
+
+
 def root_rules() -> list[dict[str, str]]:
     """CEL rules that need metadata.name or the old object (rules inside the spec come from grpolora.api.spec)."""
-    longest = max_job_name_length()
     created = (
         f"has(oldSelf.status) && has(oldSelf.status.conditions) && oldSelf.status.conditions.exists(c, "
         f"c.type == '{c.CONDITION_CREATED}' && c.status == 'True')"
@@ -147,16 +234,7 @@ def root_rules() -> list[dict[str, str]]:
         for f in fixed
     )
     return [
-        cel_rule(
-            f"self.metadata.name.matches('{DNS_1035_LABEL.pattern}')",
-            "metadata.name must be an RFC 1035 label: lower-case letters, digits and '-', starting with a letter "
-            "and ending with a letter or digit (it names Services)",
-        ),
-        cel_rule(
-            f"self.metadata.name.size() <= {longest}",
-            f"metadata.name may have at most {longest} characters: child objects are named `<name>-"
-            f"{c.ROLE_INFERENCE}` and must stay within the {c.DNS_LABEL_MAX}-character DNS label limit",
-        ),
+        *name_rules(),
         cel_rule(
             f"!({created}) || ({unchanged})",
             "only spec." + " and spec.".join(c.MUTABLE_SPEC_FIELDS) + " can change once the job's children "
@@ -172,8 +250,9 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
-def crd_yaml() -> str:
-    return yaml.dump(crd(), Dumper=_NoAliasDumper, sort_keys=False, width=120)
+def crd_yaml(kind: str = c.KIND) -> str:
+    """The CRD of `kind` (GRPOLoraJob or RolloutPool) as the YAML shipped in crds/ (CRD_FILES)."""
+    return yaml.dump(CRDS[kind](), Dumper=_NoAliasDumper, sort_keys=False, width=120)
 
 
 def structural(schema: dict[str, Any]) -> dict[str, Any]:
@@ -247,3 +326,9 @@ def _printer_column(name: str, kind: str, path: str, description: str, priority:
     if priority:
         column["priority"] = priority
     return column
+
+
+CRDS: dict[str, Any] = {c.KIND: crd, c.POOL_KIND: pool_crd}
+"""Each kind's CRD function."""
+CRD_FILES: dict[str, str] = {c.KIND: f"{c.CRD_NAME}.yaml", c.POOL_KIND: f"{c.POOL_CRD_NAME}.yaml"}
+"""Each kind's file name in crds/ and in the chart's files/."""

@@ -1,4 +1,5 @@
-"""Read GRPOLoraJob documents and turn every problem into a message that names its field path and line.
+"""Read GRPOLoraJob and RolloutPool documents and turn every problem into a message that names its field path and
+line.
 
 Used by `grpolora validate|render|run` and by the operator (where the path goes into the InvalidSpec condition).
 """
@@ -16,7 +17,11 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpolora.api import constants as c
-from grpolora.api.spec import FieldErrors, GRPOLoraJob
+from grpolora.api.spec import FieldErrors, GRPOLoraJob, RolloutPool
+
+Document = GRPOLoraJob | RolloutPool
+_M = typing.TypeVar("_M", GRPOLoraJob, RolloutPool)
+_T = typing.TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -44,12 +49,29 @@ class InvalidJob(ValueError):
 
 def parse_job(document: Any, *, source: str = "", node: yaml.Node | None = None) -> GRPOLoraJob:
     """Validate one parsed document; raise InvalidJob listing all problems, each at its field path."""
+    return _parse(GRPOLoraJob, document, source, node)
+
+
+def parse_pool(document: Any, *, source: str = "", node: yaml.Node | None = None) -> RolloutPool:
+    """Validate one parsed RolloutPool document, with the same messages as a job's."""
+    return _parse(RolloutPool, document, source, node)
+
+
+def parse_document(document: Any, *, source: str = "", node: yaml.Node | None = None) -> Document:
+    """A RolloutPool or (any other kind) a GRPOLoraJob, validated as such."""
+    if isinstance(document, Mapping) and document.get("kind") == c.POOL_KIND:
+        return parse_pool(document, source=source, node=node)
+    return parse_job(document, source=source, node=node)
+
+
+def _parse(model: type[_M], document: Any, source: str, node: yaml.Node | None) -> _M:
     if not isinstance(document, Mapping):
-        raise InvalidJob([Problem("", f"expected a GRPOLoraJob mapping, got {type(document).__name__}")], source)
+        kind = c.POOL_KIND if model is RolloutPool else c.KIND
+        raise InvalidJob([Problem("", f"expected a {kind} mapping, got {type(document).__name__}")], source)
     try:
-        return GRPOLoraJob.model_validate(document)
+        return model.model_validate(document)
     except ValidationError as exc:
-        problems = [p for error in exc.errors() for p in _problems_from(error)]
+        problems = [p for error in exc.errors() for p in _problems_from(error, model)]
         if node is not None:
             problems = [Problem(p.path, p.message, _line_of(node, p.path)) for p in problems]
         raise InvalidJob(problems, source) from None
@@ -57,12 +79,19 @@ def parse_job(document: Any, *, source: str = "", node: yaml.Node | None = None)
 
 def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
     """Every GRPOLoraJob in a YAML file (one or more `---` documents); InvalidJob on any problem in any."""
-    source = str(path)
+    return load_jobs_from_text(_read(path), source=str(path))
+
+
+def load_documents(path: str | Path) -> list[Document]:
+    """Every GRPOLoraJob and RolloutPool in a YAML file, in order; InvalidJob on any problem in any."""
+    return load_documents_from_text(_read(path), source=str(path))
+
+
+def _read(path: str | Path) -> str:
     try:
-        text = Path(path).read_text()
+        return Path(path).read_text()
     except OSError as exc:
-        raise InvalidJob([Problem("", f"cannot read file: {exc.strerror}")], source) from None
-    return load_jobs_from_text(text, source=source)
+        raise InvalidJob([Problem("", f"cannot read file: {exc.strerror}")], str(path)) from None
 
 
 def load_one_job(path: str | Path, what: str) -> GRPOLoraJob:
@@ -75,6 +104,14 @@ def load_one_job(path: str | Path, what: str) -> GRPOLoraJob:
 
 
 def load_jobs_from_text(text: str, *, source: str = "<input>") -> list[GRPOLoraJob]:
+    return _load_from_text(text, source, parse_job)
+
+
+def load_documents_from_text(text: str, *, source: str = "<input>") -> list[Document]:
+    return _load_from_text(text, source, parse_document)
+
+
+def _load_from_text(text: str, source: str, parse: typing.Callable[..., _T]) -> list[_T]:
     try:
         nodes = [n for n in yaml.compose_all(text, Loader=yaml.SafeLoader) if n is not None]
         documents = [yaml.load(yaml.serialize(n), Loader=yaml.SafeLoader) for n in nodes]
@@ -90,7 +127,7 @@ def load_jobs_from_text(text: str, *, source: str = "<input>") -> list[GRPOLoraJ
         label = f"document {index + 1}: " if len(documents) > 1 else ""
         found = _duplicate_keys(node, "")
         try:
-            jobs.append(parse_job(document, source=source, node=node))
+            jobs.append(parse(document, source=source, node=node))
         except InvalidJob as exc:
             found += exc.problems
         problems += [Problem(p.path, label + p.message, p.line) for p in found]
@@ -135,7 +172,7 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
 # ---- error formatting -------------------------------------------------------------------------------------
 
 
-def _problems_from(error: Mapping[str, Any]) -> Iterable[Problem]:
+def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob) -> Iterable[Problem]:
     loc = tuple(error["loc"])
     cause = (error.get("ctx") or {}).get("error")
     if isinstance(cause, FieldErrors):
@@ -145,7 +182,7 @@ def _problems_from(error: Mapping[str, Any]) -> Iterable[Problem]:
     kind = error["type"]
     if kind == "extra_forbidden":
         field = str(loc[-1])
-        valid = _field_names_at(loc[:-1])
+        valid = _field_names_at(loc[:-1], root)
         hint = difflib.get_close_matches(field, valid, n=1)
         message = f"unknown field `{field}`"
         if hint:
@@ -173,9 +210,9 @@ def _join(loc: tuple[Any, ...]) -> str:
     return path
 
 
-def _field_names_at(loc: tuple[Any, ...]) -> list[str]:
+def _field_names_at(loc: tuple[Any, ...], root: type[BaseModel] = GRPOLoraJob) -> list[str]:
     """The wire names of the fields of the model found at `loc` (empty if it is not a model)."""
-    model: Any = GRPOLoraJob
+    model: Any = root
     for part in loc:
         if isinstance(part, int):
             continue

@@ -34,6 +34,7 @@ _OPERATOR_LABELS: Final = (
     c.LABEL_INSTANCE,
     c.LABEL_MANAGED_BY,
     c.LABEL_JOB,
+    c.LABEL_POOL,
     c.LABEL_COMPONENT,
     c.LABEL_ROLE,
 )
@@ -90,7 +91,13 @@ def owned_paths(role: str, *, checkpoint_path: str | None, fields_at: str | None
         owned[f"{container}.{field}"] = OPERATOR
     for field in ("allowPrivilegeEscalation", "capabilities.drop"):
         owned[f"{container}.securityContext.{field}"] = OPERATOR
-    for mount in (c.SHM_MOUNT, c.CACHE_MOUNT, c.MODEL_MOUNT, *([checkpoint_path] if checkpoint_path else [])):
+    for mount in (
+        c.SHM_MOUNT,
+        c.CACHE_MOUNT,
+        c.MODEL_MOUNT,
+        c.POOL_JOBS_MOUNT,
+        *([checkpoint_path] if checkpoint_path else []),
+    ):
         owned[f"{container}.volumeMounts[{mount}]"] = OPERATOR
     return owned
 

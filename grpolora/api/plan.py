@@ -205,7 +205,7 @@ def _model_location(spec_model) -> str:
     return f"{MODEL_MOUNT}/{spec_model.name.lstrip('/')}" if spec_model.source else spec_model.name
 
 
-POOL_JOBS_MOUNT = "/var/run/grpolora/pool"
+POOL_JOBS_MOUNT = c.POOL_JOBS_MOUNT
 
 
 def plan_pool(pool: RolloutPool, network: Network | None = None) -> PoolPlan:

@@ -13,9 +13,11 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     StringConstraints,
     ValidationInfo,
     field_validator,
+    model_serializer,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -643,6 +645,15 @@ class InferenceSpec(ServingSpec):
     pool_ref: PoolRef | None = None
     """Run the rollouts on a shared RolloutPool of the same base model instead of servers of the job's own; the
     job then brings only its trainer, and every other field here must be left unset (the pool's apply)."""
+
+    @model_serializer(mode="wrap")
+    def _only_the_pool_ref(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """On a pool, only poolRef is written (as the user must write it), so that the wire form reads back as the
+        same spec: the defaults would otherwise read as fields set on a job on a pool, which is refused."""
+        dumped: dict[str, Any] = handler(self)
+        if self.pool_ref is None:
+            return dumped
+        return {key: value for key, value in dumped.items() if key in ("poolRef", "pool_ref")}
 
 
 class SyncSpec(SpecModel):

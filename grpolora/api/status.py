@@ -212,3 +212,53 @@ class JobStatus(_Wire):
     """When the job's children were first created."""
     completion_time: str | None = None
     """When the job succeeded or failed."""
+    pool: str | None = None
+    """The RolloutPool whose servers run the rollouts (spec.inference.poolRef); see its status for the adapter
+    version each replica serves and the job's place in line."""
+
+
+# ---- RolloutPool ----------------------------------------------------------------------------------------------
+
+
+class ReplicaAdapter(_Wire):
+    replica: int
+    """Index of the pool replica."""
+    live_version: int
+    """Adapter version of the job that replica serves new rollouts with."""
+
+
+class AttachedJob(_Wire):
+    job: str
+    """<namespace>/<name> of the GRPOLoraJob."""
+    uid: str = ""
+    """Its metadata.uid (a re-created job of the same name is another job)."""
+    adapter_versions: list[ReplicaAdapter] = Field(default_factory=list, max_length=1024)
+    """The adapter version each replica serves, as the replicas report it (GET /v1/adapter); a replica that did
+    not answer is left out."""
+
+
+class PoolStatus(_Wire):
+    """status of a RolloutPool, written by the operator (its only writer: it decides which jobs attach)."""
+
+    message: str | None = None
+    """What the pool is doing or waiting for."""
+    observed_generation: int | None = None
+    """metadata.generation last reconciled."""
+    conditions: list[Condition] = Field(default_factory=list, max_length=32)
+    """Conditions in metav1.Condition shape; the whole list is written each time."""
+    replicas: RoleReplicas | None = None
+    """Ready and desired server pods."""
+    attached_jobs: list[AttachedJob] = Field(default_factory=list)
+    """The jobs the servers serve (the pool's attachment list), in the order they attached."""
+    waiting_jobs: list[str] = Field(default_factory=list)
+    """Jobs (<namespace>/<name>) that fit but wait for a free place, first in line first."""
+    jobs: str | None = None
+    """`attached/maxJobs`, for `kubectl get rpool`."""
+    waiting: int | None = None
+    """How many jobs wait (the length of waitingJobs)."""
+    slots_in_use: int | None = None
+    """LoRA slots reserved by the attached jobs (adaptersPerJob each)."""
+    slots: int | None = None
+    """LoRA slots of each engine (maxJobs x adaptersPerJob)."""
+    tokens_per_second: float | None = None
+    """Completion tokens per second over all replicas and jobs, as the replicas report it."""

@@ -29,7 +29,8 @@ import kmock
 import kubernetes_validate
 from referencing import Registry, Resource
 
-from grpolora.api.crd import crd
+from grpolora.api import constants as c
+from grpolora.api.crd import CRDS
 from grpolora.api.kubetypes import QUANTITY
 
 KUBERNETES_VERSION = "1.33.0"
@@ -153,8 +154,9 @@ def _toleration(toleration: Mapping[str, Any], where: str) -> Iterator[tuple[str
 # ---- the GRPOLoraJob CRD ----------------------------------------------------------------------------------
 
 
-def crd_schema() -> dict[str, Any]:
-    schema: dict[str, Any] = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+def crd_schema(kind: str = c.KIND) -> dict[str, Any]:
+    """The openAPIV3Schema of the GRPOLoraJob (or RolloutPool) CRD."""
+    schema: dict[str, Any] = CRDS[kind]()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
     return schema
 
 
@@ -170,7 +172,8 @@ def validate_custom(
     if unknown and strict:
         raise bad_request("strict decoding error: " + ", ".join(f'unknown field "{p}"' for p in unknown))
     obj[part] = _pruned(obj[part], sub_schema)
-    errors = sorted(_crd_validator(part).iter_errors(obj[part]), key=lambda e: list(e.path))
+    validator = jsonschema.Draft4Validator(sub_schema)  # openAPIV3Schema is close to draft 4 (boolean exclusive bounds)
+    errors = sorted(validator.iter_errors(obj[part]), key=lambda e: list(e.path))
     if errors:
         raise invalid(obj, [(_path([part, *e.path]), _detail(e)) for e in errors])
     violations = cel_violations(schema, obj, old) if part == "spec" else []
@@ -240,12 +243,6 @@ def cel_violations(
 def _cel_program(rule: str) -> celpy.Runner:
     environment = celpy.Environment()
     return environment.program(environment.compile(rule))
-
-
-@functools.cache
-def _crd_validator(part: str) -> jsonschema.Draft4Validator:
-    """openAPIV3Schema is close to JSON Schema draft 4 (boolean exclusiveMinimum/Maximum)."""
-    return jsonschema.Draft4Validator(crd_schema()["properties"][part])
 
 
 def _detail(error: jsonschema.ValidationError) -> str:

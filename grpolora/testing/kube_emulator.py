@@ -34,11 +34,15 @@ from grpolora.testing import kube_apiserver
 TEST_USER_AGENT = "grpolora-tests"
 NAMESPACE = "team-a"  # where the helpers below put and read objects unless told otherwise
 CRD_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
+POOL_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}"
 ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 # What the operator touches, declared for API discovery (Kopf reads it at start-up and serves only watchable ones).
 RESOURCES: dict[str, kmock.ResourceInfo] = {
     CRD_RESOURCE: kmock.ResourceInfo(
         kind=c.KIND, namespaced=True, subresources={"status"}, shortnames={"glj"}, verbs=ALL_VERBS
+    ),
+    POOL_RESOURCE: kmock.ResourceInfo(
+        kind=c.POOL_KIND, namespaced=True, subresources={"status"}, shortnames={"rpool"}, verbs=ALL_VERBS
     ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
@@ -89,7 +93,13 @@ class Emulator(kmock.KubernetesEmulator):
     gc_delay: float = 0.2
     """Seconds between garbage-collector sweeps (a real collector also takes a while)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
-    _crd_schema: dict[str, Any] = attrs.field(factory=kube_apiserver.crd_schema, init=False)
+    _crd_schemas: dict[str, dict[str, Any]] = attrs.field(
+        factory=lambda: {
+            c.PLURAL: kube_apiserver.crd_schema(c.KIND),
+            c.POOL_PLURAL: kube_apiserver.crd_schema(c.POOL_KIND),
+        },
+        init=False,
+    )
     _gc_due: bool = attrs.field(default=False, init=False)
     """Something was deleted, or created with owners, since the last sweep (the collector is event-driven too)."""
 
@@ -123,12 +133,13 @@ class Emulator(kmock.KubernetesEmulator):
         """Refuse what a real API server refuses (see grpolora.testing.kube_apiserver), before anything is stored."""
         if self.validate:
             strict_fields = (request.params or {}).get("fieldValidation") == "Strict"
-            if request.resource.plural == c.PLURAL and request.resource.group == c.GROUP:
+            if request.resource.plural in self._crd_schemas and request.resource.group == c.GROUP:
                 part = "status" if request.subresource == "status" and not created else "spec"
                 key = (request.resource, request.namespace, request.name)
                 stored = None if created or key not in self.objects else self.objects[key]
                 old = stored.raw if stored is not None and not stored.deleted else None
-                kube_apiserver.validate_custom(obj, self._crd_schema, strict=strict_fields, part=part, old=old)
+                schema = self._crd_schemas[str(request.resource.plural)]
+                kube_apiserver.validate_custom(obj, schema, strict=strict_fields, part=part, old=old)
             elif request.subresource != "status":
                 kube_apiserver.validate_builtin(obj, strict=strict_fields)
         if not created and "ownerReferences" not in (request.data.get("metadata") or {}):
@@ -302,10 +313,15 @@ class Cluster:
     # ---- kubectl --------------------------------------------------------------------------------------
 
     async def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """Create a GRPOLoraJob or a RolloutPool (by its kind)."""
         namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
+        plural = c.POOL_PLURAL if doc.get("kind") == c.POOL_KIND else c.PLURAL
         # kubectl's default: unknown fields are refused, not silently dropped.
-        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}?fieldValidation=Strict"
+        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{plural}?fieldValidation=Strict"
         return await self._call("POST", path, doc)
+
+    async def delete_pool(self, name: str, namespace: str = NAMESPACE) -> None:
+        await self._call("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.POOL_PLURAL}/{name}")
 
     async def patch_spec(self, name: str, spec: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call(
@@ -347,6 +363,11 @@ class Cluster:
 
     def status(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
         return self.job(name, namespace).get("status") or {}
+
+    def pool_status(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
+        found = self.get(POOL_RESOURCE, name, namespace)
+        assert found is not None, f"RolloutPool {namespace}/{name} is gone"
+        return found.get("status") or {}
 
     def condition(self, name: str, type_: str, namespace: str = NAMESPACE) -> dict[str, Any]:
         for condition in self.status(name, namespace).get("conditions") or []:

@@ -83,6 +83,7 @@ def test_default_release_renders_exactly_these_objects(chart):
             "ClusterRole",
             "ClusterRoleBinding",
             "CustomResourceDefinition",  # GRPOLoraJob (the Kopf peering CRDs only with peering.enabled)
+            "CustomResourceDefinition",  # RolloutPool
             "Deployment",
             "Service",
             "ServiceAccount",
@@ -407,9 +408,21 @@ def test_the_charts_crd_copy_is_the_shipped_crd():
     assert CHART_CRD_COPY.read_text() == SHIPPED_CRD.read_text(), "run `make crd` (it refreshes both copies)"
 
 
+def test_the_chart_ships_the_rollout_pool_crd_too_with_the_keep_policy(chart):
+    name = "rolloutpools.grpolora.dev"
+    shipped = (ROOT / "crds" / f"{name}.yaml").read_text()
+    assert (CHART / "files" / f"{name}.yaml").read_text() == shipped, "run `make crd` (it refreshes both copies)"
+    text = chart.template_text(None, "--show-only", "templates/crd.yaml")
+    crds = {d["metadata"]["name"]: d for d in yaml.safe_load_all(text) if d}
+    assert sorted(crds) == ["grpolorajobs.grpolora.dev", name]
+    assert crds[name]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    del crds[name]["metadata"]["annotations"]
+    assert crds[name] == yaml.safe_load(shipped)
+
+
 def test_rendered_crd_is_the_shipped_crd_verbatim_plus_the_keep_policy(chart):
     text = chart.template_text(None, "--show-only", "templates/crd.yaml")
-    body = text.split("\n", 2)[2]  # after "---" and "# Source: ..."
+    body = text.split("\n", 2)[2].split("\n---\n")[0]  # after "---" and "# Source: ...", the first CRD
     shipped = SHIPPED_CRD.read_text()
     keep = "metadata:\n  annotations:\n    helm.sh/resource-policy: keep\n  name: grpolorajobs.grpolora.dev\n"
     assert body.strip() == shipped.replace("metadata:\n  name: grpolorajobs.grpolora.dev\n", keep).strip()

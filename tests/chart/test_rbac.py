@@ -149,7 +149,8 @@ def test_rbac_never_grants_wildcards_escalation_or_secret_listing(chart, values)
         assert "*" not in (group, resource) and verb not in ESCALATING_VERBS, (group, resource, verb)
         if resource == "secrets":
             # The operator reads its own token Secret by name; listing would expose every Secret in the namespace.
-            assert verb in ("get", "create"), verb
+            # patch: a RolloutPool's attachment list is rewritten as jobs come and go (by name, never listed).
+            assert verb in ("get", "create", "patch"), verb
 
 
 @pytest.mark.parametrize("values", list(SCOPES.values()), ids=list(SCOPES))

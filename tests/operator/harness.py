@@ -84,10 +84,12 @@ def operator_options(**overrides: Any) -> OperatorOptions:
 
 
 class FakeTrainer:
-    """Trainer rank 0's /status, scripted by the test (None answers 503, as while loading)."""
+    """Trainer rank 0's /status, scripted by the test (None answers 503, as while loading); also a pool server's
+    open GET /v1/adapter (`adapters`, None: 503), since every `*.svc` name resolves here."""
 
     def __init__(self) -> None:
         self.report: dict[str, Any] | None = None
+        self.adapters: dict[str, Any] | None = None
         self.polls = 0
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -98,9 +100,15 @@ class FakeTrainer:
             return web.Response(status=503, text="loading")
         return web.json_response(self.report)
 
+    async def _adapters(self, _: web.Request) -> web.Response:
+        if self.adapters is None:
+            return web.Response(status=503, text="loading")
+        return web.json_response(self.adapters)
+
     async def start(self) -> None:
         app = web.Application()
         app.router.add_get("/status", self._status)
+        app.router.add_get("/v1/adapter", self._adapters)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()

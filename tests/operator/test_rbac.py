@@ -11,6 +11,7 @@ from grpolora.operator import rbac
 from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, fake_trainer, operator_options, wait_for
+from tests.operator.test_pool import job_on_pool, pool_doc
 
 PEERING = "grpo-lora-operator"
 
@@ -61,6 +62,15 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(
                 lambda: len(cluster.get(workloads, "queued")["status"]["conditions"]) == 2, "the Workload Finished"
             )
+
+            # A RolloutPool of one place and two jobs on it: the second attaches when the first finishes (the pool
+            # rewrites its attachment list and its NetworkPolicy).
+            await cluster.apply(pool_doc())
+            await cluster.apply(job_on_pool("pool-a"))
+            await cluster.apply(job_on_pool("pool-b"))
+            await wait_for(lambda: cluster.get("batch/v1/jobs", "pool-a-trainer"), "pool-a attached")
+            await cluster.set_status("batch/v1/jobs", "pool-a-trainer", complete)
+            await wait_for(lambda: cluster.get("batch/v1/jobs", "pool-b-trainer"), "pool-b attached")
         finally:
             await operator.stop()
 

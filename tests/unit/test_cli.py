@@ -76,6 +76,12 @@ def test_crd_command_prints_the_shipped_file():
     assert result.stdout == (ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml").read_text()
 
 
+def test_crd_command_prints_the_rollout_pool_crd_with_kind():
+    result = grpolora("crd", "--kind", "RolloutPool")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (ROOT / "crds" / "rolloutpools.grpolora.dev.yaml").read_text()
+
+
 def _task_job(tmp_path, task: str) -> str:
     path = tmp_path / "job.yaml"
     path.write_text(

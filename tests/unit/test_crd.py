@@ -9,9 +9,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from grpolora.api.crd import PRESERVE, crd, crd_yaml
+from grpolora.api.crd import CRD_FILES, PRESERVE, crd, crd_yaml, pool_crd
 from grpolora.api.load import parse_job
-from grpolora.api.status import Condition, JobStatus, RendezvousStatus, ReplicaCounts, RestartCounts
+from grpolora.api.status import (
+    AttachedJob,
+    Condition,
+    JobStatus,
+    PoolStatus,
+    RendezvousStatus,
+    ReplicaAdapter,
+    ReplicaCounts,
+    RestartCounts,
+    RoleReplicas,
+)
 from tests.helpers import EXAMPLES, ROOT, job_doc
 
 SHIPPED = ROOT / "crds" / "grpolorajobs.grpolora.dev.yaml"
@@ -139,6 +149,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
             )
         ],
         replicas=ReplicaCounts(),
+        pool="shared",
         rendezvous=RendezvousStatus(
             master_addr="a",
             master_port=1,
@@ -171,3 +182,81 @@ def test_spec_fields_survive_pruning():
         )
     ).spec.to_wire()
     assert pruned(spec, schema()["properties"]["spec"]) == spec
+
+
+# ---- RolloutPool ---------------------------------------------------------------------------------------------
+
+POOL_EXAMPLE = ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml"
+
+
+def pool_schema() -> dict[str, Any]:
+    return pool_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def test_both_shipped_crds_equal_the_generated_ones():
+    for kind, file in CRD_FILES.items():
+        assert (ROOT / "crds" / file).read_text() == crd_yaml(kind), "regenerate: make crd"
+    assert sorted(p.name for p in (ROOT / "crds").glob("*.yaml")) == sorted(CRD_FILES.values())
+
+
+def test_pool_crd_is_a_valid_apiextensions_object_with_its_identity_and_columns():
+    kubernetes_validate.validate(pool_crd(), "1.33.0", strict=True)
+    spec = pool_crd()["spec"]
+    assert pool_crd()["metadata"]["name"] == "rolloutpools.grpolora.dev"
+    assert spec["group"] == "grpolora.dev" and spec["scope"] == "Namespaced"
+    assert spec["names"]["kind"] == "RolloutPool" and spec["names"]["shortNames"] == ["rpool"]
+    assert spec["names"]["categories"] == ["all", "grpolora"]
+    version = spec["versions"][0]
+    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if not c.get("priority")}
+    assert columns == {
+        "Ready": ".status.replicas.ready",
+        "Jobs": ".status.jobs",
+        "Waiting": ".status.waiting",
+        "Tokens/s": ".status.tokensPerSecond",
+        "Age": ".metadata.creationTimestamp",
+    }
+
+
+def test_pool_schema_is_structural_and_takes_the_example_and_refuses_what_the_model_refuses():
+    for path, node in walk(pool_schema()):
+        assert node.get("type") or node.get(PRESERVE), f"{path or '<root>'} has no type"
+    doc = yaml.safe_load(POOL_EXAMPLE.read_text())
+    openapi_validator(pool_schema()).validate(doc)
+    with pytest.raises(jsonschema.ValidationError):
+        openapi_validator(pool_schema()).validate({**doc, "spec": {**doc["spec"], "maxJobs": 0}})
+    rules = [r["rule"] for r in pool_schema()["x-kubernetes-validations"]]
+    assert any("metadata.name.matches" in rule for rule in rules)
+
+
+def test_everything_the_operator_writes_to_a_pool_status_survives_pruning():
+    status = PoolStatus(
+        message="2/4 jobs attached",
+        observed_generation=1,
+        conditions=[
+            Condition(type="Ready", status="True", reason="AllReady", last_transition_time="2026-01-01T00:00:00Z")
+        ],
+        replicas=RoleReplicas(desired=2, ready=1),
+        attached_jobs=[AttachedJob(job="rl/a", uid="u", adapter_versions=[ReplicaAdapter(replica=0, live_version=3)])],
+        waiting_jobs=["rl/b"],
+        jobs="1/4",
+        waiting=1,
+        slots_in_use=2,
+        slots=8,
+        tokens_per_second=1234.5,
+    ).to_wire()
+    status_schema = pool_schema()["properties"]["status"]
+    assert pruned(status, status_schema) == status
+    openapi_validator(status_schema).validate(status)
+    assert {field.alias for field in PoolStatus.model_fields.values()} <= set(status)
+
+
+def test_a_pool_spec_cannot_change_once_created_its_servers_run_with_it():
+    from grpolora.testing.kube_apiserver import cel_violations
+
+    doc = yaml.safe_load(POOL_EXAMPLE.read_text())
+    changed = {**doc, "spec": {**doc["spec"], "maxJobs": 9}}
+    assert cel_violations(pool_schema(), doc, doc) == []
+    ((path, message),) = cel_violations(pool_schema(), changed, doc)
+    assert path == "spec" and "delete and re-create the RolloutPool" in message
+    assert cel_violations(pool_schema(), changed) == []  # a create has no old object

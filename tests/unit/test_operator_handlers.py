@@ -62,10 +62,11 @@ async def test_a_job_deleted_during_the_pass_is_not_an_error():
 
 
 def test_the_registry_has_one_reconcile_handler_for_create_resume_and_spec_updates():
+    """For GRPOLoraJobs, and for RolloutPools through the same machinery."""
     registry = handlers.build_registry()
-    changing = [(h.id, h.reason) for h in registry._changing.get_all_handlers()]
-    assert {handler_id for handler_id, _ in changing} == {"reconcile", "reconcile/spec"}
-    assert len(changing) == 3
+    for function in (handlers.reconcile, handlers.reconcile_pool):
+        changing = [h.id for h in registry._changing.get_all_handlers() if h.fn is function]
+        assert set(changing) == {"reconcile", "reconcile/spec"} and len(changing) == 3, function
 
 
 @pytest.mark.parametrize(

@@ -17,22 +17,30 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/status"]
   verbs: ["patch"]
+# Kopf watches the RolloutPools and keeps its handler state in annotations (patch); a job's pass reads its pool on resyncs (get)
+- apiGroups: ["grpolora.dev"]
+  resources: ["rolloutpools"]
+  verbs: ["get", "list", "watch", "patch"]
+# the pool status: attached and waiting jobs (the jobs read their place there), replicas, adapter versions
+- apiGroups: ["grpolora.dev"]
+  resources: ["rolloutpools/status"]
+  verbs: ["patch"]
 # the children's ownerReferences set blockOwnerDeletion, which the OwnerReferencesPermissionEnforcement admission plugin (on in OpenShift) allows only to whoever may update the owner's finalizers
 - apiGroups: ["grpolora.dev"]
-  resources: ["grpolorajobs/finalizers"]
+  resources: ["grpolorajobs/finalizers", "rolloutpools/finalizers"]
   verbs: ["update"]
-# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted
+# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted. A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and rewrites its attachment-list Secret as jobs attach and detach (patch)
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 # the headless Services that give the trainer and inference pods DNS; read to check their owner and re-create them if deleted
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "create"]
-# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check its owner and re-create it if deleted
+# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check its owner and re-create it if deleted. A RolloutPool's admits exactly its attached jobs' trainers: rewritten as they change (patch)
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create"]
+  verbs: ["get", "create", "patch"]
 # the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its owner and re-create it if deleted
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]

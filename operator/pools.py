@@ -1,0 +1,275 @@
+"""The RolloutPool decisions, pure: which jobs a pool serves (admission), where each waiting job stands, and the
+pool's status. No I/O and no clock; grpolora.operator.controller reads the inputs and carries the decision out.
+
+One writer: only the pool's own pass decides its attachments and writes them (the Secret its servers read, then its
+status, which the jobs read). Two jobs that are created at once therefore never over-fill a pool: they are two
+entries in one list that one pass orders and cuts at spec.maxJobs. A job's pass only reads the pool's status (am I
+attached? where do I stand?) and acts on its own children.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+from grpolora.api.load import InvalidJob, parse_job, parse_pool
+from grpolora.api.pool import Attachment, fit_errors, job_key
+from grpolora.api.spec import GRPOLoraJob, RolloutPool
+from grpolora.api.status import AttachedJob, Condition, PoolStatus, ReplicaAdapter, RoleReplicas
+from grpolora.operator import conditions as cond
+from grpolora.operator import names
+from grpolora.operator import observe as obs
+
+# Phases after which a job no longer uses its pool (a Failed job that never started counts too).
+DONE_PHASES: Final = ("Succeeded", "Failed")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A GRPOLoraJob that names the pool, as the pool's pass sees it."""
+
+    key: str
+    """<namespace>/<name> (grpolora.api.pool.job_key)."""
+    uid: str
+    created: str
+    """metadata.creationTimestamp (RFC 3339, so that string order is time order)."""
+    active: bool
+    """Wants the pool now: not deleted, not finished or failed, not suspended."""
+    fits: bool
+    """Its spec parses and fits the pool (grpolora.api.pool.fit_errors is empty)."""
+    ready: bool = True
+    """Can be attached now: its token Secret exists (the attachment holds the token's digest)."""
+    job: GRPOLoraJob | None = None
+
+    @property
+    def wants(self) -> bool:
+        return self.active and self.fits
+
+
+def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
+    """The job as a candidate for `pool`; None when it names another pool, or none."""
+    meta = body.get("metadata") or {}
+    spec = body.get("spec") or {}
+    ref = ((spec.get("inference") or {}).get("poolRef") or {}).get("name")
+    if ref != pool.name or meta.get("namespace") != pool.namespace:
+        return None
+    try:
+        job: GRPOLoraJob | None = parse_job(body)
+    except InvalidJob:
+        job = None
+    phase = (body.get("status") or {}).get("phase")
+    active = not meta.get("deletionTimestamp") and not spec.get("suspend") and phase not in DONE_PHASES
+    return Candidate(
+        key=job_key(meta.get("namespace", ""), meta.get("name", "")),
+        uid=meta.get("uid", ""),
+        created=meta.get("creationTimestamp") or "",
+        active=active,
+        fits=job is not None and not fit_errors(pool.name, pool.spec, job.spec),
+        job=job,
+    )
+
+
+@dataclass(frozen=True)
+class Admission:
+    attached: tuple[str, ...]
+    """Keys of the jobs the servers serve, in the order they attached."""
+    waiting: tuple[str, ...]
+    """Keys of the jobs that want the pool but have no place yet, first in line first."""
+
+
+def admit(max_jobs: int, candidates: Sequence[Candidate], previous: Sequence[Attachment]) -> Admission:
+    """Attached: the jobs already attached that still want the pool (the same uid: a job re-created under the same
+    name is a new job), then the waiting ones in order of creation (then name), up to max_jobs. A job attached
+    before is never detached to make room (a lowered maxJobs takes effect as jobs leave). A job that cannot be
+    attached yet (its token Secret is being created) keeps its place: those behind it wait too, so that the order
+    of creation is the order of attachment whatever the timing of the jobs' own passes."""
+    wanting = {c.key: c for c in candidates if c.wants}
+    kept = [a.job for a in previous if a.job in wanting and wanting[a.job].uid == a.uid]
+    line = sorted((c for c in wanting.values() if c.key not in kept), key=lambda c: (c.created, c.key))
+    attached, waiting = list(kept), []
+    for entry in line:
+        if not waiting and len(attached) < max_jobs and entry.ready:
+            attached.append(entry.key)
+        else:
+            waiting.append(entry.key)
+    return Admission(tuple(attached), tuple(waiting))
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
+
+
+@dataclass(frozen=True)
+class PoolPlace:
+    """Where a job stands with its pool, read from the pool's status by the job's pass."""
+
+    attached: bool
+    reason: str
+    message: str
+    ready: int = 0
+    desired: int = 0
+    """The pool's ready and desired server replicas (the job's inference replicas in `kubectl get glj`)."""
+
+
+def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str) -> PoolPlace:
+    """The job's attachment as the pool's status says it (the pool writes it after its servers' list)."""
+    replicas = status.replicas or RoleReplicas()
+    where = f"RolloutPool {pool.name}"
+    if any(j.job == key and j.uid == uid for j in status.attached_jobs):
+        return PoolPlace(True, names.R_POOL_ATTACHED, f"attached to {where}", replicas.ready, replicas.desired)
+    count = f"{len(status.attached_jobs)}/{pool.spec.max_jobs} jobs attached"
+    if key in status.waiting_jobs:
+        position = ordinal(status.waiting_jobs.index(key) + 1)
+        # Not full: the job is about to attach (its token Secret is being made, or the pool's next pass is due).
+        full = len(status.attached_jobs) >= pool.spec.max_jobs
+        reason = names.R_POOL_FULL if full else names.R_WAITING_FOR_POOL
+        return PoolPlace(False, reason, f"{position} in line for {where} ({count})")
+    return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to attach it ({count})")
+
+
+# ---- the pool's status ------------------------------------------------------------------------------------------
+
+
+def replica_versions(reports: Sequence[Mapping[str, Any] | None], key: str) -> list[ReplicaAdapter]:
+    """The adapter version of job `key` on each replica that answered GET /v1/adapter
+    ({"jobs": {"<ns>/<name>": {"live_version": N, ...}}, ...}); replicas that did not, or that do not serve it yet,
+    are left out."""
+    found = []
+    for index, report in enumerate(reports):
+        entry = ((report or {}).get("jobs") or {}).get(key) if isinstance(report, Mapping) else None
+        version = entry.get("live_version") if isinstance(entry, Mapping) else None
+        if isinstance(version, int) and not isinstance(version, bool):
+            found.append(ReplicaAdapter(replica=index, live_version=version))
+    return found
+
+
+def tokens_per_second(reports: Sequence[Mapping[str, Any] | None]) -> float | None:
+    """The replicas' completion tokens per second, summed (a replica that does not report it counts for none)."""
+    rates = [
+        float(r["tokens_per_second"])
+        for r in reports
+        if isinstance(r, Mapping) and isinstance(r.get("tokens_per_second"), int | float)
+    ]
+    return round(sum(rates), 1) if rates else None
+
+
+def pool_status(
+    pool: RolloutPool,
+    old: PoolStatus,
+    admission: Admission,
+    uids: Mapping[str, str],
+    statefulset: Mapping[str, Any] | None,
+    reports: Sequence[Mapping[str, Any] | None],
+    *,
+    generation: int | None,
+    now: datetime.datetime,
+) -> PoolStatus:
+    """The pool's whole status after a pass."""
+    spec = pool.spec
+    ready = obs.statefulset_ready(statefulset) if statefulset is not None else 0
+    attached = [
+        AttachedJob(job=key, uid=uids.get(key, ""), adapter_versions=replica_versions(reports, key))
+        for key in admission.attached
+    ]
+    jobs = f"{len(attached)}/{spec.max_jobs}"
+    message = f"{ready}/{spec.replicas} replicas ready; {jobs} jobs attached, {len(admission.waiting)} waiting"
+    wants = [
+        cond.Want(names.READY, "True", names.R_ALL_READY, message)
+        if ready >= spec.replicas
+        else cond.Want(names.READY, "False", names.R_WAITING_FOR_PODS, message),
+        cond.Want(names.INVALID_SPEC, "False", names.R_VALID),
+    ]
+    return PoolStatus(
+        message=message,
+        observed_generation=generation,
+        conditions=cond.merge(old.conditions, wants, now=cond.rfc3339(now), generation=generation),
+        replicas=RoleReplicas(desired=spec.replicas, ready=ready),
+        attached_jobs=attached,
+        waiting_jobs=list(admission.waiting),
+        jobs=jobs,
+        waiting=len(admission.waiting),
+        slots_in_use=len(attached) * spec.adapters_per_job,
+        slots=spec.lora_slots,
+        tokens_per_second=tokens_per_second(reports),
+    )
+
+
+def invalid_pool_status(old: PoolStatus, problems: Sequence[str], *, generation: int | None, now: datetime.datetime):
+    """An invalid pool gets no children and serves nobody; the condition says why at each field."""
+    message = "invalid spec: " + "; ".join(problems)
+    wants = [
+        cond.Want(names.READY, "False", names.R_INVALID, "nothing is created for an invalid spec"),
+        cond.Want(names.INVALID_SPEC, "True", names.R_INVALID, message),
+    ]
+    return PoolStatus(
+        message=message,
+        observed_generation=generation,
+        conditions=cond.merge(old.conditions, wants, now=cond.rfc3339(now), generation=generation),
+    )
+
+
+def refused_pool_status(
+    old: PoolStatus, kind: str, name: str, error: str, *, generation: int | None, now: datetime.datetime
+) -> PoolStatus:
+    """The API server refused a child of the pool (RBAC, an admission webhook, a quota): said in the status, with
+    the API's message; the pass is retried (a refusal lasts until something changes)."""
+    message = f"the API server refused the {kind} {name}: {error}"
+    wants = [
+        cond.Want(names.READY, "False", names.R_CREATE_REFUSED, message),
+        cond.Want(names.INVALID_SPEC, "False", names.R_VALID),
+    ]
+    return old.model_copy(
+        update={
+            "message": message,
+            "observed_generation": generation,
+            "conditions": cond.merge(old.conditions, wants, now=cond.rfc3339(now), generation=generation),
+        }
+    )
+
+
+def stored_pool_status(raw: Mapping[str, Any] | None) -> PoolStatus:
+    """The status as stored; an unreadable one counts as empty (the next write replaces it)."""
+    try:
+        return PoolStatus.model_validate({k: v for k, v in (raw or {}).items() if k != "kopf"})
+    except ValueError:
+        return PoolStatus()
+
+
+def attached_condition(old: Sequence[Condition]) -> bool:
+    """Was the job attached to its pool (so that losing the pool fails it rather than making it wait)?"""
+    return cond.is_true(old, names.POOL_ATTACHED)
+
+
+# ---- what a job's pass reads of its pool ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PoolView:
+    """A job's pool as its pass sees it."""
+
+    name: str
+    pool: RolloutPool | None
+    """None: not found, or its spec is invalid (problems)."""
+    status: PoolStatus
+    problems: tuple[str, ...] = ()
+
+    def fit_errors(self, job: GRPOLoraJob) -> list[tuple[str, str]]:
+        return fit_errors(self.pool.name, self.pool.spec, job.spec) if self.pool is not None else []
+
+    def usable_by(self, job: GRPOLoraJob) -> bool:
+        """The job can be planned on this pool (it exists, is valid, and the job fits it)."""
+        return self.pool is not None and not self.fit_errors(job)
+
+
+def pool_view(name: str, body: Mapping[str, Any] | None) -> PoolView:
+    if body is None:
+        return PoolView(name, None, PoolStatus())
+    status = stored_pool_status(body.get("status"))
+    try:
+        return PoolView(name, parse_pool(body), status)
+    except InvalidJob as exc:
+        return PoolView(name, None, status, tuple(str(p) for p in exc.problems))

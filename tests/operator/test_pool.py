@@ -1,0 +1,253 @@
+"""RolloutPools with the real operator (Kopf and all) against the API emulator: admission in order, PoolFull
+waiting, detachment when a job finishes or is deleted, a job that does not fit, the pool's NetworkPolicy, its
+status, and deleting the pool under its jobs."""
+
+from __future__ import annotations
+
+import base64
+import json
+from typing import Any
+
+from grpolora.api import constants as c
+from grpolora.operator import names
+from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
+from tests.helpers import job_doc
+from tests.operator.harness import wait_for
+
+POOL = "shared"
+SECRET = "shared-pool-jobs"
+SERVERS = "shared-pool"
+
+
+def pool_doc(**spec: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "grpolora.dev/v1alpha1",
+        "kind": "RolloutPool",
+        "metadata": {"name": POOL, "namespace": NAMESPACE},
+        "spec": {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, "replicas": 1, "maxJobs": 1, **spec},
+    }
+
+
+def job_on_pool(name: str, **spec: Any) -> dict[str, Any]:
+    model = {"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16", **spec.pop("model", {})}
+    doc = job_doc(model=model, inference={"poolRef": {"name": POOL}}, **spec)
+    doc["metadata"]["name"] = name
+    return doc
+
+
+def listed(cluster: Cluster) -> list[str] | None:
+    """The jobs in the pool's attachment list (None: no Secret yet)."""
+    secret = cluster.get("v1/secrets", SECRET)
+    if secret is None:
+        return None
+    return [j["job"] for j in json.loads(base64.b64decode(secret["data"]["jobs.json"]))["jobs"]]
+
+
+def trainer(cluster: Cluster, job: str) -> dict[str, Any] | None:
+    return cluster.get("batch/v1/jobs", f"{job}-trainer")
+
+
+def admitted_trainers(cluster: Cluster) -> list[dict[str, Any]] | None:
+    policy = cluster.get("networking.k8s.io/v1/networkpolicies", SERVERS)
+    if policy is None:
+        return None
+    rules = policy["spec"]["ingress"]
+    return [peer for rule in rules if "ports" not in rule for peer in rule["from"]]
+
+
+def peer(job: str) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": {c.LABEL_JOB: job, c.LABEL_ROLE: c.ROLE_TRAINER}}}
+
+
+def attached_condition(cluster: Cluster, job: str) -> dict[str, Any]:
+    return cluster.condition(job, names.POOL_ATTACHED)
+
+
+async def succeed(cluster: Cluster, job: str) -> None:
+    """Play the Job controller: the trainer Job completed."""
+    await cluster.set_status(
+        "batch/v1/jobs", f"{job}-trainer", {"conditions": [{"type": "Complete", "status": "True"}]}
+    )
+
+
+async def test_jobs_attach_in_turn_and_a_finished_job_detaches_for_the_next(cluster, operator):
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await cluster.apply(job_on_pool("job-b"))  # the same second: the name breaks the tie
+
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-a"], "job-a in the attachment list")
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+    await wait_for(
+        lambda: attached_condition(cluster, "job-b").get("reason") == names.R_POOL_FULL, "job-b waiting (PoolFull)"
+    )
+    assert cluster.status("job-b")["phase"] == "Pending"
+    assert cluster.status("job-b")["message"] == "1st in line for RolloutPool shared (1/1 jobs attached)"
+    assert trainer(cluster, "job-b") is None
+    # The pool runs the servers; the jobs bring only their trainers.
+    assert cluster.get("apps/v1/statefulsets", SERVERS) is not None
+    assert cluster.get("apps/v1/statefulsets", "job-a-inference") is None
+    assert cluster.get("v1/services", "job-a-inference") is None
+    await wait_for(lambda: attached_condition(cluster, "job-a").get("status") == "True", "job-a PoolAttached")
+    assert cluster.status("job-a")["pool"] == POOL
+    await wait_for(lambda: admitted_trainers(cluster) == [peer("job-a")], "the pool admitting job-a's trainer")
+    status = cluster.pool_status(POOL)
+    assert [j["job"] for j in status["attachedJobs"]] == [f"{NAMESPACE}/job-a"]
+    assert status["waitingJobs"] == [f"{NAMESPACE}/job-b"] and status["jobs"] == "1/1" and status["waiting"] == 1
+
+    await succeed(cluster, "job-a")
+    await wait_for(lambda: cluster.status("job-a").get("phase") == "Succeeded", "job-a Succeeded")
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-b"], "job-a detached, job-b attached")
+    await wait_for(lambda: trainer(cluster, "job-b"), "job-b's trainer Job")
+    await wait_for(lambda: admitted_trainers(cluster) == [peer("job-b")], "the pool admitting only job-b's trainer")
+    await wait_for(lambda: cluster.pool_status(POOL).get("waitingJobs") == [], "nobody waiting")
+    await wait_for(
+        lambda: (names.E_ATTACHED, "attached to RolloutPool shared") in [e[1:] for e in cluster.events("job-b")],
+        "job-b's AttachedToPool event",
+    )
+    created = "created the token Secret, the trainer's headless Service and the NetworkPolicy"
+    assert (names.E_CREATED, created) in [e[1:] for e in cluster.events("job-b")]
+
+
+async def test_deleting_an_attached_job_detaches_it_and_attaches_the_next(cluster, operator):
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await cluster.apply(job_on_pool("job-b"))
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+
+    await cluster.delete_job("job-a")
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-b"], "job-a detached, job-b attached")
+    await wait_for(lambda: trainer(cluster, "job-b"), "job-b's trainer Job")
+    await wait_for(lambda: admitted_trainers(cluster) == [peer("job-b")], "the pool admitting only job-b's trainer")
+
+
+async def test_a_job_that_does_not_fit_its_pool_fails_at_once_naming_the_field_and_both_values(cluster, operator):
+    await cluster.apply(pool_doc(maxLoraRank=16))
+    await cluster.apply(job_on_pool("too-big", lora={"rank": 64}, model={"dtype": "float32"}))
+    await wait_for(lambda: cluster.status("too-big").get("phase") == "Failed", "the job Failed")
+    failed = cluster.condition("too-big", names.FAILED)
+    assert failed["reason"] == names.R_POOL_MISMATCH
+    assert "spec.model.dtype: is 'float32' but RolloutPool shared serves 'bfloat16'" in failed["message"]
+    assert "spec.lora.rank: 64 is above RolloutPool shared's maxLoraRank (16)" in failed["message"]
+    assert trainer(cluster, "too-big") is None and cluster.get("v1/secrets", "too-big-token") is None
+    await wait_for(lambda: cluster.pool_status(POOL).get("jobs") == "0/1", "the pool's status")
+    assert cluster.pool_status(POOL)["waitingJobs"] == [] and listed(cluster) == []
+
+
+async def test_a_job_waits_for_its_pool_to_exist_then_attaches(cluster, operator):
+    await cluster.apply(job_on_pool("early"))
+    await wait_for(lambda: attached_condition(cluster, "early").get("reason") == names.R_POOL_NOT_FOUND, "PoolNotFound")
+    assert (
+        cluster.status("early")["phase"] == "Pending"
+        and "RolloutPool team-a/shared" in cluster.status("early")["message"]
+    )
+    await cluster.apply(pool_doc())
+    await wait_for(lambda: trainer(cluster, "early"), "the trainer Job once the pool exists")
+    assert listed(cluster) == [f"{NAMESPACE}/early"]
+
+
+async def test_deleting_a_pool_fails_its_attached_jobs_and_leaves_waiting_ones_pending(cluster, operator):
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await cluster.apply(job_on_pool("job-b"))
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+    await wait_for(lambda: attached_condition(cluster, "job-b").get("reason") == names.R_POOL_FULL, "job-b waiting")
+
+    await cluster.delete_pool(POOL)
+    await wait_for(lambda: cluster.status("job-a").get("phase") == "Failed", "job-a Failed")
+    assert cluster.condition("job-a", names.FAILED)["reason"] == names.R_POOL_DELETED
+    await wait_for(lambda: trainer(cluster, "job-a") is None, "job-a's trainer Job deleted")
+    await wait_for(
+        lambda: attached_condition(cluster, "job-b").get("reason") == names.R_POOL_NOT_FOUND, "job-b PoolNotFound"
+    )
+    assert cluster.status("job-b")["phase"] == "Pending"
+
+
+async def test_the_pool_status_carries_each_replicas_adapter_version_of_each_job(cluster, trainer, operator):
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-a"], "job-a attached")
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's StatefulSet")
+    await cluster.set_status("apps/v1/statefulsets", SERVERS, {"replicas": 1, "readyReplicas": 1})
+
+    def versions() -> Any:
+        attached = cluster.pool_status(POOL).get("attachedJobs") or [{}]
+        return attached[0].get("adapterVersions")
+
+    # A replica that does not answer (503 while loading) is left out, not an error.
+    await wait_for(lambda: (cluster.pool_status(POOL).get("replicas") or {}).get("ready") == 1, "the ready replica")
+    assert versions() == [] and "tokensPerSecond" not in cluster.pool_status(POOL)
+    trainer.adapters = {"jobs": {f"{NAMESPACE}/job-a": {"live_version": 7}}, "tokens_per_second": 123.4}
+
+    await wait_for(lambda: versions() == [{"replica": 0, "liveVersion": 7}], "job-a's adapter version on replica 0")
+    status = cluster.pool_status(POOL)
+    assert status["replicas"] == {"desired": 1, "ready": 1} and status["tokensPerSecond"] == 123.4
+    assert status["slotsInUse"] == 2 and status["slots"] == 2
+    await wait_for(lambda: (cluster.status("job-a").get("replicas") or {}).get("inference", {}).get("ready") == 1,
+                   "job-a's inference replicas (the pool's) in kubectl get glj")  # fmt: skip
+    assert cluster.get(POOL_RESOURCE, POOL)["status"]["conditions"][0]["type"] == names.READY
+
+
+async def test_a_suspended_job_detaches_and_queues_again_when_resumed(cluster, operator):
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await cluster.apply(job_on_pool("job-b"))
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+
+    await cluster.patch_spec("job-a", {"suspend": True})
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-b"], "job-a detached, job-b attached")
+    await wait_for(lambda: trainer(cluster, "job-b"), "job-b's trainer Job")
+    await wait_for(lambda: trainer(cluster, "job-a") is None, "job-a's trainer removed")
+
+    await cluster.patch_spec("job-a", {"suspend": False})
+    await wait_for(
+        lambda: cluster.status("job-a").get("message") == "1st in line for RolloutPool shared (1/1 jobs attached)",
+        "job-a back in line",
+    )
+    assert attached_condition(cluster, "job-a")["reason"] == names.R_POOL_FULL and trainer(cluster, "job-a") is None
+
+
+async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_it_starts_once_admitted_and_attached(
+    cluster, operator
+):
+    workloads = "kueue.x-k8s.io/v1beta1/workloads"
+    doc = job_on_pool("queued")
+    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    await cluster.apply(pool_doc())
+    await cluster.apply(doc)
+    await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+    assert [(p["name"], p["count"]) for p in cluster.get(workloads, "queued")["spec"]["podSets"]] == [("trainer", 1)]
+    # A pool's place is a LoRA slot, not a GPU: the job takes it while Kueue still holds its trainer back.
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/queued"], "attached while queued")
+    await wait_for(lambda: cluster.condition("queued", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
+    assert trainer(cluster, "queued") is None
+
+    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/queued/status"
+    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
+                "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    await cluster._call("PATCH", path, {"status": {"conditions": [admitted]}})
+    await wait_for(lambda: trainer(cluster, "queued"), "the trainer Job once admitted")
+
+
+async def test_a_pool_child_the_api_server_refuses_is_reported_in_the_pool_status():
+    """E.g. no `update` on rolloutpools/finalizers where the OwnerReferencesPermissionEnforcement plugin is on
+    (OpenShift): the children's blockOwnerDeletion is refused with 403."""
+    from grpolora.operator import rbac
+    from grpolora.testing.kube_emulator import running_cluster
+    from tests.operator.harness import OperatorThread, fake_trainer, operator_options
+
+    def authorize(verb: str, group: str, resource: str) -> bool:
+        return resource != f"{c.POOL_PLURAL}/finalizers" and rbac.allowed(verb, group, resource)
+
+    async with running_cluster(authorize=authorize) as cluster, fake_trainer():
+        operator = await OperatorThread(cluster.url, operator_options()).start()
+        try:
+            await cluster.apply(pool_doc())
+            await wait_for(
+                lambda: cluster.get(POOL_RESOURCE, POOL).get("status", {}).get("conditions"), "the pool's status"
+            )
+            ready = cluster.pool_status(POOL)["conditions"][0]
+            assert (ready["type"], ready["status"], ready["reason"]) == (names.READY, "False", names.R_CREATE_REFUSED)
+            assert "the API server refused the Secret shared-pool-jobs: " in ready["message"]
+            assert "rolloutpools/finalizers" in cluster.pool_status(POOL)["message"]
+        finally:
+            await operator.stop()
