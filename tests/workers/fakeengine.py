@@ -16,6 +16,7 @@ import uvicorn
 
 from grpolora.workers.inference.engine import AdapterEngine, EngineConfig, EngineLimits, Sample, SamplingRequest
 from grpolora.workers.inference.server import create_app
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.syncfakes import free_port
 
@@ -63,7 +64,7 @@ class FakeServer:
         self.engine = FakeVllmEngine(tmp)
         self.app = create_app(
             self.engine,
-            lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", token=TOKEN),
+            lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", key=wire.header_key(TOKEN)),
             token=TOKEN,
             version_wait_seconds=version_wait_seconds,
         )

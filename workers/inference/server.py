@@ -37,6 +37,7 @@ from grpolora.workers.inference.engine import (
     config_for,
     cpu_engine_env,
 )
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     JOIN_PATH,
     PREPARE_PATH,
@@ -329,7 +330,7 @@ def serve(env: WorkerEnv) -> int:
             engine,
             replica_index=env.replica_index,
             fingerprint=holder["fingerprint"],
-            token=env.token,
+            key=wire.header_key(env.token),
             device=device,
             on_round=_count_round,
             on_error=lambda kind: metrics.SYNC_FAILURES.labels(reason=kind).inc(),
