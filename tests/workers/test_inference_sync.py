@@ -325,7 +325,8 @@ def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers,
         assert greedy(server.url, [1, 2, 3], None)["version"] == live
         state = httpx.get(f"{server.url}/v1/sync/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert "checksum mismatch" in state["last_error"]
-        assert 'grpolora_inference_sync_failures_total{reason="refused"} 1.0' in httpx.get(f"{server.url}/metrics").text
+        refused = 'grpolora_inference_sync_failures_total{job="team-a/demo",reason="refused"} 1.0'
+        assert refused in httpx.get(f"{server.url}/metrics").text
 
 
 def test_fingerprint_mismatch_is_refused_with_both_named(job, servers):

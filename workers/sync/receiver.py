@@ -170,6 +170,12 @@ class AdapterReceiver:
         with self._lock:
             return self._has_joined and self._sink.live_version >= self._required_version
 
+    @property
+    def asked(self) -> bool:
+        """Its trainer has asked it to join a group at least once (whether or not the group formed)."""
+        with self._lock:
+            return self._has_joined or self._pending_join is not None
+
     def join(self, request: JoinRequest) -> None:
         if request.trainer_fingerprint != self.fingerprint:
             raise FingerprintMismatch(
