@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api.contract import PoolEnv, WorkerEnv
 from grpolora.api.pool import Attachment, auth_digest, job_key
+from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
 from grpolora.workers.inference.engine import (
@@ -139,7 +140,7 @@ def create_app(
                 sync_key=wire.header_key(token).hex(),
                 book=engine,
                 receiver=receiver_factory(engine),
-                gate=FairGate(None, on_change=in_flight_gauges(job)),
+                gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(job)),
             )
         )
 
@@ -187,6 +188,40 @@ def create_pool_app(
         cleanup=cleanup,
         status=lambda: {"attachment_error": attachments.error},
     )
+
+
+def pool_tenants(
+    engine: VllmEngine,
+    spec: RolloutPoolSpec,
+    *,
+    pool: str,
+    jobs_file: Path,
+    adapter_root: Path,
+    receiver: Callable[[AdapterBook, bytes, str], AdapterReceiver],
+    join_grace_seconds: float | None = None,
+) -> AttachmentList:
+    """A pool server's tenants, kept in step with its attachment list: each attached job gets an adapter book on
+    the shared engine (its own folder, its attachment's keptVersions), a receiver with its own key (`receiver`
+    makes it from the book, the key and the job) and the pool's in-flight cap. Readiness waits for a job never
+    heard from for `join_grace_seconds` (default: the pool's adapterWaitSeconds; see tenants.py)."""
+    grace = spec.adapter_wait_seconds if join_grace_seconds is None else join_grace_seconds
+    tenants = Tenants(join_grace_seconds=grace)
+    incarnations = itertools.count()
+
+    def make_tenant(entry: Attachment) -> Tenant:
+        # A folder per attachment (not per job name): a job detached and attached again never shares one.
+        folder = adapter_root / f"{next(incarnations)}-{entry.job.replace('/', '_')}"
+        book = AdapterBook(engine, adapter_root=folder, kept_versions=entry.kept_versions, job=entry.job)
+        return Tenant(
+            job=entry.job,
+            auth=entry.auth,
+            sync_key=entry.sync_key,
+            book=book,
+            receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
+            gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
+        )
+
+    return AttachmentList(jobs_file, pool=pool, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant)
 
 
 def in_flight_gauges(job: str) -> Callable[[int, int], None]:
@@ -468,24 +503,8 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
         shared = VllmEngine(config_for(spec, env.model))
         engine: AdapterEngine | VllmEngine = shared
         root = default_adapter_root(f"pool-{env.pool_name}")
-        tenants = Tenants(join_grace_seconds=spec.adapter_wait_seconds)
-        incarnations = itertools.count()
-
-        def make_tenant(entry: Attachment) -> Tenant:
-            # A folder per attachment (not per job name): a job detached and attached again never shares one.
-            folder = root / f"{next(incarnations)}-{entry.job.replace('/', '_')}"
-            book = AdapterBook(shared, adapter_root=folder, kept_versions=entry.kept_versions, job=entry.job)
-            return Tenant(
-                job=entry.job,
-                auth=entry.auth,
-                sync_key=entry.sync_key,
-                book=book,
-                receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
-                gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
-            )
-
-        attachments = AttachmentList(
-            Path(env.jobs_file), pool=env.pool_name, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant
+        attachments = pool_tenants(
+            shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), adapter_root=root, receiver=receiver
         )
 
         def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
