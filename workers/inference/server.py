@@ -140,7 +140,7 @@ def create_app(
                 sync_key=wire.header_key(token).hex(),
                 book=engine,
                 receiver=receiver_factory(engine),
-                gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(job)),
+                gate=FairGate(None, on_change=in_flight_gauges(job)),
             )
         )
 
