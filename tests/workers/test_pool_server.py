@@ -189,6 +189,14 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
             return httpx.get(f"{server.url}/v1/adapter").json()["attachment_error"]
 
         assert served() == {JOB_A, JOB_B}
+        # Version 1 of each job (as their receivers activate it): two LoRA ids, two folders.
+        books = {job: attachments.tenants.get(job).book for job in (JOB_A, JOB_B)}
+        for job, book in books.items():
+            book.activate(1, {"w": torch.full((2,), float(job == JOB_B))}, {"r": 8})
+        ids = {job: book.lora_ids() for job, book in books.items()}
+        folders = {job: book._folder(1) for job, book in books.items()}
+        assert ids[JOB_A] != ids[JOB_B] and engine.loras == {*ids[JOB_A], *ids[JOB_B]}
+        assert folders[JOB_A] != folders[JOB_B] and all(f.is_dir() for f in folders.values())
         ok = {"prompt_token_ids": [[1, 2]]}
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 401
         for bad, words in (
@@ -207,6 +215,8 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
         write_attachments(jobs_file, pool, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_C)])
         wait_for(lambda: served() == {JOB_A, JOB_C}, "C attached and B detached")
         assert error() is None
+        wait_for(lambda: engine.loras == set(ids[JOB_A]), "B's version unloaded")
+        assert not folders[JOB_B].exists() and folders[JOB_A].is_dir()
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 401
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
 

@@ -144,6 +144,7 @@ class Tenants:
         self._by_job: dict[str, Tenant] = {}
         self.grace = join_grace_seconds
         self.default_job = default_job  # a job's own server: the job a request that names none is about
+        self._releasing: set[asyncio.Task[None]] = set()  # detached jobs whose adapters are being unloaded
         self.started = False  # false while the engine starts: every guarded path answers 503
 
     def __iter__(self):
@@ -173,15 +174,23 @@ class Tenants:
         metrics.ADAPTER_VERSION.labels(job=tenant.job).set(tenant.book.live_version)
         log.info("serving job %s", tenant.job)
 
-    async def detach(self, job: str) -> None:
-        """Its token is refused from now on; its receiver leaves its group; its requests in flight finish; then
-        every adapter version of it is unloaded from vLLM and its folder removed."""
+    def detach(self, job: str) -> asyncio.Task[None]:
+        """Its token is refused from now on. Then, in the background (other jobs attach meanwhile): its receiver
+        leaves its group, its requests in flight finish, every adapter version of it is unloaded from vLLM and its
+        folder removed. Returns that task."""
         tenant = self._by_job.pop(job)
         log.info("detaching job %s", job)
+        task = asyncio.create_task(self._release(tenant))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        return task
+
+    async def _release(self, tenant: Tenant) -> None:
         await asyncio.to_thread(tenant.receiver.close)
         await tenant.book.close()
-        metrics.forget(job)
-        log.info("job %s detached: its adapters are unloaded", job)
+        if tenant.job not in self._by_job:  # not attached again meanwhile (under a new token): its series go
+            metrics.forget(tenant.job)
+        log.info("job %s detached: its adapters are unloaded", tenant.job)
 
     @property
     def ready(self) -> bool:
@@ -254,7 +263,8 @@ class AttachmentList:
         # A job whose token or key changed is another tenant: detached, then attached afresh.
         gone = [j for j, a in self._entries.items() if j not in wanted or (a.auth, a.sync_key) != _keys(wanted[j])]
         self._entries = wanted
-        await asyncio.gather(*(self.tenants.detach(job) for job in gone))
+        for job in gone:
+            self.tenants.detach(job)
         for job, entry in wanted.items():
             tenant = self.tenants.get(job)
             if tenant is None:
