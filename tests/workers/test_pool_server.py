@@ -414,3 +414,21 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
     out = greedy(url, prompt, report.version, token=TOKENS[JOB_A])
     assert (hf_logprobs(policies[JOB_A], prompt, out["token_ids"]) - torch.tensor(out["logprobs"])).abs().max() <= 1e-3
     assert httpx.get(f"{url}/ready").status_code == 200
+
+
+def test_the_inference_worker_starts_a_pool_server_from_the_pool_contract(tmp_path):
+    """`grpolora worker inference` reads the pool's env when GRPOLORA_POOL_SPEC is set: its slots are the pool's,
+    and a broken pool env fails at once naming the variable (exit EX_CONFIG), before any engine starts."""
+    import os
+    import subprocess
+    import sys
+
+    environ = tiny_cpu_pool(maxJobs=3, adaptersPerJob=2).env_for(0, jobs_file=str(tmp_path / "jobs.json"))
+    command = [sys.executable, "-P", "-m", "grpolora.cli", "worker", "inference"]
+    run = subprocess.run(
+        [*command, "--lora-slots=4"], env=os.environ | environ, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2 and "--lora-slots=4 but the RolloutPool's maxJobs x adaptersPerJob is 6" in run.stderr
+    del environ[contract.INFERENCE_ENDPOINTS]
+    run = subprocess.run(command, env=os.environ | environ, capture_output=True, text=True, timeout=120)
+    assert run.returncode == contract.EXIT_INVALID_SPEC and contract.INFERENCE_ENDPOINTS in run.stderr
