@@ -314,10 +314,6 @@ def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_ser
     assert versions == {JOB_A: 2, JOB_B: 3}
     for job, live in seen.items():
         assert live == sorted(live), f"{job}'s live version went back: {live}"  # whatever the other job did
-    status = adapter_status(url)
-    ids = {job: set(status["jobs"][job]["lora_ids"]) for job in (JOB_A, JOB_B)}
-    assert ids[JOB_A] and ids[JOB_B] and not ids[JOB_A] & ids[JOB_B]  # version 2 of each: two LoRA ids
-    assert ids[JOB_A] | ids[JOB_B] == set(status["engine_lora_ids"])
     prompt = tokens(model_dir)
     for job, other in ((JOB_A, JOB_B), (JOB_B, JOB_A)):
         wait_own = {"Authorization": f"Bearer {TOKENS[job]}"}
@@ -329,6 +325,10 @@ def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_ser
         log.warning("pool parity: %s version %d, max |dlogprob| = %.2e", job, versions[job], delta)
         assert delta <= 1e-3
         assert (hf_logprobs(policies[other], prompt, out["token_ids"]) - served).abs().max().item() > 0.05
+    status = adapter_status(url)
+    ids = {job: set(status["jobs"][job]["lora_ids"]) for job in (JOB_A, JOB_B)}
+    assert ids[JOB_A] and ids[JOB_B] and not ids[JOB_A] & ids[JOB_B]  # version 2 of each: two LoRA ids
+    assert ids[JOB_A] | ids[JOB_B] == set(status["engine_lora_ids"])
     assert httpx.get(f"{url}/ready").status_code == 200
     metrics = httpx.get(f"{url}/metrics").text
     for job in (JOB_A, JOB_B):
