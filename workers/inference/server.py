@@ -145,7 +145,6 @@ def create_app(
             Tenant(
                 job=job,
                 auth=auth_digest(token),
-                sync_key=wire.header_key(token).hex(),
                 book=engine,
                 receiver=receiver_factory(engine),
                 gate=FairGate(None, on_change=in_flight_gauges(job)),
@@ -223,7 +222,6 @@ def pool_tenants(
         return Tenant(
             job=entry.job,
             auth=entry.auth,
-            sync_key=entry.sync_key,
             book=book,
             receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
             gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),

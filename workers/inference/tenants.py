@@ -114,7 +114,6 @@ class Tenant:
 
     job: str  # "<namespace>/<name>" (grpolora.api.pool.job_key): the metrics' label, the pool status's key
     auth: str  # hex SHA-256 of the job's bearer token
-    sync_key: str  # hex MAC key of its rounds: a changed key is a new tenant
     book: AdapterBook
     receiver: AdapterReceiver
     gate: FairGate
@@ -261,7 +260,7 @@ class AttachmentList:
             return
         self.error = None
         # A job whose token or key changed is another tenant: detached, then attached afresh.
-        gone = [j for j, a in self._entries.items() if j not in wanted or (a.auth, a.sync_key) != _keys(wanted[j])]
+        gone = [j for j, a in self._entries.items() if j not in wanted or _keys(a) != _keys(wanted[j])]
         self._entries = wanted
         for job in gone:
             self.tenants.detach(job)
