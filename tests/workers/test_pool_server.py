@@ -93,11 +93,11 @@ class GatedEngine(VllmEngine):
         return [Sample([prompt_token_ids[-1]], [-0.5], "x", "length") for _ in range(request.n)]
 
 
-def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, **spec):
+def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, jobs: tuple[str, ...] = (JOB_A, JOB_B), **spec):
     pool = tiny_cpu_pool(**spec)
     tmp.mkdir(parents=True, exist_ok=True)
     jobs_file = tmp / "jobs.json"
-    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)])
+    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in jobs])
     attachments = pool_tenants(
         engine,
         pool.pool.spec,
@@ -150,6 +150,14 @@ def test_readiness_waits_for_each_jobs_current_adapter_but_not_for_a_trainer_nev
     # A replacement replica: its jobs' trainers have not reached it yet, and the grace has not passed.
     with AppThread(pool_app(GatedEngine(), tmp_path / "waiting", grace=3600)[0]) as server:
         assert httpx.get(f"{server.url}/ready").status_code == 503
+    # A job attached to a replica already serving, whose trainer has not started (pending pods, a slow download),
+    # does not take it out of service, however long the grace.
+    app, attachments = pool_app(GatedEngine(), tmp_path / "serving", grace=3600, jobs=())
+    with AppThread(app) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        write_attachments(attachments.path, attachments.pool, [pool_attachment(JOB_C, TOKENS[JOB_C])])
+        wait_for(lambda: JOB_C in httpx.get(f"{server.url}/v1/adapter").json()["jobs"], "C attached")
+        assert httpx.get(f"{server.url}/ready").status_code == 200
     # Past the grace, jobs whose trainers never came do not hold it back; one whose trainer asked it to join at
     # version 3 does, until it serves version 3.
     app, _ = pool_app(GatedEngine(), tmp_path / "joined", grace=0)
