@@ -5,11 +5,13 @@ guard in the fast run."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
 from fastapi.testclient import TestClient
 
+from grpolora.workers.inference.metrics import TokenRate
 from grpolora.workers.inference.server import create_app
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
@@ -76,3 +78,30 @@ def test_one_seed_per_prompt_reaches_the_engine(served):
     assert [r.seed for _, r in engine.requests] == [5, 5, 5]  # one int seeds every prompt alike
     refused = client.post("/v1/generate", json=body | {"seed": [1, 2]}, headers=auth)
     assert refused.status_code == 422 and "one seed per prompt" in refused.text
+
+
+def test_completion_tokens_are_counted_per_job_and_as_a_rate_for_the_pool_status(served):
+    """GET /v1/adapter reports the server's completion tokens per second (the RolloutPool's Tokens/s column)."""
+    client, _ = served
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    before = client.get("/v1/adapter").json()["tokens_per_second"]
+    body = {"prompt_token_ids": [[1], [2], [3]], "n": 2}
+    assert client.post("/v1/generate", json=body, headers=auth).status_code == 200
+    after = client.get("/v1/adapter").json()["tokens_per_second"]
+    assert after > before >= 0  # 6 one-token completions within the rate's window
+    scraped = client.get("/metrics").text
+    assert re.search(r'grpolora_inference_generated_tokens_total\{job="[^"]+"\} [1-9]', scraped), scraped
+
+
+def test_token_rate_counts_the_window_only():
+    now = [100.0]
+    rate = TokenRate(window_seconds=10, clock=lambda: now[0])
+    assert rate.per_second() == 0
+    rate.add(30)
+    now[0] = 105.0
+    rate.add(20)
+    assert rate.per_second() == 5.0  # 50 tokens over the 10 s window
+    now[0] = 112.0
+    assert rate.per_second() == 2.0  # the first 30 left the window
+    now[0] = 200.0
+    assert rate.per_second() == 0

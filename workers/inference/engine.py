@@ -406,9 +406,7 @@ class AdapterBook:
         """`request.n` samples for one prompt on this job's adapter `version` (hold a lease on it while this runs).
         Version 0 is the base model, the same for every job."""
         lora = self._lora_request(version, self._loaded[version]) if version else None
-        samples = await self._engine.generate(prompt_token_ids, request, lora)
-        metrics.GENERATED_TOKENS.labels(job=self.job).inc(sum(len(s.token_ids) for s in samples))
-        return samples
+        return await self._engine.generate(prompt_token_ids, request, lora)
 
 
 class AdapterEngine(AdapterBook):

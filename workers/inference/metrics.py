@@ -3,6 +3,11 @@
 Every series carries a `job` label, "<namespace>/<name>" (grpolora.api.pool.job_key): a pool's server serves
 several jobs, a job's own server labels with its own job, so a dashboard reads both alike."""
 
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -76,3 +81,28 @@ def forget(job: str) -> None:
         }
         for values in found:
             metric.remove(*values)
+
+
+class TokenRate:
+    """Completion tokens per second over the last `window_seconds`, all jobs together: what GET /v1/adapter reports
+    and the RolloutPool's Tokens/s column sums over replicas (a Prometheus rate would need a Prometheus)."""
+
+    def __init__(self, window_seconds: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self._window = window_seconds
+        self._clock = clock
+        self._events: deque[tuple[float, int]] = deque()
+        self._lock = threading.Lock()
+
+    def add(self, tokens: int) -> None:
+        with self._lock:
+            self._events.append((self._clock(), tokens))
+
+    def per_second(self) -> float:
+        with self._lock:
+            start = self._clock() - self._window
+            while self._events and self._events[0][0] <= start:
+                self._events.popleft()
+            return sum(tokens for _, tokens in self._events) / self._window
+
+
+TOKEN_RATE = TokenRate()

@@ -322,7 +322,8 @@ def build_app(
         if own is not None and own.job in jobs:
             body |= {k: v for k, v in jobs[own.job].items() if k != "lora_ids"}
         engine_ids = await engine.list_loras() if tenants.started and engine.started else []
-        return body | {"jobs": jobs, "engine_lora_ids": engine_ids} | status()
+        rate = round(metrics.TOKEN_RATE.per_second(), 1)
+        return body | {"jobs": jobs, "engine_lora_ids": engine_ids, "tokens_per_second": rate} | status()
 
     @app.post("/v1/generate", response_model=GenerateResponse)
     async def generate(request: GenerateRequest, http: Request) -> GenerateResponse:
@@ -362,6 +363,9 @@ def build_app(
             raise
         metrics.REQUESTS.labels(**labels, status="ok").inc()
         metrics.REQUEST_SECONDS.labels(**labels).observe(time.perf_counter() - started)
+        tokens = sum(len(sample.token_ids) for samples in outputs for sample in samples)
+        metrics.GENERATED_TOKENS.labels(**labels).inc(tokens)
+        metrics.TOKEN_RATE.add(tokens)
         return GenerateResponse(
             adapter_version=version,
             results=[
