@@ -94,6 +94,15 @@ def _pool_problems(job: GRPOLoraJob, pools: Mapping[tuple[str, str], RolloutPool
     return [f"spec.{path}: {message}" for path, message in fit_errors(pool.name, pool.spec, job.spec)]
 
 
+def _missing_pool(job: GRPOLoraJob, command: str) -> str:
+    ref = job.spec.inference.pool_ref
+    assert ref is not None
+    return (
+        f"spec.inference.poolRef.name: names RolloutPool {job.namespace}/{ref.name}, which none of the files given "
+        f"holds; give its file too (grpolora {command} JOB_FILE POOL_FILE)"
+    )
+
+
 def cmd_render(args: argparse.Namespace) -> int:
     """The children of every job and RolloutPool in the files, in order. A job on a pool is planned with its pool,
     which one of the files must hold (the pool is rendered with an empty attachment list: the operator fills it)."""
@@ -129,11 +138,8 @@ def cmd_render(args: argparse.Namespace) -> int:
                 continue
             job, ref = document, document.spec.inference.pool_ref
             problems = _pool_problems(job, pools)
-            if problems is None and ref is not None:
-                problems = [
-                    f"spec.inference.poolRef.name: names RolloutPool {job.namespace}/{ref.name}, which none of the "
-                    "files given holds; give its file too (grpolora render JOB_FILE POOL_FILE)"
-                ]
+            if problems is None:
+                problems = [_missing_pool(job, "render")]
             if problems:
                 for problem in problems:
                     print(f"{path}: {job.kind} {job.namespace}/{job.name}: {problem}", file=sys.stderr)
@@ -172,9 +178,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         job = load_one_job(args.file, "`grpolora eval` evaluates one")
+        loaded = [(path, load_documents(path)) for path in args.pools]
     except InvalidJob as exc:
         print(exc, file=sys.stderr)
         return 1
+    # A job on a pool evaluates on an engine like the pool's (GPUs, lengths, slots): its spec bound to the pool.
+    pools = _pools_of(loaded)
+    problems = _pool_problems(job, pools)
+    if problems is None:
+        problems = [_missing_pool(job, "eval")]
+    for problem in problems:
+        print(f"{args.file}: {job.kind} {job.namespace}/{job.name}: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    spec = job.spec
+    if (ref := spec.inference.pool_ref) is not None:
+        from grpolora.api.pool import bind
+
+        spec = bind(spec, pools[(job.namespace, ref.name)].spec)
     adapter = Path(args.adapter)
     if not (adapter / "adapter_config.json").is_file():
         print(f"--adapter {adapter}: not a peft adapter folder (no adapter_config.json)", file=sys.stderr)
@@ -182,7 +203,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from grpolora.workers.trainer.evaluate import offline
 
     try:
-        results = offline(job.spec, adapter)
+        results = offline(spec, adapter)
     except TaskError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1
@@ -297,6 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved adapter against the base model on the job's held-out prompts")
     p.add_argument("file", metavar="FILE")
+    p.add_argument("pools", metavar="POOL_FILE", nargs="*", help="for a job on a RolloutPool: the pool's file")
     p.add_argument("--adapter", required=True, help="a peft adapter folder (e.g. <run dir>/final-adapter)")
     p.add_argument("--out", help="also write the figures of both evaluations to this JSON file")
     p.set_defaults(func=cmd_eval)

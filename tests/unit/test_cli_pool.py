@@ -121,3 +121,21 @@ def test_render_refuses_a_job_that_does_not_fit_naming_the_field(tmp_path):
     result = grpolora("render", str(path), str(POOL))
     assert result.returncode == 1 and result.stdout == ""
     assert "spec.model.dtype: is 'float32' but RolloutPool qwen3-shared serves 'bfloat16'" in result.stderr
+
+
+def test_eval_of_a_job_on_a_pool_needs_the_pool_for_its_serving_fields(tmp_path):
+    """`grpolora eval` starts an engine like the pool's (its GPUs, lengths, slots): without the pool's file it would
+    have started one from the defaults a job on a pool leaves unset."""
+    result = grpolora("eval", str(JOB), "--adapter", str(tmp_path))
+    assert result.returncode == 1
+    assert (
+        f"{JOB}: GRPOLoraJob rl/sweep-lr-1e-5: spec.inference.poolRef.name: names RolloutPool rl/qwen3-shared, which "
+        "none of the files given holds; give its file too (grpolora eval JOB_FILE POOL_FILE)"
+    ) in result.stderr
+    job = yaml.safe_load(JOB.read_text())
+    job["spec"]["lora"]["rank"] = 64
+    mismatched = tmp_path / "job.yaml"
+    mismatched.write_text(yaml.safe_dump(job))
+    result = grpolora("eval", str(mismatched), str(POOL), "--adapter", str(tmp_path))
+    assert result.returncode == 1
+    assert "spec.lora.rank: 64 is above RolloutPool qwen3-shared's maxLoraRank (32)" in result.stderr
