@@ -252,6 +252,26 @@ def test_seeded_rollouts_repeat_token_for_token(job, servers, sender, model_dir)
     assert len({tuple(t) for t in first[0]}) > 1  # the n samples of one prompt differ too (seed, seed + 1, ...)
 
 
+def test_a_seeded_round_larger_than_one_prefill_step_is_served(job, servers, sender, model_dir):
+    """vLLM 0.32's CPU engine died ("CPU Generator does not use offset") when a round of seeded requests was more than
+    one step's prefill budget (2048 tokens) and a prompt got prefilled in chunks: it rewinds a seeded generator for
+    the token a partial prefill discards, which a CPU generator cannot. A quickstart-sized job (8 prompts x 8 of the
+    chat template's ~60 tokens) is such a round; CPU engines therefore prefill whole prompts."""
+    client = RolloutClient(job.inference_endpoints, TOKEN, timeout_seconds=120)
+    base = (tokens(model_dir) * 40)[:200]
+    # 16 different prompts of 200 tokens: 3,200 prefill tokens (a prompt's n samples share its prefix cache).
+    prompts = [base[i:] + base[:i] for i in range(16)]
+    sampling = Sampling(n=4, temperature=1.0, top_p=1.0, max_tokens=4)
+    try:
+        groups = client.generate(
+            prompts, sampling, version=sender.version, replicas=[0], seeds=[prompt_seed(3, i) for i in range(16)]
+        )
+    finally:
+        client.close()
+    assert [len(group) for group in groups] == [4] * 16
+    assert all(len(c.token_ids) == 4 for group in groups for c in group)
+
+
 def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers, sender, policy, monkeypatch):
     live = sender.version
     real_pack = wire.pack

@@ -4,6 +4,8 @@ the rest go as soon as their last request ends. Version 0 is the base model: not
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from grpolora.api.spec import min_lora_slots
@@ -39,6 +41,18 @@ def test_engine_keeps_k_plus_one_versions_in_its_slots():
     assert isinstance(config, EngineConfig)
     assert (config.kept_versions, config.max_loras) == (3, 3)
     assert min_lora_slots(0) == min_lora_slots(1) == 2 and min_lora_slots(2) == 3
+
+
+def test_cpu_engines_prefill_whole_prompts_in_a_budget_that_holds_the_longest():
+    """(test_inference_sync.py shows the engine death this avoids, on a real engine.)"""
+    from grpolora.api.load import parse_job
+    from grpolora.workers.inference.engine import whole_prefill_budget
+
+    cpu = config_for(parse_job(job_doc(inference={"gpusPerReplica": 0, "maxModelLen": 4096})).spec, "model")
+    gpu = config_for(parse_job(job_doc()).spec, "model")
+    assert cpu.whole_prefills and not gpu.whole_prefills
+    assert whole_prefill_budget(cpu) == 4096
+    assert whole_prefill_budget(replace(cpu, max_model_len=256)) == 2048
 
 
 def test_render_shows_the_slots_in_the_inference_args():

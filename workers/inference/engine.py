@@ -48,6 +48,11 @@ class EngineConfig:
     enforce_eager: bool = False
     kept_versions: int = 1
     """The newest versions kept loaded while idle (grpo.maxStaleness + 1); older ones go when their requests end."""
+    whole_prefills: bool = False
+    """Prefill every prompt in one engine step (no chunked prefill). CPU engines need it: vLLM 0.32 rewinds a seeded
+    request's generator for the token a partial prefill discards, and a CPU generator cannot be rewound ("CPU
+    Generator does not use offset"), which kills the engine as soon as a round of seeded prompts (the trainer seeds
+    each) is more than one step's token budget, e.g. 8 prompts x 8 of ~60 tokens."""
 
 
 @dataclass(frozen=True)
@@ -135,7 +140,23 @@ def config_for(spec: GRPOLoraJobSpec | RolloutPoolSpec, model_dir: str) -> Engin
         seed=seed,
         enforce_eager=not gpus,  # compiling on CPUs costs minutes at start-up and gains little
         kept_versions=kept,
+        whole_prefills=not gpus,
     )
+
+
+# vLLM's default token budget of one engine step (SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS).
+DEFAULT_STEP_TOKENS = 2048
+
+
+def whole_prefill_budget(config: EngineConfig) -> int:
+    """Tokens one engine step may take when prompts are prefilled whole: at least the longest prompt (the context
+    length; vLLM refuses less) and vLLM's default budget."""
+    length = config.max_model_len
+    if length is None:
+        from transformers import AutoConfig
+
+        length = getattr(AutoConfig.from_pretrained(config.model_dir), "max_position_embeddings", None) or 0
+    return max(length, DEFAULT_STEP_TOKENS)
 
 
 def serving_of(spec: GRPOLoraJobSpec | RolloutPoolSpec) -> ServingSpec:
@@ -193,6 +214,11 @@ class VllmEngine:
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
+            **(
+                {"enable_chunked_prefill": False, "max_num_batched_tokens": whole_prefill_budget(cfg)}
+                if cfg.whole_prefills
+                else {}
+            ),
             # Logprobs of the distribution tokens were sampled from (temperature applied): the behaviour policy
             # that GRPO's importance ratio needs.
             logprobs_mode="processed_logprobs",
