@@ -2,16 +2,25 @@
 cluster, each job in its own folder under --run-dir.
 
 Without engines: what the command refuses before anything starts (every message names the file, the field and
-both values). End to end (vllm): both jobs train to the end on one shared vLLM CPU replica."""
+both values). End to end (vllm): both jobs train to the end on one shared vLLM CPU replica, at the same time.
+
+The two jobs are rewarded for opposite things (the share of capitalised words, the share of lowercase ones), which
+the random tiny model learns within a few steps: both rewards rise only if each job's rollouts ran under its own
+adapter on the shared replica."""
 
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import yaml
 
+from grpolora.api.status import TrainerStatus
 from grpolora.cli import main
 from grpolora.workers.launcher.local import read_run_files
 
@@ -108,3 +117,122 @@ def test_one_file_may_hold_the_pool_and_its_jobs(tmp_path):
     given = read_run_files([write(tmp_path, "all.yaml", job("a"), POOL, job("b"))])
     assert [p.name for _, p in given.pools] == ["shared"]
     assert [j.name for _, j in given.jobs] == ["a", "b"]
+
+
+# --- end to end: two jobs on one shared replica ---
+
+STEPS = 6
+POOL_NAME = "e2e-pool"  # names no other test's pool: the leftover check looks for its processes
+JOBS = {"upper": "capitalised", "lower": "lowercase"}  # job name -> its reward
+REWARDS = """
+import re
+
+WORD = re.compile(r"[A-Za-z]+")
+
+
+def capitalised(prompt, completion, answer=None):
+    words = WORD.findall(completion)
+    return sum(w[0].isupper() for w in words) / len(words) if words else 0.0
+
+
+def lowercase(prompt, completion, answer=None):
+    words = WORD.findall(completion)
+    return sum(w[0].islower() for w in words) / len(words) if words else 0.0
+"""
+
+
+def e2e_job(name: str, reward: str) -> dict:
+    doc = job(name, steps=STEPS, generationsPerPrompt=8, learningRate=5.0e-3)
+    doc["spec"]["task"] = {"name": "keyword", "reward": f"case_rewards:{reward}"}  # keyword's prompts, this reward
+    doc["spec"]["inference"] = {"poolRef": {"name": POOL_NAME}}
+    return doc
+
+
+def processes_with(variable: str, values: set[str]) -> list[int]:
+    """PIDs of the processes whose environment sets `variable` to one of `values` (a worker and its children)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(item.decode(errors="replace") in {f"{variable}={v}" for v in values} for item in environ):
+            found.append(int(entry.name))
+    return found
+
+
+@dataclass
+class PoolRun:
+    run_dir: Path
+    result: subprocess.CompletedProcess[str]
+    records: dict[str, list[dict]]
+    server_log: str
+    left_running: list[int]
+
+
+@pytest.fixture(scope="module")
+def pool_run(tmp_path_factory) -> PoolRun:
+    tmp = tmp_path_factory.mktemp("pool-run")
+    (tmp / "case_rewards.py").write_text(REWARDS)  # a reward plugin next to the jobs, as a user keeps one
+    pool = copy.deepcopy(POOL)
+    pool["metadata"]["name"] = POOL_NAME
+    files = [write(tmp, "pool.yaml", pool)]
+    files += [write(tmp, f"job-{name}.yaml", e2e_job(name, reward)) for name, reward in JOBS.items()]
+    run_dir = tmp / "run"
+    result = subprocess.run(
+        [sys.executable, "-P", "-m", "grpolora.cli", "run", *files, "--run-dir", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp,
+    )
+    assert result.returncode == 0, result.stderr[-8000:]
+    records = {
+        name: [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
+        for name in JOBS
+    }
+    left = processes_with("GRPOLORA_POOL_NAME", {POOL_NAME}) + processes_with("GRPOLORA_JOB_NAME", set(JOBS))
+    return PoolRun(run_dir, result, records, (run_dir / "logs" / "inference-0.log").read_text(), left)
+
+
+@pytest.mark.vllm
+def test_both_jobs_succeed_each_in_its_own_folder(pool_run):
+    from peft import PeftConfig
+
+    for name in JOBS:
+        folder = pool_run.run_dir / name
+        status = TrainerStatus.model_validate_json((folder / "status.json").read_text())
+        assert status.phase == "Succeeded" and status.step == status.total_steps == STEPS
+        assert [r["step"] for r in pool_run.records[name]] == list(range(1, STEPS + 1))
+        assert PeftConfig.from_pretrained(folder / "final-adapter").r == 8
+        assert (folder / "logs" / "trainer-0.log").exists() and (folder / "plot.png").exists()
+        assert f"{name}: Succeeded after {STEPS}/{STEPS} steps" in pool_run.result.stdout
+    assert {p.name for p in (pool_run.run_dir / "logs").iterdir()} == {"inference-0.log"}  # the pool's one server
+
+
+@pytest.mark.vllm
+def test_one_replica_served_both_jobs_adapters_at_the_same_time(pool_run):
+    first, second = pool_run.records.values()
+    assert first[0]["time"] < second[-1]["time"] and second[0]["time"] < first[-1]["time"]  # steps overlapped
+    for name, steps in pool_run.records.items():
+        assert [r["sync_round"] for r in steps] == list(range(1, STEPS + 1))  # every step synced to the replica
+        assert max(r["mismatch_max_abs"] for r in steps) <= 1e-3  # trainer and vLLM agree on each job's logprobs
+        for version in range(1, STEPS + 1):
+            assert f"default/{name}: adapter version {version} live" in pool_run.server_log
+        assert f"job default/{name} detached" in pool_run.server_log
+
+
+@pytest.mark.vllm
+def test_both_rewards_rise_each_under_its_own_adapter(pool_run):
+    # Opposite rewards: had a job's rollouts run under the other job's adapter, its reward would have fallen.
+    for name, steps in pool_run.records.items():
+        rewards = [r["reward_mean"] for r in steps]
+        print(name, " ".join(f"{r:.2f}" for r in rewards))
+        assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.1, (name, rewards)
+
+
+@pytest.mark.vllm
+def test_the_run_leaves_no_worker_behind(pool_run):
+    assert not pool_run.left_running, f"left running: {pool_run.left_running}"
