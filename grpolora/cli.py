@@ -126,11 +126,18 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Run one worker process; everything it needs comes from the env contract (docs/contract.md)."""
     import logging
 
-    from grpolora.api.contract import EXIT_INVALID_SPEC, ContractError, WorkerEnv, write_termination_message
+    from grpolora.api.contract import (
+        EXIT_INVALID_SPEC,
+        ContractError,
+        PoolEnv,
+        WorkerEnv,
+        is_pool_server,
+        write_termination_message,
+    )
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        env = WorkerEnv.from_environ()
+        env = PoolEnv.from_environ() if args.role == "inference" and is_pool_server() else WorkerEnv.from_environ()
     except ContractError as exc:
         print(f"grpolora worker: {exc}", file=sys.stderr)
         write_termination_message(str(exc))
@@ -141,9 +148,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
     if args.role == "inference":
         from grpolora.workers.inference.server import serve
 
-        if args.lora_slots is not None and args.lora_slots != env.spec.inference.max_loras:
-            print(f"grpolora worker inference: --lora-slots={args.lora_slots} but the spec's inference.maxLoras is "
-                  f"{env.spec.inference.max_loras}", file=sys.stderr)  # fmt: skip
+        slots, field = (
+            (env.spec.lora_slots, "RolloutPool's maxJobs x adaptersPerJob")
+            if isinstance(env, PoolEnv)
+            else (env.spec.inference.max_loras, "spec's inference.maxLoras")
+        )
+        if args.lora_slots is not None and args.lora_slots != slots:
+            print(f"grpolora worker inference: --lora-slots={args.lora_slots} but the {field} is {slots}",
+                  file=sys.stderr)  # fmt: skip
             return 2
 
         return serve(env)

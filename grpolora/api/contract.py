@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec
 
 # torch.distributed among trainer ranks (pod level; RANK and LOCAL_RANK are set per process).
 MASTER_ADDR: Final = "MASTER_ADDR"
@@ -162,35 +162,20 @@ class WorkerEnv:
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
-        env = os.environ if environ is None else environ
-
-        def get(name: str) -> str:
-            value = env.get(name)
-            if value is None or value == "":
-                raise ContractError(f"environment variable {name} is not set (see docs/contract.md)")
-            return value
-
-        def integer(name: str) -> int:
-            raw = get(name)
-            try:
-                return int(raw)
-            except ValueError:
-                raise ContractError(f"environment variable {name}={raw!r} is not an integer") from None
-
+        read = _Reader(os.environ if environ is None else environ)
+        get, integer = read.get, read.integer
         role = get(ROLE)
         if role not in ("trainer", "inference"):
             raise ContractError(f"environment variable {ROLE}={role!r}: expected trainer or inference")
-        backend = get(SYNC_BACKEND)
-        if backend not in ("nccl", "gloo"):
-            raise ContractError(f"environment variable {SYNC_BACKEND}={backend!r}: expected nccl or gloo")
+        backend = read.backend()
         try:
             spec = GRPOLoraJobSpec.model_validate(json.loads(get(SPEC)))
         except ValueError as exc:
             raise ContractError(f"environment variable {SPEC} does not hold a valid job spec: {exc}") from None
-        endpoints = tuple(e for e in get(INFERENCE_ENDPOINTS).split(",") if e)
+        endpoints = read.endpoints()
         index = integer(REPLICA_INDEX)
-        if role == "inference" and not 0 <= index < len(endpoints):
-            raise ContractError(f"{REPLICA_INDEX}={index} has no entry in {INFERENCE_ENDPOINTS} ({len(endpoints)})")
+        if role == "inference":
+            read.check_index(index, endpoints)
         return cls(
             job_name=get(JOB_NAME),
             namespace=get(NAMESPACE),
@@ -199,7 +184,7 @@ class WorkerEnv:
             replica_index=index,
             model=get(MODEL),
             token=get(TOKEN),
-            bind_addr=env.get(BIND_ADDR) or "0.0.0.0",
+            bind_addr=read.env.get(BIND_ADDR) or "0.0.0.0",
             master_addr=get(MASTER_ADDR),
             master_port=integer(MASTER_PORT),
             world_size=integer(WORLD_SIZE),
@@ -214,6 +199,95 @@ class WorkerEnv:
             inference_endpoints=endpoints,
             status_port=integer(STATUS_PORT),
             checkpoint_dir=get(CHECKPOINT_DIR),
-            output_dir=env.get(OUTPUT_DIR) or None,
-            data_dir=env.get(DATA_DIR) or None,
+            output_dir=read.env.get(OUTPUT_DIR) or None,
+            data_dir=read.env.get(DATA_DIR) or None,
         )
+
+
+def is_pool_server(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is a RolloutPool's server (plan_pool sets GRPOLORA_POOL_SPEC, a job's pods never do)."""
+    return bool((os.environ if environ is None else environ).get(POOL_SPEC))
+
+
+@dataclass(frozen=True)
+class PoolEnv:
+    """What a RolloutPool's server learns from its environment (grpolora.api.plan.plan_pool; docs/contract.md)."""
+
+    pool_name: str
+    namespace: str
+    spec: RolloutPoolSpec
+    replica_index: int
+    model: str
+    bind_addr: str
+    inference_endpoints: tuple[str, ...]
+    sync_backend: Literal["nccl", "gloo"]
+    jobs_file: str
+
+    @property
+    def role(self) -> Literal["inference"]:
+        return "inference"
+
+    @property
+    def own_endpoint(self) -> str:
+        return self.inference_endpoints[self.replica_index]
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> PoolEnv:
+        read = _Reader(os.environ if environ is None else environ)
+        role = read.get(ROLE)
+        if role != "inference":
+            raise ContractError(f"environment variable {ROLE}={role!r}: a RolloutPool's servers are inference")
+        try:
+            spec = RolloutPoolSpec.model_validate(json.loads(read.get(POOL_SPEC)))
+        except ValueError as exc:
+            raise ContractError(
+                f"environment variable {POOL_SPEC} does not hold a valid RolloutPool spec: {exc}"
+            ) from None
+        endpoints = read.endpoints()
+        index = read.integer(REPLICA_INDEX)
+        read.check_index(index, endpoints)
+        return cls(
+            pool_name=read.get(POOL_NAME),
+            namespace=read.get(NAMESPACE),
+            spec=spec,
+            replica_index=index,
+            model=read.get(MODEL),
+            bind_addr=read.env.get(BIND_ADDR) or "0.0.0.0",
+            inference_endpoints=endpoints,
+            sync_backend=read.backend(),  # type: ignore[arg-type]
+            jobs_file=read.get(POOL_JOBS_FILE),
+        )
+
+
+@dataclass(frozen=True)
+class _Reader:
+    """Reads contract variables, each problem naming the variable."""
+
+    env: Mapping[str, str]
+
+    def get(self, name: str) -> str:
+        value = self.env.get(name)
+        if value is None or value == "":
+            raise ContractError(f"environment variable {name} is not set (see docs/contract.md)")
+        return value
+
+    def integer(self, name: str) -> int:
+        raw = self.get(name)
+        try:
+            return int(raw)
+        except ValueError:
+            raise ContractError(f"environment variable {name}={raw!r} is not an integer") from None
+
+    def backend(self) -> str:
+        backend = self.get(SYNC_BACKEND)
+        if backend not in ("nccl", "gloo"):
+            raise ContractError(f"environment variable {SYNC_BACKEND}={backend!r}: expected nccl or gloo")
+        return backend
+
+    def endpoints(self) -> tuple[str, ...]:
+        return tuple(e for e in self.get(INFERENCE_ENDPOINTS).split(",") if e)
+
+    @staticmethod
+    def check_index(index: int, endpoints: tuple[str, ...]) -> None:
+        if not 0 <= index < len(endpoints):
+            raise ContractError(f"{REPLICA_INDEX}={index} has no entry in {INFERENCE_ENDPOINTS} ({len(endpoints)})")

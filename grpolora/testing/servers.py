@@ -1,5 +1,6 @@
 """Inference servers as real processes (`grpolora worker inference`), configured by the same plan and env
-contract as in a cluster, on the loopback network: for the tests and the benchmarks (bench/)."""
+contract as in a cluster, on the loopback network: a job's own (ServerProcess) or a RolloutPool's
+(PoolServerProcess, with an attachment list written here), for the tests and the benchmarks (bench/)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from pathlib import Path
 import httpx
 
 from grpolora.api.load import parse_job
-from grpolora.api.plan import JobPlan, LoopbackNetwork, plan
+from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolPlan, plan, plan_pool
+from grpolora.api.pool import Attachment, Attachments, auth_digest, job_key, sync_key
+from grpolora.api.spec import RolloutPool
 from grpolora.testing.jobs import job_doc
 
 TOKEN = "test-token"
@@ -41,11 +44,51 @@ def tiny_cpu_job(**overrides) -> JobPlan:
     return plan(parse_job(job_doc(**spec)), LoopbackNetwork())
 
 
+def tiny_cpu_pool(name: str = "shared", namespace: str = "team-a", **overrides) -> PoolPlan:
+    """A CPU RolloutPool of the tiny Llama (one replica) on a free port, for tests."""
+    spec = {
+        "model": {"name": "offline:tiny-llama", "dtype": "float32"},
+        "replicas": 1,
+        "gpusPerReplica": 0,
+        "kvCacheGiB": 1,
+        "maxModelLen": 256,
+        "port": free_port(),
+        "maxLoraRank": 8,
+    } | overrides
+    doc = {
+        "apiVersion": "grpolora.dev/v1alpha1",
+        "kind": "RolloutPool",
+        "metadata": {"name": name, "namespace": namespace},
+    }
+    return plan_pool(RolloutPool.model_validate(doc | {"spec": spec}), LoopbackNetwork())
+
+
+def pool_attachment(job: str, token: str, kept_versions: int = 2) -> Attachment:
+    """The attachment list entry of a job ("<namespace>/<name>") with this token, as the operator writes it."""
+    namespace, name = job.split("/")
+    return Attachment(
+        job=job_key(namespace, name),
+        auth=auth_digest(token),
+        sync_key=sync_key(token).hex(),
+        kept_versions=kept_versions,
+    )
+
+
+def write_attachments(path: Path, pool: str, jobs: list[Attachment]) -> None:
+    """Replace the attachment list at once (written aside, then renamed over it, as the kubelet swaps a Secret)."""
+    aside = path.with_name(f".{path.name}.new")
+    aside.write_text(Attachments(pool=pool, jobs=jobs).to_json())
+    os.replace(aside, path)
+
+
 class ServerProcess:
     def __init__(self, job: JobPlan, index: int, log_dir: Path):
+        self._start(job.env_for("inference", index, token=TOKEN), job.inference_endpoints[index], index, log_dir)
+
+    def _start(self, contract: dict[str, str], url: str, index: int, log_dir: Path) -> None:
         self.index = index
-        self.url = job.inference_endpoints[index]
-        env = dict(os.environ) | job.env_for("inference", index, token=TOKEN)
+        self.url = url
+        env = dict(os.environ) | contract
         env.setdefault("OMP_NUM_THREADS", "2")
         env["PYTHONSAFEPATH"] = "1"  # see the Makefile: the repo's operator/ must not shadow the stdlib
         self.log = log_dir / f"inference-{index}-{int(time.time() * 1000)}.log"
@@ -91,8 +134,16 @@ class ServerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
 
-def generate(url: str, body: dict, timeout: float = 120.0) -> httpx.Response:
-    return httpx.post(f"{url}/v1/generate", json=body, headers={"Authorization": f"Bearer {TOKEN}"}, timeout=timeout)
+class PoolServerProcess(ServerProcess):
+    """One server of a RolloutPool, serving the jobs of the attachment list at `jobs_file` (see write_attachments)."""
+
+    def __init__(self, pool: PoolPlan, index: int, log_dir: Path, jobs_file: Path):
+        self.jobs_file = jobs_file
+        self._start(pool.env_for(index, jobs_file=str(jobs_file)), pool.endpoints[index], index, log_dir)
+
+
+def generate(url: str, body: dict, timeout: float = 120.0, token: str = TOKEN) -> httpx.Response:
+    return httpx.post(f"{url}/v1/generate", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
 
 
 def descendants(pid: int) -> list[int]:

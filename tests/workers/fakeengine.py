@@ -16,6 +16,7 @@ import uvicorn
 
 from grpolora.workers.inference.engine import AdapterEngine, EngineConfig, EngineLimits, Sample, SamplingRequest
 from grpolora.workers.inference.server import create_app
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.syncfakes import free_port
 
@@ -58,33 +59,42 @@ class FakeVllmEngine(AdapterEngine):
         return [Sample([prompt_token_ids[-1] + i + 1], [-0.5], f"t{i}", "length") for i in range(request.n)]
 
 
-class FakeServer:
-    def __init__(self, tmp: Path, *, version_wait_seconds: float = 1.0):
-        self.engine = FakeVllmEngine(tmp)
-        self.app = create_app(
-            self.engine,
-            lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", token=TOKEN),
-            token=TOKEN,
-            version_wait_seconds=version_wait_seconds,
-        )
+class AppThread:
+    """An ASGI app served by uvicorn in a thread of this process, on a free loopback port."""
+
+    def __init__(self, app):
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, daemon=True)
 
-    def __enter__(self) -> FakeServer:
+    def __enter__(self):
         self._thread.start()
         deadline = time.monotonic() + 20
         while True:
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
                     return self
-            assert time.monotonic() < deadline, "the fake inference server did not start"
+            assert time.monotonic() < deadline, "the in-process inference server did not start"
             time.sleep(0.05)
 
     def __exit__(self, *_) -> None:
         self._server.should_exit = True
         self._thread.join(timeout=10)
+
+
+class FakeServer(AppThread):
+    def __init__(self, tmp: Path, *, version_wait_seconds: float = 1.0):
+        self.engine = FakeVllmEngine(tmp)
+        super().__init__(
+            create_app(
+                self.engine,
+                lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", key=wire.header_key(TOKEN)),
+                token=TOKEN,
+                version_wait_seconds=version_wait_seconds,
+            )
+        )
 
 
 @contextlib.contextmanager

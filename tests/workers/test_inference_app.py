@@ -11,6 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from grpolora.workers.inference.server import create_app
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.fakeengine import TOKEN, FakeVllmEngine
@@ -21,7 +22,7 @@ def served(tmp_path):
     engine = FakeVllmEngine(tmp_path)
 
     def receiver_factory(sink) -> AdapterReceiver:
-        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, token=TOKEN)
+        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.header_key(TOKEN))
 
     app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
     with TestClient(app) as client:

@@ -18,7 +18,7 @@ import torch
 
 from grpolora.testing.servers import TOKEN, ServerProcess, alive, descendants, free_port, generate, tiny_cpu_job
 from grpolora.workers.adapter import lora_config, lora_tensors
-from grpolora.workers.models import fingerprint, resolve_model
+from grpolora.workers.models import resolve_model
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
 from grpolora.workers.sync.sender import AdapterSender
@@ -26,10 +26,19 @@ from grpolora.workers.sync.transport import connect_store
 from grpolora.workers.trainer.grpo import token_logprobs
 from grpolora.workers.trainer.policy import Policy, build_batch
 from grpolora.workers.trainer.rollout import RolloutClient, Sampling, prompt_seed
+from tests.workers.parity import (
+    greedy,
+    hf_logprobs,
+    http_sender,
+    peft_policy,
+    randomize_adapter,
+    raw_request,
+    tokens,
+    wait_live,
+)
 
 pytestmark = pytest.mark.vllm
 log = logging.getLogger(__name__)
-PROMPT = "The quick brown fox"
 
 
 @pytest.fixture(scope="module")
@@ -60,75 +69,22 @@ def model_dir():
 @pytest.fixture(scope="module")
 def policy(model_dir):
     """HF + peft with the same LoRA config as the job; B starts at zero as peft initialises it."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    return get_peft_model(base, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"))
-
-
-def randomize_adapter(model, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.2)
+    return peft_policy(model_dir)
 
 
 @pytest.fixture(scope="module")
 def sender(job, servers, model_dir):
-    store = connect_store("127.0.0.1", job.sync.port, is_master=True, timeout_seconds=job.sync.timeout_seconds)
-    members = [HttpMember(i, url, TOKEN) for i, url in enumerate(job.inference_endpoints)]
-    made = AdapterSender(
-        members,
-        store=store,
-        store_addr="127.0.0.1",
+    made = http_sender(
+        job.inference_endpoints,
+        TOKEN,
         store_port=job.sync.port,
-        backend="gloo",
+        model_dir=model_dir,
         timeout_seconds=job.sync.timeout_seconds,
-        join_timeout_seconds=30,
         bucket_bytes=job.sync.bucket_bytes,
-        fingerprint=fingerprint(model_dir),
-        token=TOKEN,
     )
     made.form_group(wait_for_all_seconds=60)
     yield made
     made.close()
-
-
-def tokens(model_dir) -> list[int]:
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)(PROMPT)["input_ids"]
-
-
-def hf_logprobs(model, prompt: list[int], completion: list[int], *, adapter: bool = True) -> torch.Tensor:
-    ids = torch.tensor([prompt + completion])
-    with torch.no_grad():
-        if adapter:
-            logits = model(ids).logits[0]
-        else:
-            with model.disable_adapter():
-                logits = model(ids).logits[0]
-    logprobs = torch.log_softmax(logits[len(prompt) - 1 : -1].float(), dim=-1)
-    return logprobs.gather(-1, torch.tensor(completion)[:, None])[:, 0]
-
-
-def wait_live(url: str, version: int, seconds: float = 30.0) -> None:
-    deadline = time.monotonic() + seconds
-    while httpx.get(f"{url}/v1/adapter").json()["live_version"] < version:
-        assert time.monotonic() < deadline, f"{url} never served version {version}"
-        time.sleep(0.05)
-
-
-def greedy(url: str, prompt: list[int], version: int | None, max_tokens: int = 12) -> dict:
-    response = generate(
-        url,
-        {"prompt_token_ids": [prompt], "temperature": 0.0, "max_tokens": max_tokens, "adapter_version": version},
-    )
-    assert response.status_code == 200, response.text
-    body = response.json()
-    return {"version": body["adapter_version"], **body["results"][0]["samples"][0]}
 
 
 def test_control_endpoints_need_the_token(servers):
@@ -137,17 +93,6 @@ def test_control_endpoints_need_the_token(servers):
     assert httpx.get(f"{url}/v1/sync/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200
     assert "grpolora_inference_adapter_version" in httpx.get(f"{url}/metrics").text
-
-
-def raw_request(url: str, head: str, body: bytes = b"", wait: float = 10.0) -> str:
-    """One HTTP/1.1 request on a plain socket: the status line comes back even if the body was never sent."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=wait) as conn:
-        conn.sendall(head.encode() + b"\r\n\r\n" + body)
-        try:
-            return conn.recv(65536).decode(errors="replace")
-        except TimeoutError:
-            return "(no answer)"
 
 
 def test_unauthenticated_requests_are_refused_before_their_body_is_read(servers):
@@ -325,7 +270,8 @@ def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers,
         assert greedy(server.url, [1, 2, 3], None)["version"] == live
         state = httpx.get(f"{server.url}/v1/sync/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
         assert "checksum mismatch" in state["last_error"]
-        assert 'grpolora_inference_sync_failures_total{reason="refused"} 1.0' in httpx.get(f"{server.url}/metrics").text
+        refused = 'grpolora_inference_sync_failures_total{job="team-a/demo",reason="refused"} 1.0'
+        assert refused in httpx.get(f"{server.url}/metrics").text
 
 
 def test_fingerprint_mismatch_is_refused_with_both_named(job, servers):

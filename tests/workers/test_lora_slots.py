@@ -91,7 +91,7 @@ def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its
         engine = AdapterEngine(config, adapter_root=tmp_path)
         engine._engine = vllm = RemoveRecorder()
         engine._version_changed = asyncio.Condition()
-        engine._loaded, engine._live_version = {1, 2, 3, 4}, 4  # k = 2: 2, 3, 4 kept
+        engine._loaded, engine._live_version = {v: v for v in (1, 2, 3, 4)}, 4  # k = 2: 2, 3, 4 kept (id = version)
         async with engine.lease(1, wait_seconds=1):  # a request still running on version 1 ...
             async with engine.lease(2, wait_seconds=1):  # ... and one for a version in the window: served
                 pass

@@ -49,7 +49,7 @@ class Cluster:
         self.store = connect_store("127.0.0.1", self.port, is_master=True, timeout_seconds=TIMEOUT)
         self.sinks = [RecordingSink() for _ in range(n)]
         self.receivers = [
-            AdapterReceiver(s, replica_index=i, fingerprint="fp", token=TOKEN) for i, s in enumerate(self.sinks)
+            AdapterReceiver(s, replica_index=i, fingerprint="fp", key=KEY) for i, s in enumerate(self.sinks)
         ]
         self.members = [LocalMember(i, r) for i, r in enumerate(self.receivers)]
         self.sender = self.make_sender(
@@ -302,7 +302,7 @@ def test_a_lost_replica_is_dropped_and_its_replacement_catches_up(cluster):
     # The replacement (same replica index, fresh process) joins the next epoch and gets version 2 at once.
     sink = RecordingSink()
     c.sinks[2] = sink
-    c.receivers[2] = AdapterReceiver(sink, replica_index=2, fingerprint="fp", token=TOKEN)
+    c.receivers[2] = AdapterReceiver(sink, replica_index=2, fingerprint="fp", key=KEY)
     c.members[2].receiver, c.members[2].down = c.receivers[2], False
     assert not c.receivers[2].ready
     assert c.sender.refresh() is True
@@ -410,7 +410,7 @@ def replace_replica(c: Cluster, index: int, sink=None) -> None:
     """A fresh process takes over replica `index` (same address): it has joined no epoch and serves version 0."""
     c.receivers[index].close()
     c.sinks[index] = sink or RecordingSink()
-    c.receivers[index] = AdapterReceiver(c.sinks[index], replica_index=index, fingerprint="fp", token=TOKEN)
+    c.receivers[index] = AdapterReceiver(c.sinks[index], replica_index=index, fingerprint="fp", key=KEY)
     c.members[index].receiver = c.receivers[index]
 
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec, ServingSpec
 from grpolora.workers.adapter import save_adapter
 from grpolora.workers.inference import metrics
 
@@ -39,6 +39,7 @@ class EngineConfig:
     dtype: str
     max_lora_rank: int
     max_loras: int
+    max_cpu_loras: int | None = None  # None: max_loras + 1 (room for a version arriving while two are in use)
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     max_model_len: int | None = None
@@ -106,25 +107,40 @@ class EngineLimits:
             raise InvalidRequest(f"{where}: token id {bad} is out of vocabulary (valid: 0 to {self.vocab_size - 1})")
 
 
-def config_for(spec: GRPOLoraJobSpec, model_dir: str) -> EngineConfig:
-    """The engine of a job's inference replicas (the servers, and `grpolora eval`)."""
-    inference = spec.inference
-    gpus = inference.gpus_per_replica
+def config_for(spec: GRPOLoraJobSpec | RolloutPoolSpec, model_dir: str) -> EngineConfig:
+    """The engine of a job's own inference replicas (the servers, and `grpolora eval`) or of a RolloutPool's
+    servers: the serving fields (ServingSpec) decide it alike; only the LoRA slots and rank differ. A job's
+    engine holds its k + 1 versions (inference.maxLoras); a pool's holds every attached job's (maxJobs x
+    adaptersPerJob), each job keeping the versions its attachment says."""
+    if isinstance(spec, RolloutPoolSpec):
+        serving, rank, slots, seed, kept = spec, spec.max_lora_rank, spec.lora_slots, 0, 1
+        # Each job may hold one version more for a moment (the new one loaded before the oldest goes).
+        cpu_slots = slots + spec.max_jobs
+    else:
+        serving, rank, slots = spec.inference, spec.lora.vllm_max_lora_rank, spec.inference.max_loras
+        seed, kept, cpu_slots = spec.grpo.seed, spec.grpo.staleness + 1, slots + 1
+    gpus = serving.gpus_per_replica
     return EngineConfig(
         model_dir=model_dir,
         dtype=spec.model.dtype,
-        max_lora_rank=spec.lora.vllm_max_lora_rank,
-        max_loras=inference.max_loras,
-        tensor_parallel_size=inference.tensor_parallel_size,
-        data_parallel_size=max(gpus // inference.tensor_parallel_size, 1),
-        max_model_len=inference.max_model_len,
+        max_lora_rank=rank,
+        max_loras=slots,
+        max_cpu_loras=cpu_slots,
+        tensor_parallel_size=serving.tensor_parallel_size,
+        data_parallel_size=max(gpus // serving.tensor_parallel_size, 1),
+        max_model_len=serving.max_model_len,
         # On CPUs the KV cache is sized by VLLM_CPU_KVCACHE_SPACE; a low fraction keeps vLLM's memory check from
         # failing when the trainer shares the machine.
-        gpu_memory_utilization=inference.gpu_memory_utilization if gpus else 0.05,
-        seed=spec.grpo.seed,
+        gpu_memory_utilization=serving.gpu_memory_utilization if gpus else 0.05,
+        seed=seed,
         enforce_eager=not gpus,  # compiling on CPUs costs minutes at start-up and gains little
-        kept_versions=spec.grpo.staleness + 1,
+        kept_versions=kept,
     )
+
+
+def serving_of(spec: GRPOLoraJobSpec | RolloutPoolSpec) -> ServingSpec:
+    """The serving fields of a job's own servers or of a pool's."""
+    return spec if isinstance(spec, RolloutPoolSpec) else spec.inference
 
 
 def versions_to_unload(loaded: Iterable[int], *, live: int, leases: Mapping[int, int], kept: int) -> list[int]:
@@ -133,11 +149,12 @@ def versions_to_unload(loaded: Iterable[int], *, live: int, leases: Mapping[int,
     return sorted(v for v in loaded if 0 < v <= live - kept and not leases.get(v))
 
 
-def cpu_engine_env(spec: GRPOLoraJobSpec) -> None:
+def cpu_engine_env(spec: GRPOLoraJobSpec | RolloutPoolSpec) -> None:
     """Environment a CPU engine needs, set before vLLM starts (values already set by the user win)."""
-    if spec.inference.gpus_per_replica:
+    serving = serving_of(spec)
+    if serving.gpus_per_replica:
         return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec.inference.kv_cache_gib))
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(serving.kv_cache_gib))
     # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
     # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
     os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
@@ -146,30 +163,21 @@ def cpu_engine_env(spec: GRPOLoraJobSpec) -> None:
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 
 
-class AdapterEngine:
-    """The vLLM engine plus the adapter versions it serves. `activate` is called from the sync thread."""
+class VllmEngine:
+    """One vLLM AsyncLLM with LoRA enabled, shared by every job a server serves (one on a job's own server, the
+    attached ones on a pool's). It knows nothing of versions or jobs: adapters are LoRA ids, handed out here so
+    that they are unique engine-wide (vLLM's lora_int_id is; an int32 inside its batches)."""
 
-    def __init__(self, config: EngineConfig, *, adapter_root: Path):
+    def __init__(self, config: EngineConfig):
         self.config = config
-        self._adapter_root = adapter_root
         self._engine = None  # vllm AsyncLLM, created in start()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._live_version = 0
-        self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
-        self._leases: dict[int, int] = {}  # version -> requests running on it
-        self._loaded: set[int] = set()  # versions added to vLLM and not yet removed
-        self._version_changed: asyncio.Condition | None = None
         self.limits: EngineLimits | None = None  # known once started
-
-    # ---- lifecycle --------------------------------------------------------------------------------------
+        self._last_lora_id = 0
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        self._loop = asyncio.get_running_loop()
-        self._version_changed = asyncio.Condition()
-        self._adapter_root.mkdir(parents=True, exist_ok=True)
         cfg = self.config
         args = AsyncEngineArgs(
             model=cfg.model_dir,
@@ -179,7 +187,7 @@ class AdapterEngine:
             enable_lora=True,
             max_lora_rank=cfg.max_lora_rank,
             max_loras=cfg.max_loras,
-            max_cpu_loras=cfg.max_loras + 1,  # room for a version arriving while two are still in use
+            max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras + 1,
             tensor_parallel_size=cfg.tensor_parallel_size,
             data_parallel_size=cfg.data_parallel_size,
             max_model_len=cfg.max_model_len,
@@ -203,103 +211,29 @@ class AdapterEngine:
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
-        shutil.rmtree(self._adapter_root, ignore_errors=True)
 
-    # ---- adapter versions -------------------------------------------------------------------------------
+    def new_lora_id(self) -> int:
+        """A LoRA id never used before in this engine (called on the event loop only)."""
+        self._last_lora_id += 1
+        return self._last_lora_id
 
-    @property
-    def live_version(self) -> int:
-        return self._live_version
+    async def add_lora(self, request) -> None:
+        await self._engine.add_lora(request)
 
-    def loaded_versions(self) -> list[int]:
-        return sorted({self._live_version, *self._leases, *self._loaded} - {0})
+    async def remove_lora(self, lora_id: int) -> None:
+        await self._engine.remove_lora(lora_id)
 
-    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
-        """Load `version` next to the live one and switch new requests to it (called from the sync thread)."""
-        assert self._loop is not None, "engine not started"
-        asyncio.run_coroutine_threadsafe(self._activate(version, tensors, adapter_config), self._loop).result()
+    async def list_loras(self) -> list[int]:
+        """The LoRA ids vLLM itself holds (what really is loaded, whatever the book-keeping says)."""
+        return sorted(await self._engine.list_loras())
 
-    async def _activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
-        started = time.perf_counter()
-        await asyncio.to_thread(save_adapter, self._folder(version), tensors, adapter_config)
-        written = time.perf_counter()
-        await self._engine.add_lora(self._lora_request(version))
-        self._loaded.add(version)
-        loaded = time.perf_counter()
-        async with self._version_changed:
-            previous, self._live_version = self._live_version, version
-            self.live_since = time.time()
-            self._version_changed.notify_all()
-        metrics.ADAPTER_VERSION.set(version)
-        metrics.ACTIVATION_SECONDS.observe(time.perf_counter() - started)
-        log.info(
-            "adapter version %d live (was %d): written in %.3fs, loaded by vLLM in %.3fs",
-            version,
-            previous,
-            written - started,
-            loaded - written,
-        )
-        await self._unload_unneeded()
-
-    def _folder(self, version: int) -> Path:
-        return self._adapter_root / f"v{version}"
-
-    def _lora_request(self, version: int):
-        """Version N is LoRA id N, loaded from its own peft folder: a new id per version, so no drain."""
-        from vllm.lora.request import LoRARequest
-
-        return LoRARequest(f"v{version}", version, str(self._folder(version)))
-
-    async def _unload_unneeded(self) -> None:
-        for version in versions_to_unload(
-            self._loaded, live=self._live_version, leases=self._leases, kept=self.config.kept_versions
-        ):
-            await self._unload_if_idle(version)
-
-    async def _unload_if_idle(self, version: int) -> None:
-        if version == 0 or version == self._live_version or self._leases.get(version):
-            return
-        self._loaded.discard(version)
-        await self._engine.remove_lora(version)
-        shutil.rmtree(self._folder(version), ignore_errors=True)
-        log.info("adapter version %d unloaded", version)
-
-    @contextlib.asynccontextmanager
-    async def lease(self, version: int | None, wait_seconds: float) -> AsyncIterator[int]:
-        """Hold an adapter version for one request: the live one, or `version` (waiting until it is live)."""
-        if version is None:
-            version = self._live_version
-        elif version > self._live_version:
-            async with self._version_changed:
-                try:
-                    await asyncio.wait_for(
-                        self._version_changed.wait_for(lambda: self._live_version >= version), wait_seconds
-                    )
-                except TimeoutError:
-                    raise VersionUnavailable(
-                        f"adapter version {version} is not live after {wait_seconds:.0f}s (live: {self._live_version})"
-                    ) from None
-        if version != self._live_version and version not in self._loaded and not self._leases.get(version):
-            raise VersionUnavailable(f"adapter version {version} is no longer served (live: {self._live_version})")
-        self._leases[version] = self._leases.get(version, 0) + 1
-        try:
-            yield version
-        finally:
-            self._leases[version] -= 1
-            if not self._leases[version]:
-                del self._leases[version]
-                await self._unload_unneeded()
-
-    # ---- generation -------------------------------------------------------------------------------------
-
-    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
-        """`request.n` samples for one prompt on adapter `version` (hold a lease on it while this runs)."""
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, lora) -> list[Sample]:
+        """`request.n` samples for one prompt under `lora` (a LoRARequest, or None for the base model)."""
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError, VLLMUnprocessableEntityError
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        lora = self._lora_request(version) if version else None
         final = None
         try:
             params = SamplingParams(
@@ -325,9 +259,189 @@ class AdapterEngine:
             token_ids = list(completion.token_ids)
             logprobs = [step[token].logprob for step, token in zip(completion.logprobs or [], token_ids, strict=True)]
             samples.append(Sample(token_ids, logprobs, completion.text, completion.finish_reason))
-            metrics.GENERATED_TOKENS.inc(len(token_ids))
         return samples
 
     async def encode(self, text: str) -> list[int]:
         tokenizer = self._engine.get_tokenizer()
         return list(tokenizer.encode(text))
+
+
+class AdapterBook:
+    """The adapter versions of one job on a shared engine: which is live, which are loaded (each under a LoRA id
+    of its own and a folder of its own), which requests hold which. `activate` is called from the job's sync
+    thread; everything else runs on the event loop."""
+
+    def __init__(self, engine: VllmEngine, *, adapter_root: Path, kept_versions: int, job: str):
+        self._engine = engine
+        self._adapter_root = adapter_root
+        self.kept_versions = kept_versions
+        self.job = job  # the `job` label of its metrics
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._live_version = 0
+        self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
+        self._leases: dict[int, int] = {}  # version -> requests running on it
+        self._loaded: dict[int, int] = {}  # version -> its LoRA id, for versions added to vLLM and not yet removed
+        self._version_changed = asyncio.Condition()
+        self._closed = False
+
+    def bind(self) -> None:
+        """Serve from the running event loop (activations from the sync thread are run on it)."""
+        self._loop = asyncio.get_running_loop()
+        self._adapter_root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def live_version(self) -> int:
+        return self._live_version
+
+    def loaded_versions(self) -> list[int]:
+        return sorted({self._live_version, *self._leases, *self._loaded} - {0})
+
+    def lora_ids(self) -> list[int]:
+        """The LoRA ids of this job's versions loaded in vLLM."""
+        return sorted(self._loaded.values())
+
+    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        """Load `version` next to the live one and switch new requests to it (called from the sync thread)."""
+        assert self._loop is not None, "engine not started"
+        asyncio.run_coroutine_threadsafe(self._activate(version, tensors, adapter_config), self._loop).result()
+
+    async def _activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        if self._closed:  # a round that finished after its job was detached must not load anything again
+            raise RuntimeError(f"job {self.job} is detached from this server")
+        started = time.perf_counter()
+        await asyncio.to_thread(save_adapter, self._folder(version), tensors, adapter_config)
+        written = time.perf_counter()
+        lora_id = self._engine.new_lora_id()
+        await self._engine.add_lora(self._lora_request(version, lora_id))
+        self._loaded[version] = lora_id
+        loaded = time.perf_counter()
+        async with self._version_changed:
+            previous, self._live_version = self._live_version, version
+            self.live_since = time.time()
+            self._version_changed.notify_all()
+        metrics.ADAPTER_VERSION.labels(job=self.job).set(version)
+        metrics.ACTIVATION_SECONDS.labels(job=self.job).observe(time.perf_counter() - started)
+        log.info(
+            "%s: adapter version %d live (was %d): written in %.3fs, loaded by vLLM in %.3fs",
+            self.job,
+            version,
+            previous,
+            written - started,
+            loaded - written,
+        )
+        await self._unload_unneeded()
+
+    def _folder(self, version: int) -> Path:
+        return self._adapter_root / f"v{version}"
+
+    def _lora_request(self, version: int, lora_id: int):
+        """Every version is a LoRA id of its own, loaded from its own peft folder: a new id per version, so no
+        drain, and no id shared with another job's same version."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"{self.job}/v{version}", lora_id, str(self._folder(version)))
+
+    async def _unload_unneeded(self) -> None:
+        for version in versions_to_unload(
+            self._loaded, live=self._live_version, leases=self._leases, kept=self.kept_versions
+        ):
+            await self._unload_if_idle(version)
+
+    async def _unload_if_idle(self, version: int) -> None:
+        if version == 0 or version == self._live_version or self._leases.get(version):
+            return
+        lora_id = self._loaded.pop(version)
+        await self._engine.remove_lora(lora_id)
+        shutil.rmtree(self._folder(version), ignore_errors=True)
+        log.info("%s: adapter version %d unloaded", self.job, version)
+
+    async def close(self) -> None:
+        """Detach: requests waiting for a version not yet live are answered VersionUnavailable at once, no new
+        request is leased; once the requests running end, every version is unloaded from vLLM and the job's folder
+        removed."""
+        self._closed = True
+        async with self._version_changed:
+            self._version_changed.notify_all()
+            await self._version_changed.wait_for(lambda: not self._leases)
+        for version, lora_id in sorted(self._loaded.items()):
+            await self._engine.remove_lora(lora_id)
+            log.info("%s: adapter version %d unloaded (job detached)", self.job, version)
+        self._loaded.clear()
+        shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, version: int | None, wait_seconds: float) -> AsyncIterator[int]:
+        """Hold an adapter version for one request: the live one, or `version` (waiting until it is live)."""
+        if version is None:
+            version = self._live_version
+        elif version > self._live_version:
+            async with self._version_changed:
+                try:
+                    await asyncio.wait_for(
+                        self._version_changed.wait_for(lambda: self._live_version >= version or self._closed),
+                        wait_seconds,
+                    )
+                except TimeoutError:
+                    raise VersionUnavailable(
+                        f"adapter version {version} is not live after {wait_seconds:.0f}s (live: {self._live_version})"
+                    ) from None
+        if self._closed:
+            raise VersionUnavailable(f"job {self.job} is detached from this server")
+        if version != self._live_version and version not in self._loaded and not self._leases.get(version):
+            raise VersionUnavailable(f"adapter version {version} is no longer served (live: {self._live_version})")
+        self._leases[version] = self._leases.get(version, 0) + 1
+        try:
+            yield version
+        finally:
+            self._leases[version] -= 1
+            if not self._leases[version]:
+                del self._leases[version]
+                if self._closed:  # close() waits for the last lease
+                    async with self._version_changed:
+                        self._version_changed.notify_all()
+                else:
+                    await self._unload_unneeded()
+
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
+        """`request.n` samples for one prompt on this job's adapter `version` (hold a lease on it while this runs).
+        Version 0 is the base model, the same for every job."""
+        lora = self._lora_request(version, self._loaded[version]) if version else None
+        samples = await self._engine.generate(prompt_token_ids, request, lora)
+        metrics.GENERATED_TOKENS.labels(job=self.job).inc(sum(len(s.token_ids) for s in samples))
+        return samples
+
+
+class AdapterEngine(AdapterBook):
+    """One job on an engine of its own: a job's own inference server, `grpolora eval`, the benchmarks."""
+
+    def __init__(self, config: EngineConfig, *, adapter_root: Path, job: str = "local"):
+        super().__init__(VllmEngine(config), adapter_root=adapter_root, kept_versions=config.kept_versions, job=job)
+        self.limits: EngineLimits | None = None  # known once started
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:  # the model is resolved while the server already answers
+        self._engine.config = config
+        self.kept_versions = config.kept_versions
+
+    async def start(self) -> None:
+        await self._engine.start()
+        self.limits = self._engine.limits
+        self.bind()
+
+    @property
+    def started(self) -> bool:
+        return self._engine.started
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+        shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    async def list_loras(self) -> list[int]:
+        return await self._engine.list_loras()
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._engine.encode(text)

@@ -1,31 +1,70 @@
-"""Prometheus metrics of an inference server (all declared here; served at GET /metrics)."""
+"""Prometheus metrics of an inference server (all declared here; served at GET /metrics).
+
+Every series carries a `job` label, "<namespace>/<name>" (grpolora.api.pool.job_key): a pool's server serves
+several jobs, a job's own server labels with its own job, so a dashboard reads both alike."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
+JOB = "job"
 
 ADAPTER_VERSION = Gauge(
-    "grpolora_inference_adapter_version", "Adapter version serving new requests (0 = base model)", registry=REGISTRY
+    "grpolora_inference_adapter_version",
+    "Adapter version serving the job's new requests (0 = base model)",
+    [JOB],
+    registry=REGISTRY,
 )
 GENERATED_TOKENS = Counter(
-    "grpolora_inference_generated_tokens_total", "Completion tokens generated", registry=REGISTRY
+    "grpolora_inference_generated_tokens_total", "Completion tokens generated", [JOB], registry=REGISTRY
 )
-REQUESTS = Counter("grpolora_inference_requests_total", "Generate requests by outcome", ["status"], registry=REGISTRY)
+REQUESTS = Counter(
+    "grpolora_inference_requests_total", "Generate requests by outcome", [JOB, "status"], registry=REGISTRY
+)
 REQUEST_SECONDS = Histogram(
     "grpolora_inference_request_seconds",
     "Generate request latency",
+    [JOB],
     buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
     registry=REGISTRY,
 )
 ACTIVATION_SECONDS = Histogram(
     "grpolora_inference_adapter_activation_seconds",
     "From verified buffers to the new adapter version serving (write + load + switch)",
+    [JOB],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=REGISTRY,
 )
 SYNC_FAILURES = Counter(
     "grpolora_inference_sync_failures_total",
     "Sync rounds or group formations that failed here, by reason",
-    ["reason"],
+    [JOB, "reason"],
     registry=REGISTRY,
 )
+IN_FLIGHT = Gauge(
+    "grpolora_inference_sequences_in_flight",
+    "Sequences (prompts x completions) of the job generating in vLLM now",
+    [JOB],
+    registry=REGISTRY,
+)
+WAITING = Gauge(
+    "grpolora_inference_sequences_waiting",
+    "Sequences of the job waiting for its in-flight cap (a pool's maxInFlightPerJob)",
+    [JOB],
+    registry=REGISTRY,
+)
+BY_JOB = (
+    ADAPTER_VERSION,
+    GENERATED_TOKENS,
+    REQUESTS,
+    REQUEST_SECONDS,
+    ACTIVATION_SECONDS,
+    SYNC_FAILURES,
+    IN_FLIGHT,
+    WAITING,
+)
+
+
+def forget(job: str) -> None:
+    """Drop a detached job's series (a pool sees many jobs come and go over its life)."""
+    for metric in BY_JOB:
+        metric.remove_by_labels({JOB: job})

@@ -14,29 +14,38 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
+import itertools
 import logging
+import shutil
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Response
+from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from grpolora.api.contract import WorkerEnv
+from grpolora.api.contract import PoolEnv, WorkerEnv
+from grpolora.api.pool import Attachment, auth_digest, job_key
+from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
 from grpolora.workers.inference.engine import (
+    AdapterBook,
     AdapterEngine,
     EngineConfig,
     InvalidRequest,
+    Sample,
     SamplingRequest,
     VersionUnavailable,
+    VllmEngine,
     config_for,
     cpu_engine_env,
 )
+from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     JOIN_PATH,
     PREPARE_PATH,
@@ -112,15 +121,131 @@ class GenerateResponse(BaseModel):
 
 def create_app(
     engine: AdapterEngine,
-    receiver_factory,
+    receiver_factory: Callable[[AdapterEngine], AdapterReceiver],
     *,
     token: str,
     version_wait_seconds: float,
-    prepare=None,
-    on_fatal=None,
+    job: str = "local",
+    prepare: Callable[[], Awaitable[None]] | None = None,
+    on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
-    """The API around an engine. `prepare` (optional coroutine) loads the model and starts the engine in the
-    background, so that /health answers (503) while a large model loads."""
+    """A job's own server: one tenant, the job itself (`job`, its metrics' label), with its own engine."""
+    tenants = Tenants(join_grace_seconds=None, default_job=job)
+
+    async def serve_tenants() -> None:
+        tenants.attach(
+            Tenant(
+                job=job,
+                auth=auth_digest(token),
+                sync_key=wire.header_key(token).hex(),
+                book=engine,
+                receiver=receiver_factory(engine),
+                gate=FairGate(None, on_change=in_flight_gauges(job)),
+            )
+        )
+
+    return build_app(
+        engine,
+        tenants,
+        serve_tenants,
+        version_wait_seconds=version_wait_seconds,
+        prepare=prepare,
+        on_fatal=on_fatal,
+        cleanup=engine.shutdown,
+    )
+
+
+def create_pool_app(
+    engine: VllmEngine,
+    attachments: AttachmentList,
+    *,
+    version_wait_seconds: float,
+    adapter_root: Path,
+    prepare: Callable[[], Awaitable[None]] | None = None,
+    on_fatal: Callable[[], None] | None = None,
+) -> FastAPI:
+    """A RolloutPool's server: the tenants its attachment list names, on one shared engine."""
+
+    async def serve_tenants() -> None:
+        await attachments.refresh()
+        watcher = asyncio.create_task(attachments.watch())
+        watchers.append(watcher)
+
+    def cleanup() -> None:
+        for watcher in watchers:
+            watcher.cancel()
+        engine.shutdown()
+        shutil.rmtree(adapter_root, ignore_errors=True)
+
+    watchers: list[asyncio.Task] = []
+    return build_app(
+        engine,
+        attachments.tenants,
+        serve_tenants,
+        version_wait_seconds=version_wait_seconds,
+        prepare=prepare,
+        on_fatal=on_fatal,
+        cleanup=cleanup,
+        status=lambda: {"attachment_error": attachments.error},
+    )
+
+
+def pool_tenants(
+    engine: VllmEngine,
+    spec: RolloutPoolSpec,
+    *,
+    pool: str,
+    jobs_file: Path,
+    adapter_root: Path,
+    receiver: Callable[[AdapterBook, bytes, str], AdapterReceiver],
+    join_grace_seconds: float | None = None,
+) -> AttachmentList:
+    """A pool server's tenants, kept in step with its attachment list: each attached job gets an adapter book on
+    the shared engine (its own folder, its attachment's keptVersions), a receiver with its own key (`receiver`
+    makes it from the book, the key and the job) and the pool's in-flight cap. Readiness waits for a job never
+    heard from for `join_grace_seconds` (default: the pool's adapterWaitSeconds; see tenants.py)."""
+    grace = spec.adapter_wait_seconds if join_grace_seconds is None else join_grace_seconds
+    tenants = Tenants(join_grace_seconds=grace)
+    incarnations = itertools.count()
+
+    def make_tenant(entry: Attachment) -> Tenant:
+        # A folder per attachment (not per job name): a job detached and attached again never shares one.
+        folder = adapter_root / f"{next(incarnations)}-{entry.job.replace('/', '_')}"
+        book = AdapterBook(engine, adapter_root=folder, kept_versions=entry.kept_versions, job=entry.job)
+        return Tenant(
+            job=entry.job,
+            auth=entry.auth,
+            sync_key=entry.sync_key,
+            book=book,
+            receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
+            gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
+        )
+
+    return AttachmentList(jobs_file, pool=pool, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant)
+
+
+def in_flight_gauges(job: str) -> Callable[[int, int], None]:
+    def update(in_flight: int, waiting: int) -> None:
+        metrics.IN_FLIGHT.labels(job=job).set(in_flight)
+        metrics.WAITING.labels(job=job).set(waiting)
+
+    return update
+
+
+def build_app(
+    engine: AdapterEngine | VllmEngine,
+    tenants: Tenants,
+    serve_tenants: Callable[[], Awaitable[None]],
+    *,
+    version_wait_seconds: float,
+    prepare: Callable[[], Awaitable[None]] | None,
+    on_fatal: Callable[[], None] | None,
+    cleanup: Callable[[], None],
+    status: Callable[[], dict] = dict,
+) -> FastAPI:
+    """The API around an engine and the jobs it serves (one for a job's own server, several for a pool's: the same
+    routes, each request acting for the job its token names). `prepare` (optional coroutine) loads the model and
+    starts the engine in the background, so that /health answers (503) while a large model loads."""
     state: dict[str, object] = {}
 
     @contextlib.asynccontextmanager
@@ -130,7 +255,8 @@ def create_app(
                 if prepare is not None:
                     await prepare()
                 await engine.start()
-                state["receiver"] = receiver_factory(engine)
+                await serve_tenants()
+                tenants.started = True
             except Exception as exc:  # the server stops and exits non-zero: Kubernetes or the launcher sees it
                 log.exception("inference server failed to start")
                 state["error"] = f"{type(exc).__name__}: {exc}"
@@ -142,50 +268,60 @@ def create_app(
             yield
         finally:
             task.cancel()
-            receiver = state.get("receiver")
-            if isinstance(receiver, AdapterReceiver):
-                await asyncio.to_thread(receiver.close)
-            await asyncio.to_thread(engine.shutdown)
+            tenants.started = False
+            for tenant in tenants:
+                await asyncio.to_thread(tenant.receiver.close)
+            await asyncio.to_thread(cleanup)
 
     app = FastAPI(title="grpo-lora inference", lifespan=lifespan)
-    app.add_middleware(RequestGuard, token=token, max_body_bytes=MAX_BODY_BYTES)
+    app.add_middleware(RequestGuard, tenants=tenants, max_body_bytes=MAX_BODY_BYTES)
 
-    def receiver() -> AdapterReceiver:
-        found = state.get("receiver")
-        if not isinstance(found, AdapterReceiver):
-            raise HTTPException(status_code=503, detail=str(state.get("error") or "engine is starting"))
-        return found
+    def caller(http: Request) -> Tenant:
+        """The job whose token the request carries (RequestGuard found it before the body was read)."""
+        return http.scope[TENANT_SCOPE_KEY]
 
     @app.get("/health")
     async def health() -> Response:
         if "error" in state:
             return Response(f"failed: {state['error']}", status_code=500)
-        if not isinstance(state.get("receiver"), AdapterReceiver):
+        if not tenants.started:
             return Response("starting", status_code=503)
         return Response("ok")
 
     @app.get("/ready")
     async def ready() -> Response:
-        found = state.get("receiver")
-        if isinstance(found, AdapterReceiver) and found.ready:
+        if tenants.ready:
             return Response("ready")
-        return Response("not ready: engine starting or waiting for the current adapter", status_code=503)
+        return Response("not ready: engine starting or waiting for the current adapter of a job", status_code=503)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/adapter")
-    async def adapter() -> dict:
-        return {
-            "live_version": engine.live_version,
-            "live_since": engine.live_since,
-            "loaded_versions": engine.loaded_versions(),
+    async def adapter(http: Request) -> dict:
+        """Per job: the live version and the loaded ones (and their LoRA ids); at the top level, the same for the
+        job the caller's token names (or the job of a job's own server); `engine_lora_ids`: what vLLM holds."""
+        jobs = {
+            t.job: {
+                "live_version": t.book.live_version,
+                "live_since": t.book.live_since,
+                "loaded_versions": t.book.loaded_versions(),
+                "lora_ids": t.book.lora_ids(),
+            }
+            for t in tenants
         }
+        own = http.scope.get(TENANT_SCOPE_KEY) or tenants.get(tenants.default_job or "")
+        body: dict[str, Any] = {}
+        if own is not None and own.job in jobs:
+            body |= {k: v for k, v in jobs[own.job].items() if k != "lora_ids"}
+        engine_ids = await engine.list_loras() if tenants.started and engine.started else []
+        return body | {"jobs": jobs, "engine_lora_ids": engine_ids} | status()
 
     @app.post("/v1/generate", response_model=GenerateResponse)
-    async def generate(request: GenerateRequest) -> GenerateResponse:
-        receiver()  # 503 while starting
+    async def generate(request: GenerateRequest, http: Request) -> GenerateResponse:
+        tenant = caller(http)
+        book, labels = tenant.book, {"job": tenant.job}
         started = time.perf_counter()
         prompts = request.prompt_token_ids or [await engine.encode(text) for text in request.prompts or []]
         samplings = [
@@ -199,24 +335,27 @@ def create_app(
             )
             for index in range(len(prompts))
         ]
+
+        async def one(prompt: list[int], sampling: SamplingRequest, version: int) -> list[Sample]:
+            async with tenant.gate.admit(sampling.n):  # the job's cap on sequences in vLLM, in arrival order
+                return await book.generate(prompt, sampling, version)
+
         try:
-            assert engine.limits is not None  # the receiver exists only once the engine has started
+            assert engine.limits is not None  # tenants are served only once the engine has started
             engine.limits.check(prompts, samplings[0])  # the same lengths and stop ids for every prompt
-            async with engine.lease(request.adapter_version, version_wait_seconds) as version:
-                outputs = await asyncio.gather(
-                    *(engine.generate(p, s, version) for p, s in zip(prompts, samplings, strict=True))
-                )
+            async with book.lease(request.adapter_version, version_wait_seconds) as version:
+                outputs = await asyncio.gather(*(one(p, s, version) for p, s in zip(prompts, samplings, strict=True)))
         except VersionUnavailable as exc:
-            metrics.REQUESTS.labels(status="version_unavailable").inc()
+            metrics.REQUESTS.labels(**labels, status="version_unavailable").inc()
             raise HTTPException(status_code=409, detail=str(exc)) from None
         except InvalidRequest as exc:
-            metrics.REQUESTS.labels(status="invalid").inc()
+            metrics.REQUESTS.labels(**labels, status="invalid").inc()
             raise HTTPException(status_code=exc.status, detail=str(exc)) from None
         except Exception:
-            metrics.REQUESTS.labels(status="error").inc()
+            metrics.REQUESTS.labels(**labels, status="error").inc()
             raise
-        metrics.REQUESTS.labels(status="ok").inc()
-        metrics.REQUEST_SECONDS.observe(time.perf_counter() - started)
+        metrics.REQUESTS.labels(**labels, status="ok").inc()
+        metrics.REQUEST_SECONDS.labels(**labels).observe(time.perf_counter() - started)
         return GenerateResponse(
             adapter_version=version,
             results=[
@@ -226,21 +365,21 @@ def create_app(
         )
 
     @app.get(STATE_PATH, response_model=MemberState)
-    async def sync_state() -> MemberState:
-        return receiver().state()
+    async def sync_state(http: Request) -> MemberState:
+        return caller(http).receiver.state()
 
     @app.post(JOIN_PATH, status_code=202)
-    async def sync_join(request: JoinRequest) -> dict:
+    async def sync_join(request: JoinRequest, http: Request) -> dict:
         try:
-            receiver().join(request)
+            caller(http).receiver.join(request)
         except FingerprintMismatch as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
 
     @app.post(PREPARE_PATH, status_code=202)
-    async def sync_prepare(request: PrepareRequest) -> dict:
+    async def sync_prepare(request: PrepareRequest, http: Request) -> dict:
         try:
-            receiver().prepare(request)
+            caller(http).receiver.prepare(request)
         except StaleEpoch as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
@@ -248,16 +387,21 @@ def create_app(
     return app
 
 
+TENANT_SCOPE_KEY = "grpolora.tenant"
+"""Where RequestGuard leaves the caller's tenant in the ASGI scope."""
+
+
 class RequestGuard:
-    """ASGI middleware that refuses a request before its body is read: without the token (401) on a guarded path,
-    or with a body over `max_body_bytes` (413, announced by Content-Length or counted as a chunked body arrives).
+    """ASGI middleware that refuses a request before its body is read: without a served job's token (401) on a
+    guarded path, or with a body over `max_body_bytes` (413, announced by Content-Length or counted as a chunked
+    body arrives). The token also selects the job the request acts for (its tenant, left in the scope).
 
     FastAPI reads and parses a body before running a route's dependencies, so a token check there would let anyone
     make the server read (and hold) whatever they send."""
 
-    def __init__(self, app: Any, *, token: str, max_body_bytes: int):
+    def __init__(self, app: Any, *, tenants: Tenants, max_body_bytes: int):
         self.app = app
-        self._expected = f"Bearer {token}".encode()
+        self._tenants = tenants
         self._max = max_body_bytes
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
@@ -265,11 +409,17 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
-        if scope["path"] not in OPEN_PATHS and not hmac.compare_digest(
-            headers.get(b"authorization", b""), self._expected
-        ):
-            await _refuse(scope, receive, send, 401, "missing or wrong bearer token (GRPOLORA_TOKEN)")
-            return
+        authorization = headers.get(b"authorization", b"")
+        tenant = self._tenants.find(authorization) if authorization else None
+        if scope["path"] not in OPEN_PATHS:
+            if not self._tenants.started:
+                await _refuse(scope, receive, send, 503, "engine is starting")
+                return
+            if tenant is None:
+                await _refuse(scope, receive, send, 401, "missing or wrong bearer token (GRPOLORA_TOKEN)")
+                return
+        if tenant is not None:
+            scope[TENANT_SCOPE_KEY] = tenant
         length = headers.get(b"content-length")
         too_large = f"request body over {self._max} bytes"
         if length is not None and (not length.isdigit() or int(length) > self._max):
@@ -293,69 +443,104 @@ async def _refuse(scope: dict, receive: Any, send: Any, status: int, detail: str
     await response(scope, receive, send)
 
 
-def _count_round(outcome: RoundOutcome) -> None:
-    if outcome.activated:
-        log.info(
-            "adapter version %d: %d bytes received in %.3fs, live after %.3fs",
-            outcome.version,
-            outcome.bytes,
-            outcome.receive_seconds,
-            outcome.activate_seconds,
-        )
+def _round_logger(job: str) -> Callable[[RoundOutcome], None]:
+    def count(outcome: RoundOutcome) -> None:
+        if outcome.activated:
+            log.info(
+                "%s: adapter version %d: %d bytes received in %.3fs, live after %.3fs",
+                job,
+                outcome.version,
+                outcome.bytes,
+                outcome.receive_seconds,
+                outcome.activate_seconds,
+            )
+
+    return count
+
+
+def _failure_counter(job: str) -> Callable[[str], None]:
+    return lambda kind: metrics.SYNC_FAILURES.labels(job=job, reason=kind).inc()
 
 
 def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
     return config_for(env.spec, model_dir)
 
 
-def serve(env: WorkerEnv) -> int:
-    """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters."""
+def serve(env: WorkerEnv | PoolEnv) -> int:
+    """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters; for one job
+    (its own server, WorkerEnv) or for the jobs attached to a RolloutPool (PoolEnv)."""
     import torch
     import uvicorn
 
     from grpolora.workers.models import fingerprint, resolve_model
 
-    cpu_engine_env(env.spec)
+    spec = env.spec
+    cpu_engine_env(spec)
     holder: dict[str, str] = {}
+    device = torch.device("cuda", 0) if env.sync_backend == "nccl" else None
 
-    async def prepare() -> None:
-        model_dir = await asyncio.to_thread(resolve_model, env.model, env.spec.model.revision)
-        holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
-        engine.config = engine_config(env, str(model_dir))
-
-    def receiver_factory(engine: AdapterEngine) -> AdapterReceiver:
-        device = torch.device("cuda", 0) if env.sync_backend == "nccl" else None
+    def receiver(book: AdapterBook, key: bytes, job: str) -> AdapterReceiver:
         return AdapterReceiver(
-            engine,
+            book,
             replica_index=env.replica_index,
             fingerprint=holder["fingerprint"],
-            token=env.token,
+            key=key,
             device=device,
-            on_round=_count_round,
-            on_error=lambda kind: metrics.SYNC_FAILURES.labels(reason=kind).inc(),
+            on_round=_round_logger(job),
+            on_error=_failure_counter(job),
+            name=job,
         )
 
+    for stale in remove_stale_adapter_roots():
+        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
     failed: list[bool] = []
 
     def stop_on_fatal() -> None:  # closes over `server`, assigned below before it can run
         failed.append(True)
         server.should_exit = True
 
-    for stale in remove_stale_adapter_roots():
-        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
-    engine = AdapterEngine(engine_config(env, env.model), adapter_root=default_adapter_root(env.job_name))
-    app = create_app(
-        engine,
-        receiver_factory,
-        token=env.token,
-        version_wait_seconds=env.sync_timeout_seconds,
-        prepare=prepare,
-        on_fatal=stop_on_fatal,
-    )
+    if isinstance(env, PoolEnv):
+        shared = VllmEngine(config_for(spec, env.model))
+        engine: AdapterEngine | VllmEngine = shared
+        root = default_adapter_root(f"pool-{env.pool_name}")
+        attachments = pool_tenants(
+            shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), adapter_root=root, receiver=receiver
+        )
+
+        def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
+            return create_pool_app(
+                shared,
+                attachments,
+                version_wait_seconds=spec.adapter_wait_seconds,
+                adapter_root=root,
+                prepare=prepare,
+                on_fatal=stop_on_fatal,
+            )
+    else:
+        job = job_key(env.namespace, env.job_name)
+        own = AdapterEngine(config_for(spec, env.model), adapter_root=default_adapter_root(env.job_name), job=job)
+        engine = own
+
+        def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
+            return create_app(
+                own,
+                lambda book: receiver(book, wire.header_key(env.token), job),
+                token=env.token,
+                version_wait_seconds=env.sync_timeout_seconds,
+                job=job,
+                prepare=prepare,
+                on_fatal=stop_on_fatal,
+            )
+
+    async def prepare() -> None:
+        model_dir = await asyncio.to_thread(resolve_model, env.model, spec.model.revision)
+        holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
+        engine.config = config_for(spec, str(model_dir))
+
     port = int(env.own_endpoint.rsplit(":", 1)[1])
     server = uvicorn.Server(
         uvicorn.Config(
-            app,
+            app_for(prepare),
             host=env.bind_addr,
             port=port,
             log_level="info",

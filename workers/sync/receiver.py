@@ -110,7 +110,8 @@ def report_status(transport: Transport, code: int) -> None:
 
 
 class AdapterReceiver:
-    """The sync-group member of one inference replica."""
+    """The sync-group member of one inference replica for one job (a pool's replica holds one per attached job,
+    each in that job's own group, with that job's key)."""
 
     def __init__(
         self,
@@ -118,15 +119,16 @@ class AdapterReceiver:
         *,
         replica_index: int,
         fingerprint: str,
-        token: str,
+        key: bytes,
         device: torch.device | None = None,
         on_round: Callable[[RoundOutcome], None] | None = None,
         on_error: Callable[[str], None] | None = None,
+        name: str = "job",
     ):
         self._sink = sink
         self.replica_index = replica_index
         self.fingerprint = fingerprint
-        self._key = wire.header_key(token)
+        self._key = key  # the MAC key of this job's round headers (wire.header_key of its token)
         self._device = device
         self._on_round = on_round
         self._on_error = on_error  # called with a short kind: formation, interrupted, refused
@@ -139,7 +141,7 @@ class AdapterReceiver:
         self._has_joined = False
         self._busy = False
         self._last_error: str | None = None
-        self._thread = threading.Thread(target=self._run, name="adapter-receiver", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"adapter-receiver-{name}", daemon=True)
         self._thread.start()
 
     # ---- control (called from the HTTP handlers) -------------------------------------------------------------
@@ -167,6 +169,12 @@ class AdapterReceiver:
         """
         with self._lock:
             return self._has_joined and self._sink.live_version >= self._required_version
+
+    @property
+    def asked(self) -> bool:
+        """Its trainer has asked it to join a group at least once (whether or not the group formed)."""
+        with self._lock:
+            return self._has_joined or self._pending_join is not None
 
     def join(self, request: JoinRequest) -> None:
         if request.trainer_fingerprint != self.fingerprint:

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from grpolora.api.pool import sync_key
+
 WIRE_VERSION = 2  # 2: the header carries a MAC
 ALIGN = 64  # bytes; every tensor starts aligned so that a byte view can be reinterpreted as any dtype
 CHECKSUM_CHUNK_WORDS = 8 << 20  # bounds the int64 temporaries of the checksum to 64 MiB
@@ -49,8 +51,9 @@ class WireError(ValueError):
 
 
 def header_key(token: str) -> bytes:
-    """The MAC key of round headers, derived from the job token (one secret, a key per purpose)."""
-    return hmac.new(token.encode(), b"grpolora sync round header", hashlib.sha256).digest()
+    """The MAC key of round headers, derived from the job token (one secret, a key per purpose). A RolloutPool's
+    servers never see the token: the operator hands them this same key (grpolora.api.pool, the one derivation)."""
+    return sync_key(token)
 
 
 def check_header_length(length: int) -> None:

@@ -1,0 +1,403 @@
+"""A RolloutPool's inference server: several jobs on one vLLM engine, each with its own token, sync group, adapter
+versions and LoRA ids.
+
+The first tests run the real pool app (create_pool_app, the attachment list, tenants, fair gates, sync receivers)
+around a stand-in for vLLM's generation (GatedEngine), for what must be deterministic: the fair order of two
+jobs' prompts, readiness, the attachment list's life. The rest run ONE real pool server process (vLLM CPU
+engine, tiny Llama) for the module, into which two trainers' senders push at once over gloo: parity per job with
+HF + peft, cross-job refusal, a bad attachment list, detachment."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from grpolora.api import contract
+from grpolora.api.contract import ContractError, PoolEnv
+from grpolora.api.pool import Attachments
+from grpolora.testing.servers import (
+    PoolServerProcess,
+    free_port,
+    generate,
+    pool_attachment,
+    tiny_cpu_pool,
+    write_attachments,
+)
+from grpolora.workers.adapter import lora_config, lora_tensors
+from grpolora.workers.inference.engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
+from grpolora.workers.inference.server import create_pool_app, pool_tenants
+from grpolora.workers.inference.tenants import tenant_ready
+from grpolora.workers.models import resolve_model
+from grpolora.workers.sync.control import JoinRequest, SyncError
+from grpolora.workers.sync.receiver import AdapterReceiver
+from tests.workers.fakeengine import AppThread
+from tests.workers.parity import greedy, hf_logprobs, http_sender, peft_policy, randomize_adapter, raw_request, tokens
+
+log = logging.getLogger(__name__)
+JOB_A, JOB_B, JOB_C = "team-a/job-a", "team-a/job-b", "team-a/job-c"
+TOKENS = {JOB_A: "token-of-a", JOB_B: "token-of-b", JOB_C: "token-of-c"}
+
+
+def bearer(job: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKENS[job]}"}
+
+
+# ---- the pool app around a stand-in for vLLM's generation ---------------------------------------------------------
+
+
+class GatedEngine(VllmEngine):
+    """vLLM's side, stood in for: records each prompt as it enters generation (with how many prompts of each job
+    were generating then) and answers only once `release` is set; LoRA ids added and removed are kept as vLLM would."""
+
+    def __init__(self) -> None:
+        super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=8))
+        self.release = threading.Event()
+        self.release.set()
+        self.entered: list[tuple[int, dict[int, int]]] = []  # (prompt's first token, running by first token)
+        self.running: dict[int, int] = {}
+        self.loras: set[int] = set()
+
+    async def start(self) -> None:
+        self.limits = EngineLimits(max_model_len=256, vocab_size=1000)
+        self._engine = self  # started
+
+    def shutdown(self) -> None:
+        self._engine = None
+
+    async def add_lora(self, request) -> None:
+        self.loras.add(request.lora_int_id)
+
+    async def remove_lora(self, lora_id: int) -> None:
+        self.loras.discard(lora_id)
+
+    async def list_loras(self) -> list[int]:
+        return sorted(self.loras)
+
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, lora) -> list[Sample]:
+        first = prompt_token_ids[0]
+        self.running[first] = self.running.get(first, 0) + 1
+        self.entered.append((first, dict(self.running)))
+        try:
+            while not self.release.is_set():
+                await asyncio.sleep(0.005)
+        finally:
+            self.running[first] -= 1
+        return [Sample([prompt_token_ids[-1]], [-0.5], "x", "length") for _ in range(request.n)]
+
+
+def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, **spec):
+    pool = tiny_cpu_pool(**spec)
+    tmp.mkdir(parents=True, exist_ok=True)
+    jobs_file = tmp / "jobs.json"
+    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)])
+    attachments = pool_tenants(
+        engine,
+        pool.pool.spec,
+        pool=pool.name,
+        jobs_file=jobs_file,
+        adapter_root=tmp / "adapters",
+        receiver=lambda book, key, job: AdapterReceiver(book, replica_index=0, fingerprint="fp", key=key, name=job),
+        join_grace_seconds=grace,
+    )
+    return create_pool_app(engine, attachments, version_wait_seconds=1, adapter_root=tmp / "adapters"), attachments
+
+
+def wait_for(condition, what: str, seconds: float = 20.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_a_job_flooding_the_pool_leaves_room_for_another(tmp_path):
+    """Job A's 8 prompts against a cap of 2 sequences: 2 enter generation, 6 wait in A's own queue; job B's prompt
+    enters at once, while A's backlog still waits (without the cap, all of A's would be in vLLM before B's)."""
+    engine = GatedEngine()
+    app, _ = pool_app(engine, tmp_path, grace=0, maxInFlightPerJob=2)
+    engine.release.clear()
+    with AppThread(app) as server, concurrent.futures.ThreadPoolExecutor(2) as threads:
+        flood = {"prompt_token_ids": [[1, i] for i in range(8)], "max_tokens": 1}
+        a = threads.submit(httpx.post, f"{server.url}/v1/generate", json=flood, headers=bearer(JOB_A), timeout=30)
+        wait_for(lambda: len(engine.entered) >= 2, "A's first prompts")
+        b = threads.submit(
+            httpx.post, f"{server.url}/v1/generate", json={"prompt_token_ids": [[2, 0]]}, headers=bearer(JOB_B)
+        )
+        wait_for(lambda: any(first == 2 for first, _ in engine.entered), "B's prompt")
+        metrics = httpx.get(f"{server.url}/metrics").text
+        engine.release.set()
+        assert a.result().status_code == 200 and b.result().status_code == 200
+    first, running = engine.entered[2]
+    assert first == 2 and running[1] == 2  # B entered third, next to A's two: A's other six were still waiting
+    assert max(r.get(1, 0) for _, r in engine.entered) == 2  # A never had more than its cap generating
+    assert f'grpolora_inference_sequences_waiting{{job="{JOB_A}"}} 6.0' in metrics
+    assert f'grpolora_inference_sequences_in_flight{{job="{JOB_B}"}} 1.0' in metrics
+
+
+def test_readiness_waits_for_each_jobs_current_adapter_but_not_for_a_trainer_never_heard_from(tmp_path):
+    assert tenant_ready(asked=True, current=False, attached_seconds=1e6, grace=0) is False
+    assert tenant_ready(asked=True, current=True, attached_seconds=0, grace=None) is True
+    assert tenant_ready(asked=False, current=False, attached_seconds=5, grace=10) is False
+    assert tenant_ready(asked=False, current=False, attached_seconds=10, grace=10) is True
+    assert tenant_ready(asked=False, current=False, attached_seconds=1e6, grace=None) is False  # a job's own server
+    # A replacement replica: its jobs' trainers have not reached it yet, and the grace has not passed.
+    with AppThread(pool_app(GatedEngine(), tmp_path / "waiting", grace=3600)[0]) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 503
+    # Past the grace, jobs whose trainers never came do not hold it back; one whose trainer asked it to join at
+    # version 3 does, until it serves version 3.
+    app, _ = pool_app(GatedEngine(), tmp_path / "joined", grace=0)
+    with AppThread(app) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        join = JoinRequest(
+            epoch=0,
+            rank=1,
+            world_size=2,
+            store_addr="127.0.0.1",
+            store_port=free_port(),  # nobody listens: the group never forms
+            backend="gloo",
+            timeout_seconds=1,
+            join_timeout_seconds=1,
+            trainer_fingerprint="fp",
+            current_version=3,
+        )
+        assert (
+            httpx.post(f"{server.url}/v1/sync/join", json=join.model_dump(), headers=bearer(JOB_B)).status_code == 202
+        )
+        assert httpx.get(f"{server.url}/ready").status_code == 503
+        state_a = httpx.get(f"{server.url}/v1/sync/state", headers=bearer(JOB_A)).json()
+        state_b = httpx.get(f"{server.url}/v1/sync/state", headers=bearer(JOB_B)).json()
+        assert (state_a["required_version"], state_b["required_version"]) == (0, 3)  # B's join was B's alone
+
+
+def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last_good(tmp_path):
+    engine = GatedEngine()
+    app, attachments = pool_app(engine, tmp_path, grace=0, maxJobs=2)
+    jobs_file, pool = attachments.path, attachments.pool
+    with AppThread(app) as server:
+
+        def served() -> set[str]:
+            return set(httpx.get(f"{server.url}/v1/adapter").json()["jobs"])
+
+        def error() -> str | None:
+            return httpx.get(f"{server.url}/v1/adapter").json()["attachment_error"]
+
+        assert served() == {JOB_A, JOB_B}
+        ok = {"prompt_token_ids": [[1, 2]]}
+        assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 401
+        for bad, words in (
+            ('{"pool": "' + pool + '", "jobs": [{"job": "te', "not a valid attachment list"),  # half written
+            ('{"pool": "another", "jobs": []}', "it is the list of pool 'another'"),
+            (
+                Attachments(pool=pool, jobs=[pool_attachment(j, TOKENS[j]) for j in TOKENS]).to_json(),
+                "3 jobs listed, the pool has slots for 2",
+            ),
+        ):
+            jobs_file.write_text(bad)
+            wait_for(lambda words=words: words in (error() or ""), words)
+            assert served() == {JOB_A, JOB_B}
+            assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 200
+        # Replaced (renamed over, as the kubelet swaps a Secret's files): C in, B out.
+        write_attachments(jobs_file, pool, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_C)])
+        wait_for(lambda: served() == {JOB_A, JOB_C}, "C attached and B detached")
+        assert error() is None
+        assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 401
+        assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
+
+
+def test_pool_env_is_read_from_plan_pools_contract_and_names_a_missing_variable(tmp_path):
+    pool = tiny_cpu_pool(maxJobs=3)
+    environ = pool.env_for(0, jobs_file=str(tmp_path / "jobs.json"))
+    assert contract.is_pool_server(environ)
+    env = PoolEnv.from_environ(environ)
+    assert (env.pool_name, env.spec.lora_slots, env.jobs_file) == ("shared", 6, str(tmp_path / "jobs.json"))
+    assert env.own_endpoint == pool.endpoints[0] and env.sync_backend == "gloo"
+    with pytest.raises(ContractError, match=contract.POOL_JOBS_FILE):
+        PoolEnv.from_environ({k: v for k, v in environ.items() if k != contract.POOL_JOBS_FILE})
+    with pytest.raises(ContractError, match=f"{contract.POOL_SPEC} does not hold a valid RolloutPool spec"):
+        PoolEnv.from_environ(environ | {contract.POOL_SPEC: '{"maxJobs": 0}'})
+
+
+# ---- one real pool server, two trainers ---------------------------------------------------------------------------
+
+VLLM = pytest.mark.vllm
+
+
+@pytest.fixture(scope="module")
+def pool_server(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("pool")
+    # adapterWaitSeconds: a request for a version not live waits this long (then 409), and readiness waits this
+    # long for a job never heard from.
+    pool = tiny_cpu_pool(maxJobs=3, adaptersPerJob=2, adapterWaitSeconds=3)
+    jobs_file = log_dir / "jobs.json"
+    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)])
+    server = PoolServerProcess(pool, 0, log_dir, jobs_file)
+    try:
+        server.wait_healthy()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model("offline:tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def policies(model_dir):
+    return {job: peft_policy(model_dir) for job in (JOB_A, JOB_B)}
+
+
+@pytest.fixture(scope="module")
+def senders(pool_server, model_dir):
+    made = {
+        job: http_sender(
+            [pool_server.url],
+            TOKENS[job],
+            store_port=free_port(),
+            model_dir=model_dir,
+            timeout_seconds=10,
+            bucket_bytes=1 << 20,
+        )
+        for job in (JOB_A, JOB_B)
+    }
+    for sender in made.values():
+        sender.form_group(wait_for_all_seconds=60)
+    yield made
+    for sender in made.values():
+        sender.close()
+
+
+def adapter_status(url: str) -> dict:
+    return httpx.get(f"{url}/v1/adapter").json()
+
+
+@VLLM
+def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_server, senders, policies, model_dir):
+    url, rounds = pool_server.url, {JOB_A: 2, JOB_B: 3}
+    seen: dict[str, list[int]] = {JOB_A: [], JOB_B: []}
+    done = threading.Event()
+
+    def push(job: str) -> int:
+        for r in range(rounds[job]):
+            randomize_adapter(policies[job], seed=100 * (job == JOB_B) + r)
+            senders[job].send(lora_tensors(policies[job]), lora_config(policies[job]))
+        return senders[job].version
+
+    def watch() -> None:  # every job's live version, as often as the server answers, while both push
+        while not done.is_set():
+            for job, status in adapter_status(url)["jobs"].items():
+                seen[job].append(status["live_version"])
+
+    with concurrent.futures.ThreadPoolExecutor(3) as threads:
+        watcher = threads.submit(watch)
+        versions = dict(zip(rounds, threads.map(push, rounds), strict=True))
+        done.set()
+        watcher.result()
+    assert versions == {JOB_A: 2, JOB_B: 3}
+    for job, live in seen.items():
+        assert live == sorted(live), f"{job}'s live version went back: {live}"  # whatever the other job did
+    status = adapter_status(url)
+    ids = {job: set(status["jobs"][job]["lora_ids"]) for job in (JOB_A, JOB_B)}
+    assert ids[JOB_A] and ids[JOB_B] and not ids[JOB_A] & ids[JOB_B]  # version 2 of each: two LoRA ids
+    assert ids[JOB_A] | ids[JOB_B] == set(status["engine_lora_ids"])
+    prompt = tokens(model_dir)
+    for job, other in ((JOB_A, JOB_B), (JOB_B, JOB_A)):
+        wait_own = {"Authorization": f"Bearer {TOKENS[job]}"}
+        assert httpx.get(f"{url}/v1/adapter", headers=wait_own).json()["live_version"] == versions[job]
+        out = greedy(url, prompt, versions[job], token=TOKENS[job])
+        assert out["version"] == versions[job]
+        served = torch.tensor(out["logprobs"])
+        delta = (hf_logprobs(policies[job], prompt, out["token_ids"]) - served).abs().max().item()
+        log.warning("pool parity: %s version %d, max |dlogprob| = %.2e", job, versions[job], delta)
+        assert delta <= 1e-3
+        assert (hf_logprobs(policies[other], prompt, out["token_ids"]) - served).abs().max().item() > 0.05
+    assert httpx.get(f"{url}/ready").status_code == 200
+    metrics = httpx.get(f"{url}/metrics").text
+    for job in (JOB_A, JOB_B):
+        assert f'grpolora_inference_adapter_version{{job="{job}"}} {versions[job]}.0' in metrics
+        assert f'grpolora_inference_requests_total{{job="{job}",status="ok"}} 1.0' in metrics
+
+
+@VLLM
+def test_a_job_acts_only_as_itself(pool_server, senders, model_dir):
+    url = pool_server.url
+    a, b = senders[JOB_A].version, senders[JOB_B].version
+    assert b > a
+    # A names a version only B has: for A it is a version of its own not (yet) live, never B's adapter.
+    response = generate(url, {"prompt_token_ids": [[1, 2]], "adapter_version": b}, token=TOKENS[JOB_A])
+    assert response.status_code == 409 and f"adapter version {b} is not live" in response.text
+    states = {j: httpx.get(f"{url}/v1/sync/state", headers=bearer(j)).json() for j in (JOB_A, JOB_B)}
+    assert (states[JOB_A]["live_version"], states[JOB_B]["live_version"]) == (a, b)
+    assert states[JOB_A]["epoch"] == senders[JOB_A].epoch and states[JOB_B]["epoch"] == senders[JOB_B].epoch
+    # A token not in the list: refused before its (announced, never sent) body is read.
+    head = "POST /v1/generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 10000000"
+    answer = raw_request(url, head + f"\r\nAuthorization: Bearer {TOKENS[JOB_C]}", b'{"prompts": [')
+    assert answer.startswith("HTTP/1.1 401"), answer[:200]
+    assert httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_C)).status_code == 401
+
+
+@VLLM
+def test_a_round_macd_with_another_jobs_key_is_refused_in_its_group(pool_server, senders, policies, model_dir):
+    """A trainer holding B's token for the control calls but MAC-ing with A's key (what a job that learnt B's
+    store and port could do with its own key): B's receiver refuses the header, activates nothing."""
+    url, b = pool_server.url, senders[JOB_B].version
+    rogue = http_sender(
+        [url], TOKENS[JOB_B], store_port=free_port(), model_dir=model_dir, timeout_seconds=3, bucket_bytes=1 << 20
+    )
+    rogue._key = senders[JOB_A]._key
+    try:
+        rogue.form_group()
+        with pytest.raises(SyncError):
+            rogue.send(lora_tensors(policies[JOB_A]), lora_config(policies[JOB_A]))
+    finally:
+        rogue.close()
+    state = httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_B)).json()
+    assert state["live_version"] == b and "MAC does not verify" in state["last_error"]
+    metrics = httpx.get(f"{url}/metrics").text
+    assert f'grpolora_inference_sync_failures_total{{job="{JOB_B}",reason="interrupted"}}' in metrics
+    assert f'grpolora_inference_sync_failures_total{{job="{JOB_A}"' not in metrics
+    # B's own trainer re-forms its group and goes on; A never noticed.
+    randomize_adapter(policies[JOB_B], seed=7)
+    assert senders[JOB_B].refresh() is True
+    report = senders[JOB_B].send(lora_tensors(policies[JOB_B]), lora_config(policies[JOB_B]))
+    assert report.members == (0,) and report.version == b + 1
+    assert senders[JOB_A].refresh() is False
+    prompt = tokens(model_dir)
+    out = greedy(url, prompt, None, token=TOKENS[JOB_B])
+    assert out["version"] == b + 1
+    assert (hf_logprobs(policies[JOB_B], prompt, out["token_ids"]) - torch.tensor(out["logprobs"])).abs().max() <= 1e-3
+
+
+@VLLM
+def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_server, senders, policies, model_dir):
+    url, jobs_file = pool_server.url, pool_server.jobs_file
+    b_ids = set(adapter_status(url)["jobs"][JOB_B]["lora_ids"])
+    roots = list(Path("/dev/shm").glob(f"grpolora-adapters-pool-shared-{pool_server.proc.pid}"))
+    folders = {p.name.split("-", 1)[1]: p for root in roots for p in root.iterdir()}
+    assert b_ids and set(folders) == {"team-a_job-a", "team-a_job-b"}
+    body = {"prompt_token_ids": [tokens(model_dir)], "max_tokens": 100, "temperature": 1.0, "seed": 3}
+    with concurrent.futures.ThreadPoolExecutor(1) as threads:
+        running = threads.submit(generate, url, body, 120.0, TOKENS[JOB_B])  # in flight as B is detached
+        write_attachments(jobs_file, "shared", [pool_attachment(JOB_A, TOKENS[JOB_A])])
+        wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
+        assert running.result().status_code == 200
+    wait_for(lambda: not b_ids & set(adapter_status(url)["engine_lora_ids"]), "B's adapters unloaded from vLLM")
+    assert not folders["team-a_job-b"].exists() and folders["team-a_job-a"].exists()
+    assert generate(url, {"prompt_token_ids": [[1, 2]]}, token=TOKENS[JOB_B]).status_code == 401
+    assert httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_B)).status_code == 401
+    assert f'job="{JOB_B}"' not in httpx.get(f"{url}/metrics").text
+    # A is served as before, and its trainer's rounds still land.
+    randomize_adapter(policies[JOB_A], seed=9)
+    report = senders[JOB_A].send(lora_tensors(policies[JOB_A]), lora_config(policies[JOB_A]))
+    prompt = tokens(model_dir)
+    out = greedy(url, prompt, report.version, token=TOKENS[JOB_A])
+    assert (hf_logprobs(policies[JOB_A], prompt, out["token_ids"]) - torch.tensor(out["logprobs"])).abs().max() <= 1e-3
+    assert httpx.get(f"{url}/ready").status_code == 200

@@ -1,0 +1,276 @@
+"""The jobs an inference server serves: a job's own server holds one (the job itself), a RolloutPool's server the
+ones its attachment list names. The same code serves both; nothing is forked for the pool.
+
+Each tenant is one job: its bearer token (known only as a SHA-256, `auth`), its adapter book on the shared vLLM
+engine (own versions, own LoRA ids and folders), its own sync receiver (own group with the job's trainer, own
+store, epoch and version counter, the job's MAC key), and its own in-flight cap.
+
+Readiness (GET /ready) is the conjunction over tenants of `tenant_ready`:
+- a tenant whose trainer has asked this replica to join serves at least the version that trainer called current
+  (strict, as a job's own server always was): a replacement replica of a pool is thereby not ready until every
+  attached job whose trainer reached it has sent it its current adapter, and trainers reach a new replica at their
+  next step (AdapterSender.refresh);
+- a tenant never asked to join holds readiness back only for `join_grace_seconds` after it was attached (or the
+  server started): long enough for a running job's trainer to find a replacement replica, but a just-attached job
+  whose trainer has not started (pending pods, a slow model download) must not keep the whole pool not-ready and
+  out of its Service for every other job. A pool's grace is its adapterWaitSeconds (how long rollouts wait for an
+  adapter anyway); a job's own server has no grace (None): it serves nobody else, and is not ready before its
+  trainer has sent it the current adapter, as before.
+Rollouts are never sent to a replica that does not serve the version they ask for (the trainer's sender tracks
+that per member), so readiness decides only what the pod reports, never which adapter a rollout runs under.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from grpolora.api.pool import Attachment, Attachments
+from grpolora.workers.inference import metrics
+from grpolora.workers.inference.engine import AdapterBook
+from grpolora.workers.sync.receiver import AdapterReceiver
+
+log = logging.getLogger(__name__)
+
+
+def tenant_ready(*, asked: bool, current: bool, attached_seconds: float, grace: float | None) -> bool:
+    """Whether one tenant lets the server report ready (see the module docstring). `asked`: its trainer has asked
+    this replica to join; `current`: it is in the group and serves the version the trainer called current."""
+    if asked:
+        return current
+    return grace is not None and attached_seconds >= grace
+
+
+class FairGate:
+    """At most `limit` sequences of one job in vLLM at once; the job's other prompts wait in arrival order (FIFO).
+
+    vLLM schedules first come, first served: without a cap, a job sending a thousand prompts would fill vLLM's
+    queue and every other job's prompts would wait behind all of them. With a cap per job, each job's backlog waits
+    in its own queue here and the others' prompts enter vLLM at once (and are batched with it). A prompt asking for
+    more sequences than the cap enters alone when nothing of its job runs. `limit` None: no cap (a job's own
+    server)."""
+
+    def __init__(self, limit: int | None, on_change: Callable[[int, int], None] | None = None):
+        self.limit = limit
+        self.in_flight = 0
+        self._waiting: collections.deque[tuple[int, asyncio.Future[None]]] = collections.deque()
+        self._on_change = on_change
+
+    @property
+    def waiting(self) -> int:
+        return sum(n for n, future in self._waiting if not future.done())
+
+    def _fits(self, sequences: int) -> bool:
+        return self.limit is None or self.in_flight == 0 or self.in_flight + sequences <= self.limit
+
+    def _changed(self) -> None:
+        if self._on_change is not None:
+            self._on_change(self.in_flight, self.waiting)
+
+    def _wake(self) -> None:
+        while self._waiting and self._fits(self._waiting[0][0]):
+            sequences, future = self._waiting.popleft()
+            if future.done():  # its request was cancelled while it waited
+                continue
+            self.in_flight += sequences
+            future.set_result(None)
+
+    @contextlib.asynccontextmanager
+    async def admit(self, sequences: int) -> AsyncIterator[None]:
+        if not self._waiting and self._fits(sequences):
+            self.in_flight += sequences
+        else:
+            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiting.append((sequences, future))
+            self._changed()
+            try:
+                await future
+            except asyncio.CancelledError:
+                if future.done() and not future.cancelled():  # admitted just as it was cancelled: give it back
+                    self.in_flight -= sequences
+                    self._wake()
+                self._changed()
+                raise
+        self._changed()
+        try:
+            yield
+        finally:
+            self.in_flight -= sequences
+            self._wake()
+            self._changed()
+
+
+@dataclass
+class Tenant:
+    """One job served here."""
+
+    job: str  # "<namespace>/<name>" (grpolora.api.pool.job_key): the metrics' label, the pool status's key
+    auth: str  # hex SHA-256 of the job's bearer token
+    sync_key: str  # hex MAC key of its rounds: a changed key is a new tenant
+    book: AdapterBook
+    receiver: AdapterReceiver
+    gate: FairGate
+    attached_at: float = field(default_factory=time.monotonic)
+
+    def ready(self, grace: float | None) -> bool:
+        return tenant_ready(
+            asked=self.receiver.asked,
+            current=self.receiver.ready,
+            attached_seconds=time.monotonic() - self.attached_at,
+            grace=grace,
+        )
+
+
+def token_digest(authorization: bytes) -> str | None:
+    """The SHA-256 of the bearer token in an Authorization header, or None if it holds none."""
+    scheme, _, token = authorization.partition(b" ")
+    if scheme != b"Bearer" or not token:
+        return None
+    return hashlib.sha256(token).hexdigest()
+
+
+class Tenants:
+    """The jobs served here, found by their bearer token."""
+
+    def __init__(self, *, join_grace_seconds: float | None, default_job: str | None = None):
+        self._by_job: dict[str, Tenant] = {}
+        self.grace = join_grace_seconds
+        self.default_job = default_job  # a job's own server: the job a request that names none is about
+        self.started = False  # false while the engine starts: every guarded path answers 503
+
+    def __iter__(self):
+        return iter(list(self._by_job.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_job)
+
+    def get(self, job: str) -> Tenant | None:
+        return self._by_job.get(job)
+
+    def find(self, authorization: bytes) -> Tenant | None:
+        """The tenant whose token the header presents (compared in constant time against every tenant)."""
+        digest = token_digest(authorization)
+        if digest is None:
+            return None
+        found = None
+        for tenant in self._by_job.values():
+            if hmac.compare_digest(digest, tenant.auth):
+                found = tenant
+        return found
+
+    def attach(self, tenant: Tenant) -> None:
+        assert tenant.job not in self._by_job, f"{tenant.job} is attached already"
+        tenant.book.bind()
+        self._by_job[tenant.job] = tenant
+        metrics.ADAPTER_VERSION.labels(job=tenant.job).set(tenant.book.live_version)
+        log.info("serving job %s", tenant.job)
+
+    async def detach(self, job: str) -> None:
+        """Its token is refused from now on; its receiver leaves its group; its requests in flight finish; then
+        every adapter version of it is unloaded from vLLM and its folder removed."""
+        tenant = self._by_job.pop(job)
+        log.info("detaching job %s", job)
+        await asyncio.to_thread(tenant.receiver.close)
+        await tenant.book.close()
+        metrics.forget(job)
+        log.info("job %s detached: its adapters are unloaded", job)
+
+    @property
+    def ready(self) -> bool:
+        return self.started and all(t.ready(self.grace) for t in self)
+
+
+class AttachmentList:
+    """A pool server's tenants kept in step with its attachment list (grpolora.api.pool), re-read whenever its
+    content changes.
+
+    The file is polled and compared by content, not by modification time: in a cluster it is a Secret volume,
+    which the kubelet updates by swapping a symlink (the file's own mtime need not change). A file that cannot be
+    read or parsed, names another pool, names a job twice or more jobs than maxJobs (a half-written file, an
+    operator bug) is logged and the last good list kept: a bad write never drops every tenant."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        pool: str,
+        max_jobs: int,
+        tenants: Tenants,
+        make_tenant: Callable[[Attachment], Tenant],
+        poll_seconds: float = 1.0,
+    ):
+        self.path = path
+        self.pool = pool
+        self.max_jobs = max_jobs
+        self.tenants = tenants
+        self._make_tenant = make_tenant
+        self.poll_seconds = poll_seconds
+        self._text: str | None = None  # the content last read (good or bad), so that each change is read once
+        self._entries: dict[str, Attachment] = {}  # the last good list, by job
+        self.error: str | None = None  # why the file as it is now is not used (None: it is)
+
+    def _parse(self, text: str) -> dict[str, Attachment]:
+        try:
+            attachments = Attachments.from_json(text)
+        except ValueError as exc:
+            raise ValueError(f"not a valid attachment list: {exc}") from None
+        if attachments.pool != self.pool:
+            raise ValueError(f"it is the list of pool {attachments.pool!r}, this server belongs to {self.pool!r}")
+        entries = {a.job: a for a in attachments.jobs}
+        if len(entries) != len(attachments.jobs):
+            raise ValueError("a job is listed twice")
+        if len(entries) > self.max_jobs:
+            raise ValueError(f"{len(entries)} jobs listed, the pool has slots for {self.max_jobs} (maxJobs)")
+        return entries
+
+    async def refresh(self) -> None:
+        """Read the file; attach and detach to match it if its content changed."""
+        try:
+            text = await asyncio.to_thread(self.path.read_text, encoding="utf-8")
+        except OSError as exc:
+            text = f"<unreadable: {exc}>"
+            if text != self._text:
+                self._text, self.error = text, f"{self.path}: cannot be read ({exc}); keeping the last good list"
+                log.error("attachment list %s", self.error)
+            return
+        if text == self._text:
+            return
+        self._text = text
+        try:
+            wanted = self._parse(text)
+        except ValueError as exc:
+            self.error = f"{self.path}: {exc}; keeping the last good list ({len(self._entries)} jobs)"
+            log.error("attachment list %s", self.error)
+            return
+        self.error = None
+        # A job whose token or key changed is another tenant: detached, then attached afresh.
+        gone = [j for j, a in self._entries.items() if j not in wanted or (a.auth, a.sync_key) != _keys(wanted[j])]
+        self._entries = wanted
+        await asyncio.gather(*(self.tenants.detach(job) for job in gone))
+        for job, entry in wanted.items():
+            tenant = self.tenants.get(job)
+            if tenant is None:
+                self.tenants.attach(self._make_tenant(entry))
+            else:
+                tenant.book.kept_versions = entry.kept_versions
+
+    async def watch(self) -> None:
+        """Poll for changes until cancelled (never ends on an error: a pool outlives any one bad file)."""
+        while True:
+            await asyncio.sleep(self.poll_seconds)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("attachment list %s: applying it failed", self.path)
+
+
+def _keys(entry: Attachment) -> tuple[str, str]:
+    return entry.auth, entry.sync_key
