@@ -93,11 +93,11 @@ class GatedEngine(VllmEngine):
         return [Sample([prompt_token_ids[-1]], [-0.5], "x", "length") for _ in range(request.n)]
 
 
-def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, **spec):
+def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, jobs: tuple[str, ...] = (JOB_A, JOB_B), **spec):
     pool = tiny_cpu_pool(**spec)
     tmp.mkdir(parents=True, exist_ok=True)
     jobs_file = tmp / "jobs.json"
-    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)])
+    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in jobs])
     attachments = pool_tenants(
         engine,
         pool.pool.spec,
@@ -150,6 +150,14 @@ def test_readiness_waits_for_each_jobs_current_adapter_but_not_for_a_trainer_nev
     # A replacement replica: its jobs' trainers have not reached it yet, and the grace has not passed.
     with AppThread(pool_app(GatedEngine(), tmp_path / "waiting", grace=3600)[0]) as server:
         assert httpx.get(f"{server.url}/ready").status_code == 503
+    # A job attached to a replica already serving, whose trainer has not started (pending pods, a slow download),
+    # does not take it out of service, however long the grace.
+    app, attachments = pool_app(GatedEngine(), tmp_path / "serving", grace=3600, jobs=())
+    with AppThread(app) as server:
+        assert httpx.get(f"{server.url}/ready").status_code == 200
+        write_attachments(attachments.path, attachments.pool, [pool_attachment(JOB_C, TOKENS[JOB_C])])
+        wait_for(lambda: JOB_C in httpx.get(f"{server.url}/v1/adapter").json()["jobs"], "C attached")
+        assert httpx.get(f"{server.url}/ready").status_code == 200
     # Past the grace, jobs whose trainers never came do not hold it back; one whose trainer asked it to join at
     # version 3 does, until it serves version 3.
     app, _ = pool_app(GatedEngine(), tmp_path / "joined", grace=0)
@@ -189,6 +197,14 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
             return httpx.get(f"{server.url}/v1/adapter").json()["attachment_error"]
 
         assert served() == {JOB_A, JOB_B}
+        # Version 1 of each job (as their receivers activate it): two LoRA ids, two folders.
+        books = {job: attachments.tenants.get(job).book for job in (JOB_A, JOB_B)}
+        for job, book in books.items():
+            book.activate(1, {"w": torch.full((2,), float(job == JOB_B))}, {"r": 8})
+        ids = {job: book.lora_ids() for job, book in books.items()}
+        folders = {job: book._folder(1) for job, book in books.items()}
+        assert ids[JOB_A] != ids[JOB_B] and engine.loras == {*ids[JOB_A], *ids[JOB_B]}
+        assert folders[JOB_A] != folders[JOB_B] and all(f.is_dir() for f in folders.values())
         ok = {"prompt_token_ids": [[1, 2]]}
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 401
         for bad, words in (
@@ -207,6 +223,8 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
         write_attachments(jobs_file, pool, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_C)])
         wait_for(lambda: served() == {JOB_A, JOB_C}, "C attached and B detached")
         assert error() is None
+        wait_for(lambda: engine.loras == set(ids[JOB_A]), "B's version unloaded")
+        assert not folders[JOB_B].exists() and folders[JOB_A].is_dir()
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 401
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
 
@@ -304,10 +322,6 @@ def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_ser
     assert versions == {JOB_A: 2, JOB_B: 3}
     for job, live in seen.items():
         assert live == sorted(live), f"{job}'s live version went back: {live}"  # whatever the other job did
-    status = adapter_status(url)
-    ids = {job: set(status["jobs"][job]["lora_ids"]) for job in (JOB_A, JOB_B)}
-    assert ids[JOB_A] and ids[JOB_B] and not ids[JOB_A] & ids[JOB_B]  # version 2 of each: two LoRA ids
-    assert ids[JOB_A] | ids[JOB_B] == set(status["engine_lora_ids"])
     prompt = tokens(model_dir)
     for job, other in ((JOB_A, JOB_B), (JOB_B, JOB_A)):
         wait_own = {"Authorization": f"Bearer {TOKENS[job]}"}
@@ -319,6 +333,10 @@ def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_ser
         log.warning("pool parity: %s version %d, max |dlogprob| = %.2e", job, versions[job], delta)
         assert delta <= 1e-3
         assert (hf_logprobs(policies[other], prompt, out["token_ids"]) - served).abs().max().item() > 0.05
+    status = adapter_status(url)
+    ids = {job: set(status["jobs"][job]["lora_ids"]) for job in (JOB_A, JOB_B)}
+    assert ids[JOB_A] and ids[JOB_B] and not ids[JOB_A] & ids[JOB_B]  # version 2 of each: two LoRA ids
+    assert ids[JOB_A] | ids[JOB_B] == set(status["engine_lora_ids"])
     assert httpx.get(f"{url}/ready").status_code == 200
     metrics = httpx.get(f"{url}/metrics").text
     for job in (JOB_A, JOB_B):
@@ -359,10 +377,13 @@ def test_a_round_macd_with_another_jobs_key_is_refused_in_its_group(pool_server,
             rogue.send(lora_tensors(policies[JOB_A]), lora_config(policies[JOB_A]))
     finally:
         rogue.close()
-    state = httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_B)).json()
-    assert state["live_version"] == b and "MAC does not verify" in state["last_error"]
+    # Each of the rogue's attempts was refused (after the last one it joined B's receiver again, which clears
+    # last_error: the count and the log keep them).
+    assert httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_B)).json()["live_version"] == b
+    assert pool_server.log.read_text().count(f"adapter sync of {JOB_B}: round") == 3
+    assert pool_server.log.read_text().count("header MAC does not verify") == 3
     metrics = httpx.get(f"{url}/metrics").text
-    assert f'grpolora_inference_sync_failures_total{{job="{JOB_B}",reason="interrupted"}}' in metrics
+    assert f'grpolora_inference_sync_failures_total{{job="{JOB_B}",reason="interrupted"}} 3.0' in metrics
     assert f'grpolora_inference_sync_failures_total{{job="{JOB_A}"' not in metrics
     # B's own trainer re-forms its group and goes on; A never noticed.
     randomize_adapter(policies[JOB_B], seed=7)
@@ -401,3 +422,21 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
     out = greedy(url, prompt, report.version, token=TOKENS[JOB_A])
     assert (hf_logprobs(policies[JOB_A], prompt, out["token_ids"]) - torch.tensor(out["logprobs"])).abs().max() <= 1e-3
     assert httpx.get(f"{url}/ready").status_code == 200
+
+
+def test_the_inference_worker_starts_a_pool_server_from_the_pool_contract(tmp_path):
+    """`grpolora worker inference` reads the pool's env when GRPOLORA_POOL_SPEC is set: its slots are the pool's,
+    and a broken pool env fails at once naming the variable (exit EX_CONFIG), before any engine starts."""
+    import os
+    import subprocess
+    import sys
+
+    environ = tiny_cpu_pool(maxJobs=3, adaptersPerJob=2).env_for(0, jobs_file=str(tmp_path / "jobs.json"))
+    command = [sys.executable, "-P", "-m", "grpolora.cli", "worker", "inference"]
+    run = subprocess.run(
+        [*command, "--lora-slots=4"], env=os.environ | environ, capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 2 and "--lora-slots=4 but the RolloutPool's maxJobs x adaptersPerJob is 6" in run.stderr
+    del environ[contract.INFERENCE_ENDPOINTS]
+    run = subprocess.run(command, env=os.environ | environ, capture_output=True, text=True, timeout=120)
+    assert run.returncode == contract.EXIT_INVALID_SPEC and contract.INFERENCE_ENDPOINTS in run.stderr

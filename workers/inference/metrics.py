@@ -52,19 +52,27 @@ WAITING = Gauge(
     [JOB],
     registry=REGISTRY,
 )
-BY_JOB = (
-    ADAPTER_VERSION,
-    GENERATED_TOKENS,
-    REQUESTS,
-    REQUEST_SECONDS,
-    ACTIVATION_SECONDS,
-    SYNC_FAILURES,
-    IN_FLIGHT,
-    WAITING,
-)
+BY_JOB = {  # every metric, with its label names (in declaration order)
+    ADAPTER_VERSION: (JOB,),
+    GENERATED_TOKENS: (JOB,),
+    REQUESTS: (JOB, "status"),
+    REQUEST_SECONDS: (JOB,),
+    ACTIVATION_SECONDS: (JOB,),
+    SYNC_FAILURES: (JOB, "reason"),
+    IN_FLIGHT: (JOB,),
+    WAITING: (JOB,),
+}
 
 
 def forget(job: str) -> None:
-    """Drop a detached job's series (a pool sees many jobs come and go over its life)."""
-    for metric in BY_JOB:
-        metric.remove_by_labels({JOB: job})
+    """Drop a detached job's series (a pool sees many jobs come and go over its life). Found through collect(),
+    the public API of every prometheus_client version we allow (remove_by_labels is recent)."""
+    for metric, names in BY_JOB.items():
+        found = {
+            tuple(sample.labels[name] for name in names)
+            for family in metric.collect()
+            for sample in family.samples
+            if sample.labels.get(JOB) == job
+        }
+        for values in found:
+            metric.remove(*values)

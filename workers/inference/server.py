@@ -1,13 +1,21 @@
 """The inference server's HTTP API (FastAPI), configured only from the env contract.
 
-Open: GET /health (engine up; liveness and startup probe), GET /ready (engine up and serving the adapter version
-the trainer last called current; readiness probe), GET /metrics, GET /v1/adapter.
-Token-guarded (`Authorization: Bearer <GRPOLORA_TOKEN>`): everything else, i.e. POST /v1/generate,
+One code serves a job's own replicas and a RolloutPool's: the server holds tenants (workers/inference/tenants.py),
+one per job it serves: the job itself on a job's own server (WorkerEnv, GRPOLORA_TOKEN), the jobs of the
+attachment list on a pool's (PoolEnv, GRPOLORA_POOL_JOBS_FILE, followed as it changes). A request's bearer token
+selects its job, and everything it does acts on that job alone: its adapter versions (each a LoRA id and folder of
+its own on the one shared vLLM engine), its sync receiver (its own group with its own trainer), its in-flight cap.
+
+Open: GET /health (engine up; liveness and startup probe), GET /ready (engine up and every job served is current:
+the rule and why are in tenants.py; readiness probe), GET /metrics (labelled by job), GET /v1/adapter (per job:
+live and loaded versions; at the top level the caller's job, named by its token, or the job of a job's own server).
+Token-guarded (`Authorization: Bearer <a served job's token>`): everything else, i.e. POST /v1/generate,
 GET /v1/sync/state, POST /v1/sync/join, POST /v1/sync/prepare.
 
-A client's mistake is a 4xx with the reason, never a 500: a missing token is refused (401) and a body over
-MAX_BODY_BYTES cut off (413) before the body is read; requests are checked against the model (length, vocabulary)
-before they reach vLLM, and vLLM's own refusals come back as 400/422 with its message. 500 is for server faults.
+A client's mistake is a 4xx with the reason, never a 500: a missing or unknown token is refused (401) and a body
+over MAX_BODY_BYTES cut off (413) before the body is read; requests are checked against the model (length,
+vocabulary) before they reach vLLM, and vLLM's own refusals come back as 400/422 with its message. 500 is for
+server faults.
 """
 
 from __future__ import annotations
@@ -137,7 +145,6 @@ def create_app(
             Tenant(
                 job=job,
                 auth=auth_digest(token),
-                sync_key=wire.header_key(token).hex(),
                 book=engine,
                 receiver=receiver_factory(engine),
                 gate=FairGate(None, on_change=in_flight_gauges(job)),
@@ -215,7 +222,6 @@ def pool_tenants(
         return Tenant(
             job=entry.job,
             auth=entry.auth,
-            sync_key=entry.sync_key,
             book=book,
             receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
             gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),

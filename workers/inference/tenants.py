@@ -10,12 +10,15 @@ Readiness (GET /ready) is the conjunction over tenants of `tenant_ready`:
   (strict, as a job's own server always was): a replacement replica of a pool is thereby not ready until every
   attached job whose trainer reached it has sent it its current adapter, and trainers reach a new replica at their
   next step (AdapterSender.refresh);
-- a tenant never asked to join holds readiness back only for `join_grace_seconds` after it was attached (or the
-  server started): long enough for a running job's trainer to find a replacement replica, but a just-attached job
-  whose trainer has not started (pending pods, a slow model download) must not keep the whole pool not-ready and
-  out of its Service for every other job. A pool's grace is its adapterWaitSeconds (how long rollouts wait for an
-  adapter anyway); a job's own server has no grace (None): it serves nobody else, and is not ready before its
-  trainer has sent it the current adapter, as before.
+- a tenant never asked to join, attached when the server started (a replacement replica, a pool starting), holds
+  readiness back for `join_grace_seconds`: long enough for a running job's trainer to find the replica at its next
+  step and send it the current adapter, yet bounded, since the job's trainer may not be running at all. A pool's
+  grace is its adapterWaitSeconds (how long rollouts wait for an adapter anyway);
+- a tenant never asked to join, attached to a server already serving, holds nothing back: the operator attaches a
+  job before its trainer runs (pending pods, a slow model download), and that must not take the replica out of
+  service for every other job. Its trainer's first join is at version 0, or catches the replica up at once.
+A job's own server has no grace (None): it serves nobody else, and is not ready before its trainer has sent it the
+current adapter, as before.
 Rollouts are never sent to a replica that does not serve the version they ask for (the trainer's sender tracks
 that per member), so readiness decides only what the pod reports, never which adapter a rollout runs under.
 """
@@ -114,18 +117,18 @@ class Tenant:
 
     job: str  # "<namespace>/<name>" (grpolora.api.pool.job_key): the metrics' label, the pool status's key
     auth: str  # hex SHA-256 of the job's bearer token
-    sync_key: str  # hex MAC key of its rounds: a changed key is a new tenant
     book: AdapterBook
     receiver: AdapterReceiver
     gate: FairGate
     attached_at: float = field(default_factory=time.monotonic)
+    awaited: bool = True  # attached as the server started: readiness waits (up to the grace) for its trainer
 
     def ready(self, grace: float | None) -> bool:
         return tenant_ready(
             asked=self.receiver.asked,
             current=self.receiver.ready,
             attached_seconds=time.monotonic() - self.attached_at,
-            grace=grace,
+            grace=grace if self.awaited else 0,
         )
 
 
@@ -144,6 +147,7 @@ class Tenants:
         self._by_job: dict[str, Tenant] = {}
         self.grace = join_grace_seconds
         self.default_job = default_job  # a job's own server: the job a request that names none is about
+        self._releasing: set[asyncio.Task[None]] = set()  # detached jobs whose adapters are being unloaded
         self.started = False  # false while the engine starts: every guarded path answers 503
 
     def __iter__(self):
@@ -169,19 +173,28 @@ class Tenants:
     def attach(self, tenant: Tenant) -> None:
         assert tenant.job not in self._by_job, f"{tenant.job} is attached already"
         tenant.book.bind()
+        tenant.awaited = not self.started
         self._by_job[tenant.job] = tenant
         metrics.ADAPTER_VERSION.labels(job=tenant.job).set(tenant.book.live_version)
         log.info("serving job %s", tenant.job)
 
-    async def detach(self, job: str) -> None:
-        """Its token is refused from now on; its receiver leaves its group; its requests in flight finish; then
-        every adapter version of it is unloaded from vLLM and its folder removed."""
+    def detach(self, job: str) -> asyncio.Task[None]:
+        """Its token is refused from now on. Then, in the background (other jobs attach meanwhile): its receiver
+        leaves its group, its requests in flight finish, every adapter version of it is unloaded from vLLM and its
+        folder removed. Returns that task."""
         tenant = self._by_job.pop(job)
         log.info("detaching job %s", job)
+        task = asyncio.create_task(self._release(tenant))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+        return task
+
+    async def _release(self, tenant: Tenant) -> None:
         await asyncio.to_thread(tenant.receiver.close)
         await tenant.book.close()
-        metrics.forget(job)
-        log.info("job %s detached: its adapters are unloaded", job)
+        if tenant.job not in self._by_job:  # not attached again meanwhile (under a new token): its series go
+            metrics.forget(tenant.job)
+        log.info("job %s detached: its adapters are unloaded", tenant.job)
 
     @property
     def ready(self) -> bool:
@@ -252,9 +265,10 @@ class AttachmentList:
             return
         self.error = None
         # A job whose token or key changed is another tenant: detached, then attached afresh.
-        gone = [j for j, a in self._entries.items() if j not in wanted or (a.auth, a.sync_key) != _keys(wanted[j])]
+        gone = [j for j, a in self._entries.items() if j not in wanted or _keys(a) != _keys(wanted[j])]
         self._entries = wanted
-        await asyncio.gather(*(self.tenants.detach(job) for job in gone))
+        for job in gone:
+            self.tenants.detach(job)
         for job, entry in wanted.items():
             tenant = self.tenants.get(job)
             if tenant is None:

@@ -126,6 +126,7 @@ class AdapterReceiver:
         name: str = "job",
     ):
         self._sink = sink
+        self.name = name  # the job, in its log lines (a pool server holds one receiver per job)
         self.replica_index = replica_index
         self.fingerprint = fingerprint
         self._key = key  # the MAC key of this job's round headers (wire.header_key of its token)
@@ -243,7 +244,13 @@ class AdapterReceiver:
             self._has_joined = True
             if self._pending_join is request:
                 self._pending_join = None
-        log.info("adapter sync: joined epoch %d as rank %d of %d", request.epoch, request.rank, request.world_size)
+        log.info(
+            "adapter sync of %s: joined epoch %d as rank %d of %d",
+            self.name,
+            request.epoch,
+            request.rank,
+            request.world_size,
+        )
 
     def _round(self, request: PrepareRequest) -> None:
         with self._lock:
@@ -299,7 +306,7 @@ class AdapterReceiver:
             self._on_round(outcome)
 
     def _fail(self, kind: str, reason: str) -> None:
-        log.error("adapter sync: %s", reason)
+        log.error("adapter sync of %s: %s", self.name, reason)
         if self._on_error is not None:
             self._on_error(kind)
         self._leave()
