@@ -134,3 +134,17 @@ def test_each_job_on_a_pool_trains_in_its_own_folder_against_the_pools_servers(t
     names = (contract.MASTER_PORT, contract.SYNC_PORT, contract.STATUS_PORT)
     ports = [envs[f"{n} trainer 0"][name] for n in "ab" for name in names]
     assert len(set(ports)) == 6
+
+
+def test_two_jobs_on_a_pool_share_the_cores_between_their_trainers(tmp_path, monkeypatch):
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run = ScriptedRun(tmp_path, [pool_job("a"), pool_job("b")], [], pool=pool())
+    run.start()
+    threads = {f"{live.worker.job} {live.worker.role}": live.env["OMP_NUM_THREADS"] for live in run._live}
+    # Their training phases overlap (one trains while the server generates for the other): a core each. The
+    # server generates for both, batched: both cores, as a job's own server has them.
+    assert threads == {"shared-pool inference": "2", "a trainer": "1", "b trainer": "1"}
+    alone = ScriptedRun(tmp_path / "alone", [parse_job(job_doc(inference={"gpusPerReplica": 0}))], [])
+    alone.start()
+    assert {live.worker.role: live.env["OMP_NUM_THREADS"] for live in alone._live} == {"inference": "2", "trainer": "2"}

@@ -334,10 +334,13 @@ class LocalRun:
     def _server_replicas(self) -> int:
         return self.pool.spec.replicas if self.pool else self.jobs[0].job.spec.inference.replicas
 
+    def _workers_at_once(self) -> int:
+        """Worker processes running at once: the servers and the trainer replicas of the jobs attached together."""
+        return self._server_replicas() + sum(j.job.spec.trainer.replicas for j in self.jobs[: self.max_attached])
+
     def _threads_per_worker(self, role: Role) -> int:
         cores = os.cpu_count() or 1
-        trainers = sum(j.job.spec.trainer.replicas for j in self.jobs[: self.max_attached])
-        workers = trainers + self._server_replicas()
+        workers = self._workers_at_once()
         # Sequential GRPO alternates generation and training, so one job's workers rarely compute at once: give each
         # the machine rather than a slice of it, unless the user said otherwise. Several jobs on a pool do overlap
         # (one trains while the servers generate for another): their trainers share the cores between them.
@@ -376,10 +379,9 @@ class LocalRun:
         if self.ray_address:
             ray.init(address=self.ray_address, log_to_driver=False)
         else:
-            trainers = sum(j.job.spec.trainer.replicas for j in self.jobs[: self.max_attached])
-            workers = trainers + self._server_replicas()
             # Logical CPUs: one per worker process even on a smaller machine (they mostly take turns).
-            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, log_to_driver=False)
+            cpus = max(os.cpu_count() or 1, self._workers_at_once())
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
             self._started_ray = True
 
     def _plan_on_pool(self, job: JobRun) -> None:
@@ -469,10 +471,6 @@ class LocalRun:
             except ray.exceptions.RayActorError:
                 codes.append("lost (its Ray actor died)")
         return codes
-
-    @property
-    def workers(self) -> list[Worker]:
-        return [live.worker for live in self._live]
 
     def _job(self, name: str) -> JobRun:
         return next(j for j in self.jobs if j.name == name)
