@@ -109,47 +109,46 @@ def figures(layout: str, wall: float, runs: dict[str, list[dict]], workers: int)
     }
 
 
+LAYOUTS = ("shared", "separate", "sequential")
+WORKERS = {"shared": 3, "separate": 4, "sequential": 2}  # 1 replica + 2 trainers; 2 + 2; 1 + 1, one job at a time
+
+
+def run_layout(layout: str, folder: Path, own: list[str], on_pool: list[str], pool: str) -> dict[str, list[dict]]:
+    """Run both jobs in `layout`; each job's metrics records."""
+    if layout == "shared":
+        finished([grpolora_run(folder, [pool, *on_pool], folder / "shared")])
+        return {name: records(folder / "shared" / name) for name in JOBS}
+    if layout == "separate":
+        finished([grpolora_run(folder, [own[i]], folder / f"separate-{name}") for i, name in enumerate(JOBS)])
+    else:
+        for i, name in enumerate(JOBS):
+            finished([grpolora_run(folder, [own[i]], folder / f"{layout}-{name}")])
+    return {name: records(folder / f"{layout}-{name}") for name in JOBS}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", default="bench/results/pool.json")
     parser.add_argument("--model", default="offline:smollm2-135m-instruct", help="offline:tiny-llama: a smoke run")
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     args = parser.parse_args()
     folder = Path(tempfile.mkdtemp(prefix="pool-bench-"))
     own = [write(folder, f"{n}.yaml", job_document(n, args.steps, args.model, on_pool=False)) for n in JOBS]
     on_pool = [write(folder, f"{n}-on-pool.yaml", job_document(n, args.steps, args.model, on_pool=True)) for n in JOBS]
     pool = write(folder, "pool.yaml", pool_document(args.model))
-    results: dict = {
-        "model": args.model,
-        "steps": args.steps,
-        "cores": os.cpu_count(),
-        "load_average_before": os.getloadavg(),
-    }
-
-    started = time.monotonic()
-    finished([grpolora_run(folder, [pool, *on_pool], folder / "shared")])
-    runs = {name: records(folder / "shared" / name) for name in JOBS}
-    results["shared"] = figures("shared", time.monotonic() - started, runs, workers=3)
-    print("shared", json.dumps(results["shared"]), flush=True)
-
-    started = time.monotonic()
-    finished([grpolora_run(folder, [own[i]], folder / f"separate-{name}") for i, name in enumerate(JOBS)])
-    runs = {name: records(folder / f"separate-{name}") for name in JOBS}
-    results["separate"] = figures("separate", time.monotonic() - started, runs, workers=4)
-    print("separate", json.dumps(results["separate"]), flush=True)
-
-    started = time.monotonic()
-    for i, name in enumerate(JOBS):
-        finished([grpolora_run(folder, [own[i]], folder / f"sequential-{name}")])
-    runs = {name: records(folder / f"sequential-{name}") for name in JOBS}
-    results["sequential"] = figures("sequential", time.monotonic() - started, runs, workers=2)
-    print("sequential", json.dumps(results["sequential"]), flush=True)
-
-    results["load_average_after"] = os.getloadavg()
-    results["folder"] = str(folder)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    out = Path(args.out)
+    results: dict = json.loads(out.read_text()) if out.exists() else {}  # layouts run before, by another invocation
+    results |= {"model": args.model, "steps": args.steps, "cores": os.cpu_count()}
+    for layout in args.layouts:
+        load_before, started = os.getloadavg(), time.monotonic()
+        runs = run_layout(layout, folder, own, on_pool, pool)
+        results[layout] = figures(layout, time.monotonic() - started, runs, WORKERS[layout])
+        results[layout] |= {"load_average_before": load_before, "load_average_after": os.getloadavg()}
+        results[layout]["folder"] = str(folder)
+        print(layout, json.dumps(results[layout]), flush=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=2))  # after each layout: a run cut short keeps what it measured
 
 
 if __name__ == "__main__":
