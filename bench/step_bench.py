@@ -38,7 +38,7 @@ def run_once(job, *, pinned: bool) -> dict[str, float]:
     cpus = {"trainer": [0], "inference": [1]} if pinned else None
     one_thread = {"OMP_NUM_THREADS": "1"}
     role_env = {"trainer": one_thread, "inference": one_thread | {"VLLM_CPU_OMP_THREADS_BIND": "1"}} if pinned else None
-    local = LocalRun(job, run_dir, ray_address=None, show_progress=False, cpus=cpus, role_env=role_env)
+    local = LocalRun([job], run_dir, ray_address=None, show_progress=False, cpus=cpus, role_env=role_env)
     try:
         local.start()
         local.wait()

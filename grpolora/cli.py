@@ -164,7 +164,7 @@ def cmd_crd(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from grpolora.workers.launcher.local import run
 
-    return run(args.file, run_dir=args.run_dir, ray_address=args.ray_address)
+    return run(args.files, run_dir=args.run_dir, ray_address=args.ray_address)
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
@@ -310,9 +310,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kind", choices=[c.KIND, c.POOL_KIND], default=c.KIND, help=f"the resource ({c.KIND})")
     p.set_defaults(func=cmd_crd)
 
-    p = sub.add_parser("run", help="run a job on this machine (Ray): trainer and inference as separate actors")
-    p.add_argument("file", metavar="FILE")
-    p.add_argument("--run-dir", help="folder for metrics, adapter, checkpoints, logs (default runs/<job name>)")
+    p = sub.add_parser(
+        "run",
+        help="run a job on this machine (Ray): trainer and inference as separate actors; or a RolloutPool and "
+        "several jobs on it (grpolora run pool.yaml job-a.yaml job-b.yaml)",
+    )
+    p.add_argument("files", nargs="+", metavar="FILE", help="a job file, or a RolloutPool's and its jobs' files")
+    p.add_argument(
+        "--run-dir",
+        help="folder for metrics, adapter, checkpoints, logs (default runs/<job name>); on a pool, each job's are "
+        "in <run-dir>/<job name>/ (default runs/<pool name>)",
+    )
     p.add_argument("--ray-address", help="join this Ray cluster instead of starting one (default $RAY_ADDRESS)")
     p.set_defaults(func=cmd_run)
 

@@ -1,31 +1,150 @@
-"""How `grpolora run` reads its workers' exits, without starting any: a follower trainer rank leaves as soon as the
-final collective is done, while rank 0 still writes the final adapter; that is the run ending, not a failure."""
+"""How `grpolora run` reads its workers' exits and, on a RolloutPool, attaches and detaches jobs, without starting
+any worker: exit codes come from a script, one poll at a time; everything else (plans, ports, the attachment list
+in the run folder, status.json) is the launcher's own.
+
+A follower trainer rank leaves as soon as the final collective is done, while rank 0 still writes the final
+adapter: that is the run ending, not a failure."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from grpolora.api import contract
 from grpolora.api.load import parse_job
+from grpolora.api.pool import Attachments, auth_digest, sync_key
+from grpolora.api.spec import RolloutPool
+from grpolora.api.status import TrainerStatus
 from grpolora.workers.launcher import local
-from grpolora.workers.launcher.local import LocalRun, Worker
+from grpolora.workers.launcher.local import LocalRun, Worker, _Live
 from tests.helpers import job_doc
+
+MODEL = {"name": "offline:tiny-llama", "dtype": "float32"}
 
 
 class ScriptedRun(LocalRun):
-    """Exit codes come from a script, one list per poll (inference 0, trainer 0, trainer 1)."""
+    """Workers are not started: each poll's exit codes come from the script, a dict from `<job> <role> <index>` to
+    an exit code (a worker not named is still running). What the attachment list held when each trainer was
+    started is kept in `started`."""
 
-    def __init__(self, tmp_path, polls):
-        job = parse_job(job_doc(trainer={"replicas": 2, "gpusPerReplica": 0}, inference={"gpusPerReplica": 0}))
-        super().__init__(job, tmp_path, ray_address=None, show_progress=False)
-        self.workers = [
-            Worker("inference", 0, 0, tmp_path / "i0.log"),
-            *(Worker("trainer", i, 0, tmp_path / f"t{i}.log") for i in range(2)),
-        ]
+    def __init__(self, tmp_path: Path, jobs, polls, pool: RolloutPool | None = None):
+        super().__init__(jobs, tmp_path, pool=pool, ray_address=None, show_progress=True)
         self._polls = iter(polls)
+        self.started: list[tuple[str, list[str]]] = []
+
+    def _init_ray(self) -> None:
+        pass
+
+    def _launch(self, worker: Worker, env: dict[str, str]) -> _Live:
+        attached = Attachments.from_json(self.jobs_file.read_text()).jobs if self.pool else []
+        self.started.append((f"{worker.job} {worker.role} {worker.index}", [a.job for a in attached]))
+        live = _Live(worker, env, actor=None)
+        self._live.append(live)
+        return live
+
+    def _stop_workers(self, lives) -> None:
+        for live in lives:
+            self._live.remove(live)
 
     def _exit_codes(self):
-        return next(self._polls)
+        script = next(self._polls)
+        return [script.get(f"{live.worker.job} {live.worker.role} {live.worker.index}") for live in self._live]
 
 
 def test_a_follower_rank_that_finished_first_is_not_a_failure(tmp_path, monkeypatch):
     monkeypatch.setattr(local, "POLL_SECONDS", 0.01)
-    run = ScriptedRun(tmp_path, [[None, None, None], [None, None, 0], [None, None, 0], [None, 0, 0]])
+    job = parse_job(job_doc(trainer={"replicas": 2, "gpusPerReplica": 0}, inference={"gpusPerReplica": 0}))
+    run = ScriptedRun(tmp_path, [job], [{}, {"demo trainer 1": 0}, {"demo trainer 1": 0}, {"demo trainer 0": 0}])
+    run.start()
     run.wait()  # returns once trainer 0 is done; raised RunFailed("trainer 1 exited with code 0") before
+    assert [j.state for j in run.jobs] == ["succeeded"]
+
+
+def pool(**spec) -> RolloutPool:
+    return RolloutPool.model_validate(
+        {
+            "apiVersion": "grpolora.dev/v1alpha1",
+            "kind": "RolloutPool",
+            "metadata": {"name": "shared", "namespace": "team-a"},
+            "spec": {"model": MODEL, "replicas": 1, "gpusPerReplica": 0, **spec},
+        }
+    )
+
+
+def pool_job(name: str, **spec):
+    doc = job_doc(model=MODEL, inference={"poolRef": {"name": "shared"}}, trainer={"gpusPerReplica": 0}, **spec)
+    doc["metadata"]["name"] = name
+    return parse_job(doc)
+
+
+def test_a_pool_attaches_up_to_max_jobs_and_the_next_in_line_when_one_ends(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(local, "POLL_SECONDS", 0.01)
+    jobs = [pool_job("a"), pool_job("b"), pool_job("c")]
+    script = [{}, {"a trainer 0": 0}, {}, {"b trainer 0": 1}, {}, {"c trainer 0": 0}]
+    run = ScriptedRun(tmp_path, jobs, script, pool=pool(maxJobs=2))
+    (tmp_path / "b" / "logs").mkdir(parents=True)
+    (tmp_path / "b" / "logs" / "trainer-0.log").write_text("Traceback ...\nValueError: the reward plugin broke\n")
+    run.start()
+    # The servers start with the first two jobs' entries; each trainer only once its own entry is in the list.
+    assert [name for name, _ in run.started] == ["shared-pool inference 0", "a trainer 0", "b trainer 0"]
+    assert all(held == ["team-a/a", "team-a/b"] for _, held in run.started)
+    run.wait()
+    names = [name for name, _ in run.started]
+    assert names == ["shared-pool inference 0", "a trainer 0", "b trainer 0", "c trainer 0"]
+    assert run.started[-1][1] == ["team-a/b", "team-a/c"]  # a detached when it ended; c attached before it started
+    assert Attachments.from_json(run.jobs_file.read_text()).jobs == []  # every job detached at its end
+    assert [j.state for j in run.jobs] == ["succeeded", "failed", "succeeded"]
+    err = capsys.readouterr().err
+    assert "c: waiting for a slot of RolloutPool shared (2 of 2 jobs attached); place 1 in line" in err
+    assert "c: attached to RolloutPool shared (2 of 2 jobs); starting its trainer" in err
+    assert "b: trainer 0 exited with code 1" in err and "the reward plugin broke" in err
+    failed = TrainerStatus.model_validate_json((tmp_path / "b" / "status.json").read_text())
+    assert failed.phase == "Failed" and "trainer 0 exited with code 1" in (failed.message or "")
+
+
+def test_the_attachment_list_holds_each_jobs_digest_and_sync_key_never_its_token(tmp_path):
+    jobs = [pool_job("a", grpo={"maxStaleness": 1}), pool_job("b")]
+    run = ScriptedRun(tmp_path, jobs, [], pool=pool())
+    run.start()
+    text = run.jobs_file.read_text()
+    entries = Attachments.from_json(text).jobs
+    assert [(e.job, e.kept_versions) for e in entries] == [("team-a/a", 2), ("team-a/b", 1)]
+    for job, entry in zip(run.jobs, entries, strict=True):
+        assert job.token not in text
+        assert entry.auth == auth_digest(job.token) and entry.sync_key == sync_key(job.token).hex()
+        assert entry.uid == job.uid
+    assert run.jobs_file.stat().st_mode & 0o077 == 0  # it holds the sync keys: the user's alone
+    assert not list(tmp_path.glob(".*partial"))  # written aside, then renamed over the list
+
+
+def test_each_job_on_a_pool_trains_in_its_own_folder_against_the_pools_servers(tmp_path):
+    run = ScriptedRun(tmp_path, [pool_job("a"), pool_job("b")], [], pool=pool(replicas=2))
+    run.start()
+    server_ports = [int(e.rsplit(":", 1)[1]) for e in run.pool_plan.endpoints]
+    assert server_ports[1] == server_ports[0] + 1  # consecutive, as LoopbackNetwork addresses replica i
+    envs = {f"{live.worker.job} {live.worker.role} {live.worker.index}": live.env for live in run._live}
+    assert set(envs) == {"shared-pool inference 0", "shared-pool inference 1", "a trainer 0", "b trainer 0"}
+    assert envs["shared-pool inference 1"]["GRPOLORA_POOL_JOBS_FILE"] == str(run.jobs_file.resolve())
+    for name in ("a", "b"):
+        env = envs[f"{name} trainer 0"]
+        assert env["GRPOLORA_INFERENCE_ENDPOINTS"] == ",".join(run.pool_plan.endpoints)
+        assert env["GRPOLORA_OUTPUT_DIR"] == str((tmp_path / name).resolve())
+        assert env["GRPOLORA_CHECKPOINT_DIR"] == str((tmp_path / name / "checkpoints").resolve())
+        assert env["GRPOLORA_SYNC_WORLD_SIZE"] == "3"  # trainer rank 0 and both pool replicas
+    # Each job its own ports: two trainers on one machine.
+    names = (contract.MASTER_PORT, contract.SYNC_PORT, contract.STATUS_PORT)
+    ports = [envs[f"{n} trainer 0"][name] for n in "ab" for name in names]
+    assert len(set(ports)) == 6
+
+
+def test_two_jobs_on_a_pool_share_the_cores_between_their_trainers(tmp_path, monkeypatch):
+    monkeypatch.setattr(local.os, "cpu_count", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    run = ScriptedRun(tmp_path, [pool_job("a"), pool_job("b")], [], pool=pool())
+    run.start()
+    threads = {f"{live.worker.job} {live.worker.role}": live.env["OMP_NUM_THREADS"] for live in run._live}
+    # Their training phases overlap (one trains while the server generates for the other): a core each. The
+    # server generates for both, batched: both cores, as a job's own server has them.
+    assert threads == {"shared-pool inference": "2", "a trainer": "1", "b trainer": "1"}
+    alone = ScriptedRun(tmp_path / "alone", [parse_job(job_doc(inference={"gpusPerReplica": 0}))], [])
+    alone.start()
+    assert {live.worker.role: live.env["OMP_NUM_THREADS"] for live in alone._live} == {"inference": "2", "trainer": "2"}

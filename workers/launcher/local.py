@@ -1,15 +1,22 @@
-"""`grpolora run job.yaml`: the same job on one machine, on Ray.
+"""`grpolora run job.yaml`: the same job on one machine, on Ray; `grpolora run pool.yaml job-a.yaml job-b.yaml`:
+one RolloutPool's servers and several jobs' trainers on one Ray cluster.
 
 Each trainer replica and each inference replica is a Ray actor with its own resources (on a GPU machine, its
 own GPUs: trainer and inference never share one). An actor runs the very worker entry point a pod runs,
-`grpolora worker <role>`, with the env contract that plan() gives the operator, built for the loopback network.
-The driver watches trainer rank 0's /status (as the operator does), draws a progress bar, and at the end writes
-the run folder: metrics.jsonl, the final adapter, checkpoints, worker logs and plot.png.
+`grpolora worker <role>`, with the env contract that plan() (and plan_pool() for a pool's servers) gives the
+operator, built for the loopback network. The driver watches each job's trainer rank 0 /status (as the operator
+does), draws a progress bar per job, and at the end writes each job's run folder: metrics.jsonl, the final adapter,
+checkpoints, worker logs and plot.png.
+
+On a pool the launcher plays the operator's part: every job must fit the pool before anything starts; up to the
+pool's maxJobs are attached at once (their entries in the attachment list the servers read, written before the
+job's trainer starts), the others wait in line and attach as jobs finish; a finished or failed job is detached.
 
 Faults, as a cluster would take them: a lost inference replica is started again (up to
-INFERENCE_RESTARTS_PER_REPLICA times) while the trainer carries on with the others and re-adds the replacement once
-it serves the current adapter; a trainer failure ends the run (run it again to resume from the checkpoint). Every
-way a run ends leaves status.json saying how, and Ctrl-C stops the trainer first, then every replica at once.
+INFERENCE_RESTARTS_PER_REPLICA times) while the trainers carry on with the others and re-add the replacement once
+it serves their current adapter; a trainer failure ends its job (run it again to resume from the checkpoint), and
+the other jobs of a pool carry on. Every way a job ends leaves its status.json saying how, and Ctrl-C stops the
+trainers first, then every replica at once.
 """
 
 from __future__ import annotations
@@ -25,17 +32,21 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
+import yaml
+from pydantic import ValidationError
 
 from grpolora.api import contract
-from grpolora.api.load import InvalidJob, job_warnings, load_one_job
-from grpolora.api.plan import JobPlan, LoopbackNetwork, Role, plan
-from grpolora.api.spec import GRPOLoraJob
+from grpolora.api.load import InvalidJob, Problem, job_warnings, load_jobs, parse_job
+from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolMismatch, PoolPlan, Role, plan, plan_pool
+from grpolora.api.pool import Attachments, attachment
+from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
 from grpolora.workers.lifetime import die_with_parent
@@ -49,6 +60,8 @@ INFERENCE_STOP_SECONDS = 5.0
 INFERENCE_RESTARTS_PER_REPLICA = 3
 """Times `grpolora run` starts a lost inference replica again before the run fails."""
 STATUS_LOG_LINES = 10  # of a failed worker's log, kept in status.json's message
+POOL_JOBS_FILE = "pool-jobs.json"
+"""The pool's attachment list in the run folder (what the RolloutPool's Secret holds in a cluster)."""
 
 
 class RunFailed(RuntimeError):
@@ -65,6 +78,18 @@ class Worker:
     index: int
     gpus: int
     log: Path
+    job: str = ""
+    """The job whose worker this is; for a RolloutPool's servers, the pool's workload (`<pool>-pool`)."""
+
+
+@dataclass
+class _Live:
+    """A worker started by this run: its Ray actor, and the env a restart starts it with again."""
+
+    worker: Worker
+    env: dict[str, str]
+    actor: Any
+    group: int | None = None  # its process group on this machine (None: the Ray cluster is not ours)
 
 
 def free_ports(count: int, *, consecutive: bool = False) -> list[int]:
@@ -91,23 +116,30 @@ def _is_free(port: int) -> bool:
 
 
 def local_job(job: GRPOLoraJob) -> GRPOLoraJob:
-    """The job with free ports on this machine: spec ports are cluster ports and may be taken here."""
+    """The job with free ports on this machine: spec ports are cluster ports and may be taken here. A job on a pool
+    has no servers of its own (it must leave inference's fields unset), so only its trainer's ports change."""
     master, status, sync = free_ports(3)
-    inference_base = free_ports(job.spec.inference.replicas, consecutive=True)[0]
-    spec = job.spec.model_copy(
-        update={
-            "trainer": job.spec.trainer.model_copy(update={"master_port": master, "status_port": status}),
-            "inference": job.spec.inference.model_copy(update={"port": inference_base}),
-            "sync": job.spec.sync.model_copy(update={"port": sync}),
-        }
-    )
-    return job.model_copy(update={"spec": spec})
+    update: dict[str, Any] = {
+        "trainer": job.spec.trainer.model_copy(update={"master_port": master, "status_port": status}),
+        "sync": job.spec.sync.model_copy(update={"port": sync}),
+    }
+    if job.spec.inference.pool_ref is None:
+        inference_base = free_ports(job.spec.inference.replicas, consecutive=True)[0]
+        update["inference"] = job.spec.inference.model_copy(update={"port": inference_base})
+    return job.model_copy(update={"spec": job.spec.model_copy(update=update)})
 
 
-def local_plan(job: GRPOLoraJob, run_dir: Path) -> JobPlan:
+def local_pool(pool: RolloutPool) -> RolloutPool:
+    """The pool with free ports on this machine: replica i listens on port + i (LoopbackNetwork)."""
+    base = free_ports(pool.spec.replicas, consecutive=True)[0]
+    return pool.model_copy(update={"spec": pool.spec.model_copy(update={"port": base})})
+
+
+def local_plan(job: GRPOLoraJob, run_dir: Path, pool: RolloutPool | None = None) -> JobPlan:
     return plan(
         local_job(job),
         LoopbackNetwork(),
+        pool=pool,
         checkpoint_dir=str((run_dir / "checkpoints").resolve()),
         output_dir=str(run_dir.resolve()),
     )
@@ -163,190 +195,75 @@ def _signal_group(pid: int, sig: int) -> None:
         os.killpg(pid, sig)
 
 
-class LocalRun:
-    def __init__(
-        self,
-        job: GRPOLoraJob,
-        run_dir: Path,
-        *,
-        ray_address: str | None,
-        show_progress: bool = True,
-        cpus: dict[str, list[int]] | None = None,
-        role_env: dict[str, dict[str, str]] | None = None,
-    ):
-        """`cpus` pins each role's workers to cores and `role_env` adds environment variables per role: on one CPU
-        machine, that keeps trainer and inference off each other's cores, as separate node pools would."""
+JobState = Literal["waiting", "running", "succeeded", "failed"]
+
+
+class JobRun:
+    """One job of a run: its run folder, its token, its plan (made when it starts, so that its ports are picked
+    then), its progress and how it ended."""
+
+    def __init__(self, job: GRPOLoraJob, run_dir: Path, *, label: str = "", position: int = 0):
         self.job = job
-        self.cpus = cpus or {}
-        self.role_env = role_env or {}
         self.run_dir = run_dir
-        self.ray_address = ray_address
-        self.show_progress = show_progress
-        self.plan = local_plan(job, run_dir)
+        self.label = label  # prefixes its progress lines when a run has several jobs
+        self.position = position
         self.token = secrets.token_urlsafe(24)
-        self.workers: list[Worker] = []
-        self._actors: list = []
-        self._envs: list[dict[str, str]] = []
-        self._groups: list[int] = []
-        self._started_ray = False
-        self._started_at = time.time()
+        self.uid = str(uuid.uuid4())
+        self.plan: JobPlan | None = None
+        self.state: JobState = "waiting"
         self.last_status: TrainerStatus | None = None
-        self.restarts: dict[int, int] = {}  # inference replica index -> times restarted
+        self.started_at = time.time()
+        self.progress: _Progress | None = None
 
     @property
-    def inference_restarts(self) -> int:
-        return sum(self.restarts.values())
+    def name(self) -> str:
+        return self.job.name
 
-    def _threads_per_worker(self) -> int:
-        workers = self.job.spec.trainer.replicas + self.job.spec.inference.replicas
-        # Sequential GRPO alternates generation and training, so workers rarely compute at once: give each the
-        # machine rather than a slice of it, unless the user said otherwise.
-        return max(1, (os.cpu_count() or 1) if workers <= 4 else math.ceil((os.cpu_count() or 1) / 2))
+    @property
+    def done(self) -> bool:
+        return self.state in ("succeeded", "failed")
 
-    def start(self) -> None:
-        import ray
-
-        if self.ray_address:
-            ray.init(address=self.ray_address, log_to_driver=False)
-        else:
-            workers = self.job.spec.trainer.replicas + self.job.spec.inference.replicas
-            # Logical CPUs: one per worker process even on a smaller machine (they mostly take turns).
-            ray.init(num_cpus=max(os.cpu_count() or 1, workers), include_dashboard=False, log_to_driver=False)
-            self._started_ray = True
-        logs = self.run_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        threads = str(self._threads_per_worker())
-        for role in ("inference", "trainer"):
-            role_plan = self.plan.role(role)
-            for index in range(role_plan.replicas):
-                worker = Worker(role, index, role_plan.placement.gpus, logs / f"{role}-{index}.log")
-                env = self.plan.env_for(role, index, token=self.token) | self.role_env.get(role, {})
-                # Workers run `python -m ...` from the user's directory: never let a folder there shadow a module
-                # (the repository's own operator/ would shadow the stdlib's `operator`).
-                env["PYTHONSAFEPATH"] = "1"
-                if role == "trainer" and index > 0:
-                    # Pods have an address each; here every trainer replica shares 127.0.0.1, so the /health
-                    # endpoint of replicas > 0 (rank 0 alone serves /status) needs a port of its own.
-                    env[contract.STATUS_PORT] = str(free_ports(1)[0])
-                env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
-                self.workers.append(worker)
-                self._envs.append(env)
-                self._actors.append(self._start_actor(worker, env))
-        # Worker process groups on this machine: stop() kills what is left of them even if an actor is gone.
-        self._groups = ray.get([a.pgid.remote() for a in self._actors]) if self._started_ray else []
-
-    def _start_actor(self, worker: Worker, env: dict[str, str]):
-        return (
-            _worker_actor_class()
-            .options(
-                # A replacement's name differs from the killed actor's, which Ray may still be tearing down.
-                name=f"{self.job.name}-{worker.role}-{worker.index}-{os.getpid()}-{self.restarts.get(worker.index, 0)}",
-                num_cpus=1,
-                num_gpus=worker.gpus,
-            )
-            .remote(env, str(worker.log), worker.role, self.cpus.get(worker.role))
+    def start(self, job_plan: JobPlan, *, show_progress: bool) -> None:
+        self.plan, self.state, self.started_at = job_plan, "running", time.time()
+        self.progress = _Progress(
+            self.job.spec.grpo.steps,
+            enabled=show_progress,
+            samples=self.run_dir / SAMPLES_FILE,
+            label=self.label,
+            position=self.position,
         )
 
-    def _restart(self, position: int, code: int | str) -> None:
-        """Start a lost inference replica again, with the same env (name, port, rank in the job): as a StatefulSet
-        brings back its pod. The trainer re-adds it to the sync group once it serves the current adapter."""
-        import ray
-
-        worker, old = self.workers[position], self._actors[position]
-        with contextlib.suppress(Exception):
-            ray.get(old.stop.remote(0.0, True))  # whatever of its group is left
-        ray.kill(old)
-        self.restarts[worker.index] = self.restarts.get(worker.index, 0) + 1
-        with worker.log.open("a") as log:
-            log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[worker.index]} ---\n")
-        self._actors[position] = self._start_actor(worker, self._envs[position])
-        if self._started_ray:
-            self._groups.append(ray.get(self._actors[position].pgid.remote()))
-
-    def _exit_codes(self) -> list[int | str | None]:
-        import ray
-
-        codes: list[int | str | None] = []
-        for actor in self._actors:
-            try:
-                codes.append(ray.get(actor.poll.remote()))
-            except ray.exceptions.RayActorError:
-                codes.append("lost (its Ray actor died)")
-        return codes
-
-    def wait(self) -> TrainerStatus | None:
-        """Until trainer rank 0 exits: progress from its /status; a lost inference replica is restarted within
-        its budget; any other failed worker stops the run (RunFailed)."""
-        status_url = f"http://127.0.0.1:{self.plan.job.spec.trainer.status_port}/status"
-        progress = _Progress(self.job.spec.grpo.steps, enabled=self.show_progress, samples=self.run_dir / SAMPLES_FILE)
-        client = httpx.Client(timeout=2.0)
+    def poll(self, client: httpx.Client, restarts: int) -> None:
+        """Progress from trainer rank 0's /status (nothing while it is still starting)."""
+        assert self.plan is not None and self.progress is not None
         try:
-            while True:
-                for position, (worker, code) in enumerate(zip(self.workers, self._exit_codes(), strict=True)):
-                    if code is None:
-                        continue
-                    if worker.role == "trainer" and code == 0:
-                        if worker.index == 0:
-                            progress.close(self.last_status)
-                            return self.last_status
-                        continue  # a follower rank done with the final collective; rank 0 is still writing
-                    failure = f"{worker.role} {worker.index} exited with code {code}"
-                    if (
-                        worker.role == "inference"
-                        and self.restarts.get(worker.index, 0) < INFERENCE_RESTARTS_PER_REPLICA
-                    ):
-                        progress.note(
-                            f"grpolora run: {failure}; starting it again (restart "
-                            f"{self.restarts.get(worker.index, 0) + 1} of {INFERENCE_RESTARTS_PER_REPLICA}); "
-                            f"the trainer carries on with the other replicas; log: {worker.log}"
-                        )
-                        self._restart(position, code)
-                        continue
-                    if worker.role == "inference":
-                        failure += f" after {INFERENCE_RESTARTS_PER_REPLICA} restarts"
-                    raise RunFailed(worker, f"{failure}; end of {worker.log}:\n{_tail(worker.log)}")
-                try:
-                    self.last_status = TrainerStatus.model_validate(client.get(status_url).json())
-                    progress.update(self.last_status, self.inference_restarts)
-                except (httpx.HTTPError, ValueError):
-                    pass  # the trainer is still starting
-                time.sleep(POLL_SECONDS)
-        finally:
-            client.close()
-            progress.close(None)
+            response = client.get(f"http://127.0.0.1:{self.plan.job.spec.trainer.status_port}/status")
+            self.last_status = TrainerStatus.model_validate(response.json())
+        except (httpx.HTTPError, ValueError):
+            return
+        self.progress.update(self.last_status, restarts)
 
-    def stop(self) -> None:
-        """The trainer first (it records where it stopped), then every inference replica at once."""
-        import ray
+    def note(self, message: str) -> None:
+        if self.progress is not None:
+            self.progress.note(message)
+        else:
+            print(message, file=sys.stderr)
 
-        if self._actors:
-            for role, grace in (("trainer", TRAINER_STOP_SECONDS), ("inference", INFERENCE_STOP_SECONDS)):
-                actors = [a for w, a in zip(self.workers, self._actors, strict=True) if w.role == role]
-                pending = [a.stop.remote(grace, role == "trainer") for a in actors]
-                for ref in pending:
-                    with contextlib.suppress(Exception):  # an actor already dead (e.g. killed for memory)
-                        ray.get(ref)
-                for actor in actors:
-                    ray.kill(actor)
-            self._actors = []
-        for group in self._groups:
-            _signal_group(group, signal.SIGKILL)
-        self._groups = []
-        if self._started_ray:
-            ray.shutdown()
-            self._started_ray = False
-        remove_stale_adapter_roots()  # of servers that were killed outright
+    def close_progress(self) -> None:
+        if self.progress is not None:
+            self.progress.close(self.last_status)
+            self.progress = None
 
-    def record(self, *, failed: str | None = None, own_reason: str = "keep") -> TrainerStatus | None:
-        """Complete status.json, whatever way the run ended, with the number of inference restarts.
+    def record(self, *, restarts: int = 0, failed: str | None = None, own_reason: str = "keep") -> TrainerStatus | None:
+        """Complete status.json, whatever way the job ended, with the number of inference restarts.
 
-        `failed` says how the run failed (None: it did not). The trainer's own record, if it wrote one during this
+        `failed` says how the job failed (None: it did not). The trainer's own record, if it wrote one during this
         run, stays the base; when it already says Failed (its exception, or where SIGTERM stopped it), `own_reason`
         decides: `keep` its message, `prefix` it with the first clause of `failed` (which worker, which exit
         code), or `replace` it with `failed` (the cause lies elsewhere, e.g. a replica out of restarts)."""
         path = self.run_dir / "status.json"
         own = None
-        if path.exists() and path.stat().st_mtime >= self._started_at:
+        if path.exists() and path.stat().st_mtime >= self.started_at:
             with contextlib.suppress(ValueError):
                 own = TrainerStatus.model_validate_json(path.read_text())
         status = own or self.last_status
@@ -358,9 +275,346 @@ class LocalRun:
             status = base.model_copy(update={"phase": "Failed", "message": message})
         if status is None:
             return None
-        status = status.model_copy(update={"inference_restarts": self.inference_restarts})
+        status = status.model_copy(update={"inference_restarts": restarts})
+        self.run_dir.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(status.to_wire(), indent=2))
+        self.last_status = status
         return status
+
+
+class LocalRun:
+    """One run on one Ray cluster: the inference servers (a job's own, or a RolloutPool's) and the trainers of
+    `jobs`. Without a pool it runs exactly one job, in `run_dir`; with one, each job runs in `run_dir/<job name>/`
+    and the pool's servers log to `run_dir/logs/`."""
+
+    def __init__(
+        self,
+        jobs: Sequence[GRPOLoraJob],
+        run_dir: Path,
+        *,
+        pool: RolloutPool | None = None,
+        ray_address: str | None,
+        show_progress: bool = True,
+        cpus: dict[str, list[int]] | None = None,
+        role_env: dict[str, dict[str, str]] | None = None,
+    ):
+        """`cpus` pins each role's workers to cores and `role_env` adds environment variables per role: on one CPU
+        machine, that keeps trainer and inference off each other's cores, as separate node pools would."""
+        if pool is None and len(jobs) != 1:
+            raise ValueError(f"a run without a RolloutPool runs one job, not {len(jobs)}")
+        self.cpus = cpus or {}
+        self.role_env = role_env or {}
+        self.run_dir = run_dir
+        self.ray_address = ray_address
+        self.show_progress = show_progress
+        self.pool = local_pool(pool) if pool is not None else None
+        self.pool_plan: PoolPlan | None = plan_pool(self.pool, LoopbackNetwork()) if self.pool else None
+        self.jobs = [
+            JobRun(job, run_dir / job.name, label=job.name, position=i) if pool else JobRun(job, run_dir)
+            for i, job in enumerate(jobs)
+        ]
+        self._live: list[_Live] = []
+        self._started_ray = False
+        self._waiting_noted: dict[str, int] = {}  # job -> its place in line when last shown
+        self.restarts: dict[int, int] = {}  # inference replica index -> times restarted
+
+    @property
+    def inference_restarts(self) -> int:
+        return sum(self.restarts.values())
+
+    @property
+    def jobs_file(self) -> Path:
+        return self.run_dir / POOL_JOBS_FILE
+
+    @property
+    def max_attached(self) -> int:
+        """Jobs whose trainers run at once."""
+        return min(self.pool.spec.max_jobs, len(self.jobs)) if self.pool else 1
+
+    def _server_replicas(self) -> int:
+        return self.pool.spec.replicas if self.pool else self.jobs[0].job.spec.inference.replicas
+
+    def _workers_at_once(self) -> int:
+        """Worker processes running at once: the servers and the trainer replicas of the jobs attached together."""
+        return self._server_replicas() + sum(j.job.spec.trainer.replicas for j in self.jobs[: self.max_attached])
+
+    def _threads_per_worker(self, role: Role) -> int:
+        cores = os.cpu_count() or 1
+        workers = self._workers_at_once()
+        # Sequential GRPO alternates generation and training, so one job's workers rarely compute at once: give each
+        # the machine rather than a slice of it, unless the user said otherwise. Several jobs on a pool do overlap
+        # (one trains while the servers generate for another): their trainers share the cores between them.
+        threads = cores if workers <= 4 else math.ceil(cores / 2)
+        return max(1, threads // self.max_attached if role == "trainer" else threads)
+
+    def start(self) -> None:
+        self._init_ray()
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        if self.pool_plan is None:
+            (job,) = self.jobs
+            job.start(local_plan(job.job, job.run_dir), show_progress=self.show_progress)
+            assert job.plan is not None
+            servers, owner = job.plan.role("inference"), job.name
+            envs = [job.plan.env_for("inference", i, token=job.token) for i in range(servers.replicas)]
+        else:
+            # The first jobs' entries are in the attachment list before any server reads it.
+            for job in self.jobs[: self.max_attached]:
+                self._plan_on_pool(job)
+            self._write_attachments()
+            servers, owner = self.pool_plan.inference, self.pool_plan.inference.workload_name
+            jobs_file = str(self.jobs_file.resolve())
+            envs = [self.pool_plan.env_for(i, jobs_file=jobs_file) for i in range(servers.replicas)]
+        threads = str(self._threads_per_worker("inference"))
+        for index in range(servers.replicas):
+            worker = Worker("inference", index, servers.placement.gpus, logs / f"inference-{index}.log", owner)
+            self._launch(worker, self._worker_env(worker, envs[index], threads))
+        for job in self.jobs:
+            if job.state == "running":
+                self._start_trainers(job)
+
+    def _init_ray(self) -> None:
+        import ray
+
+        if self.ray_address:
+            ray.init(address=self.ray_address, log_to_driver=False)
+        else:
+            # Logical CPUs: one per worker process even on a smaller machine (they mostly take turns).
+            cpus = max(os.cpu_count() or 1, self._workers_at_once())
+            ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+            self._started_ray = True
+
+    def _plan_on_pool(self, job: JobRun) -> None:
+        assert self.pool is not None
+        job.start(local_plan(job.job, job.run_dir, self.pool), show_progress=self.show_progress)
+
+    def _write_attachments(self) -> None:
+        """The attachment list of the jobs running now, replaced atomically: a server never reads half a file."""
+        assert self.pool is not None
+        entries = [
+            attachment(self.pool.namespace, j.name, j.uid, j.token, j.plan.spec)
+            for j in self.jobs
+            if j.state == "running" and j.plan is not None
+        ]
+        text = Attachments(pool=self.pool.name, jobs=entries).to_json()
+        partial = self.jobs_file.with_name(f".{self.jobs_file.name}.partial")
+        partial.write_text(text)
+        partial.chmod(0o600)  # it holds each job's sync key
+        os.replace(partial, self.jobs_file)
+
+    def _worker_env(self, worker: Worker, env: dict[str, str], threads: str) -> dict[str, str]:
+        env = env | self.role_env.get(worker.role, {})
+        # Workers run `python -m ...` from the user's directory: never let a folder there shadow a module (the
+        # repository's own operator/ would shadow the stdlib's `operator`).
+        env["PYTHONSAFEPATH"] = "1"
+        env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
+        return env
+
+    def _start_trainers(self, job: JobRun) -> None:
+        assert job.plan is not None
+        trainers = job.plan.role("trainer")
+        logs = job.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        threads = str(self._threads_per_worker("trainer"))
+        for index in range(trainers.replicas):
+            worker = Worker("trainer", index, trainers.placement.gpus, logs / f"trainer-{index}.log", job.name)
+            env = job.plan.env_for("trainer", index, token=job.token)
+            if index > 0:
+                # Pods have an address each; here every trainer replica shares 127.0.0.1, so the /health
+                # endpoint of replicas > 0 (rank 0 alone serves /status) needs a port of its own.
+                env[contract.STATUS_PORT] = str(free_ports(1)[0])
+            self._launch(worker, self._worker_env(worker, env, threads))
+
+    def _launch(self, worker: Worker, env: dict[str, str]) -> _Live:
+        import ray
+
+        actor = (
+            _worker_actor_class()
+            .options(
+                # A replacement's name differs from the killed actor's, which Ray may still be tearing down.
+                name=f"{worker.job}-{worker.role}-{worker.index}-{os.getpid()}-{self.restarts.get(worker.index, 0)}",
+                num_cpus=1,
+                num_gpus=worker.gpus,
+            )
+            .remote(env, str(worker.log), worker.role, self.cpus.get(worker.role))
+        )
+        live = _Live(worker, env, actor)
+        # Worker process groups on this machine: stop() kills what is left of them even if an actor is gone.
+        if self._started_ray:
+            live.group = ray.get(actor.pgid.remote())
+        self._live.append(live)
+        return live
+
+    def _restart(self, live: _Live, code: int | str) -> None:
+        """Start a lost inference replica again, with the same env (name, port, rank): as a StatefulSet brings back
+        its pod. The trainers re-add it to their sync groups once it serves their current adapter."""
+        import ray
+
+        worker = live.worker
+        with contextlib.suppress(Exception):
+            ray.get(live.actor.stop.remote(0.0, True))  # whatever of its group is left
+        ray.kill(live.actor)
+        self._live.remove(live)
+        self.restarts[worker.index] = self.restarts.get(worker.index, 0) + 1
+        with worker.log.open("a") as log:
+            log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[worker.index]} ---\n")
+        self._launch(worker, live.env)
+
+    def _exit_codes(self) -> list[int | str | None]:
+        """Exit code of each live worker (in the order of self._live); None while it runs."""
+        import ray
+
+        codes: list[int | str | None] = []
+        for live in self._live:
+            try:
+                codes.append(ray.get(live.actor.poll.remote()))
+            except ray.exceptions.RayActorError:
+                codes.append("lost (its Ray actor died)")
+        return codes
+
+    def _job(self, name: str) -> JobRun:
+        return next(j for j in self.jobs if j.name == name)
+
+    def wait(self) -> None:
+        """Until every job has ended: progress from each trainer rank 0's /status; a lost inference replica is
+        restarted within its budget (else RunFailed: the whole run stops); a failed trainer ends its job; on a pool,
+        waiting jobs attach as slots free."""
+        client = httpx.Client(timeout=2.0)
+        try:
+            self._admit()
+            while not all(job.done for job in self.jobs):
+                for live, code in zip(list(self._live), self._exit_codes(), strict=True):
+                    if code is not None:
+                        self._exited(live, code)
+                self._admit()
+                for job in self.jobs:
+                    if job.state == "running":
+                        job.poll(client, self.inference_restarts)
+                if not all(job.done for job in self.jobs):
+                    time.sleep(POLL_SECONDS)
+        finally:
+            client.close()
+            for job in self.jobs:
+                job.close_progress()
+
+    def _exited(self, live: _Live, code: int | str) -> None:
+        worker = live.worker
+        if worker.role == "trainer":
+            job = self._job(worker.job)
+            if job.state != "running":
+                return  # a rank of a job already ended
+            if code == 0:
+                if worker.index == 0:
+                    self._end(job, None)
+                return  # a follower rank done with the final collective; rank 0 is still writing
+            self._end(job, f"trainer {worker.index} exited with code {code}; end of {worker.log}:\n{_tail(worker.log)}")
+            return
+        failure = f"inference {worker.index} exited with code {code}"
+        used = self.restarts.get(worker.index, 0)
+        if used < INFERENCE_RESTARTS_PER_REPLICA:
+            self._note(
+                f"grpolora run: {failure}; starting it again (restart {used + 1} of {INFERENCE_RESTARTS_PER_REPLICA}); "
+                f"the trainer carries on with the other replicas; log: {worker.log}"
+            )
+            self._restart(live, code)
+            return
+        failure += f" after {INFERENCE_RESTARTS_PER_REPLICA} restarts"
+        raise RunFailed(worker, f"{failure}; end of {worker.log}:\n{_tail(worker.log)}")
+
+    def _note(self, message: str) -> None:
+        """A line about the whole run, above the progress bars."""
+        running = [j for j in self.jobs if j.progress is not None]
+        if running:
+            running[0].note(message)
+        else:
+            print(message, file=sys.stderr)
+
+    def _end(self, job: JobRun, failure: str | None) -> None:
+        """A job's trainer is done (failure None) or failed: stop what is left of its ranks, detach it from the
+        pool (its adapters are unloaded from every replica), complete its status.json."""
+        if failure is not None:
+            job.note(f"grpolora run: {job.label + ': ' if job.label else ''}{failure}")
+        self._stop_workers(
+            [live for live in self._live if live.worker.job == job.name and live.worker.role == "trainer"]
+        )
+        job.state = "failed" if failure is not None else "succeeded"
+        if self.pool is not None:
+            self._write_attachments()
+        if failure is None:
+            job.close_progress()
+            status = job.record(restarts=self.inference_restarts)
+            if status is not None and status.phase != "Succeeded":
+                job.state = "failed"
+        else:
+            job.close_progress()
+            brief = "\n".join(failure.splitlines()[: STATUS_LOG_LINES + 1])
+            job.record(restarts=self.inference_restarts, failed=brief, own_reason="prefix")
+        records = read_metrics(job.run_dir)
+        if records:
+            plot(records, job.run_dir / "plot.png")
+
+    def _admit(self) -> None:
+        """On a pool: attach waiting jobs, in order, while fewer than maxJobs are attached; say where the others
+        wait."""
+        if self.pool is None:
+            return
+        waiting = [j for j in self.jobs if j.state == "waiting"]
+        attached = sum(j.state == "running" for j in self.jobs)
+        while waiting and attached < self.pool.spec.max_jobs:
+            job = waiting.pop(0)
+            self._plan_on_pool(job)
+            self._write_attachments()  # before its trainer starts: the servers must know its token first
+            attached += 1
+            job.note(
+                f"grpolora run: {job.name}: attached to RolloutPool {self.pool.name} ({attached} of "
+                f"{self.pool.spec.max_jobs} jobs); starting its trainer"
+            )
+            self._start_trainers(job)
+        for place, job in enumerate(waiting, start=1):
+            if self._waiting_noted.get(job.name) != place:
+                self._waiting_noted[job.name] = place
+                self._note(
+                    f"grpolora run: {job.name}: waiting for a slot of RolloutPool {self.pool.name} ({attached} of "
+                    f"{self.pool.spec.max_jobs} jobs attached); place {place} in line"
+                )
+
+    def _stop_workers(self, lives: Sequence[_Live]) -> None:
+        """Stop these workers, all at once; trainers as a whole group, servers alone first (see WorkerProcess)."""
+        import ray
+
+        pending = [
+            live.actor.stop.remote(
+                TRAINER_STOP_SECONDS if live.worker.role == "trainer" else INFERENCE_STOP_SECONDS,
+                live.worker.role == "trainer",
+            )
+            for live in lives
+        ]
+        for ref in pending:
+            with contextlib.suppress(Exception):  # an actor already dead (e.g. killed for memory)
+                ray.get(ref)
+        for live in lives:
+            ray.kill(live.actor)
+            if live.group is not None:
+                _signal_group(live.group, signal.SIGKILL)
+            self._live.remove(live)
+
+    def stop(self) -> None:
+        """Every trainer first (each records where it stopped), then every inference replica at once."""
+        import ray
+
+        for role in ("trainer", "inference"):
+            self._stop_workers([live for live in self._live if live.worker.role == role])
+        if self._started_ray:
+            ray.shutdown()
+            self._started_ray = False
+        remove_stale_adapter_roots()  # of servers that were killed outright
+
+    def record_unfinished(self, failed: str, *, own_reason: str) -> None:
+        """Every job still running when the run stopped: Failed, saying why (`own_reason` as in JobRun.record)."""
+        for job in self.jobs:
+            if job.state == "running":
+                job.state = "failed"
+                job.record(restarts=self.inference_restarts, failed=failed, own_reason=own_reason)
 
 
 def sample_line(row: Mapping[str, Any], width: int) -> str:
@@ -413,17 +667,21 @@ class _SampleTail:
 
 class _Progress:
     """A progress bar on a terminal; one line per step otherwise (CI logs, files). Each step with sample
-    completions (tracking.samplesEverySteps) adds a line with its first sample (`sample_line`)."""
+    completions (tracking.samplesEverySteps) adds a line with its first sample (`sample_line`). With several jobs
+    in a run, each has its own: `label` (the job's name) starts its lines, `position` is its bar's row."""
 
-    def __init__(self, total: int, *, enabled: bool, samples: Path | None = None):
+    def __init__(self, total: int, *, enabled: bool, samples: Path | None = None, label: str = "", position: int = 0):
         self._bar = None
         self._enabled = enabled
+        self._prefix = f"{label}: " if label else ""
         self._last_line: tuple | None = None
         self._samples = _SampleTail(samples) if enabled and samples is not None else None
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc="GRPO", unit="step", dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total, desc=label or "GRPO", unit="step", dynamic_ncols=True, position=position, leave=True
+            )
 
     def update(self, status: TrainerStatus, restarts: int = 0) -> None:
         self._update(status, restarts)
@@ -437,7 +695,8 @@ class _Progress:
             if row.get("step") not in shown:  # the first sample of each step: its first prompt's first completion
                 shown.add(row.get("step"))
                 with contextlib.suppress(KeyError, TypeError, ValueError):  # a row not in the documented shape
-                    self.note(sample_line(row, shutil.get_terminal_size().columns))
+                    width = shutil.get_terminal_size().columns - len(self._prefix)
+                    self.note(self._prefix + sample_line(row, width))
 
     def _update(self, status: TrainerStatus, restarts: int) -> None:
         replicas = f"{len(status.sync_members)} replica(s) in sync"
@@ -449,7 +708,7 @@ class _Progress:
                 sync = "" if status.last_sync_seconds is None else f" sync {status.last_sync_seconds * 1000:.0f} ms"
                 lost = f" {replicas}, inference restarts {restarts}" if restarts else ""
                 print(
-                    f"[{status.phase}] step {status.step}/{status.total_steps}{reward}{kl}{sync}{lost}",
+                    f"{self._prefix}[{status.phase}] step {status.step}/{status.total_steps}{reward}{kl}{sync}{lost}",
                     file=sys.stderr,
                 )
             return
@@ -551,58 +810,188 @@ def _stop_ignoring_interrupts(local: LocalRun) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def run(job_file: str, *, run_dir: str | None = None, ray_address: str | None = None) -> int:
-    """The `grpolora run` command. Returns the exit status."""
+@dataclass
+class RunFiles:
+    """What `grpolora run` was given: the jobs (each with the file it came from) and at most one RolloutPool."""
+
+    jobs: list[tuple[str, GRPOLoraJob]] = field(default_factory=list)
+    pools: list[tuple[str, RolloutPool]] = field(default_factory=list)
+
+
+def read_run_files(paths: Sequence[str]) -> RunFiles:
+    """Every document of every file, a RolloutPool or a GRPOLoraJob; InvalidJob listing the problems of a file. A
+    file of jobs only is read exactly as `grpolora validate` reads it."""
+    found = RunFiles()
+    for path in paths:
+        try:
+            text = Path(path).read_text()
+            kinds = [d.get("kind") if isinstance(d, Mapping) else None for d in yaml.safe_load_all(text)]
+        except (OSError, yaml.YAMLError):
+            kinds = []  # load_jobs says what is wrong, as for any job file
+        if "RolloutPool" not in kinds:
+            found.jobs += [(path, job) for job in load_jobs(path)]
+            continue
+        nodes = [n for n in yaml.compose_all(text, Loader=yaml.SafeLoader) if n is not None]
+        problems: list[Problem] = []
+        for index, node in enumerate(nodes):
+            document = yaml.load(yaml.serialize(node), Loader=yaml.SafeLoader)
+            label = f"document {index + 1}: " if len(nodes) > 1 else ""
+            try:
+                if isinstance(document, Mapping) and document.get("kind") == "RolloutPool":
+                    found.pools.append((path, RolloutPool.model_validate(document)))
+                else:
+                    found.jobs.append((path, parse_job(document, source=path, node=node)))
+            except InvalidJob as exc:
+                problems += [Problem(p.path, label + p.message, p.line) for p in exc.problems]
+            except ValidationError as exc:
+                # A RolloutPool's own problems, each at its field path (`grpolora validate` says more about them).
+                for error in exc.errors():
+                    where = ".".join(str(part) for part in error["loc"])
+                    problems.append(Problem(where, label + error["msg"].removeprefix("Value error, ")))
+        if problems:
+            raise InvalidJob(problems, path)
+    return found
+
+
+def run_problems(files: RunFiles) -> list[str]:
+    """Why these files cannot run together, each naming a file and a field; empty when they can. On a pool, every
+    job must fit it (grpolora.api.pool.fit_errors, through plan()) before anything starts."""
+    if not files.jobs:
+        return ["no GRPOLoraJob in the files given; `grpolora run` runs one job, or a RolloutPool and its jobs"]
+    if len(files.pools) > 1:
+        return [
+            f"{path}: RolloutPool {p.name}: a run has one RolloutPool; give one pool file" for path, p in files.pools
+        ]
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for path, job in files.jobs:
+        if job.name in seen:
+            problems.append(
+                f"{path}: metadata.name: {job.name} is also the name of a job in {seen[job.name]}; each job's "
+                "results go to <run-dir>/<job name>/, so give each job a name of its own"
+            )
+        seen.setdefault(job.name, path)
+    if not files.pools:
+        sources = list(dict.fromkeys(p for p, _ in files.jobs))
+        if len(files.jobs) > 1 and len(sources) == 1:
+            problems.append(f"{sources[0]}: holds {len(files.jobs)} jobs; `grpolora run` runs one")  # as before pools
+        elif len(files.jobs) > 1:
+            problems.append(
+                f"{', '.join(sources)}: {len(files.jobs)} jobs but no RolloutPool: "
+                "jobs run together on a shared pool (grpolora run pool.yaml job-a.yaml job-b.yaml), or one at a time"
+            )
+        for path, job in files.jobs:
+            if job.spec.inference.pool_ref is not None:
+                problems.append(
+                    f"{path}: spec.inference.poolRef.name: {job.name} runs on RolloutPool "
+                    f"{job.spec.inference.pool_ref.name}; give that pool's file too: grpolora run pool.yaml {path}"
+                )
+        return problems
+    ((pool_path, pool),) = files.pools
+    for path, job in files.jobs:
+        if job.spec.inference.pool_ref is None:
+            problems.append(
+                f"{path}: spec.inference.poolRef: not set, but this run serves its jobs from RolloutPool {pool.name} "
+                f"({pool_path}); set inference.poolRef.name: {pool.name} (and none of inference's other fields)"
+            )
+            continue
+        try:
+            plan(job, LoopbackNetwork(), pool=pool)
+        except PoolMismatch as exc:
+            problems += [f"{path}: spec.{where}: {message} ({pool_path})" for where, message in exc.errors]
+    return problems
+
+
+def run(files: str | Sequence[str], *, run_dir: str | None = None, ray_address: str | None = None) -> int:
+    """The `grpolora run` command: one job, or a RolloutPool and its jobs. Returns the exit status: 0 when every job
+    succeeded."""
+    paths = [files] if isinstance(files, str) else list(files)
     try:
-        job = load_one_job(job_file, "`grpolora run` runs one")
+        given = read_run_files(paths)
     except InvalidJob as exc:
         print(exc, file=sys.stderr)
         return 1
-    for warning in job_warnings(job):
-        if warning.path not in ("spec.checkpoint.pvc", "spec.output"):  # cluster concerns
-            print(f"{job_file}: warning: {warning}", file=sys.stderr)
+    problems = run_problems(given)
+    if problems:
+        print("\n".join(problems), file=sys.stderr)
+        return 1
+    for path, job in given.jobs:
+        for warning in job_warnings(job):
+            if warning.path not in ("spec.checkpoint.pvc", "spec.output"):  # cluster concerns
+                print(f"{path}: warning: {warning}", file=sys.stderr)
     from grpolora.workers.tasks import TaskError, load_task
 
-    try:
-        load_task(job.spec.task)  # a bad dataset or reward plugin fails here, before any actor starts
-    except TaskError as exc:
-        print(f"{job_file}: {exc}", file=sys.stderr)
-        return 1
-    folder = Path(run_dir or Path("runs") / job.name)
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "checkpoints").exists():
-        (folder / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; with checkpoints the run resumes
-    local = LocalRun(job, folder, ray_address=ray_address or os.environ.get("RAY_ADDRESS"))
-    print(
-        f"grpolora run: {job.name}: {job.spec.trainer.replicas} trainer + {job.spec.inference.replicas} inference "
-        f"replica(s), {job.spec.grpo.steps} steps; logs in {folder / 'logs'}",
-        file=sys.stderr,
-    )
+    for path, job in given.jobs:
+        try:
+            load_task(job.spec.task)  # a bad dataset or reward plugin fails here, before any actor starts
+        except TaskError as exc:
+            print(f"{path}: {exc}", file=sys.stderr)
+            return 1
+    jobs = [job for _, job in given.jobs]
+    pool = given.pools[0][1] if given.pools else None
+    folder = Path(run_dir or Path("runs") / (pool.name if pool else jobs[0].name))
+    local = LocalRun(jobs, folder, pool=pool, ray_address=ray_address or os.environ.get("RAY_ADDRESS"))
+    for job in local.jobs:
+        job.run_dir.mkdir(parents=True, exist_ok=True)
+        if not (job.run_dir / "checkpoints").exists():
+            (job.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; with checkpoints the job resumes
+    if pool is None:
+        (job,) = jobs
+        print(
+            f"grpolora run: {job.name}: {job.spec.trainer.replicas} trainer + {job.spec.inference.replicas} "
+            f"inference replica(s), {job.spec.grpo.steps} steps; logs in {folder / 'logs'}",
+            file=sys.stderr,
+        )
+    else:
+        print(
+            f"grpolora run: RolloutPool {pool.name}: {pool.spec.replicas} inference replica(s) serving up to "
+            f"{pool.spec.max_jobs} jobs at once; jobs "
+            + ", ".join(f"{j.name} ({j.spec.grpo.steps} steps)" for j in jobs)
+            + f"; each job's folder is {folder}/<job name>/, the pool's logs are in {folder / 'logs'}",
+            file=sys.stderr,
+        )
     try:
         local.start()
         local.wait()
     except KeyboardInterrupt:
-        print("\ngrpolora run: interrupted; stopping the trainer, then every inference replica", file=sys.stderr)
-        step = local.last_status.step if local.last_status else 0
+        print("\ngrpolora run: interrupted; stopping the trainers, then every inference replica", file=sys.stderr)
         _stop_ignoring_interrupts(local)
-        local.record(failed=f"interrupted (Ctrl-C) after step {step}; run it again to resume from the checkpoint")
+        for job in local.jobs:
+            if job.state == "running":
+                step = job.last_status.step if job.last_status else 0
+                job.state = "failed"
+                job.record(
+                    restarts=local.inference_restarts,
+                    failed=f"interrupted (Ctrl-C) after step {step}; run it again to resume from the checkpoint",
+                )
         return 130
     except RunFailed as exc:
         print(f"grpolora run: {exc}", file=sys.stderr)
         _stop_ignoring_interrupts(local)
-        brief = "\n".join(str(exc).splitlines()[: STATUS_LOG_LINES + 1])
-        local.record(failed=brief, own_reason="prefix" if exc.worker.role == "trainer" else "replace")
+        local.record_unfinished("\n".join(str(exc).splitlines()[: STATUS_LOG_LINES + 1]), own_reason="replace")
+        _print_summary(local)
         return 1
     local.stop()
-    status = local.record()
-    if status is not None:
-        print(f"trainer: {status.phase} after {status.step}/{status.total_steps} steps, sync round {status.sync_round}")
-    records = read_metrics(folder)
-    if records:
-        plot(records, folder / "plot.png")
-    print(summarize(records))
-    print(
-        f"run folder: {folder}: metrics.jsonl, status.json, final-adapter/, samples.jsonl, tensorboard/, "
-        "checkpoints/, plot.png, logs/"
-    )
-    return 0
+    _print_summary(local)
+    return 0 if all(job.state == "succeeded" for job in local.jobs) else 1
+
+
+def _print_summary(local: LocalRun) -> None:
+    """Each job's result: its phase, its rewards and sync figures, its run folder."""
+    for job in local.jobs:
+        prefix = f"{job.name}: " if local.pool else ""
+        status = job.last_status
+        if job.state == "waiting":
+            print(f"{prefix}not started (it was waiting for a slot of the pool)")
+            continue
+        if status is not None:
+            print(
+                f"{prefix or 'trainer: '}{status.phase} after {status.step}/{status.total_steps} steps, sync round "
+                f"{status.sync_round}"
+            )
+        for line in summarize(read_metrics(job.run_dir)).splitlines():
+            print(prefix + line)
+        print(
+            f"{prefix}run folder: {job.run_dir}: metrics.jsonl, status.json, final-adapter/, samples.jsonl, "
+            f"tensorboard/, checkpoints/, plot.png, logs/"
+        )
