@@ -40,9 +40,9 @@ def job_document(name: str, steps: int, model: str, *, on_pool: bool) -> dict:
     job["metadata"]["name"] = name
     job["spec"]["model"]["name"] = model
     job["spec"]["grpo"]["steps"] = steps
-    # 2 prompts (16 sequences) a step, not the quickstart's 4: vLLM 0.32's CPU engine dies ("CPU Generator does not
-    # use offset") when a round of seeded requests is more than its 2048-token prefill budget and gets chunked, and
-    # two jobs sending 4 prompts x 8 at once are (so is one job with 8 prompts x 8 on its own server).
+    # 2 prompts (16 sequences) a step, not the quickstart's 4: chosen when vLLM 0.32's CPU engine died ("CPU Generator
+    # does not use offset") on a round of seeded prompts chunked past its 2048-token prefill budget, as two jobs of
+    # 4 x 8 at once were; CPU engines now prefill whole prompts, and 2 keeps BENCHMARKS.md's figures reproducible.
     job["spec"]["grpo"]["promptsPerStep"] = PROMPTS_PER_STEP
     job["spec"]["checkpoint"] = {"everySteps": steps}  # no checkpoint between: the layouts compare rollouts
     if on_pool:

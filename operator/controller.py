@@ -37,7 +37,7 @@ from typing import Any, Final
 from grpolora.api import constants as c
 from grpolora.api.load import InvalidJob, parse_pool
 from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
-from grpolora.api.pool import Attachment, Attachments, attachment
+from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kube, names, pools
@@ -425,7 +425,7 @@ class Controller:
             statefulset = None
         reports = await self._adapter_reports(pool_plan, statefulset)
         attached = {entry.job: entry.uid for entry in old.attached_jobs}
-        admission = pools.Admission(tuple(attached), tuple(old.waiting_jobs))
+        admission = Admission(tuple(attached), tuple(old.waiting_jobs))
         status = pools.pool_status(
             rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
             now=self.clock(),
@@ -443,8 +443,8 @@ class Controller:
 
     async def _admit(
         self, rollout_pool: RolloutPool, listed: list[dict[str, Any]], previous: list[Attachment]
-    ) -> tuple[Attachments, pools.Admission]:
-        """The attachment list (and the admission it follows): pools.admit over the jobs that name the pool, with the
+    ) -> tuple[Attachments, Admission]:
+        """The attachment list (and the admission it follows): `admit` over the jobs that name the pool, with the
         token digest of each newly attached job read from its token Secret (one whose Secret is not there yet keeps
         waiting). Entries of jobs attached before are kept as they are (their Secrets are not read again)."""
         candidates = {found.key: found for body in listed if (found := pools.candidate(body, rollout_pool)) is not None}
@@ -453,7 +453,7 @@ class Controller:
         not_ready: set[str] = set()
         while True:
             line = [dataclasses.replace(found, ready=key not in not_ready) for key, found in candidates.items()]
-            admission = pools.admit(rollout_pool.spec.max_jobs, line, previous)
+            admission = admit(rollout_pool.spec.max_jobs, line, previous)
             new = [
                 key
                 for key in admission.attached

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from grpolora.api.load import InvalidJob, parse_job, parse_pool
-from grpolora.api.pool import Attachment, fit_errors, job_key
+from grpolora.api.pool import Admission, Candidate, fit_errors, job_key
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import AttachedJob, Condition, PoolStatus, ReplicaAdapter, RoleReplicas
 from grpolora.operator import conditions as cond
@@ -24,28 +24,6 @@ from grpolora.operator import observe as obs
 
 # Phases after which a job no longer uses its pool (a Failed job that never started counts too).
 DONE_PHASES: Final = ("Succeeded", "Failed")
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """A GRPOLoraJob that names the pool, as the pool's pass sees it."""
-
-    key: str
-    """<namespace>/<name> (grpolora.api.pool.job_key)."""
-    uid: str
-    created: str
-    """metadata.creationTimestamp (RFC 3339, so that string order is time order)."""
-    active: bool
-    """Wants the pool now: not deleted, not finished or failed, not suspended."""
-    fits: bool
-    """Its spec parses and fits the pool (grpolora.api.pool.fit_errors is empty)."""
-    ready: bool = True
-    """Can be attached now: its token Secret exists (the attachment holds the token's digest)."""
-    job: GRPOLoraJob | None = None
-
-    @property
-    def wants(self) -> bool:
-        return self.active and self.fits
 
 
 def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
@@ -69,32 +47,6 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
         fits=job is not None and not fit_errors(pool.name, pool.spec, job.spec),
         job=job,
     )
-
-
-@dataclass(frozen=True)
-class Admission:
-    attached: tuple[str, ...]
-    """Keys of the jobs the servers serve, in the order they attached."""
-    waiting: tuple[str, ...]
-    """Keys of the jobs that want the pool but have no place yet, first in line first."""
-
-
-def admit(max_jobs: int, candidates: Sequence[Candidate], previous: Sequence[Attachment]) -> Admission:
-    """Attached: the jobs already attached that still want the pool (the same uid: a job re-created under the same
-    name is a new job), then the waiting ones in order of creation (then name), up to max_jobs. A job attached
-    before is never detached to make room (a lowered maxJobs takes effect as jobs leave). A job that cannot be
-    attached yet (its token Secret is being created) keeps its place: those behind it wait too, so that the order
-    of creation is the order of attachment whatever the timing of the jobs' own passes."""
-    wanting = {c.key: c for c in candidates if c.wants}
-    kept = [a.job for a in previous if a.job in wanting and wanting[a.job].uid == a.uid]
-    line = sorted((c for c in wanting.values() if c.key not in kept), key=lambda c: (c.created, c.key))
-    attached, waiting = list(kept), []
-    for entry in line:
-        if not waiting and len(attached) < max_jobs and entry.ready:
-            attached.append(entry.key)
-        else:
-            waiting.append(entry.key)
-    return Admission(tuple(attached), tuple(waiting))
 
 
 def ordinal(n: int) -> str:

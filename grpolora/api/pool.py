@@ -19,11 +19,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec, min_lora_slots, serving_wire_names
+from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, RolloutPoolSpec, min_lora_slots, serving_wire_names
 
 JOBS_FILE_KEY = "jobs.json"
 """Key of the attachment list in the pool's Secret (and the file's name where it is mounted)."""
@@ -68,6 +72,15 @@ class Attachments(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> Attachments:
         return cls.model_validate_json(text)
+
+
+def write_attachments(path: Path, attachments: Attachments) -> None:
+    """Replace the attachment list file at once, as the kubelet swaps a Secret volume: written aside (readable by its
+    owner only: it holds each job's sync key), then renamed over it, so that a server never reads half a list."""
+    aside = path.with_name(f".{path.name}.partial")
+    aside.write_text(attachments.to_json())
+    aside.chmod(0o600)
+    os.replace(aside, path)
 
 
 def attachment(namespace: str, name: str, uid: str, token: str, spec: GRPOLoraJobSpec) -> Attachment:
@@ -143,3 +156,54 @@ def bind(job: GRPOLoraJobSpec, pool: RolloutPoolSpec) -> GRPOLoraJobSpec:
     wire = job.to_wire()
     wire["inference"] = serving | {"maxLoras": pool.adapters_per_job}
     return GRPOLoraJobSpec.model_validate(wire)
+
+
+# ---- admission: one rule for the operator (grpolora.operator.pools) and `grpolora run` ---------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A GRPOLoraJob that names the pool, as the pool's pass sees it."""
+
+    key: str
+    """<namespace>/<name> (grpolora.api.pool.job_key)."""
+    uid: str
+    created: str
+    """metadata.creationTimestamp (RFC 3339, so that string order is time order)."""
+    active: bool
+    """Wants the pool now: not deleted, not finished or failed, not suspended."""
+    fits: bool
+    """Its spec parses and fits the pool (grpolora.api.pool.fit_errors is empty)."""
+    ready: bool = True
+    """Can be attached now: its token Secret exists (the attachment holds the token's digest)."""
+    job: GRPOLoraJob | None = None
+
+    @property
+    def wants(self) -> bool:
+        return self.active and self.fits
+
+
+@dataclass(frozen=True)
+class Admission:
+    attached: tuple[str, ...]
+    """Keys of the jobs the servers serve, in the order they attached."""
+    waiting: tuple[str, ...]
+    """Keys of the jobs that want the pool but have no place yet, first in line first."""
+
+
+def admit(max_jobs: int, candidates: Sequence[Candidate], previous: Sequence[Attachment]) -> Admission:
+    """Attached: the jobs already attached that still want the pool (the same uid: a job re-created under the same
+    name is a new job), then the waiting ones in order of creation (then name), up to max_jobs. A job attached
+    before is never detached to make room (a lowered maxJobs takes effect as jobs leave). A job that cannot be
+    attached yet (its token Secret is being created) keeps its place: those behind it wait too, so that the order
+    of creation is the order of attachment whatever the timing of the jobs' own passes."""
+    wanting = {c.key: c for c in candidates if c.wants}
+    kept = [a.job for a in previous if a.job in wanting and wanting[a.job].uid == a.uid]
+    line = sorted((c for c in wanting.values() if c.key not in kept), key=lambda c: (c.created, c.key))
+    attached, waiting = list(kept), []
+    for entry in line:
+        if not waiting and len(attached) < max_jobs and entry.ready:
+            attached.append(entry.key)
+        else:
+            waiting.append(entry.key)
+    return Admission(tuple(attached), tuple(waiting))

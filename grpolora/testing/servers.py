@@ -17,7 +17,7 @@ import httpx
 
 from grpolora.api.load import parse_job
 from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolPlan, plan, plan_pool
-from grpolora.api.pool import Attachment, Attachments, auth_digest, job_key, sync_key
+from grpolora.api.pool import Attachment, auth_digest, job_key, sync_key
 from grpolora.api.spec import RolloutPool
 from grpolora.testing.jobs import job_doc
 
@@ -72,13 +72,6 @@ def pool_attachment(job: str, token: str, kept_versions: int = 2) -> Attachment:
         sync_key=sync_key(token).hex(),
         kept_versions=kept_versions,
     )
-
-
-def write_attachments(path: Path, pool: str, jobs: list[Attachment]) -> None:
-    """Replace the attachment list at once (written aside, then renamed over it, as the kubelet swaps a Secret)."""
-    aside = path.with_name(f".{path.name}.new")
-    aside.write_text(Attachments(pool=pool, jobs=jobs).to_json())
-    os.replace(aside, path)
 
 
 class ServerProcess:

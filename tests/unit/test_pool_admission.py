@@ -7,13 +7,10 @@ import datetime
 
 import pytest
 
-from grpolora.api.pool import Attachment
+from grpolora.api.pool import Admission, Attachment, Candidate, admit
 from grpolora.api.status import AttachedJob, PoolStatus, RoleReplicas
 from grpolora.operator import names
 from grpolora.operator.pools import (
-    Admission,
-    Candidate,
-    admit,
     candidate,
     ordinal,
     place,

@@ -22,14 +22,13 @@ import torch
 
 from grpolora.api import contract
 from grpolora.api.contract import ContractError, PoolEnv
-from grpolora.api.pool import Attachments
+from grpolora.api.pool import Attachments, write_attachments
 from grpolora.testing.servers import (
     PoolServerProcess,
     free_port,
     generate,
     pool_attachment,
     tiny_cpu_pool,
-    write_attachments,
 )
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.inference.engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
@@ -97,7 +96,7 @@ def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, jobs: tuple[str, .
     pool = tiny_cpu_pool(**spec)
     tmp.mkdir(parents=True, exist_ok=True)
     jobs_file = tmp / "jobs.json"
-    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in jobs])
+    write_attachments(jobs_file, Attachments(pool=pool.name, jobs=[pool_attachment(j, TOKENS[j]) for j in jobs]))
     attachments = pool_tenants(
         engine,
         pool.pool.spec,
@@ -155,7 +154,9 @@ def test_readiness_waits_for_each_jobs_current_adapter_but_not_for_a_trainer_nev
     app, attachments = pool_app(GatedEngine(), tmp_path / "serving", grace=3600, jobs=())
     with AppThread(app) as server:
         assert httpx.get(f"{server.url}/ready").status_code == 200
-        write_attachments(attachments.path, attachments.pool, [pool_attachment(JOB_C, TOKENS[JOB_C])])
+        write_attachments(
+            attachments.path, Attachments(pool=attachments.pool, jobs=[pool_attachment(JOB_C, TOKENS[JOB_C])])
+        )
         wait_for(lambda: JOB_C in httpx.get(f"{server.url}/v1/adapter").json()["jobs"], "C attached")
         assert httpx.get(f"{server.url}/ready").status_code == 200
     # Past the grace, jobs whose trainers never came do not hold it back; one whose trainer asked it to join at
@@ -220,7 +221,9 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
             assert served() == {JOB_A, JOB_B}
             assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 200
         # Replaced (renamed over, as the kubelet swaps a Secret's files): C in, B out.
-        write_attachments(jobs_file, pool, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_C)])
+        write_attachments(
+            jobs_file, Attachments(pool=pool, jobs=[pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_C)])
+        )
         wait_for(lambda: served() == {JOB_A, JOB_C}, "C attached and B detached")
         assert error() is None
         wait_for(lambda: engine.loras == set(ids[JOB_A]), "B's version unloaded")
@@ -254,7 +257,9 @@ def pool_server(tmp_path_factory):
     # long for a job never heard from.
     pool = tiny_cpu_pool(maxJobs=3, adaptersPerJob=2, adapterWaitSeconds=3)
     jobs_file = log_dir / "jobs.json"
-    write_attachments(jobs_file, pool.name, [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)])
+    write_attachments(
+        jobs_file, Attachments(pool=pool.name, jobs=[pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)])
+    )
     server = PoolServerProcess(pool, 0, log_dir, jobs_file)
     try:
         server.wait_healthy()
@@ -407,7 +412,7 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
     body = {"prompt_token_ids": [tokens(model_dir)], "max_tokens": 100, "temperature": 1.0, "seed": 3}
     with concurrent.futures.ThreadPoolExecutor(1) as threads:
         running = threads.submit(generate, url, body, 120.0, TOKENS[JOB_B])  # in flight as B is detached
-        write_attachments(jobs_file, "shared", [pool_attachment(JOB_A, TOKENS[JOB_A])])
+        write_attachments(jobs_file, Attachments(pool="shared", jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])]))
         wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
         assert running.result().status_code == 200
     wait_for(lambda: not b_ids & set(adapter_status(url)["engine_lora_ids"]), "B's adapters unloaded from vLLM")

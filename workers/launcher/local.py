@@ -39,13 +39,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-import yaml
-from pydantic import ValidationError
 
 from grpolora.api import contract
-from grpolora.api.load import InvalidJob, Problem, job_warnings, load_jobs, parse_job
+from grpolora.api.load import InvalidJob, job_warnings, load_documents
 from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolMismatch, PoolPlan, Role, plan, plan_pool
-from grpolora.api.pool import Attachments, attachment
+from grpolora.api.pool import Attachment, Attachments, Candidate, admit, attachment, job_key, write_attachments
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
@@ -389,18 +387,14 @@ class LocalRun:
         job.start(local_plan(job.job, job.run_dir, self.pool), show_progress=self.show_progress)
 
     def _write_attachments(self) -> None:
-        """The attachment list of the jobs running now, replaced atomically: a server never reads half a file."""
+        """The attachment list of the jobs running now."""
         assert self.pool is not None
         entries = [
             attachment(self.pool.namespace, j.name, j.uid, j.token, j.plan.spec)
             for j in self.jobs
             if j.state == "running" and j.plan is not None
         ]
-        text = Attachments(pool=self.pool.name, jobs=entries).to_json()
-        partial = self.jobs_file.with_name(f".{self.jobs_file.name}.partial")
-        partial.write_text(text)
-        partial.chmod(0o600)  # it holds each job's sync key
-        os.replace(partial, self.jobs_file)
+        write_attachments(self.jobs_file, Attachments(pool=self.pool.name, jobs=entries))
 
     def _worker_env(self, worker: Worker, env: dict[str, str], threads: str) -> dict[str, str]:
         env = env | self.role_env.get(worker.role, {})
@@ -554,14 +548,19 @@ class LocalRun:
             plot(records, job.run_dir / "plot.png")
 
     def _admit(self) -> None:
-        """On a pool: attach waiting jobs, in order, while fewer than maxJobs are attached; say where the others
-        wait."""
+        """On a pool: attach waiting jobs by the operator's rule (grpolora.api.pool.admit; here the order of the
+        command line is the order of creation), and say where the others wait."""
         if self.pool is None:
             return
-        waiting = [j for j in self.jobs if j.state == "waiting"]
-        attached = sum(j.state == "running" for j in self.jobs)
-        while waiting and attached < self.pool.spec.max_jobs:
-            job = waiting.pop(0)
+        keys = {job_key(self.pool.namespace, j.name): j for j in self.jobs}
+        candidates = [
+            Candidate(key=key, uid=j.uid, created=f"{j.position:06d}", active=not j.done, fits=True)
+            for key, j in keys.items()
+        ]
+        running = [Attachment.model_construct(job=key, uid=j.uid) for key, j in keys.items() if j.state == "running"]
+        admission = admit(self.pool.spec.max_jobs, candidates, running)
+        attached = len(running)
+        for job in (keys[key] for key in admission.attached if keys[key].state == "waiting"):
             self._plan_on_pool(job)
             self._write_attachments()  # before its trainer starts: the servers must know its token first
             attached += 1
@@ -570,7 +569,7 @@ class LocalRun:
                 f"{self.pool.spec.max_jobs} jobs); starting its trainer"
             )
             self._start_trainers(job)
-        for place, job in enumerate(waiting, start=1):
+        for place, job in enumerate((keys[key] for key in admission.waiting), start=1):
             if self._waiting_noted.get(job.name) != place:
                 self._waiting_noted[job.name] = place
                 self._note(
@@ -819,37 +818,15 @@ class RunFiles:
 
 
 def read_run_files(paths: Sequence[str]) -> RunFiles:
-    """Every document of every file, a RolloutPool or a GRPOLoraJob; InvalidJob listing the problems of a file. A
-    file of jobs only is read exactly as `grpolora validate` reads it."""
+    """Every document of every file, a RolloutPool or a GRPOLoraJob, read as `grpolora validate` reads them;
+    InvalidJob listing the problems of a file."""
     found = RunFiles()
     for path in paths:
-        try:
-            text = Path(path).read_text()
-            kinds = [d.get("kind") if isinstance(d, Mapping) else None for d in yaml.safe_load_all(text)]
-        except (OSError, yaml.YAMLError):
-            kinds = []  # load_jobs says what is wrong, as for any job file
-        if "RolloutPool" not in kinds:
-            found.jobs += [(path, job) for job in load_jobs(path)]
-            continue
-        nodes = [n for n in yaml.compose_all(text, Loader=yaml.SafeLoader) if n is not None]
-        problems: list[Problem] = []
-        for index, node in enumerate(nodes):
-            document = yaml.load(yaml.serialize(node), Loader=yaml.SafeLoader)
-            label = f"document {index + 1}: " if len(nodes) > 1 else ""
-            try:
-                if isinstance(document, Mapping) and document.get("kind") == "RolloutPool":
-                    found.pools.append((path, RolloutPool.model_validate(document)))
-                else:
-                    found.jobs.append((path, parse_job(document, source=path, node=node)))
-            except InvalidJob as exc:
-                problems += [Problem(p.path, label + p.message, p.line) for p in exc.problems]
-            except ValidationError as exc:
-                # A RolloutPool's own problems, each at its field path (`grpolora validate` says more about them).
-                for error in exc.errors():
-                    where = ".".join(str(part) for part in error["loc"])
-                    problems.append(Problem(where, label + error["msg"].removeprefix("Value error, ")))
-        if problems:
-            raise InvalidJob(problems, path)
+        for document in load_documents(path):
+            if isinstance(document, RolloutPool):
+                found.pools.append((path, document))
+            else:
+                found.jobs.append((path, document))
     return found
 
 
