@@ -7,7 +7,7 @@ Every field carries its documentation as an attribute docstring; the CRD's descr
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -970,15 +970,11 @@ def max_job_name_length() -> int:
     return min(statefulset, indexed_job)
 
 
-class GRPOLoraJob(BaseModel):
-    """A whole GRPOLoraJob document as applied with kubectl."""
+class _Named:
+    """`name` and `namespace` of a whole document (GRPOLoraJob, RolloutPool)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
-    apiVersion: Literal["grpolora.dev/v1alpha1"]
-    kind: Literal["GRPOLoraJob"]
-    metadata: ObjectMeta
-    spec: GRPOLoraJobSpec
-    status: dict[str, Any] | None = None
+    if TYPE_CHECKING:  # a field of each document (declared there, so that it keeps its place in the document)
+        metadata: ObjectMeta
 
     @property
     def name(self) -> str:
@@ -987,6 +983,17 @@ class GRPOLoraJob(BaseModel):
     @property
     def namespace(self) -> str:
         return self.metadata.namespace
+
+
+class GRPOLoraJob(_Named, BaseModel):
+    """A whole GRPOLoraJob document as applied with kubectl."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    apiVersion: Literal["grpolora.dev/v1alpha1"]
+    kind: Literal["GRPOLoraJob"]
+    metadata: ObjectMeta
+    spec: GRPOLoraJobSpec
+    status: dict[str, Any] | None = None
 
 
 # ---- RolloutPool: one vLLM fleet shared by several jobs ------------------------------------------------------
@@ -1044,7 +1051,7 @@ class RolloutPoolSpec(ServingSpec):
         return self.max_jobs * self.adapters_per_job
 
 
-class RolloutPool(BaseModel):
+class RolloutPool(_Named, BaseModel):
     """A whole RolloutPool document as applied with kubectl."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
@@ -1053,11 +1060,3 @@ class RolloutPool(BaseModel):
     metadata: ObjectMeta
     spec: RolloutPoolSpec
     status: dict[str, Any] | None = None
-
-    @property
-    def name(self) -> str:
-        return self.metadata.name
-
-    @property
-    def namespace(self) -> str:
-        return self.metadata.namespace
