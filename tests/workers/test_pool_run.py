@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from grpolora.api.status import TrainerStatus
@@ -125,7 +126,9 @@ def test_one_file_may_hold_the_pool_and_its_jobs(tmp_path):
 STEPS = 6
 POOL_NAME = "e2e-pool"  # names no other test's pool: the leftover check looks for its processes
 JOBS = {"upper": "capitalised", "lower": "lowercase"}  # job name -> its reward
-LATER, LATER_STEPS = "later", 2  # a third job: the pool's maxJobs is 2, so it waits until one of them ends
+# A third job: the pool's maxJobs is 2, so it waits until one of them ends. It also runs with grpo.maxStaleness 2
+# (the pool gives each job K + 1 LoRA slots): the bounded-staleness end-to-end run, on a shared replica.
+LATER, LATER_STEPS, K, LATER_PROMPTS = "later", 4, 2, 2
 REWARDS = """
 import re
 
@@ -180,9 +183,13 @@ def pool_run(tmp_path_factory) -> PoolRun:
     (tmp / "case_rewards.py").write_text(REWARDS)  # a reward plugin next to the jobs, as a user keeps one
     pool = copy.deepcopy(POOL)
     pool["metadata"]["name"] = POOL_NAME
+    pool["spec"]["adaptersPerJob"] = K + 1
     files = [write(tmp, "pool.yaml", pool)]
     files += [write(tmp, f"job-{name}.yaml", e2e_job(name, reward)) for name, reward in JOBS.items()]
-    files.append(write(tmp, f"job-{LATER}.yaml", e2e_job(LATER, "capitalised", LATER_STEPS)))
+    later = e2e_job(LATER, "capitalised", LATER_STEPS)
+    later["spec"]["grpo"] |= {"maxStaleness": K, "promptsPerStep": LATER_PROMPTS}
+    later["spec"]["checkpoint"] = {"everySteps": 2}
+    files.append(write(tmp, f"job-{LATER}.yaml", later))
     run_dir = tmp / "run"
     result = subprocess.run(
         [sys.executable, "-P", "-m", "grpolora.cli", "run", *files, "--run-dir", str(run_dir)],
@@ -262,3 +269,34 @@ def test_a_job_beyond_max_jobs_waits_and_attaches_when_one_ends(pool_run):
 @pytest.mark.vllm
 def test_the_run_leaves_no_worker_behind(pool_run):
     assert not pool_run.left_running, f"left running: {pool_run.left_running}"
+
+
+@pytest.mark.vllm
+def test_a_job_with_staleness_2_trains_only_groups_within_2_versions(pool_run):
+    """The replica generates ahead of the trainer into the rollout buffer: every trained group is at most K adapter
+    versions behind the trainer, the off-policy steps carry behaviour importance weights, and a checkpoint does not
+    count buffered groups as consumed."""
+    steps = pool_run.records[LATER]
+    assert [r["step"] for r in steps] == list(range(1, LATER_STEPS + 1))
+    for r in steps:
+        lag = r["trainer_version"] - r["rollout_version"]
+        assert 0 <= lag == r["staleness_max"] <= K, r
+        # On-policy exactly when the rollouts came from the trainer's current weights (synced every step).
+        assert r["on_policy"] == (lag == 0), r
+        if r["on_policy"]:
+            assert r["importance_weight_mean"] == 0.0 and r["mismatch_max_abs"] <= 1e-3
+        else:  # every token weighted by pi_trainer / pi_vllm, a positive number, truncated at the cap (2.0)
+            assert r["importance_weight_mean"] > 0 and r["importance_weight_max"] >= r["importance_weight_mean"]
+            assert 0.0 <= r["truncated_fraction"] <= 1.0
+    # The replica ran ahead: the first step's rollouts came from version 0, before the trainer synced.
+    assert steps[0]["on_policy"] and any(r["staleness_max"] >= 1 for r in steps)
+    assert [r["trainer_version"] for r in steps] == list(range(LATER_STEPS))
+    # The producer is bounded, so nothing went stale enough to drop, and the status says the same.
+    assert sum(r["dropped_stale"] for r in steps) == steps[-1]["dropped_stale_total"] == 0
+    status = TrainerStatus.model_validate_json((pool_run.run_dir / LATER / "status.json").read_text())
+    assert status.dropped_stale == 0 and status.staleness <= K
+    # Step 2's checkpoint was written while later groups were buffered or in flight: only the trained prompts count.
+    state = torch.load(
+        pool_run.run_dir / LATER / "checkpoints" / "step-00000002" / "trainer_state.pt", weights_only=False
+    )
+    assert state["progress"]["prompts_consumed"] == 2 * LATER_PROMPTS
