@@ -314,6 +314,7 @@ class LocalRun:
         self._live: list[_Live] = []
         self._started_ray = False
         self._waiting_noted: dict[str, int] = {}  # job -> its place in line when last shown
+        self._attachments: list[Attachment] = []  # the attachment list as last written (the running jobs)
         self.restarts: dict[int, int] = {}  # inference replica index -> times restarted
 
     @property
@@ -395,6 +396,7 @@ class LocalRun:
             if j.state == "running" and j.plan is not None
         ]
         write_attachments(self.jobs_file, Attachments(pool=self.pool.name, jobs=entries))
+        self._attachments = entries
 
     def _worker_env(self, worker: Worker, env: dict[str, str], threads: str) -> dict[str, str]:
         env = env | self.role_env.get(worker.role, {})
@@ -557,9 +559,8 @@ class LocalRun:
             Candidate(key=key, uid=j.uid, created=f"{j.position:06d}", active=not j.done, fits=True)
             for key, j in keys.items()
         ]
-        running = [Attachment.model_construct(job=key, uid=j.uid) for key, j in keys.items() if j.state == "running"]
-        admission = admit(self.pool.spec.max_jobs, candidates, running)
-        attached = len(running)
+        admission = admit(self.pool.spec.max_jobs, candidates, self._attachments)
+        attached = len(self._attachments)
         for job in (keys[key] for key in admission.attached if keys[key].state == "waiting"):
             self._plan_on_pool(job)
             self._write_attachments()  # before its trainer starts: the servers must know its token first
