@@ -408,7 +408,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
                 with_restart_attempt(placed[kind], restarts) if kind == "Job" else placed[kind] for kind in wanted_kinds
             ]
 
-    overdue = _startup_overdue(spec, old, phase, tj, sts, observed, now)
+    serving = _serving_replicas(spec, sts, place)
+    overdue = _startup_overdue(spec, old, phase, tj, serving, observed, now)
     if overdue is not None and spec.scheduling.on_startup_deadline == "Fail":
         phase, completion, failed_reason, final_message = "Failed", stamp, names.R_STARTUP_DEADLINE, overdue
         creates = []
@@ -779,21 +780,32 @@ def _rendezvous(job_plan: JobPlan, epoch: int) -> RendezvousStatus:
     )
 
 
+def _serving_replicas(
+    spec: GRPOLoraJobSpec, sts: K8sObject | None, place: pools.PoolPlace | None
+) -> RoleReplicas | None:
+    """The inference replicas serving the job: its own StatefulSet's, or on a pool the pool's servers (while it is
+    attached); None while it has none."""
+    if place is not None:
+        return RoleReplicas(desired=place.desired, ready=place.ready) if place.attached else None
+    return None if sts is None else RoleReplicas(desired=spec.inference.replicas, ready=obs.statefulset_ready(sts))
+
+
 def _startup_overdue(
     spec: GRPOLoraJobSpec,
     old: JobStatus,
     phase: str,
     tj: K8sObject | None,
-    sts: K8sObject | None,
+    serving: RoleReplicas | None,
     observed: Observed,
     now: datetime.datetime,
 ) -> str | None:
     """Why the pods are overdue, when spec.scheduling.startupDeadlineSeconds has passed since PodsReady turned
-    False (the children's creation, or the loss of a pod) and they are still not all ready; else None."""
+    False (the children's creation, or the loss of a pod) and they are still not all ready; else None. On a pool
+    the job's own pods are only the trainer's; the pool's servers count as its inference replicas, as in PodsReady."""
     deadline = spec.scheduling.startup_deadline_seconds
-    if deadline is None or phase not in ("Pending", "Running") or tj is None or sts is None:
+    if deadline is None or phase not in ("Pending", "Running") or tj is None or serving is None:
         return None
-    if obs.job_ready(tj) >= spec.trainer.replicas and obs.statefulset_ready(sts) >= spec.inference.replicas:
+    if obs.job_ready(tj) >= spec.trainer.replicas and serving.ready >= serving.desired:
         return None
     since = cond.find(old.conditions, names.PODS_READY)
     if since is None or since.status != "False" or not since.last_transition_time:
@@ -802,8 +814,7 @@ def _startup_overdue(
         return None
     why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
     ready = (
-        f"trainer {obs.job_ready(tj)}/{spec.trainer.replicas} ready, "
-        f"inference {obs.statefulset_ready(sts)}/{spec.inference.replicas} ready"
+        f"trainer {obs.job_ready(tj)}/{spec.trainer.replicas} ready, inference {serving.ready}/{serving.desired} ready"
     )
     detail = f"{why.reason}: {why.message}" if why is not None else "no reason reported"
     return f"pods not all ready {deadline}s (spec.scheduling.startupDeadlineSeconds) after they were created: {ready}; {detail}"  # noqa: E501

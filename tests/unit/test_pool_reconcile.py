@@ -85,3 +85,20 @@ def test_without_its_pool_a_job_waits_unless_it_ran_on_it():
     # Finished: it stays so, and nothing more is deleted.
     after = decide(view(), gone.status, Observed(pool=missing.pool), NOW)
     assert after.status == gone.status and after.delete == () and after.idle
+
+
+def test_a_pool_job_whose_trainer_never_starts_fails_at_its_startup_deadline():
+    """spec.scheduling.startupDeadlineSeconds holds for a job on a pool too (its only pods are the trainer's): with
+    onStartupDeadline Fail it fails, naming the scheduler's reason, and gives its pool slot back."""
+    from tests.unit.test_startup_deadline import UNSCHEDULABLE, later
+
+    on_pool = view(scheduling={"startupDeadlineSeconds": 600, "onStartupDeadline": "Fail"})
+    first = decide(on_pool, JobStatus(), Observed(pool=shared("rl/demo")), NOW)
+    stuck = Observed(trainer_job=trainer_job(active=1), pods=(UNSCHEDULABLE,), pool=shared("rl/demo"))
+    assert decide(on_pool, first.status, stuck, later(599)).status.phase == "Pending"
+    decision = decide(on_pool, first.status, stuck, later(601))
+    assert decision.status.phase == "Failed"
+    failed = next(c for c in decision.status.conditions if c.type == names.FAILED)
+    assert failed.reason == names.R_STARTUP_DEADLINE
+    assert "trainer 0/1 ready" in failed.message and "4 Insufficient nvidia.com/gpu" in failed.message
+    assert ChildRef("Job", "demo-trainer") in decision.delete
