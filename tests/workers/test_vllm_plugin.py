@@ -21,7 +21,7 @@ def original():
 def cases():
     g = torch.Generator().manual_seed(0)
     slots, rank, width, out = 3, 8, 32, 48
-    for indices in ([0] * 5, [1, 0, 1, 2, 2, 0], [-1, 0, -1, 1], [2]):
+    for indices in ([0] * 5, [1, 0, 1, 2, 2, 0], [-1, 0, -1, 1], [2], [-1, -1]):
         tokens = len(indices)
         yield {
             "x_in": torch.randn(tokens, width, generator=g),
@@ -33,24 +33,32 @@ def cases():
         }
 
 
+def with_empty_last_slot(case: dict) -> dict:
+    """`case` with an all-zero adapter slot appended: vLLM's CPU ops index -1 as Python does (the last slot), so
+    this makes their -1 mean "no LoRA", as vLLM's GPU kernels and the grouped ops read it."""
+    return {**case, **{k: torch.cat([case[k], torch.zeros_like(case[k][:1])]) for k in ("a", "b")}}
+
+
 @pytest.mark.parametrize("case", list(cases()), ids=lambda c: str(c["indices"].tolist()))
 def test_grouped_ops_match_vllms(original, case):
+    """-1 ("no LoRA") rows get no LoRA term: vLLM's CPU ops gave them the last slot's adapter."""
     tokens = case["indices"].numel()
     rank = case["a"].shape[2]
+    empty = with_empty_last_slot(case)
     for dtype in (torch.float32, torch.bfloat16):
         ours, theirs = torch.zeros(tokens, rank, dtype=dtype), torch.zeros(tokens, rank, dtype=dtype)
         vllm_plugin.bgmv_shrink(case["x_in"], case["a"], ours, case["indices"], 0.5)
-        original.bgmv_shrink(case["x_in"], case["a"], theirs, case["indices"], 0.5)
+        original.bgmv_shrink(case["x_in"], empty["a"], theirs, case["indices"], 0.5)
         torch.testing.assert_close(ours, theirs)
         for add in (False, True):
             base = torch.randn(tokens, case["out_dim"] + 4).to(dtype)
             ours, theirs = base.clone(), base.clone()
             vllm_plugin.bgmv_expand(case["x_rank"], case["b"], ours, case["indices"], add)
-            original.bgmv_expand(case["x_rank"], case["b"], theirs, case["indices"], add)
+            original.bgmv_expand(case["x_rank"], empty["b"], theirs, case["indices"], add)
             torch.testing.assert_close(ours, theirs)
             ours, theirs = base.clone(), base.clone()
             vllm_plugin.bgmv_expand_slice(case["x_rank"], case["b"], ours, case["indices"], 2, case["out_dim"], add)
-            original.bgmv_expand_slice(case["x_rank"], case["b"], theirs, case["indices"], 2, case["out_dim"], add)
+            original.bgmv_expand_slice(case["x_rank"], empty["b"], theirs, case["indices"], 2, case["out_dim"], add)
             torch.testing.assert_close(ours, theirs)
 
 
@@ -67,3 +75,43 @@ def test_register_patches_only_the_tested_vllm_on_cpu(monkeypatch, original):
     vllm_plugin.register()
     assert punica_cpu.bgmv_shrink is vllm_plugin.bgmv_shrink
     assert lora_ops.bgmv_expand is vllm_plugin.bgmv_expand
+
+
+class _Wrapper:
+    """What add_lora_logits reads of vLLM's PunicaWrapperCPU: the adapter index of each request in the batch."""
+
+    def __init__(self, indices: list[int]):
+        self.sampler_indices = torch.tensor(indices)
+
+
+def test_prompt_logprob_rows_need_no_lora_term_without_an_lm_head_lora(original):
+    """vLLM 0.32 runs the LoRA logits processor on one request's prompt rows (prompt logprobs) with the batch's
+    per-request adapter indices: 7 rows against 3 requests on two adapters killed the engine. Without an lm_head
+    LoRA in any slot (all zero, as with every all-linear adapter) nothing is added, which is exact; with one it is
+    refused, naming the cause."""
+    from vllm.lora.punica_wrapper import punica_cpu
+
+    punica_cpu = importlib.reload(punica_cpu)  # vLLM's own functions again
+    g = torch.Generator().manual_seed(0)
+    slots, rank, width, vocab = 3, 8, 32, 64
+    a = torch.randn(slots, 1, rank, width, generator=g)
+    zero_b = torch.zeros(slots, 1, vocab, rank)
+    x = torch.randn(7, width, generator=g)
+    logits = torch.randn(7, vocab, generator=g)
+    mixed = _Wrapper([0, -1, 1])
+    with pytest.raises(RuntimeError):  # what vLLM does with these rows, even with no lm_head LoRA at all
+        punica_cpu.PunicaWrapperCPU.add_lora_logits(mixed, logits.clone(), x, a, zero_b, 1.0)
+    vllm_plugin.register()
+    out = logits.clone()
+    vllm_plugin.add_lora_logits(mixed, out, x, a, zero_b, 1.0)
+    assert torch.equal(out, logits)
+    with pytest.raises(RuntimeError, match="lm_head LoRA"):
+        vllm_plugin.add_lora_logits(mixed, logits.clone(), x, a, torch.randn(slots, 1, vocab, rank, generator=g), 1.0)
+    # One row per request (sampling): vLLM's own computation, with the grouped ops.
+    b = torch.randn(slots, 1, vocab, rank, generator=g)
+    ours, theirs = logits[:3].clone(), logits[:3].clone()
+    vllm_plugin.add_lora_logits(mixed, ours, x[:3], a, b, 1.0)
+    for index, row in ((0, 0), (1, 2)):  # row 1 is on the base model (-1): no LoRA term
+        theirs[row] += (x[row] @ a[index, 0].T) @ b[index, 0].T
+    torch.testing.assert_close(ours, theirs)
+    assert punica_cpu.PunicaWrapperCPU.add_lora_logits is vllm_plugin.add_lora_logits

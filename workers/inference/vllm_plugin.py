@@ -6,7 +6,8 @@ vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`) gather a full copy of the adapte
 version, and never more than a few, so grouping tokens by adapter and doing one matmul per group computes the same
 products without the per-token copies: generation with an adapter on a CPU replica was about 3x faster in one run
 on 2 cores (bench/lora_plugin_bench.py, plugin on vs off; BENCHMARKS.md). Nothing changes on GPUs, which use vLLM's
-Triton kernels.
+Triton kernels. It also lets a request's prompt logprobs (the server's reference scoring) share a batch with
+requests on other adapters, which vLLM 0.32's CPU LoRA path does not (`add_lora_logits` below).
 
 This replaces private functions, so it is guarded: it applies only to the vLLM versions it was written and tested
 against (tests/workers/test_vllm_plugin.py compares it with the originals), and only on CPU platforms.
@@ -24,17 +25,23 @@ TESTED_VLLM = ("0.32.",)
 
 
 def _grouped_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype):
-    """out[t] = weights[indices[t]] @ inputs[t], one matmul per distinct index (negative indices as in Python)."""
+    """out[t] = weights[indices[t]] @ inputs[t], one matmul per distinct index; 0 where indices[t] is -1.
+
+    -1 means "no LoRA" (a request on the base model), as vLLM's GPU kernels read it. vLLM 0.32's CPU ops index
+    with it as Python does, i.e. the *last* adapter slot: a base-model request (adapter version 0, the server's
+    reference scoring, another job's step 1 on a pool) sharing a batch with adapter requests got the adapter of the
+    last slot whenever one was loaded there."""
     if weights.ndim == 4:
         weights = weights.squeeze(dim=1)
     inputs = inputs.to(dtype=dtype)
     groups = torch.unique(indices)
-    if groups.numel() == 1:
+    if groups.numel() == 1 and int(groups[0]) >= 0:
         return inputs @ weights[int(groups[0])].to(dtype=dtype).T
-    out = inputs.new_empty((inputs.shape[0], weights.shape[1]))
+    out = inputs.new_zeros((inputs.shape[0], weights.shape[1]))
     for index in groups.tolist():
-        rows = indices == index
-        out[rows] = inputs[rows] @ weights[index].to(dtype=dtype).T
+        if index >= 0:
+            rows = indices == index
+            out[rows] = inputs[rows] @ weights[index].to(dtype=dtype).T
     return out
 
 
@@ -71,6 +78,27 @@ def bgmv_expand_slice(
         output_tensor[:, slice_offset : slice_offset + slice_size] = outputs
 
 
+_vllm_add_lora_logits = None  # PunicaWrapperCPU.add_lora_logits as vLLM ships it, once register() replaced it
+
+
+def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer=None, **kwargs):
+    """PunicaWrapperCPU.add_lora_logits that also takes vLLM's prompt-logprobs call. vLLM 0.32 computes a request's
+    prompt logprobs by running the logits processor on that request's prompt rows alone, while the CPU wrapper maps
+    rows to adapters with one index per request of the batch (`sampler_indices`): once the batch mixes adapters the
+    shapes disagree and the engine dies (vllm#29955; vllm#51594 is the GPU side, where the mapping is silently
+    misaligned instead). The rows need no LoRA term when no adapter slot holds an lm_head LoRA (the logits layer's
+    stacked B is all zero): then nothing is added, which is exact. That is the case the inference server's reference
+    scoring relies on (GRPOSpec refuses referenceFrom `inference` with an lm_head target); any other is refused."""
+    if x.view(-1, x.shape[-1]).shape[0] == self.sampler_indices.numel():
+        return _vllm_add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, buffer=buffer, **kwargs)
+    if torch.count_nonzero(lora_b_stacked) == 0:
+        return None
+    raise RuntimeError(
+        "prompt logprobs with an lm_head LoRA loaded: vLLM 0.32's CPU LoRA path maps them to the wrong adapter rows "
+        "(vllm#29955); leave lm_head out of lora.targetModules"
+    )
+
+
 def register() -> None:
     """The entry point vLLM calls in every process it starts (idempotent)."""
     import os
@@ -99,3 +127,7 @@ def register() -> None:
         module.bgmv_shrink = bgmv_shrink
         module.bgmv_expand = bgmv_expand
         module.bgmv_expand_slice = bgmv_expand_slice
+    global _vllm_add_lora_logits
+    if punica_cpu.PunicaWrapperCPU.add_lora_logits is not add_lora_logits:
+        _vllm_add_lora_logits = punica_cpu.PunicaWrapperCPU.add_lora_logits
+        punica_cpu.PunicaWrapperCPU.add_lora_logits = add_lora_logits
