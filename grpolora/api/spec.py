@@ -201,6 +201,22 @@ def _staleness_alias_rule() -> dict[str, str]:
     )
 
 
+_REFERENCE_SAMPLING = (
+    "grpo.referenceFrom `inference` needs grpo.temperature 1 and grpo.topP 1 (vLLM scores the reference under the "
+    "untempered distribution): set both to 1, or referenceFrom `trainer`"
+)
+
+
+def _reference_from_rule() -> dict[str, str]:
+    return cel_rule(
+        "!has(self.referenceFrom) || self.referenceFrom == 'trainer' || "
+        "((!has(self.temperature) || double(self.temperature) == 1.0) && "
+        "(!has(self.topP) || double(self.topP) == 1.0))",
+        _REFERENCE_SAMPLING,
+        ".referenceFrom",
+    )
+
+
 def min_lora_slots(staleness: int) -> int:
     """LoRA slots an inference engine needs for staleness k: requests on versions live - k ... live may run at once
     (k + 1), and never fewer than 2 (version N - 1 finishes its requests while N serves new ones)."""
@@ -251,14 +267,28 @@ class GRPOSpec(SpecModel):
     """AdamW weight decay."""
     micro_batch_size: int = Field(default=8, gt=0)
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
+    reference_from: Literal["trainer", "inference"] = "trainer"
+    """Where the KL term's reference logprobs (the base model, adapter off) come from: `trainer`, a forward pass
+    per micro-batch on the trainer; or `inference`, the replicas score each sample's prompt + completion with the
+    adapter off right after generating it, and the trainer skips its reference pass. `inference` pays where the
+    replicas have idle time on hardware of their own (maxStaleness >= 1 on separate node pools, BENCHMARKS.md). It
+    needs temperature 1 and topP 1: vLLM scores prompts under the untempered distribution. No effect at klCoef 0."""
 
-    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_staleness_alias_rule()]})
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_staleness_alias_rule(), _reference_from_rule()]})
 
     @model_validator(mode="after")
     def _staleness_alias(self) -> GRPOSpec:
         if self.pipelined and self.max_staleness not in (None, 1):
             raise FieldErrors([("pipelined", _STALENESS_CLASH.format(k=self.max_staleness))])
+        if self.reference_from == "inference" and (self.temperature != 1.0 or self.top_p != 1.0):
+            got = f"; got temperature {self.temperature} and topP {self.top_p}"
+            raise FieldErrors([("referenceFrom", _REFERENCE_SAMPLING + got)])
         return self
+
+    @property
+    def reference_on_replicas(self) -> bool:
+        """The replicas compute the reference logprobs (and there is a KL term that needs them)."""
+        return self.reference_from == "inference" and self.kl_coef > 0
 
     @property
     def staleness(self) -> int:
@@ -896,6 +926,15 @@ class GRPOLoraJobSpec(SpecModel):
             if port in seen:
                 errors.append((path, f"port {port} is already used by {seen[port]}; trainer ports must differ"))
             seen[port] = path
+        targets = self.lora.target_modules
+        if self.grpo.reference_from == "inference" and isinstance(targets, list) and "lm_head" in targets:
+            errors.append(
+                (
+                    "grpo.referenceFrom",
+                    "`inference` cannot be used with an lm_head LoRA (lora.targetModules lists lm_head): vLLM applies "
+                    "it to the wrong rows of prompt logprobs (vllm#29955, #51594); leave lm_head out or use `trainer`",
+                )
+            )
         slots = min_lora_slots(self.grpo.staleness)
         if inf.max_loras < slots and not on_pool:
             errors.append(

@@ -62,6 +62,15 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
         job_doc(grpo={"pipelined": True, "maxStaleness": 2}, inference={"maxLoras": 3}),
         False,
     ),
+    ("reference on the replicas", job_doc(grpo={"referenceFrom": "inference"}), True),
+    ("reference on the replicas, temperature 1", job_doc(grpo={"referenceFrom": "inference", "temperature": 1}), True),
+    (
+        "reference on the replicas, temperature 0.7",
+        job_doc(grpo={"referenceFrom": "inference", "temperature": 0.7}),
+        False,
+    ),
+    ("reference on the replicas, topP 0.9", job_doc(grpo={"referenceFrom": "inference", "topP": 0.9}), False),
+    ("reference on the trainer, temperature 0.7", job_doc(grpo={"referenceFrom": "trainer", "temperature": 0.7}), True),
     # A job on a pool: its serving fields are the pool's (fit is checked when it attaches, not at apply).
     ("on a pool", job_doc(inference={"poolRef": {"name": "shared"}}), True),
     ("on a pool, staleness 3", job_doc(inference={"poolRef": {"name": "shared"}}, grpo={"maxStaleness": 3}), True),

@@ -204,6 +204,9 @@ class Estimator:
             (selected,) = args.children
             dot = next(t for t in selected.iter_subtrees_topdown() if t.data == "member_dot")  # the outermost
             return Est(1 + self.run(dot.children[0]).cost, 1)
+        if name in ("double", "int"):  # a numeric conversion: a constant-cost call (1) on its argument's cost
+            (value,) = (self.run(arg) for arg in args.children)
+            return Est(1 + value.cost, 1)
         raise NotImplementedError(f"function {name}() not modelled")
 
     def _member_dot_arg(self, node: Tree) -> Est:

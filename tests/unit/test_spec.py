@@ -108,6 +108,18 @@ INVALID = [
         "set inference.maxLoras to at least 5",
     ),
     (job_doc(grpo={"importanceWeightCap": 1.0}), "spec.grpo.importanceWeightCap", "greater than 1"),
+    (
+        job_doc(grpo={"referenceFrom": "inference", "temperature": 0.7}),
+        "spec.grpo.referenceFrom",
+        "needs grpo.temperature 1 and grpo.topP 1 (vLLM scores the reference under the untempered distribution): "
+        "set both to 1, or referenceFrom `trainer`; got temperature 0.7 and topP 1.0",
+    ),
+    (job_doc(grpo={"referenceFrom": "replicas"}), "spec.grpo.referenceFrom", "'trainer' or 'inference'"),
+    (
+        job_doc(grpo={"referenceFrom": "inference"}, lora={"targetModules": ["q_proj", "lm_head"]}),
+        "spec.grpo.referenceFrom",
+        "cannot be used with an lm_head LoRA",
+    ),
     (job_doc(sync={"backend": "nccl"}, trainer=CPU, inference=CPU), "spec.sync.backend", "needs GPUs"),
     (job_doc(sync={"backend": "nccl"}, inference=CPU), "spec.sync.backend", "needs GPUs"),
     (job_doc(sync={"backend": "mpi"}), "spec.sync.backend", "'gloo'"),

@@ -6,6 +6,7 @@ what it saw to files; the tests read them (the `two_ranks` fixture in conftest.p
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 from datetime import timedelta
@@ -60,6 +61,14 @@ def synthetic_batch(size: int = 6) -> Batch:
     return build_batch(sequences, advantages, pad_id=0)
 
 
+def with_reference(policy: Policy, batch: Batch) -> Batch:
+    """`batch` carrying its reference logprobs, as the replicas give them with grpo.referenceFrom: inference (here
+    from the policy's own reference pass, so a step on it must equal a step that computes them)."""
+    with torch.no_grad(), policy.reference():
+        reference = policy.logprobs(batch) * batch.completion_mask
+    return dataclasses.replace(batch, reference_logprobs=reference)
+
+
 def lora_state(policy: Policy) -> dict[str, torch.Tensor]:
     from grpolora.workers.adapter import lora_tensors
 
@@ -87,8 +96,8 @@ def renamed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def sharded_rank(rank: int, world_size: int, port: int, out: str) -> None:
-    """One rank: a training step on its share of the batch, a sharded checkpoint restored into a fresh policy,
-    then the same checkpoint with one tensor renamed, which must be refused."""
+    """One rank: a training step on its share of the batch (reference logprobs given), a sharded checkpoint
+    restored into a fresh policy, then the same checkpoint with one tensor renamed, which must be refused."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -97,9 +106,10 @@ def sharded_rank(rank: int, world_size: int, port: int, out: str) -> None:
     try:
         policy = new_policy(shard=True)
         optimizer = sgd(policy)
-        stats = train_step(
-            policy, optimizer, synthetic_batch(SEQUENCES), SPEC.grpo, on_policy=True, rank=rank, world_size=world_size
-        )
+        # The reference logprobs come with the batch (grpo.referenceFrom: inference): rank 1's stand-in micro-batch
+        # must then skip the reference pass as rank 0's real one does, or their FSDP all-gathers no longer pair up.
+        batch = with_reference(policy, synthetic_batch(SEQUENCES))
+        stats = train_step(policy, optimizer, batch, SPEC.grpo, on_policy=True, rank=rank, world_size=world_size)
         state = lora_state(policy)  # a collective: every rank gathers
         folder = checkpoint.save(Path(out) / "ckpt", policy.model, optimizer, checkpoint.Progress(step=1, version=1), 1)
         dist.barrier()

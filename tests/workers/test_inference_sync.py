@@ -232,6 +232,51 @@ def test_trainer_logprobs_match_vllms_at_temperature_and_top_p(job, servers, sen
     assert bias.min().item() > -1e-3 and bias.max().item() > 0.05
 
 
+def test_replicas_score_the_reference_the_trainer_would_compute(job, servers, sender, model_dir):
+    """grpo.referenceFrom: inference: with each rollout the replica returns the sampled tokens' logprobs under the
+    base model (adapter off), which must be what the trainer's own reference pass gives, within the parity bound.
+
+    A long generation on the adapter runs on the same replica meanwhile, so the scoring shares vLLM batches with
+    requests on another adapter: vLLM 0.32's CPU LoRA path killed the engine there (the grpolora vLLM plugin's
+    add_lora_logits)."""
+    trainer = Policy(model_dir, job.job.spec, device=torch.device("cpu"))
+    randomize_adapter(trainer.model, seed=6)
+    report = sender.send(lora_tensors(trainer.model), lora_config(trainer.model))
+    for server in servers:
+        wait_live(server.url, report.version)
+    client = RolloutClient(job.inference_endpoints, TOKEN, timeout_seconds=120)
+    prompts = [tokens(model_dir), tokens(model_dir)[1:]]
+    sampling = Sampling(n=4, temperature=1.0, top_p=1.0, max_tokens=24, reference=True)
+    long = {"prompt_token_ids": [prompts[0]], "n": 4, "max_tokens": 200, "seed": 5, "adapter_version": report.version}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            busy = pool.submit(generate, servers[0].url, long)
+            groups = client.generate(prompts, sampling, version=report.version, replicas=[0], seeds=[21, 22])
+            assert busy.result().status_code == 200
+    finally:
+        client.close()
+    completions = [(p, c) for p, group in zip(prompts, groups, strict=True) for c in group]
+    assert all(len(c.reference_logprobs) == len(c.token_ids) for _, c in completions)
+    batch = build_batch(
+        [(p, c.token_ids, c.logprobs) for p, c in completions],
+        [0.0] * len(completions),
+        trainer.tokenizer.pad_token_id,
+        [c.reference_logprobs for _, c in completions],
+    )
+    keep = batch.completion_mask.bool()
+    with torch.no_grad(), trainer.reference():
+        ours = trainer.logprobs(batch)[keep]
+    delta = (ours - batch.reference_logprobs[keep]).abs().max().item()
+    log.warning("reference parity: %d tokens, max |dlogprob| = %.2e", int(keep.sum()), delta)
+    assert delta <= 1e-3
+    # The samples came from the adapter, the reference from the base model: they really differ.
+    assert (batch.behaviour_logprobs[keep] - batch.reference_logprobs[keep]).abs().max().item() > 0.05
+    # A sequence that would leave vLLM no room for the one token it must generate to score is refused up front.
+    body = {"prompt_token_ids": [[1] * 200], "max_tokens": 56, "reference_logprobs": True}
+    response = generate(servers[0].url, body)
+    assert response.status_code == 400 and "must stay below the model length 256" in response.text
+
+
 def test_seeded_rollouts_repeat_token_for_token(job, servers, sender, model_dir):
     """The trainer's per-prompt seeds (from grpo.seed and the prompt's place in the stream) make a rollout
     repeatable: the same request twice gives the same tokens; the same prompt at another place gets others."""

@@ -8,7 +8,16 @@ import torch
 
 from grpolora.workers.trainer import checkpoint
 from grpolora.workers.trainer.step import make_optimizer, train_step
-from tests.workers.ranks import RESULT_FILE, SEQUENCES, SPEC, lora_state, new_policy, sgd, synthetic_batch
+from tests.workers.ranks import (
+    RESULT_FILE,
+    SEQUENCES,
+    SPEC,
+    lora_state,
+    new_policy,
+    sgd,
+    synthetic_batch,
+    with_reference,
+)
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +29,34 @@ def one_rank():
     return before, lora_state(policy), stats
 
 
+def test_reference_logprobs_in_the_batch_replace_the_reference_pass(monkeypatch):
+    """grpo.referenceFrom: inference: the replicas' reference logprobs travel in the batch and the trainer runs no
+    reference pass of its own; with the same values the step is the same step. A first step moves the adapter off
+    zero on both policies, so the second one has a KL term that matters."""
+    batch = synthetic_batch(SEQUENCES)
+    policies = [new_policy(), new_policy()]
+    optimizers = [sgd(p) for p in policies]
+    for policy, optimizer in zip(policies, optimizers, strict=True):
+        train_step(policy, optimizer, batch, SPEC.grpo, on_policy=True)
+    before = lora_state(policies[0])
+    computed = train_step(policies[0], optimizers[0], batch, SPEC.grpo, on_policy=True)
+    given_batch = with_reference(policies[1], batch)
+    passes = []
+    real = policies[1].reference
+    monkeypatch.setattr(policies[1], "reference", lambda: passes.append(1) or real())
+    given = train_step(policies[1], optimizers[1], given_batch, SPEC.grpo, on_policy=True)
+    assert passes == []
+    assert computed.kl > 1e-4
+    assert given.kl == pytest.approx(computed.kl, rel=1e-5)
+    assert given.loss == pytest.approx(computed.loss, rel=1e-5)
+    after_computed, after_given = lora_state(policies[0]), lora_state(policies[1])
+    moved = max((after_computed[k] - before[k]).abs().max().item() for k in before)
+    assert max((after_given[k] - after_computed[k]).abs().max().item() for k in before) < 1e-5 * moved
+
+
 def test_two_fsdp_ranks_give_the_same_update_as_one(one_rank, two_ranks):
+    """The two ranks get the reference logprobs with the batch (rank 1 then runs a stand-in micro-batch that must
+    skip the reference pass too); one rank computes them itself."""
     before, after_one, stats_one = one_rank
     result = torch.load(two_ranks / RESULT_FILE, weights_only=False)
     after_two, stats_two = result["state"], result["stats"]

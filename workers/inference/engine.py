@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -61,6 +62,7 @@ class Sample:
     logprobs: list[float]  # of each sampled token under the sampling distribution (temperature applied)
     text: str
     finish_reason: str | None
+    reference_logprobs: list[float] | None = None  # the same tokens under the base model, untempered: the KL reference
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class SamplingRequest:
     max_tokens: int
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
+    reference_logprobs: bool = False  # also score each sample under the base model (VllmEngine.reference_logprobs)
 
 
 class VersionUnavailable(RuntimeError):
@@ -102,6 +105,12 @@ class EngineLimits:
                 raise InvalidRequest(
                     f"prompt {index} has {len(prompt)} tokens; with at least one generated token it does not fit in "
                     f"the model length {self.max_model_len}"
+                )
+            if request.reference_logprobs and len(prompt) + request.max_tokens >= self.max_model_len:
+                raise InvalidRequest(
+                    f"prompt {index} has {len(prompt)} tokens: with max_tokens {request.max_tokens} and "
+                    f"reference_logprobs, prompt + completion must stay below the model length {self.max_model_len} "
+                    "(vLLM scores a sequence only when one more token fits)"
                 )
             self._in_vocabulary(prompt, f"prompt {index}")
         self._in_vocabulary(request.stop_token_ids, "stop_token_ids")
@@ -287,6 +296,38 @@ class VllmEngine:
             samples.append(Sample(token_ids, logprobs, completion.text, completion.finish_reason))
         return samples
 
+    async def reference_logprobs(self, prompt_token_ids: list[int], samples: list[Sample]) -> list[Sample]:
+        """`samples` with the logprobs of their tokens under the base model (adapter off), the KL term's reference:
+        each prompt + completion is prefilled once without a LoRA and vLLM's prompt logprobs read at the completion
+        positions. Prompt logprobs skip vLLM's sampling processors, so they are the untempered distribution's
+        (GRPOSpec allows `referenceFrom: inference` only at temperature 1 and topP 1, where the two agree)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        # One output token is the least vLLM generates; greedy, so no seed is drawn for it.
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+
+        async def score(sample: Sample) -> Sample:
+            if not sample.token_ids:
+                return dataclasses.replace(sample, reference_logprobs=[])
+            sequence = prompt_token_ids + sample.token_ids
+            final = None
+            async for output in self._engine.generate(
+                TokensPrompt(prompt_token_ids=sequence), params, uuid.uuid4().hex, lora_request=None
+            ):
+                final = output
+            assert final is not None and final.prompt_logprobs is not None
+            # prompt_logprobs[i] is the dict for token i given tokens < i (None at i = 0); prompt_logprobs=0 still
+            # holds the token's own logprob.
+            tail = final.prompt_logprobs[len(prompt_token_ids) :]
+            reference = [step[token].logprob for step, token in zip(tail, sample.token_ids, strict=True)]
+            return dataclasses.replace(sample, reference_logprobs=reference)
+
+        return list(await asyncio.gather(*(score(sample) for sample in samples)))
+
     async def encode(self, text: str) -> list[int]:
         tokenizer = self._engine.get_tokenizer()
         return list(tokenizer.encode(text))
@@ -432,7 +473,10 @@ class AdapterBook:
         """`request.n` samples for one prompt on this job's adapter `version` (hold a lease on it while this runs).
         Version 0 is the base model, the same for every job."""
         lora = self._lora_request(version, self._loaded[version]) if version else None
-        return await self._engine.generate(prompt_token_ids, request, lora)
+        samples = await self._engine.generate(prompt_token_ids, request, lora)
+        if request.reference_logprobs:
+            samples = await self._engine.reference_logprobs(prompt_token_ids, samples)
+        return samples
 
 
 class AdapterEngine(AdapterBook):

@@ -96,6 +96,8 @@ class GenerateRequest(BaseModel):
     seed: Seed | list[Seed] | None = None
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     adapter_version: int | None = Field(default=None, ge=0)  # None: the live one; N: wait until N is live
+    # Also each sample's logprobs under the base model, untempered: the KL reference (grpo.referenceFrom: inference).
+    reference_logprobs: bool = False
 
     @model_validator(mode="after")
     def _one_kind_of_prompt(self) -> GenerateRequest:
@@ -115,6 +117,7 @@ class SampleOut(BaseModel):
     logprobs: list[float]
     text: str
     finish_reason: str | None
+    reference_logprobs: list[float] | None = None
 
 
 class PromptResult(BaseModel):
@@ -339,6 +342,7 @@ def build_app(
                 max_tokens=request.max_tokens,
                 seed=request.seed_of(index),
                 stop_token_ids=request.stop_token_ids,
+                reference_logprobs=request.reference_logprobs,
             )
             for index in range(len(prompts))
         ]

@@ -254,7 +254,10 @@ class Controller:
         model_length = self.spec.inference.max_model_len or getattr(
             ctx.policy.model.config, "max_position_embeddings", None
         )
-        self._max_prompt_tokens = model_length - self.spec.grpo.max_new_tokens if model_length else None
+        # The replicas score prompt + completion as one prompt for the reference, which vLLM takes only when one more
+        # token would fit.
+        margin = 1 if self.spec.grpo.reference_on_replicas else 0
+        self._max_prompt_tokens = model_length - self.spec.grpo.max_new_tokens - margin if model_length else None
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
@@ -271,6 +274,7 @@ class Controller:
             temperature=grpo.temperature,
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
+            reference=grpo.reference_on_replicas,
         )
         try:
             while True:
@@ -434,13 +438,21 @@ class Controller:
         rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
         parts = {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
         advantages = group_advantages(rewards, self.spec.grpo.advantage)
-        sequences, flat_advantages = [], []
+        sequences, flat_advantages, reference = [], [], []
         for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
             for completion, advantage in zip(completions, row.tolist(), strict=True):
                 sequences.append((ids, completion.token_ids, completion.logprobs))
                 flat_advantages.append(advantage)
+                reference.append(completion.reference_logprobs)
         pad = self.ctx.policy.tokenizer.pad_token_id
-        return Scored(rewards, parts, advantages, build_batch(sequences, flat_advantages, pad))
+        given = reference if self.spec.grpo.reference_on_replicas else None
+        return Scored(rewards, parts, advantages, build_batch(sequences, flat_advantages, pad, given))
+
+    def _reference_from(self, scored: Scored) -> str | None:
+        """Where the step's KL reference logprobs came from: `inference` (the replicas), `trainer`, None at klCoef 0."""
+        if scored.batch.reference_logprobs is not None:
+            return "inference"
+        return "trainer" if self.spec.grpo.kl_coef > 0 else None
 
     def _samples(self, rollouts: Rollouts, scored: Scored) -> list[dict[str, Any]]:
         """The first prompts of the step, each with all its completions, rewards and advantages."""
@@ -503,6 +515,7 @@ class Controller:
             "reward_std": float(rewards.std()),
             **({"rewards": {label: float(v.mean()) for label, v in scored.parts.items()}} if scored.parts else {}),
             "kl": stats.kl,
+            "reference_from": self._reference_from(scored),
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
             "grad_norm": stats.grad_norm,

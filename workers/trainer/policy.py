@@ -31,7 +31,8 @@ class Batch:
     """Sequences (prompt + completion, right-padded) and which positions are completion tokens.
 
     `completion_mask[b, t]` marks whether token t + 1 of sequence b is a completion token: position t's logits
-    predict it. `behaviour_logprobs` are the sampler's logprobs of those tokens (zeros elsewhere).
+    predict it. `behaviour_logprobs` are the sampler's logprobs of those tokens (zeros elsewhere);
+    `reference_logprobs`, when the replicas computed them (grpo.referenceFrom: inference), the base model's.
     """
 
     input_ids: torch.Tensor  # [B, T] int64
@@ -39,12 +40,13 @@ class Batch:
     completion_mask: torch.Tensor  # [B, T-1] float32
     behaviour_logprobs: torch.Tensor  # [B, T-1] float32
     advantages: torch.Tensor  # [B] float32
+    reference_logprobs: torch.Tensor | None = None  # [B, T-1] float32
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
 
     def _map(self, fn) -> Batch:
-        return Batch(*(fn(getattr(self, f.name)) for f in fields(self)))
+        return Batch(*(None if (t := getattr(self, f.name)) is None else fn(t) for f in fields(self)))
 
     def select(self, index: slice | torch.Tensor) -> Batch:
         return self._map(lambda t: t[index])
@@ -53,24 +55,29 @@ class Batch:
         """Without the padding columns that no sequence of this (micro-)batch uses: compute scales with length."""
         length = int(self.attention_mask.sum(dim=1).max()) if len(self) else 1
         length = max(length, 2)
+        reference = self.reference_logprobs
         return Batch(
             self.input_ids[:, :length],
             self.attention_mask[:, :length],
             self.completion_mask[:, : length - 1],
             self.behaviour_logprobs[:, : length - 1],
             self.advantages,
+            None if reference is None else reference[:, : length - 1],
         )
 
     @staticmethod
-    def stand_in(device: torch.device | str = "cpu") -> Batch:
+    def stand_in(device: torch.device | str = "cpu", *, reference: bool = False) -> Batch:
         """One two-token sequence that counts for nothing (no completion token, advantage 0).
 
         A rank whose share of a step has fewer micro-batches than another's runs this instead: FSDP's all-gathers
         and reduce-scatters need every rank in every forward and backward, and an HF forward of batch size 0
-        raises. Its loss is exactly 0 yet depends on the weights, so backward runs the same collectives."""
+        raises. Its loss is exactly 0 yet depends on the weights, so backward runs the same collectives.
+        `reference`: it carries reference logprobs like the real ones, so it skips the reference pass as they do
+        (the same forwards on every rank)."""
         ones = torch.ones(1, 2, dtype=torch.int64, device=device)
         zeros = torch.zeros(1, 1, dtype=torch.float32, device=device)
-        return Batch(ones, ones.clone(), zeros, zeros.clone(), torch.zeros(1, dtype=torch.float32, device=device))
+        advantages = torch.zeros(1, dtype=torch.float32, device=device)
+        return Batch(ones, ones.clone(), zeros, zeros.clone(), advantages, zeros.clone() if reference else None)
 
     def by_length(self) -> Batch:
         """Sequences sorted by length, so that micro-batches of neighbours pad little."""
@@ -81,15 +88,22 @@ class Batch:
 
 
 def build_batch(
-    sequences: list[tuple[list[int], list[int], list[float]]], advantages: list[float], pad_id: int
+    sequences: list[tuple[list[int], list[int], list[float]]],
+    advantages: list[float],
+    pad_id: int,
+    reference: list[list[float]] | None = None,
 ) -> Batch:
-    """(prompt ids, completion ids, completion logprobs) per sequence -> a right-padded Batch."""
+    """(prompt ids, completion ids, completion logprobs) per sequence -> a right-padded Batch; `reference`, one
+    list per sequence, the completion tokens' reference logprobs where the replicas computed them."""
+    if reference is not None and len(reference) != len(sequences):
+        raise ValueError(f"need reference logprobs for each of the {len(sequences)} sequences, got {len(reference)}")
     length = max(len(p) + len(c) for p, c, _ in sequences)
     size = len(sequences)
     input_ids = torch.full((size, length), pad_id, dtype=torch.int64)
     attention = torch.zeros((size, length), dtype=torch.int64)
     completion = torch.zeros((size, length - 1), dtype=torch.float32)
     behaviour = torch.zeros((size, length - 1), dtype=torch.float32)
+    ref = None if reference is None else torch.zeros((size, length - 1), dtype=torch.float32)
     for row, (prompt, tokens, logprobs) in enumerate(sequences):
         total = len(prompt) + len(tokens)
         input_ids[row, :total] = torch.tensor(prompt + tokens)
@@ -97,7 +111,13 @@ def build_batch(
         start = len(prompt) - 1  # logits at position len(prompt) - 1 predict the first completion token
         completion[row, start : start + len(tokens)] = 1.0
         behaviour[row, start : start + len(tokens)] = torch.tensor(logprobs, dtype=torch.float32)
-    return Batch(input_ids, attention, completion, behaviour, torch.tensor(advantages, dtype=torch.float32))
+        if ref is not None:
+            given = reference[row]
+            if given is None or len(given) != len(tokens):
+                count = "none" if given is None else len(given)
+                raise ValueError(f"sequence {row} has {len(tokens)} completion tokens and {count} reference logprobs")
+            ref[row, start : start + len(tokens)] = torch.tensor(given, dtype=torch.float32)
+    return Batch(input_ids, attention, completion, behaviour, torch.tensor(advantages, dtype=torch.float32), ref)
 
 
 class Policy:

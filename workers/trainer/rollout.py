@@ -23,6 +23,7 @@ class Completion:
     text: str
     finish_reason: str | None
     version: int
+    reference_logprobs: list[float] | None = None  # the base model's, when the replica was asked for them
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
+    reference: bool = False  # the replicas also return each sample's reference logprobs (grpo.referenceFrom)
 
 
 def prompt_seed(run_seed: int, prompt_index: int) -> int:
@@ -144,6 +146,8 @@ class RolloutClient:
             "seed": seeds,
             "adapter_version": version,
         }
+        if sampling.reference:  # only then: a server of an older release refuses fields it does not know
+            body["reference_logprobs"] = True
         response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
         if response.status_code == 409 and version is not None:
             live = self._live_version(replica)

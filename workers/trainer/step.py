@@ -64,7 +64,9 @@ def train_step(
     """`on_policy`: the batch was sampled from the current weights, so the loss is the plain clipped surrogate
     around the trainer's own logprobs (ratio exactly 1, gradient of log pi). Otherwise (grpo.maxStaleness > 0,
     syncEverySteps > 1, a replica that served another version) the decoupled objective weights each token by
-    pi_trainer / pi_sampler (the sampler's behaviour logprobs), truncated at grpo.importanceWeightCap."""
+    pi_trainer / pi_sampler (the sampler's behaviour logprobs), truncated at grpo.importanceWeightCap. The KL
+    term's reference logprobs come with the batch where the replicas computed them (grpo.referenceFrom: inference),
+    else from a reference pass (adapter off) per micro-batch."""
     local = shard(batch, rank, world_size).by_length().to(policy.device)
     (total_tokens,) = _all_reduce([float(local.completion_mask.sum())], world_size, policy.device)
     # FSDP averages gradients over ranks: normalising by tokens / world_size makes that average the global
@@ -77,11 +79,12 @@ def train_step(
     # Every rank runs the same number of micro-batches (FSDP's collectives must match); a rank with fewer
     # sequences runs a stand-in that contributes nothing.
     (micro_batches,) = _all_reduce([float(math.ceil(len(local) / size))], world_size, policy.device, op="max")
+    has_reference = local.reference_logprobs is not None  # the same on every rank: they get one batch
     for index in range(int(micro_batches)):
         micro = local.select(slice(index * size, (index + 1) * size))
-        micro = micro.trimmed() if len(micro) else Batch.stand_in(policy.device)
-        ref = None
-        if grpo.kl_coef > 0:
+        micro = micro.trimmed() if len(micro) else Batch.stand_in(policy.device, reference=has_reference)
+        ref = micro.reference_logprobs  # the replicas' (grpo.referenceFrom: inference): no reference pass here
+        if ref is None and grpo.kl_coef > 0:
             with torch.no_grad(), policy.reference():
                 ref = policy.logprobs(micro)
         logp = policy.logprobs(micro)
