@@ -187,7 +187,8 @@ def pool_run(tmp_path_factory) -> PoolRun:
     files = [write(tmp, "pool.yaml", pool)]
     files += [write(tmp, f"job-{name}.yaml", e2e_job(name, reward)) for name, reward in JOBS.items()]
     later = e2e_job(LATER, "capitalised", LATER_STEPS)
-    later["spec"]["grpo"] |= {"maxStaleness": K, "promptsPerStep": LATER_PROMPTS}
+    # It also takes its KL reference from the pool's replica (grpo.referenceFrom: inference).
+    later["spec"]["grpo"] |= {"maxStaleness": K, "promptsPerStep": LATER_PROMPTS, "referenceFrom": "inference"}
     later["spec"]["checkpoint"] = {"everySteps": 2}
     files.append(write(tmp, f"job-{LATER}.yaml", later))
     run_dir = tmp / "run"
@@ -291,6 +292,11 @@ def test_a_job_with_staleness_2_trains_only_groups_within_2_versions(pool_run):
     # The replica ran ahead: the first step's rollouts came from version 0, before the trainer synced.
     assert steps[0]["on_policy"] and any(r["staleness_max"] >= 1 for r in steps)
     assert [r["trainer_version"] for r in steps] == list(range(LATER_STEPS))
+    # Its KL reference came from the replica (the base model, scored there), never from a reference pass here; at
+    # step 1 the adapter is still zero, so the KL to the replica's reference is parity noise, later it is not.
+    assert {r["reference_from"] for r in steps} == {"inference"}
+    assert steps[0]["kl"] < 1e-6 < steps[-1]["kl"]
+    assert {r["reference_from"] for name in JOBS for r in pool_run.records[name]} == {"trainer"}
     # The producer is bounded, so nothing went stale enough to drop, and the status says the same.
     assert sum(r["dropped_stale"] for r in steps) == steps[-1]["dropped_stale_total"] == 0
     status = TrainerStatus.model_validate_json((pool_run.run_dir / LATER / "status.json").read_text())
