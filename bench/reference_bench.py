@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: the repo's operator/ must not shadow stdlib
 sys.path.append(str(Path(__file__).resolve().parent))
 
-from step_bench import PHASES, ROOT, run_once
+from step_bench import PHASES, ROOT, run_once, write_results
 
 from grpolora.api.load import load_jobs
 from grpolora.workers.launcher.local import read_metrics
@@ -59,10 +59,7 @@ def main() -> None:
         trainer, inference = (results[f"{layout}, reference from {where}"] for where in ("trainer", "inference"))
         inference["step_speedup"] = trainer["step"] / inference["step"]
         inference["train_speedup"] = trainer["train"] / inference["train"]
-    results["load_average"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results(results, args.out)
 
 
 if __name__ == "__main__":

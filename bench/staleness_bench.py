@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: the repo's operator/ must not shadow stdlib
 sys.path.append(str(Path(__file__).resolve().parent))
 
-from step_bench import ROOT, run_once
+from step_bench import ROOT, run_once, write_results
 
 from grpolora.api.load import load_jobs
 from grpolora.workers.launcher.local import read_metrics
@@ -101,10 +101,7 @@ def main() -> None:
         k2["step_within_target"] = k2["step"] <= k2["target_s"]
         k2["reward_per_minute_beats_k0"] = k2["reward_per_minute"] > k0["reward_per_minute"]
         k2["reward_within_budget_beats_k0"] = k2["reward_within_budget_mean"] > k0["reward_within_budget_mean"]
-    results["load_average"] = os.getloadavg()
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
-    print(json.dumps(results, indent=2))
+    write_results(results, args.out)
 
 
 def summarise(records: list[dict]) -> dict:

@@ -68,8 +68,14 @@ def main() -> None:
         sequential, pipelined = results[f"sequential{pinned}"], results[f"pipelined{pinned}"]
         pipelined["target_s"] = 1.15 * max(sequential["generate"], sequential["train"])
         pipelined["speedup_over_sequential"] = sequential["step"] / pipelined["step"]
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(results, indent=2))
+    write_results(results, args.out)
+
+
+def write_results(results: dict, out: str) -> None:
+    """`results` with the load average at the end (the machine's state is part of a figure) to `out`, and printed."""
+    results["load_average"] = os.getloadavg()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(results, indent=2))
     print(json.dumps(results, indent=2))
 
 
