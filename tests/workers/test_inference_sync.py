@@ -246,7 +246,7 @@ def test_replicas_score_the_reference_the_trainer_would_compute(job, servers, se
         wait_live(server.url, report.version)
     client = RolloutClient(job.inference_endpoints, TOKEN, timeout_seconds=120)
     prompts = [tokens(model_dir), tokens(model_dir)[1:]]
-    sampling = Sampling(n=4, temperature=1.0, top_p=1.0, max_tokens=24, reference=True)
+    sampling = Sampling(n=4, temperature=1.0, top_p=1.0, max_tokens=24, reference_logprobs=True)
     long = {"prompt_token_ids": [prompts[0]], "n": 4, "max_tokens": 200, "seed": 5, "adapter_version": report.version}
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:

@@ -274,7 +274,7 @@ class Controller:
             temperature=grpo.temperature,
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
-            reference=grpo.reference_on_replicas,
+            reference_logprobs=grpo.reference_on_replicas,
         )
         try:
             while True:

@@ -32,7 +32,7 @@ class Sampling:
     temperature: float
     top_p: float
     max_tokens: int
-    reference: bool = False  # the replicas also return each sample's reference logprobs (grpo.referenceFrom)
+    reference_logprobs: bool = False  # the replicas also return each sample's (grpo.referenceFrom: inference)
 
 
 def prompt_seed(run_seed: int, prompt_index: int) -> int:
@@ -146,7 +146,7 @@ class RolloutClient:
             "seed": seeds,
             "adapter_version": version,
         }
-        if sampling.reference:  # only then: a server of an older release refuses fields it does not know
+        if sampling.reference_logprobs:  # only then: a server of an older release refuses fields it does not know
             body["reference_logprobs"] = True
         response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
         if response.status_code == 409 and version is not None:
