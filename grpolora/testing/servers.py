@@ -139,6 +139,27 @@ def generate(url: str, body: dict, timeout: float = 120.0, token: str = TOKEN) -
     return httpx.post(f"{url}/v1/generate", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
 
 
+def wait_in_flight(url: str, job: str, sequences: int = 1, seconds: float = 60.0) -> None:
+    """Until the server's own in-flight gauge counts `sequences` of the job generating in vLLM: what a test waits
+    on before it acts on a request "in flight", instead of assuming that a thread has sent it by then."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    deadline = time.monotonic() + seconds
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        counted = sum(
+            sample.value
+            for family in text_string_to_metric_families(text)
+            if family.name == "grpolora_inference_sequences_in_flight"
+            for sample in family.samples
+            if sample.labels.get("job") == job
+        )
+        if counted >= sequences:
+            return
+        assert time.monotonic() < deadline, f"{url}: {job} never had {sequences} sequences in flight ({counted})"
+        time.sleep(0.01)
+
+
 def descendants(pid: int) -> list[int]:
     """Every process below `pid` (from /proc: no psutil needed)."""
     children = []

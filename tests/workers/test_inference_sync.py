@@ -16,7 +16,17 @@ import httpx
 import pytest
 import torch
 
-from grpolora.testing.servers import TOKEN, ServerProcess, alive, descendants, free_port, generate, tiny_cpu_job
+from grpolora.api.pool import job_key
+from grpolora.testing.servers import (
+    TOKEN,
+    ServerProcess,
+    alive,
+    descendants,
+    free_port,
+    generate,
+    tiny_cpu_job,
+    wait_in_flight,
+)
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.models import resolve_model
 from grpolora.workers.sync import wire
@@ -251,6 +261,8 @@ def test_replicas_score_the_reference_the_trainer_would_compute(job, servers, se
     try:
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             busy = pool.submit(generate, servers[0].url, long)
+            # The scoring must share batches with it: wait for the server's word that it is generating.
+            wait_in_flight(servers[0].url, job_key(job.job.namespace, job.job.name), sequences=4)
             groups = client.generate(prompts, sampling, version=report.version, replicas=[0], seeds=[21, 22])
             assert busy.result().status_code == 200
     finally:

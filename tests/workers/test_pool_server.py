@@ -29,6 +29,7 @@ from grpolora.testing.servers import (
     generate,
     pool_attachment,
     tiny_cpu_pool,
+    wait_in_flight,
 )
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.inference.engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
@@ -410,8 +411,16 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
     folders = {p.name.split("-", 1)[1]: p for root in roots for p in root.iterdir()}
     assert b_ids and set(folders) == {"team-a_job-a", "team-a_job-b"}
     body = {"prompt_token_ids": [tokens(model_dir)], "max_tokens": 100, "temperature": 1.0, "seed": 3}
+
+    def late_generate() -> httpx.Response:
+        # The request thread starts late, as it does on a busy machine: the detach below must wait for the
+        # server's own word that the request is in flight, not assume it.
+        time.sleep(0.5)
+        return generate(url, body, 120.0, TOKENS[JOB_B])
+
     with concurrent.futures.ThreadPoolExecutor(1) as threads:
-        running = threads.submit(generate, url, body, 120.0, TOKENS[JOB_B])  # in flight as B is detached
+        running = threads.submit(late_generate)  # in flight as B is detached
+        wait_in_flight(url, JOB_B)
         write_attachments(jobs_file, Attachments(pool="shared", jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])]))
         wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
         assert running.result().status_code == 200
