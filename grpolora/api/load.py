@@ -89,9 +89,21 @@ def load_documents(path: str | Path) -> list[Document]:
 
 def _read(path: str | Path) -> str:
     try:
-        return Path(path).read_text()
+        data = Path(path).read_bytes()
     except OSError as exc:
         raise InvalidJob([Problem("", f"cannot read file: {exc.strerror}")], str(path)) from None
+    return decode(data, str(path))
+
+
+def decode(data: bytes, source: str) -> str:
+    """A YAML file's text: UTF-8 (as YAML 1.2 and kubectl read it), whatever this machine's locale says; otherwise
+    InvalidJob naming the first byte that is not, and where."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        message = f"not UTF-8 text: byte 0x{data[exc.start]:02x} at position {exc.start}; save the file as UTF-8"
+        raise InvalidJob([Problem("", message, line)], source) from None
 
 
 def load_one_job(path: str | Path, what: str) -> GRPOLoraJob:
