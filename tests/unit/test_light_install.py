@@ -8,6 +8,7 @@ import slipping into a light command path shows: the full test venv has every mo
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -27,8 +28,14 @@ def light(tmp_path_factory) -> Path:
     """A venv with the base install only: the project's wheel (built here from the source tree) and its declared
     base dependencies, nothing else."""
     root = tmp_path_factory.mktemp("light")
+    # Built from a copy of what the wheel is made of: setuptools writes build/ and *.egg-info into the source tree.
+    source = root / "source"
+    for folder in ("grpolora", "operator", "workers"):  # pyproject.toml's package-dir
+        shutil.copytree(ROOT / folder, source / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", root / "wheel", ROOT],
+        [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", root / "wheel", source],
         check=True,
         cwd=root,
     )
