@@ -96,9 +96,13 @@ class RolloutBuffer:
             self._allowance = groups
             self._cond.notify_all()
 
-    def take(self, count: int, version: int) -> tuple[list[Group], int]:
+    def take(self, count: int, version: int, *, then_allow: int) -> tuple[list[Group], int]:
         """The oldest `count` groups within `staleness` versions of `version` (the trainer's), after dropping the
-        older ones; waits for generation only while fewer are buffered. Returns (groups, groups dropped now)."""
+        older ones; waits for generation only while fewer are buffered. Returns (groups, groups dropped now).
+
+        `then_allow` becomes the allowance (see `allow`) in the same critical section: set after `take` returned,
+        the producer could reserve on the allowance of the wait in between (at k = 0, a round generated during the
+        step on the weights it is about to change)."""
         dropped = 0
         with self._cond:
             while True:
@@ -112,6 +116,7 @@ class RolloutBuffer:
                 if len(self._groups) >= count:
                     taken = [self._groups.popleft() for _ in range(count)]
                     self.dropped += dropped
+                    self._allowance = then_allow
                     self._cond.notify_all()
                     return taken, dropped
                 if self._error is not None:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +90,8 @@ class TrainerContext:
     world_size: int
     checkpoint_dir: Path
     output_dir: Path
+    instructions: dist.ProcessGroup | None = None
+    """Where rank 0's instructions travel (instruction_group); None with one rank."""
     optimizer: torch.optim.Optimizer = field(init=False)
     progress: Progress = field(default_factory=Progress)
 
@@ -126,19 +128,39 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
-def broadcast_instruction(instruction: Instruction | None, world_size: int) -> Instruction:
+# How long a follower waits for rank 0's next instruction. Rank 0 works alone for long stretches between two
+# instructions (forming the sync group at start, up to main.STARTUP_WAIT_SECONDS plus the join timeout; generating,
+# scoring, evaluating, retrying a sync), so this bound is not the collectives' timeout (10 minutes for NCCL, after
+# which its watchdog aborts the process): it only has to catch a rank 0 that is hung, not one that has died (gloo
+# sees the peer's socket close at once).
+INSTRUCTION_TIMEOUT = timedelta(hours=24)
+
+
+def instruction_group(world_size: int) -> dist.ProcessGroup | None:
+    """The side channel rank 0's instructions travel on: a gloo group of all trainer ranks with its own long
+    timeout, next to the default group (NCCL on GPUs) that the step's collectives use. Every rank creates it
+    right after init_process_group, together."""
+    if world_size == 1:
+        return None
+    return dist.new_group(backend="gloo", timeout=INSTRUCTION_TIMEOUT)
+
+
+def broadcast_instruction(
+    instruction: Instruction | None, world_size: int, group: dist.ProcessGroup | None
+) -> Instruction:
+    """Rank 0 sends `instruction`; every other rank passes None and waits on `group` (instruction_group) for it."""
     if world_size == 1:
         assert instruction is not None
         return instruction
     holder = [instruction]
-    dist.broadcast_object_list(holder, src=0)
+    dist.broadcast_object_list(holder, src=0, group=group)
     return holder[0]
 
 
 def run_follower(ctx: TrainerContext) -> None:
     """Trainer ranks > 0: do what rank 0 says until it says stop, in the order Instruction documents."""
     while True:
-        instruction = broadcast_instruction(None, ctx.world_size)
+        instruction = broadcast_instruction(None, ctx.world_size, ctx.instructions)
         if instruction.batch is not None:
             train_step(
                 ctx.policy,
@@ -315,7 +337,7 @@ class Controller:
         self.board.update(phase="Running", step=ctx.progress.step, sync_round=ctx.progress.version)
         if self.sender.version > 0 or ctx.progress.step > 0:
             # Resumed (or replicas already serve an adapter): make every replica serve this checkpoint's adapter.
-            broadcast_instruction(Instruction(gather=True), ctx.world_size)
+            broadcast_instruction(Instruction(gather=True), ctx.world_size, ctx.instructions)
             self._sync()
         else:
             self._weights_version = 0  # LoRA B starts at zero: the fresh adapter is exactly the base model
@@ -326,7 +348,7 @@ class Controller:
                 self._train_one_step()
         finally:
             self._buffer.close()
-        broadcast_instruction(Instruction(gather=True, stop=True), ctx.world_size)
+        broadcast_instruction(Instruction(gather=True, stop=True), ctx.world_size, ctx.instructions)
         final = outputs.save_adapter(
             ctx.output_dir / outputs.FINAL_ADAPTER,
             adapter_io.lora_tensors(ctx.policy.model),
@@ -348,12 +370,15 @@ class Controller:
         iteration_started = time.perf_counter()  # wall time of the whole step, waiting for rollouts included
         self.sender.refresh()
         step, per_step, k = ctx.progress.step, grpo.prompts_per_step, grpo.staleness
-        # While the trainer waits it allows this step's groups and k steps more; while it trains, k steps.
+        # While the trainer waits it allows this step's groups and k steps more ...
         self._buffer.allow(min(k + 1, grpo.steps - step) * per_step)
         trainer_version = self.sender.version
-        groups, dropped = self._buffer.take(per_step, trainer_version)
+        # ... and while it trains, k steps' groups: set as the groups are taken (at k = 0 the producer may not
+        # start a round between the take and the optimizer step, whatever the interpreter's threads do).
+        groups, dropped = self._buffer.take(
+            per_step, trainer_version, then_allow=min(k, grpo.steps - step - 1) * per_step
+        )
         wait_seconds = time.perf_counter() - iteration_started
-        self._buffer.allow(min(k, grpo.steps - step - 1) * per_step)
         rollouts = Rollouts.of(groups)
         on_policy = self._on_policy(rollouts)
         last = step + 1 == grpo.steps
@@ -368,7 +393,7 @@ class Controller:
         instruction = Instruction(
             batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
         )
-        broadcast_instruction(instruction, ctx.world_size)
+        broadcast_instruction(instruction, ctx.world_size, ctx.instructions)
         train_started = time.perf_counter()
         stats = train_step(
             ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size

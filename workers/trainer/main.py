@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -23,12 +24,47 @@ STARTUP_WAIT_SECONDS = 1800.0
 
 
 def run_trainer_pod(env: WorkerEnv) -> int:
+    """The pod's exit code: its one rank's, or with several GPUs the ranks' (pod_exit_code)."""
     if env.local_world_size == 1:
         return run_rank(env, local_rank=0)
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
-    mp.start_processes(_spawned_rank, args=(env,), nprocs=env.local_world_size, start_method="spawn")
-    return 0
+    ranks = mp.start_processes(
+        _spawned_rank, args=(env,), nprocs=env.local_world_size, start_method="spawn", join=False
+    )
+
+    def forward(signum: int, _frame) -> None:
+        # The kubelet (or `grpolora run`) signals this process only. Without this its ranks would get SIGINT when
+        # it died (torch's pdeathsig), which torch's wrapper swallows: rank 0 would never write status.json.
+        for process in ranks.processes:
+            if process.is_alive() and process.pid is not None:
+                os.kill(process.pid, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    try:
+        while not ranks.join():
+            pass
+    except ProcessException:
+        pass  # one rank failed: torch has stopped the others; their codes decide below
+    return pod_exit_code([process.exitcode for process in ranks.processes])
+
+
+# Exit codes that say "do not retry" (the trainer Job's podFailurePolicy fails the job at once on them).
+FINAL_EXIT_CODES = (contract.EXIT_INVALID_SPEC, contract.EXIT_INVALID_DATA)
+
+
+def pod_exit_code(codes: list[int | None]) -> int:
+    """One exit code for a pod of several ranks, from each rank's (negative: killed by that signal; None: not
+    reaped). A code that forbids a retry wins wherever it came from (a rank stopped after another failed exits 1 or
+    by SIGTERM, which would turn it into a retry); then rank 0's, which knows why the run stopped; then any."""
+    shell = [128 - code if code is not None and code < 0 else code for code in codes]  # as a shell reports them
+    for code in shell:
+        if code in FINAL_EXIT_CODES:
+            return code
+    if shell[0]:
+        return shell[0]
+    return next((code for code in shell if code), 0)
 
 
 def _spawned_rank(local_rank: int, env: WorkerEnv) -> None:
@@ -40,7 +76,7 @@ def _spawned_rank(local_rank: int, env: WorkerEnv) -> None:
 def run_rank(env: WorkerEnv, local_rank: int) -> int:
     from grpolora.workers.models import fingerprint, resolve_model
     from grpolora.workers.tasks import load_task
-    from grpolora.workers.trainer.controller import Controller, TrainerContext, run_follower
+    from grpolora.workers.trainer.controller import Controller, TrainerContext, instruction_group, run_follower
     from grpolora.workers.trainer.policy import Policy
     from grpolora.workers.trainer.status_server import StatusBoard, start_status_server
 
@@ -67,6 +103,7 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
                 world_size=env.world_size,
                 device_id=device if use_gpu else None,
             )
+        instructions = instruction_group(env.world_size)
         model_dir = resolve_model(env.model, spec.model.revision)
         policy = Policy(model_dir, spec, device=device, shard=env.world_size > 1)
         output_dir = Path(env.output_dir or env.checkpoint_dir)
@@ -80,6 +117,7 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
             world_size=env.world_size,
             checkpoint_dir=checkpoint_dir,
             output_dir=output_dir,
+            instructions=instructions,
         )
         ctx.resume()
         if rank != 0:
@@ -139,7 +177,12 @@ def _record_and_exit_on_sigterm(board, folder: Path) -> None:
         logging.shutdown()
         os._exit(128 + signum)
 
+    # The main thread may sit in C for minutes (a collective, init_process_group, a model load), where a Python
+    # signal handler does not run. So SIGTERM is blocked here (threads started later inherit that) and taken by a
+    # thread of its own; the handler stays for threads that started before and would otherwise take it.
     signal.signal(signal.SIGTERM, stop)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    threading.Thread(target=lambda: stop(signal.sigwait({signal.SIGTERM}), None), name="sigterm", daemon=True).start()
 
 
 def _write_final_status(board, folder: Path) -> None:
