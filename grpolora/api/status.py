@@ -53,7 +53,8 @@ class TrainerStatus(_Wire):
     kl: float | None = None
     """Mean k3 KL estimate to the reference policy over the last step's completion tokens."""
     mismatch: float | None = None
-    """Mean exp(|logprob_vllm - logprob_trainer|) - 1 over the last step's tokens (0 means exact agreement)."""
+    """Mean exp(|logprob_vllm - logprob_trainer|) - 1 over the last on-policy step's tokens (0 means exact
+    agreement); off-policy steps measure the policy's drift instead and leave it as it was."""
     gen_kl: float | None = None
     """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
     prompts_skipped: int = 0
@@ -199,7 +200,7 @@ class JobStatus(_Wire):
     prompts_skipped: int | None = None
     """Prompts the trainer skipped because they do not fit the model length (since it last started)."""
     mismatch: float | None = None
-    """Trainer-vs-vLLM logprob mismatch at the last step."""
+    """Trainer-vs-vLLM logprob mismatch at the last on-policy step."""
     replicas: ReplicaCounts | None = None
     """Ready and desired pods per role."""
     rendezvous: RendezvousStatus | None = None

@@ -1,10 +1,12 @@
-"""metrics.jsonl across an interrupted and resumed run: each step once."""
+"""metrics.jsonl: each step once across an interrupted and resumed run, and figures named for what they measure."""
 
 from __future__ import annotations
 
 import json
 
-from grpolora.workers.trainer.controller import drop_records_after
+from grpolora.workers.launcher.local import plot, summarize
+from grpolora.workers.trainer.controller import drop_records_after, logprob_agreement
+from grpolora.workers.trainer.step import StepStats
 
 
 def test_a_resumed_run_drops_the_records_of_steps_it_redoes(tmp_path):
@@ -17,3 +19,41 @@ def test_a_resumed_run_drops_the_records_of_steps_it_redoes(tmp_path):
     assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [1, 2]
     assert drop_records_after(path, 2) == 0  # nothing to drop: the file is left as it is
     assert drop_records_after(tmp_path / "missing.jsonl", 0) == 0
+
+
+# --- what the trainer-vs-vLLM figures measure ------------------------------------------------------------------------
+
+
+def step_record(step: int, on_policy: bool, figure: float) -> dict:
+    zero = {"loss": 0.0, "kl": 0.0, "clip_fraction": 0.0, "grad_norm": 0.0, "gen_kl": 0.0}
+    stats = StepStats(**zero, tokens=10, mismatch=figure, mismatch_max=2 * figure)
+    return {
+        "step": step,
+        "reward_mean": 0.5,
+        "reward_std": 0.1,
+        "kl": 0.0,
+        "sync_round": step,
+        "seconds": {"sync": 0.1},
+        "on_policy": on_policy,
+        **logprob_agreement(stats, on_policy),
+    }
+
+
+def test_an_off_policy_step_reports_the_policys_drift_not_a_numeric_mismatch():
+    """At maxStaleness 2 the trainer compares its logprobs with those of a version two steps older: that is how
+    far the policy moved (9.24e-02 in a float32 run), not a disagreement of kernels, and the summary called it
+    the "largest trainer-vs-vLLM mismatch"."""
+    records = [step_record(1, True, 1.1e-05), step_record(2, False, 9.24e-02), step_record(3, False, 4e-02)]
+    assert records[0]["mismatch"] == 1.1e-05 and records[0]["policy_drift"] is None
+    assert records[1]["mismatch"] is None and records[1]["policy_drift_max_abs"] == 2 * 9.24e-02
+    summary = summarize(records)
+    assert "largest trainer-vs-vLLM mismatch 1.10e-05 over 1 on-policy steps" in summary, summary
+    assert "policy drift of 2 off-policy steps up to 9.24e-02" in summary, summary
+    only_off = summarize(records[1:])
+    assert "no on-policy step" in only_off and "9.24e-02" in only_off
+
+
+def test_the_plot_shows_both_figures_apart(tmp_path):
+    out = tmp_path / "plot.png"
+    plot([step_record(1, True, 0.0), step_record(2, False, 9.24e-02)], out)
+    assert out.stat().st_size > 0

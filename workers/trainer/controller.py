@@ -145,6 +145,17 @@ def instruction_group(world_size: int) -> dist.ProcessGroup | None:
     return dist.new_group(backend="gloo", timeout=INSTRUCTION_TIMEOUT)
 
 
+def logprob_agreement(stats: StepStats, on_policy: bool) -> dict[str, float | None]:
+    """The step's trainer-vs-vLLM logprob figures under the name of what they measure. On an on-policy step the
+    trainer's weights are the version vLLM sampled from, so any difference is numerics (kernels, dtype): the
+    `mismatch`. On an off-policy step they are a newer version's, so the same comparison measures how far the
+    policy moved since (`policy_drift`), which must not read as broken numerics."""
+    mean, largest = stats.mismatch, stats.mismatch_max
+    if on_policy:
+        return {"mismatch": mean, "mismatch_max_abs": largest, "policy_drift": None, "policy_drift_max_abs": None}
+    return {"mismatch": None, "mismatch_max_abs": None, "policy_drift": mean, "policy_drift_max_abs": largest}
+
+
 def broadcast_instruction(
     instruction: Instruction | None, world_size: int, group: dist.ProcessGroup | None
 ) -> Instruction:
@@ -533,6 +544,7 @@ class Controller:
         lag of a trained group behind it, and the groups dropped as more than grpo.maxStaleness behind."""
         progress = self.ctx.progress
         rewards = scored.rewards
+        agreement = logprob_agreement(stats, on_policy)
         lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
         record: dict[str, Any] = {
             "step": progress.step,
@@ -544,8 +556,7 @@ class Controller:
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
             "grad_norm": stats.grad_norm,
-            "mismatch": stats.mismatch,
-            "mismatch_max_abs": stats.mismatch_max,
+            **agreement,
             "gen_kl": stats.gen_kl,
             "importance_weight_mean": stats.weight_mean,
             "importance_weight_max": stats.weight_max,
@@ -578,7 +589,11 @@ class Controller:
         metrics.STEP.set(progress.step)
         metrics.REWARD_MEAN.set(record["reward_mean"])
         metrics.KL.set(stats.kl)
-        metrics.MISMATCH.set(stats.mismatch)
+        if on_policy:  # each gauge keeps its last step of its kind
+            metrics.MISMATCH.set(stats.mismatch)
+            self.board.update(mismatch=stats.mismatch)
+        else:
+            metrics.POLICY_DRIFT.set(stats.mismatch)
         for phase in ("generate", "reward", "train", "sync"):
             metrics.PHASE_SECONDS.labels(phase=phase).observe(seconds[phase])
         self.board.update(
@@ -586,7 +601,6 @@ class Controller:
             reward_mean=record["reward_mean"],
             reward_std=record["reward_std"],
             kl=stats.kl,
-            mismatch=stats.mismatch,
             gen_kl=stats.gen_kl,
             importance_weight_mean=stats.weight_mean,
             importance_weight_max=stats.weight_max,
@@ -595,11 +609,12 @@ class Controller:
             dropped_stale=self._buffer.dropped,
         )
         log.info(
-            "step %d/%d reward %.3f kl %.4f mismatch %.2e sync %.3fs (round %d)",
+            "step %d/%d reward %.3f kl %.4f %s %.2e sync %.3fs (round %d)",
             progress.step,
             self.spec.grpo.steps,
             record["reward_mean"],
             stats.kl,
+            "mismatch" if on_policy else "policy drift",
             stats.mismatch,
             seconds["sync"],
             progress.version,

@@ -23,7 +23,12 @@ EVAL_REWARD = Gauge(
 KL = Gauge("grpolora_trainer_kl", "Mean k3 KL to the reference policy at the last step", registry=REGISTRY)
 MISMATCH = Gauge(
     "grpolora_trainer_logprob_mismatch",
-    "Mean exp(|logprob_trainer - logprob_vllm|) - 1 over the last step's tokens",
+    "Mean exp(|logprob_trainer - logprob_vllm|) - 1 over the tokens of the last on-policy step (numerics only)",
+    registry=REGISTRY,
+)
+POLICY_DRIFT = Gauge(
+    "grpolora_trainer_policy_drift",
+    "The same figure on the last off-policy step: how far the trainer moved since the version that sampled",
     registry=REGISTRY,
 )
 PHASE_SECONDS = Histogram(
