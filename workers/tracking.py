@@ -26,6 +26,26 @@ RUN_IDS_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
 
 
+def drop_records_after(path: Path, step: int) -> int:
+    """A resumed run redoes the steps after its checkpoint: drop the interrupted run's records of them from a
+    JSON-lines file whose records carry their `step` (and a line cut off mid-write), so that each step is there
+    once. Returns how many lines were dropped."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            pass
+    if len(kept) != len(lines):
+        path.write_text("".join(f"{line}\n" for line in kept))
+    return len(lines) - len(kept)
+
+
 class TrackingError(RuntimeError):
     """A tracker that could not start (the message starts with the spec field)."""
 
@@ -51,10 +71,12 @@ class Tracker(Protocol):
 
 
 class TensorBoard:
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, resume_step: int):
         from torch.utils.tensorboard import SummaryWriter
 
-        self._writer = SummaryWriter(log_dir=str(folder))
+        # Hides the events an interrupted run wrote after the checkpoint this run resumes from (TensorBoard's
+        # readers purge what came before, from that step on), so each redone step shows once.
+        self._writer = SummaryWriter(log_dir=str(folder), purge_step=resume_step + 1)
 
     def metrics(self, step: int, figures: dict[str, float]) -> None:
         for name, value in figures.items():
@@ -144,12 +166,15 @@ class Wandb:
 class Tracking:
     """All trackers of a job, plus samples.jsonl. Call `step()` once per step, `close()` at the end."""
 
-    def __init__(self, spec: GRPOLoraJobSpec, output_dir: Path, run_name: str):
+    def __init__(self, spec: GRPOLoraJobSpec, output_dir: Path, run_name: str, resume_step: int = 0):
+        """`resume_step`: the checkpoint's step this run starts after; what an interrupted run logged after it is
+        dropped from samples.jsonl and hidden in TensorBoard, as metrics.jsonl drops it (the steps are redone)."""
         self.spec = spec.tracking
         self._samples_file = output_dir / SAMPLES_FILE
+        drop_records_after(self._samples_file, resume_step)
         self._ids_file = output_dir / RUN_IDS_FILE
         ids = json.loads(self._ids_file.read_text()) if self._ids_file.exists() else {}
-        self._trackers: dict[str, Tracker] = {"tensorboard": TensorBoard(output_dir / TENSORBOARD_DIR)}
+        self._trackers: dict[str, Tracker] = {"tensorboard": TensorBoard(output_dir / TENSORBOARD_DIR, resume_step)}
         if self.spec.mlflow is not None:
             self._trackers["mlflow"] = tracker = Mlflow(self.spec.mlflow, run_name, ids.get("mlflow"))
             ids["mlflow"] = tracker.run_id

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from grpolora.workers.launcher.local import plot, summarize
-from grpolora.workers.trainer.controller import drop_records_after, logprob_agreement
+from grpolora.workers.tracking import drop_records_after
+from grpolora.workers.trainer.controller import logprob_agreement
 from grpolora.workers.trainer.step import StepStats
 
 

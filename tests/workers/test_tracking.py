@@ -69,6 +69,24 @@ def test_tensorboard_and_samples_are_always_written(tmp_path):
     assert not (tmp_path / "tracking.json").exists()
 
 
+def test_a_resumed_run_shows_each_step_once_in_tensorboard_and_samples(tmp_path):
+    """Killed after step 3 with its checkpoint at step 2, the run redoes step 3: metrics.jsonl was trimmed to the
+    checkpoint, but samples.jsonl and the TensorBoard events kept the interrupted run's step 3 next to the new one."""
+    killed = Tracking(spec(), tmp_path, "demo")
+    for step in (1, 2, 3):
+        killed.step(step, RECORD | {"reward_mean": step / 10}, SAMPLES)
+    # Killed: never closed (every step was flushed). The rerun resumes from the checkpoint of step 2.
+    rerun = Tracking(spec(), tmp_path, "demo", resume_step=2)
+    for step in (3, 4):
+        rerun.step(step, RECORD | {"reward_mean": 1 + step / 10}, SAMPLES)
+    rerun.close()
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert scalars["reward_mean"] == [(1, pytest.approx(0.1)), (2, pytest.approx(0.2)), (3, pytest.approx(1.3)),
+                                      (4, pytest.approx(1.4))]  # fmt: skip
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [1, 2, 3, 4]
+
+
 def test_samples_are_due_every_n_steps_and_at_the_last():
     tracking_spec = spec(samplesEverySteps=3)
     tracking = Tracking.__new__(Tracking)

@@ -31,7 +31,7 @@ from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task, TaskError
-from grpolora.workers.tracking import Tracking
+from grpolora.workers.tracking import Tracking, drop_records_after
 from grpolora.workers.trainer import checkpoint, evaluate, metrics, outputs
 from grpolora.workers.trainer.buffer import BufferClosed, Group, RolloutBuffer
 from grpolora.workers.trainer.checkpoint import Progress
@@ -107,25 +107,6 @@ class TrainerContext:
         checkpoint.save(
             self.checkpoint_dir, self.policy.model, self.optimizer, self.progress, keep=self.spec.checkpoint.keep
         )
-
-
-def drop_records_after(path: Path, step: int) -> int:
-    """A resumed run redoes the steps after its checkpoint: drop the interrupted run's records of them (and a line
-    cut off mid-write), so that each step is in metrics.jsonl once. Returns how many lines were dropped."""
-    try:
-        lines = path.read_text().splitlines()
-    except FileNotFoundError:
-        return 0
-    kept = []
-    for line in lines:
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            pass
-    if len(kept) != len(lines):
-        path.write_text("".join(f"{line}\n" for line in kept))
-    return len(lines) - len(kept)
 
 
 # How long a follower waits for rank 0's next instruction. Rank 0 works alone for long stretches between two
@@ -280,7 +261,7 @@ class Controller:
         # flight), which numbers the per-prompt sampling seeds.
         self._buffer = RolloutBuffer(self.spec.grpo.staleness, ctx.progress.prompts_consumed)
         self.run_name = run_name
-        self.tracking = Tracking(self.spec, ctx.output_dir, run_name)
+        self.tracking = Tracking(self.spec, ctx.output_dir, run_name, resume_step=ctx.progress.step)
         self.pushes = outputs.Pusher(self.spec, ctx.output_dir, job_name=run_name)
         self._eval_prompts = evaluate.held_out(task, self.spec) if self.spec.eval else []
         self._skipped = 0
