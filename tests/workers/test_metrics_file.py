@@ -6,8 +6,7 @@ import json
 
 from grpolora.workers.launcher.local import plot, summarize
 from grpolora.workers.tracking import drop_records_after
-from grpolora.workers.trainer.controller import logprob_agreement
-from grpolora.workers.trainer.step import StepStats
+from grpolora.workers.trainer.step import StepStats, logprob_agreement
 
 
 def test_a_resumed_run_drops_the_records_of_steps_it_redoes(tmp_path):

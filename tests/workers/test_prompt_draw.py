@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from grpolora.workers.tasks import Prompt, TaskError
-from grpolora.workers.trainer.controller import SKIPPED_IN_A_ROW_PER_PROMPT, draw_prompts
+from grpolora.workers.trainer.producer import SKIPPED_IN_A_ROW_PER_PROMPT, draw_prompts
 
 
 def prompts(*lengths: int):

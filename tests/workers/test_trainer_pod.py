@@ -24,8 +24,8 @@ from grpolora.api.contract import WorkerEnv
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.testing.servers import tiny_cpu_job
-from grpolora.workers.trainer.controller import Instruction, broadcast_instruction, instruction_group
 from grpolora.workers.trainer.main import pod_exit_code, run_rank
+from grpolora.workers.trainer.ranks import Instruction, broadcast_instruction, instruction_group
 from tests.helpers import job_doc
 
 

@@ -76,8 +76,9 @@ def _spawned_rank(local_rank: int, env: WorkerEnv) -> None:
 def run_rank(env: WorkerEnv, local_rank: int) -> int:
     from grpolora.workers.models import fingerprint, resolve_model
     from grpolora.workers.tasks import load_task
-    from grpolora.workers.trainer.controller import Controller, TrainerContext, instruction_group, run_follower
+    from grpolora.workers.trainer.controller import Controller
     from grpolora.workers.trainer.policy import Policy
+    from grpolora.workers.trainer.ranks import TrainerContext, instruction_group, run_follower
     from grpolora.workers.trainer.status_server import StatusBoard, start_status_server
 
     rank = env.node_rank * env.local_world_size + local_rank
@@ -162,7 +163,7 @@ def _record_and_exit_on_sigterm(board, folder: Path) -> None:
     at once: the steps since the last checkpoint are redone when the run resumes, so there is nothing to save, and
     unwinding could wait on a collective or a rollout request for minutes."""
 
-    def stop(signum: int, _frame) -> None:
+    def stop(signum: int) -> None:
         status = board.get()
         if status.phase == "Succeeded":  # every step is done and the final adapter written: only the record is left
             _write_final_status(board, folder)
@@ -178,11 +179,20 @@ def _record_and_exit_on_sigterm(board, folder: Path) -> None:
         os._exit(128 + signum)
 
     # The main thread may sit in C for minutes (a collective, init_process_group, a model load), where a Python
-    # signal handler does not run. So SIGTERM is blocked here (threads started later inherit that) and taken by a
-    # thread of its own; the handler stays for threads that started before and would otherwise take it.
-    signal.signal(signal.SIGTERM, stop)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    threading.Thread(target=lambda: stop(signal.sigwait({signal.SIGTERM}), None), name="sigterm", daemon=True).start()
+    # signal handler does not run, and the kernel may hand SIGTERM to any thread (torch's own included). Python's
+    # C-level handler, wherever it runs, writes the signal's number to the wakeup fd: a thread of ours reads it
+    # and stops. The Python-level handler is then left with nothing to do.
+    wake_read, wake_write = os.pipe()
+    os.set_blocking(wake_write, False)
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: None)
+    signal.set_wakeup_fd(wake_write, warn_on_full_buffer=False)
+
+    def watch() -> None:
+        while True:
+            if signal.SIGTERM in os.read(wake_read, 64):
+                stop(signal.SIGTERM)
+
+    threading.Thread(target=watch, name="sigterm", daemon=True).start()
 
 
 def _write_final_status(board, folder: Path) -> None:

@@ -35,6 +35,17 @@ class StepStats:
     truncated_fraction: float = 0.0  # share of off-policy tokens whose weight was cut to grpo.importanceWeightCap
 
 
+def logprob_agreement(stats: StepStats, on_policy: bool) -> dict[str, float | None]:
+    """The step's trainer-vs-vLLM logprob figures under the name of what they measure. On an on-policy step the
+    trainer's weights are the version vLLM sampled from, so any difference is numerics (kernels, dtype): the
+    `mismatch`. On an off-policy step they are a newer version's, so the same comparison measures how far the
+    policy moved since (`policy_drift`), which must not read as broken numerics."""
+    mean, largest = stats.mismatch, stats.mismatch_max
+    if on_policy:
+        return {"mismatch": mean, "mismatch_max_abs": largest, "policy_drift": None, "policy_drift_max_abs": None}
+    return {"mismatch": None, "mismatch_max_abs": None, "policy_drift": mean, "policy_drift_max_abs": largest}
+
+
 def shard(batch: Batch, rank: int, world_size: int) -> Batch:
     """This rank's sequences: a strided split keeps every rank's share of long and short sequences alike."""
     return batch.select(torch.arange(rank, len(batch), world_size))
