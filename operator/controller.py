@@ -41,7 +41,6 @@ from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachm
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kube, names, pools
-from grpolora.operator import conditions as cond
 from grpolora.operator import observe as obs
 from grpolora.operator import reconcile as rec
 from grpolora.operator.metrics import Metrics
@@ -322,7 +321,8 @@ class Controller:
             if refused.refusal.transient:
                 raise refused.error from None
             return decision
-        await self._record(job, decision)
+        if not await self._record(job, decision):
+            decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         return decision
 
     # ---- the pool's pass -----------------------------------------------------------------------------------
@@ -686,8 +686,33 @@ class Controller:
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
         return all(created)
 
-    async def _record(self, job: _Job, decision: rec.Decision) -> None:
-        """Write the status, then post the events (only after the write succeeded); delete the job after its TTL."""
+    async def _write_queue_workload(self, job: _Job, decision: rec.Decision) -> bool:
+        """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch
+        holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
+        so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
+        write = decision.queue_workload_write
+        if write is None or write.status is None:
+            return True
+        key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
+        try:
+            written = await self.client.patch(
+                kube.KUEUE_WORKLOAD, job.namespace, job.name, write.status, subresource="status"
+            )
+        except kube.ApiError as exc:
+            if exc.status != 409:
+                raise
+            logger.info("%s/%s: the Kueue Workload changed meanwhile; deciding again", job.namespace, job.name)
+            self.workloads.pop(key, None)
+            return False
+        if written is not None:
+            self._remember(key, dict(written), written)
+            if write.released:
+                logger.info("%s/%s: gave the Kueue Workload's quota back after its eviction", job.namespace, job.name)
+        return True
+
+    async def _record(self, job: _Job, decision: rec.Decision) -> bool:
+        """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
+        delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
         patch = rec.status_patch(job.status, decision.status)
         if patch is not None:
             written = await self.client.patch(
@@ -697,25 +722,7 @@ class Controller:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.status = dict(written.get("status") or decision.status.to_wire())
         self.metrics.set_job(job.namespace, job.name, decision.status)
-        if decision.finish_queue_workload:
-            # Kueue returns the quota of a Finished Workload (as its own integrations do when their job ends). The
-            # patch carries the whole list (a merge patch replaces lists): Kueue's conditions, read once, plus ours.
-            workload = await self.client.get(kube.KUEUE_WORKLOAD, job.namespace, job.name) or {}
-            kept = [x for x in (workload.get("status") or {}).get("conditions") or [] if x.get("type") != "Finished"]
-            finished = {
-                "type": "Finished",
-                "status": "True",
-                "reason": decision.queue_finish_reason or "Finished",
-                "message": decision.status.message or "",
-                "lastTransitionTime": cond.rfc3339(self.clock()),
-            }
-            await self.client.patch(
-                kube.KUEUE_WORKLOAD,
-                job.namespace,
-                job.name,
-                {"status": {"conditions": [*kept, finished]}},
-                subresource="status",
-            )
+        queue_written = await self._write_queue_workload(job, decision)
         involved = {"namespace": job.namespace, "name": job.name, "uid": job.uid}
         for event in decision.events:
             try:
@@ -726,6 +733,7 @@ class Controller:
             await self.client.delete(kube.GRPOLORAJOB, job.namespace, job.name)
             logger.info("%s/%s: deleted after ttlSecondsAfterFinished", job.namespace, job.name)
             raise JobGone(f"{job.namespace}/{job.name}")
+        return queue_written
 
     # ---- monitors ----------------------------------------------------------------------------------------
 

@@ -1,4 +1,17 @@
-"""What Kueue's own job integrations apply to a job's pod templates when its Workload is admitted, pure.
+"""Kueue, pure: what a job integration owes its Workload, and what admission applies to the pod templates.
+
+The operator is the job integration of its GRPOLoraJobs, as Kueue's jobframework (pkg/controller/jobframework) is for
+Kueue's built-in kinds. Kueue's own controllers reserve quota, admit and evict; the integration must, on its side
+(reconciler.go, JobReconciler.ReconcileGenericJob; kubernetes-sigs/kueue main of 2026-08, the same since 0.9):
+- after an eviction (Evicted True), once its pods are gone: clear `status.admission`, set QuotaReserved False
+  (reason Pending, the eviction's message) and with it Admitted False (NoReservation), and Requeued (True for a
+  preemption or node failures, else False with the eviction's reason, which Kueue's Workload controller turns True
+  after its backoff or on reactivation): workload.UnsetQuotaReservationWithCondition, SetRequeuedCondition,
+  SyncAdmittedCondition. Until then Kueue counts the quota as used, and a preemptor is never admitted;
+- mark it Finished (reason Succeeded or Failed, or FailedToStart when the admission cannot be honoured), which
+  returns the quota.
+Every status write carries the Workload's resourceVersion as a precondition: it replaces the conditions list
+(a merge patch replaces lists), and Kueue writes the same list; a conflict means "read again and decide again".
 
 Kueue's jobframework, on admission (pkg/podset: FromAssignment, PodSetInfo.Merge, Merge), for each pod set:
 - the ResourceFlavors named in `status.admission.podSetAssignments[].flavors` (resource -> flavor): each flavor's
@@ -27,6 +40,27 @@ from typing import Any, Final
 K8sObject = dict[str, Any]
 PODSET_LABEL: Final = "kueue.x-k8s.io/podset"
 _FIELDS: Final = ("labels", "annotations", "nodeSelector")
+
+# Workload condition types and the reasons the integration writes (apis/kueue/v1beta1/workload_types.go).
+ADMITTED: Final = "Admitted"
+QUOTA_RESERVED: Final = "QuotaReserved"
+EVICTED: Final = "Evicted"
+REQUEUED: Final = "Requeued"
+PODS_READY: Final = "PodsReady"
+FINISHED: Final = "Finished"
+# The eviction reasons after which the integration marks the Workload Requeued True at once (reconciler.go:
+# setRequeued); after the others Kueue's Workload controller does, once the cause is over.
+REQUEUED_AT_ONCE: Final = ("Preempted", "NodeFailures")
+PENDING: Final = "Pending"  # QuotaReserved False after an eviction (WorkloadPending, the reason without the
+# UnadmittedWorkloadsObservability feature gate; with it Kueue's own integrations write PendingEvaluation)
+NO_RESERVATION: Final = "NoReservation"  # Admitted False without quota (WorkloadAdmittedReasonNoReservation)
+WAIT_FOR_START: Final = "WaitForStart"
+WAIT_FOR_RECOVERY: Final = "WaitForRecovery"
+STARTED: Final = "Started"
+RECOVERED: Final = "Recovered"
+_NOT_READY: Final = "Not all pods are ready or succeeded"
+_RECOVERING: Final = "At least one pod has failed, waiting for recovery"
+_READY: Final = "All pods reached readiness and the workload is running"
 
 
 @dataclass(frozen=True)
@@ -144,3 +178,100 @@ def _same_toleration(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
         return (t.get("key", ""), t.get("operator") or "Equal", t.get("value", ""), t.get("effect", ""))
 
     return norm(a) == norm(b)
+
+
+# ---- the Workload's life, as a job integration owns it ---------------------------------------------------------
+
+
+def conditions(workload: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    return list(((workload or {}).get("status") or {}).get("conditions") or [])
+
+
+def condition(workload: Mapping[str, Any] | None, type_: str) -> Mapping[str, Any] | None:
+    """The Workload's condition of this type, whatever its status."""
+    return next((x for x in conditions(workload) if x.get("type") == type_), None)
+
+
+def is_true(workload: Mapping[str, Any] | None, type_: str) -> bool:
+    found = condition(workload, type_)
+    return found is not None and found.get("status") == "True"
+
+
+def evicted(workload: Mapping[str, Any] | None) -> Mapping[str, Any] | None:
+    """The Evicted condition while it is True."""
+    return condition(workload, EVICTED) if is_true(workload, EVICTED) else None
+
+
+def is_active(workload: Mapping[str, Any] | None) -> bool:
+    """spec.active, true when unset (workload.IsActive)."""
+    return ((workload or {}).get("spec") or {}).get("active") is not False
+
+
+@dataclass(frozen=True)
+class WorkloadWrite:
+    """What a pass writes on the job's Workload (the controller sends it after the job's status)."""
+
+    status: dict[str, Any] | None = None
+    """Merge patch of the Workload's status subresource: the whole conditions list (and `admission: null` when the
+    quota is given back), with the resourceVersion it was computed from as a precondition."""
+    released: bool = False
+    """The status patch gives the quota back (for the log)."""
+
+
+def integration_write(
+    workload: Mapping[str, Any],
+    *,
+    now: str,
+    inactive: bool,
+    finished: tuple[str, str] | None,
+) -> WorkloadWrite | None:
+    """The integration's writes on the Workload (see the module docstring); None when there is nothing to write.
+
+    `inactive`: the job's workloads are gone (no pod can hold the quota); `finished`: (reason, message) once the job
+    has ended."""
+    meta = workload.get("metadata") or {}
+    generation = meta.get("generation")
+    new = [dict(x) for x in conditions(workload)]
+    released = False
+    if is_true(workload, FINISHED):
+        pass  # Kueue's reconciler stops here too: a Finished Workload is left alone
+    elif finished is not None:
+        _set(new, FINISHED, "True", finished[0], finished[1], now, generation)
+    else:
+        eviction = evicted(workload)
+        if eviction is not None and is_true(workload, QUOTA_RESERVED) and inactive:
+            reason, message = str(eviction.get("reason", "")), str(eviction.get("message", ""))
+            _set(new, REQUEUED, _bool(reason in REQUEUED_AT_ONCE), reason, message, now, generation)
+            _set(new, QUOTA_RESERVED, "False", PENDING, message, now, generation)
+            if is_true(workload, ADMITTED):
+                _set(new, ADMITTED, "False", NO_RESERVATION, "The workload has no reservation", now, generation)
+            released = True
+    patch: dict[str, Any] | None = None
+    if new != conditions(workload) or released:
+        patch = {"status": {"conditions": new}}
+        if released:
+            patch["status"]["admission"] = None
+        if meta.get("resourceVersion"):
+            patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
+    if patch is None:
+        return None
+    return WorkloadWrite(status=patch, released=released)
+
+
+def _bool(value: bool) -> str:
+    return "True" if value else "False"
+
+
+def _set(
+    into: list[dict[str, Any]], type_: str, status: str, reason: str, message: str, now: str, generation: Any
+) -> None:
+    """apimeta.SetStatusCondition: a condition's transition time moves only when its status changes."""
+    wanted = {"type": type_, "status": status, "reason": reason or type_, "message": message}
+    if generation is not None:
+        wanted["observedGeneration"] = generation
+    for existing in into:
+        if existing.get("type") == type_:
+            stamp = existing.get("lastTransitionTime") if existing.get("status") == status else now
+            existing.update(wanted, lastTransitionTime=stamp or now)
+            return
+    into.append({**wanted, "lastTransitionTime": now})

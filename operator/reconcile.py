@@ -261,10 +261,10 @@ class Decision:
     requeue_after: float | None = None
     """Look again after this many seconds instead of the regular interval."""
     events: tuple[Event, ...] = ()
-    finish_queue_workload: bool = False
-    """The job is finished: mark its Kueue Workload Finished (Kueue then returns its quota)."""
-    queue_finish_reason: str = ""
-    """The reason of that Finished condition: the phase, or Kueue's own FailedToStart."""
+    queue_workload_write: kueue.WorkloadWrite | None = None
+    """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue): give the quota
+    back after an eviction once the workloads are gone, mark it Finished when the job ends (Kueue then returns its
+    quota)."""
     read_flavors: tuple[str, ...] = ()
     """Read these ResourceFlavors and decide again: the workloads wait for them (see Observed.flavors)."""
     idle: bool = False
@@ -499,16 +499,18 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         pool=job_plan.pool,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
-    finish_queue = (
-        queue is not None
-        and finished
-        and observed.queue_workload is not None
-        and not obs.job_condition(observed.queue_workload, "Finished")
-    )
+    queue_write = None
+    if queue is not None and observed.queue_workload is not None:
+        # Kueue's own reason when its admission could not be honoured, else the phase (Succeeded, Failed).
+        finish_reason = failed_reason if failed_reason == names.R_FAILED_TO_START else phase
+        queue_write = kueue.integration_write(
+            observed.queue_workload,
+            now=stamp,
+            inactive=tj is None and sts is None,
+            finished=(finish_reason, message) if finished else None,
+        )
     return Decision(
-        finish_queue_workload=finish_queue,
-        # Kueue's own reason when its admission could not be honoured, else the phase.
-        queue_finish_reason=failed_reason if failed_reason == names.R_FAILED_TO_START else phase,
+        queue_workload_write=queue_write,
         read_flavors=read_flavors,
         status=status,
         create=tuple(creates),
@@ -576,16 +578,22 @@ def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
     if queue is None:
         return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
     name = (workload or {}).get("metadata", {}).get("name", "")
-    evicted = obs.job_condition(workload, "Evicted")
+    evicted = kueue.evicted(workload)
     if evicted is not None:
-        return cond.Want(
-            names.ADMITTED,
-            "False",
-            names.R_EVICTED,
-            f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')}); both pools released, "
-            f"waiting in LocalQueue {queue} to be admitted again",
-        )
-    if obs.job_condition(workload, "Admitted") is not None:
+        why = f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')})"
+        released = "both pools released and the quota given back"
+        requeued = kueue.condition(workload, kueue.REQUEUED)
+        if kueue.is_true(workload, kueue.QUOTA_RESERVED):
+            then = "both pools are being released; the quota goes back to Kueue once their pods are gone"
+        elif requeued is not None and requeued.get("status") == "False":
+            then = (
+                f"{released}; Kueue requeues it once its {requeued.get('reason')} backoff is over, then it waits in "
+                f"LocalQueue {queue} to be admitted again"
+            )
+        else:
+            then = f"{released}; waiting in LocalQueue {queue} to be admitted again"
+        return cond.Want(names.ADMITTED, "False", names.R_EVICTED, f"{why}; {then}")
+    if kueue.is_true(workload, kueue.ADMITTED):
         return cond.Want(names.ADMITTED, "True", names.R_ADMITTED, f"admitted by Kueue from LocalQueue {queue}")
     return cond.Want(
         names.ADMITTED,

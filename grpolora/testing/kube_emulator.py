@@ -7,8 +7,10 @@ patch never changes the status of a resource that has the subresource); label an
 what a real API server refuses (grpolora.testing.kube_apiserver: schema validation of built-in kinds and of
 GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against the requester's RBAC rules);
 garbage collection that takes time, as the real collector does (objects whose owners are all gone are removed
-by a sweep every `gc_delay` seconds, not at once); and a record of every (verb, group, resource) a client other
-than the test itself sent, for the RBAC check.
+by a sweep every `gc_delay` seconds, not at once); the optimistic-concurrency precondition of a patch that carries
+`metadata.resourceVersion` (409 Conflict when the object changed since, as a real server answers); mutating
+admission webhooks that a test installs (`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double);
+and a record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
 """
 
 from __future__ import annotations
@@ -92,6 +94,9 @@ class Emulator(kmock.KubernetesEmulator):
     measure the operator rather than the emulator's schema validation."""
     gc_delay: float = 0.2
     """Seconds between garbage-collector sweeps (a real collector also takes a while)."""
+    webhooks: list[Callable[[kmock.Request, dict[str, Any]], None]] = attrs.field(factory=list, init=False)
+    """Mutating admission webhooks: each is called with every create request and its object, which it may change
+    (before validation, as the API server calls mutating webhooks before it validates)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     _crd_schemas: dict[str, dict[str, Any]] = attrs.field(
         factory=lambda: {
@@ -111,6 +116,8 @@ class Emulator(kmock.KubernetesEmulator):
             self._record(request)
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
+                for webhook in self.webhooks:
+                    webhook(request, request.data)
                 self._admit(request, request.data, created=True)
             elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
                 merged = self._on_patch(request)
@@ -218,6 +225,11 @@ class Emulator(kmock.KubernetesEmulator):
         data: dict[str, Any] = request.data
         key = (request.resource, request.namespace, request.name)
         current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+        precondition = (data.get("metadata") or {}).get("resourceVersion")
+        if current is not None and precondition and precondition != current["metadata"].get("resourceVersion"):
+            # A patch that names a resourceVersion applies only to that version (client-go's optimistic lock,
+            # controller-runtime's MergeFromWithOptimisticLock); the API server answers 409 Conflict otherwise.
+            raise kube_apiserver.conflict(request.resource.plural, request.resource.group, request.name or "")
         if request.subresource == "status":
             for field in [k for k in data if k != "status"]:
                 del data[field]

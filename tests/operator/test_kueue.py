@@ -1,57 +1,87 @@
-"""Kueue (played by the test): a queued job's pods exist only while Kueue admits its Workload, both pools at once."""
+"""Kueue (played by tests/operator/kueue_double.py, which does only what Kueue itself does): a queued job's pods exist
+only while Kueue admits its Workload, both pools at once; on eviction the operator gives the quota back, as Kueue's
+own job integrations do, so that the preemptor is admitted and the evicted job queues again."""
 
 from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import names
-from grpolora.testing.kube_emulator import NAMESPACE
 from tests.helpers import job_doc
 from tests.operator.harness import wait_for
+from tests.operator.kueue_double import FakeKueue, find
 from tests.operator.test_operator import phase
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
 
 
-async def admit(cluster, conditions: list[dict]) -> None:
-    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo/status"
-    stamped = [{"lastTransitionTime": "2026-01-01T00:00:00Z", "message": "", **cond} for cond in conditions]
-    await cluster._call("PATCH", path, {"status": {"conditions": stamped}})
+def queued(name: str = "demo", **spec) -> dict:
+    doc = job_doc(**spec)
+    doc["metadata"]["name"] = name
+    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    return doc
+
+
+async def complete(cluster, job: str) -> None:
+    """The Job controller: the trainer Job completed."""
+    await cluster.set_status(
+        "batch/v1/jobs", f"{job}-trainer", {"conditions": [{"type": "Complete", "status": "True", "reason": "Done"}]}
+    )
 
 
 async def test_a_queued_job_runs_only_while_kueue_admits_both_pools(cluster, operator):
-    doc = job_doc(inference={"replicas": 2})
-    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
-    await cluster.apply(doc)
-    await wait_for(lambda: cluster.get(WORKLOADS, "demo") is not None, "the Kueue Workload")
-    pod_sets = cluster.get(WORKLOADS, "demo")["spec"]["podSets"]
-    assert [(p["name"], p["count"]) for p in pod_sets] == [("trainer", 1), ("inference", 2)]
-    await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
-    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
-    assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
+    async with FakeKueue(cluster) as kueue:
+        await cluster.apply(queued(inference={"replicas": 2}))
+        await wait_for(lambda: kueue.workload("demo") is not None, "the Kueue Workload")
+        pod_sets = kueue.workload("demo")["spec"]["podSets"]
+        assert [(p["name"], p["count"]) for p in pod_sets] == [("trainer", 1), ("inference", 2)]
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+        assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
 
-    await admit(cluster, [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
-                          {"type": "Admitted", "status": "True", "reason": "Admitted"}])  # fmt: skip
-    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is not None, "the workloads")
-    assert cluster.get("batch/v1/jobs", "demo-trainer") is not None
+        await kueue.admit("demo")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is not None, "the workloads")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is not None
+        await complete(cluster, "demo")
+        await wait_for(lambda: phase(cluster) == "Succeeded", "Succeeded")
+        finished = await wait_for(lambda: find(kueue.workload("demo"), "Finished"), "the Workload marked Finished")
+        assert (finished["status"], finished["reason"]) == ("True", "Succeeded")
+        kinds = [x["type"] for x in kueue.workload("demo")["status"]["conditions"]]
+        assert {"QuotaReserved", "Admitted", "Finished"} <= set(kinds), "Kueue's own conditions are kept"
 
-    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by job x"}
-    await admit(cluster, [{"type": "Admitted", "status": "False", "reason": "Pending"}, evicted])
-    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
-    # The workloads go before the status that says why is written (deletes come first in a pass).
-    await wait_for(lambda: "by job x" in cluster.status("demo")["message"], "the eviction in the message")
-    assert phase(cluster) == "Pending"
 
-    await admit(cluster, [{"type": "Admitted", "status": "True", "reason": "Admitted"}])
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the trainer again")
-    await cluster.set_status(
-        "batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True", "reason": "Done"}]}
-    )
-    await wait_for(lambda: phase(cluster) == "Succeeded", "Succeeded")
-    finished = lambda: [x for x in cluster.get(WORKLOADS, "demo")["status"]["conditions"] if x["type"] == "Finished"]  # noqa: E731
-    await wait_for(finished, "the Workload marked Finished")
-    kinds = [x["type"] for x in cluster.get(WORKLOADS, "demo")["status"]["conditions"]]
-    assert kinds == ["Admitted", "Finished"], "Kueue's own conditions are kept"
+async def test_an_evicted_job_gives_its_quota_back_so_the_preemptor_runs_and_it_is_admitted_again(cluster, operator):
+    """Kueue only sets Evicted; the integration, once the job's pods are gone, clears the admission, sets
+    QuotaReserved False and Requeued (True for a preemption): pkg/controller/jobframework/reconciler.go, "handle
+    eviction". Without that the Workload holds its quota for ever and the preemptor is never admitted."""
+    async with FakeKueue(cluster, capacity=1) as kueue:  # quota for one job at a time
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        # A job of a higher priority (another integration's, e.g. a batch Job) comes and preempts it.
+        await kueue.add_workload("urgent", priority=100)
+        await kueue.preempt("demo", by="urgent")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
+        # The quota goes back: Kueue admits the preemptor.
+        await wait_for(lambda: kueue.admissions == ["demo", "urgent"], "the preemptor admitted")
+        workload = kueue.workload("demo")
+        assert "admission" not in workload["status"]
+        quota, requeued = find(workload, "QuotaReserved"), find(workload, "Requeued")
+        assert (quota["status"], quota["reason"]) == ("False", "Pending")
+        assert quota["message"] == find(workload, "Evicted")["message"]
+        assert (requeued["status"], requeued["reason"]) == ("True", "Preempted")
+        assert find(workload, "Admitted")["status"] == "False"
+        assert find(workload, "Evicted")["status"] == "True", "Evicted is Kueue's to reset, at the next admission"
+        await wait_for(lambda: "admitted again" in cluster.status("demo").get("message", ""), "demo waits again")
+        assert phase(cluster) == "Pending" and "prioritization in the ClusterQueue" in cluster.status("demo")["message"]
+        admitted = cluster.condition("demo", names.ADMITTED)
+        assert (admitted["status"], admitted["reason"]) == ("False", names.R_EVICTED)
+
+        # The preemptor finishes, its quota goes back, and the evicted job is admitted and runs again.
+        await kueue.finish("urgent")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted again and restarted")
+        assert kueue.admissions == ["demo", "urgent", "demo"]
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("status") == "True", "demo Admitted")
+        assert find(kueue.workload("demo"), "Evicted")["status"] == "False"
 
 
 FLAVORS_PATH = "/apis/kueue.x-k8s.io/v1beta1/resourceflavors"
@@ -65,24 +95,16 @@ async def add_flavor(cluster, name: str, node_labels: dict[str, str], toleration
     await cluster._call("POST", FLAVORS_PATH, doc)
 
 
-async def admit_to(cluster, trainer: str, inference: str) -> None:
-    """Kueue admits the Workload: each pod set's GPUs from a ResourceFlavor (the status write Kueue makes)."""
-    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo/status"
-    assignments = [
-        {"name": "trainer", "flavors": {"nvidia.com/gpu": trainer, "cpu": "default"}, "count": 1},
-        {"name": "inference", "flavors": {"nvidia.com/gpu": inference}, "count": 1},
-    ]
-    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
-                "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    status = {"admission": {"clusterQueue": "cq", "podSetAssignments": assignments}, "conditions": [admitted]}
-    await cluster._call("PATCH", path, {"status": status})
+def to(trainer: str, inference: str) -> dict[str, dict[str, str]]:
+    """Each pod set's GPUs from a ResourceFlavor (the trainer's CPUs from the default one)."""
+    return {"trainer": {"nvidia.com/gpu": trainer, "cpu": "default"}, "inference": {"nvidia.com/gpu": inference}}
 
 
 def pod_spec(cluster, resource: str, name: str) -> dict:
     return cluster.get(resource, name)["spec"]["template"]["spec"]
 
 
-async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster, operator):
+async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster, operator, kueue):
     await add_flavor(cluster, "default", {})
     await add_flavor(cluster, "h100", {"gpu.example.com/pool": "h100"}, [GPU_TAINT])
     await add_flavor(cluster, "l4", {"gpu.example.com/pool": "l4"})
@@ -90,7 +112,7 @@ async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster
     doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
     await cluster.apply(doc)
     await wait_for(lambda: cluster.get(WORKLOADS, "demo") is not None, "the Kueue Workload")
-    await admit_to(cluster, trainer="h100", inference="l4")
+    await kueue.admit("demo", to(trainer="h100", inference="l4"))
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is not None, "the workloads")
     trainer = pod_spec(cluster, "batch/v1/jobs", "demo-trainer")
     assert trainer["nodeSelector"] == {"topology.kubernetes.io/zone": "a", "gpu.example.com/pool": "h100"}
@@ -107,25 +129,25 @@ async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster
     assert "gpu.example.com/pool" not in str(cluster.get(WORKLOADS, "demo")["spec"])
 
     # Evicted, then admitted elsewhere: the new pods follow the new flavors, nothing is left of the old ones.
-    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by job x",
-               "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    await admit(cluster, [{"type": "Admitted", "status": "False", "reason": "Pending"}, evicted])
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
-    await admit_to(cluster, trainer="l4", inference="h100")
+    await kueue.evict("demo", "Preempted", "by job x")
+    await wait_for(lambda: kueue.why_not_admissible(kueue.workload("demo")) is None, "the quota given back")
+    await kueue.admit("demo", to(trainer="l4", inference="h100"))
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the trainer again")
     trainer = pod_spec(cluster, "batch/v1/jobs", "demo-trainer")
     assert trainer["nodeSelector"] == {"topology.kubernetes.io/zone": "a", "gpu.example.com/pool": "l4"}
     assert "tolerations" not in trainer
 
 
-async def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_and_finishes_the_workload(cluster, operator):
+async def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_and_finishes_the_workload(
+    cluster, operator, kueue
+):
     await add_flavor(cluster, "default", {})
     await add_flavor(cluster, "h100", {"gpu.example.com/pool": "h100"})
     doc = job_doc(trainer={"nodeSelector": {"gpu.example.com/pool": "a100"}})
     doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
     await cluster.apply(doc)
     await wait_for(lambda: cluster.get(WORKLOADS, "demo") is not None, "the Kueue Workload")
-    await admit_to(cluster, trainer="h100", inference="h100")
+    await kueue.admit("demo", to(trainer="h100", inference="h100"))
     await wait_for(lambda: phase(cluster) == "Failed", "Failed")
     assert cluster.condition("demo", names.FAILED)["reason"] == names.R_FAILED_TO_START
     assert cluster.get("batch/v1/jobs", "demo-trainer") is None

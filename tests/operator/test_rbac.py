@@ -48,6 +48,8 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await cluster.apply(queued)
             workloads = "kueue.x-k8s.io/v1beta1/workloads"
             await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+            # Full passes (every resync) read it from the API, not from the watch.
+            await wait_for(lambda: ("get", "workloads", "queued") in cluster.emulator.log, "a full pass's read")
             admitted = [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
                          "lastTransitionTime": "2026-01-01T00:00:00Z"}]  # fmt: skip
             # Admitted to a ResourceFlavor, which the operator reads to place the pods.

@@ -57,10 +57,21 @@ def view_of(doc: dict[str, Any]):
 
 
 def admitted(status: str = "True", evicted: bool = False) -> dict[str, Any]:
-    conditions = [{"type": "Admitted", "status": status, "reason": "Admitted" if status == "True" else "Pending"}]
+    conditions = [
+        {"type": "QuotaReserved", "status": status, "reason": "QuotaReserved" if status == "True" else "Pending"},
+        {"type": "Admitted", "status": status, "reason": "Admitted" if status == "True" else "NoReservation"},
+    ]
     if evicted:
         conditions.append({"type": "Evicted", "status": "True", "reason": "Preempted", "message": "preempted by x"})
-    return {"metadata": {"name": "demo"}, "status": {"conditions": conditions}}
+    meta = {"name": "demo", "resourceVersion": "7", "generation": 1}
+    return {"metadata": meta, "status": {"admission": {"clusterQueue": "cq"}, "conditions": conditions}}
+
+
+def written_conditions(decision) -> dict[str, tuple[str, str]]:
+    write = decision.queue_workload_write
+    assert write is not None and write.status is not None
+    assert write.status["metadata"] == {"resourceVersion": "7"}, "written only over the Workload it was decided from"
+    return {x["type"]: (x["status"], x["reason"]) for x in write.status["status"]["conditions"]}
 
 
 def test_until_kueue_admits_both_pools_no_workload_is_created():
@@ -77,24 +88,52 @@ def test_once_admitted_the_workloads_are_created():
     assert condition(decision, names.ADMITTED) == ("True", names.R_ADMITTED)
 
 
-def test_an_evicted_job_gives_both_pools_back():
-    observed = Observed(trainer_job(active=1), statefulset(1), queue_workload=admitted("False", evicted=True))
+def test_an_evicted_job_gives_both_pools_back_then_its_quota():
+    """Kueue sets Evicted and keeps the quota reserved; the integration gives it back once the job's pods are gone
+    (pkg/controller/jobframework/reconciler.go, "handle eviction")."""
+    observed = Observed(trainer_job(active=1), statefulset(1), queue_workload=admitted(evicted=True))
     decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
     assert set(decision.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
     assert decision.create == () and decision.status.phase == "Pending"
     assert condition(decision, names.ADMITTED) == ("False", names.R_EVICTED)
-    assert "preempted by x" in decision.status.message
+    assert "preempted by x" in decision.status.message and "being released" in decision.status.message
+    assert decision.queue_workload_write is None, "the quota stays reserved while the pods may still run"
+
+    gone = decide(view_of(queued_doc()), decision.status, Observed(queue_workload=admitted(evicted=True)), NOW)
+    assert written_conditions(gone) == {
+        "QuotaReserved": ("False", "Pending"),
+        "Admitted": ("False", "NoReservation"),
+        "Evicted": ("True", "Preempted"),
+        "Requeued": ("True", "Preempted"),
+    }
+    assert gone.queue_workload_write.status["status"]["admission"] is None
+    quota = next(x for x in gone.queue_workload_write.status["status"]["conditions"] if x["type"] == "QuotaReserved")
+    assert quota["message"] == "preempted by x" and quota["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+
+
+def test_after_other_evictions_kueue_requeues_the_workload_itself_and_the_job_says_so():
+    workload = admitted(evicted=True)
+    workload["status"]["conditions"][-1].update(reason="PodsReadyTimeout", message="Exceeded the PodsReady timeout")
+    decision = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=workload), NOW)
+    assert written_conditions(decision)["Requeued"] == ("False", "PodsReadyTimeout")
+    released = json.loads(json.dumps(workload))
+    released["status"]["conditions"] = decision.queue_workload_write.status["status"]["conditions"]
+    again = decide(view_of(queued_doc()), decision.status, Observed(queue_workload=released), NOW)
+    assert again.queue_workload_write is None
+    assert "requeues it once its PodsReadyTimeout backoff is over" in again.status.message
 
 
 def test_a_finished_job_marks_its_workload_finished():
     observed = Observed(trainer_job(condition="Complete"), statefulset(1), queue_workload=admitted())
     decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
-    assert decision.status.phase == "Succeeded" and decision.finish_queue_workload
+    assert decision.status.phase == "Succeeded" and written_conditions(decision)["Finished"] == ("True", "Succeeded")
     again = decide(view_of(queued_doc()), decision.status, observed, NOW)
-    assert again.finish_queue_workload  # until the Workload says Finished
+    assert written_conditions(again)["Finished"] == ("True", "Succeeded")  # until the Workload says Finished
     done = admitted()
-    done["status"]["conditions"].append({"type": "Finished", "status": "True"})
-    assert not decide(view_of(queued_doc()), decision.status, Observed(queue_workload=done), NOW).finish_queue_workload
+    done["status"]["conditions"].append({"type": "Finished", "status": "True", "reason": "Succeeded"})
+    assert (
+        decide(view_of(queued_doc()), decision.status, Observed(queue_workload=done), NOW).queue_workload_write is None
+    )
 
 
 # ---- what Kueue applies on admission: the admitted ResourceFlavors' node labels and tolerations -----------------
@@ -232,4 +271,4 @@ def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_as_kueue_does
     assert "spec.trainer.nodeSelector" in decision.status.message
     assert [(e.type, e.reason) for e in decision.events if e.reason == "Failed"] == [("Warning", "Failed")]
     # Kueue's own integrations mark the Workload Finished with reason FailedToStart (its quota goes back).
-    assert decision.finish_queue_workload and decision.queue_finish_reason == "FailedToStart"
+    assert written_conditions(decision)["Finished"] == ("True", "FailedToStart")

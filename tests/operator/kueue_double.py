@@ -1,0 +1,229 @@
+"""Kueue, played for the operator tests: what Kueue itself does to a Workload, and nothing a job integration does.
+
+A job integration (Kueue's own jobframework for its built-in kinds; the operator for GRPOLoraJobs) owns part of the
+Workload's life: it stops the job on eviction and then gives the quota back, writes PodsReady, deactivates the
+Workload of a suspended job, marks it Finished. The double must leave all of that to the operator, or the tests
+would pass for an operator that does none of it (as they once did: the test re-admitted an evicted Workload itself).
+
+Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 2026-08; read, nothing copied):
+- admission (the scheduler): `status.admission`, QuotaReserved True and Admitted True; Evicted and Preempted, if
+  True, reset to False (pkg/workload/workload.go SetQuotaReservation, pkg/workload/admissionchecks.go
+  SyncAdmittedCondition). Only an admissible Workload is admitted (workload.go IsAdmissible: active, not Finished,
+  no quota reserved; pkg/cache/queue/cluster_queue.go backoffWaitingTimeExpired: Requeued not False and
+  requeueState.requeueAt passed). With `capacity`, the double admits by itself while fewer than `capacity` Workloads
+  hold quota (a ClusterQueue whose quota fits that many jobs; a Finished Workload holds none), in BestEffortFIFO
+  order: higher `spec.priority` first, then older (workload.go Ordering.GetQueueOrderTimestamp: a preempted
+  Workload keeps its creation time).
+- eviction (preemption in pkg/scheduler/preemption, pkg/workload/evict/evict.go Evict): Evicted True with the
+  reason, and for a preemption Preempted True; `status.admission`, QuotaReserved and Admitted are kept. Releasing
+  them is the integration's part (pkg/controller/jobframework/reconciler.go, "handle eviction").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import datetime
+from collections.abc import Mapping
+from typing import Any
+
+from grpolora.testing.kube_emulator import NAMESPACE, Cluster
+
+WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
+API = "/apis/kueue.x-k8s.io/v1beta1"
+
+
+def _stamp() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def find(workload: Mapping[str, Any] | None, type_: str) -> dict[str, Any] | None:
+    return find_in(((workload or {}).get("status") or {}).get("conditions") or [], type_)
+
+
+def find_in(conditions: list[dict[str, Any]], type_: str) -> dict[str, Any] | None:
+    return next((condition for condition in conditions if condition.get("type") == type_), None)
+
+
+def is_true(workload: Mapping[str, Any] | None, type_: str) -> bool:
+    found = find(workload, type_)
+    return found is not None and found.get("status") == "True"
+
+
+def set_condition(conditions: list[dict[str, Any]], type_: str, status: str, reason: str, message: str) -> None:
+    """apimeta.SetStatusCondition: the transition time moves only when the status changes."""
+    for condition in conditions:
+        if condition["type"] == type_:
+            if condition["status"] != status:
+                condition["lastTransitionTime"] = _stamp()
+            condition.update(status=status, reason=reason, message=message)
+            return
+    conditions.append(
+        {"type": type_, "status": status, "reason": reason, "message": message, "lastTransitionTime": _stamp()}
+    )
+
+
+class FakeKueue:
+    """Kueue's scheduler and Workload controller over the emulator's API (as the test's client: the RBAC check
+    counts only the operator's calls)."""
+
+    def __init__(self, cluster: Cluster, *, capacity: int | None = None, cluster_queue: str = "cq"):
+        self.cluster, self.capacity, self.cluster_queue = cluster, capacity, cluster_queue
+        self._task: asyncio.Task[None] | None = None
+        self.admissions: list[str] = []
+        """Names of the Workloads the double admitted, in order (one entry per admission)."""
+
+    async def __aenter__(self) -> FakeKueue:
+        self._task = asyncio.create_task(self._run(), name="fake kueue")
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    # ---- reading -------------------------------------------------------------------------------------------
+
+    def workload(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
+        return self.cluster.get(WORKLOADS, name, namespace)
+
+    def workloads(self, namespace: str = NAMESPACE) -> dict[str, dict[str, Any]]:
+        return self.cluster.objects(WORKLOADS, namespace)
+
+    @staticmethod
+    def holds_quota(workload: Mapping[str, Any]) -> bool:
+        """QuotaReserved True and not Finished (Kueue's cache counts a Workload's usage until it finishes)."""
+        return is_true(workload, "QuotaReserved") and not is_true(workload, "Finished")
+
+    @staticmethod
+    def why_not_admissible(workload: Mapping[str, Any]) -> str | None:
+        """None when Kueue would queue the Workload for admission, else why not."""
+        if (workload.get("spec") or {}).get("active") is False:
+            return "spec.active is false"
+        if is_true(workload, "Finished"):
+            return "Finished"
+        if is_true(workload, "QuotaReserved"):
+            return "it still holds its quota reservation (QuotaReserved True)"
+        requeued = find(workload, "Requeued")
+        if requeued is not None and requeued["status"] == "False":
+            return f"Requeued is False ({requeued['reason']})"
+        return None
+
+    # ---- writing -------------------------------------------------------------------------------------------
+
+    async def _write_status(self, name: str, change: Any, namespace: str = NAMESPACE) -> dict[str, Any]:
+        """Read, change, write with the read resourceVersion as precondition; again on a conflict (Kueue patches
+        with server-side apply per field owner, so a concurrent write of the operator's is never lost)."""
+        while True:
+            current = self.workload(name, namespace)
+            assert current is not None, f"no Workload {namespace}/{name}"
+            status = copy.deepcopy(current.get("status") or {})
+            status.setdefault("conditions", [])
+            change(status)
+            path = f"{API}/namespaces/{namespace}/workloads/{name}/status"
+            body = {"metadata": {"resourceVersion": current["metadata"]["resourceVersion"]}, "status": status}
+            if "admission" in current.get("status", {}) and "admission" not in status:
+                body["status"]["admission"] = None
+            async with self.cluster.session.patch(self.cluster.url + path, json=body) as response:
+                if response.status == 409:
+                    continue
+                payload = await response.json(content_type=None)
+                assert response.status < 300, f"PATCH {path}: {response.status} {payload}"
+                return payload
+
+    async def admit(
+        self, name: str, flavors: Mapping[str, Mapping[str, str]] | None = None, namespace: str = NAMESPACE
+    ) -> None:
+        """The scheduler admits the Workload: each pod set's resources from these ResourceFlavors (pod set ->
+        resource -> flavor; none by default). Fails the test if Kueue would not admit it now."""
+        workload = self.workload(name, namespace)
+        assert workload is not None, f"no Workload {namespace}/{name}"
+        why = self.why_not_admissible(workload)
+        assert why is None, f"Kueue would not admit Workload {name}: {why}"
+        assignments = [
+            {"name": p["name"], "count": p["count"], "flavors": dict((flavors or {}).get(p["name"], {}))}
+            for p in workload["spec"]["podSets"]
+        ]
+
+        def change(status: dict[str, Any]) -> None:
+            status["admission"] = {"clusterQueue": self.cluster_queue, "podSetAssignments": assignments}
+            conditions = status["conditions"]
+            message = f"Quota reserved in ClusterQueue {self.cluster_queue}"
+            set_condition(conditions, "QuotaReserved", "True", "QuotaReserved", message)
+            for type_ in ("Evicted", "Preempted"):
+                before = find_in(conditions, type_)
+                if before is not None and before["status"] == "True":
+                    set_condition(conditions, type_, "False", "QuotaReserved", f"Previously: {before['reason']}")
+            set_condition(conditions, "Admitted", "True", "Admitted", "The workload is admitted")
+
+        await self._write_status(name, change, namespace)
+        self.admissions.append(name)
+
+    async def evict(self, name: str, reason: str = "Preempted", message: str = "", namespace: str = NAMESPACE) -> None:
+        """Evicted True (and Preempted True for a preemption); the admission and QuotaReserved stay."""
+        message = message or f"Preempted to accommodate a workload in ClusterQueue {self.cluster_queue}"
+
+        def change(status: dict[str, Any]) -> None:
+            set_condition(status["conditions"], "Evicted", "True", reason, message)
+            if reason == "Preempted":
+                set_condition(status["conditions"], "Preempted", "True", "InClusterQueue", message)
+
+        await self._write_status(name, change, namespace)
+
+    async def preempt(self, victim: str, *, by: str, namespace: str = NAMESPACE) -> None:
+        """Kueue's preemption within the ClusterQueue: `by` (of a higher priority) needs the victim's quota."""
+        workloads = self.workloads(namespace)
+        priority = {name: int((w.get("spec") or {}).get("priority") or 0) for name, w in workloads.items()}
+        assert priority[by] > priority[victim], "Kueue preempts within a ClusterQueue only for a higher priority"
+        uid = workloads[by]["metadata"]["uid"]
+        message = f"Preempted to accommodate a workload (UID: {uid}) due to prioritization in the ClusterQueue"
+        await self.evict(victim, "Preempted", message, namespace)
+
+    async def add_workload(self, name: str, *, priority: int, namespace: str = NAMESPACE) -> None:
+        """A Workload of another integration's job (e.g. a batch Job's, which Kueue's Job integration creates)."""
+        template = {"spec": {"containers": [{"name": "main", "image": "busybox"}], "restartPolicy": "Never"}}
+        doc = {
+            "apiVersion": "kueue.x-k8s.io/v1beta1",
+            "kind": "Workload",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "queueName": "gpu-queue",
+                "priority": priority,
+                "podSets": [{"name": "main", "count": 1, "template": template}],
+            },
+        }
+        await self.cluster._call("POST", f"{API}/namespaces/{namespace}/workloads", doc)
+
+    async def finish(self, name: str, namespace: str = NAMESPACE) -> None:
+        """What that other integration does when its job ends: Finished, which returns the quota."""
+
+        def change(status: dict[str, Any]) -> None:
+            set_condition(status["conditions"], "Finished", "True", "Succeeded", "Job finished successfully")
+
+        await self._write_status(name, change, namespace)
+
+    # ---- the controllers' loop -----------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(0.05)
+            await self.tick()
+
+    async def tick(self) -> None:
+        """One round of Kueue's controllers over every Workload of the namespace."""
+        if self.capacity is None:
+            return
+        workloads = self.workloads()
+        holding = sum(1 for w in workloads.values() if self.holds_quota(w))
+        pending = sorted(
+            (w for w in workloads.values() if self.why_not_admissible(w) is None),
+            key=lambda w: (
+                -int((w.get("spec") or {}).get("priority") or 0),
+                w["metadata"]["creationTimestamp"],
+                w["metadata"]["uid"],
+            ),
+        )
+        for workload in pending[: max(self.capacity - holding, 0)]:
+            await self.admit(workload["metadata"]["name"])
