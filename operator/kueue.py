@@ -8,6 +8,9 @@ Kueue's built-in kinds. Kueue's own controllers reserve quota, admit and evict; 
   preemption or node failures, else False with the eviction's reason, which Kueue's Workload controller turns True
   after its backoff or on reactivation): workload.UnsetQuotaReservationWithCondition, SetRequeuedCondition,
   SyncAdmittedCondition. Until then Kueue counts the quota as used, and a preemptor is never admitted;
+- write PodsReady from its pods (generatePodsReadyCondition): False WaitForStart until the pods of an admitted
+  Workload are all ready, then True Started; False WaitForRecovery when they stop being ready, True Recovered after.
+  Kueue's waitForPodsReady evicts a Workload whose PodsReady does not turn True in time (5 minutes by default);
 - mark it Finished (reason Succeeded or Failed, or FailedToStart when the admission cannot be honoured), which
   returns the quota.
 Every status write carries the Workload's resourceVersion as a precondition: it replaces the conditions list
@@ -223,12 +226,13 @@ def integration_write(
     *,
     now: str,
     inactive: bool,
+    pods_ready: bool,
     finished: tuple[str, str] | None,
 ) -> WorkloadWrite | None:
     """The integration's writes on the Workload (see the module docstring); None when there is nothing to write.
 
-    `inactive`: the job's workloads are gone (no pod can hold the quota); `finished`: (reason, message) once the job
-    has ended."""
+    `inactive`: the job's workloads are gone (no pod can hold the quota); `pods_ready`: every pod of the job is ready
+    (the counts of the job's own PodsReady condition); `finished`: (reason, message) once the job has ended."""
     meta = workload.get("metadata") or {}
     generation = meta.get("generation")
     new = [dict(x) for x in conditions(workload)]
@@ -246,6 +250,11 @@ def integration_write(
             if is_true(workload, ADMITTED):
                 _set(new, ADMITTED, "False", NO_RESERVATION, "The workload has no reservation", now, generation)
             released = True
+        admitted = any(x.get("type") == ADMITTED and x.get("status") == "True" for x in new)
+        before = condition(workload, PODS_READY)
+        status, reason, message = pods_ready_condition(before, admitted=admitted, ready=pods_ready)
+        if before is None or (before.get("status"), before.get("reason")) != (status, reason):
+            _set(new, PODS_READY, status, reason, message, now, generation)
     patch: dict[str, Any] | None = None
     if new != conditions(workload) or released:
         patch = {"status": {"conditions": new}}
@@ -256,6 +265,19 @@ def integration_write(
     if patch is None:
         return None
     return WorkloadWrite(status=patch, released=released)
+
+
+def pods_ready_condition(before: Mapping[str, Any] | None, *, admitted: bool, ready: bool) -> tuple[str, str, str]:
+    """(status, reason, message) of the Workload's PodsReady, as Kueue's generatePodsReadyCondition words it; written
+    only when its status or reason changes (workload.HasConditionWithTypeAndReason)."""
+    if not admitted:
+        return "False", WAIT_FOR_START, _NOT_READY
+    previous = (before or {}).get("reason")
+    if ready:
+        return "True", RECOVERED if previous in (WAIT_FOR_RECOVERY, RECOVERED) else STARTED, _READY
+    if before is not None and (before.get("status") == "True" or previous == WAIT_FOR_RECOVERY):
+        return "False", WAIT_FOR_RECOVERY, _RECOVERING
+    return "False", WAIT_FOR_START, _NOT_READY
 
 
 def _bool(value: bool) -> str:

@@ -507,6 +507,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             observed.queue_workload,
             now=stamp,
             inactive=tj is None and sts is None,
+            # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
+            pods_ready=wanted and pods.status == "True",
             finished=(finish_reason, message) if finished else None,
         )
     return Decision(

@@ -17,6 +17,13 @@ Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 
 - eviction (preemption in pkg/scheduler/preemption, pkg/workload/evict/evict.go Evict): Evicted True with the
   reason, and for a preemption Preempted True; `status.admission`, QuotaReserved and Admitted are kept. Releasing
   them is the integration's part (pkg/controller/jobframework/reconciler.go, "handle eviction").
+- waitForPodsReady (`pods_ready_timeout`; pkg/controller/core/workload_controller.go reconcileNotReadyTimeout,
+  admittedNotReadyWorkload): an admitted, active, not yet evicted Workload whose PodsReady is not True (absent, or
+  False WaitForStart) `pods_ready_timeout` seconds after its admission is evicted with reason PodsReadyTimeout,
+  message "Exceeded the PodsReady timeout <ns>/<name>", its requeueState.count + 1 and requeueAt after the backoff
+  (UpdateRequeueState; `backoff` seconds here). Once the integration has released it (Requeued False,
+  PodsReadyTimeout) and requeueAt has passed, Requeued turns True with reason BackoffFinished (the Workload
+  controller's reconcile of an active Workload). The integration writes PodsReady; the double never does.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -68,11 +76,26 @@ class FakeKueue:
     """Kueue's scheduler and Workload controller over the emulator's API (as the test's client: the RBAC check
     counts only the operator's calls)."""
 
-    def __init__(self, cluster: Cluster, *, capacity: int | None = None, cluster_queue: str = "cq"):
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        capacity: int | None = None,
+        cluster_queue: str = "cq",
+        pods_ready_timeout: float | None = None,
+        backoff: float = 0.2,
+    ):
         self.cluster, self.capacity, self.cluster_queue = cluster, capacity, cluster_queue
+        self.pods_ready_timeout, self.backoff = pods_ready_timeout, backoff
         self._task: asyncio.Task[None] | None = None
         self.admissions: list[str] = []
         """Names of the Workloads the double admitted, in order (one entry per admission)."""
+        self._admitted_at: dict[str, float] = {}
+        self._requeue_at: dict[str, float] = {}
+        self.timed_out: list[str] = []
+        """Workloads evicted for the PodsReady timeout, in order."""
+        self.ready_in_time: list[str] = []
+        """Workloads whose PodsReady timeout passed while they were ready (each admission at most once)."""
 
     async def __aenter__(self) -> FakeKueue:
         self._task = asyncio.create_task(self._run(), name="fake kueue")
@@ -110,6 +133,9 @@ class FakeKueue:
         if requeued is not None and requeued["status"] == "False":
             return f"Requeued is False ({requeued['reason']})"
         return None
+
+    def _backoff_over(self, name: str) -> bool:
+        return time.monotonic() >= self._requeue_at.get(name, 0.0)
 
     # ---- writing -------------------------------------------------------------------------------------------
 
@@ -160,6 +186,7 @@ class FakeKueue:
 
         await self._write_status(name, change, namespace)
         self.admissions.append(name)
+        self._admitted_at[name] = time.monotonic()
 
     async def evict(self, name: str, reason: str = "Preempted", message: str = "", namespace: str = NAMESPACE) -> None:
         """Evicted True (and Preempted True for a preemption); the admission and QuotaReserved stay."""
@@ -213,12 +240,18 @@ class FakeKueue:
 
     async def tick(self) -> None:
         """One round of Kueue's controllers over every Workload of the namespace."""
+        for name, workload in self.workloads().items():
+            await self._workload_controller(name, workload)
         if self.capacity is None:
             return
         workloads = self.workloads()
         holding = sum(1 for w in workloads.values() if self.holds_quota(w))
         pending = sorted(
-            (w for w in workloads.values() if self.why_not_admissible(w) is None),
+            (
+                w
+                for w in workloads.values()
+                if self.why_not_admissible(w) is None and self._backoff_over(w["metadata"]["name"])
+            ),
             key=lambda w: (
                 -int((w.get("spec") or {}).get("priority") or 0),
                 w["metadata"]["creationTimestamp"],
@@ -227,3 +260,49 @@ class FakeKueue:
         )
         for workload in pending[: max(self.capacity - holding, 0)]:
             await self.admit(workload["metadata"]["name"])
+
+    async def _workload_controller(self, name: str, workload: dict[str, Any]) -> None:
+        requeued = find(workload, "Requeued")
+        active = (workload.get("spec") or {}).get("active") is not False
+        if (
+            active
+            and requeued is not None
+            and requeued["status"] == "False"
+            and requeued["reason"] in ("PodsReadyTimeout", "AdmissionCheck")
+            and self._backoff_over(name)
+        ):
+
+            def finish_backoff(status: dict[str, Any]) -> None:
+                set_condition(
+                    status["conditions"], "Requeued", "True", "BackoffFinished", "The workload backoff was finished"
+                )
+                (status.get("requeueState") or {}).pop("requeueAt", None)
+
+            await self._write_status(name, finish_backoff)
+            return
+        if self.pods_ready_timeout is None or not active or is_true(workload, "Evicted"):
+            return
+        if not is_true(workload, "Admitted") or name not in self._admitted_at:
+            return
+        if time.monotonic() - self._admitted_at[name] < self.pods_ready_timeout:
+            return
+        if is_true(workload, "PodsReady"):
+            if name not in self.ready_in_time:
+                self.ready_in_time.append(name)
+            return
+        ready = find(workload, "PodsReady")
+        if ready is not None and ready["reason"] not in ("WaitForStart", "PodsReady"):
+            return  # WaitForRecovery: only a recoveryTimeout (not configured here) evicts it
+        self._requeue_at[name] = time.monotonic() + self.backoff
+        count = int(((workload.get("status") or {}).get("requeueState") or {}).get("count") or 0) + 1
+        stamp = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=self.backoff)).strftime(
+            "%Y-%m-%dT%H:%M:%SZ"
+        )
+
+        def time_out(status: dict[str, Any]) -> None:
+            message = f"Exceeded the PodsReady timeout {NAMESPACE}/{name}"
+            set_condition(status["conditions"], "Evicted", "True", "PodsReadyTimeout", message)
+            status["requeueState"] = {"count": count, "requeueAt": stamp}
+
+        await self._write_status(name, time_out)
+        self.timed_out.append(name)

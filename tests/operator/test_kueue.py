@@ -84,6 +84,34 @@ async def test_an_evicted_job_gives_its_quota_back_so_the_preemptor_runs_and_it_
         assert find(kueue.workload("demo"), "Evicted")["status"] == "False"
 
 
+async def test_pods_ready_is_written_so_kueues_wait_for_pods_ready_evicts_only_jobs_whose_pods_are_not_ready(
+    cluster, operator
+):
+    """Kueue's waitForPodsReady evicts an admitted Workload whose PodsReady condition is not True in time; the
+    integration writes that condition (jobframework/reconciler.go generatePodsReadyCondition)."""
+    async with FakeKueue(cluster, capacity=1, pods_ready_timeout=0.5) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        ready = await wait_for(lambda: find(kueue.workload("demo"), "PodsReady"), "PodsReady written")
+        assert (ready["status"], ready["reason"]) == ("False", "WaitForStart")
+        # The pods do not get ready in time: evicted, released, requeued after Kueue's backoff, admitted again.
+        await wait_for(lambda: kueue.timed_out == ["demo"], "the PodsReady timeout")
+        await wait_for(lambda: kueue.admissions == ["demo", "demo"], "admitted again after the backoff")
+        requeued = find(kueue.workload("demo"), "Requeued")
+        assert (requeued["status"], requeued["reason"]) == ("True", "BackoffFinished")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "started again")
+
+        # Now they do: PodsReady True from the same counts as the job's own PodsReady, and no eviction.
+        await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1, "ready": 1})
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the inference StatefulSet")
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"readyReplicas": 1})
+        await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("status") == "True", "pods ready")
+        await wait_for(lambda: kueue.ready_in_time == ["demo"], "the timeout passed with the pods ready")
+        ready = find(kueue.workload("demo"), "PodsReady")
+        assert (ready["status"], ready["reason"]) == ("True", "Started")
+        assert kueue.timed_out == ["demo"] and cluster.get("batch/v1/jobs", "demo-trainer") is not None
+
+
 FLAVORS_PATH = "/apis/kueue.x-k8s.io/v1beta1/resourceflavors"
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 

@@ -97,7 +97,8 @@ def test_an_evicted_job_gives_both_pools_back_then_its_quota():
     assert decision.create == () and decision.status.phase == "Pending"
     assert condition(decision, names.ADMITTED) == ("False", names.R_EVICTED)
     assert "preempted by x" in decision.status.message and "being released" in decision.status.message
-    assert decision.queue_workload_write is None, "the quota stays reserved while the pods may still run"
+    assert not decision.queue_workload_write.released, "the quota stays reserved while the pods may still run"
+    assert "admission" not in decision.queue_workload_write.status["status"]
 
     gone = decide(view_of(queued_doc()), decision.status, Observed(queue_workload=admitted(evicted=True)), NOW)
     assert written_conditions(gone) == {
@@ -105,6 +106,7 @@ def test_an_evicted_job_gives_both_pools_back_then_its_quota():
         "Admitted": ("False", "NoReservation"),
         "Evicted": ("True", "Preempted"),
         "Requeued": ("True", "Preempted"),
+        "PodsReady": ("False", "WaitForStart"),
     }
     assert gone.queue_workload_write.status["status"]["admission"] is None
     quota = next(x for x in gone.queue_workload_write.status["status"]["conditions"] if x["type"] == "QuotaReserved")
@@ -134,6 +136,34 @@ def test_a_finished_job_marks_its_workload_finished():
     assert (
         decide(view_of(queued_doc()), decision.status, Observed(queue_workload=done), NOW).queue_workload_write is None
     )
+
+
+def test_pods_ready_follows_the_jobs_own_counts_as_kueue_words_it():
+    """jobframework/reconciler.go generatePodsReadyCondition: WaitForStart until ready, Started, WaitForRecovery
+    after a loss, Recovered; written only when its status or reason changes."""
+
+    def write(workload, *objects):
+        observed = Observed(*objects, queue_workload=workload)
+        decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
+        return decision.queue_workload_write
+
+    workload = admitted()
+    first = write(workload, trainer_job(active=1), statefulset(0))
+    assert written_conditions_of(first)["PodsReady"] == ("False", "WaitForStart")
+    workload["status"]["conditions"] = first.status["status"]["conditions"]
+    assert write(workload, trainer_job(active=1), statefulset(0)) is None, "nothing new, nothing written"
+    ready = write(workload, trainer_job(active=1, ready=1), statefulset(1))
+    assert written_conditions_of(ready)["PodsReady"] == ("True", "Started")
+    workload["status"]["conditions"] = ready.status["status"]["conditions"]
+    lost = write(workload, trainer_job(active=1, ready=1), statefulset(0))
+    assert written_conditions_of(lost)["PodsReady"] == ("False", "WaitForRecovery")
+    workload["status"]["conditions"] = lost.status["status"]["conditions"]
+    back = write(workload, trainer_job(active=1, ready=1), statefulset(1))
+    assert written_conditions_of(back)["PodsReady"] == ("True", "Recovered")
+
+
+def written_conditions_of(write) -> dict[str, tuple[str, str]]:
+    return {x["type"]: (x["status"], x["reason"]) for x in write.status["status"]["conditions"]}
 
 
 # ---- what Kueue applies on admission: the admitted ResourceFlavors' node labels and tolerations -----------------
