@@ -438,6 +438,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     pods = _pods_condition(wanted, phase, counts, observed)
     if overdue is not None and wanted:
         pods = cond.Want(names.PODS_READY, "False", names.R_STARTUP_DEADLINE, overdue)
+    elif wanted and tj is not None and (tj.get("spec") or {}).get("suspend"):
+        pods = cond.Want(names.PODS_READY, "False", names.R_TRAINER_JOB_SUSPENDED, _suspended_by_another(tj, queue))
     rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
     pending_why = pods.message if pods.status == "False" and wanted else ""
     if observed.blocked:
@@ -602,6 +604,23 @@ def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
         "False",
         names.R_QUEUED,
         f"waiting in Kueue LocalQueue {queue} for both pools to be admitted together (Workload {name or 'pending'})",
+    )
+
+
+def _suspended_by_another(trainer_job: K8sObject, queue: str | None) -> str:
+    """Why a trainer Job that the operator created unsuspended is suspended: most likely Kueue's batch/v1 Job
+    integration, under manageJobsWithoutQueueName (see docs/operator.md, Kueue's manageJobsWithoutQueueName)."""
+    name = trainer_job["metadata"]["name"]
+    fix = (
+        f"list {c.KIND}.{c.VERSION}.{c.GROUP} in Kueue's integrations.externalFrameworks, so that Kueue takes the "
+        "job for the trainer Job's Kueue-managed owner"
+    )
+    if queue is None:
+        fix += f", and give the job a {c.KUEUE_QUEUE_LABEL} label (Kueue holds a Kueue-managed job's Jobs until its "
+        fix += "Workload is admitted)"
+    return (
+        f"the trainer Job {name} is suspended (spec.suspend: true), not by the operator: no trainer pod runs. Kueue's "
+        f"Job integration does this under manageJobsWithoutQueueName; {fix}"
     )
 
 

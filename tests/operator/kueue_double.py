@@ -24,6 +24,15 @@ Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 
   (UpdateRequeueState; `backoff` seconds here). Once the integration has released it (Requeued False,
   PodsReadyTimeout) and requeueAt has passed, Requeued turns True with reason BackoffFinished (the Workload
   controller's reconcile of an active Workload). The integration writes PodsReady; the double never does.
+- the batch/v1 Job webhook (`manage_jobs_without_queue_name`, `external_frameworks`; pkg/controller/jobs/job/
+  job_webhook.go Default -> jobframework/defaults.go ApplyDefaultForSuspend -> WorkloadShouldBeSuspended): a Job
+  is created suspended unless a Kueue-managed ancestor owns it (FindAncestorJobManagedByKueue: the controller
+  owner's kind is a built-in integration or listed in `integrations.externalFrameworks` as Kind.version.group, its
+  uid matches, and it has the queue-name label or manageJobsWithoutQueueName is on); otherwise when it has the
+  queue-name label itself, or manageJobsWithoutQueueName is on. Kueue would then queue the suspended Job a second
+  time with a Workload of its own.
+- the Job reconciler for such a child (jobframework/reconciler.go shouldSuspendChildJob): a running child Job
+  whose managed ancestor has no unfinished Workload, or one not admitted, is suspended.
 """
 
 from __future__ import annotations
@@ -36,9 +45,12 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from grpolora.testing.kube_emulator import NAMESPACE, Cluster
+from grpolora.testing.kube_emulator import NAMESPACE, RESOURCES, Cluster
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
+QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
+REGISTERED = ("GRPOLoraJob.v1alpha1.grpolora.dev",)
+"""What docs/operator.md tells platform teams to list in Kueue's integrations.externalFrameworks."""
 API = "/apis/kueue.x-k8s.io/v1beta1"
 
 
@@ -84,6 +96,9 @@ class FakeKueue:
         cluster_queue: str = "cq",
         pods_ready_timeout: float | None = None,
         backoff: float = 0.2,
+        manage_jobs_without_queue_name: bool = False,
+        external_frameworks: tuple[str, ...] = (),
+        job_webhook: bool = False,
     ):
         self.cluster, self.capacity, self.cluster_queue = cluster, capacity, cluster_queue
         self.pods_ready_timeout, self.backoff = pods_ready_timeout, backoff
@@ -96,13 +111,22 @@ class FakeKueue:
         """Workloads evicted for the PodsReady timeout, in order."""
         self.ready_in_time: list[str] = []
         """Workloads whose PodsReady timeout passed while they were ready (each admission at most once)."""
+        self.manage_jobs_without_queue_name = manage_jobs_without_queue_name
+        self.external_frameworks = external_frameworks
+        self.job_webhook = job_webhook or manage_jobs_without_queue_name or bool(external_frameworks)
+        self.suspended_jobs: list[str] = []
+        """batch/v1 Jobs the webhook created suspended or the Job reconciler suspended, in order."""
 
     async def __aenter__(self) -> FakeKueue:
+        if self.job_webhook:
+            self.cluster.emulator.webhooks.append(self._default_job)
         self._task = asyncio.create_task(self._run(), name="fake kueue")
         return self
 
     async def __aexit__(self, *_: object) -> None:
         assert self._task is not None
+        if self.job_webhook:
+            self.cluster.emulator.webhooks.remove(self._default_job)
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
@@ -242,6 +266,9 @@ class FakeKueue:
         """One round of Kueue's controllers over every Workload of the namespace."""
         for name, workload in self.workloads().items():
             await self._workload_controller(name, workload)
+        if self.job_webhook:
+            for name, job in self.cluster.objects("batch/v1/jobs").items():
+                await self._reconcile_child_job(name, job)
         if self.capacity is None:
             return
         workloads = self.workloads()
@@ -306,3 +333,51 @@ class FakeKueue:
 
         await self._write_status(name, time_out)
         self.timed_out.append(name)
+
+    # ---- the batch/v1 Job integration's webhook and reconciler -------------------------------------------------
+
+    def _managed_ancestor(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """FindAncestorJobManagedByKueue, one level up (a GRPOLoraJob has no owner of its own)."""
+        meta = obj.get("metadata") or {}
+        owner = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
+        if owner is None:
+            return None
+        group, _, version = str(owner.get("apiVersion", "")).rpartition("/")
+        if f"{owner.get('kind')}.{version}.{group}" not in self.external_frameworks:
+            return None  # not a known owner: Kueue stops walking up
+        resource = next((r for r, info in RESOURCES.items() if info.kind == owner.get("kind")), None)
+        parent = self.cluster.get(resource, owner["name"], meta.get("namespace", NAMESPACE)) if resource else None
+        if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
+            return None
+        labelled = QUEUE_LABEL in ((parent.get("metadata") or {}).get("labels") or {})
+        return parent if self.manage_jobs_without_queue_name or labelled else None
+
+    def _default_job(self, request: Any, obj: dict[str, Any]) -> None:
+        if (request.resource.group, request.resource.plural) != ("batch", "jobs"):
+            return
+        if self._managed_ancestor(obj) is not None:
+            return
+        labels = (obj.get("metadata") or {}).get("labels") or {}
+        if labels.get(QUEUE_LABEL) or self.manage_jobs_without_queue_name:
+            obj.setdefault("spec", {})["suspend"] = True
+            self.suspended_jobs.append(obj["metadata"]["name"])
+
+    async def _reconcile_child_job(self, name: str, job: dict[str, Any]) -> None:
+        ancestor = self._managed_ancestor(job)
+        spec, status = job.get("spec") or {}, job.get("status") or {}
+        finished = any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
+                       for c in status.get("conditions") or [])  # fmt: skip
+        if ancestor is None or spec.get("suspend") or finished:
+            return
+        uid = ancestor["metadata"]["uid"]
+        owned = [
+            w
+            for w in self.workloads(job["metadata"].get("namespace", NAMESPACE)).values()
+            if any(ref.get("uid") == uid for ref in w["metadata"].get("ownerReferences") or [])
+            and not is_true(w, "Finished")
+        ]
+        if owned and is_true(owned[-1], "Admitted"):
+            return
+        path = f"/apis/batch/v1/namespaces/{job['metadata'].get('namespace', NAMESPACE)}/jobs/{name}"
+        await self.cluster._call("PATCH", path, {"spec": {"suspend": True}})
+        self.suspended_jobs.append(name)

@@ -8,7 +8,7 @@ from grpolora.api import constants as c
 from grpolora.operator import names
 from tests.helpers import job_doc
 from tests.operator.harness import wait_for
-from tests.operator.kueue_double import FakeKueue, find
+from tests.operator.kueue_double import REGISTERED, FakeKueue, find
 from tests.operator.test_operator import phase
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
@@ -110,6 +110,42 @@ async def test_pods_ready_is_written_so_kueues_wait_for_pods_ready_evicts_only_j
         ready = find(kueue.workload("demo"), "PodsReady")
         assert (ready["status"], ready["reason"]) == ("True", "Started")
         assert kueue.timed_out == ["demo"] and cluster.get("batch/v1/jobs", "demo-trainer") is not None
+
+
+async def test_under_manage_jobs_without_queue_name_the_trainer_job_runs_only_with_the_kind_registered(
+    cluster, operator
+):
+    """Kueue's Job webhook suspends a Job whose owner's kind it does not know (and queues it a second time);
+    listing GRPOLoraJob in integrations.externalFrameworks makes the GRPOLoraJob its Kueue-managed ancestor."""
+    async with FakeKueue(cluster, manage_jobs_without_queue_name=True) as kueue:  # nothing registered
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: kueue.workload("demo"), "the Workload")
+        await kueue.admit("demo")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job")
+        assert cluster.get("batch/v1/jobs", "demo-trainer")["spec"]["suspend"] is True
+        await wait_for(lambda: "integrations.externalFrameworks" in cluster.status("demo")["message"], "the reason")
+        assert REGISTERED[0] in cluster.status("demo")["message"]
+        reason = cluster.condition("demo", names.PODS_READY)["reason"]
+        assert reason == names.R_TRAINER_JOB_SUSPENDED
+        await cluster.delete_job("demo")
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "demo's children collected")
+
+    async with FakeKueue(cluster, manage_jobs_without_queue_name=True, external_frameworks=REGISTERED) as kueue:
+        await cluster.apply(queued("registered"))
+        await wait_for(lambda: kueue.workload("registered"), "the Workload")
+        await kueue.admit("registered")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "registered-trainer"), "the trainer Job")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "registered-inference"), "the StatefulSet")
+        await kueue.tick()  # the Job reconciler has looked at it: its ancestor's Workload is admitted
+        assert not cluster.get("batch/v1/jobs", "registered-trainer")["spec"].get("suspend"), kueue.suspended_jobs
+        assert kueue.suspended_jobs == []
+
+        # A job without a queue label there: Kueue holds its trainer (its managed owner has no Workload).
+        unqueued = job_doc()
+        unqueued["metadata"]["name"] = "unqueued"
+        await cluster.apply(unqueued)
+        await wait_for(lambda: kueue.suspended_jobs == ["unqueued-trainer"], "Kueue suspends the trainer Job")
+        await wait_for(lambda: "queue-name" in cluster.status("unqueued")["message"], "the reason")
 
 
 FLAVORS_PATH = "/apis/kueue.x-k8s.io/v1beta1/resourceflavors"
