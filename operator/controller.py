@@ -691,9 +691,21 @@ class Controller:
         holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
         so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
         write = decision.queue_workload_write
-        if write is None or write.status is None:
+        if write is None:
             return True
         key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
+        if write.spec is not None:
+            written = await self.client.patch(kube.KUEUE_WORKLOAD, job.namespace, job.name, write.spec)
+            if written is not None:
+                self._remember(key, dict(written), written)
+                active = (written.get("spec") or {}).get("active") is not False
+                logger.info(
+                    "%s/%s: %s the Kueue Workload", job.namespace, job.name, "reactivated" if active else "deactivated"
+                )
+            if write.status is not None:
+                return False  # the status patch was decided from the older version: decide again
+        if write.status is None:
+            return True
         try:
             written = await self.client.patch(
                 kube.KUEUE_WORKLOAD, job.namespace, job.name, write.status, subresource="status"

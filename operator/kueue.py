@@ -11,6 +11,10 @@ Kueue's built-in kinds. Kueue's own controllers reserve quota, admit and evict; 
 - write PodsReady from its pods (generatePodsReadyCondition): False WaitForStart until the pods of an admitted
   Workload are all ready, then True Started; False WaitForRecovery when they stop being ready, True Recovered after.
   Kueue's waitForPodsReady evicts a Workload whose PodsReady does not turn True in time (5 minutes by default);
+- deactivate it (`spec.active: false`) while the job is suspended (as integrations with custom activation do:
+  reconciler.go JobWithCustomWorkloadActivation), so that a suspended job neither holds quota nor is admitted; Kueue
+  then evicts it (Deactivated) and the release above gives the quota back. On resume it is reactivated (Kueue
+  requeues it: Requeued True, Reactivated), but only if the operator deactivated it;
 - mark it Finished (reason Succeeded or Failed, or FailedToStart when the admission cannot be honoured), which
   returns the quota.
 Every status write carries the Workload's resourceVersion as a precondition: it replaces the conditions list
@@ -217,8 +221,15 @@ class WorkloadWrite:
     status: dict[str, Any] | None = None
     """Merge patch of the Workload's status subresource: the whole conditions list (and `admission: null` when the
     quota is given back), with the resourceVersion it was computed from as a precondition."""
+    spec: dict[str, Any] | None = None
+    """Merge patch of the Workload itself: spec.active, and the annotation saying that the operator set it."""
     released: bool = False
     """The status patch gives the quota back (for the log)."""
+
+
+# On a Workload the operator deactivated because its job is suspended; only such a Workload is reactivated when the
+# job resumes (one that Kueue deactivated, e.g. RequeuingLimitExceeded, stays so: that is Kueue's or a person's call).
+DEACTIVATED_FOR_SUSPEND: Final = "grpolora.dev/deactivated-for-suspend"
 
 
 def integration_write(
@@ -228,11 +239,13 @@ def integration_write(
     inactive: bool,
     pods_ready: bool,
     finished: tuple[str, str] | None,
+    suspended: bool,
 ) -> WorkloadWrite | None:
     """The integration's writes on the Workload (see the module docstring); None when there is nothing to write.
 
     `inactive`: the job's workloads are gone (no pod can hold the quota); `pods_ready`: every pod of the job is ready
-    (the counts of the job's own PodsReady condition); `finished`: (reason, message) once the job has ended."""
+    (the counts of the job's own PodsReady condition); `finished`: (reason, message) once the job has ended;
+    `suspended`: the job's spec.suspend."""
     meta = workload.get("metadata") or {}
     generation = meta.get("generation")
     new = [dict(x) for x in conditions(workload)]
@@ -262,9 +275,20 @@ def integration_write(
             patch["status"]["admission"] = None
         if meta.get("resourceVersion"):
             patch["metadata"] = {"resourceVersion": meta["resourceVersion"]}
-    if patch is None:
+    spec = activation_patch(workload, suspended=suspended) if finished is None else None
+    if patch is None and spec is None:
         return None
-    return WorkloadWrite(status=patch, released=released)
+    return WorkloadWrite(status=patch, spec=spec, released=released)
+
+
+def activation_patch(workload: Mapping[str, Any], *, suspended: bool) -> dict[str, Any] | None:
+    """Deactivate the Workload of a suspended job; reactivate it on resume if the operator deactivated it."""
+    ours = DEACTIVATED_FOR_SUSPEND in ((workload.get("metadata") or {}).get("annotations") or {})
+    if suspended and is_active(workload):
+        return {"metadata": {"annotations": {DEACTIVATED_FOR_SUSPEND: "true"}}, "spec": {"active": False}}
+    if not suspended and ours:
+        return {"metadata": {"annotations": {DEACTIVATED_FOR_SUSPEND: None}}, "spec": {"active": True}}
+    return None
 
 
 def pods_ready_condition(before: Mapping[str, Any] | None, *, admitted: bool, ready: bool) -> tuple[str, str, str]:

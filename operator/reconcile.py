@@ -502,6 +502,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     )
     settled = not creates and not deletes and not delete_job and requeue is None
     queue_write = None
+    holds_quota = kueue.is_true(observed.queue_workload, kueue.QUOTA_RESERVED) and not kueue.is_true(
+        observed.queue_workload, kueue.FINISHED
+    )
     if queue is not None and observed.queue_workload is not None:
         # Kueue's own reason when its admission could not be honoured, else the phase (Succeeded, Failed).
         finish_reason = failed_reason if failed_reason == names.R_FAILED_TO_START else phase
@@ -512,6 +515,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
             pods_ready=wanted and pods.status == "True",
             finished=(finish_reason, message) if finished else None,
+            suspended=spec.suspend,
         )
     return Decision(
         queue_workload_write=queue_write,
@@ -522,7 +526,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         delete_job=delete_job,
         requeue_after=requeue,
         events=tuple(transition_events(old, status)),
-        idle=settled and (finished or phase == "Suspended"),
+        # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
+        idle=settled and (finished or phase == "Suspended") and queue_write is None and not holds_quota,
     )
 
 
@@ -583,6 +588,13 @@ def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
         return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
     name = (workload or {}).get("metadata", {}).get("name", "")
     evicted = kueue.evicted(workload)
+    if (
+        evicted is not None
+        and str(evicted.get("reason", "")).startswith("Deactivated")
+        and kueue.is_active(workload)
+        and not kueue.is_true(workload, kueue.QUOTA_RESERVED)
+    ):
+        evicted = None  # deactivated while suspended, active again: simply queued (Kueue resets Evicted on admission)
     if evicted is not None:
         why = f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')})"
         released = "both pools released and the quota given back"

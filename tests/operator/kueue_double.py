@@ -24,6 +24,10 @@ Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 
   (UpdateRequeueState; `backoff` seconds here). Once the integration has released it (Requeued False,
   PodsReadyTimeout) and requeueAt has passed, Requeued turns True with reason BackoffFinished (the Workload
   controller's reconcile of an active Workload). The integration writes PodsReady; the double never does.
+- deactivation (workload_controller.go Reconcile, the branch of an inactive Workload): a Workload with `spec.active:
+  false` that is not evicted yet is evicted with reason Deactivated, "The workload is deactivated" (with a quota
+  reservation or not), and its requeueState is cleared; reactivated, one whose Requeued is False with reason
+  Deactivated (the integration's release) gets Requeued True, Reactivated. An inactive Workload is never admitted.
 - the batch/v1 Job webhook (`manage_jobs_without_queue_name`, `external_frameworks`; pkg/controller/jobs/job/
   job_webhook.go Default -> jobframework/defaults.go ApplyDefaultForSuspend -> WorkloadShouldBeSuspended): a Job
   is created suspended unless a Kueue-managed ancestor owns it (FindAncestorJobManagedByKueue: the controller
@@ -291,6 +295,23 @@ class FakeKueue:
     async def _workload_controller(self, name: str, workload: dict[str, Any]) -> None:
         requeued = find(workload, "Requeued")
         active = (workload.get("spec") or {}).get("active") is not False
+        if is_true(workload, "Finished"):
+            return
+        if not active and not is_true(workload, "Evicted"):
+
+            def deactivate(status: dict[str, Any]) -> None:
+                set_condition(status["conditions"], "Evicted", "True", "Deactivated", "The workload is deactivated")
+                status.pop("requeueState", None)
+
+            await self._write_status(name, deactivate)
+            return
+        if active and requeued is not None and (requeued["status"], requeued["reason"]) == ("False", "Deactivated"):
+
+            def reactivate(status: dict[str, Any]) -> None:
+                set_condition(status["conditions"], "Requeued", "True", "Reactivated", "The workload was reactivated")
+
+            await self._write_status(name, reactivate)
+            return
         if (
             active
             and requeued is not None

@@ -148,6 +148,38 @@ async def test_under_manage_jobs_without_queue_name_the_trainer_job_runs_only_wi
         await wait_for(lambda: "queue-name" in cluster.status("unqueued")["message"], "the reason")
 
 
+async def test_a_suspended_job_neither_holds_nor_takes_quota_and_queues_again_when_resumed(cluster, operator):
+    """The operator deactivates the Workload of a suspended job (spec.active false, as Kueue's integrations with
+    custom activation do: jobframework/reconciler.go JobWithCustomWorkloadActivation); Kueue evicts it
+    (Deactivated), the operator gives the quota back, and reactivates it when the job resumes."""
+    async with FakeKueue(cluster, capacity=1) as kueue:
+        await cluster.apply(queued("demo", suspend=True))  # created suspended, before the other job
+        await wait_for(lambda: kueue.workload("demo"), "demo's Workload")
+        assert kueue.workload("demo")["spec"]["active"] is False
+        await cluster.apply(queued("other"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "other-trainer"), "other admitted and started")
+        assert kueue.admissions == ["other"] and phase(cluster) == "Suspended"
+
+        await cluster.patch_spec("demo", {"suspend": False})  # waits: other holds the quota
+        await wait_for(lambda: kueue.workload("demo")["spec"].get("active") is True, "demo's Workload reactivated")
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "queued")
+
+        await cluster.patch_spec("other", {"suspend": True})  # gives its quota back: demo runs
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        assert kueue.admissions == ["other", "demo"]
+        workload = kueue.workload("other")
+        assert workload["spec"]["active"] is False and "admission" not in workload["status"]
+        assert find(workload, "Evicted")["reason"] == "Deactivated"
+        assert (find(workload, "Requeued")["status"], find(workload, "Requeued")["reason"]) == ("False", "Deactivated")
+        assert phase(cluster, "other") == "Suspended"
+
+        await cluster.patch_spec("other", {"suspend": False})
+        requeued = lambda: find(kueue.workload("other"), "Requeued")  # noqa: E731
+        await wait_for(lambda: requeued()["reason"] == "Reactivated", "other reactivated and requeued")
+        await wait_for(lambda: cluster.condition("other", names.ADMITTED).get("status") == "False", "other waits")
+        assert cluster.get("batch/v1/jobs", "other-trainer") is None
+
+
 FLAVORS_PATH = "/apis/kueue.x-k8s.io/v1beta1/resourceflavors"
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
 

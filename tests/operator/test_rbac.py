@@ -43,11 +43,13 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo", NAMESPACE) is None, "deletion after the TTL")
 
             # A job queued in Kueue: its Workload is created, followed, and marked Finished at the end.
-            queued = job_doc()
+            queued = job_doc(suspend=True)  # its Workload is created inactive, and reactivated on resume
             queued["metadata"].update(name="queued", labels={c.KUEUE_QUEUE_LABEL: "q"})
             await cluster.apply(queued)
             workloads = "kueue.x-k8s.io/v1beta1/workloads"
             await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+            await cluster.patch_spec("queued", {"suspend": False})
+            await wait_for(lambda: cluster.get(workloads, "queued")["spec"].get("active"), "the Workload reactivated")
             # Full passes (every resync) read it from the API, not from the watch.
             await wait_for(lambda: ("get", "workloads", "queued") in cluster.emulator.log, "a full pass's read")
             admitted = [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",

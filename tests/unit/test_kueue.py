@@ -51,7 +51,7 @@ def view_of(doc: dict[str, Any]):
     doc["metadata"].update(uid="uid-1", generation=2)
     first = job_view(doc)
     applied = json.loads(spec_json(first.job.spec))
-    stored = body(applied=applied)
+    stored = body(applied=applied, suspend=doc["spec"].get("suspend", False))
     stored["metadata"]["labels"] = doc["metadata"]["labels"]
     return job_view(stored)
 
@@ -164,6 +164,35 @@ def test_pods_ready_follows_the_jobs_own_counts_as_kueue_words_it():
 
 def written_conditions_of(write) -> dict[str, tuple[str, str]]:
     return {x["type"]: (x["status"], x["reason"]) for x in write.status["status"]["conditions"]}
+
+
+def test_a_suspended_jobs_workload_is_inactive_and_reactivated_only_by_whom_deactivated_it():
+    """JobWithCustomWorkloadActivation (jobframework/reconciler.go): a suspended job neither holds nor waits for
+    quota. A Workload that Kueue deactivated (RequeuingLimitExceeded, a rejected check) is not reactivated."""
+    objects = builders.build_children(plan(parse_job(queued_doc(suspend=True))), owner_uid="u", token="t")
+    (workload,) = [o for o in objects if o["kind"] == "Workload"]
+    assert workload["spec"]["active"] is False
+    assert workload["metadata"]["annotations"] == {kueue.DEACTIVATED_FOR_SUSPEND: "true"}
+
+    suspended = view_of(queued_doc(suspend=True))
+    decision = decide(suspended, JobStatus(), Observed(queue_workload=admitted()), NOW)
+    assert decision.queue_workload_write.spec == {
+        "metadata": {"annotations": {kueue.DEACTIVATED_FOR_SUSPEND: "true"}},
+        "spec": {"active": False},
+    }
+    assert not decision.idle, "Kueue evicts the deactivated Workload next, and giving its quota back is ours"
+    ours = admitted("False")
+    ours["metadata"]["annotations"] = {kueue.DEACTIVATED_FOR_SUSPEND: "true"}
+    ours["spec"] = {"active": False}
+    resumed = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=ours), NOW)
+    assert resumed.queue_workload_write.spec == {
+        "metadata": {"annotations": {kueue.DEACTIVATED_FOR_SUSPEND: None}},
+        "spec": {"active": True},
+    }
+    by_kueue = admitted("False")
+    by_kueue["spec"] = {"active": False}
+    left = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=by_kueue), NOW)
+    assert left.queue_workload_write is None or left.queue_workload_write.spec is None
 
 
 # ---- what Kueue applies on admission: the admitted ResourceFlavors' node labels and tolerations -----------------
