@@ -185,8 +185,8 @@ class Controller:
 
     def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
-        changed (created, its children made, finished, suspended, deleted). The pool's pass then lists the jobs
-        from the API: the watch only says when to look, never what to decide."""
+        changed (created, its children made, admitted by Kueue, finished, suspended, deleted). The pool's pass then
+        lists the jobs from the API: the watch only says when to look, never what to decide."""
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         ref = (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
@@ -200,6 +200,7 @@ class Controller:
             (body.get("spec") or {}).get("suspend"),
             bool(meta.get("deletionTimestamp")),
             created,
+            pools.admitted_by_kueue(body),
         )
         before = self.pool_members.pop(key, None)
         if event_type != "DELETED" and ref:
