@@ -214,6 +214,33 @@ def is_active(workload: Mapping[str, Any] | None) -> bool:
     return ((workload or {}).get("spec") or {}).get("active") is not False
 
 
+def deactivated_by_others(workload: Mapping[str, Any] | None) -> str | None:
+    """Why Kueue (or a person) deactivated the Workload, or is about to; None when it is active, or inactive because
+    the operator deactivated it for a suspended job. Kueue deactivates a Workload after too many requeues
+    (RequeuingLimitExceeded) and after a rejected admission check, through the DeactivationTarget condition
+    (workload_controller.go); the Evicted condition then carries the cause (DeactivatedDueTo<cause>)."""
+    if workload is None:
+        return None
+    ours = DEACTIVATED_FOR_SUSPEND in ((workload.get("metadata") or {}).get("annotations") or {})
+    rejected = [
+        f"admission check {x.get('name', '')} rejected it: {x.get('message', '')}"
+        for x in ((workload.get("status") or {}).get("admissionChecks") or [])
+        if x.get("state") == "Rejected"
+    ]
+    target = condition(workload, "DeactivationTarget") if is_true(workload, "DeactivationTarget") else None
+    if is_active(workload) and not rejected and target is None:
+        return None
+    if not is_active(workload) and ours:
+        return None
+    eviction = evicted(workload)
+    reasons = [*rejected]
+    if target is not None:
+        reasons.append(f"{target.get('reason', '')}: {target.get('message', '')}")
+    elif eviction is not None:
+        reasons.append(f"{eviction.get('reason', '')}: {eviction.get('message', '')}")
+    return "; ".join(reasons) or "spec.active is false"
+
+
 @dataclass(frozen=True)
 class WorkloadWrite:
     """What a pass writes on the job's Workload (the controller sends it after the job's status)."""

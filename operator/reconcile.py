@@ -587,6 +587,17 @@ def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
     if queue is None:
         return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
     name = (workload or {}).get("metadata", {}).get("name", "")
+    deactivated = kueue.deactivated_by_others(workload)
+    if deactivated is not None:
+        namespace = (workload or {}).get("metadata", {}).get("namespace", "")
+        return cond.Want(
+            names.ADMITTED,
+            "False",
+            names.R_DEACTIVATED,
+            f"Kueue's Workload {name} is deactivated ({deactivated}): it stays out of the queue until it is "
+            f"reactivated (kubectl patch workloads.kueue.x-k8s.io {name} -n {namespace} --type merge -p "
+            '\'{"spec":{"active":true}}\', i.e. spec.active: true) or the job is re-created',
+        )
     evicted = kueue.evicted(workload)
     if (
         evicted is not None

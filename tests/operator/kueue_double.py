@@ -23,7 +23,10 @@ Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 
   message "Exceeded the PodsReady timeout <ns>/<name>", its requeueState.count + 1 and requeueAt after the backoff
   (UpdateRequeueState; `backoff` seconds here). Once the integration has released it (Requeued False,
   PodsReadyTimeout) and requeueAt has passed, Requeued turns True with reason BackoffFinished (the Workload
-  controller's reconcile of an active Workload). The integration writes PodsReady; the double never does.
+  controller's reconcile of an active Workload). The integration writes PodsReady; the double never does. With
+  `requeuing_limit` (waitForPodsReady.requeuingStrategy.backoffLimitCount), a timeout beyond it deactivates the
+  Workload instead (triggerDeactivation: DeactivationTarget True, RequeuingLimitExceeded; then spec.active false,
+  and the eviction says DeactivatedDueToRequeuingLimitExceeded).
 - deactivation (workload_controller.go Reconcile, the branch of an inactive Workload): a Workload with `spec.active:
   false` that is not evicted yet is evicted with reason Deactivated, "The workload is deactivated" (with a quota
   reservation or not), and its requeueState is cleared; reactivated, one whose Requeued is False with reason
@@ -100,12 +103,13 @@ class FakeKueue:
         cluster_queue: str = "cq",
         pods_ready_timeout: float | None = None,
         backoff: float = 0.2,
+        requeuing_limit: int | None = None,
         manage_jobs_without_queue_name: bool = False,
         external_frameworks: tuple[str, ...] = (),
         job_webhook: bool = False,
     ):
         self.cluster, self.capacity, self.cluster_queue = cluster, capacity, cluster_queue
-        self.pods_ready_timeout, self.backoff = pods_ready_timeout, backoff
+        self.pods_ready_timeout, self.backoff, self.requeuing_limit = pods_ready_timeout, backoff, requeuing_limit
         self._task: asyncio.Task[None] | None = None
         self.admissions: list[str] = []
         """Names of the Workloads the double admitted, in order (one entry per admission)."""
@@ -297,10 +301,19 @@ class FakeKueue:
         active = (workload.get("spec") or {}).get("active") is not False
         if is_true(workload, "Finished"):
             return
+        target = find(workload, "DeactivationTarget")
+        if active and target is not None and target["status"] == "True":
+            path = f"{API}/namespaces/{NAMESPACE}/workloads/{name}"
+            await self.cluster._call("PATCH", path, {"spec": {"active": False}})
+            return
         if not active and not is_true(workload, "Evicted"):
+            cause = target["reason"] if target is not None else ""
+            reason = f"DeactivatedDueTo{cause}" if cause else "Deactivated"
+            message = "The workload is deactivated" + (f" due to {target['message']}" if target else "")
 
             def deactivate(status: dict[str, Any]) -> None:
-                set_condition(status["conditions"], "Evicted", "True", "Deactivated", "The workload is deactivated")
+                set_condition(status["conditions"], "Evicted", "True", reason, message)
+                status["conditions"] = [c for c in status["conditions"] if c["type"] != "DeactivationTarget"]
                 status.pop("requeueState", None)
 
             await self._write_status(name, deactivate)
@@ -341,8 +354,17 @@ class FakeKueue:
         ready = find(workload, "PodsReady")
         if ready is not None and ready["reason"] not in ("WaitForStart", "PodsReady"):
             return  # WaitForRecovery: only a recoveryTimeout (not configured here) evicts it
-        self._requeue_at[name] = time.monotonic() + self.backoff
         count = int(((workload.get("status") or {}).get("requeueState") or {}).get("count") or 0) + 1
+        if self.requeuing_limit is not None and count > self.requeuing_limit:
+
+            def target(status: dict[str, Any]) -> None:
+                message = "exceeding the maximum number of re-queuing retries"
+                set_condition(status["conditions"], "DeactivationTarget", "True", "RequeuingLimitExceeded", message)
+
+            await self._write_status(name, target)
+            self.timed_out.append(name)
+            return
+        self._requeue_at[name] = time.monotonic() + self.backoff
         stamp = (datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=self.backoff)).strftime(
             "%Y-%m-%dT%H:%M:%SZ"
         )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import names
+from grpolora.testing.kube_emulator import NAMESPACE
 from tests.helpers import job_doc
 from tests.operator.harness import wait_for
 from tests.operator.kueue_double import REGISTERED, FakeKueue, find
@@ -110,6 +111,66 @@ async def test_pods_ready_is_written_so_kueues_wait_for_pods_ready_evicts_only_j
         ready = find(kueue.workload("demo"), "PodsReady")
         assert (ready["status"], ready["reason"]) == ("True", "Started")
         assert kueue.timed_out == ["demo"] and cluster.get("batch/v1/jobs", "demo-trainer") is not None
+
+
+async def test_a_workload_status_write_never_overwrites_what_kueue_wrote_since_it_was_read(cluster, kueue):
+    """The operator's status patch replaces the Workload's whole conditions list (a merge patch replaces lists), so it
+    carries the resourceVersion it was decided from: a Kueue write in between makes it a 409 (the emulator answers as
+    the API server does), the pass drops its cached Workload and decides again from a fresh read."""
+    import kopf
+
+    from grpolora.api.status import JobStatus
+    from grpolora.operator import kube
+    from grpolora.operator import kueue as integration
+    from grpolora.operator.controller import Controller, _Job
+    from grpolora.operator.reconcile import Decision
+
+    await kueue.add_workload("demo", priority=0)
+    await kueue.admit("demo")
+    client = kube.KubeClient(lambda: kopf.ConnectionInfo(server=cluster.url))
+    controller = Controller(client, trainer=None, metrics=None)  # type: ignore[arg-type]
+    job = _Job(NAMESPACE, "demo", "uid", {}, {})
+    try:
+        read = await client.get(kube.KUEUE_WORKLOAD, NAMESPACE, "demo")
+        controller._remember(("Workload", NAMESPACE, "demo"), read, read)
+        finished = integration.integration_write(
+            read, now="2026-01-01T00:00:00Z", inactive=True, pods_ready=False, finished=("Succeeded", "done"),
+            suspended=False,
+        )  # fmt: skip
+        await kueue.evict("demo", "Preempted", "meanwhile")  # Kueue writes after the operator read
+        assert not await controller._write_queue_workload(job, Decision(JobStatus(), queue_workload_write=finished))
+        assert ("Workload", NAMESPACE, "demo") not in controller.workloads, "read again by the next pass"
+        assert find(kueue.workload("demo"), "Evicted")["message"] == "meanwhile" and not find(
+            kueue.workload("demo"), "Finished"
+        )  # fmt: skip
+
+        fresh = await client.get(kube.KUEUE_WORKLOAD, NAMESPACE, "demo")
+        again = integration.integration_write(
+            fresh, now="2026-01-01T00:00:00Z", inactive=True, pods_ready=False, finished=("Succeeded", "done"),
+            suspended=False,
+        )  # fmt: skip
+        assert await controller._write_queue_workload(job, Decision(JobStatus(), queue_workload_write=again))
+        assert find(kueue.workload("demo"), "Finished")["status"] == "True"
+        assert find(kueue.workload("demo"), "Evicted")["message"] == "meanwhile", "Kueue's write is kept"
+    finally:
+        await client.close()
+
+
+async def test_a_workload_kueue_deactivated_after_too_many_requeues_is_shown_so(cluster, operator):
+    """waitForPodsReady's requeuingStrategy.backoffLimitCount: past it Kueue deactivates the Workload (reason
+    RequeuingLimitExceeded); the job then says so and how to reactivate it, not that it waits to be admitted again."""
+    async with FakeKueue(cluster, capacity=1, pods_ready_timeout=0.3, requeuing_limit=0) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        await wait_for(lambda: kueue.workload("demo")["spec"].get("active") is False, "deactivated by Kueue")
+        await wait_for(lambda: "admission" not in kueue.workload("demo")["status"], "the quota given back")
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_DEACTIVATED, "shown")
+        message = cluster.status("demo")["message"]
+        assert (
+            "RequeuingLimitExceeded" in message and "spec.active" in message and "to be admitted again" not in message
+        )
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+        assert kueue.workload("demo")["spec"]["active"] is False, "the operator does not undo Kueue's deactivation"
 
 
 async def test_under_manage_jobs_without_queue_name_the_trainer_job_runs_only_with_the_kind_registered(

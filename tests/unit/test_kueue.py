@@ -195,6 +195,31 @@ def test_a_suspended_jobs_workload_is_inactive_and_reactivated_only_by_whom_deac
     assert left.queue_workload_write is None or left.queue_workload_write.spec is None
 
 
+@pytest.mark.parametrize(
+    ("evicted_reason", "check", "shown"),
+    [
+        ("DeactivatedDueToRequeuingLimitExceeded", None, "DeactivatedDueToRequeuingLimitExceeded"),
+        ("Deactivated", None, "Deactivated"),
+        ("AdmissionCheck", {"name": "prov", "state": "Rejected", "message": "no capacity"}, "prov rejected"),
+    ],
+)
+def test_a_workload_kueue_deactivated_is_not_shown_as_waiting_to_be_admitted_again(evicted_reason, check, shown):
+    """Kueue deactivates a Workload after too many requeues (RequeuingLimitExceeded), a rejected admission check, or
+    a person's `spec.active: false`: it is not admitted again until someone reactivates it."""
+    workload = admitted("False", evicted=True)
+    workload["status"]["conditions"][-1].update(reason=evicted_reason, message="The workload is deactivated")
+    workload["status"]["conditions"].append({"type": "Requeued", "status": "False", "reason": evicted_reason})
+    workload["spec"] = {"active": False}
+    if check is not None:
+        workload["status"]["admissionChecks"] = [check]
+    decision = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=workload), NOW)
+    assert condition(decision, names.ADMITTED) == ("False", names.R_DEACTIVATED)
+    message = decision.status.message
+    assert "to be admitted again" not in message and "deactivated" in message and shown in message
+    assert "spec.active" in message and "kubectl patch" in message
+    assert decision.queue_workload_write is None or decision.queue_workload_write.spec is None
+
+
 # ---- what Kueue applies on admission: the admitted ResourceFlavors' node labels and tolerations -----------------
 
 GPU_TAINT = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
