@@ -105,6 +105,8 @@ class _Job:
     """Loop time of the next full pass (see the module docstring)."""
     claims: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     """Access modes of the shared claims, as read by the last full pass."""
+    queue_api_missing: bool = False
+    """The last full pass could not create the job's Kueue Workload: Kueue's API is not served (not installed)."""
     kind: str = c.KIND
 
 
@@ -143,6 +145,9 @@ class Controller:
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
+        self.queue_watched = True
+        """Kueue's Workloads come from a watch. False when Kueue was not installed when the operator started: Kopf
+        discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
         self.listings: dict[tuple[Any, ...], tuple[float, asyncio.Future[list[dict[str, Any]]]]] = {}
         """Shared pod and Warning-event listings by (plural, namespace, labels, fields): (loop time, the listing)."""
 
@@ -304,9 +309,13 @@ class Controller:
             ):
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
-                observed = rec.Observed(claims=await self._claims(job, view), pool=pool)
+                observed = rec.Observed(
+                    claims=await self._claims(job, view), pool=pool, queue_api_missing=job.queue_api_missing
+                )
             else:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
+            if observed.queue_workload is None and view.job is not None and _queue_of(view) is not None:
+                job.next_full = 0.0  # a queued job without its Workload: the next pass (a full one) creates it
             decision = rec.decide(view, old, observed, self.clock())
             if decision.read_flavors:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
@@ -530,19 +539,29 @@ class Controller:
             # read first (drift repair without a failed create per child and pass).
             existing = None if new_job else await self.client.get(kind, job.namespace, name)
             if existing is None:
-                if await self._create(job, obj):
+                try:
+                    if await self._create(job, obj):
+                        return None
+                except ChildRefused as refused:
+                    if kind != kube.KUEUE_WORKLOAD or refused.error.status != 404:
+                        raise
+                    # Kueue is not installed (yet): the job waits for it (rec.decide says so) instead of failing.
+                    job.queue_api_missing = True
                     return None
                 existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             return None
 
+        job.queue_api_missing = False
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
         return [ref for ref in found if ref is not None]
 
     async def _workload(self, kind: kube.Kind, namespace: str, name: str, *, full: bool) -> dict[str, Any] | None:
         """The workload from the watch's cache, or from the API on full passes and when the watch has not seen it."""
         key = (kind.kind, namespace, name)
+        if kind == kube.KUEUE_WORKLOAD and not self.queue_watched:
+            full = True  # no watch keeps the cache fresh
         if not full and key in self.workloads:
             cached = self.workloads[key]
             return None if cached is None else dict(cached)
@@ -614,6 +633,7 @@ class Controller:
             warnings=warnings,
             claims=claims,
             queue_workload=queue_workload,
+            queue_api_missing=job.queue_api_missing,
             pool=pool,
         )
 
@@ -825,6 +845,11 @@ class Controller:
 
 async def _none() -> None:
     return None
+
+
+def _queue_of(view: rec.JobView) -> str | None:
+    """The LocalQueue the job asks for (its queue label), if any."""
+    return view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) if view.job is not None else None
 
 
 def _pool_facts(body: Mapping[str, Any] | None) -> Any:

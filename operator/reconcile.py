@@ -222,6 +222,8 @@ class Observed:
     """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
     queue_workload: K8sObject | None = None
     """The job's Kueue Workload (jobs with the queue label only; None: not there yet)."""
+    queue_api_missing: bool = False
+    """Creating the Workload answered 404: the API server does not serve Kueue's Workloads (Kueue not installed)."""
     flavors: Mapping[str, K8sObject | None] | None = None
     """The Kueue ResourceFlavors its admission names, by name (None in the map: no such flavor). Read only when a
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
@@ -330,7 +332,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     restart_note: str | None = None
 
     queue = builders.queue_name(job_plan)
-    admission = _admission(queue, observed.queue_workload)
+    admission = _admission(queue, observed.queue_workload, api_missing=observed.queue_api_missing)
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
     elif spec.suspend or admission.status == "False" or (place is not None and not place.attached):
@@ -582,10 +584,18 @@ def _placed_workloads(
         return conflict
 
 
-def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
+def _admission(queue: str | None, workload: K8sObject | None, *, api_missing: bool = False) -> cond.Want:
     """Kueue's verdict on the job's Workload: Admitted True (or no queue), else why not."""
     if queue is None:
         return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
+    if workload is None and api_missing:
+        return cond.Want(
+            names.ADMITTED,
+            "False",
+            names.R_KUEUE_NOT_INSTALLED,
+            f"the job waits in LocalQueue {queue} of Kueue, but the API server does not serve Kueue's Workloads "
+            f"({c.KUEUE_API_VERSION}): is Kueue installed? Its Workload is created once Kueue's CRDs are there",
+        )
     name = (workload or {}).get("metadata", {}).get("name", "")
     deactivated = kueue.deactivated_by_others(workload)
     if deactivated is not None:

@@ -94,6 +94,9 @@ class Emulator(kmock.KubernetesEmulator):
     measure the operator rather than the emulator's schema validation."""
     gc_delay: float = 0.2
     """Seconds between garbage-collector sweeps (a real collector also takes a while)."""
+    uninstalled: set[str] = attrs.field(factory=set)
+    """Resources of RESOURCES whose CRDs are not installed (yet): left out of discovery, and every request to them
+    answers 404 NotFound, as a real API server answers for a resource it does not serve (`Cluster.install`)."""
     webhooks: list[Callable[[kmock.Request, dict[str, Any]], None]] = attrs.field(factory=list, init=False)
     """Mutating admission webhooks: each is called with every create request and its object, which it may change
     (before validation, as the API server calls mutating webhooks before it validates)."""
@@ -114,6 +117,9 @@ class Emulator(kmock.KubernetesEmulator):
         del self._requests[:-1]
         if request.resource is not None and request.resource.plural:
             self._record(request)
+            served = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
+            if served in self.uninstalled:
+                raise kube_apiserver.not_served()
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
                 for webhook in self.webhooks:
@@ -351,6 +357,12 @@ class Cluster:
         root = f"/api/{group_version}" if group_version == "v1" else f"/apis/{group_version}"
         await self._call("PATCH", f"{root}/namespaces/{namespace}/{plural}/{name}/status", {"status": status})
 
+    def install(self, *resources: str) -> None:
+        """Install CRDs that were left out (`running_cluster(uninstalled=...)`), e.g. Kueue's after the operator."""
+        for resource in resources:
+            self.emulator.uninstalled.discard(resource)
+            self.emulator.resources[resource] = RESOURCES[resource]
+
     async def add_pod(self, pod: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
 
@@ -408,12 +420,19 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    *, peering: bool = False, authorize: Callable[[str, str, str], bool] | None = rbac.allowed, validate: bool = True
+    *,
+    peering: bool = False,
+    authorize: Callable[[str, str, str], bool] | None = rbac.allowed,
+    validate: bool = True,
+    uninstalled: tuple[str, ...] = (),
 ) -> AsyncIterator[Cluster]:
-    """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it)."""
-    async with Emulator(authorize=authorize, validate=validate) as emulator, kmock.Server(emulator) as server:
+    """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it);
+    `uninstalled`: resources of RESOURCES not served until `Cluster.install`."""
+    emulator = Emulator(authorize=authorize, validate=validate, uninstalled=set(uninstalled))
+    async with emulator, kmock.Server(emulator) as server:
         for resource, info in RESOURCES.items():
-            emulator.resources[resource] = info
+            if resource not in uninstalled:
+                emulator.resources[resource] = info
         if peering:
             for resource, info in PEERING_RESOURCES.items():
                 emulator.resources[resource] = info

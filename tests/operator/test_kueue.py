@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import names
-from grpolora.testing.kube_emulator import NAMESPACE
+from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import job_doc
-from tests.operator.harness import wait_for
+from tests.operator.harness import OperatorThread, operator_options, wait_for
 from tests.operator.kueue_double import REGISTERED, FakeKueue, find
 from tests.operator.test_operator import phase
 
@@ -239,6 +239,33 @@ async def test_a_suspended_job_neither_holds_nor_takes_quota_and_queues_again_wh
         await wait_for(lambda: requeued()["reason"] == "Reactivated", "other reactivated and requeued")
         await wait_for(lambda: cluster.condition("other", names.ADMITTED).get("status") == "False", "other waits")
         assert cluster.get("batch/v1/jobs", "other-trainer") is None
+
+
+KUEUE_CRDS = ("kueue.x-k8s.io/v1beta1/workloads", "kueue.x-k8s.io/v1beta1/resourceflavors")
+
+
+async def test_kueue_installed_after_the_operator_is_noticed_without_waiting_for_a_resync(trainer):
+    """Kopf discovers the resources it watches once, at start (scanning is off), so the operator cannot watch
+    Workloads when Kueue comes later: it then reads a queued job's Workload on each pass, and a job queued before
+    Kueue exists waits for it instead of failing."""
+    async with running_cluster(uninstalled=KUEUE_CRDS) as cluster:
+        operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+        try:
+            await cluster.apply(queued("demo"))
+            await wait_for(lambda: "is Kueue installed" in cluster.status("demo").get("message", ""), "the wait")
+            assert phase(cluster) == "Pending" and cluster.get("batch/v1/jobs", "demo-trainer") is None
+            assert cluster.condition("demo", names.ADMITTED)["reason"] == names.R_KUEUE_NOT_INSTALLED
+
+            cluster.install(*KUEUE_CRDS)
+            async with FakeKueue(cluster) as kueue:
+                await wait_for(lambda: kueue.workload("demo"), "the Workload, once Kueue's API is served")
+                await kueue.admit("demo")
+                await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the admission, with no watch")
+                await kueue.evict("demo", "Preempted", "by a job of a higher priority")
+                released = lambda: kueue.why_not_admissible(kueue.workload("demo")) is None  # noqa: E731
+                await wait_for(released, "the eviction noticed and the quota given back")
+        finally:
+            await operator.stop()
 
 
 FLAVORS_PATH = "/apis/kueue.x-k8s.io/v1beta1/resourceflavors"
