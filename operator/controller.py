@@ -314,8 +314,8 @@ class Controller:
                 )
             else:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
-            if observed.queue_workload is None and view.job is not None and _queue_of(view) is not None:
-                job.next_full = 0.0  # a queued job without its Workload: the next pass (a full one) creates it
+            if job.queue_api_missing and observed.queue_workload is None:
+                job.next_full = 0.0  # its Workload could not be created (no Kueue yet): the next pass retries
             decision = rec.decide(view, old, observed, self.clock())
             if decision.read_flavors:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
@@ -845,11 +845,6 @@ class Controller:
 
 async def _none() -> None:
     return None
-
-
-def _queue_of(view: rec.JobView) -> str | None:
-    """The LocalQueue the job asks for (its queue label), if any."""
-    return view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) if view.job is not None else None
 
 
 def _pool_facts(body: Mapping[str, Any] | None) -> Any:
