@@ -226,7 +226,9 @@ async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_only_an_admi
     await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/later"], "the admitted job attached")
     await wait_for(lambda: trainer(cluster, "later"), "its trainer Job")
     assert trainer(cluster, "first") is None
-    assert cluster.pool_status(POOL)["waitingJobs"] == [], "a job Kueue holds back does not wait for a place either"
+    # A job Kueue holds back does not wait in the pool's line either.
+    await wait_for(lambda: cluster.pool_status(POOL).get("waitingJobs") == [], "nobody in the pool's line")
+    assert [j["job"] for j in cluster.pool_status(POOL)["attachedJobs"]] == [f"{NAMESPACE}/later"]
 
 
 async def test_a_pool_child_the_api_server_refuses_is_reported_in_the_pool_status():
