@@ -311,18 +311,23 @@ def queue_workload(plan: JobPlan) -> K8sObject:
     """One Kueue Workload for the whole job, a pod set per role with the pod templates rendered here: Kueue admits
     all pod sets or none, so inference never holds its GPUs while the trainer's do not fit (or the reverse). The
     operator creates the trainer Job and inference StatefulSet only while it is admitted (grpolora.operator.reconcile)
-    and marks it Finished when the job ends, which returns the quota."""
+    and marks it Finished when the job ends, which returns the quota. A suspended job's Workload is inactive."""
     # A job on a RolloutPool has only its trainer: the pool's servers are not the job's to queue.
     pod_sets = [
         {"name": role.role, "count": role.replicas, "template": workload["spec"]["template"]}
         for role, workload in zip(plan.roles, workloads(plan), strict=True)
     ]
-    return {
+    workload = {
         "apiVersion": c.KUEUE_API_VERSION,
         "kind": "Workload",
         "metadata": _metadata(plan, plan.name),
         "spec": {"queueName": queue_name(plan), "podSets": pod_sets},
     }
+    if plan.job.spec.suspend:
+        # Created inactive, so that Kueue never reserves quota for a suspended job (reactivated when it resumes).
+        workload["metadata"]["annotations"] = {kueue.DEACTIVATED_FOR_SUSPEND: "true"}
+        workload["spec"]["active"] = False
+    return workload
 
 
 def inference_disruption_budget(plan: Plan) -> K8sObject:

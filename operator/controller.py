@@ -41,7 +41,6 @@ from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachm
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kube, names, pools
-from grpolora.operator import conditions as cond
 from grpolora.operator import observe as obs
 from grpolora.operator import reconcile as rec
 from grpolora.operator.metrics import Metrics
@@ -106,6 +105,8 @@ class _Job:
     """Loop time of the next full pass (see the module docstring)."""
     claims: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     """Access modes of the shared claims, as read by the last full pass."""
+    queue_api_missing: bool = False
+    """The last full pass could not create the job's Kueue Workload: Kueue's API is not served (not installed)."""
     kind: str = c.KIND
 
 
@@ -144,6 +145,9 @@ class Controller:
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
+        self.queue_watched = True
+        """Kueue's Workloads come from a watch. False when Kueue was not installed when the operator started: Kopf
+        discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
         self.listings: dict[tuple[Any, ...], tuple[float, asyncio.Future[list[dict[str, Any]]]]] = {}
         """Shared pod and Warning-event listings by (plural, namespace, labels, fields): (loop time, the listing)."""
 
@@ -186,8 +190,8 @@ class Controller:
 
     def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
-        changed (created, its children made, finished, suspended, deleted). The pool's pass then lists the jobs
-        from the API: the watch only says when to look, never what to decide."""
+        changed (created, its children made, admitted by Kueue, finished, suspended, deleted). The pool's pass then
+        lists the jobs from the API: the watch only says when to look, never what to decide."""
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
         ref = (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
@@ -201,6 +205,7 @@ class Controller:
             (body.get("spec") or {}).get("suspend"),
             bool(meta.get("deletionTimestamp")),
             created,
+            pools.admitted_by_kueue(body),
         )
         before = self.pool_members.pop(key, None)
         if event_type != "DELETED" and ref:
@@ -304,9 +309,13 @@ class Controller:
             ):
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
-                observed = rec.Observed(claims=await self._claims(job, view), pool=pool)
+                observed = rec.Observed(
+                    claims=await self._claims(job, view), pool=pool, queue_api_missing=job.queue_api_missing
+                )
             else:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
+            if job.queue_api_missing and observed.queue_workload is None:
+                job.next_full = 0.0  # its Workload could not be created (no Kueue yet): the next pass retries
             decision = rec.decide(view, old, observed, self.clock())
             if decision.read_flavors:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
@@ -322,7 +331,8 @@ class Controller:
             if refused.refusal.transient:
                 raise refused.error from None
             return decision
-        await self._record(job, decision)
+        if not await self._record(job, decision):
+            decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         return decision
 
     # ---- the pool's pass -----------------------------------------------------------------------------------
@@ -529,19 +539,29 @@ class Controller:
             # read first (drift repair without a failed create per child and pass).
             existing = None if new_job else await self.client.get(kind, job.namespace, name)
             if existing is None:
-                if await self._create(job, obj):
+                try:
+                    if await self._create(job, obj):
+                        return None
+                except ChildRefused as refused:
+                    if kind != kube.KUEUE_WORKLOAD or refused.error.status != 404:
+                        raise
+                    # Kueue is not installed (yet): the job waits for it (rec.decide says so) instead of failing.
+                    job.queue_api_missing = True
                     return None
                 existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             return None
 
+        job.queue_api_missing = False
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
         return [ref for ref in found if ref is not None]
 
     async def _workload(self, kind: kube.Kind, namespace: str, name: str, *, full: bool) -> dict[str, Any] | None:
         """The workload from the watch's cache, or from the API on full passes and when the watch has not seen it."""
         key = (kind.kind, namespace, name)
+        if kind == kube.KUEUE_WORKLOAD and not self.queue_watched:
+            full = True  # no watch keeps the cache fresh
         if not full and key in self.workloads:
             cached = self.workloads[key]
             return None if cached is None else dict(cached)
@@ -613,6 +633,7 @@ class Controller:
             warnings=warnings,
             claims=claims,
             queue_workload=queue_workload,
+            queue_api_missing=job.queue_api_missing,
             pool=pool,
         )
 
@@ -686,8 +707,45 @@ class Controller:
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
         return all(created)
 
-    async def _record(self, job: _Job, decision: rec.Decision) -> None:
-        """Write the status, then post the events (only after the write succeeded); delete the job after its TTL."""
+    async def _write_queue_workload(self, job: _Job, decision: rec.Decision) -> bool:
+        """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch
+        holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
+        so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
+        write = decision.queue_workload_write
+        if write is None:
+            return True
+        key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
+        if write.spec is not None:
+            written = await self.client.patch(kube.KUEUE_WORKLOAD, job.namespace, job.name, write.spec)
+            if written is not None:
+                self._remember(key, dict(written), written)
+                active = (written.get("spec") or {}).get("active") is not False
+                logger.info(
+                    "%s/%s: %s the Kueue Workload", job.namespace, job.name, "reactivated" if active else "deactivated"
+                )
+            if write.status is not None:
+                return False  # the status patch was decided from the older version: decide again
+        if write.status is None:
+            return True
+        try:
+            written = await self.client.patch(
+                kube.KUEUE_WORKLOAD, job.namespace, job.name, write.status, subresource="status"
+            )
+        except kube.ApiError as exc:
+            if exc.status != 409:
+                raise
+            logger.info("%s/%s: the Kueue Workload changed meanwhile; deciding again", job.namespace, job.name)
+            self.workloads.pop(key, None)
+            return False
+        if written is not None:
+            self._remember(key, dict(written), written)
+            if write.released:
+                logger.info("%s/%s: gave the Kueue Workload's quota back after its eviction", job.namespace, job.name)
+        return True
+
+    async def _record(self, job: _Job, decision: rec.Decision) -> bool:
+        """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
+        delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
         patch = rec.status_patch(job.status, decision.status)
         if patch is not None:
             written = await self.client.patch(
@@ -697,25 +755,7 @@ class Controller:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.status = dict(written.get("status") or decision.status.to_wire())
         self.metrics.set_job(job.namespace, job.name, decision.status)
-        if decision.finish_queue_workload:
-            # Kueue returns the quota of a Finished Workload (as its own integrations do when their job ends). The
-            # patch carries the whole list (a merge patch replaces lists): Kueue's conditions, read once, plus ours.
-            workload = await self.client.get(kube.KUEUE_WORKLOAD, job.namespace, job.name) or {}
-            kept = [x for x in (workload.get("status") or {}).get("conditions") or [] if x.get("type") != "Finished"]
-            finished = {
-                "type": "Finished",
-                "status": "True",
-                "reason": decision.queue_finish_reason or "Finished",
-                "message": decision.status.message or "",
-                "lastTransitionTime": cond.rfc3339(self.clock()),
-            }
-            await self.client.patch(
-                kube.KUEUE_WORKLOAD,
-                job.namespace,
-                job.name,
-                {"status": {"conditions": [*kept, finished]}},
-                subresource="status",
-            )
+        queue_written = await self._write_queue_workload(job, decision)
         involved = {"namespace": job.namespace, "name": job.name, "uid": job.uid}
         for event in decision.events:
             try:
@@ -726,6 +766,7 @@ class Controller:
             await self.client.delete(kube.GRPOLORAJOB, job.namespace, job.name)
             logger.info("%s/%s: deleted after ttlSecondsAfterFinished", job.namespace, job.name)
             raise JobGone(f"{job.namespace}/{job.name}")
+        return queue_written
 
     # ---- monitors ----------------------------------------------------------------------------------------
 

@@ -249,6 +249,17 @@ class KubeClient:
                 return None
             raise
 
+    async def served(self, kind: Kind) -> bool:
+        """Whether the API server serves this kind now (API discovery: e.g. Kueue's Workloads once its CRDs exist)."""
+        root = f"/apis/{kind.group}/{kind.version}" if kind.group else f"/api/{kind.version}"
+        try:
+            found = await self._call("GET", root)
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return any(r.get("name") == kind.plural for r in (found or {}).get("resources") or [])
+
     async def list(
         self, kind: Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
     ) -> list[K8sObject]:

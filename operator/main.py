@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import secrets
@@ -18,10 +19,12 @@ from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.operator.controller import Controller, ControllerConfig
 from grpolora.operator.handlers import build_registry
-from grpolora.operator.kube import KubeClient, Login, RateLimiter
+from grpolora.operator.kube import KUEUE_WORKLOAD, ApiError, KubeClient, Login, RateLimiter
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_objects
 from grpolora.operator.trainer_client import TrainerStatusClient
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -66,6 +69,24 @@ class OperatorOptions:
             )
         if self.resync_interval <= 0:
             raise ValueError(f"--resync-interval must be positive, got {self.resync_interval}")
+
+
+async def _kueue_served(client: KubeClient) -> bool:
+    """Whether Kueue's Workloads are served as the operator starts, when Kopf discovers what it can watch (once:
+    scanning is off). Kueue installed later is followed without a watch (grpolora.operator.controller)."""
+    try:
+        served = await client.served(KUEUE_WORKLOAD)
+    except ApiError as exc:
+        logger.warning("cannot tell whether Kueue is installed (%s); assuming it is", exc)
+        return True
+    if not served:
+        logger.warning(
+            "Kueue's Workload API is not served (Kueue is not installed): jobs with the %s label wait for it, and "
+            "once it is installed their Workloads are read on every pass instead of watched; restart the operator "
+            "after installing Kueue to watch them",
+            c.KUEUE_QUEUE_LABEL,
+        )
+    return served
 
 
 def build_settings() -> kopf.OperatorSettings:
@@ -148,6 +169,7 @@ async def serve(
         on_controller(controller)
     runner = await start_metrics_server(metrics, options.bind, options.metrics_port) if options.metrics_port else None
     try:
+        controller.queue_watched = await _kueue_served(client)
         if options.peering is not None:
             await ensure_peering_objects(
                 client, name=options.peering, clusterwide=options.all_namespaces, namespaces=options.namespaces

@@ -73,6 +73,13 @@ R_NO_QUEUE: Final = "NoQueue"
 R_QUEUED: Final = "Queued"
 R_ADMITTED: Final = "Admitted"
 R_EVICTED: Final = "Evicted"
+# Kueue (or a person) deactivated the Workload (spec.active false): it is not admitted again until reactivated.
+R_DEACTIVATED: Final = "Deactivated"
+# The job has the queue label but Kueue's Workload API is not served (Kueue not installed yet): it waits.
+R_KUEUE_NOT_INSTALLED: Final = "KueueNotInstalled"
+# The trainer Job is suspended by someone else (spec.suspend true; the operator never suspends it), e.g. Kueue's Job
+# webhook under manageJobsWithoutQueueName when GRPOLoraJob is not in its integrations.externalFrameworks (PodsReady).
+R_TRAINER_JOB_SUSPENDED: Final = "TrainerJobSuspended"
 # Kueue's admission (a ResourceFlavor's nodeLabels, an admission check's update) contradicts the pod template, e.g. a
 # nodeSelector key set to another value: Failed, and the Workload Finished with this reason (Kueue's own word).
 R_FAILED_TO_START: Final = "FailedToStart"

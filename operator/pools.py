@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from grpolora.api.constants import KUEUE_QUEUE_LABEL
 from grpolora.api.load import InvalidJob, parse_job, parse_pool
 from grpolora.api.pool import Admission, Candidate, fit_errors, job_key
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
@@ -39,6 +40,9 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
         job = None
     phase = (body.get("status") or {}).get("phase")
     active = not meta.get("deletionTimestamp") and not spec.get("suspend") and phase not in DONE_PHASES
+    # Under Kueue, only an admitted job wants a place: a queued one holding a place while Kueue admits a later job
+    # first (BestEffortFIFO) would leave that job holding GPU quota and waiting for the place, and neither runs.
+    active = active and admitted_by_kueue(body)
     return Candidate(
         key=job_key(meta.get("namespace", ""), meta.get("name", "")),
         uid=meta.get("uid", ""),
@@ -47,6 +51,15 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
         fits=job is not None and not fit_errors(pool.name, pool.spec, job.spec),
         job=job,
     )
+
+
+def admitted_by_kueue(body: Mapping[str, Any]) -> bool:
+    """True for a job without a Kueue queue label, else whether its status says Kueue admitted its Workload (the
+    job's own pass writes that condition from the Workload, so the pool reads no Workload)."""
+    if not ((body.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL):
+        return True
+    conditions = (body.get("status") or {}).get("conditions") or []
+    return any(x.get("type") == names.ADMITTED and x.get("status") == "True" for x in conditions)
 
 
 def ordinal(n: int) -> str:

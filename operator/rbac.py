@@ -89,9 +89,9 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("kueue.x-k8s.io",),
         ("workloads",),
-        ("get", "list", "watch", "create"),
+        ("get", "list", "watch", "create", "patch"),
         "with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both "
-        "pools together); its admission followed by a watch",
+        "pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active)",
     ),
     Rule(
         ("kueue.x-k8s.io",),
@@ -104,7 +104,8 @@ RULES: Final[tuple[Rule, ...]] = (
         ("kueue.x-k8s.io",),
         ("workloads/status",),
         ("patch",),
-        "mark a finished job's Kueue Workload Finished, so that Kueue returns its quota",
+        "as Kueue's job integrations do: give the quota back after an eviction, write PodsReady, mark a finished "
+        "job's Workload Finished (Kueue then returns its quota)",
     ),
     Rule(
         ("batch",),

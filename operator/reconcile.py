@@ -222,6 +222,8 @@ class Observed:
     """Access modes of the PersistentVolumeClaims the job mounts (None: the claim does not exist)."""
     queue_workload: K8sObject | None = None
     """The job's Kueue Workload (jobs with the queue label only; None: not there yet)."""
+    queue_api_missing: bool = False
+    """Creating the Workload answered 404: the API server does not serve Kueue's Workloads (Kueue not installed)."""
     flavors: Mapping[str, K8sObject | None] | None = None
     """The Kueue ResourceFlavors its admission names, by name (None in the map: no such flavor). Read only when a
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
@@ -261,10 +263,10 @@ class Decision:
     requeue_after: float | None = None
     """Look again after this many seconds instead of the regular interval."""
     events: tuple[Event, ...] = ()
-    finish_queue_workload: bool = False
-    """The job is finished: mark its Kueue Workload Finished (Kueue then returns its quota)."""
-    queue_finish_reason: str = ""
-    """The reason of that Finished condition: the phase, or Kueue's own FailedToStart."""
+    queue_workload_write: kueue.WorkloadWrite | None = None
+    """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue): give the quota
+    back after an eviction once the workloads are gone, mark it Finished when the job ends (Kueue then returns its
+    quota)."""
     read_flavors: tuple[str, ...] = ()
     """Read these ResourceFlavors and decide again: the workloads wait for them (see Observed.flavors)."""
     idle: bool = False
@@ -330,7 +332,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     restart_note: str | None = None
 
     queue = builders.queue_name(job_plan)
-    admission = _admission(queue, observed.queue_workload)
+    admission = _admission(queue, observed.queue_workload, api_missing=observed.queue_api_missing)
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
     elif spec.suspend or admission.status == "False" or (place is not None and not place.attached):
@@ -438,6 +440,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     pods = _pods_condition(wanted, phase, counts, observed)
     if overdue is not None and wanted:
         pods = cond.Want(names.PODS_READY, "False", names.R_STARTUP_DEADLINE, overdue)
+    elif wanted and tj is not None and (tj.get("spec") or {}).get("suspend"):
+        pods = cond.Want(names.PODS_READY, "False", names.R_TRAINER_JOB_SUSPENDED, _suspended_by_another(tj, queue))
     rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
     pending_why = pods.message if pods.status == "False" and wanted else ""
     if observed.blocked:
@@ -499,16 +503,24 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         pool=job_plan.pool,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
-    finish_queue = (
-        queue is not None
-        and finished
-        and observed.queue_workload is not None
-        and not obs.job_condition(observed.queue_workload, "Finished")
+    queue_write = None
+    holds_quota = kueue.is_true(observed.queue_workload, kueue.QUOTA_RESERVED) and not kueue.is_true(
+        observed.queue_workload, kueue.FINISHED
     )
+    if queue is not None and observed.queue_workload is not None:
+        # Kueue's own reason when its admission could not be honoured, else the phase (Succeeded, Failed).
+        finish_reason = failed_reason if failed_reason == names.R_FAILED_TO_START else phase
+        queue_write = kueue.integration_write(
+            observed.queue_workload,
+            now=stamp,
+            inactive=tj is None and sts is None,
+            # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
+            pods_ready=wanted and pods.status == "True",
+            finished=(finish_reason, message) if finished else None,
+            suspended=spec.suspend,
+        )
     return Decision(
-        finish_queue_workload=finish_queue,
-        # Kueue's own reason when its admission could not be honoured, else the phase.
-        queue_finish_reason=failed_reason if failed_reason == names.R_FAILED_TO_START else phase,
+        queue_workload_write=queue_write,
         read_flavors=read_flavors,
         status=status,
         create=tuple(creates),
@@ -516,7 +528,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         delete_job=delete_job,
         requeue_after=requeue,
         events=tuple(transition_events(old, status)),
-        idle=settled and (finished or phase == "Suspended"),
+        # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
+        idle=settled and (finished or phase == "Suspended") and queue_write is None and not holds_quota,
     )
 
 
@@ -571,27 +584,76 @@ def _placed_workloads(
         return conflict
 
 
-def _admission(queue: str | None, workload: K8sObject | None) -> cond.Want:
+def _admission(queue: str | None, workload: K8sObject | None, *, api_missing: bool = False) -> cond.Want:
     """Kueue's verdict on the job's Workload: Admitted True (or no queue), else why not."""
     if queue is None:
         return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
-    name = (workload or {}).get("metadata", {}).get("name", "")
-    evicted = obs.job_condition(workload, "Evicted")
-    if evicted is not None:
+    if workload is None and api_missing:
         return cond.Want(
             names.ADMITTED,
             "False",
-            names.R_EVICTED,
-            f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')}); both pools released, "
-            f"waiting in LocalQueue {queue} to be admitted again",
+            names.R_KUEUE_NOT_INSTALLED,
+            f"the job waits in LocalQueue {queue} of Kueue, but the API server does not serve Kueue's Workloads "
+            f"({c.KUEUE_API_VERSION}): is Kueue installed? Its Workload is created once Kueue's CRDs are there",
         )
-    if obs.job_condition(workload, "Admitted") is not None:
+    name = (workload or {}).get("metadata", {}).get("name", "")
+    deactivated = kueue.deactivated_by_others(workload)
+    if deactivated is not None:
+        namespace = (workload or {}).get("metadata", {}).get("namespace", "")
+        return cond.Want(
+            names.ADMITTED,
+            "False",
+            names.R_DEACTIVATED,
+            f"Kueue's Workload {name} is deactivated ({deactivated}): it stays out of the queue until it is "
+            f"reactivated (kubectl patch workloads.kueue.x-k8s.io {name} -n {namespace} --type merge -p "
+            '\'{"spec":{"active":true}}\', i.e. spec.active: true) or the job is re-created',
+        )
+    evicted = kueue.evicted(workload)
+    if (
+        evicted is not None
+        and str(evicted.get("reason", "")).startswith("Deactivated")
+        and kueue.is_active(workload)
+        and not kueue.is_true(workload, kueue.QUOTA_RESERVED)
+    ):
+        evicted = None  # deactivated while suspended, active again: simply queued (Kueue resets Evicted on admission)
+    if evicted is not None:
+        why = f"evicted by Kueue ({evicted.get('reason', '')}: {evicted.get('message', '')})"
+        released = "both pools released and the quota given back"
+        requeued = kueue.condition(workload, kueue.REQUEUED)
+        if kueue.is_true(workload, kueue.QUOTA_RESERVED):
+            then = "both pools are being released; the quota goes back to Kueue once their pods are gone"
+        elif requeued is not None and requeued.get("status") == "False":
+            then = (
+                f"{released}; Kueue requeues it once its {requeued.get('reason')} backoff is over, then it waits in "
+                f"LocalQueue {queue} to be admitted again"
+            )
+        else:
+            then = f"{released}; waiting in LocalQueue {queue} to be admitted again"
+        return cond.Want(names.ADMITTED, "False", names.R_EVICTED, f"{why}; {then}")
+    if kueue.is_true(workload, kueue.ADMITTED):
         return cond.Want(names.ADMITTED, "True", names.R_ADMITTED, f"admitted by Kueue from LocalQueue {queue}")
     return cond.Want(
         names.ADMITTED,
         "False",
         names.R_QUEUED,
         f"waiting in Kueue LocalQueue {queue} for both pools to be admitted together (Workload {name or 'pending'})",
+    )
+
+
+def _suspended_by_another(trainer_job: K8sObject, queue: str | None) -> str:
+    """Why a trainer Job that the operator created unsuspended is suspended: most likely Kueue's batch/v1 Job
+    integration, under manageJobsWithoutQueueName (see docs/operator.md, Kueue's manageJobsWithoutQueueName)."""
+    name = trainer_job["metadata"]["name"]
+    fix = (
+        f"list {c.KIND}.{c.VERSION}.{c.GROUP} in Kueue's integrations.externalFrameworks, so that Kueue takes the "
+        "job for the trainer Job's Kueue-managed owner"
+    )
+    if queue is None:
+        fix += f", and give the job a {c.KUEUE_QUEUE_LABEL} label (Kueue holds a Kueue-managed job's Jobs until its "
+        fix += "Workload is admitted)"
+    return (
+        f"the trainer Job {name} is suspended (spec.suspend: true), not by the operator: no trainer pod runs. Kueue's "
+        f"Job integration does this under manageJobsWithoutQueueName; {fix}"
     )
 
 

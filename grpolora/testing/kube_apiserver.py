@@ -61,6 +61,23 @@ def bad_request(message: str) -> Refused:
     return Refused(status=400, reason="BadRequest", message=message, details={})
 
 
+def not_served() -> Refused:
+    """404 for a resource the API server does not serve (its CRD is not installed)."""
+    return Refused(
+        status=404, reason="NotFound", message="the server could not find the requested resource", details={}
+    )
+
+
+def conflict(plural: str, group: str, name: str) -> Refused:
+    """409 Conflict, as the API server answers a write whose resourceVersion precondition no longer holds."""
+    resource = f"{plural}.{group}" if group else plural
+    message = (
+        f'Operation cannot be fulfilled on {resource} "{name}": the object has been modified; please apply your '
+        "changes to the latest version and try again"
+    )
+    return Refused(status=409, reason="Conflict", message=message, details={"name": name, "kind": plural})
+
+
 def forbidden(resource: str, name: str, message: str) -> Refused:
     return Refused(status=403, reason="Forbidden", message=f'{resource} "{name}" is forbidden: {message}', details={})
 

@@ -7,8 +7,10 @@ patch never changes the status of a resource that has the subresource); label an
 what a real API server refuses (grpolora.testing.kube_apiserver: schema validation of built-in kinds and of
 GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against the requester's RBAC rules);
 garbage collection that takes time, as the real collector does (objects whose owners are all gone are removed
-by a sweep every `gc_delay` seconds, not at once); and a record of every (verb, group, resource) a client other
-than the test itself sent, for the RBAC check.
+by a sweep every `gc_delay` seconds, not at once); the optimistic-concurrency precondition of a patch that carries
+`metadata.resourceVersion` (409 Conflict when the object changed since, as a real server answers); mutating
+admission webhooks that a test installs (`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double);
+and a record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
 """
 
 from __future__ import annotations
@@ -92,6 +94,12 @@ class Emulator(kmock.KubernetesEmulator):
     measure the operator rather than the emulator's schema validation."""
     gc_delay: float = 0.2
     """Seconds between garbage-collector sweeps (a real collector also takes a while)."""
+    uninstalled: set[str] = attrs.field(factory=set)
+    """Resources of RESOURCES whose CRDs are not installed (yet): left out of discovery, and every request to them
+    answers 404 NotFound, as a real API server answers for a resource it does not serve (`Cluster.install`)."""
+    webhooks: list[Callable[[kmock.Request, dict[str, Any]], None]] = attrs.field(factory=list, init=False)
+    """Mutating admission webhooks: each is called with every create request and its object, which it may change
+    (before validation, as the API server calls mutating webhooks before it validates)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     _crd_schemas: dict[str, dict[str, Any]] = attrs.field(
         factory=lambda: {
@@ -109,8 +117,13 @@ class Emulator(kmock.KubernetesEmulator):
         del self._requests[:-1]
         if request.resource is not None and request.resource.plural:
             self._record(request)
+            served = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
+            if served in self.uninstalled:
+                raise kube_apiserver.not_served()
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
+                for webhook in self.webhooks:
+                    webhook(request, request.data)
                 self._admit(request, request.data, created=True)
             elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
                 merged = self._on_patch(request)
@@ -218,6 +231,11 @@ class Emulator(kmock.KubernetesEmulator):
         data: dict[str, Any] = request.data
         key = (request.resource, request.namespace, request.name)
         current = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+        precondition = (data.get("metadata") or {}).get("resourceVersion")
+        if current is not None and precondition and precondition != current["metadata"].get("resourceVersion"):
+            # A patch that names a resourceVersion applies only to that version (client-go's optimistic lock,
+            # controller-runtime's MergeFromWithOptimisticLock); the API server answers 409 Conflict otherwise.
+            raise kube_apiserver.conflict(request.resource.plural, request.resource.group, request.name or "")
         if request.subresource == "status":
             for field in [k for k in data if k != "status"]:
                 del data[field]
@@ -339,6 +357,12 @@ class Cluster:
         root = f"/api/{group_version}" if group_version == "v1" else f"/apis/{group_version}"
         await self._call("PATCH", f"{root}/namespaces/{namespace}/{plural}/{name}/status", {"status": status})
 
+    def install(self, *resources: str) -> None:
+        """Install CRDs that were left out (`running_cluster(uninstalled=...)`), e.g. Kueue's after the operator."""
+        for resource in resources:
+            self.emulator.uninstalled.discard(resource)
+            self.emulator.resources[resource] = RESOURCES[resource]
+
     async def add_pod(self, pod: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
 
@@ -396,12 +420,19 @@ class Cluster:
 
 @contextlib.asynccontextmanager
 async def running_cluster(
-    *, peering: bool = False, authorize: Callable[[str, str, str], bool] | None = rbac.allowed, validate: bool = True
+    *,
+    peering: bool = False,
+    authorize: Callable[[str, str, str], bool] | None = rbac.allowed,
+    validate: bool = True,
+    uninstalled: tuple[str, ...] = (),
 ) -> AsyncIterator[Cluster]:
-    """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it)."""
-    async with Emulator(authorize=authorize, validate=validate) as emulator, kmock.Server(emulator) as server:
+    """The emulator over HTTP; `authorize` is the operator's RBAC (by default what the chart grants it);
+    `uninstalled`: resources of RESOURCES not served until `Cluster.install`."""
+    emulator = Emulator(authorize=authorize, validate=validate, uninstalled=set(uninstalled))
+    async with emulator, kmock.Server(emulator) as server:
         for resource, info in RESOURCES.items():
-            emulator.resources[resource] = info
+            if resource not in uninstalled:
+                emulator.resources[resource] = info
         if peering:
             for resource, info in PEERING_RESOURCES.items():
                 emulator.resources[resource] = info

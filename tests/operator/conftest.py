@@ -7,6 +7,7 @@ import pytest
 from grpolora.operator import rbac
 from grpolora.testing.kube_emulator import Cluster, running_cluster
 from tests.operator.harness import FakeTrainer, OperatorThread, fake_trainer, operator_options
+from tests.operator.kueue_double import FakeKueue
 
 
 @pytest.fixture
@@ -29,3 +30,10 @@ async def operator(cluster: Cluster, trainer: FakeTrainer) -> AsyncIterator[Oper
     running = await OperatorThread(cluster.url, operator_options()).start()
     yield running
     await running.stop()
+
+
+@pytest.fixture
+async def kueue(cluster: Cluster) -> AsyncIterator[FakeKueue]:
+    """Kueue with the test as its scheduler: it admits and evicts when told (tests/operator/kueue_double.py)."""
+    async with FakeKueue(cluster) as fake:
+        yield fake

@@ -1,57 +1,271 @@
-"""Kueue (played by the test): a queued job's pods exist only while Kueue admits its Workload, both pools at once."""
+"""Kueue (played by tests/operator/kueue_double.py, which does only what Kueue itself does): a queued job's pods exist
+only while Kueue admits its Workload, both pools at once; on eviction the operator gives the quota back, as Kueue's
+own job integrations do, so that the preemptor is admitted and the evicted job queues again."""
 
 from __future__ import annotations
 
 from grpolora.api import constants as c
 from grpolora.operator import names
-from grpolora.testing.kube_emulator import NAMESPACE
+from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import job_doc
-from tests.operator.harness import wait_for
+from tests.operator.harness import OperatorThread, operator_options, wait_for
+from tests.operator.kueue_double import REGISTERED, FakeKueue, find
 from tests.operator.test_operator import phase
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
 
 
-async def admit(cluster, conditions: list[dict]) -> None:
-    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo/status"
-    stamped = [{"lastTransitionTime": "2026-01-01T00:00:00Z", "message": "", **cond} for cond in conditions]
-    await cluster._call("PATCH", path, {"status": {"conditions": stamped}})
+def queued(name: str = "demo", **spec) -> dict:
+    doc = job_doc(**spec)
+    doc["metadata"]["name"] = name
+    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    return doc
+
+
+async def complete(cluster, job: str) -> None:
+    """The Job controller: the trainer Job completed."""
+    await cluster.set_status(
+        "batch/v1/jobs", f"{job}-trainer", {"conditions": [{"type": "Complete", "status": "True", "reason": "Done"}]}
+    )
 
 
 async def test_a_queued_job_runs_only_while_kueue_admits_both_pools(cluster, operator):
-    doc = job_doc(inference={"replicas": 2})
-    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
-    await cluster.apply(doc)
-    await wait_for(lambda: cluster.get(WORKLOADS, "demo") is not None, "the Kueue Workload")
-    pod_sets = cluster.get(WORKLOADS, "demo")["spec"]["podSets"]
-    assert [(p["name"], p["count"]) for p in pod_sets] == [("trainer", 1), ("inference", 2)]
-    await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
-    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
-    assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
+    async with FakeKueue(cluster) as kueue:
+        await cluster.apply(queued(inference={"replicas": 2}))
+        await wait_for(lambda: kueue.workload("demo") is not None, "the Kueue Workload")
+        pod_sets = kueue.workload("demo")["spec"]["podSets"]
+        assert [(p["name"], p["count"]) for p in pod_sets] == [("trainer", 1), ("inference", 2)]
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+        assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
 
-    await admit(cluster, [{"type": "QuotaReserved", "status": "True", "reason": "QuotaReserved"},
-                          {"type": "Admitted", "status": "True", "reason": "Admitted"}])  # fmt: skip
-    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is not None, "the workloads")
-    assert cluster.get("batch/v1/jobs", "demo-trainer") is not None
+        await kueue.admit("demo")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is not None, "the workloads")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is not None
+        await complete(cluster, "demo")
+        await wait_for(lambda: phase(cluster) == "Succeeded", "Succeeded")
+        finished = await wait_for(lambda: find(kueue.workload("demo"), "Finished"), "the Workload marked Finished")
+        assert (finished["status"], finished["reason"]) == ("True", "Succeeded")
+        kinds = [x["type"] for x in kueue.workload("demo")["status"]["conditions"]]
+        assert {"QuotaReserved", "Admitted", "Finished"} <= set(kinds), "Kueue's own conditions are kept"
 
-    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by job x"}
-    await admit(cluster, [{"type": "Admitted", "status": "False", "reason": "Pending"}, evicted])
-    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
-    # The workloads go before the status that says why is written (deletes come first in a pass).
-    await wait_for(lambda: "by job x" in cluster.status("demo")["message"], "the eviction in the message")
-    assert phase(cluster) == "Pending"
 
-    await admit(cluster, [{"type": "Admitted", "status": "True", "reason": "Admitted"}])
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the trainer again")
-    await cluster.set_status(
-        "batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True", "reason": "Done"}]}
-    )
-    await wait_for(lambda: phase(cluster) == "Succeeded", "Succeeded")
-    finished = lambda: [x for x in cluster.get(WORKLOADS, "demo")["status"]["conditions"] if x["type"] == "Finished"]  # noqa: E731
-    await wait_for(finished, "the Workload marked Finished")
-    kinds = [x["type"] for x in cluster.get(WORKLOADS, "demo")["status"]["conditions"]]
-    assert kinds == ["Admitted", "Finished"], "Kueue's own conditions are kept"
+async def test_an_evicted_job_gives_its_quota_back_so_the_preemptor_runs_and_it_is_admitted_again(cluster, operator):
+    """Kueue only sets Evicted; the integration, once the job's pods are gone, clears the admission, sets
+    QuotaReserved False and Requeued (True for a preemption): pkg/controller/jobframework/reconciler.go, "handle
+    eviction". Without that the Workload holds its quota for ever and the preemptor is never admitted."""
+    async with FakeKueue(cluster, capacity=1) as kueue:  # quota for one job at a time
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        # A job of a higher priority (another integration's, e.g. a batch Job) comes and preempts it.
+        await kueue.add_workload("urgent", priority=100)
+        await kueue.preempt("demo", by="urgent")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
+        # The quota goes back: Kueue admits the preemptor.
+        await wait_for(lambda: kueue.admissions == ["demo", "urgent"], "the preemptor admitted")
+        workload = kueue.workload("demo")
+        assert "admission" not in workload["status"]
+        quota, requeued = find(workload, "QuotaReserved"), find(workload, "Requeued")
+        assert (quota["status"], quota["reason"]) == ("False", "Pending")
+        assert quota["message"] == find(workload, "Evicted")["message"]
+        assert (requeued["status"], requeued["reason"]) == ("True", "Preempted")
+        assert find(workload, "Admitted")["status"] == "False"
+        assert find(workload, "Evicted")["status"] == "True", "Evicted is Kueue's to reset, at the next admission"
+        await wait_for(lambda: "admitted again" in cluster.status("demo").get("message", ""), "demo waits again")
+        assert phase(cluster) == "Pending" and "prioritization in the ClusterQueue" in cluster.status("demo")["message"]
+        admitted = cluster.condition("demo", names.ADMITTED)
+        assert (admitted["status"], admitted["reason"]) == ("False", names.R_EVICTED)
+
+        # The preemptor finishes, its quota goes back, and the evicted job is admitted and runs again.
+        await kueue.finish("urgent")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted again and restarted")
+        assert kueue.admissions == ["demo", "urgent", "demo"]
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("status") == "True", "demo Admitted")
+        assert find(kueue.workload("demo"), "Evicted")["status"] == "False"
+
+
+async def test_pods_ready_is_written_so_kueues_wait_for_pods_ready_evicts_only_jobs_whose_pods_are_not_ready(
+    cluster, operator
+):
+    """Kueue's waitForPodsReady evicts an admitted Workload whose PodsReady condition is not True in time; the
+    integration writes that condition (jobframework/reconciler.go generatePodsReadyCondition)."""
+    async with FakeKueue(cluster, capacity=1, pods_ready_timeout=0.5) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        ready = await wait_for(lambda: find(kueue.workload("demo"), "PodsReady"), "PodsReady written")
+        assert (ready["status"], ready["reason"]) == ("False", "WaitForStart")
+        # The pods do not get ready in time: evicted, released, requeued after Kueue's backoff, admitted again.
+        await wait_for(lambda: kueue.timed_out == ["demo"], "the PodsReady timeout")
+        await wait_for(lambda: kueue.admissions == ["demo", "demo"], "admitted again after the backoff")
+        requeued = find(kueue.workload("demo"), "Requeued")
+        assert (requeued["status"], requeued["reason"]) == ("True", "BackoffFinished")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "started again")
+
+        # Now they do: PodsReady True from the same counts as the job's own PodsReady, and no eviction.
+        await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1, "ready": 1})
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the inference StatefulSet")
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"readyReplicas": 1})
+        await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("status") == "True", "pods ready")
+        await wait_for(lambda: kueue.ready_in_time == ["demo"], "the timeout passed with the pods ready")
+        ready = find(kueue.workload("demo"), "PodsReady")
+        assert (ready["status"], ready["reason"]) == ("True", "Started")
+        assert kueue.timed_out == ["demo"] and cluster.get("batch/v1/jobs", "demo-trainer") is not None
+
+
+async def test_a_workload_status_write_never_overwrites_what_kueue_wrote_since_it_was_read(cluster, kueue):
+    """The operator's status patch replaces the Workload's whole conditions list (a merge patch replaces lists), so it
+    carries the resourceVersion it was decided from: a Kueue write in between makes it a 409 (the emulator answers as
+    the API server does), the pass drops its cached Workload and decides again from a fresh read."""
+    import kopf
+
+    from grpolora.api.status import JobStatus
+    from grpolora.operator import kube
+    from grpolora.operator import kueue as integration
+    from grpolora.operator.controller import Controller, _Job
+    from grpolora.operator.reconcile import Decision
+
+    await kueue.add_workload("demo", priority=0)
+    await kueue.admit("demo")
+    client = kube.KubeClient(lambda: kopf.ConnectionInfo(server=cluster.url))
+    controller = Controller(client, trainer=None, metrics=None)  # type: ignore[arg-type]
+    job = _Job(NAMESPACE, "demo", "uid", {}, {})
+    try:
+        read = await client.get(kube.KUEUE_WORKLOAD, NAMESPACE, "demo")
+        controller._remember(("Workload", NAMESPACE, "demo"), read, read)
+        finished = integration.integration_write(
+            read, now="2026-01-01T00:00:00Z", inactive=True, pods_ready=False, finished=("Succeeded", "done"),
+            suspended=False,
+        )  # fmt: skip
+        await kueue.evict("demo", "Preempted", "meanwhile")  # Kueue writes after the operator read
+        assert not await controller._write_queue_workload(job, Decision(JobStatus(), queue_workload_write=finished))
+        assert ("Workload", NAMESPACE, "demo") not in controller.workloads, "read again by the next pass"
+        assert find(kueue.workload("demo"), "Evicted")["message"] == "meanwhile" and not find(
+            kueue.workload("demo"), "Finished"
+        )  # fmt: skip
+
+        fresh = await client.get(kube.KUEUE_WORKLOAD, NAMESPACE, "demo")
+        again = integration.integration_write(
+            fresh, now="2026-01-01T00:00:00Z", inactive=True, pods_ready=False, finished=("Succeeded", "done"),
+            suspended=False,
+        )  # fmt: skip
+        assert await controller._write_queue_workload(job, Decision(JobStatus(), queue_workload_write=again))
+        assert find(kueue.workload("demo"), "Finished")["status"] == "True"
+        assert find(kueue.workload("demo"), "Evicted")["message"] == "meanwhile", "Kueue's write is kept"
+    finally:
+        await client.close()
+
+
+async def test_a_workload_kueue_deactivated_after_too_many_requeues_is_shown_so(cluster, operator):
+    """waitForPodsReady's requeuingStrategy.backoffLimitCount: past it Kueue deactivates the Workload (reason
+    RequeuingLimitExceeded); the job then says so and how to reactivate it, not that it waits to be admitted again."""
+    async with FakeKueue(cluster, capacity=1, pods_ready_timeout=0.3, requeuing_limit=0) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        await wait_for(lambda: kueue.workload("demo")["spec"].get("active") is False, "deactivated by Kueue")
+        await wait_for(lambda: "admission" not in kueue.workload("demo")["status"], "the quota given back")
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_DEACTIVATED, "shown")
+        message = cluster.status("demo")["message"]
+        assert (
+            "RequeuingLimitExceeded" in message and "spec.active" in message and "to be admitted again" not in message
+        )
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+        assert kueue.workload("demo")["spec"]["active"] is False, "the operator does not undo Kueue's deactivation"
+
+
+async def test_under_manage_jobs_without_queue_name_the_trainer_job_runs_only_with_the_kind_registered(
+    cluster, operator
+):
+    """Kueue's Job webhook suspends a Job whose owner's kind it does not know (and queues it a second time);
+    listing GRPOLoraJob in integrations.externalFrameworks makes the GRPOLoraJob its Kueue-managed ancestor."""
+    async with FakeKueue(cluster, manage_jobs_without_queue_name=True) as kueue:  # nothing registered
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: kueue.workload("demo"), "the Workload")
+        await kueue.admit("demo")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job")
+        assert cluster.get("batch/v1/jobs", "demo-trainer")["spec"]["suspend"] is True
+        await wait_for(lambda: "integrations.externalFrameworks" in cluster.status("demo")["message"], "the reason")
+        assert REGISTERED[0] in cluster.status("demo")["message"]
+        reason = cluster.condition("demo", names.PODS_READY)["reason"]
+        assert reason == names.R_TRAINER_JOB_SUSPENDED
+        await cluster.delete_job("demo")
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "demo's children collected")
+
+    async with FakeKueue(cluster, manage_jobs_without_queue_name=True, external_frameworks=REGISTERED) as kueue:
+        await cluster.apply(queued("registered"))
+        await wait_for(lambda: kueue.workload("registered"), "the Workload")
+        await kueue.admit("registered")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "registered-trainer"), "the trainer Job")
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "registered-inference"), "the StatefulSet")
+        await kueue.tick()  # the Job reconciler has looked at it: its ancestor's Workload is admitted
+        assert not cluster.get("batch/v1/jobs", "registered-trainer")["spec"].get("suspend"), kueue.suspended_jobs
+        assert kueue.suspended_jobs == []
+
+        # A job without a queue label there: Kueue holds its trainer (its managed owner has no Workload).
+        unqueued = job_doc()
+        unqueued["metadata"]["name"] = "unqueued"
+        await cluster.apply(unqueued)
+        await wait_for(lambda: kueue.suspended_jobs == ["unqueued-trainer"], "Kueue suspends the trainer Job")
+        await wait_for(lambda: "queue-name" in cluster.status("unqueued")["message"], "the reason")
+
+
+async def test_a_suspended_job_neither_holds_nor_takes_quota_and_queues_again_when_resumed(cluster, operator):
+    """The operator deactivates the Workload of a suspended job (spec.active false, as Kueue's integrations with
+    custom activation do: jobframework/reconciler.go JobWithCustomWorkloadActivation); Kueue evicts it
+    (Deactivated), the operator gives the quota back, and reactivates it when the job resumes."""
+    async with FakeKueue(cluster, capacity=1) as kueue:
+        await cluster.apply(queued("demo", suspend=True))  # created suspended, before the other job
+        await wait_for(lambda: kueue.workload("demo"), "demo's Workload")
+        assert kueue.workload("demo")["spec"]["active"] is False
+        await cluster.apply(queued("other"))
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "other-trainer"), "other admitted and started")
+        assert kueue.admissions == ["other"] and phase(cluster) == "Suspended"
+
+        await cluster.patch_spec("demo", {"suspend": False})  # waits: other holds the quota
+        await wait_for(lambda: kueue.workload("demo")["spec"].get("active") is True, "demo's Workload reactivated")
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "queued")
+
+        await cluster.patch_spec("other", {"suspend": True})  # gives its quota back: demo runs
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "demo admitted and started")
+        assert kueue.admissions == ["other", "demo"]
+        workload = kueue.workload("other")
+        assert workload["spec"]["active"] is False and "admission" not in workload["status"]
+        assert find(workload, "Evicted")["reason"] == "Deactivated"
+        assert (find(workload, "Requeued")["status"], find(workload, "Requeued")["reason"]) == ("False", "Deactivated")
+        assert phase(cluster, "other") == "Suspended"
+
+        await cluster.patch_spec("other", {"suspend": False})
+        requeued = lambda: find(kueue.workload("other"), "Requeued")  # noqa: E731
+        await wait_for(lambda: requeued()["reason"] == "Reactivated", "other reactivated and requeued")
+        await wait_for(lambda: cluster.condition("other", names.ADMITTED).get("status") == "False", "other waits")
+        assert cluster.get("batch/v1/jobs", "other-trainer") is None
+
+
+KUEUE_CRDS = ("kueue.x-k8s.io/v1beta1/workloads", "kueue.x-k8s.io/v1beta1/resourceflavors")
+
+
+async def test_kueue_installed_after_the_operator_is_noticed_without_waiting_for_a_resync(trainer):
+    """Kopf discovers the resources it watches once, at start (scanning is off), so the operator cannot watch
+    Workloads when Kueue comes later: it then reads a queued job's Workload on each pass, and a job queued before
+    Kueue exists waits for it instead of failing."""
+    async with running_cluster(uninstalled=KUEUE_CRDS) as cluster:
+        operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+        try:
+            await cluster.apply(queued("demo"))
+            await wait_for(lambda: "is Kueue installed" in cluster.status("demo").get("message", ""), "the wait")
+            assert phase(cluster) == "Pending" and cluster.get("batch/v1/jobs", "demo-trainer") is None
+            assert cluster.condition("demo", names.ADMITTED)["reason"] == names.R_KUEUE_NOT_INSTALLED
+
+            cluster.install(*KUEUE_CRDS)
+            async with FakeKueue(cluster) as kueue:
+                await wait_for(lambda: kueue.workload("demo"), "the Workload, once Kueue's API is served")
+                await kueue.admit("demo")
+                await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the admission, with no watch")
+                await kueue.evict("demo", "Preempted", "by a job of a higher priority")
+                released = lambda: kueue.why_not_admissible(kueue.workload("demo")) is None  # noqa: E731
+                await wait_for(released, "the eviction noticed and the quota given back")
+        finally:
+            await operator.stop()
 
 
 FLAVORS_PATH = "/apis/kueue.x-k8s.io/v1beta1/resourceflavors"
@@ -65,24 +279,16 @@ async def add_flavor(cluster, name: str, node_labels: dict[str, str], toleration
     await cluster._call("POST", FLAVORS_PATH, doc)
 
 
-async def admit_to(cluster, trainer: str, inference: str) -> None:
-    """Kueue admits the Workload: each pod set's GPUs from a ResourceFlavor (the status write Kueue makes)."""
-    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo/status"
-    assignments = [
-        {"name": "trainer", "flavors": {"nvidia.com/gpu": trainer, "cpu": "default"}, "count": 1},
-        {"name": "inference", "flavors": {"nvidia.com/gpu": inference}, "count": 1},
-    ]
-    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
-                "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    status = {"admission": {"clusterQueue": "cq", "podSetAssignments": assignments}, "conditions": [admitted]}
-    await cluster._call("PATCH", path, {"status": status})
+def to(trainer: str, inference: str) -> dict[str, dict[str, str]]:
+    """Each pod set's GPUs from a ResourceFlavor (the trainer's CPUs from the default one)."""
+    return {"trainer": {"nvidia.com/gpu": trainer, "cpu": "default"}, "inference": {"nvidia.com/gpu": inference}}
 
 
 def pod_spec(cluster, resource: str, name: str) -> dict:
     return cluster.get(resource, name)["spec"]["template"]["spec"]
 
 
-async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster, operator):
+async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster, operator, kueue):
     await add_flavor(cluster, "default", {})
     await add_flavor(cluster, "h100", {"gpu.example.com/pool": "h100"}, [GPU_TAINT])
     await add_flavor(cluster, "l4", {"gpu.example.com/pool": "l4"})
@@ -90,7 +296,7 @@ async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster
     doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
     await cluster.apply(doc)
     await wait_for(lambda: cluster.get(WORKLOADS, "demo") is not None, "the Kueue Workload")
-    await admit_to(cluster, trainer="h100", inference="l4")
+    await kueue.admit("demo", to(trainer="h100", inference="l4"))
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is not None, "the workloads")
     trainer = pod_spec(cluster, "batch/v1/jobs", "demo-trainer")
     assert trainer["nodeSelector"] == {"topology.kubernetes.io/zone": "a", "gpu.example.com/pool": "h100"}
@@ -107,25 +313,25 @@ async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster
     assert "gpu.example.com/pool" not in str(cluster.get(WORKLOADS, "demo")["spec"])
 
     # Evicted, then admitted elsewhere: the new pods follow the new flavors, nothing is left of the old ones.
-    evicted = {"type": "Evicted", "status": "True", "reason": "Preempted", "message": "by job x",
-               "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    await admit(cluster, [{"type": "Admitted", "status": "False", "reason": "Pending"}, evicted])
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "trainer released")
-    await admit_to(cluster, trainer="l4", inference="h100")
+    await kueue.evict("demo", "Preempted", "by job x")
+    await wait_for(lambda: kueue.why_not_admissible(kueue.workload("demo")) is None, "the quota given back")
+    await kueue.admit("demo", to(trainer="l4", inference="h100"))
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the trainer again")
     trainer = pod_spec(cluster, "batch/v1/jobs", "demo-trainer")
     assert trainer["nodeSelector"] == {"topology.kubernetes.io/zone": "a", "gpu.example.com/pool": "l4"}
     assert "tolerations" not in trainer
 
 
-async def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_and_finishes_the_workload(cluster, operator):
+async def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_and_finishes_the_workload(
+    cluster, operator, kueue
+):
     await add_flavor(cluster, "default", {})
     await add_flavor(cluster, "h100", {"gpu.example.com/pool": "h100"})
     doc = job_doc(trainer={"nodeSelector": {"gpu.example.com/pool": "a100"}})
     doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
     await cluster.apply(doc)
     await wait_for(lambda: cluster.get(WORKLOADS, "demo") is not None, "the Kueue Workload")
-    await admit_to(cluster, trainer="h100", inference="h100")
+    await kueue.admit("demo", to(trainer="h100", inference="h100"))
     await wait_for(lambda: phase(cluster) == "Failed", "Failed")
     assert cluster.condition("demo", names.FAILED)["reason"] == names.R_FAILED_TO_START
     assert cluster.get("batch/v1/jobs", "demo-trainer") is None

@@ -206,26 +206,29 @@ async def test_a_suspended_job_detaches_and_queues_again_when_resumed(cluster, o
     assert attached_condition(cluster, "job-a")["reason"] == names.R_POOL_FULL and trainer(cluster, "job-a") is None
 
 
-async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_it_starts_once_admitted_and_attached(
-    cluster, operator
+async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_only_an_admitted_job_takes_a_place(
+    cluster, operator, kueue
 ):
+    """A place in the pool goes to admitted jobs only. Were a queued job to take one while Kueue holds it back, a
+    later job admitted first (BestEffortFIFO) would hold its GPU quota and wait for that place: a deadlock."""
     workloads = "kueue.x-k8s.io/v1beta1/workloads"
-    doc = job_on_pool("queued")
-    doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
-    await cluster.apply(pool_doc())
-    await cluster.apply(doc)
-    await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
-    assert [(p["name"], p["count"]) for p in cluster.get(workloads, "queued")["spec"]["podSets"]] == [("trainer", 1)]
-    # A pool's place is a LoRA slot, not a GPU: the job takes it while Kueue still holds its trainer back.
-    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/queued"], "attached while queued")
-    await wait_for(lambda: cluster.condition("queued", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
-    assert trainer(cluster, "queued") is None
+    first, later = job_on_pool("first"), job_on_pool("later")  # first in the pool's line (creation, then name)
+    for doc in (first, later):
+        doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    await cluster.apply(pool_doc())  # one place
+    await cluster.apply(first)
+    await cluster.apply(later)
+    await wait_for(lambda: cluster.get(workloads, "later"), "the Kueue Workloads")
+    assert [(p["name"], p["count"]) for p in cluster.get(workloads, "first")["spec"]["podSets"]] == [("trainer", 1)]
+    await wait_for(lambda: cluster.condition("first", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
 
-    path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/queued/status"
-    admitted = {"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
-                "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
-    await cluster._call("PATCH", path, {"status": {"conditions": [admitted]}})
-    await wait_for(lambda: trainer(cluster, "queued"), "the trainer Job once admitted")
+    await kueue.admit("later")  # Kueue admits the later job first
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/later"], "the admitted job attached")
+    await wait_for(lambda: trainer(cluster, "later"), "its trainer Job")
+    assert trainer(cluster, "first") is None
+    # A job Kueue holds back does not wait in the pool's line either.
+    await wait_for(lambda: cluster.pool_status(POOL).get("waitingJobs") == [], "nobody in the pool's line")
+    assert [j["job"] for j in cluster.pool_status(POOL)["attachedJobs"]] == [f"{NAMESPACE}/later"]
 
 
 async def test_a_pool_child_the_api_server_refuses_is_reported_in_the_pool_status():

@@ -43,11 +43,15 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo", NAMESPACE) is None, "deletion after the TTL")
 
             # A job queued in Kueue: its Workload is created, followed, and marked Finished at the end.
-            queued = job_doc()
+            queued = job_doc(suspend=True)  # its Workload is created inactive, and reactivated on resume
             queued["metadata"].update(name="queued", labels={c.KUEUE_QUEUE_LABEL: "q"})
             await cluster.apply(queued)
             workloads = "kueue.x-k8s.io/v1beta1/workloads"
             await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+            await cluster.patch_spec("queued", {"suspend": False})
+            await wait_for(lambda: cluster.get(workloads, "queued")["spec"].get("active"), "the Workload reactivated")
+            # Full passes (every resync) read it from the API, not from the watch.
+            await wait_for(lambda: ("get", "workloads", "queued") in cluster.emulator.log, "a full pass's read")
             admitted = [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
                          "lastTransitionTime": "2026-01-01T00:00:00Z"}]  # fmt: skip
             # Admitted to a ResourceFlavor, which the operator reads to place the pods.
@@ -59,9 +63,8 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await cluster._call("PATCH", path, {"status": {"conditions": admitted, "admission": admission}})
             await wait_for(lambda: cluster.get("batch/v1/jobs", "queued-trainer"), "admitted")
             await cluster.set_status("batch/v1/jobs", "queued-trainer", complete)
-            await wait_for(
-                lambda: len(cluster.get(workloads, "queued")["status"]["conditions"]) == 2, "the Workload Finished"
-            )
+            finished = lambda: "Finished" in str(cluster.get(workloads, "queued")["status"]["conditions"])  # noqa: E731
+            await wait_for(finished, "the Workload Finished")
 
             # A RolloutPool of one place and two jobs on it: the second attaches when the first finishes (the pool
             # rewrites its attachment list and its NetworkPolicy).

@@ -51,16 +51,27 @@ def view_of(doc: dict[str, Any]):
     doc["metadata"].update(uid="uid-1", generation=2)
     first = job_view(doc)
     applied = json.loads(spec_json(first.job.spec))
-    stored = body(applied=applied)
+    stored = body(applied=applied, suspend=doc["spec"].get("suspend", False))
     stored["metadata"]["labels"] = doc["metadata"]["labels"]
     return job_view(stored)
 
 
 def admitted(status: str = "True", evicted: bool = False) -> dict[str, Any]:
-    conditions = [{"type": "Admitted", "status": status, "reason": "Admitted" if status == "True" else "Pending"}]
+    conditions = [
+        {"type": "QuotaReserved", "status": status, "reason": "QuotaReserved" if status == "True" else "Pending"},
+        {"type": "Admitted", "status": status, "reason": "Admitted" if status == "True" else "NoReservation"},
+    ]
     if evicted:
         conditions.append({"type": "Evicted", "status": "True", "reason": "Preempted", "message": "preempted by x"})
-    return {"metadata": {"name": "demo"}, "status": {"conditions": conditions}}
+    meta = {"name": "demo", "resourceVersion": "7", "generation": 1}
+    return {"metadata": meta, "status": {"admission": {"clusterQueue": "cq"}, "conditions": conditions}}
+
+
+def written_conditions(decision) -> dict[str, tuple[str, str]]:
+    write = decision.queue_workload_write
+    assert write is not None and write.status is not None
+    assert write.status["metadata"] == {"resourceVersion": "7"}, "written only over the Workload it was decided from"
+    return {x["type"]: (x["status"], x["reason"]) for x in write.status["status"]["conditions"]}
 
 
 def test_until_kueue_admits_both_pools_no_workload_is_created():
@@ -77,24 +88,136 @@ def test_once_admitted_the_workloads_are_created():
     assert condition(decision, names.ADMITTED) == ("True", names.R_ADMITTED)
 
 
-def test_an_evicted_job_gives_both_pools_back():
-    observed = Observed(trainer_job(active=1), statefulset(1), queue_workload=admitted("False", evicted=True))
+def test_an_evicted_job_gives_both_pools_back_then_its_quota():
+    """Kueue sets Evicted and keeps the quota reserved; the integration gives it back once the job's pods are gone
+    (pkg/controller/jobframework/reconciler.go, "handle eviction")."""
+    observed = Observed(trainer_job(active=1), statefulset(1), queue_workload=admitted(evicted=True))
     decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
     assert set(decision.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
     assert decision.create == () and decision.status.phase == "Pending"
     assert condition(decision, names.ADMITTED) == ("False", names.R_EVICTED)
-    assert "preempted by x" in decision.status.message
+    assert "preempted by x" in decision.status.message and "being released" in decision.status.message
+    assert not decision.queue_workload_write.released, "the quota stays reserved while the pods may still run"
+    assert "admission" not in decision.queue_workload_write.status["status"]
+
+    gone = decide(view_of(queued_doc()), decision.status, Observed(queue_workload=admitted(evicted=True)), NOW)
+    assert written_conditions(gone) == {
+        "QuotaReserved": ("False", "Pending"),
+        "Admitted": ("False", "NoReservation"),
+        "Evicted": ("True", "Preempted"),
+        "Requeued": ("True", "Preempted"),
+        "PodsReady": ("False", "WaitForStart"),
+    }
+    assert gone.queue_workload_write.status["status"]["admission"] is None
+    quota = next(x for x in gone.queue_workload_write.status["status"]["conditions"] if x["type"] == "QuotaReserved")
+    assert quota["message"] == "preempted by x" and quota["lastTransitionTime"] == "2026-01-01T12:00:00Z"
+
+
+def test_after_other_evictions_kueue_requeues_the_workload_itself_and_the_job_says_so():
+    workload = admitted(evicted=True)
+    workload["status"]["conditions"][-1].update(reason="PodsReadyTimeout", message="Exceeded the PodsReady timeout")
+    decision = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=workload), NOW)
+    assert written_conditions(decision)["Requeued"] == ("False", "PodsReadyTimeout")
+    released = json.loads(json.dumps(workload))
+    released["status"]["conditions"] = decision.queue_workload_write.status["status"]["conditions"]
+    again = decide(view_of(queued_doc()), decision.status, Observed(queue_workload=released), NOW)
+    assert again.queue_workload_write is None
+    assert "requeues it once its PodsReadyTimeout backoff is over" in again.status.message
 
 
 def test_a_finished_job_marks_its_workload_finished():
     observed = Observed(trainer_job(condition="Complete"), statefulset(1), queue_workload=admitted())
     decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
-    assert decision.status.phase == "Succeeded" and decision.finish_queue_workload
+    assert decision.status.phase == "Succeeded" and written_conditions(decision)["Finished"] == ("True", "Succeeded")
     again = decide(view_of(queued_doc()), decision.status, observed, NOW)
-    assert again.finish_queue_workload  # until the Workload says Finished
+    assert written_conditions(again)["Finished"] == ("True", "Succeeded")  # until the Workload says Finished
     done = admitted()
-    done["status"]["conditions"].append({"type": "Finished", "status": "True"})
-    assert not decide(view_of(queued_doc()), decision.status, Observed(queue_workload=done), NOW).finish_queue_workload
+    done["status"]["conditions"].append({"type": "Finished", "status": "True", "reason": "Succeeded"})
+    assert (
+        decide(view_of(queued_doc()), decision.status, Observed(queue_workload=done), NOW).queue_workload_write is None
+    )
+
+
+def test_pods_ready_follows_the_jobs_own_counts_as_kueue_words_it():
+    """jobframework/reconciler.go generatePodsReadyCondition: WaitForStart until ready, Started, WaitForRecovery
+    after a loss, Recovered; written only when its status or reason changes."""
+
+    def write(workload, *objects):
+        observed = Observed(*objects, queue_workload=workload)
+        decision = decide(view_of(queued_doc()), JobStatus(), observed, NOW)
+        return decision.queue_workload_write
+
+    workload = admitted()
+    first = write(workload, trainer_job(active=1), statefulset(0))
+    assert written_conditions_of(first)["PodsReady"] == ("False", "WaitForStart")
+    workload["status"]["conditions"] = first.status["status"]["conditions"]
+    assert write(workload, trainer_job(active=1), statefulset(0)) is None, "nothing new, nothing written"
+    ready = write(workload, trainer_job(active=1, ready=1), statefulset(1))
+    assert written_conditions_of(ready)["PodsReady"] == ("True", "Started")
+    workload["status"]["conditions"] = ready.status["status"]["conditions"]
+    lost = write(workload, trainer_job(active=1, ready=1), statefulset(0))
+    assert written_conditions_of(lost)["PodsReady"] == ("False", "WaitForRecovery")
+    workload["status"]["conditions"] = lost.status["status"]["conditions"]
+    back = write(workload, trainer_job(active=1, ready=1), statefulset(1))
+    assert written_conditions_of(back)["PodsReady"] == ("True", "Recovered")
+
+
+def written_conditions_of(write) -> dict[str, tuple[str, str]]:
+    return {x["type"]: (x["status"], x["reason"]) for x in write.status["status"]["conditions"]}
+
+
+def test_a_suspended_jobs_workload_is_inactive_and_reactivated_only_by_whom_deactivated_it():
+    """JobWithCustomWorkloadActivation (jobframework/reconciler.go): a suspended job neither holds nor waits for
+    quota. A Workload that Kueue deactivated (RequeuingLimitExceeded, a rejected check) is not reactivated."""
+    objects = builders.build_children(plan(parse_job(queued_doc(suspend=True))), owner_uid="u", token="t")
+    (workload,) = [o for o in objects if o["kind"] == "Workload"]
+    assert workload["spec"]["active"] is False
+    assert workload["metadata"]["annotations"] == {kueue.DEACTIVATED_FOR_SUSPEND: "true"}
+
+    suspended = view_of(queued_doc(suspend=True))
+    decision = decide(suspended, JobStatus(), Observed(queue_workload=admitted()), NOW)
+    assert decision.queue_workload_write.spec == {
+        "metadata": {"annotations": {kueue.DEACTIVATED_FOR_SUSPEND: "true"}},
+        "spec": {"active": False},
+    }
+    assert not decision.idle, "Kueue evicts the deactivated Workload next, and giving its quota back is ours"
+    ours = admitted("False")
+    ours["metadata"]["annotations"] = {kueue.DEACTIVATED_FOR_SUSPEND: "true"}
+    ours["spec"] = {"active": False}
+    resumed = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=ours), NOW)
+    assert resumed.queue_workload_write.spec == {
+        "metadata": {"annotations": {kueue.DEACTIVATED_FOR_SUSPEND: None}},
+        "spec": {"active": True},
+    }
+    by_kueue = admitted("False")
+    by_kueue["spec"] = {"active": False}
+    left = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=by_kueue), NOW)
+    assert left.queue_workload_write is None or left.queue_workload_write.spec is None
+
+
+@pytest.mark.parametrize(
+    ("evicted_reason", "check", "shown"),
+    [
+        ("DeactivatedDueToRequeuingLimitExceeded", None, "DeactivatedDueToRequeuingLimitExceeded"),
+        ("Deactivated", None, "Deactivated"),
+        ("AdmissionCheck", {"name": "prov", "state": "Rejected", "message": "no capacity"}, "prov rejected"),
+    ],
+)
+def test_a_workload_kueue_deactivated_is_not_shown_as_waiting_to_be_admitted_again(evicted_reason, check, shown):
+    """Kueue deactivates a Workload after too many requeues (RequeuingLimitExceeded), a rejected admission check, or
+    a person's `spec.active: false`: it is not admitted again until someone reactivates it."""
+    workload = admitted("False", evicted=True)
+    workload["status"]["conditions"][-1].update(reason=evicted_reason, message="The workload is deactivated")
+    workload["status"]["conditions"].append({"type": "Requeued", "status": "False", "reason": evicted_reason})
+    workload["spec"] = {"active": False}
+    if check is not None:
+        workload["status"]["admissionChecks"] = [check]
+    decision = decide(view_of(queued_doc()), JobStatus(), Observed(queue_workload=workload), NOW)
+    assert condition(decision, names.ADMITTED) == ("False", names.R_DEACTIVATED)
+    message = decision.status.message
+    assert "to be admitted again" not in message and "deactivated" in message and shown in message
+    assert "spec.active" in message and "kubectl patch" in message
+    assert decision.queue_workload_write is None or decision.queue_workload_write.spec is None
 
 
 # ---- what Kueue applies on admission: the admitted ResourceFlavors' node labels and tolerations -----------------
@@ -232,4 +355,4 @@ def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_as_kueue_does
     assert "spec.trainer.nodeSelector" in decision.status.message
     assert [(e.type, e.reason) for e in decision.events if e.reason == "Failed"] == [("Warning", "Failed")]
     # Kueue's own integrations mark the Workload Finished with reason FailedToStart (its quota goes back).
-    assert decision.finish_queue_workload and decision.queue_finish_reason == "FailedToStart"
+    assert written_conditions(decision)["Finished"] == ("True", "FailedToStart")

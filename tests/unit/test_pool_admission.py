@@ -113,6 +113,20 @@ def test_a_job_body_becomes_a_candidate_of_its_own_pool_only():
     assert not candidate(body(lora={"rank": 64}), shared).fits  # maxLoraRank 16
 
 
+def test_a_queued_job_is_a_candidate_only_once_kueue_admitted_it():
+    """Otherwise a queued job takes a pool place while Kueue holds it back, and under BestEffortFIFO a later job can
+    be admitted first, hold its GPU quota and wait for the place the first holds: neither ever runs."""
+    shared = pool()
+    queued = body()
+    queued["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "gpu-queue"}
+    assert not candidate(queued, shared).active, "not admitted yet (no status)"
+    waiting = {"type": names.ADMITTED, "status": "False", "reason": names.R_QUEUED}
+    assert not candidate({**queued, "status": {"conditions": [waiting]}}, shared).active
+    admitted = {"type": names.ADMITTED, "status": "True", "reason": names.R_ADMITTED}
+    assert candidate({**queued, "status": {"conditions": [admitted]}}, shared).active
+    assert candidate(body(), shared).active, "a job without a queue needs no admission"
+
+
 def test_replica_versions_tolerate_replicas_that_do_not_answer_or_answer_nonsense():
     reports = [
         {"jobs": {"rl/a": {"live_version": 3}, "rl/b": {"live_version": 1}}},

@@ -45,11 +45,11 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "create"]
-# with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch
+# with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active)
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "list", "watch", "create"]
-# mark a finished job's Kueue Workload Finished, so that Kueue returns its quota
+  verbs: ["get", "list", "watch", "create", "patch"]
+# as Kueue's job integrations do: give the quota back after an eviction, write PodsReady, mark a finished job's Workload Finished (Kueue then returns its quota)
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]
