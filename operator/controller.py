@@ -183,6 +183,8 @@ class Controller:
         self._pool_seen(namespace, name, None if event_type == "DELETED" else dict(body), body)
         if event_type == "DELETED":
             self.forget_pool(namespace, name)
+        elif meta.get("deletionTimestamp"):
+            self._mark_deleting(self.pools.get((namespace, name)), body)
 
     def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
@@ -255,6 +257,31 @@ class Controller:
             return
         self.workloads[key] = value
 
+    def deleting(self, body: Mapping[str, Any]) -> None:
+        """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
+        from now on (see reconcile.JobView.deleting)."""
+        meta = body.get("metadata") or {}
+        self._mark_deleting(self.jobs.get((meta.get("namespace", ""), meta.get("name", ""))), body)
+
+    def _mark_deleting(self, tracked: _Job | None, body: Mapping[str, Any]) -> None:
+        """Record a followed job's or pool's deletionTimestamp (handlers pass only spec changes) and run a pass."""
+        meta = body.get("metadata") or {}
+        if tracked is None or tracked.uid != meta.get("uid") or not meta.get("deletionTimestamp"):
+            return
+        tracked.body.setdefault("metadata", {})["deletionTimestamp"] = meta["deletionTimestamp"]
+        self._wake(tracked)
+
+    async def _owner_deleting(self, tracked: _Job) -> bool:
+        """Read the job (or pool) itself before creating a child for it: the collector may already be removing its
+        children while our watch has not yet delivered its deletionTimestamp, and a child created now would only be
+        collected again (and, in a foreground deletion, hold up the owner's removal). JobGone if it is gone."""
+        kind = kube.ROLLOUTPOOL if tracked.kind == c.POOL_KIND else kube.GRPOLORAJOB
+        found = await self.client.get(kind, tracked.namespace, tracked.name)
+        if found is None or (found.get("metadata") or {}).get("uid") != tracked.uid:
+            raise JobGone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
+        self._mark_deleting(tracked, found)
+        return _deleting(tracked.body)
+
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop its monitor and drop its metrics."""
         job = self.jobs.pop((namespace, name), None)
@@ -281,6 +308,10 @@ class Controller:
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
         old = rec.stored_status(job.status)
+        if view.deleting:  # nothing to read: a job being deleted gets nothing
+            decision = rec.decide(view, old, rec.Observed(), self.clock())
+            await self._record(job, decision)
+            return decision
         # Children never created (e.g. the job waited for its pool): create them now, not at the next resync.
         full = full or view.record_applied is not None
         if full:
@@ -307,7 +338,12 @@ class Controller:
                 observed = rec.Observed(claims=await self._claims(job, view), pool=pool)
             else:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
+            if _deleting(job.body):  # found out while ensuring the kept children
+                view = dataclasses.replace(view, deleting=True)
             decision = rec.decide(view, old, observed, self.clock())
+            if decision.create and view.record_applied is None and await self._owner_deleting(job):
+                # (A new job's first pass runs on the body its create handler was given: fresh enough.)
+                decision = rec.decide(dataclasses.replace(view, deleting=True), old, observed, self.clock())
             if decision.read_flavors:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
                 flavors = await self._flavors(decision.read_flavors)
@@ -336,6 +372,8 @@ class Controller:
         meta = pool.body.get("metadata") or {}
         old = pools.stored_pool_status(pool.status)
         generation = meta.get("generation")
+        if _deleting(pool.body):
+            return PoolPass(idle=True)  # the collector is removing its children: nothing to keep any more
         if not full and old.observed_generation == generation and old.replicas is not None:
             return await self._pool_light_pass(pool, old)
         pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
@@ -373,6 +411,8 @@ class Controller:
             if current is not None and obs.controller_uid(current) != pool.uid:
                 return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
             rewritten = _POOL_REWRITTEN.get(obj["kind"])
+            if current is None and await self._owner_deleting(pool):
+                return PoolPass(idle=True)
             try:
                 if current is None:
                     await self.client.create(obj)
@@ -522,6 +562,14 @@ class Controller:
         )
 
         new_job = view.record_applied is not None
+        owner_check: asyncio.Future[bool] | None = None
+
+        async def owner_deleting() -> bool:
+            """Read once per pass, and only when a child is missing (see _owner_deleting)."""
+            nonlocal owner_check
+            if owner_check is None:
+                owner_check = asyncio.ensure_future(self._owner_deleting(job))
+            return await owner_check
 
         async def ensure(obj: dict[str, Any]) -> rec.ChildRef | None:
             kind, name = kube.kind_of(obj), obj["metadata"]["name"]
@@ -529,6 +577,8 @@ class Controller:
             # read first (drift repair without a failed create per child and pass).
             existing = None if new_job else await self.client.get(kind, job.namespace, name)
             if existing is None:
+                if not new_job and await owner_deleting():
+                    return None
                 if await self._create(job, obj):
                     return None
                 existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
@@ -804,6 +854,10 @@ class Controller:
 
 async def _none() -> None:
     return None
+
+
+def _deleting(body: Mapping[str, Any]) -> bool:
+    return bool((body.get("metadata") or {}).get("deletionTimestamp"))
 
 
 def _pool_facts(body: Mapping[str, Any] | None) -> Any:

@@ -31,9 +31,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         (c.GROUP,),
         (c.PLURAL,),
-        ("list", "watch", "patch", "delete"),
+        ("get", "list", "watch", "patch", "delete"),
         "Kopf watches the jobs and keeps its handler state in annotations; the operator records the applied spec "
-        "(patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)",
+        "(patch), deletes finished jobs after ttlSecondsAfterFinished (delete) and reads a job before creating a "
+        "child for it again, to create nothing for a job being deleted (get)",
     ),
     Rule((c.GROUP,), (f"{c.PLURAL}/status",), ("patch",), "the job status: phase, progress, conditions"),
     Rule(
@@ -41,7 +42,7 @@ RULES: Final[tuple[Rule, ...]] = (
         (c.POOL_PLURAL,),
         ("get", "list", "watch", "patch"),
         "Kopf watches the RolloutPools and keeps its handler state in annotations (patch); a job's pass reads its "
-        "pool on resyncs (get)",
+        "pool on resyncs, and a pool's pass the pool before creating a child again (get)",
     ),
     Rule(
         (c.GROUP,),

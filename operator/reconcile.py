@@ -87,6 +87,9 @@ class JobView:
     """Why the current spec is invalid (field path: message)."""
     refused: tuple[str, ...] = ()
     """Field paths changed since the spec was applied that cannot change on a created job."""
+    deleting: bool = False
+    """The job has a deletionTimestamp: the garbage collector is removing its children (in the foreground, the job
+    stays until they are gone). Nothing may be created for it any more."""
 
 
 def spec_json(spec: GRPOLoraJobSpec) -> str:
@@ -102,15 +105,18 @@ def job_view(body: Mapping[str, Any]) -> JobView:
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", "default"), meta.get("name", "")
     uid, generation = meta.get("uid", ""), meta.get("generation")
+    deleting = bool(meta.get("deletionTimestamp"))
     applied = _applied_spec(meta) if cond.is_true(stored_status(body.get("status")).conditions, names.CREATED) else None
     try:
         current = parse_job(body)
     except InvalidJob as exc:
         problems = tuple(str(problem) for problem in exc.problems)
         job = _fallback_job(body, applied) if applied is not None else None
-        return JobView(namespace, name, uid, generation, job, problems=problems)
+        return JobView(namespace, name, uid, generation, job, problems=problems, deleting=deleting)
     if applied is None:
-        return JobView(namespace, name, uid, generation, current, record_applied=spec_json(current.spec))
+        return JobView(
+            namespace, name, uid, generation, current, record_applied=spec_json(current.spec), deleting=deleting
+        )
     refused = tuple(changed_fields(applied.to_wire(), current.spec.to_wire()))
     running = applied.model_copy(
         update={
@@ -118,7 +124,8 @@ def job_view(body: Mapping[str, Any]) -> JobView:
             "ttl_seconds_after_finished": current.spec.ttl_seconds_after_finished,
         }
     )
-    return JobView(namespace, name, uid, generation, current.model_copy(update={"spec": running}), refused=refused)
+    job = current.model_copy(update={"spec": running})
+    return JobView(namespace, name, uid, generation, job, refused=refused, deleting=deleting)
 
 
 def _applied_spec(meta: Mapping[str, Any]) -> GRPOLoraJobSpec | None:
@@ -295,6 +302,10 @@ def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | 
 
 
 def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
+    if view.deleting:
+        # Being deleted: whatever the collector has removed so far stays removed (a child created now would only be
+        # collected again, and in the foreground hold the job's removal). Nothing to do until the job is gone.
+        return Decision(status=old, idle=True)
     stamp = cond.rfc3339(now)
     if view.job is None:
         return _decide_invalid(view, old, stamp)

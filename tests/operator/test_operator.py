@@ -255,6 +255,30 @@ async def test_deleting_a_job_takes_its_children_and_stops_its_monitor(cluster, 
     assert late == [], "the operator kept working on a deleted job"
 
 
+async def test_a_foreground_deletion_recreates_nothing_while_the_job_waits_for_its_children(cluster, operator):
+    """`kubectl delete --cascade=foreground` (Argo CD's default): the job stays, with a deletionTimestamp, until its
+    children are gone, and the collector removes them one by one. A pass woken by the trainer Job's removal must not
+    create it again (JobSet had the same bug: kubernetes-sigs/jobset#561, fixed by not reconciling a JobSet with a
+    deletion timestamp, #562)."""
+    cluster.emulator.pod_exit_seconds = None  # the inference pod ignores SIGTERM: its StatefulSet stays a while
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await wait_for(lambda: cluster.condition("demo", names.CREATED).get("status") == "True", "Created recorded")
+    await cluster.run_pod_of("apps/v1/statefulsets", "demo-inference")
+    creates = len(cluster.emulator.created)
+    await cluster.delete_job("demo", cascade="Foreground")
+    # The trainer Job (no pods) goes at once; the operator's watch sees it go, which wakes the job's pass.
+    await wait_for(lambda: operator.controller.workloads.get(("Job", NAMESPACE, "demo-trainer"), 1) is None, "seen")
+    await asyncio.sleep(10 * FAST_INTERVAL)  # several light passes and a full one (resync_interval)
+    assert cluster.job("demo")["metadata"]["deletionTimestamp"], "the job still waits for its StatefulSet's pod"
+    again = [key for key in cluster.emulator.created[creates:] if key[0] != "events"]
+    assert again == [], f"created while the job was being deleted: {again}"
+    await cluster.emulator.end_grace_periods()
+    await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "the job removed")
+    for resource in RESOURCE_OF.values():
+        assert cluster.objects(resource) == {}, resource
+
+
 # ---- restart -----------------------------------------------------------------------------------------------
 
 

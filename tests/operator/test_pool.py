@@ -4,6 +4,7 @@ status, and deleting the pool under its jobs."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
@@ -12,7 +13,7 @@ from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
 from tests.helpers import job_doc
-from tests.operator.harness import wait_for
+from tests.operator.harness import FAST_INTERVAL, wait_for
 
 POOL = "shared"
 SECRET = "shared-pool-jobs"
@@ -251,3 +252,22 @@ async def test_a_pool_child_the_api_server_refuses_is_reported_in_the_pool_statu
             assert "rolloutpools/finalizers" in cluster.pool_status(POOL)["message"]
         finally:
             await operator.stop()
+
+
+async def test_a_pool_deleted_in_the_foreground_gets_no_child_back_while_it_waits(cluster, operator):
+    """As for jobs (test_operator.py): the collector removes the pool's children while its servers' pod terminates;
+    the pool's passes (a full one every resync_interval) must not create them again."""
+    cluster.emulator.pod_exit_seconds = None  # the server ignores SIGTERM: its StatefulSet stays a while
+    await cluster.apply(pool_doc())
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's StatefulSet")
+    await wait_for(lambda: cluster.pool_status(POOL).get("replicas") is not None, "the pool's first status")
+    await cluster.run_pod_of("apps/v1/statefulsets", SERVERS)
+    creates = len(cluster.emulator.created)
+    await cluster.delete_pool(POOL, cascade="Foreground")
+    await wait_for(lambda: cluster.get("v1/secrets", SECRET) is None, "the attachment Secret collected")
+    await asyncio.sleep(10 * FAST_INTERVAL)  # several passes, a full one among them (resync_interval)
+    assert cluster.get(POOL_RESOURCE, POOL) is not None, "the pool still waits for its servers' pod"
+    again = [key for key in cluster.emulator.created[creates:] if key[0] != "events"]
+    assert again == [], f"created while the pool was being deleted: {again}"
+    await cluster.emulator.end_grace_periods()
+    await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool removed")

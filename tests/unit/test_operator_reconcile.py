@@ -445,6 +445,17 @@ def test_children_of_a_deleted_job_of_the_same_name_are_waited_for_never_created
     assert "Job demo-trainer, Secret demo-token" in decision.status.message
 
 
+def test_a_job_being_deleted_creates_nothing_and_writes_nothing():
+    """The collector removes a foreground-deleted job's children one by one; a pass must not bring them back."""
+    doc = body(applied=json.loads(spec_json(applied_view().job.spec)))
+    doc["metadata"]["deletionTimestamp"] = STAMP
+    view = job_view(doc)
+    old = running()
+    decision = decide(view, old, Observed(None, statefulset(1)), NOW)  # the trainer Job is already collected
+    assert decision.create == () and decision.delete == () and not decision.delete_job
+    assert decision.status == old and decision.events == () and decision.idle
+
+
 def test_a_trainer_restarted_without_checkpoints_shows_its_real_step_and_the_loss():
     old = running(step=15, sync_round=15)
     decision = decide(
