@@ -723,14 +723,20 @@ class Controller:
         return job.claims
 
     async def _change_workloads(self, job: _Job, decision: rec.Decision) -> bool:
-        """Delete, then create; False if a create found the name taken (409)."""
+        """Delete, then create (never the same name in one pass); False if a create found the name taken (409)."""
         # What we change, the watch reports later: read it from the API until then.
         for kind, name in [(r.kind, r.name) for r in decision.delete] + [
             (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
         ]:
             self.workloads.pop((kind, job.namespace, name), None)
-        # Deletes first: a replaced trainer Job is deleted and created under the same name.
-        await asyncio.gather(*(self.client.delete(kube.KINDS[r.kind], job.namespace, r.name) for r in decision.delete))
+        # In the foreground: a workload stays (with a deletionTimestamp) until its pods are gone, so a decision that
+        # sees it absent knows its pods are gone too (a restart, a resume or a re-admission never overlaps them).
+        await asyncio.gather(
+            *(
+                self.client.delete(kube.KINDS[r.kind], job.namespace, r.name, propagation="Foreground")
+                for r in decision.delete
+            )
+        )
         for ref in decision.delete:
             logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))

@@ -4,8 +4,10 @@ create or delete and what the status is. No I/O, no clock (`now` is passed in), 
 
 Level-triggered: every pass decides from scratch, so a pass that is repeated or interrupted decides the same
 again. The trainer restart is two-phase, as in JobSet: one pass commits `status.trainerRestarts + 1` (the status
-write is the commit point); later passes see a trainer Job whose restart attempt is older than that count and
-replace it. A crash between the two phases therefore neither loses nor doubles a restart.
+write is the commit point); later passes see a trainer Job whose restart attempt is older than that count, delete
+it (the controller deletes workloads in the foreground, so it stays until its pods are gone) and, once it has
+left, create its replacement. A crash between the phases therefore neither loses nor doubles a restart, and old
+and new trainer pods never run side by side.
 """
 
 from __future__ import annotations
@@ -359,11 +361,16 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         if tj is None and "Job" in blocked_kinds:
             pass  # the previous job's trainer Job is still being collected
         elif tj is not None and obs.restart_attempt(tj) < restarts:
-            # Committed restart: replace the stale Job (the create is retried if the old one is still leaving).
+            # Committed restart: delete the stale Job (in the foreground: it stays until its pods are gone) and
+            # create the replacement only once it has left, as JobSet does (kubernetes-sigs/jobset#392, #684).
+            # Old and new ranks never overlap: a dying rank 0 still answers to the rendezvous name (the Services
+            # publish not-ready addresses) and would spend a restart, and its GPUs are the ones the new pods need.
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
-            wanted_kinds.append("Job")
-            restart_note = f"restart {restarts}: replacing the failed trainer Job"
+            restart_note = (
+                f"restart {restarts}: waiting for the failed trainer Job and its pods to be gone before creating "
+                "its replacement"
+            )
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is not None and obs.deleting(tj):
             requeue = REPLACE_RECHECK_SECONDS

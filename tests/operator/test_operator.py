@@ -210,8 +210,9 @@ async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates
 
     await cluster.patch_spec("demo", {"suspend": True})
     await wait_for(lambda: phase(cluster) == "Suspended", "phase Suspended")
-    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
-    assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
+    # Deleted in the foreground: each stays until the collector has seen that it has no pods left.
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "the StatefulSet gone")
     assert set(cluster.objects("v1/services")) == {"demo-trainer", "demo-inference"}
     assert set(cluster.objects("networking.k8s.io/v1/networkpolicies")) == {"demo"}
     assert cluster.condition("demo", names.SUSPENDED)["status"] == "True"
@@ -368,6 +369,37 @@ async def test_a_failed_trainer_is_restarted_then_the_job_fails_with_the_reason(
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
     await wait_for(lambda: reasons(cluster)[-1] == names.E_FAILED, "the Failed event")
     assert [k for k in cluster.emulator.created if k[0] == "jobs"].__len__() == 2
+
+
+async def test_a_restart_creates_the_new_trainer_job_only_once_the_old_one_and_its_pods_are_gone(cluster, operator):
+    """As JobSet does since kubernetes-sigs/jobset#392 (delete child Jobs in the foreground) and #684 (blocking
+    recreate): the failed trainer Job is deleted with propagationPolicy Foreground, so it stays until its pods are
+    gone, and its replacement is created only then. Old and new trainer pods never overlap: a dying rank 0 still
+    answers to the rendezvous name (publishNotReadyAddresses) and holds GPUs the new pods wait for."""
+    cluster.emulator.pod_exit_seconds = None  # NCCL workers often ignore SIGTERM: Terminating for the grace period
+    await cluster.apply(job_doc(trainer={"maxRestarts": 1}))
+    await created(cluster)
+    old_pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+    failed = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "x"}]}
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", failed)
+    await wait_for(
+        lambda: (
+            "waiting for the failed trainer Job and its pods to be gone"
+            in cluster.condition("demo", names.PROGRESSING).get("message", "")
+        ),
+        "the restart waiting for the old pods",
+    )
+    old_job = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert old_job is not None and old_job["metadata"]["finalizers"] == ["foregroundDeletion"], "not Foreground"
+    assert old_job["metadata"].get("annotations", {}).get(names.RESTART_ATTEMPT_ANNOTATION) is None, "the old Job"
+    await wait_for(lambda: cluster.get("v1/pods", old_pod)["metadata"].get("deletionTimestamp"), "pod Terminating")
+    await asyncio.sleep(5 * FAST_INTERVAL)  # a few more passes, woken by the pod's and the Job's changes
+    assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1, "replaced while the old pod exists"
+    await cluster.emulator.end_grace_periods()  # the kubelet's SIGKILL: the old pod, then the old Job, go
+    await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "the replacement")
+    replacement = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert replacement["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "1"
+    assert cluster.get("v1/pods", old_pod) is None
 
 
 def policy_failure(message: str) -> dict[str, Any]:

@@ -214,15 +214,22 @@ def test_a_failed_trainer_is_restarted_in_two_phases():
     assert condition(first, names.PROGRESSING) == ("True", names.R_TRAINER_RESTARTING)
     assert reasons(first) == [names.E_TRAINER_RESTARTING]
     assert "restart 1 of 2" in first.events[0].message and "exited with 1" in first.events[0].message
-    # Phase two (and any repeat of it) replaces the stale Job with one marked as attempt 1.
+    # Phase two (and any repeat of it) deletes the stale Job, and creates nothing while it (or its pods) is there.
     second = decide(view, first.status, Observed(failed, statefulset(1)), NOW)
-    assert second.delete == (ChildRef("Job", "demo-trainer"),)
-    (job,) = second.create
+    assert second.delete == (ChildRef("Job", "demo-trainer"),) and second.create == ()
+    assert second.status.trainer_restarts == 1 and second.events == () and second.requeue_after is not None
+    assert "waiting for the failed trainer Job and its pods to be gone" in second.status.message
+    leaving = copy.deepcopy(failed)
+    leaving["metadata"]["deletionTimestamp"] = STAMP
+    waiting = decide(view, second.status, Observed(leaving, statefulset(1)), NOW)
+    assert waiting.delete == () and waiting.create == () and waiting.requeue_after is not None
+    # Gone (with its pods, deleted in the foreground): the replacement, marked as attempt 1.
+    third = decide(view, waiting.status, Observed(None, statefulset(1)), NOW)
+    (job,) = third.create
     assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
-    assert second.status.trainer_restarts == 1 and second.events == ()
     # The replacement runs: nothing more to do.
-    third = decide(view, second.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
-    assert third.create == () and third.delete == () and third.status.phase == "Running"
+    fourth = decide(view, third.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
+    assert fourth.create == () and fourth.delete == () and fourth.status.phase == "Running"
 
 
 def test_a_trainer_that_keeps_failing_fails_the_job_with_the_reason():
