@@ -348,6 +348,10 @@ class Controller:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
                 flavors = await self._flavors(decision.read_flavors)
                 decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
+            if any(obj["kind"] in rec.WORKLOAD_KINDS for obj in decision.create):
+                managed = await self._managed_secret(view)
+                if managed is not None:
+                    decision = rec.decide_managed_secret(view, old, *managed, self.clock())
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
                 decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
@@ -677,6 +681,18 @@ class Controller:
             self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
         body = self.workloads.get(key)
         return pools.pool_view(name, body)
+
+    async def _managed_secret(self, view: rec.JobView) -> tuple[str, str] | None:
+        """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read
+        only when its pods are about to be created (a missing Secret is the kubelet's to report)."""
+        assert view.job is not None
+        named = view.job.spec.secret_references()
+        found = await asyncio.gather(*(self.client.get(kube.SECRET, view.namespace, name) for _, name in named))
+        for (path, name), secret in zip(named, found, strict=True):
+            labels = ((secret or {}).get("metadata") or {}).get("labels") or {}
+            if labels.get(c.LABEL_MANAGED_BY) == c.OPERATOR_NAME:
+                return path, name
+        return None
 
     async def _listing(
         self, kind: kube.Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None

@@ -92,6 +92,9 @@ R_UNCHANGED: Final = "SpecUnchanged"
 # with the API's message until its spec changes; transient API failures (5xx, 429, unreachable) are retried.
 R_CREATE_REFUSED: Final = "CreateRefused"
 R_API_RETRYING: Final = "APIRetrying"
+# A Secret the job names carries the operator's managed-by label (another job's token, a pool's attachment list):
+# the job fails before its pods are created (the namespace's jobs trust each other, but not with these).
+R_MANAGED_SECRET: Final = "ManagedSecret"
 # Shared PersistentVolumeClaims (model: every pod; checkpoints: every trainer rank) and their access modes.
 R_ACCESS_MODES_FIT: Final = "AccessModesFit"
 R_SINGLE_NODE_ACCESS: Final = "SingleNodeAccessMode"

@@ -667,6 +667,18 @@ def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetim
     )
 
 
+def decide_managed_secret(view: JobView, old: JobStatus, path: str, name: str, now: datetime.datetime) -> Decision:
+    """A Secret the job names (at `path`) is one of the operator's (its managed-by label): the job fails before any
+    of its pods could mount it. Spec validation and the CRD refuse the names the operator gives its Secrets; this
+    catches the rest (a job applied before that rule, a CRD installed without its CEL rules, another naming)."""
+    message = (
+        f"spec.{path}: Secret {name!r} is managed by the operator (label {c.LABEL_MANAGED_BY}={c.OPERATOR_NAME}): a "
+        "job may not mount the operator's Secrets (with another job's token it could act as that job). Name a Secret "
+        "of your own"
+    )
+    return _failed_to_start(view, old, names.R_MANAGED_SECRET, message, cond.rfc3339(now))
+
+
 def _failed_to_start(
     view: JobView, old: JobStatus, reason: str, message: str, stamp: str, *, pool: str | None = None
 ) -> Decision:

@@ -611,6 +611,23 @@ async def test_delete_and_re_apply_under_the_same_name_gets_children_owned_by_th
     assert cluster.get("batch/v1/jobs", "demo-trainer").get("status", {}).get("conditions") is None
 
 
+async def test_a_job_naming_a_secret_the_operator_manages_fails_before_its_pods_exist(cluster, operator):
+    """Confused deputy: the names the operator gives its Secrets are refused at validation; a Secret that carries its
+    managed-by label under another name (e.g. one made by another release of it) is refused when the pods would be
+    created, naming the field."""
+    labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: "victim"}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "victim-creds", "labels": labels},
+              "stringData": {"MLFLOW_TRACKING_TOKEN": "theirs"}}  # fmt: skip
+    await cluster._call("POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", secret)
+    mlflow = {"trackingUri": "http://mlflow.mlflow.svc:5000", "secretName": "victim-creds"}
+    await cluster.apply(job_doc(tracking={"mlflow": mlflow}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    failed = cluster.condition("demo", names.FAILED)
+    assert failed["reason"] == names.R_MANAGED_SECRET
+    assert failed["message"].startswith("spec.tracking.mlflow.secretName: Secret 'victim-creds' is managed by")
+    assert [k for k in cluster.emulator.created if k[0] in ("jobs", "statefulsets")] == []
+
+
 async def test_a_deleted_service_or_network_policy_comes_back(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
