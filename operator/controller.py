@@ -4,7 +4,8 @@ delete/create children, write the status once, and post events only after that w
 Two kinds of pass share one function and one per-job lock:
 - full passes: the Kopf handlers (create/resume/update) run one at once, and a job's monitor every
   `resync_interval` seconds. They make sure the Secret, Services, NetworkPolicy and PodDisruptionBudget exist
-  (drift repair: one deleted by hand comes back; create-if-absent, so the token is never regenerated) and read the
+  (drift repair: one deleted by hand comes back; create-if-absent, so the token is made only with its Secret, and a
+  re-made Secret re-keys the job as a whole: reconcile.decide, status.tokenDigest) and read the
   workloads from the API.
 - light passes: the monitor every `interval` seconds (the trainer's /status poll; sooner when a decision asks) and
   whenever the watch of the job's Job or StatefulSet reports a change. They read the workloads from that watch (a
@@ -37,7 +38,7 @@ from typing import Any, Final
 from grpolora.api import constants as c
 from grpolora.api.load import InvalidJob, parse_pool
 from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
-from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment
+from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment, token_fingerprint
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kube, names, pools
@@ -106,6 +107,8 @@ class _Job:
     """Loop time of the next full pass (see the module docstring)."""
     claims: dict[str, tuple[str, ...] | None] = field(default_factory=dict)
     """Access modes of the shared claims, as read by the last full pass."""
+    token: str | None = None
+    """Fingerprint of the token in the job's token Secret, as the last full pass read or made it."""
     kind: str = c.KIND
 
 
@@ -199,6 +202,7 @@ class Controller:
         )
         seen = (
             meta.get("uid"),
+            status.get("tokenDigest"),  # re-keyed: the pool renews its attachment
             status.get("phase"),
             (body.get("spec") or {}).get("suspend"),
             bool(meta.get("deletionTimestamp")),
@@ -335,7 +339,7 @@ class Controller:
             ):
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
-                observed = rec.Observed(claims=await self._claims(job, view), pool=pool)
+                observed = rec.Observed(claims=await self._claims(job, view), pool=pool, token=job.token)
             else:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
             if _deleting(job.body):  # found out while ensuring the kept children
@@ -456,6 +460,7 @@ class Controller:
             reports,
             generation=generation,
             now=self.clock(),
+            tokens={entry.job: entry.fingerprint for entry in attachments.jobs},
         )
         await self._record_pool(pool, status)
         return PoolPass()
@@ -472,7 +477,7 @@ class Controller:
         admission = Admission(tuple(attached), tuple(old.waiting_jobs))
         status = pools.pool_status(
             rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
-            now=self.clock(),
+            now=self.clock(), tokens={entry.job: entry.token_digest for entry in old.attached_jobs},
         )  # fmt: skip
         await self._record_pool(pool, status)
         return PoolPass()
@@ -501,7 +506,7 @@ class Controller:
             new = [
                 key
                 for key in admission.attached
-                if key not in entries and not (key in kept and kept[key].uid == candidates[key].uid)
+                if key not in entries and not (key in kept and _still_valid(kept[key], candidates[key]))
             ]
             if not new:
                 break
@@ -557,13 +562,10 @@ class Controller:
             if patched is None:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
-        # A fresh token each time, used only if the Secret does not exist yet (create-if-absent).
-        kept, _ = rec.children(
-            job_plan,
-            uid=view.uid,
-            token=secrets.token_urlsafe(TOKEN_BYTES),
-            operator_namespace=self.config.operator_namespace,
-        )
+        # A fresh token each time, used only if the Secret does not exist yet (create-if-absent). One made again for
+        # a running job (its Secret was deleted) re-keys the job as a whole (reconcile.decide, status.tokenDigest).
+        fresh = secrets.token_urlsafe(TOKEN_BYTES)
+        kept, _ = rec.children(job_plan, uid=view.uid, token=fresh, operator_namespace=self.config.operator_namespace)
 
         new_job = view.record_applied is not None
         owner_check: asyncio.Future[bool] | None = None
@@ -584,10 +586,15 @@ class Controller:
                 if not new_job and await owner_deleting():
                     return None
                 if await self._create(job, obj):
+                    if obj["kind"] == "Secret":
+                        job.token = token_fingerprint(fresh)
                     return None
                 existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
+            if existing is not None and obj["kind"] == "Secret":
+                token = _token_of(existing)
+                job.token = token_fingerprint(token) if token else None
             return None
 
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
@@ -668,6 +675,7 @@ class Controller:
             claims=claims,
             queue_workload=queue_workload,
             pool=pool,
+            token=job.token,
         )
 
     async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
@@ -895,6 +903,12 @@ def _pool_facts(body: Mapping[str, Any] | None) -> Any:
 # What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
 # list, and the NetworkPolicy that admits exactly the attached jobs.
 _POOL_REWRITTEN: Final = {"Secret": "data", "NetworkPolicy": "spec"}
+
+
+def _still_valid(entry: Attachment, found: pools.Candidate) -> bool:
+    """An attachment entry the pool keeps as it is: the same job (uid), holding the token its pods were created with
+    (a re-keyed job's entry is made again from its new token)."""
+    return entry.uid == found.uid and (not found.token or entry.fingerprint == found.token)
 
 
 def _token_of(secret: Mapping[str, Any]) -> str | None:

@@ -236,6 +236,9 @@ class Observed:
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
     pool: pools.PoolView | None = None
     """The job's RolloutPool (jobs with spec.inference.poolRef only): its spec and status (the attachment list)."""
+    token: str | None = None
+    """Fingerprint of the token in the job's token Secret (grpolora.api.pool.token_fingerprint), as the last full
+    pass read or made it; None: not known (the pods' token is then taken as current)."""
 
 
 @dataclass(frozen=True)
@@ -320,7 +323,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             return unusable
         assert observed.pool.pool is not None
         job_plan = plan(job, pool=observed.pool.pool)
-        place = pools.place(observed.pool.pool, observed.pool.status, job_key(view.namespace, view.name), view.uid)
+        key = job_key(view.namespace, view.name)
+        place = pools.place(observed.pool.pool, observed.pool.status, key, view.uid, observed.token)
     else:
         job_plan = plan(job)
     spec = job_plan.spec  # on a pool: bound to it (its inference fields are the pool's)
@@ -344,15 +348,33 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
 
     queue = builders.queue_name(job_plan)
     admission = _admission(queue, observed.queue_workload)
+    # A token Secret re-made with a new token (deleted by hand): pods keep the token they started with, so the job
+    # is re-keyed as a whole -- every pod goes, then all come back with the new token (and the pool renews its
+    # attachment, see pools.place) -- never old and new tokens side by side (401s, MACs that do not verify).
+    stale_key = (
+        observed.token is not None
+        and old.token_digest is not None
+        and observed.token != old.token_digest
+        and not is_finished(old)
+    )
+    pods_left = tj is not None or sts is not None
+    token_digest = observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest
+    rekey_note: str | None = None
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
+    elif stale_key and pods_left and not spec.suspend and admission.status != "False":
+        phase = "Running" if old.phase == "Running" else "Pending"
+        deletes += _release(tj, sts)
+        rekey_note = restart_note = (
+            f"re-keying: the token Secret {job_plan.token_secret} was re-made with a new token (was it deleted?); "
+            "every pod is replaced, and created again with the new token once all are gone"
+        )
+        requeue = REPLACE_RECHECK_SECONDS
     elif spec.suspend or admission.status == "False" or (place is not None and not place.attached):
         # Suspended, not (or no longer) admitted by Kueue, or not (or no longer) served by its RolloutPool (whose
         # servers would refuse the trainer): no pods hold any GPU.
         phase = "Suspended" if spec.suspend else "Pending"
-        for kind, obj in (("Job", tj), ("StatefulSet", sts)):
-            if obj is not None and not obs.deleting(obj):
-                deletes.append(ChildRef(kind, obj["metadata"]["name"]))
+        deletes += _release(tj, sts)
     else:
         trainer_name = job_plan.trainer.workload_name
         blocked_kinds = {ref.kind for ref in observed.blocked}
@@ -485,7 +507,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         else cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
         pods,
         rendezvous,
-        _progressing_condition(phase, restart_note, running_message, message),
+        cond.Want(names.PROGRESSING, "True", names.R_REKEYING, rekey_note)
+        if rekey_note is not None
+        else _progressing_condition(phase, restart_note, running_message, message),
         cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
         if phase == "Succeeded"
         else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
@@ -515,6 +539,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         start_time=old.start_time or stamp,
         completion_time=completion,
         pool=job_plan.pool,
+        token_digest=token_digest,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
     finish_queue = (
@@ -536,6 +561,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         events=tuple(transition_events(old, status)),
         idle=settled and (finished or phase == "Suspended"),
     )
+
+
+def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:
+    """Delete both workloads (those not already leaving): no pod of the job holds a GPU, or an old token, after."""
+    found = (("Job", tj), ("StatefulSet", sts))
+    return [ChildRef(kind, obj["metadata"]["name"]) for kind, obj in found if obj is not None and not obs.deleting(obj)]
 
 
 def _commit_restart(
@@ -986,6 +1017,14 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         }
         if new.phase in by_phase:
             events.append(by_phase[new.phase])
+    rekeying = cond.find(new.conditions, names.PROGRESSING)
+    rekeyed_before = cond.find(old.conditions, names.PROGRESSING)
+    if (
+        rekeying is not None
+        and rekeying.reason == names.R_REKEYING
+        and (rekeyed_before is None or rekeyed_before.reason != names.R_REKEYING)
+    ):
+        events.append(Event("Warning", names.E_REKEYED, rekeying.message))
     if (new.trainer_restarts or 0) > (old.trainer_restarts or 0):
         progressing = cond.find(new.conditions, names.PROGRESSING)
         events.append(

@@ -13,6 +13,7 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
+from grpolora.api.pool import token_fingerprint
 from grpolora.operator import names
 from grpolora.operator.builders import build_children
 from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, Cluster, running_cluster
@@ -226,6 +227,33 @@ async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates
     assert cluster.condition("demo", names.SUSPENDED)["status"] == "False"
     expected = [names.E_CREATED, names.E_SUSPENDED, names.E_RESUMED]
     await wait_for(lambda: reasons(cluster) == expected, "Created, Suspended and Resumed events")
+
+
+WORKLOADS = (("Job", "batch/v1/jobs", "trainer"), ("StatefulSet", "apps/v1/statefulsets", "inference"))
+
+
+def fingerprint_of(cluster: Cluster, name: str = "demo") -> str:
+    """The fingerprint of the token in the job's Secret (as the operator wrote it: stringData)."""
+    return token_fingerprint(cluster.get("v1/secrets", f"{name}-token")["stringData"]["token"])
+
+
+async def test_a_deleted_token_secret_re_keys_the_whole_job_with_an_event(cluster, operator):
+    """The token Secret comes back (drift repair) with a new token; pods keep the one they started with, so every
+    pod is replaced together, never old and new tokens side by side (trainer and replicas would refuse each other)."""
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await pods_up(cluster)
+    await wait_for(lambda: cluster.status("demo").get("tokenDigest") == fingerprint_of(cluster), "tokenDigest")
+    first = {kind: cluster.get(res, f"demo-{role}")["metadata"]["uid"] for kind, res, role in WORKLOADS}
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/demo-token")
+    await wait_for(lambda: cluster.get("v1/secrets", "demo-token"), "the token Secret re-made (next full pass)")
+    new = fingerprint_of(cluster)
+    await wait_for(lambda: cluster.status("demo").get("tokenDigest") == new, "the job re-keyed", timeout=15)
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the workloads back")
+    for kind, res, role in WORKLOADS:
+        assert cluster.get(res, f"demo-{role}")["metadata"]["uid"] != first[kind], f"{kind} not replaced"
+    (rekeyed,) = [m for t, r, m in cluster.events("demo") if r == names.E_REKEYED]
+    assert "the token Secret demo-token was re-made with a new token" in rekeyed
 
 
 async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, operator):

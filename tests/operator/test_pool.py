@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 from grpolora.api import constants as c
+from grpolora.api.pool import auth_digest, token_fingerprint
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
 from tests.helpers import job_doc
@@ -271,3 +272,28 @@ async def test_a_pool_deleted_in_the_foreground_gets_no_child_back_while_it_wait
     assert again == [], f"created while the pool was being deleted: {again}"
     await cluster.emulator.end_grace_periods()
     await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool removed")
+
+
+def auth_of(cluster: Cluster, job: str) -> str | None:
+    """The token digest the pool's attachment list holds for the job."""
+    secret = cluster.get("v1/secrets", SECRET)
+    jobs = json.loads(base64.b64decode(secret["data"]["jobs.json"]))["jobs"] if secret else []
+    return next((j["auth"] for j in jobs if j["job"] == f"{NAMESPACE}/{job}"), None)
+
+
+async def test_a_re_keyed_job_gets_its_attachment_renewed_before_its_trainer_comes_back(cluster, operator):
+    """A job's token Secret deleted and re-made with a new token: the pool must serve the job under the new token
+    (else its new trainer gets 401s for ever) before the new trainer starts."""
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+    before = trainer(cluster, "job-a")["metadata"]["uid"]
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/job-a-token")
+    await wait_for(lambda: cluster.get("v1/secrets", "job-a-token"), "the token Secret re-made")
+    token = cluster.get("v1/secrets", "job-a-token")["stringData"]["token"]
+    await wait_for(lambda: (trainer(cluster, "job-a") or {}).get("metadata", {}).get("uid") not in (None, before),
+                   "a new trainer Job", timeout=15)  # fmt: skip
+    assert auth_of(cluster, "job-a") == auth_digest(token), "the trainer came back before the pool knew its token"
+    entry = next(j for j in cluster.pool_status(POOL)["attachedJobs"] if j["job"] == f"{NAMESPACE}/job-a")
+    assert entry["tokenDigest"] == cluster.status("job-a")["tokenDigest"] == token_fingerprint(token)
+    assert names.E_REKEYED in [reason for _, reason, _ in cluster.events("job-a")]

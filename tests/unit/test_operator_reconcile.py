@@ -463,6 +463,25 @@ def test_a_job_being_deleted_creates_nothing_and_writes_nothing():
     assert decision.status == old and decision.events == () and decision.idle
 
 
+def test_a_re_made_token_re_keys_the_job_as_a_whole():
+    """Pods keep the token they started with: a token Secret re-made with a new token (deleted by hand) replaces every
+    pod, and creates them again only once all are gone, never old and new tokens side by side."""
+    view = applied_view()
+    first = decide(view, running(), Observed(trainer_job(active=1), statefulset(1), token="aaaa"), NOW)
+    assert first.status.token_digest == "aaaa" and first.create == () and first.delete == ()
+    rekey = decide(view, first.status, Observed(trainer_job(active=1), statefulset(1), token="bbbb"), NOW)
+    assert set(rekey.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
+    assert rekey.create == () and rekey.status.token_digest == "aaaa", "the pods still hold the old token"
+    assert condition(rekey, names.PROGRESSING) == ("True", names.R_REKEYING)
+    assert reasons(rekey) == [names.E_REKEYED] and "demo-token was re-made" in rekey.events[0].message
+    # One workload still leaving: still nothing created.
+    leaving = decide(view, rekey.status, Observed(None, statefulset(1), token="bbbb"), NOW)
+    assert leaving.create == () and leaving.events == ()
+    # All gone: both come back with the new token, which the status records.
+    renewed = decide(view, leaving.status, Observed(None, None, token="bbbb"), NOW)
+    assert kinds(renewed.create) == ["Job", "StatefulSet"] and renewed.status.token_digest == "bbbb"
+
+
 def test_a_trainer_restarted_without_checkpoints_shows_its_real_step_and_the_loss():
     old = running(step=15, sync_round=15)
     decision = decide(
