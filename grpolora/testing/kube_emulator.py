@@ -204,11 +204,14 @@ class Emulator(kmock.KubernetesEmulator):
           if no other finalizer is left.
         - The kubelet removes a Terminating pod once its containers have exited (`pod_exit_seconds`), at the latest
           at the end of its grace period (SIGKILL).
+        - An owner reference to a namespaced object in another namespace counts as absent (the docs page "Garbage
+          Collection": cross-namespace owner references are disallowed by design). The docs page "Use Cascading
+          Deletion" shows the same foreground and background behaviour from kubectl's side.
         """
         async with self._lock:
             store = self.objects._objects
             present = {key: obj for key, obj in store.items() if not obj.deleted}
-            by_uid = {_meta(obj).get("uid"): obj for obj in present.values()}
+            by_uid = {_meta(obj).get("uid"): (namespace, obj) for (_, namespace, _), obj in present.items()}
             dependents: dict[str, list[tuple[dict[str, Any], Any]]] = {}
             for key, obj in present.items():
                 for ref in _meta(obj).get("ownerReferences") or []:
@@ -219,10 +222,11 @@ class Emulator(kmock.KubernetesEmulator):
                 if meta.get("deletionTimestamp"):
                     continue
                 refs = meta.get("ownerReferences") or []
-                owners = [by_uid.get(ref.get("uid")) for ref in refs]
-                if not refs or any(owner is not None and not _waits_for_dependents(owner) for owner in owners):
+                found = [by_uid.get(ref.get("uid")) for ref in refs]
+                owners = [owner for where, owner in filter(None, found) if where in (None, key[1])]
+                if not refs or any(not _waits_for_dependents(owner) for owner in owners):
                     continue
-                owner_waits = any(owner is not None for owner in owners)
+                owner_waits = bool(owners)  # none solid: those left wait for their dependents
                 if (owner_waits and dependents.get(meta.get("uid"))) or FOREGROUND_FINALIZER in (
                     meta.get("finalizers") or []
                 ):

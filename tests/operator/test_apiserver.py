@@ -177,3 +177,16 @@ async def test_a_pod_not_bound_to_a_node_is_removed_at_once_and_a_bound_one_afte
         await cluster._call("DELETE", f"{pods}/{bound}")
         assert cluster.get("v1/pods", bound)["metadata"]["deletionTimestamp"]
         await wait_for(lambda: cluster.get("v1/pods", bound) is None, "the kubelet to remove the pod")
+
+
+async def test_an_owner_in_another_namespace_counts_as_absent():
+    """The docs page "Garbage Collection": a namespaced owner must be in the dependent's namespace, else the
+    reference is treated as absent and the dependent collected."""
+    async with running_cluster() as cluster:
+        owner = await cluster.apply(job_doc())
+        job = rendered("Job")
+        job["metadata"].update(namespace="team-b")
+        job["metadata"]["ownerReferences"][0]["uid"] = owner["metadata"]["uid"]
+        await cluster._call("POST", "/apis/batch/v1/namespaces/team-b/jobs", job)
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer", "team-b") is None, "the collector")
+        assert cluster.job("demo") is not None
