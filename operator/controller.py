@@ -352,6 +352,11 @@ class Controller:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
                 flavors = await self._flavors(decision.read_flavors)
                 decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
+            if any(obj["kind"] == "Job" for obj in decision.create):
+                left = await self._trainer_pods_left(view)
+                if left:
+                    observed = dataclasses.replace(observed, trainer_pods_left=left)
+                    decision = rec.decide(view, old, observed, self.clock())
             if any(obj["kind"] in rec.WORKLOAD_KINDS for obj in decision.create):
                 managed = await self._managed_secret(view)
                 if managed is not None:
@@ -689,6 +694,14 @@ class Controller:
             self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
         body = self.workloads.get(key)
         return pools.pool_view(name, body)
+
+    async def _trainer_pods_left(self, view: rec.JobView) -> int:
+        """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.
+        Listed by their labels when a trainer Job is about to be created (rare: a job's start, a restart, a resume),
+        not from the shared listing, whose snapshot may be up to an interval old (and would then be stale for the
+        failure messages that later passes read from it)."""
+        labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: view.name, c.LABEL_ROLE: c.ROLE_TRAINER}
+        return len(await self.client.list(kube.POD, view.namespace, labels))
 
     async def _managed_secret(self, view: rec.JobView) -> tuple[str, str] | None:
         """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read

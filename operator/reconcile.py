@@ -236,6 +236,10 @@ class Observed:
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
     pool: pools.PoolView | None = None
     """The job's RolloutPool (jobs with spec.inference.poolRef only): its spec and status (the attachment list)."""
+    trainer_pods_left: int = 0
+    """Trainer pods of this job's name that outlived their Job (deleted in the background by someone else, or by
+    the collector after a delete of a job of the same name): read only when a decision creates a trainer Job, which
+    is then decided again."""
     token: str | None = None
     """Fingerprint of the token in the job's token Secret (grpolora.api.pool.token_fingerprint), as the last full
     pass read or made it; None: not known (the pods' token is then taken as current)."""
@@ -339,6 +343,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     failed_reason = _failed_reason(old) if is_finished(old) else names.R_BACKOFF_LIMIT
     creates: list[K8sObject] = []
     wanted_kinds: list[str] = []  # the workloads to create (built below, once Kueue's additions are known)
+    waiting_pods: str | None = None
     deletes: list[ChildRef] = []
     requeue: float | None = None
     phase: JobPhase = old.phase if is_finished(old) and old.phase else "Pending"
@@ -395,6 +400,13 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             )
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is not None and obs.deleting(tj):
+            requeue = REPLACE_RECHECK_SECONDS
+        elif tj is None and observed.trainer_pods_left:
+            # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
+            # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
+            # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
+            count = observed.trainer_pods_left
+            waiting_pods = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is None:
             wanted_kinds.append("Job")
@@ -493,6 +505,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         pending_why = admission.message
     if flavor_wait is not None and phase == "Pending":
         pending_why = flavor_wait
+    if waiting_pods is not None and phase == "Pending":
+        pending_why = waiting_pods
     if place is not None and not place.attached and phase == "Pending" and admission.status == "True":
         pending_why = place.message
     message = {

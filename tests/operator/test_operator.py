@@ -656,6 +656,25 @@ async def test_a_job_naming_a_secret_the_operator_manages_fails_before_its_pods_
     assert [k for k in cluster.emulator.created if k[0] in ("jobs", "statefulsets")] == []
 
 
+async def test_a_job_re_applied_after_a_background_delete_waits_for_the_old_trainer_pods(cluster, operator):
+    """`kubectl delete glj` (background) then apply again: the collector removes the old trainer Job at once and its
+    pods terminate for their grace period. The new job's trainer Job is created only once they are gone, or its
+    ranks would meet the old ones (same labels, same rendezvous name) and wait for the GPUs they hold."""
+    cluster.emulator.pod_exit_seconds = None  # the old ranks ignore SIGTERM
+    await cluster.apply(job_doc())
+    await created(cluster)
+    old_pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+    await cluster.delete_job("demo")
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the old trainer Job collected")
+    await wait_for(lambda: cluster.get("v1/pods", old_pod)["metadata"].get("deletionTimestamp"), "pod Terminating")
+    await cluster.apply(job_doc())
+    await wait_for(lambda: "waiting for 1 pod of a previous trainer Job" in cluster.status("demo").get("message", ""),
+                   "the new job waiting for the old pod")  # fmt: skip
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+    await cluster.emulator.end_grace_periods()
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the new trainer Job", timeout=15)
+
+
 async def test_a_deleted_service_or_network_policy_comes_back(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)

@@ -463,6 +463,14 @@ def test_a_job_being_deleted_creates_nothing_and_writes_nothing():
     assert decision.status == old and decision.events == () and decision.idle
 
 
+def test_no_trainer_job_is_created_while_pods_of_a_previous_one_are_left():
+    waiting = decide(applied_view(), pending(), Observed(None, statefulset(1), trainer_pods_left=2), NOW)
+    assert kinds(waiting.create) == [] and waiting.requeue_after is not None
+    assert "waiting for 2 pods of a previous trainer Job to terminate" in waiting.status.message
+    gone = decide(applied_view(), waiting.status, Observed(None, statefulset(1)), NOW)
+    assert kinds(gone.create) == ["Job"]
+
+
 def test_a_re_made_token_re_keys_the_job_as_a_whole():
     """Pods keep the token they started with: a token Secret re-made with a new token (deleted by hand) replaces every
     pod, and creates them again only once all are gone, never old and new tokens side by side."""
