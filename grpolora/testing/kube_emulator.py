@@ -268,6 +268,11 @@ class Emulator(kmock.KubernetesEmulator):
         options = request.data if isinstance(request.data, dict) else {}
         params = request.params or {}
         policy = options.get("propagationPolicy") or params.get("propagationPolicy") or "Background"
+        # Absent: Background, most kinds' default (batch/v1 Jobs default to orphaning their pods: kubectl and the
+        # operator always send a policy, so nothing here depends on it).
+        if policy not in ("Background", "Foreground"):
+            # Orphan (the collector strips the owner references instead) is not played: say so rather than delete.
+            raise kube_apiserver.bad_request(f"the emulator does not play propagationPolicy {policy!r}")
         grace = options.get("gracePeriodSeconds", params.get("gracePeriodSeconds"))
         key = (request.resource, request.namespace, request.name)
         async with self._lock:
