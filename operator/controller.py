@@ -4,7 +4,8 @@ delete/create children, write the status once, and post events only after that w
 Two kinds of pass share one function and one per-job lock:
 - full passes: the Kopf handlers (create/resume/update) run one at once, and a job's monitor every
   `resync_interval` seconds. They make sure the Secret, Services, NetworkPolicy and PodDisruptionBudget exist
-  (drift repair: one deleted by hand comes back; create-if-absent, so the token is never regenerated) and read the
+  (drift repair: one deleted by hand comes back; create-if-absent, so the token is made only with its Secret, and a
+  re-made Secret re-keys the job as a whole: reconcile.decide, status.tokenDigest) and read the
   workloads from the API.
 - light passes: the monitor every `interval` seconds (the trainer's /status poll; sooner when a decision asks) and
   whenever the watch of the job's Job or StatefulSet reports a change. They read the workloads from that watch (a
@@ -37,7 +38,7 @@ from typing import Any, Final
 from grpolora.api import constants as c
 from grpolora.api.load import InvalidJob, parse_pool
 from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
-from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment
+from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment, token_fingerprint
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kube, names, pools
@@ -107,6 +108,8 @@ class _Job:
     """Access modes of the shared claims, as read by the last full pass."""
     queue_api_missing: bool = False
     """The last full pass could not create the job's Kueue Workload: Kueue's API is not served (not installed)."""
+    token: str | None = None
+    """Fingerprint of the token in the job's token Secret, as the last full pass read or made it."""
     kind: str = c.KIND
 
 
@@ -187,6 +190,8 @@ class Controller:
         self._pool_seen(namespace, name, None if event_type == "DELETED" else dict(body), body)
         if event_type == "DELETED":
             self.forget_pool(namespace, name)
+        elif meta.get("deletionTimestamp"):
+            self._mark_deleting(self.pools.get((namespace, name)), body)
 
     def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
@@ -201,6 +206,7 @@ class Controller:
         )
         seen = (
             meta.get("uid"),
+            status.get("tokenDigest"),  # re-keyed: the pool renews its attachment
             status.get("phase"),
             (body.get("spec") or {}).get("suspend"),
             bool(meta.get("deletionTimestamp")),
@@ -260,6 +266,31 @@ class Controller:
             return
         self.workloads[key] = value
 
+    def deleting(self, body: Mapping[str, Any]) -> None:
+        """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
+        from now on (see reconcile.JobView.deleting)."""
+        meta = body.get("metadata") or {}
+        self._mark_deleting(self.jobs.get((meta.get("namespace", ""), meta.get("name", ""))), body)
+
+    def _mark_deleting(self, tracked: _Job | None, body: Mapping[str, Any]) -> None:
+        """Record a followed job's or pool's deletionTimestamp (handlers pass only spec changes) and run a pass."""
+        meta = body.get("metadata") or {}
+        if tracked is None or tracked.uid != meta.get("uid") or not meta.get("deletionTimestamp"):
+            return
+        tracked.body.setdefault("metadata", {})["deletionTimestamp"] = meta["deletionTimestamp"]
+        self._wake(tracked)
+
+    async def _owner_deleting(self, tracked: _Job) -> bool:
+        """Read the job (or pool) itself before creating a child for it: the collector may already be removing its
+        children while our watch has not yet delivered its deletionTimestamp, and a child created now would only be
+        collected again (and, in a foreground deletion, hold up the owner's removal). JobGone if it is gone."""
+        kind = kube.ROLLOUTPOOL if tracked.kind == c.POOL_KIND else kube.GRPOLORAJOB
+        found = await self.client.get(kind, tracked.namespace, tracked.name)
+        if found is None or (found.get("metadata") or {}).get("uid") != tracked.uid:
+            raise JobGone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
+        self._mark_deleting(tracked, found)
+        return _deleting(tracked.body)
+
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop its monitor and drop its metrics."""
         job = self.jobs.pop((namespace, name), None)
@@ -286,6 +317,10 @@ class Controller:
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
         old = rec.stored_status(job.status)
+        if view.deleting:  # nothing to read: a job being deleted gets nothing
+            decision = rec.decide(view, old, rec.Observed(), self.clock())
+            await self._record(job, decision)
+            return decision
         # Children never created (e.g. the job waited for its pool): create them now, not at the next resync.
         full = full or view.record_applied is not None
         if full:
@@ -310,17 +345,34 @@ class Controller:
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
                 observed = rec.Observed(
-                    claims=await self._claims(job, view), pool=pool, queue_api_missing=job.queue_api_missing
+                    claims=await self._claims(job, view),
+                    pool=pool,
+                    queue_api_missing=job.queue_api_missing,
+                    token=job.token,
                 )
             else:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
             if job.queue_api_missing and observed.queue_workload is None:
                 job.next_full = 0.0  # its Workload could not be created (no Kueue yet): the next pass retries
+            if _deleting(job.body):  # found out while ensuring the kept children
+                view = dataclasses.replace(view, deleting=True)
             decision = rec.decide(view, old, observed, self.clock())
+            if decision.create and view.record_applied is None and await self._owner_deleting(job):
+                # (A new job's first pass runs on the body its create handler was given: fresh enough.)
+                decision = rec.decide(dataclasses.replace(view, deleting=True), old, observed, self.clock())
             if decision.read_flavors:
                 # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
                 flavors = await self._flavors(decision.read_flavors)
                 decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
+            if any(obj["kind"] == "Job" for obj in decision.create):
+                left = await self._trainer_pods_left(view)
+                if left:
+                    observed = dataclasses.replace(observed, trainer_pods_left=left)
+                    decision = rec.decide(view, old, observed, self.clock())
+            if any(obj["kind"] in rec.WORKLOAD_KINDS for obj in decision.create):
+                managed = await self._managed_secret(view)
+                if managed is not None:
+                    decision = rec.decide_managed_secret(view, old, *managed, self.clock())
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
                 decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
@@ -346,6 +398,8 @@ class Controller:
         meta = pool.body.get("metadata") or {}
         old = pools.stored_pool_status(pool.status)
         generation = meta.get("generation")
+        if _deleting(pool.body):
+            return PoolPass(idle=True)  # the collector is removing its children: nothing to keep any more
         if not full and old.observed_generation == generation and old.replicas is not None:
             return await self._pool_light_pass(pool, old)
         pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
@@ -383,6 +437,8 @@ class Controller:
             if current is not None and obs.controller_uid(current) != pool.uid:
                 return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
             rewritten = _POOL_REWRITTEN.get(obj["kind"])
+            if current is None and await self._owner_deleting(pool):
+                return PoolPass(idle=True)
             try:
                 if current is None:
                     await self.client.create(obj)
@@ -422,6 +478,7 @@ class Controller:
             reports,
             generation=generation,
             now=self.clock(),
+            tokens={entry.job: entry.fingerprint for entry in attachments.jobs},
         )
         await self._record_pool(pool, status)
         return PoolPass()
@@ -438,7 +495,7 @@ class Controller:
         admission = Admission(tuple(attached), tuple(old.waiting_jobs))
         status = pools.pool_status(
             rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
-            now=self.clock(),
+            now=self.clock(), tokens={entry.job: entry.token_digest for entry in old.attached_jobs},
         )  # fmt: skip
         await self._record_pool(pool, status)
         return PoolPass()
@@ -467,7 +524,7 @@ class Controller:
             new = [
                 key
                 for key in admission.attached
-                if key not in entries and not (key in kept and kept[key].uid == candidates[key].uid)
+                if key not in entries and not (key in kept and _still_valid(kept[key], candidates[key]))
             ]
             if not new:
                 break
@@ -523,15 +580,20 @@ class Controller:
             if patched is None:
                 raise JobGone(f"{job.namespace}/{job.name}")
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
-        # A fresh token each time, used only if the Secret does not exist yet (create-if-absent).
-        kept, _ = rec.children(
-            job_plan,
-            uid=view.uid,
-            token=secrets.token_urlsafe(TOKEN_BYTES),
-            operator_namespace=self.config.operator_namespace,
-        )
+        # A fresh token each time, used only if the Secret does not exist yet (create-if-absent). One made again for
+        # a running job (its Secret was deleted) re-keys the job as a whole (reconcile.decide, status.tokenDigest).
+        fresh = secrets.token_urlsafe(TOKEN_BYTES)
+        kept, _ = rec.children(job_plan, uid=view.uid, token=fresh, operator_namespace=self.config.operator_namespace)
 
         new_job = view.record_applied is not None
+        owner_check: asyncio.Future[bool] | None = None
+
+        async def owner_deleting() -> bool:
+            """Read once per pass, and only when a child is missing (see _owner_deleting)."""
+            nonlocal owner_check
+            if owner_check is None:
+                owner_check = asyncio.ensure_future(self._owner_deleting(job))
+            return await owner_check
 
         async def ensure(obj: dict[str, Any]) -> rec.ChildRef | None:
             kind, name = kube.kind_of(obj), obj["metadata"]["name"]
@@ -539,8 +601,12 @@ class Controller:
             # read first (drift repair without a failed create per child and pass).
             existing = None if new_job else await self.client.get(kind, job.namespace, name)
             if existing is None:
+                if not new_job and await owner_deleting():
+                    return None
                 try:
                     if await self._create(job, obj):
+                        if obj["kind"] == "Secret":
+                            job.token = token_fingerprint(fresh)
                         return None
                 except ChildRefused as refused:
                     if kind != kube.KUEUE_WORKLOAD or refused.error.status != 404:
@@ -551,6 +617,9 @@ class Controller:
                 existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
+            if existing is not None and obj["kind"] == "Secret":
+                token = _token_of(existing)
+                job.token = token_fingerprint(token) if token else None
             return None
 
         job.queue_api_missing = False
@@ -635,6 +704,7 @@ class Controller:
             queue_workload=queue_workload,
             queue_api_missing=job.queue_api_missing,
             pool=pool,
+            token=job.token,
         )
 
     async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
@@ -648,6 +718,26 @@ class Controller:
             self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
         body = self.workloads.get(key)
         return pools.pool_view(name, body)
+
+    async def _trainer_pods_left(self, view: rec.JobView) -> int:
+        """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.
+        Listed by their labels when a trainer Job is about to be created (rare: a job's start, a restart, a resume),
+        not from the shared listing, whose snapshot may be up to an interval old (and would then be stale for the
+        failure messages that later passes read from it)."""
+        labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: view.name, c.LABEL_ROLE: c.ROLE_TRAINER}
+        return len(await self.client.list(kube.POD, view.namespace, labels))
+
+    async def _managed_secret(self, view: rec.JobView) -> tuple[str, str] | None:
+        """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read
+        only when its pods are about to be created (a missing Secret is the kubelet's to report)."""
+        assert view.job is not None
+        named = view.job.spec.secret_references()
+        found = await asyncio.gather(*(self.client.get(kube.SECRET, view.namespace, name) for _, name in named))
+        for (path, name), secret in zip(named, found, strict=True):
+            labels = ((secret or {}).get("metadata") or {}).get("labels") or {}
+            if labels.get(c.LABEL_MANAGED_BY) == c.OPERATOR_NAME:
+                return path, name
+        return None
 
     async def _listing(
         self, kind: kube.Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
@@ -694,14 +784,20 @@ class Controller:
         return job.claims
 
     async def _change_workloads(self, job: _Job, decision: rec.Decision) -> bool:
-        """Delete, then create; False if a create found the name taken (409)."""
+        """Delete, then create (never the same name in one pass); False if a create found the name taken (409)."""
         # What we change, the watch reports later: read it from the API until then.
         for kind, name in [(r.kind, r.name) for r in decision.delete] + [
             (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
         ]:
             self.workloads.pop((kind, job.namespace, name), None)
-        # Deletes first: a replaced trainer Job is deleted and created under the same name.
-        await asyncio.gather(*(self.client.delete(kube.KINDS[r.kind], job.namespace, r.name) for r in decision.delete))
+        # In the foreground: a workload stays (with a deletionTimestamp) until its pods are gone, so a decision that
+        # sees it absent knows its pods are gone too (a restart, a resume or a re-admission never overlaps them).
+        await asyncio.gather(
+            *(
+                self.client.delete(kube.KINDS[r.kind], job.namespace, r.name, propagation="Foreground")
+                for r in decision.delete
+            )
+        )
         for ref in decision.delete:
             logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
@@ -847,6 +943,10 @@ async def _none() -> None:
     return None
 
 
+def _deleting(body: Mapping[str, Any]) -> bool:
+    return bool((body.get("metadata") or {}).get("deletionTimestamp"))
+
+
 def _pool_facts(body: Mapping[str, Any] | None) -> Any:
     """What a job's pass reads of its pool: the spec, its attached and waiting jobs, its replicas (not the adapter
     versions and rates, which change every pass)."""
@@ -860,6 +960,12 @@ def _pool_facts(body: Mapping[str, Any] | None) -> Any:
 # What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
 # list, and the NetworkPolicy that admits exactly the attached jobs.
 _POOL_REWRITTEN: Final = {"Secret": "data", "NetworkPolicy": "spec"}
+
+
+def _still_valid(entry: Attachment, found: pools.Candidate) -> bool:
+    """An attachment entry the pool keeps as it is: the same job (uid), holding the token its pods were created with
+    (a re-keyed job's entry is made again from its new token)."""
+    return entry.uid == found.uid and (not found.token or entry.fingerprint == found.token)
 
 
 def _token_of(secret: Mapping[str, Any]) -> str | None:

@@ -77,12 +77,18 @@ async def job_on_pool_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Me
 
 
 def _is_deletion(event: kopf.RawEvent, **_: Any) -> bool:
-    return event["type"] == "DELETED"
+    """Deleted, or being deleted (a deletionTimestamp: the garbage collector is removing its children)."""
+    deleting = ((event.get("object") or {}).get("metadata") or {}).get("deletionTimestamp")
+    return event["type"] == "DELETED" or bool(deleting)
 
 
-async def forget_deleted(name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
-    """Stop a deleted job's monitor (no finalizer: we learn of deletions from the watch stream)."""
-    _controller(memo).forget(namespace, name)
+async def deletion(event: kopf.RawEvent, body: kopf.Body, name: str, namespace: str, memo: kopf.Memo, **_: Any) -> None:
+    """A job being deleted gets no new children; a deleted one's monitor stops (no finalizer: we learn of both from
+    the watch stream)."""
+    if event["type"] == "DELETED":
+        _controller(memo).forget(namespace, name)
+    else:
+        _controller(memo).deleting(_plain(body))
 
 
 async def workload_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
@@ -111,7 +117,7 @@ def build_registry() -> kopf.OperatorRegistry:
     # Only spec changes matter (our own annotation and status writes must not trigger a pass).
     kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(reconcile)
     # Filtered before invocation, so the other events (every status write) cost nothing and log nothing.
-    kopf.on.event(*resource, registry=registry, id="forget-deleted", when=_is_deletion)(forget_deleted)
+    kopf.on.event(*resource, registry=registry, id="deletion", when=_is_deletion)(deletion)
     # RolloutPools: the same pass machinery. Jobs on a pool wake their pool's pass when they come, finish or go (the
     # pass itself lists the jobs from the API); the pools' own events feed the cache their jobs read.
     kopf.on.event(*resource, registry=registry, id="wake-pool", when=_on_a_pool)(job_on_pool_event)

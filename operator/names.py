@@ -62,6 +62,9 @@ R_FORMING: Final = "Forming"
 R_WAITING_FOR_TRAINER: Final = "WaitingForTrainer"
 R_TRAINING: Final = "Training"
 R_TRAINER_RESTARTING: Final = "TrainerRestarting"
+# The token Secret was re-made (deleted by hand) with a new token: every pod is replaced together (see
+# GRPOLoraJob status.tokenDigest).
+R_REKEYING: Final = "Rekeying"
 R_PENDING: Final = "Pending"
 R_FINISHED: Final = "Finished"
 R_COMPLETED: Final = "TrainingComplete"
@@ -99,6 +102,9 @@ R_UNCHANGED: Final = "SpecUnchanged"
 # with the API's message until its spec changes; transient API failures (5xx, 429, unreachable) are retried.
 R_CREATE_REFUSED: Final = "CreateRefused"
 R_API_RETRYING: Final = "APIRetrying"
+# A Secret the job names carries the operator's managed-by label (another job's token, a pool's attachment list):
+# the job fails before its pods are created (the namespace's jobs trust each other, but not with these).
+R_MANAGED_SECRET: Final = "ManagedSecret"
 # Shared PersistentVolumeClaims (model: every pod; checkpoints: every trainer rank) and their access modes.
 R_ACCESS_MODES_FIT: Final = "AccessModesFit"
 R_SINGLE_NODE_ACCESS: Final = "SingleNodeAccessMode"
@@ -126,6 +132,7 @@ E_FAILED: Final = "Failed"
 E_SUSPENDED: Final = "Suspended"
 E_RESUMED: Final = "Resumed"
 E_TRAINER_RESTARTING: Final = "TrainerRestarting"
+E_REKEYED: Final = "TokenRekeyed"
 E_GROUP_REFORMED: Final = "SyncGroupReformed"
 E_PODS_NOT_READY: Final = "PodsNotReady"
 E_INVALID_SPEC: Final = "InvalidSpec"

@@ -38,7 +38,8 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
         job: GRPOLoraJob | None = parse_job(body)
     except InvalidJob:
         job = None
-    phase = (body.get("status") or {}).get("phase")
+    status = body.get("status") or {}
+    phase = status.get("phase")
     active = not meta.get("deletionTimestamp") and not spec.get("suspend") and phase not in DONE_PHASES
     # Under Kueue, only an admitted job wants a place: a queued one holding a place while Kueue admits a later job
     # first (BestEffortFIFO) would leave that job holding GPU quota and waiting for the place, and neither runs.
@@ -50,6 +51,7 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
         active=active,
         fits=job is not None and not fit_errors(pool.name, pool.spec, job.spec),
         job=job,
+        token=str(status.get("tokenDigest") or ""),
     )
 
 
@@ -80,11 +82,17 @@ class PoolPlace:
     """The pool's ready and desired server replicas (the job's inference replicas in `kubectl get glj`)."""
 
 
-def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str) -> PoolPlace:
-    """The job's attachment as the pool's status says it (the pool writes it after its servers' list)."""
+def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str, token: str | None = None) -> PoolPlace:
+    """The job's attachment as the pool's status says it (the pool writes it after its servers' list). `token`: the
+    fingerprint of the job's current token; an attachment that holds another (the job is being re-keyed) does not
+    count until the pool has renewed it."""
     replicas = status.replicas or RoleReplicas()
     where = f"RolloutPool {pool.name}"
-    if any(j.job == key and j.uid == uid for j in status.attached_jobs):
+    for entry in status.attached_jobs:
+        if entry.job != key or entry.uid != uid:
+            continue
+        if token is not None and entry.token_digest and entry.token_digest != token:
+            return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to renew its key for the job")
         return PoolPlace(True, names.R_POOL_ATTACHED, f"attached to {where}", replicas.ready, replicas.desired)
     count = f"{len(status.attached_jobs)}/{pool.spec.max_jobs} jobs attached"
     if key in status.waiting_jobs:
@@ -132,12 +140,18 @@ def pool_status(
     *,
     generation: int | None,
     now: datetime.datetime,
+    tokens: Mapping[str, str] | None = None,
 ) -> PoolStatus:
     """The pool's whole status after a pass."""
     spec = pool.spec
     ready = obs.statefulset_ready(statefulset) if statefulset is not None else 0
     attached = [
-        AttachedJob(job=key, uid=uids.get(key, ""), adapter_versions=replica_versions(reports, key))
+        AttachedJob(
+            job=key,
+            uid=uids.get(key, ""),
+            token_digest=(tokens or {}).get(key, ""),
+            adapter_versions=replica_versions(reports, key),
+        )
         for key in admission.attached
     ]
     jobs = f"{len(attached)}/{spec.max_jobs}"

@@ -2,8 +2,8 @@
 
 The single source of truth: the Helm chart's ClusterRole is checked against RULES, and the operator tests record
 every (verb, group, resource) the operator sends to the API emulator and check that RULES covers it.
-Not needed, on purpose: `list`/`update` on Secrets (the token is created once; `get` only reads the Secret of this
-job's name to check its owner, after a delete and re-apply under the same name), `list`/`watch`
+Not needed, on purpose: `list`/`update` on Secrets (the token is created with its Secret; `get` reads Secrets by
+name only: the job's own to check its owner, the ones a job names to check they are not the operator's), `list`/`watch`
 on namespaces and CRDs (Kopf runs with scanning disabled, see grpolora.operator.main.build_settings), and anything
 on pods but `list` (workers are never touched directly; their workloads are).
 """
@@ -31,9 +31,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         (c.GROUP,),
         (c.PLURAL,),
-        ("list", "watch", "patch", "delete"),
+        ("get", "list", "watch", "patch", "delete"),
         "Kopf watches the jobs and keeps its handler state in annotations; the operator records the applied spec "
-        "(patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)",
+        "(patch), deletes finished jobs after ttlSecondsAfterFinished (delete) and reads a job before creating a "
+        "child for it again, to create nothing for a job being deleted (get)",
     ),
     Rule((c.GROUP,), (f"{c.PLURAL}/status",), ("patch",), "the job status: phase, progress, conditions"),
     Rule(
@@ -41,7 +42,7 @@ RULES: Final[tuple[Rule, ...]] = (
         (c.POOL_PLURAL,),
         ("get", "list", "watch", "patch"),
         "Kopf watches the RolloutPools and keeps its handler state in annotations (patch); a job's pass reads its "
-        "pool on resyncs (get)",
+        "pool on resyncs, and a pool's pass the pool before creating a child again (get)",
     ),
     Rule(
         (c.GROUP,),
@@ -62,7 +63,8 @@ RULES: Final[tuple[Rule, ...]] = (
         ("get", "create", "patch"),
         "the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and "
         "re-created if deleted. A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and "
-        "rewrites its attachment-list Secret as jobs attach and detach (patch)",
+        "rewrites its attachment-list Secret as jobs attach and detach (patch). The Secrets a job names are read "
+        "before its pods are created, to refuse the operator's own (its managed-by label)",
     ),
     Rule(
         ("",),

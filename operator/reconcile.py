@@ -4,8 +4,10 @@ create or delete and what the status is. No I/O, no clock (`now` is passed in), 
 
 Level-triggered: every pass decides from scratch, so a pass that is repeated or interrupted decides the same
 again. The trainer restart is two-phase, as in JobSet: one pass commits `status.trainerRestarts + 1` (the status
-write is the commit point); later passes see a trainer Job whose restart attempt is older than that count and
-replace it. A crash between the two phases therefore neither loses nor doubles a restart.
+write is the commit point); later passes see a trainer Job whose restart attempt is older than that count, delete
+it (the controller deletes workloads in the foreground, so it stays until its pods are gone) and, once it has
+left, create its replacement. A crash between the phases therefore neither loses nor doubles a restart, and old
+and new trainer pods never run side by side.
 """
 
 from __future__ import annotations
@@ -87,6 +89,9 @@ class JobView:
     """Why the current spec is invalid (field path: message)."""
     refused: tuple[str, ...] = ()
     """Field paths changed since the spec was applied that cannot change on a created job."""
+    deleting: bool = False
+    """The job has a deletionTimestamp: the garbage collector is removing its children (in the foreground, the job
+    stays until they are gone). Nothing may be created for it any more."""
 
 
 def spec_json(spec: GRPOLoraJobSpec) -> str:
@@ -102,15 +107,18 @@ def job_view(body: Mapping[str, Any]) -> JobView:
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", "default"), meta.get("name", "")
     uid, generation = meta.get("uid", ""), meta.get("generation")
+    deleting = bool(meta.get("deletionTimestamp"))
     applied = _applied_spec(meta) if cond.is_true(stored_status(body.get("status")).conditions, names.CREATED) else None
     try:
         current = parse_job(body)
     except InvalidJob as exc:
         problems = tuple(str(problem) for problem in exc.problems)
         job = _fallback_job(body, applied) if applied is not None else None
-        return JobView(namespace, name, uid, generation, job, problems=problems)
+        return JobView(namespace, name, uid, generation, job, problems=problems, deleting=deleting)
     if applied is None:
-        return JobView(namespace, name, uid, generation, current, record_applied=spec_json(current.spec))
+        return JobView(
+            namespace, name, uid, generation, current, record_applied=spec_json(current.spec), deleting=deleting
+        )
     refused = tuple(changed_fields(applied.to_wire(), current.spec.to_wire()))
     running = applied.model_copy(
         update={
@@ -118,7 +126,8 @@ def job_view(body: Mapping[str, Any]) -> JobView:
             "ttl_seconds_after_finished": current.spec.ttl_seconds_after_finished,
         }
     )
-    return JobView(namespace, name, uid, generation, current.model_copy(update={"spec": running}), refused=refused)
+    job = current.model_copy(update={"spec": running})
+    return JobView(namespace, name, uid, generation, job, refused=refused, deleting=deleting)
 
 
 def _applied_spec(meta: Mapping[str, Any]) -> GRPOLoraJobSpec | None:
@@ -229,6 +238,13 @@ class Observed:
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
     pool: pools.PoolView | None = None
     """The job's RolloutPool (jobs with spec.inference.poolRef only): its spec and status (the attachment list)."""
+    trainer_pods_left: int = 0
+    """Trainer pods of this job's name that outlived their Job (deleted in the background by someone else, or by
+    the collector after a delete of a job of the same name): read only when a decision creates a trainer Job, which
+    is then decided again."""
+    token: str | None = None
+    """Fingerprint of the token in the job's token Secret (grpolora.api.pool.token_fingerprint), as the last full
+    pass read or made it; None: not known (the pods' token is then taken as current)."""
 
 
 @dataclass(frozen=True)
@@ -297,6 +313,10 @@ def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | 
 
 
 def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
+    if view.deleting:
+        # Being deleted: whatever the collector has removed so far stays removed (a child created now would only be
+        # collected again, and in the foreground hold the job's removal). Nothing to do until the job is gone.
+        return Decision(status=old, idle=True)
     stamp = cond.rfc3339(now)
     if view.job is None:
         return _decide_invalid(view, old, stamp)
@@ -309,7 +329,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
             return unusable
         assert observed.pool.pool is not None
         job_plan = plan(job, pool=observed.pool.pool)
-        place = pools.place(observed.pool.pool, observed.pool.status, job_key(view.namespace, view.name), view.uid)
+        key = job_key(view.namespace, view.name)
+        place = pools.place(observed.pool.pool, observed.pool.status, key, view.uid, observed.token)
     else:
         job_plan = plan(job)
     spec = job_plan.spec  # on a pool: bound to it (its inference fields are the pool's)
@@ -324,6 +345,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     failed_reason = _failed_reason(old) if is_finished(old) else names.R_BACKOFF_LIMIT
     creates: list[K8sObject] = []
     wanted_kinds: list[str] = []  # the workloads to create (built below, once Kueue's additions are known)
+    waiting_pods: str | None = None
     deletes: list[ChildRef] = []
     requeue: float | None = None
     phase: JobPhase = old.phase if is_finished(old) and old.phase else "Pending"
@@ -333,15 +355,33 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
 
     queue = builders.queue_name(job_plan)
     admission = _admission(queue, observed.queue_workload, api_missing=observed.queue_api_missing)
+    # A token Secret re-made with a new token (deleted by hand): pods keep the token they started with, so the job
+    # is re-keyed as a whole -- every pod goes, then all come back with the new token (and the pool renews its
+    # attachment, see pools.place) -- never old and new tokens side by side (401s, MACs that do not verify).
+    stale_key = (
+        observed.token is not None
+        and old.token_digest is not None
+        and observed.token != old.token_digest
+        and not is_finished(old)
+    )
+    pods_left = tj is not None or sts is not None
+    token_digest = observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest
+    rekey_note: str | None = None
     if is_finished(old):
         pass  # terminal phases stick; only releasing the inference pods and the TTL are left
+    elif stale_key and pods_left and not spec.suspend and admission.status != "False":
+        phase = "Running" if old.phase == "Running" else "Pending"
+        deletes += _release(tj, sts)
+        rekey_note = restart_note = (
+            f"re-keying: the token Secret {job_plan.token_secret} was re-made with a new token (was it deleted?); "
+            "every pod is replaced, and created again with the new token once all are gone"
+        )
+        requeue = REPLACE_RECHECK_SECONDS
     elif spec.suspend or admission.status == "False" or (place is not None and not place.attached):
         # Suspended, not (or no longer) admitted by Kueue, or not (or no longer) served by its RolloutPool (whose
         # servers would refuse the trainer): no pods hold any GPU.
         phase = "Suspended" if spec.suspend else "Pending"
-        for kind, obj in (("Job", tj), ("StatefulSet", sts)):
-            if obj is not None and not obs.deleting(obj):
-                deletes.append(ChildRef(kind, obj["metadata"]["name"]))
+        deletes += _release(tj, sts)
     else:
         trainer_name = job_plan.trainer.workload_name
         blocked_kinds = {ref.kind for ref in observed.blocked}
@@ -350,13 +390,25 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         if tj is None and "Job" in blocked_kinds:
             pass  # the previous job's trainer Job is still being collected
         elif tj is not None and obs.restart_attempt(tj) < restarts:
-            # Committed restart: replace the stale Job (the create is retried if the old one is still leaving).
+            # Committed restart: delete the stale Job (in the foreground: it stays until its pods are gone) and
+            # create the replacement only once it has left, as JobSet does (kubernetes-sigs/jobset#392, #684).
+            # Old and new ranks never overlap: a dying rank 0 still answers to the rendezvous name (the Services
+            # publish not-ready addresses) and would spend a restart, and its GPUs are the ones the new pods need.
             if not obs.deleting(tj):
                 deletes.append(ChildRef("Job", trainer_name))
-            wanted_kinds.append("Job")
-            restart_note = f"restart {restarts}: replacing the failed trainer Job"
+            restart_note = (
+                f"restart {restarts}: waiting for the failed trainer Job and its pods to be gone before creating "
+                "its replacement"
+            )
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is not None and obs.deleting(tj):
+            requeue = REPLACE_RECHECK_SECONDS
+        elif tj is None and observed.trainer_pods_left:
+            # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
+            # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
+            # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
+            count = observed.trainer_pods_left
+            waiting_pods = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
             requeue = REPLACE_RECHECK_SECONDS
         elif tj is None:
             wanted_kinds.append("Job")
@@ -457,6 +509,8 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         pending_why = admission.message
     if flavor_wait is not None and phase == "Pending":
         pending_why = flavor_wait
+    if waiting_pods is not None and phase == "Pending":
+        pending_why = waiting_pods
     if place is not None and not place.attached and phase == "Pending" and admission.status == "True":
         pending_why = place.message
     message = {
@@ -471,7 +525,9 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         else cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
         pods,
         rendezvous,
-        _progressing_condition(phase, restart_note, running_message, message),
+        cond.Want(names.PROGRESSING, "True", names.R_REKEYING, rekey_note)
+        if rekey_note is not None
+        else _progressing_condition(phase, restart_note, running_message, message),
         cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
         if phase == "Succeeded"
         else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
@@ -501,6 +557,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         start_time=old.start_time or stamp,
         completion_time=completion,
         pool=job_plan.pool,
+        token_digest=token_digest,
     )
     settled = not creates and not deletes and not delete_job and requeue is None
     queue_write = None
@@ -531,6 +588,12 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
         idle=settled and (finished or phase == "Suspended") and queue_write is None and not holds_quota,
     )
+
+
+def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:
+    """Delete both workloads (those not already leaving): no pod of the job holds a GPU, or an old token, after."""
+    found = (("Job", tj), ("StatefulSet", sts))
+    return [ChildRef(kind, obj["metadata"]["name"]) for kind, obj in found if obj is not None and not obs.deleting(obj)]
 
 
 def _commit_restart(
@@ -709,6 +772,18 @@ def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetim
     return _failed_to_start(
         view, old, names.R_CREATE_REFUSED, f"the API server refused the {what}: {refusal.message}", stamp
     )
+
+
+def decide_managed_secret(view: JobView, old: JobStatus, path: str, name: str, now: datetime.datetime) -> Decision:
+    """A Secret the job names (at `path`) is one of the operator's (its managed-by label): the job fails before any
+    of its pods could mount it. Spec validation and the CRD refuse the names the operator gives its Secrets; this
+    catches the rest (a job applied before that rule, a CRD installed without its CEL rules, another naming)."""
+    message = (
+        f"spec.{path}: Secret {name!r} is managed by the operator (label {c.LABEL_MANAGED_BY}={c.OPERATOR_NAME}): a "
+        "job may not mount the operator's Secrets (with another job's token it could act as that job). Name a Secret "
+        "of your own"
+    )
+    return _failed_to_start(view, old, names.R_MANAGED_SECRET, message, cond.rfc3339(now))
 
 
 def _failed_to_start(
@@ -1018,6 +1093,14 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         }
         if new.phase in by_phase:
             events.append(by_phase[new.phase])
+    rekeying = cond.find(new.conditions, names.PROGRESSING)
+    rekeyed_before = cond.find(old.conditions, names.PROGRESSING)
+    if (
+        rekeying is not None
+        and rekeying.reason == names.R_REKEYING
+        and (rekeyed_before is None or rekeyed_before.reason != names.R_REKEYING)
+    ):
+        events.append(Event("Warning", names.E_REKEYED, rekeying.message))
     if (new.trainer_restarts or 0) > (old.trainer_restarts or 0):
         progressing = cond.find(new.conditions, names.PROGRESSING)
         events.append(

@@ -156,7 +156,7 @@ def child_names(job_name: str) -> dict[str, str]:
     return {
         c.ROLE_TRAINER: f"{job_name}-{c.ROLE_TRAINER}",
         c.ROLE_INFERENCE: f"{job_name}-{c.ROLE_INFERENCE}",
-        "token": f"{job_name}-token",
+        "token": f"{job_name}{c.TOKEN_SECRET_SUFFIX}",
         "networkPolicy": job_name,
     }
 
@@ -166,7 +166,7 @@ def pool_child_names(pool_name: str) -> dict[str, str]:
     attachment list, its NetworkPolicy. `-pool` keeps them apart from a job of the same name."""
     return {
         c.ROLE_INFERENCE: f"{pool_name}-pool",
-        "jobs": f"{pool_name}-pool-jobs",
+        "jobs": f"{pool_name}{c.POOL_JOBS_SECRET_SUFFIX}",
         "networkPolicy": f"{pool_name}-pool",
     }
 

@@ -39,6 +39,15 @@ def auth_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+FINGERPRINT_CHARS = 16
+
+
+def token_fingerprint(token: str) -> str:
+    """Which token a job's pods and its pool attachment hold, safe to show in a status (the start of its digest: it
+    tells tokens apart, and the token cannot be recovered from it)."""
+    return auth_digest(token)[:FINGERPRINT_CHARS]
+
+
 def sync_key(token: str) -> bytes:
     """The MAC key of a job's sync round headers, derived from its token (one secret, a key per purpose)."""
     return hmac.new(token.encode(), SYNC_HEADER_PURPOSE, hashlib.sha256).digest()
@@ -59,6 +68,11 @@ class Attachment(BaseModel):
     sync_key: str = Field(pattern=r"^[0-9a-f]{64}$")
     kept_versions: int = Field(ge=1)
     """Adapter versions the job keeps in use (grpo.maxStaleness + 1): the newest this many stay loaded."""
+
+    @property
+    def fingerprint(self) -> str:
+        """The token's fingerprint (token_fingerprint), from the digest kept here."""
+        return self.auth[:FINGERPRINT_CHARS]
 
 
 class Attachments(BaseModel):
@@ -177,6 +191,8 @@ class Candidate:
     ready: bool = True
     """Can be attached now: its token Secret exists (the attachment holds the token's digest)."""
     job: GRPOLoraJob | None = None
+    token: str = ""
+    """The fingerprint of the token its pods were created with (its status.tokenDigest; empty: not known)."""
 
     @property
     def wants(self) -> bool:

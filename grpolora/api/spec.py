@@ -7,9 +7,11 @@ Every field carries its documentation as an attribute docstring; the CRD's descr
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -353,8 +355,79 @@ class DatasetSpec(SpecModel):
         return self
 
 
+# ---- Secrets a job names ---------------------------------------------------------------------------------------
+# Jobs of one namespace trust each other with the namespace's Secrets (their pods can mount any of them, as any pod
+# there can), but not with the operator's own: a job that mounted another job's token Secret could generate with
+# its adapters on a shared pool and forge its sync MAC. So no Secret a job names may carry a name the operator gives
+# its Secrets (grpolora.api.constants.MANAGED_SECRET_SUFFIXES): refused here, by the CRD's CEL rule on the typed
+# fields, and by the operator for a Secret that carries its managed-by label (grpolora.operator.reconcile).
+
+
+def managed_secret_problem(name: str) -> str | None:
+    """Why a job may not name this Secret, or None."""
+    if not name.endswith(c.MANAGED_SECRET_SUFFIXES):
+        return None
+    return (
+        f"Secret {name!r} has a name the operator gives its own Secrets (`<job>{c.TOKEN_SECRET_SUFFIX}`, a job's "
+        f"token; `<pool>{c.POOL_JOBS_SECRET_SUFFIX}`, a pool's attachment list): a job may not mount them, since with "
+        "another job's token it could act as that job. Name a Secret whose name ends otherwise"
+    )
+
+
+def _not_managed(name: str) -> str:
+    problem = managed_secret_problem(name)
+    if problem is not None:
+        raise ValueError(problem)
+    return name
+
+
+MANAGED_SECRET_RULE = cel_rule(
+    " && ".join(f"!self.endsWith('{suffix}')" for suffix in c.MANAGED_SECRET_SUFFIXES),
+    f"names a Secret the operator manages (`<job>{c.TOKEN_SECRET_SUFFIX}`, `<pool>{c.POOL_JOBS_SECRET_SUFFIX}`): a "
+    "job may not mount another job's token or a pool's attachment list",
+)
+SecretName = Annotated[
+    str,
+    StringConstraints(min_length=1),
+    AfterValidator(_not_managed),
+    Field(json_schema_extra={CEL_VALIDATIONS: [MANAGED_SECRET_RULE]}),
+]
+"""The name of a Secret in the job's namespace that the job's pods may read (not one of the operator's)."""
+
+
+def pod_secret_references(env: list[dict[str, Any]], pod_template: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
+    """(field path, Secret name) of every Secret a role's extra env and pod template overlay read: env
+    secretKeyRef, envFrom secretRef, secret and projected volumes (relative to the role)."""
+
+    def from_env(entries: Any, where: str) -> Iterator[tuple[str, str]]:
+        for i, var in enumerate(entries or []):
+            ref = ((var or {}).get("valueFrom") or {}).get("secretKeyRef") or {}
+            if ref.get("name"):
+                yield f"{where}[{i}].valueFrom.secretKeyRef.name", str(ref["name"])
+
+    yield from from_env(env, "env")
+    spec = pod_template.get("spec") or {}
+    for kind in ("containers", "initContainers"):
+        for i, container in enumerate(spec.get(kind) or []):
+            where = f"podTemplate.spec.{kind}[{i}]"
+            yield from from_env((container or {}).get("env"), f"{where}.env")
+            for j, source in enumerate((container or {}).get("envFrom") or []):
+                ref = (source or {}).get("secretRef") or {}
+                if ref.get("name"):
+                    yield f"{where}.envFrom[{j}].secretRef.name", str(ref["name"])
+    for i, volume in enumerate(spec.get("volumes") or []):
+        where = f"podTemplate.spec.volumes[{i}]"
+        secret = (volume or {}).get("secret") or {}
+        if secret.get("secretName"):
+            yield f"{where}.secret.secretName", str(secret["secretName"])
+        for j, source in enumerate(((volume or {}).get("projected") or {}).get("sources") or []):
+            ref = (source or {}).get("secret") or {}
+            if ref.get("name"):
+                yield f"{where}.projected.sources[{j}].secret.name", str(ref["name"])
+
+
 class SecretRef(SpecModel):
-    secret_name: NonEmptyStr
+    secret_name: SecretName
     """Name of a Secret in the job's namespace."""
 
 
@@ -550,6 +623,18 @@ class RoleSpec(SpecModel):
     and imagePullSecrets merge by name, volumeMounts by mountPath; e.g. schedulerName, priorityClassName,
     serviceAccountName, volumes and mounts, capabilities, sidecars. Fields the operator sets, or that have their
     own field here, cannot be overridden (docs/operator.md)."""
+
+    @model_validator(mode="after")
+    def _no_managed_secrets(self) -> RoleSpec:
+        """env and podTemplate are Kubernetes objects, out of reach of the CRD's CEL rules: checked here."""
+        raise_if_any(
+            [
+                (path, problem)
+                for path, name in pod_secret_references(self.env, self.pod_template)
+                if (problem := managed_secret_problem(name)) is not None
+            ]
+        )
+        return self
 
     @field_validator("shm_size_limit")
     @classmethod
@@ -761,7 +846,7 @@ class S3PushSpec(SpecModel):
     """Destination prefix, e.g. s3://bucket/adapters/my-run; the final adapter goes to <url>/final-adapter."""
     endpoint_url: str | None = None
     """An S3-compatible store's endpoint (MinIO, Ceph, ...); unset: AWS (or AWS_ENDPOINT_URL from the Secret)."""
-    secret_name: str | None = None
+    secret_name: SecretName | None = None
     """Secret whose keys become the trainer's environment for S3: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
     optionally AWS_SESSION_TOKEN, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL."""
 
@@ -780,7 +865,7 @@ class HubPushSpec(SpecModel):
     endpoint: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
     """The Hub's URL (a self-hosted Hub or a proxy); unset: HF_ENDPOINT from the Secret or the trainer's
     environment, else https://huggingface.co."""
-    secret_name: str | None = None
+    secret_name: SecretName | None = None
     """Secret holding a write token under the key HF_TOKEN (optionally HF_ENDPOINT); unset: the trainer's HF_TOKEN."""
 
 
@@ -818,7 +903,7 @@ class MlflowSpec(SpecModel):
     trainer)."""
     experiment: NonEmptyStr = "grpolora"
     """Experiment the run is logged under (created if missing)."""
-    secret_name: str | None = None
+    secret_name: SecretName | None = None
     """Secret whose keys become the trainer's environment for MLflow (e.g. MLFLOW_TRACKING_TOKEN, or
     MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD)."""
 
@@ -830,7 +915,7 @@ class WandbSpec(SpecModel):
     """W&B entity (user or team); defaults to the API key's."""
     mode: Literal["online", "offline"] = "online"
     """`offline` writes the run under the output folder only (upload it later with `wandb sync`)."""
-    secret_name: str | None = None
+    secret_name: SecretName | None = None
     """Secret whose keys become the trainer's environment for W&B (WANDB_API_KEY, optionally WANDB_BASE_URL)."""
 
 
@@ -958,6 +1043,27 @@ class GRPOLoraJobSpec(SpecModel):
                 errors.append((f"{role}.podTemplate.{path}", message))
         raise_if_any(errors)
         return self
+
+    def secret_references(self) -> list[tuple[str, str]]:
+        """(field path, Secret name) of every Secret the job's pods read by the job's say (not its own token)."""
+        found: list[tuple[str, str]] = []
+        rewards = self.task.reward if isinstance(self.task.reward, list) else []
+        for i, reward in enumerate(rewards):
+            if reward.headers_from is not None:
+                found.append((f"task.reward[{i}].headersFrom.secretName", reward.headers_from.secret_name))
+        push = self.output.push if self.output is not None else None
+        for path, named in (
+            ("output.push.s3", push.s3 if push else None),
+            ("output.push.hub", push.hub if push else None),
+            ("tracking.mlflow", self.tracking.mlflow),
+            ("tracking.wandb", self.tracking.wandb),
+        ):
+            if named is not None and named.secret_name:
+                found.append((f"{path}.secretName", named.secret_name))
+        for role, role_spec in ((c.ROLE_TRAINER, self.trainer), (c.ROLE_INFERENCE, self.inference)):
+            references = pod_secret_references(role_spec.env, role_spec.pod_template)
+            found += [(f"{role}.{path}", name) for path, name in references]
+        return found
 
     @property
     def sync_backend(self) -> Literal["nccl", "gloo"]:

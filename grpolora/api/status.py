@@ -216,6 +216,10 @@ class JobStatus(_Wire):
     pool: str | None = None
     """The RolloutPool whose servers run the rollouts (spec.inference.poolRef); see its status for the adapter
     version each replica serves and the job's place in line."""
+    token_digest: str | None = None
+    """Fingerprint of the token the job's pods were created with (grpolora.api.pool.token_fingerprint). A token
+    Secret that no longer matches it (deleted, so re-made with a new token) re-keys the job as a whole: every pod is
+    replaced, and its pool attachment renewed, before training goes on."""
 
 
 # ---- RolloutPool ----------------------------------------------------------------------------------------------
@@ -233,6 +237,8 @@ class AttachedJob(_Wire):
     """<namespace>/<name> of the GRPOLoraJob."""
     uid: str = ""
     """Its metadata.uid (a re-created job of the same name is another job)."""
+    token_digest: str = ""
+    """Fingerprint of the token the pool's attachment holds for it (the job's status.tokenDigest once renewed)."""
     adapter_versions: list[ReplicaAdapter] = Field(default_factory=list, max_length=1024)
     """The adapter version each replica serves, as the replicas report it (GET /v1/adapter); a replica that did
     not answer is left out."""

@@ -6,11 +6,11 @@ generation on spec changes; `generateName`; the status subresource (a /status pa
 patch never changes the status of a resource that has the subresource); label and field selectors on lists;
 what a real API server refuses (grpolora.testing.kube_apiserver: schema validation of built-in kinds and of
 GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against the requester's RBAC rules);
-garbage collection that takes time, as the real collector does (objects whose owners are all gone are removed
-by a sweep every `gc_delay` seconds, not at once); the optimistic-concurrency precondition of a patch that carries
-`metadata.resourceVersion` (409 Conflict when the object changed since, as a real server answers); mutating
-admission webhooks that a test installs (`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double);
-and a record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
+deletion as the API server, the garbage collector and the kubelet do it (see `Emulator.collect_garbage` and
+`Emulator._begin_deletion`): propagation policies Background and Foreground, finalizers, Terminating pods; the
+optimistic-concurrency precondition of a patch that carries `metadata.resourceVersion` (409 Conflict when the
+object changed since, as a real server answers); mutating admission webhooks that a test installs
+(`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
 """
 
 from __future__ import annotations
@@ -68,6 +68,11 @@ PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),
     "kopf.dev/v1/clusterkopfpeerings": kmock.ResourceInfo(kind="ClusterKopfPeering", namespaced=False, verbs=ALL_VERBS),
 }
+# metav1.FinalizerDeleteDependents: the API server puts it on an object deleted with propagationPolicy: Foreground; the
+# garbage collector removes it once no dependent blocks the owner's deletion (then the API server removes the owner).
+FOREGROUND_FINALIZER = "foregroundDeletion"
+# The pod's terminationGracePeriodSeconds when unset (the API's default, pkg/apis/core/v1/defaults.go).
+DEFAULT_GRACE_SECONDS = 30
 _VERBS = {
     kmock.action.LIST: "list",
     kmock.action.WATCH: "watch",
@@ -100,6 +105,10 @@ class Emulator(kmock.KubernetesEmulator):
     webhooks: list[Callable[[kmock.Request, dict[str, Any]], None]] = attrs.field(factory=list, init=False)
     """Mutating admission webhooks: each is called with every create request and its object, which it may change
     (before validation, as the API server calls mutating webhooks before it validates)."""
+    pod_exit_seconds: float | None = 0.1
+    """How long a deleted pod's containers take to exit on SIGTERM, after which the kubelet removes the pod; None:
+    they ignore SIGTERM (as NCCL workers often do) and the pod stays Terminating for its whole grace period, until
+    the kubelet's SIGKILL (`end_grace_periods` brings that forward)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     _crd_schemas: dict[str, dict[str, Any]] = attrs.field(
         factory=lambda: {
@@ -110,6 +119,8 @@ class Emulator(kmock.KubernetesEmulator):
     )
     _gc_due: bool = attrs.field(default=False, init=False)
     """Something was deleted, or created with owners, since the last sweep (the collector is event-driven too)."""
+    _terminating: dict[Any, float] = attrs.field(factory=dict, init=False)
+    """Terminating pods by key: the loop time at which the kubelet removes each."""
 
     async def _handle(self, request: kmock.Request) -> Any:
         # kmock matches each request against its reactions by scanning its whole request history, which makes a
@@ -129,6 +140,14 @@ class Emulator(kmock.KubernetesEmulator):
                 merged = self._on_patch(request)
                 if merged is not None:
                     self._admit(request, merged, created=False)
+                if (request.resource, request.namespace, request.name) in self._terminating:
+                    return await self._patch_terminating(request)
+            elif request.action == kmock.action.DELETE and request.name is not None:
+                kept = await self._begin_deletion(request)
+                if kept is not None:
+                    # Answered here: the base class removes any object with a deletionTimestamp and no finalizers
+                    # after each write, which would end a pod's grace period at once.
+                    return aiohttp.web.json_response(kept)
         response = await super()._handle(request)
         if response.status < 300 and (
             request.action == kmock.action.DELETE
@@ -176,27 +195,178 @@ class Emulator(kmock.KubernetesEmulator):
                 )
 
     async def collect_garbage_forever(self) -> None:
-        """The garbage collector: every `gc_delay` seconds, remove the objects whose owners are all gone."""
+        """The garbage collector and the kubelet: every `gc_delay` seconds, one sweep of `collect_garbage`."""
         while True:
             await asyncio.sleep(self.gc_delay)
-            if self._gc_due:
+            if self._gc_due or self._terminating:
                 self._gc_due = False
                 await self.collect_garbage()
 
     async def collect_garbage(self) -> None:
+        """One sweep of the garbage collector (kubernetes pkg/controller/garbagecollector/garbagecollector.go), then
+        of the kubelet. Event-driven there, a sweep here; the rules are the collector's:
+
+        - attemptToDeleteItem: an object none of whose owners is "solid" is deleted. An owner is solid while it
+          exists and is not waiting for its dependents (deletionTimestamp plus the foregroundDeletion finalizer);
+          a dependent that itself has dependents and whose owner waits for them is deleted in the Foreground (so
+          a GRPOLoraJob deleted in the foreground waits for its trainer Job's pods too), any other with the policy
+          its own finalizers name, else Background. Objects already being deleted are left alone.
+        - processDeletingDependentsItem: an owner waiting for its dependents loses the foregroundDeletion finalizer
+          once no dependent with `blockOwnerDeletion: true` in its ownerReference to it exists any more; a
+          Terminating pod still exists, so its owner waits for the kubelet. The API server then removes the owner
+          if no other finalizer is left.
+        - The kubelet removes a Terminating pod once its containers have exited (`pod_exit_seconds`), at the latest
+          at the end of its grace period (SIGKILL).
+        - An owner reference to a namespaced object in another namespace counts as absent (the docs page "Garbage
+          Collection": cross-namespace owner references are disallowed by design). The docs page "Use Cascading
+          Deletion" shows the same foreground and background behaviour from kubectl's side.
+        """
         async with self._lock:
-            live = {obj.get("metadata", {}).get("uid") for obj in self.objects._objects.values() if not obj.deleted}
-            orphans = [
-                (resource, obj)
-                for (resource, _, _), obj in self.objects._objects.items()
-                if not obj.deleted
-                and (refs := obj.get("metadata", {}).get("ownerReferences") or [])
-                and not any(ref.get("uid") in live for ref in refs)
-            ]
-            for resource, obj in orphans:
-                raw = obj.raw
-                obj.delete()
-                await self._buses[resource].put({"type": "DELETED", "object": raw})
+            store = self.objects._objects
+            present = {key: obj for key, obj in store.items() if not obj.deleted}
+            by_uid = {_meta(obj).get("uid"): (namespace, obj) for (_, namespace, _), obj in present.items()}
+            dependents: dict[str, list[tuple[dict[str, Any], Any]]] = {}
+            for key, obj in present.items():
+                for ref in _meta(obj).get("ownerReferences") or []:
+                    dependents.setdefault(ref.get("uid"), []).append((ref, key))
+            changed = False
+            for key, obj in present.items():
+                meta = _meta(obj)
+                if meta.get("deletionTimestamp"):
+                    continue
+                refs = meta.get("ownerReferences") or []
+                found = [by_uid.get(ref.get("uid")) for ref in refs]
+                owners = [owner for where, owner in filter(None, found) if where in (None, key[1])]
+                if not refs or any(not _waits_for_dependents(owner) for owner in owners):
+                    continue
+                owner_waits = bool(owners)  # none solid: those left wait for their dependents
+                if (owner_waits and dependents.get(meta.get("uid"))) or FOREGROUND_FINALIZER in (
+                    meta.get("finalizers") or []
+                ):
+                    policy = "Foreground"
+                else:
+                    policy = "Background"
+                await self._delete(key, policy, grace=None)
+                changed = True
+            for key, obj in list(present.items()):
+                if obj.deleted or not _waits_for_dependents(obj):
+                    continue
+                blocking = [
+                    dep
+                    for ref, dep in dependents.get(_meta(obj).get("uid"), [])
+                    if ref.get("blockOwnerDeletion") and not store[dep].deleted
+                ]
+                if not blocking:
+                    left = [f for f in _meta(obj).get("finalizers") or [] if f != FOREGROUND_FINALIZER]
+                    await self._write(key, {"metadata": {"finalizers": left}})
+                    changed = True
+            now = asyncio.get_running_loop().time()
+            for key, due in list(self._terminating.items()):
+                if due <= now:
+                    await self._remove(key)
+                    changed = True
+            self._gc_due = self._gc_due or changed
+
+    async def end_grace_periods(self) -> None:
+        """The kubelet's SIGKILL at the end of every Terminating pod's grace period, brought forward (so a test need
+        not wait the grace period out): the pods are removed now."""
+        async with self._lock:
+            for key in list(self._terminating):
+                await self._remove(key)
+            self._gc_due = True
+
+    async def _begin_deletion(self, request: kmock.Request) -> dict[str, Any] | None:
+        """A DELETE from a client: mark the object as the API server does when it is not removed at once, and return
+        it as kept; None when it is absent or to be removed at once (the base class does both)."""
+        options = request.data if isinstance(request.data, dict) else {}
+        params = request.params or {}
+        policy = options.get("propagationPolicy") or params.get("propagationPolicy") or "Background"
+        # Absent: Background, most kinds' default (batch/v1 Jobs default to orphaning their pods: kubectl and the
+        # operator always send a policy, so nothing here depends on it).
+        if policy not in ("Background", "Foreground"):
+            # Orphan (the collector strips the owner references instead) is not played: say so rather than delete.
+            raise kube_apiserver.bad_request(f"the emulator does not play propagationPolicy {policy!r}")
+        grace = options.get("gracePeriodSeconds", params.get("gracePeriodSeconds"))
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            obj = self.objects._objects.get(key)
+            if obj is None or obj.deleted:
+                return None
+            await self._delete(key, policy, grace=None if grace is None else int(grace), remove=False)
+            return obj.raw if _meta(obj).get("deletionTimestamp") else None
+
+    async def _patch_terminating(self, request: kmock.Request) -> Any:
+        """A write to a Terminating pod (the kubelet reports its status meanwhile): stored, the pod kept."""
+        key = (request.resource, request.namespace, request.name)
+        async with self._lock:
+            obj = self.objects._objects[key]
+            obj.patch(request.data)
+            await self._buses[key[0]].put({"type": "MODIFIED", "object": obj.raw})
+            return aiohttp.web.json_response(obj.raw)
+
+    async def _delete(self, key: Any, policy: str, *, grace: int | None, remove: bool = True) -> None:
+        """Delete as the API server does (staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go,
+        Delete and deletionFinalizersForGarbageCollection; pkg/registry/core/pod/strategy.go, CheckGracefulDelete):
+        Foreground adds the foregroundDeletion finalizer; a pod bound to a node gets a grace period (the request's,
+        else its terminationGracePeriodSeconds) and stays Terminating until the kubelet removes it; an object with
+        finalizers or a grace period gets a deletionTimestamp and stays, any other is removed (`remove`: here; else
+        left to the caller). Caller holds the lock."""
+        obj = self.objects._objects[key]
+        meta = _meta(obj)
+        if meta.get("deletionTimestamp"):
+            return  # already being deleted: the API server only answers with it
+        finalizers = list(meta.get("finalizers") or [])
+        if policy == "Foreground" and FOREGROUND_FINALIZER not in finalizers:
+            finalizers.append(FOREGROUND_FINALIZER)
+        seconds = 0
+        # An unscheduled pod, or one whose containers have all stopped, goes at once.
+        spec, status = obj.get("spec") or {}, obj.get("status") or {}
+        if key[0].plural == "pods" and spec.get("nodeName") and status.get("phase") not in ("Succeeded", "Failed"):
+            pod_grace = spec.get("terminationGracePeriodSeconds", DEFAULT_GRACE_SECONDS)
+            seconds = int(grace if grace is not None else pod_grace)
+        if not finalizers and not seconds:
+            if remove:
+                await self._remove(key)
+            return
+        when = datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=seconds)
+        marked = {
+            "deletionTimestamp": when.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "deletionGracePeriodSeconds": seconds,
+            "finalizers": finalizers,
+            "resourceVersion": str(next(self._versions)),
+        }
+        obj.patch({"metadata": marked})
+        await self._buses[key[0]].put({"type": "MODIFIED", "object": obj.raw})
+        if seconds:
+            exits = seconds if self.pod_exit_seconds is None else min(seconds, self.pod_exit_seconds)
+            self._terminating[key] = asyncio.get_running_loop().time() + exits
+        self._gc_due = True
+
+    async def _write(self, key: Any, patch: dict[str, Any]) -> None:
+        """A metadata write by a controller (e.g. a finalizer removed); an object being deleted whose last finalizer
+        goes is removed, as the API server does. Caller holds the lock."""
+        obj = self.objects._objects[key]
+        obj.patch({**patch, "metadata": {**patch.get("metadata", {}), "resourceVersion": str(next(self._versions))}})
+        meta = _meta(obj)
+        if meta.get("deletionTimestamp") and not meta.get("finalizers") and key not in self._terminating:
+            await self._remove(key)
+        else:
+            await self._buses[key[0]].put({"type": "MODIFIED", "object": obj.raw})
+
+    async def _remove(self, key: Any) -> None:
+        """Remove the object from storage (DELETED to the watches). Caller holds the lock."""
+        self._terminating.pop(key, None)
+        obj = self.objects._objects[key]
+        if obj.deleted:
+            return
+        if _meta(obj).get("finalizers"):
+            # The kubelet is done, but another finalizer still holds the pod (its controller removes it).
+            await self._buses[key[0]].put({"type": "MODIFIED", "object": obj.raw})
+            return
+        raw = obj.raw
+        obj.delete()
+        await self._buses[key[0]].put({"type": "DELETED", "object": raw})
+        self._gc_due = True
 
     def _record(self, request: kmock.Request) -> None:
         if _from_test(request):
@@ -283,6 +453,16 @@ class Emulator(kmock.KubernetesEmulator):
         return result
 
 
+def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
+    return dict(obj.get("metadata") or {})
+
+
+def _waits_for_dependents(obj: Mapping[str, Any]) -> bool:
+    """Deleted in the foreground and waiting for its dependents (the collector's isDeletingDependents)."""
+    meta = _meta(obj)
+    return bool(meta.get("deletionTimestamp")) and FOREGROUND_FINALIZER in (meta.get("finalizers") or [])
+
+
 def _from_test(request: kmock.Request) -> bool:
     return request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT)
 
@@ -338,16 +518,20 @@ class Cluster:
         path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{plural}?fieldValidation=Strict"
         return await self._call("POST", path, doc)
 
-    async def delete_pool(self, name: str, namespace: str = NAMESPACE) -> None:
-        await self._call("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.POOL_PLURAL}/{name}")
+    async def delete_pool(self, name: str, namespace: str = NAMESPACE, *, cascade: str = "Background") -> None:
+        """`kubectl delete rpool NAME --cascade=background|foreground`."""
+        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.POOL_PLURAL}/{name}"
+        await self._call("DELETE", path, _delete_options(cascade))
 
     async def patch_spec(self, name: str, spec: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call(
             "PATCH", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}", {"spec": spec}
         )
 
-    async def delete_job(self, name: str, namespace: str = NAMESPACE) -> None:
-        await self._call("DELETE", f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}")
+    async def delete_job(self, name: str, namespace: str = NAMESPACE, *, cascade: str = "Background") -> None:
+        """`kubectl delete glj NAME --cascade=background|foreground` (Argo CD deletes in the foreground)."""
+        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{c.PLURAL}/{name}"
+        await self._call("DELETE", path, _delete_options(cascade))
 
     # ---- the Job, StatefulSet and kubelet controllers ----------------------------------------------------
 
@@ -365,6 +549,43 @@ class Cluster:
 
     async def add_pod(self, pod: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call("POST", f"/api/v1/namespaces/{namespace}/pods", pod)
+
+    async def run_pod_of(
+        self, resource: str, name: str, index: int = 0, *, node: str = "gpu-node-0", namespace: str = NAMESPACE
+    ) -> str:
+        """A running pod of a Job or StatefulSet (e.g. resource='batch/v1/jobs'), as its controller creates it and
+        the scheduler binds it: the template's labels and terminationGracePeriodSeconds, an ownerReference with
+        controller and blockOwnerDeletion true (metav1.NewControllerRef, which the Job and StatefulSet controllers
+        use), spec.nodeName. Returns the pod's name."""
+        owner = self.get(resource, name, namespace)
+        assert owner is not None, f"{resource} {namespace}/{name} does not exist"
+        template = owner["spec"]["template"]
+        pod_name = f"{name}-{index}" if owner["kind"] == "StatefulSet" else f"{name}-{index}-{secrets.token_hex(3)}"
+        ref = {
+            "apiVersion": owner["apiVersion"],
+            "kind": owner["kind"],
+            "name": name,
+            "uid": owner["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        spec = {"nodeName": node, "containers": [{"name": "main", "image": "x"}]}
+        if "terminationGracePeriodSeconds" in template.get("spec", {}):
+            spec["terminationGracePeriodSeconds"] = template["spec"]["terminationGracePeriodSeconds"]
+        pod = {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod_name,
+                "namespace": namespace,
+                "labels": dict(template.get("metadata", {}).get("labels") or {}),
+                "ownerReferences": [ref],
+            },
+            "spec": spec,
+            "status": {"phase": "Running"},
+        }
+        await self.add_pod(pod, namespace)
+        return pod_name
 
     async def _call(self, method: str, path: str, body: Any = None) -> Any:
         async with self.session.request(method, self.url + path, json=body) as response:
@@ -416,6 +637,10 @@ class Cluster:
         found = [e for e in found if e["involvedObject"]["name"] == name]
         found.sort(key=lambda e: int(e["metadata"]["resourceVersion"]))
         return [(e["type"], e["reason"], e["message"]) for e in found]
+
+
+def _delete_options(cascade: str) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": cascade}
 
 
 @contextlib.asynccontextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from typing import Any
 
@@ -11,7 +12,7 @@ import pytest
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.operator.builders import build_children
-from grpolora.testing.kube_emulator import NAMESPACE, Cluster, running_cluster
+from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, Cluster, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import wait_for
 
@@ -122,3 +123,70 @@ async def test_spec_changes_are_refused_at_admission_once_the_children_exist():
             await cluster.patch_spec("demo", {"grpo": {"steps": 8}})
         await cluster.patch_spec("demo", {"suspend": True})
         assert cluster.job("demo")["spec"]["suspend"] is True and cluster.job("demo")["spec"]["grpo"]["steps"] == 7
+
+
+async def test_foreground_deletion_keeps_the_owner_until_its_blocking_dependents_and_their_pods_are_gone():
+    """kubectl delete --cascade=foreground, as the API server, the garbage collector and the kubelet play it:
+    staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go (the foregroundDeletion finalizer and the
+    deletionTimestamp), pkg/controller/garbagecollector/garbagecollector.go (attemptToDeleteItem: a dependent with
+    dependents of its own, whose owner waits, is deleted in the foreground too; processDeletingDependentsItem: the
+    finalizer goes once no blocking dependent is left), pkg/registry/core/pod/strategy.go (a bound pod is deleted
+    gracefully and stays Terminating until the kubelet removes it), and the docs page "Use Cascading Deletion"."""
+    async with running_cluster() as cluster:
+        cluster.emulator.pod_exit_seconds = None  # the containers ignore SIGTERM: Terminating for the whole grace
+        owner = await cluster.apply(job_doc())
+        job = rendered("Job")
+        job["metadata"]["ownerReferences"][0]["uid"] = owner["metadata"]["uid"]
+        await cluster._call("POST", JOBS, job)
+        bound = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+        await cluster.delete_job("demo", cascade="Foreground")
+        marked = cluster.job("demo")["metadata"]
+        assert marked["deletionTimestamp"] and marked["finalizers"] == ["foregroundDeletion"]
+        # The trainer Job has a dependent (its pod): the collector deletes it in the foreground as well.
+        await wait_for(lambda: (cluster.get("batch/v1/jobs", "demo-trainer") or {}).get("metadata", {}).get(
+            "deletionTimestamp"), "the trainer Job marked")  # fmt: skip
+        trainer_job = cluster.get("batch/v1/jobs", "demo-trainer")
+        assert trainer_job["metadata"]["finalizers"] == ["foregroundDeletion"]
+        await wait_for(lambda: (cluster.get("v1/pods", bound) or {}).get("metadata", {}).get("deletionTimestamp"),
+                       "the pod Terminating")  # fmt: skip
+        pod = cluster.get("v1/pods", bound)
+        assert pod["metadata"]["deletionGracePeriodSeconds"] == 30, "the default terminationGracePeriodSeconds"
+        # Several sweeps later, the Terminating pod still holds its Job, and the Job the GRPOLoraJob.
+        sweeps = 5
+        await asyncio.sleep(sweeps * cluster.emulator.gc_delay)
+        assert cluster.get("v1/pods", bound) is not None
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is not None and cluster.job("demo") is not None
+        await cluster.emulator.end_grace_periods()
+        assert cluster.get("v1/pods", bound) is None
+        await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "the GRPOLoraJob removed")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+
+async def test_a_pod_not_bound_to_a_node_is_removed_at_once_and_a_bound_one_after_its_containers_exit():
+    async with running_cluster() as cluster:
+        owner = await cluster.apply(job_doc())
+        job = rendered("Job")
+        job["metadata"]["ownerReferences"][0]["uid"] = owner["metadata"]["uid"]
+        await cluster._call("POST", JOBS, job)
+        bound = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+        pods = f"/api/v1/namespaces/{NAMESPACE}/pods"
+        await cluster._call("POST", pods, {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "unbound"},
+                                           "spec": {"containers": [{"name": "main", "image": "x"}]}})  # fmt: skip
+        await cluster._call("DELETE", f"{pods}/unbound")
+        assert cluster.get("v1/pods", "unbound") is None
+        await cluster._call("DELETE", f"{pods}/{bound}")
+        assert cluster.get("v1/pods", bound)["metadata"]["deletionTimestamp"]
+        await wait_for(lambda: cluster.get("v1/pods", bound) is None, "the kubelet to remove the pod")
+
+
+async def test_an_owner_in_another_namespace_counts_as_absent():
+    """The docs page "Garbage Collection": a namespaced owner must be in the dependent's namespace, else the
+    reference is treated as absent and the dependent collected."""
+    async with running_cluster() as cluster:
+        owner = await cluster.apply(job_doc())
+        job = rendered("Job")
+        job["metadata"].update(namespace="team-b")
+        job["metadata"]["ownerReferences"][0]["uid"] = owner["metadata"]["uid"]
+        await cluster._call("POST", "/apis/batch/v1/namespaces/team-b/jobs", job)
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer", "team-b") is None, "the collector")
+        assert cluster.job("demo") is not None

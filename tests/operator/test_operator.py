@@ -13,6 +13,7 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
+from grpolora.api.pool import token_fingerprint
 from grpolora.operator import names
 from grpolora.operator.builders import build_children
 from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, Cluster, running_cluster
@@ -210,8 +211,9 @@ async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates
 
     await cluster.patch_spec("demo", {"suspend": True})
     await wait_for(lambda: phase(cluster) == "Suspended", "phase Suspended")
-    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
-    assert cluster.get("apps/v1/statefulsets", "demo-inference") is None
+    # Deleted in the foreground: each stays until the collector has seen that it has no pods left.
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "the StatefulSet gone")
     assert set(cluster.objects("v1/services")) == {"demo-trainer", "demo-inference"}
     assert set(cluster.objects("networking.k8s.io/v1/networkpolicies")) == {"demo"}
     assert cluster.condition("demo", names.SUSPENDED)["status"] == "True"
@@ -225,6 +227,33 @@ async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates
     assert cluster.condition("demo", names.SUSPENDED)["status"] == "False"
     expected = [names.E_CREATED, names.E_SUSPENDED, names.E_RESUMED]
     await wait_for(lambda: reasons(cluster) == expected, "Created, Suspended and Resumed events")
+
+
+WORKLOADS = (("Job", "batch/v1/jobs", "trainer"), ("StatefulSet", "apps/v1/statefulsets", "inference"))
+
+
+def fingerprint_of(cluster: Cluster, name: str = "demo") -> str:
+    """The fingerprint of the token in the job's Secret (as the operator wrote it: stringData)."""
+    return token_fingerprint(cluster.get("v1/secrets", f"{name}-token")["stringData"]["token"])
+
+
+async def test_a_deleted_token_secret_re_keys_the_whole_job_with_an_event(cluster, operator):
+    """The token Secret comes back (drift repair) with a new token; pods keep the one they started with, so every
+    pod is replaced together, never old and new tokens side by side (trainer and replicas would refuse each other)."""
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await pods_up(cluster)
+    await wait_for(lambda: cluster.status("demo").get("tokenDigest") == fingerprint_of(cluster), "tokenDigest")
+    first = {kind: cluster.get(res, f"demo-{role}")["metadata"]["uid"] for kind, res, role in WORKLOADS}
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/demo-token")
+    await wait_for(lambda: cluster.get("v1/secrets", "demo-token"), "the token Secret re-made (next full pass)")
+    new = fingerprint_of(cluster)
+    await wait_for(lambda: cluster.status("demo").get("tokenDigest") == new, "the job re-keyed", timeout=15)
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the workloads back")
+    for kind, res, role in WORKLOADS:
+        assert cluster.get(res, f"demo-{role}")["metadata"]["uid"] != first[kind], f"{kind} not replaced"
+    (rekeyed,) = [m for t, r, m in cluster.events("demo") if r == names.E_REKEYED]
+    assert "the token Secret demo-token was re-made with a new token" in rekeyed
 
 
 async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, operator):
@@ -253,6 +282,30 @@ async def test_deleting_a_job_takes_its_children_and_stops_its_monitor(cluster, 
     await asyncio.sleep(10 * FAST_INTERVAL)
     late = [entry for entry in cluster.emulator.log[before:] if entry[2] == "demo"]
     assert late == [], "the operator kept working on a deleted job"
+
+
+async def test_a_foreground_deletion_recreates_nothing_while_the_job_waits_for_its_children(cluster, operator):
+    """`kubectl delete --cascade=foreground` (Argo CD's default): the job stays, with a deletionTimestamp, until its
+    children are gone, and the collector removes them one by one. A pass woken by the trainer Job's removal must not
+    create it again (JobSet had the same bug: kubernetes-sigs/jobset#561, fixed by not reconciling a JobSet with a
+    deletion timestamp, #562)."""
+    cluster.emulator.pod_exit_seconds = None  # the inference pod ignores SIGTERM: its StatefulSet stays a while
+    await cluster.apply(job_doc())
+    await created(cluster)
+    await wait_for(lambda: cluster.condition("demo", names.CREATED).get("status") == "True", "Created recorded")
+    await cluster.run_pod_of("apps/v1/statefulsets", "demo-inference")
+    creates = len(cluster.emulator.created)
+    await cluster.delete_job("demo", cascade="Foreground")
+    # The trainer Job (no pods) goes at once; the operator's watch sees it go, which wakes the job's pass.
+    await wait_for(lambda: operator.controller.workloads.get(("Job", NAMESPACE, "demo-trainer"), 1) is None, "seen")
+    await asyncio.sleep(10 * FAST_INTERVAL)  # several light passes and a full one (resync_interval)
+    assert cluster.job("demo")["metadata"]["deletionTimestamp"], "the job still waits for its StatefulSet's pod"
+    again = [key for key in cluster.emulator.created[creates:] if key[0] != "events"]
+    assert again == [], f"created while the job was being deleted: {again}"
+    await cluster.emulator.end_grace_periods()
+    await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "the job removed")
+    for resource in RESOURCE_OF.values():
+        assert cluster.objects(resource) == {}, resource
 
 
 # ---- restart -----------------------------------------------------------------------------------------------
@@ -344,6 +397,37 @@ async def test_a_failed_trainer_is_restarted_then_the_job_fails_with_the_reason(
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "inference released")
     await wait_for(lambda: reasons(cluster)[-1] == names.E_FAILED, "the Failed event")
     assert [k for k in cluster.emulator.created if k[0] == "jobs"].__len__() == 2
+
+
+async def test_a_restart_creates_the_new_trainer_job_only_once_the_old_one_and_its_pods_are_gone(cluster, operator):
+    """As JobSet does since kubernetes-sigs/jobset#392 (delete child Jobs in the foreground) and #684 (blocking
+    recreate): the failed trainer Job is deleted with propagationPolicy Foreground, so it stays until its pods are
+    gone, and its replacement is created only then. Old and new trainer pods never overlap: a dying rank 0 still
+    answers to the rendezvous name (publishNotReadyAddresses) and holds GPUs the new pods wait for."""
+    cluster.emulator.pod_exit_seconds = None  # NCCL workers often ignore SIGTERM: Terminating for the grace period
+    await cluster.apply(job_doc(trainer={"maxRestarts": 1}))
+    await created(cluster)
+    old_pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+    failed = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "x"}]}
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", failed)
+    await wait_for(
+        lambda: (
+            "waiting for the failed trainer Job and its pods to be gone"
+            in cluster.condition("demo", names.PROGRESSING).get("message", "")
+        ),
+        "the restart waiting for the old pods",
+    )
+    old_job = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert old_job is not None and old_job["metadata"]["finalizers"] == ["foregroundDeletion"], "not Foreground"
+    assert old_job["metadata"].get("annotations", {}).get(names.RESTART_ATTEMPT_ANNOTATION) is None, "the old Job"
+    await wait_for(lambda: cluster.get("v1/pods", old_pod)["metadata"].get("deletionTimestamp"), "pod Terminating")
+    await asyncio.sleep(5 * FAST_INTERVAL)  # a few more passes, woken by the pod's and the Job's changes
+    assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1, "replaced while the old pod exists"
+    await cluster.emulator.end_grace_periods()  # the kubelet's SIGKILL: the old pod, then the old Job, go
+    await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "the replacement")
+    replacement = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert replacement["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "1"
+    assert cluster.get("v1/pods", old_pod) is None
 
 
 def policy_failure(message: str) -> dict[str, Any]:
@@ -553,6 +637,42 @@ async def test_delete_and_re_apply_under_the_same_name_gets_children_owned_by_th
     await wait_for(lambda: phase(cluster) == "Pending", "the new job Pending")
     assert [s.get("phase") for s in history(cluster)[versions_before:] if s.get("phase") == "Succeeded"] == []
     assert cluster.get("batch/v1/jobs", "demo-trainer").get("status", {}).get("conditions") is None
+
+
+async def test_a_job_naming_a_secret_the_operator_manages_fails_before_its_pods_exist(cluster, operator):
+    """Confused deputy: the names the operator gives its Secrets are refused at validation; a Secret that carries its
+    managed-by label under another name (e.g. one made by another release of it) is refused when the pods would be
+    created, naming the field."""
+    labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: "victim"}
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "victim-creds", "labels": labels},
+              "stringData": {"MLFLOW_TRACKING_TOKEN": "theirs"}}  # fmt: skip
+    await cluster._call("POST", f"/api/v1/namespaces/{NAMESPACE}/secrets", secret)
+    mlflow = {"trackingUri": "http://mlflow.mlflow.svc:5000", "secretName": "victim-creds"}
+    await cluster.apply(job_doc(tracking={"mlflow": mlflow}))
+    await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
+    failed = cluster.condition("demo", names.FAILED)
+    assert failed["reason"] == names.R_MANAGED_SECRET
+    assert failed["message"].startswith("spec.tracking.mlflow.secretName: Secret 'victim-creds' is managed by")
+    assert [k for k in cluster.emulator.created if k[0] in ("jobs", "statefulsets")] == []
+
+
+async def test_a_job_re_applied_after_a_background_delete_waits_for_the_old_trainer_pods(cluster, operator):
+    """`kubectl delete glj` (background) then apply again: the collector removes the old trainer Job at once and its
+    pods terminate for their grace period. The new job's trainer Job is created only once they are gone, or its
+    ranks would meet the old ones (same labels, same rendezvous name) and wait for the GPUs they hold."""
+    cluster.emulator.pod_exit_seconds = None  # the old ranks ignore SIGTERM
+    await cluster.apply(job_doc())
+    await created(cluster)
+    old_pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+    await cluster.delete_job("demo")
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the old trainer Job collected")
+    await wait_for(lambda: cluster.get("v1/pods", old_pod)["metadata"].get("deletionTimestamp"), "pod Terminating")
+    await cluster.apply(job_doc())
+    await wait_for(lambda: "waiting for 1 pod of a previous trainer Job" in cluster.status("demo").get("message", ""),
+                   "the new job waiting for the old pod")  # fmt: skip
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+    await cluster.emulator.end_grace_periods()
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the new trainer Job", timeout=15)
 
 
 async def test_a_deleted_service_or_network_policy_comes_back(cluster, operator):

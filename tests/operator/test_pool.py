@@ -4,15 +4,17 @@ status, and deleting the pool under its jobs."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 from typing import Any
 
 from grpolora.api import constants as c
+from grpolora.api.pool import auth_digest, token_fingerprint
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
 from tests.helpers import job_doc
-from tests.operator.harness import wait_for
+from tests.operator.harness import FAST_INTERVAL, wait_for
 
 POOL = "shared"
 SECRET = "shared-pool-jobs"
@@ -254,3 +256,47 @@ async def test_a_pool_child_the_api_server_refuses_is_reported_in_the_pool_statu
             assert "rolloutpools/finalizers" in cluster.pool_status(POOL)["message"]
         finally:
             await operator.stop()
+
+
+async def test_a_pool_deleted_in_the_foreground_gets_no_child_back_while_it_waits(cluster, operator):
+    """As for jobs (test_operator.py): the collector removes the pool's children while its servers' pod terminates;
+    the pool's passes (a full one every resync_interval) must not create them again."""
+    cluster.emulator.pod_exit_seconds = None  # the server ignores SIGTERM: its StatefulSet stays a while
+    await cluster.apply(pool_doc())
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's StatefulSet")
+    await wait_for(lambda: cluster.pool_status(POOL).get("replicas") is not None, "the pool's first status")
+    await cluster.run_pod_of("apps/v1/statefulsets", SERVERS)
+    creates = len(cluster.emulator.created)
+    await cluster.delete_pool(POOL, cascade="Foreground")
+    await wait_for(lambda: cluster.get("v1/secrets", SECRET) is None, "the attachment Secret collected")
+    await asyncio.sleep(10 * FAST_INTERVAL)  # several passes, a full one among them (resync_interval)
+    assert cluster.get(POOL_RESOURCE, POOL) is not None, "the pool still waits for its servers' pod"
+    again = [key for key in cluster.emulator.created[creates:] if key[0] != "events"]
+    assert again == [], f"created while the pool was being deleted: {again}"
+    await cluster.emulator.end_grace_periods()
+    await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool removed")
+
+
+def auth_of(cluster: Cluster, job: str) -> str | None:
+    """The token digest the pool's attachment list holds for the job."""
+    secret = cluster.get("v1/secrets", SECRET)
+    jobs = json.loads(base64.b64decode(secret["data"]["jobs.json"]))["jobs"] if secret else []
+    return next((j["auth"] for j in jobs if j["job"] == f"{NAMESPACE}/{job}"), None)
+
+
+async def test_a_re_keyed_job_gets_its_attachment_renewed_before_its_trainer_comes_back(cluster, operator):
+    """A job's token Secret deleted and re-made with a new token: the pool must serve the job under the new token
+    (else its new trainer gets 401s for ever) before the new trainer starts."""
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
+    before = trainer(cluster, "job-a")["metadata"]["uid"]
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/job-a-token")
+    await wait_for(lambda: cluster.get("v1/secrets", "job-a-token"), "the token Secret re-made")
+    token = cluster.get("v1/secrets", "job-a-token")["stringData"]["token"]
+    await wait_for(lambda: (trainer(cluster, "job-a") or {}).get("metadata", {}).get("uid") not in (None, before),
+                   "a new trainer Job", timeout=15)  # fmt: skip
+    assert auth_of(cluster, "job-a") == auth_digest(token), "the trainer came back before the pool knew its token"
+    entry = next(j for j in cluster.pool_status(POOL)["attachedJobs"] if j["job"] == f"{NAMESPACE}/job-a")
+    assert entry["tokenDigest"] == cluster.status("job-a")["tokenDigest"] == token_fingerprint(token)
+    assert names.E_REKEYED in [reason for _, reason, _ in cluster.events("job-a")]

@@ -35,6 +35,8 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
 
             await cluster.patch_spec("demo", {"suspend": True})
             await wait_for(lambda: cluster.status("demo").get("phase") == "Suspended", "suspend")
+            # Deleted in the foreground: gone once the collector has seen it has no pods left.
+            await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
             await cluster.patch_spec("demo", {"suspend": False})
             await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "resume")
 

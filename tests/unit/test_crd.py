@@ -150,6 +150,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         ],
         replicas=ReplicaCounts(),
         pool="shared",
+        token_digest="0123456789abcdef",
         rendezvous=RendezvousStatus(
             master_addr="a",
             master_port=1,
@@ -237,7 +238,11 @@ def test_everything_the_operator_writes_to_a_pool_status_survives_pruning():
             Condition(type="Ready", status="True", reason="AllReady", last_transition_time="2026-01-01T00:00:00Z")
         ],
         replicas=RoleReplicas(desired=2, ready=1),
-        attached_jobs=[AttachedJob(job="rl/a", uid="u", adapter_versions=[ReplicaAdapter(replica=0, live_version=3)])],
+        attached_jobs=[
+            AttachedJob(
+                job="rl/a", uid="u", token_digest="0123", adapter_versions=[ReplicaAdapter(replica=0, live_version=3)]
+            )
+        ],
         waiting_jobs=["rl/b"],
         jobs="1/4",
         waiting=1,

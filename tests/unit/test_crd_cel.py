@@ -81,6 +81,14 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("name one too long", named("a" * (LONGEST + 1)), False),
     ("name with capitals", named("Demo"), False),
     ("name starting with a digit", named("1demo"), False),
+    # No Secret a job names may be one of the operator's (a job's token, a pool's attachment list).
+    ("a user's Secret", job_doc(tracking={"mlflow": {"trackingUri": "http://m", "secretName": "mlflow"}}), True),
+    ("another job's token", job_doc(tracking={"wandb": {"project": "p", "secretName": "other-token"}}), False),
+    (
+        "a pool's attachment list",
+        job_doc(output={"push": {"s3": {"url": "s3://b/x", "secretName": "shared-pool-jobs"}}}),
+        False,
+    ),
 ]
 
 

@@ -11,7 +11,8 @@ CEL constructs our rules use (cel-go's checker/cost.go with Kubernetes' size est
 - costs: identifier and field select 1, has() 1 + its operand, literals 0, && and || both sides, a ternary the
   condition plus the dearer branch, integer arithmetic and comparisons 1, `==`/`!=` ceil(0.1 x the smaller size)
   (objects compare at size 0 in the estimate), `matches` ceil(0.1 x (string size + 1)) x ceil(0.25 x regex
-  length), `size()` 1, `exists(x, p)` iterations x (4 + cost of p) + 1.
+  length), `startsWith`/`endsWith` ceil(0.1 x the affix's size), `size()` 1, `exists(x, p)` iterations x (4 +
+  cost of p) + 1.
 Cost factors rounded up, as cel-go does. A rule under a list or map counts once per possible element.
 """
 
@@ -216,6 +217,9 @@ class Estimator:
             (pattern,) = (self.run(arg) for arg in args)
             string = math.ceil((self.size_of(target) + 1) * 0.1)
             return Est(string * math.ceil(pattern.size * 0.25) + target.cost + pattern.cost, 1)
+        if name in ("startsWith", "endsWith"):  # checker/cost.go: the prefix's (suffix's) size x 0.1, plus args
+            (affix,) = (self.run(arg) for arg in args)
+            return Est(math.ceil(affix.size * 0.1) + target.cost + affix.cost, 1)
         if name == "size":
             return Est(1 + target.cost, 1)
         if name in ("exists", "all"):

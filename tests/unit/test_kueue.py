@@ -338,7 +338,8 @@ def test_the_flavors_are_read_before_the_workloads_are_created():
 
 
 def test_a_restarted_trainer_job_gets_the_flavors_too():
-    observed = Observed(trainer_job(active=1, attempt=0), statefulset(1), queue_workload=H100_L4, flavors=FLAVORS)
+    # Restart 1 committed and the failed trainer Job gone (with its pods): its replacement is created.
+    observed = Observed(None, statefulset(1), queue_workload=H100_L4, flavors=FLAVORS)
     status = JobStatus(trainer_restarts=1)
     (created,) = decide(view_of(queued_doc()), status, observed, NOW).create
     assert created["kind"] == "Job" and created["spec"]["template"]["spec"]["nodeSelector"]["pool"] == "h100"

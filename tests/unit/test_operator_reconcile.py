@@ -214,15 +214,22 @@ def test_a_failed_trainer_is_restarted_in_two_phases():
     assert condition(first, names.PROGRESSING) == ("True", names.R_TRAINER_RESTARTING)
     assert reasons(first) == [names.E_TRAINER_RESTARTING]
     assert "restart 1 of 2" in first.events[0].message and "exited with 1" in first.events[0].message
-    # Phase two (and any repeat of it) replaces the stale Job with one marked as attempt 1.
+    # Phase two (and any repeat of it) deletes the stale Job, and creates nothing while it (or its pods) is there.
     second = decide(view, first.status, Observed(failed, statefulset(1)), NOW)
-    assert second.delete == (ChildRef("Job", "demo-trainer"),)
-    (job,) = second.create
+    assert second.delete == (ChildRef("Job", "demo-trainer"),) and second.create == ()
+    assert second.status.trainer_restarts == 1 and second.events == () and second.requeue_after is not None
+    assert "waiting for the failed trainer Job and its pods to be gone" in second.status.message
+    leaving = copy.deepcopy(failed)
+    leaving["metadata"]["deletionTimestamp"] = STAMP
+    waiting = decide(view, second.status, Observed(leaving, statefulset(1)), NOW)
+    assert waiting.delete == () and waiting.create == () and waiting.requeue_after is not None
+    # Gone (with its pods, deleted in the foreground): the replacement, marked as attempt 1.
+    third = decide(view, waiting.status, Observed(None, statefulset(1)), NOW)
+    (job,) = third.create
     assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
-    assert second.status.trainer_restarts == 1 and second.events == ()
     # The replacement runs: nothing more to do.
-    third = decide(view, second.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
-    assert third.create == () and third.delete == () and third.status.phase == "Running"
+    fourth = decide(view, third.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
+    assert fourth.create == () and fourth.delete == () and fourth.status.phase == "Running"
 
 
 def test_a_trainer_that_keeps_failing_fails_the_job_with_the_reason():
@@ -443,6 +450,44 @@ def test_children_of_a_deleted_job_of_the_same_name_are_waited_for_never_created
     assert decision.requeue_after is not None and not decision.idle
     assert condition(decision, names.CREATED) == ("False", names.R_WAITING_FOR_PREVIOUS_JOB)
     assert "Job demo-trainer, Secret demo-token" in decision.status.message
+
+
+def test_a_job_being_deleted_creates_nothing_and_writes_nothing():
+    """The collector removes a foreground-deleted job's children one by one; a pass must not bring them back."""
+    doc = body(applied=json.loads(spec_json(applied_view().job.spec)))
+    doc["metadata"]["deletionTimestamp"] = STAMP
+    view = job_view(doc)
+    old = running()
+    decision = decide(view, old, Observed(None, statefulset(1)), NOW)  # the trainer Job is already collected
+    assert decision.create == () and decision.delete == () and not decision.delete_job
+    assert decision.status == old and decision.events == () and decision.idle
+
+
+def test_no_trainer_job_is_created_while_pods_of_a_previous_one_are_left():
+    waiting = decide(applied_view(), pending(), Observed(None, statefulset(1), trainer_pods_left=2), NOW)
+    assert kinds(waiting.create) == [] and waiting.requeue_after is not None
+    assert "waiting for 2 pods of a previous trainer Job to terminate" in waiting.status.message
+    gone = decide(applied_view(), waiting.status, Observed(None, statefulset(1)), NOW)
+    assert kinds(gone.create) == ["Job"]
+
+
+def test_a_re_made_token_re_keys_the_job_as_a_whole():
+    """Pods keep the token they started with: a token Secret re-made with a new token (deleted by hand) replaces every
+    pod, and creates them again only once all are gone, never old and new tokens side by side."""
+    view = applied_view()
+    first = decide(view, running(), Observed(trainer_job(active=1), statefulset(1), token="aaaa"), NOW)
+    assert first.status.token_digest == "aaaa" and first.create == () and first.delete == ()
+    rekey = decide(view, first.status, Observed(trainer_job(active=1), statefulset(1), token="bbbb"), NOW)
+    assert set(rekey.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
+    assert rekey.create == () and rekey.status.token_digest == "aaaa", "the pods still hold the old token"
+    assert condition(rekey, names.PROGRESSING) == ("True", names.R_REKEYING)
+    assert reasons(rekey) == [names.E_REKEYED] and "demo-token was re-made" in rekey.events[0].message
+    # One workload still leaving: still nothing created.
+    leaving = decide(view, rekey.status, Observed(None, statefulset(1), token="bbbb"), NOW)
+    assert leaving.create == () and leaving.events == ()
+    # All gone: both come back with the new token, which the status records.
+    renewed = decide(view, leaving.status, Observed(None, None, token="bbbb"), NOW)
+    assert kinds(renewed.create) == ["Job", "StatefulSet"] and renewed.status.token_digest == "bbbb"
 
 
 def test_a_trainer_restarted_without_checkpoints_shows_its_real_step_and_the_loss():

@@ -13,7 +13,7 @@ from tests.helpers import job_doc
 from tests.unit.test_render import K8S_VERSION, by_kind, children, env_of
 
 PUSH = {
-    "hub": {"repo": "org/adapter", "secretName": "hf-token", "branch": "runs", "private": True},
+    "hub": {"repo": "org/adapter", "secretName": "hf-hub", "branch": "runs", "private": True},
     "s3": {"url": "s3://b/p", "secretName": "s3"},
     "everySteps": 10,
 }
@@ -26,7 +26,7 @@ def test_trainer_mounts_the_hub_token_secret():
     volumes = {v["name"]: v for v in pod["volumes"]}
     mounted = {m["mountPath"]: volumes[m["name"]]["secret"]["secretName"] for m in pod["containers"][0]["volumeMounts"]
                if m["name"].startswith("secret-") and m["readOnly"]}  # fmt: skip
-    assert mounted == {"/var/run/grpolora/secrets/s3": "s3", "/var/run/grpolora/secrets/hf-token": "hf-token"}
+    assert mounted == {"/var/run/grpolora/secrets/s3": "s3", "/var/run/grpolora/secrets/hf-hub": "hf-hub"}
     assert env_of(trainer)[contract.SECRETS_DIR] == "/var/run/grpolora/secrets"
     inference = objs[("StatefulSet", "demo-inference")]["spec"]["template"]["spec"]
     assert not any(v["name"].startswith("secret-") for v in inference["volumes"])

@@ -308,3 +308,45 @@ def test_staleness_bound_and_its_pipelined_alias(grpo, k):
     assert spec.grpo.staleness == k
     # What reaches the workers (defaults written) parses to the same bound.
     assert GRPOLoraJobSpec.model_validate(spec.to_wire()).grpo.staleness == k
+
+
+REMOTE = {"url": "http://judge.rl.svc:8000/score"}
+
+
+@pytest.mark.parametrize(
+    ("spec", "path"),
+    [
+        ({"task": {"name": "arithmetic", "reward": [{**REMOTE, "headersFrom": {"secretName": "victim-token"}}]}},
+         "spec.task.reward[0].headersFrom.secretName"),
+        ({"output": {"push": {"hub": {"repo": "a/b", "secretName": "victim-token"}}}},
+         "spec.output.push.hub.secretName"),
+        ({"trainer": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "victim-token", "key": "token"}}}]}},
+         "spec.trainer.env[0].valueFrom.secretKeyRef.name"),
+        ({"inference": {"podTemplate": {"spec": {"containers": [{"name": "side", "envFrom": [
+            {"secretRef": {"name": "shared-pool-jobs"}}]}]}}}},
+         "spec.inference.podTemplate.spec.containers[0].envFrom[0].secretRef.name"),
+        ({"trainer": {"podTemplate": {"spec": {"volumes": [{"name": "t", "projected": {"sources": [
+            {"secret": {"name": "victim-token"}}]}}]}}}},
+         "spec.trainer.podTemplate.spec.volumes[0].projected.sources[0].secret.name"),
+    ],
+)  # fmt: skip
+def test_a_secret_the_operator_manages_cannot_be_named_by_a_job(spec, path):
+    """Confused deputy: with another job's `<name>-token` (or a pool's attachment list, which holds each attached
+    job's sync key) a job could act as that job on a shared pool."""
+    with pytest.raises(InvalidJob) as refused:
+        parse_job(job_doc(**spec))
+    (problem,) = [str(p) for p in refused.value.problems]
+    assert problem.startswith(f"{path}: Secret ") and "a name the operator gives its own Secrets" in problem
+
+
+def test_the_secrets_a_job_names_are_listed_with_their_fields():
+    doc = job_doc(
+        task={"name": "arithmetic", "reward": [{**REMOTE, "headersFrom": {"secretName": "judge"}}]},
+        trainer={"env": [{"name": "K", "valueFrom": {"secretKeyRef": {"name": "keys", "key": "k"}}}]},
+        tracking={"wandb": {"project": "p", "secretName": "wandb"}},
+    )
+    assert parse_job(doc).spec.secret_references() == [
+        ("task.reward[0].headersFrom.secretName", "judge"),
+        ("tracking.wandb.secretName", "wandb"),
+        ("trainer.env[0].valueFrom.secretKeyRef.name", "keys"),
+    ]

@@ -51,7 +51,7 @@ def job(reward_url: str, mlflow_uri: str, hub_url: str) -> dict:
             # The adapter of step 2 is pushed in the background while step 3 trains; the final one at the end.
             "output": {
                 "push": {
-                    "hub": {"repo": "org/data-run", "endpoint": hub_url, "secretName": "hf-token"},
+                    "hub": {"repo": "org/data-run", "endpoint": hub_url, "secretName": "hf-hub"},
                     "everySteps": 2,
                 }
             },
@@ -71,8 +71,8 @@ def data_run(tmp_path_factory):
             rows["solution"].append(0)
         (tmp / "data").mkdir(exist_ok=True)
         pq.write_table(pa.table(rows), tmp / "data" / f"{split}-00000-of-00001.parquet")
-    (tmp / "secrets" / "hf-token").mkdir(parents=True)
-    (tmp / "secrets" / "hf-token" / "HF_TOKEN").write_text(TOKEN)
+    (tmp / "secrets" / "hf-hub").mkdir(parents=True)
+    (tmp / "secrets" / "hf-hub" / "HF_TOKEN").write_text(TOKEN)
     reward, hub = RewardServer().start(), HubServer().start()
     try:
         # The trainer reads the Secret from GRPOLORA_SECRETS_DIR; the emulator speaks LFS, not Xet.

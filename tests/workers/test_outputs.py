@@ -40,10 +40,10 @@ def hub():
 
 @pytest.fixture
 def secrets_dir(tmp_path, monkeypatch):
-    """Mounted Secrets as the trainer sees them: s3-creds and hf-token (and a Secret holding a wrong token)."""
+    """Mounted Secrets as the trainer sees them: s3-creds and hf-hub (and a Secret holding a wrong token)."""
     keys = {
         "s3-creds": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"},
-        "hf-token": {"HF_TOKEN": TOKEN},
+        "hf-hub": {"HF_TOKEN": TOKEN},
         "hf-wrong": {"HF_TOKEN": "hf_not_the_token"},
         "hf-misnamed": {"token": TOKEN},
         "hf-with-endpoint": {"HF_TOKEN": TOKEN},  # + HF_ENDPOINT, set by the test that needs it
@@ -58,7 +58,7 @@ def secrets_dir(tmp_path, monkeypatch):
     return tmp_path / "secrets"
 
 
-def hub_job(hub: HubServer, repo: str, secret: str = "hf-token", every_steps: int | None = None, **fields) -> object:
+def hub_job(hub: HubServer, repo: str, secret: str = "hf-hub", every_steps: int | None = None, **fields) -> object:
     """A job pushing to `repo` on the emulator; `fields` go into spec.output.push.hub."""
     push = {"hub": {"repo": repo, "endpoint": hub.url, "secretName": secret, **fields}}
     if every_steps:

@@ -9,15 +9,15 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 */}}
 
 {{- define "grpo-lora-operator.rules.namespaced" -}}
-# Kopf watches the jobs and keeps its handler state in annotations; the operator records the applied spec (patch) and deletes finished jobs after ttlSecondsAfterFinished (delete)
+# Kopf watches the jobs and keeps its handler state in annotations; the operator records the applied spec (patch), deletes finished jobs after ttlSecondsAfterFinished (delete) and reads a job before creating a child for it again, to create nothing for a job being deleted (get)
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs"]
-  verbs: ["list", "watch", "patch", "delete"]
+  verbs: ["get", "list", "watch", "patch", "delete"]
 # the job status: phase, progress, conditions
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/status"]
   verbs: ["patch"]
-# Kopf watches the RolloutPools and keeps its handler state in annotations (patch); a job's pass reads its pool on resyncs (get)
+# Kopf watches the RolloutPools and keeps its handler state in annotations (patch); a job's pass reads its pool on resyncs, and a pool's pass the pool before creating a child again (get)
 - apiGroups: ["grpolora.dev"]
   resources: ["rolloutpools"]
   verbs: ["get", "list", "watch", "patch"]
@@ -29,7 +29,7 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/finalizers", "rolloutpools/finalizers"]
   verbs: ["update"]
-# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted. A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and rewrites its attachment-list Secret as jobs attach and detach (patch)
+# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted. A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and rewrites its attachment-list Secret as jobs attach and detach (patch). The Secrets a job names are read before its pods are created, to refuse the operator's own (its managed-by label)
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
