@@ -10,7 +10,8 @@ deletion as the API server, the garbage collector and the kubelet do it (see `Em
 `Emulator._begin_deletion`): propagation policies Background and Foreground, finalizers, Terminating pods; the
 optimistic-concurrency precondition of a patch that carries `metadata.resourceVersion` (409 Conflict when the
 object changed since, as a real server answers); mutating admission webhooks that a test installs
-(`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
+(`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a record of every (verb, group,
+resource) a client other than the test itself sent, for the RBAC check.
 """
 
 from __future__ import annotations
