@@ -24,7 +24,7 @@ def served(tmp_path):
     engine = FakeVllmEngine(tmp_path)
 
     def receiver_factory(sink) -> AdapterReceiver:
-        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.header_key(TOKEN))
+        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.round_key(TOKEN))
 
     app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
     with TestClient(app) as client:

@@ -334,7 +334,7 @@ def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers,
         assert httpx.get(f"{server.url}/v1/adapter").json()["live_version"] == live
         assert greedy(server.url, [1, 2, 3], None)["version"] == live
         state = httpx.get(f"{server.url}/v1/sync/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
-        assert "checksum mismatch" in state["last_error"]
+        assert "payload MAC does not verify" in state["last_error"]
         refused = 'grpolora_inference_sync_failures_total{job="team-a/demo",reason="refused"} 1.0'
         assert refused in httpx.get(f"{server.url}/metrics").text
 

@@ -538,7 +538,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
         def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
             return create_app(
                 own,
-                lambda book: receiver(book, wire.header_key(env.token), job),
+                lambda book: receiver(book, wire.round_key(env.token), job),
                 token=env.token,
                 version_wait_seconds=env.sync_timeout_seconds,
                 job=job,
