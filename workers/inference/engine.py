@@ -415,7 +415,9 @@ class AdapterBook:
             await self._unload_if_idle(version)
 
     async def _unload_if_idle(self, version: int) -> None:
-        if version == 0 or version == self._live_version or self._leases.get(version):
+        # Unloads overlap: an activation and lease exits each walk their own list of versions to unload, across
+        # awaits of vLLM. The first to take a version out of `_loaded` unloads it; a later one finds it gone.
+        if version == 0 or version == self._live_version or self._leases.get(version) or version not in self._loaded:
             return
         lora_id = self._loaded.pop(version)
         await self._engine.remove_lora(lora_id)
