@@ -63,11 +63,12 @@ def tiny_cpu_pool(name: str = "shared", namespace: str = "team-a", **overrides) 
     return plan_pool(RolloutPool.model_validate(doc | {"spec": spec}), LoopbackNetwork())
 
 
-def pool_attachment(job: str, token: str, kept_versions: int = 2) -> Attachment:
+def pool_attachment(job: str, token: str, kept_versions: int = 2, uid: str = "") -> Attachment:
     """The attachment list entry of a job ("<namespace>/<name>") with this token, as the operator writes it."""
     namespace, name = job.split("/")
     return Attachment(
         job=job_key(namespace, name),
+        uid=uid,
         auth=auth_digest(token),
         sync_key=sync_key(token).hex(),
         kept_versions=kept_versions,

@@ -219,9 +219,18 @@ def pool_tenants(
     incarnations = itertools.count()
 
     def make_tenant(entry: Attachment) -> Tenant:
-        # A folder per attachment (not per job name): a job detached and attached again never shares one.
-        folder = adapter_root / f"{next(incarnations)}-{entry.job.replace('/', '_')}"
-        book = AdapterBook(engine, adapter_root=folder, kept_versions=entry.kept_versions, job=entry.job)
+        # Every attachment is an instance of its own on the engine (not one per job name): a job re-created under
+        # its name (another uid), or detached and attached again, never shares a folder or a LoRA name with the
+        # earlier one (AdapterBook._lora_request says why the names matter).
+        incarnation = next(incarnations)
+        folder = adapter_root / f"{incarnation}-{entry.job.replace('/', '_')}"
+        book = AdapterBook(
+            engine,
+            adapter_root=folder,
+            kept_versions=entry.kept_versions,
+            job=entry.job,
+            instance=f"{entry.uid or 'no-uid'}.{incarnation}",
+        )
         return Tenant(
             job=entry.job,
             auth=entry.auth,
