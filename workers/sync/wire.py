@@ -220,15 +220,12 @@ def pack(
         view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes]
         # Copy as the tensor's own dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
         view.view(source.dtype).copy_(source)
-    mac = PayloadMac(key)
-    for bucket in buckets:
-        mac.update(bucket)
     header = RoundHeader(
         version=version,
         epoch=epoch,
         tensors=tuple(entries),
         bucket_sizes=tuple(sizes),
-        payload_mac=mac.hexdigest(),
+        payload_mac=payload_mac(buckets, key),
         adapter_config=dict(adapter_config or {}),
     )
     return header, buckets
@@ -252,12 +249,17 @@ def verify(header: RoundHeader, buckets: Sequence[torch.Tensor], key: bytes, *, 
     if sizes != header.bucket_sizes:
         raise WireError(f"bucket sizes {sizes} differ from the announced {header.bucket_sizes} (short transfer)")
     if computed is None:
-        mac = PayloadMac(key)
-        for bucket in buckets:
-            mac.update(bucket)
-        computed = mac.hexdigest()
+        computed = payload_mac(buckets, key)
     if not hmac.compare_digest(computed, header.payload_mac):
         raise WireError("payload MAC does not verify: the buckets are not the bytes the header's sender MAC'd")
+
+
+def payload_mac(buckets: Sequence[torch.Tensor], key: bytes) -> str:
+    """The MAC of a whole payload, in one pass."""
+    mac = PayloadMac(key)
+    for bucket in buckets:
+        mac.update(bucket)
+    return mac.hexdigest()
 
 
 class PayloadMac:
