@@ -444,6 +444,9 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
     body = {"prompt_token_ids": [tokens(model_dir)], "max_tokens": 100, "temperature": 1.0, "seed": 3}
     with concurrent.futures.ThreadPoolExecutor(1) as threads:
         running = threads.submit(generate, url, body, 120.0, TOKENS[JOB_B])  # in flight as B is detached
+        # Detached only once the request is in (else it is refused 401): in flight, or already answered.
+        in_flight = f'grpolora_inference_sequences_in_flight{{job="{JOB_B}"}} 1.0'
+        wait_for(lambda: running.done() or in_flight in httpx.get(f"{url}/metrics").text, "B's request in")
         write_attachments(jobs_file, Attachments(pool="shared", jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])]))
         wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
         assert running.result().status_code == 200
