@@ -440,10 +440,10 @@ class AdapterBook:
         async with self._version_changed:
             self._version_changed.notify_all()
             await self._version_changed.wait_for(lambda: not self._leases)
-        for version, lora_id in sorted(self._loaded.items()):
-            await self._engine.remove_lora(lora_id)
+        while self._loaded:  # taken out before each await, as _unload_if_idle does: an unload may be under way
+            version = min(self._loaded)
+            await self._engine.remove_lora(self._loaded.pop(version))
             log.info("%s: adapter version %d unloaded (job detached)", self.job, version)
-        self._loaded.clear()
         shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     @contextlib.asynccontextmanager
