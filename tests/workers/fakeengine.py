@@ -90,7 +90,7 @@ class FakeServer(AppThread):
         super().__init__(
             create_app(
                 self.engine,
-                lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", key=wire.header_key(TOKEN)),
+                lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", key=wire.round_key(TOKEN)),
                 token=TOKEN,
                 version_wait_seconds=version_wait_seconds,
             )

@@ -87,12 +87,12 @@ def test_tiny_run_writes_every_figure(tmp_path):
     assert sync["adapter_bytes_if_bf16"] == 2 * lora["parameters"]
     # The wire adds at most 63 alignment bytes per tensor (none here: every tensor is a multiple of 64 bytes).
     assert 0 <= sync["round_bytes"] - sync["adapter_parameter_bytes"] < 64 * lora["tensors"]
-    assert sync["checksum"] == "crc32" and sync["buckets"] >= 1
+    assert sync["payload_mac"] == "hmac-sha256" and sync["buckets"] >= 1
     assert len(sync["rounds"]) == 2
     for round_ in sync["rounds"]:
-        parts = round_["gather_seconds"] + round_["copy_seconds"] + round_["pack_and_checksum_seconds"]
+        parts = round_["gather_seconds"] + round_["copy_seconds"] + round_["pack_and_mac_seconds"]
         assert round_["total_seconds"] == pytest.approx(parts)
-        assert round_["checksum_seconds"] > 0
+        assert round_["mac_seconds"] > 0
 
     assert result["full_weights_parameters"] == model_parameters(config)
     assert result["full_weights_bytes"] == 2 * model_parameters(config)

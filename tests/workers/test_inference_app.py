@@ -5,18 +5,20 @@ guard in the fast run."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
 from grpolora.workers.inference.metrics import TokenRate
-from grpolora.workers.inference.server import create_app
+from grpolora.workers.inference.server import MAX_BODY_BYTES, create_app
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
-from tests.workers.fakeengine import TOKEN, FakeVllmEngine
+from tests.workers.fakeengine import TOKEN, FakeVllmEngine, fake_servers
 
 
 @pytest.fixture
@@ -24,7 +26,7 @@ def served(tmp_path):
     engine = FakeVllmEngine(tmp_path)
 
     def receiver_factory(sink) -> AdapterReceiver:
-        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.header_key(TOKEN))
+        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.round_key(TOKEN))
 
     app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
     with TestClient(app) as client:
@@ -105,3 +107,38 @@ def test_token_rate_counts_the_window_only():
     assert rate.per_second() == 2.0  # the first 30 left the window
     now[0] = 200.0
     assert rate.per_second() == 0
+
+
+@pytest.fixture(scope="module")
+def uvicorn_server(tmp_path_factory):
+    """The app served by uvicorn on loopback: what a real client meets (TestClient has no socket to close)."""
+    with fake_servers(tmp_path_factory.mktemp("uvicorn"), 1) as (server,):
+        yield server
+
+
+BIG = 50 << 20  # a body over MAX_BODY_BYTES (32 MiB)
+OVERSIZED = [
+    ({"Authorization": f"Bearer {TOKEN}"}, False, 413, f"request body over {MAX_BODY_BYTES} bytes"),
+    ({"Authorization": f"Bearer {TOKEN}"}, True, 413, f"request body over {MAX_BODY_BYTES} bytes"),  # counted
+    ({}, False, 401, "GRPOLORA_TOKEN"),  # refused before the body is read, like the 413
+]
+
+
+@pytest.mark.parametrize(("headers", "chunked", "status", "words"), OVERSIZED, ids=["413", "413-chunked", "401"])
+def test_a_refused_large_body_gets_its_answer_not_a_reset(uvicorn_server, headers, chunked, status, words):
+    """The server answers before reading a body it refuses. A client that writes its whole body before it reads
+    (httpx's AsyncClient, as the rollout client uses it; http.client) must then read that answer, not a reset
+    from a connection closed under it (ReadError / BrokenPipeError before the server lingered)."""
+    piece = b" " * (1 << 20)
+
+    async def chunks():
+        for _ in range(BIG // len(piece)):
+            yield piece
+
+    async def post() -> httpx.Response:
+        content = chunks() if chunked else b"[" + b" " * BIG + b"]"
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await client.post(f"{uvicorn_server.url}/v1/generate", content=content, headers=headers)
+
+    response = asyncio.run(post())
+    assert response.status_code == status and words in response.json()["detail"], response.text

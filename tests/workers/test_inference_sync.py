@@ -262,7 +262,7 @@ def test_replicas_score_the_reference_the_trainer_would_compute(job, servers, se
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             busy = pool.submit(generate, servers[0].url, long)
             # The scoring must share batches with it: wait for the server's word that it is generating.
-            wait_in_flight(servers[0].url, job_key(job.job.namespace, job.job.name), sequences=4)
+            wait_in_flight(servers[0].url, job_key(job.job.namespace, job.job.name), sequences=4, unless=busy.done)
             groups = client.generate(prompts, sampling, version=report.version, replicas=[0], seeds=[21, 22])
             assert busy.result().status_code == 200
     finally:
@@ -346,7 +346,7 @@ def test_a_corrupted_round_is_refused_and_the_old_version_keeps_serving(servers,
         assert httpx.get(f"{server.url}/v1/adapter").json()["live_version"] == live
         assert greedy(server.url, [1, 2, 3], None)["version"] == live
         state = httpx.get(f"{server.url}/v1/sync/state", headers={"Authorization": f"Bearer {TOKEN}"}).json()
-        assert "checksum mismatch" in state["last_error"]
+        assert "payload MAC does not verify" in state["last_error"]
         refused = 'grpolora_inference_sync_failures_total{job="team-a/demo",reason="refused"} 1.0'
         assert refused in httpx.get(f"{server.url}/metrics").text
 

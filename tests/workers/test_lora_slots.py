@@ -121,3 +121,95 @@ def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its
         raise AssertionError("a version out of the window was served")
 
     assert asyncio.run(scenario()) == [3, 4, 5]
+
+
+def test_versions_leaving_at_once_are_each_unloaded_once_and_nothing_raises(tmp_path):
+    """Two unloads overlap while vLLM's remove_lora is still running for the first: an activation's (versions 1 and
+    2 out of the window) and a request's lease exit (which finds 2 still loaded). Each version must be removed once,
+    and neither caller may raise: a KeyError there was a 500 at a lease exit, or ACTIVATION_FAILED for a version
+    that went live."""
+    import asyncio
+
+    from grpolora.workers.inference.engine import AdapterEngine
+
+    class SlowRemover:
+        """vLLM's remove_lora, held inside until the gate opens; each call announced as it enters."""
+
+        def __init__(self) -> None:
+            self.entered: asyncio.Queue[int] = asyncio.Queue()
+            self.gate = asyncio.Event()
+            self.removed: list[int] = []
+
+        async def remove_lora(self, lora_id: int) -> None:
+            await self.entered.put(lora_id)
+            await self.gate.wait()
+            self.removed.append(lora_id)
+
+    async def scenario() -> None:
+        config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
+        engine = AdapterEngine(config, adapter_root=tmp_path)
+        engine._engine = vllm = SlowRemover()
+        engine._version_changed = asyncio.Condition()
+        engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3  # id = version; 1 and 2 out of the window
+        leased, done = asyncio.Event(), asyncio.Event()
+
+        async def request() -> None:  # a request on the live version, ending while the activation unloads
+            async with engine.lease(3, wait_seconds=1):
+                leased.set()
+                await done.wait()
+
+        running = asyncio.create_task(request())
+        await leased.wait()
+        activation = asyncio.create_task(engine._unload_unneeded())  # how _activate ends
+        assert await vllm.entered.get() == 1  # the activation is inside remove_lora(1), version 2 next on its list
+        done.set()
+        assert await vllm.entered.get() == 2  # the lease exit found 2 loaded and is removing it
+        vllm.gate.set()
+        await asyncio.wait_for(asyncio.gather(activation, running), 10)
+        assert sorted(vllm.removed) == [1, 2] and engine.loaded_versions() == [3]
+
+    asyncio.run(scenario())
+
+
+def test_a_detach_during_an_unload_removes_each_version_once(tmp_path):
+    """A job detached (close) while a lease exit is still unloading versions the window left: close must not
+    remove a version the other is about to remove, nor the other one close has removed (vLLM would be asked twice)."""
+    import asyncio
+
+    from grpolora.workers.inference.engine import AdapterEngine
+
+    class SlowRemover:
+        def __init__(self) -> None:
+            self.entered: asyncio.Queue[int] = asyncio.Queue()
+            self.gate = asyncio.Event()
+            self.removed: list[int] = []
+
+        async def remove_lora(self, lora_id: int) -> None:
+            await self.entered.put(lora_id)
+            await self.gate.wait()
+            self.removed.append(lora_id)
+
+    async def scenario() -> None:
+        config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
+        engine = AdapterEngine(config, adapter_root=tmp_path)
+        engine._engine = vllm = SlowRemover()
+        engine._version_changed = asyncio.Condition()
+        engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3
+        leased, done = asyncio.Event(), asyncio.Event()
+
+        async def request() -> None:
+            async with engine.lease(3, wait_seconds=1):
+                leased.set()
+                await done.wait()
+
+        running = asyncio.create_task(request())
+        await leased.wait()
+        done.set()
+        assert await vllm.entered.get() == 1  # the lease exit is removing 1, with 2 next on its list
+        detaching = asyncio.create_task(engine.close())
+        assert await vllm.entered.get() == 2  # the detach removes what is left: 2 first
+        vllm.gate.set()
+        await asyncio.wait_for(asyncio.gather(running, detaching), 10)
+        assert sorted(vllm.removed) == [1, 2, 3] and engine.lora_ids() == []
+
+    asyncio.run(scenario())

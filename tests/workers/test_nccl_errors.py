@@ -7,6 +7,8 @@ check the contract around it: the environment PyTorch reads when it builds the g
 from __future__ import annotations
 
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -115,3 +117,57 @@ def test_the_environment_is_put_back_as_it_was(fake_nccl, monkeypatch):
     monkeypatch.setenv("TORCH_NCCL_BLOCKING_WAIT", "0")
     make().close()
     assert os.environ["TORCH_NCCL_BLOCKING_WAIT"] == "0" and "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in os.environ
+
+
+def test_groups_formed_at_once_on_two_threads_each_get_the_settings_and_leave_none_behind(fake_nccl, monkeypatch):
+    """A pool server's receivers form their jobs' groups each on its own thread, and ProcessGroupNCCL reads the
+    error settings from the process environment in its constructor (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:
+    `blockingWait_ = getCvarBool(TORCH_NCCL_BLOCKING_WAIT, false)`, `asyncErrorHandling_ = ...`). Two formations
+    overlapping there must not undo each other: the second built with PyTorch's defaults would end the server on
+    its first failed collective, and values restored out of order would stay set for every later group."""
+    first_inside, second_trying, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    class ObservedLock:
+        """A lock that tells when a thread has to wait for it (how the second formation shows it is held back)."""
+
+        def __init__(self) -> None:
+            self._lock = threading.Lock()
+
+        def __enter__(self) -> None:
+            if not self._lock.acquire(blocking=False):
+                second_trying.set()
+                self._lock.acquire()
+
+        def __exit__(self, *_) -> None:
+            self._lock.release()
+
+    class OverlappingGroup(FakeGroup):
+        """The first group stays in its constructor until the second formation has begun; the second reads the
+        environment only once the first formation is over."""
+
+        def __init__(self, *args) -> None:
+            if not first_inside.is_set():
+                first_inside.set()
+                assert second_trying.wait(20), "the second formation never began"
+            else:
+                second_trying.set()
+                assert first_done.wait(20), "the first formation never ended"
+            super().__init__(*args)  # records the environment as the real constructor reads it
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", OverlappingGroup, raising=False)
+    monkeypatch.setattr(nccl, "_ENVIRONMENT_LOCK", ObservedLock(), raising=False)
+
+    def first() -> nccl.NcclTransport:
+        transport = make()
+        first_done.set()
+        return transport
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        formed = [pool.submit(first)]
+        assert first_inside.wait(20)
+        formed.append(pool.submit(make))
+        transports = [future.result(timeout=60) for future in formed]
+    assert [group.environment for group in fake_nccl.built] == [dict(nccl.ERROR_ENVIRONMENT)] * 2
+    assert all(name not in os.environ for name in nccl.ERROR_ENVIRONMENT)
+    for transport in transports:
+        transport.close()

@@ -15,6 +15,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -233,6 +234,37 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
 
 
+def test_lora_names_are_unique_per_job_instance_and_version(tmp_path):
+    """vLLM 0.32 keys its prefix cache's blocks on the LoRA's name and path (vllm/v1/core/kv_cache_utils.py,
+    `_gen_lora_extra_hash_keys`: ("lora", lora_name, lora_path)), its multimodal cache on the name alone
+    (vllm/v1/engine/input_processor.py, `_get_mm_identifier`), and tells LoRARequests apart by name alone
+    (vllm/lora/request.py, `__eq__`/`__hash__`). A job deleted and re-created under its name starts again at
+    version 1 with other weights, and a job attached again may send a version number again (its trainer restored
+    from a checkpoint): none may ever carry a name that another attachment's version had, or its prompts could hit
+    KV blocks computed under another adapter. The name alone must tell them apart: the folder in the path is no
+    part of an adapter activated from memory."""
+    from vllm.v1.core.kv_cache_utils import _gen_lora_extra_hash_keys
+
+    engine = GatedEngine()
+    _, attachments = pool_app(engine, tmp_path, grace=0, jobs=())
+    tenants = [
+        attachments._make_tenant(pool_attachment(JOB_A, "token-of-a", uid="uid-first")),
+        attachments._make_tenant(pool_attachment(JOB_A, "token-of-a-again", uid="uid-second")),  # re-created
+        attachments._make_tenant(pool_attachment(JOB_A, "token-of-a-again", uid="uid-second")),  # attached again
+    ]
+    try:
+        requests = [t.book._lora_request(v, engine.new_lora_id()) for t in tenants for v in (1, 2)]
+    finally:
+        for tenant in tenants:
+            tenant.receiver.close()
+    names = [r.lora_name for r in requests]
+    assert len(set(names)) == len(names), names
+    assert all(name.startswith(f"{JOB_A}@") for name in names)  # still readable in vLLM's logs and LoRA stats
+    assert "uid-first" in names[0] and "uid-second" in names[2]  # which instance of the job
+    cache_keys = {_gen_lora_extra_hash_keys(SimpleNamespace(lora_request=r))[0] for r in requests}
+    assert len(cache_keys) == len(requests)
+
+
 def test_pool_env_is_read_from_plan_pools_contract_and_names_a_missing_variable(tmp_path):
     pool = tiny_cpu_pool(maxJobs=3)
     environ = pool.env_for(0, jobs_file=str(tmp_path / "jobs.json"))
@@ -420,7 +452,8 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
 
     with concurrent.futures.ThreadPoolExecutor(1) as threads:
         running = threads.submit(late_generate)  # in flight as B is detached
-        wait_in_flight(url, JOB_B)
+        # Detached only once the request is in (else it is refused 401): in flight, or already answered.
+        wait_in_flight(url, JOB_B, unless=running.done)
         write_attachments(jobs_file, Attachments(pool="shared", jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])]))
         wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
         assert running.result().status_code == 200

@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import time
+import zlib
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from tests.workers.syncfakes import LocalMember, RecordingSink, free_port
 
 TIMEOUT = 3.0
 TOKEN = "job-token"
-KEY = wire.header_key(TOKEN)
+KEY = wire.round_key(TOKEN)
 
 
 def eventually(condition, seconds: float = 10.0) -> None:
@@ -101,39 +102,130 @@ def test_wire_round_trip_with_mixed_dtypes_and_many_buckets():
         "c": torch.randn(7, 7).to(torch.float16),
         "d": torch.randn(1000),
     }
-    header, buckets = wire.pack(tensors, version=4, epoch=2, bucket_bytes=512)
+    header, buckets = wire.pack(tensors, key=KEY, version=4, epoch=2, bucket_bytes=512)
     # a, b, c share the first 512-byte bucket (64 + 256 + 128 bytes, aligned); d is larger than a bucket: its own.
     assert header.bucket_sizes == (448, 4032)  # 4000 bytes padded to the 64-byte alignment
     assert {t.name: t.bucket for t in header.tensors} == {"a": 0, "b": 0, "c": 0, "d": 1}
     decoded = wire.RoundHeader.decode(header.encode(KEY), KEY)
     assert decoded == header
-    wire.verify(decoded, buckets)
+    wire.verify(decoded, buckets, KEY)
     for name, tensor in wire.unpack(decoded, buckets).items():
         assert torch.equal(tensor, tensors[name]) and tensor.dtype == tensors[name].dtype
 
 
-def test_checksum_detects_flips_swaps_and_truncation():
-    header, buckets = wire.pack({"x": torch.arange(64, dtype=torch.float32)}, version=1, epoch=0, bucket_bytes=1 << 20)
+def test_payload_mac_detects_flips_swaps_and_truncation():
+    header, buckets = wire.pack(
+        {"x": torch.arange(64, dtype=torch.float32)}, key=KEY, version=1, epoch=0, bucket_bytes=1 << 20
+    )
     flipped = [b.clone() for b in buckets]
     flipped[0][5] ^= 1
-    with pytest.raises(wire.WireError, match="checksum mismatch"):
-        wire.verify(header, flipped)
+    with pytest.raises(wire.WireError, match="payload MAC does not verify"):
+        wire.verify(header, flipped, KEY)
     swapped = [b.clone() for b in buckets]
     swapped[0][0:4], swapped[0][4:8] = buckets[0][4:8].clone(), buckets[0][0:4].clone()
-    with pytest.raises(wire.WireError, match="checksum mismatch"):
-        wire.verify(header, swapped)
+    with pytest.raises(wire.WireError, match="payload MAC does not verify"):
+        wire.verify(header, swapped, KEY)
     with pytest.raises(wire.WireError, match="short transfer"):
-        wire.verify(header, [buckets[0][:-64]])
+        wire.verify(header, [buckets[0][:-64]], KEY)
+    with pytest.raises(wire.WireError, match="payload MAC does not verify"):  # the same bytes under another key
+        wire.verify(header, buckets, wire.round_key("guessed-token"))
 
 
-@pytest.mark.parametrize("algorithm", wire.CHECKSUMS)
-def test_both_checksum_algorithms_catch_a_single_bit(algorithm):
-    _, buckets = wire.pack({"x": torch.randn(1000)}, version=1, epoch=0, bucket_bytes=1 << 20)
-    clean = wire.checksum(buckets, algorithm)
-    assert wire.checksum([b.clone() for b in buckets], algorithm) == clean
-    flipped = [b.clone() for b in buckets]
-    flipped[0][1234] ^= 0x10
-    assert wire.checksum(flipped, algorithm) != clean
+def test_the_payload_mac_fed_in_pieces_equals_one_pass():
+    """The receiver feeds the MAC each piece as it lands; bucket boundaries and piece sizes must not matter."""
+    header, buckets = wire.pack(
+        {"x": torch.randn(1000), "y": torch.randn(300)}, key=KEY, version=1, epoch=0, bucket_bytes=1024
+    )
+    assert len(buckets) == 2
+    mac = wire.PayloadMac(KEY)
+    for bucket in buckets:
+        for piece in bucket.split(100):
+            mac.update(piece)
+    assert mac.hexdigest() == header.payload_mac
+    wire.verify(header, buckets, KEY, computed=mac.hexdigest())
+
+
+def _crc_fixup(message: bytes, forged: bytes, at: int) -> bytes:
+    """`forged` with the four bytes at `at` replaced so that its CRC-32 equals `message`'s.
+
+    CRC-32 is affine over GF(2): for messages of one length, crc(x ^ y ^ z) == crc(x) ^ crc(y) ^ crc(z). So with P
+    nonzero only in those four bytes, crc(forged ^ P) == crc(forged) ^ crc(P) ^ crc(zeros), and P solves a 32 x 32
+    linear system (Gaussian elimination over 32-bit words): no key, no search, a microsecond of arithmetic."""
+    zeros = bytes(len(message))
+    target = zlib.crc32(message) ^ zlib.crc32(forged)
+    rows = []  # (crc contribution, the patch bits that make it), reduced to one row per leading bit
+    for bit in range(32):
+        patch = bytearray(len(message))
+        patch[at + bit // 8] = 1 << (bit % 8)
+        rows.append((zlib.crc32(bytes(patch)) ^ zlib.crc32(zeros), 1 << bit))
+    solution = 0
+    for pivot in range(31, -1, -1):
+        index = next(i for i, (value, _) in enumerate(rows) if value >> pivot & 1)
+        value, bits = rows.pop(index)
+        rows = [(v ^ value, b ^ bits) if v >> pivot & 1 else (v, b) for v, b in rows]
+        if target >> pivot & 1:
+            target, solution = target ^ value, solution ^ bits
+    assert target == 0
+    out = bytearray(forged)
+    for offset in range(4):
+        out[at + offset] ^= solution >> (8 * offset) & 0xFF
+    return bytes(out)
+
+
+def forge_lora_b(header: wire.RoundHeader, buckets: list[torch.Tensor]) -> torch.Tensor:
+    """What someone who can rewrite the bucket bytes in flight (but holds no token) does: replace a lora_B tensor
+    by values of their choosing and fix up four bytes of the padding after it, so that the payload's CRC-32 (the
+    header's checksum up to wire version 2, which such a forgery passed) still holds. Rewrites `buckets` in place;
+    returns the values planted."""
+    entry = next(t for t in header.tensors if "lora_B" in t.name and -t.nbytes % wire.ALIGN >= 4)
+    concatenated = torch.cat(buckets)
+    original = bytes(concatenated.numpy())
+    planted = torch.full((entry.nbytes // 4,), 1e3)  # the attacker's B
+    start = sum(header.bucket_sizes[: entry.bucket]) + entry.offset
+    concatenated[start : start + entry.nbytes] = planted.view(torch.uint8)
+    fixed = _crc_fixup(original, bytes(concatenated.numpy()), start + entry.nbytes)
+    assert zlib.crc32(fixed) == zlib.crc32(original) and fixed != original
+    pieces = torch.frombuffer(bytearray(fixed), dtype=torch.uint8).split(header.bucket_sizes)
+    for bucket, piece in zip(buckets, pieces, strict=True):
+        bucket.copy_(piece)
+    return planted.view(entry.shape)
+
+
+def padded_adapter() -> dict[str, torch.Tensor]:
+    """An adapter whose lora_B (5 x 3 float32: 60 bytes) leaves padding before the next 64-byte boundary."""
+    g = torch.Generator().manual_seed(0)
+    return {
+        "layer.lora_A.weight": torch.randn(3, 16, generator=g),
+        "layer.lora_B.weight": torch.randn(5, 3, generator=g),
+    }
+
+
+def test_a_linear_fix_up_of_the_payload_is_refused_under_a_genuine_header():
+    tensors = padded_adapter()
+    header, buckets = wire.pack(tensors, key=KEY, version=1, epoch=0, bucket_bytes=1 << 20)
+    decoded = wire.RoundHeader.decode(header.encode(KEY), KEY)  # the header is genuine: the forgery is the payload
+    planted = forge_lora_b(decoded, buckets)
+    assert torch.equal(wire.unpack(decoded, buckets)["layer.lora_B.weight"], planted)
+    with pytest.raises(wire.WireError, match="payload MAC"):
+        wire.verify(decoded, buckets, KEY)
+
+
+def test_a_forged_payload_is_never_activated(cluster, monkeypatch):
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    real_pack = wire.pack
+
+    def forging_pack(*args, **kwargs):  # the header is the sender's own; the bytes on the wire are not
+        header, buckets = real_pack(*args, **kwargs)
+        forge_lora_b(header, buckets)
+        return header, buckets
+
+    monkeypatch.setattr(wire, "pack", forging_pack)
+    with pytest.raises(SyncError, match="every replica refused version 2"):
+        c.sender.send(padded_adapter(), {})
+    eventually(lambda: all("payload MAC" in (r.state().last_error or "") for r in c.receivers))
+    assert [s.live_version for s in c.sinks] == [1, 1] and all(sorted(s.adapters) == [1] for s in c.sinks)
 
 
 def signed(body: bytes) -> bytes:
@@ -142,7 +234,7 @@ def signed(body: bytes) -> bytes:
 
 
 def test_malformed_headers_are_rejected():
-    header, _ = wire.pack({"x": torch.zeros(4)}, version=1, epoch=0, bucket_bytes=1 << 20)
+    header, _ = wire.pack({"x": torch.zeros(4)}, key=KEY, version=1, epoch=0, bucket_bytes=1 << 20)
     with pytest.raises(wire.WireError, match="malformed"):
         wire.RoundHeader.decode(signed(b"{not json"), KEY)
     bad_layout = header.encode(KEY)[: -wire.MAC_BYTES].replace(b'"nbytes":16', b'"nbytes":20')
@@ -151,8 +243,8 @@ def test_malformed_headers_are_rejected():
 
 
 def test_a_header_without_the_tokens_mac_is_refused_before_it_is_parsed():
-    header, _ = wire.pack({"x": torch.zeros(4)}, version=1, epoch=0, bucket_bytes=1 << 20)
-    forged = header.encode(wire.header_key("guessed-token"))
+    header, _ = wire.pack({"x": torch.zeros(4)}, key=KEY, version=1, epoch=0, bucket_bytes=1 << 20)
+    forged = header.encode(wire.round_key("guessed-token"))
     with pytest.raises(wire.WireError, match="MAC does not verify"):
         wire.RoundHeader.decode(forged, KEY)
     tampered = bytearray(header.encode(KEY))
@@ -170,7 +262,7 @@ def _layout(**changes) -> bytes:
         "epoch": 0,
         "tensors": [{"name": "x", "dtype": "float32", "shape": [4], "bucket": 0, "offset": 0, "nbytes": 16}],
         "bucket_sizes": [64],
-        "checksum": "crc32:0",
+        "payload_mac": "0" * 64,
         "adapter_config": {},
         "wire_version": wire.WIRE_VERSION,
     }
@@ -253,14 +345,14 @@ def test_corrupted_round_is_refused_and_the_old_version_keeps_serving(cluster, m
 
     def corrupting_pack(*args, **kwargs):
         header, buckets = real_pack(*args, **kwargs)
-        buckets[0][3] ^= 0xFF  # after the checksum was computed: what a bad link or a bug would do
+        buckets[0][3] ^= 0xFF  # after the MAC was computed: what a bad link or a bug would do
         return header, buckets
 
     monkeypatch.setattr(wire, "pack", corrupting_pack)
     with pytest.raises(SyncError, match="every replica refused version 2"):
         c.sender.send(adapter(1), {})
     # Asserted once the receivers have recorded the refusal, so that an activation after it would be seen.
-    eventually(lambda: all("checksum mismatch" in (r.state().last_error or "") for r in c.receivers))
+    eventually(lambda: all("payload MAC does not verify" in (r.state().last_error or "") for r in c.receivers))
     assert [s.live_version for s in c.sinks] == [1, 1]
     assert all(sorted(s.adapters) == [1] for s in c.sinks)
     monkeypatch.setattr(wire, "pack", real_pack)

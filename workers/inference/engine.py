@@ -338,11 +338,12 @@ class AdapterBook:
     of its own and a folder of its own), which requests hold which. `activate` is called from the job's sync
     thread; everything else runs on the event loop."""
 
-    def __init__(self, engine: VllmEngine, *, adapter_root: Path, kept_versions: int, job: str):
+    def __init__(self, engine: VllmEngine, *, adapter_root: Path, kept_versions: int, job: str, instance: str):
         self._engine = engine
         self._adapter_root = adapter_root
         self.kept_versions = kept_versions
         self.job = job  # the `job` label of its metrics
+        self.instance = instance  # this attachment of the job to the engine, unique on it (see _lora_request)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._live_version = 0
         self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
@@ -403,10 +404,17 @@ class AdapterBook:
 
     def _lora_request(self, version: int, lora_id: int):
         """Every version is a LoRA id of its own, loaded from its own peft folder: a new id per version, so no
-        drain, and no id shared with another job's same version."""
+        drain, and no id shared with another job's same version.
+
+        Its name is unique on the engine too, per job instance and version: vLLM 0.32 keys prefix-cache blocks on
+        the LoRA's name and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`) and tells
+        LoRARequests apart by name alone (vllm/lora/request.py). A job deleted and re-created under its name, or
+        attached again, starts again at version 1 (or re-sends a version restored from a checkpoint) with other
+        weights; its name then differs by `instance`, so none of its prompts can hit a KV block computed under
+        the old adapter, whether or not a folder is part of the key."""
         from vllm.lora.request import LoRARequest
 
-        return LoRARequest(f"{self.job}/v{version}", lora_id, str(self._folder(version)))
+        return LoRARequest(f"{self.job}@{self.instance}/v{version}", lora_id, str(self._folder(version)))
 
     async def _unload_unneeded(self) -> None:
         for version in versions_to_unload(
@@ -415,7 +423,9 @@ class AdapterBook:
             await self._unload_if_idle(version)
 
     async def _unload_if_idle(self, version: int) -> None:
-        if version == 0 or version == self._live_version or self._leases.get(version):
+        # Unloads overlap: an activation and lease exits each walk their own list of versions to unload, across
+        # awaits of vLLM. The first to take a version out of `_loaded` unloads it; a later one finds it gone.
+        if version == 0 or version == self._live_version or self._leases.get(version) or version not in self._loaded:
             return
         lora_id = self._loaded.pop(version)
         await self._engine.remove_lora(lora_id)
@@ -430,10 +440,10 @@ class AdapterBook:
         async with self._version_changed:
             self._version_changed.notify_all()
             await self._version_changed.wait_for(lambda: not self._leases)
-        for version, lora_id in sorted(self._loaded.items()):
-            await self._engine.remove_lora(lora_id)
+        while self._loaded:  # taken out before each await, as _unload_if_idle does: an unload may be under way
+            version = min(self._loaded)
+            await self._engine.remove_lora(self._loaded.pop(version))
             log.info("%s: adapter version %d unloaded (job detached)", self.job, version)
-        self._loaded.clear()
         shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     @contextlib.asynccontextmanager
@@ -483,7 +493,11 @@ class AdapterEngine(AdapterBook):
     """One job on an engine of its own: a job's own inference server, `grpolora eval`, the benchmarks."""
 
     def __init__(self, config: EngineConfig, *, adapter_root: Path, job: str = "local"):
-        super().__init__(VllmEngine(config), adapter_root=adapter_root, kept_versions=config.kept_versions, job=job)
+        # One job for the engine's whole life (a re-created job gets new servers, so a new engine): "own" is
+        # unique on it.
+        super().__init__(
+            VllmEngine(config), adapter_root=adapter_root, kept_versions=config.kept_versions, job=job, instance="own"
+        )
         self.limits: EngineLimits | None = None  # known once started
 
     @property

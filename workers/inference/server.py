@@ -13,7 +13,8 @@ Token-guarded (`Authorization: Bearer <a served job's token>`): everything else,
 GET /v1/sync/state, POST /v1/sync/join, POST /v1/sync/prepare.
 
 A client's mistake is a 4xx with the reason, never a 500: a missing or unknown token is refused (401) and a body
-over MAX_BODY_BYTES cut off (413) before the body is read; requests are checked against the model (length,
+over MAX_BODY_BYTES cut off (413) before the body is read, and the client still writing it reads that answer
+(LingeringSend); requests are checked against the model (length,
 vocabulary) before they reach vLLM, and vLLM's own refusals come back as 400/422 with its message. 500 is for
 server faults.
 """
@@ -72,6 +73,10 @@ OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/adapter"})
 """Paths answered without the token; every other path needs it."""
 MAX_BODY_BYTES = 32 << 20
 """Largest request body: a rollout request of 1024 prompts of 4096 tokens is about 25 MiB of JSON."""
+LINGER_BYTES = 4 * MAX_BODY_BYTES
+LINGER_SECONDS = 10.0
+"""After answering a request without reading its body, the server reads and drops at most this much of the rest,
+for at most this long, before it closes the connection (LingeringSend); a larger announced body is not waited for."""
 MAX_PROMPTS = 4096
 """Most prompts in one generate request."""
 MAX_STOP_TOKEN_IDS = 256
@@ -219,9 +224,18 @@ def pool_tenants(
     incarnations = itertools.count()
 
     def make_tenant(entry: Attachment) -> Tenant:
-        # A folder per attachment (not per job name): a job detached and attached again never shares one.
-        folder = adapter_root / f"{next(incarnations)}-{entry.job.replace('/', '_')}"
-        book = AdapterBook(engine, adapter_root=folder, kept_versions=entry.kept_versions, job=entry.job)
+        # Every attachment is an instance of its own on the engine (not one per job name): a job re-created under
+        # its name (another uid), or detached and attached again, never shares a folder or a LoRA name with the
+        # earlier one (AdapterBook._lora_request says why the names matter).
+        incarnation = next(incarnations)
+        folder = adapter_root / f"{incarnation}-{entry.job.replace('/', '_')}"
+        book = AdapterBook(
+            engine,
+            adapter_root=folder,
+            kept_versions=entry.kept_versions,
+            job=entry.job,
+            instance=f"{entry.uid or 'no-uid'}.{incarnation}",
+        )
         return Tenant(
             job=entry.job,
             auth=entry.auth,
@@ -423,6 +437,8 @@ class RequestGuard:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
+        body = LingeringSend(headers, receive, send)
+        receive, send = body.receive, body.send
         authorization = headers.get(b"authorization", b"")
         tenant = self._tenants.find(authorization) if authorization else None
         if scope["path"] not in OPEN_PATHS:
@@ -450,6 +466,56 @@ class RequestGuard:
             return message
 
         await self.app(scope, counted, send)
+
+
+class LingeringSend:
+    """The `receive` and `send` of one request, so that an answer given before its body was read reaches a client
+    still writing that body.
+
+    RequestGuard refuses requests before reading their body, and a route may answer without reading it (a 404).
+    uvicorn ends such a connection as the answer ends (uvicorn/protocols/http/httptools_impl.py: `send` closes the
+    transport when a `Connection: close` response completes, and `receive` returns `http.disconnect` from then
+    on) while the body is still arriving: the kernel answers the unread bytes with a reset, and a client that
+    writes its whole body before it reads (httpx's AsyncClient, http.client) gets a ReadError or BrokenPipeError
+    instead of the answer. RFC 9112 section 9.6 names the risk and the cure, a staged close: here the answer goes
+    out whole but its last message is held back, the rest of the body is read and dropped (at most LINGER_BYTES,
+    for at most LINGER_SECONDS), then the answer ends and the connection closes, with nothing left unread.
+
+    Not for a client that asked for `100 Continue` (it sends no body before it, and uvicorn would send that
+    interim response on the next `receive`, after the final one), nor for a body announced larger than
+    LINGER_BYTES: those close at once, as before."""
+
+    def __init__(self, headers: dict[bytes, bytes], receive: Any, send: Any):
+        length = headers.get(b"content-length")
+        announced = int(length) if length is not None and length.isdigit() else None
+        self._unread = bool(announced) or headers.get(b"transfer-encoding", b"").lower() == b"chunked"
+        self._linger = headers.get(b"expect", b"").lower() != b"100-continue" and (announced or 0) <= LINGER_BYTES
+        self._receive, self._send = receive, send
+
+    async def receive(self) -> dict:
+        message = await self._receive()
+        if message["type"] == "http.disconnect" or not message.get("more_body", False):
+            self._unread = False
+        return message
+
+    async def send(self, message: dict) -> None:
+        if self._unread and message["type"] == "http.response.start":
+            # What is left of the body is not read in full: the connection cannot carry another request.
+            headers = list(message.get("headers", []))
+            if not any(name.lower() == b"connection" for name, _ in headers):
+                message = {**message, "headers": [*headers, (b"connection", b"close")]}
+        elif self._unread and self._linger and message["type"] == "http.response.body" and not message.get("more_body"):
+            await self._send({**message, "more_body": True})
+            await self._drain()
+            message = {"type": "http.response.body", "body": b"", "more_body": False}
+        await self._send(message)
+
+    async def _drain(self) -> None:
+        drained = 0
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(LINGER_SECONDS):
+                while self._unread and drained <= LINGER_BYTES:
+                    drained += len((await self.receive()).get("body", b""))
 
 
 async def _refuse(scope: dict, receive: Any, send: Any, status: int, detail: str) -> None:
@@ -538,7 +604,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
         def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
             return create_app(
                 own,
-                lambda book: receiver(book, wire.header_key(env.token), job),
+                lambda book: receiver(book, wire.round_key(env.token), job),
                 token=env.token,
                 version_wait_seconds=env.sync_timeout_seconds,
                 job=job,

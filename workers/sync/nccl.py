@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator, Mapping
 from datetime import timedelta
 
@@ -33,19 +34,28 @@ ERROR_ENVIRONMENT: Mapping[str, str] = {
 }
 
 
+# One group construction at a time sets and reads the environment. os.environ is the process's, and a pool's
+# server forms one group per attached job, each on its receiver's thread: unserialised, a second formation saved
+# the first's values and the first restored the old ones while the second's group was being built (with PyTorch's
+# defaults, so its first failed collective would end the server), then the second's restore left the values set
+# for every later group. Held only while the constructor runs (it reads them there and does not communicate).
+_ENVIRONMENT_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _environment(values: Mapping[str, str]) -> Iterator[None]:
     """`values` in os.environ while a process group reads them at construction; then as they were."""
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with _ENVIRONMENT_LOCK:
+        saved = {name: os.environ.get(name) for name in values}
+        os.environ.update(values)
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 class _NcclPending(Pending):

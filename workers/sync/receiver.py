@@ -1,7 +1,7 @@
 """The receiving side of adapter sync, inside each inference server.
 
 One worker thread owns the collective: it forms the group when told to join an epoch and takes part in a round
-when told to prepare one. A round's buckets are verified against the header's checksum before anything is
+when told to prepare one. A round's buckets are verified against the header's payload MAC before anything is
 activated; a corrupted, short or interrupted round activates nothing, and the version already live keeps
 serving. Activation itself belongs to the `AdapterSink` (the vLLM engine wrapper), injected so that the
 protocol is testable without vLLM.
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 # What each receiver reports for a round in the closing all-reduce (one slot per rank), sent only after the
 # version was activated (or found unusable): the sender counts a replica as serving a version only on VERIFIED.
 VERIFIED = 1  # verified, and this version (or a later one) serves new requests
-REFUSED = 2  # checksum or size mismatch: nothing activated
+REFUSED = 2  # payload MAC or size mismatch: nothing activated
 ACTIVATION_FAILED = 3  # verified, but the engine could not load it: the older version keeps serving
 
 
@@ -89,14 +89,13 @@ def receive_round(
     # Every piece is posted at once; each is checked as it lands while the following ones are still arriving.
     pieces = [piece for bucket in buckets for piece in transport.pieces(bucket)]
     pending = [transport.start_broadcast(piece) for piece in pieces]
-    crc = wire.Crc32Accumulator() if header.checksum.startswith("crc32:") else None
+    mac = wire.PayloadMac(key)
     for piece, op in zip(pieces, pending, strict=True):
         op.wait()
-        if crc is not None:
-            crc.update(piece)
+        mac.update(piece)
     reason = None
     try:
-        wire.verify(header, buckets, computed=crc.hexdigest() if crc is not None else None)
+        wire.verify(header, buckets, key, computed=mac.hexdigest())
     except wire.WireError as exc:
         reason = str(exc)
     return header, buckets, reason
@@ -129,7 +128,7 @@ class AdapterReceiver:
         self.name = name  # the job, in its log lines (a pool server holds one receiver per job)
         self.replica_index = replica_index
         self.fingerprint = fingerprint
-        self._key = key  # the MAC key of this job's round headers (wire.header_key of its token)
+        self._key = key  # the MAC key of this job's rounds (wire.round_key of its token)
         self._device = device
         self._on_round = on_round
         self._on_error = on_error  # called with a short kind: formation, interrupted, refused

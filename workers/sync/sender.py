@@ -40,7 +40,7 @@ MAX_ATTEMPTS = 3
 REJOIN_BACKOFF_SECONDS = 30.0
 MAX_REJOIN_BACKOFF_SECONDS = 600.0
 REFUSAL_REASONS = {
-    REFUSED: "checksum or size mismatch",
+    REFUSED: "payload MAC or size mismatch",
     ACTIVATION_FAILED: "activation failed: the engine could not load the version (see the replica's log)",
 }
 
@@ -108,7 +108,7 @@ class AdapterSender:
         self._join_timeout = join_timeout_seconds
         self._bucket_bytes = bucket_bytes
         self.fingerprint = fingerprint
-        self._key = wire.header_key(token)
+        self._key = wire.round_key(token)
         self._device = device or torch.device("cpu")
         self._on_bucket_sent = on_bucket_sent
         self.epoch = first_epoch - 1  # the first formation makes it first_epoch (or later, see form_group)
@@ -325,6 +325,7 @@ class AdapterSender:
         started = time.perf_counter()
         header, buckets = wire.pack(
             tensors,
+            key=self._key,
             version=version,
             epoch=self.epoch,
             bucket_bytes=self._bucket_bytes,

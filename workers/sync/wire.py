@@ -2,14 +2,18 @@
 
 A round is: a fixed-size length word, the JSON header followed by its MAC, then the buckets (uint8 buffers), each
 one broadcast from sync rank 0. The header names every tensor (name, dtype, shape, bucket, byte offset), the
-adapter version, the epoch, the LoRA config and a checksum over all buckets. Tensors are packed into few large
+adapter version, the epoch, the LoRA config and a MAC over all buckets. Tensors are packed into few large
 buckets so that a round costs a handful of collectives however many LoRA tensors the model has.
 
 The sync port and the store are reachable by whoever can reach the pod (a NetworkPolicy is not enforced by every
-CNI), so the header is authenticated: an HMAC-SHA256 keyed by the job token covers it all, checksums, version and
-epoch included, and a receiver refuses a header whose MAC does not verify, or whose version or epoch differ from
-the ones announced by the token-guarded prepare call. Everything a header says is bounded before anything is
-allocated from it.
+CNI), so a round is authenticated end to end with HMAC-SHA256 under the job's round key (derived from its token):
+one MAC over the payload, every bucket byte in wire order, carried in the header, and one over the whole header,
+payload MAC, version and epoch included. A receiver refuses a header whose MAC does not verify, or whose version
+or epoch differ from the ones announced by the token-guarded prepare call, and activates only buckets whose MAC
+verifies. A checksum would not do for the payload: CRC-32 and any sum are linear, so whoever can rewrite the
+bytes in flight replaces a tensor and fixes up four bytes of padding to keep the checksum (the test
+`test_a_linear_fix_up_of_the_payload_is_refused_under_a_genuine_header` does exactly that). Everything a header
+says is bounded before anything is allocated from it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import zlib
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -26,10 +29,12 @@ import torch
 
 from grpolora.api.pool import sync_key
 
-WIRE_VERSION = 2  # 2: the header carries a MAC
+WIRE_VERSION = 3  # 2: the header carries a MAC; 3: and a MAC of the payload instead of a checksum
 ALIGN = 64  # bytes; every tensor starts aligned so that a byte view can be reinterpreted as any dtype
-CHECKSUM_CHUNK_WORDS = 8 << 20  # bounds the int64 temporaries of the checksum to 64 MiB
 MAC_BYTES = 32  # HMAC-SHA256
+# The payload's MAC is over this tag and then the bucket bytes. A header body is JSON and starts with "{", so no
+# header is ever a payload's message and no payload a header's, though one key MACs both.
+PAYLOAD_TAG = b"grpolora sync round payload\0"
 # Bounds on what a header may announce, far above any LoRA adapter (a rank-512 adapter on every linear layer of
 # a 70B model is a few GiB in ~600 tensors), checked before allocating anything.
 MAX_HEADER_BYTES = 64 << 20
@@ -50,9 +55,10 @@ class WireError(ValueError):
     """A header or buffer that does not follow this format (never activated)."""
 
 
-def header_key(token: str) -> bytes:
-    """The MAC key of round headers, derived from the job token (one secret, a key per purpose). A RolloutPool's
-    servers never see the token: the operator hands them this same key (grpolora.api.pool, the one derivation)."""
+def round_key(token: str) -> bytes:
+    """The MAC key of sync rounds (header and payload), derived from the job token (one secret, a key per
+    purpose). A RolloutPool's servers never see the token: the operator hands them this same key
+    (grpolora.api.pool, the one derivation)."""
     return sync_key(token)
 
 
@@ -78,7 +84,7 @@ class RoundHeader:
     epoch: int  # sync-group epoch the round belongs to
     tensors: tuple[TensorEntry, ...]
     bucket_sizes: tuple[int, ...]
-    checksum: str
+    payload_mac: str  # hex HMAC-SHA256 of PAYLOAD_TAG and every bucket, in order (PayloadMac)
     adapter_config: Mapping[str, Any] = field(default_factory=dict)  # peft LoraConfig fields
     wire_version: int = WIRE_VERSION
 
@@ -87,7 +93,7 @@ class RoundHeader:
         return sum(self.bucket_sizes)
 
     def encode(self, key: bytes) -> bytes:
-        """The JSON header followed by its MAC under `key` (see header_key)."""
+        """The JSON header followed by its MAC under `key` (see round_key)."""
         body = json.dumps(asdict(self), separators=(",", ":"), sort_keys=True).encode()
         return body + hmac.new(key, body, hashlib.sha256).digest()
 
@@ -120,7 +126,7 @@ class RoundHeader:
                 epoch=_count(data["epoch"], "epoch"),
                 tensors=tensors,
                 bucket_sizes=tuple(_count(s, "bucket size") for s in data["bucket_sizes"]),
-                checksum=str(data["checksum"]),
+                payload_mac=str(data["payload_mac"]),
                 adapter_config=dict(data.get("adapter_config") or {}),
             )
         except (KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
@@ -195,37 +201,38 @@ def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tupl
 def pack(
     tensors: Mapping[str, torch.Tensor],
     *,
+    key: bytes,
     version: int,
     epoch: int,
     bucket_bytes: int,
     device: torch.device | str = "cpu",
     adapter_config: Mapping[str, Any] | None = None,
 ) -> tuple[RoundHeader, list[torch.Tensor]]:
-    """Copy the tensors into few uint8 buckets on `device` and describe them in a header."""
+    """Copy the tensors into few uint8 buckets on `device` and describe them in a header, with the buckets' MAC
+    under `key` (see round_key)."""
     if not tensors:
         raise WireError("nothing to send: the adapter has no tensors")
     entries, sizes = plan_buckets(tensors, bucket_bytes)
-    # Padding bytes stay uninitialised: they travel like the rest, and the checksum covers what was sent.
+    # Padding bytes stay uninitialised: they travel like the rest, and the MAC covers what was sent.
     buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
     for entry in entries:
         source = tensors[entry.name].detach().reshape(-1)
         view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes]
         # Copy as the tensor's own dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
         view.view(source.dtype).copy_(source)
-    algorithm = checksum_algorithm(torch.device(device))
     header = RoundHeader(
         version=version,
         epoch=epoch,
         tensors=tuple(entries),
         bucket_sizes=tuple(sizes),
-        checksum=f"{algorithm}:{checksum(buckets, algorithm)}",
+        payload_mac=payload_mac(buckets, key),
         adapter_config=dict(adapter_config or {}),
     )
     return header, buckets
 
 
 def unpack(header: RoundHeader, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Views of every tensor inside the received buckets (no copy); verify the checksum first."""
+    """Views of every tensor inside the received buckets (no copy); verify them first."""
     if len(buckets) != len(header.bucket_sizes):
         raise WireError(f"got {len(buckets)} buckets, the header announced {len(header.bucket_sizes)}")
     result = {}
@@ -235,77 +242,37 @@ def unpack(header: RoundHeader, buckets: Sequence[torch.Tensor]) -> dict[str, to
     return result
 
 
-def verify(header: RoundHeader, buckets: Sequence[torch.Tensor], *, computed: str | None = None) -> None:
-    """Raise WireError unless the buckets are exactly what the header announced. `computed`: the checksum
-    already accumulated while the bytes arrived (see Crc32Accumulator), instead of a second pass."""
+def verify(header: RoundHeader, buckets: Sequence[torch.Tensor], key: bytes, *, computed: str | None = None) -> None:
+    """Raise WireError unless the buckets are exactly what the header announced, as MAC'd under `key`.
+    `computed`: the MAC already accumulated while the bytes arrived (see PayloadMac), instead of a second pass."""
     sizes = tuple(int(b.numel()) for b in buckets)
     if sizes != header.bucket_sizes:
         raise WireError(f"bucket sizes {sizes} differ from the announced {header.bucket_sizes} (short transfer)")
-    algorithm, _, announced = header.checksum.partition(":")
-    if algorithm not in CHECKSUMS:
-        raise WireError(f"unknown checksum algorithm {algorithm!r}")
-    actual = computed if computed is not None else checksum(buckets, algorithm)
-    if actual != announced:
-        raise WireError(f"checksum mismatch: announced {announced}, received {actual} ({algorithm})")
+    if computed is None:
+        computed = payload_mac(buckets, key)
+    if not hmac.compare_digest(computed, header.payload_mac):
+        raise WireError("payload MAC does not verify: the buckets are not the bytes the header's sender MAC'd")
 
 
-# Both ends of a transport hold their buffers on the same kind of device (gloo: CPU, NCCL: GPU), and the header
-# names the algorithm, so each side checks where its bytes already are.
-CHECKSUMS = ("crc32", "sum64")
-
-
-def checksum_algorithm(device: torch.device) -> str:
-    return "crc32" if device.type == "cpu" else "sum64"
-
-
-def checksum(buckets: Sequence[torch.Tensor], algorithm: str) -> str:
-    """Detects corrupted, reordered and missing bytes over all buckets; not a defence against an attacker (the
-    per-job token and the NetworkPolicy are)."""
-    if algorithm == "crc32":
-        return _crc32(buckets)
-    if algorithm == "sum64":
-        return _sum64(buckets)
-    raise WireError(f"unknown checksum algorithm {algorithm!r}")
-
-
-def _crc32(buckets: Sequence[torch.Tensor]) -> str:
-    """zlib's CRC-32 over each bucket's bytes, in place (no copy), a few GB/s on a CPU."""
-    accumulator = Crc32Accumulator()
+def payload_mac(buckets: Sequence[torch.Tensor], key: bytes) -> str:
+    """The MAC of a whole payload, in one pass."""
+    mac = PayloadMac(key)
     for bucket in buckets:
-        accumulator.update(bucket)
-    return accumulator.hexdigest()
+        mac.update(bucket)
+    return mac.hexdigest()
 
 
-class Crc32Accumulator:
-    """CRC-32 fed piece by piece in wire order, so a receiver checks each piece while the next one arrives."""
+class PayloadMac:
+    """The payload's HMAC-SHA256, fed piece by piece in wire order, so a receiver checks each piece while the next
+    one arrives. OpenSSL's HMAC drops the GIL on large buffers; about 1 GB/s on one core of a CPU with SHA
+    extensions (BENCHMARKS.md). Buffers on a GPU are copied to the host piece by piece first: a MAC is host work."""
 
-    def __init__(self) -> None:
-        self._value = 0
+    def __init__(self, key: bytes) -> None:
+        self._mac = hmac.new(key, PAYLOAD_TAG, hashlib.sha256)
 
     def update(self, piece: torch.Tensor) -> None:
         host = piece if piece.device.type == "cpu" else piece.cpu()
-        self._value = zlib.crc32(memoryview(host.numpy()), self._value)  # zlib drops the GIL on large buffers
+        self._mac.update(memoryview(host.numpy()))
 
     def hexdigest(self) -> str:
-        return f"{self._value:08x}"
-
-
-def _sum64(buckets: Sequence[torch.Tensor]) -> str:
-    """A position-sensitive 64-bit sum per bucket (Fletcher-like), folded with sha256, computed with integer
-    tensor ops on the buffers' own device so that a GPU checks its buffers without a copy to the host (int64
-    sums wrap identically in any order, so CPU and GPU agree)."""
-    digest = hashlib.sha256()
-    for bucket in buckets:
-        padded = bucket
-        if bucket.numel() % 4:
-            padded = torch.cat([bucket, bucket.new_zeros(4 - bucket.numel() % 4)])
-        words = padded.view(torch.int32)
-        plain = torch.zeros((), dtype=torch.int64, device=bucket.device)
-        weighted = torch.zeros((), dtype=torch.int64, device=bucket.device)
-        for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
-            chunk = words[start : start + CHECKSUM_CHUNK_WORDS].to(torch.int64)
-            positions = torch.arange(start + 1, start + 1 + chunk.numel(), dtype=torch.int64, device=bucket.device)
-            plain += chunk.sum()
-            weighted += (chunk * positions).sum()
-        digest.update(f"{bucket.numel()}:{int(plain)}:{int(weighted)};".encode())
-    return digest.hexdigest()[:32]
+        return self._mac.hexdigest()
