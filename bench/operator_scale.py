@@ -33,7 +33,7 @@ from grpolora.testing.kube_emulator import running_cluster
 
 NAMESPACE = "bench"
 CHILDREN = (
-    ("secrets", "{}-token"),
+    ("secrets", "{}-grpolora-token"),
     ("services", "{}-trainer"),
     ("services", "{}-inference"),
     ("networkpolicies", "{}"),

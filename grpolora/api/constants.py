@@ -43,10 +43,11 @@ STATEFULSET_REVISION_HASH_SUFFIX: Final = 11
 INDEXED_JOB_HOSTNAME_SUFFIX: Final = 5
 
 TOKEN_SECRET_KEY: Final = "token"
-# The Secrets the operator makes (grpolora.api.plan.child_names, pool_child_names): a job's token (`<job>-token`) and a
-# pool's attachment list (`<pool>-pool-jobs`: each attached job's token digest and sync MAC key). No job may name one:
-# with another job's token it would act as that job (see grpolora.api.spec.SecretName).
-TOKEN_SECRET_SUFFIX: Final = "-token"
+# The Secrets the operator makes (grpolora.api.plan.child_names, pool_child_names): a job's token
+# (`<job>-grpolora-token`) and a pool's attachment list (`<pool>-pool-jobs`: each attached job's token digest and sync
+# MAC key). No job may name one: with another job's token it would act as that job (see grpolora.api.spec.SecretName).
+# `-grpolora-` because a name that ends in plain `-token` is what users give their own Secrets (`hf-token`).
+TOKEN_SECRET_SUFFIX: Final = "-grpolora-token"
 POOL_JOBS_SECRET_SUFFIX: Final = "-pool-jobs"
 MANAGED_SECRET_SUFFIXES: Final = (TOKEN_SECRET_SUFFIX, POOL_JOBS_SECRET_SUFFIX)
 TOKEN_HEADER: Final = "Authorization"

@@ -89,7 +89,7 @@ async def test_a_job_gets_exactly_the_rendered_children_placed_with_rendezvous_e
     await created(cluster, name)
     await wait_for(lambda: phase(cluster, name) == "Pending", "phase Pending")
     job = cluster.job(name)
-    token = cluster.get("v1/secrets", f"{name}-token")["stringData"]["token"]
+    token = cluster.get("v1/secrets", f"{name}-grpolora-token")["stringData"]["token"]
     assert len(token) >= 43  # secrets.token_urlsafe(32)
 
     expected = build_children(plan(parse_job(doc)), owner_uid=job["metadata"]["uid"], token=token)
@@ -207,7 +207,7 @@ async def test_an_invalid_job_fails_with_field_paths_and_gets_no_children_until_
 async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates_them(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
-    token = cluster.get("v1/secrets", "demo-token")["stringData"]["token"]
+    token = cluster.get("v1/secrets", "demo-grpolora-token")["stringData"]["token"]
 
     await cluster.patch_spec("demo", {"suspend": True})
     await wait_for(lambda: phase(cluster) == "Suspended", "phase Suspended")
@@ -223,7 +223,7 @@ async def test_suspend_removes_the_workloads_and_keeps_the_rest_resume_recreates
     await created(cluster)
     await wait_for(lambda: phase(cluster) == "Pending", "phase Pending after resume")
     assert cluster.get("batch/v1/jobs", "demo-trainer") is not None
-    assert cluster.get("v1/secrets", "demo-token")["stringData"]["token"] == token  # never regenerated
+    assert cluster.get("v1/secrets", "demo-grpolora-token")["stringData"]["token"] == token  # never regenerated
     assert cluster.condition("demo", names.SUSPENDED)["status"] == "False"
     expected = [names.E_CREATED, names.E_SUSPENDED, names.E_RESUMED]
     await wait_for(lambda: reasons(cluster) == expected, "Created, Suspended and Resumed events")
@@ -234,7 +234,7 @@ WORKLOADS = (("Job", "batch/v1/jobs", "trainer"), ("StatefulSet", "apps/v1/state
 
 def fingerprint_of(cluster: Cluster, name: str = "demo") -> str:
     """The fingerprint of the token in the job's Secret (as the operator wrote it: stringData)."""
-    return token_fingerprint(cluster.get("v1/secrets", f"{name}-token")["stringData"]["token"])
+    return token_fingerprint(cluster.get("v1/secrets", f"{name}-grpolora-token")["stringData"]["token"])
 
 
 async def test_a_deleted_token_secret_re_keys_the_whole_job_with_an_event(cluster, operator):
@@ -245,15 +245,15 @@ async def test_a_deleted_token_secret_re_keys_the_whole_job_with_an_event(cluste
     await pods_up(cluster)
     await wait_for(lambda: cluster.status("demo").get("tokenDigest") == fingerprint_of(cluster), "tokenDigest")
     first = {kind: cluster.get(res, f"demo-{role}")["metadata"]["uid"] for kind, res, role in WORKLOADS}
-    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/demo-token")
-    await wait_for(lambda: cluster.get("v1/secrets", "demo-token"), "the token Secret re-made (next full pass)")
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/demo-grpolora-token")
+    await wait_for(lambda: cluster.get("v1/secrets", "demo-grpolora-token"), "the token Secret re-made (full pass)")
     new = fingerprint_of(cluster)
     await wait_for(lambda: cluster.status("demo").get("tokenDigest") == new, "the job re-keyed", timeout=15)
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the workloads back")
     for kind, res, role in WORKLOADS:
         assert cluster.get(res, f"demo-{role}")["metadata"]["uid"] != first[kind], f"{kind} not replaced"
     (rekeyed,) = [m for t, r, m in cluster.events("demo") if r == names.E_REKEYED]
-    assert "the token Secret demo-token was re-made with a new token" in rekeyed
+    assert "the token Secret demo-grpolora-token was re-made with a new token" in rekeyed
 
 
 async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, operator):
@@ -261,7 +261,7 @@ async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, 
     doc["metadata"]["name"] = "sleepy"
     await cluster.apply(doc)
     await wait_for(lambda: phase(cluster, "sleepy") == "Suspended", "phase Suspended")
-    assert cluster.get("v1/secrets", "sleepy-token") and cluster.get("v1/services", "sleepy-trainer")
+    assert cluster.get("v1/secrets", "sleepy-grpolora-token") and cluster.get("v1/services", "sleepy-trainer")
     assert cluster.get("batch/v1/jobs", "sleepy-trainer") is None
     assert cluster.get("apps/v1/statefulsets", "sleepy-inference") is None
 
@@ -790,4 +790,5 @@ async def test_a_toleration_the_kubernetes_schema_refuses_fails_the_job_naming_t
     await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
     invalid = cluster.condition("demo", names.INVALID_SPEC)
     assert 'spec.trainer.tolerations[0].operator: Unsupported value: "Exist"' in invalid["message"]
-    assert cluster.get("v1/secrets", "demo-token") is None and cluster.get("batch/v1/jobs", "demo-trainer") is None
+    assert cluster.get("v1/secrets", "demo-grpolora-token") is None
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None

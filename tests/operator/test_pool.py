@@ -130,7 +130,7 @@ async def test_a_job_that_does_not_fit_its_pool_fails_at_once_naming_the_field_a
     assert failed["reason"] == names.R_POOL_MISMATCH
     assert "spec.model.dtype: is 'float32' but RolloutPool shared serves 'bfloat16'" in failed["message"]
     assert "spec.lora.rank: 64 is above RolloutPool shared's maxLoraRank (16)" in failed["message"]
-    assert trainer(cluster, "too-big") is None and cluster.get("v1/secrets", "too-big-token") is None
+    assert trainer(cluster, "too-big") is None and cluster.get("v1/secrets", "too-big-grpolora-token") is None
     await wait_for(lambda: cluster.pool_status(POOL).get("jobs") == "0/1", "the pool's status")
     assert cluster.pool_status(POOL)["waitingJobs"] == [] and listed(cluster) == []
 
@@ -291,9 +291,9 @@ async def test_a_re_keyed_job_gets_its_attachment_renewed_before_its_trainer_com
     await cluster.apply(job_on_pool("job-a"))
     await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
     before = trainer(cluster, "job-a")["metadata"]["uid"]
-    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/job-a-token")
-    await wait_for(lambda: cluster.get("v1/secrets", "job-a-token"), "the token Secret re-made")
-    token = cluster.get("v1/secrets", "job-a-token")["stringData"]["token"]
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/job-a-grpolora-token")
+    await wait_for(lambda: cluster.get("v1/secrets", "job-a-grpolora-token"), "the token Secret re-made")
+    token = cluster.get("v1/secrets", "job-a-grpolora-token")["stringData"]["token"]
     await wait_for(lambda: (trainer(cluster, "job-a") or {}).get("metadata", {}).get("uid") not in (None, before),
                    "a new trainer Job", timeout=15)  # fmt: skip
     assert auth_of(cluster, "job-a") == auth_digest(token), "the trainer came back before the pool knew its token"

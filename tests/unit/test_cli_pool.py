@@ -93,7 +93,7 @@ def test_render_a_job_on_a_pool_takes_the_pool_from_another_file():
     assert result.returncode == 0, result.stderr
     objects = kinds_and_names(result.stdout)
     assert objects[:4] == [
-        ("Secret", "sweep-lr-1e-5-token"),
+        ("Secret", "sweep-lr-1e-5-grpolora-token"),
         ("Service", "sweep-lr-1e-5-trainer"),
         ("NetworkPolicy", "sweep-lr-1e-5"),
         ("Job", "sweep-lr-1e-5-trainer"),

@@ -83,7 +83,8 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("name starting with a digit", named("1demo"), False),
     # No Secret a job names may be one of the operator's (a job's token, a pool's attachment list).
     ("a user's Secret", job_doc(tracking={"mlflow": {"trackingUri": "http://m", "secretName": "mlflow"}}), True),
-    ("another job's token", job_doc(tracking={"wandb": {"project": "p", "secretName": "other-token"}}), False),
+    ("a user's token Secret", job_doc(tracking={"wandb": {"project": "p", "secretName": "hf-token"}}), True),
+    ("another job's token", job_doc(tracking={"wandb": {"project": "p", "secretName": "other-grpolora-token"}}), False),
     (
         "a pool's attachment list",
         job_doc(output={"push": {"s3": {"url": "s3://b/x", "secretName": "shared-pool-jobs"}}}),

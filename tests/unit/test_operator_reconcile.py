@@ -444,12 +444,12 @@ def test_a_refused_child_fails_the_job_without_a_completion_time():
 
 
 def test_children_of_a_deleted_job_of_the_same_name_are_waited_for_never_created_over():
-    blocked = (ChildRef("Job", "demo-trainer"), ChildRef("Secret", "demo-token"))
+    blocked = (ChildRef("Job", "demo-trainer"), ChildRef("Secret", "demo-grpolora-token"))
     decision = decide(applied_view(), JobStatus(), Observed(blocked=blocked), NOW)
     assert kinds(decision.create) == ["StatefulSet"]
     assert decision.requeue_after is not None and not decision.idle
     assert condition(decision, names.CREATED) == ("False", names.R_WAITING_FOR_PREVIOUS_JOB)
-    assert "Job demo-trainer, Secret demo-token" in decision.status.message
+    assert "Job demo-trainer, Secret demo-grpolora-token" in decision.status.message
 
 
 def test_a_job_being_deleted_creates_nothing_and_writes_nothing():
@@ -481,7 +481,7 @@ def test_a_re_made_token_re_keys_the_job_as_a_whole():
     assert set(rekey.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
     assert rekey.create == () and rekey.status.token_digest == "aaaa", "the pods still hold the old token"
     assert condition(rekey, names.PROGRESSING) == ("True", names.R_REKEYING)
-    assert reasons(rekey) == [names.E_REKEYED] and "demo-token was re-made" in rekey.events[0].message
+    assert reasons(rekey) == [names.E_REKEYED] and "demo-grpolora-token was re-made" in rekey.events[0].message
     # One workload still leaving: still nothing created.
     leaving = decide(view, rekey.status, Observed(None, statefulset(1), token="bbbb"), NOW)
     assert leaving.create == () and leaving.events == ()

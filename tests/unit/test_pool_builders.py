@@ -119,7 +119,8 @@ def test_a_job_on_a_pool_brings_only_its_trainer_and_admits_the_pool_servers():
     job = job_on_pool()
     objects = builders.build_children(plan(job, pool=pool()), owner_uid="u", token="t")
     assert [(o["kind"], o["metadata"]["name"]) for o in objects] == [
-        ("Secret", "demo-token"), ("Service", "demo-trainer"), ("NetworkPolicy", "demo"), ("Job", "demo-trainer")
+        ("Secret", "demo-grpolora-token"), ("Service", "demo-trainer"), ("NetworkPolicy", "demo"),
+        ("Job", "demo-trainer"),
     ]  # fmt: skip
     for obj in objects:
         kubernetes_validate.validate(obj, "1.33.0", strict=True)

@@ -41,7 +41,7 @@ def test_every_rendered_object_validates_against_kubernetes_schemas(path):
 def test_a_job_gets_secret_services_policy_and_both_workloads():
     objs = by_kind(children(job_doc(inference={"replicas": 2})))
     assert set(objs) == {
-        ("Secret", "demo-token"),
+        ("Secret", "demo-grpolora-token"),
         ("Service", "demo-trainer"),
         ("Service", "demo-inference"),
         ("NetworkPolicy", "demo"),
@@ -94,7 +94,7 @@ def test_gpu_example_places_each_role_on_its_own_pool_with_full_rendezvous_env()
     assert t_env[contract.INFERENCE_ENDPOINTS].count("http://") == 2
     assert t_env[contract.NODE_RANK] == {"fieldRef": {"fieldPath": c.JOB_COMPLETION_INDEX_FIELD}}
     assert i_env[contract.REPLICA_INDEX] == {"fieldRef": {"fieldPath": c.STATEFULSET_POD_INDEX_FIELD}}
-    assert i_env[contract.TOKEN] == {"secretKeyRef": {"name": "qwen3-arithmetic-token", "key": "token"}}
+    assert i_env[contract.TOKEN] == {"secretKeyRef": {"name": "qwen3-arithmetic-grpolora-token", "key": "token"}}
     optional = {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR, contract.DATA_DIR, contract.SECRETS_DIR,
                 *contract.POOL_ONLY}  # fmt: skip
     assert set(contract.ALL) - optional <= set(t_env)

@@ -316,27 +316,34 @@ REMOTE = {"url": "http://judge.rl.svc:8000/score"}
 @pytest.mark.parametrize(
     ("spec", "path"),
     [
-        ({"task": {"name": "arithmetic", "reward": [{**REMOTE, "headersFrom": {"secretName": "victim-token"}}]}},
+        ({"task": {"name": "arithmetic", "reward": [{**REMOTE, "headersFrom": {"secretName": "b-grpolora-token"}}]}},
          "spec.task.reward[0].headersFrom.secretName"),
-        ({"output": {"push": {"hub": {"repo": "a/b", "secretName": "victim-token"}}}},
+        ({"output": {"push": {"hub": {"repo": "a/b", "secretName": "b-grpolora-token"}}}},
          "spec.output.push.hub.secretName"),
-        ({"trainer": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "victim-token", "key": "token"}}}]}},
+        ({"trainer": {"env": [{"name": "T", "valueFrom": {"secretKeyRef": {"name": "b-grpolora-token", "key": "k"}}}]}},
          "spec.trainer.env[0].valueFrom.secretKeyRef.name"),
         ({"inference": {"podTemplate": {"spec": {"containers": [{"name": "side", "envFrom": [
             {"secretRef": {"name": "shared-pool-jobs"}}]}]}}}},
          "spec.inference.podTemplate.spec.containers[0].envFrom[0].secretRef.name"),
         ({"trainer": {"podTemplate": {"spec": {"volumes": [{"name": "t", "projected": {"sources": [
-            {"secret": {"name": "victim-token"}}]}}]}}}},
+            {"secret": {"name": "b-grpolora-token"}}]}}]}}}},
          "spec.trainer.podTemplate.spec.volumes[0].projected.sources[0].secret.name"),
     ],
 )  # fmt: skip
 def test_a_secret_the_operator_manages_cannot_be_named_by_a_job(spec, path):
-    """Confused deputy: with another job's `<name>-token` (or a pool's attachment list, which holds each attached
-    job's sync key) a job could act as that job on a shared pool."""
+    """Confused deputy: with another job's `<name>-grpolora-token` (or a pool's attachment list, which holds each
+    attached job's sync key) a job could act as that job on a shared pool."""
     with pytest.raises(InvalidJob) as refused:
         parse_job(job_doc(**spec))
     (problem,) = [str(p) for p in refused.value.problems]
     assert problem.startswith(f"{path}: Secret ") and "a name the operator gives its own Secrets" in problem
+
+
+def test_a_users_own_token_secret_is_not_mistaken_for_the_operators():
+    """The operator's token Secrets end in `-grpolora-token`, a name nobody gives a Secret by chance: `hf-token`,
+    the name Hugging Face's guides give theirs, was refused while they ended in `-token`."""
+    doc = job_doc(output={"push": {"hub": {"repo": "a/b", "secretName": "hf-token"}}})
+    assert parse_job(doc).spec.secret_references() == [("output.push.hub.secretName", "hf-token")]
 
 
 def test_the_secrets_a_job_names_are_listed_with_their_fields():
