@@ -14,11 +14,17 @@ import zlib
 import pytest
 import torch
 
+from grpolora.api.load import parse_job
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, SyncError
 from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store
+from grpolora.workers.tasks import Prompt
+from grpolora.workers.trainer.buffer import RolloutBuffer
+from grpolora.workers.trainer.producer import RolloutProducer
+from grpolora.workers.trainer.rollout import Completion, RolloutError
+from tests.helpers import job_doc
 from tests.workers.syncfakes import LocalMember, RecordingSink, free_port
 
 TIMEOUT = 3.0
@@ -581,3 +587,63 @@ def test_a_receiver_never_activates_a_version_at_or_below_its_own(cluster):
         c.sinks[0].adapters[1]["base_model.model.layers.0.q_proj.lora_A.weight"],
         adapter(0)["base_model.model.layers.0.q_proj.lora_A.weight"],
     )
+
+
+class RecordingRollouts:
+    """The rollout client's side, stood in for: generate fails as RolloutClient.generate does when no replica is
+    named, and otherwise answers one completion per prompt on the version asked for."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, tuple[int, ...]]] = []
+
+    def generate(self, prompts, sampling, *, version, replicas, seeds=None):
+        self.calls.append((version, tuple(replicas)))
+        if not replicas:
+            raise RolloutError(f"no inference replica in the sync group serves adapter version {version}")
+        return [[Completion(token_ids=[1], logprobs=[-0.1], text="x", finish_reason="stop", version=version)]
+                for _ in prompts]  # fmt: skip
+
+
+def test_the_rollout_producer_waits_for_a_re_forming_group_instead_of_failing(cluster):
+    """k >= 2: the producer generates while the trainer's sender re-forms the group (a replica lost or replaced).
+    The group is empty from the moment the old epoch is left until every member has joined the new one (up to
+    the join timeout); a round the producer started then failed with "no inference replica ... serves", and the
+    run ended. The replica's join is held here, so the window is certain rather than hoped for."""
+    c = cluster(1)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    replace_replica(c, 0)  # its only replica restarted: the next refresh re-forms the group
+    joining, release = threading.Event(), threading.Event()
+    real_join = c.members[0].join
+
+    def held_join(request: JoinRequest) -> None:
+        joining.set()
+        assert release.wait(20)
+        real_join(request)
+
+    c.members[0].join = held_join
+    reform = threading.Thread(target=c.sender.refresh, daemon=True)
+    reform.start()
+    assert joining.wait(20)  # the old epoch is left, the new one not formed: the window is open
+    touched = threading.Event()
+
+    class Watched:  # the producer's sender, telling the test when the producer reads it
+        def __getattr__(self, name):
+            touched.set()
+            return getattr(c.sender, name)
+
+    buffer, rollouts = RolloutBuffer(staleness=2, next_position=0), RecordingRollouts()
+    grpo = parse_job(job_doc(grpo={"promptsPerStep": 1})).spec.grpo
+    prompts = iter([Prompt(text="p0"), Prompt(text="p1")])
+    producer = RolloutProducer(
+        grpo, prompts, lambda p: [1, 2], None, sender=Watched(), rollouts=rollouts, buffer=buffer
+    )
+    buffer.allow(1)
+    producer.start()
+    assert touched.wait(20)  # the producer asks the sender for a version and replicas while the group re-forms
+    release.set()
+    reform.join(20)
+    groups, _ = buffer.take(1, version=1, then_allow=0)
+    assert [g.version for g in groups] == [1]
+    assert rollouts.calls == [(1, (0,))]  # once, after the group formed and the replica caught up
+    buffer.close()

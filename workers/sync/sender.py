@@ -124,6 +124,11 @@ class AdapterSender:
         self._last_round: tuple[Mapping[str, torch.Tensor], Mapping] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
         self._lock = threading.RLock()  # one round or re-formation at a time, whichever thread asks
+        # The live version and the members serving it, published together once a formation or a round has set
+        # both (never half-way, never the empty group of a re-formation in progress): what other threads read.
+        self._live_changed = threading.Condition()
+        self._live: tuple[int, tuple[int, ...]] = (first_version, ())
+        self._closed = False
 
     # ---- membership --------------------------------------------------------------------------------------
 
@@ -134,6 +139,26 @@ class AdapterSender:
 
     def _set_serving(self, updates: Mapping[int, int]) -> None:
         self._serving = {**self._serving, **updates}
+
+    def live(self, wait_seconds: float | None = None) -> tuple[int, tuple[int, ...]]:
+        """(the live version, the members serving it), read together, for a thread other than the one sending (the
+        rollout producer). While no member serves it -- the group is re-forming (empty for the joins and up to the
+        join timeout), or every member is behind and being caught up -- it waits for one, up to `wait_seconds`
+        (by default what re-forming may take: the round timeout plus a join timeout per attempt), then returns
+        what there is."""
+        if wait_seconds is None:
+            wait_seconds = self._timeout + MAX_ATTEMPTS * self._join_timeout
+        with self._live_changed:
+            self._live_changed.wait_for(lambda: bool(self._live[1]) or self._closed, timeout=wait_seconds)
+            return self._live
+
+    def _publish(self, without: Sequence[int] = ()) -> None:
+        """Make the current version and its serving members what `live` reads: after a formation or a round; and
+        `without` the members found lost when a re-formation starts, so that the others keep serving rollouts
+        while it runs (and, when none is left, `live` waits for it)."""
+        with self._live_changed:
+            self._live = (self.version, tuple(i for i in self.serving(self.version) if i not in without))
+            self._live_changed.notify_all()
 
     def _states(self) -> dict[int, MemberState]:
         """Members that answer (and are not benched), with what they say about themselves."""
@@ -188,6 +213,7 @@ class AdapterSender:
             if not left_out:
                 self.group = tuple(candidates)
                 self._serving = {i: states[i].live_version for i in candidates}
+                self._publish()
                 log.info("adapter sync: epoch %d formed with replicas %s", self.epoch, list(candidates))
                 return self.group
             candidates = [i for i in candidates if i not in left_out]
@@ -260,6 +286,7 @@ class AdapterSender:
         changed = bool(lost or new or self._transport is None)
         if changed:
             log.info("adapter sync: membership changed (lost or replaced %s, new %s); re-forming", lost, new)
+            self._publish(without=lost)
             self._form_with_retries()
         self._catch_up()
         return changed
@@ -310,6 +337,7 @@ class AdapterSender:
                 continue
             self.version = version
             self._set_serving({index: version for index in report.members})
+            self._publish()
             if report.refused:
                 # Verified nowhere is a failure; verified on some means the others get it next round.
                 if not report.members:
@@ -367,3 +395,6 @@ class AdapterSender:
     def close(self) -> None:
         self._leave()
         self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._live_changed:
+            self._closed = True
+            self._live_changed.notify_all()

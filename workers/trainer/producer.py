@@ -112,13 +112,15 @@ class RolloutProducer:
                 count, start = self._buffer.reserve(grpo.prompts_per_step)
                 drawn = draw_prompts(self._prompts, self._tokenize, count, start, self._max_prompt_tokens)
                 self.skipped += drawn.skipped
+                # Version and replicas read together, and never from a group that is re-forming (a replica lost
+                # or back): the producer waits for the group there, where generating would fail the run.
+                version, replicas = self._sender.live()
                 started = time.perf_counter()
-                version = self._sender.version
                 completions = self._rollouts.generate(
                     drawn.ids,
                     sampling,
                     version=version,
-                    replicas=self._sender.serving(version),
+                    replicas=replicas,
                     seeds=[prompt_seed(grpo.seed, position) for position in drawn.positions],
                 )
                 seconds = time.perf_counter() - started
