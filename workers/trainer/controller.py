@@ -177,8 +177,6 @@ class Controller:
         if push_now:
             assert tensors is not None
             self.pushes.submit(ctx.progress.step, tensors, adapter_io.lora_config(ctx.policy.model))
-        if save_now:
-            ctx.save()
         evaluation = self._evaluate() if eval_now else None
         self._record(
             rollouts,
@@ -201,6 +199,11 @@ class Controller:
                 "step": time.perf_counter() - iteration_started,
             },
         )
+        # After the step's record: a checkpoint at step N means metrics.jsonl (and samples, TensorBoard) hold step N,
+        # so a run stopped right after it and resumed from it never lacks that step's record (it redoes only later
+        # steps). The checkpoint is collective, but every rank reaches it after the same collectives still.
+        if save_now:
+            ctx.save()
 
     def close(self) -> None:
         self.tracking.close()
