@@ -40,20 +40,18 @@ from grpolora.api.contract import PoolEnv, WorkerEnv
 from grpolora.api.pool import Attachment, auth_digest, job_key
 from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
+from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook, VersionUnavailable
 from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
-from grpolora.workers.inference.engine import (
-    AdapterBook,
-    AdapterEngine,
+from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants
+from grpolora.workers.inference.vllm_engine import (
     EngineConfig,
     InvalidRequest,
     Sample,
     SamplingRequest,
-    VersionUnavailable,
     VllmEngine,
     config_for,
     cpu_engine_env,
 )
-from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     JOIN_PATH,
@@ -136,8 +134,8 @@ class GenerateResponse(BaseModel):
 
 
 def create_app(
-    engine: AdapterEngine,
-    receiver_factory: Callable[[AdapterEngine], AdapterReceiver],
+    engine: OwnEngineBook,
+    receiver_factory: Callable[[OwnEngineBook], AdapterReceiver],
     *,
     token: str,
     version_wait_seconds: float,
@@ -256,7 +254,7 @@ def in_flight_gauges(job: str) -> Callable[[int, int], None]:
 
 
 def build_app(
-    engine: AdapterEngine | VllmEngine,
+    engine: OwnEngineBook | VllmEngine,
     tenants: Tenants,
     serve_tenants: Callable[[], Awaitable[None]],
     *,
@@ -581,7 +579,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
 
     if isinstance(env, PoolEnv):
         shared = VllmEngine(config_for(spec, env.model))
-        engine: AdapterEngine | VllmEngine = shared
+        engine: OwnEngineBook | VllmEngine = shared
         root = default_adapter_root(f"pool-{env.pool_name}")
         attachments = pool_tenants(
             shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), adapter_root=root, receiver=receiver
@@ -598,7 +596,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
             )
     else:
         job = job_key(env.namespace, env.job_name)
-        own = AdapterEngine(config_for(spec, env.model), adapter_root=default_adapter_root(env.job_name), job=job)
+        own = OwnEngineBook(config_for(spec, env.model), adapter_root=default_adapter_root(env.job_name), job=job)
         engine = own
 
         def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:

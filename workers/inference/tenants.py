@@ -38,7 +38,7 @@ from pathlib import Path
 
 from grpolora.api.pool import Attachment, Attachments
 from grpolora.workers.inference import metrics
-from grpolora.workers.inference.engine import AdapterBook
+from grpolora.workers.inference.adapter_book import AdapterBook
 from grpolora.workers.sync.receiver import AdapterReceiver
 
 log = logging.getLogger(__name__)
