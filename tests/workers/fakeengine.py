@@ -15,7 +15,7 @@ import httpx
 import uvicorn
 
 from grpolora.workers.inference.adapter_book import OwnEngineBook
-from grpolora.workers.inference.server import create_app
+from grpolora.workers.inference.app import create_app
 from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.receiver import AdapterReceiver

@@ -13,8 +13,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from grpolora.workers.inference.app import MAX_BODY_BYTES, create_app
 from grpolora.workers.inference.metrics import TokenRate
-from grpolora.workers.inference.server import MAX_BODY_BYTES, create_app
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
