@@ -41,7 +41,7 @@ def child(rounds: int) -> dict:
     from grpolora.api.plan import LoopbackNetwork, plan
     from grpolora.workers.adapter import lora_config, lora_tensors
     from grpolora.workers.inference.adapter_book import OwnEngineBook
-    from grpolora.workers.inference.app import engine_config
+    from grpolora.workers.inference.server import engine_config
     from grpolora.workers.inference.vllm_engine import SamplingRequest
     from grpolora.workers.models import resolve_model
 

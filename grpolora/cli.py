@@ -292,7 +292,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
         print(f"grpolora worker {args.role}: GRPOLORA_ROLE is {env.role!r}", file=sys.stderr)
         return 2
     if args.role == "inference":
-        serve = _import_extra("grpolora.workers.inference.app", "workers", "worker").serve
+        serve = _import_extra("grpolora.workers.inference.server", "workers", "worker").serve
         slots, field = (
             (env.spec.lora_slots, "RolloutPool's maxJobs x adaptersPerJob")
             if isinstance(env, PoolEnv)

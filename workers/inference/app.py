@@ -1,4 +1,5 @@
-"""The inference server's HTTP API (FastAPI), configured only from the env contract.
+"""The inference server's HTTP API (FastAPI): its routes and its request guard, around the vLLM engine and the
+jobs it serves. The process around it (env, engine, uvicorn) is workers/inference/server.py.
 
 One code serves a job's own replicas and a RolloutPool's: the server holds tenants (workers/inference/tenants.py),
 one per job it serves: the job itself on a job's own server (WorkerEnv, GRPOLORA_TOKEN), the jobs of the
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import shutil
 import time
@@ -36,23 +36,16 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from grpolora.api.contract import PoolEnv, WorkerEnv
-from grpolora.api.pool import Attachment, auth_digest, job_key
-from grpolora.api.spec import RolloutPoolSpec
+from grpolora.api.pool import auth_digest
 from grpolora.workers.inference import metrics
-from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook, VersionUnavailable
-from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
-from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants
+from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
+from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants, in_flight_gauges
 from grpolora.workers.inference.vllm_engine import (
-    EngineConfig,
     InvalidRequest,
     Sample,
     SamplingRequest,
     VllmEngine,
-    config_for,
-    cpu_engine_env,
 )
-from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     JOIN_PATH,
     PREPARE_PATH,
@@ -63,7 +56,7 @@ from grpolora.workers.sync.control import (
     PrepareRequest,
     StaleEpoch,
 )
-from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome
+from grpolora.workers.sync.receiver import AdapterReceiver
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +73,6 @@ MAX_PROMPTS = 4096
 MAX_STOP_TOKEN_IDS = 256
 MAX_SEED = 2**63 - 1
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
-SHUTDOWN_GRACE_SECONDS = 3
 
 
 class GenerateRequest(BaseModel):
@@ -201,56 +193,6 @@ def create_pool_app(
         cleanup=cleanup,
         status=lambda: {"attachment_error": attachments.error},
     )
-
-
-def pool_tenants(
-    engine: VllmEngine,
-    spec: RolloutPoolSpec,
-    *,
-    pool: str,
-    jobs_file: Path,
-    adapter_root: Path,
-    receiver: Callable[[AdapterBook, bytes, str], AdapterReceiver],
-    join_grace_seconds: float | None = None,
-) -> AttachmentList:
-    """A pool server's tenants, kept in step with its attachment list: each attached job gets an adapter book on
-    the shared engine (its own folder, its attachment's keptVersions), a receiver with its own key (`receiver`
-    makes it from the book, the key and the job) and the pool's in-flight cap. Readiness waits for a job never
-    heard from for `join_grace_seconds` (default: the pool's adapterWaitSeconds; see tenants.py)."""
-    grace = spec.adapter_wait_seconds if join_grace_seconds is None else join_grace_seconds
-    tenants = Tenants(join_grace_seconds=grace)
-    incarnations = itertools.count()
-
-    def make_tenant(entry: Attachment) -> Tenant:
-        # Every attachment is an instance of its own on the engine (not one per job name): a job re-created under
-        # its name (another uid), or detached and attached again, never shares a folder or a LoRA name with the
-        # earlier one (AdapterBook._lora_request says why the names matter).
-        incarnation = next(incarnations)
-        folder = adapter_root / f"{incarnation}-{entry.job.replace('/', '_')}"
-        book = AdapterBook(
-            engine,
-            adapter_root=folder,
-            kept_versions=entry.kept_versions,
-            job=entry.job,
-            instance=f"{entry.uid or 'no-uid'}.{incarnation}",
-        )
-        return Tenant(
-            job=entry.job,
-            auth=entry.auth,
-            book=book,
-            receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
-            gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
-        )
-
-    return AttachmentList(jobs_file, pool=pool, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant)
-
-
-def in_flight_gauges(job: str) -> Callable[[int, int], None]:
-    def update(in_flight: int, waiting: int) -> None:
-        metrics.IN_FLIGHT.labels(job=job).set(in_flight)
-        metrics.WAITING.labels(job=job).set(waiting)
-
-    return update
 
 
 def build_app(
@@ -519,114 +461,3 @@ class LingeringSend:
 async def _refuse(scope: dict, receive: Any, send: Any, status: int, detail: str) -> None:
     response = JSONResponse({"detail": detail}, status_code=status, headers={"Connection": "close"})
     await response(scope, receive, send)
-
-
-def _round_logger(job: str) -> Callable[[RoundOutcome], None]:
-    def count(outcome: RoundOutcome) -> None:
-        if outcome.activated:
-            log.info(
-                "%s: adapter version %d: %d bytes received in %.3fs, live after %.3fs",
-                job,
-                outcome.version,
-                outcome.bytes,
-                outcome.receive_seconds,
-                outcome.activate_seconds,
-            )
-
-    return count
-
-
-def _failure_counter(job: str) -> Callable[[str], None]:
-    return lambda kind: metrics.SYNC_FAILURES.labels(job=job, reason=kind).inc()
-
-
-def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
-    return config_for(env.spec, model_dir)
-
-
-def serve(env: WorkerEnv | PoolEnv) -> int:
-    """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters; for one job
-    (its own server, WorkerEnv) or for the jobs attached to a RolloutPool (PoolEnv)."""
-    import torch
-    import uvicorn
-
-    from grpolora.workers.models import fingerprint, resolve_model
-
-    spec = env.spec
-    cpu_engine_env(spec)
-    holder: dict[str, str] = {}
-    device = torch.device("cuda", 0) if env.sync_backend == "nccl" else None
-
-    def receiver(book: AdapterBook, key: bytes, job: str) -> AdapterReceiver:
-        return AdapterReceiver(
-            book,
-            replica_index=env.replica_index,
-            fingerprint=holder["fingerprint"],
-            key=key,
-            device=device,
-            on_round=_round_logger(job),
-            on_error=_failure_counter(job),
-            name=job,
-        )
-
-    for stale in remove_stale_adapter_roots():
-        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
-    failed: list[bool] = []
-
-    def stop_on_fatal() -> None:  # closes over `server`, assigned below before it can run
-        failed.append(True)
-        server.should_exit = True
-
-    if isinstance(env, PoolEnv):
-        shared = VllmEngine(config_for(spec, env.model))
-        engine: OwnEngineBook | VllmEngine = shared
-        root = default_adapter_root(f"pool-{env.pool_name}")
-        attachments = pool_tenants(
-            shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), adapter_root=root, receiver=receiver
-        )
-
-        def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
-            return create_pool_app(
-                shared,
-                attachments,
-                version_wait_seconds=spec.adapter_wait_seconds,
-                adapter_root=root,
-                prepare=prepare,
-                on_fatal=stop_on_fatal,
-            )
-    else:
-        job = job_key(env.namespace, env.job_name)
-        own = OwnEngineBook(config_for(spec, env.model), adapter_root=default_adapter_root(env.job_name), job=job)
-        engine = own
-
-        def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
-            return create_app(
-                own,
-                lambda book: receiver(book, wire.round_key(env.token), job),
-                token=env.token,
-                version_wait_seconds=env.sync_timeout_seconds,
-                job=job,
-                prepare=prepare,
-                on_fatal=stop_on_fatal,
-            )
-
-    async def prepare() -> None:
-        model_dir = await asyncio.to_thread(resolve_model, env.model, spec.model.revision)
-        holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
-        engine.config = config_for(spec, str(model_dir))
-
-    port = int(env.own_endpoint.rsplit(":", 1)[1])
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app_for(prepare),
-            host=env.bind_addr,
-            port=port,
-            log_level="info",
-            access_log=False,
-            # On SIGTERM, requests in flight get this long; then the engine shuts down (uvicorn would otherwise wait
-            # for them without limit, and a client that is gone already cannot end them).
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
-        )
-    )
-    server.run()
-    return 1 if failed else 0

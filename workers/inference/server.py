@@ -1,0 +1,141 @@
+"""`grpolora worker inference`: the inference server's process, configured only from the env contract.
+
+It reads the env (WorkerEnv for a job's own server, PoolEnv for a RolloutPool's), sets what a CPU engine needs,
+builds the vLLM engine and the adapter books of the jobs it serves, with a sync receiver each, and serves the HTTP
+API (workers/inference/app.py) with uvicorn until SIGTERM, or until the engine fails to start (exit 1).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from grpolora.api.contract import PoolEnv, WorkerEnv
+from grpolora.api.pool import job_key
+from grpolora.workers.inference import metrics
+from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook
+from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
+from grpolora.workers.inference.app import create_app, create_pool_app
+from grpolora.workers.inference.tenants import pool_tenants
+from grpolora.workers.inference.vllm_engine import EngineConfig, VllmEngine, config_for, cpu_engine_env
+from grpolora.workers.sync import wire
+from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome
+
+log = logging.getLogger(__name__)
+
+SHUTDOWN_GRACE_SECONDS = 3
+
+
+def _round_logger(job: str) -> Callable[[RoundOutcome], None]:
+    def count(outcome: RoundOutcome) -> None:
+        if outcome.activated:
+            log.info(
+                "%s: adapter version %d: %d bytes received in %.3fs, live after %.3fs",
+                job,
+                outcome.version,
+                outcome.bytes,
+                outcome.receive_seconds,
+                outcome.activate_seconds,
+            )
+
+    return count
+
+
+def _failure_counter(job: str) -> Callable[[str], None]:
+    return lambda kind: metrics.SYNC_FAILURES.labels(job=job, reason=kind).inc()
+
+
+def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
+    return config_for(env.spec, model_dir)
+
+
+def serve(env: WorkerEnv | PoolEnv) -> int:
+    """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters; for one job
+    (its own server, WorkerEnv) or for the jobs attached to a RolloutPool (PoolEnv)."""
+    import torch
+    import uvicorn
+
+    from grpolora.workers.models import fingerprint, resolve_model
+
+    spec = env.spec
+    cpu_engine_env(spec)
+    holder: dict[str, str] = {}
+    device = torch.device("cuda", 0) if env.sync_backend == "nccl" else None
+
+    def receiver(book: AdapterBook, key: bytes, job: str) -> AdapterReceiver:
+        return AdapterReceiver(
+            book,
+            replica_index=env.replica_index,
+            fingerprint=holder["fingerprint"],
+            key=key,
+            device=device,
+            on_round=_round_logger(job),
+            on_error=_failure_counter(job),
+            name=job,
+        )
+
+    for stale in remove_stale_adapter_roots():
+        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
+    failed: list[bool] = []
+
+    def stop_on_fatal() -> None:  # closes over `server`, assigned below before it can run
+        failed.append(True)
+        server.should_exit = True
+
+    if isinstance(env, PoolEnv):
+        shared = VllmEngine(config_for(spec, env.model))
+        engine: OwnEngineBook | VllmEngine = shared
+        root = default_adapter_root(f"pool-{env.pool_name}")
+        attachments = pool_tenants(
+            shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), adapter_root=root, receiver=receiver
+        )
+
+        def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
+            return create_pool_app(
+                shared,
+                attachments,
+                version_wait_seconds=spec.adapter_wait_seconds,
+                adapter_root=root,
+                prepare=prepare,
+                on_fatal=stop_on_fatal,
+            )
+    else:
+        job = job_key(env.namespace, env.job_name)
+        own = OwnEngineBook(config_for(spec, env.model), adapter_root=default_adapter_root(env.job_name), job=job)
+        engine = own
+
+        def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
+            return create_app(
+                own,
+                lambda book: receiver(book, wire.round_key(env.token), job),
+                token=env.token,
+                version_wait_seconds=env.sync_timeout_seconds,
+                job=job,
+                prepare=prepare,
+                on_fatal=stop_on_fatal,
+            )
+
+    async def prepare() -> None:
+        model_dir = await asyncio.to_thread(resolve_model, env.model, spec.model.revision)
+        holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
+        engine.config = config_for(spec, str(model_dir))
+
+    port = int(env.own_endpoint.rsplit(":", 1)[1])
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app_for(prepare),
+            host=env.bind_addr,
+            port=port,
+            log_level="info",
+            access_log=False,
+            # On SIGTERM, requests in flight get this long; then the engine shuts down (uvicorn would otherwise wait
+            # for them without limit, and a client that is gone already cannot end them).
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
+        )
+    )
+    server.run()
+    return 1 if failed else 0
