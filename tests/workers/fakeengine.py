@@ -24,7 +24,7 @@ from tests.workers.syncfakes import free_port
 TOKEN = "fake-token"
 
 
-class FakeVllmEngine(OwnEngineBook):
+class FakeOwnEngineBook(OwnEngineBook):
     """OwnEngineBook's versions and leases, with generation that answers at once: completion i of a prompt is
     the prompt's last token + i + 1, with logprob -0.5."""
 
@@ -87,7 +87,7 @@ class AppThread:
 
 class FakeServer(AppThread):
     def __init__(self, tmp: Path, *, version_wait_seconds: float = 1.0):
-        self.engine = FakeVllmEngine(tmp)
+        self.engine = FakeOwnEngineBook(tmp)
         super().__init__(
             create_app(
                 self.engine,
