@@ -2,7 +2,7 @@
 
     python bench/lora_plugin_bench.py [--rounds 3] [--out bench/results/lora_plugin.json]
 
-The engine is the inference server's own (`AdapterEngine` with `engine_config` from the quickstart job through
+The engine is the inference server's own (`OwnEngineBook` with `engine_config` from the quickstart job through
 the env contract: SmolLM2-135M-Instruct float32, LoRA r=16 on all linear layers, two LoRA slots, eager mode) with
 the server's CPU environment. One child process per setting, the same in both but for `VLLM_PLUGINS`: unset loads
 every `vllm.general_plugins` entry point, ours included; "" loads none, so vLLM's own CPU LoRA ops run. Each child
@@ -40,8 +40,9 @@ def child(rounds: int) -> dict:
     from grpolora.api.load import load_jobs
     from grpolora.api.plan import LoopbackNetwork, plan
     from grpolora.workers.adapter import lora_config, lora_tensors
-    from grpolora.workers.inference.engine import AdapterEngine, SamplingRequest
+    from grpolora.workers.inference.adapter_book import OwnEngineBook
     from grpolora.workers.inference.server import engine_config
+    from grpolora.workers.inference.vllm_engine import SamplingRequest
     from grpolora.workers.models import resolve_model
 
     (job,) = load_jobs(ROOT / "examples" / "quickstart.yaml")
@@ -86,7 +87,7 @@ def child(rounds: int) -> dict:
     ]
 
     async def run() -> dict:
-        engine = AdapterEngine(engine_config(env, str(model_dir)), adapter_root=Path(tempfile.mkdtemp()))
+        engine = OwnEngineBook(engine_config(env, str(model_dir)), adapter_root=Path(tempfile.mkdtemp()))
         await engine.start()
         try:
             result = {}

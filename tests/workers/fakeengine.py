@@ -1,4 +1,4 @@
-"""The real inference API (create_app) and the real version leasing of AdapterEngine, around a stand-in for vLLM,
+"""The real inference API (create_app) and the real version leasing of OwnEngineBook, around a stand-in for vLLM,
 served by uvicorn on loopback: for what the HTTP contract does, cheaply and without an engine to start.
 (The real engine's side is tested in tests/workers/test_inference_sync.py.)"""
 
@@ -14,8 +14,9 @@ from pathlib import Path
 import httpx
 import uvicorn
 
-from grpolora.workers.inference.engine import AdapterEngine, EngineConfig, EngineLimits, Sample, SamplingRequest
-from grpolora.workers.inference.server import create_app
+from grpolora.workers.inference.adapter_book import OwnEngineBook
+from grpolora.workers.inference.app import create_app
+from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.syncfakes import free_port
@@ -23,8 +24,8 @@ from tests.workers.syncfakes import free_port
 TOKEN = "fake-token"
 
 
-class FakeVllmEngine(AdapterEngine):
-    """AdapterEngine's versions and leases, with generation that answers at once: completion i of a prompt is
+class FakeOwnEngineBook(OwnEngineBook):
+    """OwnEngineBook's versions and leases, with generation that answers at once: completion i of a prompt is
     the prompt's last token + i + 1, with logprob -0.5."""
 
     def __init__(self, tmp: Path):
@@ -86,7 +87,7 @@ class AppThread:
 
 class FakeServer(AppThread):
     def __init__(self, tmp: Path, *, version_wait_seconds: float = 1.0):
-        self.engine = FakeVllmEngine(tmp)
+        self.engine = FakeOwnEngineBook(tmp)
         super().__init__(
             create_app(
                 self.engine,

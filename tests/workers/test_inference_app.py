@@ -13,17 +13,17 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from grpolora.workers.inference.app import MAX_BODY_BYTES, create_app
 from grpolora.workers.inference.metrics import TokenRate
-from grpolora.workers.inference.server import MAX_BODY_BYTES, create_app
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
-from tests.workers.fakeengine import TOKEN, FakeVllmEngine, fake_servers
+from tests.workers.fakeengine import TOKEN, FakeOwnEngineBook, fake_servers
 
 
 @pytest.fixture
 def served(tmp_path):
-    engine = FakeVllmEngine(tmp_path)
+    engine = FakeOwnEngineBook(tmp_path)
 
     def receiver_factory(sink) -> AdapterReceiver:
         return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.round_key(TOKEN))

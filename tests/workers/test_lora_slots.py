@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 
 from grpolora.api.spec import min_lora_slots
-from grpolora.workers.inference.engine import EngineConfig, config_for, versions_to_unload
+from grpolora.workers.inference.adapter_book import versions_to_unload
+from grpolora.workers.inference.vllm_engine import EngineConfig, config_for
 from tests.helpers import job_doc
 
 
@@ -46,7 +47,7 @@ def test_engine_keeps_k_plus_one_versions_in_its_slots():
 def test_cpu_engines_prefill_whole_prompts_in_a_budget_that_holds_the_longest():
     """(test_inference_sync.py shows the engine death this avoids, on a real engine.)"""
     from grpolora.api.load import parse_job
-    from grpolora.workers.inference.engine import whole_prefill_budget
+    from grpolora.workers.inference.vllm_engine import whole_prefill_budget
 
     cpu = config_for(parse_job(job_doc(inference={"gpusPerReplica": 0, "maxModelLen": 4096})).spec, "model")
     gpu = config_for(parse_job(job_doc()).spec, "model")
@@ -87,11 +88,11 @@ def test_an_inference_worker_refuses_slots_that_disagree_with_its_spec():
 
 
 def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its_request_ends(tmp_path):
-    """AdapterEngine's own leasing and unloading (vLLM's remove_lora recorded: the real engine's side of loading
+    """OwnEngineBook's own leasing and unloading (vLLM's remove_lora recorded: the real engine's side of loading
     is in tests/workers/test_inference_sync.py)."""
     import asyncio
 
-    from grpolora.workers.inference.engine import AdapterEngine, VersionUnavailable
+    from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
 
     class RemoveRecorder:
         def __init__(self) -> None:
@@ -102,7 +103,7 @@ def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its
 
     async def scenario() -> list[int]:
         config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=3, kept_versions=3)
-        engine = AdapterEngine(config, adapter_root=tmp_path)
+        engine = OwnEngineBook(config, adapter_root=tmp_path)
         engine._engine = vllm = RemoveRecorder()
         engine._version_changed = asyncio.Condition()
         engine._loaded, engine._live_version = {v: v for v in (1, 2, 3, 4)}, 4  # k = 2: 2, 3, 4 kept (id = version)
@@ -130,7 +131,7 @@ def test_versions_leaving_at_once_are_each_unloaded_once_and_nothing_raises(tmp_
     that went live."""
     import asyncio
 
-    from grpolora.workers.inference.engine import AdapterEngine
+    from grpolora.workers.inference.adapter_book import OwnEngineBook
 
     class SlowRemover:
         """vLLM's remove_lora, held inside until the gate opens; each call announced as it enters."""
@@ -147,7 +148,7 @@ def test_versions_leaving_at_once_are_each_unloaded_once_and_nothing_raises(tmp_
 
     async def scenario() -> None:
         config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
-        engine = AdapterEngine(config, adapter_root=tmp_path)
+        engine = OwnEngineBook(config, adapter_root=tmp_path)
         engine._engine = vllm = SlowRemover()
         engine._version_changed = asyncio.Condition()
         engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3  # id = version; 1 and 2 out of the window
@@ -176,7 +177,7 @@ def test_a_detach_during_an_unload_removes_each_version_once(tmp_path):
     remove a version the other is about to remove, nor the other one close has removed (vLLM would be asked twice)."""
     import asyncio
 
-    from grpolora.workers.inference.engine import AdapterEngine
+    from grpolora.workers.inference.adapter_book import OwnEngineBook
 
     class SlowRemover:
         def __init__(self) -> None:
@@ -191,7 +192,7 @@ def test_a_detach_during_an_unload_removes_each_version_once(tmp_path):
 
     async def scenario() -> None:
         config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
-        engine = AdapterEngine(config, adapter_root=tmp_path)
+        engine = OwnEngineBook(config, adapter_root=tmp_path)
         engine._engine = vllm = SlowRemover()
         engine._version_changed = asyncio.Condition()
         engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3

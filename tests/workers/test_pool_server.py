@@ -33,9 +33,9 @@ from grpolora.testing.servers import (
     wait_in_flight,
 )
 from grpolora.workers.adapter import lora_config, lora_tensors
-from grpolora.workers.inference.engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
-from grpolora.workers.inference.server import create_pool_app, pool_tenants
-from grpolora.workers.inference.tenants import tenant_ready
+from grpolora.workers.inference.app import create_pool_app
+from grpolora.workers.inference.tenants import pool_tenants, tenant_ready
+from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
 from grpolora.workers.models import resolve_model
 from grpolora.workers.sync.control import JoinRequest, SyncError
 from grpolora.workers.sync.receiver import AdapterReceiver

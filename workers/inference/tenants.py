@@ -30,6 +30,7 @@ import collections
 import contextlib
 import hashlib
 import hmac
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -37,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from grpolora.api.pool import Attachment, Attachments
+from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
-from grpolora.workers.inference.engine import AdapterBook
+from grpolora.workers.inference.adapter_book import AdapterBook
+from grpolora.workers.inference.vllm_engine import VllmEngine
 from grpolora.workers.sync.receiver import AdapterReceiver
 
 log = logging.getLogger(__name__)
@@ -288,3 +291,53 @@ class AttachmentList:
 
 def _keys(entry: Attachment) -> tuple[str, str]:
     return entry.auth, entry.sync_key
+
+
+def pool_tenants(
+    engine: VllmEngine,
+    spec: RolloutPoolSpec,
+    *,
+    pool: str,
+    jobs_file: Path,
+    adapter_root: Path,
+    receiver: Callable[[AdapterBook, bytes, str], AdapterReceiver],
+    join_grace_seconds: float | None = None,
+) -> AttachmentList:
+    """A pool server's tenants, kept in step with its attachment list: each attached job gets an adapter book on
+    the shared engine (its own folder, its attachment's keptVersions), a receiver with its own key (`receiver`
+    makes it from the book, the key and the job) and the pool's in-flight cap. Readiness waits for a job never
+    heard from for `join_grace_seconds` (default: the pool's adapterWaitSeconds; see the module docstring)."""
+    grace = spec.adapter_wait_seconds if join_grace_seconds is None else join_grace_seconds
+    tenants = Tenants(join_grace_seconds=grace)
+    incarnations = itertools.count()
+
+    def make_tenant(entry: Attachment) -> Tenant:
+        # Every attachment is an instance of its own on the engine (not one per job name): a job re-created under
+        # its name (another uid), or detached and attached again, never shares a folder or a LoRA name with the
+        # earlier one (AdapterBook._lora_request says why the names matter).
+        incarnation = next(incarnations)
+        folder = adapter_root / f"{incarnation}-{entry.job.replace('/', '_')}"
+        book = AdapterBook(
+            engine,
+            adapter_root=folder,
+            kept_versions=entry.kept_versions,
+            job=entry.job,
+            instance=f"{entry.uid or 'no-uid'}.{incarnation}",
+        )
+        return Tenant(
+            job=entry.job,
+            auth=entry.auth,
+            book=book,
+            receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
+            gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
+        )
+
+    return AttachmentList(jobs_file, pool=pool, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant)
+
+
+def in_flight_gauges(job: str) -> Callable[[int, int], None]:
+    def update(in_flight: int, waiting: int) -> None:
+        metrics.IN_FLIGHT.labels(job=job).set(in_flight)
+        metrics.WAITING.labels(job=job).set(waiting)
+
+    return update

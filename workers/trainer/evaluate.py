@@ -106,7 +106,8 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
     from transformers import AutoTokenizer
 
     from grpolora.workers import adapter as adapter_io
-    from grpolora.workers.inference.engine import AdapterEngine, SamplingRequest, config_for, cpu_engine_env
+    from grpolora.workers.inference.adapter_book import OwnEngineBook
+    from grpolora.workers.inference.vllm_engine import SamplingRequest, config_for, cpu_engine_env
     from grpolora.workers.models import resolve_model
     from grpolora.workers.tasks import load_task
 
@@ -117,7 +118,7 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         tensors, config = adapter_io.load_adapter(adapter_dir)
         cpu_engine_env(spec)
-        engine = AdapterEngine(
+        engine = OwnEngineBook(
             config_for(spec, model_dir), adapter_root=Path(tempfile.mkdtemp(prefix="grpolora-eval-"))
         )
 

@@ -224,28 +224,28 @@ class LossStats(_Reducible):
 
     @property
     def clip_fraction(self) -> float:
-        return _safe_div(self.clipped_low + self.clipped_high, self.token_count)
+        return safe_div(self.clipped_low + self.clipped_high, self.token_count)
 
     @property
     def mean_ratio(self) -> float:
-        return _safe_div(self.ratio_sum, self.token_count)
+        return safe_div(self.ratio_sum, self.token_count)
 
     @property
     def mean_kl(self) -> float:
-        return _safe_div(self.kl_sum, self.token_count)
+        return safe_div(self.kl_sum, self.token_count)
 
     @property
     def mean_weight(self) -> float:
         """Mean behaviour importance weight over the off-policy tokens (0 when there were none)."""
-        return _safe_div(self.weight_sum, self.off_policy_tokens)
+        return safe_div(self.weight_sum, self.off_policy_tokens)
 
     @property
     def truncated_fraction(self) -> float:
         """Share of the off-policy tokens whose importance weight was truncated."""
-        return _safe_div(self.truncated, self.off_policy_tokens)
+        return safe_div(self.truncated, self.off_policy_tokens)
 
 
-def _safe_div(numerator: float, denominator: float) -> float:
+def safe_div(numerator: float, denominator: float) -> float:
     # An empty batch reports 0 rather than NaN, which JSON (the /status contract) cannot carry.
     return numerator / denominator if denominator else 0.0
 
@@ -368,12 +368,12 @@ class MismatchStats(_Reducible):
     @property
     def mean_exp_abs_diff(self) -> float:
         """Mean over tokens of exp(|Δlogprob|) - 1."""
-        return _safe_div(self.exp_abs_diff_sum, self.token_count)
+        return safe_div(self.exp_abs_diff_sum, self.token_count)
 
     @property
     def mean_kl(self) -> float:
         """k3 estimate of KL(sampler || trainer) per token."""
-        return _safe_div(self.kl_sum, self.token_count)
+        return safe_div(self.kl_sum, self.token_count)
 
 
 @torch.no_grad()

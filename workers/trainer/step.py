@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from grpolora.api.spec import GRPOSpec
-from grpolora.workers.trainer.grpo import LossStats, MismatchStats, grpo_loss, logprob_mismatch
+from grpolora.workers.trainer.grpo import LossStats, MismatchStats, grpo_loss, logprob_mismatch, safe_div
 from grpolora.workers.trainer.policy import Batch, Policy
 
 _Stats = TypeVar("_Stats", LossStats, MismatchStats)
@@ -121,7 +121,7 @@ def train_step(
     totals = _reduced(loss_stats, world_size, policy.device)
     merged = _reduced(mismatch, world_size, policy.device)
     return StepStats(
-        loss=_safe(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
+        loss=safe_div(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
         kl=totals.mean_kl,
         clip_fraction=totals.clip_fraction,
         grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
@@ -141,7 +141,3 @@ def _reduced(stats: _Stats, world_size: int, device: torch.device) -> _Stats:
     return type(stats).from_reduced(
         _all_reduce(values, world_size, device), _all_reduce(values, world_size, device, op="max")
     )
-
-
-def _safe(numerator: float, denominator: float) -> float:
-    return numerator / denominator if denominator else 0.0

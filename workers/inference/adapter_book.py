@@ -1,0 +1,241 @@
+"""The adapter versions of a job on a vLLM engine: which is live, which are loaded, which requests hold which.
+
+Every synced adapter becomes a new LoRA id (= its version), so activation never waits for a drain: a new
+version is loaded next to the old one, new requests get it from the moment it is live, requests already running
+finish on the version they started with, and an old one is unloaded when its last request ends. Under
+grpo.maxStaleness = k the book keeps the newest k + 1 versions loaded (buffered and in-flight rollouts may still
+ask for them), so the engine needs k + 1 LoRA slots and never fewer than two (`inference.maxLoras`, checked by the
+spec); version 0 is the base model (no adapter).
+
+Adapters reach vLLM through its public API: the verified tensors are written as a standard peft folder on tmpfs
+and loaded with `add_lora(LoRARequest(...))`, so the same path works for any tensor- or data-parallel layout.
+
+`AdapterBook` is one job's book on a shared engine (a RolloutPool's server holds one per attached job);
+`OwnEngineBook` is the book of a job with an engine of its own (a job's own server, `grpolora eval`, the
+benchmarks), which also starts and stops that engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import shutil
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from grpolora.workers.adapter import save_adapter
+from grpolora.workers.inference import metrics
+from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
+
+log = logging.getLogger(__name__)
+
+
+class VersionUnavailable(RuntimeError):
+    """The requested adapter version is not (or no longer) served here."""
+
+
+def versions_to_unload(loaded: Iterable[int], *, live: int, leases: Mapping[int, int], kept: int) -> list[int]:
+    """The loaded adapter versions to unload now: older than the newest `kept` (live - kept + 1 ... live) and with
+    no request running on them. Version 0 is the base model, never unloaded."""
+    return sorted(v for v in loaded if 0 < v <= live - kept and not leases.get(v))
+
+
+class AdapterBook:
+    """The adapter versions of one job on a shared engine: which is live, which are loaded (each under a LoRA id
+    of its own and a folder of its own), which requests hold which. `activate` is called from the job's sync
+    thread; everything else runs on the event loop."""
+
+    def __init__(self, engine: VllmEngine, *, adapter_root: Path, kept_versions: int, job: str, instance: str):
+        self._engine = engine
+        self._adapter_root = adapter_root
+        self.kept_versions = kept_versions
+        self.job = job  # the `job` label of its metrics
+        self.instance = instance  # this attachment of the job to the engine, unique on it (see _lora_request)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._live_version = 0
+        self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
+        self._leases: dict[int, int] = {}  # version -> requests running on it
+        self._loaded: dict[int, int] = {}  # version -> its LoRA id, for versions added to vLLM and not yet removed
+        self._version_changed = asyncio.Condition()
+        self._closed = False
+
+    def bind(self) -> None:
+        """Serve from the running event loop (activations from the sync thread are run on it)."""
+        self._loop = asyncio.get_running_loop()
+        self._adapter_root.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def live_version(self) -> int:
+        return self._live_version
+
+    def loaded_versions(self) -> list[int]:
+        return sorted({self._live_version, *self._leases, *self._loaded} - {0})
+
+    def lora_ids(self) -> list[int]:
+        """The LoRA ids of this job's versions loaded in vLLM."""
+        return sorted(self._loaded.values())
+
+    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        """Load `version` next to the live one and switch new requests to it (called from the sync thread)."""
+        assert self._loop is not None, "engine not started"
+        asyncio.run_coroutine_threadsafe(self._activate(version, tensors, adapter_config), self._loop).result()
+
+    async def _activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        if self._closed:  # a round that finished after its job was detached must not load anything again
+            raise RuntimeError(f"job {self.job} is detached from this server")
+        started = time.perf_counter()
+        await asyncio.to_thread(save_adapter, self._folder(version), tensors, adapter_config)
+        written = time.perf_counter()
+        lora_id = self._engine.new_lora_id()
+        await self._engine.add_lora(self._lora_request(version, lora_id))
+        self._loaded[version] = lora_id
+        loaded = time.perf_counter()
+        async with self._version_changed:
+            previous, self._live_version = self._live_version, version
+            self.live_since = time.time()
+            self._version_changed.notify_all()
+        metrics.ADAPTER_VERSION.labels(job=self.job).set(version)
+        metrics.ACTIVATION_SECONDS.labels(job=self.job).observe(time.perf_counter() - started)
+        log.info(
+            "%s: adapter version %d live (was %d): written in %.3fs, loaded by vLLM in %.3fs",
+            self.job,
+            version,
+            previous,
+            written - started,
+            loaded - written,
+        )
+        await self._unload_unneeded()
+
+    def _folder(self, version: int) -> Path:
+        return self._adapter_root / f"v{version}"
+
+    def _lora_request(self, version: int, lora_id: int):
+        """Every version is a LoRA id of its own, loaded from its own peft folder: a new id per version, so no
+        drain, and no id shared with another job's same version.
+
+        Its name is unique on the engine too, per job instance and version: vLLM 0.32 keys prefix-cache blocks on
+        the LoRA's name and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`) and tells
+        LoRARequests apart by name alone (vllm/lora/request.py). A job deleted and re-created under its name, or
+        attached again, starts again at version 1 (or re-sends a version restored from a checkpoint) with other
+        weights; its name then differs by `instance`, so none of its prompts can hit a KV block computed under
+        the old adapter, whether or not a folder is part of the key."""
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"{self.job}@{self.instance}/v{version}", lora_id, str(self._folder(version)))
+
+    async def _unload_unneeded(self) -> None:
+        for version in versions_to_unload(
+            self._loaded, live=self._live_version, leases=self._leases, kept=self.kept_versions
+        ):
+            await self._unload_if_idle(version)
+
+    async def _unload_if_idle(self, version: int) -> None:
+        # Unloads overlap: an activation and lease exits each walk their own list of versions to unload, across
+        # awaits of vLLM. The first to take a version out of `_loaded` unloads it; a later one finds it gone.
+        if version == 0 or version == self._live_version or self._leases.get(version) or version not in self._loaded:
+            return
+        lora_id = self._loaded.pop(version)
+        await self._engine.remove_lora(lora_id)
+        shutil.rmtree(self._folder(version), ignore_errors=True)
+        log.info("%s: adapter version %d unloaded", self.job, version)
+
+    async def close(self) -> None:
+        """Detach: requests waiting for a version not yet live are answered VersionUnavailable at once, no new
+        request is leased; once the requests running end, every version is unloaded from vLLM and the job's folder
+        removed."""
+        self._closed = True
+        async with self._version_changed:
+            self._version_changed.notify_all()
+            await self._version_changed.wait_for(lambda: not self._leases)
+        while self._loaded:  # taken out before each await, as _unload_if_idle does: an unload may be under way
+            version = min(self._loaded)
+            await self._engine.remove_lora(self._loaded.pop(version))
+            log.info("%s: adapter version %d unloaded (job detached)", self.job, version)
+        shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    @contextlib.asynccontextmanager
+    async def lease(self, version: int | None, wait_seconds: float) -> AsyncIterator[int]:
+        """Hold an adapter version for one request: the live one, or `version` (waiting until it is live)."""
+        if version is None:
+            version = self._live_version
+        elif version > self._live_version:
+            async with self._version_changed:
+                try:
+                    await asyncio.wait_for(
+                        self._version_changed.wait_for(lambda: self._live_version >= version or self._closed),
+                        wait_seconds,
+                    )
+                except TimeoutError:
+                    raise VersionUnavailable(
+                        f"adapter version {version} is not live after {wait_seconds:.0f}s (live: {self._live_version})"
+                    ) from None
+        if self._closed:
+            raise VersionUnavailable(f"job {self.job} is detached from this server")
+        if version != self._live_version and version not in self._loaded and not self._leases.get(version):
+            raise VersionUnavailable(f"adapter version {version} is no longer served (live: {self._live_version})")
+        self._leases[version] = self._leases.get(version, 0) + 1
+        try:
+            yield version
+        finally:
+            self._leases[version] -= 1
+            if not self._leases[version]:
+                del self._leases[version]
+                if self._closed:  # close() waits for the last lease
+                    async with self._version_changed:
+                        self._version_changed.notify_all()
+                else:
+                    await self._unload_unneeded()
+
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
+        """`request.n` samples for one prompt on this job's adapter `version` (hold a lease on it while this runs).
+        Version 0 is the base model, the same for every job."""
+        lora = self._lora_request(version, self._loaded[version]) if version else None
+        samples = await self._engine.generate(prompt_token_ids, request, lora)
+        if request.reference_logprobs:
+            samples = await self._engine.reference_logprobs(prompt_token_ids, samples)
+        return samples
+
+
+class OwnEngineBook(AdapterBook):
+    """The book of one job with a vLLM engine of its own (a job's own inference server, `grpolora eval`, the
+    benchmarks): it also starts and shuts down that engine, and passes on its limits, LoRA ids and tokenizer."""
+
+    def __init__(self, config: EngineConfig, *, adapter_root: Path, job: str = "local"):
+        # One job for the engine's whole life (a re-created job gets new servers, so a new engine): "own" is
+        # unique on it.
+        super().__init__(
+            VllmEngine(config), adapter_root=adapter_root, kept_versions=config.kept_versions, job=job, instance="own"
+        )
+        self.limits: EngineLimits | None = None  # known once started
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._engine.config
+
+    @config.setter
+    def config(self, config: EngineConfig) -> None:  # the model is resolved while the server already answers
+        self._engine.config = config
+        self.kept_versions = config.kept_versions
+
+    async def start(self) -> None:
+        await self._engine.start()
+        self.limits = self._engine.limits
+        self.bind()
+
+    @property
+    def started(self) -> bool:
+        return self._engine.started
+
+    def shutdown(self) -> None:
+        self._engine.shutdown()
+        shutil.rmtree(self._adapter_root, ignore_errors=True)
+
+    async def list_loras(self) -> list[int]:
+        return await self._engine.list_loras()
+
+    async def encode(self, text: str) -> list[int]:
+        return await self._engine.encode(text)
