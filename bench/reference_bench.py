@@ -28,7 +28,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from step_bench import PHASES, ROOT, run_once, write_results
 
 from grpolora.api.load import load_jobs
-from grpolora.workers.launcher.local import read_metrics
+from grpolora.workers.launcher.results import read_metrics
 
 LAYOUTS = {"sequential": (0, False), "k=1, pinned": (1, True)}  # name: (maxStaleness, pinned)
 

@@ -29,7 +29,7 @@ sys.path.append(str(Path(__file__).resolve().parent))
 from step_bench import ROOT, run_once, write_results
 
 from grpolora.api.load import load_jobs
-from grpolora.workers.launcher.local import read_metrics
+from grpolora.workers.launcher.results import read_metrics
 
 
 def configure(job, *, steps: int, staleness: int, seed: int = 0):

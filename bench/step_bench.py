@@ -22,7 +22,8 @@ from pathlib import Path
 sys.path.append(str(Path(__file__).resolve().parents[1]))  # appended: the repo's operator/ must not shadow stdlib
 
 from grpolora.api.load import load_jobs
-from grpolora.workers.launcher.local import LocalRun, read_metrics
+from grpolora.workers.launcher.local import LocalRun
+from grpolora.workers.launcher.results import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("generate", "reward", "train", "sync", "step")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from grpolora.workers.launcher.local import plot, summarize
+from grpolora.workers.launcher.results import plot, summarize
 from grpolora.workers.tracking import drop_records_after
 from grpolora.workers.trainer.step import StepStats, logprob_agreement
 

@@ -24,7 +24,7 @@ import yaml
 
 from grpolora.api.status import TrainerStatus
 from grpolora.cli import main
-from grpolora.workers.launcher.local import read_run_files
+from grpolora.workers.launcher.run_files import read_run_files
 
 MODEL = {"name": "offline:tiny-llama", "dtype": "float32"}
 POOL = {

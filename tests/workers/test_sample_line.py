@@ -8,7 +8,7 @@ import json
 import pytest
 
 from grpolora.api.status import TrainerStatus
-from grpolora.workers.launcher.local import _Progress, sample_line
+from grpolora.workers.launcher.progress import Progress, sample_line
 
 ROW = {
     "step": 10,
@@ -44,7 +44,7 @@ def test_the_progress_printer_shows_one_sample_line_per_sampled_step(tmp_path, c
     monkeypatch.setenv("COLUMNS", "90")
     samples = tmp_path / "samples.jsonl"
     samples.write_text(json.dumps(ROW | {"step": 1, "completion": "left by an earlier run"}) + "\n")
-    progress = _Progress(4, enabled=True, samples=samples)  # not a terminal here: one line per step
+    progress = Progress(4, enabled=True, samples=samples)  # not a terminal here: one line per step
     rows = [ROW | {"step": 2, "completion": f"completion {i}"} for i in range(3)]
     with samples.open("a") as handle:
         handle.writelines(json.dumps(r) + "\n" for r in rows)

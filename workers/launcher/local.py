@@ -17,6 +17,9 @@ INFERENCE_RESTARTS_PER_REPLICA times) while the trainers carry on with the other
 it serves their current adapter; a trainer failure ends its job (run it again to resume from the checkpoint), and
 the other jobs of a pool carry on. Every way a job ends leaves its status.json saying how, and Ctrl-C stops the
 trainers first, then every replica at once.
+
+This file is the supervision (Ray actors, restarts, a pool's admission, stopping); the files given are read in
+run_files.py, the progress lines drawn in progress.py, and a run's results read back and plotted in results.py.
 """
 
 from __future__ import annotations
@@ -26,27 +29,29 @@ import json
 import math
 import os
 import secrets
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 
 from grpolora.api import contract
-from grpolora.api.load import InvalidJob, job_warnings, load_documents
-from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolMismatch, PoolPlan, Role, plan, plan_pool
+from grpolora.api.load import InvalidJob, job_warnings
+from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolPlan, Role, plan, plan_pool
 from grpolora.api.pool import Attachment, Attachments, Candidate, admit, attachment, job_key, write_attachments
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
+from grpolora.workers.launcher.progress import Progress
+from grpolora.workers.launcher.results import plot, read_metrics, summarize
+from grpolora.workers.launcher.run_files import read_run_files, run_problems
 from grpolora.workers.lifetime import die_with_parent
 from grpolora.workers.tracking import SAMPLES_FILE
 
@@ -211,7 +216,7 @@ class JobRun:
         self.state: JobState = "waiting"
         self.last_status: TrainerStatus | None = None
         self.started_at = time.time()
-        self.progress: _Progress | None = None
+        self.progress: Progress | None = None
 
     @property
     def name(self) -> str:
@@ -223,7 +228,7 @@ class JobRun:
 
     def start(self, job_plan: JobPlan, *, show_progress: bool) -> None:
         self.plan, self.state, self.started_at = job_plan, "running", time.time()
-        self.progress = _Progress(
+        self.progress = Progress(
             self.job.spec.grpo.steps,
             enabled=show_progress,
             samples=self.run_dir / SAMPLES_FILE,
@@ -617,207 +622,11 @@ class LocalRun:
                 job.record(restarts=self.inference_restarts, failed=failed, own_reason=own_reason)
 
 
-def sample_line(row: Mapping[str, Any], width: int) -> str:
-    """One line of `grpolora run`'s progress for a row of samples.jsonl, at most `width` columns:
-    `step 10 sample: "<prompt>" -> "<completion>" (reward 1.100, adv +0.817)`. Newlines and other control characters
-    are escaped; the completion gets at least two thirds of the room for the texts, and each text is shortened with
-    `…` when it does not fit."""
-    head = f"step {row['step']} sample: "
-    tail = f" (reward {row['reward']:.3f}, adv {row['advantage']:+.3f})"
-    prompt, completion = _escape(row["prompt"]), _escape(row["completion"])
-    room = width - len(head) - len(tail) - len('"" -> ""')
-    prompt_room = min(len(prompt), max(room // 3, room - len(completion), 1))
-    text = f'"{_shorten(prompt, prompt_room)}" -> "{_shorten(completion, room - prompt_room)}"'
-    return _shorten(head + text + tail, width)
-
-
-def _escape(text: str) -> str:
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
-def _shorten(text: str, room: int) -> str:
-    if len(text) <= room:
-        return text
-    return text[: room - 1] + "…" if room > 0 else ""
-
-
-class _SampleTail:
-    """New rows of the run's samples.jsonl (those written after it was opened), read as the trainer appends them;
-    a line still being written is read on a later call."""
-
-    def __init__(self, path: Path):
-        self._path = path
-        self._offset = path.stat().st_size if path.exists() else 0
-
-    def new_rows(self) -> list[dict[str, Any]]:
-        try:
-            with self._path.open("rb") as handle:
-                handle.seek(self._offset)
-                data = handle.read()
-        except FileNotFoundError:
-            return []
-        complete = data[: data.rfind(b"\n") + 1]
-        self._offset += len(complete)
-        rows = []
-        for line in complete.splitlines():
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-        return rows
-
-
-class _Progress:
-    """A progress bar on a terminal; one line per step otherwise (CI logs, files). Each step with sample
-    completions (tracking.samplesEverySteps) adds a line with its first sample (`sample_line`). With several jobs
-    in a run, each has its own: `label` (the job's name) starts its lines, `position` is its bar's row."""
-
-    def __init__(self, total: int, *, enabled: bool, samples: Path | None = None, label: str = "", position: int = 0):
-        self._bar = None
-        self._enabled = enabled
-        self._prefix = f"{label}: " if label else ""
-        self._last_line: tuple | None = None
-        self._samples = _SampleTail(samples) if enabled and samples is not None else None
-        if enabled and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self._bar = tqdm(
-                total=total, desc=label or "GRPO", unit="step", dynamic_ncols=True, position=position, leave=True
-            )
-
-    def update(self, status: TrainerStatus, restarts: int = 0) -> None:
-        self._update(status, restarts)
-        self._show_samples()
-
-    def _show_samples(self) -> None:
-        if self._samples is None:
-            return
-        shown: set[int] = set()
-        for row in self._samples.new_rows():
-            if row.get("step") not in shown:  # the first sample of each step: its first prompt's first completion
-                shown.add(row.get("step"))
-                with contextlib.suppress(KeyError, TypeError, ValueError):  # a row not in the documented shape
-                    width = shutil.get_terminal_size().columns - len(self._prefix)
-                    self.note(self._prefix + sample_line(row, width))
-
-    def _update(self, status: TrainerStatus, restarts: int) -> None:
-        replicas = f"{len(status.sync_members)} replica(s) in sync"
-        if self._bar is None:
-            if self._enabled and (status.phase, status.step, restarts) != self._last_line:
-                self._last_line = (status.phase, status.step, restarts)
-                reward = "" if status.reward_mean is None else f" reward {status.reward_mean:.3f}"
-                kl = "" if status.kl is None else f" kl {status.kl:.4f}"
-                sync = "" if status.last_sync_seconds is None else f" sync {status.last_sync_seconds * 1000:.0f} ms"
-                lost = f" {replicas}, inference restarts {restarts}" if restarts else ""
-                print(
-                    f"{self._prefix}[{status.phase}] step {status.step}/{status.total_steps}{reward}{kl}{sync}{lost}",
-                    file=sys.stderr,
-                )
-            return
-        self._bar.n = status.step
-        postfix = {"phase": status.phase}
-        if status.reward_mean is not None:
-            postfix |= {"reward": f"{status.reward_mean:.3f}", "kl": f"{status.kl or 0:.4f}"}
-        if status.last_sync_seconds is not None:
-            postfix |= {"sync": f"{status.last_sync_seconds * 1000:.0f}ms", "round": status.sync_round}
-        if restarts:
-            postfix |= {"in sync": len(status.sync_members), "restarts": restarts}
-        self._bar.set_postfix(postfix, refresh=False)
-        self._bar.refresh()
-
-    def note(self, message: str) -> None:
-        """A line that stays above the bar (or in the log)."""
-        if self._bar is not None:
-            self._bar.write(message, file=sys.stderr)
-        else:
-            print(message, file=sys.stderr)
-
-    def close(self, status: TrainerStatus | None) -> None:
-        self._show_samples()  # the last step's, written just before the trainer exits
-        if self._bar is not None:
-            if status is not None:
-                self.update(status)
-            self._bar.close()
-            self._bar = None
-
-
 def _tail(path: Path, lines: int = 40) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def plot(records: Sequence[dict], out: Path) -> None:
-    """reward, KL, sync time and the trainer-vs-vLLM logprob figures per step, one panel each."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    steps = [r["step"] for r in records]
-    figure, axes = plt.subplots(4, 1, figsize=(7, 10), sharex=True)
-    series = (
-        ("reward (mean ± std)", [r["reward_mean"] for r in records], [r["reward_std"] for r in records]),
-        ("KL to reference (k3)", [r["kl"] for r in records], None),
-        ("adapter sync (ms)", [r["seconds"]["sync"] * 1000 for r in records], None),
-    )
-    # Trainer vs vLLM: numerics on on-policy steps, the policy's drift on off-policy ones (never one line).
-    agreement = axes[3]
-    for key, label, marker in (("mismatch", "mismatch (on-policy)", "o"), ("policy_drift", "policy drift", "x")):
-        points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
-        if points:
-            agreement.plot(*zip(*points, strict=True), marker=marker, linestyle="none", label=label)
-    agreement.set_ylabel("trainer vs vLLM\nexp|Δlogp| - 1")
-    if agreement.lines:
-        agreement.set_yscale("symlog", linthresh=1e-6)  # an exact 0 stays on the plot
-        agreement.legend(loc="best")
-    agreement.grid(alpha=0.3)
-    evaluated = [(r["step"], r["eval_reward"]) for r in records if "eval_reward" in r]
-    if evaluated:
-        axes[0].plot(*zip(*evaluated, strict=True), marker="s", color="tab:green", label="eval reward (held out)")
-        axes[0].legend(loc="best")
-    for axis, (label, values, spread) in zip(axes[:3], series, strict=True):
-        axis.plot(steps, values, marker="o", markersize=3)
-        if spread is not None:
-            low = [v - s for v, s in zip(values, spread, strict=True)]
-            high = [v + s for v, s in zip(values, spread, strict=True)]
-            axis.fill_between(steps, low, high, alpha=0.2)
-        axis.set_ylabel(label)
-        axis.grid(alpha=0.3)
-    axes[-1].set_xlabel("step")
-    figure.suptitle("grpo-lora run")
-    figure.tight_layout()
-    figure.savefig(out, dpi=120)
-    plt.close(figure)
-
-
-def summarize(records: Sequence[dict], window: int = 5) -> str:
-    if not records:
-        return "no steps recorded"
-    first = [r["reward_mean"] for r in records[:window]]
-    last = [r["reward_mean"] for r in records[-window:]]
-    # Numerics where the trainer's weights were the sampled version; the policy's drift apart (docs/status.md).
-    mismatch = [r["mismatch"] for r in records if r.get("mismatch") is not None]
-    drift = [r["policy_drift"] for r in records if r.get("policy_drift") is not None]
-    agreement = (
-        f"largest trainer-vs-vLLM mismatch {max(mismatch):.2e} over {len(mismatch)} on-policy steps"
-        if mismatch
-        else "no on-policy step to measure the trainer-vs-vLLM mismatch on"
-    )
-    if drift:
-        agreement += f"; policy drift of {len(drift)} off-policy steps up to {max(drift):.2e}"
-    return (
-        f"mean reward, first {len(first)} steps: {sum(first) / len(first):.3f}; "
-        f"last {len(last)} steps: {sum(last) / len(last):.3f}\n"
-        f"sync rounds: {records[-1]['sync_round']}, median sync "
-        f"{sorted(r['seconds']['sync'] for r in records)[len(records) // 2] * 1000:.0f} ms, {agreement}"
-    )
 
 
 def _stop_ignoring_interrupts(local: LocalRun) -> None:
@@ -827,76 +636,6 @@ def _stop_ignoring_interrupts(local: LocalRun) -> None:
         local.stop()
     finally:
         signal.signal(signal.SIGINT, previous)
-
-
-@dataclass
-class RunFiles:
-    """What `grpolora run` was given: the jobs (each with the file it came from) and at most one RolloutPool."""
-
-    jobs: list[tuple[str, GRPOLoraJob]] = field(default_factory=list)
-    pools: list[tuple[str, RolloutPool]] = field(default_factory=list)
-
-
-def read_run_files(paths: Sequence[str]) -> RunFiles:
-    """Every document of every file, a RolloutPool or a GRPOLoraJob, read as `grpolora validate` reads them;
-    InvalidJob listing the problems of a file."""
-    found = RunFiles()
-    for path in paths:
-        for document in load_documents(path):
-            if isinstance(document, RolloutPool):
-                found.pools.append((path, document))
-            else:
-                found.jobs.append((path, document))
-    return found
-
-
-def run_problems(files: RunFiles) -> list[str]:
-    """Why these files cannot run together, each naming a file and a field; empty when they can. On a pool, every
-    job must fit it (grpolora.api.pool.fit_errors, through plan()) before anything starts."""
-    if not files.jobs:
-        return ["no GRPOLoraJob in the files given; `grpolora run` runs one job, or a RolloutPool and its jobs"]
-    if len(files.pools) > 1:
-        return [
-            f"{path}: RolloutPool {p.name}: a run has one RolloutPool; give one pool file" for path, p in files.pools
-        ]
-    problems: list[str] = []
-    seen: dict[str, str] = {}
-    for path, job in files.jobs:
-        if job.name in seen:
-            problems.append(
-                f"{path}: metadata.name: {job.name} is also the name of a job in {seen[job.name]}; each job's "
-                "results go to <run-dir>/<job name>/, so give each job a name of its own"
-            )
-        seen.setdefault(job.name, path)
-    if not files.pools:
-        sources = list(dict.fromkeys(p for p, _ in files.jobs))
-        if len(files.jobs) > 1 and len(sources) == 1:
-            problems.append(f"{sources[0]}: holds {len(files.jobs)} jobs; `grpolora run` runs one")  # as before pools
-        elif len(files.jobs) > 1:
-            problems.append(
-                f"{', '.join(sources)}: {len(files.jobs)} jobs but no RolloutPool: "
-                "jobs run together on a shared pool (grpolora run pool.yaml job-a.yaml job-b.yaml), or one at a time"
-            )
-        for path, job in files.jobs:
-            if job.spec.inference.pool_ref is not None:
-                problems.append(
-                    f"{path}: spec.inference.poolRef.name: {job.name} runs on RolloutPool "
-                    f"{job.spec.inference.pool_ref.name}; give that pool's file too: grpolora run pool.yaml {path}"
-                )
-        return problems
-    ((pool_path, pool),) = files.pools
-    for path, job in files.jobs:
-        if job.spec.inference.pool_ref is None:
-            problems.append(
-                f"{path}: spec.inference.poolRef: not set, but this run serves its jobs from RolloutPool {pool.name} "
-                f"({pool_path}); set inference.poolRef.name: {pool.name} (and none of inference's other fields)"
-            )
-            continue
-        try:
-            plan(job, LoopbackNetwork(), pool=pool)
-        except PoolMismatch as exc:
-            problems += [f"{path}: spec.{where}: {message} ({pool_path})" for where, message in exc.errors]
-    return problems
 
 
 def run(files: str | Sequence[str], *, run_dir: str | None = None, ray_address: str | None = None) -> int:
