@@ -66,8 +66,8 @@ class ControllerConfig:
     """Where the operator runs: the jobs' NetworkPolicies admit its /status polls from there only."""
 
 
-class JobGone(Exception):
-    """The GRPOLoraJob no longer exists (deleted, or removed after its TTL)."""
+class Gone(Exception):
+    """The GRPOLoraJob or RolloutPool no longer exists (deleted, or a job removed after its TTL)."""
 
 
 class ChildRefused(Exception):
@@ -88,7 +88,7 @@ class PoolPass:
 
 
 @dataclass
-class _Job:
+class _Tracked:
     """A GRPOLoraJob or RolloutPool (`kind`) the operator follows: its last body and status, its pass lock, its
     monitor."""
 
@@ -140,14 +140,15 @@ class Controller:
         self.config = config or ControllerConfig()
         self.gate: Gate = gate or Standalone()
         self.clock = clock
-        self.jobs: dict[tuple[str, str], _Job] = {}
-        self.pools: dict[tuple[str, str], _Job] = {}
+        self.jobs: dict[tuple[str, str], _Tracked] = {}
+        self.pools: dict[tuple[str, str], _Tracked] = {}
         """The RolloutPools, by (namespace, name)."""
         self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
         """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it)."""
-        self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
-        """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
-        namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
+        self.cache: dict[tuple[str, str, str], dict[str, Any] | None] = {}
+        """What the watches (or a full pass's reads) last showed, by (kind, namespace, name): the jobs' workloads
+        (trainer Jobs, inference StatefulSets), their Kueue Workloads, and the RolloutPools their jobs read. None:
+        seen deleted. Absent: not seen (read from the API instead)."""
         self.queue_watched = True
         """Kueue's Workloads come from a watch. False when Kueue was not installed when the operator started: Kopf
         discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
@@ -163,7 +164,7 @@ class Controller:
             with self.metrics.timed("reconcile"):
                 async with job.lock:
                     decision = await self._pass(job, full=True)
-        except JobGone:
+        except Gone:
             self.forget(job.namespace, job.name)
             raise
         self._schedule(job, decision)
@@ -176,7 +177,7 @@ class Controller:
             with self.metrics.timed("pool"):
                 async with pool.lock:
                     decision = await self._pool_pass(pool, full=True)
-        except JobGone:
+        except Gone:
             self.forget_pool(pool.namespace, pool.name)
             raise
         self._schedule(pool, decision)
@@ -233,19 +234,19 @@ class Controller:
     ) -> None:
         """Cache a pool as the watch (or, `read`, the API) shows it; wake its jobs if what they read changed."""
         key = (c.POOL_KIND, namespace, name)
-        before = self.workloads.get(key)
+        before = self.cache.get(key)
         if read and value is None:
-            self.workloads[key] = None  # a 404 from the API: gone now, whatever the watch last said
+            self.cache[key] = None  # a 404 from the API: gone now, whatever the watch last said
         else:
             self._remember(key, value, seen)
-        if _pool_facts(self.workloads.get(key)) != _pool_facts(before):
+        if _pool_facts(self.cache.get(key)) != _pool_facts(before):
             for job in list(self.jobs.values()):
                 spec = (job.body.get("spec") or {}).get("inference") or {}
                 if job.namespace == namespace and (spec.get("poolRef") or {}).get("name") == name:
                     self._wake(job)
 
     @staticmethod
-    def _wake(tracked: _Job | None) -> None:
+    def _wake(tracked: _Tracked | None) -> None:
         """Run the job's (or pool's) next monitor pass now."""
         if tracked is not None and tracked.task is not None and not tracked.task.done():
             tracked.due = min(tracked.due, asyncio.get_running_loop().time())
@@ -261,10 +262,10 @@ class Controller:
     def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
         """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
         behind a full pass's read must not undo it (e.g. bring back a Workload's admission after its eviction)."""
-        cached = self.workloads.get(key)
+        cached = self.cache.get(key)
         if cached is not None and _version(seen) < _version(cached):
             return
-        self.workloads[key] = value
+        self.cache[key] = value
 
     def deleting(self, body: Mapping[str, Any]) -> None:
         """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
@@ -272,7 +273,7 @@ class Controller:
         meta = body.get("metadata") or {}
         self._mark_deleting(self.jobs.get((meta.get("namespace", ""), meta.get("name", ""))), body)
 
-    def _mark_deleting(self, tracked: _Job | None, body: Mapping[str, Any]) -> None:
+    def _mark_deleting(self, tracked: _Tracked | None, body: Mapping[str, Any]) -> None:
         """Record a followed job's or pool's deletionTimestamp (handlers pass only spec changes) and run a pass."""
         meta = body.get("metadata") or {}
         if tracked is None or tracked.uid != meta.get("uid") or not meta.get("deletionTimestamp"):
@@ -280,14 +281,14 @@ class Controller:
         tracked.body.setdefault("metadata", {})["deletionTimestamp"] = meta["deletionTimestamp"]
         self._wake(tracked)
 
-    async def _owner_deleting(self, tracked: _Job) -> bool:
+    async def _owner_deleting(self, tracked: _Tracked) -> bool:
         """Read the job (or pool) itself before creating a child for it: the collector may already be removing its
         children while our watch has not yet delivered its deletionTimestamp, and a child created now would only be
-        collected again (and, in a foreground deletion, hold up the owner's removal). JobGone if it is gone."""
+        collected again (and, in a foreground deletion, hold up the owner's removal). Gone if it is gone."""
         kind = kube.ROLLOUTPOOL if tracked.kind == c.POOL_KIND else kube.GRPOLORAJOB
         found = await self.client.get(kind, tracked.namespace, tracked.name)
         if found is None or (found.get("metadata") or {}).get("uid") != tracked.uid:
-            raise JobGone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
+            raise Gone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
         self._mark_deleting(tracked, found)
         return _deleting(tracked.body)
 
@@ -312,7 +313,7 @@ class Controller:
 
     # ---- the pass ----------------------------------------------------------------------------------------
 
-    async def _pass(self, job: _Job, *, full: bool) -> rec.Decision:
+    async def _pass(self, job: _Tracked, *, full: bool) -> rec.Decision:
         """One reconcile pass (full: children read from the API; see the module docstring)."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
@@ -389,7 +390,7 @@ class Controller:
 
     # ---- the pool's pass -----------------------------------------------------------------------------------
 
-    async def _pool_pass(self, pool: _Job, *, full: bool) -> PoolPass:
+    async def _pool_pass(self, pool: _Tracked, *, full: bool) -> PoolPass:
         """One pass of a RolloutPool. Full (its handlers, a job of it that came, finished or went, and every
         resync): decide its attachments (it alone does) from a list of its namespace's jobs, write them to the Secret
         its servers read, keep its children. Light (the monitor's interval otherwise): read only its replicas (the
@@ -483,7 +484,7 @@ class Controller:
         await self._record_pool(pool, status)
         return PoolPass()
 
-    async def _pool_light_pass(self, pool: _Job, old: PoolStatus) -> PoolPass:
+    async def _pool_light_pass(self, pool: _Tracked, old: PoolStatus) -> PoolPass:
         """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
         rollout_pool = parse_pool(pool.body)  # valid: a full pass wrote a status for this generation
         pool_plan = plan_pool(rollout_pool)
@@ -545,7 +546,7 @@ class Controller:
         jobs = [entries.get(key) or kept[key] for key in admission.attached]
         return Attachments(pool=rollout_pool.name, jobs=jobs), admission
 
-    async def _record_pool(self, pool: _Job, status: PoolStatus) -> None:
+    async def _record_pool(self, pool: _Tracked, status: PoolStatus) -> None:
         """Write the pool's status (once per pass, skipped when unchanged), then let its jobs see it at once."""
         patch = rec.status_patch(pool.status, status)
         if patch is None:
@@ -554,11 +555,11 @@ class Controller:
             kube.ROLLOUTPOOL, pool.namespace, pool.name, {"status": patch}, subresource="status"
         )
         if written is None:
-            raise JobGone(f"RolloutPool {pool.namespace}/{pool.name}")
+            raise Gone(f"RolloutPool {pool.namespace}/{pool.name}")
         pool.status = dict(written.get("status") or status.to_wire())
         self._pool_seen(pool.namespace, pool.name, dict(written), written)
 
-    async def _create(self, job: _Job, obj: Mapping[str, Any]) -> bool:
+    async def _create(self, job: _Tracked, obj: Mapping[str, Any]) -> bool:
         """Create if absent (False on 409); an API refusal becomes ChildRefused."""
         try:
             new = await self.client.create(obj)
@@ -568,7 +569,7 @@ class Controller:
             logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
         return new
 
-    async def _ensure_kept_children(self, job: _Job, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
+    async def _ensure_kept_children(self, job: _Tracked, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
         """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
         assert view.job is not None
         if view.record_applied is not None:
@@ -578,7 +579,7 @@ class Controller:
                 kube.GRPOLORAJOB, job.namespace, job.name, {"metadata": {"annotations": annotations}}
             )
             if patched is None:
-                raise JobGone(f"{job.namespace}/{job.name}")
+                raise Gone(f"{job.namespace}/{job.name}")
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent). One made again for
         # a running job (its Secret was deleted) re-keys the job as a whole (reconcile.decide, status.tokenDigest).
@@ -631,8 +632,8 @@ class Controller:
         key = (kind.kind, namespace, name)
         if kind == kube.KUEUE_WORKLOAD and not self.queue_watched:
             full = True  # no watch keeps the cache fresh
-        if not full and key in self.workloads:
-            cached = self.workloads[key]
+        if not full and key in self.cache:
+            cached = self.cache[key]
             return None if cached is None else dict(cached)
         found = await self.client.get(kind, namespace, name)
         if found is not None:
@@ -641,7 +642,7 @@ class Controller:
 
     async def _observe(
         self,
-        job: _Job,
+        job: _Tracked,
         view: rec.JobView,
         old: JobStatus,
         blocked: list[rec.ChildRef],
@@ -713,10 +714,10 @@ class Controller:
         assert view.job is not None and view.job.spec.inference.pool_ref is not None
         name = view.job.spec.inference.pool_ref.name
         key = (c.POOL_KIND, view.namespace, name)
-        if full or key not in self.workloads:
+        if full or key not in self.cache:
             found = await self.client.get(kube.ROLLOUTPOOL, view.namespace, name)
             self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
-        body = self.workloads.get(key)
+        body = self.cache.get(key)
         return pools.pool_view(name, body)
 
     async def _trainer_pods_left(self, view: rec.JobView) -> int:
@@ -772,7 +773,7 @@ class Controller:
         found = await asyncio.gather(*(read(name) for name in names_))
         return dict(zip(names_, found, strict=True))
 
-    async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
+    async def _claims(self, job: _Tracked, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
         """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
         assert view.job is not None
         uses = rec.volume_uses(view.job.spec)
@@ -783,13 +784,13 @@ class Controller:
         }
         return job.claims
 
-    async def _change_workloads(self, job: _Job, decision: rec.Decision) -> bool:
+    async def _change_workloads(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Delete, then create (never the same name in one pass); False if a create found the name taken (409)."""
         # What we change, the watch reports later: read it from the API until then.
         for kind, name in [(r.kind, r.name) for r in decision.delete] + [
             (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
         ]:
-            self.workloads.pop((kind, job.namespace, name), None)
+            self.cache.pop((kind, job.namespace, name), None)
         # In the foreground: a workload stays (with a deletionTimestamp) until its pods are gone, so a decision that
         # sees it absent knows its pods are gone too (a restart, a resume or a re-admission never overlaps them).
         await asyncio.gather(
@@ -803,7 +804,7 @@ class Controller:
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
         return all(created)
 
-    async def _write_queue_workload(self, job: _Job, decision: rec.Decision) -> bool:
+    async def _write_queue_workload(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch
         holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
         so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
@@ -831,7 +832,7 @@ class Controller:
             if exc.status != 409:
                 raise
             logger.info("%s/%s: the Kueue Workload changed meanwhile; deciding again", job.namespace, job.name)
-            self.workloads.pop(key, None)
+            self.cache.pop(key, None)
             return False
         if written is not None:
             self._remember(key, dict(written), written)
@@ -839,7 +840,7 @@ class Controller:
                 logger.info("%s/%s: gave the Kueue Workload's quota back after its eviction", job.namespace, job.name)
         return True
 
-    async def _record(self, job: _Job, decision: rec.Decision) -> bool:
+    async def _record(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
         delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
         patch = rec.status_patch(job.status, decision.status)
@@ -848,7 +849,7 @@ class Controller:
                 kube.GRPOLORAJOB, job.namespace, job.name, {"status": patch}, subresource="status"
             )
             if written is None:
-                raise JobGone(f"{job.namespace}/{job.name}")
+                raise Gone(f"{job.namespace}/{job.name}")
             job.status = dict(written.get("status") or decision.status.to_wire())
         self.metrics.set_job(job.namespace, job.name, decision.status)
         queue_written = await self._write_queue_workload(job, decision)
@@ -861,12 +862,12 @@ class Controller:
         if decision.delete_job:
             await self.client.delete(kube.GRPOLORAJOB, job.namespace, job.name)
             logger.info("%s/%s: deleted after ttlSecondsAfterFinished", job.namespace, job.name)
-            raise JobGone(f"{job.namespace}/{job.name}")
+            raise Gone(f"{job.namespace}/{job.name}")
         return queue_written
 
     # ---- monitors ----------------------------------------------------------------------------------------
 
-    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> _Job:
+    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> _Tracked:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", "default"), meta.get("name", ""))
         uid = meta.get("uid", "")
@@ -875,7 +876,7 @@ class Controller:
         if job is None or job.uid != uid:  # new, or deleted and re-created under the same name
             if job is not None:
                 forget(*key)
-            job = _Job(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
+            job = _Tracked(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
             table[key] = job
         else:
             known = (job.body.get("metadata") or {}).get("annotations") or {}
@@ -886,7 +887,7 @@ class Controller:
                 annotations[names.APPLIED_SPEC_ANNOTATION] = applied  # the event predates our own write
         return job
 
-    def _schedule(self, job: _Job, decision: rec.Decision | PoolPass) -> None:
+    def _schedule(self, job: _Tracked, decision: rec.Decision | PoolPass) -> None:
         if decision.idle:
             return
         loop = asyncio.get_running_loop()
@@ -901,7 +902,7 @@ class Controller:
             return decision.requeue_after
         return self.config.interval * (1 + random.uniform(0, self.config.jitter))
 
-    async def _monitor(self, job: _Job) -> None:
+    async def _monitor(self, job: _Tracked) -> None:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
@@ -922,7 +923,7 @@ class Controller:
                             if job.kind == c.POOL_KIND
                             else await self._pass(job, full=loop.time() >= job.next_full)
                         )
-            except JobGone:
+            except Gone:
                 (self.forget_pool if job.kind == c.POOL_KIND else self.forget)(job.namespace, job.name)
                 return
             except Exception as exc:
