@@ -24,7 +24,6 @@ cluster needs cleaning up (children go by ownerReferences).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import datetime
@@ -36,13 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from grpolora.api import constants as c
-from grpolora.api.load import InvalidJob, parse_pool
-from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
-from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment, token_fingerprint
-from grpolora.api.spec import RolloutPool
+from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool
+from grpolora.api.pool import token_fingerprint
 from grpolora.api.status import JobStatus, PoolStatus
-from grpolora.operator import builders, kube, names, pools
+from grpolora.operator import kube, names, pools
 from grpolora.operator import observe as obs
+from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import Gate, Standalone
@@ -77,14 +75,6 @@ class ChildRefused(Exception):
         super().__init__(str(error))
         self.error = error
         self.refusal = rec.Refusal(obj["kind"], obj["metadata"]["name"], error.status, error.message or error.reason)
-
-
-@dataclass(frozen=True)
-class PoolPass:
-    """What a RolloutPool's pass leaves to its monitor (the counterpart of reconcile.Decision for jobs)."""
-
-    idle: bool = False
-    requeue_after: float | None = None
 
 
 @dataclass
@@ -170,7 +160,7 @@ class Controller:
         self._schedule(job, decision)
         return decision
 
-    async def reconcile_pool(self, body: Mapping[str, Any]) -> PoolPass:
+    async def reconcile_pool(self, body: Mapping[str, Any]) -> pr.PoolDecision:
         """A pass for a created, resumed or changed RolloutPool; then make sure its monitor runs."""
         pool = self._track(body, kind=c.POOL_KIND)
         try:
@@ -390,161 +380,100 @@ class Controller:
 
     # ---- the pool's pass -----------------------------------------------------------------------------------
 
-    async def _pool_pass(self, pool: _Tracked, *, full: bool) -> PoolPass:
-        """One pass of a RolloutPool. Full (its handlers, a job of it that came, finished or went, and every
-        resync): decide its attachments (it alone does) from a list of its namespace's jobs, write them to the Secret
-        its servers read, keep its children. Light (the monitor's interval otherwise): read only its replicas (the
-        StatefulSet, each one's GET /v1/adapter). Either writes its status once (which its jobs read)."""
-        namespace, name = pool.namespace, pool.name
-        meta = pool.body.get("metadata") or {}
+    async def _pool_pass(self, pool: _Tracked, *, full: bool) -> pr.PoolDecision:
+        """One pass of a RolloutPool: read, let the pure `decide_pool` choose, create or rewrite its children, write
+        its status once (which its jobs read). Full (its handlers, a job of it that came, finished or went, and every
+        resync): it decides its attachments (it alone does) from a list of its namespace's jobs and writes them to the
+        Secret its servers read, and keeps its children. Light (the monitor's interval otherwise): it reads only its
+        replicas (the StatefulSet, each one's GET /v1/adapter)."""
+        view = pr.pool_pass_view(pool.body)
         old = pools.stored_pool_status(pool.status)
-        generation = meta.get("generation")
-        if _deleting(pool.body):
-            return PoolPass(idle=True)  # the collector is removing its children: nothing to keep any more
-        if not full and old.observed_generation == generation and old.replicas is not None:
-            return await self._pool_light_pass(pool, old)
-        pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
-        try:
-            rollout_pool = parse_pool(pool.body)
-        except InvalidJob as exc:
-            problems = [str(p) for p in exc.problems]
-            await self._record_pool(
-                pool, pools.invalid_pool_status(old, problems, generation=generation, now=self.clock())
-            )
-            return PoolPass(idle=True)
-        pool_plan = plan_pool(rollout_pool)
-        children = pool_child_names(name)
-        listed, secret = await asyncio.gather(
-            self.client.list(kube.GRPOLORAJOB, namespace, {}),
-            self.client.get(kube.SECRET, namespace, children["jobs"]),
-        )
-        if secret is not None and obs.controller_uid(secret) != pool.uid:
-            # Still the Secret of a deleted pool of the same name: the garbage collector removes it shortly.
-            return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
-        previous = builders.attachments_of(secret)
-        attachments, admission = await self._admit(rollout_pool, listed, previous.jobs if previous else [])
-        objects = builders.build_pool_children(
-            pool_plan, owner_uid=pool.uid, attachments=attachments, operator_namespace=self.config.operator_namespace
-        )
-        # The Secret first, then the NetworkPolicy: the servers and the network know a job before its status says
-        # it is attached (which starts its trainer).
-        statefulset = None
-        for obj in objects:
-            current = (
-                secret
-                if obj["kind"] == "Secret"
-                else await self.client.get(kube.kind_of(obj), namespace, obj["metadata"]["name"])
-            )
-            if current is not None and obs.controller_uid(current) != pool.uid:
-                return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
-            rewritten = _POOL_REWRITTEN.get(obj["kind"])
-            if current is None and await self._owner_deleting(pool):
-                return PoolPass(idle=True)
+        observed = pr.PoolObserved()
+        if not view.deleting:
+            light = not full and old.observed_generation == view.generation and old.replicas is not None
+            if light and view.pool is not None:
+                observed = await self._pool_observe_light(view)
+            else:
+                pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
+                if view.pool is not None:
+                    observed = await self._pool_observe(view)
+        decision = pr.decide_pool(view, old, observed, self.clock(), operator_namespace=self.config.operator_namespace)
+        if decision.writes:
+            if any(write.patch is None for write in decision.writes) and await self._owner_deleting(pool):
+                return pr.PoolDecision(idle=True)
             try:
-                if current is None:
+                await self._write_pool_children(view, decision)
+            except ChildRefused as refused:
+                kind, name, message = refused.refusal.kind, refused.refusal.name, refused.refusal.message
+                status = pools.refused_pool_status(
+                    old, kind, name, message, generation=view.generation, now=self.clock()
+                )
+                await self._record_pool(pool, status)
+                pool.next_full = 0.0  # try again at the next interval, not at the next resync
+                return pr.PoolDecision()
+        if decision.status is not None:
+            await self._record_pool(pool, decision.status)
+        return decision
+
+    async def _pool_observe(self, view: pr.PoolPassView) -> pr.PoolObserved:
+        """A full pass's reads: the namespace's jobs and the pool's children, then the token Secrets of the jobs about
+        to attach and the replicas' adapter reports."""
+        assert view.pool is not None
+        refs = pr.child_refs(view, self.config.operator_namespace)
+        listed, *found = await asyncio.gather(
+            self.client.list(kube.GRPOLORAJOB, view.namespace, {}),
+            *(self.client.get(kube.KINDS[kind], view.namespace, name) for kind, name in refs),
+        )
+        children = dict(zip(refs, found, strict=True))
+        reads = pr.token_reads(view, listed, pr.previous_attachments(view, children))
+        statefulset = children.get(pr.statefulset_ref(plan_pool(view.pool)))
+        reports, *tokens = await asyncio.gather(
+            self._adapter_reports(plan_pool(view.pool), view, statefulset),
+            *(self.client.get(kube.SECRET, view.namespace, pr.token_secret_name(key)) for key in reads),
+        )
+        return pr.PoolObserved(
+            jobs=tuple(listed), children=children, tokens=dict(zip(reads, tokens, strict=True)), reports=reports
+        )
+
+    async def _pool_observe_light(self, view: pr.PoolPassView) -> pr.PoolObserved:
+        """A light pass's reads: the servers' StatefulSet, and their adapter reports."""
+        assert view.pool is not None  # valid: a full pass wrote a status for this generation
+        pool_plan = plan_pool(view.pool)
+        ref = pr.statefulset_ref(pool_plan)
+        statefulset = await self.client.get(kube.STATEFULSET, view.namespace, ref[1])
+        reports = await self._adapter_reports(pool_plan, view, statefulset)
+        return pr.PoolObserved(children={ref: statefulset}, reports=reports)
+
+    async def _write_pool_children(self, view: pr.PoolPassView, decision: pr.PoolDecision) -> None:
+        """Create or rewrite the pool's children in the decision's order; an API refusal names the child refused."""
+        for write in decision.writes:
+            obj = write.obj
+            try:
+                if write.patch is None:
                     await self.client.create(obj)
-                elif rewritten and current.get(rewritten) != obj[rewritten]:
-                    patch = {rewritten: obj[rewritten]}
-                    await self.client.patch(kube.kind_of(obj), namespace, obj["metadata"]["name"], patch)
+                else:
+                    await self.client.patch(kube.kind_of(obj), view.namespace, obj["metadata"]["name"], write.patch)
                     logger.info(
-                        "%s/%s: RolloutPool: updated %s %s", namespace, name, obj["kind"], obj["metadata"]["name"]
-                    )
+                        "%s/%s: RolloutPool: updated %s %s",
+                        view.namespace, view.name, obj["kind"], obj["metadata"]["name"],
+                    )  # fmt: skip
             except kube.ApiError as exc:
                 if exc.transient:
                     raise
                 logger.warning(
-                    "%s/%s: RolloutPool: %s %s refused: %s", namespace, name, obj["kind"], obj["metadata"]["name"], exc
-                )
-                refused = pools.refused_pool_status(
-                    old,
-                    obj["kind"],
-                    obj["metadata"]["name"],
-                    exc.message or exc.reason,
-                    generation=generation,
-                    now=self.clock(),
-                )
-                await self._record_pool(pool, refused)
-                pool.next_full = 0.0  # try again at the next interval, not at the next resync
-                return PoolPass()
-            if obj["kind"] == "StatefulSet":
-                statefulset = current
-        reports = await self._adapter_reports(pool_plan, statefulset)
-        uids = {entry.job: entry.uid for entry in attachments.jobs}
-        status = pools.pool_status(
-            rollout_pool,
-            old,
-            admission,
-            uids,
-            statefulset,
-            reports,
-            generation=generation,
-            now=self.clock(),
-            tokens={entry.job: entry.fingerprint for entry in attachments.jobs},
-        )
-        await self._record_pool(pool, status)
-        return PoolPass()
-
-    async def _pool_light_pass(self, pool: _Tracked, old: PoolStatus) -> PoolPass:
-        """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
-        rollout_pool = parse_pool(pool.body)  # valid: a full pass wrote a status for this generation
-        pool_plan = plan_pool(rollout_pool)
-        statefulset = await self.client.get(kube.STATEFULSET, pool.namespace, pool_plan.inference.workload_name)
-        if statefulset is not None and obs.controller_uid(statefulset) != pool.uid:
-            statefulset = None
-        reports = await self._adapter_reports(pool_plan, statefulset)
-        attached = {entry.job: entry.uid for entry in old.attached_jobs}
-        admission = Admission(tuple(attached), tuple(old.waiting_jobs))
-        status = pools.pool_status(
-            rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
-            now=self.clock(), tokens={entry.job: entry.token_digest for entry in old.attached_jobs},
-        )  # fmt: skip
-        await self._record_pool(pool, status)
-        return PoolPass()
+                    "%s/%s: RolloutPool: %s %s refused: %s",
+                    view.namespace, view.name, obj["kind"], obj["metadata"]["name"], exc,
+                )  # fmt: skip
+                raise ChildRefused(exc, obj) from exc
 
     async def _adapter_reports(
-        self, pool_plan: PoolPlan, statefulset: Mapping[str, Any] | None
-    ) -> list[dict[str, Any] | None]:
-        """Each replica's open GET /v1/adapter (None where it does not answer); none while no replica is ready."""
-        if statefulset is None or not obs.statefulset_ready(statefulset):
-            return []
-        return list(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
-
-    async def _admit(
-        self, rollout_pool: RolloutPool, listed: list[dict[str, Any]], previous: list[Attachment]
-    ) -> tuple[Attachments, Admission]:
-        """The attachment list (and the admission it follows): `admit` over the jobs that name the pool, with the
-        token digest of each newly attached job read from its token Secret (one whose Secret is not there yet keeps
-        waiting). Entries of jobs attached before are kept as they are (their Secrets are not read again)."""
-        candidates = {found.key: found for body in listed if (found := pools.candidate(body, rollout_pool)) is not None}
-        kept = {entry.job: entry for entry in previous}
-        entries: dict[str, Attachment] = {}
-        not_ready: set[str] = set()
-        while True:
-            line = [dataclasses.replace(found, ready=key not in not_ready) for key, found in candidates.items()]
-            admission = admit(rollout_pool.spec.max_jobs, line, previous)
-            new = [
-                key
-                for key in admission.attached
-                if key not in entries and not (key in kept and _still_valid(kept[key], candidates[key]))
-            ]
-            if not new:
-                break
-            secrets_ = await asyncio.gather(
-                *(
-                    self.client.get(kube.SECRET, rollout_pool.namespace, child_names(key.partition("/")[2])["token"])
-                    for key in new
-                )
-            )
-            for key, secret in zip(new, secrets_, strict=True):
-                found = candidates[key]
-                token = _token_of(secret) if secret is not None and obs.controller_uid(secret) == found.uid else None
-                if token is None or found.job is None:
-                    not_ready.add(key)
-                else:
-                    namespace, _, job_name = key.partition("/")
-                    entries[key] = attachment(namespace, job_name, found.uid, token, found.job.spec)
-        jobs = [entries.get(key) or kept[key] for key in admission.attached]
-        return Attachments(pool=rollout_pool.name, jobs=jobs), admission
+        self, pool_plan: PoolPlan, view: pr.PoolPassView, statefulset: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, ...]:
+        """Each replica's open GET /v1/adapter (None where it does not answer); none while no replica of the pool's
+        own StatefulSet is ready."""
+        if statefulset is None or obs.controller_uid(statefulset) != view.uid or not obs.statefulset_ready(statefulset):
+            return ()
+        return tuple(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
 
     async def _record_pool(self, pool: _Tracked, status: PoolStatus) -> None:
         """Write the pool's status (once per pass, skipped when unchanged), then let its jobs see it at once."""
@@ -619,7 +548,7 @@ class Controller:
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             if existing is not None and obj["kind"] == "Secret":
-                token = _token_of(existing)
+                token = pr.token_of(existing)
                 job.token = token_fingerprint(token) if token else None
             return None
 
@@ -887,7 +816,7 @@ class Controller:
                 annotations[names.APPLIED_SPEC_ANNOTATION] = applied  # the event predates our own write
         return job
 
-    def _schedule(self, job: _Tracked, decision: rec.Decision | PoolPass) -> None:
+    def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision) -> None:
         if decision.idle:
             return
         loop = asyncio.get_running_loop()
@@ -897,7 +826,7 @@ class Controller:
         else:
             job.wake.set()
 
-    def _delay(self, decision: rec.Decision | PoolPass) -> float:
+    def _delay(self, decision: rec.Decision | pr.PoolDecision) -> float:
         if decision.requeue_after is not None:
             return decision.requeue_after
         return self.config.interval * (1 + random.uniform(0, self.config.jitter))
@@ -918,7 +847,7 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
-                        decision: rec.Decision | PoolPass = (
+                        decision: rec.Decision | pr.PoolDecision = (
                             await self._pool_pass(job, full=loop.time() >= job.next_full)
                             if job.kind == c.POOL_KIND
                             else await self._pass(job, full=loop.time() >= job.next_full)
@@ -956,23 +885,3 @@ def _pool_facts(body: Mapping[str, Any] | None) -> Any:
     status = body.get("status") or {}
     attached = [(j.get("job"), j.get("uid")) for j in status.get("attachedJobs") or []]
     return (body.get("spec"), attached, status.get("waitingJobs"), status.get("replicas"))
-
-
-# What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
-# list, and the NetworkPolicy that admits exactly the attached jobs.
-_POOL_REWRITTEN: Final = {"Secret": "data", "NetworkPolicy": "spec"}
-
-
-def _still_valid(entry: Attachment, found: pools.Candidate) -> bool:
-    """An attachment entry the pool keeps as it is: the same job (uid), holding the token its pods were created with
-    (a re-keyed job's entry is made again from its new token)."""
-    return entry.uid == found.uid and (not found.token or entry.fingerprint == found.token)
-
-
-def _token_of(secret: Mapping[str, Any]) -> str | None:
-    """A job's token from its Secret (`data`, base64, as a real API server returns it; `stringData` as written)."""
-    written = (secret.get("stringData") or {}).get(c.TOKEN_SECRET_KEY)
-    if written:
-        return str(written)
-    encoded = (secret.get("data") or {}).get(c.TOKEN_SECRET_KEY)
-    return base64.b64decode(encoded).decode() if encoded else None
