@@ -426,9 +426,9 @@ class Controller:
         )
         children = dict(zip(refs, found, strict=True))
         reads = pr.token_reads(view, listed, pr.previous_attachments(view, children))
-        statefulset = children.get(pr.statefulset_ref(plan_pool(view.pool)))
+        pool_plan = plan_pool(view.pool)
         reports, *tokens = await asyncio.gather(
-            self._adapter_reports(plan_pool(view.pool), view, statefulset),
+            self._adapter_reports(pool_plan, view, children.get(pr.statefulset_ref(pool_plan))),
             *(self.client.get(kube.SECRET, view.namespace, pr.token_secret_name(key)) for key in reads),
         )
         return pr.PoolObserved(
