@@ -131,6 +131,9 @@ def token_reads(view: PoolPassView, jobs: Sequence[K8sObject], previous: Sequenc
 def decide_pool(
     view: PoolPassView, old: PoolStatus, observed: PoolObserved, now: datetime.datetime, *, operator_namespace: str
 ) -> PoolDecision:
+    """A full pass (observed.jobs listed): the attachments, the children to create or rewrite, the status. A light
+    pass: the status only, from the replicas' state. Nothing while a deleted pool's child of the same name remains
+    (retried soon), or while the pool is being deleted; an invalid pool gets its status and nothing else."""
     if view.deleting:
         return PoolDecision(idle=True)  # the collector is removing its children: nothing to keep any more
     if view.pool is None:
