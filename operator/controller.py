@@ -24,7 +24,6 @@ cluster needs cleaning up (children go by ownerReferences).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import dataclasses
 import datetime
@@ -36,13 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any, Final
 
 from grpolora.api import constants as c
-from grpolora.api.load import InvalidJob, parse_pool
-from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool, pool_child_names
-from grpolora.api.pool import Admission, Attachment, Attachments, admit, attachment, token_fingerprint
-from grpolora.api.spec import RolloutPool
+from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool
+from grpolora.api.pool import token_fingerprint
 from grpolora.api.status import JobStatus, PoolStatus
-from grpolora.operator import builders, kube, names, pools
+from grpolora.operator import kube, names, pools
 from grpolora.operator import observe as obs
+from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import Gate, Standalone
@@ -66,8 +64,8 @@ class ControllerConfig:
     """Where the operator runs: the jobs' NetworkPolicies admit its /status polls from there only."""
 
 
-class JobGone(Exception):
-    """The GRPOLoraJob no longer exists (deleted, or removed after its TTL)."""
+class Gone(Exception):
+    """The GRPOLoraJob or RolloutPool no longer exists (deleted, or a job removed after its TTL)."""
 
 
 class ChildRefused(Exception):
@@ -79,16 +77,8 @@ class ChildRefused(Exception):
         self.refusal = rec.Refusal(obj["kind"], obj["metadata"]["name"], error.status, error.message or error.reason)
 
 
-@dataclass(frozen=True)
-class PoolPass:
-    """What a RolloutPool's pass leaves to its monitor (the counterpart of reconcile.Decision for jobs)."""
-
-    idle: bool = False
-    requeue_after: float | None = None
-
-
 @dataclass
-class _Job:
+class _Tracked:
     """A GRPOLoraJob or RolloutPool (`kind`) the operator follows: its last body and status, its pass lock, its
     monitor."""
 
@@ -140,14 +130,15 @@ class Controller:
         self.config = config or ControllerConfig()
         self.gate: Gate = gate or Standalone()
         self.clock = clock
-        self.jobs: dict[tuple[str, str], _Job] = {}
-        self.pools: dict[tuple[str, str], _Job] = {}
+        self.jobs: dict[tuple[str, str], _Tracked] = {}
+        self.pools: dict[tuple[str, str], _Tracked] = {}
         """The RolloutPools, by (namespace, name)."""
         self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
         """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it)."""
-        self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
-        """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
-        namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
+        self.cache: dict[tuple[str, str, str], dict[str, Any] | None] = {}
+        """What the watches (or a full pass's reads) last showed, by (kind, namespace, name): the jobs' workloads
+        (trainer Jobs, inference StatefulSets), their Kueue Workloads, and the RolloutPools their jobs read. None:
+        seen deleted. Absent: not seen (read from the API instead)."""
         self.queue_watched = True
         """Kueue's Workloads come from a watch. False when Kueue was not installed when the operator started: Kopf
         discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
@@ -163,20 +154,20 @@ class Controller:
             with self.metrics.timed("reconcile"):
                 async with job.lock:
                     decision = await self._pass(job, full=True)
-        except JobGone:
+        except Gone:
             self.forget(job.namespace, job.name)
             raise
         self._schedule(job, decision)
         return decision
 
-    async def reconcile_pool(self, body: Mapping[str, Any]) -> PoolPass:
+    async def reconcile_pool(self, body: Mapping[str, Any]) -> pr.PoolDecision:
         """A pass for a created, resumed or changed RolloutPool; then make sure its monitor runs."""
         pool = self._track(body, kind=c.POOL_KIND)
         try:
             with self.metrics.timed("pool"):
                 async with pool.lock:
                     decision = await self._pool_pass(pool, full=True)
-        except JobGone:
+        except Gone:
             self.forget_pool(pool.namespace, pool.name)
             raise
         self._schedule(pool, decision)
@@ -233,19 +224,19 @@ class Controller:
     ) -> None:
         """Cache a pool as the watch (or, `read`, the API) shows it; wake its jobs if what they read changed."""
         key = (c.POOL_KIND, namespace, name)
-        before = self.workloads.get(key)
+        before = self.cache.get(key)
         if read and value is None:
-            self.workloads[key] = None  # a 404 from the API: gone now, whatever the watch last said
+            self.cache[key] = None  # a 404 from the API: gone now, whatever the watch last said
         else:
             self._remember(key, value, seen)
-        if _pool_facts(self.workloads.get(key)) != _pool_facts(before):
+        if _pool_facts(self.cache.get(key)) != _pool_facts(before):
             for job in list(self.jobs.values()):
                 spec = (job.body.get("spec") or {}).get("inference") or {}
                 if job.namespace == namespace and (spec.get("poolRef") or {}).get("name") == name:
                     self._wake(job)
 
     @staticmethod
-    def _wake(tracked: _Job | None) -> None:
+    def _wake(tracked: _Tracked | None) -> None:
         """Run the job's (or pool's) next monitor pass now."""
         if tracked is not None and tracked.task is not None and not tracked.task.done():
             tracked.due = min(tracked.due, asyncio.get_running_loop().time())
@@ -261,10 +252,10 @@ class Controller:
     def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
         """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
         behind a full pass's read must not undo it (e.g. bring back a Workload's admission after its eviction)."""
-        cached = self.workloads.get(key)
+        cached = self.cache.get(key)
         if cached is not None and _version(seen) < _version(cached):
             return
-        self.workloads[key] = value
+        self.cache[key] = value
 
     def deleting(self, body: Mapping[str, Any]) -> None:
         """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
@@ -272,7 +263,7 @@ class Controller:
         meta = body.get("metadata") or {}
         self._mark_deleting(self.jobs.get((meta.get("namespace", ""), meta.get("name", ""))), body)
 
-    def _mark_deleting(self, tracked: _Job | None, body: Mapping[str, Any]) -> None:
+    def _mark_deleting(self, tracked: _Tracked | None, body: Mapping[str, Any]) -> None:
         """Record a followed job's or pool's deletionTimestamp (handlers pass only spec changes) and run a pass."""
         meta = body.get("metadata") or {}
         if tracked is None or tracked.uid != meta.get("uid") or not meta.get("deletionTimestamp"):
@@ -280,14 +271,14 @@ class Controller:
         tracked.body.setdefault("metadata", {})["deletionTimestamp"] = meta["deletionTimestamp"]
         self._wake(tracked)
 
-    async def _owner_deleting(self, tracked: _Job) -> bool:
+    async def _owner_deleting(self, tracked: _Tracked) -> bool:
         """Read the job (or pool) itself before creating a child for it: the collector may already be removing its
         children while our watch has not yet delivered its deletionTimestamp, and a child created now would only be
-        collected again (and, in a foreground deletion, hold up the owner's removal). JobGone if it is gone."""
+        collected again (and, in a foreground deletion, hold up the owner's removal). Gone if it is gone."""
         kind = kube.ROLLOUTPOOL if tracked.kind == c.POOL_KIND else kube.GRPOLORAJOB
         found = await self.client.get(kind, tracked.namespace, tracked.name)
         if found is None or (found.get("metadata") or {}).get("uid") != tracked.uid:
-            raise JobGone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
+            raise Gone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
         self._mark_deleting(tracked, found)
         return _deleting(tracked.body)
 
@@ -312,7 +303,7 @@ class Controller:
 
     # ---- the pass ----------------------------------------------------------------------------------------
 
-    async def _pass(self, job: _Job, *, full: bool) -> rec.Decision:
+    async def _pass(self, job: _Tracked, *, full: bool) -> rec.Decision:
         """One reconcile pass (full: children read from the API; see the module docstring)."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         view = rec.job_view({**job.body, "status": job.status})
@@ -389,163 +380,102 @@ class Controller:
 
     # ---- the pool's pass -----------------------------------------------------------------------------------
 
-    async def _pool_pass(self, pool: _Job, *, full: bool) -> PoolPass:
-        """One pass of a RolloutPool. Full (its handlers, a job of it that came, finished or went, and every
-        resync): decide its attachments (it alone does) from a list of its namespace's jobs, write them to the Secret
-        its servers read, keep its children. Light (the monitor's interval otherwise): read only its replicas (the
-        StatefulSet, each one's GET /v1/adapter). Either writes its status once (which its jobs read)."""
-        namespace, name = pool.namespace, pool.name
-        meta = pool.body.get("metadata") or {}
+    async def _pool_pass(self, pool: _Tracked, *, full: bool) -> pr.PoolDecision:
+        """One pass of a RolloutPool: read, let the pure `decide_pool` choose, create or rewrite its children, write
+        its status once (which its jobs read). Full (its handlers, a job of it that came, finished or went, and every
+        resync): it decides its attachments (it alone does) from a list of its namespace's jobs and writes them to the
+        Secret its servers read, and keeps its children. Light (the monitor's interval otherwise): it reads only its
+        replicas (the StatefulSet, each one's GET /v1/adapter)."""
+        view = pr.pool_pass_view(pool.body)
         old = pools.stored_pool_status(pool.status)
-        generation = meta.get("generation")
-        if _deleting(pool.body):
-            return PoolPass(idle=True)  # the collector is removing its children: nothing to keep any more
-        if not full and old.observed_generation == generation and old.replicas is not None:
-            return await self._pool_light_pass(pool, old)
-        pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
-        try:
-            rollout_pool = parse_pool(pool.body)
-        except InvalidJob as exc:
-            problems = [str(p) for p in exc.problems]
-            await self._record_pool(
-                pool, pools.invalid_pool_status(old, problems, generation=generation, now=self.clock())
-            )
-            return PoolPass(idle=True)
-        pool_plan = plan_pool(rollout_pool)
-        children = pool_child_names(name)
-        listed, secret = await asyncio.gather(
-            self.client.list(kube.GRPOLORAJOB, namespace, {}),
-            self.client.get(kube.SECRET, namespace, children["jobs"]),
-        )
-        if secret is not None and obs.controller_uid(secret) != pool.uid:
-            # Still the Secret of a deleted pool of the same name: the garbage collector removes it shortly.
-            return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
-        previous = builders.attachments_of(secret)
-        attachments, admission = await self._admit(rollout_pool, listed, previous.jobs if previous else [])
-        objects = builders.build_pool_children(
-            pool_plan, owner_uid=pool.uid, attachments=attachments, operator_namespace=self.config.operator_namespace
-        )
-        # The Secret first, then the NetworkPolicy: the servers and the network know a job before its status says
-        # it is attached (which starts its trainer).
-        statefulset = None
-        for obj in objects:
-            current = (
-                secret
-                if obj["kind"] == "Secret"
-                else await self.client.get(kube.kind_of(obj), namespace, obj["metadata"]["name"])
-            )
-            if current is not None and obs.controller_uid(current) != pool.uid:
-                return PoolPass(requeue_after=rec.REPLACE_RECHECK_SECONDS)
-            rewritten = _POOL_REWRITTEN.get(obj["kind"])
-            if current is None and await self._owner_deleting(pool):
-                return PoolPass(idle=True)
+        observed = pr.PoolObserved()
+        if not view.deleting:
+            light = not full and old.observed_generation == view.generation and old.replicas is not None
+            if light and view.pool is not None:
+                observed = await self._pool_observe_light(view)
+            else:
+                pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
+                if view.pool is not None:
+                    observed = await self._pool_observe(view)
+        decision = pr.decide_pool(view, old, observed, self.clock(), operator_namespace=self.config.operator_namespace)
+        if decision.writes:
+            if any(write.patch is None for write in decision.writes) and await self._owner_deleting(pool):
+                return pr.PoolDecision(idle=True)
             try:
-                if current is None:
+                await self._write_pool_children(view, decision)
+            except ChildRefused as refused:
+                kind, name, message = refused.refusal.kind, refused.refusal.name, refused.refusal.message
+                status = pools.refused_pool_status(
+                    old, kind, name, message, generation=view.generation, now=self.clock()
+                )
+                await self._record_pool(pool, status)
+                pool.next_full = 0.0  # try again at the next interval, not at the next resync
+                return pr.PoolDecision()
+        if decision.status is not None:
+            await self._record_pool(pool, decision.status)
+        return decision
+
+    async def _pool_observe(self, view: pr.PoolPassView) -> pr.PoolObserved:
+        """A full pass's reads: the namespace's jobs and the pool's children, then the token Secrets of the jobs about
+        to attach and the replicas' adapter reports."""
+        assert view.pool is not None
+        refs = pr.child_refs(view, self.config.operator_namespace)
+        listed, *found = await asyncio.gather(
+            self.client.list(kube.GRPOLORAJOB, view.namespace, {}),
+            *(self.client.get(kube.KINDS[kind], view.namespace, name) for kind, name in refs),
+        )
+        children = dict(zip(refs, found, strict=True))
+        reads = pr.token_reads(view, listed, pr.previous_attachments(view, children))
+        pool_plan = plan_pool(view.pool)
+        reports, *tokens = await asyncio.gather(
+            self._adapter_reports(pool_plan, view, children.get(pr.statefulset_ref(pool_plan))),
+            *(self.client.get(kube.SECRET, view.namespace, pr.token_secret_name(key)) for key in reads),
+        )
+        return pr.PoolObserved(
+            jobs=tuple(listed), children=children, tokens=dict(zip(reads, tokens, strict=True)), reports=reports
+        )
+
+    async def _pool_observe_light(self, view: pr.PoolPassView) -> pr.PoolObserved:
+        """A light pass's reads: the servers' StatefulSet, and their adapter reports."""
+        assert view.pool is not None  # valid: a full pass wrote a status for this generation
+        pool_plan = plan_pool(view.pool)
+        ref = pr.statefulset_ref(pool_plan)
+        statefulset = await self.client.get(kube.STATEFULSET, view.namespace, ref[1])
+        reports = await self._adapter_reports(pool_plan, view, statefulset)
+        return pr.PoolObserved(children={ref: statefulset}, reports=reports)
+
+    async def _write_pool_children(self, view: pr.PoolPassView, decision: pr.PoolDecision) -> None:
+        """Create or rewrite the pool's children in the decision's order; an API refusal names the child refused."""
+        for write in decision.writes:
+            obj = write.obj
+            try:
+                if write.patch is None:
                     await self.client.create(obj)
-                elif rewritten and current.get(rewritten) != obj[rewritten]:
-                    patch = {rewritten: obj[rewritten]}
-                    await self.client.patch(kube.kind_of(obj), namespace, obj["metadata"]["name"], patch)
+                else:
+                    await self.client.patch(kube.kind_of(obj), view.namespace, obj["metadata"]["name"], write.patch)
                     logger.info(
-                        "%s/%s: RolloutPool: updated %s %s", namespace, name, obj["kind"], obj["metadata"]["name"]
-                    )
+                        "%s/%s: RolloutPool: updated %s %s",
+                        view.namespace, view.name, obj["kind"], obj["metadata"]["name"],
+                    )  # fmt: skip
             except kube.ApiError as exc:
                 if exc.transient:
                     raise
                 logger.warning(
-                    "%s/%s: RolloutPool: %s %s refused: %s", namespace, name, obj["kind"], obj["metadata"]["name"], exc
-                )
-                refused = pools.refused_pool_status(
-                    old,
-                    obj["kind"],
-                    obj["metadata"]["name"],
-                    exc.message or exc.reason,
-                    generation=generation,
-                    now=self.clock(),
-                )
-                await self._record_pool(pool, refused)
-                pool.next_full = 0.0  # try again at the next interval, not at the next resync
-                return PoolPass()
-            if obj["kind"] == "StatefulSet":
-                statefulset = current
-        reports = await self._adapter_reports(pool_plan, statefulset)
-        uids = {entry.job: entry.uid for entry in attachments.jobs}
-        status = pools.pool_status(
-            rollout_pool,
-            old,
-            admission,
-            uids,
-            statefulset,
-            reports,
-            generation=generation,
-            now=self.clock(),
-            tokens={entry.job: entry.fingerprint for entry in attachments.jobs},
-        )
-        await self._record_pool(pool, status)
-        return PoolPass()
-
-    async def _pool_light_pass(self, pool: _Job, old: PoolStatus) -> PoolPass:
-        """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
-        rollout_pool = parse_pool(pool.body)  # valid: a full pass wrote a status for this generation
-        pool_plan = plan_pool(rollout_pool)
-        statefulset = await self.client.get(kube.STATEFULSET, pool.namespace, pool_plan.inference.workload_name)
-        if statefulset is not None and obs.controller_uid(statefulset) != pool.uid:
-            statefulset = None
-        reports = await self._adapter_reports(pool_plan, statefulset)
-        attached = {entry.job: entry.uid for entry in old.attached_jobs}
-        admission = Admission(tuple(attached), tuple(old.waiting_jobs))
-        status = pools.pool_status(
-            rollout_pool, old, admission, attached, statefulset, reports, generation=old.observed_generation,
-            now=self.clock(), tokens={entry.job: entry.token_digest for entry in old.attached_jobs},
-        )  # fmt: skip
-        await self._record_pool(pool, status)
-        return PoolPass()
+                    "%s/%s: RolloutPool: %s %s refused: %s",
+                    view.namespace, view.name, obj["kind"], obj["metadata"]["name"], exc,
+                )  # fmt: skip
+                raise ChildRefused(exc, obj) from exc
 
     async def _adapter_reports(
-        self, pool_plan: PoolPlan, statefulset: Mapping[str, Any] | None
-    ) -> list[dict[str, Any] | None]:
-        """Each replica's open GET /v1/adapter (None where it does not answer); none while no replica is ready."""
-        if statefulset is None or not obs.statefulset_ready(statefulset):
-            return []
-        return list(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
+        self, pool_plan: PoolPlan, view: pr.PoolPassView, statefulset: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any] | None, ...]:
+        """Each replica's open GET /v1/adapter (None where it does not answer); none while no replica of the pool's
+        own StatefulSet is ready."""
+        if statefulset is None or obs.controller_uid(statefulset) != view.uid or not obs.statefulset_ready(statefulset):
+            return ()
+        return tuple(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
 
-    async def _admit(
-        self, rollout_pool: RolloutPool, listed: list[dict[str, Any]], previous: list[Attachment]
-    ) -> tuple[Attachments, Admission]:
-        """The attachment list (and the admission it follows): `admit` over the jobs that name the pool, with the
-        token digest of each newly attached job read from its token Secret (one whose Secret is not there yet keeps
-        waiting). Entries of jobs attached before are kept as they are (their Secrets are not read again)."""
-        candidates = {found.key: found for body in listed if (found := pools.candidate(body, rollout_pool)) is not None}
-        kept = {entry.job: entry for entry in previous}
-        entries: dict[str, Attachment] = {}
-        not_ready: set[str] = set()
-        while True:
-            line = [dataclasses.replace(found, ready=key not in not_ready) for key, found in candidates.items()]
-            admission = admit(rollout_pool.spec.max_jobs, line, previous)
-            new = [
-                key
-                for key in admission.attached
-                if key not in entries and not (key in kept and _still_valid(kept[key], candidates[key]))
-            ]
-            if not new:
-                break
-            secrets_ = await asyncio.gather(
-                *(
-                    self.client.get(kube.SECRET, rollout_pool.namespace, child_names(key.partition("/")[2])["token"])
-                    for key in new
-                )
-            )
-            for key, secret in zip(new, secrets_, strict=True):
-                found = candidates[key]
-                token = _token_of(secret) if secret is not None and obs.controller_uid(secret) == found.uid else None
-                if token is None or found.job is None:
-                    not_ready.add(key)
-                else:
-                    namespace, _, job_name = key.partition("/")
-                    entries[key] = attachment(namespace, job_name, found.uid, token, found.job.spec)
-        jobs = [entries.get(key) or kept[key] for key in admission.attached]
-        return Attachments(pool=rollout_pool.name, jobs=jobs), admission
-
-    async def _record_pool(self, pool: _Job, status: PoolStatus) -> None:
+    async def _record_pool(self, pool: _Tracked, status: PoolStatus) -> None:
         """Write the pool's status (once per pass, skipped when unchanged), then let its jobs see it at once."""
         patch = rec.status_patch(pool.status, status)
         if patch is None:
@@ -554,11 +484,11 @@ class Controller:
             kube.ROLLOUTPOOL, pool.namespace, pool.name, {"status": patch}, subresource="status"
         )
         if written is None:
-            raise JobGone(f"RolloutPool {pool.namespace}/{pool.name}")
+            raise Gone(f"RolloutPool {pool.namespace}/{pool.name}")
         pool.status = dict(written.get("status") or status.to_wire())
         self._pool_seen(pool.namespace, pool.name, dict(written), written)
 
-    async def _create(self, job: _Job, obj: Mapping[str, Any]) -> bool:
+    async def _create(self, job: _Tracked, obj: Mapping[str, Any]) -> bool:
         """Create if absent (False on 409); an API refusal becomes ChildRefused."""
         try:
             new = await self.client.create(obj)
@@ -568,7 +498,7 @@ class Controller:
             logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
         return new
 
-    async def _ensure_kept_children(self, job: _Job, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
+    async def _ensure_kept_children(self, job: _Tracked, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
         """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
         assert view.job is not None
         if view.record_applied is not None:
@@ -578,7 +508,7 @@ class Controller:
                 kube.GRPOLORAJOB, job.namespace, job.name, {"metadata": {"annotations": annotations}}
             )
             if patched is None:
-                raise JobGone(f"{job.namespace}/{job.name}")
+                raise Gone(f"{job.namespace}/{job.name}")
             job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent). One made again for
         # a running job (its Secret was deleted) re-keys the job as a whole (reconcile.decide, status.tokenDigest).
@@ -618,7 +548,7 @@ class Controller:
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             if existing is not None and obj["kind"] == "Secret":
-                token = _token_of(existing)
+                token = pr.token_of(existing)
                 job.token = token_fingerprint(token) if token else None
             return None
 
@@ -631,8 +561,8 @@ class Controller:
         key = (kind.kind, namespace, name)
         if kind == kube.KUEUE_WORKLOAD and not self.queue_watched:
             full = True  # no watch keeps the cache fresh
-        if not full and key in self.workloads:
-            cached = self.workloads[key]
+        if not full and key in self.cache:
+            cached = self.cache[key]
             return None if cached is None else dict(cached)
         found = await self.client.get(kind, namespace, name)
         if found is not None:
@@ -641,7 +571,7 @@ class Controller:
 
     async def _observe(
         self,
-        job: _Job,
+        job: _Tracked,
         view: rec.JobView,
         old: JobStatus,
         blocked: list[rec.ChildRef],
@@ -713,10 +643,10 @@ class Controller:
         assert view.job is not None and view.job.spec.inference.pool_ref is not None
         name = view.job.spec.inference.pool_ref.name
         key = (c.POOL_KIND, view.namespace, name)
-        if full or key not in self.workloads:
+        if full or key not in self.cache:
             found = await self.client.get(kube.ROLLOUTPOOL, view.namespace, name)
             self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
-        body = self.workloads.get(key)
+        body = self.cache.get(key)
         return pools.pool_view(name, body)
 
     async def _trainer_pods_left(self, view: rec.JobView) -> int:
@@ -772,7 +702,7 @@ class Controller:
         found = await asyncio.gather(*(read(name) for name in names_))
         return dict(zip(names_, found, strict=True))
 
-    async def _claims(self, job: _Job, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
+    async def _claims(self, job: _Tracked, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
         """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
         assert view.job is not None
         uses = rec.volume_uses(view.job.spec)
@@ -783,13 +713,13 @@ class Controller:
         }
         return job.claims
 
-    async def _change_workloads(self, job: _Job, decision: rec.Decision) -> bool:
+    async def _change_workloads(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Delete, then create (never the same name in one pass); False if a create found the name taken (409)."""
         # What we change, the watch reports later: read it from the API until then.
         for kind, name in [(r.kind, r.name) for r in decision.delete] + [
             (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
         ]:
-            self.workloads.pop((kind, job.namespace, name), None)
+            self.cache.pop((kind, job.namespace, name), None)
         # In the foreground: a workload stays (with a deletionTimestamp) until its pods are gone, so a decision that
         # sees it absent knows its pods are gone too (a restart, a resume or a re-admission never overlaps them).
         await asyncio.gather(
@@ -803,7 +733,7 @@ class Controller:
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
         return all(created)
 
-    async def _write_queue_workload(self, job: _Job, decision: rec.Decision) -> bool:
+    async def _write_queue_workload(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch
         holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
         so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
@@ -831,7 +761,7 @@ class Controller:
             if exc.status != 409:
                 raise
             logger.info("%s/%s: the Kueue Workload changed meanwhile; deciding again", job.namespace, job.name)
-            self.workloads.pop(key, None)
+            self.cache.pop(key, None)
             return False
         if written is not None:
             self._remember(key, dict(written), written)
@@ -839,7 +769,7 @@ class Controller:
                 logger.info("%s/%s: gave the Kueue Workload's quota back after its eviction", job.namespace, job.name)
         return True
 
-    async def _record(self, job: _Job, decision: rec.Decision) -> bool:
+    async def _record(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
         delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
         patch = rec.status_patch(job.status, decision.status)
@@ -848,7 +778,7 @@ class Controller:
                 kube.GRPOLORAJOB, job.namespace, job.name, {"status": patch}, subresource="status"
             )
             if written is None:
-                raise JobGone(f"{job.namespace}/{job.name}")
+                raise Gone(f"{job.namespace}/{job.name}")
             job.status = dict(written.get("status") or decision.status.to_wire())
         self.metrics.set_job(job.namespace, job.name, decision.status)
         queue_written = await self._write_queue_workload(job, decision)
@@ -861,12 +791,12 @@ class Controller:
         if decision.delete_job:
             await self.client.delete(kube.GRPOLORAJOB, job.namespace, job.name)
             logger.info("%s/%s: deleted after ttlSecondsAfterFinished", job.namespace, job.name)
-            raise JobGone(f"{job.namespace}/{job.name}")
+            raise Gone(f"{job.namespace}/{job.name}")
         return queue_written
 
     # ---- monitors ----------------------------------------------------------------------------------------
 
-    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> _Job:
+    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> _Tracked:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", "default"), meta.get("name", ""))
         uid = meta.get("uid", "")
@@ -875,7 +805,7 @@ class Controller:
         if job is None or job.uid != uid:  # new, or deleted and re-created under the same name
             if job is not None:
                 forget(*key)
-            job = _Job(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
+            job = _Tracked(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
             table[key] = job
         else:
             known = (job.body.get("metadata") or {}).get("annotations") or {}
@@ -886,7 +816,7 @@ class Controller:
                 annotations[names.APPLIED_SPEC_ANNOTATION] = applied  # the event predates our own write
         return job
 
-    def _schedule(self, job: _Job, decision: rec.Decision | PoolPass) -> None:
+    def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision) -> None:
         if decision.idle:
             return
         loop = asyncio.get_running_loop()
@@ -896,12 +826,12 @@ class Controller:
         else:
             job.wake.set()
 
-    def _delay(self, decision: rec.Decision | PoolPass) -> float:
+    def _delay(self, decision: rec.Decision | pr.PoolDecision) -> float:
         if decision.requeue_after is not None:
             return decision.requeue_after
         return self.config.interval * (1 + random.uniform(0, self.config.jitter))
 
-    async def _monitor(self, job: _Job) -> None:
+    async def _monitor(self, job: _Tracked) -> None:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
@@ -917,12 +847,12 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
-                        decision: rec.Decision | PoolPass = (
+                        decision: rec.Decision | pr.PoolDecision = (
                             await self._pool_pass(job, full=loop.time() >= job.next_full)
                             if job.kind == c.POOL_KIND
                             else await self._pass(job, full=loop.time() >= job.next_full)
                         )
-            except JobGone:
+            except Gone:
                 (self.forget_pool if job.kind == c.POOL_KIND else self.forget)(job.namespace, job.name)
                 return
             except Exception as exc:
@@ -955,23 +885,3 @@ def _pool_facts(body: Mapping[str, Any] | None) -> Any:
     status = body.get("status") or {}
     attached = [(j.get("job"), j.get("uid")) for j in status.get("attachedJobs") or []]
     return (body.get("spec"), attached, status.get("waitingJobs"), status.get("replicas"))
-
-
-# What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
-# list, and the NetworkPolicy that admits exactly the attached jobs.
-_POOL_REWRITTEN: Final = {"Secret": "data", "NetworkPolicy": "spec"}
-
-
-def _still_valid(entry: Attachment, found: pools.Candidate) -> bool:
-    """An attachment entry the pool keeps as it is: the same job (uid), holding the token its pods were created with
-    (a re-keyed job's entry is made again from its new token)."""
-    return entry.uid == found.uid and (not found.token or entry.fingerprint == found.token)
-
-
-def _token_of(secret: Mapping[str, Any]) -> str | None:
-    """A job's token from its Secret (`data`, base64, as a real API server returns it; `stringData` as written)."""
-    written = (secret.get("stringData") or {}).get(c.TOKEN_SECRET_KEY)
-    if written:
-        return str(written)
-    encoded = (secret.get("data") or {}).get(c.TOKEN_SECRET_KEY)
-    return base64.b64decode(encoded).decode() if encoded else None

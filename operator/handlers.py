@@ -14,7 +14,7 @@ import kopf
 from grpolora.api import constants as c
 from grpolora.operator import conditions as cond
 from grpolora.operator import kube, names
-from grpolora.operator.controller import Controller, JobGone
+from grpolora.operator.controller import Controller, Gone
 
 # A transient API failure (unreachable, throttled, 5xx) is retried this soon; Kopf's default backoff is 60 s.
 API_RETRY_SECONDS = 5.0
@@ -42,7 +42,7 @@ async def reconcile(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         if exc.transient:
             raise kopf.TemporaryError(f"Kubernetes API unavailable: {exc}", delay=API_RETRY_SECONDS) from exc
         raise  # e.g. 403 from missing RBAC: Kopf logs it and retries with its backoff
-    except JobGone:
+    except Gone:
         return
     invalid = cond.find(decision.status.conditions, names.INVALID_SPEC)
     if invalid is not None and invalid.status == "True":
@@ -58,7 +58,7 @@ async def reconcile_pool(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         if exc.transient:
             raise kopf.TemporaryError(f"Kubernetes API unavailable: {exc}", delay=API_RETRY_SECONDS) from exc
         raise
-    except JobGone:
+    except Gone:
         return
 
 

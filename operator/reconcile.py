@@ -13,6 +13,7 @@ and new trainer pods never run side by side.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime
 import json
 from collections.abc import Mapping, Sequence
@@ -313,6 +314,9 @@ def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | 
 
 
 def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
+    """The decision of one pass, as a pipeline of stages that each return their part of it: where the job runs (its
+    plan, its place on a pool, its Kueue queue), its course (phase, restarts, failures, what to delete), the workloads
+    to create, the startup deadline, the end (releases, TTL), the status, and what to write on its Kueue Workload."""
     if view.deleting:
         # Being deleted: whatever the collector has removed so far stays removed (a child created now would only be
         # collected again, and in the foreground hold the job's removal). Nothing to do until the job is gone.
@@ -320,7 +324,58 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     stamp = cond.rfc3339(now)
     if view.job is None:
         return _decide_invalid(view, old, stamp)
-    job, report = view.job, observed.trainer
+    where = _placement(view, old, observed, now)
+    if isinstance(where, Decision):
+        return where
+    spec = where.job_plan.spec  # on a pool: bound to it (its inference fields are the pool's)
+    volumes = obs.volume_check(volume_uses(spec), observed.claims)
+    if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
+        return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
+    progress = obs.fold_trainer(old, observed.trainer)
+    admission = _admission(where.queue, observed.queue_workload, api_missing=observed.queue_api_missing)
+    course = _course(where, old, observed, admission, progress, stamp)
+    course, build = _workloads_to_create(view, where, observed, course, stamp)
+    overdue, course, build = _startup_deadline(where, old, observed, course, build, now, stamp)
+    course, delete_job = _end(spec, course, observed.inference, now)
+    status, pods_ready = _status(
+        view, old, observed, where, course, progress, admission, volumes, overdue, build, stamp
+    )
+    queue_write = _queue_write(where, observed, course, status, pods_ready=pods_ready, stamp=stamp)
+    settled = not build.creates and not course.deletes and not delete_job and course.requeue is None
+    holds_quota = kueue.is_true(observed.queue_workload, kueue.QUOTA_RESERVED) and not kueue.is_true(
+        observed.queue_workload, kueue.FINISHED
+    )
+    return Decision(
+        queue_workload_write=queue_write,
+        read_flavors=build.read_flavors,
+        status=status,
+        create=build.creates,
+        delete=course.deletes,
+        delete_job=delete_job,
+        requeue_after=course.requeue,
+        events=tuple(transition_events(old, status)),
+        # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
+        idle=settled and (course.finished or course.phase == "Suspended") and queue_write is None and not holds_quota,
+    )
+
+
+@dataclass(frozen=True)
+class _Placement:
+    """Where the job runs (decide's first stage)."""
+
+    job_plan: JobPlan
+    """On a pool: planned with it (its spec's inference fields are the pool's)."""
+    place: pools.PoolPlace | None
+    """Its place on its RolloutPool (None: not on a pool)."""
+    queue: str | None
+    """Its Kueue LocalQueue (None: not queued)."""
+
+
+def _placement(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> _Placement | Decision:
+    """The job's plan, on its own or on its RolloutPool with its place there; the whole decision instead when its
+    pool is missing or does not fit (_decide_without_pool)."""
+    job = view.job
+    assert job is not None
     place: pools.PoolPlace | None = None
     if job.spec.inference.pool_ref is not None:
         assert observed.pool is not None, "a job on a RolloutPool is decided with its pool"
@@ -333,28 +388,49 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         place = pools.place(observed.pool.pool, observed.pool.status, key, view.uid, observed.token)
     else:
         job_plan = plan(job)
-    spec = job_plan.spec  # on a pool: bound to it (its inference fields are the pool's)
-    volumes = obs.volume_check(volume_uses(spec), observed.claims)
-    if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
-        return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
-    progress = obs.fold_trainer(old, report)
-    tj, sts = observed.trainer_job, observed.inference
-    restarts = old.trainer_restarts or 0
-    # Jobs from before restartsByCause: every restart was a failure.
-    by_cause = old.restarts_by_cause or RestartCounts(failure=restarts)
-    failed_reason = _failed_reason(old) if is_finished(old) else names.R_BACKOFF_LIMIT
-    creates: list[K8sObject] = []
-    wanted_kinds: list[str] = []  # the workloads to create (built below, once Kueue's additions are known)
-    waiting_pods: str | None = None
-    deletes: list[ChildRef] = []
-    requeue: float | None = None
-    phase: JobPhase = old.phase if is_finished(old) and old.phase else "Pending"
-    completion = old.completion_time
-    final_message: str | None = old.message if is_finished(old) else None
-    restart_note: str | None = None
+    return _Placement(job_plan, place, builders.queue_name(job_plan))
 
-    queue = builders.queue_name(job_plan)
-    admission = _admission(queue, observed.queue_workload, api_missing=observed.queue_api_missing)
+
+@dataclass(frozen=True)
+class _Course:
+    """Where the job's run stands after this pass, as the stages after _placement decide it in turn."""
+
+    phase: JobPhase
+    completion: str | None
+    final_message: str | None
+    """The message of a terminal phase."""
+    failed_reason: str
+    restarts: int
+    by_cause: RestartCounts
+    token_digest: str | None
+    restart_note: str | None = None
+    rekey_note: str | None = None
+    waiting_pods: str | None = None
+    """Why a trainer Job is not created yet: pods of a previous one are still terminating."""
+    wanted_kinds: tuple[str, ...] = ()
+    """The workloads to create (built by _workloads_to_create, once Kueue's additions are known)."""
+    deletes: tuple[ChildRef, ...] = ()
+    requeue: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in TERMINAL and self.completion is not None
+
+
+def _course(
+    where: _Placement,
+    old: JobStatus,
+    observed: Observed,
+    admission: cond.Want,
+    progress: obs.Progress,
+    stamp: str,
+) -> _Course:
+    """Finished, re-keyed, released (suspended, not admitted by Kueue, not attached to its pool), or running (the
+    trainer's restarts and failures: _running_course)."""
+    spec = where.job_plan.spec
+    tj, sts = observed.trainer_job, observed.inference
+    finished = is_finished(old)
+    restarts = old.trainer_restarts or 0
     # A token Secret re-made with a new token (deleted by hand): pods keep the token they started with, so the job
     # is re-keyed as a whole -- every pod goes, then all come back with the new token (and the pool renews its
     # attachment, see pools.place) -- never old and new tokens side by side (401s, MACs that do not verify).
@@ -362,127 +438,246 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         observed.token is not None
         and old.token_digest is not None
         and observed.token != old.token_digest
-        and not is_finished(old)
+        and not finished
     )
     pods_left = tj is not None or sts is not None
-    token_digest = observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest
-    rekey_note: str | None = None
-    if is_finished(old):
-        pass  # terminal phases stick; only releasing the inference pods and the TTL are left
-    elif stale_key and pods_left and not spec.suspend and admission.status != "False":
-        phase = "Running" if old.phase == "Running" else "Pending"
-        deletes += _release(tj, sts)
-        rekey_note = restart_note = (
-            f"re-keying: the token Secret {job_plan.token_secret} was re-made with a new token (was it deleted?); "
-            "every pod is replaced, and created again with the new token once all are gone"
+    course = _Course(
+        phase=old.phase if finished and old.phase else "Pending",
+        completion=old.completion_time,
+        final_message=old.message if finished else None,
+        failed_reason=_failed_reason(old) if finished else names.R_BACKOFF_LIMIT,
+        restarts=restarts,
+        # Jobs from before restartsByCause: every restart was a failure.
+        by_cause=old.restarts_by_cause or RestartCounts(failure=restarts),
+        token_digest=observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest,
+    )
+    if finished:
+        return course  # terminal phases stick; only releasing the inference pods and the TTL are left
+    if stale_key and pods_left and not spec.suspend and admission.status != "False":
+        note = (
+            f"re-keying: the token Secret {where.job_plan.token_secret} was re-made with a new token (was it "
+            "deleted?); every pod is replaced, and created again with the new token once all are gone"
         )
-        requeue = REPLACE_RECHECK_SECONDS
-    elif spec.suspend or admission.status == "False" or (place is not None and not place.attached):
+        return dataclasses.replace(
+            course,
+            phase="Running" if old.phase == "Running" else "Pending",
+            deletes=tuple(_release(tj, sts)),
+            rekey_note=note,
+            restart_note=note,
+            requeue=REPLACE_RECHECK_SECONDS,
+        )
+    if spec.suspend or admission.status == "False" or (where.place is not None and not where.place.attached):
         # Suspended, not (or no longer) admitted by Kueue, or not (or no longer) served by its RolloutPool (whose
         # servers would refuse the trainer): no pods hold any GPU.
-        phase = "Suspended" if spec.suspend else "Pending"
-        deletes += _release(tj, sts)
-    else:
-        trainer_name = job_plan.trainer.workload_name
-        blocked_kinds = {ref.kind for ref in observed.blocked}
-        if blocked_kinds:
-            requeue = REPLACE_RECHECK_SECONDS
-        if tj is None and "Job" in blocked_kinds:
-            pass  # the previous job's trainer Job is still being collected
-        elif tj is not None and obs.restart_attempt(tj) < restarts:
-            # Committed restart: delete the stale Job (in the foreground: it stays until its pods are gone) and
-            # create the replacement only once it has left, as JobSet does (kubernetes-sigs/jobset#392, #684).
-            # Old and new ranks never overlap: a dying rank 0 still answers to the rendezvous name (the Services
-            # publish not-ready addresses) and would spend a restart, and its GPUs are the ones the new pods need.
-            if not obs.deleting(tj):
-                deletes.append(ChildRef("Job", trainer_name))
-            restart_note = (
-                f"restart {restarts}: waiting for the failed trainer Job and its pods to be gone before creating "
-                "its replacement"
-            )
-            requeue = REPLACE_RECHECK_SECONDS
-        elif tj is not None and obs.deleting(tj):
-            requeue = REPLACE_RECHECK_SECONDS
-        elif tj is None and observed.trainer_pods_left:
-            # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
-            # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
-            # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
-            count = observed.trainer_pods_left
-            waiting_pods = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
-            requeue = REPLACE_RECHECK_SECONDS
-        elif tj is None:
-            wanted_kinds.append("Job")
-        elif obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
-            phase, completion = "Succeeded", stamp
-            final_message = (
-                f"trained {progress.step or 0}/{spec.grpo.steps} steps; "
-                f"the inference replicas served adapter version {progress.sync_round or 0}"
-            )
-        elif obs.job_failed(tj):
-            failure = obs.trainer_failure(tj, observed.pods)
-            if failure.cause == names.CAUSE_INVALID_INPUT:
-                phase, completion, failed_reason = "Failed", stamp, names.R_POD_FAILURE_POLICY
-                final_message = f"the trainer cannot work with its spec or data (a restart would not help): " \
-                    f"{failure.message}"  # fmt: skip
-            elif failure.cause == names.CAUSE_DISRUPTION or by_cause.failure < spec.trainer.max_restarts:
-                restarts, by_cause, restart_note = _commit_restart(restarts, by_cause, failure, spec)
-                requeue = 0.0  # the next pass replaces the trainer Job
-            else:
-                phase, completion = "Failed", stamp
-                final_message = (
-                    f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
-                    f"used up; last failure: {failure.message}"
-                )
-        if phase not in TERMINAL:
-            if sts is None and "StatefulSet" not in blocked_kinds and job_plan.inference is not None:
-                wanted_kinds.append("StatefulSet")
-            alive = report is not None and report.phase in ("Starting", "Running")
-            phase = "Running" if alive or old.phase == "Running" else "Pending"
+        return dataclasses.replace(
+            course, phase="Suspended" if spec.suspend else "Pending", deletes=tuple(_release(tj, sts))
+        )
+    return _running_course(where, old, observed, course, progress, stamp)
 
-    # The workloads to create, with what Kueue's admission adds to their pod templates.
+
+def _running_course(
+    where: _Placement, old: JobStatus, observed: Observed, course: _Course, progress: obs.Progress, stamp: str
+) -> _Course:
+    """A job that should run: its trainer Job's course (_trainer_course), then its StatefulSet and its phase."""
+    blocked_kinds = {ref.kind for ref in observed.blocked}
+    if blocked_kinds:
+        course = dataclasses.replace(course, requeue=REPLACE_RECHECK_SECONDS)
+    course = _trainer_course(where, observed, course, blocked_kinds, progress, stamp)
+    if course.phase in TERMINAL:
+        return course
+    wanted_kinds = course.wanted_kinds
+    sts, report = observed.inference, observed.trainer
+    if sts is None and "StatefulSet" not in blocked_kinds and where.job_plan.inference is not None:
+        wanted_kinds += ("StatefulSet",)
+    alive = report is not None and report.phase in ("Starting", "Running")
+    phase: JobPhase = "Running" if alive or old.phase == "Running" else "Pending"
+    return dataclasses.replace(course, wanted_kinds=wanted_kinds, phase=phase)
+
+
+def _trainer_course(
+    where: _Placement,
+    observed: Observed,
+    course: _Course,
+    blocked_kinds: set[str],
+    progress: obs.Progress,
+    stamp: str,
+) -> _Course:
+    """The trainer Job's course: created, replaced after a committed restart, succeeded, or failed (restarted, or
+    the job fails)."""
+    spec = where.job_plan.spec
+    tj, report = observed.trainer_job, observed.trainer
+    if tj is None and "Job" in blocked_kinds:
+        return course  # the previous job's trainer Job is still being collected
+    if tj is not None and obs.restart_attempt(tj) < course.restarts:
+        # Committed restart: delete the stale Job (in the foreground: it stays until its pods are gone) and
+        # create the replacement only once it has left, as JobSet does (kubernetes-sigs/jobset#392, #684).
+        # Old and new ranks never overlap: a dying rank 0 still answers to the rendezvous name (the Services
+        # publish not-ready addresses) and would spend a restart, and its GPUs are the ones the new pods need.
+        stale = () if obs.deleting(tj) else (ChildRef("Job", where.job_plan.trainer.workload_name),)
+        return dataclasses.replace(
+            course,
+            deletes=course.deletes + stale,
+            restart_note=f"restart {course.restarts}: waiting for the failed trainer Job and its pods to be gone "
+            "before creating its replacement",
+            requeue=REPLACE_RECHECK_SECONDS,
+        )
+    if tj is not None and obs.deleting(tj):
+        return dataclasses.replace(course, requeue=REPLACE_RECHECK_SECONDS)
+    if tj is None and observed.trainer_pods_left:
+        # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
+        # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
+        # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
+        count = observed.trainer_pods_left
+        waiting = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
+        return dataclasses.replace(course, waiting_pods=waiting, requeue=REPLACE_RECHECK_SECONDS)
+    if tj is None:
+        return dataclasses.replace(course, wanted_kinds=(*course.wanted_kinds, "Job"))
+    if obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
+        return dataclasses.replace(
+            course,
+            phase="Succeeded",
+            completion=stamp,
+            final_message=f"trained {progress.step or 0}/{spec.grpo.steps} steps; "
+            f"the inference replicas served adapter version {progress.sync_round or 0}",
+        )
+    if not obs.job_failed(tj):
+        return course
+    failure = obs.trainer_failure(tj, observed.pods)
+    if failure.cause == names.CAUSE_INVALID_INPUT:
+        return dataclasses.replace(
+            course,
+            phase="Failed",
+            completion=stamp,
+            failed_reason=names.R_POD_FAILURE_POLICY,
+            final_message=f"the trainer cannot work with its spec or data (a restart would not help): "
+            f"{failure.message}",
+        )
+    if failure.cause == names.CAUSE_DISRUPTION or course.by_cause.failure < spec.trainer.max_restarts:
+        restarts, by_cause, note = _commit_restart(course.restarts, course.by_cause, failure, spec)
+        # requeue 0: the next pass replaces the trainer Job
+        return dataclasses.replace(course, restarts=restarts, by_cause=by_cause, restart_note=note, requeue=0.0)
+    return dataclasses.replace(
+        course,
+        phase="Failed",
+        completion=stamp,
+        final_message=f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
+        f"used up; last failure: {failure.message}",
+    )
+
+
+@dataclass(frozen=True)
+class _Build:
+    """The workloads to create (decide's create stage), or what they wait for."""
+
+    creates: tuple[K8sObject, ...] = ()
     read_flavors: tuple[str, ...] = ()
     flavor_wait: str | None = None
-    if wanted_kinds:
-        placed = _placed_workloads(job_plan, view.uid, queue, observed)
-        if isinstance(placed, kueue.PodSetConflict):
-            phase, completion, failed_reason = "Failed", stamp, names.R_FAILED_TO_START
-            final_message = (
-                f"cannot start the pods where Kueue admitted them: {placed}. Kueue's own integrations refuse this "
-                f"too: the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. Re-create "
-                f"the job with {placed.field_name} {placed.key} unset or set to {placed.wanted}"
-            )
-            restart_note = None
-            if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
-                deletes.append(ChildRef("Job", tj["metadata"]["name"]))
-        elif isinstance(placed, _FlavorsMissing):
-            read_flavors, flavor_wait = placed.unread, placed.message
-            requeue = API_RETRY_SECONDS if not placed.unread else REPLACE_RECHECK_SECONDS
-        else:
-            creates = [
-                with_restart_attempt(placed[kind], restarts) if kind == "Job" else placed[kind] for kind in wanted_kinds
-            ]
 
-    serving = _serving_replicas(spec, sts, place)
-    overdue = _startup_overdue(spec, old, phase, tj, serving, observed, now)
-    if overdue is not None and spec.scheduling.on_startup_deadline == "Fail":
-        phase, completion, failed_reason, final_message = "Failed", stamp, names.R_STARTUP_DEADLINE, overdue
-        creates = []
-        if tj is not None and not obs.deleting(tj):
-            deletes.append(ChildRef("Job", tj["metadata"]["name"]))  # release the trainer pool too
-    finished = phase in TERMINAL and completion is not None
-    if finished and sts is not None and not obs.deleting(sts):
-        deletes.append(ChildRef("StatefulSet", sts["metadata"]["name"]))  # release the inference GPUs
-    delete_job = False
-    left = _ttl_left(spec, completion, now) if finished else None
+
+def _workloads_to_create(
+    view: JobView, where: _Placement, observed: Observed, course: _Course, stamp: str
+) -> tuple[_Course, _Build]:
+    """The workloads the course wants, with what Kueue's admission adds to their pod templates; a conflict with the
+    admission fails the job."""
+    if not course.wanted_kinds:
+        return course, _Build()
+    placed = _placed_workloads(where.job_plan, view.uid, where.queue, observed)
+    if isinstance(placed, kueue.PodSetConflict):
+        tj = observed.trainer_job
+        deletes = course.deletes
+        if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
+            deletes += (ChildRef("Job", tj["metadata"]["name"]),)
+        failed = dataclasses.replace(
+            course,
+            phase="Failed",
+            completion=stamp,
+            failed_reason=names.R_FAILED_TO_START,
+            final_message=f"cannot start the pods where Kueue admitted them: {placed}. Kueue's own integrations "
+            f"refuse this too: the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. "
+            f"Re-create the job with {placed.field_name} {placed.key} unset or set to {placed.wanted}",
+            restart_note=None,
+            deletes=deletes,
+        )
+        return failed, _Build()
+    if isinstance(placed, _FlavorsMissing):
+        requeue = API_RETRY_SECONDS if not placed.unread else REPLACE_RECHECK_SECONDS
+        return dataclasses.replace(course, requeue=requeue), _Build(
+            read_flavors=placed.unread, flavor_wait=placed.message
+        )
+    creates = tuple(
+        with_restart_attempt(placed[kind], course.restarts) if kind == "Job" else placed[kind]
+        for kind in course.wanted_kinds
+    )
+    return course, _Build(creates=creates)
+
+
+def _startup_deadline(
+    where: _Placement,
+    old: JobStatus,
+    observed: Observed,
+    course: _Course,
+    build: _Build,
+    now: datetime.datetime,
+    stamp: str,
+) -> tuple[str | None, _Course, _Build]:
+    """Why the job's pods are overdue (spec.scheduling.startupDeadlineSeconds), if they are; with
+    onStartupDeadline: Fail, the job fails and creates nothing."""
+    spec = where.job_plan.spec
+    tj = observed.trainer_job
+    serving = _serving_replicas(spec, observed.inference, where.place)
+    overdue = _startup_overdue(spec, old, course.phase, tj, serving, observed, now)
+    if overdue is None or spec.scheduling.on_startup_deadline != "Fail":
+        return overdue, course, build
+    deletes = course.deletes
+    if tj is not None and not obs.deleting(tj):
+        deletes += (ChildRef("Job", tj["metadata"]["name"]),)  # release the trainer pool too
+    failed = dataclasses.replace(
+        course,
+        phase="Failed",
+        completion=stamp,
+        failed_reason=names.R_STARTUP_DEADLINE,
+        final_message=overdue,
+        deletes=deletes,
+    )
+    return overdue, failed, dataclasses.replace(build, creates=())
+
+
+def _end(spec: GRPOLoraJobSpec, course: _Course, sts: K8sObject | None, now: datetime.datetime) -> tuple[_Course, bool]:
+    """A finished job releases its inference GPUs, and is deleted once ttlSecondsAfterFinished has passed (True)."""
+    if not course.finished:
+        return course, False
+    deletes = course.deletes
+    if sts is not None and not obs.deleting(sts):
+        deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)  # release the inference GPUs
+    requeue, delete_job = course.requeue, False
+    left = _ttl_left(spec, course.completion, now)
     if left is not None:
         delete_job = left <= 0
         requeue = None if delete_job else min(left, requeue if requeue is not None else left)
+    return dataclasses.replace(course, deletes=deletes, requeue=requeue), delete_job
 
+
+def _status(
+    view: JobView,
+    old: JobStatus,
+    observed: Observed,
+    where: _Placement,
+    course: _Course,
+    progress: obs.Progress,
+    admission: cond.Want,
+    volumes: obs.VolumeCheck,
+    overdue: str | None,
+    build: _Build,
+    stamp: str,
+) -> tuple[JobStatus, bool]:
+    """The job's whole status after the pass, and whether its pods count as ready (Kueue's PodsReady)."""
+    spec, place, phase = where.job_plan.spec, where.place, course.phase
+    tj, sts = observed.trainer_job, observed.inference
     wanted = phase not in (*TERMINAL, "Suspended")
     counts = ReplicaCounts(
         trainer=RoleReplicas(
             desired=spec.trainer.replicas if wanted else 0,
-            ready=obs.job_ready(tj) if tj is not None and restart_note is None else 0,
+            ready=obs.job_ready(tj) if tj is not None and course.restart_note is None else 0,
         ),
         # On a pool: the pool's server replicas, which serve this job while it is attached.
         inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts))
@@ -493,45 +688,37 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     if overdue is not None and wanted:
         pods = cond.Want(names.PODS_READY, "False", names.R_STARTUP_DEADLINE, overdue)
     elif wanted and tj is not None and (tj.get("spec") or {}).get("suspend"):
-        pods = cond.Want(names.PODS_READY, "False", names.R_TRAINER_JOB_SUSPENDED, _suspended_by_another(tj, queue))
-    rendezvous = _rendezvous_condition(wanted, phase, old, observed, progress, job_plan, replaced=restart_note)
-    pending_why = pods.message if pods.status == "False" and wanted else ""
-    if observed.blocked:
-        pending_why = _blocked_message(observed.blocked)
-    if rendezvous.status != "True" and observed.trainer_error and wanted:
-        pending_why = "; ".join(p for p in (pending_why, f"trainer rank 0: {observed.trainer_error}") if p)
+        pods = cond.Want(
+            names.PODS_READY, "False", names.R_TRAINER_JOB_SUSPENDED, _suspended_by_another(tj, where.queue)
+        )
+    rendezvous = _rendezvous_condition(
+        wanted, phase, old, observed, progress, where.job_plan, replaced=course.restart_note
+    )
     lost = f" ({progress.steps_lost} steps lost to trainer restarts)" if progress.steps_lost else ""
     running_message = (
         f"step {progress.step or 0}/{spec.grpo.steps}{lost}, sync round {progress.sync_round or 0}, "
         f"sync-group epoch {progress.epoch}"
     )
-    if phase == "Pending" and admission.status == "False":
-        pending_why = admission.message
-    if flavor_wait is not None and phase == "Pending":
-        pending_why = flavor_wait
-    if waiting_pods is not None and phase == "Pending":
-        pending_why = waiting_pods
-    if place is not None and not place.attached and phase == "Pending" and admission.status == "True":
-        pending_why = place.message
+    restart_note = course.restart_note
     message = {
-        "Pending": pending_why or "waiting for the trainer and inference pods",
+        "Pending": _pending_message(observed, where, course, pods, rendezvous, admission, build, wanted=wanted)
+        or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
         "Suspended": suspended_message(spec),
-    }.get(phase, final_message or "")
-
+    }.get(phase, course.final_message or "")
     wants = [
         cond.Want(names.CREATED, "False", names.R_WAITING_FOR_PREVIOUS_JOB, _blocked_message(observed.blocked))
         if observed.blocked
         else cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
         pods,
         rendezvous,
-        cond.Want(names.PROGRESSING, "True", names.R_REKEYING, rekey_note)
-        if rekey_note is not None
+        cond.Want(names.PROGRESSING, "True", names.R_REKEYING, course.rekey_note)
+        if course.rekey_note is not None
         else _progressing_condition(phase, restart_note, running_message, message),
         cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
         if phase == "Succeeded"
         else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
-        cond.Want(names.FAILED, "True", failed_reason, message)
+        cond.Want(names.FAILED, "True", course.failed_reason, message)
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
         cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, suspended_message(spec))
@@ -551,42 +738,63 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         **progress.status_fields(),
         total_steps=spec.grpo.steps,
         replicas=counts,
-        rendezvous=_rendezvous(job_plan, progress.epoch),
-        trainer_restarts=restarts,
-        restarts_by_cause=by_cause,
+        rendezvous=_rendezvous(where.job_plan, progress.epoch),
+        trainer_restarts=course.restarts,
+        restarts_by_cause=course.by_cause,
         start_time=old.start_time or stamp,
-        completion_time=completion,
-        pool=job_plan.pool,
-        token_digest=token_digest,
+        completion_time=course.completion,
+        pool=where.job_plan.pool,
+        token_digest=course.token_digest,
     )
-    settled = not creates and not deletes and not delete_job and requeue is None
-    queue_write = None
-    holds_quota = kueue.is_true(observed.queue_workload, kueue.QUOTA_RESERVED) and not kueue.is_true(
-        observed.queue_workload, kueue.FINISHED
-    )
-    if queue is not None and observed.queue_workload is not None:
-        # Kueue's own reason when its admission could not be honoured, else the phase (Succeeded, Failed).
-        finish_reason = failed_reason if failed_reason == names.R_FAILED_TO_START else phase
-        queue_write = kueue.integration_write(
-            observed.queue_workload,
-            now=stamp,
-            inactive=tj is None and sts is None,
-            # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
-            pods_ready=wanted and pods.status == "True",
-            finished=(finish_reason, message) if finished else None,
-            suspended=spec.suspend,
-        )
-    return Decision(
-        queue_workload_write=queue_write,
-        read_flavors=read_flavors,
-        status=status,
-        create=tuple(creates),
-        delete=tuple(deletes),
-        delete_job=delete_job,
-        requeue_after=requeue,
-        events=tuple(transition_events(old, status)),
-        # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
-        idle=settled and (finished or phase == "Suspended") and queue_write is None and not holds_quota,
+    return status, wanted and pods.status == "True"
+
+
+def _pending_message(
+    observed: Observed,
+    where: _Placement,
+    course: _Course,
+    pods: cond.Want,
+    rendezvous: cond.Want,
+    admission: cond.Want,
+    build: _Build,
+    *,
+    wanted: bool,
+) -> str:
+    """Why a Pending job waits, the most telling reason last (each overrides those before it)."""
+    why = pods.message if pods.status == "False" and wanted else ""
+    if observed.blocked:
+        why = _blocked_message(observed.blocked)
+    if rendezvous.status != "True" and observed.trainer_error and wanted:
+        why = "; ".join(p for p in (why, f"trainer rank 0: {observed.trainer_error}") if p)
+    pending = course.phase == "Pending"
+    if pending and admission.status == "False":
+        why = admission.message
+    if build.flavor_wait is not None and pending:
+        why = build.flavor_wait
+    if course.waiting_pods is not None and pending:
+        why = course.waiting_pods
+    place = where.place
+    if place is not None and not place.attached and pending and admission.status == "True":
+        why = place.message
+    return why
+
+
+def _queue_write(
+    where: _Placement, observed: Observed, course: _Course, status: JobStatus, *, pods_ready: bool, stamp: str
+) -> kueue.WorkloadWrite | None:
+    """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue)."""
+    if where.queue is None or observed.queue_workload is None:
+        return None
+    # Kueue's own reason when its admission could not be honoured, else the phase (Succeeded, Failed).
+    finish_reason = course.failed_reason if course.failed_reason == names.R_FAILED_TO_START else course.phase
+    return kueue.integration_write(
+        observed.queue_workload,
+        now=stamp,
+        inactive=observed.trainer_job is None and observed.inference is None,
+        # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
+        pods_ready=pods_ready,
+        finished=(finish_reason, status.message) if course.finished else None,
+        suspended=where.job_plan.spec.suspend,
     )
 
 

@@ -122,14 +122,14 @@ async def test_a_workload_status_write_never_overwrites_what_kueue_wrote_since_i
     from grpolora.api.status import JobStatus
     from grpolora.operator import kube
     from grpolora.operator import kueue as integration
-    from grpolora.operator.controller import Controller, _Job
+    from grpolora.operator.controller import Controller, _Tracked
     from grpolora.operator.reconcile import Decision
 
     await kueue.add_workload("demo", priority=0)
     await kueue.admit("demo")
     client = kube.KubeClient(lambda: kopf.ConnectionInfo(server=cluster.url))
     controller = Controller(client, trainer=None, metrics=None)  # type: ignore[arg-type]
-    job = _Job(NAMESPACE, "demo", "uid", {}, {})
+    job = _Tracked(NAMESPACE, "demo", "uid", {}, {})
     try:
         read = await client.get(kube.KUEUE_WORKLOAD, NAMESPACE, "demo")
         controller._remember(("Workload", NAMESPACE, "demo"), read, read)
@@ -139,7 +139,7 @@ async def test_a_workload_status_write_never_overwrites_what_kueue_wrote_since_i
         )  # fmt: skip
         await kueue.evict("demo", "Preempted", "meanwhile")  # Kueue writes after the operator read
         assert not await controller._write_queue_workload(job, Decision(JobStatus(), queue_workload_write=finished))
-        assert ("Workload", NAMESPACE, "demo") not in controller.workloads, "read again by the next pass"
+        assert ("Workload", NAMESPACE, "demo") not in controller.cache, "read again by the next pass"
         assert find(kueue.workload("demo"), "Evicted")["message"] == "meanwhile" and not find(
             kueue.workload("demo"), "Finished"
         )  # fmt: skip

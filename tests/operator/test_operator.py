@@ -297,7 +297,7 @@ async def test_a_foreground_deletion_recreates_nothing_while_the_job_waits_for_i
     creates = len(cluster.emulator.created)
     await cluster.delete_job("demo", cascade="Foreground")
     # The trainer Job (no pods) goes at once; the operator's watch sees it go, which wakes the job's pass.
-    await wait_for(lambda: operator.controller.workloads.get(("Job", NAMESPACE, "demo-trainer"), 1) is None, "seen")
+    await wait_for(lambda: operator.controller.cache.get(("Job", NAMESPACE, "demo-trainer"), 1) is None, "seen")
     await asyncio.sleep(10 * FAST_INTERVAL)  # several light passes and a full one (resync_interval)
     assert cluster.job("demo")["metadata"]["deletionTimestamp"], "the job still waits for its StatefulSet's pod"
     again = [key for key in cluster.emulator.created[creates:] if key[0] != "events"]

@@ -61,9 +61,9 @@ def test_the_watch_cache_never_goes_back_to_an_older_version():
 
     controller.workload_event("Workload", "MODIFIED", seen(7, "False"))  # what a full pass read, say
     controller.workload_event("Workload", "MODIFIED", seen(5, "True"))  # a lagging event
-    assert controller.workloads[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
+    assert controller.cache[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
     controller.workload_event("Workload", "DELETED", seen(8, "False"))
-    assert controller.workloads[("Workload", "ns", "demo")] is None
+    assert controller.cache[("Workload", "ns", "demo")] is None
 
 
 async def test_jobs_waiting_for_pods_share_one_pod_and_event_listing_per_namespace(cluster):

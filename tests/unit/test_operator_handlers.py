@@ -10,7 +10,7 @@ import pytest
 
 from grpolora.api.status import JobStatus
 from grpolora.operator import handlers, kube, names
-from grpolora.operator.controller import JobGone
+from grpolora.operator.controller import Gone
 from grpolora.operator.main import OperatorOptions, build_settings
 from grpolora.operator.reconcile import Decision, Observed, decide, job_view
 from tests.helpers import job_doc
@@ -58,7 +58,7 @@ async def test_an_unreachable_api_is_a_temporary_error_and_others_are_left_to_ko
 
 
 async def test_a_job_deleted_during_the_pass_is_not_an_error():
-    await call(JobGone("team-a/demo"))
+    await call(Gone("team-a/demo"))
 
 
 def test_the_registry_has_one_reconcile_handler_for_create_resume_and_spec_updates():
