@@ -255,8 +255,14 @@ class Controller:
         """A watch event of one of the operator's Jobs or StatefulSets: cache it, and wake its job for a pass."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
+        if event_type == "DELETED" and job is None:
+            # The child of a job no longer followed (collected after it): no pass reads its tombstone, so none is
+            # kept (a job of that name made later reads its workloads from the API first).
+            self.workloads.pop((kind, namespace, name), None)
+            return
         self._remember((kind, namespace, name), None if event_type == "DELETED" else dict(body), body)
-        self._wake(self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, "")))))
+        self._wake(job)
 
     def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
         """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
@@ -296,6 +302,14 @@ class Controller:
         job = self.jobs.pop((namespace, name), None)
         if job is not None and job.task is not None and job.task is not asyncio.current_task():
             job.task.cancel()
+        # Its workloads as last seen (tombstones included): a job of this name made later reads them from the API.
+        workloads = child_names(name)
+        for kind, child in (
+            (kube.JOB, workloads["trainer"]),
+            (kube.STATEFULSET, workloads["inference"]),
+            (kube.KUEUE_WORKLOAD, name),
+        ):
+            self.workloads.pop((kind.kind, namespace, child), None)
         self.metrics.forget_job(namespace, name)
 
     async def stop(self) -> None:
@@ -634,9 +648,15 @@ class Controller:
         if not full and key in self.workloads:
             cached = self.workloads[key]
             return None if cached is None else dict(cached)
+        before = self.workloads.get(key, _UNSEEN)
         found = await self.client.get(kind, namespace, name)
         if found is not None:
             self._remember(key, dict(found), found)
+        elif self.workloads.get(key, _UNSEEN) is before:
+            # Absent: remembered as such, or every light pass of a job whose workloads wait (for Kueue, for its pool)
+            # would GET them again. The watch reports their ADDED when they come (a re-listing after a reconnect
+            # too). Not if the watch spoke while the GET was out: what it said is at least as new as the 404.
+            self.workloads[key] = None
         return found
 
     async def _observe(
@@ -937,6 +957,10 @@ class Controller:
             if decision.idle:
                 return
             job.due = loop.time() + self._delay(decision)
+
+
+_UNSEEN: Final = object()
+"""Not in the workloads' cache (distinct from None, which there means: seen absent)."""
 
 
 async def _none() -> None:

@@ -7,6 +7,7 @@ import asyncio
 
 import kopf
 
+from grpolora.api import constants as c
 from grpolora.operator import rbac
 from grpolora.operator.controller import Controller, ControllerConfig
 from grpolora.operator.kube import KubeClient
@@ -52,13 +53,14 @@ def test_the_watch_cache_never_goes_back_to_an_older_version():
     controller = Controller(client=None, trainer=None, metrics=None)  # type: ignore[arg-type]
 
     def seen(version: int, admitted: str) -> dict:
-        meta = {"name": "demo", "namespace": "ns", "resourceVersion": str(version)}
+        meta = {"name": "demo", "namespace": "ns", "resourceVersion": str(version), "labels": {c.LABEL_JOB: "demo"}}
         return {
             "kind": "Workload",
             "metadata": meta,
             "status": {"conditions": [{"type": "Admitted", "status": admitted}]},
         }
 
+    controller._track({"metadata": {"name": "demo", "namespace": "ns", "uid": "u1"}})  # followed: tombstones kept
     controller.workload_event("Workload", "MODIFIED", seen(7, "False"))  # what a full pass read, say
     controller.workload_event("Workload", "MODIFIED", seen(5, "True"))  # a lagging event
     assert controller.workloads[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
@@ -89,3 +91,57 @@ async def test_jobs_waiting_for_pods_share_one_pod_and_event_listing_per_namespa
         assert cluster.status("job-3")["phase"] == "Pending"
     finally:
         await controller.stop()
+
+
+async def test_waiting_jobs_read_their_absent_workloads_once_not_at_every_pass(cluster):
+    """A job whose trainer Job and StatefulSet do not exist yet (queued for Kueue, waiting for a place on its pool)
+    reads their absence from the API once; its light passes then take it from the cache, which the watch fills when
+    they are made (12 GETs per job and minute otherwise, and 500 waiting jobs spend the client's whole rate limit).
+    Passes run by hand, as above, so the count is exact."""
+    client = KubeClient(lambda: None)
+    client.use(kopf.ConnectionInfo(server=cluster.url))
+    config = ControllerConfig(interval=3600.0, resync_interval=3600.0)
+    controller = Controller(client, TrainerStatusClient(), Metrics(), config)
+    pool = {
+        "apiVersion": "grpolora.dev/v1alpha1",
+        "kind": "RolloutPool",
+        "metadata": {"name": "shared", "namespace": NAMESPACE},
+        "spec": {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, "replicas": 1, "maxJobs": 1},
+    }
+    queued = job_doc()
+    queued["metadata"]["name"] = "queued"
+    queued["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    waiting = job_doc(model={"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, inference={"poolRef": {"name": "shared"}})
+    waiting["metadata"]["name"] = "waiting"
+    try:
+        await cluster.apply(pool)
+        for doc in (queued, waiting):
+            await cluster.apply(doc)
+            await controller.reconcile(cluster.job(doc["metadata"]["name"]))
+        assert cluster.get("batch/v1/jobs", "queued-trainer") is None
+        assert cluster.get("batch/v1/jobs", "waiting-trainer") is None
+        start = len(cluster.emulator.log)
+        for _ in range(5):  # five light passes of each
+            for name in ("queued", "waiting"):
+                await controller._pass(controller.jobs[(NAMESPACE, name)], full=False)
+        reads = [entry for entry in cluster.emulator.log[start:] if entry[0] == "get"]
+        # Each read once at most (by the first light pass: a new job's first pass creates, it does not read).
+        assert len(reads) == len(set(reads)), f"waiting jobs read their absent workloads at every pass: {reads}"
+    finally:
+        await controller.stop()
+
+
+def test_tombstones_of_workloads_go_with_their_job():
+    """A deleted workload is remembered as absent only while its job is followed: the children of a deleted job,
+    collected after it, leave nothing behind in the cache."""
+    controller = Controller(client=None, trainer=None, metrics=Metrics())  # type: ignore[arg-type]
+    labels = {c.LABEL_JOB: "demo"}
+    trainer = {"kind": "Job", "metadata": {"name": "demo-trainer", "namespace": "ns", "labels": labels}}
+    controller._track({"metadata": {"name": "demo", "namespace": "ns", "uid": "u1"}})
+    controller.workload_event("Job", "DELETED", trainer)
+    assert controller.workloads[("Job", "ns", "demo-trainer")] is None, "a followed job's tombstone is kept"
+    controller.forget("ns", "demo")
+    assert ("Job", "ns", "demo-trainer") not in controller.workloads
+    controller.workload_event("Job", "MODIFIED", {**trainer, "metadata": {**trainer["metadata"], "uid": "x"}})
+    controller.workload_event("Job", "DELETED", trainer)
+    assert controller.workloads == {}, "nothing is kept of a workload whose job is gone"
