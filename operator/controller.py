@@ -143,8 +143,11 @@ class Controller:
         self.jobs: dict[tuple[str, str], _Job] = {}
         self.pools: dict[tuple[str, str], _Job] = {}
         """The RolloutPools, by (namespace, name)."""
-        self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
-        """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it)."""
+        self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...], dict[str, Any]]] = {}
+        """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it, its body
+        without the copies of its spec in annotations and managedFields). The pools' passes decide from these."""
+        self.members_listed: dict[str, float] = {}
+        """Loop time at which each namespace's jobs were last listed into pool_members (see _pool_jobs)."""
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
@@ -196,28 +199,18 @@ class Controller:
     def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
         changed (created, its children made, admitted by Kueue, finished, suspended, deleted). The pool's pass then
-        lists the jobs from the API: the watch only says when to look, never what to decide."""
+        reads the jobs from this cache (see _pool_jobs)."""
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
-        ref = (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
-        status = body.get("status") or {}
-        created = next(
-            (x.get("status") for x in status.get("conditions") or [] if x.get("type") == names.CREATED), None
-        )
-        seen = (
-            meta.get("uid"),
-            status.get("tokenDigest"),  # re-keyed: the pool renews its attachment
-            status.get("phase"),
-            (body.get("spec") or {}).get("suspend"),
-            bool(meta.get("deletionTimestamp")),
-            created,
-            pools.admitted_by_kueue(body),
-        )
-        before = self.pool_members.pop(key, None)
+        ref, seen = _pool_ref(body), _admission_facts(body)
+        before = self.pool_members.get(key)
+        if event_type != "DELETED" and before is not None and _version(body) < _version(before[2]):
+            return  # behind what a list of the jobs read (see _pool_jobs)
+        self.pool_members.pop(key, None)
         if event_type != "DELETED" and ref:
-            self.pool_members[key] = (ref, seen)
+            self.pool_members[key] = (ref, seen, _member(body))
         for pool in {before[0] if before else None, ref} - {None}:
-            if before is None or before != (ref, seen) or event_type == "DELETED":
+            if before is None or before[:2] != (ref, seen) or event_type == "DELETED":
                 tracked = self.pools.get((key[0], pool))
                 if tracked is not None:
                     tracked.next_full = 0.0  # admission must look again: a full pass
@@ -428,8 +421,7 @@ class Controller:
         pool_plan = plan_pool(rollout_pool)
         children = pool_child_names(name)
         listed, secret = await asyncio.gather(
-            self.client.list(kube.GRPOLORAJOB, namespace, {}),
-            self.client.get(kube.SECRET, namespace, children["jobs"]),
+            self._pool_jobs(pool), self.client.get(kube.SECRET, namespace, children["jobs"])
         )
         if secret is not None and obs.controller_uid(secret) != pool.uid:
             # Still the Secret of a deleted pool of the same name: the garbage collector removes it shortly.
@@ -496,6 +488,40 @@ class Controller:
         )
         await self._record_pool(pool, status)
         return PoolPass()
+
+    async def _pool_jobs(self, pool: _Job) -> list[dict[str, Any]]:
+        """The jobs that name this pool, from the watch's cache of them (pool_members), as a controller decides from
+        its informer's cache: every change a pool reads of a job wakes the pool's pass (job_event), so the cache is
+        as new as what woke it. The namespace's jobs are listed (a page at a time, only the members kept) when the
+        cache may lack some: before the first list since the operator started (the watch's own initial listing
+        may not have come yet) and once per resync (a watch that reconnected reports no DELETED for what went
+        meanwhile)."""
+        loop = asyncio.get_running_loop()
+        listed_at = self.members_listed.get(pool.namespace)
+        if listed_at is None or loop.time() - listed_at >= self.config.resync_interval:
+            self.members_listed[pool.namespace] = loop.time()
+            newest = 0
+
+            def keep(item: dict[str, Any]) -> dict[str, Any] | None:
+                nonlocal newest
+                newest = max(newest, _version(item))
+                return _member(item) if _pool_ref(item) else None
+
+            found = {
+                (body["metadata"].get("namespace", ""), body["metadata"].get("name", "")): body
+                for body in await self.client.list(kube.GRPOLORAJOB, pool.namespace, {}, keep=keep)
+            }
+            for key, (_, _, body) in list(self.pool_members.items()):
+                if key[0] == pool.namespace and key not in found and _version(body) <= newest:
+                    del self.pool_members[key]  # older than the list, yet not in it: gone (or off its pool)
+            for key, body in found.items():
+                cached = self.pool_members.get(key)
+                if cached is None or _version(cached[2]) <= _version(body):  # never back to an older version
+                    self.pool_members[key] = (str(_pool_ref(body)), _admission_facts(body), body)
+        return [
+            body for (namespace, _), (ref, _, body) in self.pool_members.items()
+            if namespace == pool.namespace and ref == pool.name
+        ]  # fmt: skip
 
     async def _pool_light_pass(self, pool: _Job, old: PoolStatus) -> PoolPass:
         """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
@@ -957,6 +983,34 @@ class Controller:
             if decision.idle:
                 return
             job.due = loop.time() + self._delay(decision)
+
+
+def _pool_ref(body: Mapping[str, Any]) -> str | None:
+    """The name of the RolloutPool a job names (None: it has its own servers)."""
+    return (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
+
+
+def _admission_facts(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a pool's admission reads of a job: when it changes, the pool decides again (Controller.job_event)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    created = next((x.get("status") for x in status.get("conditions") or [] if x.get("type") == names.CREATED), None)
+    return (
+        meta.get("uid"),
+        status.get("tokenDigest"),  # re-keyed: the pool renews its attachment
+        status.get("phase"),
+        (body.get("spec") or {}).get("suspend"),
+        bool(meta.get("deletionTimestamp")),
+        created,
+        pools.admitted_by_kueue(body),
+    )
+
+
+def _member(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a pool's pass keeps of a job: its body less the applied-spec annotation (a second copy of its spec)
+    and managedFields (each writer's field set, bigger still)."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("annotations", "managedFields")}
+    return {**body, "metadata": meta}
 
 
 _UNSEEN: Final = object()
