@@ -130,7 +130,7 @@ async def run(
                 # no /status poll), let the jobs see it, then count the operator's API requests for `settle` s.
                 if scenario == "running":
                     await _all_ready(cluster, names, concurrency)
-                await asyncio.sleep(15)
+                quiet_after = await _wait_until_quiet(emulator, timeout)
                 requests_before = len(emulator.log)
                 await asyncio.sleep(settle)
                 steady_log = emulator.log[requests_before:]
@@ -166,6 +166,7 @@ async def run(
         "steady_requests_per_second": round(steady_requests / settle, 1) if settle else None,
         "steady_requests_per_job_per_minute": round(steady_requests / jobs / (settle / 60), 2) if settle else None,
         "steady_seconds": settle,
+        "quiet_after_seconds": quiet_after,
         "steady_requests": dict(Counter(f"{verb} {res}" for verb, res, _ in steady_log).most_common()),
         "operator_api_requests": len(emulator.log),
         # What the operator asked until every job had its children (the burst is paced by the client rate limit).
@@ -175,6 +176,22 @@ async def run(
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
+
+
+async def _wait_until_quiet(emulator: Any, timeout: float, quiet: float = 10.0) -> float | None:
+    """Wait until the operator has written nothing for `quiet` seconds (every job's status shows what it waits for:
+    steady state), at most `timeout` seconds; the seconds it took, None if it never fell quiet."""
+    started = time.monotonic()
+    seen, last_write = 0, started
+    while time.monotonic() - started < timeout:
+        await asyncio.sleep(0.5)
+        log = emulator.log
+        if any(verb in ("create", "patch", "update", "delete") for verb, _, _ in log[seen:]):
+            last_write = time.monotonic()
+        seen = len(log)
+        if time.monotonic() - last_write >= quiet:
+            return round(last_write - started, 1)
+    return None
 
 
 async def _wait_until_watching(emulator: Any) -> None:
