@@ -146,8 +146,11 @@ class Controller:
         self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...], dict[str, Any]]] = {}
         """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it, its body
         without the copies of its spec in annotations and managedFields). The pools' passes decide from these."""
-        self.members_listed: dict[str, float] = {}
-        """Loop time at which each namespace's jobs were last listed into pool_members (see _pool_jobs)."""
+        self.member_listings: dict[str, tuple[float, asyncio.Future[None]]] = {}
+        """Each namespace's last list of its jobs into pool_members: (loop time, the listing; see _pool_jobs)."""
+        self.members_gone: dict[str, dict[tuple[str, str], int]] = {}
+        """Jobs on a pool the watch reported DELETED while their namespace's listing is out (with their last version):
+        that listing, taken before, must not bring them back."""
         self.workloads: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """The operator's workloads (trainer Jobs, inference StatefulSets) as last seen by the watch, by (kind,
         namespace, name); None: seen deleted. Absent: not seen (read from the API instead)."""
@@ -204,6 +207,8 @@ class Controller:
         key = (meta.get("namespace", ""), meta.get("name", ""))
         ref, seen = _pool_ref(body), _admission_facts(body)
         before = self.pool_members.get(key)
+        if event_type == "DELETED" and key[0] in self.members_gone:
+            self.members_gone[key[0]][key] = _version(body)
         if event_type != "DELETED" and before is not None and _version(body) < _version(before[2]):
             return  # behind what a list of the jobs read (see _pool_jobs)
         self.pool_members.pop(key, None)
@@ -309,9 +314,10 @@ class Controller:
         tasks = [job.task for job in [*self.jobs.values(), *self.pools.values()] if job.task is not None]
         for task in tasks:
             task.cancel()
-        for _, listing in self.listings.values():
+        listings = [listing for _, listing in [*self.listings.values(), *self.member_listings.values()]]
+        for listing in listings:
             listing.cancel()  # shielded from the passes: cancelled here (a no-op once done)
-        await asyncio.gather(*tasks, *(listing for _, listing in self.listings.values()), return_exceptions=True)
+        await asyncio.gather(*tasks, *listings, return_exceptions=True)
         self.jobs.clear()
         self.pools.clear()
         await self.trainer.close()
@@ -496,32 +502,48 @@ class Controller:
         cache may lack some: before the first list since the operator started (the watch's own initial listing
         may not have come yet) and once per resync (a watch that reconnected reports no DELETED for what went
         meanwhile)."""
-        loop = asyncio.get_running_loop()
-        listed_at = self.members_listed.get(pool.namespace)
-        if listed_at is None or loop.time() - listed_at >= self.config.resync_interval:
-            self.members_listed[pool.namespace] = loop.time()
-            newest = 0
-
-            def keep(item: dict[str, Any]) -> dict[str, Any] | None:
-                nonlocal newest
-                newest = max(newest, _version(item))
-                return _member(item) if _pool_ref(item) else None
-
-            found = {
-                (body["metadata"].get("namespace", ""), body["metadata"].get("name", "")): body
-                for body in await self.client.list(kube.GRPOLORAJOB, pool.namespace, {}, keep=keep)
-            }
-            for key, (_, _, body) in list(self.pool_members.items()):
-                if key[0] == pool.namespace and key not in found and _version(body) <= newest:
-                    del self.pool_members[key]  # older than the list, yet not in it: gone (or off its pool)
-            for key, body in found.items():
-                cached = self.pool_members.get(key)
-                if cached is None or _version(cached[2]) <= _version(body):  # never back to an older version
-                    self.pool_members[key] = (str(_pool_ref(body)), _admission_facts(body), body)
+        now = asyncio.get_running_loop().time()
+        listing = self.member_listings.get(pool.namespace)
+        if (
+            listing is None
+            or now - listing[0] >= self.config.resync_interval
+            or (listing[1].done() and listing[1].exception() is not None)
+        ):
+            listing = (now, asyncio.ensure_future(self._list_members(pool.namespace)))
+            self.member_listings[pool.namespace] = listing
+        # Every pool of the namespace waits for the one listing (none decides from a cache it is still filling);
+        # shielded: a pass cancelled while it waits must not cancel the listing that other pools wait for.
+        await asyncio.shield(listing[1])
         return [
             body for (namespace, _), (ref, _, body) in self.pool_members.items()
             if namespace == pool.namespace and ref == pool.name
         ]  # fmt: skip
+
+    async def _list_members(self, namespace: str) -> None:
+        """List the namespace's jobs (a page at a time, keeping only those on a pool, less their spec's copies) into
+        pool_members, never going back to an older version than the watch brought meanwhile."""
+        newest = 0
+
+        def keep(item: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal newest
+            newest = max(newest, _version(item))
+            return _member(item) if _pool_ref(item) else None
+
+        self.members_gone[namespace] = gone = {}
+        try:
+            listed = await self.client.list(kube.GRPOLORAJOB, namespace, {}, keep=keep)
+        finally:
+            del self.members_gone[namespace]
+        found = {(namespace, body["metadata"].get("name", "")): body for body in listed}
+        for key, (_, _, body) in list(self.pool_members.items()):
+            if key[0] == namespace and key not in found and _version(body) <= newest:
+                del self.pool_members[key]  # older than the list, yet not in it: gone (or off its pool)
+        for key, body in found.items():
+            cached = self.pool_members.get(key)
+            if gone.get(key, -1) >= _version(body):
+                continue  # deleted since the list was taken
+            if cached is None or _version(cached[2]) <= _version(body):  # never back to an older version
+                self.pool_members[key] = (str(_pool_ref(body)), _admission_facts(body), body)
 
     async def _pool_light_pass(self, pool: _Job, old: PoolStatus) -> PoolPass:
         """The replicas' state only; attachments as the last full pass decided them (the status says which)."""
