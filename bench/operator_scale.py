@@ -7,8 +7,16 @@ the last of its seven children), the operator's peak RSS (VmHWM), and the API re
 and minute once every job has its children (steady state: nothing changes; no trainer answers here, so this is
 what the operator costs the API server beyond polling the trainers' /status).
 
+Scenarios (`--scenario`), one steady-state row each:
+- running: every job has its children, every pod ready (the default; the burst's figures are measured here only).
+- queued: every job carries a Kueue queue label and nobody admits its Workload, so no job gets its trainer Job or
+  StatefulSet (they wait for Kueue).
+- pool-waiting: every job names one RolloutPool of maxJobs 1 whose servers never get ready, so no job is attached
+  and none gets its trainer Job.
+
     python bench/operator_scale.py --jobs 500            # all at once (a burst)
     python bench/operator_scale.py --jobs 500 --rate 50  # paced: 50 jobs per second
+    python bench/operator_scale.py --jobs 500 --scenario queued --settle 60
 """
 
 from __future__ import annotations
@@ -28,10 +36,13 @@ from typing import Any
 import aiohttp
 import yaml
 
+from grpolora.api import constants as c
 from grpolora.testing.jobs import job_doc
 from grpolora.testing.kube_emulator import running_cluster
 
 NAMESPACE = "bench"
+SCENARIOS = ("running", "queued", "pool-waiting")
+POOL = "shared"
 CHILDREN = (
     ("secrets", "{}-grpolora-token"),
     ("services", "{}-trainer"),
@@ -71,6 +82,7 @@ async def run(
     profile_path: str | None = None,
     settle: float = 15.0,
     resync: float = 600.0,
+    scenario: str = "running",
 ) -> dict[str, Any]:
     # Without the emulator's schema validation: this measures the operator, not the emulator (the operator tests
     # run with it).
@@ -103,22 +115,26 @@ async def run(
                 await _wait_until_watching(emulator)
                 idle_rss = peak_rss_mib(operator.pid)
                 names = [f"job-{i:04d}" for i in range(jobs)]
+                if scenario == "pool-waiting":
+                    await cluster.apply(_pool_doc())
                 cpu_before = cpu_seconds(operator.pid)
                 started = time.monotonic()
-                await _create_all(cluster, names, rate, concurrency)
+                await _create_all(cluster, names, rate, concurrency, scenario)
                 posted = time.monotonic()
-                missing = await _wait_for_children(emulator, names, timeout)
+                missing = await _wait_for_children(emulator, names, timeout, scenario)
                 finished = time.monotonic()
                 until_children = list(emulator.log)
                 creation_cpu = cpu_seconds(operator.pid) - cpu_before
                 creation_rss = peak_rss_mib(operator.pid)
                 # Steady state: play the Job and StatefulSet controllers (every pod ready; no trainer is active, so
                 # no /status poll), let the jobs see it, then count the operator's API requests for `settle` s.
-                await _all_ready(cluster, names, concurrency)
-                await asyncio.sleep(15)
+                if scenario == "running":
+                    await _all_ready(cluster, names, concurrency)
+                quiet_after = await _wait_until_quiet(emulator, timeout)
                 requests_before = len(emulator.log)
                 await asyncio.sleep(settle)
-                steady_requests = len(emulator.log) - requests_before
+                steady_log = emulator.log[requests_before:]
+                steady_requests = len(steady_log)
                 rss = peak_rss_mib(operator.pid)
             finally:
                 operator.terminate()
@@ -129,10 +145,13 @@ async def run(
     latencies = []
     for name in names:
         job_created = emulator.created_at[("grpolorajobs", NAMESPACE, name)]
-        last_child = max(emulator.created_at[(kind, NAMESPACE, pattern.format(name))] for kind, pattern in CHILDREN)
+        last_child = max(
+            emulator.created_at[(kind, NAMESPACE, pattern.format(name))] for kind, pattern in _children(scenario)
+        )
         latencies.append(last_child - job_created)
     duplicates = len(emulator.created) - len(set(emulator.created))
     return {
+        "scenario": scenario,
         "jobs": jobs,
         "rate_per_second": rate or "burst",
         "create_seconds": round(posted - started, 2),
@@ -147,6 +166,8 @@ async def run(
         "steady_requests_per_second": round(steady_requests / settle, 1) if settle else None,
         "steady_requests_per_job_per_minute": round(steady_requests / jobs / (settle / 60), 2) if settle else None,
         "steady_seconds": settle,
+        "quiet_after_seconds": quiet_after,
+        "steady_requests": dict(Counter(f"{verb} {res}" for verb, res, _ in steady_log).most_common()),
         "operator_api_requests": len(emulator.log),
         # What the operator asked until every job had its children (the burst is paced by the client rate limit).
         "requests_per_job_until_children": round(len(until_children) / jobs, 2),
@@ -155,6 +176,22 @@ async def run(
         "cpus": os.cpu_count(),
         "load_average_1m": round(os.getloadavg()[0], 2),
     }
+
+
+async def _wait_until_quiet(emulator: Any, timeout: float, quiet: float = 10.0) -> float | None:
+    """Wait until the operator has written nothing for `quiet` seconds (every job's status shows what it waits for:
+    steady state), at most `timeout` seconds; the seconds it took, None if it never fell quiet."""
+    started = time.monotonic()
+    seen, last_write = 0, started
+    while time.monotonic() - started < timeout:
+        await asyncio.sleep(0.5)
+        log = emulator.log
+        if any(verb in ("create", "patch", "update", "delete") for verb, _, _ in log[seen:]):
+            last_write = time.monotonic()
+        seen = len(log)
+        if time.monotonic() - last_write >= quiet:
+            return round(last_write - started, 1)
+    return None
 
 
 async def _wait_until_watching(emulator: Any) -> None:
@@ -166,7 +203,37 @@ async def _wait_until_watching(emulator: Any) -> None:
     raise SystemExit("the operator did not start watching within 60 s")
 
 
-async def _create_all(cluster: Any, names: list[str], rate: float, concurrency: int) -> None:
+def _children(scenario: str) -> tuple[tuple[str, str], ...]:
+    """The children each job has in steady state: a queued job's workloads wait for Kueue (its Workload stands in
+    for them), a job waiting for its pool has its token Secret only (its other children come with its attachment)."""
+    if scenario == "queued":
+        return (*CHILDREN[:5], ("workloads", "{}"))
+    if scenario == "pool-waiting":
+        return (("secrets", "{}-token"),)
+    return CHILDREN
+
+
+def _pool_doc() -> dict[str, Any]:
+    return {
+        "apiVersion": "grpolora.dev/v1alpha1",
+        "kind": "RolloutPool",
+        "metadata": {"name": POOL, "namespace": NAMESPACE},
+        "spec": {"model": {"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, "replicas": 1, "maxJobs": 1},
+    }
+
+
+def _job(name: str, scenario: str) -> dict[str, Any]:
+    if scenario == "pool-waiting":
+        doc = job_doc(model={"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, inference={"poolRef": {"name": POOL}})
+    else:
+        doc = job_doc()
+    doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+    if scenario == "queued":
+        doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    return doc
+
+
+async def _create_all(cluster: Any, names: list[str], rate: float, concurrency: int, scenario: str) -> None:
     queue: asyncio.Queue[tuple[int, str]] = asyncio.Queue()
     for item in enumerate(names):
         queue.put_nowait(item)
@@ -177,8 +244,7 @@ async def _create_all(cluster: Any, names: list[str], rate: float, concurrency: 
             index, name = queue.get_nowait()
             if rate:
                 await asyncio.sleep(max(0.0, start + index / rate - time.monotonic()))
-            doc = job_doc()
-            doc["metadata"] = {"name": name, "namespace": NAMESPACE}
+            doc = _job(name, scenario)
             path = f"{cluster.url}/apis/grpolora.dev/v1alpha1/namespaces/{NAMESPACE}/grpolorajobs"
             async with session.post(path, json=doc) as response:
                 assert response.status < 300, await response.text()
@@ -200,14 +266,14 @@ async def _all_ready(cluster: Any, names: list[str], concurrency: int) -> None:
     await asyncio.gather(*(ready(name) for name in names))
 
 
-async def _wait_for_children(emulator: Any, names: list[str], timeout: float) -> list[str]:
+async def _wait_for_children(emulator: Any, names: list[str], timeout: float, scenario: str) -> list[str]:
     deadline = time.monotonic() + timeout
+    children = _children(scenario)
     while True:
         missing = [
             name
             for name in names
-            if ("statefulsets", NAMESPACE, f"{name}-inference") not in emulator.created_at
-            or any((kind, NAMESPACE, pattern.format(name)) not in emulator.created_at for kind, pattern in CHILDREN)
+            if any((kind, NAMESPACE, pattern.format(name)) not in emulator.created_at for kind, pattern in children)
         ]
         if not missing or time.monotonic() > deadline:
             return missing
@@ -223,6 +289,7 @@ def main() -> None:
     parser.add_argument("--operator-log", metavar="PATH", help="keep the operator's log here")
     parser.add_argument("--log-level", default="warning", help="the operator's --log-level")
     parser.add_argument("--settle", type=float, default=60.0, help="seconds of steady state to count requests over")
+    parser.add_argument("--scenario", choices=SCENARIOS, default="running", help="what the jobs wait for (see above)")
     parser.add_argument("--resync-interval", type=float, default=600.0, help="the operator's --resync-interval")
     args = parser.parse_args()
     result = asyncio.run(
@@ -235,6 +302,7 @@ def main() -> None:
             args.log_level,
             settle=args.settle,
             resync=args.resync_interval,
+            scenario=args.scenario,
         )
     )
     print(json.dumps(result, indent=2))

@@ -133,12 +133,18 @@ class Controller:
         self.jobs: dict[tuple[str, str], _Tracked] = {}
         self.pools: dict[tuple[str, str], _Tracked] = {}
         """The RolloutPools, by (namespace, name)."""
-        self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...]]] = {}
-        """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it)."""
+        self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...], dict[str, Any]]] = {}
+        """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it, its body
+        without the copies of its spec in annotations and managedFields). The pools' passes decide from these."""
+        self.member_listings: dict[str, tuple[float, asyncio.Future[None]]] = {}
+        """Each namespace's last list of its jobs into pool_members: (loop time, the listing; see _pool_jobs)."""
+        self.members_gone: dict[str, dict[tuple[str, str], int]] = {}
+        """Jobs on a pool the watch reported DELETED while their namespace's listing is out (with their last version):
+        that listing, taken before, must not bring them back."""
         self.cache: dict[tuple[str, str, str], dict[str, Any] | None] = {}
         """What the watches (or a full pass's reads) last showed, by (kind, namespace, name): the jobs' workloads
         (trainer Jobs, inference StatefulSets), their Kueue Workloads, and the RolloutPools their jobs read. None:
-        seen deleted. Absent: not seen (read from the API instead)."""
+        seen deleted (or read absent: the watch reports it when it comes). Absent: not seen (read from the API)."""
         self.queue_watched = True
         """Kueue's Workloads come from a watch. False when Kueue was not installed when the operator started: Kopf
         discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
@@ -187,28 +193,20 @@ class Controller:
     def job_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
         """A watch event of a job on a RolloutPool: wake the pool's pass when what its admission reads of the job
         changed (created, its children made, admitted by Kueue, finished, suspended, deleted). The pool's pass then
-        lists the jobs from the API: the watch only says when to look, never what to decide."""
+        reads the jobs from this cache (see _pool_jobs)."""
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", ""), meta.get("name", ""))
-        ref = (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
-        status = body.get("status") or {}
-        created = next(
-            (x.get("status") for x in status.get("conditions") or [] if x.get("type") == names.CREATED), None
-        )
-        seen = (
-            meta.get("uid"),
-            status.get("tokenDigest"),  # re-keyed: the pool renews its attachment
-            status.get("phase"),
-            (body.get("spec") or {}).get("suspend"),
-            bool(meta.get("deletionTimestamp")),
-            created,
-            pools.admitted_by_kueue(body),
-        )
-        before = self.pool_members.pop(key, None)
+        ref, seen = _pool_ref(body), _admission_facts(body)
+        before = self.pool_members.get(key)
+        if event_type == "DELETED" and key[0] in self.members_gone:
+            self.members_gone[key[0]][key] = _version(body)
+        if event_type != "DELETED" and before is not None and _version(body) < _version(before[2]):
+            return  # behind what a list of the jobs read (see _pool_jobs)
+        self.pool_members.pop(key, None)
         if event_type != "DELETED" and ref:
-            self.pool_members[key] = (ref, seen)
+            self.pool_members[key] = (ref, seen, _member(body))
         for pool in {before[0] if before else None, ref} - {None}:
-            if before is None or before != (ref, seen) or event_type == "DELETED":
+            if before is None or before[:2] != (ref, seen) or event_type == "DELETED":
                 tracked = self.pools.get((key[0], pool))
                 if tracked is not None:
                     tracked.next_full = 0.0  # admission must look again: a full pass
@@ -246,8 +244,14 @@ class Controller:
         """A watch event of one of the operator's Jobs or StatefulSets: cache it, and wake its job for a pass."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
+        if event_type == "DELETED" and job is None:
+            # The child of a job no longer followed (collected after it): no pass reads its tombstone, so none is
+            # kept (a job of that name made later reads its workloads from the API first).
+            self.cache.pop((kind, namespace, name), None)
+            return
         self._remember((kind, namespace, name), None if event_type == "DELETED" else dict(body), body)
-        self._wake(self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, "")))))
+        self._wake(job)
 
     def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
         """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
@@ -287,15 +291,24 @@ class Controller:
         job = self.jobs.pop((namespace, name), None)
         if job is not None and job.task is not None and job.task is not asyncio.current_task():
             job.task.cancel()
+        # Its workloads as last seen (tombstones included): a job of this name made later reads them from the API.
+        workloads = child_names(name)
+        for kind, child in (
+            (kube.JOB, workloads["trainer"]),
+            (kube.STATEFULSET, workloads["inference"]),
+            (kube.KUEUE_WORKLOAD, name),
+        ):
+            self.cache.pop((kind.kind, namespace, child), None)
         self.metrics.forget_job(namespace, name)
 
     async def stop(self) -> None:
         tasks = [job.task for job in [*self.jobs.values(), *self.pools.values()] if job.task is not None]
         for task in tasks:
             task.cancel()
-        for _, listing in self.listings.values():
+        listings = [listing for _, listing in [*self.listings.values(), *self.member_listings.values()]]
+        for listing in listings:
             listing.cancel()  # shielded from the passes: cancelled here (a no-op once done)
-        await asyncio.gather(*tasks, *(listing for _, listing in self.listings.values()), return_exceptions=True)
+        await asyncio.gather(*tasks, *listings, return_exceptions=True)
         self.jobs.clear()
         self.pools.clear()
         await self.trainer.close()
@@ -396,7 +409,7 @@ class Controller:
             else:
                 pool.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
                 if view.pool is not None:
-                    observed = await self._pool_observe(view)
+                    observed = await self._pool_observe(pool, view)
         decision = pr.decide_pool(view, old, observed, self.clock(), operator_namespace=self.config.operator_namespace)
         if decision.writes:
             if any(write.patch is None for write in decision.writes) and await self._owner_deleting(pool):
@@ -415,13 +428,13 @@ class Controller:
             await self._record_pool(pool, decision.status)
         return decision
 
-    async def _pool_observe(self, view: pr.PoolPassView) -> pr.PoolObserved:
-        """A full pass's reads: the namespace's jobs and the pool's children, then the token Secrets of the jobs about
-        to attach and the replicas' adapter reports."""
+    async def _pool_observe(self, pool: _Tracked, view: pr.PoolPassView) -> pr.PoolObserved:
+        """A full pass's reads: the jobs that name the pool (from the watch's cache, _pool_jobs) and the pool's
+        children, then the token Secrets of the jobs about to attach and the replicas' adapter reports."""
         assert view.pool is not None
         refs = pr.child_refs(view, self.config.operator_namespace)
         listed, *found = await asyncio.gather(
-            self.client.list(kube.GRPOLORAJOB, view.namespace, {}),
+            self._pool_jobs(pool),
             *(self.client.get(kube.KINDS[kind], view.namespace, name) for kind, name in refs),
         )
         children = dict(zip(refs, found, strict=True))
@@ -465,6 +478,56 @@ class Controller:
                     view.namespace, view.name, obj["kind"], obj["metadata"]["name"], exc,
                 )  # fmt: skip
                 raise ChildRefused(exc, obj) from exc
+
+    async def _pool_jobs(self, pool: _Tracked) -> list[dict[str, Any]]:
+        """The jobs that name this pool, from the watch's cache of them (pool_members), as a controller decides from
+        its informer's cache: every change a pool reads of a job wakes the pool's pass (job_event), so the cache is
+        as new as what woke it. The namespace's jobs are listed (a page at a time, only the members kept) when the
+        cache may lack some: before the first list since the operator started (the watch's own initial listing
+        may not have come yet) and once per resync (a watch that reconnected reports no DELETED for what went
+        meanwhile)."""
+        now = asyncio.get_running_loop().time()
+        listing = self.member_listings.get(pool.namespace)
+        if (
+            listing is None
+            or now - listing[0] >= self.config.resync_interval
+            or (listing[1].done() and listing[1].exception() is not None)
+        ):
+            listing = (now, asyncio.ensure_future(self._list_members(pool.namespace)))
+            self.member_listings[pool.namespace] = listing
+        # Every pool of the namespace waits for the one listing (none decides from a cache it is still filling);
+        # shielded: a pass cancelled while it waits must not cancel the listing that other pools wait for.
+        await asyncio.shield(listing[1])
+        return [
+            body for (namespace, _), (ref, _, body) in self.pool_members.items()
+            if namespace == pool.namespace and ref == pool.name
+        ]  # fmt: skip
+
+    async def _list_members(self, namespace: str) -> None:
+        """List the namespace's jobs (a page at a time, keeping only those on a pool, less their spec's copies) into
+        pool_members, never going back to an older version than the watch brought meanwhile."""
+        newest = 0
+
+        def keep(item: dict[str, Any]) -> dict[str, Any] | None:
+            nonlocal newest
+            newest = max(newest, _version(item))
+            return _member(item) if _pool_ref(item) else None
+
+        self.members_gone[namespace] = gone = {}
+        try:
+            listed = await self.client.list(kube.GRPOLORAJOB, namespace, {}, keep=keep)
+        finally:
+            del self.members_gone[namespace]
+        found = {(namespace, body["metadata"].get("name", "")): body for body in listed}
+        for key, (_, _, body) in list(self.pool_members.items()):
+            if key[0] == namespace and key not in found and _version(body) <= newest:
+                del self.pool_members[key]  # older than the list, yet not in it: gone (or off its pool)
+        for key, body in found.items():
+            cached = self.pool_members.get(key)
+            if gone.get(key, -1) >= _version(body):
+                continue  # deleted since the list was taken
+            if cached is None or _version(cached[2]) <= _version(body):  # never back to an older version
+                self.pool_members[key] = (str(_pool_ref(body)), _admission_facts(body), body)
 
     async def _adapter_reports(
         self, pool_plan: PoolPlan, view: pr.PoolPassView, statefulset: Mapping[str, Any] | None
@@ -564,9 +627,15 @@ class Controller:
         if not full and key in self.cache:
             cached = self.cache[key]
             return None if cached is None else dict(cached)
+        before = self.cache.get(key, _UNSEEN)
         found = await self.client.get(kind, namespace, name)
         if found is not None:
             self._remember(key, dict(found), found)
+        elif self.cache.get(key, _UNSEEN) is before:
+            # Absent: remembered as such, or every light pass of a job whose workloads wait (for Kueue, for its pool)
+            # would GET them again. The watch reports their ADDED when they come (a re-listing after a reconnect
+            # too). Not if the watch spoke while the GET was out: what it said is at least as new as the 404.
+            self.cache[key] = None
         return found
 
     async def _observe(
@@ -867,6 +936,38 @@ class Controller:
             if decision.idle:
                 return
             job.due = loop.time() + self._delay(decision)
+
+
+def _pool_ref(body: Mapping[str, Any]) -> str | None:
+    """The name of the RolloutPool a job names (None: it has its own servers)."""
+    return (((body.get("spec") or {}).get("inference") or {}).get("poolRef") or {}).get("name")
+
+
+def _admission_facts(body: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What a pool's admission reads of a job: when it changes, the pool decides again (Controller.job_event)."""
+    meta = body.get("metadata") or {}
+    status = body.get("status") or {}
+    created = next((x.get("status") for x in status.get("conditions") or [] if x.get("type") == names.CREATED), None)
+    return (
+        meta.get("uid"),
+        status.get("tokenDigest"),  # re-keyed: the pool renews its attachment
+        status.get("phase"),
+        (body.get("spec") or {}).get("suspend"),
+        bool(meta.get("deletionTimestamp")),
+        created,
+        pools.admitted_by_kueue(body),
+    )
+
+
+def _member(body: Mapping[str, Any]) -> dict[str, Any]:
+    """What a pool's pass keeps of a job: its body less the applied-spec annotation (a second copy of its spec)
+    and managedFields (each writer's field set, bigger still)."""
+    meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("annotations", "managedFields")}
+    return {**body, "metadata": meta}
+
+
+_UNSEEN: Final = object()
+"""Not in the workloads' cache (distinct from None, which there means: seen absent)."""
 
 
 async def _none() -> None:

@@ -26,6 +26,8 @@ logger = logging.getLogger(__name__)
 K8sObject = dict[str, Any]
 EVENT_MESSAGE_MAX: Final = 1024  # the API server rejects longer event messages
 STRICT: Final = {"fieldValidation": "Strict"}
+LIST_PAGE: Final = 500
+"""Objects per list request: client-go's pager's default page size (k8s.io/client-go/tools/pager)."""
 
 
 @dataclass(frozen=True)
@@ -261,15 +263,46 @@ class KubeClient:
         return any(r.get("name") == kind.plural for r in (found or {}).get("resources") or [])
 
     async def list(
-        self, kind: Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
+        self,
+        kind: Kind,
+        namespace: str,
+        labels: Mapping[str, str],
+        *,
+        fields: Mapping[str, str] | None = None,
+        page: int = LIST_PAGE,
+        keep: Callable[[K8sObject], K8sObject | None] | None = None,
     ) -> list[K8sObject]:
-        params = {}
+        """Every matching object, `page` at a time (`limit`/`continue`, as client-go's pager lists): the server never
+        builds one response of the whole collection, nor does this process hold it. `keep` maps each item as its page
+        arrives (None drops it), so that what is kept of a large list is only what the caller reads.
+
+        A `continue` token expires (410 Gone, after about 5 minutes of etcd compaction); the list then starts over
+        once, as the API's docs say a client must ("Retrieving large results sets in chunks",
+        kubernetes.io/docs/reference/using-api/api-concepts)."""
+        params = {"limit": str(page)}
         if labels:
             params["labelSelector"] = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
         if fields:
             params["fieldSelector"] = ",".join(f"{key}={value}" for key, value in sorted(fields.items()))
-        result = await self._call("GET", kind.path(namespace), params=params)
-        return list((result or {}).get("items") or [])
+        for attempt in (1, 2):
+            found: list[K8sObject] = []
+            token = ""
+            try:
+                while True:
+                    asked = {**params, "continue": token} if token else params
+                    result = await self._call("GET", kind.path(namespace), params=asked)
+                    for item in (result or {}).get("items") or []:
+                        kept = item if keep is None else keep(item)
+                        if kept is not None:
+                            found.append(kept)
+                    token = ((result or {}).get("metadata") or {}).get("continue") or ""
+                    if not token:
+                        return found
+            except ApiError as exc:
+                if exc.status != 410 or not token or attempt == 2:
+                    raise
+                logger.info("listing %s: the continue token expired; listing again", kind.plural)
+        raise AssertionError("unreachable")  # pragma: no cover
 
     async def patch(
         self,

@@ -451,7 +451,31 @@ class Emulator(kmock.KubernetesEmulator):
         if fields:
             wanted = dict(term.split("=", 1) for term in fields.split(","))
             result["items"] = [item for item in result["items"] if _fields_match(item, wanted)]
+        return _page(result, request.params or {})
+
+
+def _page(result: dict[str, Any], params: Mapping[str, str]) -> dict[str, Any]:
+    """One page of a list, as the API server serves `limit` and `continue`: items in key order (namespace, name),
+    at most `limit` of them, and a `continue` token (opaque to clients; here the last key served) while more remain.
+    kubernetes.io/docs/reference/using-api/api-concepts ("Retrieving large results sets in chunks")."""
+    limit = int(params.get("limit") or 0)
+    if not limit:
         return result
+    items = sorted(result["items"], key=_list_key)
+    after = params.get("continue")
+    if after:
+        items = [item for item in items if "/".join(_list_key(item)) > after]
+    served, more = items[:limit], items[limit:]
+    metadata = dict(result.get("metadata") or {})
+    if more:
+        metadata["continue"] = "/".join(_list_key(served[-1]))
+        metadata["remainingItemCount"] = len(more)
+    return {**result, "metadata": metadata, "items": served}
+
+
+def _list_key(item: Mapping[str, Any]) -> tuple[str, str]:
+    meta = item.get("metadata") or {}
+    return (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
 
 
 def _meta(obj: Mapping[str, Any]) -> dict[str, Any]:
