@@ -9,7 +9,7 @@ from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, operator_options, wait_for
-from tests.operator.kueue_double import REGISTERED, FakeKueue, find
+from tests.operator.kueue_double import REGISTERED, FakeKueue, find, is_true
 from tests.operator.test_operator import phase
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
@@ -97,6 +97,10 @@ async def test_pods_ready_is_written_so_kueues_wait_for_pods_ready_evicts_only_j
         assert (ready["status"], ready["reason"]) == ("False", "WaitForStart")
         # The pods do not get ready in time: evicted, released, requeued after Kueue's backoff, admitted again.
         await wait_for(lambda: kueue.timed_out == ["demo"], "the PodsReady timeout")
+        # The second time the pods get ready in time. The test plays the clock: the timeout is stretched while it
+        # makes them ready (on a loaded machine the operator's write could come later than 0.5 s), and shortened
+        # again once PodsReady is True on the Workload.
+        kueue.pods_ready_timeout = 3600.0
         await wait_for(lambda: kueue.admissions == ["demo", "demo"], "admitted again after the backoff")
         requeued = find(kueue.workload("demo"), "Requeued")
         assert (requeued["status"], requeued["reason"]) == ("True", "BackoffFinished")
@@ -107,6 +111,8 @@ async def test_pods_ready_is_written_so_kueues_wait_for_pods_ready_evicts_only_j
         await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the inference StatefulSet")
         await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"readyReplicas": 1})
         await wait_for(lambda: cluster.condition("demo", names.PODS_READY).get("status") == "True", "pods ready")
+        await wait_for(lambda: is_true(kueue.workload("demo"), "PodsReady"), "PodsReady True on the Workload")
+        kueue.pods_ready_timeout = 0.5
         await wait_for(lambda: kueue.ready_in_time == ["demo"], "the timeout passed with the pods ready")
         ready = find(kueue.workload("demo"), "PodsReady")
         assert (ready["status"], ready["reason"]) == ("True", "Started")

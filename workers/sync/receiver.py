@@ -3,8 +3,8 @@
 One worker thread owns the collective: it forms the group when told to join an epoch and takes part in a round
 when told to prepare one. A round's buckets are verified against the header's payload MAC before anything is
 activated; a corrupted, short or interrupted round activates nothing, and the version already live keeps
-serving. Activation itself belongs to the `AdapterSink` (the vLLM engine wrapper), injected so that the
-protocol is testable without vLLM.
+serving. Activation itself belongs to the `AdapterSink` (the job's adapter book on its engine,
+workers/inference/adapter_book.py), injected so that the protocol is testable without vLLM.
 """
 
 from __future__ import annotations
