@@ -4,12 +4,13 @@ the rest go as soon as their last request ends. Version 0 is the base model: not
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 
 import pytest
 
 from grpolora.api.spec import min_lora_slots
-from grpolora.workers.inference.adapter_book import versions_to_unload
+from grpolora.workers.inference.adapter_book import OwnEngineBook, versions_to_unload
 from grpolora.workers.inference.vllm_engine import EngineConfig, config_for
 from tests.helpers import job_doc
 
@@ -124,34 +125,40 @@ def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its
     assert asyncio.run(scenario()) == [3, 4, 5]
 
 
+class SlowRemover:
+    """vLLM's remove_lora, held inside until the gate opens; each call announced as it enters."""
+
+    def __init__(self) -> None:
+        self.entered: asyncio.Queue[int] = asyncio.Queue()
+        self.gate = asyncio.Event()
+        self.removed: list[int] = []
+
+    async def remove_lora(self, lora_id: int) -> None:
+        await self.entered.put(lora_id)
+        await self.gate.wait()
+        self.removed.append(lora_id)
+
+
+def book_unloading_through(vllm: SlowRemover, tmp_path) -> OwnEngineBook:
+    """A book of one job with versions 1, 2 and 3 loaded (LoRA id = version) and 3 live; its window keeps one
+    version, so 1 and 2 are to go; vLLM's side is `vllm`. Made inside the event loop that runs the scenario."""
+    config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
+    engine = OwnEngineBook(config, adapter_root=tmp_path)
+    engine._engine = vllm
+    engine._version_changed = asyncio.Condition()
+    engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3
+    return engine
+
+
 def test_versions_leaving_at_once_are_each_unloaded_once_and_nothing_raises(tmp_path):
     """Two unloads overlap while vLLM's remove_lora is still running for the first: an activation's (versions 1 and
     2 out of the window) and a request's lease exit (which finds 2 still loaded). Each version must be removed once,
     and neither caller may raise: a KeyError there was a 500 at a lease exit, or ACTIVATION_FAILED for a version
     that went live."""
-    import asyncio
-
-    from grpolora.workers.inference.adapter_book import OwnEngineBook
-
-    class SlowRemover:
-        """vLLM's remove_lora, held inside until the gate opens; each call announced as it enters."""
-
-        def __init__(self) -> None:
-            self.entered: asyncio.Queue[int] = asyncio.Queue()
-            self.gate = asyncio.Event()
-            self.removed: list[int] = []
-
-        async def remove_lora(self, lora_id: int) -> None:
-            await self.entered.put(lora_id)
-            await self.gate.wait()
-            self.removed.append(lora_id)
 
     async def scenario() -> None:
-        config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
-        engine = OwnEngineBook(config, adapter_root=tmp_path)
-        engine._engine = vllm = SlowRemover()
-        engine._version_changed = asyncio.Condition()
-        engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3  # id = version; 1 and 2 out of the window
+        vllm = SlowRemover()
+        engine = book_unloading_through(vllm, tmp_path)
         leased, done = asyncio.Event(), asyncio.Event()
 
         async def request() -> None:  # a request on the live version, ending while the activation unloads
@@ -175,27 +182,10 @@ def test_versions_leaving_at_once_are_each_unloaded_once_and_nothing_raises(tmp_
 def test_a_detach_during_an_unload_removes_each_version_once(tmp_path):
     """A job detached (close) while a lease exit is still unloading versions the window left: close must not
     remove a version the other is about to remove, nor the other one close has removed (vLLM would be asked twice)."""
-    import asyncio
-
-    from grpolora.workers.inference.adapter_book import OwnEngineBook
-
-    class SlowRemover:
-        def __init__(self) -> None:
-            self.entered: asyncio.Queue[int] = asyncio.Queue()
-            self.gate = asyncio.Event()
-            self.removed: list[int] = []
-
-        async def remove_lora(self, lora_id: int) -> None:
-            await self.entered.put(lora_id)
-            await self.gate.wait()
-            self.removed.append(lora_id)
 
     async def scenario() -> None:
-        config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
-        engine = OwnEngineBook(config, adapter_root=tmp_path)
-        engine._engine = vllm = SlowRemover()
-        engine._version_changed = asyncio.Condition()
-        engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3
+        vllm = SlowRemover()
+        engine = book_unloading_through(vllm, tmp_path)
         leased, done = asyncio.Event(), asyncio.Event()
 
         async def request() -> None:
