@@ -125,7 +125,8 @@ class AdapterSender:
         self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
         self._lock = threading.RLock()  # one round or re-formation at a time, whichever thread asks
         # The live version and the members serving it, published together once a formation or a round has set
-        # both (never half-way, never the empty group of a re-formation in progress): what other threads read.
+        # both (never half-way), and the old members less the lost ones while a re-formation runs: what other
+        # threads read (live).
         self._live_changed = threading.Condition()
         self._live: tuple[int, tuple[int, ...]] = (first_version, ())
         self._closed = False
