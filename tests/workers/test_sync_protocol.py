@@ -22,8 +22,8 @@ from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.buffer import RolloutBuffer
-from grpolora.workers.trainer.producer import RolloutProducer
-from grpolora.workers.trainer.rollout import Completion, RolloutError
+from grpolora.workers.trainer.producer import ROUND_ATTEMPTS, RolloutProducer
+from grpolora.workers.trainer.rollout import Completion, ReplicasLost, RolloutError
 from tests.helpers import job_doc
 from tests.workers.syncfakes import LocalMember, RecordingSink, free_port
 
@@ -647,3 +647,127 @@ def test_the_rollout_producer_waits_for_a_re_forming_group_instead_of_failing(cl
     assert [g.version for g in groups] == [1]
     assert rollouts.calls == [(1, (0,))]  # once, after the group formed and the replica caught up
     buffer.close()
+
+
+def count_probes(member: LocalMember) -> list[float]:
+    """The times at which the sender asked `member` for its state (answered or not), from now on."""
+    probes: list[float] = []
+    real_state = member.state
+
+    def state():
+        probes.append(time.monotonic())
+        return real_state()
+
+    member.state = state
+    return probes
+
+
+def test_a_group_whose_every_replica_is_lost_waits_for_a_replacement(cluster):
+    """The only replica dies (a node drained, the OOM killer): its replacement needs a model load before it answers.
+    Re-forming raised "no inference replica answers" at once and the run ended; it waits for one now, bounded by
+    `replacement_wait_seconds`, and catches the replacement up to the current version."""
+    c = cluster(1)
+    c.sender.close()
+    c.sender = c.make_sender(replacement_wait_seconds=30.0)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    c.members[0].down = True
+    probes = count_probes(c.members[0])
+    reform = threading.Thread(target=c.sender.refresh, daemon=True)
+    reform.start()
+    # Asked by refresh, then by the formation, then again: the sender is waiting for a replica to answer.
+    eventually(lambda: len(probes) >= 3, seconds=20)
+    replace_replica(c, 0)
+    c.members[0].down = False
+    reform.join(20)
+    assert not reform.is_alive()
+    c.wait_live(1)
+    assert c.sender.serving(1) == (0,)
+
+
+def test_the_wait_for_a_replacement_is_bounded(cluster):
+    c = cluster(1)
+    c.sender.close()
+    c.sender = c.make_sender(replacement_wait_seconds=1.0)
+    c.sender.send(adapter(0), {})
+    c.members[0].down = True
+    started = time.monotonic()
+    with pytest.raises(SyncError, match=r"no inference replica answers \(1 expected\) after waiting 1s"):
+        c.sender.refresh()
+    assert time.monotonic() - started < 10
+
+
+class DyingRollouts(RecordingRollouts):
+    """The replicas die while generating the first round (every share fails, as RolloutClient.generate raises it),
+    and come back as `replace` says."""
+
+    def __init__(self, replace) -> None:
+        super().__init__()
+        self._replace = replace
+
+    def generate(self, prompts, sampling, *, version, replicas, seeds=None):
+        if not self.calls:
+            self.calls.append((version, tuple(replicas)))
+            self._replace()
+            raise ReplicasLost(f"every replica failed to generate ({len(prompts)} prompts lost): replica 0: gone")
+        return super().generate(prompts, sampling, version=version, replicas=replicas, seeds=seeds)
+
+
+def test_the_rollout_producer_survives_its_only_replica_dying_mid_generation(cluster):
+    """Every replica serving a round failed: the producer ended with "every replica failed to generate" and the
+    trainer exited 1 at its next take. It re-forms the group now (waiting for a replacement), and generates the same
+    prompts again on it."""
+    c = cluster(1)
+    c.sender.close()
+    c.sender = c.make_sender(replacement_wait_seconds=30.0)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+
+    probes = count_probes(c.members[0])
+
+    def die_then_come_back() -> None:
+        c.members[0].down = True
+        probes.clear()
+
+        def later() -> None:
+            eventually(lambda: len(probes) >= 3, seconds=20)  # the producer's re-formation waits for a replica
+            replace_replica(c, 0)
+            c.members[0].down = False
+
+        threading.Thread(target=later, daemon=True).start()
+
+    rollouts = DyingRollouts(die_then_come_back)
+    buffer = RolloutBuffer(staleness=2, next_position=0)
+    grpo = parse_job(job_doc(grpo={"promptsPerStep": 1})).spec.grpo
+    producer = RolloutProducer(
+        grpo, iter([Prompt(text="p0")]), lambda p: [1, 2], None, sender=c.sender, rollouts=rollouts, buffer=buffer
+    )
+    buffer.allow(1)
+    producer.start()
+    groups, _ = buffer.take(1, version=1, then_allow=0)
+    assert [(g.position, g.version) for g in groups] == [(0, 1)]
+    assert rollouts.calls == [(1, (0,)), (1, (0,))]  # the same round again, on the replacement
+    assert c.sinks[0].live_version == 1  # which was caught up first
+    buffer.close()
+
+
+class FailingRollouts(RecordingRollouts):
+    def generate(self, prompts, sampling, *, version, replicas, seeds=None):
+        self.calls.append((version, tuple(replicas)))
+        raise ReplicasLost("every replica failed to generate (1 prompts lost): replica 0: HTTP 500")
+
+
+def test_a_round_that_fails_on_every_replica_again_and_again_ends_the_run(cluster):
+    """Replicas that answer but fail every request (a bug, not a death): retried a bounded number of times."""
+    c = cluster(1)
+    c.sender.send(adapter(0), {})
+    rollouts, buffer = FailingRollouts(), RolloutBuffer(staleness=0, next_position=0)
+    grpo = parse_job(job_doc(grpo={"promptsPerStep": 1})).spec.grpo
+    producer = RolloutProducer(
+        grpo, iter([Prompt(text="p0")]), lambda p: [1, 2], None, sender=c.sender, rollouts=rollouts, buffer=buffer
+    )
+    buffer.allow(1)
+    producer.start()
+    with pytest.raises(ReplicasLost, match="every replica failed"):
+        buffer.take(1, version=1, then_allow=0)
+    assert len(rollouts.calls) == ROUND_ATTEMPTS

@@ -39,6 +39,9 @@ MAX_ATTEMPTS = 3
 # A replica that answers but cannot join is tried again after this, doubling per failure up to the maximum.
 REJOIN_BACKOFF_SECONDS = 30.0
 MAX_REJOIN_BACKOFF_SECONDS = 600.0
+# How long a re-formation waits for a replica to answer when none does: a replaced pod pulls its image and loads
+# the model first, as at start (the trainer waits as long for the first group, main.STARTUP_WAIT_SECONDS).
+REPLACEMENT_WAIT_SECONDS = 1800.0
 REFUSAL_REASONS = {
     REFUSED: "payload MAC or size mismatch",
     ACTIVATION_FAILED: "activation failed: the engine could not load the version (see the replica's log)",
@@ -99,6 +102,7 @@ class AdapterSender:
         device: torch.device | None = None,
         on_bucket_sent: Callable[[int], None] | None = None,
         rejoin_backoff_seconds: float = REJOIN_BACKOFF_SECONDS,
+        replacement_wait_seconds: float = REPLACEMENT_WAIT_SECONDS,
     ):
         self._members = {m.index: m for m in members}
         self._store = store
@@ -120,6 +124,7 @@ class AdapterSender:
         # Members that answered but could not join: left out until the monotonic time given, then tried again.
         self._benched: dict[int, tuple[float, int]] = {}  # index -> (retry after, failures so far)
         self._rejoin_backoff = rejoin_backoff_seconds
+        self._replacement_wait = replacement_wait_seconds
         self._transport: Transport | None = None
         self._last_round: tuple[Mapping[str, torch.Tensor], Mapping] | None = None
         self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
@@ -182,20 +187,24 @@ class AdapterSender:
             self._benched[index] = (time.monotonic() + delay, failures + 1)
             log.warning("adapter sync: replica %d left out (%s); trying it again in %.0fs", index, why, delay)
 
-    def form_group(self, *, wait_for_all_seconds: float = 0.0) -> tuple[int, ...]:
-        """Form the next epoch with every member that answers (waiting up to `wait_for_all_seconds` for all).
+    def form_group(self, *, wait_for_all_seconds: float = 0.0, wait_for_any_seconds: float = 0.0) -> tuple[int, ...]:
+        """Form the next epoch with every member that answers, waiting up to `wait_for_all_seconds` for all of
+        them, and up to `wait_for_any_seconds` for one when none answers (every replica lost at once: their
+        replacements are starting).
 
         A member that answers but does not reach the group within the join timeout is left out (benched, and
         tried again after a back-off), and the epoch forms again without it, so one half-alive replica costs one
         join timeout, never the run."""
-        deadline = time.monotonic() + wait_for_all_seconds
+        started = time.monotonic()
+        longest = max(wait_for_all_seconds, wait_for_any_seconds)
         while True:
             states = self._states()
-            if len(states) == len(self._members) or time.monotonic() >= deadline:
+            waited = time.monotonic() - started
+            if len(states) == len(self._members) or waited >= longest or (states and waited >= wait_for_all_seconds):
                 break
             time.sleep(0.5)
         if not states:
-            raise SyncError(f"no inference replica answers ({len(self._members)} expected)")
+            raise SyncError(f"no inference replica answers ({len(self._members)} expected) after waiting {longest:g}s")
         for state in states.values():
             if state.fingerprint != self.fingerprint:
                 raise FingerprintMismatch(
@@ -303,7 +312,7 @@ class AdapterSender:
     def _form_with_retries(self) -> None:
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                self.form_group()
+                self.form_group(wait_for_any_seconds=self._replacement_wait)
                 return
             except (TransportError, MemberUnreachable, StaleEpoch) as exc:
                 log.warning("adapter sync: forming epoch %d failed (attempt %d): %s", self.epoch, attempt, exc)

@@ -30,7 +30,7 @@ from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking, drop_records_after
 from grpolora.workers.trainer import evaluate, metrics, outputs
 from grpolora.workers.trainer.buffer import RolloutBuffer
-from grpolora.workers.trainer.producer import RolloutProducer
+from grpolora.workers.trainer.producer import RolloutProducer, generate_round
 from grpolora.workers.trainer.ranks import Instruction, TrainerContext, broadcast_instruction
 from grpolora.workers.trainer.rollout import RolloutClient
 from grpolora.workers.trainer.scoring import Rollouts, Scored, reference_from, sample_rows, score
@@ -213,14 +213,12 @@ class Controller:
         return self.spec.eval is not None and (last or (every is not None and step % every == 0))
 
     def _evaluate(self) -> evaluate.EvalResult:
-        version = self.sender.version
+        # On the live version, the one just synced (an evaluation is always preceded by a sync).
         result = evaluate.evaluate(
             self._eval_prompts,
             task=self.task,
             tokenize=self._tokenize,
-            generate=lambda ids, sampling: self.rollouts.generate(
-                ids, sampling, version=version, replicas=self.sender.serving(version)
-            ),
+            generate=lambda ids, sampling: generate_round(self.sender, self.rollouts, ids, sampling),
             spec=self.spec,
         )
         log.info("eval at step %d: reward %.3f over %d prompts", self.ctx.progress.step, result.reward_mean,

@@ -3,6 +3,7 @@ at the live adapter version, as far ahead as the RolloutBuffer allows (grpo.maxS
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from grpolora.api.spec import GRPOSpec
 from grpolora.workers.tasks import Prompt, TaskError
 from grpolora.workers.trainer.buffer import BufferClosed, Group, RolloutBuffer
-from grpolora.workers.trainer.rollout import RolloutClient, Sampling, prompt_seed
+from grpolora.workers.trainer.rollout import Completion, ReplicasLost, RolloutClient, Sampling, prompt_seed
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +27,8 @@ class DrawnPrompts:
     skipped: int  # too long to fit
 
 
+# A round whose every replica failed is generated again after the sync group re-forms, this many times in all.
+ROUND_ATTEMPTS = 3
 # Prompts that cannot fit, drawn in a row before the task is called unusable (for `wanted` prompts: 100 x wanted).
 SKIPPED_IN_A_ROW_PER_PROMPT = 100
 
@@ -112,17 +115,8 @@ class RolloutProducer:
                 count, start = self._buffer.reserve(grpo.prompts_per_step)
                 drawn = draw_prompts(self._prompts, self._tokenize, count, start, self._max_prompt_tokens)
                 self.skipped += drawn.skipped
-                # Version and replicas read together, and never from a group that is re-forming (a replica lost
-                # or back): the producer waits for the group there, where generating would fail the run.
-                version, replicas = self._sender.live()
                 started = time.perf_counter()
-                completions = self._rollouts.generate(
-                    drawn.ids,
-                    sampling,
-                    version=version,
-                    replicas=replicas,
-                    seeds=[prompt_seed(grpo.seed, position) for position in drawn.positions],
-                )
+                completions = self._generate(drawn, sampling)
                 seconds = time.perf_counter() - started
                 groups = [
                     Group(position, prompt, prompt_ids, group, seconds)
@@ -136,3 +130,30 @@ class RolloutProducer:
         except BaseException as exc:  # the trainer's take() raises it
             exc.add_note("raised in the rollout producer thread")
             self._buffer.fail(exc)
+
+    def _generate(self, drawn: DrawnPrompts, sampling: Sampling) -> list[list[Completion]]:
+        seeds = [prompt_seed(self._grpo.seed, position) for position in drawn.positions]
+        return generate_round(self._sender, self._rollouts, drawn.ids, sampling, seeds=seeds)
+
+
+def generate_round(
+    sender, rollouts: RolloutClient, prompts: list[list[int]], sampling: Sampling, *, seeds: list[int] | None = None
+) -> list[list[Completion]]:
+    """A round's completions on the live version (a rollout round or an evaluation). When every replica it went to
+    failed (they died, or their node went), the sync group is re-formed -- waiting for replacements if none is left,
+    and catching them up to the live version -- and the same prompts are generated again with the same seeds: a
+    lost replica costs time, not the run."""
+    for attempt in itertools.count(1):
+        # Version and replicas read together, and never from a group that is re-forming (a replica lost or back):
+        # the caller waits for the group there, where generating would fail the run.
+        version, replicas = sender.live()
+        try:
+            return rollouts.generate(prompts, sampling, version=version, replicas=replicas, seeds=seeds)
+        except ReplicasLost as exc:
+            if attempt >= ROUND_ATTEMPTS:
+                raise
+            log.warning("rollout round failed on every replica (attempt %d of %d): %s; re-forming the sync group",
+                        attempt, ROUND_ATTEMPTS, exc)  # fmt: skip
+            # The trainer may be waiting in take() for this very round: nobody else would re-form the group.
+            sender.refresh()
+    raise AssertionError("unreachable")  # itertools.count never ends

@@ -62,10 +62,11 @@ class TrainerContext:
 
 
 # How long a follower waits for rank 0's next instruction. Rank 0 works alone for long stretches between two
-# instructions (forming the sync group at start, up to main.STARTUP_WAIT_SECONDS plus the join timeout; generating,
-# scoring, evaluating, retrying a sync), so this bound is not the collectives' timeout (10 minutes for NCCL, after
-# which its watchdog aborts the process): it only has to catch a rank 0 that is hung, not one that has died (gloo
-# sees the peer's socket close at once).
+# instructions (forming the sync group at start, up to main.STARTUP_WAIT_SECONDS plus the join timeout, or again
+# when every replica was lost, up to sender.REPLACEMENT_WAIT_SECONDS; generating, scoring, evaluating, retrying a
+# sync), so this bound is not the collectives' timeout (10 minutes for NCCL, after which its watchdog aborts the
+# process): it only has to catch a rank 0 that is hung, not one that has died (gloo sees the peer's socket close at
+# once).
 INSTRUCTION_TIMEOUT = timedelta(hours=24)
 
 

@@ -51,6 +51,11 @@ class RolloutError(RuntimeError):
     """No replica could serve a rollout request."""
 
 
+class ReplicasLost(RolloutError):
+    """Every replica a round went to failed it (died, unreachable, 5xx): the request itself was not refused, so the
+    same round may succeed once the sync group has re-formed on the replicas that answer (or their replacements)."""
+
+
 class RequestRefused(RolloutError):
     """A replica refused the request itself (4xx other than 409): every replica would, so it is not retried."""
 
@@ -122,7 +127,7 @@ class RolloutClient:
             lost = [p for r in failed for p in shares[r]]
             if not alive:
                 reasons = "; ".join(f"replica {r} ({self.endpoints[r]}): {why}" for r, why in sorted(failed.items()))
-                raise RolloutError(f"every replica failed to generate ({len(lost)} prompts lost): {reasons}")
+                raise ReplicasLost(f"every replica failed to generate ({len(lost)} prompts lost): {reasons}")
             retry = self.generate(
                 [prompts[p] for p in lost],
                 sampling,
