@@ -3,7 +3,9 @@ cluster, each job in its own folder under --run-dir.
 
 Without engines: what the command refuses before anything starts (every message names the file, the field and
 both values). End to end (vllm): both jobs train to the end on one shared vLLM CPU replica, at the same time, and
-a third job, beyond the pool's maxJobs of 2, waits in line and attaches once one of them has ended.
+a third job, beyond the pool's maxJobs of 2, waits in line and attaches once one of them has ended. That third
+job runs with grpo.maxStaleness 2, and the pool's only replica is SIGKILLed once it has trained a step: the run
+heals (the replica restarted, every job's group re-formed on it) and every job finishes.
 
 The two jobs are rewarded for opposite things (the share of capitalised words, the share of lowercase ones), which
 the random tiny model learns within a few steps: both rewards rise only if each job's rollouts ran under its own
@@ -13,8 +15,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +27,7 @@ import pytest
 import torch
 import yaml
 
+from grpolora.api import contract
 from grpolora.api.status import TrainerStatus
 from grpolora.cli import main
 from grpolora.workers.launcher.run_files import read_run_files
@@ -168,6 +174,32 @@ def processes_with(variable: str, values: set[str]) -> list[int]:
     return found
 
 
+def pool_server() -> int | None:
+    """The pool replica's server process (its engine processes, children of it, carry the same environment)."""
+    found = set(processes_with(contract.POOL_NAME, {POOL_NAME}))
+    for pid in found:
+        try:
+            parent = int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent not in found:
+            return pid
+    return None
+
+
+def kill_the_pool_server_once(metrics: Path, proc: subprocess.Popen, timeout: float = 600) -> bool:
+    """SIGKILL the pool's server once `metrics` has its first record (False if the run ended first)."""
+    deadline = time.monotonic() + timeout
+    while not (metrics.exists() and metrics.read_text().strip()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    server = pool_server()
+    assert server is not None, "no pool server process"
+    os.kill(server, signal.SIGKILL)
+    return True
+
+
 @dataclass
 class PoolRun:
     run_dir: Path
@@ -192,14 +224,30 @@ def pool_run(tmp_path_factory) -> PoolRun:
     later["spec"]["checkpoint"] = {"everySteps": 2}
     files.append(write(tmp, f"job-{LATER}.yaml", later))
     run_dir = tmp / "run"
-    result = subprocess.run(
-        [sys.executable, "-P", "-m", "grpolora.cli", "run", *files, "--run-dir", str(run_dir)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp,
-    )
+    with (tmp / "stdout").open("w+") as out, (tmp / "stderr").open("w+") as err:
+        proc = subprocess.Popen(
+            [sys.executable, "-P", "-m", "grpolora.cli", "run", *files, "--run-dir", str(run_dir)],
+            stdout=out,
+            stderr=err,
+            text=True,
+            cwd=tmp,
+            start_new_session=True,
+        )
+        try:
+            # The k = 2 job has trained a step, with rounds in flight or buffered ahead: the pool's only replica
+            # is SIGKILLed (the OOM killer, a node gone). The launcher restarts it; every attached job waits for
+            # the replacement, catches it up and goes on.
+            killed = kill_the_pool_server_once(run_dir / LATER / "metrics.jsonl", proc)
+            code = proc.wait(timeout=600)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+        # Read by path: the child shares the files' offsets, which it left at their ends.
+        result = subprocess.CompletedProcess(
+            proc.args, code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text()
+        )
     assert result.returncode == 0, result.stderr[-8000:]
+    assert killed, "the pool server was never killed: the run ended before the k = 2 job trained a step"
     records = {
         name: [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
         for name in (*JOBS, LATER)
@@ -265,6 +313,20 @@ def test_a_job_beyond_max_jobs_waits_and_attaches_when_one_ends(pool_run):
         status.phase == "Succeeded"
         and f"{LATER}: Succeeded after {LATER_STEPS}/{LATER_STEPS}" in pool_run.result.stdout
     )
+
+
+@pytest.mark.vllm
+def test_a_sigkilled_pool_replica_is_restarted_and_every_job_finishes(pool_run):
+    """The pool's only replica was SIGKILLed once the k = 2 job had trained a step (see pool_run): rounds in flight
+    failed on every replica, the trainers waited for the replacement and caught it up, and no step was lost."""
+    assert "--- grpolora run: exited with code -9; restart 1 ---" in pool_run.server_log
+    assert "inference 0 exited with code -9; starting it again (restart 1 of" in pool_run.result.stderr
+    for name, steps in [*((n, STEPS) for n in JOBS), (LATER, LATER_STEPS)]:
+        status = TrainerStatus.model_validate_json((pool_run.run_dir / name / "status.json").read_text())
+        assert status.phase == "Succeeded" and status.step == steps, (name, status)
+        assert [r["step"] for r in pool_run.records[name]] == list(range(1, steps + 1))
+    later = TrainerStatus.model_validate_json((pool_run.run_dir / LATER / "status.json").read_text())
+    assert later.inference_restarts == 1 and later.sync_members == [0]
 
 
 @pytest.mark.vllm
