@@ -7,6 +7,8 @@ Used by `grpolora validate|render|run` and by the operator (where the path goes 
 from __future__ import annotations
 
 import difflib
+import re
+import sys
 import typing
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -79,15 +81,28 @@ def _parse(model: type[_M], document: Any, source: str, node: yaml.Node | None) 
 
 def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
     """Every GRPOLoraJob in a YAML file (one or more `---` documents); InvalidJob on any problem in any."""
-    return load_jobs_from_text(_read(path), source=str(path))
+    return load_jobs_from_text(_read(path), source=source_name(path))
 
 
 def load_documents(path: str | Path) -> list[Document]:
     """Every GRPOLoraJob and RolloutPool in a YAML file, in order; InvalidJob on any problem in any."""
-    return load_documents_from_text(_read(path), source=str(path))
+    return load_documents_from_text(_read(path), source=source_name(path))
+
+
+STDIN = "-"  # a file argument that means standard input, as for kubectl -f
+STDIN_SOURCE = "<stdin>"
+
+
+def source_name(path: str | Path) -> str:
+    """How messages name where documents came from."""
+    return STDIN_SOURCE if str(path) == STDIN else str(path)
 
 
 def _read(path: str | Path) -> str:
+    if str(path) == STDIN:
+        stream = sys.stdin
+        binary = getattr(stream, "buffer", None)  # bytes, decoded as a file's are, whatever the locale
+        return decode(binary.read(), STDIN_SOURCE) if binary is not None else stream.read()
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
@@ -138,19 +153,37 @@ def _load_from_text(text: str, source: str, parse: typing.Callable[..., _T]) -> 
     for index, (node, document) in enumerate(zip(nodes, documents, strict=True)):
         label = f"document {index + 1}: " if len(documents) > 1 else ""
         found = _duplicate_keys(node, "")
-        try:
-            jobs.append(parse(document, source=source, node=node))
-        except InvalidJob as exc:
-            found += exc.problems
+        for prefix, item_node, item in _items(node, document):
+            try:
+                jobs.append(parse(item, source=source, node=item_node))
+            except InvalidJob as exc:
+                found += [Problem(prefix + p.path if p.path else prefix.rstrip("."), p.message, p.line)
+                          for p in exc.problems]  # fmt: skip
         problems += [Problem(p.path, label + p.message, p.line) for p in found]
     if problems:
         raise InvalidJob(problems, source)
     return jobs
 
 
+def _items(node: yaml.Node, document: Any) -> list[tuple[str, yaml.Node, Any]]:
+    """The documents in one YAML document: itself, or the items of a `kind: List` (as `kubectl get -o yaml` writes
+    several objects, and `kubectl apply -f` reads them), each with the path prefix its problems are named by."""
+    if not (isinstance(document, Mapping) and document.get("kind") == "List" and "items" in document):
+        return [("", node, document)]
+    items = document["items"]
+    items_node = next((v for k, v in node.value if getattr(k, "value", None) == "items"), None)
+    if not isinstance(items, list) or not isinstance(items_node, yaml.SequenceNode):
+        return [("items", node, items)]  # refused as not a mapping, at the List's line
+    return [(f"items[{i}].", n, item) for i, (n, item) in enumerate(zip(items_node.value, items, strict=True))]
+
+
 def job_warnings(job: GRPOLoraJob) -> list[Problem]:
     """Things that run but may surprise: said by `grpolora validate` and as operator Events."""
     spec, warnings = job.spec, []
+    if "task" not in spec.model_fields_set:
+        warnings.append(
+            Problem("spec.task", "not set: the job trains on the built-in `arithmetic` task; name the task it is for")
+        )
     if spec.lora.rank not in c.VLLM_MAX_LORA_RANKS:
         warnings.append(
             Problem(
@@ -183,6 +216,10 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
 
 # ---- error formatting -------------------------------------------------------------------------------------
 
+# A number with an exponent but no dot: YAML 1.2 (and kubectl's YAML reader) take it as a number, YAML 1.1 (PyYAML,
+# so the operator's own tools and many others) as a string.
+_EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+
 
 def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob) -> Iterable[Problem]:
     loc = tuple(error["loc"])
@@ -204,6 +241,18 @@ def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob
         yield Problem(_join(loc), message)
     elif kind == "missing":
         yield Problem(_join(loc), "required field is missing")
+    elif (
+        kind in ("int_parsing", "float_parsing")
+        and isinstance(error.get("input"), str)
+        and _EXPONENT.match(error["input"])
+    ):
+        written = error["input"]
+        value = float(written)
+        yield Problem(
+            _join(loc),
+            f"`{written}` is a string in YAML 1.1, which reads a number with an exponent only with a dot "
+            f"(`{value:.1e}`); write {value:g}",
+        )
     else:
         message = error["msg"].removeprefix("Value error, ")
         given = error.get("input")

@@ -28,7 +28,7 @@ def test_validate_accepts_a_pool_and_a_job_on_it_given_together():
 def test_validate_of_a_job_alone_says_its_fit_to_the_pool_was_not_checked():
     result = grpolora("validate", str(JOB))
     assert result.returncode == 0, result.stderr
-    assert "not checked here: its fit to RolloutPool rl/qwen3-shared (spec.inference.poolRef;" in result.stderr
+    assert "not checked here: spec.inference.poolRef: its fit to RolloutPool rl/qwen3-shared (give" in result.stderr
 
 
 def test_validate_refuses_a_job_that_does_not_fit_its_pool_naming_the_field_and_both_values(tmp_path):
