@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args
+from urllib.parse import urlsplit
 
 from pydantic import (
     AfterValidator,
@@ -447,7 +448,7 @@ class RewardSpec(SpecModel):
     """Factor of this reward in the total (rewards are summed after weighting)."""
     label: str | None = Field(default=None, pattern=REWARD_LABEL.pattern)
     """Name of this reward in metrics (`rewards.<label>`); defaults to the built-in name, the function's name or
-    the service's host."""
+    the service's host and path (`http://rewards.svc:8000/score` -> `rewards.svc_score`)."""
     timeout_seconds: float = Field(default=30.0, gt=0)
     """`url` only: a request that takes longer fails (and is retried)."""
     concurrency: int = Field(default=4, gt=0)
@@ -488,7 +489,10 @@ class RewardSpec(SpecModel):
         if self.function:
             return self.function.rpartition(":")[2]
         assert self.url is not None
-        return re.sub(r"[^A-Za-z0-9_.-]", "_", self.url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[0])
+        # The host, and the path when there is one: two services on one host (/score, /length) differ by path.
+        where = urlsplit(self.url)
+        path = re.sub(r"[^A-Za-z0-9_.-]+", "_", where.path).strip("_")
+        return "_".join(part for part in (where.hostname or "", path) if part)
 
 
 def _reward_entry(index: int, entry: Any) -> RewardSpec:
@@ -957,7 +961,7 @@ class GRPOLoraJobSpec(SpecModel):
     grpo: GRPOSpec = Field(default_factory=GRPOSpec)
     """GRPO hyperparameters."""
     task: TaskSpec = Field(default_factory=lambda: TaskSpec(name="arithmetic"))
-    """Where prompts and rewards come from."""
+    """Where prompts and rewards come from. Not set: the built-in `arithmetic` task (`grpolora validate` warns)."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     """The trainer role (torch.distributed among its ranks; rank 0 drives GRPO and sends the adapter)."""
     inference: InferenceSpec = Field(default_factory=InferenceSpec)
