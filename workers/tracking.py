@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from grpolora.api.spec import GRPOLoraJobSpec, MlflowSpec, WandbSpec
 from grpolora.workers.secrets import export_secret
@@ -24,6 +25,7 @@ log = logging.getLogger(__name__)
 SAMPLES_FILE = "samples.jsonl"
 RUN_IDS_FILE = "tracking.json"
 TENSORBOARD_DIR = "tensorboard"
+FILE_STORE_OPT_OUT = "MLFLOW_ALLOW_FILE_STORE"
 
 
 def drop_records_after(path: Path, step: int) -> int:
@@ -44,6 +46,31 @@ def drop_records_after(path: Path, step: int) -> int:
     if len(kept) != len(lines):
         path.write_text("".join(f"{line}\n" for line in kept))
     return len(lines) - len(kept)
+
+
+def check_tracking(spec: GRPOLoraJobSpec) -> list[TrackingError]:
+    """What `grpolora validate` can tell of the trackers from here, before a trainer fails on it at start: an MLflow
+    file store, which MLflow 3 refuses ("in maintenance mode") unless the trainer's env sets the opt-out."""
+    mlflow = spec.tracking.mlflow if spec.tracking else None
+    if mlflow is None or urlparse(mlflow.tracking_uri).scheme not in ("", "file"):
+        return []
+    opted_out = any(isinstance(v, Mapping) and v.get("name") == FILE_STORE_OPT_OUT for v in spec.trainer.env)
+    try:
+        from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE  # MLflow 3.x
+    except ImportError:  # an MLflow that still takes file stores (or none installed here)
+        return []
+    if opted_out or MLFLOW_ALLOW_FILE_STORE.get():
+        return []
+    import mlflow as installed
+
+    return [
+        TrackingError(
+            f"spec.tracking.mlflow.trackingUri: {mlflow.tracking_uri!r} is a file store, which MLflow "
+            f"{installed.__version__} refuses (its file backend is in maintenance mode): use a tracking server "
+            f"(http://...) or a database (sqlite:///<file on the output volume>), or set {FILE_STORE_OPT_OUT}=true "
+            "in spec.trainer.env"
+        )
+    ]
 
 
 class TrackingError(RuntimeError):

@@ -182,3 +182,16 @@ def test_a_reward_list_survives_the_trip_through_the_worker_env():
     rewards = [{"url": "http://r:1/score", "concurrency": 2}, {"name": "math", "weight": 0.5}]
     spec = parse_job(job_doc(task={"name": "arithmetic", "reward": rewards})).spec
     assert GRPOLoraJobSpec.model_validate(spec.to_wire()) == spec
+
+
+def test_two_services_on_one_host_get_labels_from_host_and_path():
+    """Two remote rewards on one host were both labelled by the host, and refused as a clash until each was given a
+    `label`; the default now takes the path too (a service at the host's root keeps the host alone)."""
+    from grpolora.api.load import parse_job
+    from tests.helpers import job_doc
+
+    rewards = [{"url": "http://rewards.svc:8000/score"}, {"url": "http://rewards.svc:8000/v1/length?x=1"},
+               {"url": "https://judge.example.com"}, {"url": "http://judge2.example.com/"}]  # fmt: skip
+    job = parse_job(job_doc(task={"name": "arithmetic", "reward": rewards}))
+    labels = [r.metric_label for r in job.spec.task.reward]
+    assert labels == ["rewards.svc_score", "rewards.svc_v1_length", "judge.example.com", "judge2.example.com"]

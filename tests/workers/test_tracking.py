@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from grpolora.api.load import parse_job
 from grpolora.workers.tracking import Tracking, TrackingError, flatten
@@ -174,3 +175,37 @@ def wandb_history(path: Path) -> list[dict]:
             if record.WhichOneof("record_type") == "history":
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
     return rows
+
+
+def test_a_tracker_that_cannot_start_is_a_spec_error_not_a_crash():
+    """The trainer's exit code for it is the spec-error one, which the operator does not restart: a restart would meet
+    the same refusal (issue 26: MLflow's file store failed at step 0 with exit 1, and the job was restarted)."""
+    from grpolora.api import contract
+    from grpolora.workers.secrets import SecretError
+    from grpolora.workers.trainer.main import exit_code
+
+    assert exit_code(TrackingError("spec.tracking.mlflow: cannot start a run at file:///x: ...")) == 78
+    assert exit_code(SecretError("spec.tracking.mlflow.secretName: Secret 'mlflow' not found")) == 78
+    assert contract.EXIT_INVALID_SPEC == 78 and 78 in contract.TRAINER_INPUT_EXIT_CODES
+    assert exit_code(RuntimeError("NCCL watchdog timeout")) == 1
+
+
+def test_mlflow_refusing_file_stores_fails_at_start_and_validate_says_so_first(tmp_path, monkeypatch):
+    from grpolora.cli import main
+    from grpolora.workers.tracking import check_tracking
+
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    uri = f"file://{tmp_path / 'mlruns'}"
+    with pytest.raises(TrackingError, match="maintenance mode"):
+        Tracking(spec(mlflow={"trackingUri": uri}), tmp_path, "demo")
+    (found,) = check_tracking(spec(mlflow={"trackingUri": uri}))
+    assert str(found).startswith(f"spec.tracking.mlflow.trackingUri: '{uri}' is a file store, which MLflow 3.")
+    job = job_doc(tracking={"mlflow": {"trackingUri": uri}})
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    assert main(["validate", str(path)]) == 1
+    # The trainer's own opt-out, or a server, passes.
+    job["spec"]["trainer"] = {"env": [{"name": "MLFLOW_ALLOW_FILE_STORE", "value": "true"}]}
+    path.write_text(yaml.safe_dump(job))
+    assert main(["validate", str(path)]) == 0
+    assert check_tracking(spec(mlflow={"trackingUri": "http://mlflow.mlflow.svc:5000"})) == []

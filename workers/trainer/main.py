@@ -16,7 +16,9 @@ import torch.distributed as dist
 from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.secrets import SecretError
 from grpolora.workers.tasks.base import TaskError
+from grpolora.workers.tracking import TrackingError
 
 log = logging.getLogger(__name__)
 
@@ -147,15 +149,27 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         if board is not None:
             board.update(phase="Failed", message=f"{type(exc).__name__}: {exc}")
             _write_final_status(board, Path(env.output_dir or env.checkpoint_dir))
-        if isinstance(exc, TaskError):  # a bad dataset or reward plugin: a restart would fail the same way
+        code = exit_code(exc)
+        if code != 1:
             contract.write_termination_message(str(exc))
-            return contract.EXIT_INVALID_DATA
-        return 1
+        return code
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         if server is not None:
             server.shutdown()
+
+
+def exit_code(exc: BaseException) -> int:
+    """The trainer's exit code for what ended it. A bad dataset or reward plugin (EXIT_INVALID_DATA), or a setting
+    that can only fail when the run starts -- tracking, a Secret it names (EXIT_INVALID_SPEC) -- would fail a restart
+    the same way: the operator fails the job at once with the message instead of restarting it. Anything else may be
+    transient (1: restarted)."""
+    if isinstance(exc, TaskError):
+        return contract.EXIT_INVALID_DATA
+    if isinstance(exc, TrackingError | SecretError):
+        return contract.EXIT_INVALID_SPEC
+    return 1
 
 
 def _record_and_exit_on_sigterm(board, folder: Path) -> None:
