@@ -70,6 +70,26 @@ BUILTIN_REWARDS: Final = ("math", *BUILTIN_TASKS)
 OFFLINE_MODEL_PREFIX: Final = "offline:"
 OFFLINE_MODELS: Final = ("smollm2-135m-instruct", "tiny-llama")
 
+# ---- bounds: every count, size, length and duration of a spec has a maximum, in the spec and the CRD ----
+# They catch a slip of the finger (`steps: 1.0e+30`, `replicas: 1e6`) before it reaches a controller or a GPU, and
+# keep the CRD's CEL cost estimates bounded. Each is far above what a real run uses, for the reason given.
+MAX_STEPS: Final = 10_000_000  # optimizer steps, checkpoints, evaluations: 10 M steps of one second are 4 months
+MAX_PROMPTS_PER_STEP: Final = 65_536  # prompts in one step's batch (the largest published GRPO batches are ~1-8 k)
+MAX_GENERATIONS_PER_PROMPT: Final = 4_096  # a group's completions (vLLM generates them as one request's `n`)
+MAX_MODEL_LEN: Final = 16_777_216  # tokens (2^24): above the longest context any served model has (10 M)
+MAX_REPLICAS: Final = 5_000  # pods of a role: Kubernetes supports clusters of at most 5,000 nodes
+MAX_GPUS_PER_POD: Final = 16  # GPUs of one node (the largest nodes have 8 or 16)
+MAX_LORA_SLOTS: Final = 1_024  # vLLM's max_loras: LoRA slots per engine, each a buffer on every GPU
+MAX_KV_CACHE_GIB: Final = 4_096  # CPU replicas' KV cache: above the memory of the largest nodes (a few TiB)
+MAX_RESTARTS: Final = 1_000  # restarts of a failed trainer before the job fails
+MAX_TIMEOUT_SECONDS: Final = 7 * 24 * 3600  # timeouts and deadlines: a week (beyond it nobody is waiting)
+MAX_BUCKET_MIB: Final = 65_536  # one sync bucket (64 GiB): larger than a whole 70B model's LoRA adapter
+MAX_BATCH: Final = 1_048_576  # items per request or micro-batch, prompts of an evaluation or a dataset cap
+MAX_CONCURRENCY: Final = 4_096  # requests in flight to a reward service, or per job on a pool's replica
+MAX_RETRIES: Final = 100  # further attempts of a failed reward request
+MAX_CHECKPOINTS_KEPT: Final = 1_000  # checkpoints kept on the volume
+MAX_JOBS_PER_POOL: Final = 1_024  # jobs attached to a RolloutPool at once (each holds adapter slots)
+
 DEFAULT_WORKER_IMAGE_GPU: Final = "ghcr.io/grpo-lora-operator/worker-gpu:0.1.0"
 DEFAULT_WORKER_IMAGE_CPU: Final = "ghcr.io/grpo-lora-operator/worker-cpu:0.1.0"
 

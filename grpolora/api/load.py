@@ -241,6 +241,10 @@ def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob
         yield Problem(_join(loc), message)
     elif kind == "missing":
         yield Problem(_join(loc), "required field is missing")
+    elif kind == "int_parsing_size":  # beyond any integer (2^63): name the field's own bound instead
+        bound = _upper_bound(loc, root)
+        limit = f"; at most {bound}" if bound is not None else ""
+        yield Problem(_join(loc), f"{error.get('input')!r} is far too large{limit}")
     elif (
         kind in ("int_parsing", "float_parsing")
         and isinstance(error.get("input"), str)
@@ -281,6 +285,21 @@ def _field_names_at(loc: tuple[Any, ...], root: type[BaseModel] = GRPOLoraJob) -
         if model is None:
             return []
     return [f.alias or name for name, f in model.model_fields.items()] if model else []
+
+
+def _upper_bound(loc: tuple[Any, ...], root: type[BaseModel]) -> Any:
+    """The `le` bound of the field at `loc`, if it has one."""
+    model: Any = root
+    for part in loc[:-1]:
+        if isinstance(part, int):
+            continue
+        model = _model_in(_field_annotation(model, str(part)))
+        if model is None:
+            return None
+    for name, info in model.model_fields.items():
+        if str(loc[-1]) in (name, info.alias):
+            return next((m.le for m in info.metadata if getattr(m, "le", None) is not None), None)
+    return None
 
 
 def _field_annotation(model: type[BaseModel], wire_name: str) -> Any:

@@ -227,11 +227,11 @@ def min_lora_slots(staleness: int) -> int:
 
 
 class GRPOSpec(SpecModel):
-    steps: int = Field(default=100, gt=0)
+    steps: int = Field(default=100, gt=0, le=c.MAX_STEPS)
     """Number of optimizer steps (one batch of prompts each)."""
-    prompts_per_step: int = Field(default=8, gt=0)
+    prompts_per_step: int = Field(default=8, gt=0, le=c.MAX_PROMPTS_PER_STEP)
     """Prompts drawn per step."""
-    generations_per_prompt: int = Field(default=8, ge=2)
+    generations_per_prompt: int = Field(default=8, ge=2, le=c.MAX_GENERATIONS_PER_PROMPT)
     """Completions sampled per prompt: the group whose rewards are compared. GRPO needs at least 2."""
     learning_rate: float = Field(default=1.0e-5, gt=0)
     """AdamW learning rate for the LoRA weights."""
@@ -239,7 +239,7 @@ class GRPOSpec(SpecModel):
     """Weight of the KL penalty (k3 estimator) to the reference policy: the base model with the adapter off."""
     clip_epsilon: float = Field(default=0.2, gt=0)
     """PPO-style clip range of the importance ratio."""
-    max_new_tokens: int = Field(default=256, gt=0)
+    max_new_tokens: int = Field(default=256, gt=0, le=c.MAX_MODEL_LEN)
     """Largest completion length in tokens."""
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature for rollouts (greedy sampling would give a group no spread)."""
@@ -247,12 +247,12 @@ class GRPOSpec(SpecModel):
     """Nucleus sampling for rollouts."""
     seed: int = Field(default=0, ge=0)
     """Seed for prompt order, sampling and LoRA initialisation."""
-    sync_every_steps: int = Field(default=1, gt=0)
+    sync_every_steps: int = Field(default=1, gt=0, le=c.MAX_STEPS)
     """Send the adapter to the inference replicas every this many steps."""
     pipelined: bool = False
     """Alias of `maxStaleness: 1` (generate step n+1 while step n trains), kept for existing jobs."""
     # ---- bounded staleness (asynchronous GRPO) ----
-    max_staleness: int | None = Field(default=None, ge=0)
+    max_staleness: int | None = Field(default=None, ge=0, le=c.MAX_LORA_SLOTS - 1)
     """How many adapter versions a trained sample may lag the trainer's latest synced version (k). 0: on-policy,
     generation and training take turns. k > 0: the replicas generate continuously into a buffer, at most k steps'
     batches ahead; the trainer takes the buffered groups within k versions of its own, drops older ones (counted
@@ -268,7 +268,7 @@ class GRPOSpec(SpecModel):
     """Gradient clipping threshold (global L2 norm)."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
-    micro_batch_size: int = Field(default=8, gt=0)
+    micro_batch_size: int = Field(default=8, gt=0, le=c.MAX_BATCH)
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
     reference_from: Literal["trainer", "inference"] = "trainer"
     """Where the KL term's reference logprobs (the base model, adapter off) come from: `trainer`, a forward pass
@@ -320,7 +320,7 @@ class DatasetEvalSpec(SpecModel):
     data/test-00000.parquet ...)."""
     path: str | None = None
     """Held-out file or folder, resolved like `dataset.path`."""
-    max_prompts: int | None = Field(default=None, gt=0)
+    max_prompts: int | None = Field(default=None, gt=0, le=c.MAX_BATCH)
     """Evaluate on at most this many prompts (the first ones, in file order)."""
 
     @model_validator(mode="after")
@@ -451,11 +451,11 @@ class RewardSpec(SpecModel):
     the service's host and path (`http://rewards.svc:8000/score` -> `rewards.svc_score`)."""
     timeout_seconds: float = Field(default=30.0, gt=0)
     """`url` only: a request that takes longer fails (and is retried)."""
-    concurrency: int = Field(default=4, gt=0)
+    concurrency: int = Field(default=4, gt=0, le=c.MAX_CONCURRENCY)
     """`url` only: requests in flight at once."""
-    batch_size: int = Field(default=64, gt=0)
+    batch_size: int = Field(default=64, gt=0, le=c.MAX_BATCH)
     """`url` only: items per request."""
-    retries: int = Field(default=2, ge=0)
+    retries: int = Field(default=2, ge=0, le=c.MAX_RETRIES)
     """`url` only: further attempts after a timeout, a connection error, a 429 or a 5xx answer."""
     headers_from: SecretRef | None = None
     """`url` only: HTTP headers from this Secret (each key a header name, its value the header value), e.g. a key
@@ -601,9 +601,9 @@ class PodSecuritySpec(SpecModel):
 
 
 class RoleSpec(SpecModel):
-    replicas: int = Field(default=1, gt=0)
+    replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
     """Number of pods of this role."""
-    gpus_per_replica: int = Field(default=1, ge=0)
+    gpus_per_replica: int = Field(default=1, ge=0, le=c.MAX_GPUS_PER_POD)
     """GPUs per pod (`nvidia.com/gpu`); 0 runs on CPU."""
     image: str | None = None
     """Container image; defaults to the project's GPU or CPU worker image."""
@@ -689,7 +689,7 @@ class RoleSpec(SpecModel):
 
 
 class TrainerSpec(RoleSpec):
-    max_restarts: int = Field(default=3, ge=0)
+    max_restarts: int = Field(default=3, ge=0, le=c.MAX_RESTARTS)
     """Times the operator restarts a failed trainer (from the latest checkpoint) before the job fails."""
     master_port: Port = 29500
     """torch.distributed rendezvous port among trainer ranks (MASTER_PORT)."""
@@ -712,15 +712,15 @@ class ServingSpec(RoleSpec):
 
     model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule()]})
 
-    tensor_parallel_size: int = Field(default=1, gt=0)
+    tensor_parallel_size: int = Field(default=1, gt=0, le=c.MAX_GPUS_PER_POD)
     """vLLM tensor-parallel size; must divide gpusPerReplica (the quotient runs as vLLM data parallelism)."""
     port: Port = 8000
     """HTTP port of each inference server: generate, health, readiness, metrics, sync control."""
-    max_model_len: int | None = Field(default=None, gt=0)
+    max_model_len: int | None = Field(default=None, gt=0, le=c.MAX_MODEL_LEN)
     """Context length the engine reserves for; defaults to the model's."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0, le=1)
     """Fraction of GPU memory vLLM may take (GPU replicas)."""
-    kv_cache_gib: int = Field(default=2, gt=0, alias="kvCacheGiB")
+    kv_cache_gib: int = Field(default=2, gt=0, le=c.MAX_KV_CACHE_GIB, alias="kvCacheGiB")
     """KV-cache size in GiB for CPU replicas (VLLM_CPU_KVCACHE_SPACE, whole GiB)."""
 
     def serving_errors(self, at: str) -> list[tuple[str, str]]:
@@ -760,7 +760,7 @@ def _pool_ref_rule() -> dict[str, str]:
 class InferenceSpec(ServingSpec):
     model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule(), _pool_ref_rule()]})
 
-    max_loras: int = Field(default=2, ge=2)
+    max_loras: int = Field(default=2, ge=2, le=c.MAX_LORA_SLOTS)
     """LoRA slots per engine. At least 2: version N-1 finishes its requests while N serves new ones."""
     pool_ref: PoolRef | None = None
     """Run the rollouts on a shared RolloutPool of the same base model instead of servers of the job's own; the
@@ -781,12 +781,12 @@ class SyncSpec(SpecModel):
     """Collective for adapter sync: `auto` picks NCCL when trainer and inference both have GPUs, else gloo."""
     port: Port = 29600
     """Port of the sync group's rendezvous store on trainer rank 0."""
-    timeout_seconds: int = Field(default=600, gt=0)
+    timeout_seconds: int = Field(default=600, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A round that takes longer is abandoned: the group re-forms without the unresponsive replicas."""
-    join_timeout_seconds: int = Field(default=30, gt=0)
+    join_timeout_seconds: int = Field(default=30, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A replica that answers but has not joined the sync group this long after being asked is left out: the
     group forms without it, and it is asked again after a back-off (30 s, doubling to 10 min)."""
-    bucket_mib: int = Field(default=256, gt=0, alias="bucketMiB")
+    bucket_mib: int = Field(default=256, gt=0, le=c.MAX_BUCKET_MIB, alias="bucketMiB")
     """Adapter tensors are packed into buffers of at most this size (one broadcast each)."""
 
 
@@ -794,7 +794,7 @@ class SchedulingSpec(SpecModel):
     """How long the job waits for its pods when they cannot all start (e.g. one GPU pool has room and the other has
     not). With Kueue (the `kueue.x-k8s.io/queue-name` label) admission decides instead (docs/operator.md)."""
 
-    startup_deadline_seconds: int | None = Field(default=None, gt=0)
+    startup_deadline_seconds: int | None = Field(default=None, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """Pods not all ready this long after they were created (or after one was lost) report
     StartupDeadlineExceeded with the scheduler's reason. Unset: wait for ever."""
     on_startup_deadline: Literal["Report", "Fail"] = "Report"
@@ -807,9 +807,9 @@ class CheckpointSpec(SpecModel):
     """Absolute folder for checkpoints in the trainer pods (`grpolora run` uses `<run dir>/checkpoints`)."""
     pvc: PvcRef | None = None
     """Mount this PersistentVolumeClaim at `path`; without it, checkpoints do not survive a pod replacement."""
-    every_steps: int = Field(default=50, gt=0)
+    every_steps: int = Field(default=50, gt=0, le=c.MAX_STEPS)
     """Save adapter, optimizer, step, sync round and RNG state every this many steps (and at the end)."""
-    keep: int = Field(default=2, gt=0)
+    keep: int = Field(default=2, gt=0, le=c.MAX_CHECKPOINTS_KEPT)
     """How many of the newest checkpoints to keep."""
 
 
@@ -878,7 +878,7 @@ class PushSpec(SpecModel):
     """Copy the adapter to an S3-compatible store."""
     hub: HubPushSpec | None = None
     """Commit the adapter to a Hugging Face Hub model repository."""
-    every_steps: int | None = Field(default=None, gt=0)
+    every_steps: int | None = Field(default=None, gt=0, le=c.MAX_STEPS)
     """Also push the adapter of every this many steps while training (S3: `<url>/step-000010/`; Hub: a commit on
     the branch), in the background with at most one push at a time; unset: only the final adapter."""
 
@@ -930,10 +930,10 @@ class TrackingSpec(SpecModel):
     """Log to an MLflow tracking server."""
     wandb: WandbSpec | None = None
     """Log to Weights & Biases."""
-    samples_every_steps: int = Field(default=10, gt=0)
+    samples_every_steps: int = Field(default=10, gt=0, le=c.MAX_STEPS)
     """Every this many steps (and at the last), log a table of sample completions with their rewards and
     advantages (also appended to `samples.jsonl` in the output folder)."""
-    samples_per_step: int = Field(default=4, gt=0)
+    samples_per_step: int = Field(default=4, gt=0, le=c.MAX_BATCH)
     """Prompts (each with all its completions) in such a table."""
 
 
@@ -941,13 +941,13 @@ class EvalSpec(SpecModel):
     """Evaluation on the held-out prompts (`task.dataset.eval`, or fresh prompts of a built-in task) through the
     inference replicas, with the current adapter, scored by the task's reward."""
 
-    every_steps: int | None = Field(default=None, gt=0)
+    every_steps: int | None = Field(default=None, gt=0, le=c.MAX_STEPS)
     """Evaluate every this many steps (and after the last); unset: only after the last step."""
     temperature: float = Field(default=0.0, ge=0)
     """Sampling temperature; 0 is greedy."""
-    max_prompts: int = Field(default=64, gt=0)
+    max_prompts: int = Field(default=64, gt=0, le=c.MAX_BATCH)
     """Largest number of prompts per evaluation (a dataset's eval.maxPrompts can lower it)."""
-    max_new_tokens: int | None = Field(default=None, gt=0)
+    max_new_tokens: int | None = Field(default=None, gt=0, le=c.MAX_MODEL_LEN)
     """Completion length limit; defaults to grpo.maxNewTokens."""
 
 
@@ -985,7 +985,7 @@ class GRPOLoraJobSpec(SpecModel):
     suspend: bool = False
     """True removes the job's pods but keeps the job, its token and (on `checkpoint.pvc`) its checkpoints; false again
     resumes training."""
-    ttl_seconds_after_finished: int | None = Field(default=None, ge=0)
+    ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=c.MAX_TIMEOUT_SECONDS)
     """Delete the job this many seconds after it succeeded or failed."""
 
     @model_validator(mode="after")
@@ -1155,22 +1155,22 @@ class RolloutPoolSpec(ServingSpec):
 
     model: ModelSpec
     """The base model; a job attaches only when its `model` (name, revision, dtype, source) is the same."""
-    max_jobs: int = Field(default=4, gt=0)
+    max_jobs: int = Field(default=4, gt=0, le=c.MAX_JOBS_PER_POOL)
     """Jobs attached at once; a job beyond them waits (phase Pending, reason PoolFull) until one detaches."""
-    adapters_per_job: int = Field(default=2, ge=2)
+    adapters_per_job: int = Field(default=2, ge=2, le=c.MAX_LORA_SLOTS)
     """LoRA slots of each attached job: its live version and the ones still in use. A job with grpo.maxStaleness k
     needs k + 1 (and never fewer than 2); vLLM holds maxJobs x adaptersPerJob adapters."""
-    max_lora_rank: int = Field(default=16, gt=0)
+    max_lora_rank: int = Field(default=16, gt=0, le=max(c.VLLM_MAX_LORA_RANKS))
     """Largest LoRA rank a job may train (a vLLM slot size: 1, 8, 16, 32, 64, 128, 256, 320 or 512)."""
     lora_target_modules: Literal["all-linear"] | list[NonEmptyStr] = Field(
         default="all-linear", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )
     """Modules a job's adapter may target: `all-linear` (any linear layer but the output head) or a list of
     module names; a job whose lora.targetModules is not within it does not attach."""
-    max_in_flight_per_job: int = Field(default=256, gt=0)
+    max_in_flight_per_job: int = Field(default=256, gt=0, le=c.MAX_CONCURRENCY)
     """Sequences (prompts x completions) one job may have generating at once on a replica; more wait their turn, so
     that a job sending a large batch cannot starve the others."""
-    adapter_wait_seconds: int = Field(default=600, gt=0)
+    adapter_wait_seconds: int = Field(default=600, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A rollout request for an adapter version not yet live waits this long for it (then 409)."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Network isolation of the pool's pods: only attached jobs' trainers (and the operator) reach them."""
