@@ -216,6 +216,14 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
 
 # ---- error formatting -------------------------------------------------------------------------------------
 
+# peft options that vLLM cannot serve (PEFTHelper._validate_features in vllm/lora/peft_helper.py refuses them):
+# a job could train them but its replicas could never generate with them.
+UNSERVABLE_PEFT: dict[str, str] = {
+    "useDora": "vLLM cannot serve DoRA adapters (peft's use_dora), so the replicas could not load them",
+    "modulesToSave": "vLLM cannot serve modules_to_save with a causal LM's adapter (it takes them only for "
+    "classification heads: classifier, score)",
+}
+
 # A number with an exponent but no dot: YAML 1.2 (and kubectl's YAML reader) take it as a number, YAML 1.1 (PyYAML,
 # so the operator's own tools and many others) as a string.
 _EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
@@ -234,7 +242,9 @@ def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob
         valid = _field_names_at(loc[:-1], root)
         hint = difflib.get_close_matches(field, valid, n=1)
         message = f"unknown field `{field}`"
-        if hint:
+        if len(loc) >= 2 and loc[-2] == "lora" and field in UNSERVABLE_PEFT:
+            message += f": {UNSERVABLE_PEFT[field]}"
+        elif hint:
             message += f" (did you mean `{hint[0]}`?)"
         if valid:
             message += f"; valid fields: {', '.join(valid)}"

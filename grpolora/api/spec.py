@@ -167,6 +167,9 @@ class LoraSpec(SpecModel):
     """LoRA alpha; the update is scaled by alpha / rank."""
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     """Dropout on the LoRA input during training, in [0, 1)."""
+    rslora: bool = False
+    """Rank-stabilised LoRA: scale the update by alpha / sqrt(rank) instead of alpha / rank (peft's `use_rslora`,
+    which vLLM serves alike), so that a larger rank does not shrink the update."""
     target_modules: Literal["all-linear"] | list[NonEmptyStr] = Field(
         default="all-linear", json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
     )

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
+from grpolora.api.load import InvalidJob
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.secrets import SecretError
 from grpolora.workers.tasks.base import TaskError
@@ -162,12 +163,13 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
 
 def exit_code(exc: BaseException) -> int:
     """The trainer's exit code for what ended it. A bad dataset or reward plugin (EXIT_INVALID_DATA), or a setting
-    that can only fail when the run starts -- tracking, a Secret it names (EXIT_INVALID_SPEC) -- would fail a restart
+    that can only fail where the run starts -- tracking, a Secret it names, a LoRA target module the model lacks
+    (EXIT_INVALID_SPEC) -- would fail a restart
     the same way: the operator fails the job at once with the message instead of restarting it. Anything else may be
     transient (1: restarted)."""
     if isinstance(exc, TaskError):
         return contract.EXIT_INVALID_DATA
-    if isinstance(exc, TrackingError | SecretError):
+    if isinstance(exc, TrackingError | SecretError | InvalidJob):
         return contract.EXIT_INVALID_SPEC
     return 1
 

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from grpolora.api.load import InvalidJob, Problem
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers.trainer.grpo import token_logprobs
 
@@ -120,6 +121,22 @@ def build_batch(
     return Batch(input_ids, attention, completion, behaviour, torch.tensor(advantages, dtype=torch.float32), ref)
 
 
+def _check_target_modules(base: torch.nn.Module, wanted: str | list[str], model: str) -> None:
+    """Every name of spec.lora.targetModules must be a module of the model, as peft matches it (the whole name or
+    its last dotted parts). peft refuses a list only when none matches: `[q_proj, q_projj]` would train q_proj alone
+    and say nothing. Raised as a spec error: the trainer exits with EXIT_INVALID_SPEC, the job fails at once."""
+    if isinstance(wanted, str):  # `all-linear`
+        return
+    names = [name for name, _ in base.named_modules()]
+    missing = [key for key in wanted if not any(name == key or name.endswith(f".{key}") for name in names)]
+    if not missing:
+        return
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, torch.nn.Linear)})
+    verb = "is not a module" if len(missing) == 1 else "are not modules"
+    message = f"{', '.join(missing)} {verb} of {model}; its linear layers: {', '.join(linear)} (or `all-linear`)"
+    raise InvalidJob([Problem("spec.lora.targetModules", message)])
+
+
 class Policy:
     def __init__(
         self,
@@ -162,11 +179,13 @@ class Policy:
         base.config.use_cache = False
         lora = spec.lora
         torch.manual_seed(spec.grpo.seed)  # LoRA A's initialisation is part of the run's reproducibility
+        _check_target_modules(base, lora.target_modules, spec.model.name)
         config = LoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha,
             lora_dropout=lora.dropout,
             target_modules=lora.target_modules,
+            use_rslora=lora.rslora,
             task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, config).to(device)
