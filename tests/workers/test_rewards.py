@@ -195,3 +195,62 @@ def test_two_services_on_one_host_get_labels_from_host_and_path():
     job = parse_job(job_doc(task={"name": "arithmetic", "reward": rewards}))
     labels = [r.metric_label for r in job.spec.task.reward]
     assert labels == ["rewards.svc_score", "rewards.svc_v1_length", "judge.example.com", "judge2.example.com"]
+
+
+TRL_STYLE = '''
+calls = []
+
+
+def judged(prompts, completions, answer, difficulty, **kwargs):
+    """TRL's shape: the whole batch at once, the dataset's other columns as keyword arguments."""
+    calls.append(len(completions))
+    return [None if d == "skip" else float(c.endswith(a)) * d for c, a, d in zip(completions, answer, difficulty)]
+
+
+def lengths(prompts, completions):
+    return [len(c) / 10 for c in completions]
+
+
+def wrong_length(prompts, completions, **kwargs):
+    return [1.0]
+'''
+
+
+def test_a_trl_style_reward_scores_the_batch_at_once_with_the_dataset_columns(tmp_path):
+    """f(prompts, completions, **columns) -> list[float | None], as TRL's GRPOTrainer calls reward functions; None
+    means the reward does not apply to that sample (it adds nothing to the total, and is left out of its label's
+    mean), as TRL's nansum does."""
+    import importlib
+    import math
+
+    module = f"trl_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(TRL_STYLE)
+    task = rewarded([{"function": f"{module}:judged"}, {"function": f"{module}:lengths", "weight": 0.5}], tmp_path)
+    items = [
+        (Prompt(text="q0", answer="7", meta={"difficulty": 2.0}), "it is 7"),
+        (Prompt(text="q1", answer="8", meta={"difficulty": 1.0}), "it is 9"),
+        (Prompt(text="q2", answer="9", meta={"difficulty": "skip"}), "it is 9"),
+    ]
+    scores = task.score(items)
+    assert importlib.import_module(module).calls == [3]  # one call for the whole batch
+    judged = scores.parts["judged"]
+    assert judged[:2] == [2.0, 0.0] and math.isnan(judged[2])
+    assert scores.parts["lengths"] == [0.7, 0.7, 0.7]
+    assert scores.total == pytest.approx([2.35, 0.35, 0.35])  # the None adds nothing
+    # Metrics and samples: its mean over the samples it applies to; a sample it skips shows no score for it.
+    assert scores.part_means() == pytest.approx({"judged": 1.0, "lengths": 0.7})
+    import torch
+
+    from grpolora.workers.trainer.scoring import Scored
+
+    parts = {label: torch.tensor(v).view(1, -1) for label, v in scores.parts.items()}
+    total = torch.tensor(scores.total).view(1, -1)
+    assert Scored(total, parts, total, batch=None).part_means() == pytest.approx({"judged": 1.0, "lengths": 0.7})
+
+
+def test_a_trl_style_reward_that_returns_the_wrong_number_of_scores_names_the_field(tmp_path):
+    module = f"trl_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(TRL_STYLE)
+    task = rewarded([{"function": f"{module}:wrong_length"}], tmp_path)
+    with pytest.raises(RewardError, match=r"^spec.task.reward\[0\].function: .*returned 1 scores for 3 completions"):
+        task.score(ITEMS[:3])

@@ -4,6 +4,7 @@ trainer rank 0, and `grpolora validate` may load a task without the ML stack).""
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
@@ -47,7 +48,16 @@ class Scores:
     """Rewards of a batch of completions: the weighted total of each, and each reward's own score by label."""
 
     total: list[float]
-    parts: dict[str, list[float]] = field(default_factory=dict)
+    parts: dict[str, list[float]] = field(default_factory=dict)  # NaN where a reward does not apply to an item
+
+    def part_means(self) -> dict[str, float]:
+        """Each reward's mean over the items it applies to (a reward that applied to none is left out)."""
+        means = {}
+        for label, values in self.parts.items():
+            applied = [v for v in values if not math.isnan(v)]
+            if applied:
+                means[label] = math.fsum(applied) / len(applied)
+        return means
 
 
 class Task(abc.ABC):

@@ -1,4 +1,5 @@
-"""Reward plugins: `package.module:function`, called as function(prompt, completion, answer) -> float.
+"""Reward plugins: `package.module:function`, called as function(prompt, completion, answer) -> float, or in TRL's
+shape, function(prompts, completions, **columns) -> list[float | None] over a batch (`batched`).
 
 Everything that can be checked without calling the function is checked when the task is loaded, so that a typo
 fails the job before any model is loaded; the return value is checked on every call.
@@ -11,7 +12,9 @@ import inspect
 import math
 import numbers
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from grpolora.workers.tasks.base import Prompt, RewardFn, TaskError, TaskUnreachable
 
@@ -53,6 +56,8 @@ def load_reward_function(ref: str, root: Path | None = None) -> RewardFn:
         signature = inspect.signature(fn)
     except (TypeError, ValueError):  # some builtins have no signature; their calls are checked when made
         return fn
+    if batched(fn):
+        return fn
     try:
         signature.bind("prompt", "completion", None)
     except TypeError as err:
@@ -70,3 +75,44 @@ def call_reward(fn: RewardFn, ref: str, prompt: Prompt, completion: str) -> floa
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
         raise TaskError(FIELD, f"{ref!r} returned {value!r} ({type(value).__name__}); it must return a finite float")
     return float(value)
+
+
+# TRL's GRPOTrainer calls reward functions as f(prompts=[...], completions=[...], **dataset_columns); a plugin whose
+# first two parameters carry those names is called that way, once per batch.
+BATCHED_PARAMETERS = ("prompts", "completions")
+
+
+def batched(fn: RewardFn) -> bool:
+    """Whether `fn` takes a batch in TRL's shape (its first two parameters are `prompts` and `completions`)."""
+    try:
+        names = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return False
+    return tuple(names[:2]) == BATCHED_PARAMETERS
+
+
+def call_batched(fn: RewardFn, ref: str, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+    """fn(prompts, completions, answer=[...], <column>=[...]) for a TRL-shaped plugin: the answers and the dataset's
+    other columns (a prompt's meta) as keyword arguments, each a list over the batch (None where a row lacks it),
+    only those the function takes unless it takes **kwargs. Each score a finite float, or None where the reward does
+    not apply (returned as NaN: it adds nothing to the total, as TRL's nansum does); a TaskError otherwise."""
+    columns: dict[str, list[Any]] = {"answer": [p.answer for p in prompts]}
+    for key in dict.fromkeys(k for p in prompts for k in p.meta):
+        columns.setdefault(key, [p.meta.get(key) for p in prompts])
+    parameters = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        columns = {k: v for k, v in columns.items() if k in parameters}
+    scores = fn([p.text for p in prompts], list(completions), **columns)
+    if not isinstance(scores, Sequence) or isinstance(scores, str | bytes):
+        raise TaskError(FIELD, f"{ref!r} returned {type(scores).__name__}; it must return a list of floats (or None)")
+    if len(scores) != len(completions):
+        raise TaskError(FIELD, f"{ref!r} returned {len(scores)} scores for {len(completions)} completions")
+    values = []
+    for i, value in enumerate(scores):
+        if value is None:
+            values.append(math.nan)
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(float(value)):
+            raise TaskError(FIELD, f"{ref!r} returned {value!r} at [{i}]; each score must be a finite float or None")
+        else:
+            values.append(float(value))
+    return values

@@ -29,7 +29,7 @@ from grpolora.workers.secrets import SecretError, secret_values
 from grpolora.workers.tasks.arithmetic import arithmetic_reward
 from grpolora.workers.tasks.base import Prompt, RewardFn, Scores, TaskError, TaskUnreachable
 from grpolora.workers.tasks.keyword import keyword_reward
-from grpolora.workers.tasks.plugin import call_reward, load_reward_function
+from grpolora.workers.tasks.plugin import batched, call_batched, call_reward, load_reward_function
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +83,8 @@ class FunctionScorer:
 
     def __call__(self, items: Sequence[tuple[Prompt, str]]) -> list[float]:
         try:
+            if batched(self.fn):
+                return call_batched(self.fn, self.ref, [p for p, _ in items], [c for _, c in items])
             return [call_reward(self.fn, self.ref, prompt, completion) for prompt, completion in items]
         except TaskError as err:
             raise RewardError(self.field, err.message) from None
@@ -180,7 +182,11 @@ class Rewards:
 
     def score(self, items: Sequence[tuple[Prompt, str]]) -> Scores:
         parts = {scorer.label: scorer(items) for scorer, _ in self.parts}
-        total = [math.fsum(weight * parts[scorer.label][i] for scorer, weight in self.parts) for i in range(len(items))]
+        # NaN: a reward that does not apply to that item (a TRL-shaped plugin's None) adds nothing.
+        total = [
+            math.fsum(weight * v for scorer, weight in self.parts if not math.isnan(v := parts[scorer.label][i]))
+            for i in range(len(items))
+        ]
         return Scores(total, parts if len(self.parts) > 1 else {})
 
     def close(self) -> None:

@@ -268,7 +268,7 @@ class Controller:
             "step": progress.step,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std()),
-            **({"rewards": {label: float(v.mean()) for label, v in scored.parts.items()}} if scored.parts else {}),
+            **({"rewards": scored.part_means()} if scored.parts else {}),
             "kl": stats.kl,
             "reference_from": reference_from(scored, self.spec.grpo),
             "loss": stats.loss,

@@ -92,7 +92,7 @@ def evaluate(
     return EvalResult(
         reward_mean=statistics.fmean(scores.total),
         reward_std=statistics.pstdev(scores.total),
-        parts={label: statistics.fmean(values) for label, values in scores.parts.items()},
+        parts=scores.part_means(),
         completion_length_mean=statistics.fmean(len(c.token_ids) for c in texts),
         prompts=len(prompts),
         version=min(c.version for c in texts),

@@ -3,6 +3,7 @@ tracker shows. Pure apart from the task's reward call."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +50,11 @@ class Scored:
     advantages: torch.Tensor  # same shape
     batch: Batch
 
+    def part_means(self) -> dict[str, float]:
+        """Each reward's mean over the samples it applies to (NaN marks the others; one applying to none is left
+        out)."""
+        return {label: float(v.nanmean()) for label, v in self.parts.items() if not bool(v.isnan().all())}
+
 
 def score(task: Task, rollouts: Rollouts, grpo: GRPOSpec, pad_token_id: int) -> Scored:
     """Rewards from the task, advantages within each prompt's group, and the batch the ranks train on (with the
@@ -88,7 +94,8 @@ def sample_rows(rollouts: Rollouts, scored: Scored, prompts: int) -> list[dict[s
                 "reward": float(scored.rewards[i, j]),
                 "advantage": float(scored.advantages[i, j]),
             }
-            if scored.parts:
-                row["rewards"] = {label: float(v[i, j]) for label, v in scored.parts.items()}
+            if scored.parts:  # None: that reward does not apply to this sample
+                parts = {label: float(v[i, j]) for label, v in scored.parts.items()}
+                row["rewards"] = {label: None if math.isnan(x) else x for label, x in parts.items()}
             rows.append(row)
     return rows
