@@ -71,6 +71,17 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ),
     ("reference on the replicas, topP 0.9", job_doc(grpo={"referenceFrom": "inference", "topP": 0.9}), False),
     ("reference on the trainer, temperature 0.7", job_doc(grpo={"referenceFrom": "trainer", "temperature": 0.7}), True),
+    ("64 mini-batches of the default 64 completions", job_doc(grpo={"miniBatches": 64}), True),
+    ("65 mini-batches of the default 64 completions", job_doc(grpo={"miniBatches": 65}), False),
+    ("4 mini-batches of 2 x 2", job_doc(grpo={"promptsPerStep": 2, "generationsPerPrompt": 2, "miniBatches": 4}), True),
+    (
+        "5 mini-batches of 2 x 2",
+        job_doc(grpo={"promptsPerStep": 2, "generationsPerPrompt": 2, "miniBatches": 5}),
+        False,
+    ),
+    ("warmup of the default 100 steps", job_doc(grpo={"warmupSteps": 100}), True),
+    ("warmup past the default 100 steps", job_doc(grpo={"warmupSteps": 101}), False),
+    ("warmup past 10 steps", job_doc(grpo={"steps": 10, "warmupSteps": 11}), False),
     # A job on a pool: its serving fields are the pool's (fit is checked when it attaches, not at apply).
     ("on a pool", job_doc(inference={"poolRef": {"name": "shared"}}), True),
     ("on a pool, staleness 3", job_doc(inference={"poolRef": {"name": "shared"}}, grpo={"maxStaleness": 3}), True),

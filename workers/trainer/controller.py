@@ -159,12 +159,19 @@ class Controller:
         save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
         push_now = self.pushes.due(ctx.progress.step + 1)
         instruction = Instruction(
-            batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
+            batch=scored.batch, on_policy=on_policy, step=step, gather=sync_now or push_now, checkpoint=save_now
         )
         broadcast_instruction(instruction, ctx.world_size, ctx.instructions)
         train_started = time.perf_counter()
         stats = train_step(
-            ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
+            ctx.policy,
+            ctx.optimizer,
+            scored.batch,
+            grpo,
+            on_policy=on_policy,
+            rank=0,
+            world_size=ctx.world_size,
+            step=step,
         )
         train_seconds = time.perf_counter() - train_started
         self._weights_version = None  # the weights moved: no served version equals them until the next sync
@@ -276,6 +283,8 @@ class Controller:
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
             "grad_norm": stats.grad_norm,
+            "learning_rate": stats.learning_rate,
+            "updates": stats.updates,
             **agreement,
             "gen_kl": stats.gen_kl,
             "importance_weight_mean": stats.weight_mean,

@@ -58,7 +58,7 @@ def score(task: Task, rollouts: Rollouts, grpo: GRPOSpec, pad_token_id: int) -> 
     shape = (len(rollouts.prompts), -1)
     rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
     parts = {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
-    advantages = group_advantages(rewards, grpo.advantage)
+    advantages = group_advantages(rewards, grpo.advantage, scale=grpo.advantage_scale_in_force)
     sequences, flat_advantages, reference = [], [], []
     for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
         for completion, advantage in zip(completions, row.tolist(), strict=True):
