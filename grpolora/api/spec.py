@@ -224,6 +224,15 @@ _MINI_BATCHES = (
     "mini-batch needs a completion"
 )
 _WARMUP = "grpo.warmupSteps must be at most grpo.steps"
+_OVERLONG = "grpo.overlongBuffer must be at most grpo.maxNewTokens (the soft zone ends there)"
+
+
+def _overlong_rule() -> dict[str, str]:
+    return cel_rule(
+        f"!has(self.overlongBuffer) || self.overlongBuffer <= {cel_or_default('maxNewTokens', 256)}",
+        _OVERLONG,
+        ".overlongBuffer",
+    )
 
 
 def _mini_batches_rule() -> dict[str, str]:
@@ -286,6 +295,17 @@ class GRPOSpec(SpecModel):
     """What the baselined rewards are divided by: `group-std` (each group's std), `batch-std` (the std of all the
     step's rewards) or `none` (Dr. GRPO: no division, so an almost-flat group is not blown up to unit variance).
     Unset: `group-std` with advantage `group-normalized`, `none` with `leave-one-out`."""
+    mask_truncated: bool = False
+    """Completions cut off at maxNewTokens (vLLM's finish reason `length`) leave the loss (DAPO's overlong
+    filtering): still part of their group's baseline, but neither rewarded nor punished for an unfinished answer.
+    They are counted as `completions_truncated` in metrics.jsonl either way."""
+    overlong_buffer: int | None = Field(default=None, gt=0)
+    """DAPO's soft overlong penalty: over the last this-many tokens before maxNewTokens, a completion's reward
+    falls linearly from 0 to -overlongPenalty (reached at maxNewTokens). Unset: no length penalty. At most
+    maxNewTokens. The reward reported stays the task's; the penalty enters the advantages
+    (`overlong_penalty_mean` in metrics.jsonl)."""
+    overlong_penalty: float = Field(default=1.0, gt=0)
+    """Largest length penalty, reached at maxNewTokens (with `overlongBuffer`)."""
     updates_per_batch: int = Field(default=1, gt=0, le=64)
     """Passes over each batch (PPO epochs, TRL's `num_iterations`, mu): every pass takes `miniBatches` optimizer
     steps. The old logprobs are taken once, before the first update, and every update is clipped around them."""
@@ -345,7 +365,13 @@ class GRPOSpec(SpecModel):
 
     model_config = ConfigDict(
         json_schema_extra={
-            CEL_VALIDATIONS: [_staleness_alias_rule(), _reference_from_rule(), _mini_batches_rule(), _warmup_rule()]
+            CEL_VALIDATIONS: [
+                _staleness_alias_rule(),
+                _reference_from_rule(),
+                _mini_batches_rule(),
+                _warmup_rule(),
+                _overlong_rule(),
+            ]
         }
     )
 
@@ -362,6 +388,10 @@ class GRPOSpec(SpecModel):
             errors.append(("miniBatches", f"{_MINI_BATCHES}; got {self.mini_batches} for {completions} completions"))
         if self.warmup_steps > self.steps:
             errors.append(("warmupSteps", f"{_WARMUP}; got {self.warmup_steps} for {self.steps} steps"))
+        if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
+            errors.append(
+                ("overlongBuffer", f"{_OVERLONG}; got {self.overlong_buffer} for maxNewTokens {self.max_new_tokens}")
+            )
         raise_if_any(errors)
         return self
 

@@ -82,6 +82,9 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("warmup of the default 100 steps", job_doc(grpo={"warmupSteps": 100}), True),
     ("warmup past the default 100 steps", job_doc(grpo={"warmupSteps": 101}), False),
     ("warmup past 10 steps", job_doc(grpo={"steps": 10, "warmupSteps": 11}), False),
+    ("overlong buffer of the default 256 tokens", job_doc(grpo={"overlongBuffer": 256}), True),
+    ("overlong buffer past the default 256 tokens", job_doc(grpo={"overlongBuffer": 257}), False),
+    ("overlong buffer past 64 tokens", job_doc(grpo={"maxNewTokens": 64, "overlongBuffer": 65}), False),
     # A job on a pool: its serving fields are the pool's (fit is checked when it attaches, not at apply).
     ("on a pool", job_doc(inference={"poolRef": {"name": "shared"}}), True),
     ("on a pool, staleness 3", job_doc(inference={"poolRef": {"name": "shared"}}, grpo={"maxStaleness": 3}), True),

@@ -16,6 +16,7 @@ from grpolora.workers.trainer.grpo import (
     logprob_mismatch,
     loss_normalizer,
     nucleus_mask,
+    overlong_penalty,
     token_logprobs,
 )
 from grpolora.workers.trainer.step import (
@@ -635,3 +636,10 @@ def test_the_schedule_scales_the_base_rate_the_optimizer_keeps():
     assert set_learning_rate(plain, 1.0) == 1.0
     with pytest.raises(ValueError, match="needs the optimizer of make_optimizer"):
         set_learning_rate(plain, 0.5)
+
+
+def test_overlong_penalty_is_dapos_soft_length_penalty():
+    # maxNewTokens 10, buffer 4: free up to 10 - 4 = 6 tokens; then (6 - length) / 4 down to -1 at 10 tokens, all
+    # times the factor 0.5: lengths [3, 6, 7, 8, 10] → [0, 0, -0.125, -0.25, -0.5].
+    penalty = overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), max_new_tokens=10, buffer=4, factor=0.5)
+    close(penalty, [0.0, 0.0, -0.125, -0.25, -0.5])

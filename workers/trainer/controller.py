@@ -292,6 +292,8 @@ class Controller:
             "truncated_fraction": stats.truncated_fraction,
             "tokens": stats.tokens,
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
+            "completions_truncated": scored.truncated,
+            **({"overlong_penalty_mean": float(scored.penalty.mean())} if scored.penalty is not None else {}),
             "prompts_skipped": self._producer.skipped,
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,

@@ -73,6 +73,24 @@ def group_advantages(
     return torch.where(flat, torch.zeros_like(advantages), advantages)
 
 
+def overlong_penalty(lengths: Tensor, *, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to each completion's reward: with L = max_new_tokens and the last
+    `buffer` tokens before it as the soft zone,
+
+        0                                  for length <= L - buffer
+        factor * ((L - buffer) - length) / buffer   inside the zone, down to -factor at length L
+        -factor                            beyond L
+
+    so a completion that runs into the limit loses reward in proportion to how far it went, instead of a cut-off
+    answer being judged (and rewarded or punished) like a finished one. Returns float32 of `lengths`' shape."""
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"buffer must be in [1, max_new_tokens={max_new_tokens}], got {buffer}")
+    free = max_new_tokens - buffer
+    lengths = lengths.to(torch.float32)
+    penalty = ((free - lengths) / buffer).clamp(min=-1.0, max=0.0)
+    return penalty * factor
+
+
 def nucleus_mask(logits: Tensor, top_p: float) -> Tensor:
     """Which tokens survive top-p (nucleus) truncation of softmax(`logits`), by vLLM's rule, op for op.
 

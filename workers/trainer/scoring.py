@@ -3,6 +3,7 @@ tracker shows. Pure apart from the task's reward call."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 from grpolora.api.spec import GRPOSpec
 from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.trainer.buffer import Group
-from grpolora.workers.trainer.grpo import group_advantages
+from grpolora.workers.trainer.grpo import group_advantages, overlong_penalty
 from grpolora.workers.trainer.policy import Batch, build_batch
 from grpolora.workers.trainer.rollout import Completion
 
@@ -48,25 +49,40 @@ class Scored:
     parts: dict[str, torch.Tensor]  # each reward's own scores, same shape (several rewards only)
     advantages: torch.Tensor  # same shape
     batch: Batch
+    penalty: torch.Tensor | None = None  # grpo.overlongBuffer's length penalty, same shape, in the advantages only
+    truncated: int = 0  # completions cut off at maxNewTokens (out of the loss with grpo.maskTruncated)
 
 
 def score(task: Task, rollouts: Rollouts, grpo: GRPOSpec, pad_token_id: int) -> Scored:
-    """Rewards from the task, advantages within each prompt's group, and the batch the ranks train on (with the
-    replicas' reference logprobs when grpo.referenceFrom is inference)."""
+    """Rewards from the task, advantages within each prompt's group (of the rewards plus grpo.overlongBuffer's
+    length penalty), and the batch the ranks train on (with the replicas' reference logprobs when
+    grpo.referenceFrom is inference; without the truncated completions' tokens with grpo.maskTruncated)."""
     items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
     scores = task.score(items)
     shape = (len(rollouts.prompts), -1)
     rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
     parts = {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
-    advantages = group_advantages(rewards, grpo.advantage, scale=grpo.advantage_scale_in_force)
+    completions = [c for group in rollouts.completions for c in group]
+    penalty = None
+    if grpo.overlong_buffer is not None:
+        lengths = torch.tensor([len(c.token_ids) for c in completions]).view(shape)
+        penalty = overlong_penalty(
+            lengths, max_new_tokens=grpo.max_new_tokens, buffer=grpo.overlong_buffer, factor=grpo.overlong_penalty
+        )
+    shaped = rewards if penalty is None else rewards + penalty
+    advantages = group_advantages(shaped, grpo.advantage, scale=grpo.advantage_scale_in_force)
     sequences, flat_advantages, reference = [], [], []
-    for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
-        for completion, advantage in zip(completions, row.tolist(), strict=True):
+    for ids, group, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
+        for completion, advantage in zip(group, row.tolist(), strict=True):
             sequences.append((ids, completion.token_ids, completion.logprobs))
             flat_advantages.append(advantage)
             reference.append(completion.reference_logprobs)
     given = reference if grpo.reference_on_replicas else None
-    return Scored(rewards, parts, advantages, build_batch(sequences, flat_advantages, pad_token_id, given))
+    batch = build_batch(sequences, flat_advantages, pad_token_id, given)
+    cut = torch.tensor([c.finish_reason == "length" for c in completions])
+    if grpo.mask_truncated and cut.any():
+        batch = dataclasses.replace(batch, completion_mask=batch.completion_mask * (~cut).to(torch.float32)[:, None])
+    return Scored(rewards, parts, advantages, batch, penalty, int(cut.sum()))
 
 
 def reference_from(scored: Scored, grpo: GRPOSpec) -> str | None:
