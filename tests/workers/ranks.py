@@ -25,7 +25,8 @@ from grpolora.workers.trainer.step import train_step
 from tests.helpers import job_doc
 
 
-def _spec(**grpo):
+def spec_with(**grpo):
+    """The tests' spec with these grpo fields."""
     return parse_job(
         job_doc(
             model={"name": "offline:tiny-llama", "dtype": "float32"},
@@ -45,7 +46,7 @@ def _spec(**grpo):
     ).spec
 
 
-SPEC = _spec()
+SPEC = spec_with()
 # Recipes whose step touches the cross-rank reduction, each also run on the two ranks (name -> (grpo, on_policy)):
 # several updates over mini-batches (rank 1 has a stand-in in none, the old logprobs taken once) with a narrow
 # clip-higher range so the clip binds, sequence-level ratios and the per-sequence mean, off-policy (behaviour
@@ -53,7 +54,7 @@ SPEC = _spec()
 # in the last).
 RECIPES = {
     "updates": (
-        _spec(
+        spec_with(
             updatesPerBatch=2,
             miniBatches=2,
             clipEpsilonLow=0.002,
@@ -63,7 +64,7 @@ RECIPES = {
         ).grpo,
         False,
     ),
-    "constant": (_spec(miniBatches=3, lossAggregation="constant", maxNewTokens=8).grpo, True),
+    "constant": (spec_with(miniBatches=3, lossAggregation="constant", maxNewTokens=8).grpo, True),
 }
 # Several SGD steps of lr 1 on one batch diverge (the first already moves logprobs by tens of nats; the k3 KL then
 # explodes); at 1e-4 the adapter still moves by more than 1e-3 and the clip binds in the second pass.

@@ -18,6 +18,7 @@ from tests.workers.ranks import (
     new_policy,
     recipe_step,
     sgd,
+    spec_with,
     synthetic_batch,
     with_reference,
 )
@@ -98,6 +99,27 @@ def test_two_fsdp_ranks_give_the_same_update_as_one_under_each_recipe(name, two_
     if grpo.updates_per_batch > 1:
         # The second pass is clipped around the old logprobs: the clip binds, and off-policy weights were applied.
         assert stats_one.clip_fraction > 0 and stats_one.weight_mean > 0
+
+
+def test_the_step_runs_at_its_scheduled_rate_with_its_betas():
+    # learningRate 1e-2, linear over 4 steps after 2 of warmup: step 0 at 1/2 of it, step 3 at (4 - 3) / (4 - 2).
+    grpo = spec_with(lrSchedule="linear", steps=4, warmupSteps=2, adamBeta1=0.8, adamBeta2=0.99).grpo
+    policy = new_policy()
+    optimizer = make_optimizer(policy, grpo)
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.99)
+    first = train_step(policy, optimizer, synthetic_batch(), grpo, on_policy=True, step=0)
+    assert first.learning_rate == optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    last = train_step(policy, optimizer, synthetic_batch(), grpo, on_policy=True, step=3)
+    assert last.learning_rate == optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert (first.updates, first.clip_fraction) == (1, 0.0)  # one update per batch: the ratio is exactly 1
+
+
+def test_a_second_pass_over_an_on_policy_batch_is_clipped_around_the_first():
+    grpo = spec_with(updatesPerBatch=2, clipEpsilon=0.01).grpo
+    policy = new_policy()
+    stats = train_step(policy, sgd(policy, 1e-4), synthetic_batch(), grpo, on_policy=True)
+    assert stats.updates == 2 and 0 < stats.clip_fraction <= 0.5  # only the second pass can clip
+    assert stats.tokens == int(synthetic_batch().completion_mask.sum())  # the batch's tokens, not twice them
 
 
 def test_single_rank_checkpoint_round_trip(one_rank, tmp_path):
