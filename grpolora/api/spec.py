@@ -295,6 +295,12 @@ class GRPOSpec(SpecModel):
     """What the baselined rewards are divided by: `group-std` (each group's std), `batch-std` (the std of all the
     step's rewards) or `none` (Dr. GRPO: no division, so an almost-flat group is not blown up to unit variance).
     Unset: `group-std` with advantage `group-normalized`, `none` with `leave-one-out`."""
+    dynamic_sampling_draws: int = Field(default=0, ge=0, le=32)
+    """Dynamic sampling (DAPO): groups whose rewards are all equal (no spread, so zero advantages) are left out of
+    the step and up to this many further draws of prompts replace them; after the last draw the step trains on the
+    groups it has (fewer than promptsPerStep; all drawn ones if none had spread). 0: off. Extra prompts come from
+    the same stream and count as consumed. metrics.jsonl: `groups_filtered`, `extra_draws` and
+    `reward_mean_drawn` (over every drawn group; `reward_mean` is over the trained ones)."""
     mask_truncated: bool = False
     """Completions cut off at maxNewTokens (vLLM's finish reason `length`) leave the loss (DAPO's overlong
     filtering): still part of their group's baseline, but neither rewarded nor punished for an unfinished answer.

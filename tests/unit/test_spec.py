@@ -261,6 +261,8 @@ BOUNDS = [
     ("grpo", "miniBatches", 0, 1, "greater than 0"),
     ("grpo", "warmupSteps", -1, 0, "greater than or equal to 0"),
     ("grpo", "overlongBuffer", 0, 1, "greater than 0"),
+    ("grpo", "dynamicSamplingDraws", -1, 0, "greater than or equal to 0"),
+    ("grpo", "dynamicSamplingDraws", 33, 32, "less than or equal to 32"),
     ("grpo", "overlongPenalty", 0.0, 1e-6, "greater than 0"),
     ("grpo", "adamBeta1", -0.1, 0.0, "greater than or equal to 0"),
     ("grpo", "adamBeta1", 1.0, 0.999, "less than 1"),
