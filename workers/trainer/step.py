@@ -270,8 +270,9 @@ def _take_old_logprobs(
 def _backward(
     logp: torch.Tensor, micro: _Micro, ref: torch.Tensor | None, normalizer: float, grpo: GRPOSpec, on_policy: bool
 ) -> LossStats:
-    # One update per batch: the proximal policy (the trust region's centre) is the trainer's own weights before
-    # the step, so the ratio is 1 and the clip never binds; the behaviour weight corrects.
+    # The proximal policy (the trust region's centre) is the trainer before the batch's first update: with one
+    # update that is these very weights (ratio 1, the clip never binds; the behaviour weight corrects), with
+    # several the old logprobs taken before the first.
     batch = micro.batch
     loss, stats = grpo_loss(
         logp,
