@@ -341,6 +341,17 @@ class GRPOSpec(SpecModel):
     importance_weight_cap: float = Field(default=2.0, gt=1)
     """Off-policy steps: the behaviour importance weight pi_trainer / pi_sampler of each token is truncated at
     this value (bounds the variance of stale or mismatched samples)."""
+    importance_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """What happens to a token whose behaviour importance weight passes `importanceWeightCap`: `truncate`, the
+    weight is cut to the cap (a bounded, slightly biased gradient; IMPALA, TIS), or `mask`, the token leaves the
+    loss (AReaL; verl's rollout-IS masking). Counted in `truncated_fraction` either way."""
+    mismatch_correction: bool | None = None
+    """Also weight the tokens of on-policy steps by pi_trainer / pi_vLLM (capped as `importanceWeightMode` says):
+    the weights are the version vLLM sampled from, but its kernels and dtype give other probabilities (bf16
+    logprobs can be tenths of a nat apart), so the sampled tokens are slightly off-policy for the trainer
+    (TRL's `vllm_importance_sampling_correction`, verl's rollout IS). Unset: on for bfloat16 and float16 models,
+    off for float32 (there the two agree to about 1e-5). Its figures are `importance_weight_mean`/`_max` and
+    `truncated_fraction` in metrics.jsonl, as for off-policy steps."""
     advantage: Literal["group-normalized", "leave-one-out"] = "group-normalized"
     """Baseline: `group-normalized` (reward minus group mean, over group std) or `leave-one-out` (reward minus
     the mean of the other completions in the group)."""

@@ -138,6 +138,8 @@ INVALID = [
     (job_doc(grpo={"advantageScale": "std"}), "spec.grpo.advantageScale", "'group-std', 'batch-std' or 'none'"),
     (job_doc(grpo={"importanceRatio": "seq"}), "spec.grpo.importanceRatio", "'token' or 'sequence'"),
     (job_doc(grpo={"lrSchedule": "step"}), "spec.grpo.lrSchedule", "'constant', 'linear' or 'cosine'"),
+    (job_doc(grpo={"importanceWeightMode": "clip"}), "spec.grpo.importanceWeightMode", "'truncate' or 'mask'"),
+    (job_doc(grpo={"mismatchCorrection": "yes"}), "spec.grpo.mismatchCorrection", "expected true or false"),
     (
         job_doc(grpo={"referenceFrom": "inference", "temperature": 0.7}),
         "spec.grpo.referenceFrom",

@@ -48,10 +48,11 @@ def spec_with(**grpo):
 
 SPEC = spec_with()
 # Recipes whose step touches the cross-rank reduction, each also run on the two ranks (name -> (grpo, on_policy)):
-# several updates over mini-batches (rank 1 has a stand-in in none, the old logprobs taken once) with a narrow
-# clip-higher range so the clip binds, sequence-level ratios and the per-sequence mean, off-policy (behaviour
-# weights); and Dr. GRPO's constant normaliser over 3 mini-batches of 2, 2 and 1 sequences (rank 1 runs a stand-in
-# in the last).
+# several updates over mini-batches (the old logprobs taken once) with a narrow clip-higher range so the clip
+# binds, sequence-level ratios and the per-sequence mean, off-policy (behaviour weights truncated at a low cap);
+# and Dr. GRPO's constant normaliser over 3 mini-batches of 2, 2 and 1 sequences (rank 1 runs a stand-in in the
+# last), on-policy with the mismatch correction masking the tokens past a low cap. Both sample from behaviour
+# logprobs near the policy's own (`off_policy`).
 RECIPES = {
     "updates": (
         spec_with(
@@ -61,10 +62,21 @@ RECIPES = {
             clipEpsilonHigh=0.003,
             importanceRatio="sequence",
             lossAggregation="sequence-mean",
+            importanceWeightCap=1.5,
         ).grpo,
         False,
     ),
-    "constant": (spec_with(miniBatches=3, lossAggregation="constant", maxNewTokens=8).grpo, True),
+    "constant": (
+        spec_with(
+            miniBatches=3,
+            lossAggregation="constant",
+            maxNewTokens=8,
+            mismatchCorrection=True,
+            importanceWeightMode="mask",
+            importanceWeightCap=1.2,
+        ).grpo,
+        True,
+    ),
 }
 # Several SGD steps of lr 1 on one batch diverge (the first already moves logprobs by tens of nats; the k3 KL then
 # explodes); at 1e-4 the adapter still moves by more than 1e-3 and the clip binds in the second pass.
@@ -90,8 +102,7 @@ def recipe_step(name: str, rank: int = 0, world_size: int = 1):
     batch = synthetic_batch(SEQUENCES)
     if world_size > 1:
         batch = with_reference(policy, batch)
-    if not on_policy:
-        batch = off_policy(policy, batch)
+    batch = off_policy(policy, batch)
     optimizer = sgd(policy, RECIPE_LR)
     stats = train_step(policy, optimizer, batch, grpo, on_policy=on_policy, rank=rank, world_size=world_size)
     return before, lora_state(policy), stats

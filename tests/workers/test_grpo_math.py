@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from grpolora.api.spec import GRPOSpec
 from grpolora.workers.trainer.grpo import (
     LossStats,
     MismatchStats,
@@ -20,6 +21,7 @@ from grpolora.workers.trainer.grpo import (
     token_logprobs,
 )
 from grpolora.workers.trainer.step import (
+    corrects_mismatch,
     learning_rate_factor,
     mini_batch_indices,
     set_learning_rate,
@@ -643,3 +645,30 @@ def test_overlong_penalty_is_dapos_soft_length_penalty():
     # times the factor 0.5: lengths [3, 6, 7, 8, 10] → [0, 0, -0.125, -0.25, -0.5].
     penalty = overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), max_new_tokens=10, buffer=4, factor=0.5)
     close(penalty, [0.0, 0.0, -0.125, -0.25, -0.5])
+
+
+def test_masking_drops_the_tokens_whose_weight_passes_the_cap():
+    # As test_decoupled_objective_with_truncated_behaviour_weight, but a weight above the cap drops its token
+    # (AReaL, verl's rollout IS "mask") instead of being cut to it: row 1 (w = 3 > 2) gives no loss and no
+    # gradient. loss (-1.5 + 0 + 0.5 - 1.2) / 4 = -0.55; gradients / 4 = [-0.375, 0, 0.125, 0].
+    behaviour = torch.full((4, 1), -2.0)
+    proximal = behaviour + torch.tensor([[1.5], [3.0], [0.5], [1.0]]).log()
+    logp = (proximal + torch.tensor([[1.0], [1.0], [1.0], [1.5]]).log()).requires_grad_()
+    loss, stats = grpo_loss(
+        logp, proximal, None, torch.tensor([1.0, 1.0, -1.0, 1.0]), torch.ones(4, 1), clip_epsilon=0.2, kl_coef=0.0,
+        normalizer=4, behaviour_logp=behaviour, weight_cap=2.0, weight_mode="mask",
+    )  # fmt: skip
+    close(loss, -0.55)
+    loss.backward()
+    close(logp.grad, [[-0.375], [0.0], [0.125], [0.0]])
+    assert stats.truncated_fraction == 0.25 and stats.weight_max == pytest.approx(3.0)  # counted the same way
+    with pytest.raises(ValueError, match="unknown weight mode 'clip'; valid: truncate, mask"):
+        grpo_loss(logp, proximal, None, torch.ones(4), torch.ones(4, 1), clip_epsilon=0.2, kl_coef=0.0, normalizer=4,
+                  behaviour_logp=behaviour, weight_mode="clip")  # fmt: skip
+
+
+def test_the_mismatch_correction_is_on_by_default_for_half_precision_only():
+    grpo = GRPOSpec()
+    assert [corrects_mismatch(grpo, d) for d in ("bfloat16", "float16", "float32")] == [True, True, False]
+    assert not corrects_mismatch(GRPOSpec(mismatchCorrection=False), "bfloat16")
+    assert corrects_mismatch(GRPOSpec(mismatchCorrection=True), "float32")

@@ -96,9 +96,11 @@ def test_two_fsdp_ranks_give_the_same_update_as_one_under_each_recipe(name, two_
     assert (stats_two.tokens, stats_two.clip_fraction) == (stats_one.tokens, pytest.approx(stats_one.clip_fraction))
     assert stats_two.loss == pytest.approx(stats_one.loss, rel=1e-4, abs=1e-6)
     assert stats_two.weight_mean == pytest.approx(stats_one.weight_mean, rel=1e-5)
+    assert stats_two.truncated_fraction == pytest.approx(stats_one.truncated_fraction)
+    # Off-policy, or on-policy with the mismatch correction: the behaviour weights were applied (and some masked).
+    assert stats_one.weight_mean > 0 and stats_one.truncated_fraction > 0
     if grpo.updates_per_batch > 1:
-        # The second pass is clipped around the old logprobs: the clip binds, and off-policy weights were applied.
-        assert stats_one.clip_fraction > 0 and stats_one.weight_mean > 0
+        assert stats_one.clip_fraction > 0  # the second pass is clipped around the old logprobs
 
 
 def test_the_step_runs_at_its_scheduled_rate_with_its_betas():

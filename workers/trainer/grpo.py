@@ -19,6 +19,7 @@ AdvantageMethod = Literal["group-normalized", "leave-one-out"]
 AdvantageScale = Literal["group-std", "batch-std", "none"]
 LossAggregation = Literal["token-mean", "sequence-mean", "constant"]
 RatioLevel = Literal["token", "sequence"]
+WeightMode = Literal["truncate", "mask"]
 
 
 def group_advantages(
@@ -247,13 +248,13 @@ class LossStats(_Reducible):
     policy_loss_sum: float = 0.0
     """Sum of the per-token (weighted) clipped surrogate loss."""
     off_policy_tokens: float = 0.0
-    """Tokens weighted by a behaviour importance weight (0 on an on-policy step)."""
+    """Tokens weighted by a behaviour importance weight (0 on an on-policy step without mismatch correction)."""
     weight_sum: float = 0.0
     """Sum of the behaviour importance weights exp(proximal_logp - behaviour_logp), before truncation."""
     weight_max: float = 0.0
     """Largest behaviour importance weight, before truncation."""
     truncated: float = 0.0
-    """Tokens whose behaviour importance weight was cut to the cap."""
+    """Tokens whose behaviour importance weight passed the cap (cut to it, or masked)."""
 
     @classmethod
     def from_tensor(cls, values: Tensor) -> LossStats:
@@ -322,6 +323,7 @@ def grpo_loss(
     ratio_level: RatioLevel = "token",
     behaviour_logp: Tensor | None = None,
     weight_cap: float = float("inf"),
+    weight_mode: WeightMode = "truncate",
 ) -> tuple[Tensor, LossStats]:
     """GRPO loss of one micro-batch: PPO clipped surrogate plus k3 KL, summed over completion tokens only; with
     `behaviour_logp`, the decoupled PPO objective (Hilton et al. 2021, as AReaL uses it; docs/design.md).
@@ -329,6 +331,7 @@ def grpo_loss(
         ratio_t = exp(logp_t - proximal_logp_t)                                  (ratio_level "token")
         ratio_t = exp(sum_t'(logp_t' - proximal_logp_t') / |y|) for every t      (ratio_level "sequence", GSPO)
         w_t     = min(exp(proximal_logp_t - behaviour_logp_t), weight_cap)     (1 without behaviour_logp)
+                  or, with weight_mode "mask", w_t if w_t <= weight_cap else 0
         l_t     = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
                   + kl_coef * k3(logp_t, ref_logp_t)
         loss    = sum_t(l_t * mask_t) / normalizer                                (token-mean, constant)
@@ -338,7 +341,8 @@ def grpo_loss(
     `proximal_logp` anchors the trust region: the trainer's logprobs before the batch's first update.
     `behaviour_logp` are the logprobs of the policy that sampled the tokens (vLLM's, for the adapter version that
     generated them): the weight w_t corrects for sampling from that older (or numerically different) policy, and
-    is truncated at `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance.
+    is truncated at `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance
+    (or, `mask`, such a token leaves the loss: no biased gradient for it, but none at all).
     Without it (an on-policy step) this is the plain clipped surrogate.
 
     Clip range: eps_low = `clip_epsilon`, eps_high = `clip_epsilon_high` (the same when None). DAPO's clip-higher
@@ -371,6 +375,8 @@ def grpo_loss(
         raise ValueError(f"weight_cap must be positive, got {weight_cap}")
     if aggregation not in ("token-mean", "sequence-mean", "constant"):
         raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: token-mean, sequence-mean, constant")
+    if weight_mode not in ("truncate", "mask"):
+        raise ValueError(f"unknown weight mode {weight_mode!r}; valid: truncate, mask")
     if ratio_level not in ("token", "sequence"):
         raise ValueError(f"unknown ratio level {ratio_level!r}; valid: token, sequence")
     shapes = [t.shape for t in (proximal_logp, mask, behaviour_logp) if t is not None]
@@ -398,7 +404,11 @@ def grpo_loss(
     policy_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if behaviour_logp is not None:
         behaviour_weight = torch.exp(proximal_logp - torch.where(keep, behaviour_logp.detach(), zero))
-        policy_loss = behaviour_weight.clamp(max=weight_cap) * policy_loss
+        if weight_mode == "mask":
+            capped = torch.where(behaviour_weight > weight_cap, zero, behaviour_weight)
+        else:
+            capped = behaviour_weight.clamp(max=weight_cap)
+        policy_loss = capped * policy_loss
     per_token = policy_loss
     kl = None
     if ref_logp is not None:

@@ -39,7 +39,7 @@ class StepStats:
     mismatch: float  # mean exp(|logp_trainer - logp_sampler|) - 1 (trainer before the update)
     mismatch_max: float
     gen_kl: float  # k3 estimate of KL(sampler || trainer)
-    weight_mean: float = 0.0  # behaviour importance weight pi_trainer / pi_sampler, mean over tokens (off-policy)
+    weight_mean: float = 0.0  # behaviour importance weight pi_trainer / pi_sampler, mean over the weighted tokens
     weight_max: float = 0.0  # ... and its largest value, both before truncation
     truncated_fraction: float = 0.0  # share of off-policy tokens whose weight was cut to grpo.importanceWeightCap
     updates: int = 1  # optimizer steps taken on the batch (grpo.updatesPerBatch x mini-batches)
@@ -88,6 +88,14 @@ def learning_rate_factor(schedule: LrSchedule, step: int, *, total_steps: int, w
     if schedule == "cosine":
         return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
     raise ValueError(f"unknown learning-rate schedule {schedule!r}; valid: constant, linear, cosine")
+
+
+def corrects_mismatch(grpo: GRPOSpec, dtype: str) -> bool:
+    """Whether on-policy steps weight tokens by pi_trainer / pi_vLLM too: grpo.mismatchCorrection, else on for the
+    half-precision dtypes, where trainer and vLLM kernels disagree by far more than in float32."""
+    if grpo.mismatch_correction is not None:
+        return grpo.mismatch_correction
+    return dtype in ("bfloat16", "float16")
 
 
 def make_optimizer(policy: Policy, grpo: GRPOSpec) -> torch.optim.Optimizer:
@@ -192,7 +200,8 @@ def train_step(
     `on_policy`: the batch was sampled from the current weights, so the loss is the plain clipped surrogate
     around the trainer's own logprobs before the first update. Otherwise (grpo.maxStaleness > 0,
     syncEverySteps > 1, a replica that served another version) the decoupled objective weights each token by
-    pi_trainer / pi_sampler (the sampler's behaviour logprobs), truncated at grpo.importanceWeightCap. The KL
+    pi_trainer / pi_sampler (the sampler's behaviour logprobs), capped at grpo.importanceWeightCap; on-policy
+    steps too with grpo.mismatchCorrection (by default for half-precision models: corrects_mismatch). The KL
     term's reference logprobs come with the batch where the replicas computed them (grpo.referenceFrom: inference),
     else from a reference pass (adapter off) per micro-batch.
 
@@ -209,6 +218,7 @@ def train_step(
         for indices in mini_batch_indices(len(batch), grpo.mini_batches)
     ]
     updates = grpo.updates_per_batch * len(minis)
+    weighted = not on_policy or corrects_mismatch(grpo, policy.spec.model.dtype)
     policy.model.train()
     mismatch = MismatchStats()
     if updates > 1:
@@ -220,7 +230,7 @@ def train_step(
             for micro in mini.micros:
                 ref = micro.reference if updates > 1 else _reference(policy, micro.batch, grpo)
                 logp = policy.logprobs(micro.batch)
-                stats = _backward(logp, micro, ref, mini.normalizer, grpo, on_policy)
+                stats = _backward(logp, micro, ref, mini.normalizer, grpo, weighted)
                 loss_stats = loss_stats + stats
                 if updates == 1:
                     mismatch = mismatch + logprob_mismatch(
@@ -268,7 +278,7 @@ def _take_old_logprobs(
 
 
 def _backward(
-    logp: torch.Tensor, micro: _Micro, ref: torch.Tensor | None, normalizer: float, grpo: GRPOSpec, on_policy: bool
+    logp: torch.Tensor, micro: _Micro, ref: torch.Tensor | None, normalizer: float, grpo: GRPOSpec, weighted: bool
 ) -> LossStats:
     # The proximal policy (the trust region's centre) is the trainer before the batch's first update: with one
     # update that is these very weights (ratio 1, the clip never binds; the behaviour weight corrects), with
@@ -286,8 +296,9 @@ def _backward(
         normalizer=normalizer,
         aggregation=grpo.loss_aggregation,
         ratio_level=grpo.importance_ratio,
-        behaviour_logp=None if on_policy else batch.behaviour_logprobs,
+        behaviour_logp=batch.behaviour_logprobs if weighted else None,
         weight_cap=grpo.importance_weight_cap,
+        weight_mode=grpo.importance_weight_mode,
     )
     loss.backward()
     return stats
