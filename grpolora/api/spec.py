@@ -223,6 +223,38 @@ def _reference_from_rule() -> dict[str, str]:
     )
 
 
+_MINI_BATCHES = (
+    "grpo.miniBatches must be at most the completions of a step (promptsPerStep x generationsPerPrompt): every "
+    "mini-batch needs a completion"
+)
+_WARMUP = "grpo.warmupSteps must be at most grpo.steps"
+_OVERLONG = "grpo.overlongBuffer must be at most grpo.maxNewTokens (the soft zone ends there)"
+
+
+def _overlong_rule() -> dict[str, str]:
+    return cel_rule(
+        f"!has(self.overlongBuffer) || self.overlongBuffer <= {cel_or_default('maxNewTokens', 256)}",
+        _OVERLONG,
+        ".overlongBuffer",
+    )
+
+
+def _mini_batches_rule() -> dict[str, str]:
+    return cel_rule(
+        f"{cel_or_default('miniBatches', 1)} <= "
+        f"{cel_or_default('promptsPerStep', 8)} * {cel_or_default('generationsPerPrompt', 8)}",
+        _MINI_BATCHES,
+        ".miniBatches",
+    )
+
+
+def _warmup_rule() -> dict[str, str]:
+    return cel_rule(f"{cel_or_default('warmupSteps', 0)} <= {cel_or_default('steps', 100)}", _WARMUP, ".warmupSteps")
+
+
+LrSchedule = Literal["constant", "linear", "cosine"]
+
+
 def min_lora_slots(staleness: int) -> int:
     """LoRA slots an inference engine needs for staleness k: requests on versions live - k ... live may run at once
     (k + 1), and never fewer than 2 (version N - 1 finishes its requests while N serves new ones)."""
@@ -231,17 +263,66 @@ def min_lora_slots(staleness: int) -> int:
 
 class GRPOSpec(SpecModel):
     steps: int = Field(default=100, gt=0, le=c.MAX_STEPS)
-    """Number of optimizer steps (one batch of prompts each)."""
+    """Number of training steps, one batch of prompts each (one optimizer step each, or updatesPerBatch x
+    miniBatches)."""
     prompts_per_step: int = Field(default=8, gt=0, le=c.MAX_PROMPTS_PER_STEP)
     """Prompts drawn per step."""
     generations_per_prompt: int = Field(default=8, ge=2, le=c.MAX_GENERATIONS_PER_PROMPT)
     """Completions sampled per prompt: the group whose rewards are compared. GRPO needs at least 2."""
     learning_rate: float = Field(default=1.0e-5, gt=0)
-    """AdamW learning rate for the LoRA weights."""
+    """AdamW learning rate for the LoRA weights (the peak, with `lrSchedule` and `warmupSteps`)."""
     kl_coef: float = Field(default=0.01, ge=0)
     """Weight of the KL penalty (k3 estimator) to the reference policy: the base model with the adapter off."""
     clip_epsilon: float = Field(default=0.2, gt=0)
-    """PPO-style clip range of the importance ratio."""
+    """PPO-style clip range of the importance ratio: [1 - clipEpsilon, 1 + clipEpsilon] around the policy before
+    the batch's first update. It binds only from the second update on a batch (`updatesPerBatch` or `miniBatches`
+    > 1); with one update per batch the ratio is exactly 1. `clipEpsilonLow` and `clipEpsilonHigh` override either
+    side."""
+    clip_epsilon_low: float | None = Field(default=None, gt=0, lt=1)
+    """Lower side of the clip range, [1 - clipEpsilonLow, ...]; unset: `clipEpsilon`."""
+    clip_epsilon_high: float | None = Field(default=None, gt=0)
+    """Upper side of the clip range, [..., 1 + clipEpsilonHigh]; unset: `clipEpsilon`. DAPO's clip-higher sets it
+    above the lower side (0.28 against 0.2) so that unlikely tokens can gain probability before the clip cuts
+    their gradient (against entropy collapse); GSPO's sequence-level ratios take a far narrower range
+    (about 3e-4 and 4e-4)."""
+    importance_ratio: Literal["token", "sequence"] = "token"
+    """Level of the clipped importance ratio: `token` (PPO/GRPO, one ratio per token) or `sequence` (GSPO: the
+    geometric mean of a completion's token ratios, exp(mean_t log ratio_t), clipped for the whole completion;
+    steadier for long completions and mixture-of-experts models). The behaviour weight of an off-policy step and
+    the KL term stay per token."""
+    loss_aggregation: Literal["token-mean", "sequence-mean", "constant"] = "token-mean"
+    """How per-token losses become the loss of an optimizer step: `token-mean`, over all completion tokens of the
+    (mini-)batch (DAPO; every token weighs the same); `sequence-mean`, each completion's own token mean, then the
+    mean over completions (the original GRPO; every completion weighs the same); `constant`, the token sum over
+    (completions x maxNewTokens) (Dr. GRPO: no normalisation by the lengths sampled)."""
+    advantage_scale: Literal["group-std", "batch-std", "none"] | None = None
+    """What the baselined rewards are divided by: `group-std` (each group's std), `batch-std` (the std of all the
+    step's rewards) or `none` (Dr. GRPO: no division, so an almost-flat group is not blown up to unit variance).
+    Unset: `group-std` with advantage `group-normalized`, `none` with `leave-one-out`."""
+    dynamic_sampling_draws: int = Field(default=0, ge=0, le=32)
+    """Dynamic sampling (DAPO): groups whose rewards are all equal (no spread, so zero advantages) are left out of
+    the step and up to this many further draws of prompts replace them; after the last draw the step trains on the
+    groups it has (fewer than promptsPerStep; all drawn ones if none had spread). 0: off. Extra prompts come from
+    the same stream and count as consumed. metrics.jsonl: `groups_filtered`, `extra_draws` and
+    `reward_mean_drawn` (over every drawn group; `reward_mean` is over the trained ones)."""
+    mask_truncated: bool = False
+    """Completions cut off at maxNewTokens (vLLM's finish reason `length`) leave the loss (DAPO's overlong
+    filtering): still part of their group's baseline, but neither rewarded nor punished for an unfinished answer.
+    They are counted as `completions_truncated` in metrics.jsonl either way."""
+    overlong_buffer: int | None = Field(default=None, gt=0, le=c.MAX_MODEL_LEN)
+    """DAPO's soft overlong penalty: over the last this-many tokens before maxNewTokens, a completion's reward
+    falls linearly from 0 to -overlongPenalty (reached at maxNewTokens). Unset: no length penalty. At most
+    maxNewTokens. The reward reported stays the task's; the penalty enters the advantages
+    (`overlong_penalty_mean` in metrics.jsonl)."""
+    overlong_penalty: float = Field(default=1.0, gt=0)
+    """Largest length penalty, reached at maxNewTokens (with `overlongBuffer`)."""
+    updates_per_batch: int = Field(default=1, gt=0, le=64)
+    """Passes over each batch (PPO epochs, TRL's `num_iterations`, mu): every pass takes `miniBatches` optimizer
+    steps. The old logprobs are taken once, before the first update, and every update is clipped around them."""
+    mini_batches: int = Field(default=1, gt=0, le=c.MAX_BATCH)
+    """Optimizer steps per pass over a batch: the batch's completions are split into this many mini-batches (in
+    order, so that a prompt's group stays together when the count divides them), each normalised on its own. At
+    most promptsPerStep x generationsPerPrompt."""
     max_new_tokens: int = Field(default=256, gt=0, le=c.MAX_MODEL_LEN)
     """Largest completion length in tokens."""
     temperature: float = Field(default=1.0, gt=0)
@@ -264,6 +345,17 @@ class GRPOSpec(SpecModel):
     importance_weight_cap: float = Field(default=2.0, gt=1)
     """Off-policy steps: the behaviour importance weight pi_trainer / pi_sampler of each token is truncated at
     this value (bounds the variance of stale or mismatched samples)."""
+    importance_weight_mode: Literal["truncate", "mask"] = "truncate"
+    """What happens to a token whose behaviour importance weight passes `importanceWeightCap`: `truncate`, the
+    weight is cut to the cap (a bounded, slightly biased gradient; IMPALA, TIS), or `mask`, the token leaves the
+    loss (AReaL; verl's rollout-IS masking). Counted in `truncated_fraction` either way."""
+    mismatch_correction: bool | None = None
+    """Also weight the tokens of on-policy steps by pi_trainer / pi_vLLM (capped as `importanceWeightMode` says):
+    the weights are the version vLLM sampled from, but its kernels and dtype give other probabilities (bf16
+    logprobs can be tenths of a nat apart), so the sampled tokens are slightly off-policy for the trainer
+    (TRL's `vllm_importance_sampling_correction`, verl's rollout IS). Unset: on for bfloat16 and float16 models,
+    off for float32 (there the two agree to about 1e-5). Its figures are `importance_weight_mean`/`_max` and
+    `truncated_fraction` in metrics.jsonl, as for off-policy steps."""
     advantage: Literal["group-normalized", "leave-one-out"] = "group-normalized"
     """Baseline: `group-normalized` (reward minus group mean, over group std) or `leave-one-out` (reward minus
     the mean of the other completions in the group)."""
@@ -271,6 +363,17 @@ class GRPOSpec(SpecModel):
     """Gradient clipping threshold (global L2 norm)."""
     weight_decay: float = Field(default=0.0, ge=0)
     """AdamW weight decay."""
+    adam_beta1: float = Field(default=0.9, ge=0, lt=1)
+    """AdamW's first-moment decay (beta1)."""
+    adam_beta2: float = Field(default=0.999, ge=0, lt=1)
+    """AdamW's second-moment decay (beta2); RL recipes often lower it (0.99) so the step size follows the
+    advantages' changing scale faster."""
+    lr_schedule: LrSchedule = "constant"
+    """Learning rate over the training steps after warmup: `constant`, `linear` decay to 0 at `steps`, or `cosine`
+    decay to 0 at `steps`. A function of the step only, so a resumed run continues it."""
+    warmup_steps: int = Field(default=0, ge=0, le=c.MAX_STEPS)
+    """Training steps over which the learning rate ramps linearly up to `learningRate` ((step + 1) / warmupSteps,
+    so the first step already learns); at most `steps`."""
     micro_batch_size: int = Field(default=8, gt=0, le=c.MAX_BATCH)
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
     reference_from: Literal["trainer", "inference"] = "trainer"
@@ -281,7 +384,17 @@ class GRPOSpec(SpecModel):
     replicas, needs temperature 1 and topP 1 (vLLM scores prompts untempered) and no lm_head LoRA. No effect at
     klCoef 0."""
 
-    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_staleness_alias_rule(), _reference_from_rule()]})
+    model_config = ConfigDict(
+        json_schema_extra={
+            CEL_VALIDATIONS: [
+                _staleness_alias_rule(),
+                _reference_from_rule(),
+                _mini_batches_rule(),
+                _warmup_rule(),
+                _overlong_rule(),
+            ]
+        }
+    )
 
     @model_validator(mode="after")
     def _staleness_alias(self) -> GRPOSpec:
@@ -290,7 +403,35 @@ class GRPOSpec(SpecModel):
         if self.reference_from == "inference" and (self.temperature != 1.0 or self.top_p != 1.0):
             got = f"; got temperature {self.temperature} and topP {self.top_p}"
             raise FieldErrors([("referenceFrom", _REFERENCE_SAMPLING + got)])
+        errors = []
+        completions = self.prompts_per_step * self.generations_per_prompt
+        if self.mini_batches > completions:
+            errors.append(("miniBatches", f"{_MINI_BATCHES}; got {self.mini_batches} for {completions} completions"))
+        if self.warmup_steps > self.steps:
+            errors.append(("warmupSteps", f"{_WARMUP}; got {self.warmup_steps} for {self.steps} steps"))
+        if self.overlong_buffer is not None and self.overlong_buffer > self.max_new_tokens:
+            errors.append(
+                ("overlongBuffer", f"{_OVERLONG}; got {self.overlong_buffer} for maxNewTokens {self.max_new_tokens}")
+            )
+        raise_if_any(errors)
         return self
+
+    @property
+    def clip_low(self) -> float:
+        """The clip range's lower side in force: clipEpsilonLow, else clipEpsilon."""
+        return self.clip_epsilon if self.clip_epsilon_low is None else self.clip_epsilon_low
+
+    @property
+    def clip_high(self) -> float:
+        """The clip range's upper side in force: clipEpsilonHigh, else clipEpsilon."""
+        return self.clip_epsilon if self.clip_epsilon_high is None else self.clip_epsilon_high
+
+    @property
+    def advantage_scale_in_force(self) -> str:
+        """advantageScale, or its default for the advantage baseline."""
+        if self.advantage_scale is not None:
+            return self.advantage_scale
+        return "group-std" if self.advantage == "group-normalized" else "none"
 
     @property
     def reference_on_replicas(self) -> bool:

@@ -37,6 +37,20 @@ def test_defaults_are_the_documented_ones():
     assert spec.checkpoint.every_steps == 50
     assert spec.suspend is False and spec.ttl_seconds_after_finished is None
     assert spec.model.dtype == "bfloat16"
+    # The recipe options default to the one recipe there was: token mean, symmetric clip, one update per batch.
+    assert (g.loss_aggregation, g.importance_ratio, g.advantage_scale_in_force) == ("token-mean", "token", "group-std")
+    assert (g.clip_low, g.clip_high, g.updates_per_batch, g.mini_batches) == (0.2, 0.2, 1, 1)
+    assert (g.lr_schedule, g.warmup_steps, g.adam_beta1, g.adam_beta2) == ("constant", 0, 0.9, 0.999)
+
+
+def test_clip_sides_and_advantage_scale_resolve_from_their_defaults():
+    g = parse_job(job_doc(grpo={"clipEpsilon": 0.1, "clipEpsilonHigh": 0.28})).spec.grpo
+    assert (g.clip_low, g.clip_high) == (0.1, 0.28)
+    g = parse_job(job_doc(grpo={"clipEpsilonLow": 0.3})).spec.grpo
+    assert (g.clip_low, g.clip_high) == (0.3, 0.2)
+    assert parse_job(job_doc(grpo={"advantage": "leave-one-out"})).spec.grpo.advantage_scale_in_force == "none"
+    g = parse_job(job_doc(grpo={"advantage": "leave-one-out", "advantageScale": "batch-std"})).spec.grpo
+    assert g.advantage_scale_in_force == "batch-std"
 
 
 def test_wire_form_round_trips():
@@ -108,6 +122,24 @@ INVALID = [
         "set inference.maxLoras to at least 5",
     ),
     (job_doc(grpo={"importanceWeightCap": 1.0}), "spec.grpo.importanceWeightCap", "greater than 1"),
+    (
+        job_doc(grpo={"promptsPerStep": 2, "generationsPerPrompt": 2, "miniBatches": 5}),
+        "spec.grpo.miniBatches",
+        "at most the completions of a step (promptsPerStep x generationsPerPrompt): every mini-batch needs a "
+        "completion; got 5 for 4 completions",
+    ),
+    (job_doc(grpo={"steps": 10, "warmupSteps": 11}), "spec.grpo.warmupSteps", "at most grpo.steps; got 11 for 10"),
+    (
+        job_doc(grpo={"maxNewTokens": 64, "overlongBuffer": 65}),
+        "spec.grpo.overlongBuffer",
+        "at most grpo.maxNewTokens (the soft zone ends there); got 65 for maxNewTokens 64",
+    ),
+    (job_doc(grpo={"lossAggregation": "sum"}), "spec.grpo.lossAggregation", "'token-mean', 'sequence-mean' or"),
+    (job_doc(grpo={"advantageScale": "std"}), "spec.grpo.advantageScale", "'group-std', 'batch-std' or 'none'"),
+    (job_doc(grpo={"importanceRatio": "seq"}), "spec.grpo.importanceRatio", "'token' or 'sequence'"),
+    (job_doc(grpo={"lrSchedule": "step"}), "spec.grpo.lrSchedule", "'constant', 'linear' or 'cosine'"),
+    (job_doc(grpo={"importanceWeightMode": "clip"}), "spec.grpo.importanceWeightMode", "'truncate' or 'mask'"),
+    (job_doc(grpo={"mismatchCorrection": "yes"}), "spec.grpo.mismatchCorrection", "expected true or false"),
     (
         job_doc(grpo={"referenceFrom": "inference", "temperature": 0.7}),
         "spec.grpo.referenceFrom",
@@ -223,6 +255,20 @@ BOUNDS = [
     ("grpo", "topP", 0.0, 1e-6, "greater than 0"),
     ("grpo", "klCoef", -1e-9, 0.0, "greater than or equal to 0"),
     ("grpo", "clipEpsilon", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "clipEpsilonLow", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "clipEpsilonLow", 1.0, 0.999, "less than 1"),
+    ("grpo", "clipEpsilonHigh", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "updatesPerBatch", 0, 1, "greater than 0"),
+    ("grpo", "updatesPerBatch", 65, 64, "less than or equal to 64"),
+    ("grpo", "miniBatches", 0, 1, "greater than 0"),
+    ("grpo", "warmupSteps", -1, 0, "greater than or equal to 0"),
+    ("grpo", "overlongBuffer", 0, 1, "greater than 0"),
+    ("grpo", "dynamicSamplingDraws", -1, 0, "greater than or equal to 0"),
+    ("grpo", "dynamicSamplingDraws", 33, 32, "less than or equal to 32"),
+    ("grpo", "overlongPenalty", 0.0, 1e-6, "greater than 0"),
+    ("grpo", "adamBeta1", -0.1, 0.0, "greater than or equal to 0"),
+    ("grpo", "adamBeta1", 1.0, 0.999, "less than 1"),
+    ("grpo", "adamBeta2", 1.0, 0.999, "less than 1"),
     ("grpo", "seed", -1, 0, "greater than or equal to 0"),
     ("grpo", "maxGradNorm", 0.0, 1e-6, "greater than 0"),
     ("grpo", "weightDecay", -1e-9, 0.0, "greater than or equal to 0"),

@@ -24,16 +24,89 @@ from grpolora.workers.trainer.policy import Batch, Policy, build_batch
 from grpolora.workers.trainer.step import train_step
 from tests.helpers import job_doc
 
-SPEC = parse_job(
-    job_doc(
-        model={"name": "offline:tiny-llama", "dtype": "float32"},
-        lora={"rank": 8, "alpha": 16},
-        # No gradient clipping: a clip to 1.0 would rescale a wrong gradient scale across ranks away.
-        grpo={"learningRate": 1e-2, "microBatchSize": 2, "klCoef": 0.05, "temperature": 0.8, "maxGradNorm": 1e6},
-        trainer={"gpusPerReplica": 0},
-        inference={"gpusPerReplica": 0},
-    )
-).spec
+
+def spec_with(**grpo):
+    """The tests' spec with these grpo fields."""
+    return parse_job(
+        job_doc(
+            model={"name": "offline:tiny-llama", "dtype": "float32"},
+            lora={"rank": 8, "alpha": 16},
+            # No gradient clipping: a clip to 1.0 would rescale a wrong gradient scale across ranks away.
+            grpo={
+                "learningRate": 1e-2,
+                "microBatchSize": 2,
+                "klCoef": 0.05,
+                "temperature": 0.8,
+                "maxGradNorm": 1e6,
+                **grpo,
+            },
+            trainer={"gpusPerReplica": 0},
+            inference={"gpusPerReplica": 0},
+        )
+    ).spec
+
+
+SPEC = spec_with()
+# Recipes whose step touches the cross-rank reduction, each also run on the two ranks (name -> (grpo, on_policy)):
+# several updates over mini-batches (the old logprobs taken once) with a narrow clip-higher range so the clip
+# binds, sequence-level ratios and the per-sequence mean, off-policy (behaviour weights truncated at a low cap);
+# and Dr. GRPO's constant normaliser over 3 mini-batches of 2, 2 and 1 sequences (rank 1 runs a stand-in in the
+# last), on-policy with the mismatch correction masking the tokens past a low cap. Both sample from behaviour
+# logprobs near the policy's own (`off_policy`).
+RECIPES = {
+    "updates": (
+        spec_with(
+            updatesPerBatch=2,
+            miniBatches=2,
+            clipEpsilonLow=0.002,
+            clipEpsilonHigh=0.003,
+            importanceRatio="sequence",
+            lossAggregation="sequence-mean",
+            importanceWeightCap=1.5,
+        ).grpo,
+        False,
+    ),
+    "constant": (
+        spec_with(
+            miniBatches=3,
+            lossAggregation="constant",
+            maxNewTokens=8,
+            mismatchCorrection=True,
+            importanceWeightMode="mask",
+            importanceWeightCap=1.2,
+        ).grpo,
+        True,
+    ),
+}
+# Several SGD steps of lr 1 on one batch diverge (the first already moves logprobs by tens of nats; the k3 KL then
+# explodes); at 1e-4 the adapter still moves by more than 1e-3 and the clip binds in the second pass.
+RECIPE_LR = 1e-4
+RECIPE_FILE = "recipes.pt"  # rank 0's update and stats for each recipe
+
+
+def off_policy(policy: Policy, batch: Batch) -> Batch:
+    """`batch` with behaviour logprobs near the policy's own (as a sampler one version behind gives them), so
+    that the behaviour weights are near 1 and some are truncated."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        own = policy.logprobs(batch)
+    noise = 0.3 * torch.randn(own.shape, generator=g)
+    return dataclasses.replace(batch, behaviour_logprobs=(own + noise) * batch.completion_mask)
+
+
+def recipe_step(name: str, rank: int = 0, world_size: int = 1):
+    """A fresh policy's step under recipe `name`: its adapter before and after, and the step's figures."""
+    grpo, on_policy = RECIPES[name]
+    policy = new_policy(shard=world_size > 1)
+    before = lora_state(policy)
+    batch = synthetic_batch(SEQUENCES)
+    if world_size > 1:
+        batch = with_reference(policy, batch)
+    batch = off_policy(policy, batch)
+    optimizer = sgd(policy, RECIPE_LR)
+    stats = train_step(policy, optimizer, batch, grpo, on_policy=on_policy, rank=rank, world_size=world_size)
+    return before, lora_state(policy), stats
+
 
 # An odd count: rank 0 takes 3 sequences (two micro-batches of 2), rank 1 takes 2 (one), so rank 1 must take
 # part in a second micro-batch's collectives with no sequence of its own.
@@ -75,11 +148,11 @@ def lora_state(policy: Policy) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in lora_tensors(policy.model).items()}
 
 
-def sgd(policy: Policy) -> torch.optim.Optimizer:
+def sgd(policy: Policy, lr: float = 1.0) -> torch.optim.Optimizer:
     """SGD with lr 1: the first update is the (clipped) gradient itself (the momentum buffer starts as the gradient
     and gives the checkpoint some optimizer state to carry). Adam would hide a wrong gradient scale, since it
     normalises the update, which is exactly what the rank-equivalence test must catch."""
-    return torch.optim.SGD(policy.trainable_parameters(), lr=1.0, momentum=0.9)
+    return torch.optim.SGD(policy.trainable_parameters(), lr=lr, momentum=0.9)
 
 
 def tamper(folder: Path, target: Path, edit) -> Path:
@@ -129,5 +202,8 @@ def sharded_rank(rank: int, world_size: int, port: int, out: str) -> None:
         except ValueError as exc:
             outcome = str(exc)
         (Path(out) / outcome_file(rank)).write_text(outcome)
+        recipes = {name: recipe_step(name, rank, world_size) for name in RECIPES}
+        if rank == 0:
+            torch.save(recipes, Path(out) / RECIPE_FILE)
     finally:
         dist.destroy_process_group()

@@ -31,7 +31,19 @@ def job(reward_url: str, mlflow_uri: str, hub_url: str) -> dict:
         "spec": {
             "model": {"name": "offline:tiny-llama", "dtype": "float32"},
             "lora": {"rank": 8, "alpha": 16},
-            "grpo": {"steps": STEPS, "promptsPerStep": 2, "generationsPerPrompt": 4, "maxNewTokens": 8},
+            # A recipe beyond the default (two passes in two mini-batches, a cosine schedule after one warmup step,
+            # the soft length penalty) so that the figures it adds are checked on the path a run takes.
+            "grpo": {
+                "steps": STEPS,
+                "promptsPerStep": 2,
+                "generationsPerPrompt": 4,
+                "maxNewTokens": 8,
+                "updatesPerBatch": 2,
+                "miniBatches": 2,
+                "lrSchedule": "cosine",
+                "warmupSteps": 1,
+                "overlongBuffer": 4,
+            },
             "task": {
                 "dataset": {
                     "path": "data",
@@ -93,6 +105,11 @@ def test_metrics_hold_each_reward_and_the_evaluations(data_run):
     assert [r["step"] for r in steps] == [1, 2, 3]
     assert all(set(r["rewards"]) == {"judge", "math"} for r in steps)
     assert all(r["reward_mean"] == pytest.approx(r["rewards"]["judge"] + 0.5 * r["rewards"]["math"]) for r in steps)
+    # The recipe: 2 x 2 updates a step at the cosine's rates (warmup 1: 1, then (1 + cos(pi * s / 2)) / 2 for
+    # s = 0, 1 of the 2 decay steps), and the length penalty of completions near the 8-token limit.
+    assert [r["updates"] for r in steps] == [4, 4, 4]
+    assert [r["learning_rate"] for r in steps] == pytest.approx([1e-5, 1e-5, 0.5e-5])
+    assert all(-1.0 <= r["overlong_penalty_mean"] <= 0 and 0 <= r["completions_truncated"] <= 8 for r in steps)
     assert [r["step"] for r in steps if "eval_reward" in r] == [2, 3]  # every 2 steps and after the last
     assert all(r["eval_prompts"] == 3 for r in steps if "eval_reward" in r)
     # The service saw the training completions (2 prompts x 4 per step) and the held-out ones (3 per evaluation).

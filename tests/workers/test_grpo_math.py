@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from grpolora.api.spec import GRPOSpec
 from grpolora.workers.trainer.grpo import (
     LossStats,
     MismatchStats,
@@ -14,8 +15,17 @@ from grpolora.workers.trainer.grpo import (
     grpo_loss,
     k3_kl,
     logprob_mismatch,
+    loss_normalizer,
     nucleus_mask,
+    overlong_penalty,
     token_logprobs,
+)
+from grpolora.workers.trainer.step import (
+    corrects_mismatch,
+    learning_rate_factor,
+    mini_batch_indices,
+    set_learning_rate,
+    with_schedule_base,
 )
 
 LN2 = math.log(2.0)
@@ -241,7 +251,7 @@ def test_ratio_one_gives_minus_advantage_plus_kl():
         mask,
         clip_epsilon=0.2,
         kl_coef=0.1,
-        token_normalizer=5,
+        normalizer=5,
     )
     close(loss, -0.7693147)
     # d l_t / d logp_t = -A + kl_coef * (1 - e^(ref - logp)) = -A + 0.1 * (1 - 2) = -A - 0.1, over 5 tokens:
@@ -276,7 +286,7 @@ def test_clipping_on_both_sides():
         torch.ones(4, 1),
         clip_epsilon=0.2,
         kl_coef=0.0,
-        token_normalizer=4,
+        normalizer=4,
     )
     close(loss, 0.15)
     loss.backward()
@@ -305,7 +315,7 @@ def test_decoupled_objective_with_truncated_behaviour_weight():
         torch.ones(4, 1),
         clip_epsilon=0.2,
         kl_coef=0.0,
-        token_normalizer=4,
+        normalizer=4,
         behaviour_logp=behaviour,
         weight_cap=2.0,
     )
@@ -334,7 +344,7 @@ def test_on_policy_loss_reports_no_behaviour_weights():
     logp = torch.full((1, 2), -1.0, requires_grad=True)
     _, stats = grpo_loss(
         logp, logp.detach(), None, torch.tensor([1.0]), torch.ones(1, 2), clip_epsilon=0.2, kl_coef=0.0,
-        token_normalizer=2,
+        normalizer=2,
     )  # fmt: skip
     assert (stats.off_policy_tokens, stats.mean_weight, stats.truncated_fraction) == (0.0, 0.0, 0.0)
 
@@ -363,7 +373,7 @@ def _loss_and_grad(logits, tokens, behaviour, ref, advantages, mask, normalizer)
         mask,
         clip_epsilon=0.2,
         kl_coef=0.05,
-        token_normalizer=normalizer,
+        normalizer=normalizer,
     )
     loss.backward()
     return loss.detach(), params.grad, stats
@@ -401,7 +411,7 @@ def test_micro_batches_with_shared_normalizer_equal_one_batch():
             mask[rows],
             clip_epsilon=0.2,
             kl_coef=0.05,
-            token_normalizer=total,
+            normalizer=total,
         )
         part.backward()  # gradients accumulate in params.grad
         losses.append(part.detach())
@@ -426,7 +436,7 @@ def test_identical_reward_group_gives_zero_policy_gradient():
         mask,
         clip_epsilon=0.2,
         kl_coef=0.0,
-        token_normalizer=float(mask.sum()),
+        normalizer=float(mask.sum()),
     )
     loss.backward()
     assert torch.equal(params.grad, torch.zeros_like(params))
@@ -434,11 +444,11 @@ def test_identical_reward_group_gives_zero_policy_gradient():
 
 def test_loss_rejects_bad_arguments():
     x = torch.zeros(2, 3)
-    common = {"clip_epsilon": 0.2, "kl_coef": 0.1, "token_normalizer": 6}
+    common = {"clip_epsilon": 0.2, "kl_coef": 0.1, "normalizer": 6}
     with pytest.raises(ValueError, match="ref_logp is required"):
         grpo_loss(x, x, None, torch.zeros(2), torch.ones(2, 3), **common)
-    with pytest.raises(ValueError, match="token_normalizer must be positive"):
-        grpo_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), **{**common, "token_normalizer": 0})
+    with pytest.raises(ValueError, match="normalizer must be positive"):
+        grpo_loss(x, x, x, torch.zeros(2), torch.ones(2, 3), **{**common, "normalizer": 0})
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(x, x, x, torch.zeros(3), torch.ones(2, 3), **common)
 
@@ -478,3 +488,187 @@ def test_mismatch_reduces_by_field_name_sums_and_max():
     assert merged == MismatchStats(token_count=5, exp_abs_diff_sum=1.5, max_abs_diff=0.7, kl_sum=pytest.approx(0.4))
     assert merged == a + b
     assert MismatchStats.from_reduced(a.as_tensor(), a.as_tensor()) == a
+
+
+# --- recipes: advantage scale, loss aggregation, clip-higher, sequence-level ratios, schedules -----------------------
+
+
+def test_batch_std_scale_divides_by_the_std_of_every_reward_in_the_batch():
+    # [1, 0, 0, 0] and [2, 4, 6, 8]: group means 0.25 and 5, centred [0.75, -0.25 x3] and [-3, -1, 1, 3].
+    # All eight rewards: mean 21 / 8 = 2.625; squared deviations 2.640625 + 3 * 6.890625 + 0.390625 + 1.890625
+    #   + 11.390625 + 28.890625 = 65.875; population variance 65.875 / 8 = 8.234375, std 2.8695601.
+    # → [0.2613641, -0.0871214 x3] and [-1.0454564, -0.3484855, 0.3484855, 1.0454564].
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 6.0, 8.0]])
+    advantages = group_advantages(rewards, "group-normalized", eps=1e-12, scale="batch-std")
+    a, b = 0.2613641, -0.0871214
+    close(advantages, [[a, b, b, b], [-1.0454564, -0.3484855, 0.3484855, 1.0454564]])
+
+
+def test_no_scale_is_the_centred_reward_dr_grpo():
+    # Dr. GRPO: r - mean(r), no std (a group of small spread is not blown up to unit variance).
+    rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 6.0, 8.0]])
+    advantages = group_advantages(rewards, "group-normalized", scale="none")
+    close(advantages, [[0.75, -0.25, -0.25, -0.25], [-3.0, -1.0, 1.0, 3.0]])
+    # Leave-one-out is unscaled by default; "group-std" divides its G / (G - 1) * (r - mean) by the group's std:
+    # [1, 0, 0, 0] → [1, -1/3 x3] / 0.4330127 = [2.3094011, -0.7698004 x3].
+    loo = group_advantages(rewards[:1], "leave-one-out", eps=1e-12, scale="group-std")
+    close(loo, [[2.3094011, -0.7698004, -0.7698004, -0.7698004]], tol=1e-5)
+    assert torch.equal(
+        group_advantages(rewards, "leave-one-out"), group_advantages(rewards, "leave-one-out", scale="none")
+    )
+    with pytest.raises(ValueError, match="unknown advantage scale 'sample'; valid: group-std, batch-std, none"):
+        group_advantages(rewards, "group-normalized", scale="sample")
+
+
+def test_clip_higher_lets_a_positive_advantage_rise_further():
+    # eps_low 0.2, eps_high 0.28 (DAPO), one token per sequence, A = [1, 1, -1, -1], ratio = [1.25, 1.3, 0.75, 0.85]:
+    #   A>0, r=1.25 < 1.28: not clipped (a symmetric 0.2 would clip it) → loss -1.25, gradient -A r = -1.25
+    #   A>0, r=1.3  > 1.28: loss -1.28, clipped high (no gradient)
+    #   A<0, r=0.75 < 0.8:  min(-0.75, -0.8) = -0.8 → loss 0.8, clipped low (no gradient)
+    #   A<0, r=0.85:        loss 0.85, gradient -A r = 0.85
+    # sum -0.88 / 4 tokens = -0.22; gradients / 4 = [-0.3125, 0, 0, 0.2125].
+    behaviour = torch.full((4, 1), -2.0)
+    logp = (behaviour + torch.tensor([[1.25], [1.3], [0.75], [0.85]]).log()).requires_grad_()
+    loss, stats = grpo_loss(
+        logp,
+        behaviour,
+        None,
+        torch.tensor([1.0, 1.0, -1.0, -1.0]),
+        torch.ones(4, 1),
+        clip_epsilon=0.2,
+        clip_epsilon_high=0.28,
+        kl_coef=0.0,
+        normalizer=4,
+    )
+    close(loss, -0.22)
+    loss.backward()
+    close(logp.grad, [[-0.3125], [0.0], [0.0], [0.2125]])
+    assert (stats.clipped_low, stats.clipped_high, stats.clip_fraction) == (1.0, 1.0, 0.5)
+
+
+def test_sequence_mean_weights_each_completion_equally():
+    # A = [2, -1], ratio 1, no KL; 3 tokens in row 0, 1 in row 1 (then padding).
+    # Per-token losses -2 (row 0) and +1 (row 1). Sequence mean: ((-6) / 3 + 1 / 1) / 2 sequences = -0.5
+    # (the token mean would be -5 / 4 = -1.25). Gradients: row 0 -A / 3 / 2 = -1/3 each; row 1 +1 / 1 / 2 = 0.5.
+    logp = torch.full((2, 3), -1.0, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    loss, stats = grpo_loss(
+        logp, logp.detach(), None, torch.tensor([2.0, -1.0]), mask, clip_epsilon=0.2, kl_coef=0.0, normalizer=2,
+        aggregation="sequence-mean",
+    )  # fmt: skip
+    close(loss, -0.5)
+    loss.backward()
+    close(logp.grad, [[-1 / 3, -1 / 3, -1 / 3], [0.5, 0.0, 0.0]])
+    assert stats.policy_loss_sum == -5.0 and stats.token_count == 4.0  # the figures stay per token
+
+
+def test_loss_normalizer_per_aggregation():
+    # 13 completion tokens in 4 sequences, maxNewTokens 8: token mean / 13, sequence mean / 4, Dr. GRPO / (4 * 8).
+    assert loss_normalizer("token-mean", tokens=13, sequences=4, max_new_tokens=8) == 13
+    assert loss_normalizer("sequence-mean", tokens=13, sequences=4, max_new_tokens=8) == 4
+    assert loss_normalizer("constant", tokens=13, sequences=4, max_new_tokens=8) == 32
+    with pytest.raises(ValueError, match="unknown loss aggregation 'sum'; valid: token-mean, sequence-mean, constant"):
+        loss_normalizer("sum", tokens=13, sequences=4, max_new_tokens=8)
+
+
+def test_sequence_level_ratio_gspo():
+    # GSPO: s_i = exp(mean_t(logp - proximal)) over the completion's tokens, clipped per sequence.
+    #   row 0: log ratios [ln 2, 0] → s = sqrt 2 = 1.4142136 > 1.2 with A = 1: clipped high → loss -1.2 per token,
+    #          no gradient (token-level ratios [2, 1] would clip one token and not the other).
+    #   row 1: log ratios [ln 0.81, 0] → s = 0.9, A = 1, inside the range → loss -0.9 per token; each token's
+    #          gradient -A * s / |y| from each of the two per-token copies = -0.9, / 4 tokens = -0.225.
+    #   row 2: no completion token (a stand-in): NaN logprobs there change nothing.
+    # token mean: (2 * -1.2 + 2 * -0.9) / 4 = -1.05.
+    proximal = torch.full((3, 2), -1.0)
+    logp = proximal + torch.tensor([[math.log(2.0), 0.0], [math.log(0.81), 0.0], [0.0, 0.0]])
+    logp[2] = float("nan")
+    logp.requires_grad_()
+    loss, stats = grpo_loss(
+        logp, proximal, None, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([[1, 1], [1, 1], [0, 0]]),
+        clip_epsilon=0.2, kl_coef=0.0, normalizer=4, ratio_level="sequence",
+    )  # fmt: skip
+    close(loss, -1.05)
+    loss.backward()
+    close(logp.grad, [[0.0, 0.0], [-0.225, -0.225], [0.0, 0.0]])
+    assert stats.clipped_high == 2.0 and stats.clipped_low == 0.0
+    assert stats.ratio_sum == pytest.approx(2 * math.sqrt(2.0) + 2 * 0.9)
+    # Sequence mean over the two real completions: (-1.2 + -0.9) / 2, the GSPO paper's 1/G sum_i.
+    loss, _ = grpo_loss(
+        logp.detach(), proximal, None, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([[1, 1], [1, 1], [0, 0]]),
+        clip_epsilon=0.2, kl_coef=0.0, normalizer=2, ratio_level="sequence", aggregation="sequence-mean",
+    )  # fmt: skip
+    close(loss, -1.05)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "warmup", "expected"),
+    [
+        # 10 steps. Warmup ramps (s + 1) / warmup, so the first step already learns; then the decay runs over the
+        # remaining steps, reaching 0 one step past the last.
+        ("constant", 0, {0: 1.0, 5: 1.0, 9: 1.0}),
+        ("constant", 2, {0: 0.5, 1: 1.0, 9: 1.0}),
+        # linear: (10 - s) / 10 → 1, 0.5, 0.1; with warmup 2: (10 - s) / 8 → s 2: 1, s 6: 0.5, s 9: 0.125.
+        ("linear", 0, {0: 1.0, 5: 0.5, 9: 0.1}),
+        ("linear", 2, {0: 0.5, 1: 1.0, 2: 1.0, 6: 0.5, 9: 0.125}),
+        # cosine: (1 + cos(pi (s - 2) / 8)) / 2 → s 2: 1, s 6: (1 + cos(pi / 2)) / 2 = 0.5,
+        #   s 9: (1 + cos(7 pi / 8)) / 2 = (1 - 0.9238795) / 2 = 0.0380602.
+        ("cosine", 2, {0: 0.5, 2: 1.0, 6: 0.5, 9: 0.0380602}),
+    ],
+)
+def test_learning_rate_schedule(schedule, warmup, expected):
+    for step, factor in expected.items():
+        assert learning_rate_factor(schedule, step, total_steps=10, warmup_steps=warmup) == pytest.approx(factor)
+
+
+def test_mini_batches_split_the_batch_into_near_equal_runs():
+    # 10 sequences in 3 mini-batches: 4, 3, 3, in order (groups stay together where the count divides them).
+    assert [s.tolist() for s in mini_batch_indices(10, 3)] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert [s.tolist() for s in mini_batch_indices(2, 5)] == [[0], [1]]  # never an empty mini-batch
+
+
+def test_the_schedule_scales_the_base_rate_the_optimizer_keeps():
+    param = torch.nn.Parameter(torch.zeros(2))
+    optimizer = with_schedule_base(torch.optim.AdamW([param], lr=0.3), 0.3)
+    assert set_learning_rate(optimizer, 0.5) == pytest.approx(0.15)
+    assert set_learning_rate(optimizer, 0.25) == pytest.approx(0.075)  # of the base, not of the last rate
+    fresh = with_schedule_base(torch.optim.AdamW([param], lr=0.3), 0.3)
+    fresh.load_state_dict(optimizer.state_dict())
+    assert set_learning_rate(fresh, 1.0) == pytest.approx(0.3)
+    plain = torch.optim.SGD([param], lr=1.0)
+    assert set_learning_rate(plain, 1.0) == 1.0
+    with pytest.raises(ValueError, match="needs the optimizer of make_optimizer"):
+        set_learning_rate(plain, 0.5)
+
+
+def test_overlong_penalty_is_dapos_soft_length_penalty():
+    # maxNewTokens 10, buffer 4: free up to 10 - 4 = 6 tokens; then (6 - length) / 4 down to -1 at 10 tokens, all
+    # times the factor 0.5: lengths [3, 6, 7, 8, 10] → [0, 0, -0.125, -0.25, -0.5].
+    penalty = overlong_penalty(torch.tensor([3, 6, 7, 8, 10]), max_new_tokens=10, buffer=4, factor=0.5)
+    close(penalty, [0.0, 0.0, -0.125, -0.25, -0.5])
+
+
+def test_masking_drops_the_tokens_whose_weight_passes_the_cap():
+    # As test_decoupled_objective_with_truncated_behaviour_weight, but a weight above the cap drops its token
+    # (AReaL, verl's rollout IS "mask") instead of being cut to it: row 1 (w = 3 > 2) gives no loss and no
+    # gradient. loss (-1.5 + 0 + 0.5 - 1.2) / 4 = -0.55; gradients / 4 = [-0.375, 0, 0.125, 0].
+    behaviour = torch.full((4, 1), -2.0)
+    proximal = behaviour + torch.tensor([[1.5], [3.0], [0.5], [1.0]]).log()
+    logp = (proximal + torch.tensor([[1.0], [1.0], [1.0], [1.5]]).log()).requires_grad_()
+    loss, stats = grpo_loss(
+        logp, proximal, None, torch.tensor([1.0, 1.0, -1.0, 1.0]), torch.ones(4, 1), clip_epsilon=0.2, kl_coef=0.0,
+        normalizer=4, behaviour_logp=behaviour, weight_cap=2.0, weight_mode="mask",
+    )  # fmt: skip
+    close(loss, -0.55)
+    loss.backward()
+    close(logp.grad, [[-0.375], [0.0], [0.125], [0.0]])
+    assert stats.truncated_fraction == 0.25 and stats.weight_max == pytest.approx(3.0)  # counted the same way
+    with pytest.raises(ValueError, match="unknown weight mode 'clip'; valid: truncate, mask"):
+        grpo_loss(logp, proximal, None, torch.ones(4), torch.ones(4, 1), clip_epsilon=0.2, kl_coef=0.0, normalizer=4,
+                  behaviour_logp=behaviour, weight_mode="clip")  # fmt: skip
+
+
+def test_the_mismatch_correction_is_on_by_default_for_half_precision_only():
+    grpo = GRPOSpec()
+    assert [corrects_mismatch(grpo, d) for d in ("bfloat16", "float16", "float32")] == [True, True, False]
+    assert not corrects_mismatch(GRPOSpec(mismatchCorrection=False), "bfloat16")
+    assert corrects_mismatch(GRPOSpec(mismatchCorrection=True), "float32")

@@ -9,12 +9,16 @@ import torch
 from grpolora.workers.trainer import checkpoint
 from grpolora.workers.trainer.step import make_optimizer, train_step
 from tests.workers.ranks import (
+    RECIPE_FILE,
+    RECIPES,
     RESULT_FILE,
     SEQUENCES,
     SPEC,
     lora_state,
     new_policy,
+    recipe_step,
     sgd,
+    spec_with,
     synthetic_batch,
     with_reference,
 )
@@ -74,6 +78,50 @@ def test_two_fsdp_ranks_give_the_same_update_as_one(one_rank, two_ranks):
     # The sharded checkpoint restores the very same adapter.
     assert result["step"] == 1
     assert all(torch.equal(result["restored"][k], after_two[k]) for k in after_two)
+
+
+@pytest.mark.parametrize("name", list(RECIPES))
+def test_two_fsdp_ranks_give_the_same_update_as_one_under_each_recipe(name, two_ranks):
+    """Several updates over mini-batches, sequence-level ratios, the per-sequence mean and Dr. GRPO's constant
+    normaliser (see RECIPES): two ranks equal one, figures included."""
+    before, after_one, stats_one = recipe_step(name)
+    _, after_two, stats_two = torch.load(two_ranks / RECIPE_FILE, weights_only=False)[name]
+    moved = max((after_one[k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-3
+    worst = max((after_two[k] - after_one[k]).abs().max().item() for k in after_one)
+    assert worst < 1e-4 * moved, f"two ranks differ from one by {worst} (the update is {moved})"
+    grpo, _ = RECIPES[name]
+    assert stats_one.updates == stats_two.updates == grpo.updates_per_batch * grpo.mini_batches
+    assert stats_two.grad_norm == pytest.approx(stats_one.grad_norm, rel=1e-4)
+    assert (stats_two.tokens, stats_two.clip_fraction) == (stats_one.tokens, pytest.approx(stats_one.clip_fraction))
+    assert stats_two.loss == pytest.approx(stats_one.loss, rel=1e-4, abs=1e-6)
+    assert stats_two.weight_mean == pytest.approx(stats_one.weight_mean, rel=1e-5)
+    assert stats_two.truncated_fraction == pytest.approx(stats_one.truncated_fraction)
+    # Off-policy, or on-policy with the mismatch correction: the behaviour weights were applied (and some masked).
+    assert stats_one.weight_mean > 0 and stats_one.truncated_fraction > 0
+    if grpo.updates_per_batch > 1:
+        assert stats_one.clip_fraction > 0  # the second pass is clipped around the old logprobs
+
+
+def test_the_step_runs_at_its_scheduled_rate_with_its_betas():
+    # learningRate 1e-2, linear over 4 steps after 2 of warmup: step 0 at 1/2 of it, step 3 at (4 - 3) / (4 - 2).
+    grpo = spec_with(lrSchedule="linear", steps=4, warmupSteps=2, adamBeta1=0.8, adamBeta2=0.99).grpo
+    policy = new_policy()
+    optimizer = make_optimizer(policy, grpo)
+    assert optimizer.param_groups[0]["betas"] == (0.8, 0.99)
+    first = train_step(policy, optimizer, synthetic_batch(), grpo, on_policy=True, step=0)
+    assert first.learning_rate == optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    last = train_step(policy, optimizer, synthetic_batch(), grpo, on_policy=True, step=3)
+    assert last.learning_rate == optimizer.param_groups[0]["lr"] == pytest.approx(5e-3)
+    assert (first.updates, first.clip_fraction) == (1, 0.0)  # one update per batch: the ratio is exactly 1
+
+
+def test_a_second_pass_over_an_on_policy_batch_is_clipped_around_the_first():
+    grpo = spec_with(updatesPerBatch=2, clipEpsilon=0.01).grpo
+    policy = new_policy()
+    stats = train_step(policy, sgd(policy, 1e-4), synthetic_batch(), grpo, on_policy=True)
+    assert stats.updates == 2 and 0 < stats.clip_fraction <= 0.5  # only the second pass can clip
+    assert stats.tokens == int(synthetic_batch().completion_mask.sum())  # the batch's tokens, not twice them
 
 
 def test_single_rank_checkpoint_round_trip(one_rank, tmp_path):

@@ -29,11 +29,20 @@ from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking, drop_records_after
 from grpolora.workers.trainer import evaluate, metrics, outputs
-from grpolora.workers.trainer.buffer import RolloutBuffer
+from grpolora.workers.trainer.buffer import Group, RolloutBuffer
 from grpolora.workers.trainer.producer import RolloutProducer, generate_round
 from grpolora.workers.trainer.ranks import Instruction, TrainerContext, broadcast_instruction
 from grpolora.workers.trainer.rollout import RolloutClient
-from grpolora.workers.trainer.scoring import Rollouts, Scored, reference_from, sample_rows, score
+from grpolora.workers.trainer.scoring import (
+    Filled,
+    Rollouts,
+    Scored,
+    fill_with_spread,
+    reference_from,
+    rewards_of,
+    sample_rows,
+    score,
+)
 from grpolora.workers.trainer.status_server import StatusBoard
 from grpolora.workers.trainer.step import StepStats, logprob_agreement, train_step
 
@@ -143,28 +152,45 @@ class Controller:
         trainer_version = self.sender.version
         # ... and while it trains, k steps' groups: set as the groups are taken (at k = 0 the producer may not
         # start a round between the take and the optimizer step, whatever the interpreter's threads do).
-        groups, dropped = self._buffer.take(
-            per_step, trainer_version, then_allow=min(k, grpo.steps - step - 1) * per_step
-        )
+        then_allow = min(k, grpo.steps - step - 1) * per_step
+        groups, dropped = self._buffer.take(per_step, trainer_version, then_allow=then_allow)
         wait_seconds = time.perf_counter() - iteration_started
+        reward_started = time.perf_counter()
+        rated, sampling, waited = None, {}, 0.0
+        if grpo.dynamic_sampling_draws:
+            filled, dropped_more, waited = self._fill_with_spread(groups, trainer_version, then_allow)
+            groups, rated, dropped = filled.groups, (filled.rewards, filled.parts), dropped + dropped_more
+            sampling = {
+                "groups_filtered": filled.filtered,
+                "extra_draws": filled.draws,
+                "reward_mean_drawn": filled.drawn_reward_mean,
+            }
         rollouts = Rollouts.of(groups)
         on_policy = self._on_policy(rollouts)
         last = step + 1 == grpo.steps
-        reward_started = time.perf_counter()
-        scored = score(self.task, rollouts, self.spec.grpo, self.ctx.policy.tokenizer.pad_token_id)
-        reward_seconds = time.perf_counter() - reward_started
+        scored = score(self.task, rollouts, self.spec.grpo, self.ctx.policy.tokenizer.pad_token_id, rated)
+        # Waiting for dynamic sampling's extra draws counts as waiting, not as scoring.
+        reward_seconds = time.perf_counter() - reward_started - waited
+        wait_seconds += waited
         eval_now = self._eval_due(ctx.progress.step + 1, last)
         # An evaluation runs on the replicas, so it needs them to serve this step's adapter.
         sync_now = (ctx.progress.step + 1) % grpo.sync_every_steps == 0 or last or eval_now
         save_now = (ctx.progress.step + 1) % self.spec.checkpoint.every_steps == 0 or last
         push_now = self.pushes.due(ctx.progress.step + 1)
         instruction = Instruction(
-            batch=scored.batch, on_policy=on_policy, gather=sync_now or push_now, checkpoint=save_now
+            batch=scored.batch, on_policy=on_policy, step=step, gather=sync_now or push_now, checkpoint=save_now
         )
         broadcast_instruction(instruction, ctx.world_size, ctx.instructions)
         train_started = time.perf_counter()
         stats = train_step(
-            ctx.policy, ctx.optimizer, scored.batch, grpo, on_policy=on_policy, rank=0, world_size=ctx.world_size
+            ctx.policy,
+            ctx.optimizer,
+            scored.batch,
+            grpo,
+            on_policy=on_policy,
+            rank=0,
+            world_size=ctx.world_size,
+            step=step,
         )
         train_seconds = time.perf_counter() - train_started
         self._weights_version = None  # the weights moved: no served version equals them until the next sync
@@ -190,6 +216,7 @@ class Controller:
                 "staleness_max": trainer_version - min(rollouts.versions),
                 "dropped_stale": dropped,
             },
+            sampling,
             {
                 "generate": rollouts.seconds,
                 "wait": wait_seconds,
@@ -204,6 +231,29 @@ class Controller:
         # steps). The checkpoint is collective, but every rank reaches it after the same collectives still.
         if save_now:
             ctx.save()
+
+    def _fill_with_spread(self, first: list[Group], version: int, then_allow: int) -> tuple[Filled, int, float]:
+        """grpo.dynamicSamplingDraws: replace the groups without reward spread by further draws from the buffer
+        (allowing the producer that many more groups beyond what the step leaves it). Returns the filled step, the
+        stale groups dropped while drawing, and the seconds spent waiting for the draws."""
+        dropped, waited = 0, 0.0
+
+        def take(count: int) -> list[Group]:
+            nonlocal dropped, waited
+            started = time.perf_counter()
+            self._buffer.allow(then_allow + count)
+            more, stale = self._buffer.take(count, version, then_allow=then_allow)
+            dropped, waited = dropped + stale, waited + time.perf_counter() - started
+            return more
+
+        filled = fill_with_spread(
+            first,
+            lambda groups: rewards_of(self.task, Rollouts.of(groups)),
+            take,
+            wanted=self.spec.grpo.prompts_per_step,
+            extra_draws=self.spec.grpo.dynamic_sampling_draws,
+        )
+        return filled, dropped, waited
 
     def close(self) -> None:
         self.tracking.close()
@@ -256,6 +306,7 @@ class Controller:
         report,
         on_policy: bool,
         staleness: dict[str, int],
+        sampling: dict[str, float],
         seconds: dict[str, float],
     ) -> None:
         """`staleness`: the version the trainer measured staleness against (its latest synced one), the largest
@@ -274,6 +325,8 @@ class Controller:
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
             "grad_norm": stats.grad_norm,
+            "learning_rate": stats.learning_rate,
+            "updates": stats.updates,
             **agreement,
             "gen_kl": stats.gen_kl,
             "importance_weight_mean": stats.weight_mean,
@@ -281,10 +334,13 @@ class Controller:
             "truncated_fraction": stats.truncated_fraction,
             "tokens": stats.tokens,
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
+            "completions_truncated": scored.truncated,
+            **({"overlong_penalty_mean": float(scored.penalty.mean())} if scored.penalty is not None else {}),
             "prompts_skipped": self._producer.skipped,
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,
             **staleness,
+            **sampling,
             "dropped_stale_total": self._buffer.dropped,
             "sync_round": progress.version,  # the API name of the adapter version
             "epoch": progress.epoch,

@@ -1,6 +1,7 @@
-"""The GRPO math as small pure functions over tensors: advantages, token logprobs, the k3 KL estimator, the clipped
-loss and the trainer-vs-sampler mismatch. Nothing here knows about models, optimizers or processes, so every
-formula is unit-tested on CPU against hand-computed values (tests/workers/test_grpo_math.py).
+"""The GRPO math as small pure functions over tensors: advantages (and their scale), token logprobs, the k3 KL
+estimator, the clipped loss (its clip range, ratio level and aggregation) and the trainer-vs-sampler mismatch.
+Nothing here knows about models, optimizers or processes, so every formula is unit-tested on CPU against
+hand-computed values (tests/workers/test_grpo_math.py).
 
 Shapes: B sequences (completions), T completion positions, V vocabulary; G completions per prompt form a group.
 `mask[B, T]` is 1 on completion tokens and 0 on padding (prompt tokens are not part of these tensors).
@@ -15,9 +16,15 @@ import torch
 from torch import Tensor
 
 AdvantageMethod = Literal["group-normalized", "leave-one-out"]
+AdvantageScale = Literal["group-std", "batch-std", "none"]
+LossAggregation = Literal["token-mean", "sequence-mean", "constant"]
+RatioLevel = Literal["token", "sequence"]
+WeightMode = Literal["truncate", "mask"]
 
 
-def group_advantages(rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6) -> Tensor:
+def group_advantages(
+    rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6, scale: AdvantageScale | None = None
+) -> Tensor:
     """Group-relative advantages, one per completion, from `rewards[num_groups, group_size]`.
 
     - `group-normalized`: A_i = (r_i - mean(r)) / (std(r) + eps), with the *population* std
@@ -27,6 +34,12 @@ def group_advantages(rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6
       sample std, so its advantages are ours times sqrt((G - 1) / G), about 0.935 for G = 8.)
     - `leave-one-out` (RLOO): A_i = r_i - sum_{j != i} r_j / (G - 1), the reward minus the mean of the others,
       which equals G / (G - 1) * (r_i - mean(r)); not rescaled by a std.
+
+    `scale` is what the centred rewards are divided by: `group-std` (the group's population std + eps; the
+    default of `group-normalized`), `batch-std` (the population std of every reward in the batch + eps, as TRL's
+    `scale_rewards="batch"`: groups of little spread are not blown up to unit variance, yet the step size stays
+    independent of the reward's units), or `none` (Dr. GRPO: the centred reward itself, so a group's weight is its
+    spread; the default of `leave-one-out`).
 
     A group whose rewards are all equal gets exactly zero advantages (it carries no signal about which completion
     is better), also where floating-point rounding would leave a residue of order 1e-17 / eps.
@@ -44,14 +57,39 @@ def group_advantages(rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6
         raise ValueError("rewards must be finite (a NaN or inf would spread to every advantage of its group)")
     centered = r - r.mean(dim=1, keepdim=True)
     if method == "group-normalized":
-        std = r.std(dim=1, keepdim=True, correction=0)
-        advantages = centered / (std + eps)
+        advantages = centered
     elif method == "leave-one-out":
         advantages = centered * (group_size / (group_size - 1))
     else:
         raise ValueError(f"unknown advantage method {method!r}; valid: group-normalized, leave-one-out")
+    if scale is None:
+        scale = "group-std" if method == "group-normalized" else "none"
+    if scale == "group-std":
+        advantages = advantages / (r.std(dim=1, keepdim=True, correction=0) + eps)
+    elif scale == "batch-std":
+        advantages = advantages / (r.std(correction=0) + eps)
+    elif scale != "none":
+        raise ValueError(f"unknown advantage scale {scale!r}; valid: group-std, batch-std, none")
     flat = (r == r[:, :1]).all(dim=1, keepdim=True)
     return torch.where(flat, torch.zeros_like(advantages), advantages)
+
+
+def overlong_penalty(lengths: Tensor, *, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment, added to each completion's reward: with L = max_new_tokens and the last
+    `buffer` tokens before it as the soft zone,
+
+        0                                  for length <= L - buffer
+        factor * ((L - buffer) - length) / buffer   inside the zone, down to -factor at length L
+        -factor                            beyond L
+
+    so a completion that runs into the limit loses reward in proportion to how far it went, instead of a cut-off
+    answer being judged (and rewarded or punished) like a finished one. Returns float32 of `lengths`' shape."""
+    if not 0 < buffer <= max_new_tokens:
+        raise ValueError(f"buffer must be in [1, max_new_tokens={max_new_tokens}], got {buffer}")
+    free = max_new_tokens - buffer
+    lengths = lengths.to(torch.float32)
+    penalty = ((free - lengths) / buffer).clamp(min=-1.0, max=0.0)
+    return penalty * factor
 
 
 def nucleus_mask(logits: Tensor, top_p: float) -> Tensor:
@@ -202,21 +240,21 @@ class LossStats(_Reducible):
     ratio_sum: float = 0.0
     """Sum of the PPO ratios exp(logp - proximal_logp)."""
     clipped_low: float = 0.0
-    """Tokens with A < 0 and ratio < 1 - epsilon: the clip zeroes their policy gradient."""
+    """Tokens with A < 0 and ratio < 1 - eps_low: the clip zeroes their policy gradient."""
     clipped_high: float = 0.0
-    """Tokens with A > 0 and ratio > 1 + epsilon: the clip zeroes their policy gradient."""
+    """Tokens with A > 0 and ratio > 1 + eps_high: the clip zeroes their policy gradient."""
     kl_sum: float = 0.0
     """Sum of the per-token k3 KL to the reference (0 when no reference logprobs were given)."""
     policy_loss_sum: float = 0.0
     """Sum of the per-token (weighted) clipped surrogate loss."""
     off_policy_tokens: float = 0.0
-    """Tokens weighted by a behaviour importance weight (0 on an on-policy step)."""
+    """Tokens weighted by a behaviour importance weight (0 on an on-policy step without mismatch correction)."""
     weight_sum: float = 0.0
     """Sum of the behaviour importance weights exp(proximal_logp - behaviour_logp), before truncation."""
     weight_max: float = 0.0
     """Largest behaviour importance weight, before truncation."""
     truncated: float = 0.0
-    """Tokens whose behaviour importance weight was cut to the cap."""
+    """Tokens whose behaviour importance weight passed the cap (cut to it, or masked)."""
 
     @classmethod
     def from_tensor(cls, values: Tensor) -> LossStats:
@@ -250,6 +288,26 @@ def safe_div(numerator: float, denominator: float) -> float:
     return numerator / denominator if denominator else 0.0
 
 
+def loss_normalizer(aggregation: LossAggregation, *, tokens: float, sequences: float, max_new_tokens: int) -> float:
+    """What `grpo_loss`'s summed loss is divided by, for a (mini-)batch of `sequences` completions holding `tokens`
+    completion tokens in all (every rank, every micro-batch):
+
+    - `token-mean` (DAPO; today's default): the token count, so every token weighs the same and a long
+      completion counts more than a short one.
+    - `sequence-mean` (the original GRPO): the sequence count; `grpo_loss` divides each completion's token sum by
+      its own length first, so every completion weighs the same and its tokens share that weight.
+    - `constant` (Dr. GRPO): sequences * maxNewTokens, a normaliser that does not depend on the lengths sampled,
+      so that neither a long wrong answer nor a short right one is favoured by the normalisation.
+    """
+    if aggregation == "token-mean":
+        return tokens
+    if aggregation == "sequence-mean":
+        return sequences
+    if aggregation == "constant":
+        return sequences * max_new_tokens
+    raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: token-mean, sequence-mean, constant")
+
+
 def grpo_loss(
     logp: Tensor,
     proximal_logp: Tensor,
@@ -259,44 +317,68 @@ def grpo_loss(
     *,
     clip_epsilon: float,
     kl_coef: float,
-    token_normalizer: float,
+    normalizer: float,
+    clip_epsilon_high: float | None = None,
+    aggregation: LossAggregation = "token-mean",
+    ratio_level: RatioLevel = "token",
     behaviour_logp: Tensor | None = None,
     weight_cap: float = float("inf"),
+    weight_mode: WeightMode = "truncate",
 ) -> tuple[Tensor, LossStats]:
     """GRPO loss of one micro-batch: PPO clipped surrogate plus k3 KL, summed over completion tokens only; with
     `behaviour_logp`, the decoupled PPO objective (Hilton et al. 2021, as AReaL uses it; docs/design.md).
 
-        ratio_t = exp(logp_t - proximal_logp_t)
+        ratio_t = exp(logp_t - proximal_logp_t)                                  (ratio_level "token")
+        ratio_t = exp(sum_t'(logp_t' - proximal_logp_t') / |y|) for every t      (ratio_level "sequence", GSPO)
         w_t     = min(exp(proximal_logp_t - behaviour_logp_t), weight_cap)     (1 without behaviour_logp)
-        l_t     = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps, 1 + eps) * A) + kl_coef * k3(logp_t, ref_logp_t)
-        loss    = sum_t(l_t * mask_t) / token_normalizer
+                  or, with weight_mode "mask", w_t if w_t <= weight_cap else 0
+        l_t     = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
+                  + kl_coef * k3(logp_t, ref_logp_t)
+        loss    = sum_t(l_t * mask_t) / normalizer                                (token-mean, constant)
+        loss    = sum_b(sum_t(l_t * mask_t) / |y_b|) / normalizer                 (sequence-mean)
 
     A = advantages[b] is the sequence's advantage, the same for every token of that completion.
-    `proximal_logp` anchors the trust region: the trainer's own logprobs before this step. `behaviour_logp` are the
-    logprobs of the policy that sampled the tokens (vLLM's, for the adapter version that generated them): the
-    weight w_t corrects for sampling from that older (or numerically different) policy, and is truncated at
-    `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance. Without it (an
-    on-policy step) this is the plain clipped surrogate.
+    `proximal_logp` anchors the trust region: the trainer's logprobs before the batch's first update.
+    `behaviour_logp` are the logprobs of the policy that sampled the tokens (vLLM's, for the adapter version that
+    generated them): the weight w_t corrects for sampling from that older (or numerically different) policy, and
+    is truncated at `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance
+    (or, `mask`, such a token leaves the loss: no biased gradient for it, but none at all).
+    Without it (an on-policy step) this is the plain clipped surrogate.
 
-    `token_normalizer` is the number of completion tokens in the whole optimizer step, not in this micro-batch:
-    backward() of every micro-batch then adds up to the gradient of the token-level mean over the step, exactly,
+    Clip range: eps_low = `clip_epsilon`, eps_high = `clip_epsilon_high` (the same when None). DAPO's clip-higher
+    (eps_high > eps_low) leaves a low-probability token more room to rise before its gradient is cut.
+    Sequence-level ratios (GSPO, Zheng et al. 2025): the geometric mean of a completion's token ratios, so the
+    whole completion is clipped or not; each token's gradient is then s * A / |y| (the behaviour weight and the
+    KL term stay per token).
+
+    `normalizer` comes from `loss_normalizer` over the whole optimizer step (all micro-batches, all ranks), not
+    this micro-batch: backward() of every micro-batch then adds up to the gradient of the step's loss, exactly,
     however the step is split (a per-micro-batch mean would weight the tokens of short micro-batches more).
-    With data parallelism, count the tokens over all ranks; if the gradient reduction averages over ranks
-    (DDP and FSDP do by default), pass total_tokens / world_size so that the average is the global token mean.
+    With data parallelism, if the gradient reduction averages over ranks (DDP and FSDP do by default), pass the
+    global normaliser / world_size so that the average is the global mean.
 
-    Padding positions (mask 0) never reach the loss or the gradient, even if their logprobs are inf or NaN.
+    Padding positions (mask 0) never reach the loss or the gradient, even if their logprobs are inf or NaN; a
+    sequence without completion tokens (a stand-in) contributes exactly 0.
     `ref_logp` may be None only when kl_coef == 0 (the reference forward pass can then be skipped).
     """
-    if clip_epsilon <= 0:
-        raise ValueError(f"clip_epsilon must be positive, got {clip_epsilon}")
+    eps_low = clip_epsilon
+    eps_high = clip_epsilon if clip_epsilon_high is None else clip_epsilon_high
+    if eps_low <= 0 or eps_high <= 0:
+        raise ValueError(f"clip_epsilon and clip_epsilon_high must be positive, got {eps_low} and {eps_high}")
     if kl_coef < 0:
         raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
-    if not token_normalizer > 0:
-        raise ValueError(f"token_normalizer must be positive (completion tokens in the step), got {token_normalizer}")
+    if not normalizer > 0:
+        raise ValueError(f"normalizer must be positive (see loss_normalizer), got {normalizer}")
     if ref_logp is None and kl_coef != 0:
         raise ValueError("ref_logp is required when kl_coef > 0")
     if not weight_cap > 0:
         raise ValueError(f"weight_cap must be positive, got {weight_cap}")
+    if aggregation not in ("token-mean", "sequence-mean", "constant"):
+        raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: token-mean, sequence-mean, constant")
+    if weight_mode not in ("truncate", "mask"):
+        raise ValueError(f"unknown weight mode {weight_mode!r}; valid: truncate, mask")
+    if ratio_level not in ("token", "sequence"):
+        raise ValueError(f"unknown ratio level {ratio_level!r}; valid: token, sequence")
     shapes = [t.shape for t in (proximal_logp, mask, behaviour_logp) if t is not None]
     if advantages.shape != logp.shape[:1] or any(shape != logp.shape for shape in shapes):
         raise ValueError(
@@ -311,27 +393,37 @@ def grpo_loss(
     logp = torch.where(keep, logp, zero)
     proximal_logp = torch.where(keep, proximal_logp.detach(), zero)
     adv = advantages.detach().to(logp.dtype)[:, None]
+    lengths = weight.sum(dim=1, keepdim=True).clamp(min=1)
 
-    ratio = torch.exp(logp - proximal_logp)
-    clipped_ratio = ratio.clamp(1 - clip_epsilon, 1 + clip_epsilon)
+    if ratio_level == "sequence":
+        log_ratio = ((logp - proximal_logp) * weight).sum(dim=1, keepdim=True) / lengths
+        ratio = torch.exp(log_ratio).expand_as(logp)
+    else:
+        ratio = torch.exp(logp - proximal_logp)
+    clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     policy_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
     if behaviour_logp is not None:
         behaviour_weight = torch.exp(proximal_logp - torch.where(keep, behaviour_logp.detach(), zero))
-        policy_loss = behaviour_weight.clamp(max=weight_cap) * policy_loss
+        if weight_mode == "mask":
+            capped = torch.where(behaviour_weight > weight_cap, zero, behaviour_weight)
+        else:
+            capped = behaviour_weight.clamp(max=weight_cap)
+        policy_loss = capped * policy_loss
     per_token = policy_loss
     kl = None
     if ref_logp is not None:
         kl = k3_kl(logp, torch.where(keep, ref_logp.detach(), zero))
         per_token = per_token + kl_coef * kl
-    loss = (per_token * weight).sum() / token_normalizer
+    token_weight = weight / lengths if aggregation == "sequence-mean" else weight
+    loss = (per_token * token_weight).sum() / normalizer
 
     with torch.no_grad():
         sums = torch.stack(
             [
                 weight.sum(),
                 (ratio * weight).sum(),
-                ((ratio < 1 - clip_epsilon) & (adv < 0) & keep).sum().to(weight.dtype),
-                ((ratio > 1 + clip_epsilon) & (adv > 0) & keep).sum().to(weight.dtype),
+                ((ratio < 1 - eps_low) & (adv < 0) & keep).sum().to(weight.dtype),
+                ((ratio > 1 + eps_high) & (adv > 0) & keep).sum().to(weight.dtype),
                 (kl * weight).sum() if kl is not None else zero,
                 (policy_loss * weight).sum(),
                 *(

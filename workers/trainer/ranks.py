@@ -19,7 +19,7 @@ from grpolora.workers import adapter as adapter_io
 from grpolora.workers.trainer import checkpoint
 from grpolora.workers.trainer.checkpoint import Progress
 from grpolora.workers.trainer.policy import Batch, Policy
-from grpolora.workers.trainer.step import make_optimizer, train_step
+from grpolora.workers.trainer.step import make_optimizer, train_step, with_schedule_base
 
 
 @dataclass
@@ -29,6 +29,8 @@ class Instruction:
 
     batch: Batch | None = None
     on_policy: bool = True
+    step: int = 0
+    """The training step `batch` is (0-based): its learning rate under grpo.lrSchedule."""
     gather: bool = False
     checkpoint: bool = False
     stop: bool = False
@@ -54,6 +56,7 @@ class TrainerContext:
         found = checkpoint.latest(self.checkpoint_dir)
         if found is not None:
             self.progress = checkpoint.restore(found, self.policy.model, self.optimizer)
+            with_schedule_base(self.optimizer, self.spec.grpo.learning_rate)
 
     def save(self) -> None:
         checkpoint.save(
@@ -104,6 +107,7 @@ def run_follower(ctx: TrainerContext) -> None:
                 on_policy=instruction.on_policy,
                 rank=ctx.rank,
                 world_size=ctx.world_size,
+                step=instruction.step,
             )
         if instruction.gather:
             adapter_io.lora_tensors(ctx.policy.model)  # the gather is collective; rank 0 sends or saves the result

@@ -3,7 +3,9 @@ tracker shows. Pure apart from the task's reward call."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,7 +14,7 @@ import torch
 from grpolora.api.spec import GRPOSpec
 from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.trainer.buffer import Group
-from grpolora.workers.trainer.grpo import group_advantages
+from grpolora.workers.trainer.grpo import group_advantages, overlong_penalty
 from grpolora.workers.trainer.policy import Batch, build_batch
 from grpolora.workers.trainer.rollout import Completion
 
@@ -49,6 +51,8 @@ class Scored:
     parts: dict[str, torch.Tensor]  # each reward's own scores, same shape (several rewards only)
     advantages: torch.Tensor  # same shape
     batch: Batch
+    penalty: torch.Tensor | None = None  # grpo.overlongBuffer's length penalty, same shape, in the advantages only
+    truncated: int = 0  # completions cut off at maxNewTokens (out of the loss with grpo.maskTruncated)
 
     def part_means(self) -> dict[str, float]:
         """Each reward's mean over the samples it applies to (NaN marks the others; one applying to none is left
@@ -56,23 +60,105 @@ class Scored:
         return {label: float(v.nanmean()) for label, v in self.parts.items() if not bool(v.isnan().all())}
 
 
-def score(task: Task, rollouts: Rollouts, grpo: GRPOSpec, pad_token_id: int) -> Scored:
-    """Rewards from the task, advantages within each prompt's group, and the batch the ranks train on (with the
-    replicas' reference logprobs when grpo.referenceFrom is inference)."""
+def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The task's rewards of every completion, [prompts, generations]: the weighted total and each reward's own."""
     items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
     scores = task.score(items)
     shape = (len(rollouts.prompts), -1)
     rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
-    parts = {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
-    advantages = group_advantages(rewards, grpo.advantage)
+    return rewards, {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
+
+
+def has_spread(rewards: torch.Tensor) -> torch.Tensor:
+    """Which groups (rows of `rewards[groups, generations]`) have rewards that differ: a group whose completions
+    all scored the same has zero advantages and adds nothing but the KL term to the gradient."""
+    return (rewards != rewards[:, :1]).any(dim=1)
+
+
+@dataclass
+class Filled:
+    """A step's groups after dynamic sampling, with their rewards (rows in the same order)."""
+
+    groups: list[Group]
+    rewards: torch.Tensor
+    parts: dict[str, torch.Tensor]
+    draws: int  # extra draws taken after the first
+    filtered: int  # groups drawn but not trained on
+    drawn_reward_mean: float  # over every group drawn, trained on or not (the unfiltered learning curve)
+
+
+def fill_with_spread(
+    first: list[Group],
+    rate: Callable[[list[Group]], tuple[torch.Tensor, dict[str, torch.Tensor]]],
+    take: Callable[[int], list[Group]],
+    *,
+    wanted: int,
+    extra_draws: int,
+) -> Filled:
+    """Dynamic sampling (DAPO): keep the groups of `first` whose rewards have spread, and `take` as many more as are
+    missing, at most `extra_draws` times; then train on what there is. Where no drawn group has spread, the first
+    draw is trained on as it is. `rate` gives a list of groups' rewards and reward parts (rewards_of), so each
+    group is scored once."""
+    kept: list[Group] = []
+    rows: list[torch.Tensor] = []
+    part_rows: dict[str, list[torch.Tensor]] = {}
+    drawn_sum, drawn_count, draws = 0.0, 0, 0
+    batch, first_rated = first, None
+    while True:
+        rewards, parts = rate(batch)
+        first_rated = first_rated or (rewards, parts)
+        drawn_sum, drawn_count = drawn_sum + float(rewards.mean(dim=1).sum()), drawn_count + len(batch)
+        for index in has_spread(rewards).nonzero().flatten().tolist():
+            kept.append(batch[index])
+            rows.append(rewards[index])
+            for label, values in parts.items():
+                part_rows.setdefault(label, []).append(values[index])
+        if len(kept) >= wanted or draws >= extra_draws:
+            break
+        batch = take(wanted - len(kept))
+        draws += 1
+    drawn_mean = drawn_sum / drawn_count
+    if not kept:
+        rewards, parts = first_rated
+        return Filled(list(first), rewards, parts, draws, drawn_count - len(first), drawn_mean)
+    stacked = {label: torch.stack(values) for label, values in part_rows.items()}
+    return Filled(kept, torch.stack(rows), stacked, draws, drawn_count - len(kept), drawn_mean)
+
+
+def score(
+    task: Task,
+    rollouts: Rollouts,
+    grpo: GRPOSpec,
+    pad_token_id: int,
+    rated: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+) -> Scored:
+    """Rewards from the task, advantages within each prompt's group (of the rewards plus grpo.overlongBuffer's
+    length penalty), and the batch the ranks train on (with the replicas' reference logprobs when
+    grpo.referenceFrom is inference; without the truncated completions' tokens with grpo.maskTruncated). `rated`:
+    the rewards and parts of rewards_of, where they were already computed (dynamic sampling)."""
+    rewards, parts = rewards_of(task, rollouts) if rated is None else rated
+    shape = (len(rollouts.prompts), -1)
+    completions = [c for group in rollouts.completions for c in group]
+    penalty = None
+    if grpo.overlong_buffer is not None:
+        lengths = torch.tensor([len(c.token_ids) for c in completions]).view(shape)
+        penalty = overlong_penalty(
+            lengths, max_new_tokens=grpo.max_new_tokens, buffer=grpo.overlong_buffer, factor=grpo.overlong_penalty
+        )
+    shaped = rewards if penalty is None else rewards + penalty
+    advantages = group_advantages(shaped, grpo.advantage, scale=grpo.advantage_scale_in_force)
     sequences, flat_advantages, reference = [], [], []
-    for ids, completions, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
-        for completion, advantage in zip(completions, row.tolist(), strict=True):
+    for ids, group, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
+        for completion, advantage in zip(group, row.tolist(), strict=True):
             sequences.append((ids, completion.token_ids, completion.logprobs))
             flat_advantages.append(advantage)
             reference.append(completion.reference_logprobs)
     given = reference if grpo.reference_on_replicas else None
-    return Scored(rewards, parts, advantages, build_batch(sequences, flat_advantages, pad_token_id, given))
+    batch = build_batch(sequences, flat_advantages, pad_token_id, given)
+    cut = torch.tensor([c.finish_reason == "length" for c in completions])
+    if grpo.mask_truncated and cut.any():
+        batch = dataclasses.replace(batch, completion_mask=batch.completion_mask * (~cut).to(torch.float32)[:, None])
+    return Scored(rewards, parts, advantages, batch, penalty, int(cut.sum()))
 
 
 def reference_from(scored: Scored, grpo: GRPOSpec) -> str | None:

@@ -1,0 +1,151 @@
+"""A step's rollouts scored: the recipe options that act on rewards and on which completions train."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from grpolora.api.load import parse_job
+from grpolora.workers.tasks.base import Prompt, Scores
+from grpolora.workers.trainer.buffer import BufferClosed, Group, RolloutBuffer
+from grpolora.workers.trainer.controller import Controller
+from grpolora.workers.trainer.rollout import Completion
+from grpolora.workers.trainer.scoring import Rollouts, fill_with_spread, has_spread, score
+from tests.helpers import job_doc
+
+
+class _LengthTask:
+    """Reward 1 for every completion (so only the options make a difference)."""
+
+    def score(self, items):
+        return Scores([1.0] * len(items))
+
+
+def _rollouts(lengths: list[list[int]], finish: list[list[str]]) -> Rollouts:
+    completions = [
+        [Completion([7] * n, [-0.5] * n, "x" * n, reason, 0) for n, reason in zip(row, why, strict=True)]
+        for row, why in zip(lengths, finish, strict=True)
+    ]
+    prompts = [Prompt(text=f"p{i}", answer=None) for i in range(len(lengths))]
+    return Rollouts(prompts, [[1, 2, 3]] * len(lengths), completions, 0.1)
+
+
+def _grpo(**fields):
+    return parse_job(job_doc(grpo={"maxNewTokens": 10, **fields})).spec.grpo
+
+
+def test_the_soft_overlong_penalty_enters_the_advantages_not_the_reported_reward():
+    # One group, lengths [3, 7, 10] with maxNewTokens 10, buffer 4: penalties [0, -0.25, -1]; rewards 1 each.
+    # Advantages of [1, 0.75, 0] (unscaled): mean 0.5833333 → [0.4166667, 0.1666667, -0.5833333].
+    rollouts = _rollouts([[3, 7, 10]], [["stop", "stop", "length"]])
+    scored = score(_LengthTask(), rollouts, _grpo(overlongBuffer=4, advantageScale="none"), pad_token_id=0)
+    torch.testing.assert_close(scored.rewards, torch.tensor([[1.0, 1.0, 1.0]]))
+    torch.testing.assert_close(scored.penalty, torch.tensor([[0.0, -0.25, -1.0]]))
+    torch.testing.assert_close(scored.advantages, torch.tensor([[0.4166667, 0.1666667, -0.5833333]]))
+    assert scored.truncated == 1
+
+
+@pytest.mark.parametrize("mask", [True, False])
+def test_truncated_completions_leave_the_loss_when_masked(mask):
+    rollouts = _rollouts([[3, 10], [10, 4]], [["stop", "length"], ["length", "stop"]])
+    scored = score(_LengthTask(), rollouts, _grpo(maskTruncated=mask), pad_token_id=0)
+    tokens = scored.batch.completion_mask.sum(dim=1).tolist()
+    assert tokens == ([3.0, 0.0, 0.0, 4.0] if mask else [3.0, 10.0, 10.0, 4.0])
+    assert scored.truncated == 2 and scored.penalty is None
+
+
+# --- dynamic sampling -----------------------------------------------------------------------------------------------
+
+
+def test_a_group_has_spread_unless_all_its_rewards_are_equal():
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, 0.5], [0.0, 0.0, 1e-6]])
+    assert has_spread(rewards).tolist() == [False, True, False, True]
+
+
+def _group(position: int) -> Group:
+    return Group(position, Prompt(text=f"p{position}"), [1, 2], [], 0.1)
+
+
+class _Draws:
+    """Groups numbered from 0 in stream order; `spread` says which have rewards that differ."""
+
+    def __init__(self, spread: set[int]):
+        self.spread, self.next, self.asked = spread, 0, []
+
+    def take(self, count: int) -> list[Group]:
+        self.asked.append(count)
+        groups = [_group(self.next + i) for i in range(count)]
+        self.next += count
+        return groups
+
+    def rate(self, groups: list[Group]):
+        rows = [[0.0, 1.0] if g.position in self.spread else [1.0, 1.0] for g in groups]
+        return torch.tensor(rows), {"judge": torch.tensor(rows) * 2}
+
+
+def test_dynamic_sampling_replaces_flat_groups_with_new_draws():
+    # 4 wanted; groups 0-3 drawn, 1 and 3 flat; a draw of 2 (4, 5: 5 flat), then of 1 (6): [0, 2, 4, 6].
+    draws = _Draws(spread={0, 2, 4, 6, 7})
+    filled = fill_with_spread(draws.take(4), draws.rate, draws.take, wanted=4, extra_draws=3)
+    assert [g.position for g in filled.groups] == [0, 2, 4, 6]
+    assert draws.asked == [4, 2, 1] and (filled.draws, filled.filtered) == (2, 3)
+    torch.testing.assert_close(filled.rewards, torch.tensor([[0.0, 1.0]] * 4))
+    torch.testing.assert_close(filled.parts["judge"], torch.tensor([[0.0, 2.0]] * 4))
+    assert filled.drawn_reward_mean == pytest.approx((4 * 0.5 + 3 * 1.0) / 7)
+
+
+def test_dynamic_sampling_trains_on_what_there_is_after_its_draws():
+    # Only group 1 has spread and one extra draw is allowed: the step trains on [1] alone (4-6 are flat too).
+    draws = _Draws(spread={1})
+    filled = fill_with_spread(draws.take(4), draws.rate, draws.take, wanted=4, extra_draws=1)
+    assert [g.position for g in filled.groups] == [1] and draws.asked == [4, 3]
+    assert (filled.draws, filled.filtered) == (1, 6)
+    # No group with spread at all: the first draw is trained on as it is (its advantages are zero); the extra
+    # draw's 2 groups are the ones left out.
+    draws = _Draws(spread=set())
+    filled = fill_with_spread(draws.take(2), draws.rate, draws.take, wanted=2, extra_draws=1)
+    assert [g.position for g in filled.groups] == [0, 1] and filled.filtered == 2
+
+
+class _SpreadTask:
+    """Prompts p0, p1, ...: the completions of an even-numbered prompt score [0, 1], of an odd one [1, 1]."""
+
+    def score(self, items):
+        return Scores([float(int(p.text[1:]) % 2 == 1 or i % 2 == 1) for i, (p, _) in enumerate(items)])
+
+
+def _generated(position: int) -> Group:
+    return Group(position, Prompt(text=f"p{position}"), [1], [Completion([5], [-1.0], "x", "stop", 0)] * 2, 0.1)
+
+
+def test_the_controllers_extra_draws_come_from_the_buffer_within_its_allowance():
+    """At maxStaleness 0 the buffer allows the producer nothing while a step trains: each extra draw must allow
+    exactly what it takes, and leave the allowance as the step set it."""
+    buffer = RolloutBuffer(0, next_position=4)
+
+    def produce():
+        try:
+            while True:
+                count, start = buffer.reserve(8)
+                groups = [_generated(start + i) for i in range(count)]
+                buffer.deliver(groups, reserved=count, next_position=start + count)
+        except BufferClosed:
+            pass
+
+    producer = threading.Thread(target=produce, daemon=True)
+    producer.start()
+    controller = Controller.__new__(Controller)
+    controller._buffer, controller.task = buffer, _SpreadTask()
+    controller.spec = parse_job(job_doc(grpo={"promptsPerStep": 4, "dynamicSamplingDraws": 3})).spec
+    first = [_generated(i) for i in range(4)]
+    try:
+        filled, dropped, _ = controller._fill_with_spread(first, version=0, then_allow=0)
+        room = buffer._room()  # the allowance the step set, less what is held: nothing
+    finally:
+        buffer.close()
+        producer.join(timeout=10)
+    # p0, p2 kept; draw 2 (p4, p5: p4 kept), draw 1 (p6).
+    assert [g.prompt.text for g in filled.groups] == ["p0", "p2", "p4", "p6"] and filled.draws == 2
+    assert dropped == 0 and room == 0 and buffer.held() == 0 and buffer.consumed() == 7
