@@ -88,6 +88,7 @@ R_TRAINER_JOB_SUSPENDED: Final = "TrainerJobSuspended"
 R_FAILED_TO_START: Final = "FailedToStart"
 # Pods not all ready spec.scheduling.startupDeadlineSeconds after they were created (PodsReady; Failed with Fail).
 R_STARTUP_DEADLINE: Final = "StartupDeadlineExceeded"
+R_DEADLINE_EXCEEDED: Final = "DeadlineExceeded"  # spec.activeDeadlineSeconds; the Job controller's reason
 # The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting
 # cannot help. The name is the batch/v1 Job's own reason for a podFailurePolicy FailJob.
 R_POD_FAILURE_POLICY: Final = "PodFailurePolicy"

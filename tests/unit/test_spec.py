@@ -145,6 +145,7 @@ INVALID = [
     (job_doc(checkpoint={"everySteps": 0}), "spec.checkpoint.everySteps", "greater than 0"),
     (job_doc(checkpoint={"path": "relative/dir"}), "spec.checkpoint.path", "should match pattern"),
     (job_doc(ttlSecondsAfterFinished=-5), "spec.ttlSecondsAfterFinished", "greater than or equal to 0"),
+    (job_doc(activeDeadlineSeconds=0), "spec.activeDeadlineSeconds", "greater than 0"),
     (job_doc(suspend="maybe"), "spec.suspend", "expected true or false"),
     (job_doc(replicas=3), "spec.replicas", "unknown field"),
     ({**job_doc(), "apiVersion": "grpolora.dev/v1"}, "apiVersion", "grpolora.dev/v1alpha1"),
