@@ -23,7 +23,7 @@ from typing import Any, Final, Literal
 from pydantic import ValidationError
 
 from grpolora.api import constants as c
-from grpolora.api.load import InvalidJob, parse_job
+from grpolora.api.load import InvalidJob, best_effort_warnings, parse_job
 from grpolora.api.plan import JobPlan, plan
 from grpolora.api.pool import job_key
 from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, ObjectMeta
@@ -766,6 +766,7 @@ def _status(
         _volumes_condition(volumes),
         admission,
         *([cond.Want(names.POOL_ATTACHED, _true(place.attached), place.reason, place.message)] if place else []),
+        *_best_effort_condition(where.job_plan.job),
     ]
     status = JobStatus(
         phase=phase,
@@ -1266,6 +1267,15 @@ def _progressing_condition(phase: str, restart_note: str | None, running: str, m
     if phase == "Running":
         return cond.Want(names.PROGRESSING, "True", names.R_TRAINING, running)
     return cond.Want(names.PROGRESSING, "False", names.R_PENDING, message)
+
+
+def _best_effort_condition(job: GRPOLoraJob) -> list[cond.Want]:
+    """PodsBestEffort, only when a role's pods would be BestEffort (the same rule and words as `grpolora validate`)."""
+    warned = best_effort_warnings(job)
+    if not warned:
+        return []
+    message = "; ".join(f"{w.path}: {w.message}" for w in warned)
+    return [cond.Want(names.PODS_BEST_EFFORT, "True", names.R_NO_RESOURCE_REQUESTS, message)]
 
 
 def _volumes_condition(volumes: obs.VolumeCheck) -> cond.Want:

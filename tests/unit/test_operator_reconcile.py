@@ -581,3 +581,16 @@ def test_without_a_deadline_nothing_is_capped():
     before = running(active_since=cond_stamp(NOW - datetime.timedelta(days=30)))
     obs = Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=3, syncRound=3, epoch=1))
     assert decide(view, before, obs, NOW).status.phase == "Running"
+
+
+# ---- QoS --------------------------------------------------------------------------------------------------------
+
+
+def test_a_job_whose_pods_would_be_best_effort_says_so_in_its_conditions():
+    decision = decide(applied_view(), pending(), Observed(trainer_job(active=1), statefulset()), NOW)
+    found = next(c for c in decision.status.conditions if c.type == names.PODS_BEST_EFFORT)
+    assert (found.status, found.reason) == ("True", names.R_NO_RESOURCE_REQUESTS)
+    assert "spec.trainer.resources" in found.message and "spec.inference.resources" in found.message
+    requests = {"resources": {"requests": {"memory": "8Gi"}}}
+    burstable = decide(applied_view(trainer=requests, inference=requests), pending(), Observed(), NOW)
+    assert names.PODS_BEST_EFFORT not in [c.type for c in burstable.status.conditions]
