@@ -456,7 +456,7 @@ class Controller:
                 pool.next_full = 0.0  # try again at the next interval, not at the next resync
                 return pr.PoolDecision()
         if decision.status is not None:
-            await self._record_pool(pool, decision.status)
+            await self._record_pool(pool, decision.status, decision.events)
         return decision
 
     async def _pool_observe(self, pool: _Tracked, view: pr.PoolPassView) -> pr.PoolObserved:
@@ -569,8 +569,9 @@ class Controller:
             return ()
         return tuple(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
 
-    async def _record_pool(self, pool: _Tracked, status: PoolStatus) -> None:
-        """Write the pool's status (once per pass, skipped when unchanged), then let its jobs see it at once."""
+    async def _record_pool(self, pool: _Tracked, status: PoolStatus, events: tuple[rec.Event, ...] = ()) -> None:
+        """Write the pool's status (once per pass, skipped when unchanged), let its jobs see it at once, then post
+        the pool's events (only after the write succeeded, as a job's)."""
         patch = rec.status_patch(pool.status, status)
         if patch is None:
             return
@@ -581,6 +582,12 @@ class Controller:
             raise Gone(f"RolloutPool {pool.namespace}/{pool.name}")
         pool.status = dict(written.get("status") or status.to_wire())
         self._pool_seen(pool.namespace, pool.name, dict(written), written)
+        involved = {"namespace": pool.namespace, "name": pool.name, "uid": pool.uid, "kind": c.POOL_KIND}
+        for event in events:
+            try:
+                await self.client.post_event(involved, event.type, event.reason, event.message, now=self.clock())
+            except kube.ApiError as exc:
+                logger.warning("%s/%s: could not post event %s: %s", pool.namespace, pool.name, event.reason, exc)
 
     async def _create(self, job: _Tracked, obj: Mapping[str, Any]) -> bool:
         """Create if absent (False on 409); an API refusal becomes ChildRefused."""

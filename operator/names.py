@@ -145,6 +145,11 @@ E_INVALID_SPEC: Final = "InvalidSpec"
 E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
 E_ATTACHED: Final = "AttachedToPool"
+# Posted on a RolloutPool (kubectl describe rpool), once per transition (pool_reconcile.pool_events).
+E_POOL_JOB_ATTACHED: Final = "JobAttached"
+E_POOL_JOB_DETACHED: Final = "JobDetached"
+E_POOL_FULL: Final = "PoolFull"
+E_POOL_REPLICA_LOST: Final = "ReplicaLost"
 
 # Why the trainer Job failed (status.restartsByCause counts the first two; the last fails the job at once).
 CAUSE_FAILURE: Final = "failure"
