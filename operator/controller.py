@@ -809,7 +809,10 @@ class Controller:
                     self._wake(job)
 
         kinds = [kind for kind in WATCHED if kind != kube.KUEUE_WORKLOAD or self.queue_watched]
+        started = asyncio.get_running_loop().time()
         await asyncio.gather(*(relist(kind) for kind in kinds))
+        took = asyncio.get_running_loop().time() - started
+        logger.info("%s: re-listed the jobs' watched children (%d kinds) in %.1f s", namespace, len(kinds), took)
 
     async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
         """The job's RolloutPool: from the pools' watch (a cache, like the workloads'), or from the API on full passes
