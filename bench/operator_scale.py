@@ -209,7 +209,7 @@ def _children(scenario: str) -> tuple[tuple[str, str], ...]:
     if scenario == "queued":
         return (*CHILDREN[:5], ("workloads", "{}"))
     if scenario == "pool-waiting":
-        return (("secrets", "{}-token"),)
+        return (("secrets", "{}" + c.TOKEN_SECRET_SUFFIX),)
     return CHILDREN
 
 

@@ -5,12 +5,17 @@ Two kinds of pass share one function and one per-job lock:
 - full passes: the Kopf handlers (create/resume/update) run one at once, and a job's monitor every
   `resync_interval` seconds. They make sure the Secret, Services, NetworkPolicy and PodDisruptionBudget exist
   (drift repair: one deleted by hand comes back; create-if-absent, so the token is made only with its Secret, and a
-  re-made Secret re-keys the job as a whole: reconcile.decide, status.tokenDigest) and read the
-  workloads from the API.
+  re-made Secret re-keys the job as a whole: reconcile.decide, status.tokenDigest).
 - light passes: the monitor every `interval` seconds (the trainer's /status poll; sooner when a decision asks) and
-  whenever the watch of the job's Job or StatefulSet reports a change. They read the workloads from that watch (a
-  cache fed by Kopf event handlers on the owned kinds, filtered by the operator's label): in steady state a job
-  costs the API server nothing between resyncs but its status writes.
+  whenever the watch of one of the job's children reports a change.
+Both read the children from the operator's watches (WATCHED: a cache fed by Kopf event handlers on the owned kinds,
+filtered by the operator's label), as controller-runtime's reconcilers read owned objects from their informers'
+cache: in steady state a job costs the API server its status writes and, per resync, one GET of its token Secret
+(not watched: that would need list/watch on every Secret of the namespace, see rbac.py). A kept child's DELETED
+wakes its job for a full pass at once (drift repair by event). What a watch cannot tell, an informer's re-list can:
+Kopf re-lists after its watch's resourceVersion expired but reports no DELETED for what went meanwhile, so once per
+resync every namespace's watched kinds are listed (by label, a page at a time, shared by all its jobs: _relisted)
+and whatever the cache holds that the list lacks is marked gone, as an informer's Replace() does.
 Either pass checks each workload's controlling owner: a child of the same name that still belongs to a deleted job
 of the same name (garbage collection takes a moment) is never taken for this job's; the pass waits for it to go.
 A child the API server refuses to create fails the job with the API's message
@@ -48,6 +53,17 @@ from grpolora.operator.trainer_client import TrainerStatusClient, TrainerUnavail
 
 logger = logging.getLogger(__name__)
 TOKEN_BYTES: Final = 32
+WATCHED: Final = (
+    kube.JOB,
+    kube.STATEFULSET,
+    kube.KUEUE_WORKLOAD,
+    kube.SERVICE,
+    kube.NETWORK_POLICY,
+    kube.POD_DISRUPTION_BUDGET,
+)
+"""The kinds of a job's children followed by watch (handlers.build_registry) and read from the cache by every pass."""
+KEPT_WATCHED: Final = frozenset(kind.kind for kind in (kube.SERVICE, kube.NETWORK_POLICY, kube.POD_DISRUPTION_BUDGET))
+"""Watched kept children: a full pass makes them exist, so their DELETED asks for one; other events change nothing."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +71,8 @@ class ControllerConfig:
     interval: float = 10.0
     """Seconds between monitor passes of one job (trainer /status polls; workloads from the watch)."""
     resync_interval: float = 600.0
-    """Seconds between full passes of one job (children read from the API, kept children repaired)."""
+    """Seconds between full passes of one job (kept children repaired, the token Secret read) and between re-lists
+    of a namespace's watched children (what the watches missed corrected; see the module docstring)."""
     jitter: float = 0.1
     """Fraction of the interval added at random, so that many jobs do not poll in lockstep."""
     max_backoff: float = 60.0
@@ -148,6 +165,10 @@ class Controller:
         self.queue_watched = True
         """Kueue's Workloads come from a watch. False when Kueue was not installed when the operator started: Kopf
         discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
+        self.relists: dict[str, tuple[float, asyncio.Future[None]]] = {}
+        """Each namespace's last re-list of its watched children: (loop time, the re-list; see _relisted)."""
+        self.relist_touched: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
+        """Cache keys the watch spoke of while a (kind, namespace)'s re-list is out: newer than that list."""
         self.listings: dict[tuple[Any, ...], tuple[float, asyncio.Future[list[dict[str, Any]]]]] = {}
         """Shared pod and Warning-event listings by (plural, namespace, labels, fields): (loop time, the listing)."""
 
@@ -241,7 +262,8 @@ class Controller:
             tracked.wake.set()
 
     def workload_event(self, kind: str, event_type: str | None, body: Mapping[str, Any]) -> None:
-        """A watch event of one of the operator's Jobs or StatefulSets: cache it, and wake its job for a pass."""
+        """A watch event of one of a job's watched children (WATCHED): cache it, and wake its job for a pass (for a
+        kept child, only when it went: then a full pass, which makes it again)."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
         job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
@@ -250,7 +272,16 @@ class Controller:
             # kept (a job of that name made later reads its workloads from the API first).
             self.cache.pop((kind, namespace, name), None)
             return
-        self._remember((kind, namespace, name), None if event_type == "DELETED" else dict(body), body)
+        key = (kind, namespace, name)
+        self._remember(key, None if event_type == "DELETED" else dict(body), body)
+        touched = self.relist_touched.get((kind, namespace))
+        if touched is not None:
+            touched.add(key)
+        if kind in KEPT_WATCHED:
+            if event_type == "DELETED" and job is not None:
+                job.next_full = 0.0  # drift repair by event: a full pass makes it again
+                self._wake(job)
+            return
         self._wake(job)
 
     def _remember(self, key: tuple[str, str, str], value: dict[str, Any] | None, seen: Mapping[str, Any]) -> None:
@@ -291,21 +322,20 @@ class Controller:
         job = self.jobs.pop((namespace, name), None)
         if job is not None and job.task is not None and job.task is not asyncio.current_task():
             job.task.cancel()
-        # Its workloads as last seen (tombstones included): a job of this name made later reads them from the API.
+        # Its children as last seen (tombstones included): a job of this name made later reads them from the API.
         workloads = child_names(name)
-        for kind, child in (
-            (kube.JOB, workloads["trainer"]),
-            (kube.STATEFULSET, workloads["inference"]),
-            (kube.KUEUE_WORKLOAD, name),
-        ):
-            self.cache.pop((kind.kind, namespace, child), None)
+        for kind in WATCHED:
+            for child in (workloads["trainer"], workloads["inference"], name):
+                self.cache.pop((kind.kind, namespace, child), None)
         self.metrics.forget_job(namespace, name)
 
     async def stop(self) -> None:
         tasks = [job.task for job in [*self.jobs.values(), *self.pools.values()] if job.task is not None]
         for task in tasks:
             task.cancel()
-        listings = [listing for _, listing in [*self.listings.values(), *self.member_listings.values()]]
+        listings = [
+            listing for _, listing in [*self.listings.values(), *self.member_listings.values(), *self.relists.values()]
+        ]
         for listing in listings:
             listing.cancel()  # shielded from the passes: cancelled here (a no-op once done)
         await asyncio.gather(*tasks, *listings, return_exceptions=True)
@@ -329,6 +359,7 @@ class Controller:
         full = full or view.record_applied is not None
         if full:
             job.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
+            await self._relisted(job.namespace)
         pool: pools.PoolView | None = None
         if view.job is not None and view.job.spec.inference.pool_ref is not None:
             pool = await self._pool_view(view, full=full)
@@ -425,7 +456,7 @@ class Controller:
                 pool.next_full = 0.0  # try again at the next interval, not at the next resync
                 return pr.PoolDecision()
         if decision.status is not None:
-            await self._record_pool(pool, decision.status)
+            await self._record_pool(pool, decision.status, decision.events)
         return decision
 
     async def _pool_observe(self, pool: _Tracked, view: pr.PoolPassView) -> pr.PoolObserved:
@@ -538,8 +569,9 @@ class Controller:
             return ()
         return tuple(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
 
-    async def _record_pool(self, pool: _Tracked, status: PoolStatus) -> None:
-        """Write the pool's status (once per pass, skipped when unchanged), then let its jobs see it at once."""
+    async def _record_pool(self, pool: _Tracked, status: PoolStatus, events: tuple[rec.Event, ...] = ()) -> None:
+        """Write the pool's status (once per pass, skipped when unchanged), let its jobs see it at once, then post
+        the pool's events (only after the write succeeded, as a job's)."""
         patch = rec.status_patch(pool.status, status)
         if patch is None:
             return
@@ -550,6 +582,12 @@ class Controller:
             raise Gone(f"RolloutPool {pool.namespace}/{pool.name}")
         pool.status = dict(written.get("status") or status.to_wire())
         self._pool_seen(pool.namespace, pool.name, dict(written), written)
+        involved = {"namespace": pool.namespace, "name": pool.name, "uid": pool.uid, "kind": c.POOL_KIND}
+        for event in events:
+            try:
+                await self.client.post_event(involved, event.type, event.reason, event.message, now=self.clock())
+            except kube.ApiError as exc:
+                logger.warning("%s/%s: could not post event %s: %s", pool.namespace, pool.name, event.reason, exc)
 
     async def _create(self, job: _Tracked, obj: Mapping[str, Any]) -> bool:
         """Create if absent (False on 409); an API refusal becomes ChildRefused."""
@@ -592,12 +630,14 @@ class Controller:
             kind, name = kube.kind_of(obj), obj["metadata"]["name"]
             # A new job's children are normally absent: create first, and read only on a conflict. Later passes
             # read first (drift repair without a failed create per child and pass).
-            existing = None if new_job else await self.client.get(kind, job.namespace, name)
+            existing = None if new_job else await self._kept(kind, job.namespace, name)
             if existing is None:
                 if not new_job and await owner_deleting():
                     return None
                 try:
                     if await self._create(job, obj):
+                        if self.cache.get((kind.kind, job.namespace, name), _UNSEEN) is None:
+                            del self.cache[(kind.kind, job.namespace, name)]  # read from the API until the watch says
                         if obj["kind"] == "Secret":
                             job.token = token_fingerprint(fresh)
                         return None
@@ -607,7 +647,7 @@ class Controller:
                     # Kueue is not installed (yet): the job waits for it (rec.decide says so) instead of failing.
                     job.queue_api_missing = True
                     return None
-                existing = await self.client.get(kind, job.namespace, name)  # there already: whose is it?
+                existing = await self._kept(kind, job.namespace, name, fresh=True)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             if existing is not None and obj["kind"] == "Secret":
@@ -619,11 +659,21 @@ class Controller:
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
         return [ref for ref in found if ref is not None]
 
-    async def _workload(self, kind: kube.Kind, namespace: str, name: str, *, full: bool) -> dict[str, Any] | None:
-        """The workload from the watch's cache, or from the API on full passes and when the watch has not seen it."""
+    async def _kept(self, kind: kube.Kind, namespace: str, name: str, *, fresh: bool = False) -> dict[str, Any] | None:
+        """A kept child, as a full pass reads it: a watched kind from the cache (_workload), the token Secret (not
+        watched) from the API; `fresh`: from the API whatever the kind (a create found it there: whose is it?)."""
+        if kind.kind in KEPT_WATCHED | {kube.KUEUE_WORKLOAD.kind} and not fresh:
+            return await self._workload(kind, namespace, name)
+        found = await self.client.get(kind, namespace, name)
+        if found is not None and kind in WATCHED:
+            self._remember((kind.kind, namespace, name), dict(found), found)
+        return found
+
+    async def _workload(self, kind: kube.Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        """A watched child from the watch's cache, or from the API when the watch has not shown it (nor a read its
+        absence). What the watch missed is corrected by the namespace's re-list (_relisted), not by a read per pass."""
         key = (kind.kind, namespace, name)
-        if kind == kube.KUEUE_WORKLOAD and not self.queue_watched:
-            full = True  # no watch keeps the cache fresh
+        full = kind == kube.KUEUE_WORKLOAD and not self.queue_watched  # no watch keeps the cache fresh
         if not full and key in self.cache:
             cached = self.cache[key]
             return None if cached is None else dict(cached)
@@ -654,9 +704,9 @@ class Controller:
         workloads = child_names(view.name)
         on_pool = view.job.spec.inference.pool_ref is not None
         trainer_job, inference = await asyncio.gather(
-            self._workload(kube.JOB, view.namespace, workloads["trainer"], full=full),
+            self._workload(kube.JOB, view.namespace, workloads["trainer"]),
             # A job on a pool has no StatefulSet of its own.
-            _none() if on_pool else self._workload(kube.STATEFULSET, view.namespace, workloads["inference"], full=full),
+            _none() if on_pool else self._workload(kube.STATEFULSET, view.namespace, workloads["inference"]),
         )
         # A workload of a deleted job of the same name is not this job's: its state (e.g. Complete) says nothing.
         if trainer_job is not None and obs.controller_uid(trainer_job) != view.uid:
@@ -684,7 +734,8 @@ class Controller:
         claims = (await self._claims(job, view) if full else job.claims) if running else {}
         queue_workload = None
         if view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) is not None:
-            queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name, full=full)
+            # Read once per pass: a full pass's _ensure_kept_children read it into the cache just before.
+            queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
         report, error = None, None
         if job_plan is not None and rec.should_poll_trainer(view, old, trainer_job):
             try:
@@ -705,6 +756,63 @@ class Controller:
             pool=pool,
             token=job.token,
         )
+
+    async def _relisted(self, namespace: str) -> None:
+        """Re-list the namespace's watched children if its last re-list is a resync old, shared by every job there
+        (the first full pass after the interval starts it, the others wait for it). None at first: the watches have
+        just listed everything (Kopf lists before it watches). A re-list that failed is not reused."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        last = self.relists.get(namespace)
+        if last is None:
+            done: asyncio.Future[None] = loop.create_future()
+            done.set_result(None)
+            self.relists[namespace] = (now, done)
+            return
+        failed = last[1].done() and not last[1].cancelled() and last[1].exception() is not None
+        if now - last[0] >= self.config.resync_interval or failed:
+            last = (now, asyncio.ensure_future(self._relist(namespace)))
+            self.relists[namespace] = last
+        # Shielded: a pass cancelled while it waits must not cancel the re-list that other jobs wait for.
+        await asyncio.shield(last[1])
+
+    async def _relist(self, namespace: str) -> None:
+        """An informer's re-list for each watched kind: list the operator's children of the namespace (by label, a
+        page at a time, keeping only names) and mark gone whatever the cache holds of that kind that the list lacks
+        and the watch did not speak of meanwhile; its job gets a full pass at once."""
+
+        async def relist(kind: kube.Kind) -> None:
+            touched: set[tuple[str, str, str]] = set()
+            self.relist_touched[(kind.kind, namespace)] = touched
+            try:
+                listed = await self.client.list(
+                    kind, namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, keep=_name_if_a_jobs
+                )
+            except kube.ApiError as exc:
+                if exc.status == 404:
+                    return  # not served (Kueue not installed): nothing of it is cached either
+                raise
+            finally:
+                self.relist_touched.pop((kind.kind, namespace), None)
+            present = {item["metadata"]["name"] for item in listed}
+            for key, cached in list(self.cache.items()):
+                if key[:2] != (kind.kind, namespace) or key[2] in present or key in touched or cached is None:
+                    continue
+                owner = ((cached.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB)
+                if owner is None:
+                    continue  # not a job's (e.g. a pool's StatefulSet, read by its pass): not in this list
+                logger.info("%s/%s: %s %s went while the watch was away", namespace, owner, kind.kind, key[2])
+                self.cache[key] = None
+                job = self.jobs.get((namespace, owner))
+                if job is not None:
+                    job.next_full = 0.0
+                    self._wake(job)
+
+        kinds = [kind for kind in WATCHED if kind != kube.KUEUE_WORKLOAD or self.queue_watched]
+        started = asyncio.get_running_loop().time()
+        await asyncio.gather(*(relist(kind) for kind in kinds))
+        took = asyncio.get_running_loop().time() - started
+        logger.info("%s: re-listed the jobs' watched children (%d kinds) in %.1f s", namespace, len(kinds), took)
 
     async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
         """The job's RolloutPool: from the pools' watch (a cache, like the workloads'), or from the API on full passes
@@ -964,6 +1072,12 @@ def _member(body: Mapping[str, Any]) -> dict[str, Any]:
     and managedFields (each writer's field set, bigger still)."""
     meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("annotations", "managedFields")}
     return {**body, "metadata": meta}
+
+
+def _name_if_a_jobs(item: dict[str, Any]) -> dict[str, Any] | None:
+    """What a re-list keeps of a listed child: its name, if it is a job's (not a pool's)."""
+    meta = item.get("metadata") or {}
+    return {"metadata": {"name": meta.get("name")}} if c.LABEL_JOB in (meta.get("labels") or {}) else None
 
 
 _UNSEEN: Final = object()

@@ -14,7 +14,7 @@ import kopf
 from grpolora.api import constants as c
 from grpolora.operator import conditions as cond
 from grpolora.operator import kube, names
-from grpolora.operator.controller import Controller, Gone
+from grpolora.operator.controller import WATCHED, Controller, Gone
 
 # A transient API failure (unreachable, throttled, 5xx) is retried this soon; Kopf's default backoff is 60 s.
 API_RETRY_SECONDS = 5.0
@@ -92,7 +92,7 @@ async def deletion(event: kopf.RawEvent, body: kopf.Body, name: str, namespace: 
 
 
 async def workload_event(event: kopf.RawEvent, body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A watch event of one of the operator's trainer Jobs or inference StatefulSets (see Controller.workload_event)."""
+    """A watch event of one of the jobs' watched children (see Controller.workload_event)."""
     _controller(memo).workload_event(str(body.get("kind", "")), event.get("type"), _plain(body))
 
 
@@ -126,9 +126,9 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.resume(*pools, registry=registry, id="reconcile")(reconcile_pool)
     kopf.on.update(*pools, registry=registry, id="reconcile", field="spec")(reconcile_pool)
     kopf.on.event(*pools, registry=registry, id="watch-pools")(pool_event)
-    # The workloads by watch (one per kind and namespace, shared by all jobs), not by a GET per job and pass.
+    # The jobs' children by watch (one per kind and namespace, shared by all jobs), not by a GET per job and pass.
     ours = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: kopf.PRESENT}
-    for kind in (kube.JOB, kube.STATEFULSET, kube.KUEUE_WORKLOAD):
+    for kind in WATCHED:
         kopf.on.event(kind.group, kind.version, kind.plural, labels=ours, registry=registry, id=f"watch-{kind.plural}")(
             workload_event
         )

@@ -350,7 +350,8 @@ class KubeClient:
 def event_body(
     involved: Mapping[str, Any], type_: str, reason: str, message: str, *, now: datetime.datetime, instance: str
 ) -> K8sObject:
-    """A core/v1 Event about a GRPOLoraJob (`kubectl describe glj` lists these)."""
+    """A core/v1 Event about a GRPOLoraJob (`kubectl describe glj` lists these), or a RolloutPool (`kind` in
+    `involved`)."""
     stamp = now.astimezone(datetime.UTC).replace(microsecond=0).strftime("%Y-%m-%dT%H:%M:%SZ")
     if len(message) > EVENT_MESSAGE_MAX:
         message = message[: EVENT_MESSAGE_MAX - 1] + "…"
@@ -360,7 +361,7 @@ def event_body(
         "metadata": {"generateName": f"{involved['name']}.", "namespace": involved["namespace"]},
         "involvedObject": {
             "apiVersion": c.API_VERSION,
-            "kind": c.KIND,
+            "kind": involved.get("kind", c.KIND),
             "name": involved["name"],
             "namespace": involved["namespace"],
             "uid": involved.get("uid", ""),

@@ -34,6 +34,9 @@ VOLUMES_SHAREABLE: Final = "VolumesShareable"
 ADMITTED: Final = "Admitted"
 # A job on a RolloutPool (spec.inference.poolRef): whether the pool serves it. Written only on such jobs.
 POOL_ATTACHED: Final = "PoolAttached"
+# A role's pods would run BestEffort (no cpu or memory requests; grpolora.api.load.best_effort_roles): written only
+# then, True, as `grpolora validate` warns.
+PODS_BEST_EFFORT: Final = "PodsBestEffort"
 CONDITION_TYPES: Final = (
     CREATED,
     PODS_READY,
@@ -47,6 +50,7 @@ CONDITION_TYPES: Final = (
     VOLUMES_SHAREABLE,
     ADMITTED,
     POOL_ATTACHED,
+    PODS_BEST_EFFORT,
 )
 # A RolloutPool's own conditions: Ready (every server replica ready) and InvalidSpec.
 READY: Final = "Ready"
@@ -88,6 +92,8 @@ R_TRAINER_JOB_SUSPENDED: Final = "TrainerJobSuspended"
 R_FAILED_TO_START: Final = "FailedToStart"
 # Pods not all ready spec.scheduling.startupDeadlineSeconds after they were created (PodsReady; Failed with Fail).
 R_STARTUP_DEADLINE: Final = "StartupDeadlineExceeded"
+R_NO_RESOURCE_REQUESTS: Final = "NoResourceRequests"
+R_DEADLINE_EXCEEDED: Final = "DeadlineExceeded"  # spec.activeDeadlineSeconds; the Job controller's reason
 # The trainer exited with a "bad spec or data" code (grpolora.api.contract.TRAINER_INPUT_EXIT_CODES): restarting
 # cannot help. The name is the batch/v1 Job's own reason for a podFailurePolicy FailJob.
 R_POD_FAILURE_POLICY: Final = "PodFailurePolicy"
@@ -139,6 +145,11 @@ E_INVALID_SPEC: Final = "InvalidSpec"
 E_SPEC_CHANGE_REFUSED: Final = "SpecChangeRefused"
 E_VOLUMES_NOT_SHAREABLE: Final = "VolumesNotShareable"
 E_ATTACHED: Final = "AttachedToPool"
+# Posted on a RolloutPool (kubectl describe rpool), once per transition (pool_reconcile.pool_events).
+E_POOL_JOB_ATTACHED: Final = "JobAttached"
+E_POOL_JOB_DETACHED: Final = "JobDetached"
+E_POOL_FULL: Final = "PoolFull"
+E_POOL_REPLICA_LOST: Final = "ReplicaLost"
 
 # Why the trainer Job failed (status.restartsByCause counts the first two; the last fails the job at once).
 CAUSE_FAILURE: Final = "failure"

@@ -19,9 +19,9 @@ from grpolora.api.plan import PoolPlan, child_names, plan_pool, pool_child_names
 from grpolora.api.pool import Admission, Attachment, Attachments, Candidate, admit, attachment
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import PoolStatus
-from grpolora.operator import builders, pools
+from grpolora.operator import builders, names, pools
 from grpolora.operator import observe as obs
-from grpolora.operator.reconcile import REPLACE_RECHECK_SECONDS, K8sObject
+from grpolora.operator.reconcile import REPLACE_RECHECK_SECONDS, Event, K8sObject
 
 # What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
 # list, and the NetworkPolicy that admits exactly the attached jobs.
@@ -93,6 +93,8 @@ class PoolDecision:
     before its status says it is attached (which starts its trainer)."""
     requeue_after: float | None = None
     idle: bool = False
+    events: tuple[Event, ...] = ()
+    """Posted on the pool after its status write succeeded (pool_events)."""
 
 
 def child_refs(view: PoolPassView, operator_namespace: str) -> tuple[tuple[str, str], ...]:
@@ -142,7 +144,8 @@ def decide_pool(
         )
     pool_plan = plan_pool(view.pool)
     if observed.jobs is None:
-        return PoolDecision(_light_status(view, view.pool, pool_plan, old, observed, now))
+        light = _light_status(view, view.pool, pool_plan, old, observed, now)
+        return PoolDecision(light, events=pool_events(old, light, view.pool.spec.max_jobs))
     if any(found is not None and obs.controller_uid(found) != view.uid for found in observed.children.values()):
         # Still a child of a deleted pool of the same name: the garbage collector removes it shortly.
         return PoolDecision(requeue_after=REPLACE_RECHECK_SECONDS)
@@ -169,7 +172,38 @@ def decide_pool(
         now=now,
         tokens={entry.job: entry.fingerprint for entry in attachments.jobs},
     )
-    return PoolDecision(status, tuple(writes))
+    return PoolDecision(status, tuple(writes), events=pool_events(old, status, view.pool.spec.max_jobs))
+
+
+def pool_events(old: PoolStatus, new: PoolStatus, max_jobs: int) -> tuple[Event, ...]:
+    """The pool's Events for what changed between two of its statuses: a job attached or detached (by uid: a job
+    re-created under its name is another), the pool became full (jobs wait for a place), a server replica lost (fewer
+    ready for as many desired; not while it scales or first starts)."""
+    before = {(entry.job, entry.uid) for entry in old.attached_jobs}
+    after = {(entry.job, entry.uid) for entry in new.attached_jobs}
+    events = [
+        Event("Normal", names.E_POOL_JOB_ATTACHED, f"{job} attached ({len(after)} of maxJobs {max_jobs})")
+        for job, _ in sorted(after - before)
+    ]
+    events += [
+        Event("Normal", names.E_POOL_JOB_DETACHED, f"{job} detached ({len(after)} of maxJobs {max_jobs})")
+        for job, _ in sorted(before - after)
+    ]
+    full = len(after) >= max_jobs and bool(new.waiting_jobs)
+    if full and not (len(before) >= max_jobs and old.waiting_jobs):  # (jobs may also wait for their token Secret)
+        waiting = ", ".join(new.waiting_jobs)
+        events.append(Event("Normal", names.E_POOL_FULL, f"full ({len(after)} of maxJobs {max_jobs}): {waiting} wait"))
+    was, now = old.replicas, new.replicas
+    if was is not None and now is not None and was.desired == now.desired and now.ready < was.ready:
+        events.append(
+            Event(
+                "Warning",
+                names.E_POOL_REPLICA_LOST,
+                f"ready server replicas {was.ready} -> {now.ready} of {now.desired}: the jobs' rollouts on the lost "
+                "replica fail over to the others while Kubernetes replaces it",
+            )
+        )
+    return tuple(events)
 
 
 def _light_status(

@@ -69,24 +69,24 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("",),
         ("services",),
-        ("get", "create"),
-        "the headless Services that give the trainer and inference pods DNS; read to check their owner and re-create "
-        "them if deleted",
+        ("get", "list", "watch", "create"),
+        "the headless Services that give the trainer and inference pods DNS; followed by a watch of the operator's "
+        "(re-created at once if deleted), listed once per resync (what the watch missed), read to check their owner",
     ),
     Rule(
         ("networking.k8s.io",),
         ("networkpolicies",),
-        ("get", "create", "patch"),
-        "the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check "
-        "its owner and re-create it if deleted. A RolloutPool's admits exactly its attached jobs' trainers: "
-        "rewritten as they change (patch)",
+        ("get", "list", "watch", "create", "patch"),
+        "the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; followed by a "
+        "watch and listed once per resync as the Services are, read to check its owner. A RolloutPool's admits "
+        "exactly its attached jobs' trainers: rewritten as they change (patch)",
     ),
     Rule(
         ("policy",),
         ("poddisruptionbudgets",),
-        ("get", "create"),
-        "the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its "
-        "owner and re-create it if deleted",
+        ("get", "list", "watch", "create"),
+        "the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; followed by a watch "
+        "and listed once per resync as the Services are, read to check its owner",
     ),
     Rule(
         ("kueue.x-k8s.io",),
@@ -113,15 +113,16 @@ RULES: Final[tuple[Rule, ...]] = (
         ("batch",),
         ("jobs",),
         ("get", "list", "watch", "create", "delete"),
-        "the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, "
+        "the trainer Indexed Job: follow its state (a watch of the operator's Jobs; listed once per resync), create "
+        "it, "
         "delete it to restart or suspend the trainer",
     ),
     Rule(
         ("apps",),
         ("statefulsets",),
         ("get", "list", "watch", "create", "delete"),
-        "the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; read on "
-        "resyncs), create it, delete it on suspend and when the job ends",
+        "the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; listed once "
+        "per resync), create it, delete it on suspend and when the job ends",
     ),
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
     Rule(

@@ -23,7 +23,7 @@ from typing import Any, Final, Literal
 from pydantic import ValidationError
 
 from grpolora.api import constants as c
-from grpolora.api.load import InvalidJob, parse_job
+from grpolora.api.load import InvalidJob, best_effort_warnings, parse_job
 from grpolora.api.plan import JobPlan, plan
 from grpolora.api.pool import job_key
 from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, ObjectMeta
@@ -336,6 +336,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     course = _course(where, old, observed, admission, progress, stamp)
     course, build = _workloads_to_create(view, where, observed, course, stamp)
     overdue, course, build = _startup_deadline(where, old, observed, course, build, now, stamp)
+    course, build = _active_deadline(spec, observed, course, build, now, stamp)
     course, delete_job = _end(spec, course, observed.inference, now)
     status, pods_ready = _status(
         view, old, observed, where, course, progress, admission, volumes, overdue, build, stamp
@@ -411,6 +412,8 @@ class _Course:
     """The workloads to create (built by _workloads_to_create, once Kueue's additions are known)."""
     deletes: tuple[ChildRef, ...] = ()
     requeue: float | None = None
+    active_since: str | None = None
+    """When the job last became active (status.activeSince); None while it is not (spec.activeDeadlineSeconds)."""
 
     @property
     def finished(self) -> bool:
@@ -450,6 +453,7 @@ def _course(
         # Jobs from before restartsByCause: every restart was a failure.
         by_cause=old.restarts_by_cause or RestartCounts(failure=restarts),
         token_digest=observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest,
+        active_since=old.active_since,
     )
     if finished:
         return course  # terminal phases stick; only releasing the inference pods and the TTL are left
@@ -469,9 +473,14 @@ def _course(
     if spec.suspend or admission.status == "False" or (where.place is not None and not where.place.attached):
         # Suspended, not (or no longer) admitted by Kueue, or not (or no longer) served by its RolloutPool (whose
         # servers would refuse the trainer): no pods hold any GPU.
+        # Not active: the deadline's clock stops, and starts over when it is again (as a Job's startTime on resume).
         return dataclasses.replace(
-            course, phase="Suspended" if spec.suspend else "Pending", deletes=tuple(_release(tj, sts))
+            course,
+            phase="Suspended" if spec.suspend else "Pending",
+            deletes=tuple(_release(tj, sts)),
+            active_since=None,
         )
+    course = dataclasses.replace(course, active_since=old.active_since or stamp)
     return _running_course(where, old, observed, course, progress, stamp)
 
 
@@ -642,6 +651,34 @@ def _startup_deadline(
     return overdue, failed, dataclasses.replace(build, creates=())
 
 
+def _active_deadline(
+    spec: GRPOLoraJobSpec, observed: Observed, course: _Course, build: _Build, now: datetime.datetime, stamp: str
+) -> tuple[_Course, _Build]:
+    """spec.activeDeadlineSeconds: a job active for longer fails with reason DeadlineExceeded and creates nothing;
+    its trainer Job goes here, its StatefulSet with every finished job's (_end). As the Job controller does
+    (pkg/controller/job: pastActiveDeadline, then every active pod deleted and the Job Failed, DeadlineExceeded)."""
+    deadline = spec.active_deadline_seconds
+    if deadline is None or course.phase in TERMINAL or course.active_since is None:
+        return course, build
+    if (now - _parse_time(course.active_since)).total_seconds() < deadline:
+        return course, build
+    tj = observed.trainer_job
+    deletes = course.deletes
+    if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
+        deletes += (ChildRef("Job", tj["metadata"]["name"]),)
+    failed = dataclasses.replace(
+        course,
+        phase="Failed",
+        completion=stamp,
+        failed_reason=names.R_DEADLINE_EXCEEDED,
+        final_message=f"active for longer than spec.activeDeadlineSeconds ({deadline} s, since "
+        f"{course.active_since}): its pods are deleted",
+        restart_note=None,
+        deletes=deletes,
+    )
+    return failed, dataclasses.replace(build, creates=())
+
+
 def _end(spec: GRPOLoraJobSpec, course: _Course, sts: K8sObject | None, now: datetime.datetime) -> tuple[_Course, bool]:
     """A finished job releases its inference GPUs, and is deleted once ttlSecondsAfterFinished has passed (True)."""
     if not course.finished:
@@ -729,6 +766,7 @@ def _status(
         _volumes_condition(volumes),
         admission,
         *([cond.Want(names.POOL_ATTACHED, _true(place.attached), place.reason, place.message)] if place else []),
+        *_best_effort_condition(where.job_plan.job),
     ]
     status = JobStatus(
         phase=phase,
@@ -743,6 +781,7 @@ def _status(
         restarts_by_cause=course.by_cause,
         start_time=old.start_time or stamp,
         completion_time=course.completion,
+        active_since=course.active_since,
         pool=where.job_plan.pool,
         token_digest=course.token_digest,
     )
@@ -1228,6 +1267,15 @@ def _progressing_condition(phase: str, restart_note: str | None, running: str, m
     if phase == "Running":
         return cond.Want(names.PROGRESSING, "True", names.R_TRAINING, running)
     return cond.Want(names.PROGRESSING, "False", names.R_PENDING, message)
+
+
+def _best_effort_condition(job: GRPOLoraJob) -> list[cond.Want]:
+    """PodsBestEffort, only when a role's pods would be BestEffort (the same rule and words as `grpolora validate`)."""
+    warned = best_effort_warnings(job)
+    if not warned:
+        return []
+    message = "; ".join(f"{w.path}: {w.message}" for w in warned)
+    return [cond.Want(names.PODS_BEST_EFFORT, "True", names.R_NO_RESOURCE_REQUESTS, message)]
 
 
 def _volumes_condition(volumes: obs.VolumeCheck) -> cond.Want:

@@ -83,6 +83,7 @@ MAX_LORA_SLOTS: Final = 1_024  # vLLM's max_loras: LoRA slots per engine, each a
 MAX_KV_CACHE_GIB: Final = 4_096  # CPU replicas' KV cache: above the memory of the largest nodes (a few TiB)
 MAX_RESTARTS: Final = 1_000  # restarts of a failed trainer before the job fails
 MAX_TIMEOUT_SECONDS: Final = 7 * 24 * 3600  # timeouts and deadlines: a week (beyond it nobody is waiting)
+MAX_RUN_SECONDS: Final = 366 * 24 * 3600  # a cap on a whole run (activeDeadlineSeconds): a year
 MAX_BUCKET_MIB: Final = 65_536  # one sync bucket (64 GiB): larger than a whole 70B model's LoRA adapter
 MAX_BATCH: Final = 1_048_576  # items per request or micro-batch, prompts of an evaluation or a dataset cap
 MAX_CONCURRENCY: Final = 4_096  # requests in flight to a reward service, or per job on a pool's replica

@@ -177,9 +177,59 @@ def _items(node: yaml.Node, document: Any) -> list[tuple[str, yaml.Node, Any]]:
     return [(f"items[{i}].", n, item) for i, (n, item) in enumerate(zip(items_node.value, items, strict=True))]
 
 
+QOS_RESOURCES: typing.Final = ("cpu", "memory")
+"""The resources a pod's QoS class is computed from; an extended resource (a GPU) does not count."""
+
+
+def best_effort_roles(job: GRPOLoraJob) -> list[str]:
+    """The spec paths of the roles whose pods would be BestEffort: no container (the worker, sidecars and init
+    containers of podTemplate) requests or limits cpu or memory. Kubernetes' rule (pkg/apis/core/helper/qos/qos.go,
+    ComputePodQOS: only cpu and memory, non-zero, in requests or limits); such pods are evicted first under node
+    pressure. A job on a RolloutPool has no inference pods of its own."""
+    roles = [("spec.trainer", job.spec.trainer)]
+    if job.spec.inference.pool_ref is None:
+        roles.append(("spec.inference", job.spec.inference))
+    found = []
+    for path, role in roles:
+        template = role.pod_template.get("spec") or {}
+        containers = [role.resources] + [
+            container.get("resources") or {}
+            for container in [*(template.get("containers") or []), *(template.get("initContainers") or [])]
+        ]
+        if not any(_sets_qos_resource(resources) for resources in containers):
+            found.append(path)
+    return found
+
+
+def _sets_qos_resource(resources: Mapping[str, Any]) -> bool:
+    for section in ("requests", "limits"):
+        for name in QOS_RESOURCES:
+            value = (resources.get(section) or {}).get(name)
+            if value is not None and str(value).rstrip("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") not in (
+                "0",
+                "0.0",
+                "",
+            ):
+                return True
+    return False
+
+
+def best_effort_warnings(job: GRPOLoraJob) -> list[Problem]:
+    """best_effort_roles as warnings: `grpolora validate` prints them, the operator's PodsBestEffort condition says
+    them."""
+    return [
+        Problem(
+            f"{path}.resources",
+            "no cpu or memory requests: the pods would run BestEffort (a GPU limit does not count for QoS) and are "
+            f"the first evicted under node pressure; set {path}.resources.requests (memory at least)",
+        )
+        for path in best_effort_roles(job)
+    ]
+
+
 def job_warnings(job: GRPOLoraJob) -> list[Problem]:
-    """Things that run but may surprise: said by `grpolora validate` and as operator Events."""
-    spec, warnings = job.spec, []
+    """Things that run but may surprise: said by `grpolora validate` (and `grpolora run`)."""
+    spec, warnings = job.spec, best_effort_warnings(job)
     if "task" not in spec.model_fields_set:
         warnings.append(
             Problem("spec.task", "not set: the job trains on the built-in `arithmetic` task; name the task it is for")

@@ -1131,6 +1131,11 @@ class GRPOLoraJobSpec(SpecModel):
     resumes training."""
     ttl_seconds_after_finished: int | None = Field(default=None, ge=0, le=c.MAX_TIMEOUT_SECONDS)
     """Delete the job this many seconds after it succeeded or failed."""
+    active_deadline_seconds: int | None = Field(default=None, gt=0, le=c.MAX_RUN_SECONDS)
+    """A cap on the whole run, as a Kubernetes Job's: seconds the job may be active (its pods wanted: not suspended,
+    not waiting for Kueue's admission or for its pool), restarts included. Then its pods go and it fails with reason
+    DeadlineExceeded. Suspending stops the clock, and a resume (or Kueue's admission again) starts it over, as a
+    Job's startTime is reset on resume (status.activeSince)."""
 
     @model_validator(mode="after")
     def _cross_field(self) -> GRPOLoraJobSpec:

@@ -213,6 +213,9 @@ class JobStatus(_Wire):
     """When the job's children were first created."""
     completion_time: str | None = None
     """When the job succeeded or failed."""
+    active_since: str | None = None
+    """When the job last became active (its pods wanted: created, resumed, admitted by Kueue, attached to its pool);
+    none while it is not. spec.activeDeadlineSeconds counts from here."""
     pool: str | None = None
     """The RolloutPool whose servers run the rollouts (spec.inference.poolRef); see its status for the adapter
     version each replica serves and the job's place in line."""

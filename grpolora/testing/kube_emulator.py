@@ -49,7 +49,9 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
-    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True),
+    # Watchable as the real API serves them (discovery lists list and watch for every built-in kind): the operator
+    # follows its kept children by watch.
+    "v1/services": kmock.ResourceInfo(kind="Service", namespaced=True, verbs=ALL_VERBS),
     "v1/pods": kmock.ResourceInfo(kind="Pod", namespaced=True, subresources={"status"}),
     "v1/events": kmock.ResourceInfo(kind="Event", namespaced=True),
     "v1/persistentvolumeclaims": kmock.ResourceInfo(kind="PersistentVolumeClaim", namespaced=True),
@@ -57,8 +59,8 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     "apps/v1/statefulsets": kmock.ResourceInfo(
         kind="StatefulSet", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
     ),
-    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True),
-    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True),
+    "networking.k8s.io/v1/networkpolicies": kmock.ResourceInfo(kind="NetworkPolicy", namespaced=True, verbs=ALL_VERBS),
+    "policy/v1/poddisruptionbudgets": kmock.ResourceInfo(kind="PodDisruptionBudget", namespaced=True, verbs=ALL_VERBS),
     # Kueue's Workload CRD (installed with Kueue); the tests play Kueue's admission.
     "kueue.x-k8s.io/v1beta1/workloads": kmock.ResourceInfo(
         kind="Workload", namespaced=True, subresources={"status"}, verbs=ALL_VERBS

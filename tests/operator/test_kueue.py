@@ -212,7 +212,7 @@ async def test_under_manage_jobs_without_queue_name_the_trainer_job_runs_only_wi
         unqueued["metadata"]["name"] = "unqueued"
         await cluster.apply(unqueued)
         await wait_for(lambda: kueue.suspended_jobs == ["unqueued-trainer"], "Kueue suspends the trainer Job")
-        await wait_for(lambda: "queue-name" in cluster.status("unqueued")["message"], "the reason")
+        await wait_for(lambda: "queue-name" in cluster.status("unqueued").get("message", ""), "the reason")
 
 
 async def test_a_suspended_job_neither_holds_nor_takes_quota_and_queues_again_when_resumed(cluster, operator):

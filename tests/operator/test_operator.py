@@ -792,3 +792,18 @@ async def test_a_toleration_the_kubernetes_schema_refuses_fails_the_job_naming_t
     assert 'spec.trainer.tolerations[0].operator: Unsupported value: "Exist"' in invalid["message"]
     assert cluster.get("v1/secrets", "demo-grpolora-token") is None
     assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+
+# ---- spec.activeDeadlineSeconds ---------------------------------------------------------------------------------
+
+
+async def test_a_job_past_its_active_deadline_fails_with_deadline_exceeded_and_its_workloads_go(cluster, operator):
+    """As a Kubernetes Job (and a RayJob): a cap on the whole run; then every pod goes and the job fails."""
+    await cluster.apply(job_doc(activeDeadlineSeconds=2))
+    await created(cluster)
+    await pods_up(cluster)
+    assert cluster.status("demo").get("activeSince")
+    await wait_for(lambda: phase(cluster) == "Failed", "the job failed at its deadline", timeout=15)
+    assert cluster.condition("demo", "Failed")["reason"] == "DeadlineExceeded"
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "the StatefulSet gone")

@@ -300,3 +300,34 @@ async def test_a_re_keyed_job_gets_its_attachment_renewed_before_its_trainer_com
     entry = next(j for j in cluster.pool_status(POOL)["attachedJobs"] if j["job"] == f"{NAMESPACE}/job-a")
     assert entry["tokenDigest"] == cluster.status("job-a")["tokenDigest"] == token_fingerprint(token)
     assert names.E_REKEYED in [reason for _, reason, _ in cluster.events("job-a")]
+
+
+async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(cluster, operator):
+    """`kubectl describe rpool` tells the pool's story as `kubectl describe glj` tells a job's: each transition once,
+    posted on the RolloutPool itself."""
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await cluster.apply(job_on_pool("job-b"))
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's servers")
+    await cluster.set_status("apps/v1/statefulsets", SERVERS, {"replicas": 1, "readyReplicas": 1})
+    attached = (names.E_POOL_JOB_ATTACHED, f"{NAMESPACE}/job-a attached (1 of maxJobs 1)")
+    full = (names.E_POOL_FULL, f"full (1 of maxJobs 1): {NAMESPACE}/job-b wait")
+    await wait_for(lambda: {attached, full} <= {e[1:] for e in cluster.events(POOL)}, "attached and full")
+
+    await succeed(cluster, "job-a")
+    detached = (names.E_POOL_JOB_DETACHED, f"{NAMESPACE}/job-a detached (1 of maxJobs 1)")
+    next_one = (names.E_POOL_JOB_ATTACHED, f"{NAMESPACE}/job-b attached (1 of maxJobs 1)")
+    await wait_for(lambda: {detached, next_one} <= {e[1:] for e in cluster.events(POOL)}, "detached, the next one")
+
+    await wait_for(lambda: (cluster.pool_status(POOL).get("replicas") or {}).get("ready") == 1, "a ready replica")
+    await cluster.set_status("apps/v1/statefulsets", SERVERS, {"replicas": 1, "readyReplicas": 0})
+    await wait_for(lambda: names.E_POOL_REPLICA_LOST in [e[1] for e in cluster.events(POOL)], "ReplicaLost")
+    lost = [e for e in cluster.events(POOL) if e[1] == names.E_POOL_REPLICA_LOST]
+    assert lost[0][0] == "Warning" and "1 -> 0 of 1" in lost[0][2]
+    kinds = {
+        obj.raw["involvedObject"]["kind"]
+        for (res, _, _), obj in cluster.emulator.objects.items()
+        if res == "v1/events" and obj.raw["involvedObject"]["name"] == POOL
+    }
+    assert kinds == {c.POOL_KIND}
+    assert [e[1] for e in cluster.events(POOL)].count(names.E_POOL_FULL) == 1, "each transition once"

@@ -47,13 +47,26 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             # A job queued in Kueue: its Workload is created, followed, and marked Finished at the end.
             queued = job_doc(suspend=True)  # its Workload is created inactive, and reactivated on resume
             queued["metadata"].update(name="queued", labels={c.KUEUE_QUEUE_LABEL: "q"})
+            # A Workload of that name still there from an older job (not collected yet): the create answers 409, and
+            # the operator reads it (get) to learn whose it is, then waits for it to go.
+            stale = {
+                "apiVersion": "kueue.x-k8s.io/v1beta1",
+                "kind": "Workload",
+                "metadata": {"name": "queued", "labels": {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: "queued"}},
+                "spec": {"queueName": "q", "podSets": []},
+            }
+            stale_path = f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads"
+            await cluster._call("POST", stale_path, stale)
             await cluster.apply(queued)
+            await wait_for(lambda: ("get", "workloads", "queued") in cluster.emulator.log, "the owner of the old one")
+            await cluster._call("DELETE", f"{stale_path}/queued")
             workloads = "kueue.x-k8s.io/v1beta1/workloads"
-            await wait_for(lambda: cluster.get(workloads, "queued"), "the Kueue Workload")
+            await wait_for(lambda: (cluster.get(workloads, "queued") or {}).get("metadata", {}).get("ownerReferences"),
+                           "the Kueue Workload")  # fmt: skip
             await cluster.patch_spec("queued", {"suspend": False})
             await wait_for(lambda: cluster.get(workloads, "queued")["spec"].get("active"), "the Workload reactivated")
-            # Full passes (every resync) read it from the API, not from the watch.
-            await wait_for(lambda: ("get", "workloads", "queued") in cluster.emulator.log, "a full pass's read")
+            # Followed by watch; listed once per resync (what the watch missed: Controller._relisted).
+            await wait_for(lambda: ("list", "workloads", None) in cluster.emulator.log, "a resync's re-list")
             admitted = [{"type": "Admitted", "status": "True", "reason": "Admitted", "message": "",
                          "lastTransitionTime": "2026-01-01T00:00:00Z"}]  # fmt: skip
             # Admitted to a ResourceFlavor, which the operator reads to place the pods.

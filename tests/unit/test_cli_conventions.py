@@ -180,7 +180,11 @@ def test_strict_makes_warnings_fail(tmp_path, capsys):
     assert "warning: spec.output" in err
     code, _, _ = run(capsys, "validate", str(POOL), str(warned))
     assert code == 0
-    code, _, err = run(capsys, "validate", "--strict", str(POOL), str(JOB))  # nothing to warn about
+    quiet = yaml.safe_load(JOB.read_text())
+    quiet["spec"]["trainer"]["resources"] = {"requests": {"memory": "16Gi"}}
+    path = tmp_path / "quiet.yaml"
+    path.write_text(yaml.safe_dump(quiet))
+    code, _, err = run(capsys, "validate", "--strict", str(POOL), str(path))  # nothing to warn about
     assert code == 0, err
 
 

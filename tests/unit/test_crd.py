@@ -138,6 +138,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         restarts_by_cause=RestartCounts(failure=1, disruption=2),
         start_time="2026-01-01T00:00:00Z",
         completion_time="2026-01-01T01:00:00Z",
+        active_since="2026-01-01T00:00:00Z",
         conditions=[
             Condition(
                 type="Progressing",

@@ -525,3 +525,72 @@ def test_a_running_job_whose_claim_cannot_serve_it_keeps_running_and_says_why():
     decision = decide(view, running(), observed, NOW)
     assert decision.status.phase == "Running"
     assert condition(decision, names.VOLUMES_SHAREABLE) == ("False", names.R_VOLUME_ACCESS_MODE)
+
+
+# ---- spec.activeDeadlineSeconds ------------------------------------------------------------------------------------
+
+
+def _active(deadline: int, since_minutes: float, **spec: Any) -> tuple[JobView, JobStatus, Observed]:
+    view = applied_view(activeDeadlineSeconds=deadline, **spec)
+    since = cond_stamp(NOW - datetime.timedelta(minutes=since_minutes))
+    obs = Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=3, syncRound=3, epoch=1))
+    return view, running(active_since=since), obs
+
+
+def cond_stamp(when: datetime.datetime) -> str:
+    return when.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def test_a_job_active_past_its_deadline_fails_with_deadline_exceeded_and_its_pods_go():
+    """As the Job controller: past activeDeadlineSeconds the active pods are deleted and the Job fails with reason
+    DeadlineExceeded (kubernetes pkg/controller/job/job_controller.go, pastActiveDeadline)."""
+    view, before, obs = _active(600, since_minutes=11)
+    decision = decide(view, before, obs, NOW)
+    assert decision.status.phase == "Failed" and decision.status.completion_time == STAMP
+    assert condition(decision, names.FAILED) == ("True", names.R_DEADLINE_EXCEEDED)
+    assert "spec.activeDeadlineSeconds (600 s" in decision.status.message
+    assert decision.create == ()
+    assert set(decision.delete) == {ChildRef("Job", "demo-trainer"), ChildRef("StatefulSet", "demo-inference")}
+    again = decide(view, decision.status, Observed(), NOW + datetime.timedelta(minutes=1))
+    assert condition(again, names.FAILED) == ("True", names.R_DEADLINE_EXCEEDED), "terminal: it sticks"
+
+
+def test_within_its_deadline_a_job_runs_on_and_keeps_the_time_it_became_active():
+    view, before, obs = _active(600, since_minutes=9)
+    decision = decide(view, before, obs, NOW)
+    assert decision.status.phase == "Running" and decision.delete == ()
+    assert decision.status.active_since == before.active_since
+
+
+def test_the_deadline_clock_starts_when_the_job_becomes_active_stops_while_suspended_and_starts_over():
+    """A Job's startTime is set when it starts and reset on resume (suspended time does not count); under Kueue a
+    job is suspended until admitted, so waiting in the queue does not spend its deadline either."""
+    fresh = decide(applied_view(activeDeadlineSeconds=60), JobStatus(), Observed(), NOW)
+    assert fresh.status.active_since == STAMP
+    view, before, obs = _active(600, since_minutes=30, suspend=True)
+    suspended = decide(view, before, obs, NOW)
+    assert suspended.status.phase == "Suspended" and suspended.status.active_since is None
+    later = NOW + datetime.timedelta(hours=5)
+    resumed = decide(applied_view(activeDeadlineSeconds=600), suspended.status, Observed(), later)
+    assert resumed.status.phase == "Pending" and resumed.status.active_since == cond_stamp(later)
+    assert [o["kind"] for o in resumed.create] == ["Job", "StatefulSet"]
+
+
+def test_without_a_deadline_nothing_is_capped():
+    view = applied_view()
+    before = running(active_since=cond_stamp(NOW - datetime.timedelta(days=30)))
+    obs = Observed(trainer_job(active=1, ready=1), statefulset(1), trainer=report(step=3, syncRound=3, epoch=1))
+    assert decide(view, before, obs, NOW).status.phase == "Running"
+
+
+# ---- QoS --------------------------------------------------------------------------------------------------------
+
+
+def test_a_job_whose_pods_would_be_best_effort_says_so_in_its_conditions():
+    decision = decide(applied_view(), pending(), Observed(trainer_job(active=1), statefulset()), NOW)
+    found = next(c for c in decision.status.conditions if c.type == names.PODS_BEST_EFFORT)
+    assert (found.status, found.reason) == ("True", names.R_NO_RESOURCE_REQUESTS)
+    assert "spec.trainer.resources" in found.message and "spec.inference.resources" in found.message
+    requests = {"resources": {"requests": {"memory": "8Gi"}}}
+    burstable = decide(applied_view(trainer=requests, inference=requests), pending(), Observed(), NOW)
+    assert names.PODS_BEST_EFFORT not in [c.type for c in burstable.status.conditions]

@@ -176,3 +176,38 @@ def test_a_light_pass_keeps_the_attachments_and_counts_only_the_pools_own_ready_
     foreign = statefulset | {"metadata": {**statefulset["metadata"], "ownerReferences": [{"controller": True}]}}
     decision = decide(view(maxJobs=1), PoolObserved(children={("StatefulSet", "shared-pool"): foreign}), old)
     assert decision.status is not None and decision.status.replicas == RoleReplicas(desired=2, ready=0)
+
+
+# ---- the pool's Events ---------------------------------------------------------------------------------------------
+
+
+def _pool_status(*attached: tuple[str, str], waiting: tuple[str, ...] = (), ready: int = 2, desired: int = 2):
+    return PoolStatus(
+        attached_jobs=[AttachedJob(job=job, uid=uid) for job, uid in attached],
+        waiting_jobs=list(waiting),
+        replicas=RoleReplicas(desired=desired, ready=ready),
+    )
+
+
+def test_pool_events_say_each_transition_once():
+    from grpolora.operator.pool_reconcile import pool_events
+
+    a, b = ("rl/a", "u-a"), ("rl/b", "u-b")
+    reasons = lambda old, new: [(e.type, e.reason) for e in pool_events(old, new, max_jobs=1)]  # noqa: E731
+    assert reasons(_pool_status(), _pool_status(a, waiting=("rl/b",))) == [
+        ("Normal", names.E_POOL_JOB_ATTACHED),
+        ("Normal", names.E_POOL_FULL),
+    ]
+    assert reasons(_pool_status(a, waiting=("rl/b",)), _pool_status(a, waiting=("rl/b",))) == [], "once"
+    assert reasons(_pool_status(a, waiting=("rl/b",)), _pool_status(b)) == [
+        ("Normal", names.E_POOL_JOB_ATTACHED),
+        ("Normal", names.E_POOL_JOB_DETACHED),
+    ]
+    # Re-created under its name: another job (another uid).
+    assert len(pool_events(_pool_status(a), _pool_status(("rl/a", "u-a2")), max_jobs=1)) == 2
+    # Waiting for its token Secret with a place free is not "full".
+    assert reasons(_pool_status(), _pool_status(waiting=("rl/a",))) == []
+    # A replica lost: fewer ready for as many desired; not while the pool starts or scales.
+    assert reasons(_pool_status(a, ready=2), _pool_status(a, ready=1)) == [("Warning", names.E_POOL_REPLICA_LOST)]
+    assert reasons(_pool_status(a, ready=0), _pool_status(a, ready=1)) == []
+    assert reasons(_pool_status(a, ready=2, desired=2), _pool_status(a, ready=1, desired=1)) == []

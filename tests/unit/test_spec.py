@@ -177,6 +177,7 @@ INVALID = [
     (job_doc(checkpoint={"everySteps": 0}), "spec.checkpoint.everySteps", "greater than 0"),
     (job_doc(checkpoint={"path": "relative/dir"}), "spec.checkpoint.path", "should match pattern"),
     (job_doc(ttlSecondsAfterFinished=-5), "spec.ttlSecondsAfterFinished", "greater than or equal to 0"),
+    (job_doc(activeDeadlineSeconds=0), "spec.activeDeadlineSeconds", "greater than 0"),
     (job_doc(suspend="maybe"), "spec.suspend", "expected true or false"),
     (job_doc(replicas=3), "spec.replicas", "unknown field"),
     ({**job_doc(), "apiVersion": "grpolora.dev/v1"}, "apiVersion", "grpolora.dev/v1alpha1"),
@@ -403,3 +404,56 @@ def test_the_secrets_a_job_names_are_listed_with_their_fields():
         ("tracking.wandb.secretName", "wandb"),
         ("trainer.env[0].valueFrom.secretKeyRef.name", "keys"),
     ]
+
+
+# ---- QoS: pods without cpu or memory requests run BestEffort --------------------------------------------------------
+
+REQUESTS = {"requests": {"memory": "8Gi", "cpu": "2"}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "warned"),
+    [
+        ({}, ["spec.trainer", "spec.inference"]),
+        ({"trainer": {"resources": REQUESTS}, "inference": {"resources": REQUESTS}}, []),
+        # A GPU is an extended resource: it does not count for QoS (kubernetes pkg/apis/core/helper/qos/qos.go).
+        (
+            {"trainer": {"gpusPerReplica": 2}, "inference": {"resources": {"limits": {"memory": "4Gi"}}}},
+            ["spec.trainer"],
+        ),
+        # Zero is no request at all; ephemeral-storage does not count either.
+        (
+            {"trainer": {"resources": {"requests": {"memory": "0", "ephemeral-storage": "1Gi"}}}},
+            ["spec.trainer", "spec.inference"],
+        ),
+        # Any container of the pod counts: a sidecar's or an init container's requests make it Burstable.
+        (
+            {
+                "trainer": {
+                    "podTemplate": {
+                        "spec": {"containers": [{"name": "log", "resources": {"requests": {"cpu": "100m"}}}]}
+                    }
+                },
+                "inference": {
+                    "podTemplate": {
+                        "spec": {"initContainers": [{"name": "fetch", "resources": {"limits": {"cpu": "1"}}}]}
+                    }
+                },
+            },
+            [],
+        ),
+    ],
+    ids=["nothing", "requests", "gpu-only", "zero", "sidecar-and-init"],
+)
+def test_a_role_whose_pods_would_be_best_effort_is_warned_about(spec, warned):
+    job = parse_job(job_doc(**spec))
+    paths = [w.path for w in job_warnings(job) if w.path.endswith(".resources")]
+    assert paths == [f"{path}.resources" for path in warned]
+    assert all("BestEffort" in w.message for w in job_warnings(job) if w.path in paths)
+
+
+def test_a_job_on_a_pool_is_not_warned_about_the_pools_servers():
+    job = parse_job(
+        job_doc(model={"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, inference={"poolRef": {"name": "p"}})
+    )
+    assert [w.path for w in job_warnings(job) if w.path.endswith(".resources")] == ["spec.trainer.resources"]

@@ -33,18 +33,18 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
-# the headless Services that give the trainer and inference pods DNS; read to check their owner and re-create them if deleted
+# the headless Services that give the trainer and inference pods DNS; followed by a watch of the operator's (re-created at once if deleted), listed once per resync (what the watch missed), read to check their owner
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "create"]
-# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; read to check its owner and re-create it if deleted. A RolloutPool's admits exactly its attached jobs' trainers: rewritten as they change (patch)
+  verbs: ["get", "list", "watch", "create"]
+# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; followed by a watch and listed once per resync as the Services are, read to check its owner. A RolloutPool's admits exactly its attached jobs' trainers: rewritten as they change (patch)
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
-  verbs: ["get", "create", "patch"]
-# the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; read to check its owner and re-create it if deleted
+  verbs: ["get", "list", "watch", "create", "patch"]
+# the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; followed by a watch and listed once per resync as the Services are, read to check its owner
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create"]
+  verbs: ["get", "list", "watch", "create"]
 # with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active)
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
@@ -53,11 +53,11 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]
-# the trainer Indexed Job: follow its state (a watch of the operator's Jobs; read on resyncs), create it, delete it to restart or suspend the trainer
+# the trainer Indexed Job: follow its state (a watch of the operator's Jobs; listed once per resync), create it, delete it to restart or suspend the trainer
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; read on resyncs), create it, delete it on suspend and when the job ends
+# the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; listed once per resync), create it, delete it on suspend and when the job ends
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "delete"]
