@@ -120,6 +120,14 @@ def own_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{secrets.token_hex(3)}"
 
 
+def peering_priority(configured: int | None) -> int:
+    """This replica's peering priority: the configured one, else drawn at random from 2**31 - 1 values. Kopf runs
+    the live peer of the highest priority and pauses the others (every one of them on a tie), so replicas of one pod
+    template, which cannot be given distinct flags, draw their own: two tie with a chance of 1 in 2**31, and then
+    both pause and log a warning until one of them is restarted and draws again."""
+    return configured if configured is not None else random.randint(1, 2**31 - 1)
+
+
 async def start_metrics_server(metrics: Metrics, host: str, port: int) -> web.AppRunner:
     async def serve_metrics(_: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -144,7 +152,7 @@ async def serve(
     settings = build_settings()
     login = login or default_login(settings)
     identity = own_identity()
-    priority = options.priority if options.priority is not None else random.randint(1, 2**31 - 1)
+    priority = peering_priority(options.priority)
     client = KubeClient(login, instance=identity, rate_limit=RateLimiter(options.api_qps, options.api_burst))
     gate = (
         Standalone()

@@ -18,7 +18,7 @@ NAMESPACE = "grpo-lora-system"
 KUBE_VERSION = "1.33.0"
 
 # Value combinations every rendering test runs over: the default, listed namespaces, monitoring on, peering
-# on in both scopes, the CRD managed elsewhere, a digest-pinned image with placement.
+# on in both scopes, two replicas (active/standby), the CRD managed elsewhere, a digest-pinned image with placement.
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "namespaces": {"watch": {"namespaces": ["team-a", "team-b"]}},
@@ -31,6 +31,7 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "peering-cluster": {"peering": {"enabled": True}},
     "peering-namespaces": {"peering": {"enabled": True, "name": "rl"}, "watch": {"namespaces": ["team-a"]}},
+    "ha": {"replicaCount": 2, "peering": {"enabled": True}},
     "namespaces-monitoring": {
         "watch": {"namespaces": ["team-a"]},
         "metrics": {"serviceMonitor": {"enabled": True}, "workers": {"podMonitor": {"enabled": True}}},

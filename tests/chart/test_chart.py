@@ -261,6 +261,58 @@ def test_kopf_peering_crds_are_valid(chart):
     }
 
 
+# --- replicas: active/standby through peering ---------------------------------------------------------------------
+
+
+def test_one_replica_recreates_and_has_no_disruption_budget(chart):
+    for values in ({}, {"peering": {"enabled": True}}):
+        objects = chart.render(values)
+        dep = deployment(objects)
+        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+        assert "PodDisruptionBudget" not in kinds(objects)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_run_active_standby_with_peering_rolling_updates_and_a_disruption_budget(chart, replicas):
+    objects = chart.render({"replicaCount": replicas, "peering": {"enabled": True}})
+    dep = deployment(objects)
+    assert dep["spec"]["replicas"] == replicas
+    # Peering pauses all but the replica of the highest priority, so a surge pod overlapping the old ones is safe;
+    # none is taken down before its replacement is up.
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    args = operator_container(objects)["args"]
+    assert "--peering" in args and "--standalone" not in args
+    # One pod template for every replica: a --priority here would give them all the same one, and Kopf pauses every
+    # replica on a tie. Without it each operator draws its own (test_each_operator_draws_its_own_priority).
+    assert not any(a.startswith("--priority") for a in args)
+    pdb = find(objects, "PodDisruptionBudget", FULLNAME, NAMESPACE)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert matches(pdb["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    assert pdb["spec"]["selector"] == dep["spec"]["selector"]
+    # Replicas on one node would all go with it: spread them, softly (a one-node cluster still schedules them).
+    (spread,) = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["labelSelector"] == dep["spec"]["selector"]
+
+
+def test_replicas_without_peering_fail_the_render_saying_why(chart):
+    with pytest.raises(HelmFailed, match=r"replicaCount=2 needs peering\.enabled=true"):
+        chart.render({"replicaCount": 2})
+
+
+def test_each_operator_draws_its_own_priority():
+    """Kopf runs the live peer of the highest priority and pauses the rest (and all of them on a tie): replicas of
+    one pod template must not share a priority, so the chart sets none and each operator draws one."""
+    from grpolora.cli import build_parser
+    from grpolora.operator.main import peering_priority
+
+    args = build_parser().parse_args(["operator", "--all-namespaces", "--peering", "x"])
+    assert args.priority is None
+    assert peering_priority(7) == 7
+    drawn = {peering_priority(None) for _ in range(100)}
+    assert len(drawn) == 100 and all(1 <= p < 2**31 for p in drawn)
+
+
 # --- metrics ------------------------------------------------------------------------------------------------------
 
 
@@ -348,6 +400,9 @@ BAD_VALUES = {
     "typo in a nested key": ({"metrics": {"serviceMonitor": {"enable": True}}}, "enable"),
     "scrape interval": ({"metrics": {"serviceMonitor": {"enabled": True, "interval": "often"}}}, "interval"),
     "resources not a map": ({"resources": {"requests": "lots"}}, "requests"),
+    "no replicas": ({"replicaCount": 0}, "replicaCount"),
+    "replicas as text": ({"replicaCount": "2"}, "replicaCount"),
+    "too many replicas": ({"replicaCount": 6, "peering": {"enabled": True}}, "replicaCount"),
 }
 
 
