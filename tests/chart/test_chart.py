@@ -313,6 +313,89 @@ def test_each_operator_draws_its_own_priority():
     assert len(drawn) == 100 and all(1 <= p < 2**31 for p in drawn)
 
 
+# --- the operator's NetworkPolicy ---------------------------------------------------------------------------------
+
+
+def operator_policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(objects, "NetworkPolicy", FULLNAME, NAMESPACE)
+
+
+def pool_children() -> list[dict[str, Any]]:
+    from grpolora.api.load import parse_pool
+    from grpolora.api.plan import plan_pool
+    from grpolora.api.pool import Attachments
+    from grpolora.operator.builders import build_pool_children
+
+    rollout_pool = parse_pool(yaml.safe_load((ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml").read_text()))
+    return build_pool_children(plan_pool(rollout_pool), owner_uid="uid", attachments=Attachments(pool="p", jobs=[]))
+
+
+def admitted(rule: dict[str, Any], labels: dict[str, str], namespace: str, port: int) -> bool:
+    """Whether an egress rule lets the operator reach a pod with these labels in this namespace on this port."""
+    ports = rule.get("ports")
+    if ports and not any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in ports):
+        return False
+    namespace_labels = {"kubernetes.io/metadata.name": namespace}
+    return any(
+        "podSelector" in peer
+        and matches(peer["podSelector"], labels)
+        and matches(peer.get("namespaceSelector", {"matchLabels": namespace_labels}), namespace_labels)
+        for peer in rule["to"]
+    )
+
+
+def test_operator_network_policy_is_off_by_default(chart):
+    assert "NetworkPolicy" not in kinds(chart.render())
+
+
+def test_operator_network_policy_admits_only_the_configured_sources_to_metrics_and_health(chart):
+    values = VALUE_SETS["network-policy-namespaces"]["networkPolicy"]
+    objects = chart.render(VALUE_SETS["network-policy-namespaces"])
+    policy = operator_policy(objects)
+    assert matches(policy["spec"]["podSelector"], deployment(objects)["spec"]["template"]["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == [
+        {"from": values["metricsFrom"], "ports": [{"port": 9090, "protocol": "TCP"}]},
+        {"from": values["healthFrom"], "ports": [{"port": 8081, "protocol": "TCP"}]},
+    ]
+    # No sources given: no rule at all (a rule with an empty `from` would admit every source). The kubelet's probes
+    # need none: traffic from a pod's own node is always allowed.
+    policy = operator_policy(chart.render(VALUE_SETS["network-policy"]))
+    assert policy["spec"]["ingress"] == []
+    assert all(rule.get("from") for rule in policy["spec"]["ingress"])
+
+
+@pytest.mark.parametrize("scope", ["network-policy", "network-policy-namespaces"])
+def test_operator_network_policy_lets_the_operator_reach_the_api_server_dns_and_the_worker_pods(chart, scope):
+    values = VALUE_SETS[scope]
+    egress = operator_policy(chart.render(values))["spec"]["egress"]
+    assert all(rule.get("to") for rule in egress), "an egress rule without `to` would admit every destination"
+    api_server = values["networkPolicy"].get("apiServer", {})
+    cidrs = api_server.get("cidrs") or ["0.0.0.0/0", "::/0"]
+    ports = api_server.get("ports") or [443, 6443]
+    (api_rule,) = [r for r in egress if any("ipBlock" in peer for peer in r["to"])]
+    assert [peer["ipBlock"]["cidr"] for peer in api_rule["to"]] == cidrs
+    assert api_rule["ports"] == [{"port": p, "protocol": "TCP"} for p in ports]
+    dns = {"k8s-app": "kube-dns"}
+    assert admitted(next(r for r in egress if r.get("ports", [{}])[0].get("port") == 53), dns, "kube-system", 53)
+    # What the operator polls: each trainer's /status (the job's trainer.statusPort) and each RolloutPool server's
+    # /v1/adapter (the pool's port). Both ports are the user's, per job or pool, so the rule admits the pods by label.
+    namespaces = values.get("watch", {}).get("namespaces") or ["anywhere"]
+    job = [o for o in example_children() if o["kind"] in ("Job", "StatefulSet")]
+    pool = [o for o in pool_children() if o["kind"] == "StatefulSet"]
+    assert len(job) == 2 and len(pool) == 1
+    for workload in job + pool:
+        template = workload["spec"]["template"]
+        for port in (p["containerPort"] for p in template["spec"]["containers"][0]["ports"]):
+            for namespace in namespaces:
+                assert any(admitted(r, template["metadata"]["labels"], namespace, port) for r in egress), port
+    if namespaces != ["anywhere"]:  # only the watched namespaces
+        labels = job[0]["spec"]["template"]["metadata"]["labels"]
+        assert not any(admitted(r, labels, "elsewhere", 8080) for r in egress)
+    # Nothing else: no pod outside the jobs and pools, on no port.
+    assert not any(admitted(r, {"app": "other"}, namespaces[0], 8080) for r in egress)
+
+
 # --- metrics ------------------------------------------------------------------------------------------------------
 
 
@@ -402,6 +485,9 @@ BAD_VALUES = {
     "resources not a map": ({"resources": {"requests": "lots"}}, "requests"),
     "no replicas": ({"replicaCount": 0}, "replicaCount"),
     "replicas as text": ({"replicaCount": "2"}, "replicaCount"),
+    "policy source not a peer": ({"networkPolicy": {"enabled": True, "metricsFrom": ["prometheus"]}}, "metricsFrom"),
+    "api server cidr": ({"networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["10.0.0.1"]}}}, "cidrs"),
+    "api server port": ({"networkPolicy": {"enabled": True, "apiServer": {"ports": [0]}}}, "ports"),
     "too many replicas": ({"replicaCount": 6, "peering": {"enabled": True}}, "replicaCount"),
 }
 
