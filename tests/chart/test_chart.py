@@ -217,6 +217,54 @@ def test_placement_and_image_values_reach_the_pod(chart):
     assert find(objects, "ServiceAccount")["metadata"]["annotations"] == {"example.com/role": "operator"}
 
 
+# --- the operator's pace -----------------------------------------------------------------------------------------
+
+PACE = {  # value path -> (operator flag, parsed attribute, a value to set)
+    "statusInterval": ("--status-interval", "status_interval", 2.5),
+    "resyncInterval": ("--resync-interval", "resync_interval", 300),
+    "apiClient.qps": ("--api-qps", "api_qps", 20),
+    "apiClient.burst": ("--api-burst", "api_burst", 40),
+}
+
+
+def nested(path: str, value: Any) -> dict[str, Any]:
+    head, _, rest = path.partition(".")
+    return {head: nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize("path", list(PACE))
+def test_a_pace_value_reaches_the_operators_flag(chart, path):
+    from grpolora.cli import build_parser
+
+    flag, attribute, value = PACE[path]
+    args = operator_container(chart.render(nested(path, value)))["args"]
+    assert args[args.index(flag) + 1] == str(value)
+    assert getattr(build_parser().parse_args(args), attribute) == value
+
+
+def test_pace_values_left_unset_leave_the_operators_defaults():
+    """Unset (null) passes no flag, so the operator's own default holds; values.yaml names it, and must name it
+    right."""
+    from grpolora.cli import build_parser
+
+    defaults = build_parser().parse_args(["operator", "--all-namespaces"])
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    for path, (flag, attribute, _) in PACE.items():
+        node: Any = values
+        for key in path.split("."):
+            node = node[key]
+        assert node is None, path
+        key = path.rsplit(".", 1)[-1]
+        (said,) = re.findall(rf"^\s*{key}: null\s+# .*\(operator default ([0-9.]+)\)", text, re.MULTILINE)
+        assert float(said) == getattr(defaults, attribute), (path, flag)
+
+
+def test_default_args_carry_no_pace_flags(chart):
+    args = operator_container(chart.render())["args"]
+    assert not {flag for flag, _, _ in PACE.values()} & set(args)
+
+
 # --- peering ------------------------------------------------------------------------------------------------------
 
 
@@ -488,6 +536,11 @@ BAD_VALUES = {
     "policy source not a peer": ({"networkPolicy": {"enabled": True, "metricsFrom": ["prometheus"]}}, "metricsFrom"),
     "api server cidr": ({"networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["10.0.0.1"]}}}, "cidrs"),
     "api server port": ({"networkPolicy": {"enabled": True, "apiServer": {"ports": [0]}}}, "ports"),
+    "status interval zero": ({"statusInterval": 0}, "statusInterval"),
+    "status interval as text": ({"statusInterval": "10s"}, "statusInterval"),
+    "resync interval too short": ({"resyncInterval": 1}, "resyncInterval"),
+    "api qps zero": ({"apiClient": {"qps": 0}}, "qps"),
+    "api burst fractional": ({"apiClient": {"burst": 1.5}}, "burst"),
     "too many replicas": ({"replicaCount": 6, "peering": {"enabled": True}}, "replicaCount"),
 }
 
