@@ -586,7 +586,12 @@ def test_notes_tell_the_user_what_to_do_next(chart):
     assert f"rollout status deployment/{FULLNAME}" in notes
     assert "kubectl get glj --all-namespaces" in notes
     assert "grpolora.dev/pool=trainer" in notes and "docs/operations.md" in notes
-    assert "kubectl delete crd grpolorajobs.grpolora.dev" in notes
+    # The command removes every CRD the chart installs and keeps (jobs and pools alike), and only those.
+    text = chart.template_text(None, "--show-only", "templates/crd.yaml")
+    crds = [d["metadata"]["name"] for d in yaml.safe_load_all(text) if d]
+    assert len(crds) == 2
+    (command,) = re.findall(r"kubectl delete crd [^\n]*", notes)
+    assert command.split()[3:] == crds
 
 
 def test_notes_for_listed_namespaces_name_them(chart):
