@@ -59,3 +59,16 @@ def test_the_chart_speaks_of_its_two_crds_not_one(path):
     """The chart installs the GRPOLoraJob and the RolloutPool CRDs; text about "the CRD" leaves the second out."""
     singular = re.findall(r".{0,40}\b(?:[Tt]he|GRPOLoraJob|same) CRD\b.{0,40}", path.read_text())
     assert singular == []
+
+
+def test_the_chart_readme_quick_start_warns_that_the_images_may_not_be_published():
+    """As the main README does: the default images exist only once a release tag has run; before, the install
+    pulls nothing (ImagePullBackOff) unless the user builds and pushes their own and points the chart at them."""
+    readme = (CHART / "README.md").read_text()
+    quick_start = readme[: readme.index("\n## ")]
+    assert "nobody has published" in quick_start and "ImagePullBackOff" in quick_start
+    assert quick_start.index("docker build --target operator") < quick_start.index("helm install")
+    assert "--set image.repository=" in quick_start
+    # Once published, the chart itself is beside the images (.github/workflows/release.yaml).
+    registry = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yaml").read_text())["env"]["REGISTRY"]
+    assert f"oci://{registry}/charts/grpo-lora-operator --version" in quick_start
