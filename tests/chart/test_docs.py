@@ -29,8 +29,9 @@ def printer_columns(short_name: str) -> list[dict[str, Any]]:
 
 def table_after(text: str, title: str) -> list[list[str]]:
     """The body rows of the first Markdown table after `title`, as cells."""
-    lines = text[text.index(title) + len(title) :].lstrip("\n").splitlines()
-    table = [line for line in lines[: next(i for i, line in enumerate(lines) if not line.startswith("|"))]]
+    lines = text[text.index(title) + len(title) :].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = lines[start : next(i for i, line in enumerate(lines) if i > start and not line.startswith("|"))]
     return [[cell.strip() for cell in row.strip("|").split("|")] for row in table[2:]]
 
 
@@ -72,3 +73,67 @@ def test_the_chart_readme_quick_start_warns_that_the_images_may_not_be_published
     # Once published, the chart itself is beside the images (.github/workflows/release.yaml).
     registry = yaml.safe_load((ROOT / ".github" / "workflows" / "release.yaml").read_text())["env"]["REGISTRY"]
     assert f"oci://{registry}/charts/grpo-lora-operator --version" in quick_start
+
+
+CONTRACT = ROOT / "docs" / "contract.md"
+POD_KINDS = ("trainer pods", "a job's inference servers", "a RolloutPool's servers")
+
+
+def documented_env() -> dict[str, dict[str, str]]:
+    """docs/contract.md's table of which pods get which variable: {pod kind: {variable: cell}}."""
+    text = CONTRACT.read_text()
+    title = "| variable | " + " | ".join(POD_KINDS) + " |"
+    rows = table_after(text, "## Which pods get which")
+    assert title in text
+    table: dict[str, dict[str, str]] = {kind: {} for kind in POD_KINDS}
+    for variable, *cells in rows:
+        for kind, cell in zip(POD_KINDS, cells, strict=True):
+            table[kind][variable.strip("`")] = cell
+    return table
+
+
+def rendered_env(objects: list[dict[str, Any]]) -> dict[str, set[str]]:
+    result = {}
+    for obj in objects:
+        if obj["kind"] in ("Job", "StatefulSet"):
+            (container,) = obj["spec"]["template"]["spec"]["containers"]
+            kind = POD_KINDS[0] if obj["kind"] == "Job" else POD_KINDS[2 if "rollout-pool" in str(obj) else 1]
+            result[kind] = {e["name"] for e in container["env"]}
+    return result
+
+
+def test_the_contract_says_which_variables_each_pod_gets():
+    from grpolora.api import contract
+    from grpolora.api.load import parse_job, parse_pool
+    from grpolora.api.plan import plan, plan_pool
+    from grpolora.api.pool import Attachments
+    from grpolora.operator.builders import build_children, build_pool_children
+    from tests.helpers import job_doc
+
+    table = documented_env()
+    for kind in POD_KINDS:
+        assert sorted(table[kind]) == sorted(contract.ALL), kind
+
+    def job_env(doc: dict[str, Any]) -> dict[str, set[str]]:
+        return rendered_env(build_children(plan(parse_job(doc)), owner_uid="u", token="t"))
+
+    plain = job_env(job_doc())
+    conditional = job_env(
+        job_doc(
+            task={
+                "dataset": {"pvc": {"claimName": "prompts"}, "path": "train.parquet"},
+                "reward": [{"url": "http://reward.rl.svc:8000/score", "headersFrom": {"secretName": "reward-auth"}}],
+            }
+        )
+    )
+    pool = parse_pool(yaml.safe_load((ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml").read_text()))
+    plain |= rendered_env(
+        build_pool_children(plan_pool(pool), owner_uid="u", attachments=Attachments(pool="p", jobs=[]))
+    )
+    conditional[POD_KINDS[2]] = plain[POD_KINDS[2]]
+    assert sorted(plain) == sorted(conditional) == sorted(POD_KINDS)
+    for kind in POD_KINDS:
+        always = {v for v, cell in table[kind].items() if cell == "yes"}
+        sometimes = {v for v, cell in table[kind].items() if cell.startswith(("with ", "when "))}
+        assert plain[kind] == always, kind
+        assert conditional[kind] == always | sometimes, kind
