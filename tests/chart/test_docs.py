@@ -4,6 +4,7 @@ files the design names) agree with the code."""
 from __future__ import annotations
 
 import re
+import subprocess
 from typing import Any
 
 import pytest
@@ -137,3 +138,15 @@ def test_the_contract_says_which_variables_each_pod_gets():
         sometimes = {v for v, cell in table[kind].items() if cell.startswith(("with ", "when "))}
         assert plain[kind] == always, kind
         assert conditional[kind] == always | sometimes, kind
+
+
+def test_the_design_notes_name_only_files_of_this_repository():
+    """A reader of docs/design.md has this repository, nothing else: every file it names must be here (commands in
+    backticks, whose file names are the reader's own, aside)."""
+    text = re.sub(r"`[^`\n]* [^`\n]*`", "", (ROOT / "docs" / "design.md").read_text())
+    named = set(re.findall(r"[\w./-]+\.(?:md|py|yaml|yml|sh|toml)\b", text))
+    assert len(named) > 10, "the pattern finds no file names any more"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    for name in named:
+        # A path from the root, or a bare file name that one tracked file ends with.
+        assert name in tracked or any(path.endswith(f"/{name}") for path in tracked), name
