@@ -64,6 +64,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "priorityClassName": "system-cluster-critical",
         "imagePullSecrets": [{"name": "regcred"}],
+        "workers": {
+            "images": {"gpu": "registry.example.com/grpo/worker-gpu:0.1.0"},
+            "imagePullSecrets": [{"name": "x"}],
+        },
         "serviceAccount": {"annotations": {"example.com/role": "operator"}},
     },
 }

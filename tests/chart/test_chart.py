@@ -265,6 +265,35 @@ def test_default_args_carry_no_pace_flags(chart):
     assert not {flag for flag, _, _ in PACE.values()} & set(args)
 
 
+# --- cluster-wide worker defaults ---------------------------------------------------------------------------------
+
+
+def test_worker_defaults_in_values_reach_the_operator_and_make_its_defaults(chart):
+    from grpolora.api.plan import WorkerDefaults
+    from grpolora.cli import build_parser
+    from grpolora.operator.main import OperatorOptions
+
+    gpu = "registry.example.com/grpo/worker-gpu@sha256:" + "c" * 64
+    values = {
+        "workers": {
+            "images": {"gpu": gpu, "cpu": "registry.example.com/grpo/worker-cpu:0.1.0"},
+            "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
+        }
+    }
+    args = build_parser().parse_args(operator_container(chart.render(values))["args"])
+    options = OperatorOptions(
+        all_namespaces=args.all_namespaces,
+        worker_image_gpu=args.worker_image_gpu,
+        worker_image_cpu=args.worker_image_cpu,
+        worker_image_pull_secrets=tuple(args.worker_image_pull_secrets),
+    )
+    assert options.worker_defaults() == WorkerDefaults(
+        image_gpu=gpu, image_cpu="registry.example.com/grpo/worker-cpu:0.1.0", image_pull_secrets=("regcred", "mirror")
+    )
+    # Unset: no flags, the project's images (grpolora.api.constants) and no pull secrets.
+    assert not any(a.startswith("--worker-") for a in operator_container(chart.render())["args"])
+
+
 # --- peering ------------------------------------------------------------------------------------------------------
 
 
@@ -541,6 +570,8 @@ BAD_VALUES = {
     "resync interval too short": ({"resyncInterval": 1}, "resyncInterval"),
     "api qps zero": ({"apiClient": {"qps": 0}}, "qps"),
     "api burst fractional": ({"apiClient": {"burst": 1.5}}, "burst"),
+    "worker image without tag or digest": ({"workers": {"images": {"gpu": "registry.example.com/x"}}}, "gpu"),
+    "worker pull secret as text": ({"workers": {"imagePullSecrets": ["regcred"]}}, "imagePullSecrets"),
     "too many replicas": ({"replicaCount": 6, "peering": {"enabled": True}}, "replicaCount"),
 }
 
