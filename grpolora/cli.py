@@ -462,6 +462,9 @@ def cmd_operator(args: argparse.Namespace) -> int:
             resync_interval=args.resync_interval,
             api_qps=args.api_qps,
             api_burst=args.api_burst,
+            worker_image_gpu=args.worker_image_gpu,
+            worker_image_cpu=args.worker_image_cpu,
+            worker_image_pull_secrets=tuple(args.worker_image_pull_secrets or ()),
         )
     except ValueError as exc:
         print(f"grpolora operator: {exc}", file=sys.stderr)
@@ -560,6 +563,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-qps", type=float, default=100.0, help="API requests per second, after a burst (100)")
     p.add_argument(
         "--api-burst", type=int, default=200, help="API requests sent at once before --api-qps applies (200)"
+    )
+    p.add_argument(
+        "--worker-image-gpu",
+        metavar="IMAGE",
+        help=f"image of every role with GPUs whose spec names none, name:tag or name@sha256:... "
+        f"({c.DEFAULT_WORKER_IMAGE_GPU})",
+    )
+    p.add_argument(
+        "--worker-image-cpu",
+        metavar="IMAGE",
+        help=f"likewise for roles without GPUs ({c.DEFAULT_WORKER_IMAGE_CPU})",
+    )
+    p.add_argument(
+        "--worker-image-pull-secret",
+        action="append",
+        dest="worker_image_pull_secrets",
+        metavar="SECRET",
+        help="a Secret in each job's namespace that every worker pod pulls its images with (repeatable)",
     )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
     p.set_defaults(func=cmd_operator)

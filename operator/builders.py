@@ -495,6 +495,8 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         pod["tolerations"] = [copy.deepcopy(dict(t)) for t in placement.tolerations]
     if placement.affinity:
         pod["affinity"] = copy.deepcopy(dict(placement.affinity))
+    if placement.image_pull_secrets:  # the cluster's (grpolora.api.plan.WorkerDefaults); a podTemplate adds its own
+        pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
     return pod
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import random
+import re
 import secrets
 import socket
 from collections.abc import Callable
@@ -16,6 +17,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from grpolora.api import constants as c
+from grpolora.api.plan import WorkerDefaults, set_worker_defaults
 from grpolora.operator import names
 from grpolora.operator.controller import Controller, ControllerConfig
 from grpolora.operator.handlers import build_registry
@@ -25,6 +27,11 @@ from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_ob
 from grpolora.operator.trainer_client import TrainerStatusClient
 
 logger = logging.getLogger(__name__)
+
+
+# An image reference with a tag or a digest (the repository part is left to the registry to judge).
+IMAGE_REFERENCE = re.compile(r"[^\s@]+(:[\w][\w.-]{0,127}|@sha256:[a-f0-9]{64})")
+SECRET_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,12 @@ class OperatorOptions:
     resync_interval: float = 600.0
     """Seconds between a job's full passes, which read its children from the API (drift repair of the Secret,
     Services, NetworkPolicy and PodDisruptionBudget; the workloads otherwise come from the operator's watch)."""
+    worker_image_gpu: str | None = None
+    """The image of every role with GPUs whose spec names none (cluster-wide); None: the project's."""
+    worker_image_cpu: str | None = None
+    """Likewise for roles without GPUs."""
+    worker_image_pull_secrets: tuple[str, ...] = ()
+    """Secrets every worker pod pulls its images with (in each job's namespace)."""
     bind: str = "0.0.0.0"
     operator_namespace: str = field(
         default_factory=lambda: os.environ.get("POD_NAMESPACE") or c.DEFAULT_OPERATOR_NAMESPACE
@@ -69,6 +82,27 @@ class OperatorOptions:
             )
         if self.resync_interval <= 0:
             raise ValueError(f"--resync-interval must be positive, got {self.resync_interval}")
+        for image, flag in (
+            (self.worker_image_gpu, "--worker-image-gpu"),
+            (self.worker_image_cpu, "--worker-image-cpu"),
+        ):
+            # Pinned, so that a job started today and its replacement pod next week run the same image.
+            if image is not None and not IMAGE_REFERENCE.fullmatch(image):
+                raise ValueError(
+                    f"{flag}: {image!r} is not an image with a tag or a digest (name:tag, name@sha256:...)"
+                )
+        for name in self.worker_image_pull_secrets:
+            if not SECRET_NAME.fullmatch(name):
+                raise ValueError(f"--worker-image-pull-secret: {name!r} is not a Secret name")
+
+    def worker_defaults(self) -> WorkerDefaults:
+        """What roles whose spec says nothing get (grpolora.api.plan.WorkerDefaults)."""
+        default = WorkerDefaults()
+        return WorkerDefaults(
+            image_gpu=self.worker_image_gpu or default.image_gpu,
+            image_cpu=self.worker_image_cpu or default.image_cpu,
+            image_pull_secrets=tuple(self.worker_image_pull_secrets),
+        )
 
 
 async def _kueue_served(client: KubeClient) -> bool:
@@ -120,6 +154,14 @@ def own_identity() -> str:
     return os.environ.get("POD_ID") or f"{socket.gethostname()}/{secrets.token_hex(3)}"
 
 
+def peering_priority(configured: int | None) -> int:
+    """This replica's peering priority: the configured one, else drawn at random from 2**31 - 1 values. Kopf runs
+    the live peer of the highest priority and pauses the others (every one of them on a tie), so replicas of one pod
+    template, which cannot be given distinct flags, draw their own: two tie with a chance of 1 in 2**31, and then
+    both pause and log a warning until one of them is restarted and draws again."""
+    return configured if configured is not None else random.randint(1, 2**31 - 1)
+
+
 async def start_metrics_server(metrics: Metrics, host: str, port: int) -> web.AppRunner:
     async def serve_metrics(_: web.Request) -> web.Response:
         return web.Response(body=metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -141,10 +183,11 @@ async def serve(
     on_controller: Callable[[Controller], None] | None = None,
 ) -> None:
     """Run until stopped (SIGINT/SIGTERM, or `stop_flag` when run inside another program such as the tests)."""
+    set_worker_defaults(options.worker_defaults())
     settings = build_settings()
     login = login or default_login(settings)
     identity = own_identity()
-    priority = options.priority if options.priority is not None else random.randint(1, 2**31 - 1)
+    priority = peering_priority(options.priority)
     client = KubeClient(login, instance=identity, rate_limit=RateLimiter(options.api_qps, options.api_burst))
     gate = (
         Standalone()

@@ -76,6 +76,7 @@ class EnvVar:
 class Placement:
     image: str
     image_pull_policy: str | None
+    image_pull_secrets: tuple[str, ...]
     gpus: int
     resources: Mapping[str, Any]
     node_selector: Mapping[str, str]
@@ -370,11 +371,40 @@ def _pool_of(job: GRPOLoraJob, pool: RolloutPool | None, network: Network) -> Po
     return plan_pool(pool, network)
 
 
+@dataclass(frozen=True)
+class WorkerDefaults:
+    """What a role gets where its spec says nothing: set cluster-wide by the operator's flags (the chart's `workers`
+    values); otherwise the project's published images, and no pull secrets."""
+
+    image_gpu: str = c.DEFAULT_WORKER_IMAGE_GPU
+    """The image of a role with gpusPerReplica > 0 and no spec image."""
+    image_cpu: str = c.DEFAULT_WORKER_IMAGE_CPU
+    """The image of a role without GPUs and no spec image."""
+    image_pull_secrets: tuple[str, ...] = ()
+    """Secrets every worker pod pulls its images with (a job's podTemplate may add its own, merged by name)."""
+
+
+_worker_defaults = WorkerDefaults()
+
+
+def set_worker_defaults(defaults: WorkerDefaults) -> None:
+    """Set the cluster-wide defaults, once, as the operator starts (grpolora.operator.main): every plan the process
+    makes from then on uses them. One setting per process keeps plan()'s callers unaware of it."""
+    global _worker_defaults
+    _worker_defaults = defaults
+
+
+def worker_defaults() -> WorkerDefaults:
+    return _worker_defaults
+
+
 def _placement(role_spec: RoleSpec) -> Placement:
     gpus = role_spec.gpus_per_replica
+    defaults = _worker_defaults
     return Placement(
-        image=role_spec.image or (c.DEFAULT_WORKER_IMAGE_GPU if gpus else c.DEFAULT_WORKER_IMAGE_CPU),
+        image=role_spec.image or (defaults.image_gpu if gpus else defaults.image_cpu),
         image_pull_policy=role_spec.image_pull_policy,
+        image_pull_secrets=defaults.image_pull_secrets,
         gpus=gpus,
         resources=role_spec.resources,
         node_selector=role_spec.node_selector,

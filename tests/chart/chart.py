@@ -18,7 +18,8 @@ NAMESPACE = "grpo-lora-system"
 KUBE_VERSION = "1.33.0"
 
 # Value combinations every rendering test runs over: the default, listed namespaces, monitoring on, peering
-# on in both scopes, the CRD managed elsewhere, a digest-pinned image with placement.
+# on in both scopes, two replicas (active/standby), the operator's
+# NetworkPolicy in both scopes, the CRD managed elsewhere, a digest-pinned image with placement.
 VALUE_SETS: dict[str, dict[str, Any]] = {
     "default": {},
     "namespaces": {"watch": {"namespaces": ["team-a", "team-b"]}},
@@ -31,6 +32,17 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
     },
     "peering-cluster": {"peering": {"enabled": True}},
     "peering-namespaces": {"peering": {"enabled": True, "name": "rl"}, "watch": {"namespaces": ["team-a"]}},
+    "ha": {"replicaCount": 2, "peering": {"enabled": True}},
+    "network-policy": {"networkPolicy": {"enabled": True}},
+    "network-policy-namespaces": {
+        "watch": {"namespaces": ["team-a", "team-b"]},
+        "networkPolicy": {
+            "enabled": True,
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}],
+            "healthFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+            "apiServer": {"cidrs": ["172.18.0.2/32"], "ports": [6443]},
+        },
+    },
     "namespaces-monitoring": {
         "watch": {"namespaces": ["team-a"]},
         "metrics": {"serviceMonitor": {"enabled": True}, "workers": {"podMonitor": {"enabled": True}}},
@@ -52,6 +64,10 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         },
         "priorityClassName": "system-cluster-critical",
         "imagePullSecrets": [{"name": "regcred"}],
+        "workers": {
+            "images": {"gpu": "registry.example.com/grpo/worker-gpu:0.1.0"},
+            "imagePullSecrets": [{"name": "x"}],
+        },
         "serviceAccount": {"annotations": {"example.com/role": "operator"}},
     },
 }

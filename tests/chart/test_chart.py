@@ -217,6 +217,83 @@ def test_placement_and_image_values_reach_the_pod(chart):
     assert find(objects, "ServiceAccount")["metadata"]["annotations"] == {"example.com/role": "operator"}
 
 
+# --- the operator's pace -----------------------------------------------------------------------------------------
+
+PACE = {  # value path -> (operator flag, parsed attribute, a value to set)
+    "statusInterval": ("--status-interval", "status_interval", 2.5),
+    "resyncInterval": ("--resync-interval", "resync_interval", 300),
+    "apiClient.qps": ("--api-qps", "api_qps", 20),
+    "apiClient.burst": ("--api-burst", "api_burst", 40),
+}
+
+
+def nested(path: str, value: Any) -> dict[str, Any]:
+    head, _, rest = path.partition(".")
+    return {head: nested(rest, value) if rest else value}
+
+
+@pytest.mark.parametrize("path", list(PACE))
+def test_a_pace_value_reaches_the_operators_flag(chart, path):
+    from grpolora.cli import build_parser
+
+    flag, attribute, value = PACE[path]
+    args = operator_container(chart.render(nested(path, value)))["args"]
+    assert args[args.index(flag) + 1] == str(value)
+    assert getattr(build_parser().parse_args(args), attribute) == value
+
+
+def test_pace_values_left_unset_leave_the_operators_defaults():
+    """Unset (null) passes no flag, so the operator's own default holds; values.yaml names it, and must name it
+    right."""
+    from grpolora.cli import build_parser
+
+    defaults = build_parser().parse_args(["operator", "--all-namespaces"])
+    text = (CHART / "values.yaml").read_text()
+    values = yaml.safe_load(text)
+    for path, (flag, attribute, _) in PACE.items():
+        node: Any = values
+        for key in path.split("."):
+            node = node[key]
+        assert node is None, path
+        key = path.rsplit(".", 1)[-1]
+        (said,) = re.findall(rf"^\s*{key}: null\s+# .*\(operator default ([0-9.]+)\)", text, re.MULTILINE)
+        assert float(said) == getattr(defaults, attribute), (path, flag)
+
+
+def test_default_args_carry_no_pace_flags(chart):
+    args = operator_container(chart.render())["args"]
+    assert not {flag for flag, _, _ in PACE.values()} & set(args)
+
+
+# --- cluster-wide worker defaults ---------------------------------------------------------------------------------
+
+
+def test_worker_defaults_in_values_reach_the_operator_and_make_its_defaults(chart):
+    from grpolora.api.plan import WorkerDefaults
+    from grpolora.cli import build_parser
+    from grpolora.operator.main import OperatorOptions
+
+    gpu = "registry.example.com/grpo/worker-gpu@sha256:" + "c" * 64
+    values = {
+        "workers": {
+            "images": {"gpu": gpu, "cpu": "registry.example.com/grpo/worker-cpu:0.1.0"},
+            "imagePullSecrets": [{"name": "regcred"}, {"name": "mirror"}],
+        }
+    }
+    args = build_parser().parse_args(operator_container(chart.render(values))["args"])
+    options = OperatorOptions(
+        all_namespaces=args.all_namespaces,
+        worker_image_gpu=args.worker_image_gpu,
+        worker_image_cpu=args.worker_image_cpu,
+        worker_image_pull_secrets=tuple(args.worker_image_pull_secrets),
+    )
+    assert options.worker_defaults() == WorkerDefaults(
+        image_gpu=gpu, image_cpu="registry.example.com/grpo/worker-cpu:0.1.0", image_pull_secrets=("regcred", "mirror")
+    )
+    # Unset: no flags, the project's images (grpolora.api.constants) and no pull secrets.
+    assert not any(a.startswith("--worker-") for a in operator_container(chart.render())["args"])
+
+
 # --- peering ------------------------------------------------------------------------------------------------------
 
 
@@ -259,6 +336,141 @@ def test_kopf_peering_crds_are_valid(chart):
         ("ClusterKopfPeering", "Cluster", "kopf.dev"),
         ("KopfPeering", "Namespaced", "kopf.dev"),
     }
+
+
+# --- replicas: active/standby through peering ---------------------------------------------------------------------
+
+
+def test_one_replica_recreates_and_has_no_disruption_budget(chart):
+    for values in ({}, {"peering": {"enabled": True}}):
+        objects = chart.render(values)
+        dep = deployment(objects)
+        assert dep["spec"]["replicas"] == 1 and dep["spec"]["strategy"] == {"type": "Recreate"}
+        assert "PodDisruptionBudget" not in kinds(objects)
+
+
+@pytest.mark.parametrize("replicas", [2, 3])
+def test_replicas_run_active_standby_with_peering_rolling_updates_and_a_disruption_budget(chart, replicas):
+    objects = chart.render({"replicaCount": replicas, "peering": {"enabled": True}})
+    dep = deployment(objects)
+    assert dep["spec"]["replicas"] == replicas
+    # Peering pauses all but the replica of the highest priority, so a surge pod overlapping the old ones is safe;
+    # none is taken down before its replacement is up.
+    assert dep["spec"]["strategy"] == {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    args = operator_container(objects)["args"]
+    assert "--peering" in args and "--standalone" not in args
+    # One pod template for every replica: a --priority here would give them all the same one, and Kopf pauses every
+    # replica on a tie. Without it each operator draws its own (test_each_operator_draws_its_own_priority).
+    assert not any(a.startswith("--priority") for a in args)
+    pdb = find(objects, "PodDisruptionBudget", FULLNAME, NAMESPACE)
+    assert pdb["spec"]["maxUnavailable"] == 1
+    assert matches(pdb["spec"]["selector"], dep["spec"]["template"]["metadata"]["labels"])
+    assert pdb["spec"]["selector"] == dep["spec"]["selector"]
+    # Replicas on one node would all go with it: spread them, softly (a one-node cluster still schedules them).
+    (spread,) = dep["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname" and spread["whenUnsatisfiable"] == "ScheduleAnyway"
+    assert spread["labelSelector"] == dep["spec"]["selector"]
+
+
+def test_replicas_without_peering_fail_the_render_saying_why(chart):
+    with pytest.raises(HelmFailed, match=r"replicaCount=2 needs peering\.enabled=true"):
+        chart.render({"replicaCount": 2})
+
+
+def test_each_operator_draws_its_own_priority():
+    """Kopf runs the live peer of the highest priority and pauses the rest (and all of them on a tie): replicas of
+    one pod template must not share a priority, so the chart sets none and each operator draws one."""
+    from grpolora.cli import build_parser
+    from grpolora.operator.main import peering_priority
+
+    args = build_parser().parse_args(["operator", "--all-namespaces", "--peering", "x"])
+    assert args.priority is None
+    assert peering_priority(7) == 7
+    drawn = {peering_priority(None) for _ in range(100)}
+    assert len(drawn) == 100 and all(1 <= p < 2**31 for p in drawn)
+
+
+# --- the operator's NetworkPolicy ---------------------------------------------------------------------------------
+
+
+def operator_policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(objects, "NetworkPolicy", FULLNAME, NAMESPACE)
+
+
+def pool_children() -> list[dict[str, Any]]:
+    from grpolora.api.load import parse_pool
+    from grpolora.api.plan import plan_pool
+    from grpolora.api.pool import Attachments
+    from grpolora.operator.builders import build_pool_children
+
+    rollout_pool = parse_pool(yaml.safe_load((ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml").read_text()))
+    return build_pool_children(plan_pool(rollout_pool), owner_uid="uid", attachments=Attachments(pool="p", jobs=[]))
+
+
+def admitted(rule: dict[str, Any], labels: dict[str, str], namespace: str, port: int) -> bool:
+    """Whether an egress rule lets the operator reach a pod with these labels in this namespace on this port."""
+    ports = rule.get("ports")
+    if ports and not any(p["port"] == port and p.get("protocol", "TCP") == "TCP" for p in ports):
+        return False
+    namespace_labels = {"kubernetes.io/metadata.name": namespace}
+    return any(
+        "podSelector" in peer
+        and matches(peer["podSelector"], labels)
+        and matches(peer.get("namespaceSelector", {"matchLabels": namespace_labels}), namespace_labels)
+        for peer in rule["to"]
+    )
+
+
+def test_operator_network_policy_is_off_by_default(chart):
+    assert "NetworkPolicy" not in kinds(chart.render())
+
+
+def test_operator_network_policy_admits_only_the_configured_sources_to_metrics_and_health(chart):
+    values = VALUE_SETS["network-policy-namespaces"]["networkPolicy"]
+    objects = chart.render(VALUE_SETS["network-policy-namespaces"])
+    policy = operator_policy(objects)
+    assert matches(policy["spec"]["podSelector"], deployment(objects)["spec"]["template"]["metadata"]["labels"])
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    assert policy["spec"]["ingress"] == [
+        {"from": values["metricsFrom"], "ports": [{"port": 9090, "protocol": "TCP"}]},
+        {"from": values["healthFrom"], "ports": [{"port": 8081, "protocol": "TCP"}]},
+    ]
+    # No sources given: no rule at all (a rule with an empty `from` would admit every source). The kubelet's probes
+    # need none: traffic from a pod's own node is always allowed.
+    policy = operator_policy(chart.render(VALUE_SETS["network-policy"]))
+    assert policy["spec"]["ingress"] == []
+    assert all(rule.get("from") for rule in policy["spec"]["ingress"])
+
+
+@pytest.mark.parametrize("scope", ["network-policy", "network-policy-namespaces"])
+def test_operator_network_policy_lets_the_operator_reach_the_api_server_dns_and_the_worker_pods(chart, scope):
+    values = VALUE_SETS[scope]
+    egress = operator_policy(chart.render(values))["spec"]["egress"]
+    assert all(rule.get("to") for rule in egress), "an egress rule without `to` would admit every destination"
+    api_server = values["networkPolicy"].get("apiServer", {})
+    cidrs = api_server.get("cidrs") or ["0.0.0.0/0", "::/0"]
+    ports = api_server.get("ports") or [443, 6443]
+    (api_rule,) = [r for r in egress if any("ipBlock" in peer for peer in r["to"])]
+    assert [peer["ipBlock"]["cidr"] for peer in api_rule["to"]] == cidrs
+    assert api_rule["ports"] == [{"port": p, "protocol": "TCP"} for p in ports]
+    dns = {"k8s-app": "kube-dns"}
+    assert admitted(next(r for r in egress if r.get("ports", [{}])[0].get("port") == 53), dns, "kube-system", 53)
+    # What the operator polls: each trainer's /status (the job's trainer.statusPort) and each RolloutPool server's
+    # /v1/adapter (the pool's port). Both ports are the user's, per job or pool, so the rule admits the pods by label.
+    namespaces = values.get("watch", {}).get("namespaces") or ["anywhere"]
+    job = [o for o in example_children() if o["kind"] in ("Job", "StatefulSet")]
+    pool = [o for o in pool_children() if o["kind"] == "StatefulSet"]
+    assert len(job) == 2 and len(pool) == 1
+    for workload in job + pool:
+        template = workload["spec"]["template"]
+        for port in (p["containerPort"] for p in template["spec"]["containers"][0]["ports"]):
+            for namespace in namespaces:
+                assert any(admitted(r, template["metadata"]["labels"], namespace, port) for r in egress), port
+    if namespaces != ["anywhere"]:  # only the watched namespaces
+        labels = job[0]["spec"]["template"]["metadata"]["labels"]
+        assert not any(admitted(r, labels, "elsewhere", 8080) for r in egress)
+    # Nothing else: no pod outside the jobs and pools, on no port.
+    assert not any(admitted(r, {"app": "other"}, namespaces[0], 8080) for r in egress)
 
 
 # --- metrics ------------------------------------------------------------------------------------------------------
@@ -348,6 +560,19 @@ BAD_VALUES = {
     "typo in a nested key": ({"metrics": {"serviceMonitor": {"enable": True}}}, "enable"),
     "scrape interval": ({"metrics": {"serviceMonitor": {"enabled": True, "interval": "often"}}}, "interval"),
     "resources not a map": ({"resources": {"requests": "lots"}}, "requests"),
+    "no replicas": ({"replicaCount": 0}, "replicaCount"),
+    "replicas as text": ({"replicaCount": "2"}, "replicaCount"),
+    "policy source not a peer": ({"networkPolicy": {"enabled": True, "metricsFrom": ["prometheus"]}}, "metricsFrom"),
+    "api server cidr": ({"networkPolicy": {"enabled": True, "apiServer": {"cidrs": ["10.0.0.1"]}}}, "cidrs"),
+    "api server port": ({"networkPolicy": {"enabled": True, "apiServer": {"ports": [0]}}}, "ports"),
+    "status interval zero": ({"statusInterval": 0}, "statusInterval"),
+    "status interval as text": ({"statusInterval": "10s"}, "statusInterval"),
+    "resync interval too short": ({"resyncInterval": 1}, "resyncInterval"),
+    "api qps zero": ({"apiClient": {"qps": 0}}, "qps"),
+    "api burst fractional": ({"apiClient": {"burst": 1.5}}, "burst"),
+    "worker image without tag or digest": ({"workers": {"images": {"gpu": "registry.example.com/x"}}}, "gpu"),
+    "worker pull secret as text": ({"workers": {"imagePullSecrets": ["regcred"]}}, "imagePullSecrets"),
+    "too many replicas": ({"replicaCount": 6, "peering": {"enabled": True}}, "replicaCount"),
 }
 
 
@@ -392,7 +617,12 @@ def test_notes_tell_the_user_what_to_do_next(chart):
     assert f"rollout status deployment/{FULLNAME}" in notes
     assert "kubectl get glj --all-namespaces" in notes
     assert "grpolora.dev/pool=trainer" in notes and "docs/operations.md" in notes
-    assert "kubectl delete crd grpolorajobs.grpolora.dev" in notes
+    # The command removes every CRD the chart installs and keeps (jobs and pools alike), and only those.
+    text = chart.template_text(None, "--show-only", "templates/crd.yaml")
+    crds = [d["metadata"]["name"] for d in yaml.safe_load_all(text) if d]
+    assert len(crds) == 2
+    (command,) = re.findall(r"kubectl delete crd [^\n]*", notes)
+    assert command.split()[3:] == crds
 
 
 def test_notes_for_listed_namespaces_name_them(chart):

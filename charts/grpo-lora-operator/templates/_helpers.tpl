@@ -70,4 +70,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if eq (int .Values.metrics.port) (int .Values.health.port) }}
 {{- fail (printf "metrics.port and health.port must differ (both are %v)" .Values.metrics.port) }}
 {{- end }}
+{{- if and (gt (int .Values.replicaCount) 1) (not .Values.peering.enabled) }}
+{{- fail (printf "replicaCount=%v needs peering.enabled=true: without Kopf peering every replica would act on every job at once (with it, one acts and the others stand by)" .Values.replicaCount) }}
+{{- end }}
 {{- end }}
