@@ -274,6 +274,19 @@ UNSERVABLE_PEFT: dict[str, str] = {
     "classification heads: classifier, score)",
 }
 
+# Sampling options vLLM offers that the trainer's logprobs do not reproduce: a rollout sampled with them would be
+# trained with importance ratios against another distribution (grpo.topP and grpo.topK are reproduced, op for op).
+_LOGITS_PROCESSOR = (
+    "not offered: vLLM applies it in its own logits processors, and the trainer's logprobs would have to reproduce "
+    "them for the importance ratios to compare like with like; grpo.topK, grpo.topP and grpo.temperature are"
+)
+UNREFLECTED_SAMPLING: dict[str, str] = {
+    "minP": _LOGITS_PROCESSOR + " (min-p truncates like them)",
+    "repetitionPenalty": _LOGITS_PROCESSOR,
+    "presencePenalty": _LOGITS_PROCESSOR,
+    "frequencyPenalty": _LOGITS_PROCESSOR,
+}
+
 # A number with an exponent but no dot: YAML 1.2 (and kubectl's YAML reader) take it as a number, YAML 1.1 (PyYAML,
 # so the operator's own tools and many others) as a string.
 _EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
@@ -294,6 +307,8 @@ def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob
         message = f"unknown field `{field}`"
         if len(loc) >= 2 and loc[-2] == "lora" and field in UNSERVABLE_PEFT:
             message += f": {UNSERVABLE_PEFT[field]}"
+        elif len(loc) >= 2 and loc[-2] == "grpo" and field in UNREFLECTED_SAMPLING:
+            message += f": {UNREFLECTED_SAMPLING[field]}"
         elif hint:
             message += f" (did you mean `{hint[0]}`?)"
         if valid:

@@ -208,8 +208,8 @@ def _staleness_alias_rule() -> dict[str, str]:
 
 
 _REFERENCE_SAMPLING = (
-    "grpo.referenceFrom `inference` needs grpo.temperature 1 and grpo.topP 1 (vLLM scores the reference under the "
-    "untempered distribution): set both to 1, or referenceFrom `trainer`"
+    "grpo.referenceFrom `inference` needs grpo.temperature 1, grpo.topP 1 and no grpo.topK (vLLM scores the "
+    "reference under the untempered, untruncated distribution): leave them so, or set referenceFrom `trainer`"
 )
 
 
@@ -217,7 +217,7 @@ def _reference_from_rule() -> dict[str, str]:
     return cel_rule(
         "!has(self.referenceFrom) || self.referenceFrom == 'trainer' || "
         "((!has(self.temperature) || double(self.temperature) == 1.0) && "
-        "(!has(self.topP) || double(self.topP) == 1.0))",
+        "(!has(self.topP) || double(self.topP) == 1.0) && (!has(self.topK) || self.topK == 0))",
         _REFERENCE_SAMPLING,
         ".referenceFrom",
     )
@@ -328,7 +328,15 @@ class GRPOSpec(SpecModel):
     temperature: float = Field(default=1.0, gt=0)
     """Sampling temperature for rollouts (greedy sampling would give a group no spread)."""
     top_p: float = Field(default=1.0, gt=0, le=1.0)
-    """Nucleus sampling for rollouts."""
+    """Nucleus sampling for rollouts (after topK). The trainer takes its logprobs over the same nucleus (vLLM's rule,
+    op for op), so the importance ratio compares like with like."""
+    top_k: int = Field(default=0, ge=0, le=c.MAX_TOP_K)
+    """Top-k sampling for rollouts: only the k most likely tokens (and those tied with the k-th), before topP; 0 is
+    off. Reflected exactly in the trainer's logprobs, as topP is. (min-p and repetition penalties are not offered:
+    vLLM applies them in its own logits processors, which the trainer's logprobs would have to reproduce.)"""
+    stop: list[NonEmptyStr] = Field(default_factory=list, max_length=c.MAX_STOP_STRINGS)
+    """Strings that end a rollout's completion (and an evaluation's): the reward sees the text before the string,
+    and the tokens generated up to it are trained on. They do not change the sampling distribution."""
     seed: int = Field(default=0, ge=0)
     """Seed for prompt order, sampling and LoRA initialisation."""
     sync_every_steps: int = Field(default=1, gt=0, le=c.MAX_STEPS)
@@ -400,8 +408,8 @@ class GRPOSpec(SpecModel):
     def _staleness_alias(self) -> GRPOSpec:
         if self.pipelined and self.max_staleness not in (None, 1):
             raise FieldErrors([("pipelined", _STALENESS_CLASH.format(k=self.max_staleness))])
-        if self.reference_from == "inference" and (self.temperature != 1.0 or self.top_p != 1.0):
-            got = f"; got temperature {self.temperature} and topP {self.top_p}"
+        if self.reference_from == "inference" and (self.temperature != 1.0 or self.top_p != 1.0 or self.top_k):
+            got = f"; got temperature {self.temperature}, topP {self.top_p} and topK {self.top_k}"
             raise FieldErrors([("referenceFrom", _REFERENCE_SAMPLING + got)])
         errors = []
         completions = self.prompts_per_step * self.generations_per_prompt

@@ -70,6 +70,8 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
         False,
     ),
     ("reference on the replicas, topP 0.9", job_doc(grpo={"referenceFrom": "inference", "topP": 0.9}), False),
+    ("reference on the replicas, topK 20", job_doc(grpo={"referenceFrom": "inference", "topK": 20}), False),
+    ("reference on the replicas, topK 0", job_doc(grpo={"referenceFrom": "inference", "topK": 0}), True),
     ("reference on the trainer, temperature 0.7", job_doc(grpo={"referenceFrom": "trainer", "temperature": 0.7}), True),
     ("64 mini-batches of the default 64 completions", job_doc(grpo={"miniBatches": 64}), True),
     ("65 mini-batches of the default 64 completions", job_doc(grpo={"miniBatches": 65}), False),

@@ -143,9 +143,17 @@ INVALID = [
     (
         job_doc(grpo={"referenceFrom": "inference", "temperature": 0.7}),
         "spec.grpo.referenceFrom",
-        "needs grpo.temperature 1 and grpo.topP 1 (vLLM scores the reference under the untempered distribution): "
-        "set both to 1, or referenceFrom `trainer`; got temperature 0.7 and topP 1.0",
+        "needs grpo.temperature 1, grpo.topP 1 and no grpo.topK (vLLM scores the reference under the untempered, "
+        "untruncated distribution): leave them so, or set referenceFrom `trainer`; got temperature 0.7, topP 1.0 "
+        "and topK 0",
     ),
+    (
+        job_doc(grpo={"referenceFrom": "inference", "topK": 20}),
+        "spec.grpo.referenceFrom",
+        "no grpo.topK (vLLM scores the reference under the untempered, untruncated distribution)",
+    ),
+    (job_doc(grpo={"minP": 0.1}), "spec.grpo.minP", "vLLM applies it in its own logits processors"),
+    (job_doc(grpo={"repetitionPenalty": 1.1}), "spec.grpo.repetitionPenalty", "vLLM applies it in its own logits"),
     (job_doc(grpo={"referenceFrom": "replicas"}), "spec.grpo.referenceFrom", "'trainer' or 'inference'"),
     (
         job_doc(grpo={"referenceFrom": "inference"}, lora={"targetModules": ["q_proj", "lm_head"]}),

@@ -16,8 +16,8 @@ from grpolora.workers.trainer.grpo import (
     k3_kl,
     logprob_mismatch,
     loss_normalizer,
-    nucleus_mask,
     overlong_penalty,
+    sampling_mask,
     token_logprobs,
 )
 from grpolora.workers.trainer.step import (
@@ -146,9 +146,9 @@ def test_top_p_logprobs_hand_computed():
     #   top_p 0.75 (drop <= 0.25): only token 0 dropped → {1, 2, 3}, mass 0.9: token 1 → ln(0.2 / 0.9) = -1.5040774.
     #   top_p 0.3 (drop <= 0.7): only the most likely token is left → token 3 → ln 1 = 0.
     logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4])).expand(1, 2, 4)
-    assert nucleus_mask(logits[0, 0], 0.65).tolist() == [False, False, True, True]
-    assert nucleus_mask(logits[0, 0], 0.75).tolist() == [False, True, True, True]
-    assert nucleus_mask(logits[0, 0], 0.3).tolist() == [False, False, False, True]
+    assert sampling_mask(logits[0, 0], 0.65).tolist() == [False, False, True, True]
+    assert sampling_mask(logits[0, 0], 0.75).tolist() == [False, True, True, True]
+    assert sampling_mask(logits[0, 0], 0.3).tolist() == [False, False, False, True]
     close(token_logprobs(logits, torch.tensor([[3, 2]]), top_p=0.65), [[-0.5596158, -0.8472979]])
     close(token_logprobs(logits, torch.tensor([[1, 3]]), top_p=0.75), [[-1.5040774, math.log(0.4 / 0.9)]])
     close(token_logprobs(logits, torch.tensor([[3, 3]]), top_p=0.3), [[0.0, 0.0]])
@@ -164,10 +164,10 @@ def test_top_p_splits_a_tie_at_the_boundary_and_keeps_the_top_token():
     # probs [1/4, 1/4, 1/2]: top_p 0.6 (drop <= 0.4) keeps the top token and exactly one of the tied pair (the
     # one sorted after the other), as vLLM does; the kept mass is 3/4, so the top token has ln(2/3).
     logits = torch.log(torch.tensor([[[0.25, 0.25, 0.5]]]))
-    mask = nucleus_mask(logits[0, 0], 0.6)
+    mask = sampling_mask(logits[0, 0], 0.6)
     assert mask[2] and int(mask[:2].sum()) == 1
     close(token_logprobs(logits, torch.tensor([[2]]), top_p=0.6), [[math.log(2 / 3)]])
-    assert nucleus_mask(torch.tensor([[5.0, 5.0, 5.0]]), 1e-6).sum() == 1  # a tiny top_p still keeps one token
+    assert sampling_mask(torch.tensor([[5.0, 5.0, 5.0]]), 1e-6).sum() == 1  # a tiny top_p still keeps one token
     with pytest.raises(ValueError, match="top_p"):
         token_logprobs(logits, torch.tensor([[2]]), top_p=0.0)
 
@@ -182,7 +182,35 @@ def test_nucleus_is_vllms_for_the_installed_version():
         for top_p in (0.1, 0.5, 0.9, 0.95, 0.999):
             p = torch.full((logits.shape[0],), top_p, dtype=torch.float32)
             theirs = topk_topp.apply_top_k_top_p_pytorch(logits.clone(), None, p, allow_cpu_sync=True)
-            assert torch.equal(nucleus_mask(logits, top_p), theirs > float("-inf")), top_p
+            assert torch.equal(sampling_mask(logits, top_p), theirs > float("-inf")), top_p
+
+
+def test_top_k_is_vllms_for_the_installed_version_alone_and_before_top_p():
+    """grpo.topK: vLLM keeps every token whose logit is at least the k-th largest (ties with it kept), then applies
+    top-p over what is left; the trainer's mask must be the same op for op."""
+    topk_topp = pytest.importorskip("vllm.v1.sample.ops.topk_topp_sampler")
+    g = torch.Generator().manual_seed(5)
+    rows = [torch.randn(32, 50, generator=g) * scale for scale in (0.5, 4.0)]
+    rows.append(torch.randint(0, 4, (32, 50), generator=g).float())  # ties at the k-th value
+    for logits in rows:
+        for top_k in (1, 3, 10, 50):
+            k = torch.full((logits.shape[0],), top_k, dtype=torch.long)
+            for top_p in (1.0, 0.9, 0.5):
+                p = None if top_p == 1.0 else torch.full((logits.shape[0],), top_p, dtype=torch.float32)
+                theirs = topk_topp.apply_top_k_top_p_pytorch(logits.clone(), k, p, allow_cpu_sync=True)
+                ours = sampling_mask(logits, top_p, top_k)
+                assert torch.equal(ours, theirs > float("-inf")), (top_k, top_p)
+
+
+def test_top_k_logprobs_hand_computed():
+    # probs [0.1, 0.2, 0.3, 0.4]: top-k 2 keeps {2, 3}, renormalised over 0.7 -> token 3: ln(0.4 / 0.7); top-k 2
+    # then top-p 0.5 over {0.3/0.7, 0.4/0.7}: drop <= 0.5, cumulative [0.4286, 1] -> token 2 dropped, token 3 alone.
+    logits = torch.log(torch.tensor([[[0.1, 0.2, 0.3, 0.4]]]))
+    close(token_logprobs(logits, torch.tensor([[3]]), top_k=2), [[math.log(0.4 / 0.7)]])
+    close(token_logprobs(logits, torch.tensor([[3]]), top_k=2, top_p=0.5), [[0.0]])
+    close(token_logprobs(logits, torch.tensor([[3]]), top_k=4), [[math.log(0.4)]])  # k = V: nothing truncated
+    with pytest.raises(ValueError, match="top_k"):
+        token_logprobs(logits, torch.tensor([[3]]), top_k=-1)
 
 
 @pytest.mark.parametrize("chunk_size", [1, 1024])
@@ -195,7 +223,7 @@ def test_top_p_logprobs_values_and_grads_match_the_truncated_softmax(chunk_size)
     weights = torch.randn(2, 5)
     ours = token_logprobs(logits, tokens, temperature=0.7, top_p=0.8, chunk_size=chunk_size)
     (grad_ours,) = torch.autograd.grad((ours * weights).sum(), full)
-    keep = nucleus_mask(scaled, 0.8).scatter(-1, tokens[..., None], True)
+    keep = sampling_mask(scaled, 0.8).scatter(-1, tokens[..., None], True)
     truncated = (logits / 0.7).masked_fill(~keep, float("-inf"))
     reference = torch.log_softmax(truncated, dim=-1).gather(-1, tokens[..., None]).squeeze(-1)
     (grad_ref,) = torch.autograd.grad((reference * weights).sum(), full)

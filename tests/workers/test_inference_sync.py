@@ -242,6 +242,46 @@ def test_trainer_logprobs_match_vllms_at_temperature_and_top_p(job, servers, sen
     assert bias.min().item() > -1e-3 and bias.max().item() > 0.05
 
 
+def test_trainer_logprobs_match_vllms_with_top_k_and_stop_strings_end_completions(job, servers, sender, model_dir):
+    """grpo.topK: vLLM keeps the k most likely tokens (ties kept) before the nucleus; the trainer's logprobs must
+    describe that distribution too. grpo.stop: a seeded completion, asked again with a stop string taken from its
+    own text, ends before that string (the same tokens up to there, finish reason `stop`)."""
+    spec = job.job.spec
+    grpo = spec.grpo.model_copy(update={"temperature": 0.7, "top_p": 0.9, "top_k": 5})
+    trainer = Policy(model_dir, spec.model_copy(update={"grpo": grpo}), device=torch.device("cpu"))
+    randomize_adapter(trainer.model, seed=6)
+    report = sender.send(lora_tensors(trainer.model), lora_config(trainer.model))
+    prompt = tokens(model_dir)
+    body = {"prompt_token_ids": [prompt], "n": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 5, "max_tokens": 24,
+            "seed": 12, "adapter_version": report.version}  # fmt: skip
+    response = generate(servers[0].url, body)
+    assert response.status_code == 200, response.text
+    samples = response.json()["results"][0]["samples"]
+    batch = build_batch(
+        [(prompt, s["token_ids"], s["logprobs"]) for s in samples], [0.0] * len(samples), trainer.tokenizer.pad_token_id
+    )
+    keep = batch.completion_mask.bool()
+    with torch.no_grad():
+        ours = trainer.logprobs(batch)[keep]
+        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        nucleus_only = token_logprobs(logits, batch.input_ids[:, 1:], temperature=0.7, top_p=0.9)[keep]
+    vllm = batch.behaviour_logprobs[keep]
+    delta = (ours - vllm).abs().max().item()
+    log.warning("top-k parity: %d tokens, max |dlogprob| = %.2e", int(keep.sum()), delta)
+    assert delta <= 1e-3
+    assert (vllm - nucleus_only).max().item() > 0.05  # top-k cut more than the nucleus alone would have
+    # Stop strings: a stretch from the middle of a sample's own text ends the same seeded sample there.
+    one = body | {"n": 1, "top_k": 0, "top_p": 1.0}
+    full = generate(servers[0].url, one).json()["results"][0]["samples"][0]
+    text = full["text"]
+    assert len(text) > 12, text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    stopped = generate(servers[0].url, one | {"stop": [stop]}).json()["results"][0]["samples"][0]
+    assert stopped["finish_reason"] == "stop"
+    assert text.startswith(stopped["text"]) and stop not in stopped["text"]
+    assert stopped["token_ids"] == full["token_ids"][: len(stopped["token_ids"])]
+
+
 def test_replicas_score_the_reference_the_trainer_would_compute(job, servers, sender, model_dir):
     """grpo.referenceFrom: inference: with each rollout the replica returns the sampled tokens' logprobs under the
     base model (adapter off), which must be what the trainer's own reference pass gives, within the parity bound.

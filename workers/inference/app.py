@@ -36,6 +36,7 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpolora.api import constants as c
 from grpolora.api.pool import auth_digest
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
@@ -71,6 +72,7 @@ for at most this long, before it closes the connection (LingeringSend); a larger
 MAX_PROMPTS = 4096
 """Most prompts in one generate request."""
 MAX_STOP_TOKEN_IDS = 256
+MAX_STOP_STRINGS = c.MAX_STOP_STRINGS
 MAX_SEED = 2**63 - 1
 Seed = Annotated[int, Field(ge=0, le=MAX_SEED)]
 
@@ -86,10 +88,12 @@ class GenerateRequest(BaseModel):
     n: int = Field(default=1, ge=1)  # vLLM's cap (VLLM_MAX_N_SEQUENCES) is vLLM's to say
     temperature: float = Field(default=1.0, ge=0)
     top_p: float = Field(default=1.0, gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)  # 0: off
     max_tokens: int = Field(default=256, ge=1)
     # One seed for every prompt, or one per prompt.
     seed: Seed | list[Seed] | None = None
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
+    stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     adapter_version: int | None = Field(default=None, ge=0)  # None: the live one; N: wait until N is live
     # Also each sample's logprobs under the base model, untempered: the KL reference (grpo.referenceFrom: inference).
     reference_logprobs: bool = False
@@ -293,9 +297,11 @@ def build_app(
                 n=request.n,
                 temperature=request.temperature,
                 top_p=request.top_p,
+                top_k=request.top_k,
                 max_tokens=request.max_tokens,
                 seed=request.seed_of(index),
                 stop_token_ids=request.stop_token_ids,
+                stop=request.stop,
                 reference_logprobs=request.reference_logprobs,
             )
             for index in range(len(prompts))

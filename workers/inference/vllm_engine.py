@@ -61,6 +61,8 @@ class SamplingRequest:
     seed: int | None = None
     stop_token_ids: Sequence[int] = ()
     reference_logprobs: bool = False  # also score each sample under the base model (VllmEngine.reference_logprobs)
+    top_k: int = 0  # 0: off (vLLM's own meaning)
+    stop: Sequence[str] = ()
 
 
 class InvalidRequest(ValueError):
@@ -252,8 +254,10 @@ class VllmEngine:
                 n=request.n,
                 temperature=request.temperature,
                 top_p=request.top_p,
+                top_k=request.top_k,
                 max_tokens=request.max_tokens,
                 seed=request.seed,
+                stop=list(request.stop) or None,
                 logprobs=0,  # the sampled token's own logprob
                 stop_token_ids=list(request.stop_token_ids) or None,
                 # One output holding all n samples; streamed outputs of n > 1 can carry only the samples that moved.

@@ -86,6 +86,7 @@ def evaluate(
         temperature=evaluation.temperature,
         top_p=1.0,
         max_tokens=evaluation.max_new_tokens or spec.grpo.max_new_tokens,
+        stop=tuple(spec.grpo.stop),  # the answer format the rollouts were trained to end with
     )
     texts = [group[0] for group in generate([tokenize(p) for p in prompts], sampling)]
     scores = task.score([(p, c.text) for p, c in zip(prompts, texts, strict=True)])
@@ -132,7 +133,7 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
 
                     def generate(ids: list[list[int]], sampling: Sampling, version: int = version):
                         request = SamplingRequest(sampling.n, sampling.temperature, sampling.top_p,
-                                                  sampling.max_tokens)  # fmt: skip
+                                                  sampling.max_tokens, stop=sampling.stop)  # fmt: skip
                         futures = [
                             asyncio.run_coroutine_threadsafe(engine.generate(p, request, version), loop) for p in ids
                         ]

@@ -92,46 +92,63 @@ def overlong_penalty(lengths: Tensor, *, max_new_tokens: int, buffer: int, facto
     return penalty * factor
 
 
-def nucleus_mask(logits: Tensor, top_p: float) -> Tensor:
-    """Which tokens survive top-p (nucleus) truncation of softmax(`logits`), by vLLM's rule, op for op.
+def sampling_mask(logits: Tensor, top_p: float = 1.0, top_k: int = 0) -> Tensor:
+    """Which tokens survive vLLM's top-k and then top-p (nucleus) truncation of softmax(`logits`), op for op.
 
     `logits[..., V]` are the temperature-scaled logits the sampler truncates. This is the CPU/PyTorch path of the
-    installed vLLM (`apply_top_k_top_p_pytorch` in vllm/v1/sample/ops/topk_topp_sampler.py): sort ascending,
-    cumulate the softmax from the least likely token up, drop every token whose cumulative probability (its own
-    plus all less likely ones) is <= 1 - top_p, and always keep the most likely one. So the token at which the
-    nucleus reaches top_p is kept, and the kept set's mass is >= top_p. Tied logits are ordered by the same
-    `sort` call, so a tie straddling the boundary is split the way vLLM splits it on the same logits. `1 - top_p`
-    is taken in float32 as vLLM does (its per-request top_p is a float32 tensor), which matters at the boundary.
-    Returns a bool mask shaped like `logits` (True: kept).
+    installed vLLM (`apply_top_k_top_p_pytorch` in vllm/v1/sample/ops/topk_topp_sampler.py): sort ascending; top-k
+    (`top_k` > 0, at most V as vLLM clamps it) drops every token whose logit is below the k-th largest, so ties with
+    that one are kept; top-p then cumulates the softmax of what is left from the least likely token up, drops every
+    token whose cumulative probability (its own plus all less likely ones) is <= 1 - top_p, and always keeps the
+    most likely one. So the token at which the nucleus reaches top_p is kept, and the kept set's mass is >= top_p.
+    Tied logits are ordered by the same `sort` call, so a tie straddling the boundary is split the way vLLM splits
+    it on the same logits. `1 - top_p` is taken in float32 as vLLM does (its per-request top_p is a float32
+    tensor), which matters at the boundary. Returns a bool mask shaped like `logits` (True: kept).
     """
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be 0 (off) or positive, got {top_k}")
     sorted_logits, order = logits.sort(dim=-1, descending=False)
-    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1 - torch.tensor(top_p, dtype=torch.float32)
-    drop[..., -1] = False
-    return torch.empty_like(drop).scatter_(-1, order, ~drop)
+    kept = torch.ones_like(sorted_logits, dtype=torch.bool)
+    if top_k:
+        vocabulary = sorted_logits.shape[-1]
+        kth = sorted_logits[..., vocabulary - min(top_k, vocabulary), None]
+        kept = sorted_logits >= kth
+        sorted_logits = sorted_logits.masked_fill(~kept, float("-inf"))
+    if top_p < 1:
+        cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cumulative <= 1 - torch.tensor(top_p, dtype=torch.float32)
+        drop[..., -1] = False
+        kept = kept & ~drop
+    return torch.empty_like(kept).scatter_(-1, order, kept)
 
 
 def token_logprobs(
-    logits: Tensor, tokens: Tensor, *, temperature: float = 1.0, top_p: float = 1.0, chunk_size: int = 1024
+    logits: Tensor,
+    tokens: Tensor,
+    *,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    chunk_size: int = 1024,
 ) -> Tensor:
-    """log softmax(logits / temperature)[b, t, tokens[b, t]], over the top-p nucleus when top_p < 1; computed in
-    (at least) float32.
+    """log softmax(logits / temperature)[b, t, tokens[b, t]], over the tokens top-k (top_k > 0) and top-p
+    (top_p < 1) keep; computed in (at least) float32.
 
     `logits[B, T, V]` must already be aligned with `tokens[B, T]` (the logits at position t predict token t, i.e.
-    the model output shifted by one). `temperature` and `top_p` must equal the sampler's: vLLM's
-    `processed_logprobs` are those of the distribution it samples from, softmax(logits / temperature) truncated to
-    the nucleus (`nucleus_mask`) and renormalised over it, and the importance ratio must compare like with like.
-    The token itself always counts as kept: vLLM only samples inside its nucleus, so this changes nothing unless
-    the trainer's slightly different logits put the sampled token just outside the trainer's nucleus, where it
-    gives a finite logprob (and gradient) instead of -inf.
+    the model output shifted by one). `temperature`, `top_p` and `top_k` must equal the sampler's: vLLM's
+    `processed_logprobs` are those of the distribution it samples from, softmax(logits / temperature) truncated by
+    top-k and top-p (`sampling_mask`) and renormalised over what is kept, and the importance ratio must compare
+    like with like. The token itself always counts as kept: vLLM only samples among the tokens it keeps, so this
+    changes nothing unless the trainer's slightly different logits put the sampled token just outside the
+    trainer's kept set, where it gives a finite logprob (and gradient) instead of -inf.
 
     Memory: `log_softmax(logits.float())` would materialise a float32 [B, T, V] copy and autograd would keep
     another one for the backward pass (GiBs for a 150k vocabulary). This computes logsumexp over chunks of at
     most `chunk_size` positions of one sequence, and the backward pass recomputes softmax (and the nucleus) chunk
-    by chunk from the saved logits, so the float32 working set is one [chunk_size, V] slice (with top_p < 1, also
-    the sort's int64 indices of that slice). Returns [B, T] float32 (float64 for float64 logits). Padding
+    by chunk from the saved logits, so the float32 working set is one [chunk_size, V] slice (with top-k or top-p,
+    also the sort's int64 indices of that slice). Returns [B, T] float32 (float64 for float64 logits). Padding
     positions need a valid token id too (e.g. the pad token, not -100); the loss's mask ignores their values.
     """
     if logits.ndim != 3 or tokens.shape != logits.shape[:2]:
@@ -142,9 +159,11 @@ def token_logprobs(
         raise ValueError(f"temperature must be positive, got {temperature}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be 0 (off) or positive, got {top_k}")
     if chunk_size <= 0:
         raise ValueError(f"chunk_size must be positive, got {chunk_size}")
-    return _ChunkedTokenLogprobs.apply(logits, tokens, temperature, top_p, chunk_size)
+    return _ChunkedTokenLogprobs.apply(logits, tokens, temperature, top_p, top_k, chunk_size)
 
 
 def _chunks(batch: int, length: int, chunk_size: int):
@@ -155,28 +174,30 @@ def _chunks(batch: int, length: int, chunk_size: int):
             yield b, slice(start, min(start + chunk_size, length))
 
 
-def _scaled(logits: Tensor, tokens: Tensor, dtype: torch.dtype, temperature: float, top_p: float) -> Tensor:
-    """logits / temperature in `dtype`, with the tokens outside the nucleus (but never `tokens`) at -inf."""
+def _scaled(logits: Tensor, tokens: Tensor, dtype: torch.dtype, temperature: float, top_p: float, top_k: int) -> Tensor:
+    """logits / temperature in `dtype`, with the tokens top-k and top-p drop (but never `tokens`) at -inf."""
     x = logits.to(dtype) / temperature
-    if top_p < 1:
-        keep = nucleus_mask(x, top_p).scatter_(-1, tokens[..., None], True)
+    if top_p < 1 or top_k:
+        keep = sampling_mask(x, top_p, top_k).scatter_(-1, tokens[..., None], True)
         x = x.masked_fill(~keep, float("-inf"))
     return x
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, tokens: Tensor, temperature: float, top_p: float, chunk_size: int) -> Tensor:
+    def forward(
+        ctx, logits: Tensor, tokens: Tensor, temperature: float, top_p: float, top_k: int, chunk_size: int
+    ) -> Tensor:
         compute_dtype = torch.promote_types(logits.dtype, torch.float32)
         batch, length, _ = logits.shape
         out = torch.empty(batch, length, dtype=compute_dtype, device=logits.device)
         lse = torch.empty_like(out)
         for b, s in _chunks(batch, length, chunk_size):
-            x = _scaled(logits[b, s], tokens[b, s], compute_dtype, temperature, top_p)
+            x = _scaled(logits[b, s], tokens[b, s], compute_dtype, temperature, top_p, top_k)
             lse[b, s] = torch.logsumexp(x, dim=-1)
             out[b, s] = x.gather(-1, tokens[b, s, None]).squeeze(-1) - lse[b, s]
         ctx.save_for_backward(logits, tokens, lse)
-        ctx.temperature, ctx.top_p, ctx.chunk_size = temperature, top_p, chunk_size
+        ctx.temperature, ctx.top_p, ctx.top_k, ctx.chunk_size = temperature, top_p, top_k, chunk_size
         return out
 
     @staticmethod
@@ -187,11 +208,11 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for b, s in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
             g_out = grad_out[b, s, None]
-            x = _scaled(logits[b, s], tokens[b, s], lse.dtype, ctx.temperature, ctx.top_p)
+            x = _scaled(logits[b, s], tokens[b, s], lse.dtype, ctx.temperature, ctx.top_p, ctx.top_k)
             probs = torch.exp(x - lse[b, s, None])
             g = (-probs * g_out).scatter_add_(-1, tokens[b, s, None], g_out)
             grad[b, s] = (g / ctx.temperature).to(logits.dtype)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:

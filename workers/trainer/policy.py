@@ -175,6 +175,7 @@ class Policy:
         self.device = device
         self.temperature = spec.grpo.temperature
         self.top_p = spec.grpo.top_p
+        self.top_k = spec.grpo.top_k
         self.tokenizer = tokenizer
         base.config.use_cache = False
         lora = spec.lora
@@ -223,14 +224,20 @@ class Policy:
         if not self._selective_head:
             logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
             return token_logprobs(
-                logits[:, :-1], batch.input_ids[:, 1:], temperature=self.temperature, top_p=self.top_p
+                logits[:, :-1],
+                batch.input_ids[:, 1:],
+                temperature=self.temperature,
+                top_p=self.top_p,
+                top_k=self.top_k,
             )
         causal_lm = self.model.get_base_model()
         hidden = causal_lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         keep = batch.completion_mask.bool()
         logits = causal_lm.lm_head(hidden[:, :-1][keep])  # [completion tokens, V]
         targets = batch.input_ids[:, 1:][keep]
-        selected = token_logprobs(logits[None], targets[None], temperature=self.temperature, top_p=self.top_p)[0]
+        selected = token_logprobs(
+            logits[None], targets[None], temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
+        )[0]
         return torch.zeros(keep.shape, dtype=selected.dtype, device=selected.device).masked_scatter(keep, selected)
 
     def _selective_head_matches(self) -> bool:
@@ -251,6 +258,7 @@ class Policy:
                 probe[:, 1:],
                 temperature=self.temperature,
                 top_p=self.top_p,
+                top_k=self.top_k,
             )
             try:
                 self._selective_head = True

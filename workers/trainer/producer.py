@@ -109,6 +109,8 @@ class RolloutProducer:
             top_p=grpo.top_p,
             max_tokens=grpo.max_new_tokens,
             reference_logprobs=grpo.reference_on_replicas,
+            top_k=grpo.top_k,
+            stop=tuple(grpo.stop),
         )
         try:
             while True:

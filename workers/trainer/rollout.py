@@ -33,6 +33,8 @@ class Sampling:
     top_p: float
     max_tokens: int
     reference_logprobs: bool = False  # the replicas also return each sample's (grpo.referenceFrom: inference)
+    top_k: int = 0  # 0: off
+    stop: tuple[str, ...] = ()
 
 
 def prompt_seed(run_seed: int, prompt_index: int) -> int:
@@ -151,8 +153,13 @@ class RolloutClient:
             "seed": seeds,
             "adapter_version": version,
         }
-        if sampling.reference_logprobs:  # only then: a server of an older release refuses fields it does not know
+        # Only when set: a server of an older release refuses fields it does not know.
+        if sampling.reference_logprobs:
             body["reference_logprobs"] = True
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
         response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
         if response.status_code == 409 and version is not None:
             live = self._live_version(replica)
