@@ -558,7 +558,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=600.0,
         metavar="SECONDS",
-        help="read each job's children from the API every SECONDS (600); between, its workloads come from a watch",
+        help="repair each job's kept children and re-list the watched ones every SECONDS (600); between, all come "
+        "from watches",
     )
     p.add_argument("--api-qps", type=float, default=100.0, help="API requests per second, after a burst (100)")
     p.add_argument(

@@ -314,6 +314,7 @@ async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(clu
     full = (names.E_POOL_FULL, f"full (1 of maxJobs 1): {NAMESPACE}/job-b wait")
     await wait_for(lambda: {attached, full} <= {e[1:] for e in cluster.events(POOL)}, "attached and full")
 
+    await wait_for(lambda: trainer(cluster, "job-a"), "job-a's trainer Job")
     await succeed(cluster, "job-a")
     detached = (names.E_POOL_JOB_DETACHED, f"{NAMESPACE}/job-a detached (1 of maxJobs 1)")
     next_one = (names.E_POOL_JOB_ATTACHED, f"{NAMESPACE}/job-b attached (1 of maxJobs 1)")
