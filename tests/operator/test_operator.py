@@ -272,12 +272,16 @@ async def test_a_job_created_suspended_gets_only_what_suspension_keeps(cluster, 
 async def test_deleting_a_job_takes_its_children_and_stops_its_monitor(cluster, operator):
     await cluster.apply(job_doc())
     await created(cluster)
+    monitor = operator.controller.jobs[NAMESPACE, "demo"].task
     await cluster.delete_job("demo")
     for resource in RESOURCE_OF.values():  # by the garbage collector, which takes a moment
         await wait_for(lambda r=resource: cluster.objects(r) == {}, f"{resource} to be collected")
     await wait_for(lambda: not operator.controller.jobs, "the operator to forget the job")
     assert "finalizers" not in cluster.emulator.objects[CRD_RESOURCE, NAMESPACE, "demo"].last["metadata"]
-    await asyncio.sleep(3 * FAST_INTERVAL)  # a request a cancelled pass had already sent may still arrive
+    # Its monitor is cancelled, not awaited: once the task is done, no pass of it can send anything more (a request
+    # it had already sent may still arrive, a moment later, which the sleep allows for).
+    await wait_for(lambda: monitor is None or monitor.done(), "the job's monitor to end")
+    await asyncio.sleep(3 * FAST_INTERVAL)
     before = len(cluster.emulator.log)
     await asyncio.sleep(10 * FAST_INTERVAL)
     late = [entry for entry in cluster.emulator.log[before:] if entry[2] == "demo"]
