@@ -87,11 +87,8 @@ def model_config(name_or_path: str) -> tuple[str, dict[str, Any]]:
     return path.stem, config
 
 
-def job_spec(
-    *, dtype: str, rank: int, micro_batch: int, kl_coef: float, gradient_checkpointing: bool = False
-) -> GRPOLoraJobSpec:
-    """The quickstart job with this run's dtype, rank and micro-batch (all-linear LoRA, alpha = 2 x rank), with
-    trainer.gradientCheckpointing as asked."""
+def job_spec(*, dtype: str, rank: int, micro_batch: int, kl_coef: float) -> GRPOLoraJobSpec:
+    """The quickstart job with this run's dtype, rank and micro-batch (all-linear LoRA, alpha = 2 x rank)."""
     (job,) = load_jobs(ROOT / "examples" / "quickstart.yaml")
     spec = job.spec
     return spec.model_copy(
@@ -99,7 +96,6 @@ def job_spec(
             "model": spec.model.model_copy(update={"dtype": dtype}),
             "lora": spec.lora.model_copy(update={"rank": rank, "alpha": 2 * rank, "target_modules": "all-linear"}),
             "grpo": spec.grpo.model_copy(update={"micro_batch_size": micro_batch, "kl_coef": kl_coef}),
-            "trainer": spec.trainer.model_copy(update={"gradient_checkpointing": gradient_checkpointing}),
         }
     )
 
@@ -188,13 +184,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     name, config_dict = model_config(args.config)
     settings = dict(config_dict)
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    spec = job_spec(
-        dtype=args.dtype,
-        rank=args.rank,
-        micro_batch=args.micro_batch,
-        kl_coef=args.kl_coef,
-        gradient_checkpointing=args.gradient_checkpointing,
-    )
+    spec = job_spec(dtype=args.dtype, rank=args.rank, micro_batch=args.micro_batch, kl_coef=args.kl_coef)
     torch.manual_seed(args.seed)
     with torch.device(device):
         base, build_seconds = timed(
@@ -210,10 +200,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         vocab=config.vocab_size,
         seed=args.seed,
     )
-    resident = 0  # weights, adapter and optimizer state before any step: what the steps add is above it
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        resident = torch.cuda.memory_allocated(device)
     step_seconds, stats = [], None
     for _ in range(args.warmup + args.steps):
         stats, seconds = timed(lambda: train_step(policy, optimizer, batch, spec.grpo, on_policy=True), device)
@@ -259,15 +247,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "loss": stats.loss if stats else None,
             "grad_norm": stats.grad_norm if stats else None,
             "peak_memory_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
-            # What a step holds above the resident weights, per token of one micro-batch (activations, logits and
-            # gradients of the largest working set at once): the figure gradient checkpointing lowers.
-            "step_memory_bytes_per_micro_batch_token": (
-                (torch.cuda.max_memory_allocated(device) - resident)
-                / (tokens / len(batch) * spec.grpo.micro_batch_size)
-                if device.type == "cuda"
-                else None
-            ),
-            "gradient_checkpointing": spec.trainer.gradient_checkpointing,
         },
         "sync": {
             "rounds": rounds,
@@ -301,9 +280,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 4 x up to 768 tokens keeps an 8B model's activations (no checkpointing, as the trainer runs) within 80 GB.
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--kl-coef", type=float, default=0.01, help="> 0 runs the reference pass, as by default")
-    parser.add_argument(
-        "--gradient-checkpointing", action="store_true", help="trainer.gradientCheckpointing (peak memory per token)"
-    )
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)
