@@ -847,10 +847,6 @@ class TrainerSpec(RoleSpec):
     """torch.distributed rendezvous port among trainer ranks (MASTER_PORT)."""
     status_port: Port = 8080
     """HTTP port of trainer rank 0: /status (JSON), /metrics, /health."""
-    gradient_checkpointing: bool = False
-    """Activation (gradient) checkpointing: each decoder layer's activations are recomputed in the backward pass
-    instead of kept, so long completions (4k-16k tokens) fit in the trainer's memory, for about a third more
-    compute per step. The update is the same (BENCHMARKS.md has the memory per token with and without)."""
 
 
 def _tensor_parallel_rule() -> dict[str, str]:

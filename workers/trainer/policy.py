@@ -181,10 +181,6 @@ class Policy:
         lora = spec.lora
         torch.manual_seed(spec.grpo.seed)  # LoRA A's initialisation is part of the run's reproducibility
         _check_target_modules(base, lora.target_modules, spec.model.name)
-        if spec.trainer.gradient_checkpointing:
-            # Non-reentrant: recomputes through the frozen base without the inputs requiring grad, and works with
-            # FSDP2 and torch.compile (the reentrant variant needs enable_input_require_grads and breaks both).
-            base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         config = LoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha,
