@@ -372,6 +372,15 @@ class GRPOSpec(SpecModel):
     so the first step already learns); at most `steps`."""
     micro_batch_size: int = Field(default=8, gt=0)
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
+    gradient_checkpointing: bool = False
+    """Activation (gradient) checkpointing on the trainer: each decoder layer's activations are recomputed in the
+    backward pass instead of kept from the forward, so memory grows with one layer's activations rather than all
+    of them, for about one more forward pass of compute. For long completions; the update is the same."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Also at most this many tokens per forward/backward pass (sequences x the longest one's prompt +
+    completion, which is what the pass holds in activations): sequences sorted by length share a pass while they
+    fit, and a longer one goes alone. For long completions (4k-16k tokens) a count alone would either waste the
+    short ones' passes or overflow the GPU on the long ones. Unset: by `microBatchSize` only."""
     reference_from: Literal["trainer", "inference"] = "trainer"
     """Where the KL term's reference logprobs (the base model, adapter off) come from: `trainer`, a forward pass
     per micro-batch on the trainer; or `inference`, the replicas score each sample's prompt + completion with the
