@@ -339,8 +339,9 @@ class GRPOSpec(SpecModel):
     as `dropped_stale`) and corrects the rest with the decoupled PPO objective (docs/design.md). Needs
     `inference.maxLoras` >= k + 1. Unset: 1 with `pipelined: true`, else 0."""
     importance_weight_cap: float = Field(default=2.0, gt=1)
-    """Off-policy steps: the behaviour importance weight pi_trainer / pi_sampler of each token is truncated at
-    this value (bounds the variance of stale or mismatched samples)."""
+    """Off-policy steps (and on-policy ones with `mismatchCorrection`): the behaviour importance weight
+    pi_trainer / pi_sampler of each token is capped at this value (bounds the variance of stale or mismatched
+    samples): truncated to it, or the token masked, as `importanceWeightMode` says."""
     importance_weight_mode: Literal["truncate", "mask"] = "truncate"
     """What happens to a token whose behaviour importance weight passes `importanceWeightCap`: `truncate`, the
     weight is cut to the cap (a bounded, slightly biased gradient; IMPALA, TIS), or `mask`, the token leaves the
@@ -402,7 +403,7 @@ class GRPOSpec(SpecModel):
     )
 
     @model_validator(mode="after")
-    def _staleness_alias(self) -> GRPOSpec:
+    def _cross_field(self) -> GRPOSpec:
         if self.pipelined and self.max_staleness not in (None, 1):
             raise FieldErrors([("pipelined", _STALENESS_CLASH.format(k=self.max_staleness))])
         if self.reference_from == "inference" and (self.temperature != 1.0 or self.top_p != 1.0):
