@@ -87,15 +87,31 @@ def model_config(name_or_path: str) -> tuple[str, dict[str, Any]]:
     return path.stem, config
 
 
-def job_spec(*, dtype: str, rank: int, micro_batch: int, kl_coef: float) -> GRPOLoraJobSpec:
-    """The quickstart job with this run's dtype, rank and micro-batch (all-linear LoRA, alpha = 2 x rank)."""
+def job_spec(
+    *,
+    dtype: str,
+    rank: int,
+    micro_batch: int,
+    kl_coef: float,
+    gradient_checkpointing: bool = False,
+    micro_batch_tokens: int | None = None,
+) -> GRPOLoraJobSpec:
+    """The quickstart job with this run's dtype, rank and micro-batch (all-linear LoRA, alpha = 2 x rank), and
+    optionally activation checkpointing and a token budget per micro-batch (long completions)."""
     (job,) = load_jobs(ROOT / "examples" / "quickstart.yaml")
     spec = job.spec
     return spec.model_copy(
         update={
             "model": spec.model.model_copy(update={"dtype": dtype}),
             "lora": spec.lora.model_copy(update={"rank": rank, "alpha": 2 * rank, "target_modules": "all-linear"}),
-            "grpo": spec.grpo.model_copy(update={"micro_batch_size": micro_batch, "kl_coef": kl_coef}),
+            "grpo": spec.grpo.model_copy(
+                update={
+                    "micro_batch_size": micro_batch,
+                    "kl_coef": kl_coef,
+                    "gradient_checkpointing": gradient_checkpointing,
+                    "micro_batch_tokens": micro_batch_tokens,
+                }
+            ),
         }
     )
 
@@ -184,7 +200,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     name, config_dict = model_config(args.config)
     settings = dict(config_dict)
     config = AutoConfig.for_model(settings.pop("model_type"), **settings)
-    spec = job_spec(dtype=args.dtype, rank=args.rank, micro_batch=args.micro_batch, kl_coef=args.kl_coef)
+    spec = job_spec(
+        dtype=args.dtype,
+        rank=args.rank,
+        micro_batch=args.micro_batch,
+        kl_coef=args.kl_coef,
+        gradient_checkpointing=args.gradient_checkpointing,
+        micro_batch_tokens=args.micro_batch_tokens,
+    )
     torch.manual_seed(args.seed)
     with torch.device(device):
         base, build_seconds = timed(
@@ -235,6 +258,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "completion_tokens": int(batch.completion_mask.sum()),
             "tokens": tokens,
             "micro_batch_size": spec.grpo.micro_batch_size,
+            "micro_batch_tokens": spec.grpo.micro_batch_tokens,
+            "gradient_checkpointing": spec.grpo.gradient_checkpointing,
             "kl_coef": spec.grpo.kl_coef,
             # Logits only at completion positions, where they provably match the full forward (Policy checks).
             "selective_logprob_head": policy._selective_head,
@@ -280,6 +305,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     # 4 x up to 768 tokens keeps an 8B model's activations (no checkpointing, as the trainer runs) within 80 GB.
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--kl-coef", type=float, default=0.01, help="> 0 runs the reference pass, as by default")
+    parser.add_argument("--gradient-checkpointing", action="store_true", help="grpo.gradientCheckpointing")
+    parser.add_argument("--micro-batch-tokens", type=int, default=None, help="grpo.microBatchTokens")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--rounds", type=int, default=3)

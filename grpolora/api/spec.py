@@ -351,8 +351,9 @@ class GRPOSpec(SpecModel):
     as `dropped_stale`) and corrects the rest with the decoupled PPO objective (docs/design.md). Needs
     `inference.maxLoras` >= k + 1. Unset: 1 with `pipelined: true`, else 0."""
     importance_weight_cap: float = Field(default=2.0, gt=1)
-    """Off-policy steps: the behaviour importance weight pi_trainer / pi_sampler of each token is truncated at
-    this value (bounds the variance of stale or mismatched samples)."""
+    """Off-policy steps (and on-policy ones with `mismatchCorrection`): the behaviour importance weight
+    pi_trainer / pi_sampler of each token is capped at this value (bounds the variance of stale or mismatched
+    samples): truncated to it, or the token masked, as `importanceWeightMode` says."""
     importance_weight_mode: Literal["truncate", "mask"] = "truncate"
     """What happens to a token whose behaviour importance weight passes `importanceWeightCap`: `truncate`, the
     weight is cut to the cap (a bounded, slightly biased gradient; IMPALA, TIS), or `mask`, the token leaves the
@@ -384,6 +385,15 @@ class GRPOSpec(SpecModel):
     so the first step already learns); at most `steps`."""
     micro_batch_size: int = Field(default=8, gt=0, le=c.MAX_BATCH)
     """Sequences per forward/backward pass on each trainer rank (gradients accumulate over the step)."""
+    gradient_checkpointing: bool = False
+    """Activation (gradient) checkpointing on the trainer: each decoder layer's activations are recomputed in the
+    backward pass instead of kept from the forward, so memory grows with one layer's activations rather than all
+    of them, for about one more forward pass of compute. For long completions; the update is the same."""
+    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    """Also at most this many tokens per forward/backward pass (sequences x the longest one's prompt +
+    completion, which is what the pass holds in activations): sequences sorted by length share a pass while they
+    fit, and a longer one goes alone. For long completions (4k-16k tokens) a count alone would either waste the
+    short ones' passes or overflow the GPU on the long ones. Unset: by `microBatchSize` only."""
     reference_from: Literal["trainer", "inference"] = "trainer"
     """Where the KL term's reference logprobs (the base model, adapter off) come from: `trainer`, a forward pass
     per micro-batch on the trainer; or `inference`, the replicas score each sample's prompt + completion with the
@@ -405,7 +415,7 @@ class GRPOSpec(SpecModel):
     )
 
     @model_validator(mode="after")
-    def _staleness_alias(self) -> GRPOSpec:
+    def _cross_field(self) -> GRPOSpec:
         if self.pipelined and self.max_staleness not in (None, 1):
             raise FieldErrors([("pipelined", _STALENESS_CLASH.format(k=self.max_staleness))])
         if self.reference_from == "inference" and (self.temperature != 1.0 or self.top_p != 1.0 or self.top_k):

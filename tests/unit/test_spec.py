@@ -282,6 +282,7 @@ BOUNDS = [
     ("grpo", "maxGradNorm", 0.0, 1e-6, "greater than 0"),
     ("grpo", "weightDecay", -1e-9, 0.0, "greater than or equal to 0"),
     ("grpo", "microBatchSize", 0, 1, "greater than 0"),
+    ("grpo", "microBatchTokens", 0, 1, "greater than 0"),
     ("trainer", "gpusPerReplica", -1, 0, "greater than or equal to 0"),
     ("trainer", "maxRestarts", -1, 0, "greater than or equal to 0"),
     # 257: the nearest value inside that also holds the default maxNewTokens (256) and a prompt token.

@@ -48,11 +48,12 @@ def spec_with(**grpo):
 
 SPEC = spec_with()
 # Recipes whose step touches the cross-rank reduction, each also run on the two ranks (name -> (grpo, on_policy)):
-# several updates over mini-batches (the old logprobs taken once) with a narrow clip-higher range so the clip
-# binds, sequence-level ratios and the per-sequence mean, off-policy (behaviour weights truncated at a low cap);
-# and Dr. GRPO's constant normaliser over 3 mini-batches of 2, 2 and 1 sequences (rank 1 runs a stand-in in the
-# last), on-policy with the mismatch correction masking the tokens past a low cap. Both sample from behaviour
-# logprobs near the policy's own (`off_policy`).
+# several updates over mini-batches (the old logprobs taken once; micro-batches by a 16-token budget, so the
+# ranks' counts differ and stand-ins fill in) with a narrow clip-higher range so the clip binds, sequence-level
+# ratios and the per-sequence mean, off-policy (behaviour weights truncated at a low cap); and Dr. GRPO's
+# constant normaliser over 3 mini-batches of 2, 2 and 1 sequences (rank 1 runs a stand-in in the last),
+# on-policy with the mismatch correction masking the tokens past a low cap. Both sample from behaviour logprobs
+# near the policy's own (`off_policy`).
 RECIPES = {
     "updates": (
         spec_with(
@@ -63,6 +64,7 @@ RECIPES = {
             importanceRatio="sequence",
             lossAggregation="sequence-mean",
             importanceWeightCap=1.5,
+            microBatchTokens=16,
         ).grpo,
         False,
     ),

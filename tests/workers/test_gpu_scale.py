@@ -59,6 +59,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     out = tmp_path / "gpu_scale.json"
     argv = ["--config", "tiny", "--device", "cpu", "--prompts", "2", "--generations", "3", "--prompt-tokens", "6"]
     argv += ["--completion-tokens", "9", "--micro-batch", "4", "--steps", "2", "--rounds", "2", "--out", str(out)]
+    argv += ["--gradient-checkpointing", "--micro-batch-tokens", "40"]  # the long-completion options reach the step
     script.main(argv)
     result = json.loads(out.read_text())
     config, rank = script.TINY, 16
@@ -66,6 +67,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     assert result["config"]["name"] == "tiny" and result["dtype"] == "bfloat16"
     batch = result["batch"]
     assert batch["sequences"] == 6 and batch["micro_batch_size"] == 4
+    assert batch["gradient_checkpointing"] is True and batch["micro_batch_tokens"] == 40
     assert isinstance(batch["selective_logprob_head"], bool)
     # completions spread from half to all of the maximum: 4 + (9 - 4) * (i + 1) // 6 tokens for i = 0..5
     completions = [4 + 5 * (i + 1) // 6 for i in range(6)]

@@ -23,6 +23,7 @@ from grpolora.workers.trainer.grpo import (
 from grpolora.workers.trainer.step import (
     corrects_mismatch,
     learning_rate_factor,
+    micro_batch_slices,
     mini_batch_indices,
     set_learning_rate,
     with_schedule_base,
@@ -700,3 +701,16 @@ def test_the_mismatch_correction_is_on_by_default_for_half_precision_only():
     assert [corrects_mismatch(grpo, d) for d in ("bfloat16", "float16", "float32")] == [True, True, False]
     assert not corrects_mismatch(GRPOSpec(mismatchCorrection=False), "bfloat16")
     assert corrects_mismatch(GRPOSpec(mismatchCorrection=True), "float32")
+
+
+def test_micro_batches_by_a_token_budget():
+    # Lengths sorted as by_length leaves them; a micro-batch costs its count x its longest (padded) length.
+    # Budget 12: [3, 4] (2 x 4 = 8; adding 5 would cost 15), [5] (adding 9: 18), [9] (adding 10: 20), [10].
+    lengths = [3, 4, 5, 9, 10]
+    assert micro_batch_slices(lengths, size=8, tokens=12) == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    # The sequence count still bounds it: at most 2 per micro-batch under a budget that would allow more.
+    assert micro_batch_slices(lengths, size=2, tokens=100) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    # A sequence longer than the budget goes alone; no budget: by count only.
+    assert micro_batch_slices([20, 30], size=8, tokens=12) == [slice(0, 1), slice(1, 2)]
+    assert micro_batch_slices(lengths, size=2, tokens=None) == [slice(0, 2), slice(2, 4), slice(4, 5)]
+    assert micro_batch_slices([], size=2, tokens=12) == []

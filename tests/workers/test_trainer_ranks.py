@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from grpolora.workers.models import resolve_model
 from grpolora.workers.trainer import checkpoint
+from grpolora.workers.trainer.policy import Policy
 from grpolora.workers.trainer.step import make_optimizer, train_step
 from tests.workers.ranks import (
     RECIPE_FILE,
@@ -122,6 +124,26 @@ def test_a_second_pass_over_an_on_policy_batch_is_clipped_around_the_first():
     stats = train_step(policy, sgd(policy, 1e-4), synthetic_batch(), grpo, on_policy=True)
     assert stats.updates == 2 and 0 < stats.clip_fraction <= 0.5  # only the second pass can clip
     assert stats.tokens == int(synthetic_batch().completion_mask.sum())  # the batch's tokens, not twice them
+
+
+def test_activation_checkpointing_gives_the_same_update():
+    """grpo.gradientCheckpointing recomputes each decoder layer in backward: the layers say so, and the step's
+    update and figures are those without it."""
+    results = []
+    for enabled in (False, True):
+        grpo = spec_with(gradientCheckpointing=enabled).grpo
+        policy = Policy(resolve_model("offline:tiny-llama"), SPEC.model_copy(update={"grpo": grpo}),
+                        device=torch.device("cpu"))  # fmt: skip
+        layers = policy.model.get_base_model().model
+        assert layers.gradient_checkpointing is enabled
+        before = lora_state(policy)
+        stats = train_step(policy, sgd(policy, 1e-2), synthetic_batch(), grpo, on_policy=True)
+        results.append((before, lora_state(policy), stats))
+    (before, plain, plain_stats), (_, checkpointed, checkpointed_stats) = results
+    moved = max((plain[k] - before[k]).abs().max().item() for k in before)
+    assert moved > 1e-4
+    assert max((checkpointed[k] - plain[k]).abs().max().item() for k in plain) < 1e-5 * moved
+    assert checkpointed_stats.grad_norm == pytest.approx(plain_stats.grad_norm, rel=1e-5)
 
 
 def test_single_rank_checkpoint_round_trip(one_rank, tmp_path):

@@ -190,6 +190,10 @@ class Policy:
             task_type="CAUSAL_LM",
         )
         self.model = get_peft_model(base, config).to(device)
+        if spec.grpo.gradient_checkpointing:
+            # Non-reentrant: gradients reach the LoRA weights without the inputs requiring grad, and it composes
+            # with FSDP2. HF recomputes each decoder layer in backward (only in train mode, as train_step runs).
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # Logits only where a completion token is predicted: the output head is a large share of a small model's
         # compute (49k x 576 for SmolLM2; 151k x 1024 for Qwen3-0.6B). Used where it provably gives the same
         # numbers as the full forward (checked once here); FSDP2 runs the root module whole, so not when sharded.

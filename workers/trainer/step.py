@@ -69,6 +69,24 @@ def mini_batch_indices(size: int, mini_batches: int) -> list[torch.Tensor]:
     return [run for run in torch.arange(size).tensor_split(min(mini_batches, max(size, 1))) if len(run)]
 
 
+def micro_batch_slices(lengths: list[int], *, size: int, tokens: int | None) -> list[slice]:
+    """Micro-batches over sequences sorted by length (Batch.by_length), as slices: at most `size` sequences each
+    and, with a token budget, at most `tokens` padded tokens (count x the longest, prompt included, which is what a
+    forward pass holds in activations); a sequence longer than the budget goes alone. Greedy in order, so short
+    sequences share a pass and long ones get passes of their own: 4k-16k-token completions fit one GPU without
+    making every pass of short ones a pass of one."""
+    slices, start = [], 0
+    for end in range(1, len(lengths) + 1):
+        if (
+            end == len(lengths)
+            or end + 1 - start > size
+            or (tokens is not None and (end + 1 - start) * lengths[end] > tokens)
+        ):
+            slices.append(slice(start, end))
+            start = end
+    return slices
+
+
 def learning_rate_factor(schedule: LrSchedule, step: int, *, total_steps: int, warmup_steps: int) -> float:
     """The learning rate of training step `step` (0-based) of `total_steps`, as a fraction of grpo.learningRate.
 
@@ -162,15 +180,15 @@ def _mini_batch(policy: Policy, mini: Batch, grpo: GRPOSpec, rank: int, world_si
         sequences=max(sequences, 1.0),
         max_new_tokens=grpo.max_new_tokens,
     )
-    size = grpo.micro_batch_size
+    lengths = local.attention_mask.sum(dim=1).tolist()
+    slices = micro_batch_slices(lengths, size=grpo.micro_batch_size, tokens=grpo.micro_batch_tokens)
     # Every rank runs the same number of micro-batches (FSDP's collectives must match); a rank with fewer
-    # sequences runs a stand-in that contributes nothing.
-    (count,) = _all_reduce([float(math.ceil(len(local) / size))], world_size, policy.device, op="max")
+    # runs stand-ins that contribute nothing.
+    (count,) = _all_reduce([float(len(slices))], world_size, policy.device, op="max")
     has_reference = local.reference_logprobs is not None  # the same on every rank: they get one batch
-    micros = []
-    for index in range(int(count)):
-        micro = local.select(slice(index * size, (index + 1) * size))
-        micros.append(_Micro(micro.trimmed() if len(micro) else Batch.stand_in(policy.device, reference=has_reference)))
+    micros = [_Micro(local.select(part).trimmed()) for part in slices]
+    while len(micros) < count:
+        micros.append(_Micro(Batch.stand_in(policy.device, reference=has_reference)))
     return _MiniBatch(micros, normalizer / world_size)
 
 
