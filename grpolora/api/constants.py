@@ -88,6 +88,7 @@ MAX_STOP_STRINGS: Final = 64  # stop strings of a rollout request
 MAX_RUN_SECONDS: Final = 366 * 24 * 3600  # a cap on a whole run (activeDeadlineSeconds): a year
 MAX_BUCKET_MIB: Final = 65_536  # one sync bucket (64 GiB): larger than a whole 70B model's LoRA adapter
 MAX_BATCH: Final = 1_048_576  # items per request or micro-batch, prompts of an evaluation or a dataset cap
+MAX_MICRO_BATCH_TOKENS: Final = 67_108_864  # tokens of one micro-batch (2^26): 4 k sequences of a 16 k context
 MAX_CONCURRENCY: Final = 4_096  # requests in flight to a reward service, or per job on a pool's replica
 MAX_RETRIES: Final = 100  # further attempts of a failed reward request
 MAX_CHECKPOINTS_KEPT: Final = 1_000  # checkpoints kept on the volume

@@ -389,7 +389,7 @@ class GRPOSpec(SpecModel):
     """Activation (gradient) checkpointing on the trainer: each decoder layer's activations are recomputed in the
     backward pass instead of kept from the forward, so memory grows with one layer's activations rather than all
     of them, for about one more forward pass of compute. For long completions; the update is the same."""
-    micro_batch_tokens: int | None = Field(default=None, gt=0)
+    micro_batch_tokens: int | None = Field(default=None, gt=0, le=c.MAX_MICRO_BATCH_TOKENS)
     """Also at most this many tokens per forward/backward pass (sequences x the longest one's prompt +
     completion, which is what the pass holds in activations): sequences sorted by length share a pass while they
     fit, and a longer one goes alone. For long completions (4k-16k tokens) a count alone would either waste the
