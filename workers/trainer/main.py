@@ -17,6 +17,7 @@ from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.tasks.base import TaskError
+from grpolora.workers.trainer.policy import ModelMismatch
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,9 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         if isinstance(exc, TaskError):  # a bad dataset or reward plugin: a restart would fail the same way
             contract.write_termination_message(str(exc))
             return contract.EXIT_INVALID_DATA
+        if isinstance(exc, ModelMismatch):  # the spec asks the model for what it has not: so would a restart
+            contract.write_termination_message(str(exc))
+            return contract.EXIT_INVALID_SPEC
         return 1
     finally:
         if dist.is_initialized():

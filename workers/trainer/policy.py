@@ -26,6 +26,21 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class ModelMismatch(ValueError):
+    """The spec names something the model does not have, found once the model is loaded (`grpolora validate` has
+    no model at hand). The message starts with the spec field to fix; the trainer exits with EXIT_INVALID_SPEC."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+
+
+def missing_target_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """The names of `lora.targetModules` that match no module of `model` by peft's rule (the module's full name,
+    or its last dotted parts): peft wraps the ones that match and silently skips the others."""
+    modules = [name for name, _ in model.named_modules()]
+    return [n for n in names if not any(m == n or m.endswith("." + n) for m in modules)]
+
+
 @dataclass(frozen=True)
 class Batch:
     """Sequences (prompt + completion, right-padded) and which positions are completion tokens.
@@ -161,6 +176,13 @@ class Policy:
         self.tokenizer = tokenizer
         base.config.use_cache = False
         lora = spec.lora
+        if isinstance(lora.target_modules, list) and (missing := missing_target_modules(base, lora.target_modules)):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ModelMismatch(
+                "spec.lora.targetModules",
+                f"{', '.join(map(repr, missing))} names no module of {spec.model.name} (its linear layers: "
+                f"{', '.join(linear)})",
+            )
         torch.manual_seed(spec.grpo.seed)  # LoRA A's initialisation is part of the run's reproducibility
         config = LoraConfig(
             r=lora.rank,
