@@ -183,9 +183,11 @@ def test_a_tracker_that_cannot_start_is_a_spec_error_not_a_crash():
     from grpolora.api import contract
     from grpolora.workers.secrets import SecretError
     from grpolora.workers.trainer.main import exit_code
+    from grpolora.workers.trainer.policy import ModelMismatch
 
     assert exit_code(TrackingError("spec.tracking.mlflow: cannot start a run at file:///x: ...")) == 78
     assert exit_code(SecretError("spec.tracking.mlflow.secretName: Secret 'mlflow' not found")) == 78
+    assert exit_code(ModelMismatch("spec.lora.targetModules", "'q_projj' names no module of m")) == 78
     assert contract.EXIT_INVALID_SPEC == 78 and 78 in contract.TRAINER_INPUT_EXIT_CODES
     assert exit_code(RuntimeError("NCCL watchdog timeout")) == 1
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import httpx
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -25,6 +26,7 @@ from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.testing.servers import tiny_cpu_job
 from grpolora.workers.trainer.main import pod_exit_code, run_rank
+from grpolora.workers.trainer.policy import missing_target_modules
 from grpolora.workers.trainer.ranks import Instruction, broadcast_instruction, instruction_group
 from tests.helpers import job_doc
 
@@ -146,3 +148,33 @@ def test_followers_survive_rank_0_working_alone_past_the_collective_timeout(tmp_
     only busy. Instructions now travel on a gloo group of their own with a long timeout."""
     mp.start_processes(_ranks_wait_for_rank_0, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
     assert {p.name: p.read_text() for p in tmp_path.glob("rank-*")} == {"rank-0": "stop", "rank-1": "stop"}
+
+
+def test_a_target_module_the_model_lacks_exits_with_the_invalid_spec_code_naming_it(tmp_path, monkeypatch):
+    """`q_projj` passes validation (the model is not at hand there); the trainer, which loads the model, refuses it
+    naming the module and the linear layers there are, with the code that forbids a retry."""
+    termination_log = tmp_path / "termination-log"
+    monkeypatch.setattr(contract, "TERMINATION_LOG", str(termination_log))
+    job = parse_job(
+        job_doc(
+            model={"name": "offline:tiny-llama", "dtype": "float32"},
+            lora={"targetModules": ["q_proj", "q_projj"]},
+            trainer={"gpusPerReplica": 0, "statusPort": free_port()},
+            inference={"gpusPerReplica": 0},
+            checkpoint={"path": str(tmp_path / "ckpt")},
+        )
+    )
+    env = WorkerEnv.from_environ({**plan(job).env_for("trainer", 0, token="t"), contract.BIND_ADDR: "127.0.0.1"})
+    assert run_rank(env, local_rank=0) == contract.EXIT_INVALID_SPEC
+    message = termination_log.read_text()
+    assert message.startswith("spec.lora.targetModules: 'q_projj' names no module of offline:tiny-llama"), message
+    assert "q_proj, " in message and "v_proj" in message
+
+
+def test_target_modules_match_by_peft_rule_full_name_or_dotted_suffix():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([torch.nn.Module()])
+    model.layers[0].self_attn = torch.nn.Module()
+    model.layers[0].self_attn.q_proj = torch.nn.Linear(2, 2)
+    names = ["q_proj", "self_attn.q_proj", "layers.0.self_attn.q_proj", "q_projj", "attn.q_proj", "proj"]
+    assert missing_target_modules(model, names) == ["q_projj", "attn.q_proj", "proj"]

@@ -15,11 +15,11 @@ import torch.distributed as dist
 
 from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
-from grpolora.api.load import InvalidJob
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.secrets import SecretError
 from grpolora.workers.tasks.base import TaskError
 from grpolora.workers.tracking import TrackingError
+from grpolora.workers.trainer.policy import ModelMismatch
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ def exit_code(exc: BaseException) -> int:
     transient (1: restarted)."""
     if isinstance(exc, TaskError):
         return contract.EXIT_INVALID_DATA
-    if isinstance(exc, TrackingError | SecretError | InvalidJob):
+    if isinstance(exc, TrackingError | SecretError | ModelMismatch):
         return contract.EXIT_INVALID_SPEC
     return 1
 

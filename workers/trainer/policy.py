@@ -18,13 +18,27 @@ from typing import Any
 
 import torch
 
-from grpolora.api.load import InvalidJob, Problem
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers.trainer.grpo import token_logprobs
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelMismatch(ValueError):
+    """The spec names something the model does not have, found once the model is loaded (`grpolora validate` has
+    no model at hand). The message starts with the spec field to fix; the trainer exits with EXIT_INVALID_SPEC."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(f"{path}: {message}")
+
+
+def missing_target_modules(model: torch.nn.Module, names: list[str]) -> list[str]:
+    """The names of `lora.targetModules` that match no module of `model` by peft's rule (the module's full name,
+    or its last dotted parts): peft wraps the ones that match and silently skips the others."""
+    modules = [name for name, _ in model.named_modules()]
+    return [n for n in names if not any(m == n or m.endswith("." + n) for m in modules)]
 
 
 @dataclass(frozen=True)
@@ -121,22 +135,6 @@ def build_batch(
     return Batch(input_ids, attention, completion, behaviour, torch.tensor(advantages, dtype=torch.float32), ref)
 
 
-def _check_target_modules(base: torch.nn.Module, wanted: str | list[str], model: str) -> None:
-    """Every name of spec.lora.targetModules must be a module of the model, as peft matches it (the whole name or
-    its last dotted parts). peft refuses a list only when none matches: `[q_proj, q_projj]` would train q_proj alone
-    and say nothing. Raised as a spec error: the trainer exits with EXIT_INVALID_SPEC, the job fails at once."""
-    if isinstance(wanted, str):  # `all-linear`
-        return
-    names = [name for name, _ in base.named_modules()]
-    missing = [key for key in wanted if not any(name == key or name.endswith(f".{key}") for name in names)]
-    if not missing:
-        return
-    linear = sorted({name.rsplit(".", 1)[-1] for name, m in base.named_modules() if isinstance(m, torch.nn.Linear)})
-    verb = "is not a module" if len(missing) == 1 else "are not modules"
-    message = f"{', '.join(missing)} {verb} of {model}; its linear layers: {', '.join(linear)} (or `all-linear`)"
-    raise InvalidJob([Problem("spec.lora.targetModules", message)])
-
-
 class Policy:
     def __init__(
         self,
@@ -179,8 +177,14 @@ class Policy:
         self.tokenizer = tokenizer
         base.config.use_cache = False
         lora = spec.lora
+        if isinstance(lora.target_modules, list) and (missing := missing_target_modules(base, lora.target_modules)):
+            linear = sorted({n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)})
+            raise ModelMismatch(
+                "spec.lora.targetModules",
+                f"{', '.join(map(repr, missing))} names no module of {spec.model.name} (its linear layers: "
+                f"{', '.join(linear)})",
+            )
         torch.manual_seed(spec.grpo.seed)  # LoRA A's initialisation is part of the run's reproducibility
-        _check_target_modules(base, lora.target_modules, spec.model.name)
         config = LoraConfig(
             r=lora.rank,
             lora_alpha=lora.alpha,
