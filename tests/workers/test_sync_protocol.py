@@ -343,6 +343,25 @@ def test_rounds_deliver_exact_tensors_and_versions_grow(cluster):
             assert all(torch.equal(got[k], v) for k, v in adapter(seed).items())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_adapter_travels_in_the_models_dtype_in_half_the_bytes(cluster, dtype):
+    """The trainer's float32 master weights stay float32 (what it passes is not touched); the round carries them
+    rounded to the model's dtype, as vLLM would round them when it builds the LoRA for that model: half the bytes,
+    the same adapter served. A late joiner gets those same bytes."""
+    c = cluster(2)
+    fp32 = c.sender.send(adapter(0), {}).bytes
+    c.sender.close()
+    c.sender = c.make_sender(wire_dtype=dtype)
+    master = adapter(1)
+    report = c.sender.send(master, {})
+    assert report.bytes <= fp32 // 2 + 64 * len(master)  # each tensor padded to the 64-byte alignment
+    c.wait_live(report.version)
+    for sink in c.sinks:
+        got = sink.adapters[report.version]
+        assert all(got[k].dtype == dtype and torch.equal(got[k], v.to(dtype)) for k, v in master.items())
+    assert all(v.dtype == torch.float32 and torch.equal(v, adapter(1)[k]) for k, v in master.items())
+
+
 def test_corrupted_round_is_refused_and_the_old_version_keeps_serving(cluster, monkeypatch):
     c = cluster(2)
     c.sender.send(adapter(0), {})
