@@ -14,7 +14,14 @@ from peft import set_peft_model_state_dict
 
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.inference.vllm_engine import EngineConfig, SamplingRequest, VllmEngine
-from grpolora.workers.inference.vllm_worker import ALIGN, lora_request, pack_payload, unpack_payload
+from grpolora.workers.inference.vllm_worker import (
+    ALIGN,
+    lora_request,
+    pack_payload,
+    read_shared_payload,
+    shared_payload,
+    unpack_payload,
+)
 from grpolora.workers.models import resolve_model
 from tests.workers.parity import hf_logprobs, peft_policy, randomize_adapter, tokens
 
@@ -37,6 +44,19 @@ def test_a_payload_unpacks_to_the_same_tensors_each_in_memory_of_its_own():
     # vLLM scales lora_B in place: one build's tensors must never be another's.
     first["a"] *= 2
     assert torch.equal(second["a"], tensors["a"])
+
+
+def test_a_shared_payload_is_read_whole_by_a_worker_and_removed_when_the_call_ends():
+    from multiprocessing import resource_tracker, shared_memory
+
+    tensors = {"a": torch.randn(4, 8), "b": torch.randn(3).to(torch.bfloat16)}
+    with shared_payload(tensors) as (segment, size, layout):
+        held = read_shared_payload(segment, size)  # what a worker copies out before the call returns
+        # This process plays the worker too: give back the creator's registration that the worker side dropped.
+        resource_tracker.register(f"/{segment}", "shared_memory")
+    assert all(torch.equal(t, tensors[k]) for k, t in unpack_payload(held, layout).items())
+    with pytest.raises(FileNotFoundError):
+        shared_memory.SharedMemory(name=segment)
 
 
 def test_a_layout_reaching_past_the_payload_is_refused():

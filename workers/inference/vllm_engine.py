@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec, ServingSpec
-from grpolora.workers.inference.vllm_worker import pack_payload
+from grpolora.workers.inference.vllm_worker import shared_payload
 
 if TYPE_CHECKING:
     import torch
@@ -240,11 +240,13 @@ class VllmEngine:
 
     async def add_lora(self, request, tensors: Mapping[str, torch.Tensor], adapter_config: dict) -> None:
         """Load the adapter of `request` (a LoRARequest from vllm_worker.lora_request) from its tensors: they travel
-        to vLLM's workers as one payload, between engine steps, and become a LoRA model there (no folder)."""
-        payload, layout = pack_payload(tensors)
-        await self._engine.collective_rpc(
-            "grpolora_add_adapter", args=(request.lora_name, request.lora_int_id, payload, layout, adapter_config)
-        )
+        to vLLM's workers as one payload in shared memory, between engine steps, and become a LoRA model there (no
+        folder)."""
+        with shared_payload(tensors) as (segment, size, layout):
+            await self._engine.collective_rpc(
+                "grpolora_add_adapter",
+                args=(request.lora_name, request.lora_int_id, segment, size, layout, adapter_config),
+            )
 
     async def remove_lora(self, lora_id: int) -> None:
         await self._engine.collective_rpc("grpolora_remove_adapter", args=(lora_id,))
