@@ -16,9 +16,9 @@ from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.inference.vllm_engine import EngineConfig, SamplingRequest, VllmEngine
 from grpolora.workers.inference.vllm_worker import (
     ALIGN,
+    SharedPayload,
     lora_request,
     pack_payload,
-    read_shared_payload,
     shared_payload,
     unpack_payload,
 )
@@ -46,17 +46,19 @@ def test_a_payload_unpacks_to_the_same_tensors_each_in_memory_of_its_own():
     assert torch.equal(second["a"], tensors["a"])
 
 
-def test_a_shared_payload_is_read_whole_by_a_worker_and_removed_when_the_call_ends():
+def test_a_shared_payload_outlives_its_name_in_the_workers_mapping():
     from multiprocessing import resource_tracker, shared_memory
 
     tensors = {"a": torch.randn(4, 8), "b": torch.randn(3).to(torch.bfloat16)}
     with shared_payload(tensors) as (segment, size, layout):
-        held = read_shared_payload(segment, size)  # what a worker copies out before the call returns
+        held = SharedPayload(segment, size)  # what a worker maps before the call returns
         # This process plays the worker too: give back the creator's registration that the worker side dropped.
         resource_tracker.register(f"/{segment}", "shared_memory")
-    assert all(torch.equal(t, tensors[k]) for k, t in unpack_payload(held, layout).items())
-    with pytest.raises(FileNotFoundError):
+    with pytest.raises(FileNotFoundError):  # the name is gone as the call ends ...
         shared_memory.SharedMemory(name=segment)
+    for _ in range(2):  # ... and the worker's mapping still holds the bytes, for every build
+        assert all(torch.equal(t, tensors[k]) for k, t in unpack_payload(held, layout).items())
+    held.close()
 
 
 def test_a_layout_reaching_past_the_payload_is_refused():

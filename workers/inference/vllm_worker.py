@@ -86,21 +86,30 @@ def shared_payload(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, i
         segment.unlink()
 
 
-def read_shared_payload(name: str, size: int) -> bytes:
-    """A worker's own copy of a shared payload (held while its LoRA id is loaded; the segment goes right after)."""
-    segment = shared_memory.SharedMemory(name=name)
-    try:
+class SharedPayload:
+    """A worker's mapping of a shared payload, held while its LoRA id is loaded. The server removes the segment's
+    name as soon as the call returns; the mapping, and so the bytes, stay until `close` (or this process ends, so
+    nothing outlives a crash). Nothing writes to it after the server packed it: every build copies out of it."""
+
+    def __init__(self, name: str, size: int):
+        self._segment = shared_memory.SharedMemory(name=name)
         # Python 3.11 registers a segment with this process's resource tracker even when it only opens it, and
         # would unlink it again at exit: the server that created it removes it.
-        resource_tracker.unregister(segment._name, "shared_memory")  # type: ignore[attr-defined]
-        return bytes(segment.buf[:size])
-    finally:
-        segment.close()
+        resource_tracker.unregister(self._segment._name, "shared_memory")  # type: ignore[attr-defined]
+        self.size = size
+
+    def copy(self) -> bytearray:
+        return bytearray(self._segment.buf[: self.size])
+
+    def close(self) -> None:
+        self._segment.close()
 
 
-def unpack_payload(payload: bytes | bytearray, layout: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+def unpack_payload(
+    payload: bytes | bytearray | SharedPayload, layout: Sequence[Sequence[Any]]
+) -> dict[str, torch.Tensor]:
     """Fresh tensors from a payload: one copy of it that they alone own (vLLM scales them in place)."""
-    owned = bytearray(payload)
+    owned = payload.copy() if isinstance(payload, SharedPayload) else bytearray(payload)
     if not owned:
         return {name: torch.empty(shape, dtype=_DTYPES[dtype]) for name, dtype, shape, _, _ in layout}
     flat = torch.frombuffer(owned, dtype=torch.uint8)
@@ -116,7 +125,7 @@ def unpack_payload(payload: bytes | bytearray, layout: Sequence[Sequence[Any]]) 
 class HeldAdapter:
     """What a worker keeps of an adapter while its LoRA id may be (re)loaded: the payload and its config."""
 
-    payload: bytes
+    payload: SharedPayload
     layout: Layout
     adapter_config: dict
 
@@ -151,19 +160,21 @@ class AdapterExtension:
     ) -> bool:
         """Hold the adapter in shared-memory `segment` under `lora_id` and load it into vLLM's LoRA cache (as
         `add_lora` would)."""
-        payload = read_shared_payload(segment, size)
         held = self._grpolora_held()
-        held[lora_id] = HeldAdapter(payload, [tuple(entry) for entry in layout], dict(adapter_config))
+        held[lora_id] = HeldAdapter(SharedPayload(segment, size), [tuple(entry) for entry in layout], adapter_config)
         try:
             return self.add_lora(lora_request(name, lora_id))  # type: ignore[attr-defined]
         except BaseException:
-            held.pop(lora_id, None)
+            held.pop(lora_id).payload.close()
             raise
 
     def grpolora_remove_adapter(self, lora_id: int) -> bool:
         """Unload `lora_id` from vLLM and forget its payload."""
-        self._grpolora_held().pop(lora_id, None)
-        return self.remove_lora(lora_id)  # type: ignore[attr-defined]
+        removed = self.remove_lora(lora_id)  # type: ignore[attr-defined]
+        adapter = self._grpolora_held().pop(lora_id, None)
+        if adapter is not None:
+            adapter.payload.close()
+        return removed
 
     def grpolora_held_adapters(self) -> list[int]:
         """The LoRA ids whose payloads this worker holds (for tests: none is kept after its removal)."""
