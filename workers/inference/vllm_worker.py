@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing import resource_tracker, shared_memory
@@ -78,6 +79,9 @@ def shared_payload(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, i
     layout, size = payload_layout(tensors)
     segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
     try:
+        # Reserve the pages first: a full /dev/shm then fails here with ENOSPC (an activation failure, the old
+        # version keeps serving) instead of killing the server with SIGBUS on the first write to a missing page.
+        os.posix_fallocate(segment._fd, 0, max(size, 1))  # type: ignore[attr-defined]
         if size:
             pack_into(segment.buf[:size], tensors, layout)
         yield segment.name, size, layout
