@@ -16,10 +16,10 @@ import torch
 
 from grpolora.api.load import parse_job
 from grpolora.workers.sync import wire
-from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, SyncError
+from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, SyncError
 from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.sender import AdapterSender
-from grpolora.workers.sync.transport import connect_store
+from grpolora.workers.sync.transport import TransportError, connect_store
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.buffer import RolloutBuffer
 from grpolora.workers.trainer.producer import RolloutProducer
@@ -666,3 +666,67 @@ def test_the_rollout_producer_waits_for_a_re_forming_group_instead_of_failing(cl
     assert [g.version for g in groups] == [1]
     assert rollouts.calls == [(1, (0,))]  # once, after the group formed and the replica caught up
     buffer.close()
+
+
+class BlockingTransport:
+    """A member's transport whose collectives block until it is closed (NCCL over P2P/NVLink/SHM does not surface
+    a peer's abort: a member inside an abandoned round waits there until its own side aborts)."""
+
+    def __init__(self, *, epoch: int, rank: int, world_size: int, **_) -> None:
+        self.epoch, self.rank, self.world_size, self.device = epoch, rank, world_size, torch.device("cpu")
+        self.closed = threading.Event()
+        self.entered = threading.Event()
+
+    def broadcast(self, tensor, src: int = 0) -> None:
+        self.entered.set()
+        self.closed.wait()
+        raise TransportError("the group is closed")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(monkeypatch):
+    """A round abandoned by the trainer (another member's prepare failed, a member died) leaves this member inside
+    its first broadcast. The join of the next epoch must free it, well within sync.joinTimeoutSeconds, not after
+    sync.timeoutSeconds (an hour here)."""
+    from grpolora.workers.sync import receiver as receiver_module
+
+    made: list[BlockingTransport] = []
+
+    def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
+        made.append(BlockingTransport(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    member = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=KEY)
+
+    def join(epoch: int) -> JoinRequest:
+        return JoinRequest(
+            epoch=epoch,
+            rank=1,
+            world_size=2,
+            store_addr="127.0.0.1",
+            store_port=port,
+            backend="nccl",
+            timeout_seconds=3600,
+            join_timeout_seconds=TIMEOUT,
+            trainer_fingerprint="fp",
+            current_version=0,
+        )
+
+    try:
+        member.join(join(0))
+        eventually(lambda: member.state().epoch == 0)
+        member.prepare(PrepareRequest(epoch=0, version=1))
+        assert made[0].entered.wait(TIMEOUT)  # inside the round's first broadcast, which the trainer abandons
+        started = time.monotonic()
+        member.join(join(1))
+        eventually(lambda: member.state().epoch == 1, seconds=TIMEOUT)
+        assert time.monotonic() - started < TIMEOUT
+        assert made[0].closed.is_set() and not made[1].closed.is_set()
+    finally:
+        member.close()
+        del store
