@@ -20,7 +20,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -87,7 +86,7 @@ def child(rounds: int) -> dict:
     ]
 
     async def run() -> dict:
-        engine = OwnEngineBook(engine_config(env, str(model_dir)), adapter_root=Path(tempfile.mkdtemp()))
+        engine = OwnEngineBook(engine_config(env, str(model_dir)))
         await engine.start()
         try:
             result = {}

@@ -29,9 +29,7 @@ class FakeOwnEngineBook(OwnEngineBook):
     the prompt's last token + i + 1, with logprob -0.5."""
 
     def __init__(self, tmp: Path):
-        super().__init__(
-            EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=2), adapter_root=tmp
-        )
+        super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=2))
 
     async def start(self) -> None:
         self.requests: list[tuple[list[int], SamplingRequest]] = []  # what generate was asked, in order

@@ -104,7 +104,7 @@ def test_an_engine_serves_versions_in_its_window_and_unloads_an_old_one_when_its
 
     async def scenario() -> list[int]:
         config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=3, kept_versions=3)
-        engine = OwnEngineBook(config, adapter_root=tmp_path)
+        engine = OwnEngineBook(config)
         engine._engine = vllm = RemoveRecorder()
         engine._version_changed = asyncio.Condition()
         engine._loaded, engine._live_version = {v: v for v in (1, 2, 3, 4)}, 4  # k = 2: 2, 3, 4 kept (id = version)
@@ -143,7 +143,7 @@ def book_unloading_through(vllm: SlowRemover, tmp_path) -> OwnEngineBook:
     """A book of one job with versions 1, 2 and 3 loaded (LoRA id = version) and 3 live; its window keeps one
     version, so 1 and 2 are to go; vLLM's side is `vllm`. Made inside the event loop that runs the scenario."""
     config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
-    engine = OwnEngineBook(config, adapter_root=tmp_path)
+    engine = OwnEngineBook(config)
     engine._engine = vllm
     engine._version_changed = asyncio.Condition()
     engine._loaded, engine._live_version = {1: 1, 2: 2, 3: 3}, 3

@@ -73,7 +73,7 @@ class GatedEngine(VllmEngine):
     def shutdown(self) -> None:
         self._engine = None
 
-    async def add_lora(self, request) -> None:
+    async def add_lora(self, request, tensors, adapter_config: dict) -> None:
         self.loras.add(request.lora_int_id)
 
     async def remove_lora(self, lora_id: int) -> None:
@@ -104,11 +104,10 @@ def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, jobs: tuple[str, .
         pool.pool.spec,
         pool=pool.name,
         jobs_file=jobs_file,
-        adapter_root=tmp / "adapters",
         receiver=lambda book, key, job: AdapterReceiver(book, replica_index=0, fingerprint="fp", key=key, name=job),
         join_grace_seconds=grace,
     )
-    return create_pool_app(engine, attachments, version_wait_seconds=1, adapter_root=tmp / "adapters"), attachments
+    return create_pool_app(engine, attachments, version_wait_seconds=1), attachments
 
 
 def wait_for(condition, what: str, seconds: float = 20.0) -> None:
@@ -200,14 +199,13 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
             return httpx.get(f"{server.url}/v1/adapter").json()["attachment_error"]
 
         assert served() == {JOB_A, JOB_B}
-        # Version 1 of each job (as their receivers activate it): two LoRA ids, two folders.
+        # Version 1 of each job (as their receivers activate it): two LoRA ids, and no folder written.
         books = {job: attachments.tenants.get(job).book for job in (JOB_A, JOB_B)}
         for job, book in books.items():
             book.activate(1, {"w": torch.full((2,), float(job == JOB_B))}, {"r": 8})
         ids = {job: book.lora_ids() for job, book in books.items()}
-        folders = {job: book._folder(1) for job, book in books.items()}
         assert ids[JOB_A] != ids[JOB_B] and engine.loras == {*ids[JOB_A], *ids[JOB_B]}
-        assert folders[JOB_A] != folders[JOB_B] and all(f.is_dir() for f in folders.values())
+        assert not [path for path in tmp_path.rglob("*") if path.is_file() and path != jobs_file]
         ok = {"prompt_token_ids": [[1, 2]]}
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 401
         for bad, words in (
@@ -229,7 +227,6 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
         wait_for(lambda: served() == {JOB_A, JOB_C}, "C attached and B detached")
         assert error() is None
         wait_for(lambda: engine.loras == set(ids[JOB_A]), "B's version unloaded")
-        assert not folders[JOB_B].exists() and folders[JOB_A].is_dir()
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 401
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
 
@@ -439,9 +436,9 @@ def test_a_round_macd_with_another_jobs_key_is_refused_in_its_group(pool_server,
 def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_server, senders, policies, model_dir):
     url, jobs_file = pool_server.url, pool_server.jobs_file
     b_ids = set(adapter_status(url)["jobs"][JOB_B]["lora_ids"])
-    roots = list(Path("/dev/shm").glob(f"grpolora-adapters-pool-shared-{pool_server.proc.pid}"))
-    folders = {p.name.split("-", 1)[1]: p for root in roots for p in root.iterdir()}
-    assert b_ids and set(folders) == {"team-a_job-a", "team-a_job-b"}
+    assert b_ids
+    # Adapters go to vLLM from memory: this server never writes a folder of them.
+    assert not list(Path("/dev/shm").glob(f"grpolora-adapters-*-{pool_server.proc.pid}"))
     body = {"prompt_token_ids": [tokens(model_dir)], "max_tokens": 100, "temperature": 1.0, "seed": 3}
 
     def late_generate() -> httpx.Response:
@@ -458,7 +455,6 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
         wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
         assert running.result().status_code == 200
     wait_for(lambda: not b_ids & set(adapter_status(url)["engine_lora_ids"]), "B's adapters unloaded from vLLM")
-    assert not folders["team-a_job-b"].exists() and folders["team-a_job-a"].exists()
     assert generate(url, {"prompt_token_ids": [[1, 2]]}, token=TOKENS[JOB_B]).status_code == 401
     assert httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_B)).status_code == 401
     assert f'job="{JOB_B}"' not in httpx.get(f"{url}/metrics").text

@@ -16,10 +16,10 @@ import torch
 
 from grpolora.api.load import parse_job
 from grpolora.workers.sync import wire
-from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, SyncError
+from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, SyncError
 from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.sender import AdapterSender
-from grpolora.workers.sync.transport import connect_store
+from grpolora.workers.sync.transport import TransportError, connect_store
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.buffer import RolloutBuffer
 from grpolora.workers.trainer.producer import ROUND_ATTEMPTS, RolloutProducer
@@ -341,6 +341,25 @@ def test_rounds_deliver_exact_tensors_and_versions_grow(cluster):
             got = sink.adapters[version]
             assert got.keys() == adapter(seed).keys()
             assert all(torch.equal(got[k], v) for k, v in adapter(seed).items())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_an_adapter_travels_in_the_models_dtype_in_half_the_bytes(cluster, dtype):
+    """The trainer's float32 master weights stay float32 (what it passes is not touched); the round carries them
+    rounded to the model's dtype, as vLLM would round them when it builds the LoRA for that model: half the bytes,
+    the same adapter served. A late joiner gets those same bytes."""
+    c = cluster(2)
+    fp32 = c.sender.send(adapter(0), {}).bytes
+    c.sender.close()
+    c.sender = c.make_sender(wire_dtype=dtype)
+    master = adapter(1)
+    report = c.sender.send(master, {})
+    assert report.bytes <= fp32 // 2 + 64 * len(master)  # each tensor padded to the 64-byte alignment
+    c.wait_live(report.version)
+    for sink in c.sinks:
+        got = sink.adapters[report.version]
+        assert all(got[k].dtype == dtype and torch.equal(got[k], v.to(dtype)) for k, v in master.items())
+    assert all(v.dtype == torch.float32 and torch.equal(v, adapter(1)[k]) for k, v in master.items())
 
 
 def test_corrupted_round_is_refused_and_the_old_version_keeps_serving(cluster, monkeypatch):
@@ -771,3 +790,67 @@ def test_a_round_that_fails_on_every_replica_again_and_again_ends_the_run(cluste
     with pytest.raises(ReplicasLost, match="every replica failed"):
         buffer.take(1, version=1, then_allow=0)
     assert len(rollouts.calls) == ROUND_ATTEMPTS
+
+
+class BlockingTransport:
+    """A member's transport whose collectives block until it is closed (NCCL over P2P/NVLink/SHM does not surface
+    a peer's abort: a member inside an abandoned round waits there until its own side aborts)."""
+
+    def __init__(self, *, epoch: int, rank: int, world_size: int, **_) -> None:
+        self.epoch, self.rank, self.world_size, self.device = epoch, rank, world_size, torch.device("cpu")
+        self.closed = threading.Event()
+        self.entered = threading.Event()
+
+    def broadcast(self, tensor, src: int = 0) -> None:
+        self.entered.set()
+        self.closed.wait()
+        raise TransportError("the group is closed")
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(monkeypatch):
+    """A round abandoned by the trainer (another member's prepare failed, a member died) leaves this member inside
+    its first broadcast. The join of the next epoch must free it, well within sync.joinTimeoutSeconds, not after
+    sync.timeoutSeconds (an hour here)."""
+    from grpolora.workers.sync import receiver as receiver_module
+
+    made: list[BlockingTransport] = []
+
+    def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
+        made.append(BlockingTransport(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    member = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=KEY)
+
+    def join(epoch: int) -> JoinRequest:
+        return JoinRequest(
+            epoch=epoch,
+            rank=1,
+            world_size=2,
+            store_addr="127.0.0.1",
+            store_port=port,
+            backend="nccl",
+            timeout_seconds=3600,
+            join_timeout_seconds=TIMEOUT,
+            trainer_fingerprint="fp",
+            current_version=0,
+        )
+
+    try:
+        member.join(join(0))
+        eventually(lambda: member.state().epoch == 0)
+        member.prepare(PrepareRequest(epoch=0, version=1))
+        assert made[0].entered.wait(TIMEOUT)  # inside the round's first broadcast, which the trainer abandons
+        started = time.monotonic()
+        member.join(join(1))
+        eventually(lambda: member.state().epoch == 1, seconds=TIMEOUT)
+        assert time.monotonic() - started < TIMEOUT
+        assert made[0].closed.is_set() and not made[1].closed.is_set()
+    finally:
+        member.close()
+        del store

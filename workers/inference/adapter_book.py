@@ -7,8 +7,9 @@ grpo.maxStaleness = k the book keeps the newest k + 1 versions loaded (buffered 
 ask for them), so the engine needs k + 1 LoRA slots and never fewer than two (`inference.maxLoras`, checked by the
 spec); version 0 is the base model (no adapter).
 
-Adapters reach vLLM through its public API: the verified tensors are written as a standard peft folder on tmpfs
-and loaded with `add_lora(LoRARequest(...))`, so the same path works for any tensor- or data-parallel layout.
+Adapters reach vLLM from memory: the verified tensors go to vLLM's own workers between engine steps and become a
+LoRA model there (workers/inference/vllm_worker.py), with no folder on the way; every worker of a tensor- or
+data-parallel engine builds its own.
 
 `AdapterBook` is one job's book on a shared engine (a RolloutPool's server holds one per attached job);
 `OwnEngineBook` is the book of a job with an engine of its own (a job's own server, `grpolora eval`, the
@@ -20,16 +21,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping
-from pathlib import Path
 
 import torch
 
-from grpolora.workers.adapter import save_adapter
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
+from grpolora.workers.inference.vllm_worker import lora_request
 
 log = logging.getLogger(__name__)
 
@@ -46,12 +45,11 @@ def versions_to_unload(loaded: Iterable[int], *, live: int, leases: Mapping[int,
 
 class AdapterBook:
     """The adapter versions of one job on a shared engine: which is live, which are loaded (each under a LoRA id
-    of its own and a folder of its own), which requests hold which. `activate` is called from the job's sync
+    of its own), which requests hold which. `activate` is called from the job's sync
     thread; everything else runs on the event loop."""
 
-    def __init__(self, engine: VllmEngine, *, adapter_root: Path, kept_versions: int, job: str, instance: str):
+    def __init__(self, engine: VllmEngine, *, kept_versions: int, job: str, instance: str):
         self._engine = engine
-        self._adapter_root = adapter_root
         self.kept_versions = kept_versions
         self.job = job  # the `job` label of its metrics
         self.instance = instance  # this attachment of the job to the engine, unique on it (see _lora_request)
@@ -66,7 +64,6 @@ class AdapterBook:
     def bind(self) -> None:
         """Serve from the running event loop (activations from the sync thread are run on it)."""
         self._loop = asyncio.get_running_loop()
-        self._adapter_root.mkdir(parents=True, exist_ok=True)
 
     @property
     def live_version(self) -> int:
@@ -88,12 +85,9 @@ class AdapterBook:
         if self._closed:  # a round that finished after its job was detached must not load anything again
             raise RuntimeError(f"job {self.job} is detached from this server")
         started = time.perf_counter()
-        await asyncio.to_thread(save_adapter, self._folder(version), tensors, adapter_config)
-        written = time.perf_counter()
         lora_id = self._engine.new_lora_id()
-        await self._engine.add_lora(self._lora_request(version, lora_id))
+        await self._engine.add_lora(self._lora_request(version, lora_id), tensors, adapter_config)
         self._loaded[version] = lora_id
-        loaded = time.perf_counter()
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
             self.live_since = time.time()
@@ -101,31 +95,28 @@ class AdapterBook:
         metrics.ADAPTER_VERSION.labels(job=self.job).set(version)
         metrics.ACTIVATION_SECONDS.labels(job=self.job).observe(time.perf_counter() - started)
         log.info(
-            "%s: adapter version %d live (was %d): written in %.3fs, loaded by vLLM in %.3fs",
+            "%s: adapter version %d live (was %d): built in vLLM's workers in %.3fs",
             self.job,
             version,
             previous,
-            written - started,
-            loaded - written,
+            time.perf_counter() - started,
         )
         await self._unload_unneeded()
 
-    def _folder(self, version: int) -> Path:
-        return self._adapter_root / f"v{version}"
-
-    def _lora_request(self, version: int, lora_id: int):
-        """Every version is a LoRA id of its own, loaded from its own peft folder: a new id per version, so no
-        drain, and no id shared with another job's same version.
+    def _lora_name(self, version: int) -> str:
+        """Every version is a LoRA id of its own: a new id per version, so no drain, and no id shared with another
+        job's same version.
 
         Its name is unique on the engine too, per job instance and version: vLLM 0.32 keys prefix-cache blocks on
-        the LoRA's name and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`) and tells
-        LoRARequests apart by name alone (vllm/lora/request.py). A job deleted and re-created under its name, or
-        attached again, starts again at version 1 (or re-sends a version restored from a checkpoint) with other
-        weights; its name then differs by `instance`, so none of its prompts can hit a KV block computed under
-        the old adapter, whether or not a folder is part of the key."""
-        from vllm.lora.request import LoRARequest
+        the LoRA's name and path (vllm/v1/core/kv_cache_utils.py, `_gen_lora_extra_hash_keys`; the path of an
+        adapter from memory is made from its name) and tells LoRARequests apart by name alone
+        (vllm/lora/request.py). A job deleted and re-created under its name, or attached again, starts again at
+        version 1 (or re-sends a version restored from a checkpoint) with other weights; its name then differs by
+        `instance`, so none of its prompts can hit a KV block computed under the old adapter."""
+        return f"{self.job}@{self.instance}/v{version}"
 
-        return LoRARequest(f"{self.job}@{self.instance}/v{version}", lora_id, str(self._folder(version)))
+    def _lora_request(self, version: int, lora_id: int):
+        return lora_request(self._lora_name(version), lora_id)
 
     async def _unload_unneeded(self) -> None:
         for version in versions_to_unload(
@@ -140,13 +131,11 @@ class AdapterBook:
             return
         lora_id = self._loaded.pop(version)
         await self._engine.remove_lora(lora_id)
-        shutil.rmtree(self._folder(version), ignore_errors=True)
         log.info("%s: adapter version %d unloaded", self.job, version)
 
     async def close(self) -> None:
         """Detach: requests waiting for a version not yet live are answered VersionUnavailable at once, no new
-        request is leased; once the requests running end, every version is unloaded from vLLM and the job's folder
-        removed."""
+        request is leased; once the requests running end, every version is unloaded from vLLM."""
         self._closed = True
         async with self._version_changed:
             self._version_changed.notify_all()
@@ -155,7 +144,6 @@ class AdapterBook:
             version = min(self._loaded)
             await self._engine.remove_lora(self._loaded.pop(version))
             log.info("%s: adapter version %d unloaded (job detached)", self.job, version)
-        shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     @contextlib.asynccontextmanager
     async def lease(self, version: int | None, wait_seconds: float) -> AsyncIterator[int]:
@@ -204,12 +192,10 @@ class OwnEngineBook(AdapterBook):
     """The book of one job with a vLLM engine of its own (a job's own inference server, `grpolora eval`, the
     benchmarks): it also starts and shuts down that engine, and passes on its limits, LoRA ids and tokenizer."""
 
-    def __init__(self, config: EngineConfig, *, adapter_root: Path, job: str = "local"):
+    def __init__(self, config: EngineConfig, *, job: str = "local"):
         # One job for the engine's whole life (a re-created job gets new servers, so a new engine): "own" is
         # unique on it.
-        super().__init__(
-            VllmEngine(config), adapter_root=adapter_root, kept_versions=config.kept_versions, job=job, instance="own"
-        )
+        super().__init__(VllmEngine(config), kept_versions=config.kept_versions, job=job, instance="own")
         self.limits: EngineLimits | None = None  # known once started
 
     @property
@@ -232,7 +218,6 @@ class OwnEngineBook(AdapterBook):
 
     def shutdown(self) -> None:
         self._engine.shutdown()
-        shutil.rmtree(self._adapter_root, ignore_errors=True)
 
     async def list_loras(self) -> list[int]:
         return await self._engine.list_loras()

@@ -25,10 +25,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import shutil
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
 from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
@@ -169,7 +167,6 @@ def create_pool_app(
     attachments: AttachmentList,
     *,
     version_wait_seconds: float,
-    adapter_root: Path,
     prepare: Callable[[], Awaitable[None]] | None = None,
     on_fatal: Callable[[], None] | None = None,
 ) -> FastAPI:
@@ -184,7 +181,6 @@ def create_pool_app(
         for watcher in watchers:
             watcher.cancel()
         engine.shutdown()
-        shutil.rmtree(adapter_root, ignore_errors=True)
 
     watchers: list[asyncio.Task] = []
     return build_app(

@@ -18,7 +18,6 @@ from grpolora.api.contract import PoolEnv, WorkerEnv
 from grpolora.api.pool import job_key
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook
-from grpolora.workers.inference.adapter_folders import default_adapter_root, remove_stale_adapter_roots
 from grpolora.workers.inference.app import create_app, create_pool_app
 from grpolora.workers.inference.tenants import pool_tenants
 from grpolora.workers.inference.vllm_engine import EngineConfig, VllmEngine, config_for, cpu_engine_env
@@ -78,8 +77,6 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
             name=job,
         )
 
-    for stale in remove_stale_adapter_roots():
-        log.info("removed the adapter folder of a server that no longer runs: %s", stale)
     failed: list[bool] = []
 
     def stop_on_fatal() -> None:  # closes over `server`, assigned below before it can run
@@ -89,23 +86,19 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
     if isinstance(env, PoolEnv):
         shared = VllmEngine(config_for(spec, env.model))
         engine: OwnEngineBook | VllmEngine = shared
-        root = default_adapter_root(f"pool-{env.pool_name}")
-        attachments = pool_tenants(
-            shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), adapter_root=root, receiver=receiver
-        )
+        attachments = pool_tenants(shared, spec, pool=env.pool_name, jobs_file=Path(env.jobs_file), receiver=receiver)
 
         def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:
             return create_pool_app(
                 shared,
                 attachments,
                 version_wait_seconds=spec.adapter_wait_seconds,
-                adapter_root=root,
                 prepare=prepare,
                 on_fatal=stop_on_fatal,
             )
     else:
         job = job_key(env.namespace, env.job_name)
-        own = OwnEngineBook(config_for(spec, env.model), adapter_root=default_adapter_root(env.job_name), job=job)
+        own = OwnEngineBook(config_for(spec, env.model), job=job)
         engine = own
 
         def app_for(prepare: Callable[[], Awaitable[None]]) -> FastAPI:

@@ -299,12 +299,11 @@ def pool_tenants(
     *,
     pool: str,
     jobs_file: Path,
-    adapter_root: Path,
     receiver: Callable[[AdapterBook, bytes, str], AdapterReceiver],
     join_grace_seconds: float | None = None,
 ) -> AttachmentList:
     """A pool server's tenants, kept in step with its attachment list: each attached job gets an adapter book on
-    the shared engine (its own folder, its attachment's keptVersions), a receiver with its own key (`receiver`
+    the shared engine (its attachment's keptVersions), a receiver with its own key (`receiver`
     makes it from the book, the key and the job) and the pool's in-flight cap. Readiness waits for a job never
     heard from for `join_grace_seconds` (default: the pool's adapterWaitSeconds; see the module docstring)."""
     grace = spec.adapter_wait_seconds if join_grace_seconds is None else join_grace_seconds
@@ -313,13 +312,11 @@ def pool_tenants(
 
     def make_tenant(entry: Attachment) -> Tenant:
         # Every attachment is an instance of its own on the engine (not one per job name): a job re-created under
-        # its name (another uid), or detached and attached again, never shares a folder or a LoRA name with the
-        # earlier one (AdapterBook._lora_request says why the names matter).
+        # its name (another uid), or detached and attached again, never shares a LoRA name with the earlier one
+        # (AdapterBook._lora_name says why the names matter).
         incarnation = next(incarnations)
-        folder = adapter_root / f"{incarnation}-{entry.job.replace('/', '_')}"
         book = AdapterBook(
             engine,
-            adapter_root=folder,
             kept_versions=entry.kept_versions,
             job=entry.job,
             instance=f"{entry.uid or 'no-uid'}.{incarnation}",

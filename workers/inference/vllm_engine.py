@@ -13,12 +13,19 @@ import dataclasses
 import logging
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec, ServingSpec
+from grpolora.workers.inference.vllm_worker import shared_payload
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "grpolora.workers.inference.vllm_worker.AdapterExtension"
 
 
 @dataclass(frozen=True)
@@ -211,6 +218,8 @@ class VllmEngine:
             # that GRPO's importance ratio needs.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            # Adapters are built from memory in vLLM's own workers (workers/inference/vllm_worker.py).
+            worker_extension_cls=WORKER_EXTENSION,
         )
         self._engine = AsyncLLM.from_engine_args(args)
         model_config = self._engine.model_config
@@ -231,11 +240,22 @@ class VllmEngine:
         self._last_lora_id += 1
         return self._last_lora_id
 
-    async def add_lora(self, request) -> None:
-        await self._engine.add_lora(request)
+    async def add_lora(self, request, tensors: Mapping[str, torch.Tensor], adapter_config: dict) -> None:
+        """Load the adapter of `request` (a LoRARequest from vllm_worker.lora_request) from its tensors: they travel
+        to vLLM's workers as one payload in shared memory, between engine steps, and become a LoRA model there (no
+        folder)."""
+        with shared_payload(tensors) as (segment, size, layout):
+            await self._engine.collective_rpc(
+                "grpolora_add_adapter",
+                args=(request.lora_name, request.lora_int_id, segment, size, layout, adapter_config),
+            )
 
     async def remove_lora(self, lora_id: int) -> None:
-        await self._engine.remove_lora(lora_id)
+        await self._engine.collective_rpc("grpolora_remove_adapter", args=(lora_id,))
+
+    async def held_adapters(self) -> list[list[int]]:
+        """Per vLLM worker, the LoRA ids whose payloads it holds."""
+        return await self._engine.collective_rpc("grpolora_held_adapters")
 
     async def list_loras(self) -> list[int]:
         """The LoRA ids vLLM itself holds (what really is loaded, whatever the book-keeping says)."""

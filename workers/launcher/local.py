@@ -48,7 +48,6 @@ from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolPlan, Role, plan, pl
 from grpolora.api.pool import Attachment, Attachments, Candidate, admit, attachment, job_key, write_attachments
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
-from grpolora.workers.inference.adapter_folders import remove_stale_adapter_roots
 from grpolora.workers.launcher.progress import Progress
 from grpolora.workers.launcher.results import plot, read_metrics, summarize
 from grpolora.workers.launcher.run_files import read_run_files, run_problems
@@ -612,7 +611,6 @@ class LocalRun:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
-        remove_stale_adapter_roots()  # of servers that were killed outright
 
     def record_unfinished(self, failed: str, *, own_reason: str) -> None:
         """Every job still running when the run stopped: Failed, saying why (`own_reason` as in JobRun.record)."""

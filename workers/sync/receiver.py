@@ -186,6 +186,15 @@ class AdapterReceiver:
         with self._lock:
             self._pending_join = request
             self._required_version = max(self._required_version, request.current_version)
+            joined = self._joined
+            # A newer epoch means the trainer gave up on the old group. If this member is inside one of that group's
+            # rounds, abandoned when another member's prepare failed or a member died, it may wait there for the
+            # whole sync.timeoutSeconds: NCCL over P2P/NVLink/SHM does not surface a peer's abort. Close its side
+            # now, so the round fails at once and the thread takes this join within sync.joinTimeoutSeconds.
+            stale = self._transport if self._busy and joined is not None and joined.epoch < request.epoch else None
+        if stale is not None:
+            log.warning("adapter sync of %s: leaving epoch %d for %d mid-round", self.name, joined.epoch, request.epoch)
+            stale.close()
         self._commands.put(request)
 
     def prepare(self, request: PrepareRequest) -> None:

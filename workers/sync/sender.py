@@ -103,6 +103,7 @@ class AdapterSender:
         on_bucket_sent: Callable[[int], None] | None = None,
         rejoin_backoff_seconds: float = REJOIN_BACKOFF_SECONDS,
         replacement_wait_seconds: float = REPLACEMENT_WAIT_SECONDS,
+        wire_dtype: torch.dtype | None = None,
     ):
         self._members = {m.index: m for m in members}
         self._store = store
@@ -111,6 +112,9 @@ class AdapterSender:
         self._timeout = timeout_seconds
         self._join_timeout = join_timeout_seconds
         self._bucket_bytes = bucket_bytes
+        # The dtype adapters travel in: the model's (vLLM builds the LoRA in the model's dtype anyway, so a bf16 or
+        # fp16 model is served the same adapter from half the bytes); None sends each tensor as it is.
+        self._wire_dtype = wire_dtype
         self.fingerprint = fingerprint
         self._key = wire.round_key(token)
         self._device = device or torch.device("cpu")
@@ -329,7 +333,8 @@ class AdapterSender:
             version = self.version + 1
             # A copy, not views of the trainer's parameters: a member caught up later must get these very bytes
             # under this version number, whatever the optimizer has done to the parameters since.
-            kept = {k: v.detach().clone() for k, v in tensors.items()}
+            # Rounded to the wire dtype in the same copy; the trainer's float32 master weights are left as they are.
+            kept = {k: v.detach().to(dtype=self._wire_dtype, copy=True) for k, v in tensors.items()}
             report = self._send_attempts(kept, adapter_config, version)
             self._last_round = (kept, dict(adapter_config))
             return report

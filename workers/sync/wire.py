@@ -51,6 +51,13 @@ _DTYPES: dict[str, torch.dtype] = {
 }
 
 
+def dtype_named(name: str) -> torch.dtype:
+    """The torch dtype of a dtype's name as specs and headers write it ("bfloat16", "float16", "float32")."""
+    if name not in _DTYPES:
+        raise WireError(f"unsupported dtype {name} (one of {sorted(_DTYPES)})")
+    return _DTYPES[name]
+
+
 class WireError(ValueError):
     """A header or buffer that does not follow this format (never activated)."""
 

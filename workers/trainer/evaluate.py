@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -119,9 +118,7 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         tensors, config = adapter_io.load_adapter(adapter_dir)
         cpu_engine_env(spec)
-        engine = OwnEngineBook(
-            config_for(spec, model_dir), adapter_root=Path(tempfile.mkdtemp(prefix="grpolora-eval-"))
-        )
+        engine = OwnEngineBook(config_for(spec, model_dir))
 
         async def run() -> dict[str, EvalResult]:
             await engine.start()

@@ -221,6 +221,7 @@ def _write_final_status(board, folder: Path) -> None:
 
 
 def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
+    from grpolora.workers.sync import wire
     from grpolora.workers.sync.control import HttpMember
     from grpolora.workers.sync.sender import AdapterSender
     from grpolora.workers.sync.transport import connect_store
@@ -242,6 +243,9 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         first_epoch=max(env.sync_epoch, ctx.progress.epoch + 1 if ctx.progress.step else env.sync_epoch),
         first_version=ctx.progress.version,
         device=device if env.sync_backend == "nccl" else None,
+        # Rounds carry the adapter in the model's dtype: half the bytes of the float32 master weights for a bf16 or
+        # fp16 model, and the same LoRA that vLLM would build from float32 (it rounds to the model's dtype).
+        wire_dtype=wire.dtype_named(env.spec.model.dtype),
     )
     rollouts = RolloutClient(env.inference_endpoints, env.token, timeout_seconds=max(env.sync_timeout_seconds, 600))
     return sender, rollouts
