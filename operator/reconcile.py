@@ -592,22 +592,12 @@ def _workloads_to_create(
         return course, _Build()
     placed = _placed_workloads(where.job_plan, view.uid, where.queue, observed)
     if isinstance(placed, kueue.PodSetConflict):
-        tj = observed.trainer_job
-        deletes = course.deletes
-        if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
-            deletes += (ChildRef("Job", tj["metadata"]["name"]),)
-        failed = dataclasses.replace(
-            course,
-            phase="Failed",
-            completion=stamp,
-            failed_reason=names.R_FAILED_TO_START,
-            final_message=f"cannot start the pods where Kueue admitted them: {placed}. Kueue's own integrations "
-            f"refuse this too: the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. "
-            f"Re-create the job with {placed.field_name} {placed.key} unset or set to {placed.wanted}",
-            restart_note=None,
-            deletes=deletes,
+        message = (
+            f"cannot start the pods where Kueue admitted them: {placed}. Kueue's own integrations refuse this too: "
+            f"the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. Re-create the job "
+            f"with {placed.field_name} {placed.key} unset or set to {placed.wanted}"
         )
-        return failed, _Build()
+        return _failed_now(course, observed, stamp, names.R_FAILED_TO_START, message), _Build()
     if isinstance(placed, _FlavorsMissing):
         requeue = API_RETRY_SECONDS if not placed.unread else REPLACE_RECHECK_SECONDS
         return dataclasses.replace(course, requeue=requeue), _Build(
@@ -662,21 +652,30 @@ def _active_deadline(
         return course, build
     if (now - _parse_time(course.active_since)).total_seconds() < deadline:
         return course, build
+    message = (
+        f"active for longer than spec.activeDeadlineSeconds ({deadline} s, since {course.active_since}): its pods "
+        "are deleted"
+    )
+    failed = _failed_now(course, observed, stamp, names.R_DEADLINE_EXCEEDED, message)
+    return failed, dataclasses.replace(build, creates=())
+
+
+def _failed_now(course: _Course, observed: Observed, stamp: str, reason: str, message: str) -> _Course:
+    """The course of a job that fails in this pass: Failed with `reason` and `message`, and its trainer Job deleted
+    (its StatefulSet goes with every finished job's, in _end)."""
     tj = observed.trainer_job
     deletes = course.deletes
     if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
         deletes += (ChildRef("Job", tj["metadata"]["name"]),)
-    failed = dataclasses.replace(
+    return dataclasses.replace(
         course,
         phase="Failed",
         completion=stamp,
-        failed_reason=names.R_DEADLINE_EXCEEDED,
-        final_message=f"active for longer than spec.activeDeadlineSeconds ({deadline} s, since "
-        f"{course.active_since}): its pods are deleted",
+        failed_reason=reason,
+        final_message=message,
         restart_note=None,
         deletes=deletes,
     )
-    return failed, dataclasses.replace(build, creates=())
 
 
 def _end(spec: GRPOLoraJobSpec, course: _Course, sts: K8sObject | None, now: datetime.datetime) -> tuple[_Course, bool]:

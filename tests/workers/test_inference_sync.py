@@ -210,6 +210,21 @@ def test_requests_racing_a_swap_complete_each_on_one_version(servers, sender, po
     policy.load_state_dict(new_state, strict=False)
 
 
+def compared_logprobs(trainer: Policy, prompt: list[int], samples: list[dict], **baseline) -> tuple[torch.Tensor, ...]:
+    """Over the completion tokens of vLLM's `samples`: the trainer's logprobs (Policy.logprobs, at the spec's
+    sampling settings), vLLM's own, and the trainer's under `baseline` settings (what a setting left out would
+    give)."""
+    batch = build_batch(
+        [(prompt, s["token_ids"], s["logprobs"]) for s in samples], [0.0] * len(samples), trainer.tokenizer.pad_token_id
+    )
+    keep = batch.completion_mask.bool()
+    with torch.no_grad():
+        ours = trainer.logprobs(batch)[keep]
+        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+        other = token_logprobs(logits, batch.input_ids[:, 1:], **baseline)[keep]
+    return ours, batch.behaviour_logprobs[keep], other
+
+
 def test_trainer_logprobs_match_vllms_at_temperature_and_top_p(job, servers, sender, model_dir):
     """With topP < 1 vLLM samples from, and reports logprobs of, the nucleus renormalised: the trainer's
     Policy.logprobs must describe that same distribution, or every importance ratio is biased."""
@@ -223,17 +238,9 @@ def test_trainer_logprobs_match_vllms_at_temperature_and_top_p(job, servers, sen
     response = generate(servers[0].url, body | {"adapter_version": report.version})
     assert response.status_code == 200, response.text
     samples = response.json()["results"][0]["samples"]
-    batch = build_batch(
-        [(prompt, s["token_ids"], s["logprobs"]) for s in samples], [0.0] * len(samples), trainer.tokenizer.pad_token_id
-    )
-    keep = batch.completion_mask.bool()
-    with torch.no_grad():
-        ours = trainer.logprobs(batch)[keep]
-        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        full_softmax = token_logprobs(logits, batch.input_ids[:, 1:], temperature=0.7)[keep]
-    vllm = batch.behaviour_logprobs[keep]
+    ours, vllm, full_softmax = compared_logprobs(trainer, prompt, samples, temperature=0.7)
     delta = (ours - vllm).abs().max().item()
-    log.warning("top-p parity: %d tokens, max |dlogprob| = %.2e", int(keep.sum()), delta)
+    log.warning("top-p parity: %d tokens, max |dlogprob| = %.2e", len(ours), delta)
     assert delta <= 1e-3
     # The nucleus really truncated something: over the full softmax the trainer's logprobs would be lower by
     # -ln(mass kept), far beyond the parity above, at the tokens whose nucleus left out a real share of the mass.
@@ -257,17 +264,9 @@ def test_trainer_logprobs_match_vllms_with_top_k_and_stop_strings_end_completion
     response = generate(servers[0].url, body)
     assert response.status_code == 200, response.text
     samples = response.json()["results"][0]["samples"]
-    batch = build_batch(
-        [(prompt, s["token_ids"], s["logprobs"]) for s in samples], [0.0] * len(samples), trainer.tokenizer.pad_token_id
-    )
-    keep = batch.completion_mask.bool()
-    with torch.no_grad():
-        ours = trainer.logprobs(batch)[keep]
-        logits = trainer.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
-        nucleus_only = token_logprobs(logits, batch.input_ids[:, 1:], temperature=0.7, top_p=0.9)[keep]
-    vllm = batch.behaviour_logprobs[keep]
+    ours, vllm, nucleus_only = compared_logprobs(trainer, prompt, samples, temperature=0.7, top_p=0.9)
     delta = (ours - vllm).abs().max().item()
-    log.warning("top-k parity: %d tokens, max |dlogprob| = %.2e", int(keep.sum()), delta)
+    log.warning("top-k parity: %d tokens, max |dlogprob| = %.2e", len(ours), delta)
     assert delta <= 1e-3
     assert (vllm - nucleus_only).max().item() > 0.05  # top-k cut more than the nucleus alone would have
     # Stop strings: a stretch from the middle of a sample's own text ends the same seeded sample there.
