@@ -274,9 +274,6 @@ class Controller:
             return
         key = (kind, namespace, name)
         self._remember(key, None if event_type == "DELETED" else dict(body), body)
-        touched = self.relist_touched.get((kind, namespace))
-        if touched is not None:
-            touched.add(key)
         if kind in KEPT_WATCHED:
             if event_type == "DELETED" and job is not None:
                 job.next_full = 0.0  # drift repair by event: a full pass makes it again
@@ -291,6 +288,12 @@ class Controller:
         if cached is not None and _version(seen) < _version(cached):
             return
         self.cache[key] = value
+        # Newer than a re-list of its kind still out, whether the watch or an API read or write brought it: that
+        # list may have been served before, and must not mark it gone (a child read by GET while the list was out
+        # was otherwise cached as absent until its next watch event, which may never come).
+        touched = self.relist_touched.get(key[:2])
+        if touched is not None:
+            touched.add(key)
 
     def deleting(self, body: Mapping[str, Any]) -> None:
         """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
