@@ -220,7 +220,8 @@ async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_only_an_admi
     await cluster.apply(pool_doc())  # one place
     await cluster.apply(first)
     await cluster.apply(later)
-    await wait_for(lambda: cluster.get(workloads, "later"), "the Kueue Workloads")
+    # Each job's pass runs on its own: the later job's Workload may well be written first.
+    await wait_for(lambda: cluster.get(workloads, "first") and cluster.get(workloads, "later"), "the Kueue Workloads")
     assert [(p["name"], p["count"]) for p in cluster.get(workloads, "first")["spec"]["podSets"]] == [("trainer", 1)]
     await wait_for(lambda: cluster.condition("first", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
 
