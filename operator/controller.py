@@ -118,6 +118,9 @@ class _Tracked:
     token: str | None = None
     """Fingerprint of the token in the job's token Secret, as the last full pass read or made it."""
     kind: str = c.KIND
+    wakes: int = 0
+    """Events that asked for a pass (_wake). One that came while a pass was out is not in that pass's decision: the
+    job passes again at once, whatever that decision said (idle, or the next pass an interval away)."""
 
 
 def _version(obj: Mapping[str, Any]) -> int:
@@ -180,11 +183,12 @@ class Controller:
         try:
             with self.metrics.timed("reconcile"):
                 async with job.lock:
+                    wakes = job.wakes
                     decision = await self._pass(job, full=True)
         except Gone:
             self.forget(job.namespace, job.name)
             raise
-        self._schedule(job, decision)
+        self._schedule(job, decision, woken=job.wakes != wakes)
         return decision
 
     async def reconcile_pool(self, body: Mapping[str, Any]) -> pr.PoolDecision:
@@ -193,11 +197,12 @@ class Controller:
         try:
             with self.metrics.timed("pool"):
                 async with pool.lock:
+                    wakes = pool.wakes
                     decision = await self._pool_pass(pool, full=True)
         except Gone:
             self.forget_pool(pool.namespace, pool.name)
             raise
-        self._schedule(pool, decision)
+        self._schedule(pool, decision, woken=pool.wakes != wakes)
         return decision
 
     def pool_event(self, event_type: str | None, body: Mapping[str, Any]) -> None:
@@ -254,11 +259,16 @@ class Controller:
                 if job.namespace == namespace and (spec.get("poolRef") or {}).get("name") == name:
                     self._wake(job)
 
-    @staticmethod
-    def _wake(tracked: _Tracked | None) -> None:
-        """Run the job's (or pool's) next monitor pass now."""
-        if tracked is not None and tracked.task is not None and not tracked.task.done():
-            tracked.due = min(tracked.due, asyncio.get_running_loop().time())
+    def _wake(self, tracked: _Tracked | None) -> None:
+        """Run the job's (or pool's) next monitor pass now; start its monitor if it had settled (its last pass was
+        idle: a suspended or finished job still keeps its kept children, and a pool its attachments)."""
+        if tracked is None:
+            return
+        tracked.wakes += 1
+        tracked.due = min(tracked.due, asyncio.get_running_loop().time())
+        if tracked.task is None or tracked.task.done():
+            tracked.task = asyncio.create_task(self._monitor(tracked), name=_monitor_name(tracked))
+        else:
             tracked.wake.set()
 
     def workload_event(self, kind: str, event_type: str | None, body: Mapping[str, Any]) -> None:
@@ -274,10 +284,9 @@ class Controller:
             return
         key = (kind, namespace, name)
         self._remember(key, None if event_type == "DELETED" else dict(body), body)
-        if kind in KEPT_WATCHED:
-            if event_type == "DELETED" and job is not None:
-                job.next_full = 0.0  # drift repair by event: a full pass makes it again
-                self._wake(job)
+        if event_type == "DELETED" and kind in KEPT_WATCHED | {kube.KUEUE_WORKLOAD.kind} and job is not None:
+            job.next_full = 0.0  # drift repair by event: a full pass makes it (a kept child, or a Workload) again
+        elif kind in KEPT_WATCHED:
             return
         self._wake(job)
 
@@ -996,13 +1005,15 @@ class Controller:
                 annotations[names.APPLIED_SPEC_ANNOTATION] = applied  # the event predates our own write
         return job
 
-    def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision) -> None:
-        if decision.idle:
+    def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision, *, woken: bool = False) -> None:
+        """After a handler's pass: the job's monitor passes next after the decision's delay (at once if an event
+        came during the pass), or not at all if it settled."""
+        if decision.idle and not woken:
             return
         loop = asyncio.get_running_loop()
-        job.due = loop.time() + self._delay(decision)
+        job.due = loop.time() + (0.0 if woken else self._delay(decision))
         if job.task is None or job.task.done():
-            job.task = asyncio.create_task(self._monitor(job), name=f"grpolora monitor {job.namespace}/{job.name}")
+            job.task = asyncio.create_task(self._monitor(job), name=_monitor_name(job))
         else:
             job.wake.set()
 
@@ -1027,6 +1038,7 @@ class Controller:
                     continue
                 with self.metrics.timed("monitor"):
                     async with job.lock:
+                        wakes = job.wakes
                         decision: rec.Decision | pr.PoolDecision = (
                             await self._pool_pass(job, full=loop.time() >= job.next_full)
                             if job.kind == c.POOL_KIND
@@ -1044,9 +1056,16 @@ class Controller:
                 job.due = loop.time() + backoff
                 continue
             failures = 0
-            if decision.idle:
+            if job.wakes != wakes:
+                job.due = loop.time()  # an event during the pass: not in its decision
+            elif decision.idle:
                 return
-            job.due = loop.time() + self._delay(decision)
+            else:
+                job.due = loop.time() + self._delay(decision)
+
+
+def _monitor_name(tracked: _Tracked) -> str:
+    return f"grpolora monitor {tracked.namespace}/{tracked.name}"
 
 
 def _pool_ref(body: Mapping[str, Any]) -> str | None:

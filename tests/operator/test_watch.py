@@ -19,6 +19,8 @@ from tests.helpers import job_doc
 from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
 from tests.operator.test_operator import created, pods_up, report
 
+WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
+
 
 async def test_a_steady_job_costs_no_api_requests_between_resyncs(cluster, trainer):
     operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
@@ -47,7 +49,7 @@ async def test_a_steady_job_costs_no_api_requests_between_resyncs(cluster, train
     assert ("watch", "batch", "jobs") in cluster.emulator.calls and rbac.allowed("watch", "apps", "statefulsets")
 
 
-def test_the_watch_cache_never_goes_back_to_an_older_version():
+async def test_the_watch_cache_never_goes_back_to_an_older_version():
     """A watch event that lags behind what a full pass read must not undo it (e.g. an eviction)."""
     from grpolora.operator.controller import Controller
 
@@ -67,6 +69,7 @@ def test_the_watch_cache_never_goes_back_to_an_older_version():
     assert controller.cache[("Workload", "ns", "demo")]["metadata"]["resourceVersion"] == "7"
     controller.workload_event("Workload", "DELETED", seen(8, "False"))
     assert controller.cache[("Workload", "ns", "demo")] is None
+    _stop_monitors(controller)  # (the events started one: no pass of it ran, there was no await)
 
 
 async def test_jobs_waiting_for_pods_share_one_pod_and_event_listing_per_namespace(cluster):
@@ -193,7 +196,7 @@ async def test_lists_come_a_page_at_a_time(cluster):
         await client.close()
 
 
-def test_tombstones_of_workloads_go_with_their_job():
+async def test_tombstones_of_workloads_go_with_their_job():
     """A deleted workload is remembered as absent only while its job is followed: the children of a deleted job,
     collected after it, leave nothing behind in the cache."""
     controller = Controller(client=None, trainer=None, metrics=Metrics())  # type: ignore[arg-type]
@@ -207,6 +210,14 @@ def test_tombstones_of_workloads_go_with_their_job():
     controller.workload_event("Job", "MODIFIED", {**trainer, "metadata": {**trainer["metadata"], "uid": "x"}})
     controller.workload_event("Job", "DELETED", trainer)
     assert controller.cache == {}, "nothing is kept of a workload whose job is gone"
+    _stop_monitors(controller)
+
+
+def _stop_monitors(controller: Controller) -> None:
+    """Cancel the monitors the events started (the tests above have no API to pass against)."""
+    for job in controller.jobs.values():
+        if job.task is not None:
+            job.task.cancel()
 
 
 # ---- the resync from the watch: kept children watched, a re-list per namespace --------------------------------------
@@ -229,7 +240,7 @@ async def test_a_resync_reads_a_jobs_children_from_the_watch_and_only_its_token_
         trainer.report = report(step=1, syncRound=1, epoch=1)
         await pods_up(cluster)
         await wait_for(lambda: cluster.status("demo").get("phase") == "Running", "phase Running")
-        await wait_for(lambda: cluster.get("kueue.x-k8s.io/v1beta1/workloads", "queued"), "the queued Workload")
+        await wait_for(lambda: cluster.get(WORKLOADS, "queued"), "the queued Workload")
         await asyncio.sleep(2 * resync)
         start = len(cluster.emulator.log)
         await asyncio.sleep(6 * resync)  # at least five full passes of each job
@@ -301,5 +312,75 @@ async def test_a_deletion_the_watch_missed_is_found_by_the_next_re_list_of_the_n
             resource for verb, resource, _ in window if verb == "list" and resource not in ("pods", "events")
         )
         assert lists == sorted(kind.plural for kind in WATCHED), lists
+    finally:
+        await controller.stop()
+
+
+def _controller(cluster, client_class: type[KubeClient] = KubeClient) -> Controller:
+    """A controller without Kopf: the test hands it the events; its monitors pass every FAST_INTERVAL."""
+    client = client_class(lambda: None)
+    client.use(kopf.ConnectionInfo(server=cluster.url))
+    return Controller(client, TrainerStatusClient(), Metrics(), ControllerConfig(FAST_INTERVAL, resync_interval=3600.0))
+
+
+async def _settled(controller: Controller, name: str = "demo") -> None:
+    """Wait until the job's monitor has ended: its last pass decided there is nothing to follow (idle)."""
+    job = controller.jobs[(NAMESPACE, name)]
+    await wait_for(lambda: job.task is None or job.task.done(), "the job settled (its monitor ended)")
+
+
+async def test_an_idle_job_makes_a_kept_child_again_when_the_watch_reports_it_deleted(cluster):
+    """A suspended job settles (no monitor runs for it); its kept children are still its own to keep: a Workload
+    deleted meanwhile (by an admin, or by Kueue's own cleanup) is made again at once, as a running job's would be.
+    Before, the DELETED woke a monitor that did not exist, and the job stayed without a Workload until it was edited."""
+    controller = _controller(cluster)
+    queued = job_doc(suspend=True)
+    queued["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    try:
+        await cluster.apply(queued)
+        await controller.reconcile(cluster.job("demo"))
+        await _settled(controller)
+        old = cluster.get(WORKLOADS, "demo")
+        await cluster._call("DELETE", f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo")
+        controller.workload_event("Workload", "DELETED", old)  # as the watch reports it
+        new = await wait_for(lambda: cluster.get(WORKLOADS, "demo"), "the Workload made again")
+        assert new["metadata"]["uid"] != old["metadata"]["uid"] and new["spec"]["active"] is False
+    finally:
+        await controller.stop()
+
+
+async def test_an_event_that_comes_while_a_pass_is_out_gets_a_pass_of_its_own(cluster):
+    """A pass reads, then decides: an event that arrives after its reads is not in its decision, and must not be lost
+    when that pass ends idle (or sets the next one an interval away); the job passes again at once. Here a settled
+    job's Service is deleted (its full pass makes it again), and that pass is held at its read of the token Secret
+    while the job's Workload is deleted too."""
+    held, release = asyncio.Event(), asyncio.Event()
+
+    class Holding(KubeClient):
+        async def get(self, kind, namespace, name):  # type: ignore[override]
+            if kind.plural == "secrets" and not release.is_set():
+                held.set()
+                await release.wait()
+            return await super().get(kind, namespace, name)
+
+    controller = _controller(cluster, Holding)
+    queued = job_doc(suspend=True)
+    queued["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    try:
+        await cluster.apply(queued)
+        release.set()
+        await controller.reconcile(cluster.job("demo"))
+        await _settled(controller)
+        old, service = cluster.get(WORKLOADS, "demo"), cluster.get("v1/services", "demo-trainer")
+        release.clear()
+        await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/demo-trainer")
+        controller.workload_event("Service", "DELETED", service)
+        await wait_for(held.is_set, "the job's full pass at its read of the token Secret")
+        await cluster._call("DELETE", f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo")
+        controller.workload_event("Workload", "DELETED", old)
+        release.set()
+        await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service made again")
+        new = await wait_for(lambda: cluster.get(WORKLOADS, "demo"), "the Workload made again")
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
     finally:
         await controller.stop()
