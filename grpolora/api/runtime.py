@@ -1,0 +1,75 @@
+"""A job on a runtime (spec.runtimeRef): the one merge of a GRPOLoraRuntime's or ClusterGRPOLoraRuntime's spec
+under a job's, used by `grpolora validate|render|run` and by the operator.
+
+The rule: **the job's fields win, field by field.** Mappings merge key by key, at any depth (so a job that sets
+`trainer.resources.requests.memory` keeps the runtime's `trainer.resources.limits` and its `trainer.image`);
+anything else the job sets (a value, a list such as `tolerations` or `env`, `null`) replaces the runtime's whole.
+A job on a RolloutPool (spec.inference.poolRef) takes its servers from the pool, so the runtime's `inference` is
+left out for it.
+
+Merged as written, before defaults: a default is no choice of the job's, so it must not hide the runtime's value.
+The models apply the defaults to the merged spec (grpolora.api.spec), and the CRD carries no `default:` on these
+fields, which the API server would otherwise write into every job (grpolora.api.crd).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from grpolora.api import constants as c
+from grpolora.api.load import InvalidJob, Problem, Runtime, parse_job
+from grpolora.api.spec import GRPOLoraJob, RuntimeRef
+
+
+def merge(under: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """`over` merged onto `under`: mappings key by key (recursively), anything else `over` has replaces `under`'s."""
+    merged = dict(under)
+    for key, value in over.items():
+        below = merged.get(key)
+        merged[key] = merge(below, value) if isinstance(below, Mapping) and isinstance(value, Mapping) else value
+    return merged
+
+
+def resolve_spec(runtime_spec: Mapping[str, Any], job_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A job's spec as written, merged over its runtime's spec as written (the module's rule)."""
+    base = dict(runtime_spec)
+    if ((job_spec.get("inference") or {}).get("poolRef")) is not None:
+        base.pop("inference", None)
+    return merge(base, job_spec)
+
+
+def resolved_document(job: Mapping[str, Any], runtime_spec: Mapping[str, Any]) -> dict[str, Any]:
+    """A whole job document (as written or as read from the API) with its spec resolved on `runtime_spec`."""
+    return {**job, "spec": resolve_spec(runtime_spec, job.get("spec") or {})}
+
+
+def as_written(document: GRPOLoraJob | Runtime) -> dict[str, Any]:
+    """A parsed document as its author wrote it: the fields set, without the defaults the models filled in."""
+    return document.model_dump(by_alias=True, mode="json", exclude_unset=True)
+
+
+def describe(ref: RuntimeRef, namespace: str) -> str:
+    """How messages name the runtime a job refers to: `ClusterGRPOLoraRuntime gpu-a100`, `GRPOLoraRuntime ns/x`."""
+    return f"{ref.kind} {ref.name}" if ref.kind == c.CLUSTER_RUNTIME_KIND else f"{ref.kind} {namespace}/{ref.name}"
+
+
+def key_of(ref: RuntimeRef, namespace: str) -> tuple[str, str, str]:
+    """(kind, namespace, name) of the runtime a job of `namespace` names (a cluster runtime has namespace "")."""
+    return (ref.kind, "" if ref.kind == c.CLUSTER_RUNTIME_KIND else namespace, ref.name)
+
+
+def runtime_key(runtime: Runtime) -> tuple[str, str, str]:
+    return (runtime.kind, runtime.namespace, runtime.name)
+
+
+def resolve(job: GRPOLoraJob, runtime: Runtime, *, source: str = "") -> GRPOLoraJob:
+    """`job` on `runtime` (the one its spec.runtimeRef names), validated as one job; InvalidJob naming the
+    runtime when the merged spec is invalid (a field may come from either)."""
+    ref = job.spec.runtime_ref
+    assert ref is not None and key_of(ref, job.namespace) == runtime_key(runtime), "resolved on another runtime"
+    try:
+        return parse_job(resolved_document(as_written(job), as_written(runtime)["spec"]), source=source)
+    except InvalidJob as exc:
+        with_runtime = f" (the job merged with {describe(ref, job.namespace)})"
+        raise InvalidJob([Problem(p.path, p.message + with_runtime, p.line) for p in exc.problems], source) from None
