@@ -504,7 +504,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("crd", help="print a CustomResourceDefinition (GRPOLoraJob unless --kind says otherwise)")
-    p.add_argument("--kind", choices=[c.KIND, c.POOL_KIND], default=c.KIND, help=f"the resource ({c.KIND})")
+    p.add_argument("--kind", choices=list(c.CRD_KINDS), default=c.KIND, help=f"the resource ({c.KIND})")
     p.set_defaults(func=cmd_crd)
 
     p = sub.add_parser(

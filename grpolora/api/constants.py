@@ -134,3 +134,5 @@ POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME)
 # set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 KUEUE_API_VERSION: Final = "kueue.x-k8s.io/v1beta1"
+# Every kind this project defines a CRD for (`grpolora crd --kind`, crds/, the chart's files/).
+CRD_KINDS: Final = (KIND, POOL_KIND, RUNTIME_KIND, CLUSTER_RUNTIME_KIND)
