@@ -1,5 +1,5 @@
-"""The CustomResourceDefinitions (GRPOLoraJob, RolloutPool, GRPOLoraRuntime, ClusterGRPOLoraRuntime), generated from the spec and status models (their one
-source) by one function.
+"""The CustomResourceDefinitions (GRPOLoraJob, RolloutPool, GRPOLoraRuntime, ClusterGRPOLoraRuntime), generated
+from the spec and status models (their one source) by one function each.
 
 `crds/<plural>.grpolora.dev.yaml` are these functions' output (CRD_FILES); a test keeps them equal
 (`make crd`, i.e. `grpolora crd --kind <Kind>`, regenerates them).
