@@ -14,12 +14,12 @@ fields, which the API server would otherwise write into every job (grpolora.api.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from grpolora.api import constants as c
 from grpolora.api.load import InvalidJob, Problem, Runtime, parse_job
-from grpolora.api.spec import GRPOLoraJob, RuntimeRef
+from grpolora.api.spec import ClusterGRPOLoraRuntime, GRPOLoraJob, GRPOLoraRuntime, RuntimeRef
 
 
 def merge(under: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,3 +73,39 @@ def resolve(job: GRPOLoraJob, runtime: Runtime, *, source: str = "") -> GRPOLora
     except InvalidJob as exc:
         with_runtime = f" (the job merged with {describe(ref, job.namespace)})"
         raise InvalidJob([Problem(p.path, p.message + with_runtime, p.line) for p in exc.problems], source) from None
+
+
+class RuntimeNotGiven(InvalidJob):
+    """A job names a runtime that none of the documents given holds (`grpolora validate` then checks the job alone,
+    `render` and `run` cannot go on)."""
+
+
+def runtimes_by_key(documents: Iterable[object]) -> dict[tuple[str, str, str], Runtime]:
+    """The runtimes among `documents`, by (kind, namespace, name) (key_of)."""
+    return {runtime_key(d): d for d in documents if isinstance(d, GRPOLoraRuntime | ClusterGRPOLoraRuntime)}
+
+
+def resolve_given(
+    job: GRPOLoraJob, runtimes: Mapping[tuple[str, str, str], Runtime], *, source: str = "", command: str = "validate"
+) -> GRPOLoraJob:
+    """`job` resolved on its runtime among `runtimes` (itself when it names none), for the commands that read files:
+    RuntimeNotGiven when none of them is its runtime, InvalidJob when only one of another namespace is or when the
+    merged spec is invalid."""
+    ref = job.spec.runtime_ref
+    if ref is None:
+        return job
+    runtime = runtimes.get(key_of(ref, job.namespace))
+    if runtime is not None:
+        return resolve(job, runtime, source=source)
+    elsewhere = sorted(ns for kind, ns, name in runtimes if (kind, name) == (ref.kind, ref.name))
+    if elsewhere:
+        message = (
+            f"{ref.kind} {ref.name} is in namespace {', '.join(elsewhere)}, not {job.namespace}: a job names a "
+            f"{c.RUNTIME_KIND} of its own namespace (or a {c.CLUSTER_RUNTIME_KIND})"
+        )
+        raise InvalidJob([Problem("spec.runtimeRef.name", message)], source)
+    message = (
+        f"names {describe(ref, job.namespace)}, which none of the files given holds; give its file too "
+        f"(grpolora {command} RUNTIME_FILE JOB_FILE)"
+    )
+    raise RuntimeNotGiven([Problem("spec.runtimeRef.name", message)], source)

@@ -21,6 +21,11 @@ from tests.helpers import ROOT
 EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.yaml"))
 # Everything a job or a pool in examples/ needs from another file of examples/ to be validated or rendered.
 POOL = ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml"
+# A runtime renders nothing on its own: each runtime example is checked with the runtime and the job on it.
+RUNTIME_FILES = [
+    ROOT / "examples" / "runtime" / "cluster-runtime.yaml",
+    ROOT / "examples" / "runtime" / "small-job.yaml",
+]
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +67,15 @@ def test_the_base_install_has_no_ml_stack(light):
 def check_light_commands(venv_dir: Path) -> None:
     for example in EXAMPLES:
         files = [example] if example == POOL or "pool" not in example.parts else [example, POOL]
+        if "runtime" in example.parts:
+            files = RUNTIME_FILES
         validated = grpolora(venv_dir, "validate", *files)
         assert validated.returncode == 0 and "Traceback" not in validated.stderr, (example, validated.stderr)
         assert "is valid" in validated.stdout, (example, validated.stdout)
         rendered = grpolora(venv_dir, "render", *files)
         assert rendered.returncode == 0 and "Traceback" not in rendered.stderr, (example, rendered.stderr)
         assert "kind:" in rendered.stdout
-    for kind in ("GRPOLoraJob", "RolloutPool"):
+    for kind in ("GRPOLoraJob", "RolloutPool", "GRPOLoraRuntime", "ClusterGRPOLoraRuntime"):
         crd = grpolora(venv_dir, "crd", "--kind", kind)
         assert crd.returncode == 0 and "CustomResourceDefinition" in crd.stdout, crd.stderr
 

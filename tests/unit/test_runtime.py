@@ -238,3 +238,15 @@ def test_a_namespaced_runtime_of_another_namespace_does_not_resolve(tmp_path):
     result = grpolora("render", str(path))
     assert result.returncode == 1
     assert "GRPOLoraRuntime mine is in namespace other, not team-a" in result.stderr
+
+
+def test_run_reads_a_job_merged_with_its_runtime_and_refuses_it_without():
+    from grpolora.workers.launcher.run_files import read_run_files
+
+    given = read_run_files([str(RUNTIME), str(JOB)])
+    ((path, job),) = given.jobs
+    assert path == str(JOB)
+    assert job.spec.trainer.node_selector == {"grpolora.dev/pool": "a100-train"}
+    assert job.spec.sync.backend == "nccl"
+    with pytest.raises(InvalidJob, match=r"names ClusterGRPOLoraRuntime a100-nccl, .* \(grpolora run RUNTIME_FILE"):
+        read_run_files([str(JOB)])
