@@ -68,10 +68,18 @@ def resolve(job: GRPOLoraJob, runtime: Runtime, *, source: str = "") -> GRPOLora
     runtime when the merged spec is invalid (a field may come from either)."""
     ref = job.spec.runtime_ref
     assert ref is not None and key_of(ref, job.namespace) == runtime_key(runtime), "resolved on another runtime"
+    return parse_resolved(as_written(job), as_written(runtime)["spec"], describe(ref, job.namespace), source=source)
+
+
+def parse_resolved(
+    job: Mapping[str, Any], runtime_spec: Mapping[str, Any], where: str, *, source: str = ""
+) -> GRPOLoraJob:
+    """A job document merged with the spec of its runtime (`where` names it), validated as one job; InvalidJob
+    naming the runtime when the merged spec is invalid (a field may come from either)."""
     try:
-        return parse_job(resolved_document(as_written(job), as_written(runtime)["spec"]), source=source)
+        return parse_job(resolved_document(job, runtime_spec), source=source)
     except InvalidJob as exc:
-        with_runtime = f" (the job merged with {describe(ref, job.namespace)})"
+        with_runtime = f" (the job merged with {where})"
         raise InvalidJob([Problem(p.path, p.message + with_runtime, p.line) for p in exc.problems], source) from None
 
 
@@ -109,3 +117,35 @@ def resolve_given(
         f"(grpolora {command} RUNTIME_FILE JOB_FILE)"
     )
     raise RuntimeNotGiven([Problem("spec.runtimeRef.name", message)], source)
+
+
+def ref_in(job: Mapping[str, Any]) -> RuntimeRef | None:
+    """The runtime a job document (as read from the API) names; None when it names none or names it wrongly (the
+    job's own validation then says so)."""
+    raw = (job.get("spec") or {}).get("runtimeRef")
+    if raw is None:
+        return None
+    try:
+        return RuntimeRef.model_validate(raw)
+    except ValueError:
+        return None
+
+
+def record_of(runtime: Mapping[str, Any]) -> dict[str, Any]:
+    """What a started job keeps of its runtime (the operator's `grpolora.dev/runtime` annotation): which one, which
+    version of it, and the spec it was merged with."""
+    meta = runtime.get("metadata") or {}
+    return {
+        "kind": runtime.get("kind"),
+        "name": meta.get("name"),
+        "generation": meta.get("generation"),
+        "resourceVersion": meta.get("resourceVersion"),
+        "spec": runtime.get("spec") or {},
+    }
+
+
+def describe_record(record: Mapping[str, Any], namespace: str) -> str:
+    """`ClusterGRPOLoraRuntime a100 (generation 3)`, as the RuntimeResolved condition says it."""
+    ref = RuntimeRef(kind=record["kind"], name=record["name"])
+    generation = f" (generation {record['generation']})" if record.get("generation") is not None else ""
+    return describe(ref, namespace) + generation

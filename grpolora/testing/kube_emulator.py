@@ -38,6 +38,8 @@ TEST_USER_AGENT = "grpolora-tests"
 NAMESPACE = "team-a"  # where the helpers below put and read objects unless told otherwise
 CRD_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
 POOL_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}"
+RUNTIME_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.RUNTIME_PLURAL}"
+CLUSTER_RUNTIME_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.CLUSTER_RUNTIME_PLURAL}"
 ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 # What the operator touches, declared for API discovery (Kopf reads it at start-up and serves only watchable ones).
 RESOURCES: dict[str, kmock.ResourceInfo] = {
@@ -46,6 +48,10 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     ),
     POOL_RESOURCE: kmock.ResourceInfo(
         kind=c.POOL_KIND, namespaced=True, subresources={"status"}, shortnames={"rpool"}, verbs=ALL_VERBS
+    ),
+    RUNTIME_RESOURCE: kmock.ResourceInfo(kind=c.RUNTIME_KIND, namespaced=True, shortnames={"glrt"}, verbs=ALL_VERBS),
+    CLUSTER_RUNTIME_RESOURCE: kmock.ResourceInfo(
+        kind=c.CLUSTER_RUNTIME_KIND, namespaced=False, shortnames={"cglrt"}, verbs=ALL_VERBS
     ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
@@ -117,6 +123,8 @@ class Emulator(kmock.KubernetesEmulator):
         factory=lambda: {
             c.PLURAL: kube_apiserver.crd_schema(c.KIND),
             c.POOL_PLURAL: kube_apiserver.crd_schema(c.POOL_KIND),
+            c.RUNTIME_PLURAL: kube_apiserver.crd_schema(c.RUNTIME_KIND),
+            c.CLUSTER_RUNTIME_PLURAL: kube_apiserver.crd_schema(c.CLUSTER_RUNTIME_KIND),
         },
         init=False,
     )
@@ -538,12 +546,13 @@ class Cluster:
     # ---- kubectl --------------------------------------------------------------------------------------
 
     async def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """Create a GRPOLoraJob or a RolloutPool (by its kind)."""
-        namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
-        plural = c.POOL_PLURAL if doc.get("kind") == c.POOL_KIND else c.PLURAL
+        """Create a GRPOLoraJob, a RolloutPool or a runtime (by its kind)."""
         # kubectl's default: unknown fields are refused, not silently dropped.
-        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{plural}?fieldValidation=Strict"
-        return await self._call("POST", path, doc)
+        return await self._call("POST", _collection(doc) + "?fieldValidation=Strict", doc)
+
+    async def patch_object(self, doc: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+        """`kubectl patch --type=merge` of the object `doc` names (kind, metadata.name and namespace)."""
+        return await self._call("PATCH", f"{_collection(doc)}/{doc['metadata']['name']}", patch)
 
     async def delete_pool(self, name: str, namespace: str = NAMESPACE, *, cascade: str = "Background") -> None:
         """`kubectl delete rpool NAME --cascade=background|foreground`."""
@@ -664,6 +673,23 @@ class Cluster:
         found = [e for e in found if e["involvedObject"]["name"] == name]
         found.sort(key=lambda e: int(e["metadata"]["resourceVersion"]))
         return [(e["type"], e["reason"], e["message"]) for e in found]
+
+
+_PLURALS = {
+    c.KIND: c.PLURAL,
+    c.POOL_KIND: c.POOL_PLURAL,
+    c.RUNTIME_KIND: c.RUNTIME_PLURAL,
+    c.CLUSTER_RUNTIME_KIND: c.CLUSTER_RUNTIME_PLURAL,
+}
+
+
+def _collection(doc: dict[str, Any]) -> str:
+    """The API path of the collection of a document of ours (a cluster-scoped kind has no namespace)."""
+    plural = _PLURALS[doc.get("kind", c.KIND)]
+    if doc.get("kind") == c.CLUSTER_RUNTIME_KIND:
+        return f"/apis/{c.GROUP}/{c.VERSION}/{plural}"
+    namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
+    return f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{plural}"
 
 
 def _delete_options(cascade: str) -> dict[str, Any]:
