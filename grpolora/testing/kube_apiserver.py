@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import copy
-
 import functools
 import json
 import re
