@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import datetime
 import itertools
 import secrets
@@ -150,7 +151,12 @@ class Emulator(kmock.KubernetesEmulator):
             elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
                 merged = self._on_patch(request)
                 if merged is not None:
+                    before = copy.deepcopy(merged.get("spec"))
                     self._admit(request, merged, created=False)
+                    if request.subresource != "status" and merged.get("spec") != before:
+                        # Stored as admitted (defaulted, as the API server stores it), not as the client sent it.
+                        current = self.objects[(request.resource, request.namespace, request.name)].raw
+                        request.data["spec"] = _patch_between(current.get("spec") or {}, merged["spec"])
                 if (request.resource, request.namespace, request.name) in self._terminating:
                     return await self._patch_terminating(request)
             elif request.action == kmock.action.DELETE and request.name is not None:
@@ -516,6 +522,18 @@ def _fields_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
 def _labels_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
     return all(labels.get(key) == value for key, value in wanted.items())
+
+
+def _patch_between(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns `old` into `new` (null for what `new` leaves out)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            patch[key] = _patch_between(before, value)
+        elif value != before:
+            patch[key] = value
+    return patch
 
 
 def _merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
