@@ -395,9 +395,14 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from grpolora.workers.tasks import TaskError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    from grpolora.api.runtime import resolve_given, runtimes_by_key
+
     try:
         job = load_one_job(args.file, "`grpolora eval` evaluates one")
         loaded = [(path, load_documents(path)) for path in args.pools]
+        # A job on a runtime evaluates on an engine from its merged spec (the runtime's inference fields).
+        runtimes = runtimes_by_key(d for _, docs in loaded for d in docs)
+        job = resolve_given(job, runtimes, source=source_name(args.file), command="eval")
     except InvalidJob as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -558,7 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved adapter against the base model on the job's held-out prompts")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("pools", metavar="POOL_FILE", nargs="*", help="for a job on a RolloutPool: the pool's file")
+    p.add_argument(
+        "pools",
+        metavar="POOL_FILE",
+        nargs="*",
+        help="for a job on a RolloutPool or a runtime: the pool's, the runtime's file",
+    )
     p.add_argument("--adapter", required=True, help="a peft adapter folder (e.g. <run dir>/final-adapter)")
     p.add_argument("--out", help="also write the figures of both evaluations to this JSON file")
     p.set_defaults(func=cmd_eval)

@@ -250,3 +250,19 @@ def test_run_reads_a_job_merged_with_its_runtime_and_refuses_it_without():
     assert job.spec.sync.backend == "nccl"
     with pytest.raises(InvalidJob, match=r"names ClusterGRPOLoraRuntime a100-nccl, .* \(grpolora run RUNTIME_FILE"):
         read_run_files([str(JOB)])
+
+
+def test_eval_of_a_job_on_a_runtime_needs_the_runtime_and_checks_the_merge(tmp_path):
+    """`grpolora eval` starts an engine from the job's inference fields, which may be the runtime's."""
+    result = grpolora("eval", str(JOB), "--adapter", str(tmp_path))
+    assert result.returncode == 1
+    assert "names ClusterGRPOLoraRuntime a100-nccl, which none of the files given holds" in result.stderr
+    job = yaml.safe_load(JOB.read_text())
+    job["spec"]["trainer"]["gpusPerReplica"] = 0
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    result = grpolora("eval", str(path), str(RUNTIME), "--adapter", str(tmp_path))
+    assert result.returncode == 1
+    assert "spec.sync.backend" in result.stderr and "(the job merged with ClusterGRPOLoraRuntime a100-nccl)" in (
+        result.stderr
+    )
