@@ -147,6 +147,8 @@ def runtime_crd(kind: str = c.RUNTIME_KIND) -> dict[str, Any]:
         rules=[],
         columns=[_printer_column("Age", "date", ".metadata.creationTimestamp", "Time since creation")],
         scope="Cluster" if cluster else "Namespaced",
+        # Configuration, not workloads: `kubectl get all` (the `all` category) leaves them out, as ConfigMaps.
+        categories=("grpolora",),
     )
 
 
@@ -175,6 +177,7 @@ def _custom_resource(
     rules: list[dict[str, str]],
     columns: list[dict[str, Any]],
     scope: str = "Namespaced",
+    categories: tuple[str, ...] = ("all", "grpolora"),
 ) -> dict[str, Any]:
     properties: dict[str, Any] = {
         "apiVersion": {"type": "string", "description": c.API_VERSION},
@@ -216,7 +219,7 @@ def _custom_resource(
                 "plural": plural,
                 "singular": singular,
                 "shortNames": list(short_names),
-                "categories": ["all", "grpolora"],
+                "categories": list(categories),
             },
             "versions": [version],
         },

@@ -163,6 +163,7 @@ def test_runtime_crds_carry_the_job_fields_bounds_and_no_defaults(kind: str, sco
     runtime = CRDS[kind]()
     assert runtime["spec"]["scope"] == scope
     assert runtime["spec"]["names"]["kind"] == kind
+    assert runtime["spec"]["names"]["categories"] == ["grpolora"]  # configuration: not in `kubectl get all`
     schema = runtime["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     job_spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
     assert set(schema["properties"]) == set(runtime_fields())
