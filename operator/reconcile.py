@@ -1482,6 +1482,12 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         and (pods_before is None or pods_before.reason != pods_now.reason)
     ):
         events.append(Event("Warning", names.E_PODS_NOT_READY, pods_now.message))
+    waiting, waited = (
+        cond.find(new.conditions, names.RUNTIME_RESOLVED),
+        cond.find(old.conditions, names.RUNTIME_RESOLVED),
+    )
+    if waiting is not None and waiting.status == "False" and (waited is None or waited.reason != waiting.reason):
+        events.append(Event("Warning", waiting.reason, waiting.message))  # RuntimeNotFound, RuntimeInvalid
     attached = became_true(names.POOL_ATTACHED)
     if attached is not None:
         events.append(Event("Normal", names.E_ATTACHED, attached.message))

@@ -4,6 +4,7 @@ the runtime it started on is recorded, so an edit (or the deletion) of the runti
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -11,7 +12,7 @@ from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, Cluster
 from tests.helpers import job_doc
-from tests.operator.harness import wait_for
+from tests.operator.harness import FAST_INTERVAL, wait_for
 
 RUNTIME = "cpu-small"
 
@@ -64,6 +65,11 @@ async def test_a_job_waits_for_its_runtime_then_runs_merged_with_it(cluster, ope
     assert f"ClusterGRPOLoraRuntime {RUNTIME}, which does not exist" in status["message"]
     assert cluster.condition("demo", names.CREATED)["status"] == "False"
     assert trainer_pod(cluster) is None and cluster.get("v1/secrets", "demo-grpolora-token") is None
+    # Said once in `kubectl describe glj` too, however many passes it waits.
+    await wait_for(lambda: [e for e in cluster.events("demo") if e[1] == names.R_RUNTIME_NOT_FOUND], "the event")
+    await asyncio.sleep(3 * FAST_INTERVAL)  # more passes, still waiting
+    waiting = [e for e in cluster.events("demo") if e[1] == names.R_RUNTIME_NOT_FOUND]
+    assert waiting == [("Warning", names.R_RUNTIME_NOT_FOUND, status["message"])]
 
     await cluster.apply(
         cluster_runtime(trainer=PLACEMENT, inference={"gpusPerReplica": 0, "kvCacheGiB": 1}, sync={"backend": "gloo"})
