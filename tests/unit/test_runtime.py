@@ -267,3 +267,56 @@ def test_eval_of_a_job_on_a_runtime_needs_the_runtime_and_checks_the_merge(tmp_p
     assert "spec.sync.backend" in result.stderr and "(the job merged with ClusterGRPOLoraRuntime a100-nccl)" in (
         result.stderr
     )
+
+
+# ---- the operator's view of a job on a runtime (pure: grpolora.operator.reconcile.job_view) ---------------------
+
+
+def _started(doc: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
+    """`doc` as the operator left it when it started on `runtime`: both records written, condition Created."""
+    from grpolora.operator import names
+    from grpolora.operator.reconcile import job_view
+
+    first = job_view(doc, runtime)
+    assert first.record_applied and first.record_runtime
+    started = copy.deepcopy(doc)
+    started["metadata"]["annotations"] = {
+        names.APPLIED_SPEC_ANNOTATION: first.record_applied,
+        names.RUNTIME_ANNOTATION: first.record_runtime,
+    }
+    created = {"type": "Created", "status": "True", "reason": "ChildrenCreated", "message": "",
+               "lastTransitionTime": "2026-01-01T00:00:00Z"}  # fmt: skip
+    started["status"] = {"conditions": [created]}
+    return started
+
+
+def test_job_view_waits_for_a_missing_or_invalid_runtime_naming_it():
+    from grpolora.operator import names
+    from grpolora.operator.reconcile import job_view
+
+    missing = job_view(on_runtime())
+    assert missing.job is None and missing.runtime_wait is not None
+    assert missing.runtime_wait[0] == names.R_RUNTIME_NOT_FOUND
+    assert "ClusterGRPOLoraRuntime gpu, which does not exist" in missing.runtime_wait[1]
+    bad = runtime_doc(trainer={"env": [{"name": "GRPOLORA_SPEC", "value": "x"}]})  # beyond the CRD's reach
+    invalid = job_view(on_runtime(), bad)
+    assert invalid.runtime_wait is not None and invalid.runtime_wait[0] == names.R_RUNTIME_INVALID
+    assert "spec.trainer.env[0].name: GRPOLORA_SPEC is set by the operator" in invalid.runtime_wait[1]
+
+
+def test_job_view_of_a_started_job_uses_the_recorded_runtime_not_the_live_one():
+    from grpolora.operator.reconcile import job_view, runtime_to_read
+
+    runtime = runtime_doc(trainer={"image": "img:1", "gpusPerReplica": 0}, sync={"backend": "gloo"})
+    runtime["metadata"]["generation"] = 4
+    started = _started(on_runtime(), runtime)
+    assert runtime_to_read(started) is None  # nothing to read any more
+    edited = runtime_doc(trainer={"image": "img:2"})
+    for live in (edited, None):  # edited, or deleted
+        view = job_view(started, live)
+        assert view.job is not None and view.job.spec.trainer.image == "img:1" and view.refused == ()
+        assert view.runtime == "ClusterGRPOLoraRuntime gpu (generation 4)"
+    # The job's own change is still compared with what it started with, field by field.
+    changed = copy.deepcopy(started)
+    changed["spec"]["trainer"] = {"replicas": 2}
+    assert job_view(changed, None).refused == ("spec.trainer.replicas",)
