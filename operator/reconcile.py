@@ -388,10 +388,10 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     decision = _decide(view, old, observed, now)
     if view.runtime is None:
         return decision
-    resolved = cond.Want(names.RUNTIME_RESOLVED, "True", names.R_RUNTIME_RESOLVED, f"runs on {view.runtime}")
-    kept = [cond.Want(x.type, x.status, x.reason, x.message) for x in decision.status.conditions]
-    wants = [*(w for w in kept if w.type != names.RUNTIME_RESOLVED), resolved]
-    conditions = cond.merge(decision.status.conditions, wants, now=stamp, generation=view.generation)
+    want = cond.Want(names.RUNTIME_RESOLVED, "True", names.R_RUNTIME_RESOLVED, f"runs on {view.runtime}")
+    before = cond.find(old.conditions, names.RUNTIME_RESOLVED)  # its transition time, kept while it holds
+    (resolved,) = cond.merge([before] if before else [], [want], now=stamp, generation=view.generation)
+    conditions = [*(x for x in decision.status.conditions if x.type != names.RUNTIME_RESOLVED), resolved]
     return dataclasses.replace(decision, status=decision.status.model_copy(update={"conditions": conditions}))
 
 

@@ -14,6 +14,7 @@ from grpolora.api.crd import CRDS, crd
 from grpolora.api.load import InvalidJob, parse_job, parse_runtime
 from grpolora.api.runtime import merge, resolve
 from grpolora.api.spec import GRPOLoraJobSpec, GRPOLoraRuntimeSpec, runtime_fields
+from grpolora.api.status import JobStatus
 from tests.helpers import ROOT, job_doc
 from tests.unit.test_cli import grpolora
 
@@ -320,3 +321,18 @@ def test_job_view_of_a_started_job_uses_the_recorded_runtime_not_the_live_one():
     changed = copy.deepcopy(started)
     changed["spec"]["trainer"] = {"replicas": 2}
     assert job_view(changed, None).refused == ("spec.trainer.replicas",)
+
+
+def test_the_runtime_resolved_condition_keeps_its_transition_time_over_passes():
+    import datetime
+
+    from grpolora.operator import names
+    from grpolora.operator.reconcile import Observed, decide, job_view
+
+    runtime = runtime_doc(trainer={"gpusPerReplica": 0}, inference={"gpusPerReplica": 0}, sync={"backend": "gloo"})
+    view = job_view(on_runtime(), runtime)
+    first = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)
+    status = decide(view, decide(view, JobStatus(), Observed(), first).status, Observed(), first).status
+    later = decide(view, status, Observed(), first + datetime.timedelta(hours=1)).status
+    resolved = next(x for x in later.conditions if x.type == names.RUNTIME_RESOLVED)
+    assert resolved.status == "True" and resolved.last_transition_time == "2026-01-01T00:00:00Z"
