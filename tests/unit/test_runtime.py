@@ -336,3 +336,12 @@ def test_the_runtime_resolved_condition_keeps_its_transition_time_over_passes():
     later = decide(view, status, Observed(), first + datetime.timedelta(hours=1)).status
     resolved = next(x for x in later.conditions if x.type == names.RUNTIME_RESOLVED)
     assert resolved.status == "True" and resolved.last_transition_time == "2026-01-01T00:00:00Z"
+
+
+def test_validate_reads_a_runtime_and_its_job_from_one_kind_list(tmp_path):
+    listed = tmp_path / "list.yaml"
+    items = [yaml.safe_load(RUNTIME.read_text()), yaml.safe_load(JOB.read_text())]
+    listed.write_text(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}))
+    result = grpolora("validate", str(listed))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("is valid") == 2 and "not checked here" not in result.stderr
