@@ -391,12 +391,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    from grpolora.api.runtime import resolve_given, runtimes_by_key
+
     _needs_workers("eval")
     from grpolora.workers.tasks import TaskError
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from grpolora.api.runtime import resolve_given, runtimes_by_key
-
     try:
         job = load_one_job(args.file, "`grpolora eval` evaluates one")
         loaded = [(path, load_documents(path)) for path in args.pools]
@@ -567,7 +567,7 @@ def build_parser() -> argparse.ArgumentParser:
         "pools",
         metavar="POOL_FILE",
         nargs="*",
-        help="for a job on a RolloutPool or a runtime: the pool's, the runtime's file",
+        help="for a job on a RolloutPool or a runtime: the pool's file, the runtime's, or both",
     )
     p.add_argument("--adapter", required=True, help="a peft adapter folder (e.g. <run dir>/final-adapter)")
     p.add_argument("--out", help="also write the figures of both evaluations to this JSON file")

@@ -355,8 +355,8 @@ class Controller:
         body = {**job.body, "status": job.status}
         view = rec.job_view(body, await self._runtime(body))
         old = rec.stored_status(job.status)
-        if view.deleting or view.runtime_wait is not None:  # nothing to read: a job being deleted gets nothing, one
-            # waiting for its runtime has nothing yet
+        # Nothing to read: a job being deleted gets nothing, and one waiting for its runtime has nothing yet.
+        if view.deleting or view.runtime_wait is not None:
             decision = rec.decide(view, old, rec.Observed(), self.clock())
             await self._record(job, decision)
             return decision

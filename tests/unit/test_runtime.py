@@ -345,3 +345,11 @@ def test_validate_reads_a_runtime_and_its_job_from_one_kind_list(tmp_path):
     result = grpolora("validate", str(listed))
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("is valid") == 2 and "not checked here" not in result.stderr
+
+
+def test_the_runtime_examples_pass_their_crds_schema_and_cel_rules():
+    from grpolora.testing.kube_apiserver import crd_schema, validate_custom
+
+    for path in (RUNTIME, JOB):
+        doc = yaml.safe_load(path.read_text())
+        validate_custom(doc, crd_schema(doc["kind"]), strict=True, part="spec")  # raises what the API server would
