@@ -31,8 +31,10 @@ lint: venv
 crd: venv
 	$(BIN)/grpolora crd --kind GRPOLoraJob > crds/grpolorajobs.grpolora.dev.yaml
 	$(BIN)/grpolora crd --kind RolloutPool > crds/rolloutpools.grpolora.dev.yaml
+	$(BIN)/grpolora crd --kind GRPOLoraRuntime > crds/grpoloraruntimes.grpolora.dev.yaml
+	$(BIN)/grpolora crd --kind ClusterGRPOLoraRuntime > crds/clustergrpoloraruntimes.grpolora.dev.yaml
 	# The chart installs the same files (a test keeps them equal).
-	cp crds/grpolorajobs.grpolora.dev.yaml crds/rolloutpools.grpolora.dev.yaml charts/grpo-lora-operator/files/
+	cp crds/*.yaml charts/grpo-lora-operator/files/
 
 venv: $(STAMP)
 

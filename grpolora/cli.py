@@ -68,7 +68,7 @@ class _Checked:
             for problem in self.errors:
                 print(f"{self.file}: {problem}", file=sys.stderr)
             return
-        named = f"{self.file}: {doc.kind} {doc.namespace}/{doc.name}"
+        named = f"{self.file}: {_named(doc)}"
         for problem in self.task_errors:
             print(f"{self.file}: {problem}", file=sys.stderr)
         for problem in self.errors:
@@ -80,6 +80,12 @@ class _Checked:
         for missing in self.not_checked:
             print(f"{self.file}: not checked here: {missing}", file=sys.stderr)
         print(f"{named} is valid")
+
+
+def _named(document: Document) -> str:
+    """`Kind namespace/name`, or `Kind name` for a cluster-scoped one (a ClusterGRPOLoraRuntime)."""
+    where = f"{document.namespace}/" if document.namespace else ""
+    return f"{document.kind} {where}{document.name}"
 
 
 def _problem_object(problem: Problem) -> dict:
@@ -98,8 +104,10 @@ def _as_problem(found: object) -> Problem:
 def cmd_validate(args: argparse.Namespace) -> int:
     """Each file's jobs and RolloutPools; a job's reward plugin and dataset where they can be reached from here
     (relative paths and modules from the current directory, as `grpolora run` resolves them), and its fit to its
-    RolloutPool when one of the files holds that pool."""
-    from grpolora.api.spec import RolloutPool
+    RolloutPool when one of the files holds that pool; a job on a runtime merged with it (spec.runtimeRef) when one
+    of the files holds that runtime, else alone."""
+    from grpolora.api.runtime import RuntimeNotGiven, describe, resolve_given, runtimes_by_key
+    from grpolora.api.spec import GRPOLoraJob
 
     check_task = _task_checker()
     check_tracking = _tracking_checker()
@@ -112,6 +120,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             outcomes.append((source_name(path), exc))
     loaded = [(path, found) for path, found in outcomes if not isinstance(found, InvalidJob)]
     pools = _pools_of(loaded)
+    runtimes = runtimes_by_key(d for _, docs in loaded for d in docs)
     repeats = _repeats(loaded)
     for path, found in outcomes:
         if isinstance(found, InvalidJob):
@@ -120,9 +129,19 @@ def cmd_validate(args: argparse.Namespace) -> int:
         for index, document in enumerate(found):
             result = _Checked(path, document, errors=list(repeats.get((path, index), [])))
             checked.append(result)
-            if isinstance(document, RolloutPool):
+            if not isinstance(document, GRPOLoraJob):
                 continue
             job = document
+            try:
+                job = resolve_given(job, runtimes, source=path)
+            except RuntimeNotGiven:
+                ref = job.spec.runtime_ref
+                assert ref is not None
+                merged = f"the job merged with {describe(ref, job.namespace)} (give the runtime's file too to check it)"
+                result.not_checked.append(Problem("spec.runtimeRef", merged))
+            except InvalidJob as exc:
+                result.errors += exc.problems
+                continue
             problems, unreachable = check_task(job.spec.task)
             result.task_errors += map(_as_problem, problems)
             result.errors += map(_as_problem, check_tracking(job.spec))
@@ -282,10 +301,12 @@ def _missing_pool(job: GRPOLoraJob, command: str) -> str:
 
 def cmd_render(args: argparse.Namespace) -> int:
     """The children of every job and RolloutPool in the files, in order. A job on a pool is planned with its pool,
-    which one of the files must hold (the pool is rendered with an empty attachment list: the operator fills it)."""
+    which one of the files must hold (the pool is rendered with an empty attachment list: the operator fills it); a
+    job on a runtime is merged with it, which one of the files must hold too (a runtime renders no objects)."""
     from grpolora.api.plan import plan, plan_pool
     from grpolora.api.pool import Attachments
-    from grpolora.api.spec import RolloutPool
+    from grpolora.api.runtime import resolve_given, runtimes_by_key
+    from grpolora.api.spec import GRPOLoraJob, RolloutPool
     from grpolora.operator.builders import build_children, build_pool_children
 
     loaded: list[tuple[str, list[Document]]] = []
@@ -302,11 +323,12 @@ def cmd_render(args: argparse.Namespace) -> int:
             ]
         loaded.append((source_name(path), documents))
     pools = _pools_of(loaded)
+    runtimes = runtimes_by_key(d for _, docs in loaded for d in docs)
     repeats = _repeats(loaded)
     for (path, index), problems in repeats.items():
         document = dict(loaded)[path][index]
         for problem in problems:
-            print(f"{path}: {document.kind} {document.namespace}/{document.name}: {problem}", file=sys.stderr)
+            print(f"{path}: {_named(document)}: {problem}", file=sys.stderr)
     if repeats:
         return 1
     objects = []
@@ -320,7 +342,15 @@ def cmd_render(args: argparse.Namespace) -> int:
                     operator_namespace=args.operator_namespace,
                 )
                 continue
-            job, ref = document, document.spec.inference.pool_ref
+            if not isinstance(document, GRPOLoraJob):
+                continue  # a runtime: merged into the jobs that name it
+            try:
+                job = resolve_given(document, runtimes, source=path, command="render")
+            except InvalidJob as exc:
+                for problem in exc.problems:
+                    print(f"{path}: {_named(document)}: {problem}", file=sys.stderr)
+                return 1
+            ref = job.spec.inference.pool_ref
             problems = _pool_problems(job, pools)
             if problems is None:
                 problems = [_missing_pool(job, "render")]
@@ -361,6 +391,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import logging
     from pathlib import Path
 
+    from grpolora.api.runtime import resolve_given, runtimes_by_key
+
     _needs_workers("eval")
     from grpolora.workers.tasks import TaskError
 
@@ -368,6 +400,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     try:
         job = load_one_job(args.file, "`grpolora eval` evaluates one")
         loaded = [(path, load_documents(path)) for path in args.pools]
+        # A job on a runtime evaluates on an engine from its merged spec (the runtime's inference fields).
+        runtimes = runtimes_by_key(d for _, docs in loaded for d in docs)
+        job = resolve_given(job, runtimes, source=source_name(args.file), command="eval")
     except InvalidJob as exc:
         print(exc, file=sys.stderr)
         return 1
@@ -481,8 +516,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"grpolora {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("validate", help="check GRPOLoraJob and RolloutPool files; every error names its field path")
-    _file_arguments(p, "jobs and RolloutPools (`kind: List` too)")
+    p = sub.add_parser(
+        "validate", help="check GRPOLoraJob, RolloutPool and runtime files; every error names its field path"
+    )
+    _file_arguments(p, "jobs, RolloutPools and runtimes (`kind: List` too)")
     p.add_argument(
         "-o", "--output", choices=["json", "yaml"], help="print the results as one object (each problem with its "
         "path, line and message) instead of lines"
@@ -491,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("render", help="print every Kubernetes object the operator would create (dry run)")
-    _file_arguments(p, "jobs and RolloutPools (a job on a pool needs its pool)")
+    _file_arguments(p, "jobs, RolloutPools and runtimes (a job on a pool or a runtime needs its file too)")
     p.add_argument(
         "-o", "--output", choices=["json", "yaml"], default="yaml", help="YAML documents (yaml), or one List (json)"
     )
@@ -504,7 +541,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_render)
 
     p = sub.add_parser("crd", help="print a CustomResourceDefinition (GRPOLoraJob unless --kind says otherwise)")
-    p.add_argument("--kind", choices=[c.KIND, c.POOL_KIND], default=c.KIND, help=f"the resource ({c.KIND})")
+    p.add_argument("--kind", choices=list(c.CRD_KINDS), default=c.KIND, help=f"the resource ({c.KIND})")
     p.set_defaults(func=cmd_crd)
 
     p = sub.add_parser(
@@ -512,7 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="run a job on this machine (Ray): trainer and inference as separate actors; or a RolloutPool and "
         "several jobs on it (grpolora run pool.yaml job-a.yaml job-b.yaml)",
     )
-    p.add_argument("files", nargs="*", metavar="FILE", help="a job file, or a RolloutPool's and its jobs' files")
+    p.add_argument(
+        "files", nargs="*", metavar="FILE", help="a job file, or a RolloutPool's and its jobs' files (and a runtime's)"
+    )
     p.add_argument("-f", "--filename", action="append", metavar="FILE", help="a file (repeatable), as FILE")
     p.add_argument(
         "--run-dir",
@@ -524,7 +563,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("eval", help="evaluate a saved adapter against the base model on the job's held-out prompts")
     p.add_argument("file", metavar="FILE")
-    p.add_argument("pools", metavar="POOL_FILE", nargs="*", help="for a job on a RolloutPool: the pool's file")
+    p.add_argument(
+        "pools",
+        metavar="POOL_FILE",
+        nargs="*",
+        help="for a job on a RolloutPool or a runtime: the pool's file, the runtime's, or both",
+    )
     p.add_argument("--adapter", required=True, help="a peft adapter folder (e.g. <run dir>/final-adapter)")
     p.add_argument("--out", help="also write the figures of both evaluations to this JSON file")
     p.set_defaults(func=cmd_eval)

@@ -361,9 +361,11 @@ class Controller:
     async def _pass(self, job: _Tracked, *, full: bool) -> rec.Decision:
         """One reconcile pass (full: children read from the API; see the module docstring)."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
-        view = rec.job_view({**job.body, "status": job.status})
+        body = {**job.body, "status": job.status}
+        view = rec.job_view(body, await self._runtime(body))
         old = rec.stored_status(job.status)
-        if view.deleting:  # nothing to read: a job being deleted gets nothing
+        # Nothing to read: a job being deleted gets nothing, and one waiting for its runtime has nothing yet.
+        if view.deleting or view.runtime_wait is not None:
             decision = rec.decide(view, old, rec.Observed(), self.clock())
             await self._record(job, decision)
             return decision
@@ -617,6 +619,8 @@ class Controller:
         if view.record_applied is not None:
             # Recorded before anything is created, so a restarted operator always knows what the children run.
             annotations = {names.APPLIED_SPEC_ANNOTATION: view.record_applied}
+            if view.record_runtime is not None:  # in the same write: a started job always knows both
+                annotations[names.RUNTIME_ANNOTATION] = view.record_runtime
             patched = await self.client.patch(
                 kube.GRPOLORAJOB, job.namespace, job.name, {"metadata": {"annotations": annotations}}
             )
@@ -838,6 +842,16 @@ class Controller:
         body = self.cache.get(key)
         return pools.pool_view(name, body)
 
+    async def _runtime(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The runtime a job names, read from the API while the job has not started (its passes then use the one it
+        recorded, and read none): one read a pass of a waiting job, at the monitor's interval."""
+        ref = rec.runtime_to_read(body)
+        if ref is None:
+            return None
+        kind = kube.CLUSTER_GRPOLORA_RUNTIME if ref.kind == c.CLUSTER_RUNTIME_KIND else kube.GRPOLORA_RUNTIME
+        namespace = (body.get("metadata") or {}).get("namespace", "default")
+        return await self.client.get(kind, namespace if kind.namespaced else None, ref.name)
+
     async def _trainer_pods_left(self, view: rec.JobView) -> int:
         """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.
         Listed by their labels when a trainer Job is about to be created (rare: a job's start, a restart, a resume),
@@ -999,10 +1013,11 @@ class Controller:
         else:
             known = (job.body.get("metadata") or {}).get("annotations") or {}
             job.body = dict(body)
-            applied = known.get(names.APPLIED_SPEC_ANNOTATION)
             annotations = job.body.setdefault("metadata", {}).setdefault("annotations", {})
-            if applied is not None and names.APPLIED_SPEC_ANNOTATION not in annotations:
-                annotations[names.APPLIED_SPEC_ANNOTATION] = applied  # the event predates our own write
+            for ours in (names.APPLIED_SPEC_ANNOTATION, names.RUNTIME_ANNOTATION):
+                written = known.get(ours)
+                if written is not None and ours not in annotations:
+                    annotations[ours] = written  # the event predates our own write
         return job
 
     def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision, *, woken: bool = False) -> None:

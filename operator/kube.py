@@ -65,6 +65,10 @@ KUEUE_RESOURCE_FLAVOR: Final = Kind("kueue.x-k8s.io", "v1beta1", "resourceflavor
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 ROLLOUTPOOL: Final = Kind(c.GROUP, c.VERSION, c.POOL_PLURAL, c.POOL_KIND)
+GRPOLORA_RUNTIME: Final = Kind(c.GROUP, c.VERSION, c.RUNTIME_PLURAL, c.RUNTIME_KIND)
+CLUSTER_GRPOLORA_RUNTIME: Final = Kind(
+    c.GROUP, c.VERSION, c.CLUSTER_RUNTIME_PLURAL, c.CLUSTER_RUNTIME_KIND, namespaced=False
+)
 # Kopf's peering objects (read by grpolora.operator.peering; written by Kopf itself).
 KOPF_PEERING: Final = Kind("kopf.dev", "v1", "kopfpeerings", "KopfPeering")
 CLUSTER_KOPF_PEERING: Final = Kind("kopf.dev", "v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False)
@@ -83,6 +87,8 @@ KINDS: Final = {
         STATEFULSET,
         GRPOLORAJOB,
         ROLLOUTPOOL,
+        GRPOLORA_RUNTIME,
+        CLUSTER_GRPOLORA_RUNTIME,
         PVC,
         KOPF_PEERING,
         CLUSTER_KOPF_PEERING,

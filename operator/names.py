@@ -12,6 +12,10 @@ from grpolora.api import constants as c
 # The spec the children were built from (JSON). Kept on the job so that an operator restart still knows it and
 # can refuse changes that cannot apply to a running job.
 APPLIED_SPEC_ANNOTATION: Final = f"{c.GROUP}/applied-spec"
+# The runtime a job on one (spec.runtimeRef) was resolved on (JSON: kind, name, generation, resourceVersion and its
+# spec), written with the applied spec: re-reconciles merge the job with this one, so an edit of the runtime never
+# changes a running job (docs/design.md).
+RUNTIME_ANNOTATION: Final = f"{c.GROUP}/runtime"
 # On the trainer Job: which restart attempt created it (absent = 0). A Job whose attempt is older than
 # status.trainerRestarts is stale and is replaced; the idea comes from JobSet's restart-attempt label.
 RESTART_ATTEMPT_ANNOTATION: Final = f"{c.GROUP}/restart-attempt"
@@ -37,6 +41,8 @@ POOL_ATTACHED: Final = "PoolAttached"
 # A role's pods would run BestEffort (no cpu or memory requests; grpolora.api.load.best_effort_roles): written only
 # then, True, as `grpolora validate` warns.
 PODS_BEST_EFFORT: Final = "PodsBestEffort"
+# A job on a runtime (spec.runtimeRef): whether it was resolved on it. Written only on such jobs.
+RUNTIME_RESOLVED: Final = "RuntimeResolved"
 CONDITION_TYPES: Final = (
     CREATED,
     PODS_READY,
@@ -51,6 +57,7 @@ CONDITION_TYPES: Final = (
     ADMITTED,
     POOL_ATTACHED,
     PODS_BEST_EFFORT,
+    RUNTIME_RESOLVED,
 )
 # A RolloutPool's own conditions: Ready (every server replica ready) and InvalidSpec.
 READY: Final = "Ready"
@@ -129,6 +136,11 @@ R_POOL_NOT_FOUND: Final = "PoolNotFound"
 R_POOL_INVALID: Final = "PoolInvalid"
 R_POOL_MISMATCH: Final = "PoolMismatch"
 R_POOL_DELETED: Final = "PoolDeleted"
+
+# Runtimes (the RuntimeResolved condition of a job on one): resolved, or waiting Pending for it to exist or be valid.
+R_RUNTIME_RESOLVED: Final = "Resolved"
+R_RUNTIME_NOT_FOUND: Final = "RuntimeNotFound"
+R_RUNTIME_INVALID: Final = "RuntimeInvalid"
 
 # Event-only reasons.
 E_CREATED: Final = c.CONDITION_CREATED

@@ -46,6 +46,19 @@ RULES: Final[tuple[Rule, ...]] = (
     ),
     Rule(
         (c.GROUP,),
+        (c.RUNTIME_PLURAL,),
+        ("get",),
+        "a job that names a GRPOLoraRuntime (spec.runtimeRef) reads it until it starts (then it runs on the one it "
+        "recorded), so no list or watch",
+    ),
+    Rule(
+        (c.GROUP,),
+        (c.CLUSTER_RUNTIME_PLURAL,),
+        ("get",),
+        "a job that names a ClusterGRPOLoraRuntime (cluster-scoped) reads it until it starts, as a GRPOLoraRuntime",
+    ),
+    Rule(
+        (c.GROUP,),
         (f"{c.POOL_PLURAL}/status",),
         ("patch",),
         "the pool status: attached and waiting jobs (the jobs read their place there), replicas, adapter versions",

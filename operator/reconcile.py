@@ -23,10 +23,11 @@ from typing import Any, Final, Literal
 from pydantic import ValidationError
 
 from grpolora.api import constants as c
-from grpolora.api.load import InvalidJob, best_effort_warnings, parse_job
+from grpolora.api import runtime as rt
+from grpolora.api.load import InvalidJob, best_effort_warnings, parse_job, parse_runtime
 from grpolora.api.plan import JobPlan, plan
 from grpolora.api.pool import job_key
-from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, ObjectMeta
+from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, ObjectMeta, RuntimeRef
 from grpolora.api.status import (
     Condition,
     JobPhase,
@@ -93,32 +94,63 @@ class JobView:
     deleting: bool = False
     """The job has a deletionTimestamp: the garbage collector is removing its children (in the foreground, the job
     stays until they are gone). Nothing may be created for it any more."""
+    record_runtime: str | None = None
+    """The runtime annotation to write with the applied spec (a job on a runtime, until it starts)."""
+    runtime: str | None = None
+    """The runtime the job runs on, as the RuntimeResolved condition names it (jobs with spec.runtimeRef only)."""
+    runtime_wait: tuple[str, str] | None = None
+    """(reason, message): the job waits, Pending, for the runtime it names to exist or to be valid."""
 
 
 def spec_json(spec: GRPOLoraJobSpec) -> str:
     return json.dumps(spec.to_wire(), sort_keys=True, separators=(",", ":"))
 
 
-def job_view(body: Mapping[str, Any]) -> JobView:
+def job_view(body: Mapping[str, Any], runtime: Mapping[str, Any] | None = None) -> JobView:
     """Parse the job and reconcile its current spec with the applied one (see names.APPLIED_SPEC_ANNOTATION).
 
     Until its children have been created (status condition Created), a job has no applied spec to keep: a spec
-    fixed after the API server refused a child applies as a whole.
+    fixed after the API server refused a child applies as a whole. A job on a runtime (spec.runtimeRef) is merged
+    with it (grpolora.api.runtime): until it starts with `runtime`, the one the API has now (None: not found), and
+    from then on with the one recorded when it started (names.RUNTIME_ANNOTATION), so that an edit of the runtime
+    changes no running job.
     """
     meta = body.get("metadata") or {}
     namespace, name = meta.get("namespace", "default"), meta.get("name", "")
     uid, generation = meta.get("uid", ""), meta.get("generation")
     deleting = bool(meta.get("deletionTimestamp"))
-    applied = _applied_spec(meta) if cond.is_true(stored_status(body.get("status")).conditions, names.CREATED) else None
+    created = cond.is_true(stored_status(body.get("status")).conditions, names.CREATED)
+    applied = _applied_spec(meta) if created else None
+    recorded = _recorded_runtime(meta) if created else None
+    used: Mapping[str, Any] | None = None
     try:
         current = parse_job(body)
+        ref = current.spec.runtime_ref
+        if ref is not None:
+            used = recorded
+            if used is None:
+                wait = _runtime_wait(ref, namespace, runtime)
+                if wait is not None:
+                    return JobView(namespace, name, uid, generation, None, runtime_wait=wait, deleting=deleting)
+                assert runtime is not None
+                used = rt.record_of(runtime)
+            current = rt.parse_resolved(body, used.get("spec") or {}, rt.describe(ref, namespace))
     except InvalidJob as exc:
         problems = tuple(str(problem) for problem in exc.problems)
         job = _fallback_job(body, applied) if applied is not None else None
         return JobView(namespace, name, uid, generation, job, problems=problems, deleting=deleting)
+    on = rt.describe_record(used, namespace) if used is not None else None
     if applied is None:
         return JobView(
-            namespace, name, uid, generation, current, record_applied=spec_json(current.spec), deleting=deleting
+            namespace,
+            name,
+            uid,
+            generation,
+            current,
+            record_applied=spec_json(current.spec),
+            record_runtime=json.dumps(used, sort_keys=True, separators=(",", ":")) if used is not None else None,
+            runtime=on,
+            deleting=deleting,
         )
     refused = tuple(changed_fields(applied.to_wire(), current.spec.to_wire()))
     running = applied.model_copy(
@@ -128,7 +160,42 @@ def job_view(body: Mapping[str, Any]) -> JobView:
         }
     )
     job = current.model_copy(update={"spec": running})
-    return JobView(namespace, name, uid, generation, job, refused=refused, deleting=deleting)
+    return JobView(namespace, name, uid, generation, job, refused=refused, runtime=on, deleting=deleting)
+
+
+def _runtime_wait(ref: RuntimeRef, namespace: str, runtime: Mapping[str, Any] | None) -> tuple[str, str] | None:
+    """Why a job that has not started cannot be resolved on its runtime yet (reason, message); None when it can."""
+    where = rt.describe(ref, namespace)
+    if runtime is None:
+        return (
+            names.R_RUNTIME_NOT_FOUND,
+            f"waiting for {where}, which does not exist (spec.runtimeRef); nothing is created until it does",
+        )
+    try:
+        parse_runtime(runtime)
+    except InvalidJob as exc:
+        return (names.R_RUNTIME_INVALID, f"waiting for {where}, which is invalid: {'; '.join(map(str, exc.problems))}")
+    return None
+
+
+def runtime_to_read(body: Mapping[str, Any]) -> RuntimeRef | None:
+    """The runtime a pass must read for the job: the one it names, until it has started on a recorded one."""
+    ref = rt.ref_in(body)
+    started = cond.is_true(stored_status(body.get("status")).conditions, names.CREATED)
+    if ref is None or (started and _recorded_runtime(body.get("metadata") or {}) is not None):
+        return None
+    return ref
+
+
+def _recorded_runtime(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    raw = (meta.get("annotations") or {}).get(names.RUNTIME_ANNOTATION)
+    if not raw:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("spec"), dict) else None
 
 
 def _applied_spec(meta: Mapping[str, Any]) -> GRPOLoraJobSpec | None:
@@ -314,6 +381,45 @@ def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | 
 
 
 def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
+    """The decision of one pass (_decide); a job on a runtime also says which one it runs on, or waits for it."""
+    stamp = cond.rfc3339(now)
+    if view.runtime_wait is not None and not view.deleting:
+        return _decide_waiting_for_runtime(view, old, stamp)
+    decision = _decide(view, old, observed, now)
+    if view.runtime is None:
+        return decision
+    want = cond.Want(names.RUNTIME_RESOLVED, "True", names.R_RUNTIME_RESOLVED, f"runs on {view.runtime}")
+    before = cond.find(old.conditions, names.RUNTIME_RESOLVED)  # its transition time, kept while it holds
+    (resolved,) = cond.merge([before] if before else [], [want], now=stamp, generation=view.generation)
+    conditions = [*(x for x in decision.status.conditions if x.type != names.RUNTIME_RESOLVED), resolved]
+    return dataclasses.replace(decision, status=decision.status.model_copy(update={"conditions": conditions}))
+
+
+def _decide_waiting_for_runtime(view: JobView, old: JobStatus, stamp: str) -> Decision:
+    """A job whose runtime does not exist (or is invalid) yet: Pending, nothing created; its monitor looks again at
+    the regular interval (one read of the runtime a pass, and none once the job has started)."""
+    assert view.runtime_wait is not None
+    reason, message = view.runtime_wait
+    wants = [
+        cond.Want(names.CREATED, "False", reason, message),
+        _progressing_condition("Pending", None, "", message),
+        cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
+        cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
+        _invalid_condition(()),
+        cond.Want(names.RUNTIME_RESOLVED, "False", reason, message),
+    ]
+    status = old.model_copy(
+        update={
+            "phase": "Pending",
+            "message": message,
+            "observed_generation": view.generation,
+            "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+        }
+    )
+    return Decision(status=status, events=tuple(transition_events(old, status)))
+
+
+def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
     """The decision of one pass, as a pipeline of stages that each return their part of it: where the job runs (its
     plan, its place on a pool, its Kueue queue), its course (phase, restarts, failures, what to delete), the workloads
     to create, the startup deadline, the end (releases, TTL), the status, and what to write on its Kueue Workload."""
@@ -1376,6 +1482,12 @@ def transition_events(old: JobStatus, new: JobStatus) -> list[Event]:
         and (pods_before is None or pods_before.reason != pods_now.reason)
     ):
         events.append(Event("Warning", names.E_PODS_NOT_READY, pods_now.message))
+    waiting, waited = (
+        cond.find(new.conditions, names.RUNTIME_RESOLVED),
+        cond.find(old.conditions, names.RUNTIME_RESOLVED),
+    )
+    if waiting is not None and waiting.status == "False" and (waited is None or waited.reason != waiting.reason):
+        events.append(Event("Warning", waiting.reason, waiting.message))  # RuntimeNotFound, RuntimeInvalid
     attached = became_true(names.POOL_ATTACHED)
     if attached is not None:
         events.append(Event("Normal", names.E_ATTACHED, attached.message))

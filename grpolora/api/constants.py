@@ -16,6 +16,20 @@ POOL_PLURAL: Final = "rolloutpools"
 POOL_SINGULAR: Final = "rolloutpool"
 POOL_SHORT_NAMES: Final = ("rpool",)
 POOL_CRD_NAME: Final = f"{POOL_PLURAL}.{GROUP}"
+# Runtimes: where and how a job runs (images, resources, placement, sync, security), set once by a platform team and
+# named by jobs (spec.runtimeRef); namespaced, and cluster-scoped for every namespace (Kubeflow Trainer's
+# TrainingRuntime and ClusterTrainingRuntime).
+RUNTIME_KIND: Final = "GRPOLoraRuntime"
+RUNTIME_PLURAL: Final = "grpoloraruntimes"
+RUNTIME_SINGULAR: Final = "grpoloraruntime"
+RUNTIME_SHORT_NAMES: Final = ("glrt",)
+RUNTIME_CRD_NAME: Final = f"{RUNTIME_PLURAL}.{GROUP}"
+CLUSTER_RUNTIME_KIND: Final = "ClusterGRPOLoraRuntime"
+CLUSTER_RUNTIME_PLURAL: Final = "clustergrpoloraruntimes"
+CLUSTER_RUNTIME_SINGULAR: Final = "clustergrpoloraruntime"
+CLUSTER_RUNTIME_SHORT_NAMES: Final = ("cglrt",)
+CLUSTER_RUNTIME_CRD_NAME: Final = f"{CLUSTER_RUNTIME_PLURAL}.{GROUP}"
+RUNTIME_KINDS: Final = (RUNTIME_KIND, CLUSTER_RUNTIME_KIND)
 
 APP_NAME: Final = "grpo-lora"
 OPERATOR_NAME: Final = "grpo-lora-operator"
@@ -120,3 +134,5 @@ POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME)
 # set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 KUEUE_API_VERSION: Final = "kueue.x-k8s.io/v1beta1"
+# Every kind this project defines a CRD for (`grpolora crd --kind`, crds/, the chart's files/).
+CRD_KINDS: Final = (KIND, POOL_KIND, RUNTIME_KIND, CLUSTER_RUNTIME_KIND)

@@ -1,5 +1,5 @@
-"""The CustomResourceDefinitions (GRPOLoraJob, RolloutPool), generated from the spec and status models (their one
-source) by one function.
+"""The CustomResourceDefinitions (GRPOLoraJob, RolloutPool, GRPOLoraRuntime, ClusterGRPOLoraRuntime), generated
+from the spec and status models (their one source) by one function each.
 
 `crds/<plural>.grpolora.dev.yaml` are these functions' output (CRD_FILES); a test keeps them equal
 (`make crd`, i.e. `grpolora crd --kind <Kind>`, regenerates them).
@@ -7,6 +7,7 @@ source) by one function.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import yaml
@@ -16,9 +17,11 @@ from grpolora.api.spec import (
     CEL_VALIDATIONS,
     DNS_1035_LABEL,
     GRPOLoraJobSpec,
+    GRPOLoraRuntimeSpec,
     RolloutPoolSpec,
     cel_rule,
     max_job_name_length,
+    runtime_fields,
 )
 from grpolora.api.status import JobStatus, PoolStatus
 
@@ -52,10 +55,12 @@ _KEEP = {
 def crd() -> dict[str, Any]:
     """The GRPOLoraJob CustomResourceDefinition as a dict."""
     spec_schema = structural(GRPOLoraJobSpec.model_json_schema(by_alias=True, mode="validation"))
-    # No server-side defaults in `inference`: the API server would fill them in before the CEL rules run, and a job on
-    # a pool (inference.poolRef) must leave them unset. The model supplies them wherever they are read.
-    for field in spec_schema["properties"]["inference"]["properties"].values():
-        field.pop("default", None)
+    # No server-side defaults in the sections a runtime may set: the API server would write them into every job, and
+    # a default written there would then win over the runtime's value as if the job had set it (grpolora.api.runtime
+    # merges before defaults). A job on a pool (inference.poolRef) must leave `inference` unset besides. The models
+    # apply the defaults to the merged spec; the descriptions say them.
+    for field in runtime_fields():
+        _defaults_described(spec_schema["properties"][field])
     column = _printer_column
     return _custom_resource(
         kind=c.KIND,
@@ -120,6 +125,45 @@ def pool_crd() -> dict[str, Any]:
     )
 
 
+def runtime_crd(kind: str = c.RUNTIME_KIND) -> dict[str, Any]:
+    """The CRD of a runtime kind: GRPOLoraRuntime (namespaced) or ClusterGRPOLoraRuntime (cluster-scoped). The same
+    models as the job's sections, so the same bounds and rules, and no defaults (applied after the merge)."""
+    spec_schema = structural(GRPOLoraRuntimeSpec.model_json_schema(by_alias=True, mode="validation"))
+    _defaults_described(spec_schema)
+    cluster = kind == c.CLUSTER_RUNTIME_KIND
+    return _custom_resource(
+        kind=kind,
+        plural=c.CLUSTER_RUNTIME_PLURAL if cluster else c.RUNTIME_PLURAL,
+        singular=c.CLUSTER_RUNTIME_SINGULAR if cluster else c.RUNTIME_SINGULAR,
+        short_names=c.CLUSTER_RUNTIME_SHORT_NAMES if cluster else c.RUNTIME_SHORT_NAMES,
+        spec_schema=spec_schema,
+        status_schema=None,
+        spec_description="Where and how the jobs that name this runtime run; a job's own fields win, field by field.",
+        description=(
+            "Where and how GRPOLoraJobs run (images, resources, placement, sync, security, output), named by jobs "
+            + ("of every namespace" if cluster else "of its namespace")
+            + " with spec.runtimeRef."
+        ),
+        rules=[],
+        columns=[_printer_column("Age", "date", ".metadata.creationTimestamp", "Time since creation")],
+        scope="Cluster" if cluster else "Namespaced",
+        # Configuration, not workloads: `kubectl get all` (the `all` category) leaves them out, as ConfigMaps.
+        categories=("grpolora",),
+    )
+
+
+def _defaults_described(schema: dict[str, Any]) -> None:
+    """Every `default:` under `schema` removed, and said in its field's description instead (kubectl explain)."""
+    if "default" in schema:
+        value = schema.pop("default")
+        written = value if isinstance(value, str) else json.dumps(value)
+        schema["description"] = f"{schema.get('description', '')} Default: {written}.".lstrip()
+    for child in (schema.get("properties") or {}).values():
+        _defaults_described(child)
+    if isinstance(schema.get("items"), dict):
+        _defaults_described(schema["items"])
+
+
 def _custom_resource(
     *,
     kind: str,
@@ -127,20 +171,38 @@ def _custom_resource(
     singular: str,
     short_names: tuple[str, ...],
     spec_schema: dict[str, Any],
-    status_schema: dict[str, Any],
+    status_schema: dict[str, Any] | None,
     spec_description: str,
     description: str,
     rules: list[dict[str, str]],
     columns: list[dict[str, Any]],
+    scope: str = "Namespaced",
+    categories: tuple[str, ...] = ("all", "grpolora"),
 ) -> dict[str, Any]:
-    # Kopf keeps its own bookkeeping under status.kopf when told to; keep it unpruned.
-    status_schema["properties"]["kopf"] = {
-        "type": "object",
-        PRESERVE: True,
-        "description": "Kopf's handler bookkeeping.",
+    properties: dict[str, Any] = {
+        "apiVersion": {"type": "string", "description": c.API_VERSION},
+        "kind": {"type": "string", "description": kind},
+        "metadata": metadata_schema(),
+        "spec": spec_schema,
     }
     spec_schema["description"] = spec_description
-    status_schema["description"] = "Observed state, written by the operator."
+    version: dict[str, Any] = {"name": c.VERSION, "served": True, "storage": True}
+    if status_schema is not None:  # runtimes have none: nothing observes them
+        # Kopf keeps its own bookkeeping under status.kopf when told to; keep it unpruned.
+        status_schema["properties"]["kopf"] = {
+            "type": "object",
+            PRESERVE: True,
+            "description": "Kopf's handler bookkeeping.",
+        }
+        status_schema["description"] = "Observed state, written by the operator."
+        properties["status"] = status_schema
+        version["subresources"] = {"status": {}}
+    root: dict[str, Any] = {"type": "object", "description": description, "required": ["spec"]}
+    if rules:
+        root[CEL_VALIDATIONS] = rules
+    root["properties"] = properties
+    version["additionalPrinterColumns"] = columns
+    version["schema"] = {"openAPIV3Schema": root}
     return {
         "apiVersion": "apiextensions.k8s.io/v1",
         "kind": "CustomResourceDefinition",
@@ -150,39 +212,16 @@ def _custom_resource(
         },
         "spec": {
             "group": c.GROUP,
-            "scope": "Namespaced",
+            "scope": scope,
             "names": {
                 "kind": kind,
                 "listKind": f"{kind}List",
                 "plural": plural,
                 "singular": singular,
                 "shortNames": list(short_names),
-                "categories": ["all", "grpolora"],
+                "categories": list(categories),
             },
-            "versions": [
-                {
-                    "name": c.VERSION,
-                    "served": True,
-                    "storage": True,
-                    "subresources": {"status": {}},
-                    "additionalPrinterColumns": columns,
-                    "schema": {
-                        "openAPIV3Schema": {
-                            "type": "object",
-                            "description": description,
-                            "required": ["spec"],
-                            CEL_VALIDATIONS: rules,
-                            "properties": {
-                                "apiVersion": {"type": "string", "description": c.API_VERSION},
-                                "kind": {"type": "string", "description": kind},
-                                "metadata": metadata_schema(),
-                                "spec": spec_schema,
-                                "status": status_schema,
-                            },
-                        }
-                    },
-                }
-            ],
+            "versions": [version],
         },
     }
 
@@ -328,7 +367,17 @@ def _printer_column(name: str, kind: str, path: str, description: str, priority:
     return column
 
 
-CRDS: dict[str, Any] = {c.KIND: crd, c.POOL_KIND: pool_crd}
+CRDS: dict[str, Any] = {
+    c.KIND: crd,
+    c.POOL_KIND: pool_crd,
+    c.RUNTIME_KIND: lambda: runtime_crd(c.RUNTIME_KIND),
+    c.CLUSTER_RUNTIME_KIND: lambda: runtime_crd(c.CLUSTER_RUNTIME_KIND),
+}
 """Each kind's CRD function."""
-CRD_FILES: dict[str, str] = {c.KIND: f"{c.CRD_NAME}.yaml", c.POOL_KIND: f"{c.POOL_CRD_NAME}.yaml"}
+CRD_FILES: dict[str, str] = {
+    c.KIND: f"{c.CRD_NAME}.yaml",
+    c.POOL_KIND: f"{c.POOL_CRD_NAME}.yaml",
+    c.RUNTIME_KIND: f"{c.RUNTIME_CRD_NAME}.yaml",
+    c.CLUSTER_RUNTIME_KIND: f"{c.CLUSTER_RUNTIME_CRD_NAME}.yaml",
+}
 """Each kind's file name in crds/ and in the chart's files/."""

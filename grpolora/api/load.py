@@ -1,5 +1,5 @@
-"""Read GRPOLoraJob and RolloutPool documents and turn every problem into a message that names its field path and
-line.
+"""Read GRPOLoraJob, RolloutPool and runtime documents and turn every problem into a message that names its field
+path and line.
 
 Used by `grpolora validate|render|run` and by the operator (where the path goes into the InvalidSpec condition).
 """
@@ -19,10 +19,17 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpolora.api import constants as c
-from grpolora.api.spec import FieldErrors, GRPOLoraJob, RolloutPool
+from grpolora.api.spec import ClusterGRPOLoraRuntime, FieldErrors, GRPOLoraJob, GRPOLoraRuntime, RolloutPool
 
-Document = GRPOLoraJob | RolloutPool
-_M = typing.TypeVar("_M", GRPOLoraJob, RolloutPool)
+Runtime = GRPOLoraRuntime | ClusterGRPOLoraRuntime
+Document = GRPOLoraJob | RolloutPool | GRPOLoraRuntime | ClusterGRPOLoraRuntime
+_M = typing.TypeVar("_M", GRPOLoraJob, RolloutPool, GRPOLoraRuntime, ClusterGRPOLoraRuntime)
+_MODELS: dict[str, type[BaseModel]] = {
+    c.KIND: GRPOLoraJob,
+    c.POOL_KIND: RolloutPool,
+    c.RUNTIME_KIND: GRPOLoraRuntime,
+    c.CLUSTER_RUNTIME_KIND: ClusterGRPOLoraRuntime,
+}
 _T = typing.TypeVar("_T")
 
 
@@ -59,16 +66,22 @@ def parse_pool(document: Any, *, source: str = "", node: yaml.Node | None = None
     return _parse(RolloutPool, document, source, node)
 
 
+def parse_runtime(document: Any, *, source: str = "", node: yaml.Node | None = None) -> Runtime:
+    """Validate one GRPOLoraRuntime or ClusterGRPOLoraRuntime document, with the same messages as a job's."""
+    kind = document.get("kind") if isinstance(document, Mapping) else None
+    return _parse(ClusterGRPOLoraRuntime if kind == c.CLUSTER_RUNTIME_KIND else GRPOLoraRuntime, document, source, node)
+
+
 def parse_document(document: Any, *, source: str = "", node: yaml.Node | None = None) -> Document:
-    """A RolloutPool or (any other kind) a GRPOLoraJob, validated as such."""
-    if isinstance(document, Mapping) and document.get("kind") == c.POOL_KIND:
-        return parse_pool(document, source=source, node=node)
-    return parse_job(document, source=source, node=node)
+    """A RolloutPool, a runtime or (any other kind) a GRPOLoraJob, validated as such."""
+    kind = document.get("kind") if isinstance(document, Mapping) else None
+    model = _MODELS.get(kind) if isinstance(kind, str) else None
+    return _parse(model or GRPOLoraJob, document, source, node)  # type: ignore[type-var]
 
 
 def _parse(model: type[_M], document: Any, source: str, node: yaml.Node | None) -> _M:
     if not isinstance(document, Mapping):
-        kind = c.POOL_KIND if model is RolloutPool else c.KIND
+        kind = next(k for k, m in _MODELS.items() if m is model)
         raise InvalidJob([Problem("", f"expected a {kind} mapping, got {type(document).__name__}")], source)
     try:
         return model.model_validate(document)
@@ -85,7 +98,7 @@ def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
 
 
 def load_documents(path: str | Path) -> list[Document]:
-    """Every GRPOLoraJob and RolloutPool in a YAML file, in order; InvalidJob on any problem in any."""
+    """Every GRPOLoraJob, RolloutPool and runtime in a YAML file, in order; InvalidJob on any problem in any."""
     return load_documents_from_text(_read(path), source=source_name(path))
 
 

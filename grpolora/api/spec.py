@@ -1113,9 +1113,21 @@ class EvalSpec(SpecModel):
     """Completion length limit; defaults to grpo.maxNewTokens."""
 
 
+class RuntimeRef(SpecModel):
+    kind: Literal["GRPOLoraRuntime", "ClusterGRPOLoraRuntime"] = c.CLUSTER_RUNTIME_KIND
+    """`ClusterGRPOLoraRuntime` (cluster-wide) or `GRPOLoraRuntime` (in the job's namespace)."""
+    name: NonEmptyStr
+    """Name of the runtime."""
+
+
 class GRPOLoraJobSpec(SpecModel):
     model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: _job_spec_rules()})
 
+    runtime_ref: RuntimeRef | None = None
+    """A runtime that says where and how the job runs (trainer, inference, sync, scheduling, networkPolicy,
+    podSecurity, output). The job's own fields win, field by field: mappings merge key by key, a list or a value the
+    job sets replaces the runtime's whole (grpolora.api.runtime.merge). Resolved when the job starts and kept: a
+    later edit of the runtime does not change a running job."""
     model: ModelSpec
     """The base model, loaded by trainer and inference alike (its fingerprint must match across them)."""
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -1288,10 +1300,10 @@ def max_job_name_length() -> int:
 
 
 class _Named:
-    """`name` and `namespace` of a whole document (GRPOLoraJob, RolloutPool)."""
+    """`name` and `namespace` of a whole document (GRPOLoraJob, RolloutPool, the runtimes)."""
 
     if TYPE_CHECKING:  # a field of each document (declared there, so that it keeps its place in the document)
-        metadata: ObjectMeta
+        metadata: ObjectMeta | RuntimeMeta
 
     @property
     def name(self) -> str:
@@ -1377,3 +1389,73 @@ class RolloutPool(_Named, BaseModel):
     metadata: ObjectMeta
     spec: RolloutPoolSpec
     status: dict[str, Any] | None = None
+
+
+# ---- Runtimes: where and how jobs run, set once by a platform team ---------------------------------------------
+
+
+class GRPOLoraRuntimeSpec(SpecModel):
+    """The sections of a GRPOLoraJob's spec that say where and how it runs, with the job's own models (so the same
+    fields, bounds and checks); a job that names the runtime (spec.runtimeRef) sets only what it changes. Every
+    field is optional here: the defaults are applied to the merged spec (grpolora.api.runtime)."""
+
+    trainer: TrainerSpec | None = None
+    """As a job's spec.trainer: image, resources, placement, overlay, volumes of the trainer pods."""
+    inference: InferenceSpec | None = None
+    """As a job's spec.inference (but poolRef: a pool is the job's choice); left out for a job on a RolloutPool."""
+    sync: SyncSpec | None = None
+    """As a job's spec.sync: the adapter-sync collective."""
+    scheduling: SchedulingSpec | None = None
+    """As a job's spec.scheduling."""
+    network_policy: NetworkPolicySpec | None = None
+    """As a job's spec.networkPolicy."""
+    pod_security: PodSecuritySpec | None = None
+    """As a job's spec.podSecurity."""
+    output: OutputSpec | None = None
+    """As a job's spec.output: where results go (e.g. a PersistentVolumeClaim)."""
+
+    @model_validator(mode="after")
+    def _no_pool_ref(self) -> GRPOLoraRuntimeSpec:
+        if self.inference is not None and self.inference.pool_ref is not None:
+            raise FieldErrors([("inference.poolRef", "a RolloutPool is named by the job (spec.inference.poolRef), "
+                                "in its own namespace; remove it from the runtime")])  # fmt: skip
+        return self
+
+
+def runtime_fields() -> tuple[str, ...]:
+    """The job spec fields a runtime may set, as written (camelCase)."""
+    return tuple(f.alias or to_camel(name) for name, f in GRPOLoraRuntimeSpec.model_fields.items())
+
+
+class RuntimeMeta(BaseModel):
+    """A runtime's metadata: its name (any Kubernetes object name; no children are named after it)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", max_length=253)
+    namespace: str = "default"
+    generation: int | None = None
+    resource_version: str | None = Field(default=None, alias="resourceVersion")
+
+
+class GRPOLoraRuntime(_Named, BaseModel):
+    """A namespaced runtime: named by jobs of its namespace (spec.runtimeRef kind GRPOLoraRuntime)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    apiVersion: Literal["grpolora.dev/v1alpha1"]
+    kind: Literal["GRPOLoraRuntime"]
+    metadata: RuntimeMeta
+    spec: GRPOLoraRuntimeSpec
+
+
+class ClusterGRPOLoraRuntime(_Named, BaseModel):
+    """A cluster-scoped runtime: named by jobs of every namespace (spec.runtimeRef kind ClusterGRPOLoraRuntime)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    apiVersion: Literal["grpolora.dev/v1alpha1"]
+    kind: Literal["ClusterGRPOLoraRuntime"]
+    metadata: RuntimeMeta
+    spec: GRPOLoraRuntimeSpec
+
+    @property
+    def namespace(self) -> str:
+        return ""  # cluster-scoped: a namespace written in its metadata is ignored, as the API server does

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import re
@@ -188,7 +189,9 @@ def validate_custom(
     unknown = list(_unknown(obj[part], sub_schema, part))
     if unknown and strict:
         raise bad_request("strict decoding error: " + ", ".join(f'unknown field "{p}"' for p in unknown))
-    obj[part] = _pruned(obj[part], sub_schema)
+    # As the API server: pruned, then defaulted (a field with a schema `default:` absent from an object that is
+    # there gets that default), then validated.
+    obj[part] = _defaulted(_pruned(obj[part], sub_schema), sub_schema)
     validator = jsonschema.Draft4Validator(sub_schema)  # openAPIV3Schema is close to draft 4 (boolean exclusive bounds)
     errors = sorted(validator.iter_errors(obj[part]), key=lambda e: list(e.path))
     if errors:
@@ -314,6 +317,21 @@ def _pruned(value: Any, schema: Mapping[str, Any]) -> Any:
         }
     if isinstance(value, list) and isinstance(schema.get("items"), dict):
         return [_pruned(item, schema["items"]) for item in value]
+    return value
+
+
+def _defaulted(value: Any, schema: Mapping[str, Any]) -> Any:
+    """Structural defaulting (apiextensions-apiserver's structuraldefaulting): every absent property of an object
+    present in `value` that has a `default:` gets it, at any depth."""
+    if isinstance(value, dict):
+        properties = schema.get("properties") or {}
+        filled = {key: _defaulted(item, properties[key]) if key in properties else item for key, item in value.items()}
+        for key, child in properties.items():
+            if key not in filled and "default" in child:
+                filled[key] = copy.deepcopy(child["default"])
+        return filled
+    if isinstance(value, list) and isinstance(schema.get("items"), dict):
+        return [_defaulted(item, schema["items"]) for item in value]
     return value
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import datetime
 import itertools
 import secrets
@@ -38,6 +39,8 @@ TEST_USER_AGENT = "grpolora-tests"
 NAMESPACE = "team-a"  # where the helpers below put and read objects unless told otherwise
 CRD_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.PLURAL}"
 POOL_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}"
+RUNTIME_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.RUNTIME_PLURAL}"
+CLUSTER_RUNTIME_RESOURCE = f"{c.GROUP}/{c.VERSION}/{c.CLUSTER_RUNTIME_PLURAL}"
 ALL_VERBS = {"create", "delete", "deletecollection", "get", "list", "patch", "update", "watch"}
 # What the operator touches, declared for API discovery (Kopf reads it at start-up and serves only watchable ones).
 RESOURCES: dict[str, kmock.ResourceInfo] = {
@@ -46,6 +49,10 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
     ),
     POOL_RESOURCE: kmock.ResourceInfo(
         kind=c.POOL_KIND, namespaced=True, subresources={"status"}, shortnames={"rpool"}, verbs=ALL_VERBS
+    ),
+    RUNTIME_RESOURCE: kmock.ResourceInfo(kind=c.RUNTIME_KIND, namespaced=True, shortnames={"glrt"}, verbs=ALL_VERBS),
+    CLUSTER_RUNTIME_RESOURCE: kmock.ResourceInfo(
+        kind=c.CLUSTER_RUNTIME_KIND, namespaced=False, shortnames={"cglrt"}, verbs=ALL_VERBS
     ),
     "v1/namespaces": kmock.ResourceInfo(kind="Namespace", namespaced=False),
     "v1/secrets": kmock.ResourceInfo(kind="Secret", namespaced=True),
@@ -117,6 +124,8 @@ class Emulator(kmock.KubernetesEmulator):
         factory=lambda: {
             c.PLURAL: kube_apiserver.crd_schema(c.KIND),
             c.POOL_PLURAL: kube_apiserver.crd_schema(c.POOL_KIND),
+            c.RUNTIME_PLURAL: kube_apiserver.crd_schema(c.RUNTIME_KIND),
+            c.CLUSTER_RUNTIME_PLURAL: kube_apiserver.crd_schema(c.CLUSTER_RUNTIME_KIND),
         },
         init=False,
     )
@@ -142,7 +151,12 @@ class Emulator(kmock.KubernetesEmulator):
             elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
                 merged = self._on_patch(request)
                 if merged is not None:
+                    before = copy.deepcopy(merged.get("spec"))
                     self._admit(request, merged, created=False)
+                    if request.subresource != "status" and merged.get("spec") != before:
+                        # Stored as admitted (defaulted, as the API server stores it), not as the client sent it.
+                        current = self.objects[(request.resource, request.namespace, request.name)].raw
+                        request.data["spec"] = _patch_between(current.get("spec") or {}, merged["spec"])
                 if (request.resource, request.namespace, request.name) in self._terminating:
                     return await self._patch_terminating(request)
             elif request.action == kmock.action.DELETE and request.name is not None:
@@ -510,6 +524,18 @@ def _labels_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
     return all(labels.get(key) == value for key, value in wanted.items())
 
 
+def _patch_between(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns `old` into `new` (null for what `new` leaves out)."""
+    patch: dict[str, Any] = {key: None for key in old if key not in new}
+    for key, value in new.items():
+        before = old.get(key)
+        if isinstance(value, Mapping) and isinstance(before, Mapping):
+            patch[key] = _patch_between(before, value)
+        elif value != before:
+            patch[key] = value
+    return patch
+
+
 def _merge(base: Mapping[str, Any], patch: Mapping[str, Any]) -> dict[str, Any]:
     result = dict(base)
     for key, value in patch.items():
@@ -538,12 +564,13 @@ class Cluster:
     # ---- kubectl --------------------------------------------------------------------------------------
 
     async def apply(self, doc: dict[str, Any]) -> dict[str, Any]:
-        """Create a GRPOLoraJob or a RolloutPool (by its kind)."""
-        namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
-        plural = c.POOL_PLURAL if doc.get("kind") == c.POOL_KIND else c.PLURAL
+        """Create a GRPOLoraJob, a RolloutPool or a runtime (by its kind)."""
         # kubectl's default: unknown fields are refused, not silently dropped.
-        path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{plural}?fieldValidation=Strict"
-        return await self._call("POST", path, doc)
+        return await self._call("POST", _collection(doc) + "?fieldValidation=Strict", doc)
+
+    async def patch_object(self, doc: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+        """`kubectl patch --type=merge` of the object `doc` names (kind, metadata.name and namespace)."""
+        return await self._call("PATCH", f"{_collection(doc)}/{doc['metadata']['name']}", patch)
 
     async def delete_pool(self, name: str, namespace: str = NAMESPACE, *, cascade: str = "Background") -> None:
         """`kubectl delete rpool NAME --cascade=background|foreground`."""
@@ -664,6 +691,23 @@ class Cluster:
         found = [e for e in found if e["involvedObject"]["name"] == name]
         found.sort(key=lambda e: int(e["metadata"]["resourceVersion"]))
         return [(e["type"], e["reason"], e["message"]) for e in found]
+
+
+_PLURALS = {
+    c.KIND: c.PLURAL,
+    c.POOL_KIND: c.POOL_PLURAL,
+    c.RUNTIME_KIND: c.RUNTIME_PLURAL,
+    c.CLUSTER_RUNTIME_KIND: c.CLUSTER_RUNTIME_PLURAL,
+}
+
+
+def _collection(doc: dict[str, Any]) -> str:
+    """The API path of the collection of a document of ours (a cluster-scoped kind has no namespace)."""
+    plural = _PLURALS[doc.get("kind", c.KIND)]
+    if doc.get("kind") == c.CLUSTER_RUNTIME_KIND:
+        return f"/apis/{c.GROUP}/{c.VERSION}/{plural}"
+    namespace = doc["metadata"].setdefault("namespace", NAMESPACE)
+    return f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{namespace}/{plural}"
 
 
 def _delete_options(cascade: str) -> dict[str, Any]:

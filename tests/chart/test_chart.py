@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from grpolora.api import constants as c
+from grpolora.api.crd import CRD_FILES
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.operator.builders import build_children
@@ -84,6 +85,8 @@ def test_default_release_renders_exactly_these_objects(chart):
             "ClusterRoleBinding",
             "CustomResourceDefinition",  # GRPOLoraJob (the Kopf peering CRDs only with peering.enabled)
             "CustomResourceDefinition",  # RolloutPool
+            "CustomResourceDefinition",  # GRPOLoraRuntime
+            "CustomResourceDefinition",  # ClusterGRPOLoraRuntime
             "Deployment",
             "Service",
             "ServiceAccount",
@@ -620,7 +623,7 @@ def test_notes_tell_the_user_what_to_do_next(chart):
     # The command removes every CRD the chart installs and keeps (jobs and pools alike), and only those.
     text = chart.template_text(None, "--show-only", "templates/crd.yaml")
     crds = [d["metadata"]["name"] for d in yaml.safe_load_all(text) if d]
-    assert len(crds) == 2
+    assert len(crds) == 4
     (command,) = re.findall(r"kubectl delete crd [^\n]*", notes)
     assert command.split()[3:] == crds
 
@@ -638,13 +641,15 @@ def test_the_charts_crd_copy_is_the_shipped_crd():
     assert CHART_CRD_COPY.read_text() == SHIPPED_CRD.read_text(), "run `make crd` (it refreshes both copies)"
 
 
-def test_the_chart_ships_the_rollout_pool_crd_too_with_the_keep_policy(chart):
-    name = "rolloutpools.grpolora.dev"
+@pytest.mark.parametrize(
+    "name", ["rolloutpools.grpolora.dev", "grpoloraruntimes.grpolora.dev", "clustergrpoloraruntimes.grpolora.dev"]
+)
+def test_the_chart_ships_the_other_crds_too_with_the_keep_policy(chart, name):
     shipped = (ROOT / "crds" / f"{name}.yaml").read_text()
     assert (CHART / "files" / f"{name}.yaml").read_text() == shipped, "run `make crd` (it refreshes both copies)"
     text = chart.template_text(None, "--show-only", "templates/crd.yaml")
     crds = {d["metadata"]["name"]: d for d in yaml.safe_load_all(text) if d}
-    assert sorted(crds) == ["grpolorajobs.grpolora.dev", name]
+    assert sorted(crds) == sorted(f.removesuffix(".yaml") for f in CRD_FILES.values())
     assert crds[name]["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
     del crds[name]["metadata"]["annotations"]
     assert crds[name] == yaml.safe_load(shipped)

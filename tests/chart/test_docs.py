@@ -57,8 +57,8 @@ def test_every_kubectl_get_header_in_the_operations_guide_is_what_kubectl_prints
 @pytest.mark.parametrize(
     "path", [CHART / "values.yaml", CHART / "README.md", CHART / "templates" / "NOTES.txt"], ids=lambda p: p.name
 )
-def test_the_chart_speaks_of_its_two_crds_not_one(path):
-    """The chart installs the GRPOLoraJob and the RolloutPool CRDs; text about "the CRD" leaves the second out."""
+def test_the_chart_speaks_of_its_crds_not_one(path):
+    """The chart installs four CRDs (jobs, pools, both runtime kinds); text about "the CRD" leaves the others out."""
     singular = re.findall(r".{0,40}\b(?:[Tt]he|GRPOLoraJob|same) CRD\b.{0,40}", path.read_text())
     assert singular == []
 

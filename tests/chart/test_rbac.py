@@ -4,8 +4,8 @@ RULES (operator/rbac.py) is the single source: each rule is (api_groups, resourc
 writes the same rules by hand in templates/_rbac.tpl, each under its reason as a comment; this test renders the
 chart in every scope and compares (group, resource, verb) triples. How the chart places them:
 - all namespaces: one ClusterRole with every rule;
-- listed namespaces: namespaced rules in a Role in each namespace, cluster-scoped ones (Kueue's ResourceFlavors,
-  unless kueue.resourceFlavors is false) in a small ClusterRole;
+- listed namespaces: namespaced rules in a Role in each namespace, cluster-scoped ones (ClusterGRPOLoraRuntimes, and
+  Kueue's ResourceFlavors unless kueue.resourceFlavors is false) in a small ClusterRole;
 - Kopf peering rules (api group kopf.dev) only with peering on: kopfpeerings in the namespaced scope,
   clusterkopfpeerings in the cluster-wide one (Kopf picks the kind by scope).
 """
@@ -27,6 +27,7 @@ CLUSTER_SCOPED = {
     ("", "namespaces"),
     ("", "nodes"),
     ("kopf.dev", "clusterkopfpeerings"),
+    ("grpolora.dev", "clustergrpoloraruntimes"),
     ("kueue.x-k8s.io", "resourceflavors"),
     ("scheduling.k8s.io", "priorityclasses"),
 }
@@ -220,11 +221,14 @@ def test_chart_grants_update_on_the_jobs_finalizers_for_owner_reference_enforcem
 
 
 def test_the_docs_promise_no_cluster_role_that_listed_namespaces_do_not_get(chart):
+    # With listed namespaces, the ClusterRole holds the cluster-scoped reads only: ClusterGRPOLoraRuntimes, and
+    # Kueue's ResourceFlavors when readable (the default).
+    runtimes = ("grpolora.dev", "clustergrpoloraruntimes", "get")
     objects = chart.render({"watch": {"namespaces": ["team-a"]}, "kueue": {"resourceFlavors": False}})
-    assert not [o for o in objects if o["kind"] in ("ClusterRole", "ClusterRoleBinding")]
-    # With Kueue's ResourceFlavors readable (the default), the ClusterRole holds that one rule only.
+    (role,) = [o for o in objects if o["kind"] == "ClusterRole"]
+    assert triples(role["rules"]) == {runtimes}
     (role,) = [o for o in chart.render({"watch": {"namespaces": ["team-a"]}}) if o["kind"] == "ClusterRole"]
-    assert triples(role["rules"]) == {("kueue.x-k8s.io", "resourceflavors", "get")}
+    assert triples(role["rules"]) == {runtimes, ("kueue.x-k8s.io", "resourceflavors", "get")}
     for path in (CHART / "values.yaml", CHART / "README.md"):
         text = " ".join(path.read_text().split())
         assert "ClusterRole remains" not in text, path

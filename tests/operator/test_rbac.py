@@ -89,6 +89,16 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(lambda: cluster.get("batch/v1/jobs", "pool-a-trainer"), "pool-a attached")
             await cluster.set_status("batch/v1/jobs", "pool-a-trainer", complete)
             await wait_for(lambda: cluster.get("batch/v1/jobs", "pool-b-trainer"), "pool-b attached")
+
+            # Jobs on runtimes: a ClusterGRPOLoraRuntime and a GRPOLoraRuntime, each read until its job starts.
+            spec = {"trainer": {"gpusPerReplica": 0}, "inference": {"gpusPerReplica": 0}, "sync": {"backend": "gloo"}}
+            for kind, name in ((c.CLUSTER_RUNTIME_KIND, "everywhere"), (c.RUNTIME_KIND, "here")):
+                meta = {"name": name, **({"namespace": NAMESPACE} if kind == c.RUNTIME_KIND else {})}
+                await cluster.apply({"apiVersion": c.API_VERSION, "kind": kind, "metadata": meta, "spec": spec})
+                on_runtime = job_doc(runtimeRef={"kind": kind, "name": name})
+                on_runtime["metadata"]["name"] = f"on-{name}"
+                await cluster.apply(on_runtime)
+                await wait_for(lambda n=name: cluster.get("batch/v1/jobs", f"on-{n}-trainer"), f"the job on {name}")
         finally:
             await operator.stop()
 

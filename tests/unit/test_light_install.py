@@ -69,7 +69,7 @@ def check_light_commands(venv_dir: Path) -> None:
     rendered = grpolora(venv_dir, "render", *EXAMPLES)
     assert rendered.returncode == 0 and "Traceback" not in rendered.stderr, rendered.stderr
     assert "kind: StatefulSet" in rendered.stdout and "kind: Job" in rendered.stdout
-    for kind in ("GRPOLoraJob", "RolloutPool"):
+    for kind in ("GRPOLoraJob", "RolloutPool", "GRPOLoraRuntime", "ClusterGRPOLoraRuntime"):
         crd = grpolora(venv_dir, "crd", "--kind", kind)
         assert crd.returncode == 0 and "CustomResourceDefinition" in crd.stdout, crd.stderr
 

@@ -1,19 +1,21 @@
-"""The files `grpolora run` is given: one job, or a RolloutPool and its jobs, read as `grpolora validate` reads
-them, and why they cannot run together."""
+"""The files `grpolora run` is given: one job, or a RolloutPool and its jobs (and the runtimes they name), read as
+`grpolora validate` reads them, and why they cannot run together."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from grpolora.api.load import load_documents
+from grpolora.api.load import InvalidJob, load_documents
 from grpolora.api.plan import LoopbackNetwork, PoolMismatch, plan
+from grpolora.api.runtime import resolve_given, runtimes_by_key
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 
 
 @dataclass
 class RunFiles:
-    """What `grpolora run` was given: the jobs (each with the file it came from) and at most one RolloutPool."""
+    """What `grpolora run` was given: the jobs (each with the file it came from, resolved on its runtime) and at most
+    one RolloutPool."""
 
     jobs: list[tuple[str, GRPOLoraJob]] = field(default_factory=list)
     pools: list[tuple[str, RolloutPool]] = field(default_factory=list)
@@ -21,14 +23,20 @@ class RunFiles:
 
 def read_run_files(paths: Sequence[str]) -> RunFiles:
     """Every document of every file, a RolloutPool or a GRPOLoraJob, read as `grpolora validate` reads them;
-    InvalidJob listing the problems of a file."""
+    InvalidJob listing the problems of a file. A job that names a runtime runs merged with it (one of the files must
+    hold it)."""
     found = RunFiles()
-    for path in paths:
-        for document in load_documents(path):
+    loaded = [(path, load_documents(path)) for path in paths]
+    runtimes = runtimes_by_key(d for _, documents in loaded for d in documents)
+    for path, documents in loaded:
+        for document in documents:
             if isinstance(document, RolloutPool):
                 found.pools.append((path, document))
-            else:
-                found.jobs.append((path, document))
+            elif isinstance(document, GRPOLoraJob):
+                try:
+                    found.jobs.append((path, resolve_given(document, runtimes, source=path, command="run")))
+                except InvalidJob as exc:
+                    raise InvalidJob(exc.problems, path) from None
     return found
 
 

@@ -3,8 +3,9 @@ The operator's permissions: exactly grpolora.operator.rbac.RULES (operator/rbac.
 tests/chart/test_rbac.py renders the chart and compares; on a mismatch it prints the rules to paste here.
 
 Namespaced rules: in the ClusterRole when all namespaces are watched, else in a Role in each watched namespace.
-The one cluster-scoped resource the operator reads is Kueue's ResourceFlavors (with kueue.resourceFlavors): in the
-ClusterRole, or in a ClusterRole of its own when namespaces are listed (Kopf runs with CRD and namespace scanning off).
+The cluster-scoped resources the operator reads are ClusterGRPOLoraRuntimes and Kueue's ResourceFlavors (with
+kueue.resourceFlavors): in the ClusterRole, or in a ClusterRole of their own when namespaces are listed (Kopf runs with
+CRD and namespace scanning off).
 Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, ClusterKopfPeering cluster-wide.
 */}}
 
@@ -21,6 +22,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["rolloutpools"]
   verbs: ["get", "list", "watch", "patch"]
+# a job that names a GRPOLoraRuntime (spec.runtimeRef) reads it until it starts (then it runs on the one it recorded), so no list or watch
+- apiGroups: ["grpolora.dev"]
+  resources: ["grpoloraruntimes"]
+  verbs: ["get"]
 # the pool status: attached and waiting jobs (the jobs read their place there), replicas, adapter versions
 - apiGroups: ["grpolora.dev"]
   resources: ["rolloutpools/status"]
@@ -72,6 +77,13 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 # read the access modes of the model and checkpoint claims that several pods share
 - apiGroups: [""]
   resources: ["persistentvolumeclaims"]
+  verbs: ["get"]
+{{- end }}
+
+{{- define "grpo-lora-operator.rules.runtimes.cluster" -}}
+# a job that names a ClusterGRPOLoraRuntime (cluster-scoped) reads it until it starts, as a GRPOLoraRuntime
+- apiGroups: ["grpolora.dev"]
+  resources: ["clustergrpoloraruntimes"]
   verbs: ["get"]
 {{- end }}
 
