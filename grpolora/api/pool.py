@@ -7,7 +7,8 @@ The attachment list is JSON (the RolloutPool's Secret `<pool>-pool-jobs`, key `j
 pods; a file in the run folder for `grpolora run`), named by GRPOLORA_POOL_JOBS_FILE:
 
     {"pool": "<pool name>", "jobs": [{"job": "<namespace>/<name>", "uid": "...", "auth": "<hex>",
-                                      "syncKey": "<hex>", "keptVersions": 2}, ...]}
+                                      "syncKey": "<hex>", "keptVersions": 2}, ...],
+     "generation": <the pool's metadata.generation>, "endpoints": ["http://<replica 0>:<port>", ...]}
 
 It holds no job token: `auth` is the SHA-256 of the job's token (a request whose bearer token hashes to it acts as
 that job) and `syncKey` the MAC key of that job's sync rounds (derived from the token, as the trainer derives it),
@@ -80,6 +81,13 @@ class Attachments(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     pool: str
     jobs: list[Attachment] = Field(default_factory=list)
+    generation: int = 0
+    """The pool's metadata.generation the list was written for (a counter locally): where two servers hold
+    different lists (a Secret volume is updated on each node in its own time), the higher one is the newer."""
+    endpoints: tuple[str, ...] = ()
+    """The pool's replicas' base URLs, in replica order, as many as spec.replicas now: the servers report them to
+    the jobs' trainers (GET /v1/sync/state), which thereby find replicas a scale-up added and drop those a
+    scale-down removed (their own list of endpoints was fixed when they started)."""
 
     def to_json(self) -> str:
         return json.dumps(self.model_dump(by_alias=True, mode="json"), sort_keys=True, separators=(",", ":"))

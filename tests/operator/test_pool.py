@@ -332,3 +332,38 @@ async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(clu
     }
     assert kinds == {c.POOL_KIND}
     assert [e[1] for e in cluster.events(POOL)].count(names.E_POOL_FULL) == 1, "each transition once"
+
+
+async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_for_the_jobs(cluster, operator):
+    """`kubectl scale rolloutpool/shared --replicas=3` (spec.replicas through the /scale subresource, which a real
+    API server writes to specReplicasPath): the StatefulSet's replicas follow, its pod template stays (no server is
+    replaced), the attachment list names the new replicas for the jobs' trainers, and the pool says so once."""
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-a"], "job-a attached")
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's servers")
+    await cluster.set_status("apps/v1/statefulsets", SERVERS, {"replicas": 1, "readyReplicas": 1})
+    await wait_for(lambda: (cluster.pool_status(POOL).get("replicas") or {}).get("ready") == 1, "a ready replica")
+    template = cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"]
+
+    def attachment_list() -> dict[str, Any]:
+        return json.loads(base64.b64decode(cluster.get("v1/secrets", SECRET)["data"]["jobs.json"]))
+
+    assert len(attachment_list()["endpoints"]) == 1
+    path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{NAMESPACE}/{c.POOL_PLURAL}/{POOL}"
+    await cluster._call("PATCH", path, {"spec": {"replicas": 3}})
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 3, "3 servers")
+    assert cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"] == template, "no server replaced"
+    await wait_for(lambda: len(attachment_list()["endpoints"]) == 3, "the new replicas in the attachment list")
+    assert attachment_list()["generation"] == cluster.get(POOL_RESOURCE, POOL)["metadata"]["generation"]
+    assert [j["job"] for j in attachment_list()["jobs"]] == [f"{NAMESPACE}/job-a"], "the jobs stay attached"
+    scaled = (names.E_POOL_SCALED, "scaled from 1 to 3 server replicas")
+    await wait_for(lambda: any(e[1:3] == scaled[:1] + (e[2],) and e[2].startswith(scaled[1])
+                               for e in cluster.events(POOL)), "Scaled")  # fmt: skip
+    assert names.E_POOL_REPLICA_LOST not in [e[1] for e in cluster.events(POOL)]
+    assert cluster.pool_status(POOL)["replicas"]["desired"] == 3
+
+    await cluster._call("PATCH", path, {"spec": {"replicas": 2}})
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 2, "2 servers")
+    await wait_for(lambda: len(attachment_list()["endpoints"]) == 2, "the removed replica out of the list")
+    assert cluster.status("job-a")["phase"] != "Failed"

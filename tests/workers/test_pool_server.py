@@ -268,7 +268,7 @@ def test_pool_env_is_read_from_plan_pools_contract_and_names_a_missing_variable(
     assert contract.is_pool_server(environ)
     env = PoolEnv.from_environ(environ)
     assert (env.pool_name, env.spec.lora_slots, env.jobs_file) == ("shared", 6, str(tmp_path / "jobs.json"))
-    assert env.own_endpoint == pool.endpoints[0] and env.sync_backend == "gloo"
+    assert f":{env.port}" in pool.endpoints[0] and env.sync_backend == "gloo"
     with pytest.raises(ContractError, match=contract.POOL_JOBS_FILE):
         PoolEnv.from_environ({k: v for k, v in environ.items() if k != contract.POOL_JOBS_FILE})
     with pytest.raises(ContractError, match=f"{contract.POOL_SPEC} does not hold a valid RolloutPool spec"):
@@ -480,6 +480,6 @@ def test_the_inference_worker_starts_a_pool_server_from_the_pool_contract(tmp_pa
         [*command, "--lora-slots=4"], env=os.environ | environ, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 2 and "--lora-slots=4 but the RolloutPool's maxJobs x adaptersPerJob is 6" in run.stderr
-    del environ[contract.INFERENCE_ENDPOINTS]
+    del environ[contract.HTTP_PORT]
     run = subprocess.run(command, env=os.environ | environ, capture_output=True, text=True, timeout=120)
-    assert run.returncode == contract.EXIT_INVALID_SPEC and contract.INFERENCE_ENDPOINTS in run.stderr
+    assert run.returncode == contract.EXIT_INVALID_SPEC and contract.HTTP_PORT in run.stderr

@@ -117,7 +117,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
         holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
         engine.config = config_for(spec, str(model_dir))
 
-    port = int(env.own_endpoint.rsplit(":", 1)[1])
+    port = env.port
     server = uvicorn.Server(
         uvicorn.Config(
             app_for(prepare),

@@ -45,7 +45,7 @@ import httpx
 from grpolora.api import contract
 from grpolora.api.load import InvalidJob, job_warnings
 from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolPlan, Role, plan, plan_pool
-from grpolora.api.pool import Attachment, Attachments, Candidate, admit, attachment, job_key, write_attachments
+from grpolora.api.pool import Attachment, Candidate, admit, attachment, job_key, write_attachments
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.launcher.progress import Progress
@@ -399,7 +399,8 @@ class LocalRun:
             for j in self.jobs
             if j.state == "running" and j.plan is not None
         ]
-        write_attachments(self.jobs_file, Attachments(pool=self.pool.name, jobs=entries))
+        assert self.pool_plan is not None
+        write_attachments(self.jobs_file, self.pool_plan.attachment_list(entries, generation=1))
         self._attachments = entries
 
     def _worker_env(self, worker: Worker, env: dict[str, str], threads: str) -> dict[str, str]:
