@@ -357,9 +357,8 @@ async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_f
     await wait_for(lambda: len(attachment_list()["endpoints"]) == 3, "the new replicas in the attachment list")
     assert attachment_list()["generation"] == cluster.get(POOL_RESOURCE, POOL)["metadata"]["generation"]
     assert [j["job"] for j in attachment_list()["jobs"]] == [f"{NAMESPACE}/job-a"], "the jobs stay attached"
-    scaled = (names.E_POOL_SCALED, "scaled from 1 to 3 server replicas")
-    await wait_for(lambda: any(e[1:3] == scaled[:1] + (e[2],) and e[2].startswith(scaled[1])
-                               for e in cluster.events(POOL)), "Scaled")  # fmt: skip
+    await wait_for(lambda: any(reason == names.E_POOL_SCALED and message.startswith("scaled from 1 to 3 server")
+                               for _, reason, message in cluster.events(POOL)), "Scaled")  # fmt: skip
     assert names.E_POOL_REPLICA_LOST not in [e[1] for e in cluster.events(POOL)]
     assert cluster.pool_status(POOL)["replicas"]["desired"] == 3
 
