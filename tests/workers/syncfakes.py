@@ -9,7 +9,7 @@ import threading
 import torch
 
 from grpolora.testing.servers import free_port  # noqa: F401  (re-exported: the port helper the sync tests use)
-from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
+from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PoolMembers, PrepareRequest
 from grpolora.workers.sync.receiver import AdapterReceiver
 
 
@@ -50,3 +50,7 @@ class LocalMember:
     def prepare(self, request: PrepareRequest) -> None:
         self._check()
         self.receiver.prepare(request)
+
+    def pool_members(self) -> PoolMembers | None:
+        self._check()
+        return None  # a job's own replica

@@ -94,18 +94,25 @@ class GatedEngine(VllmEngine):
         return [Sample([prompt_token_ids[-1]], [-0.5], "x", "length") for _ in range(request.n)]
 
 
-def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, jobs: tuple[str, ...] = (JOB_A, JOB_B), **spec):
+def pool_app(
+    engine: GatedEngine,
+    tmp: Path,
+    *,
+    grace: float,
+    jobs: tuple[str, ...] = (JOB_A, JOB_B),
+    replica_index: int = 0,
+    **spec,
+):
     pool = tiny_cpu_pool(**spec)
     tmp.mkdir(parents=True, exist_ok=True)
     jobs_file = tmp / "jobs.json"
     write_attachments(jobs_file, Attachments(pool=pool.name, jobs=[pool_attachment(j, TOKENS[j]) for j in jobs]))
+
+    def receiver(book, key: bytes, job: str) -> AdapterReceiver:
+        return AdapterReceiver(book, replica_index=replica_index, fingerprint="fp", key=key, name=job)
+
     attachments = pool_tenants(
-        engine,
-        pool.pool.spec,
-        pool=pool.name,
-        jobs_file=jobs_file,
-        receiver=lambda book, key, job: AdapterReceiver(book, replica_index=0, fingerprint="fp", key=key, name=job),
-        join_grace_seconds=grace,
+        engine, pool.pool.spec, pool=pool.name, jobs_file=jobs_file, receiver=receiver, join_grace_seconds=grace
     )
     return create_pool_app(engine, attachments, version_wait_seconds=1), attachments
 
@@ -229,6 +236,81 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
         wait_for(lambda: engine.loras == set(ids[JOB_A]), "B's version unloaded")
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_B)).status_code == 401
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
+
+
+def test_a_replica_added_by_a_scale_up_is_ready_only_once_the_trainer_sent_it_the_current_adapter(tmp_path):
+    """A pool of one replica scaled to two, then back: the new replica starts with the attachment list (its job
+    awaited, so not ready); the trainer, started with one endpoint, learns of the new one from the servers (the
+    list's endpoints, newest generation first), joins it into its group and sends it the current adapter, and
+    only then is it ready. Scaled back down, the trainer leaves it out of its group and its rounds."""
+    from grpolora.workers.sync.control import HttpMember
+    from grpolora.workers.sync.sender import AdapterSender
+    from grpolora.workers.sync.transport import connect_store
+
+    apps = [pool_app(GatedEngine(), tmp_path / f"r{i}", grace=3600, jobs=(JOB_A,), replica_index=i) for i in (0, 1)]
+    servers = [AppThread(app) for app, _ in apps]
+    urls = [server.url for server in servers]
+
+    def scale(replicas: int, generation: int) -> None:
+        for _, attachments in apps:
+            listed = Attachments(
+                pool=attachments.pool,
+                jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])],
+                generation=generation,
+                endpoints=tuple(urls[:replicas]),
+            )
+            write_attachments(attachments.path, listed)
+
+    def served(url: str) -> int:
+        return httpx.get(f"{url}/v1/adapter").json()["jobs"][JOB_A]["live_version"]
+
+    scale(1, generation=1)
+    store_port = free_port()
+    store = connect_store("127.0.0.1", store_port, is_master=True, timeout_seconds=30)
+    sender = AdapterSender(
+        [HttpMember(0, urls[0], TOKENS[JOB_A])],
+        store=store,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        backend="gloo",
+        timeout_seconds=30,
+        join_timeout_seconds=10,
+        bucket_bytes=1 << 20,
+        fingerprint="fp",
+        token=TOKENS[JOB_A],
+        member_factory=lambda index, url: HttpMember(index, url, TOKENS[JOB_A]),
+    )
+    adapter = {"layer.lora_A.weight": torch.ones(8, 16), "layer.lora_B.weight": torch.zeros(16, 8)}
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    with servers[0], servers[1]:
+        try:
+            sender.form_group()
+            sender.send(adapter, config)
+            sender.send(adapter, config)
+            assert (sender.group, served(urls[0]), served(urls[1])) == ((0,), 2, 0)
+            # The new replica is up (the StatefulSet made it), its job's trainer has not reached it: not ready.
+            assert httpx.get(f"{urls[1]}/ready").status_code == 503
+            sender.refresh()
+            assert sender.group == (0,), "the trainer knows only the replicas the servers list"
+
+            scale(2, generation=2)
+            wait_for(lambda: httpx.get(f"{urls[0]}/v1/sync/pool", headers=bearer(JOB_A)).json()["generation"] == 2,
+                     "the servers read the scaled list")  # fmt: skip
+            assert httpx.get(f"{urls[1]}/ready").status_code == 503
+            assert sender.refresh() is True
+            assert sender.group == (0, 1) and served(urls[1]) == 2, "caught up with the current version"
+            assert httpx.get(f"{urls[1]}/ready").status_code == 200
+            sender.send(adapter, config)
+            assert (served(urls[0]), served(urls[1])) == (3, 3) and sender.serving(3) == (0, 1)
+
+            scale(1, generation=3)
+            wait_for(lambda: httpx.get(f"{urls[0]}/v1/sync/pool", headers=bearer(JOB_A)).json()["generation"] == 3,
+                     "the servers read the list scaled down")  # fmt: skip
+            assert sender.refresh() is True and sender.group == (0,)
+            report = sender.send(adapter, config)
+            assert report.members == (0,) and (served(urls[0]), served(urls[1])) == (4, 3)
+        finally:
+            sender.close()  # the servers' receivers close as the apps stop
 
 
 def test_lora_names_are_unique_per_job_instance_and_version(tmp_path):

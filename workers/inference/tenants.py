@@ -42,6 +42,7 @@ from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook
 from grpolora.workers.inference.vllm_engine import VllmEngine
+from grpolora.workers.sync.control import PoolMembers
 from grpolora.workers.sync.receiver import AdapterReceiver
 
 log = logging.getLogger(__name__)
@@ -232,8 +233,9 @@ class AttachmentList:
         self._text: str | None = None  # the content last read (good or bad), so that each change is read once
         self._entries: dict[str, Attachment] = {}  # the last good list, by job
         self.error: str | None = None  # why the file as it is now is not used (None: it is)
+        self.members: PoolMembers | None = None  # the pool's replicas, as the last good list names them
 
-    def _parse(self, text: str) -> dict[str, Attachment]:
+    def _parse(self, text: str) -> tuple[dict[str, Attachment], PoolMembers]:
         try:
             attachments = Attachments.from_json(text)
         except ValueError as exc:
@@ -245,7 +247,7 @@ class AttachmentList:
             raise ValueError("a job is listed twice")
         if len(entries) > self.max_jobs:
             raise ValueError(f"{len(entries)} jobs listed, the pool has slots for {self.max_jobs} (maxJobs)")
-        return entries
+        return entries, PoolMembers(generation=attachments.generation, endpoints=attachments.endpoints)
 
     async def refresh(self) -> None:
         """Read the file; attach and detach to match it if its content changed."""
@@ -261,7 +263,7 @@ class AttachmentList:
             return
         self._text = text
         try:
-            wanted = self._parse(text)
+            wanted, self.members = self._parse(text)
         except ValueError as exc:
             self.error = f"{self.path}: {exc}; keeping the last good list ({len(self._entries)} jobs)"
             log.error("attachment list %s", self.error)

@@ -19,6 +19,7 @@ from grpolora.api.constants import TOKEN_HEADER
 JOIN_PATH = "/v1/sync/join"
 PREPARE_PATH = "/v1/sync/prepare"
 STATE_PATH = "/v1/sync/state"
+POOL_PATH = "/v1/sync/pool"
 
 
 class _Message(BaseModel):
@@ -56,6 +57,15 @@ class MemberState(_Message):
     last_error: str | None = None
 
 
+class PoolMembers(_Message):
+    """A RolloutPool's replicas as its server was told them (GET /v1/sync/pool; a job's own server has none): how
+    a trainer started with the pool's endpoints of then finds the replicas a scale-up added and leaves those a
+    scale-down removed. `generation`: the pool's; the highest one any member reports is the newest list."""
+
+    generation: int
+    endpoints: tuple[str, ...]
+
+
 class SyncError(RuntimeError):
     """A sync round or group formation failed for good (after re-forming and retrying)."""
 
@@ -87,6 +97,11 @@ class Member(Protocol):
 
     def prepare(self, request: PrepareRequest) -> None:
         """Raises StaleEpoch, or MemberUnreachable."""
+        ...
+
+    def pool_members(self) -> PoolMembers | None:
+        """The pool's replicas as this replica was told them; None where it is not a pool's server. Raises
+        MemberUnreachable."""
         ...
 
 
@@ -125,6 +140,19 @@ class HttpMember:
 
     def prepare(self, request: PrepareRequest) -> None:
         self._call("POST", PREPARE_PATH, request)
+
+    def pool_members(self) -> PoolMembers | None:
+        try:
+            response = self._client.get(POOL_PATH)
+        except httpx.HTTPError as exc:
+            raise MemberUnreachable(f"inference replica {self.index} ({self.base_url}): {exc}") from exc
+        if response.status_code == 404:  # a job's own server (or a pool server of an older release)
+            return None
+        if response.status_code >= 400:
+            raise MemberUnreachable(
+                f"inference replica {self.index} ({self.base_url}) answered {response.status_code}: {response.text}"
+            )
+        return PoolMembers.model_validate(response.json())
 
     def close(self) -> None:
         self._client.close()
