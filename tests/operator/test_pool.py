@@ -14,7 +14,7 @@ from grpolora.api.pool import auth_digest, token_fingerprint
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
 from tests.helpers import job_doc
-from tests.operator.harness import FAST_INTERVAL, wait_for
+from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
 
 POOL = "shared"
 SECRET = "shared-pool-jobs"
@@ -334,10 +334,28 @@ async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(clu
     assert [e[1] for e in cluster.events(POOL)].count(names.E_POOL_FULL) == 1, "each transition once"
 
 
-async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_for_the_jobs(cluster, operator):
+async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_for_the_jobs(
+    cluster, trainer, unused_tcp_port
+):
     """`kubectl scale rolloutpool/shared --replicas=3` (spec.replicas through the /scale subresource, which a real
     API server writes to specReplicasPath): the StatefulSet's replicas follow, its pod template stays (no server is
-    replaced), the attachment list names the new replicas for the jobs' trainers, and the pool says so once."""
+    replaced), the attachment list names the new replicas for the jobs' trainers, the pool says so once, and the
+    operator's metrics count the pool's replicas."""
+    operator = await OperatorThread(cluster.url, operator_options(metrics_port=unused_tcp_port)).start()
+    try:
+        await scale_and_scrape(cluster, f"http://127.0.0.1:{unused_tcp_port}/metrics")
+    finally:
+        await operator.stop()
+
+
+async def scrape(url: str) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(url) as got:
+        return await got.text()
+
+
+async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     await cluster.apply(pool_doc())
     await cluster.apply(job_on_pool("job-a"))
     await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-a"], "job-a attached")
@@ -355,6 +373,12 @@ async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_f
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 3, "3 servers")
     assert cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"] == template, "no server replaced"
     await wait_for(lambda: len(attachment_list()["endpoints"]) == 3, "the new replicas in the attachment list")
+    pool = f'namespace="{NAMESPACE}",pool="{POOL}"'
+    scraped = await scrape(metrics)
+    assert f"grpolora_pool_replicas_desired{{{pool}}} 3.0" in scraped
+    assert f"grpolora_pool_replicas_ready{{{pool}}} 1.0" in scraped
+    assert f"grpolora_pool_jobs_attached{{{pool}}} 1.0" in scraped
+    assert f"grpolora_pool_lora_slots_free{{{pool}}} 0.0" in scraped
     assert attachment_list()["generation"] == cluster.get(POOL_RESOURCE, POOL)["metadata"]["generation"]
     assert [j["job"] for j in attachment_list()["jobs"]] == [f"{NAMESPACE}/job-a"], "the jobs stay attached"
     await wait_for(lambda: any(reason == names.E_POOL_SCALED and message.startswith("scaled from 1 to 3 server")
@@ -366,3 +390,11 @@ async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_f
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 2, "2 servers")
     await wait_for(lambda: len(attachment_list()["endpoints"]) == 2, "the removed replica out of the list")
     assert cluster.status("job-a")["phase"] != "Failed"
+    await cluster.delete_pool(POOL)
+    await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool deleted")
+    for _ in range(200):  # the deleted pool's series go with it (wait_for takes no coroutine: polled here)
+        if f'pool="{POOL}"' not in await scrape(metrics):
+            break
+        await asyncio.sleep(FAST_INTERVAL)
+    else:
+        raise AssertionError("the deleted pool's metrics are still exported")
