@@ -565,3 +565,84 @@ def test_the_inference_worker_starts_a_pool_server_from_the_pool_contract(tmp_pa
     del environ[contract.HTTP_PORT]
     run = subprocess.run(command, env=os.environ | environ, capture_output=True, text=True, timeout=120)
     assert run.returncode == contract.EXIT_INVALID_SPEC and contract.HTTP_PORT in run.stderr
+
+
+DRAINED_SERVER = """
+import asyncio, sys
+from pathlib import Path
+
+sys.path.append(sys.argv[1])  # the repository's tests, after the standard library (its operator/ must not shadow it)
+from grpolora.workers.inference.server import uvicorn_server
+from tests.workers.test_pool_server import JOB_A, GatedEngine, pool_app
+
+
+class SlowEngine(GatedEngine):
+    async def generate(self, prompt_token_ids, request, lora):
+        await asyncio.sleep(float(sys.argv[4]))  # a long generation: longer than the old 3 s grace
+        return await super().generate(prompt_token_ids, request, lora)
+
+
+app, _ = pool_app(SlowEngine(), Path(sys.argv[2]), grace=0, jobs=(JOB_A,))
+uvicorn_server(app, host="127.0.0.1", port=int(sys.argv[3])).run()
+"""
+
+
+def test_a_sigterm_lets_a_generation_in_flight_finish_and_refuses_new_requests(tmp_path):
+    """What a scale-down (or a drain) does to a pool's server: the StatefulSet controller deletes the highest
+    ordinals, and the kubelet sends their server SIGTERM, then SIGKILL after terminationGracePeriodSeconds. The
+    server stops accepting at once (a trainer's next request or join finds it gone and re-forms without it), and a
+    generation in flight still completes within the grace."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from grpolora.workers.inference.server import DRAIN_SECONDS
+    from tests.helpers import ROOT
+
+    generation_seconds = 6.0
+    assert 3 < generation_seconds < DRAIN_SECONDS
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-c", DRAINED_SERVER, str(ROOT), str(tmp_path), str(port), str(generation_seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                return False
+
+        wait_for(up, "the server", seconds=60)
+        with concurrent.futures.ThreadPoolExecutor(1) as threads:
+            body = {"prompt_token_ids": [[1, 2, 3]], "max_tokens": 1}
+            answer = threads.submit(httpx.post, f"{url}/v1/generate", json=body, headers=bearer(JOB_A), timeout=60)
+            wait_in_flight(url, JOB_A, unless=answer.done)
+            assert not answer.done(), "answered before the SIGTERM: the test proves nothing"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+
+            def refused() -> bool:
+                try:
+                    httpx.get(f"{url}/health", timeout=1)
+                except httpx.ConnectError:
+                    return True
+                return False
+
+            wait_for(refused, "the server to stop accepting", seconds=10)
+            response = answer.result()
+        assert response.status_code == 200, response.text
+        assert response.json()["results"][0]["samples"][0]["token_ids"] == [3]
+        assert time.monotonic() - sent < DRAIN_SECONDS
+        # Shut down cleanly, then ended by the signal it caught (uvicorn raises it again once it has shut down).
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
