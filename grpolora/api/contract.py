@@ -250,7 +250,13 @@ class PoolEnv:
         index = read.integer(REPLICA_INDEX)
         if index < 0:
             raise ContractError(f"environment variable {REPLICA_INDEX}={index} is negative")
-        port = read.integer(HTTP_PORT)
+        if not read.env.get(HTTP_PORT) and read.env.get(INFERENCE_ENDPOINTS):
+            # A pool created by an earlier release: its pod template lists every replica's endpoint instead.
+            endpoints = read.endpoints()
+            read.check_index(index, endpoints)
+            port = int(endpoints[index].rsplit(":", 1)[1])
+        else:
+            port = read.integer(HTTP_PORT)
         if not 0 < port < 65536:
             raise ContractError(f"environment variable {HTTP_PORT}={port} is not a TCP port")
         return cls(

@@ -353,6 +353,10 @@ def test_pool_env_is_read_from_plan_pools_contract_and_names_a_missing_variable(
     assert f":{env.port}" in pool.endpoints[0] and env.sync_backend == "gloo"
     with pytest.raises(ContractError, match=contract.POOL_JOBS_FILE):
         PoolEnv.from_environ({k: v for k, v in environ.items() if k != contract.POOL_JOBS_FILE})
+    # A pool created by an earlier release (its pod template lists every replica's endpoint, no port of its own).
+    earlier = {k: v for k, v in environ.items() if k != contract.HTTP_PORT}
+    earlier[contract.INFERENCE_ENDPOINTS] = "http://127.0.0.1:9000,http://127.0.0.1:9001"
+    assert PoolEnv.from_environ(earlier | {contract.REPLICA_INDEX: "1"}).port == 9001
     with pytest.raises(ContractError, match=f"{contract.POOL_SPEC} does not hold a valid RolloutPool spec"):
         PoolEnv.from_environ(environ | {contract.POOL_SPEC: '{"maxJobs": 0}'})
 
