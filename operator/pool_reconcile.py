@@ -105,7 +105,7 @@ def child_refs(view: PoolPassView, operator_namespace: str) -> tuple[tuple[str, 
     objects = builders.build_pool_children(
         pool_plan,
         owner_uid=view.uid,
-        attachments=pool_plan.attachment_list([], generation=0),
+        attachments=Attachments(pool=view.pool.name),
         operator_namespace=operator_namespace,
     )
     return tuple((obj["kind"], obj["metadata"]["name"]) for obj in objects)
@@ -153,7 +153,11 @@ def decide_pool(
         return PoolDecision(requeue_after=REPLACE_RECHECK_SECONDS)
     attachments, admission = _attachments(view, pool_plan, observed)
     objects = builders.build_pool_children(
-        pool_plan, owner_uid=view.uid, attachments=attachments, operator_namespace=operator_namespace
+        pool_plan,
+        owner_uid=view.uid,
+        attachments=attachments,
+        operator_namespace=operator_namespace,
+        generation=view.generation or 1,
     )
     writes = []
     for obj in objects:
@@ -273,7 +277,7 @@ def _attachments(view: PoolPassView, pool_plan: PoolPlan, observed: PoolObserved
     line = [dataclasses.replace(found, ready=key in entries or key not in reads) for key, found in candidates.items()]
     admission = admit(pool.spec.max_jobs, line, previous)
     jobs = [entries.get(key) or kept[key] for key in admission.attached]
-    return pool_plan.attachment_list(jobs, generation=view.generation or 0), admission
+    return Attachments(pool=pool.name, jobs=jobs), admission
 
 
 def _candidates(pool: RolloutPool, jobs: Sequence[K8sObject]) -> dict[str, Candidate]:

@@ -60,8 +60,8 @@ SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/
 # The servers of a RolloutPool (shared by several jobs) get these instead of the job's: GRPOLORA_ROLE (inference),
 # GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR and GRPOLORA_SYNC_BACKEND (the device
 # adapters arrive on) have the same meaning as above. Nothing of theirs counts the pool's replicas (the pool scales
-# by a patch of its StatefulSet's replicas, which must not change the pod template): the replicas are named in the
-# attachment list, and each server gets only its own port.
+# by a patch of its StatefulSet's replicas, which must not change the pod template): the replicas are named beside
+# the attachment list (grpolora.api.pool.replicas_file), and each server gets only its own port.
 POOL_NAME: Final = "GRPOLORA_POOL_NAME"
 POOL_SPEC: Final = "GRPOLORA_POOL_SPEC"  # the validated RolloutPool spec less replicas, as JSON (camelCase)
 POOL_JOBS_FILE: Final = "GRPOLORA_POOL_JOBS_FILE"  # the attachment list (grpolora.api.pool), re-read when it changes

@@ -7,13 +7,13 @@ same plan, built for the loopback network, into Ray actors. Neither decides any 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from grpolora.api import constants as c
 from grpolora.api import contract as env
-from grpolora.api.pool import JOBS_FILE_KEY, Attachment, Attachments, bind, fit_errors
+from grpolora.api.pool import JOBS_FILE_KEY, PoolReplicas, bind, fit_errors
 from grpolora.api.spec import FieldErrors, GRPOLoraJob, GRPOLoraJobSpec, RoleSpec, RolloutPool
 
 Role = Literal["trainer", "inference"]
@@ -198,11 +198,11 @@ class PoolPlan:
         values[env.HTTP_PORT] = str(self.ports[index])
         return values
 
-    def attachment_list(self, jobs: Sequence[Attachment], *, generation: int) -> Attachments:
-        """The attachment list the pool's servers read: the jobs they serve, and the pool's replicas now (which
-        the servers pass on to the jobs' trainers, so that these find a replica a scale-up added and leave one a
-        scale-down removed), stamped with the pool's generation (the newest list wins where servers differ)."""
-        return Attachments(pool=self.name, jobs=list(jobs), generation=generation, endpoints=self.endpoints)
+    def replicas(self, generation: int) -> PoolReplicas:
+        """The pool's replicas now, as its servers read them beside the attachment list and pass them on to the
+        jobs' trainers (which find a replica a scale-up added, and leave one a scale-down removed), stamped with
+        the pool's generation (the newest list wins where servers differ)."""
+        return PoolReplicas(generation=generation, endpoints=self.endpoints)
 
 
 def _endpoints(network: Network, workload: str, namespace: str, port: int, count: int) -> tuple[str, ...]:

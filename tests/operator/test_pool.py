@@ -364,23 +364,23 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     await wait_for(lambda: (cluster.pool_status(POOL).get("replicas") or {}).get("ready") == 1, "a ready replica")
     template = cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"]
 
-    def attachment_list() -> dict[str, Any]:
-        return json.loads(base64.b64decode(cluster.get("v1/secrets", SECRET)["data"]["jobs.json"]))
+    def secret(key: str) -> dict[str, Any]:
+        return json.loads(base64.b64decode(cluster.get("v1/secrets", SECRET)["data"][key]))
 
-    assert len(attachment_list()["endpoints"]) == 1
+    assert len(secret("replicas.json")["endpoints"]) == 1
     path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{NAMESPACE}/{c.POOL_PLURAL}/{POOL}"
     await cluster._call("PATCH", path, {"spec": {"replicas": 3}})
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 3, "3 servers")
     assert cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"] == template, "no server replaced"
-    await wait_for(lambda: len(attachment_list()["endpoints"]) == 3, "the new replicas in the attachment list")
+    await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 3, "the new replicas in the pool's Secret")
     pool = f'namespace="{NAMESPACE}",pool="{POOL}"'
     scraped = await scrape(metrics)
     assert f"grpolora_pool_replicas_desired{{{pool}}} 3.0" in scraped
     assert f"grpolora_pool_replicas_ready{{{pool}}} 1.0" in scraped
     assert f"grpolora_pool_jobs_attached{{{pool}}} 1.0" in scraped
     assert f"grpolora_pool_lora_slots_free{{{pool}}} 0.0" in scraped
-    assert attachment_list()["generation"] == cluster.get(POOL_RESOURCE, POOL)["metadata"]["generation"]
-    assert [j["job"] for j in attachment_list()["jobs"]] == [f"{NAMESPACE}/job-a"], "the jobs stay attached"
+    assert secret("replicas.json")["generation"] == cluster.get(POOL_RESOURCE, POOL)["metadata"]["generation"]
+    assert [j["job"] for j in secret("jobs.json")["jobs"]] == [f"{NAMESPACE}/job-a"], "the jobs stay attached"
     await wait_for(lambda: any(reason == names.E_POOL_SCALED and message.startswith("scaled from 1 to 3 server")
                                for _, reason, message in cluster.events(POOL)), "Scaled")  # fmt: skip
     assert names.E_POOL_REPLICA_LOST not in [e[1] for e in cluster.events(POOL)]
@@ -388,7 +388,7 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
 
     await cluster._call("PATCH", path, {"spec": {"replicas": 2}})
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 2, "2 servers")
-    await wait_for(lambda: len(attachment_list()["endpoints"]) == 2, "the removed replica out of the list")
+    await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 2, "the removed replica out of the list")
     assert cluster.status("job-a")["phase"] != "Failed"
     await cluster.delete_pool(POOL)
     await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool deleted")

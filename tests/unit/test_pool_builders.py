@@ -11,7 +11,7 @@ from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan, plan_pool
-from grpolora.api.pool import Attachments, attachment
+from grpolora.api.pool import Attachments, PoolReplicas, attachment
 from grpolora.api.spec import RolloutPool
 from grpolora.operator import builders
 from tests.helpers import job_doc
@@ -182,16 +182,17 @@ def test_the_pool_statefulset_template_does_not_depend_on_replicas_so_scaling_re
     assert "replicas" not in json.loads(env[contract.POOL_SPEC])
 
 
-def test_the_attachment_list_names_the_pools_replicas_for_the_jobs_trainers():
-    """Trainers learn of a scaled pool's replicas from its servers, which read them here (the Secret's volume
-    follows the Secret; the pool's generation tells the newer list from an older one a server still holds)."""
+def test_the_pool_secret_names_the_pools_replicas_for_the_jobs_trainers_beside_the_attachment_list():
+    """Trainers learn of a scaled pool's replicas from its servers, which read them from the Secret's volume (it
+    follows the Secret; the pool's generation tells the newer list from an older one a server still holds). A key
+    of its own: a server of an earlier release refuses fields its attachment list does not know."""
     objects = builders.build_pool_children(
-        plan_pool(pool(replicas=3)),
-        owner_uid="pool-uid",
-        attachments=Attachments(pool="shared", generation=5, endpoints=plan_pool(pool(replicas=3)).endpoints),
+        plan_pool(pool(replicas=3)), owner_uid="pool-uid", attachments=attached("a"), generation=5
     )
     secret = next(o for o in objects if o["kind"] == "Secret")
-    listed = Attachments.from_json(base64.b64decode(secret["data"]["jobs.json"]).decode())
+    assert set(secret["data"]) == {"jobs.json", "replicas.json"}
+    assert set(json.loads(base64.b64decode(secret["data"]["jobs.json"]))) == {"pool", "jobs"}
+    listed = PoolReplicas.model_validate_json(base64.b64decode(secret["data"]["replicas.json"]))
     assert listed.generation == 5 and listed.endpoints == (
         "http://shared-pool-0.shared-pool.rl.svc:8000",
         "http://shared-pool-1.shared-pool.rl.svc:8000",

@@ -3,6 +3,7 @@ which children it creates or rewrites, its status. The controller's reads are pl
 
 from __future__ import annotations
 
+import base64
 import datetime
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan_pool
-from grpolora.api.pool import attachment, token_fingerprint
+from grpolora.api.pool import Attachments, PoolReplicas, attachment, token_fingerprint
 from grpolora.api.status import AttachedJob, PoolStatus, RoleReplicas
 from grpolora.operator import builders, names
 from grpolora.operator.pool_reconcile import (
@@ -64,7 +65,8 @@ def children(*attached: str, owner: str = POOL_UID, **spec) -> dict:
     objects = builders.build_pool_children(
         pool_plan,
         owner_uid=owner,
-        attachments=pool_plan.attachment_list(entries, generation=3),
+        attachments=Attachments(pool="shared", jobs=entries),
+        generation=3,
         operator_namespace=OPERATOR_NS,
     )
     return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
@@ -163,7 +165,8 @@ def test_a_scaled_pool_patches_its_statefulsets_replicas_and_lists_the_new_repli
     assert patches["StatefulSet"] == {"spec": {"replicas": 3}}, "a patch of the replicas alone: no pod replaced"
     listed = builders.attachments_of(decision.writes[0].obj)
     assert listed is not None and patches["Secret"] == {"data": decision.writes[0].obj["data"]}
-    assert (listed.generation, len(listed.endpoints), [e.job for e in listed.jobs]) == (4, 3, ["rl/a"])
+    replicas = PoolReplicas.model_validate_json(base64.b64decode(patches["Secret"]["data"]["replicas.json"]))
+    assert (replicas.generation, len(replicas.endpoints), [e.job for e in listed.jobs]) == (4, 3, ["rl/a"])
     assert set(patches) == {"Secret", "StatefulSet"}
     assert decision.status is not None and decision.status.replicas == RoleReplicas(desired=3, ready=0)
     # Scaled down: the same, the other way.

@@ -8,8 +8,9 @@ import threading
 
 import torch
 
+from grpolora.api.pool import PoolReplicas
 from grpolora.testing.servers import free_port  # noqa: F401  (re-exported: the port helper the sync tests use)
-from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PoolMembers, PrepareRequest
+from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
 from grpolora.workers.sync.receiver import AdapterReceiver
 
 
@@ -51,6 +52,6 @@ class LocalMember:
         self._check()
         self.receiver.prepare(request)
 
-    def pool_members(self) -> PoolMembers | None:
+    def pool_replicas(self) -> PoolReplicas | None:
         self._check()
         return None  # a job's own replica

@@ -23,7 +23,7 @@ import torch
 
 from grpolora.api import contract
 from grpolora.api.contract import ContractError, PoolEnv
-from grpolora.api.pool import Attachments, write_attachments
+from grpolora.api.pool import Attachments, PoolReplicas, replicas_file, write_attachments
 from grpolora.testing.servers import (
     PoolServerProcess,
     free_port,
@@ -252,14 +252,9 @@ def test_a_replica_added_by_a_scale_up_is_ready_only_once_the_trainer_sent_it_th
     urls = [server.url for server in servers]
 
     def scale(replicas: int, generation: int) -> None:
-        for _, attachments in apps:
-            listed = Attachments(
-                pool=attachments.pool,
-                jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])],
-                generation=generation,
-                endpoints=tuple(urls[:replicas]),
-            )
-            write_attachments(attachments.path, listed)
+        for _, attachments in apps:  # what the operator writes beside the attachment list (the pool's Secret)
+            listed = PoolReplicas(generation=generation, endpoints=tuple(urls[:replicas]))
+            write_attachments(replicas_file(attachments.path), listed)
 
     def served(url: str) -> int:
         return httpx.get(f"{url}/v1/adapter").json()["jobs"][JOB_A]["live_version"]

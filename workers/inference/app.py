@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api import constants as c
-from grpolora.api.pool import auth_digest
+from grpolora.api.pool import PoolReplicas, auth_digest
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
 from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants, in_flight_gauges
@@ -53,7 +53,6 @@ from grpolora.workers.sync.control import (
     FingerprintMismatch,
     JoinRequest,
     MemberState,
-    PoolMembers,
     PrepareRequest,
     StaleEpoch,
 )
@@ -194,7 +193,7 @@ def create_pool_app(
         on_fatal=on_fatal,
         cleanup=cleanup,
         status=lambda: {"attachment_error": attachments.error},
-        pool_members=lambda: attachments.members,
+        pool_replicas=lambda: attachments.replicas,
     )
 
 
@@ -208,7 +207,7 @@ def build_app(
     on_fatal: Callable[[], None] | None,
     cleanup: Callable[[], None],
     status: Callable[[], dict] = dict,
-    pool_members: Callable[[], PoolMembers | None] = lambda: None,
+    pool_replicas: Callable[[], PoolReplicas | None] = lambda: None,
 ) -> FastAPI:
     """The API around an engine and the jobs it serves (one for a job's own server, several for a pool's: the same
     routes, each request acting for the job its token names). `prepare` (optional coroutine) loads the model and
@@ -342,15 +341,15 @@ def build_app(
     async def sync_state(http: Request) -> MemberState:
         return caller(http).receiver.state()
 
-    @app.get(POOL_PATH, response_model=PoolMembers)
-    async def sync_pool(http: Request) -> PoolMembers:
-        """A pool's replicas as its attachment list names them now: where an attached job's trainer finds the
-        replicas a scale-up added (token-guarded: only attached jobs learn them). 404 on a job's own server."""
+    @app.get(POOL_PATH, response_model=PoolReplicas)
+    async def sync_pool(http: Request) -> PoolReplicas:
+        """A pool's replicas as its servers are told them now: where an attached job's trainer finds the replicas a
+        scale-up added (token-guarded: only attached jobs learn them). 404 on a job's own server."""
         caller(http)
-        members = pool_members()
-        if members is None:
-            raise HTTPException(status_code=404, detail="not a RolloutPool's server")
-        return members
+        replicas = pool_replicas()
+        if replicas is None:
+            raise HTTPException(status_code=404, detail="not a RolloutPool's server, or it has no list of replicas")
+        return replicas
 
     @app.post(JOIN_PATH, status_code=202)
     async def sync_join(request: JoinRequest, http: Request) -> dict:

@@ -15,6 +15,7 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from grpolora.api.constants import TOKEN_HEADER
+from grpolora.api.pool import PoolReplicas
 
 JOIN_PATH = "/v1/sync/join"
 PREPARE_PATH = "/v1/sync/prepare"
@@ -57,15 +58,6 @@ class MemberState(_Message):
     last_error: str | None = None
 
 
-class PoolMembers(_Message):
-    """A RolloutPool's replicas as its server was told them (GET /v1/sync/pool; a job's own server has none): how
-    a trainer started with the pool's endpoints of then finds the replicas a scale-up added and leaves those a
-    scale-down removed. `generation`: the pool's; the highest one any member reports is the newest list."""
-
-    generation: int
-    endpoints: tuple[str, ...]
-
-
 class SyncError(RuntimeError):
     """A sync round or group formation failed for good (after re-forming and retrying)."""
 
@@ -99,9 +91,9 @@ class Member(Protocol):
         """Raises StaleEpoch, or MemberUnreachable."""
         ...
 
-    def pool_members(self) -> PoolMembers | None:
-        """The pool's replicas as this replica was told them; None where it is not a pool's server. Raises
-        MemberUnreachable."""
+    def pool_replicas(self) -> PoolReplicas | None:
+        """The pool's replicas as this replica was told them (grpolora.api.pool.PoolReplicas); None where it is not
+        a pool's server. Raises MemberUnreachable."""
         ...
 
 
@@ -141,7 +133,7 @@ class HttpMember:
     def prepare(self, request: PrepareRequest) -> None:
         self._call("POST", PREPARE_PATH, request)
 
-    def pool_members(self) -> PoolMembers | None:
+    def pool_replicas(self) -> PoolReplicas | None:
         try:
             response = self._client.get(POOL_PATH)
         except httpx.HTTPError as exc:
@@ -152,7 +144,7 @@ class HttpMember:
             raise MemberUnreachable(
                 f"inference replica {self.index} ({self.base_url}) answered {response.status_code}: {response.text}"
             )
-        return PoolMembers.model_validate(response.json())
+        return PoolReplicas.model_validate(response.json())
 
     def close(self) -> None:
         self._client.close()

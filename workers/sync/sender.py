@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from grpolora.api.pool import PoolReplicas
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
@@ -30,7 +31,6 @@ from grpolora.workers.sync.control import (
     Member,
     MemberState,
     MemberUnreachable,
-    PoolMembers,
     PrepareRequest,
     StaleEpoch,
     SyncError,
@@ -202,9 +202,9 @@ class AdapterSender:
         if self._member_factory is None or not answering:
             return False
 
-        def listed(member: Member) -> PoolMembers | None:
+        def listed(member: Member) -> PoolReplicas | None:
             try:
-                return member.pool_members()
+                return member.pool_replicas()
             except MemberUnreachable:
                 return None
 
