@@ -337,8 +337,8 @@ async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(clu
 async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_for_the_jobs(
     cluster, trainer, unused_tcp_port
 ):
-    """`kubectl scale rolloutpool/shared --replicas=3` (spec.replicas through the /scale subresource, which a real
-    API server writes to specReplicasPath): the StatefulSet's replicas follow, its pod template stays (no server is
+    """`kubectl scale rolloutpool/shared --replicas=3` (a PATCH of its /scale subresource): the StatefulSet's
+    replicas follow, its pod template stays (no server is
     replaced), the attachment list names the new replicas for the jobs' trainers, the pool says so once, and the
     operator's metrics count the pool's replicas."""
     operator = await OperatorThread(cluster.url, operator_options(metrics_port=unused_tcp_port)).start()
@@ -369,7 +369,7 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
 
     assert len(secret("replicas.json")["endpoints"]) == 1
     path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{NAMESPACE}/{c.POOL_PLURAL}/{POOL}"
-    await cluster._call("PATCH", path, {"spec": {"replicas": 3}})
+    await cluster._call("PATCH", f"{path}/scale", {"spec": {"replicas": 3}})  # what kubectl scale sends
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 3, "3 servers")
     assert cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"] == template, "no server replaced"
     await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 3, "the new replicas in the pool's Secret")
@@ -386,7 +386,7 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     assert names.E_POOL_REPLICA_LOST not in [e[1] for e in cluster.events(POOL)]
     assert cluster.pool_status(POOL)["replicas"]["desired"] == 3
 
-    await cluster._call("PATCH", path, {"spec": {"replicas": 2}})
+    await cluster._call("PATCH", f"{path}/scale", {"spec": {"replicas": 2}})
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 2, "2 servers")
     await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 2, "the removed replica out of the list")
     assert cluster.status("job-a")["phase"] != "Failed"
