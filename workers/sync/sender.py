@@ -220,13 +220,18 @@ class AdapterSender:
         if not wanted or set(wanted) == set(self._members):
             return False
         added, removed = sorted(set(wanted) - set(self._members)), sorted(set(self._members) - set(wanted))
-        for index in removed:
-            closing = getattr(self._members.pop(index), "close", None)
+        gone = [self._members[index] for index in removed]
+        # Replaced whole, never mutated: the rollout threads read it (endpoint) while this runs.
+        self._members = {
+            index: self._members[index] if index in self._members else self._member_factory(index, url)
+            for index, url in wanted.items()
+        }
+        for member in gone:
+            closing = getattr(member, "close", None)
             if closing is not None:
                 closing()
+        for index in removed:
             self._benched.pop(index, None)
-        for index in added:
-            self._members[index] = self._member_factory(index, wanted[index])
         log.info(
             "adapter sync: the pool's replicas are %s (generation %d): added %s, removed %s",
             sorted(wanted), newest.generation, added, removed,
