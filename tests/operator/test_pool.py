@@ -355,6 +355,15 @@ async def scrape(url: str) -> str:
         return await got.text()
 
 
+async def scrape_until(url: str, line: str, *, present: bool = True, seconds: float = 10.0) -> str:
+    """The operator's metrics once `line` is in them (or, present=False, no longer is); wait_for takes no coroutine."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (line in (scraped := await scrape(url))) != present:
+        assert asyncio.get_running_loop().time() < deadline, f"metrics {'without' if present else 'with'} {line}"
+        await asyncio.sleep(FAST_INTERVAL)
+    return scraped
+
+
 async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     await cluster.apply(pool_doc())
     await cluster.apply(job_on_pool("job-a"))
@@ -374,8 +383,7 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     assert cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"] == template, "no server replaced"
     await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 3, "the new replicas in the pool's Secret")
     pool = f'namespace="{NAMESPACE}",pool="{POOL}"'
-    scraped = await scrape(metrics)
-    assert f"grpolora_pool_replicas_desired{{{pool}}} 3.0" in scraped
+    scraped = await scrape_until(metrics, f"grpolora_pool_replicas_desired{{{pool}}} 3.0")  # after the status write
     assert f"grpolora_pool_replicas_ready{{{pool}}} 1.0" in scraped
     assert f"grpolora_pool_jobs_attached{{{pool}}} 1.0" in scraped
     assert f"grpolora_pool_lora_slots_free{{{pool}}} 0.0" in scraped
@@ -392,9 +400,4 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     assert cluster.status("job-a")["phase"] != "Failed"
     await cluster.delete_pool(POOL)
     await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool deleted")
-    for _ in range(200):  # the deleted pool's series go with it (wait_for takes no coroutine: polled here)
-        if f'pool="{POOL}"' not in await scrape(metrics):
-            break
-        await asyncio.sleep(FAST_INTERVAL)
-    else:
-        raise AssertionError("the deleted pool's metrics are still exported")
+    await scrape_until(metrics, f'pool="{POOL}"', present=False)  # the deleted pool's series go with it
