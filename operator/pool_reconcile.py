@@ -101,9 +101,8 @@ class PoolDecision:
 def child_refs(view: PoolPassView, operator_namespace: str) -> tuple[tuple[str, str], ...]:
     """(kind, name) of each child a full pass reads before deciding."""
     assert view.pool is not None
-    pool_plan = plan_pool(view.pool)
     objects = builders.build_pool_children(
-        pool_plan,
+        plan_pool(view.pool),
         owner_uid=view.uid,
         attachments=Attachments(pool=view.pool.name),
         operator_namespace=operator_namespace,
@@ -151,7 +150,7 @@ def decide_pool(
     if any(found is not None and obs.controller_uid(found) != view.uid for found in observed.children.values()):
         # Still a child of a deleted pool of the same name: the garbage collector removes it shortly.
         return PoolDecision(requeue_after=REPLACE_RECHECK_SECONDS)
-    attachments, admission = _attachments(view, pool_plan, observed)
+    attachments, admission = _attachments(view, view.pool, observed)
     objects = builders.build_pool_children(
         pool_plan,
         owner_uid=view.uid,
@@ -256,12 +255,11 @@ def _light_status(
     )  # fmt: skip
 
 
-def _attachments(view: PoolPassView, pool_plan: PoolPlan, observed: PoolObserved) -> tuple[Attachments, Admission]:
+def _attachments(view: PoolPassView, pool: RolloutPool, observed: PoolObserved) -> tuple[Attachments, Admission]:
     """The attachment list (and the admission it follows): `admit` over the jobs that name the pool, with the token
     digest of each newly attached job from its token Secret (one whose Secret is not there yet keeps waiting).
-    Entries of jobs attached before are kept as they are; the list names the pool's replicas now."""
+    Entries of jobs attached before are kept as they are."""
     assert observed.jobs is not None
-    pool = pool_plan.pool
     candidates = _candidates(pool, observed.jobs)
     previous = previous_attachments(view, observed.children)
     kept = {entry.job: entry for entry in previous}

@@ -112,8 +112,8 @@ def test_a_scale_up_of_its_pool_that_cannot_be_placed_never_fails_an_attached_jo
 
     on_pool = view(scheduling={"startupDeadlineSeconds": 600, "onStartupDeadline": "Fail"})
     first = decide(on_pool, JobStatus(), Observed(pool=shared("rl/demo")), NOW)
-    running = decide(on_pool, first.status, Observed(trainer_job=trainer_job(active=1, ready=1), pool=shared("rl/demo")),
-                     later(10))  # fmt: skip
+    trained = Observed(trainer_job=trainer_job(active=1, ready=1), pool=shared("rl/demo"))
+    running = decide(on_pool, first.status, trained, later(10))
     scaled = Observed(trainer_job=trainer_job(active=1, ready=1), pool=shared("rl/demo", desired=3, ready=2))
     status = decide(on_pool, running.status, scaled, later(20)).status
     assert status.replicas.inference == RoleReplicas(desired=3, ready=2)  # what kubectl get glj shows
