@@ -35,7 +35,7 @@ from grpolora.api.plan import (
     RolePlan,
     trainer_secrets,
 )
-from grpolora.api.pool import JOBS_FILE_KEY, Attachments
+from grpolora.api.pool import JOBS_FILE_KEY, REPLICAS_FILE_KEY, Attachments, PoolReplicas
 from grpolora.api.spec import ModelSpec, NetworkPolicySpec, PodSecuritySpec, RoleSpec
 from grpolora.operator import kueue, names
 
@@ -130,12 +130,14 @@ def build_pool_children(
     owner_uid: str,
     attachments: Attachments,
     operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
+    generation: int = 1,
 ) -> list[K8sObject]:
     """Every object the operator creates for a RolloutPool, in creation order: the attachment-list Secret (which jobs
-    the servers serve; the operator rewrites it as jobs attach and detach), the headless Service, the NetworkPolicy
-    (which admits exactly the attached jobs' trainers), the PodDisruptionBudget and the servers' StatefulSet."""
+    the servers serve, and the pool's replicas; the operator rewrites it as jobs attach and detach and as the pool
+    scales), the headless Service, the NetworkPolicy (which admits exactly the attached jobs' trainers), the
+    PodDisruptionBudget and the servers' StatefulSet. `generation`: the pool's metadata.generation (1: a new pool)."""
     attached = [entry.job.partition("/")[2] for entry in attachments.jobs]
-    objects = [pool_jobs_secret(plan, attachments), *services(plan)]
+    objects = [pool_jobs_secret(plan, attachments, plan.replicas(generation)), *services(plan)]
     if plan.pool.spec.network_policy.enabled:
         objects.append(pool_network_policy(plan, attached, operator_namespace))
     objects += [inference_disruption_budget(plan), inference_statefulset(plan)]
@@ -173,15 +175,19 @@ def token_secret(plan: JobPlan, token: str) -> K8sObject:
     }
 
 
-def pool_jobs_secret(plan: PoolPlan, attachments: Attachments) -> K8sObject:
-    """The pool's attachment list (grpolora.api.pool), mounted read-only into its servers. It holds no job token.
-    Written as `data` (base64), which reads back the same from a real API server (stringData is write-only)."""
+def pool_jobs_secret(plan: PoolPlan, attachments: Attachments, replicas: PoolReplicas) -> K8sObject:
+    """The pool's attachment list and its replicas (grpolora.api.pool), mounted read-only into its servers. It holds
+    no job token. Written as `data` (base64), which reads back the same from a real API server (stringData is
+    write-only)."""
+    encoded = {key: base64.b64encode(text.encode()).decode() for key, text in (
+        (JOBS_FILE_KEY, attachments.to_json()), (REPLICAS_FILE_KEY, replicas.to_json())
+    )}  # fmt: skip
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(plan, plan.jobs_secret),
         "type": "Opaque",
-        "data": {JOBS_FILE_KEY: base64.b64encode(attachments.to_json().encode()).decode()},
+        "data": encoded,
     }
 
 

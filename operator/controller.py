@@ -239,6 +239,7 @@ class Controller:
                 self._wake(tracked)
 
     def forget_pool(self, namespace: str, name: str) -> None:
+        self.metrics.forget_pool(namespace, name)
         pool = self.pools.pop((namespace, name), None)
         if pool is not None and pool.task is not None and pool.task is not asyncio.current_task():
             pool.task.cancel()
@@ -588,6 +589,7 @@ class Controller:
         the pool's events (only after the write succeeded, as a job's)."""
         patch = rec.status_patch(pool.status, status)
         if patch is None:
+            self.metrics.set_pool(pool.namespace, pool.name, status)  # unchanged (an operator restarted: report it)
             return
         written = await self.client.patch(
             kube.ROLLOUTPOOL, pool.namespace, pool.name, {"status": patch}, subresource="status"
@@ -595,6 +597,7 @@ class Controller:
         if written is None:
             raise Gone(f"RolloutPool {pool.namespace}/{pool.name}")
         pool.status = dict(written.get("status") or status.to_wire())
+        self.metrics.set_pool(pool.namespace, pool.name, status)
         self._pool_seen(pool.namespace, pool.name, dict(written), written)
         involved = {"namespace": pool.namespace, "name": pool.name, "uid": pool.uid, "kind": c.POOL_KIND}
         for event in events:

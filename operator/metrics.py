@@ -1,7 +1,8 @@
 """Every Prometheus metric of the operator, declared here and nowhere else (served at :<metrics-port>/metrics).
 
-Per-job figures are read from an in-memory table at scrape time (a custom collector) rather than kept in labelled
-gauges, so a deleted job's series disappear with it and a restarted operator reports the current values at once.
+Per-job and per-pool figures are read from in-memory tables at scrape time (custom collectors) rather than kept in
+labelled gauges, so a deleted job's or pool's series disappear with it and a restarted operator reports the current
+values at once. A pool's figures are those of its status (the pass that wrote it computed them once).
 `grpolora_job_sync_rounds_total` is a counter whose value is the job's syncRound: it only grows (the status never
 lets it go back), and Prometheus handles the reset to 0 when the operator restarts.
 """
@@ -18,10 +19,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from grpolora.api.status import JobStatus
+from grpolora.api.status import JobStatus, PoolStatus
 
 PHASES: Final = ("Pending", "Running", "Succeeded", "Failed", "Suspended")
 JOB_LABELS: Final = ("namespace", "job")
+POOL_LABELS: Final = ("namespace", "pool")
 # The `handler` label: Kopf's reconcile handler (create/resume/update) and the per-job monitor passes.
 HANDLERS: Final = ("reconcile", "monitor")
 # Reconcile passes make a handful of API calls: milliseconds normally, seconds when the API server is slow.
@@ -82,6 +84,53 @@ class _JobTable(Collector):
         yield from (rounds, seconds, size, step)
 
 
+@dataclass(frozen=True)
+class PoolFigures:
+    replicas_desired: int
+    replicas_ready: int
+    jobs_attached: int
+    jobs_waiting: int
+    lora_slots: int
+    lora_slots_free: int
+
+    @classmethod
+    def of(cls, status: PoolStatus) -> PoolFigures:
+        replicas = status.replicas
+        slots = status.slots or 0
+        return cls(
+            replicas_desired=replicas.desired if replicas else 0,
+            replicas_ready=replicas.ready if replicas else 0,
+            jobs_attached=len(status.attached_jobs),
+            jobs_waiting=len(status.waiting_jobs),
+            lora_slots=slots,
+            lora_slots_free=max(slots - (status.slots_in_use or 0), 0),
+        )
+
+
+# Each pool gauge: (name, help, the PoolFigures field it reads).
+POOL_GAUGES: Final = (
+    ("grpolora_pool_replicas_desired", "Server replicas the RolloutPool asks for (spec.replicas).", "replicas_desired"),
+    ("grpolora_pool_replicas_ready", "Server replicas of the RolloutPool that are ready.", "replicas_ready"),
+    ("grpolora_pool_jobs_attached", "Jobs the RolloutPool's servers serve.", "jobs_attached"),
+    ("grpolora_pool_jobs_waiting", "Jobs waiting for a place on the RolloutPool.", "jobs_waiting"),
+    ("grpolora_pool_lora_slots", "LoRA slots of each of the RolloutPool's engines (maxJobs x adaptersPerJob).",
+     "lora_slots"),
+    ("grpolora_pool_lora_slots_free", "LoRA slots no attached job reserves (adaptersPerJob each).", "lora_slots_free"),
+)  # fmt: skip
+
+
+class _PoolTable(Collector):
+    def __init__(self) -> None:
+        self.pools: dict[tuple[str, str], PoolFigures] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        for name, documentation, field in POOL_GAUGES:
+            gauge = GaugeMetricFamily(name, documentation, labels=POOL_LABELS)
+            for (namespace, pool), figures in sorted(self.pools.items()):
+                gauge.add_metric([namespace, pool], getattr(figures, field))
+            yield gauge
+
+
 class Metrics:
     """One instance per operator (own registry: two operators in one test process do not collide)."""
 
@@ -89,6 +138,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._table = _JobTable()
         self.registry.register(self._table)
+        self._pools = _PoolTable()
+        self.registry.register(self._pools)
         self.reconcile_errors = Counter(
             "grpolora_reconcile_errors",
             "Reconcile passes that failed (and were retried), by handler.",
@@ -111,6 +162,12 @@ class Metrics:
 
     def forget_job(self, namespace: str, name: str) -> None:
         self._table.jobs.pop((namespace, name), None)
+
+    def set_pool(self, namespace: str, name: str, status: PoolStatus) -> None:
+        self._pools.pools[(namespace, name)] = PoolFigures.of(status)
+
+    def forget_pool(self, namespace: str, name: str) -> None:
+        self._pools.pools.pop((namespace, name), None)
 
     @contextmanager
     def timed(self, handler: str) -> Iterator[None]:

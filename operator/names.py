@@ -162,6 +162,7 @@ E_POOL_JOB_ATTACHED: Final = "JobAttached"
 E_POOL_JOB_DETACHED: Final = "JobDetached"
 E_POOL_FULL: Final = "PoolFull"
 E_POOL_REPLICA_LOST: Final = "ReplicaLost"
+E_POOL_SCALED: Final = "Scaled"
 
 # Why the trainer Job failed (status.restartsByCause counts the first two; the last fails the job at once).
 CAUSE_FAILURE: Final = "failure"

@@ -23,9 +23,10 @@ from grpolora.operator import builders, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator.reconcile import REPLACE_RECHECK_SECONDS, Event, K8sObject
 
-# What a pool's pass rewrites in place when it changes (the rest of its children is created once): the attachment
-# list, and the NetworkPolicy that admits exactly the attached jobs.
-REWRITTEN: Final = {"Secret": "data", "NetworkPolicy": "spec"}
+# What a pool's pass rewrites in place when it changes, by the path of the part rewritten (the rest of its children
+# is created once): the attachment list, the NetworkPolicy that admits exactly the attached jobs, and the servers'
+# replicas (a scale; the StatefulSet's pod template does not depend on them, so no server is replaced).
+REWRITTEN: Final = {"Secret": ("data",), "NetworkPolicy": ("spec",), "StatefulSet": ("spec", "replicas")}
 
 
 @dataclass(frozen=True)
@@ -151,16 +152,20 @@ def decide_pool(
         return PoolDecision(requeue_after=REPLACE_RECHECK_SECONDS)
     attachments, admission = _attachments(view, view.pool, observed)
     objects = builders.build_pool_children(
-        pool_plan, owner_uid=view.uid, attachments=attachments, operator_namespace=operator_namespace
+        pool_plan,
+        owner_uid=view.uid,
+        attachments=attachments,
+        operator_namespace=operator_namespace,
+        generation=view.generation or 1,
     )
     writes = []
     for obj in objects:
         current = observed.children.get((obj["kind"], obj["metadata"]["name"]))
-        rewritten = REWRITTEN.get(obj["kind"])
+        path = REWRITTEN.get(obj["kind"])
         if current is None:
             writes.append(ChildWrite(obj))
-        elif rewritten and current.get(rewritten) != obj[rewritten]:
-            writes.append(ChildWrite(obj, {rewritten: obj[rewritten]}))
+        elif path and _at(current, path) != (wanted := _at(obj, path)):
+            writes.append(ChildWrite(obj, _nested(path, wanted)))
     status = pools.pool_status(
         view.pool,
         old,
@@ -175,10 +180,25 @@ def decide_pool(
     return PoolDecision(status, tuple(writes), events=pool_events(old, status, view.pool.spec.max_jobs))
 
 
+def _at(obj: Mapping[str, Any], path: Sequence[str]) -> Any:
+    for key in path:
+        obj = obj.get(key) if isinstance(obj, Mapping) else None
+    return obj
+
+
+def _nested(path: Sequence[str], value: Any) -> dict[str, Any]:
+    """The merge patch that sets `path` to `value` alone."""
+    patch: Any = value
+    for key in reversed(path):
+        patch = {key: patch}
+    return patch
+
+
 def pool_events(old: PoolStatus, new: PoolStatus, max_jobs: int) -> tuple[Event, ...]:
     """The pool's Events for what changed between two of its statuses: a job attached or detached (by uid: a job
-    re-created under its name is another), the pool became full (jobs wait for a place), a server replica lost (fewer
-    ready for as many desired; not while it scales or first starts)."""
+    re-created under its name is another), the pool became full (jobs wait for a place), scaled (its desired
+    replicas changed), a server replica lost (fewer ready for as many desired; not while it scales or first
+    starts)."""
     before = {(entry.job, entry.uid) for entry in old.attached_jobs}
     after = {(entry.job, entry.uid) for entry in new.attached_jobs}
     events = [
@@ -194,6 +214,15 @@ def pool_events(old: PoolStatus, new: PoolStatus, max_jobs: int) -> tuple[Event,
         waiting = ", ".join(new.waiting_jobs)
         events.append(Event("Normal", names.E_POOL_FULL, f"full ({len(after)} of maxJobs {max_jobs}): {waiting} wait"))
     was, now = old.replicas, new.replicas
+    if was is not None and now is not None and was.desired != now.desired:
+        how = (
+            "each attached job's trainer sends the new replicas its current adapter before they report ready"
+            if now.desired > was.desired
+            else "the highest ordinals finish their requests in flight and leave the jobs' sync groups"
+        )
+        events.append(
+            Event("Normal", names.E_POOL_SCALED, f"scaled from {was.desired} to {now.desired} server replicas: {how}")
+        )
     if was is not None and now is not None and was.desired == now.desired and now.ready < was.ready:
         events.append(
             Event(

@@ -133,9 +133,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("apps",),
         ("statefulsets",),
-        ("get", "list", "watch", "create", "delete"),
+        ("get", "list", "watch", "create", "patch", "delete"),
         "the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; listed once "
-        "per resync), create it, delete it on suspend and when the job ends",
+        "per resync), create it, patch a RolloutPool's replicas when it scales, delete it on suspend and when the "
+        "job ends",
     ),
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
     Rule(

@@ -730,7 +730,7 @@ def _startup_deadline(
     spec = where.job_plan.spec
     tj = observed.trainer_job
     serving = _serving_replicas(spec, observed.inference, where.place)
-    overdue = _startup_overdue(spec, old, course.phase, tj, serving, observed, now)
+    overdue = _startup_overdue(spec, old, course.phase, tj, serving, observed, now, on_pool=where.place is not None)
     if overdue is None or spec.scheduling.on_startup_deadline != "Fail":
         return overdue, course, build
     deletes = course.deletes
@@ -1287,14 +1287,19 @@ def _startup_overdue(
     serving: RoleReplicas | None,
     observed: Observed,
     now: datetime.datetime,
+    *,
+    on_pool: bool,
 ) -> str | None:
     """Why the pods are overdue, when spec.scheduling.startupDeadlineSeconds has passed since PodsReady turned
     False (the children's creation, or the loss of a pod) and they are still not all ready; else None. On a pool
-    the job's own pods are only the trainer's; the pool's servers count as its inference replicas, as in PodsReady."""
+    the job's own pods are only the trainer's, and one ready server of the pool is enough: the job trains on the
+    pool's ready servers, and a pool short of its desired replicas (scaled up beyond what the cluster can place, a
+    replica lost) is the pool's to report (its Ready condition and events), never a reason to fail its jobs."""
     deadline = spec.scheduling.startup_deadline_seconds
     if deadline is None or phase not in ("Pending", "Running") or tj is None or serving is None:
         return None
-    if obs.job_ready(tj) >= spec.trainer.replicas and serving.ready >= serving.desired:
+    needed = min(1, serving.desired) if on_pool else serving.desired
+    if obs.job_ready(tj) >= spec.trainer.replicas and serving.ready >= needed:
         return None
     since = cond.find(old.conditions, names.PODS_READY)
     if since is None or since.status != "False" or not since.last_transition_time:

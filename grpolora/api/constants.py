@@ -119,6 +119,10 @@ DEFAULT_OPERATOR_NAMESPACE: Final = "grpo-lora-system"
 CONDITION_CREATED: Final = "Created"
 # Spec fields that may change on a running job; every other change is refused.
 MUTABLE_SPEC_FIELDS: Final = ("suspend", "ttlSecondsAfterFinished")
+# RolloutPool spec fields that may change on a running pool: only the number of servers. Every other field is a
+# fact the servers were started with (the engine's LoRA slots and rank, the model, the serving settings) and that
+# jobs attach by.
+POOL_MUTABLE_SPEC_FIELDS: Final = ("replicas",)
 
 # Where the operator mounts the volumes of every worker pod (and their volume names); a pod template overlay
 # (grpolora.api.overlay) may add volumes and mounts but not replace these.

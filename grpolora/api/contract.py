@@ -58,12 +58,15 @@ DATA_DIR: Final = "GRPOLORA_DATA_DIR"  # where spec.task.dataset paths start (th
 SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/<secret name>/<key>, one file a key
 
 # The servers of a RolloutPool (shared by several jobs) get these instead of the job's: GRPOLORA_ROLE (inference),
-# GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR, GRPOLORA_INFERENCE_ENDPOINTS (the
-# pool's own replicas) and GRPOLORA_SYNC_BACKEND (the device adapters arrive on) have the same meaning as above.
+# GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR and GRPOLORA_SYNC_BACKEND (the device
+# adapters arrive on) have the same meaning as above. Nothing of theirs counts the pool's replicas (the pool scales
+# by a patch of its StatefulSet's replicas, which must not change the pod template): the replicas are named beside
+# the attachment list (grpolora.api.pool.replicas_file), and each server gets only its own port.
 POOL_NAME: Final = "GRPOLORA_POOL_NAME"
-POOL_SPEC: Final = "GRPOLORA_POOL_SPEC"  # the validated RolloutPool spec as JSON (camelCase, defaults filled in)
+POOL_SPEC: Final = "GRPOLORA_POOL_SPEC"  # the validated RolloutPool spec less replicas, as JSON (camelCase)
 POOL_JOBS_FILE: Final = "GRPOLORA_POOL_JOBS_FILE"  # the attachment list (grpolora.api.pool), re-read when it changes
-POOL_ONLY: Final = (POOL_NAME, POOL_SPEC, POOL_JOBS_FILE)
+HTTP_PORT: Final = "GRPOLORA_HTTP_PORT"  # the port this pool server listens on
+POOL_ONLY: Final = (POOL_NAME, POOL_SPEC, POOL_JOBS_FILE, HTTP_PORT)
 
 ALL: Final = (
     MASTER_ADDR,
@@ -160,6 +163,11 @@ class WorkerEnv:
         """This inference replica's base URL (its HTTP port is the port in it)."""
         return self.inference_endpoints[self.replica_index]
 
+    @property
+    def port(self) -> int:
+        """The port this inference server listens on (its own endpoint's)."""
+        return int(self.own_endpoint.rsplit(":", 1)[1])
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> WorkerEnv:
         read = _Reader(os.environ if environ is None else environ)
@@ -219,17 +227,13 @@ class PoolEnv:
     replica_index: int
     model: str
     bind_addr: str
-    inference_endpoints: tuple[str, ...]
+    port: int
     sync_backend: Literal["nccl", "gloo"]
     jobs_file: str
 
     @property
     def role(self) -> Literal["inference"]:
         return "inference"
-
-    @property
-    def own_endpoint(self) -> str:
-        return self.inference_endpoints[self.replica_index]
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> PoolEnv:
@@ -243,9 +247,18 @@ class PoolEnv:
             raise ContractError(
                 f"environment variable {POOL_SPEC} does not hold a valid RolloutPool spec: {exc}"
             ) from None
-        endpoints = read.endpoints()
         index = read.integer(REPLICA_INDEX)
-        read.check_index(index, endpoints)
+        if index < 0:
+            raise ContractError(f"environment variable {REPLICA_INDEX}={index} is negative")
+        if not read.env.get(HTTP_PORT) and read.env.get(INFERENCE_ENDPOINTS):
+            # A pool created by an earlier release: its pod template lists every replica's endpoint instead.
+            endpoints = read.endpoints()
+            read.check_index(index, endpoints)
+            port = int(endpoints[index].rsplit(":", 1)[1])
+        else:
+            port = read.integer(HTTP_PORT)
+        if not 0 < port < 65536:
+            raise ContractError(f"environment variable {HTTP_PORT}={port} is not a TCP port")
         return cls(
             pool_name=read.get(POOL_NAME),
             namespace=read.get(NAMESPACE),
@@ -253,7 +266,7 @@ class PoolEnv:
             replica_index=index,
             model=read.get(MODEL),
             bind_addr=read.env.get(BIND_ADDR) or "0.0.0.0",
-            inference_endpoints=endpoints,
+            port=port,
             sync_backend=read.backend(),  # type: ignore[arg-type]
             jobs_file=read.get(POOL_JOBS_FILE),
         )

@@ -92,15 +92,7 @@ def pool_crd() -> dict[str, Any]:
     """The RolloutPool CustomResourceDefinition as a dict (same machinery, same group and version)."""
     column = _printer_column
     spec_schema = structural(RolloutPoolSpec.model_json_schema(by_alias=True, mode="validation"))
-    # The servers run with the spec they were started with (the engine's LoRA slots and rank, the model, ...), and
-    # jobs attach by it: a change would let jobs attach by a spec the servers do not run.
-    spec_schema.setdefault(CEL_VALIDATIONS, []).append(
-        cel_rule(
-            "self == oldSelf",
-            "a RolloutPool's spec cannot change: its servers run with the spec they were started with; delete and "
-            "re-create the RolloutPool (its attached jobs then fail with PoolDeleted)",
-        )
-    )
+    spec_schema.setdefault(CEL_VALIDATIONS, []).append(pool_spec_rule())
     return _custom_resource(
         kind=c.POOL_KIND,
         plural=c.POOL_PLURAL,
@@ -108,10 +100,13 @@ def pool_crd() -> dict[str, Any]:
         short_names=c.POOL_SHORT_NAMES,
         spec_schema=spec_schema,
         status_schema=structural(PoolStatus.model_json_schema(by_alias=True, mode="serialization")),
-        spec_description="Desired state of a shared rollout pool.",
+        spec_description="Desired state of a shared rollout pool. Only replicas can change once it exists: the rest is "
+        "what its servers run with and its jobs attached by.",
         description="vLLM servers of one base model shared by several GRPOLoraJobs (spec.inference.poolRef), each "
         "job's adapters in LoRA slots of its own.",
         rules=name_rules(),
+        # `kubectl scale rolloutpool/<name> --replicas=N` (and a HorizontalPodAutoscaler) write spec.replicas.
+        scale={"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas.ready"},
         columns=[
             column("Ready", "integer", ".status.replicas.ready", "Ready server replicas"),
             column("Desired", "integer", ".status.replicas.desired", "Server replicas", priority=1),
@@ -178,6 +173,7 @@ def _custom_resource(
     columns: list[dict[str, Any]],
     scope: str = "Namespaced",
     categories: tuple[str, ...] = ("all", "grpolora"),
+    scale: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     properties: dict[str, Any] = {
         "apiVersion": {"type": "string", "description": c.API_VERSION},
@@ -197,6 +193,8 @@ def _custom_resource(
         status_schema["description"] = "Observed state, written by the operator."
         properties["status"] = status_schema
         version["subresources"] = {"status": {}}
+    if scale is not None:  # `kubectl scale`, and what an autoscaler patches
+        version.setdefault("subresources", {})["scale"] = scale
     root: dict[str, Any] = {"type": "object", "description": description, "required": ["spec"]}
     if rules:
         root[CEL_VALIDATIONS] = rules
@@ -255,6 +253,26 @@ def name_rules() -> list[dict[str, str]]:
             f"{c.ROLE_INFERENCE}` and must stay within the {c.DNS_LABEL_MAX}-character DNS label limit",
         ),
     ]
+
+
+def pool_spec_rule() -> dict[str, str]:
+    """A RolloutPool's spec: only POOL_MUTABLE_SPEC_FIELDS (replicas) may change. Every other field is a fact its
+    servers were started with (vLLM's LoRA slots are maxJobs x adaptersPerJob, its rank maxLoraRank, the model, the
+    serving settings in the pods' environment) and that jobs attached by: changing one would need new servers, and
+    every attached job would run against servers that no longer match what it was admitted for."""
+    fixed = [
+        field.alias or name
+        for name, field in RolloutPoolSpec.model_fields.items()
+        if (field.alias or name) not in c.POOL_MUTABLE_SPEC_FIELDS
+    ]
+    return cel_rule(
+        " && ".join(
+            f"(has(self.{f}) ? has(oldSelf.{f}) && self.{f} == oldSelf.{f} : !has(oldSelf.{f}))" for f in fixed
+        ),
+        "only spec." + " and spec.".join(c.POOL_MUTABLE_SPEC_FIELDS) + " of a RolloutPool can change (kubectl "
+        "scale): its servers run with the rest of the spec they were started with; delete and re-create the "
+        "RolloutPool to change it (its attached jobs then fail with PoolDeleted)",
+    )
 
 
 def root_rules() -> list[dict[str, str]]:

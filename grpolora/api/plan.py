@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from grpolora.api import constants as c
 from grpolora.api import contract as env
-from grpolora.api.pool import JOBS_FILE_KEY, bind, fit_errors
+from grpolora.api.pool import JOBS_FILE_KEY, PoolReplicas, bind, fit_errors
 from grpolora.api.spec import FieldErrors, GRPOLoraJob, GRPOLoraJobSpec, RoleSpec, RolloutPool
 
 Role = Literal["trainer", "inference"]
@@ -184,6 +184,8 @@ class PoolPlan:
     namespace: str
     inference: RolePlan
     endpoints: tuple[str, ...]
+    ports: tuple[int, ...]
+    """The port each replica listens on (the same one in a cluster; port + i on the loopback network)."""
     jobs_secret: str
     model: str
     pool: RolloutPool = field(repr=False)
@@ -193,7 +195,14 @@ class PoolPlan:
         in a cluster, a file of the run folder locally)."""
         values = {var.name: str(index) if var.replica_index else var.value or "" for var in self.inference.env}
         values[env.POOL_JOBS_FILE] = jobs_file
+        values[env.HTTP_PORT] = str(self.ports[index])
         return values
+
+    def replicas(self, generation: int) -> PoolReplicas:
+        """The pool's replicas now, as its servers read them beside the attachment list and pass them on to the
+        jobs' trainers (which find a replica a scale-up added, and leave one a scale-down removed), stamped with
+        the pool's generation (the newest list wins where servers differ)."""
+        return PoolReplicas(generation=generation, endpoints=self.endpoints)
 
 
 def _endpoints(network: Network, workload: str, namespace: str, port: int, count: int) -> tuple[str, ...]:
@@ -216,16 +225,20 @@ def plan_pool(pool: RolloutPool, network: Network | None = None) -> PoolPlan:
     names = pool_child_names(name)
     workload = names[c.ROLE_INFERENCE]
     endpoints = _endpoints(network, workload, namespace, spec.port, spec.replicas)
+    ports = tuple(network.inference_port(spec.port, i) for i in range(spec.replicas))
     model = _model_location(spec.model)
+    # Nothing here depends on spec.replicas: a scale patches the StatefulSet's replicas and must replace no pod.
+    served = {key: value for key, value in spec.to_wire().items() if key not in c.POOL_MUTABLE_SPEC_FIELDS}
     variables = (
         EnvVar(env.ROLE, c.ROLE_INFERENCE),
         EnvVar(env.POOL_NAME, name),
         EnvVar(env.NAMESPACE, namespace),
-        EnvVar(env.POOL_SPEC, json.dumps(spec.to_wire(), separators=(",", ":"), sort_keys=True)),
+        EnvVar(env.POOL_SPEC, json.dumps(served, separators=(",", ":"), sort_keys=True)),
         EnvVar(env.MODEL, model),
         EnvVar(env.REPLICA_INDEX, replica_index=True),
         EnvVar(env.BIND_ADDR, network.bind_addr),
-        EnvVar(env.INFERENCE_ENDPOINTS, ",".join(endpoints)),
+        # Replica 0's port: the same for every replica in a cluster (env_for gives each its own locally).
+        EnvVar(env.HTTP_PORT, str(network.inference_port(spec.port, 0))),
         EnvVar(env.SYNC_BACKEND, "nccl" if spec.gpus_per_replica else "gloo"),
         EnvVar(env.POOL_JOBS_FILE, f"{POOL_JOBS_MOUNT}/{JOBS_FILE_KEY}"),
     )
@@ -246,6 +259,7 @@ def plan_pool(pool: RolloutPool, network: Network | None = None) -> PoolPlan:
         namespace=namespace,
         inference=role,
         endpoints=endpoints,
+        ports=ports,
         jobs_secret=names["jobs"],
         model=model,
         pool=pool,

@@ -12,6 +12,14 @@ pods; a file in the run folder for `grpolora run`), named by GRPOLORA_POOL_JOBS_
 It holds no job token: `auth` is the SHA-256 of the job's token (a request whose bearer token hashes to it acts as
 that job) and `syncKey` the MAC key of that job's sync rounds (derived from the token, as the trainer derives it),
 so reading the pool's Secret gives no way to act as a job against the job's own trainer.
+
+Next to it (key `replicas.json`; a file of that name beside the attachment list locally), the pool's replicas now,
+which the servers pass on to the jobs' trainers so that these follow a scaled pool (PoolReplicas):
+
+    {"generation": <the pool's metadata.generation>, "endpoints": ["http://<replica 0>:<port>", ...]}
+
+A key of its own rather than fields of the attachment list: a server of an earlier release, which refuses fields it
+does not know, keeps reading the attachment list of an operator that writes both.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, RolloutPoolSpec, min
 
 JOBS_FILE_KEY = "jobs.json"
 """Key of the attachment list in the pool's Secret (and the file's name where it is mounted)."""
+REPLICAS_FILE_KEY = "replicas.json"
+"""Key of the pool's replicas (PoolReplicas) in the same Secret; the file beside the attachment list."""
 SYNC_HEADER_PURPOSE = b"grpolora sync round header"
 
 
@@ -89,9 +99,31 @@ class Attachments(BaseModel):
         return cls.model_validate_json(text)
 
 
-def write_attachments(path: Path, attachments: Attachments) -> None:
-    """Replace the attachment list file at once, as the kubelet swaps a Secret volume: written aside (readable by its
-    owner only: it holds each job's sync key), then renamed over it, so that a server never reads half a list."""
+class PoolReplicas(BaseModel):
+    """A RolloutPool's replicas as its servers are told them, and as they answer an attached job's trainer
+    (GET /v1/sync/pool): how a trainer started with the pool's endpoints of then finds the replicas a scale-up added
+    and leaves those a scale-down removed."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    generation: int
+    """The pool's metadata.generation it was written for (a counter locally): where two servers hold different
+    lists (a Secret volume is updated on each node in its own time), the higher one is the newer."""
+    endpoints: tuple[str, ...]
+    """The replicas' base URLs, in replica order, as many as spec.replicas now."""
+
+    def to_json(self) -> str:
+        return json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+
+
+def replicas_file(jobs_file: Path) -> Path:
+    """Where a pool's server reads the pool's replicas: beside its attachment list (the same Secret's volume)."""
+    return jobs_file.with_name(REPLICAS_FILE_KEY)
+
+
+def write_attachments(path: Path, attachments: Attachments | PoolReplicas) -> None:
+    """Replace the attachment list file (or the replicas file) at once, as the kubelet swaps a Secret volume: written
+    aside (readable by its owner only: the list holds each job's sync key), then renamed over it, so that a server
+    never reads half a list."""
     aside = path.with_name(f".{path.name}.partial")
     aside.write_text(attachments.to_json())
     aside.chmod(0o600)

@@ -1332,6 +1332,11 @@ class RolloutPoolSpec(ServingSpec):
     """vLLM servers of one base model that serve the rollouts of several GRPOLoraJobs (`inference.poolRef`), each
     job's adapters in LoRA slots of its own; the serving fields are those of a job's `inference`."""
 
+    replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
+    """Server pods; the one field that can change (`kubectl scale rolloutpool/<name> --replicas=N`). A new replica
+    is ready once every attached job's trainer has sent it the job's current adapter (or adapterWaitSeconds passed
+    for a job whose trainer never asked); a scale-down removes the highest ordinals, which finish their requests in
+    flight first, and every job's sync group re-forms without them."""
     model: ModelSpec
     """The base model; a job attaches only when its `model` (name, revision, dtype, source) is the same."""
     max_jobs: int = Field(default=4, gt=0, le=c.MAX_JOBS_PER_POOL)

@@ -178,6 +178,12 @@ def crd_schema(kind: str = c.KIND) -> dict[str, Any]:
     return schema
 
 
+def crd_scale_paths(kind: str) -> dict[str, str] | None:
+    """The CRD's scale subresource (specReplicasPath, statusReplicasPath), or None where it has none."""
+    scale: dict[str, str] | None = CRDS[kind]()["spec"]["versions"][0]["subresources"].get("scale")
+    return scale
+
+
 def validate_custom(
     obj: dict[str, Any], schema: Mapping[str, Any], *, strict: bool, part: str, old: Mapping[str, Any] | None = None
 ) -> None:

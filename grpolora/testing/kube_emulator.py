@@ -9,7 +9,8 @@ GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against th
 deletion as the API server, the garbage collector and the kubelet do it (see `Emulator.collect_garbage` and
 `Emulator._begin_deletion`): propagation policies Background and Foreground, finalizers, Terminating pods; the
 optimistic-concurrency precondition of a patch that carries `metadata.resourceVersion` (409 Conflict when the
-object changed since, as a real server answers); mutating admission webhooks that a test installs
+object changed since, as a real server answers); the scale subresource of a CRD that declares one (RolloutPools:
+`kubectl scale`); mutating admission webhooks that a test installs
 (`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a record of every (verb, group,
 resource) a client other than the test itself sent, for the RBAC check.
 """
@@ -48,7 +49,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
         kind=c.KIND, namespaced=True, subresources={"status"}, shortnames={"glj"}, verbs=ALL_VERBS
     ),
     POOL_RESOURCE: kmock.ResourceInfo(
-        kind=c.POOL_KIND, namespaced=True, subresources={"status"}, shortnames={"rpool"}, verbs=ALL_VERBS
+        kind=c.POOL_KIND, namespaced=True, subresources={"status", "scale"}, shortnames={"rpool"}, verbs=ALL_VERBS
     ),
     RUNTIME_RESOURCE: kmock.ResourceInfo(kind=c.RUNTIME_KIND, namespaced=True, shortnames={"glrt"}, verbs=ALL_VERBS),
     CLUSTER_RUNTIME_RESOURCE: kmock.ResourceInfo(
@@ -129,6 +130,14 @@ class Emulator(kmock.KubernetesEmulator):
         },
         init=False,
     )
+    _scale_paths: dict[str, dict[str, str]] = attrs.field(
+        factory=lambda: {
+            plural: paths
+            for plural, kind in ((c.PLURAL, c.KIND), (c.POOL_PLURAL, c.POOL_KIND))
+            if (paths := kube_apiserver.crd_scale_paths(kind)) is not None
+        },
+        init=False,
+    )
     _gc_due: bool = attrs.field(default=False, init=False)
     """Something was deleted, or created with owners, since the last sweep (the collector is event-driven too)."""
     _terminating: dict[Any, float] = attrs.field(factory=dict, init=False)
@@ -143,6 +152,8 @@ class Emulator(kmock.KubernetesEmulator):
             served = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
             if served in self.uninstalled:
                 raise kube_apiserver.not_served()
+            if request.subresource == "scale" and str(request.resource.plural) in self._scale_paths:
+                return await self._scale(request, self._scale_paths[str(request.resource.plural)])
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
                 for webhook in self.webhooks:
@@ -177,6 +188,50 @@ class Emulator(kmock.KubernetesEmulator):
             self.created.append(key)
             self.created_at[key] = time.monotonic()
         return response
+
+    async def _scale(self, request: kmock.Request, paths: Mapping[str, str]) -> Any:
+        """GET or write the autoscaling/v1 Scale of a custom resource, as apiextensions-apiserver serves it: its
+        spec.replicas is the object's specReplicasPath, its status.replicas the statusReplicasPath; a write is a
+        patch of specReplicasPath alone, admitted like any write of the object (schema, CEL rules)."""
+        spec_path = paths["specReplicasPath"].lstrip(".").split(".")
+        status_path = paths["statusReplicasPath"].lstrip(".").split(".")
+        if request.action == kmock.action.UPDATE and isinstance(request.data, dict):
+            replicas = (request.data.get("spec") or {}).get("replicas")
+            patch: Any = replicas
+            for key in reversed(spec_path):
+                patch = {key: patch}
+            main = request.url.with_path(request.url.path.removesuffix("/scale"))
+            main_patch = attrs.evolve(request, url=main, subresource=None, method=kmock.method.PATCH, data=patch)
+            self._requests.append(main_patch)  # kmock matches its reactions against the requests it has seen
+            written = await self._handle(main_patch)
+            if written.status >= 300:
+                return written
+        key = (request.resource, request.namespace, request.name)
+        found = self.objects[key].raw if key in self.objects and not self.objects[key].deleted else None
+        if found is None:
+            raise kube_apiserver.Refused(
+                status=404,
+                reason="NotFound",
+                message=f'{request.resource.plural}.{request.resource.group} "{request.name}" not found',
+                details={"name": request.name, "kind": str(request.resource.plural)},
+            )
+
+        def at(path: list[str]) -> Any:
+            value: Any = found
+            for part in path:
+                value = value.get(part) if isinstance(value, dict) else None
+            return value
+
+        meta = found["metadata"]
+        return aiohttp.web.json_response(
+            {
+                "apiVersion": "autoscaling/v1",
+                "kind": "Scale",
+                "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
+                "spec": {"replicas": at(spec_path)},
+                "status": {"replicas": at(status_path) or 0},
+            }
+        )
 
     def _admit(self, request: kmock.Request, obj: dict[str, Any], *, created: bool) -> None:
         """Refuse what a real API server refuses (see grpolora.testing.kube_apiserver), before anything is stored."""

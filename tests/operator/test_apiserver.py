@@ -191,3 +191,37 @@ async def test_an_owner_in_another_namespace_counts_as_absent():
         await cluster._call("POST", "/apis/batch/v1/namespaces/team-b/jobs", job)
         await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer", "team-b") is None, "the collector")
         assert cluster.job("demo") is not None
+
+
+async def test_a_pools_scale_subresource_reads_and_writes_its_replicas_as_kubectl_scale_does():
+    """`kubectl scale rolloutpool/shared --replicas=3` GETs and PATCHes .../rolloutpools/shared/scale: an
+    autoscaling/v1 Scale whose spec.replicas is the CRD's specReplicasPath and status.replicas its
+    statusReplicasPath (apiextensions-apiserver's scale subresource). The write goes through the CRD's rules: a
+    replica count below the schema's minimum is refused."""
+    from grpolora.api import constants as c
+
+    pool = {
+        "apiVersion": f"{c.GROUP}/{c.VERSION}",
+        "kind": c.POOL_KIND,
+        "metadata": {"name": "shared", "namespace": NAMESPACE},
+        "spec": {"model": {"name": "Qwen/Qwen3-0.6B"}, "replicas": 1},
+    }
+    path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{NAMESPACE}/{c.POOL_PLURAL}/shared"
+    async with running_cluster() as cluster:
+        await cluster.apply(pool)
+        await cluster.set_status(f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}", "shared", {"replicas": {"ready": 1}})
+        status, scale = await send(cluster, "GET", f"{path}/scale", None)
+        assert status == 200 and (scale["apiVersion"], scale["kind"]) == ("autoscaling/v1", "Scale")
+        assert (scale["metadata"]["name"], scale["spec"], scale["status"]["replicas"]) == ("shared", {"replicas": 1}, 1)
+        before = cluster.get(f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}", "shared")
+        generation = before["metadata"]["generation"]
+
+        status, scale = await send(cluster, "PATCH", f"{path}/scale", {"spec": {"replicas": 3}})
+        assert status == 200 and scale["spec"] == {"replicas": 3}
+        stored = cluster.get(f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}", "shared")
+        assert stored["spec"]["replicas"] == 3 and stored["metadata"]["generation"] == generation + 1
+        assert stored["spec"]["model"] == before["spec"]["model"], "only the replicas written"
+
+        status, refused = await send(cluster, "PATCH", f"{path}/scale", {"spec": {"replicas": 0}})
+        assert status == 422 and "spec.replicas" in refused["message"]
+        assert cluster.get(f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}", "shared")["spec"]["replicas"] == 3

@@ -14,7 +14,7 @@ from grpolora.api.pool import auth_digest, token_fingerprint
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
 from tests.helpers import job_doc
-from tests.operator.harness import FAST_INTERVAL, wait_for
+from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
 
 POOL = "shared"
 SECRET = "shared-pool-jobs"
@@ -333,3 +333,72 @@ async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(clu
     }
     assert kinds == {c.POOL_KIND}
     assert [e[1] for e in cluster.events(POOL)].count(names.E_POOL_FULL) == 1, "each transition once"
+
+
+async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_for_the_jobs(
+    cluster, trainer, unused_tcp_port
+):
+    """`kubectl scale rolloutpool/shared --replicas=3` (a PATCH of its /scale subresource): the StatefulSet's
+    replicas follow, its pod template stays (no server is
+    replaced), the attachment list names the new replicas for the jobs' trainers, the pool says so once, and the
+    operator's metrics count the pool's replicas."""
+    operator = await OperatorThread(cluster.url, operator_options(metrics_port=unused_tcp_port)).start()
+    try:
+        await scale_and_scrape(cluster, f"http://127.0.0.1:{unused_tcp_port}/metrics")
+    finally:
+        await operator.stop()
+
+
+async def scrape(url: str) -> str:
+    import aiohttp
+
+    async with aiohttp.ClientSession() as http, http.get(url) as got:
+        return await got.text()
+
+
+async def scrape_until(url: str, line: str, *, present: bool = True, seconds: float = 10.0) -> str:
+    """The operator's metrics once `line` is in them (or, present=False, no longer is); wait_for takes no coroutine."""
+    deadline = asyncio.get_running_loop().time() + seconds
+    while (line in (scraped := await scrape(url))) != present:
+        assert asyncio.get_running_loop().time() < deadline, f"metrics {'without' if present else 'with'} {line}"
+        await asyncio.sleep(FAST_INTERVAL)
+    return scraped
+
+
+async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
+    await cluster.apply(pool_doc())
+    await cluster.apply(job_on_pool("job-a"))
+    await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/job-a"], "job-a attached")
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's servers")
+    await cluster.set_status("apps/v1/statefulsets", SERVERS, {"replicas": 1, "readyReplicas": 1})
+    await wait_for(lambda: (cluster.pool_status(POOL).get("replicas") or {}).get("ready") == 1, "a ready replica")
+    template = cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"]
+
+    def secret(key: str) -> dict[str, Any]:
+        return json.loads(base64.b64decode(cluster.get("v1/secrets", SECRET)["data"][key]))
+
+    assert len(secret("replicas.json")["endpoints"]) == 1
+    path = f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{NAMESPACE}/{c.POOL_PLURAL}/{POOL}"
+    await cluster._call("PATCH", f"{path}/scale", {"spec": {"replicas": 3}})  # what kubectl scale sends
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 3, "3 servers")
+    assert cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["template"] == template, "no server replaced"
+    await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 3, "the new replicas in the pool's Secret")
+    pool = f'namespace="{NAMESPACE}",pool="{POOL}"'
+    scraped = await scrape_until(metrics, f"grpolora_pool_replicas_desired{{{pool}}} 3.0")  # after the status write
+    assert f"grpolora_pool_replicas_ready{{{pool}}} 1.0" in scraped
+    assert f"grpolora_pool_jobs_attached{{{pool}}} 1.0" in scraped
+    assert f"grpolora_pool_lora_slots_free{{{pool}}} 0.0" in scraped
+    assert secret("replicas.json")["generation"] == cluster.get(POOL_RESOURCE, POOL)["metadata"]["generation"]
+    assert [j["job"] for j in secret("jobs.json")["jobs"]] == [f"{NAMESPACE}/job-a"], "the jobs stay attached"
+    await wait_for(lambda: any(reason == names.E_POOL_SCALED and message.startswith("scaled from 1 to 3 server")
+                               for _, reason, message in cluster.events(POOL)), "Scaled")  # fmt: skip
+    assert names.E_POOL_REPLICA_LOST not in [e[1] for e in cluster.events(POOL)]
+    assert cluster.pool_status(POOL)["replicas"]["desired"] == 3
+
+    await cluster._call("PATCH", f"{path}/scale", {"spec": {"replicas": 2}})
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 2, "2 servers")
+    await wait_for(lambda: len(secret("replicas.json")["endpoints"]) == 2, "the removed replica out of the list")
+    assert cluster.status("job-a")["phase"] != "Failed"
+    await cluster.delete_pool(POOL)
+    await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool deleted")
+    await scrape_until(metrics, f'pool="{POOL}"', present=False)  # the deleted pool's series go with it

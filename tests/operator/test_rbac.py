@@ -82,13 +82,19 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(finished, "the Workload Finished")
 
             # A RolloutPool of one place and two jobs on it: the second attaches when the first finishes (the pool
-            # rewrites its attachment list and its NetworkPolicy).
+            # rewrites its attachment list and its NetworkPolicy); then it is scaled (its StatefulSet patched).
             await cluster.apply(pool_doc())
             await cluster.apply(job_on_pool("pool-a"))
             await cluster.apply(job_on_pool("pool-b"))
             await wait_for(lambda: cluster.get("batch/v1/jobs", "pool-a-trainer"), "pool-a attached")
             await cluster.set_status("batch/v1/jobs", "pool-a-trainer", complete)
             await wait_for(lambda: cluster.get("batch/v1/jobs", "pool-b-trainer"), "pool-b attached")
+            pool = (
+                f"/apis/{c.GROUP}/{c.VERSION}/namespaces/{NAMESPACE}/{c.POOL_PLURAL}/{pool_doc()['metadata']['name']}"
+            )
+            await cluster._call("PATCH", f"{pool}/scale", {"spec": {"replicas": 2}})
+            servers = f"{pool_doc()['metadata']['name']}-pool"
+            await wait_for(lambda: cluster.get("apps/v1/statefulsets", servers)["spec"]["replicas"] == 2, "scaled")
 
             # Jobs on runtimes: a ClusterGRPOLoraRuntime and a GRPOLoraRuntime, each read until its job starts.
             spec = {"trainer": {"gpusPerReplica": 0}, "inference": {"gpusPerReplica": 0}, "sync": {"backend": "gloo"}}

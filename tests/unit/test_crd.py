@@ -44,7 +44,7 @@ def test_identity_and_printer_columns():
     assert spec["group"] == "grpolora.dev" and spec["scope"] == "Namespaced"
     assert spec["names"]["plural"] == "grpolorajobs" and spec["names"]["shortNames"] == ["glj"]
     version = spec["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if not c.get("priority")}
     assert columns == {
         "Phase": ".status.phase",
@@ -209,7 +209,7 @@ def test_pool_crd_is_a_valid_apiextensions_object_with_its_identity_and_columns(
     assert spec["names"]["kind"] == "RolloutPool" and spec["names"]["shortNames"] == ["rpool"]
     assert spec["names"]["categories"] == ["all", "grpolora"]
     version = spec["versions"][0]
-    assert version["name"] == "v1alpha1" and version["subresources"] == {"status": {}}
+    assert version["name"] == "v1alpha1" and version["subresources"]["status"] == {}
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if not c.get("priority")}
     assert columns == {
         "Ready": ".status.replicas.ready",
@@ -257,12 +257,46 @@ def test_everything_the_operator_writes_to_a_pool_status_survives_pruning():
     assert {field.alias for field in PoolStatus.model_fields.values()} <= set(status)
 
 
-def test_a_pool_spec_cannot_change_once_created_its_servers_run_with_it():
+POOL_UPDATES: list[tuple[str, dict[str, Any], bool]] = [
+    ("replicas up", {"replicas": 3}, True),
+    ("replicas down", {"replicas": 1}, True),
+    ("replicas back to the default", {"replicas": None}, True),
+    ("maxJobs", {"maxJobs": 9}, False),
+    ("adaptersPerJob", {"adaptersPerJob": 3}, False),
+    ("the model", {"model": {"name": "Qwen/Qwen3-1.7B", "dtype": "bfloat16"}}, False),
+    ("a field added", {"maxModelLen": 4096}, False),
+    ("a field removed", {"maxLoraRank": None}, False),
+    ("replicas and maxJobs", {"replicas": 3, "maxJobs": 9}, False),
+]
+
+
+@pytest.mark.parametrize(
+    ("change", "allowed"), [(c, a) for _, c, a in POOL_UPDATES], ids=[i for i, _, _ in POOL_UPDATES]
+)
+def test_only_a_pools_replicas_can_change_its_servers_run_with_the_rest(change: dict[str, Any], allowed: bool):
     from grpolora.testing.kube_apiserver import cel_violations
 
     doc = yaml.safe_load(POOL_EXAMPLE.read_text())
-    changed = {**doc, "spec": {**doc["spec"], "maxJobs": 9}}
+    spec = {**doc["spec"], **change}
+    changed = {**doc, "spec": {k: v for k, v in spec.items() if v is not None}}
     assert cel_violations(pool_schema(), doc, doc) == []
-    ((path, message),) = cel_violations(pool_schema(), changed, doc)
-    assert path == "spec" and "delete and re-create the RolloutPool" in message
+    violations = cel_violations(pool_schema(), changed, doc)
+    if allowed:
+        assert violations == []
+    else:
+        ((path, message),) = violations
+        assert path == "spec" and "only spec.replicas" in message and "delete and re-create" in message
     assert cel_violations(pool_schema(), changed) == []  # a create has no old object
+
+
+def test_a_pool_has_the_scale_subresource_so_kubectl_scale_works():
+    """`kubectl scale rolloutpool/x --replicas=3` (and an HPA) writes spec.replicas through /scale; it reads the
+    replicas the pool has from status.replicas.ready."""
+    version = pool_crd()["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas.ready",
+    }
+    spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["replicas"]
+    status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["replicas"]
+    assert spec["type"] == "integer" and status["properties"]["ready"]["type"] == "integer"

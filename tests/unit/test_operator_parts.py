@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from grpolora.api.status import JobStatus, RendezvousStatus, TrainerStatus
+from grpolora.api.status import AttachedJob, JobStatus, PoolStatus, RendezvousStatus, RoleReplicas, TrainerStatus
 from grpolora.operator import kube, observe, rbac
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.observe import fold_trainer, why_not_ready
@@ -159,6 +159,35 @@ def test_metrics_have_the_agreed_names_and_labels():
     assert samples[("grpolora_reconcile_duration_seconds_count", (("handler", "reconcile"),))] == 1
     metrics.forget_job("ns", "a")
     assert 'job="a"' not in metrics.exposition().decode()
+
+
+def test_pool_metrics_count_replicas_jobs_and_lora_slots_per_pool():
+    metrics = Metrics()
+    status = PoolStatus(
+        replicas=RoleReplicas(desired=3, ready=2),
+        attached_jobs=[AttachedJob(job="ns/a"), AttachedJob(job="ns/b")],
+        waiting_jobs=["ns/c"],
+        waiting=1,
+        slots=8,
+        slots_in_use=4,
+    )
+    metrics.set_pool("ns", "shared", status)
+    metrics.set_pool("ns", "new", PoolStatus())  # no pass has written its status yet: zeros, not gaps
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(metrics.exposition().decode())
+        for s in family.samples
+    }
+    pool = (("namespace", "ns"), ("pool", "shared"))
+    assert samples[("grpolora_pool_replicas_desired", pool)] == 3
+    assert samples[("grpolora_pool_replicas_ready", pool)] == 2
+    assert samples[("grpolora_pool_jobs_attached", pool)] == 2
+    assert samples[("grpolora_pool_jobs_waiting", pool)] == 1
+    assert samples[("grpolora_pool_lora_slots", pool)] == 8
+    assert samples[("grpolora_pool_lora_slots_free", pool)] == 4
+    assert samples[("grpolora_pool_replicas_ready", (("namespace", "ns"), ("pool", "new")))] == 0
+    metrics.forget_pool("ns", "shared")
+    assert 'pool="shared"' not in metrics.exposition().decode()
 
 
 def test_rbac_rules_have_the_shape_the_chart_test_reads():

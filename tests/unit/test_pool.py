@@ -115,6 +115,7 @@ def test_pool_plan_env_and_loopback_ports():
     assert pool_plan.endpoints == ("http://127.0.0.1:9100", "http://127.0.0.1:9101")
     env = pool_plan.env_for(1, jobs_file="/run/jobs.json")
     assert env[contract.POOL_NAME] == "shared" and env[contract.REPLICA_INDEX] == "1"
+    assert env[contract.HTTP_PORT] == "9101" and plan_pool(p).env_for(1, jobs_file="j")[contract.HTTP_PORT] == "9100"
     assert env[contract.POOL_JOBS_FILE] == "/run/jobs.json" and env[contract.SYNC_BACKEND] == "gloo"
     assert contract.TOKEN not in env and contract.SPEC not in env
     assert json.loads(env[contract.POOL_SPEC])["maxJobs"] == 4

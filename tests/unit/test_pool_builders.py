@@ -11,7 +11,7 @@ from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan, plan_pool
-from grpolora.api.pool import Attachments, attachment
+from grpolora.api.pool import Attachments, PoolReplicas, attachment
 from grpolora.api.spec import RolloutPool
 from grpolora.operator import builders
 from tests.helpers import job_doc
@@ -168,3 +168,33 @@ def test_a_pool_pod_template_cannot_replace_the_attachment_list_or_the_pool_labe
         with pytest.raises((FieldErrors, ValueError)) as caught:
             RolloutPool.model_validate(pool_doc(podTemplate=overlay))
         assert path in str(caught.value), overlay
+
+
+def test_the_pool_statefulset_template_does_not_depend_on_replicas_so_scaling_replaces_no_pod():
+    """A scale is a patch of spec.replicas alone: a template that changed with it would roll every server (and
+    every job's rollouts) for a scale-up. So the servers' env holds no count of replicas (the pool's spec less
+    replicas, their own port rather than every replica's endpoint); the replicas are in the attachment list."""
+    one, three = (pool_children(pool(replicas=n))["StatefulSet"] for n in (1, 3))
+    assert (one["spec"]["replicas"], three["spec"]["replicas"]) == (1, 3)
+    assert one["spec"]["template"] == three["spec"]["template"]
+    env = {e["name"]: e.get("value") for e in one["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert contract.INFERENCE_ENDPOINTS not in env and env[contract.HTTP_PORT] == "8000"
+    assert "replicas" not in json.loads(env[contract.POOL_SPEC])
+
+
+def test_the_pool_secret_names_the_pools_replicas_for_the_jobs_trainers_beside_the_attachment_list():
+    """Trainers learn of a scaled pool's replicas from its servers, which read them from the Secret's volume (it
+    follows the Secret; the pool's generation tells the newer list from an older one a server still holds). A key
+    of its own: a server of an earlier release refuses fields its attachment list does not know."""
+    objects = builders.build_pool_children(
+        plan_pool(pool(replicas=3)), owner_uid="pool-uid", attachments=attached("a"), generation=5
+    )
+    secret = next(o for o in objects if o["kind"] == "Secret")
+    assert set(secret["data"]) == {"jobs.json", "replicas.json"}
+    assert set(json.loads(base64.b64decode(secret["data"]["jobs.json"]))) == {"pool", "jobs"}
+    listed = PoolReplicas.model_validate_json(base64.b64decode(secret["data"]["replicas.json"]))
+    assert listed.generation == 5 and listed.endpoints == (
+        "http://shared-pool-0.shared-pool.rl.svc:8000",
+        "http://shared-pool-1.shared-pool.rl.svc:8000",
+        "http://shared-pool-2.shared-pool.rl.svc:8000",
+    )

@@ -3,6 +3,7 @@ which children it creates or rewrites, its status. The controller's reads are pl
 
 from __future__ import annotations
 
+import base64
 import datetime
 
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan_pool
-from grpolora.api.pool import Attachments, attachment, token_fingerprint
+from grpolora.api.pool import Attachments, PoolReplicas, attachment, token_fingerprint
 from grpolora.api.status import AttachedJob, PoolStatus, RoleReplicas
 from grpolora.operator import builders, names
 from grpolora.operator.pool_reconcile import (
@@ -28,9 +29,9 @@ OPERATOR_NS = "grpolora-system"
 POOL_UID = "pool-uid"
 
 
-def view(*, deleting: bool = False, **spec):
+def view(*, deleting: bool = False, generation: int = 3, **spec):
     doc = pool_doc(**spec)
-    doc["metadata"] |= {"uid": POOL_UID, "generation": 3}
+    doc["metadata"] |= {"uid": POOL_UID, "generation": generation}
     if deleting:
         doc["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     return pool_pass_view(doc)
@@ -60,10 +61,12 @@ def children(*attached: str, owner: str = POOL_UID, **spec) -> dict:
     entries = [
         attachment("rl", name, f"uid-{name}", f"token-of-{name}", parse_job(job(name, 0)).spec) for name in attached
     ]
+    pool_plan = plan_pool(pool(**spec))
     objects = builders.build_pool_children(
-        plan_pool(pool(**spec)),
+        pool_plan,
         owner_uid=owner,
         attachments=Attachments(pool="shared", jobs=entries),
+        generation=3,
         operator_namespace=OPERATOR_NS,
     )
     return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
@@ -154,6 +157,23 @@ def test_a_re_keyed_job_is_read_again_and_its_entry_renewed():
     assert decision.status.attached_jobs[0].token_digest == token_fingerprint("token-of-a")
 
 
+def test_a_scaled_pool_patches_its_statefulsets_replicas_and_lists_the_new_replicas_for_the_trainers():
+    kids = children("a", maxJobs=1, replicas=2)
+    jobs = [job("a", 1, tokenDigest=token_fingerprint("token-of-a"))]
+    decision = decide(view(maxJobs=1, replicas=3, generation=4), full(jobs, kids))
+    patches = {write.obj["kind"]: write.patch for write in decision.writes}
+    assert patches["StatefulSet"] == {"spec": {"replicas": 3}}, "a patch of the replicas alone: no pod replaced"
+    listed = builders.attachments_of(decision.writes[0].obj)
+    assert listed is not None and patches["Secret"] == {"data": decision.writes[0].obj["data"]}
+    replicas = PoolReplicas.model_validate_json(base64.b64decode(patches["Secret"]["data"]["replicas.json"]))
+    assert (replicas.generation, len(replicas.endpoints), [e.job for e in listed.jobs]) == (4, 3, ["rl/a"])
+    assert set(patches) == {"Secret", "StatefulSet"}
+    assert decision.status is not None and decision.status.replicas == RoleReplicas(desired=3, ready=0)
+    # Scaled down: the same, the other way.
+    decision = decide(view(maxJobs=1, replicas=1, generation=4), full(jobs, kids))
+    assert {w.obj["kind"]: w.patch for w in decision.writes}["StatefulSet"] == {"spec": {"replicas": 1}}
+
+
 def test_a_child_of_a_deleted_pool_of_the_same_name_is_waited_for():
     kids = children(owner="uid-of-the-old-pool", maxJobs=1)
     decision = decide(view(maxJobs=1), full([job("a", 1)], kids, tokens={"rl/a": token_secret("a")}))
@@ -207,7 +227,18 @@ def test_pool_events_say_each_transition_once():
     assert len(pool_events(_pool_status(a), _pool_status(("rl/a", "u-a2")), max_jobs=1)) == 2
     # Waiting for its token Secret with a place free is not "full".
     assert reasons(_pool_status(), _pool_status(waiting=("rl/a",))) == []
+    # Scaled: once, when the desired replicas change (a Warning-free story for kubectl describe).
+    assert reasons(_pool_status(a, ready=2, desired=2), _pool_status(a, ready=2, desired=3)) == [
+        ("Normal", names.E_POOL_SCALED)
+    ]
+    (scaled,) = pool_events(_pool_status(a, desired=3), _pool_status(a, ready=2, desired=1), max_jobs=1)
+    assert scaled.message.startswith("scaled from 3 to 1 server replicas")
+    assert reasons(_pool_status(a, desired=3), _pool_status(a, ready=1, desired=3)) == [
+        ("Warning", names.E_POOL_REPLICA_LOST)
+    ]
     # A replica lost: fewer ready for as many desired; not while the pool starts or scales.
     assert reasons(_pool_status(a, ready=2), _pool_status(a, ready=1)) == [("Warning", names.E_POOL_REPLICA_LOST)]
     assert reasons(_pool_status(a, ready=0), _pool_status(a, ready=1)) == []
-    assert reasons(_pool_status(a, ready=2, desired=2), _pool_status(a, ready=1, desired=1)) == []
+    assert reasons(_pool_status(a, ready=2, desired=2), _pool_status(a, ready=1, desired=1)) == [
+        ("Normal", names.E_POOL_SCALED)
+    ], "scaled down: no replica lost"

@@ -23,11 +23,11 @@ def view(**spec):
     return job_view(doc)
 
 
-def shared(*attached: str, waiting: tuple[str, ...] = (), ready: int = 2, **spec) -> PoolView:
+def shared(*attached: str, waiting: tuple[str, ...] = (), ready: int = 2, desired: int = 2, **spec) -> PoolView:
     status = PoolStatus(
         attached_jobs=[AttachedJob(job=key, uid="uid-1") for key in attached],
         waiting_jobs=list(waiting),
-        replicas=RoleReplicas(desired=2, ready=ready),
+        replicas=RoleReplicas(desired=desired, ready=ready),
     )
     return PoolView("shared", pool(**spec), status)
 
@@ -102,3 +102,23 @@ def test_a_pool_job_whose_trainer_never_starts_fails_at_its_startup_deadline():
     assert failed.reason == names.R_STARTUP_DEADLINE
     assert "trainer 0/1 ready" in failed.message and "4 Insufficient nvidia.com/gpu" in failed.message
     assert ChildRef("Job", "demo-trainer") in decision.delete
+
+
+def test_a_scale_up_of_its_pool_that_cannot_be_placed_never_fails_an_attached_job():
+    """The pool scaled from 2 to 3 and its new replica cannot be scheduled: the job trains on the 2 it has. The
+    pool's capacity is the pool's to report (its Ready condition, its events), not a reason to fail its jobs at
+    their startup deadline; a pool with no ready server still is (the job cannot start)."""
+    from tests.unit.test_startup_deadline import later
+
+    on_pool = view(scheduling={"startupDeadlineSeconds": 600, "onStartupDeadline": "Fail"})
+    first = decide(on_pool, JobStatus(), Observed(pool=shared("rl/demo")), NOW)
+    trained = Observed(trainer_job=trainer_job(active=1, ready=1), pool=shared("rl/demo"))
+    running = decide(on_pool, first.status, trained, later(10))
+    scaled = Observed(trainer_job=trainer_job(active=1, ready=1), pool=shared("rl/demo", desired=3, ready=2))
+    status = decide(on_pool, running.status, scaled, later(20)).status
+    assert status.replicas.inference == RoleReplicas(desired=3, ready=2)  # what kubectl get glj shows
+    decision = decide(on_pool, status, scaled, later(20 + 601))
+    assert decision.status.phase != "Failed" and decision.delete == ()
+    none_ready = Observed(trainer_job=trainer_job(active=1, ready=1), pool=shared("rl/demo", desired=3, ready=0))
+    status = decide(on_pool, running.status, none_ready, later(20)).status
+    assert decide(on_pool, status, none_ready, later(20 + 601)).status.phase == "Failed"

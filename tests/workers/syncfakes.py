@@ -8,6 +8,7 @@ import threading
 
 import torch
 
+from grpolora.api.pool import PoolReplicas
 from grpolora.testing.servers import free_port  # noqa: F401  (re-exported: the port helper the sync tests use)
 from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
 from grpolora.workers.sync.receiver import AdapterReceiver
@@ -50,3 +51,7 @@ class LocalMember:
     def prepare(self, request: PrepareRequest) -> None:
         self._check()
         self.receiver.prepare(request)
+
+    def pool_replicas(self) -> PoolReplicas | None:
+        self._check()
+        return None  # a job's own replica

@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from grpolora.workers.inference.app import MAX_BODY_BYTES, create_app
 from grpolora.workers.inference.metrics import TokenRate
 from grpolora.workers.sync import wire
-from grpolora.workers.sync.control import JOIN_PATH, PREPARE_PATH, STATE_PATH
+from grpolora.workers.sync.control import JOIN_PATH, POOL_PATH, PREPARE_PATH, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.fakeengine import TOKEN, FakeOwnEngineBook, fake_servers
 
@@ -40,6 +40,7 @@ def served(tmp_path):
 GUARDED = [
     ("post", "/v1/generate", {"prompt_token_ids": [[1, 2]]}),
     ("get", STATE_PATH, None),
+    ("get", POOL_PATH, None),
     ("post", JOIN_PATH, {}),
     ("post", PREPARE_PATH, {}),
 ]
@@ -66,6 +67,18 @@ def test_the_right_token_is_let_through_and_probes_stay_open(served):
     for path in ("/health", "/metrics", "/v1/adapter"):  # probes and scraping carry no token
         assert client.get(path).status_code == 200, path
     assert client.get("/ready").status_code in (200, 503)  # open too; readiness depends on the adapter
+
+
+def test_a_jobs_own_server_names_no_pool_replicas_and_the_trainer_keeps_its_members(tmp_path):
+    """Every trainer asks its members for a pool's replicas (it cannot tell a pool's servers from its own job's):
+    a job's own server answers 404, which the trainer reads as no list to follow."""
+    from grpolora.workers.sync.control import HttpMember
+
+    with fake_servers(tmp_path, 1) as (server,):
+        member = HttpMember(0, server.url, TOKEN)
+        assert httpx.get(f"{server.url}{POOL_PATH}", headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 404
+        assert member.pool_replicas() is None
+        member.close()
 
 
 def test_one_seed_per_prompt_reaches_the_engine(served):

@@ -3,9 +3,10 @@ cluster, each job in its own folder under --run-dir.
 
 Without engines: what the command refuses before anything starts (every message names the file, the field and
 both values). End to end (vllm): both jobs train to the end on one shared vLLM CPU replica, at the same time, and
-a third job, beyond the pool's maxJobs of 2, waits in line and attaches once one of them has ended. That third
-job runs with grpo.maxStaleness 2, and the pool's only replica is SIGKILLed once it has trained a step: the run
-heals (the replica restarted, every job's group re-formed on it) and every job finishes.
+a third job, beyond the pool's maxJobs of 2, waits in line and attaches once one of them has ended; that third job
+runs with grpo.maxStaleness 2. The pool's only replica is SIGKILLed while both first jobs are training (each past its
+first step, neither at its last): the run heals (the replica restarted, both jobs' groups re-formed on it and caught
+up) and every job finishes.
 
 The two jobs are rewarded for opposite things (the share of capitalised words, the share of lowercase ones), which
 the random tiny model learns within a few steps: both rewards rise only if each job's rollouts ran under its own
@@ -187,17 +188,25 @@ def pool_server() -> int | None:
     return None
 
 
-def kill_the_pool_server_once(metrics: Path, proc: subprocess.Popen, timeout: float = 600) -> bool:
-    """SIGKILL the pool's server once `metrics` has its first record (False if the run ended first)."""
+def steps_done(metrics: Path) -> int:
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def kill_the_pool_server_while_both_train(run_dir: Path, proc: subprocess.Popen, timeout: float = 600) -> float | None:
+    """SIGKILL the pool's server once both jobs have trained a step (a metrics.jsonl record each) and neither has
+    trained its last; returns when (None if that moment never came: the run ended, or one job finished first)."""
     deadline = time.monotonic() + timeout
-    while not (metrics.exists() and metrics.read_text().strip()):
-        if proc.poll() is not None or time.monotonic() > deadline:
-            return False
+    while True:
+        done = [steps_done(run_dir / name / "metrics.jsonl") for name in JOBS]
+        if all(1 <= n < STEPS for n in done):
+            break
+        if proc.poll() is not None or time.monotonic() > deadline or any(n >= STEPS for n in done):
+            return None
         time.sleep(0.05)
     server = pool_server()
     assert server is not None, "no pool server process"
     os.kill(server, signal.SIGKILL)
-    return True
+    return time.time()
 
 
 @dataclass
@@ -207,6 +216,7 @@ class PoolRun:
     records: dict[str, list[dict]]
     server_log: str
     left_running: list[int]
+    killed_at: float
 
 
 @pytest.fixture(scope="module")
@@ -234,10 +244,10 @@ def pool_run(tmp_path_factory) -> PoolRun:
             start_new_session=True,
         )
         try:
-            # The k = 2 job has trained a step, with rounds in flight or buffered ahead: the pool's only replica
-            # is SIGKILLed (the OOM killer, a node gone). The launcher restarts it; every attached job waits for
-            # the replacement, catches it up and goes on.
-            killed = kill_the_pool_server_once(run_dir / LATER / "metrics.jsonl", proc)
+            # Both jobs are training, each past its first step: the pool's only replica is SIGKILLed (the OOM
+            # killer, a node gone). The launcher restarts it; both attached jobs wait for the replacement, catch it
+            # up (each its own current adapter) and go on.
+            killed = kill_the_pool_server_while_both_train(run_dir, proc)
             code = proc.wait(timeout=600)
         finally:
             if proc.poll() is None:
@@ -247,13 +257,13 @@ def pool_run(tmp_path_factory) -> PoolRun:
             proc.args, code, (tmp / "stdout").read_text(), (tmp / "stderr").read_text()
         )
     assert result.returncode == 0, result.stderr[-8000:]
-    assert killed, "the pool server was never killed: the run ended before the k = 2 job trained a step"
+    assert killed is not None, "the pool server was never killed while both jobs were past step 1 and before their end"
     records = {
         name: [json.loads(line) for line in (run_dir / name / "metrics.jsonl").read_text().splitlines()]
         for name in (*JOBS, LATER)
     }
     left = processes_with("GRPOLORA_POOL_NAME", {POOL_NAME}) + processes_with("GRPOLORA_JOB_NAME", {*JOBS, LATER})
-    return PoolRun(run_dir, result, records, (run_dir / "logs" / "inference-0.log").read_text(), left)
+    return PoolRun(run_dir, result, records, (run_dir / "logs" / "inference-0.log").read_text(), left, killed)
 
 
 @pytest.mark.vllm
@@ -316,11 +326,18 @@ def test_a_job_beyond_max_jobs_waits_and_attaches_when_one_ends(pool_run):
 
 
 @pytest.mark.vllm
-def test_a_sigkilled_pool_replica_is_restarted_and_every_job_finishes(pool_run):
-    """The pool's only replica was SIGKILLed once the k = 2 job had trained a step (see pool_run): rounds in flight
-    failed on every replica, the trainers waited for the replacement and caught it up, and no step was lost."""
+def test_a_pool_replica_sigkilled_under_two_training_jobs_is_restarted_and_every_job_finishes(pool_run):
+    """The pool's only replica was SIGKILLed while both jobs were training (see pool_run): their rounds and
+    rollouts in flight failed, both trainers waited for the replacement, re-formed their groups on it and caught it
+    up with their own adapters, and no step was lost."""
     assert "--- grpolora run: exited with code -9; restart 1 ---" in pool_run.server_log
     assert "inference 0 exited with code -9; starting it again (restart 1 of" in pool_run.result.stderr
+    for name in JOBS:
+        times = [r["time"] for r in pool_run.records[name]]
+        assert times[0] < pool_run.killed_at < times[-1], (name, "killed while it trained", times)
+    restarted = pool_run.server_log.split("--- grpolora run: exited with code -9; restart 1 ---", 1)[1]
+    for name in JOBS:  # each job's adapters went live on the replacement: the job's group re-formed on it
+        assert f"default/{name}: adapter version" in restarted, name
     for name, steps in [*((n, STEPS) for n in JOBS), (LATER, LATER_STEPS)]:
         status = TrainerStatus.model_validate_json((pool_run.run_dir / name / "status.json").read_text())
         assert status.phase == "Succeeded" and status.step == steps, (name, status)

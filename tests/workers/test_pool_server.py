@@ -23,7 +23,7 @@ import torch
 
 from grpolora.api import contract
 from grpolora.api.contract import ContractError, PoolEnv
-from grpolora.api.pool import Attachments, write_attachments
+from grpolora.api.pool import Attachments, PoolReplicas, replicas_file, write_attachments
 from grpolora.testing.servers import (
     PoolServerProcess,
     free_port,
@@ -94,18 +94,25 @@ class GatedEngine(VllmEngine):
         return [Sample([prompt_token_ids[-1]], [-0.5], "x", "length") for _ in range(request.n)]
 
 
-def pool_app(engine: GatedEngine, tmp: Path, *, grace: float, jobs: tuple[str, ...] = (JOB_A, JOB_B), **spec):
+def pool_app(
+    engine: GatedEngine,
+    tmp: Path,
+    *,
+    grace: float,
+    jobs: tuple[str, ...] = (JOB_A, JOB_B),
+    replica_index: int = 0,
+    **spec,
+):
     pool = tiny_cpu_pool(**spec)
     tmp.mkdir(parents=True, exist_ok=True)
     jobs_file = tmp / "jobs.json"
     write_attachments(jobs_file, Attachments(pool=pool.name, jobs=[pool_attachment(j, TOKENS[j]) for j in jobs]))
+
+    def receiver(book, key: bytes, job: str) -> AdapterReceiver:
+        return AdapterReceiver(book, replica_index=replica_index, fingerprint="fp", key=key, name=job)
+
     attachments = pool_tenants(
-        engine,
-        pool.pool.spec,
-        pool=pool.name,
-        jobs_file=jobs_file,
-        receiver=lambda book, key, job: AdapterReceiver(book, replica_index=0, fingerprint="fp", key=key, name=job),
-        join_grace_seconds=grace,
+        engine, pool.pool.spec, pool=pool.name, jobs_file=jobs_file, receiver=receiver, join_grace_seconds=grace
     )
     return create_pool_app(engine, attachments, version_wait_seconds=1), attachments
 
@@ -231,6 +238,76 @@ def test_the_attachment_list_is_followed_by_content_and_a_bad_one_keeps_the_last
         assert httpx.post(f"{server.url}/v1/generate", json=ok, headers=bearer(JOB_C)).status_code == 200
 
 
+def test_a_replica_added_by_a_scale_up_is_ready_only_once_the_trainer_sent_it_the_current_adapter(tmp_path):
+    """A pool of one replica scaled to two, then back: the new replica starts with the attachment list (its job
+    awaited, so not ready); the trainer, started with one endpoint, learns of the new one from the servers (the
+    list's endpoints, newest generation first), joins it into its group and sends it the current adapter, and
+    only then is it ready. Scaled back down, the trainer leaves it out of its group and its rounds."""
+    from grpolora.workers.sync.control import HttpMember
+    from grpolora.workers.sync.sender import AdapterSender
+    from grpolora.workers.sync.transport import connect_store
+
+    apps = [pool_app(GatedEngine(), tmp_path / f"r{i}", grace=3600, jobs=(JOB_A,), replica_index=i) for i in (0, 1)]
+    servers = [AppThread(app) for app, _ in apps]
+    urls = [server.url for server in servers]
+
+    def scale(replicas: int, generation: int) -> None:
+        for _, attachments in apps:  # what the operator writes beside the attachment list (the pool's Secret)
+            listed = PoolReplicas(generation=generation, endpoints=tuple(urls[:replicas]))
+            write_attachments(replicas_file(attachments.path), listed)
+
+    def served(url: str) -> int:
+        return httpx.get(f"{url}/v1/adapter").json()["jobs"][JOB_A]["live_version"]
+
+    scale(1, generation=1)
+    store_port = free_port()
+    store = connect_store("127.0.0.1", store_port, is_master=True, timeout_seconds=30)
+    sender = AdapterSender(
+        [HttpMember(0, urls[0], TOKENS[JOB_A])],
+        store=store,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        backend="gloo",
+        timeout_seconds=30,
+        join_timeout_seconds=10,
+        bucket_bytes=1 << 20,
+        fingerprint="fp",
+        token=TOKENS[JOB_A],
+        member_factory=lambda index, url: HttpMember(index, url, TOKENS[JOB_A]),
+    )
+    adapter = {"layer.lora_A.weight": torch.ones(8, 16), "layer.lora_B.weight": torch.zeros(16, 8)}
+    config = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    with servers[0], servers[1]:
+        try:
+            sender.form_group()
+            sender.send(adapter, config)
+            sender.send(adapter, config)
+            assert (sender.group, served(urls[0]), served(urls[1])) == ((0,), 2, 0)
+            # The new replica is up (the StatefulSet made it), its job's trainer has not reached it: not ready.
+            assert httpx.get(f"{urls[1]}/ready").status_code == 503
+            sender.refresh()
+            assert sender.group == (0,), "the trainer knows only the replicas the servers list"
+
+            scale(2, generation=2)
+            wait_for(lambda: httpx.get(f"{urls[0]}/v1/sync/pool", headers=bearer(JOB_A)).json()["generation"] == 2,
+                     "the servers read the scaled list")  # fmt: skip
+            assert httpx.get(f"{urls[1]}/ready").status_code == 503
+            assert sender.refresh() is True
+            assert sender.group == (0, 1) and served(urls[1]) == 2, "caught up with the current version"
+            assert httpx.get(f"{urls[1]}/ready").status_code == 200
+            sender.send(adapter, config)
+            assert (served(urls[0]), served(urls[1])) == (3, 3) and sender.serving(3) == (0, 1)
+
+            scale(1, generation=3)
+            wait_for(lambda: httpx.get(f"{urls[0]}/v1/sync/pool", headers=bearer(JOB_A)).json()["generation"] == 3,
+                     "the servers read the list scaled down")  # fmt: skip
+            assert sender.refresh() is True and sender.group == (0,)
+            report = sender.send(adapter, config)
+            assert report.members == (0,) and (served(urls[0]), served(urls[1])) == (4, 3)
+        finally:
+            sender.close()  # the servers' receivers close as the apps stop
+
+
 def test_lora_names_are_unique_per_job_instance_and_version(tmp_path):
     """vLLM 0.32 keys its prefix cache's blocks on the LoRA's name and path (vllm/v1/core/kv_cache_utils.py,
     `_gen_lora_extra_hash_keys`: ("lora", lora_name, lora_path)), its multimodal cache on the name alone
@@ -268,9 +345,13 @@ def test_pool_env_is_read_from_plan_pools_contract_and_names_a_missing_variable(
     assert contract.is_pool_server(environ)
     env = PoolEnv.from_environ(environ)
     assert (env.pool_name, env.spec.lora_slots, env.jobs_file) == ("shared", 6, str(tmp_path / "jobs.json"))
-    assert env.own_endpoint == pool.endpoints[0] and env.sync_backend == "gloo"
+    assert f":{env.port}" in pool.endpoints[0] and env.sync_backend == "gloo"
     with pytest.raises(ContractError, match=contract.POOL_JOBS_FILE):
         PoolEnv.from_environ({k: v for k, v in environ.items() if k != contract.POOL_JOBS_FILE})
+    # A pool created by an earlier release (its pod template lists every replica's endpoint, no port of its own).
+    earlier = {k: v for k, v in environ.items() if k != contract.HTTP_PORT}
+    earlier[contract.INFERENCE_ENDPOINTS] = "http://127.0.0.1:9000,http://127.0.0.1:9001"
+    assert PoolEnv.from_environ(earlier | {contract.REPLICA_INDEX: "1"}).port == 9001
     with pytest.raises(ContractError, match=f"{contract.POOL_SPEC} does not hold a valid RolloutPool spec"):
         PoolEnv.from_environ(environ | {contract.POOL_SPEC: '{"maxJobs": 0}'})
 
@@ -480,6 +561,87 @@ def test_the_inference_worker_starts_a_pool_server_from_the_pool_contract(tmp_pa
         [*command, "--lora-slots=4"], env=os.environ | environ, capture_output=True, text=True, timeout=120
     )
     assert run.returncode == 2 and "--lora-slots=4 but the RolloutPool's maxJobs x adaptersPerJob is 6" in run.stderr
-    del environ[contract.INFERENCE_ENDPOINTS]
+    del environ[contract.HTTP_PORT]
     run = subprocess.run(command, env=os.environ | environ, capture_output=True, text=True, timeout=120)
-    assert run.returncode == contract.EXIT_INVALID_SPEC and contract.INFERENCE_ENDPOINTS in run.stderr
+    assert run.returncode == contract.EXIT_INVALID_SPEC and contract.HTTP_PORT in run.stderr
+
+
+DRAINED_SERVER = """
+import asyncio, sys
+from pathlib import Path
+
+sys.path.append(sys.argv[1])  # the repository's tests, after the standard library (its operator/ must not shadow it)
+from grpolora.workers.inference.server import uvicorn_server
+from tests.workers.test_pool_server import JOB_A, GatedEngine, pool_app
+
+
+class SlowEngine(GatedEngine):
+    async def generate(self, prompt_token_ids, request, lora):
+        await asyncio.sleep(float(sys.argv[4]))  # a long generation: longer than the old 3 s grace
+        return await super().generate(prompt_token_ids, request, lora)
+
+
+app, _ = pool_app(SlowEngine(), Path(sys.argv[2]), grace=0, jobs=(JOB_A,))
+uvicorn_server(app, host="127.0.0.1", port=int(sys.argv[3])).run()
+"""
+
+
+def test_a_sigterm_lets_a_generation_in_flight_finish_and_refuses_new_requests(tmp_path):
+    """What a scale-down (or a drain) does to a pool's server: the StatefulSet controller deletes the highest
+    ordinals, and the kubelet sends their server SIGTERM, then SIGKILL after terminationGracePeriodSeconds. The
+    server stops accepting at once (a trainer's next request or join finds it gone and re-forms without it), and a
+    generation in flight still completes within the grace."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from grpolora.workers.inference.server import DRAIN_SECONDS
+    from tests.helpers import ROOT
+
+    generation_seconds = 6.0
+    assert 3 < generation_seconds < DRAIN_SECONDS
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen(
+        [sys.executable, "-P", "-c", DRAINED_SERVER, str(ROOT), str(tmp_path), str(port), str(generation_seconds)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+
+        def up() -> bool:
+            try:
+                return httpx.get(f"{url}/ready", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+                return False
+
+        wait_for(up, "the server", seconds=60)
+        with concurrent.futures.ThreadPoolExecutor(1) as threads:
+            body = {"prompt_token_ids": [[1, 2, 3]], "max_tokens": 1}
+            answer = threads.submit(httpx.post, f"{url}/v1/generate", json=body, headers=bearer(JOB_A), timeout=60)
+            wait_in_flight(url, JOB_A, unless=answer.done)
+            assert not answer.done(), "answered before the SIGTERM: the test proves nothing"
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+
+            def refused() -> bool:
+                try:
+                    httpx.get(f"{url}/health", timeout=1)
+                except httpx.ConnectError:
+                    return True
+                return False
+
+            wait_for(refused, "the server to stop accepting", seconds=10)
+            response = answer.result()
+        assert response.status_code == 200, response.text
+        assert response.json()["results"][0]["samples"][0]["token_ids"] == [3]
+        assert time.monotonic() - sent < DRAIN_SECONDS
+        # Shut down cleanly, then ended by the signal it caught (uvicorn raises it again once it has shut down).
+        assert proc.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -57,3 +57,18 @@ def test_a_dead_replica_loses_its_share_to_the_others_and_all_dead_names_each(tm
         ):
             client.generate(PROMPTS, SAMPLING, version=0, replicas=[1])
         client.close()
+
+
+def test_replicas_of_a_scaled_pool_are_reached_by_the_urls_the_sender_follows(tmp_path):
+    """The trainer started with one endpoint; the pool scaled to two (the sender's members follow it, and the client
+    asks the sender for their URLs): the new replica gets its share. A replica that left (scaled down: no URL any
+    more) loses its share to the others."""
+    with fake_servers(tmp_path, 2) as servers:
+        members = {0: servers[0].url, 1: servers[1].url}
+        client = RolloutClient([servers[0].url], TOKEN, timeout_seconds=10, endpoint_of=members.get)
+        results = client.generate(PROMPTS, SAMPLING, version=0, replicas=[0, 1])
+        assert len(results) == 4 and [len(s.engine.requests) for s in servers] == [2, 2]
+        del members[1]
+        results = client.generate(PROMPTS, SAMPLING, version=0, replicas=[0, 1])
+        assert len(results) == 4 and [len(s.engine.requests) for s in servers] == [6, 2]
+        client.close()

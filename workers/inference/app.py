@@ -11,7 +11,7 @@ Open: GET /health (engine up; liveness and startup probe), GET /ready (engine up
 the rule and why are in tenants.py; readiness probe), GET /metrics (labelled by job), GET /v1/adapter (per job:
 live and loaded versions; at the top level the caller's job, named by its token, or the job of a job's own server).
 Token-guarded (`Authorization: Bearer <a served job's token>`): everything else, i.e. POST /v1/generate,
-GET /v1/sync/state, POST /v1/sync/join, POST /v1/sync/prepare.
+GET /v1/sync/state, GET /v1/sync/pool (a pool's replicas now), POST /v1/sync/join, POST /v1/sync/prepare.
 
 A client's mistake is a 4xx with the reason, never a 500: a missing or unknown token is refused (401) and a body
 over MAX_BODY_BYTES cut off (413) before the body is read, and the client still writing it reads that answer
@@ -35,7 +35,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api import constants as c
-from grpolora.api.pool import auth_digest
+from grpolora.api.pool import PoolReplicas, auth_digest
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
 from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants, in_flight_gauges
@@ -47,6 +47,7 @@ from grpolora.workers.inference.vllm_engine import (
 )
 from grpolora.workers.sync.control import (
     JOIN_PATH,
+    POOL_PATH,
     PREPARE_PATH,
     STATE_PATH,
     FingerprintMismatch,
@@ -192,6 +193,7 @@ def create_pool_app(
         on_fatal=on_fatal,
         cleanup=cleanup,
         status=lambda: {"attachment_error": attachments.error},
+        pool_replicas=lambda: attachments.replicas,
     )
 
 
@@ -205,6 +207,7 @@ def build_app(
     on_fatal: Callable[[], None] | None,
     cleanup: Callable[[], None],
     status: Callable[[], dict] = dict,
+    pool_replicas: Callable[[], PoolReplicas | None] = lambda: None,
 ) -> FastAPI:
     """The API around an engine and the jobs it serves (one for a job's own server, several for a pool's: the same
     routes, each request acting for the job its token names). `prepare` (optional coroutine) loads the model and
@@ -337,6 +340,16 @@ def build_app(
     @app.get(STATE_PATH, response_model=MemberState)
     async def sync_state(http: Request) -> MemberState:
         return caller(http).receiver.state()
+
+    @app.get(POOL_PATH, response_model=PoolReplicas)
+    async def sync_pool(http: Request) -> PoolReplicas:
+        """A pool's replicas as its servers are told them now: where an attached job's trainer finds the replicas a
+        scale-up added (token-guarded: only attached jobs learn them). 404 on a job's own server."""
+        caller(http)
+        replicas = pool_replicas()
+        if replicas is None:
+            raise HTTPException(status_code=404, detail="not a RolloutPool's server, or it has no list of replicas")
+        return replicas
 
     @app.post(JOIN_PATH, status_code=202)
     async def sync_join(request: JoinRequest, http: Request) -> dict:

@@ -26,7 +26,11 @@ from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome
 
 log = logging.getLogger(__name__)
 
-SHUTDOWN_GRACE_SECONDS = 3
+DRAIN_SECONDS = 25
+"""On SIGTERM (a pool scaled down, a node drained, a pod replaced) the server stops accepting at once and gives the
+generations in flight this long to finish: within the pod's terminationGracePeriodSeconds (Kubernetes' default of
+30 s, pkg/apis/core/v1/defaults.go; the operator leaves it unset), with time left for the engine to stop. A
+rollout request of a CPU or GPU replica takes seconds; one cut off is retried by the trainer on the other replicas."""
 
 
 def _round_logger(job: str) -> Callable[[RoundOutcome], None]:
@@ -56,7 +60,6 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
     """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters; for one job
     (its own server, WorkerEnv) or for the jobs attached to a RolloutPool (PoolEnv)."""
     import torch
-    import uvicorn
 
     from grpolora.workers.models import fingerprint, resolve_model
 
@@ -117,18 +120,18 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
         holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
         engine.config = config_for(spec, str(model_dir))
 
-    port = int(env.own_endpoint.rsplit(":", 1)[1])
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app_for(prepare),
-            host=env.bind_addr,
-            port=port,
-            log_level="info",
-            access_log=False,
-            # On SIGTERM, requests in flight get this long; then the engine shuts down (uvicorn would otherwise wait
-            # for them without limit, and a client that is gone already cannot end them).
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_SECONDS,
-        )
-    )
+    server = uvicorn_server(app_for(prepare), host=env.bind_addr, port=env.port)
     server.run()
     return 1 if failed else 0
+
+
+def uvicorn_server(app: FastAPI, *, host: str, port: int):
+    """The server's uvicorn: on SIGTERM it stops accepting, gives requests in flight DRAIN_SECONDS, then the app's
+    shutdown closes the receivers and the engine (uvicorn would otherwise wait for them without limit, and a client
+    that is gone already cannot end them)."""
+    import uvicorn
+
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level="info", access_log=False, timeout_graceful_shutdown=DRAIN_SECONDS
+    )
+    return uvicorn.Server(config)

@@ -37,7 +37,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from grpolora.api.pool import Attachment, Attachments
+from grpolora.api.pool import Attachment, Attachments, PoolReplicas, replicas_file
 from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook
@@ -232,6 +232,9 @@ class AttachmentList:
         self._text: str | None = None  # the content last read (good or bad), so that each change is read once
         self._entries: dict[str, Attachment] = {}  # the last good list, by job
         self.error: str | None = None  # why the file as it is now is not used (None: it is)
+        self.replicas_path = replicas_file(path)
+        self._replicas_text: str | None = None
+        self.replicas: PoolReplicas | None = None  # the pool's replicas as last read well (None: none read yet)
 
     def _parse(self, text: str) -> dict[str, Attachment]:
         try:
@@ -248,7 +251,9 @@ class AttachmentList:
         return entries
 
     async def refresh(self) -> None:
-        """Read the file; attach and detach to match it if its content changed."""
+        """Read the files; attach and detach to match the list if its content changed, and keep the pool's
+        replicas."""
+        await self._refresh_replicas()
         try:
             text = await asyncio.to_thread(self.path.read_text, encoding="utf-8")
         except OSError as exc:
@@ -278,6 +283,23 @@ class AttachmentList:
                 self.tenants.attach(self._make_tenant(entry))
             else:
                 tenant.book.kept_versions = entry.kept_versions
+
+    async def _refresh_replicas(self) -> None:
+        """The pool's replicas beside the list (absent: a pool of an earlier release; unreadable or invalid: the last
+        good ones are kept, logged once per content)."""
+        try:
+            text = await asyncio.to_thread(self.replicas_path.read_text, encoding="utf-8")
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            text = f"<unreadable: {exc}>"
+        if text == self._replicas_text:
+            return
+        self._replicas_text = text
+        try:
+            self.replicas = PoolReplicas.model_validate_json(text)
+        except ValueError as exc:
+            log.error("pool replicas %s: not valid (%s); keeping the last good ones", self.replicas_path, exc)
 
     async def watch(self) -> None:
         """Poll for changes until cancelled (never ends on an error: a pool outlives any one bad file)."""

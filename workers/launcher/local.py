@@ -45,7 +45,16 @@ import httpx
 from grpolora.api import contract
 from grpolora.api.load import InvalidJob, job_warnings
 from grpolora.api.plan import JobPlan, LoopbackNetwork, PoolPlan, Role, plan, plan_pool
-from grpolora.api.pool import Attachment, Attachments, Candidate, admit, attachment, job_key, write_attachments
+from grpolora.api.pool import (
+    Attachment,
+    Attachments,
+    Candidate,
+    admit,
+    attachment,
+    job_key,
+    replicas_file,
+    write_attachments,
+)
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.launcher.progress import Progress
@@ -361,10 +370,12 @@ class LocalRun:
             servers, owner = job.plan.role("inference"), job.name
             envs = [job.plan.env_for("inference", i, token=job.token) for i in range(servers.replicas)]
         else:
-            # The first jobs' entries are in the attachment list before any server reads it.
+            # The first jobs' entries are in the attachment list before any server reads it, and the pool's
+            # replicas beside it (the servers pass them on to the trainers; a run does not scale: generation 1).
             for job in self.jobs[: self.max_attached]:
                 self._plan_on_pool(job)
             self._write_attachments()
+            write_attachments(replicas_file(self.jobs_file), self.pool_plan.replicas(generation=1))
             servers, owner = self.pool_plan.inference, self.pool_plan.inference.workload_name
             jobs_file = str(self.jobs_file.resolve())
             envs = [self.pool_plan.env_for(i, jobs_file=jobs_file) for i in range(servers.replicas)]

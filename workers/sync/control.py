@@ -15,10 +15,12 @@ import httpx
 from pydantic import BaseModel, ConfigDict
 
 from grpolora.api.constants import TOKEN_HEADER
+from grpolora.api.pool import PoolReplicas
 
 JOIN_PATH = "/v1/sync/join"
 PREPARE_PATH = "/v1/sync/prepare"
 STATE_PATH = "/v1/sync/state"
+POOL_PATH = "/v1/sync/pool"
 
 
 class _Message(BaseModel):
@@ -89,6 +91,11 @@ class Member(Protocol):
         """Raises StaleEpoch, or MemberUnreachable."""
         ...
 
+    def pool_replicas(self) -> PoolReplicas | None:
+        """The pool's replicas as this replica was told them (grpolora.api.pool.PoolReplicas); None where it is not
+        a pool's server. Raises MemberUnreachable."""
+        ...
+
 
 class HttpMember:
     """A replica reached over its HTTP API (inference server)."""
@@ -125,6 +132,19 @@ class HttpMember:
 
     def prepare(self, request: PrepareRequest) -> None:
         self._call("POST", PREPARE_PATH, request)
+
+    def pool_replicas(self) -> PoolReplicas | None:
+        try:
+            response = self._client.get(POOL_PATH)
+        except httpx.HTTPError as exc:
+            raise MemberUnreachable(f"inference replica {self.index} ({self.base_url}): {exc}") from exc
+        if response.status_code == 404:  # a job's own server (or a pool server of an older release)
+            return None
+        if response.status_code >= 400:
+            raise MemberUnreachable(
+                f"inference replica {self.index} ({self.base_url}) answered {response.status_code}: {response.text}"
+            )
+        return PoolReplicas.model_validate(response.json())
 
     def close(self) -> None:
         self._client.close()

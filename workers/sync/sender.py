@@ -5,6 +5,10 @@ one round: header, buckets, closing status all-reduce. When a member dies or han
 fails (at once, or after `timeout_seconds`); the sender then re-forms the group under the next epoch with the
 members that still answer and sends the same version again. A member that comes back (a replacement pod) is
 joined into the next epoch and receives the current adapter at once, before the trainer relies on it.
+
+On a RolloutPool (`member_factory` given) the members follow the pool's replicas as its servers name them
+(GET /v1/sync/pool, the newest generation any member reports): a replica a scale-up added becomes a member (and is
+caught up like a replacement), one a scale-down removed stops being one.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from grpolora.api.pool import PoolReplicas
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
@@ -104,8 +109,12 @@ class AdapterSender:
         rejoin_backoff_seconds: float = REJOIN_BACKOFF_SECONDS,
         replacement_wait_seconds: float = REPLACEMENT_WAIT_SECONDS,
         wire_dtype: torch.dtype | None = None,
+        member_factory: Callable[[int, str], Member] | None = None,
     ):
         self._members = {m.index: m for m in members}
+        # On a pool: how to reach a replica the pool's servers name (index, base URL); None: the members are fixed.
+        self._member_factory = member_factory
+        self._pool_generation = -1  # of the pool's list of replicas the members follow
         self._store = store
         self._store_addr, self._store_port = store_addr, store_port
         self._backend = backend
@@ -182,7 +191,56 @@ class AdapterSender:
                 return None
 
         found = dict(zip((m.index for m in candidates), self._pool.map(probe, candidates), strict=True))
-        return {index: state for index, state in found.items() if state is not None}
+        states = {index: state for index, state in found.items() if state is not None}
+        if self._follow_pool(states):
+            return self._states()
+        return states
+
+    def _follow_pool(self, answering: Mapping[int, MemberState]) -> bool:
+        """On a pool: make the members the replicas of the newest list the answering members report (a scale-up's
+        new ones added, a scale-down's removed ones dropped). True if the members changed."""
+        if self._member_factory is None or not answering:
+            return False
+
+        def listed(member: Member) -> PoolReplicas | None:
+            try:
+                return member.pool_replicas()
+            except MemberUnreachable:
+                return None
+
+        lists = [found for found in self._pool.map(listed, [self._members[i] for i in answering]) if found]
+        if not lists:
+            return False
+        newest = max(lists, key=lambda found: found.generation)
+        if newest.generation <= self._pool_generation:
+            return False
+        self._pool_generation = newest.generation
+        # A replica's index names one StatefulSet ordinal (one DNS name, one local port): a member kept keeps its URL.
+        wanted = dict(enumerate(newest.endpoints))
+        if not wanted or set(wanted) == set(self._members):
+            return False
+        added, removed = sorted(set(wanted) - set(self._members)), sorted(set(self._members) - set(wanted))
+        gone = [self._members[index] for index in removed]
+        # Replaced whole, never mutated: the rollout threads read it (endpoint) while this runs.
+        self._members = {
+            index: self._members[index] if index in self._members else self._member_factory(index, url)
+            for index, url in wanted.items()
+        }
+        for member in gone:
+            closing = getattr(member, "close", None)
+            if closing is not None:
+                closing()
+        for index in removed:
+            self._benched.pop(index, None)
+        log.info(
+            "adapter sync: the pool's replicas are %s (generation %d): added %s, removed %s",
+            sorted(wanted), newest.generation, added, removed,
+        )  # fmt: skip
+        return True
+
+    def endpoint(self, index: int) -> str | None:
+        """The base URL of member `index` (None: not a member now, or not reached over HTTP)."""
+        return getattr(self._members.get(index), "base_url", None)
 
     def _bench(self, indices: Sequence[int], why: str) -> None:
         for index in indices:

@@ -246,6 +246,13 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         # Rounds carry the adapter in the model's dtype: half the bytes of the float32 master weights for a bf16 or
         # fp16 model, and the same LoRA that vLLM would build from float32 (it rounds to the model's dtype).
         wire_dtype=wire.dtype_named(env.spec.model.dtype),
+        # A RolloutPool's servers name its replicas as it scales (a job's own servers answer that they have none).
+        member_factory=lambda index, url: HttpMember(index, url, env.token),
     )
-    rollouts = RolloutClient(env.inference_endpoints, env.token, timeout_seconds=max(env.sync_timeout_seconds, 600))
+    rollouts = RolloutClient(
+        env.inference_endpoints,
+        env.token,
+        timeout_seconds=max(env.sync_timeout_seconds, 600),
+        endpoint_of=sender.endpoint,
+    )
     return sender, rollouts

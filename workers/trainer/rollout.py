@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -70,8 +70,18 @@ class _VersionGone(Exception):
 
 
 class RolloutClient:
-    def __init__(self, endpoints: Sequence[str], token: str, *, timeout_seconds: float):
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        token: str,
+        *,
+        timeout_seconds: float,
+        endpoint_of: Callable[[int], str | None] | None = None,
+    ):
+        """`endpoint_of`: the base URL of a replica by index where the replicas change while the trainer runs (a
+        scaled RolloutPool: AdapterSender.endpoint); `endpoints` (those the trainer started with) otherwise."""
         self.endpoints = list(endpoints)
+        self._endpoint_of = endpoint_of
         self._client = httpx.Client(headers={TOKEN_HEADER: f"Bearer {token}"}, timeout=timeout_seconds)
         self._pool = ThreadPoolExecutor(max_workers=max(len(self.endpoints), 1), thread_name_prefix="rollout")
 
@@ -128,7 +138,7 @@ class RolloutClient:
             alive = [r for r in replicas if r not in failed]
             lost = [p for r in failed for p in shares[r]]
             if not alive:
-                reasons = "; ".join(f"replica {r} ({self.endpoints[r]}): {why}" for r, why in sorted(failed.items()))
+                reasons = "; ".join(f"replica {r} ({self._url(r)}): {why}" for r, why in sorted(failed.items()))
                 raise ReplicasLost(f"every replica failed to generate ({len(lost)} prompts lost): {reasons}")
             retry = self.generate(
                 [prompts[p] for p in lost],
@@ -160,7 +170,7 @@ class RolloutClient:
             body["top_k"] = sampling.top_k
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        response = self._client.post(f"{self.endpoints[replica]}/v1/generate", json=body)
+        response = self._client.post(f"{self._url(replica)}/v1/generate", json=body)
         if response.status_code == 409 and version is not None:
             live = self._live_version(replica)
             if live is not None and live > version:
@@ -172,9 +182,17 @@ class RolloutClient:
 
     def _live_version(self, replica: int) -> int | None:
         try:
-            return int(self._client.get(f"{self.endpoints[replica]}/v1/adapter").json()["live_version"])
+            return int(self._client.get(f"{self._url(replica)}/v1/adapter").json()["live_version"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError):
             return None
+
+    def _url(self, replica: int) -> str:
+        found = self._endpoint_of(replica) if self._endpoint_of is not None else None
+        if found is None and replica < len(self.endpoints):
+            found = self.endpoints[replica]
+        if found is None:  # a replica that left (a scaled-down pool): its share fails over to the others
+            raise httpx.ConnectError(f"inference replica {replica} is no longer a member")
+        return found
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

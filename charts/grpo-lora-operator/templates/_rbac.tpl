@@ -62,10 +62,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["batch"]
   resources: ["jobs"]
   verbs: ["get", "list", "watch", "create", "delete"]
-# the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; listed once per resync), create it, delete it on suspend and when the job ends
+# the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; listed once per resync), create it, patch a RolloutPool's replicas when it scales, delete it on suspend and when the job ends
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # say why a job's pods are not ready (unschedulable, image pull errors)
 - apiGroups: [""]
   resources: ["pods"]
