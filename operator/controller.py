@@ -742,8 +742,11 @@ class Controller:
         )
         running = not spec.suspend and not rec.is_finished(old)
         if running and (trainer_job or inference) and not_ready:
+            # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
+            # shared listing was taken), and the job's failure is final, so they are listed as they are now.
+            failed = obs.job_condition(trainer_job, "Failed") is not None
             ours, events = await asyncio.gather(
-                self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}),
+                self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=failed),
                 self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
             )
             pods = [p for p in ours if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
@@ -876,15 +879,22 @@ class Controller:
         return None
 
     async def _listing(
-        self, kind: kube.Kind, namespace: str, labels: Mapping[str, str], *, fields: Mapping[str, str] | None = None
+        self,
+        kind: kube.Kind,
+        namespace: str,
+        labels: Mapping[str, str],
+        *,
+        fields: Mapping[str, str] | None = None,
+        fresh: bool = False,
     ) -> list[dict[str, Any]]:
         """A namespace's pods or Warning events, listed at most once per monitor interval and shared by every job
         there that waits for its pods (each picks its own): a burst of new jobs would otherwise list twice per job and
-        pass, and spend the client's rate limit on it. A listing that failed is not reused."""
+        pass, and spend the client's rate limit on it. A listing that failed is not reused; `fresh`: one begun now
+        (shared from then on)."""
         key = (kind.plural, namespace, tuple(sorted(labels.items())), tuple(sorted((fields or {}).items())))
         now = asyncio.get_running_loop().time()
         cached = self.listings.get(key)
-        stale = cached is None or now - cached[0] >= self.config.interval
+        stale = fresh or cached is None or now - cached[0] >= self.config.interval
         if stale or (cached is not None and cached[1].done() and cached[1].exception() is not None):
             cached = (now, asyncio.ensure_future(self.client.list(kind, namespace, labels, fields=fields)))
             self.listings[key] = cached

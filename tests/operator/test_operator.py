@@ -453,27 +453,17 @@ async def test_a_disrupted_trainer_restarts_without_spending_max_restarts(cluste
     assert cluster.get("policy/v1/poddisruptionbudgets", "demo-inference") is not None
 
 
-async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_message(cluster, operator):
-    await cluster.apply(job_doc(trainer={"maxRestarts": 3}))
-    await created(cluster)
+async def trainer_refuses_its_data(cluster: Cluster) -> None:
+    """Play the kubelet and the Job controller: the trainer exits 65 (bad data) with its termination message, and
+    the podFailurePolicy fails the Job."""
+    terminated = {"exitCode": 65, "message": "spec.task.dataset.path: file not found: x"}
+    container = {"name": "trainer", "image": "x", "imageID": "", "ready": False, "restartCount": 0}
     pod = {
         "apiVersion": "v1",
         "kind": "Pod",
         "metadata": {"name": "demo-trainer-0-abcde", "labels": pod_labels("demo", "trainer")},
         "spec": {"containers": [{"name": "trainer", "image": "x"}]},
-        "status": {
-            "phase": "Failed",
-            "containerStatuses": [
-                {
-                    "name": "trainer",
-                    "image": "x",
-                    "imageID": "",
-                    "ready": False,
-                    "restartCount": 0,
-                    "state": {"terminated": {"exitCode": 65, "message": "spec.task.dataset.path: file not found: x"}},
-                }
-            ],
-        },
+        "status": {"phase": "Failed", "containerStatuses": [{**container, "state": {"terminated": terminated}}]},
     }
     await cluster.add_pod(pod)
     await cluster.set_status(
@@ -484,6 +474,12 @@ async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_me
             "rule at index 0"
         ),
     )
+
+
+async def test_a_trainer_that_refuses_its_data_fails_the_job_at_once_with_its_message(cluster, operator):
+    await cluster.apply(job_doc(trainer={"maxRestarts": 3}))
+    await created(cluster)
+    await trainer_refuses_its_data(cluster)
     await wait_for(lambda: phase(cluster) == "Failed", "phase Failed")
     failed_condition = cluster.condition("demo", names.FAILED)
     assert failed_condition["reason"] == names.R_POD_FAILURE_POLICY

@@ -17,7 +17,7 @@ from grpolora.operator.trainer_client import TrainerStatusClient
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE
 from tests.helpers import job_doc
 from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
-from tests.operator.test_operator import created, pods_up, report
+from tests.operator.test_operator import created, pods_up, report, trainer_refuses_its_data
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
 
@@ -316,11 +316,11 @@ async def test_a_deletion_the_watch_missed_is_found_by_the_next_re_list_of_the_n
         await controller.stop()
 
 
-def _controller(cluster, client_class: type[KubeClient] = KubeClient) -> Controller:
-    """A controller without Kopf: the test hands it the events; its monitors pass every FAST_INTERVAL."""
+def _controller(cluster, client_class: type[KubeClient] = KubeClient, interval: float = FAST_INTERVAL) -> Controller:
+    """A controller without Kopf: the test hands it the events; its monitors pass every `interval`."""
     client = client_class(lambda: None)
     client.use(kopf.ConnectionInfo(server=cluster.url))
-    return Controller(client, TrainerStatusClient(), Metrics(), ControllerConfig(FAST_INTERVAL, resync_interval=3600.0))
+    return Controller(client, TrainerStatusClient(), Metrics(), ControllerConfig(interval, resync_interval=3600.0))
 
 
 async def _settled(controller: Controller, name: str = "demo") -> None:
@@ -382,5 +382,25 @@ async def test_an_event_that_comes_while_a_pass_is_out_gets_a_pass_of_its_own(cl
         await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service made again")
         new = await wait_for(lambda: cluster.get(WORKLOADS, "demo"), "the Workload made again")
         assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    finally:
+        await controller.stop()
+
+
+async def test_a_failed_trainer_is_explained_by_its_pods_as_they_are_when_it_failed(cluster):
+    """Why a job with bad data failed is the trainer's termination message, on its pod. The namespace's pods are
+    listed at most once per monitor interval for all its jobs that wait for pods (Controller._listing); the message
+    is written when the trainer fails, after that listing, often: the pass that finds the trainer Job failed lists
+    them again, or the job failed for good with the Job controller's words only. Passes by hand, an hour apart."""
+    controller = _controller(cluster, interval=3600.0)
+    try:
+        await cluster.apply(job_doc(trainer={"maxRestarts": 3}))
+        await controller.reconcile(cluster.job("demo"))  # creates its children
+        job = controller.jobs[(NAMESPACE, "demo")]
+        await controller._pass(job, full=False)  # not ready: lists the pods (none yet), kept for the interval
+        await trainer_refuses_its_data(cluster)
+        controller.workload_event("Job", "MODIFIED", cluster.get("batch/v1/jobs", "demo-trainer"))
+        await controller._pass(job, full=False)
+        failed = await wait_for(lambda: cluster.condition("demo", names.FAILED), "the job failed")
+        assert "spec.task.dataset.path: file not found: x" in failed["message"], failed
     finally:
         await controller.stop()
