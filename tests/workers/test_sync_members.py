@@ -6,6 +6,7 @@ tests/workers/test_inference_sync.py runs the same path inside real vLLM engines
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -13,7 +14,7 @@ import time
 import pytest
 import torch
 
-from grpolora.workers.inference.members import SHM_DIR, MemberLink, serve_host
+from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, serve_host
 from grpolora.workers.inference.server import sync_member_factory
 from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
 from grpolora.workers.sync import wire
@@ -94,7 +95,7 @@ def sender_for(members, port, store) -> AdapterSender:
 
 
 def staged_names() -> set[str]:
-    return {name for name in os.listdir(SHM_DIR) if name.startswith("grpolora-stage-")}
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(STAGE_PREFIX)}
 
 
 def test_rounds_are_received_in_the_worker_and_activated_from_its_staging_segment(link):
@@ -232,3 +233,32 @@ def test_the_http_process_of_an_nccl_replica_never_initialises_cuda(link, monkey
     finally:
         member.close()
         del store
+
+
+def test_a_member_host_removes_the_staging_segments_of_members_killed_mid_round(tmp_path):
+    """A worker killed inside a round (SIGKILL, OOM) cannot remove its staging segment's name; the next member
+    host on the machine does, and leaves those of live processes alone."""
+    dead = mp.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    stale = os.path.join(SHM_DIR, f"{STAGE_PREFIX}{dead.pid}-0123456789abcdef")
+    live = os.path.join(SHM_DIR, f"{STAGE_PREFIX}{os.getpid()}-0123456789abcdef")
+    for path in (stale, live):
+        open(path, "wb").close()
+    try:
+        made = MemberLink(timeout_seconds=TIMEOUT)
+
+        async def connect(address: str, authkey_hex: str) -> list[bool]:
+            process = mp.get_context("spawn").Process(target=worker_end, args=(address, authkey_hex), daemon=True)
+            process.start()
+            connect.process = process
+            return [True]
+
+        asyncio.run(made.start(connect))
+        made.close()
+        connect.process.join(30)
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)

@@ -271,8 +271,28 @@ class RemoteMember:
 # ---- the worker's end ------------------------------------------------------------------------------------------
 
 
+STAGE_PREFIX = "grpolora-stage-"  # then the staging process's pid, "-", and a random part
+
+
+def remove_orphaned_stages() -> list[str]:
+    """Remove the staging segments whose process is gone (a worker killed inside a round cannot; in a pod they
+    would hold /dev/shm's memory until the pod ends). Returns their names."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        pid = name.removeprefix(STAGE_PREFIX).partition("-")[0]
+        if not name.startswith(STAGE_PREFIX) or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    if removed:
+        log.warning("removed %d staging segments of sync members that died mid-round", len(removed))
+    return removed
+
+
 def serve_host(address: str, authkey_hex: str, device: torch.device | None = None) -> MemberHost:
     """In the member worker: connect to the HTTP process's MemberLink and serve it on a thread of its own."""
+    remove_orphaned_stages()
     connection = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
     host = MemberHost(connection, device)
     threading.Thread(target=host.serve, name="grpolora-member-host", daemon=True).start()
@@ -451,7 +471,7 @@ class StagingSink:
         return list(flat.split(list(sizes)))
 
     def _stage(self, size: int) -> torch.Tensor:
-        name = f"grpolora-stage-{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        name = f"{STAGE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
         path = os.path.join(SHM_DIR, name)
         descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
