@@ -262,3 +262,33 @@ def test_a_member_host_removes_the_staging_segments_of_members_killed_mid_round(
         for path in (stale, live):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
+
+
+def test_a_corrupted_round_is_refused_in_the_worker_and_leaves_no_staging_segment(link, monkeypatch):
+    """The payload MAC is checked where the bytes land, in the worker, before any activation: the book sees
+    nothing of a corrupted round, and the segment it landed in is removed at the round's end, not left for the
+    next round to find."""
+    before = staged_names()
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    book = RecordingBook()
+    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(book, KEY, "a")
+    sender = sender_for([LocalMember(0, member)], port, store)
+    real_pack = wire.pack
+
+    def corrupting_pack(*args, **kwargs):
+        header, buckets = real_pack(*args, **kwargs)
+        buckets[0][3] ^= 0xFF  # after the MAC was computed
+        return header, buckets
+
+    try:
+        sender.form_group(wait_for_all_seconds=TIMEOUT)
+        monkeypatch.setattr(wire, "pack", corrupting_pack)
+        with pytest.raises(SyncError, match="every replica refused version 1"):
+            sender.send(adapter(1), {"r": 8})
+        assert "payload MAC does not verify" in (member.state().last_error or "")
+        assert book.adapters == {} and member.state().live_version == 0
+        assert staged_names() == before
+    finally:
+        sender.close()
+        member.close()

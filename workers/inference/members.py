@@ -376,8 +376,8 @@ class WorkerMember:
             fingerprint=fingerprint,
             key=key,
             device=device if gpu else None,
-            on_round=lambda outcome: self._event({"op": "round", "outcome": dataclasses.asdict(outcome)}),
-            on_error=lambda kind: self._event({"op": "error", "kind": kind}),
+            on_round=self._round_ended,
+            on_error=self._failed,
             name=name,
             allocate=self.sink.allocate,
             thread_context=_cuda_stream(device) if gpu else None,
@@ -419,6 +419,16 @@ class WorkerMember:
         if op == "close":
             return None  # answered first; the control thread then closes this member
         raise SyncError(f"unknown member call {op!r}")
+
+    # Both on the receiver thread, as a round ends: a refused or interrupted round's segment goes at once (an
+    # activated one went as it was activated), so no round's bytes stay named in /dev/shm until the next.
+    def _round_ended(self, outcome: RoundOutcome) -> None:
+        self.sink.discard()
+        self._event({"op": "round", "outcome": dataclasses.asdict(outcome)})
+
+    def _failed(self, kind: str) -> None:
+        self.sink.discard()
+        self._event({"op": "error", "kind": kind})
 
     def _event(self, message: dict) -> None:
         with self._events_lock, contextlib.suppress(OSError):
