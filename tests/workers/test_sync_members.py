@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import multiprocessing as mp
 import os
+import threading
 import time
 
 import pytest
@@ -292,3 +293,23 @@ def test_a_corrupted_round_is_refused_in_the_worker_and_leaves_no_staging_segmen
     finally:
         sender.close()
         member.close()
+
+
+def test_a_link_whose_worker_never_connects_fails_to_start_and_leaves_no_thread():
+    """vLLM's workers answered, but none became the host (or the call failed): start() raises at once, and the
+    thread that waited to accept the worker ends."""
+    made = MemberLink(timeout_seconds=TIMEOUT)
+
+    async def nobody(address: str, authkey_hex: str) -> list[bool]:
+        return [False]
+
+    threads_before = threading.active_count()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no vLLM worker became the sync member host"):
+        asyncio.run(made.start(nobody))
+    assert time.monotonic() - started < TIMEOUT
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads_before:
+        assert time.monotonic() < deadline, "the accepting thread is still blocked"
+        time.sleep(0.05)
+    assert not os.path.exists(made.address)
