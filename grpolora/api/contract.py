@@ -44,7 +44,9 @@ BIND_ADDR: Final = "GRPOLORA_BIND_ADDR"  # address the HTTP servers listen on
 # The sync group.
 SYNC_ADDR: Final = "GRPOLORA_SYNC_ADDR"
 SYNC_PORT: Final = "GRPOLORA_SYNC_PORT"
-SYNC_WORLD_SIZE: Final = "GRPOLORA_SYNC_WORLD_SIZE"  # at full membership: 1 + inference replicas
+# At full membership: 1 + inference replicas (one member per replica, its engine's TP rank 0 worker, whatever the
+# tensorParallelSize; plan.sync_world_size).
+SYNC_WORLD_SIZE: Final = "GRPOLORA_SYNC_WORLD_SIZE"
 SYNC_BACKEND: Final = "GRPOLORA_SYNC_BACKEND"  # nccl | gloo
 SYNC_EPOCH: Final = "GRPOLORA_SYNC_EPOCH"
 SYNC_TIMEOUT_SECONDS: Final = "GRPOLORA_SYNC_TIMEOUT_SECONDS"

@@ -98,6 +98,14 @@ class RolePlan:
     placement: Placement
 
 
+def sync_world_size(replicas: int) -> int:
+    """The sync group at full membership: trainer rank 0 and one member per inference replica, whatever the
+    replica's tensorParallelSize. The member is the first worker of the replica's vLLM engine (TP rank 0); the
+    replica's other TP workers map the segment it staged each round in (one pod, one host: docs/design.md,
+    "Adapter sync")."""
+    return 1 + replicas
+
+
 @dataclass(frozen=True)
 class SyncPlan:
     addr: str
@@ -300,7 +308,7 @@ def plan(
     sync = SyncPlan(
         addr=trainer_hosts[0],
         port=spec.sync.port,
-        world_size=1 + spec.inference.replicas,
+        world_size=sync_world_size(spec.inference.replicas),
         backend=spec.sync_backend,
         epoch=0,
         timeout_seconds=spec.sync.timeout_seconds,

@@ -7,9 +7,10 @@ grpo.maxStaleness = k the book keeps the newest k + 1 versions loaded (buffered 
 ask for them), so the engine needs k + 1 LoRA slots and never fewer than two (`inference.maxLoras`, checked by the
 spec); version 0 is the base model (no adapter).
 
-Adapters reach vLLM from memory: the verified tensors go to vLLM's own workers between engine steps and become a
-LoRA model there (workers/inference/vllm_worker.py), with no folder on the way; every worker of a tensor- or
-data-parallel engine builds its own.
+Adapters reach vLLM from memory: a synced version was received and verified by the job's sync member inside vLLM's
+first worker, into a shared-memory segment (workers/inference/members.py); `activate_staged` hands that segment to
+every worker between engine steps, where it becomes a LoRA model (workers/inference/vllm_worker.py), with no folder
+and no copy through this process on the way; every worker of a tensor-parallel engine builds its own.
 
 `AdapterBook` is one job's book on a shared engine (a RolloutPool's server holds one per attached job);
 `OwnEngineBook` is the book of a job with an engine of its own (a job's own server, `grpolora eval`, the
@@ -22,13 +23,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from typing import Any
 
 import torch
 
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
-from grpolora.workers.inference.vllm_worker import lora_request
+from grpolora.workers.inference.vllm_worker import Layout, lora_request
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +79,24 @@ class AdapterBook:
         return sorted(self._loaded.values())
 
     def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
-        """Load `version` next to the live one and switch new requests to it (called from the sync thread)."""
-        assert self._loop is not None, "engine not started"
-        asyncio.run_coroutine_threadsafe(self._activate(version, tensors, adapter_config), self._loop).result()
+        """Load `version` next to the live one and switch new requests to it (called from a sync thread)."""
+        self._run(version, lambda request: self._engine.add_lora(request, tensors, adapter_config))
 
-    async def _activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+    def activate_staged(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None:
+        """As `activate`, for a version that a sync member in vLLM's worker received and verified into shared-memory
+        `segment` (workers/inference/members.py): the workers map it, nothing is copied through this process."""
+        self._run(version, lambda request: self._engine.add_staged_lora(request, segment, size, layout, adapter_config))
+
+    def _run(self, version: int, add: Callable[[Any], Awaitable[None]]) -> None:
+        assert self._loop is not None, "engine not started"
+        asyncio.run_coroutine_threadsafe(self._activate(version, add), self._loop).result()
+
+    async def _activate(self, version: int, add: Callable[[Any], Awaitable[None]]) -> None:
         if self._closed:  # a round that finished after its job was detached must not load anything again
             raise RuntimeError(f"job {self.job} is detached from this server")
         started = time.perf_counter()
         lora_id = self._engine.new_lora_id()
-        await self._engine.add_lora(self._lora_request(version, lora_id), tensors, adapter_config)
+        await add(self._lora_request(version, lora_id))
         self._loaded[version] = lora_id
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
@@ -215,6 +225,11 @@ class OwnEngineBook(AdapterBook):
     @property
     def started(self) -> bool:
         return self._engine.started
+
+    @property
+    def members(self):
+        """The link to the sync members in vLLM's worker (VllmEngine.members), once started."""
+        return self._engine.members
 
     def shutdown(self) -> None:
         self._engine.shutdown()

@@ -38,7 +38,14 @@ from grpolora.api import constants as c
 from grpolora.api.pool import PoolReplicas, auth_digest
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
-from grpolora.workers.inference.tenants import AttachmentList, FairGate, Tenant, Tenants, in_flight_gauges
+from grpolora.workers.inference.tenants import (
+    AttachmentList,
+    FairGate,
+    SyncMember,
+    Tenant,
+    Tenants,
+    in_flight_gauges,
+)
 from grpolora.workers.inference.vllm_engine import (
     InvalidRequest,
     Sample,
@@ -56,7 +63,6 @@ from grpolora.workers.sync.control import (
     PrepareRequest,
     StaleEpoch,
 )
-from grpolora.workers.sync.receiver import AdapterReceiver
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +136,7 @@ class GenerateResponse(BaseModel):
 
 def create_app(
     engine: OwnEngineBook,
-    receiver_factory: Callable[[OwnEngineBook], AdapterReceiver],
+    receiver_factory: Callable[[OwnEngineBook], SyncMember],
     *,
     token: str,
     version_wait_seconds: float,

@@ -1,8 +1,10 @@
 """`grpolora worker inference`: the inference server's process, configured only from the env contract.
 
 It reads the env (WorkerEnv for a job's own server, PoolEnv for a RolloutPool's), sets what a CPU engine needs,
-builds the vLLM engine and the adapter books of the jobs it serves, with a sync receiver each, and serves the HTTP
-API (workers/inference/app.py) with uvicorn until SIGTERM, or until the engine fails to start (exit 1).
+builds the vLLM engine and the adapter books of the jobs it serves, each with its sync member in vLLM's first worker
+(this process relays the member's control calls and activates what it verified; it holds no collective and never
+initialises CUDA: `sync_member_factory`), and serves the HTTP API (workers/inference/app.py) with uvicorn until
+SIGTERM, or until the engine fails to start (exit 1).
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ from grpolora.api.pool import job_key
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook
 from grpolora.workers.inference.app import create_app, create_pool_app
+from grpolora.workers.inference.members import MemberLink, RemoteMember
 from grpolora.workers.inference.tenants import pool_tenants
 from grpolora.workers.inference.vllm_engine import EngineConfig, VllmEngine, config_for, cpu_engine_env
 from grpolora.workers.sync import wire
-from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome
+from grpolora.workers.sync.receiver import RoundOutcome
 
 log = logging.getLogger(__name__)
 
@@ -56,29 +59,43 @@ def engine_config(env: WorkerEnv, model_dir: str) -> EngineConfig:
     return config_for(env.spec, model_dir)
 
 
+def sync_member_factory(
+    members: Callable[[], MemberLink], *, replica_index: int, fingerprint: Callable[[], str]
+) -> Callable[[AdapterBook, bytes, str], RemoteMember]:
+    """How this process gets a job's sync member: it is never here. The member (its group, its buffers, with
+    `sync.backend: nccl` its CUDA context and stream) lives in vLLM's first worker; this process holds a
+    RemoteMember, the control plane (join, prepare, state, readiness) and the job's book, which activates each
+    verified round with one collective_rpc (workers/inference/members.py). `members`: the engine's link, once it
+    has started."""
+
+    def member(book: AdapterBook, key: bytes, job: str) -> RemoteMember:
+        return members().attach(
+            book,
+            key=key,
+            replica_index=replica_index,
+            fingerprint=fingerprint(),
+            name=job,
+            on_round=_round_logger(job),
+            on_error=_failure_counter(job),
+        )
+
+    return member
+
+
 def serve(env: WorkerEnv | PoolEnv) -> int:
     """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters; for one job
     (its own server, WorkerEnv) or for the jobs attached to a RolloutPool (PoolEnv)."""
-    import torch
-
     from grpolora.workers.models import fingerprint, resolve_model
 
     spec = env.spec
     cpu_engine_env(spec)
     holder: dict[str, str] = {}
-    device = torch.device("cuda", 0) if env.sync_backend == "nccl" else None
 
-    def receiver(book: AdapterBook, key: bytes, job: str) -> AdapterReceiver:
-        return AdapterReceiver(
-            book,
-            replica_index=env.replica_index,
-            fingerprint=holder["fingerprint"],
-            key=key,
-            device=device,
-            on_round=_round_logger(job),
-            on_error=_failure_counter(job),
-            name=job,
-        )
+    def link() -> MemberLink:
+        assert engine.members is not None, "engine not started"
+        return engine.members
+
+    receiver = sync_member_factory(link, replica_index=env.replica_index, fingerprint=lambda: holder["fingerprint"])
 
     failed: list[bool] = []
 

@@ -2,8 +2,9 @@
 ones its attachment list names. The same code serves both; nothing is forked for the pool.
 
 Each tenant is one job: its bearer token (known only as a SHA-256, `auth`), its adapter book on the shared vLLM
-engine (own versions, own LoRA ids and folders), its own sync receiver (own group with the job's trainer, own
-store, epoch and version counter, the job's MAC key), and its own in-flight cap.
+engine (own versions, own LoRA ids and folders), its own sync member (in vLLM's worker: own group with the job's
+trainer, own store, epoch and version counter, the job's MAC key, own receiver thread and staging), and its own
+in-flight cap.
 
 Readiness (GET /ready) is the conjunction over tenants of `tenant_ready`:
 - a tenant whose trainer has asked this replica to join serves at least the version that trainer called current
@@ -41,8 +42,13 @@ from grpolora.api.pool import Attachment, Attachments, PoolReplicas, replicas_fi
 from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook
+from grpolora.workers.inference.members import RemoteMember
 from grpolora.workers.inference.vllm_engine import VllmEngine
 from grpolora.workers.sync.receiver import AdapterReceiver
+
+SyncMember = AdapterReceiver | RemoteMember
+"""A tenant's sync member as the HTTP handlers use it: in a server, a RemoteMember (the member itself is in vLLM's
+worker, workers/inference/members.py); in tests of the app alone, an AdapterReceiver in this process."""
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +127,7 @@ class Tenant:
     job: str  # "<namespace>/<name>" (grpolora.api.pool.job_key): the metrics' label, the pool status's key
     auth: str  # hex SHA-256 of the job's bearer token
     book: AdapterBook
-    receiver: AdapterReceiver
+    receiver: SyncMember
     gate: FairGate
     attached_at: float = field(default_factory=time.monotonic)
     awaited: bool = True  # attached as the server started: readiness waits (up to the grace) for its trainer
@@ -321,7 +327,7 @@ def pool_tenants(
     *,
     pool: str,
     jobs_file: Path,
-    receiver: Callable[[AdapterBook, bytes, str], AdapterReceiver],
+    receiver: Callable[[AdapterBook, bytes, str], SyncMember],
     join_grace_seconds: float | None = None,
 ) -> AttachmentList:
     """A pool server's tenants, kept in step with its attachment list: each attached job gets an adapter book on

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec, ServingSpec
-from grpolora.workers.inference.vllm_worker import shared_payload
+from grpolora.workers.inference.members import MemberLink
+from grpolora.workers.inference.vllm_worker import Layout, shared_payload
 
 if TYPE_CHECKING:
     import torch
@@ -189,6 +190,8 @@ class VllmEngine:
         self._engine = None  # vllm AsyncLLM, created in start()
         self.limits: EngineLimits | None = None  # known once started
         self._last_lora_id = 0
+        # The sync-group members of the jobs served here live in vLLM's first worker; this is the link to them.
+        self.members: MemberLink | None = None
 
     async def start(self) -> None:
         from vllm import AsyncEngineArgs
@@ -224,6 +227,10 @@ class VllmEngine:
         self._engine = AsyncLLM.from_engine_args(args)
         model_config = self._engine.model_config
         self.limits = EngineLimits(model_config.max_model_len, model_config.get_vocab_size())
+        self.members = MemberLink()
+        await self.members.start(
+            lambda address, key: self._engine.collective_rpc("grpolora_member_host", args=(address, key))
+        )
         log.info("vLLM engine ready: %s (%s)", cfg.model_dir, cfg.dtype)
 
     @property
@@ -231,6 +238,9 @@ class VllmEngine:
         return self._engine is not None
 
     def shutdown(self) -> None:
+        members, self.members = self.members, None
+        if members is not None:
+            members.close()
         engine, self._engine = self._engine, None
         if engine is not None:
             engine.shutdown()
@@ -245,10 +255,15 @@ class VllmEngine:
         to vLLM's workers as one payload in shared memory, between engine steps, and become a LoRA model there (no
         folder)."""
         with shared_payload(tensors) as (segment, size, layout):
-            await self._engine.collective_rpc(
-                "grpolora_add_adapter",
-                args=(request.lora_name, request.lora_int_id, segment, size, layout, adapter_config),
-            )
+            await self.add_staged_lora(request, segment, size, layout, adapter_config)
+
+    async def add_staged_lora(self, request, segment: str, size: int, layout: Layout, adapter_config: dict) -> None:
+        """Load the adapter of `request` from a payload already in shared-memory `segment` (where a sync member
+        received and verified it): every worker maps it and builds its LoRA, between engine steps."""
+        await self._engine.collective_rpc(
+            "grpolora_add_adapter",
+            args=(request.lora_name, request.lora_int_id, segment, size, layout, adapter_config),
+        )
 
     async def remove_lora(self, lora_id: int) -> None:
         await self._engine.collective_rpc("grpolora_remove_adapter", args=(lora_id,))

@@ -2,10 +2,12 @@
 
 vLLM's public `add_lora` loads an adapter from a folder. A synced adapter reaches the workers instead as one
 contiguous payload in a shared-memory segment, named with its layout in a `collective_rpc` (vLLM's call into its
-workers between engine steps),
-and becomes a LoRA model there with vLLM's `LoRAModel.from_lora_tensors`. `AdapterExtension` is the worker
-extension class (`worker_extension_cls`) that vLLM mixes into its worker class: it keeps each adapter's payload
-for as long as the LoRA id is in use and answers vLLM's own (re)loads of that id from it.
+workers between engine steps), and becomes a LoRA model there with vLLM's `LoRAModel.from_lora_tensors`.
+`AdapterExtension` is the worker extension class (`worker_extension_cls`) that vLLM mixes into its worker class: it
+keeps each adapter's payload for as long as the LoRA id is in use and answers vLLM's own (re)loads of that id from
+it. Its first worker (TP rank 0) is also the sync-group member of the replica (`grpolora_member_host`,
+workers/inference/members.py): the segment a synced adapter arrives in is the one that member received and
+verified it into.
 
 vLLM 0.32 folds a LoRA's scaling into lora_B in place when it adds a model (`LoRALayerWeights.optimize`), and its
 LRU cache drops LoRA models beyond `max_cpu_loras` and builds them again from the request when they are asked
@@ -179,6 +181,20 @@ class AdapterExtension:
         if adapter is not None:
             adapter.payload.close()
         return removed
+
+    def grpolora_member_host(self, address: str, authkey_hex: str) -> bool:
+        """Become the sync-group member host of this engine if this is its first worker (TP rank 0): connect to
+        the HTTP process at `address` and receive the tenants' rounds here (workers/inference/members.py). The
+        other workers answer False: they get each adapter by mapping the segment the member staged it in."""
+        if getattr(self, "rank", 0) != 0:
+            return False
+        from grpolora.workers.inference.members import serve_host
+
+        device = getattr(self, "device", None)
+        self._grpolora_member_host = serve_host(
+            address, authkey_hex, device if isinstance(device, torch.device) else None
+        )
+        return True
 
     def grpolora_held_adapters(self) -> list[int]:
         """The LoRA ids whose payloads this worker holds (for tests: none is kept after its removal)."""

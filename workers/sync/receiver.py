@@ -9,11 +9,13 @@ workers/inference/adapter_book.py), injected so that the protocol is testable wi
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -47,6 +49,16 @@ class AdapterSink(Protocol):
     def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None: ...
 
 
+# Where a round's buckets are received: given their sizes and the transport's device, one buffer per bucket. The
+# default allocates each on its own; a member inside vLLM's worker receives into one staging segment instead
+# (workers/inference/members.py), which vLLM's workers then map without another copy.
+Allocate = Callable[[Sequence[int], torch.device], list[torch.Tensor]]
+
+
+def allocate_apart(sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+    return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+
+
 @dataclass
 class RoundOutcome:
     version: int
@@ -60,7 +72,7 @@ class RoundOutcome:
 
 
 def receive_round(
-    transport: Transport, key: bytes, announced: PrepareRequest
+    transport: Transport, key: bytes, announced: PrepareRequest, allocate: Allocate = allocate_apart
 ) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
     """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
     once the receiver knows whether the version went live).
@@ -85,7 +97,7 @@ def receive_round(
     except wire.WireError:
         transport.close()
         raise
-    buckets = [torch.empty(size, dtype=torch.uint8, device=transport.device) for size in header.bucket_sizes]
+    buckets = allocate(header.bucket_sizes, transport.device)
     # Every piece is posted at once; each is checked as it lands while the following ones are still arriving.
     pieces = [piece for bucket in buckets for piece in transport.pieces(bucket)]
     pending = [transport.start_broadcast(piece) for piece in pieces]
@@ -123,8 +135,13 @@ class AdapterReceiver:
         on_round: Callable[[RoundOutcome], None] | None = None,
         on_error: Callable[[str], None] | None = None,
         name: str = "job",
+        allocate: Allocate = allocate_apart,
+        thread_context: Callable[[], AbstractContextManager] | None = None,
     ):
         self._sink = sink
+        self._allocate = allocate  # where each round lands (the staging segment of a member in vLLM's worker)
+        # Entered by the receiver thread for its whole life: a member on a GPU receives on a CUDA stream of its own.
+        self._thread_context = thread_context or contextlib.nullcontext
         self.name = name  # the job, in its log lines (a pool server holds one receiver per job)
         self.replica_index = replica_index
         self.fingerprint = fingerprint
@@ -213,6 +230,10 @@ class AdapterReceiver:
     # ---- the worker thread ---------------------------------------------------------------------------------
 
     def _run(self) -> None:
+        with self._thread_context():
+            self._serve()
+
+    def _serve(self) -> None:
         while (command := self._commands.get()) is not None:
             with self._lock:
                 self._busy = True
@@ -268,7 +289,7 @@ class AdapterReceiver:
             return
         started = time.perf_counter()
         try:
-            header, buckets, reason = receive_round(transport, self._key, request)
+            header, buckets, reason = receive_round(transport, self._key, request, self._allocate)
         except (TransportError, wire.WireError) as exc:
             self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
             return

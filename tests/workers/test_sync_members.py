@@ -1,0 +1,315 @@
+"""The sync members inside vLLM's worker (workers/inference/members.py), without vLLM: the worker's end runs in a
+process of its own (what `AdapterExtension.grpolora_member_host` starts there), this process is the HTTP process's
+end with a recording book. The sender, the gloo collectives, the store and the wire format are the real ones;
+tests/workers/test_inference_sync.py runs the same path inside real vLLM engines."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing as mp
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, serve_host
+from grpolora.workers.inference.server import sync_member_factory
+from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
+from grpolora.workers.sync import wire
+from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, StaleEpoch, SyncError
+from grpolora.workers.sync.sender import AdapterSender
+from grpolora.workers.sync.transport import connect_store
+from tests.workers.syncfakes import LocalMember, free_port
+
+TOKEN = "job-token"
+KEY = wire.round_key(TOKEN)
+TIMEOUT = 5.0
+
+
+def worker_end(address: str, authkey_hex: str) -> None:
+    """The member worker's end, as vLLM's first worker runs it: serves until the HTTP process's link closes."""
+    serve_host(address, authkey_hex).finished.wait()
+
+
+class RecordingBook:
+    """The HTTP process's book: records what each staged activation mapped (as vLLM's workers map it)."""
+
+    def __init__(self, fail: bool = False):
+        self.adapters: dict[int, dict[str, torch.Tensor]] = {}
+        self.segments: list[str] = []
+        self.fail = fail
+
+    def activate_staged(self, version, segment, size, layout, adapter_config) -> None:
+        if self.fail:
+            raise RuntimeError("the engine refused it")
+        held = SharedPayload(segment, size)
+        self.adapters[version] = unpack_payload(held, layout)
+        held.close()
+        self.segments.append(segment)
+
+
+@pytest.fixture
+def link():
+    """A MemberLink whose worker end is a process of its own (spawned: nothing of this process is inherited)."""
+    made = MemberLink(timeout_seconds=TIMEOUT)
+    processes = []
+
+    async def connect(address: str, authkey_hex: str) -> list[bool]:
+        process = mp.get_context("spawn").Process(target=worker_end, args=(address, authkey_hex), daemon=True)
+        process.start()
+        processes.append(process)
+        return [True]
+
+    asyncio.run(made.start(connect))
+    yield made
+    made.close()
+    for process in processes:
+        process.join(30)
+        assert process.exitcode == 0, "the worker end did not leave when the HTTP process's link closed"
+
+
+def adapter(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layers.0.q_proj.lora_A.weight": torch.randn(8, 64, generator=g),
+        "layers.0.q_proj.lora_B.weight": torch.randn(64, 8, generator=g),
+        "layers.1.q_proj.lora_A.weight": torch.randn(8, 64, generator=g).to(torch.bfloat16),
+    }
+
+
+def sender_for(members, port, store) -> AdapterSender:
+    return AdapterSender(
+        members,
+        store=store,
+        store_addr="127.0.0.1",
+        store_port=port,
+        backend="gloo",
+        bucket_bytes=1 << 12,  # several buckets, one staging segment
+        fingerprint="fp",
+        token=TOKEN,
+        timeout_seconds=TIMEOUT,
+        join_timeout_seconds=TIMEOUT,
+    )
+
+
+def staged_names() -> set[str]:
+    return {name for name in os.listdir(SHM_DIR) if name.startswith(STAGE_PREFIX)}
+
+
+def test_rounds_are_received_in_the_worker_and_activated_from_its_staging_segment(link):
+    """Two tenants on one link (two jobs on one engine): each round lands in the worker, verified, and the book
+    maps the very segment it was received into; each tenant's own key; nothing staged is left behind."""
+    before = staged_names()
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    books = {"a": RecordingBook(), "b": RecordingBook()}
+    rounds = []
+    make = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")
+    remote = {job: make(book, KEY, job) for job, book in books.items()}
+    remote["a"]._on_round = rounds.append
+    senders = {}
+    try:
+        for job in ("a", "b"):
+            # Each job its own group (a store of its own, as each job's trainer hosts one).
+            job_port = port if job == "a" else free_port()
+            job_store = (
+                store if job == "a" else connect_store("127.0.0.1", job_port, is_master=True, timeout_seconds=TIMEOUT)
+            )
+            senders[job] = sender_for([LocalMember(0, remote[job])], job_port, job_store)
+            senders[job].form_group(wait_for_all_seconds=TIMEOUT)
+        sent = {"a": adapter(1), "b": adapter(2)}
+        for job in ("a", "b"):
+            report = senders[job].send(sent[job], {"r": 8})
+            assert report.version == 1
+        for job, book in books.items():
+            assert set(book.adapters[1]) == set(sent[job])
+            for name, tensor in sent[job].items():
+                assert torch.equal(book.adapters[1][name], tensor)
+            state = remote[job].state()
+            assert state.live_version == 1 and state.rank == 1 and remote[job].ready
+        assert [r.version for r in rounds] == [1] and rounds[0].activated
+        assert staged_names() == before  # every staging segment's name removed once activated
+    finally:
+        for sender in senders.values():
+            sender.close()
+        for member in remote.values():
+            member.close()
+
+
+def test_control_errors_come_back_as_the_receivers_own(link):
+    member = sync_member_factory(lambda: link, replica_index=3, fingerprint=lambda: "fp")(RecordingBook(), KEY, "a")
+    try:
+        with pytest.raises(StaleEpoch):
+            member.prepare(PrepareRequest(epoch=0, version=1))
+        request = JoinRequest(
+            epoch=0,
+            rank=1,
+            world_size=2,
+            store_addr="127.0.0.1",
+            store_port=free_port(),
+            backend="gloo",
+            timeout_seconds=1,
+            join_timeout_seconds=1,
+            trainer_fingerprint="other",
+            current_version=0,
+        )
+        with pytest.raises(FingerprintMismatch):
+            member.join(request)
+        assert not member.asked and member.state().replica_index == 3
+    finally:
+        member.close()
+
+
+def test_a_failed_activation_is_reported_and_the_old_version_keeps_serving(link):
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    book = RecordingBook(fail=True)
+    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(book, KEY, "a")
+    sender = sender_for([LocalMember(0, member)], port, store)
+    try:
+        sender.form_group(wait_for_all_seconds=TIMEOUT)
+        with pytest.raises(SyncError, match="activation failed"):  # its only replica could not load it
+            sender.send(adapter(1), {"r": 8})
+        state = member.state()
+        assert state.live_version == 0 and "the engine refused it" in (state.last_error or "")
+        assert not member.ready
+    finally:
+        sender.close()
+        member.close()
+
+
+FORBIDDEN = ("_lazy_init", "init", "is_available", "device_count", "current_device", "set_device", "Stream")
+
+
+def test_the_http_process_of_an_nccl_replica_never_initialises_cuda(link, monkeypatch):
+    """sync.backend nccl: the HTTP process's member (server.sync_member_factory) forwards the join to the worker,
+    which forms the NCCL group there (here it has no GPU, so the formation fails in the worker, and says so); the
+    HTTP process calls nothing of torch.cuda and creates no CUDA tensor."""
+    calls: list[str] = []
+
+    def forbidden(name):
+        def call(*args, **kwargs):
+            calls.append(name)
+            raise AssertionError(f"torch.cuda.{name} called in the HTTP process")
+
+        return call
+
+    for name in FORBIDDEN:
+        monkeypatch.setattr(torch.cuda, name, forbidden(name))
+    made_on: list[str] = []
+    empty = torch.empty
+
+    def watched_empty(*args, **kwargs):
+        made_on.append(str(kwargs.get("device", "cpu")))
+        return empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", watched_empty)
+    store = connect_store("127.0.0.1", (port := free_port()), is_master=True, timeout_seconds=TIMEOUT)
+    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(RecordingBook(), KEY, "a")
+    try:
+        member.join(
+            JoinRequest(
+                epoch=0,
+                rank=1,
+                world_size=2,
+                store_addr="127.0.0.1",
+                store_port=port,
+                backend="nccl",
+                timeout_seconds=2,
+                join_timeout_seconds=2,
+                trainer_fingerprint="fp",
+                current_version=0,
+            )
+        )
+        deadline = time.monotonic() + 30
+        while "GPU" not in (member.state().last_error or ""):
+            assert time.monotonic() < deadline, member.state()
+            time.sleep(0.05)
+        # The worker tried NCCL (and has no GPU); the HTTP process never touched CUDA.
+        assert calls == [] and not torch.cuda.is_initialized()
+        assert not any("cuda" in device for device in made_on)
+    finally:
+        member.close()
+        del store
+
+
+def test_a_member_host_removes_the_staging_segments_of_members_killed_mid_round(tmp_path):
+    """A worker killed inside a round (SIGKILL, OOM) cannot remove its staging segment's name; the next member
+    host on the machine does, and leaves those of live processes alone."""
+    dead = mp.get_context("spawn").Process(target=int)
+    dead.start()
+    dead.join()
+    stale = os.path.join(SHM_DIR, f"{STAGE_PREFIX}{dead.pid}-0123456789abcdef")
+    live = os.path.join(SHM_DIR, f"{STAGE_PREFIX}{os.getpid()}-0123456789abcdef")
+    for path in (stale, live):
+        open(path, "wb").close()
+    try:
+        made = MemberLink(timeout_seconds=TIMEOUT)
+
+        async def connect(address: str, authkey_hex: str) -> list[bool]:
+            process = mp.get_context("spawn").Process(target=worker_end, args=(address, authkey_hex), daemon=True)
+            process.start()
+            connect.process = process
+            return [True]
+
+        asyncio.run(made.start(connect))
+        made.close()
+        connect.process.join(30)
+        assert not os.path.exists(stale) and os.path.exists(live)
+    finally:
+        for path in (stale, live):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+def test_a_corrupted_round_is_refused_in_the_worker_and_leaves_no_staging_segment(link, monkeypatch):
+    """The payload MAC is checked where the bytes land, in the worker, before any activation: the book sees
+    nothing of a corrupted round, and the segment it landed in is removed at the round's end, not left for the
+    next round to find."""
+    before = staged_names()
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    book = RecordingBook()
+    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(book, KEY, "a")
+    sender = sender_for([LocalMember(0, member)], port, store)
+    real_pack = wire.pack
+
+    def corrupting_pack(*args, **kwargs):
+        header, buckets = real_pack(*args, **kwargs)
+        buckets[0][3] ^= 0xFF  # after the MAC was computed
+        return header, buckets
+
+    try:
+        sender.form_group(wait_for_all_seconds=TIMEOUT)
+        monkeypatch.setattr(wire, "pack", corrupting_pack)
+        with pytest.raises(SyncError, match="every replica refused version 1"):
+            sender.send(adapter(1), {"r": 8})
+        assert "payload MAC does not verify" in (member.state().last_error or "")
+        assert book.adapters == {} and member.state().live_version == 0
+        assert staged_names() == before
+    finally:
+        sender.close()
+        member.close()
+
+
+def test_a_link_whose_worker_never_connects_fails_to_start_and_leaves_no_thread():
+    """vLLM's workers answered, but none became the host (or the call failed): start() raises at once, and the
+    thread that waited to accept the worker ends."""
+    made = MemberLink(timeout_seconds=TIMEOUT)
+
+    async def nobody(address: str, authkey_hex: str) -> list[bool]:
+        return [False]
+
+    threads_before = threading.active_count()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no vLLM worker became the sync member host"):
+        asyncio.run(made.start(nobody))
+    assert time.monotonic() - started < TIMEOUT
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads_before:
+        assert time.monotonic() < deadline, "the accepting thread is still blocked"
+        time.sleep(0.05)
+    assert not os.path.exists(made.address)

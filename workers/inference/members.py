@@ -1,0 +1,536 @@
+"""The sync-group members of an inference replica live in vLLM's own worker process; the HTTP process keeps the
+control plane and never holds a collective, a round's bytes or (with `sync.backend: nccl`) a CUDA context.
+
+    HTTP process (server.py, app.py)            vLLM worker of TP rank 0 (vllm_worker.AdapterExtension)
+    MemberLink: a Unix socket, one host  ----->  MemberHost: a thread; attaches and detaches tenants
+    connection, started by a collective_rpc
+    RemoteMember, one per tenant (job)  control  WorkerMember: an AdapterReceiver (the sync-group member, its
+      join / prepare / state / close    ------>    own thread, and on a GPU its own CUDA stream), receiving
+      activate: the book's collective_rpc  <---    into a StagingSink's shared-memory segment
+      round / error: logs and metrics     events
+
+The HTTP handlers of `/v1/sync/*` call a RemoteMember exactly as they called an AdapterReceiver (the same
+methods, the same errors); each call is one message over the tenant's own control socket, answered by the
+worker's control thread at once (the engine keeps stepping: no call waits for an engine step). A round is received
+on the worker's receiver thread into one staging segment in /dev/shm and checked against the header's payload MAC
+as it lands (receiver.receive_round); only a verified round asks the HTTP process, over the tenant's events socket,
+to activate it, and the book does so with one short collective_rpc between engine steps, in which every worker of
+the engine maps the staging segment by name and builds its LoRA (vllm_worker.AdapterExtension.grpolora_add_adapter).
+The member then reports the round in the group's closing all-reduce, and removes the segment's name (the workers
+keep their mappings for as long as the LoRA id is loaded).
+
+Each tenant has its own sockets (a pair of socketpairs whose worker ends travel over the host connection as file
+descriptors), its own receiver thread, key, staging and live version: nothing of one job's rounds, settings or
+errors reaches another's. Messages are JSON; the host connection is authenticated with a random key
+(multiprocessing's challenge) and the tenant sockets are private socketpairs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import secrets
+import shutil
+import socket
+import tempfile
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from multiprocessing import reduction
+from multiprocessing.connection import Client, Connection, Listener
+from typing import Any, Protocol
+
+import torch
+
+from grpolora.workers.inference.vllm_worker import Layout, payload_layout
+from grpolora.workers.sync.control import (
+    FingerprintMismatch,
+    JoinRequest,
+    MemberState,
+    MemberUnreachable,
+    PrepareRequest,
+    StaleEpoch,
+    SyncError,
+)
+from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, allocate_apart
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"  # where shm_open puts a segment's name (vllm_worker.SharedPayload opens it by that name)
+CONTROL_TIMEOUT_SECONDS = 10.0
+_ERRORS: dict[str, type[SyncError]] = {"FingerprintMismatch": FingerprintMismatch, "StaleEpoch": StaleEpoch}
+
+
+def _send(connection: Connection, message: dict) -> None:
+    connection.send_bytes(json.dumps(message).encode())
+
+
+def _receive(connection: Connection, timeout: float | None = None) -> dict:
+    if timeout is not None and not connection.poll(timeout):
+        raise TimeoutError(f"no answer within {timeout:g}s")
+    return json.loads(connection.recv_bytes())
+
+
+# ---- the HTTP process's end ------------------------------------------------------------------------------------
+
+
+class StagedSink(Protocol):
+    """Where a RemoteMember activates a verified round (the job's AdapterBook)."""
+
+    def activate_staged(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None: ...
+
+
+class MemberLink:
+    """The HTTP process's end of its engine's member host: a Unix socket in a private folder, which the member
+    worker connects to once (`start`), then one RemoteMember per tenant (`attach`)."""
+
+    def __init__(self, *, timeout_seconds: float = CONTROL_TIMEOUT_SECONDS):
+        self._folder = tempfile.mkdtemp(prefix="grpolora-members-")  # 0700: only this user reaches the socket
+        self.address = os.path.join(self._folder, "host.sock")
+        self._authkey = secrets.token_bytes(32)
+        self._listener: Listener | None = Listener(self.address, family="AF_UNIX", authkey=self._authkey)
+        self._host: Connection | None = None
+        self._lock = threading.Lock()
+        self.timeout_seconds = timeout_seconds
+
+    async def start(self, connect: Callable[[str, str], Awaitable[Any]]) -> None:
+        """`connect(address, authkey_hex)` makes the member worker connect (vLLM's collective_rpc into its workers;
+        a plain process in tests); its answer is one value per worker, true where a worker became the host."""
+        assert self._listener is not None
+        accepted = asyncio.ensure_future(asyncio.to_thread(self._listener.accept))
+        try:
+            answers = await connect(self.address, self._authkey.hex())
+            if answers is not None and not any(answers):
+                raise RuntimeError("no vLLM worker became the sync member host (none is TP rank 0?)")
+            self._host = await asyncio.wait_for(accepted, self.timeout_seconds)
+        except BaseException:
+            self.close()
+            with contextlib.suppress(BaseException):
+                await accepted
+            raise
+
+    def attach(
+        self,
+        sink: StagedSink,
+        *,
+        key: bytes,
+        replica_index: int,
+        fingerprint: str,
+        name: str,
+        on_round: Callable[[RoundOutcome], None] | None = None,
+        on_error: Callable[[str], None] | None = None,
+    ) -> RemoteMember:
+        """A member for one tenant in the worker: its receiver, with `key`, activating verified rounds in `sink`."""
+        if self._host is None:
+            raise RuntimeError("the member host is not connected (engine not started)")
+        control, control_there = socket.socketpair()
+        events, events_there = socket.socketpair()
+        try:
+            with self._lock:
+                attach = {"op": "attach", "name": name, "key": key.hex(), "replica_index": replica_index}
+                _send(self._host, attach | {"fingerprint": fingerprint})
+                reduction.send_handle(self._host, control_there.fileno(), 0)
+                reduction.send_handle(self._host, events_there.fileno(), 0)
+                answer = _receive(self._host, self.timeout_seconds)
+        except BaseException:
+            control.close()
+            events.close()
+            raise
+        finally:
+            control_there.close()
+            events_there.close()
+        if "error" in answer:
+            control.close()
+            events.close()
+            raise RuntimeError(f"the member worker could not attach {name}: {answer['error']}")
+        return RemoteMember(
+            Connection(control.detach()),
+            Connection(events.detach()),
+            sink,
+            replica_index=replica_index,
+            fingerprint=fingerprint,
+            name=name,
+            on_round=on_round,
+            on_error=on_error,
+            timeout_seconds=self.timeout_seconds,
+        )
+
+    def close(self) -> None:
+        """Ends the host connection (the worker then closes every member it holds) and removes the socket."""
+        host, self._host = self._host, None
+        listener, self._listener = self._listener, None
+        for closable in (host, listener):
+            if closable is not None:
+                with contextlib.suppress(OSError):
+                    closable.close()
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+class RemoteMember:
+    """One tenant's sync member as the HTTP process sees it: the AdapterReceiver's control methods, forwarded to
+    the receiver in vLLM's worker, and the activation of its verified rounds in the tenant's book."""
+
+    def __init__(
+        self,
+        control: Connection,
+        events: Connection,
+        sink: StagedSink,
+        *,
+        replica_index: int,
+        fingerprint: str,
+        name: str,
+        on_round: Callable[[RoundOutcome], None] | None,
+        on_error: Callable[[str], None] | None,
+        timeout_seconds: float,
+    ):
+        self.replica_index, self.fingerprint, self.name = replica_index, fingerprint, name
+        self._control, self._events, self._sink = control, events, sink
+        self._on_round, self._on_error = on_round, on_error
+        self._timeout = timeout_seconds
+        self._lock = threading.Lock()
+        self._events_thread = threading.Thread(target=self._serve_events, name=f"member-events-{name}", daemon=True)
+        self._events_thread.start()
+
+    def _call(self, op: str, **body: Any) -> Any:
+        with self._lock:
+            try:
+                _send(self._control, {"op": op, **body})
+                answer = _receive(self._control, self._timeout)
+            except (OSError, EOFError, TimeoutError) as exc:
+                # A late answer would be read as the next call's: this channel is done.
+                with contextlib.suppress(OSError):
+                    self._control.close()
+                raise MemberUnreachable(f"the sync member of {self.name} in vLLM's worker: {exc!r}") from None
+        if "error" in answer:
+            raise _ERRORS.get(answer["error"], SyncError)(answer["message"])
+        return answer.get("value")
+
+    def state(self) -> MemberState:
+        return MemberState.model_validate(self._call("state"))
+
+    @property
+    def ready(self) -> bool:
+        with contextlib.suppress(MemberUnreachable):
+            return bool(self._call("ready"))
+        return False
+
+    @property
+    def asked(self) -> bool:
+        with contextlib.suppress(MemberUnreachable):
+            return bool(self._call("asked"))
+        return False
+
+    def join(self, request: JoinRequest) -> None:
+        self._call("join", request=request.model_dump())
+
+    def prepare(self, request: PrepareRequest) -> None:
+        self._call("prepare", request=request.model_dump())
+
+    def close(self) -> None:
+        with contextlib.suppress(MemberUnreachable):
+            self._call("close")
+        with contextlib.suppress(OSError):
+            self._control.close()
+        self._events_thread.join(timeout=30)
+
+    def _serve_events(self) -> None:
+        try:
+            while True:
+                try:
+                    message = _receive(self._events)
+                except (EOFError, OSError):
+                    return
+                if message["op"] == "activate":
+                    _send(self._events, self._activate(message))
+                elif message["op"] == "round" and self._on_round is not None:
+                    self._on_round(RoundOutcome(**message["outcome"]))
+                elif message["op"] == "error" and self._on_error is not None:
+                    self._on_error(message["kind"])
+        except OSError:
+            return
+        finally:
+            with contextlib.suppress(OSError):
+                self._events.close()
+
+    def _activate(self, message: dict) -> dict:
+        try:
+            layout = [tuple(entry) for entry in message["layout"]]
+            self._sink.activate_staged(
+                message["version"], message["segment"], message["size"], layout, message["adapter_config"]
+            )
+        except Exception as exc:  # the member reports ACTIVATION_FAILED; the older version keeps serving
+            log.exception("%s: version %d verified but not activated", self.name, message["version"])
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"ok": True}
+
+
+# ---- the worker's end ------------------------------------------------------------------------------------------
+
+
+STAGE_PREFIX = "grpolora-stage-"  # then the staging process's pid, "-", and a random part
+
+
+def remove_orphaned_stages() -> list[str]:
+    """Remove the staging segments whose process is gone (a worker killed inside a round cannot; in a pod they
+    would hold /dev/shm's memory until the pod ends). Returns their names."""
+    removed = []
+    for name in os.listdir(SHM_DIR):
+        pid = name.removeprefix(STAGE_PREFIX).partition("-")[0]
+        if not name.startswith(STAGE_PREFIX) or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM_DIR, name))
+            removed.append(name)
+    if removed:
+        log.warning("removed %d staging segments of sync members that died mid-round", len(removed))
+    return removed
+
+
+def serve_host(address: str, authkey_hex: str, device: torch.device | None = None) -> MemberHost:
+    """In the member worker: connect to the HTTP process's MemberLink and serve it on a thread of its own."""
+    remove_orphaned_stages()
+    connection = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
+    host = MemberHost(connection, device)
+    threading.Thread(target=host.serve, name="grpolora-member-host", daemon=True).start()
+    return host
+
+
+class MemberHost:
+    """The worker's end of a MemberLink: attaches a WorkerMember per tenant; when the HTTP process goes, every
+    member leaves its group."""
+
+    def __init__(self, connection: Connection, device: torch.device | None):
+        self._connection = connection
+        self._device = device
+        self.members: list[WorkerMember] = []
+        self.finished = threading.Event()  # set once the HTTP process has gone and every member has left
+
+    def serve(self) -> None:
+        try:
+            while True:
+                try:
+                    message = _receive(self._connection)
+                except (EOFError, OSError):
+                    return
+                if message["op"] == "attach":
+                    _send(self._connection, self._attach(message))
+        finally:
+            for member in self.members:
+                member.close()
+            self.finished.set()
+
+    def _attach(self, message: dict) -> dict:
+        control = Connection(reduction.recv_handle(self._connection))
+        events = Connection(reduction.recv_handle(self._connection))
+        try:
+            member = WorkerMember(
+                control,
+                events,
+                key=bytes.fromhex(message["key"]),
+                replica_index=message["replica_index"],
+                fingerprint=message["fingerprint"],
+                name=message["name"],
+                device=self._device,
+            )
+        except Exception as exc:
+            control.close()
+            events.close()
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        self.members = [m for m in self.members if not m.closed] + [member]
+        return {"ok": True}
+
+
+def _cuda_stream(device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """The receiver thread's own CUDA stream: its copies never queue behind the engine's kernels."""
+    return lambda: torch.cuda.stream(torch.cuda.Stream(device))
+
+
+class WorkerMember:
+    """One tenant's sync member inside vLLM's worker: the AdapterReceiver, its staging, and the tenant's two
+    sockets to the HTTP process (control: answered by a thread of its own; events: activation and outcomes)."""
+
+    def __init__(
+        self,
+        control: Connection,
+        events: Connection,
+        *,
+        key: bytes,
+        replica_index: int,
+        fingerprint: str,
+        name: str,
+        device: torch.device | None,
+    ):
+        self.name = name
+        self._control, self._events = control, events
+        self._events_lock = threading.Lock()
+        self.closed = False
+        gpu = device is not None and device.type == "cuda"
+        self.sink = StagingSink(self._activate_remote)
+        self.receiver = AdapterReceiver(
+            self.sink,
+            replica_index=replica_index,
+            fingerprint=fingerprint,
+            key=key,
+            device=device if gpu else None,
+            on_round=self._round_ended,
+            on_error=self._failed,
+            name=name,
+            allocate=self.sink.allocate,
+            thread_context=_cuda_stream(device) if gpu else None,
+        )
+        threading.Thread(target=self._serve_control, name=f"member-control-{name}", daemon=True).start()
+
+    def _serve_control(self) -> None:
+        try:
+            while True:
+                try:
+                    message = _receive(self._control)
+                except (EOFError, OSError):
+                    return
+                op = message["op"]
+                try:
+                    value = self._answer(op, message)
+                except SyncError as exc:
+                    _send(self._control, {"error": type(exc).__name__, "message": str(exc)})
+                    continue
+                _send(self._control, {"value": value})
+                if op == "close":
+                    return
+        except OSError:
+            return
+        finally:
+            self.close()
+
+    def _answer(self, op: str, message: dict) -> Any:
+        if op == "state":
+            return self.receiver.state().model_dump()
+        if op == "ready":
+            return self.receiver.ready
+        if op == "asked":
+            return self.receiver.asked
+        if op == "join":
+            return self.receiver.join(JoinRequest.model_validate(message["request"]))
+        if op == "prepare":
+            return self.receiver.prepare(PrepareRequest.model_validate(message["request"]))
+        if op == "close":
+            return None  # answered first; the control thread then closes this member
+        raise SyncError(f"unknown member call {op!r}")
+
+    # Both on the receiver thread, as a round ends: a refused or interrupted round's segment goes at once (an
+    # activated one went as it was activated), so no round's bytes stay named in /dev/shm until the next.
+    def _round_ended(self, outcome: RoundOutcome) -> None:
+        self.sink.discard()
+        self._event({"op": "round", "outcome": dataclasses.asdict(outcome)})
+
+    def _failed(self, kind: str) -> None:
+        self.sink.discard()
+        self._event({"op": "error", "kind": kind})
+
+    def _event(self, message: dict) -> None:
+        with self._events_lock, contextlib.suppress(OSError):
+            _send(self._events, message)
+
+    def _activate_remote(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None:
+        """Ask the HTTP process to activate a verified round staged in `segment`; returns once the book has it live
+        (every worker then maps the segment), raises if it could not."""
+        message = {"op": "activate", "version": version, "segment": segment, "size": size, "layout": layout}
+        try:
+            with self._events_lock:
+                _send(self._events, message | {"adapter_config": adapter_config})
+                answer = _receive(self._events)
+        except (OSError, EOFError) as exc:
+            raise RuntimeError(f"the HTTP process did not answer the activation: {exc!r}") from None
+        if "error" in answer:
+            raise RuntimeError(answer["error"])
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.receiver.close()
+        self.sink.discard()
+        for connection in (self._control, self._events):
+            with contextlib.suppress(OSError):
+                connection.close()
+
+
+class StagingSink:
+    """Where one tenant's rounds land in the worker: a shared-memory segment per round, whose buckets the receiver
+    fills and verifies, and whose name the activation hands to every worker of the engine. Its live version mirrors
+    the tenant's book (only this member activates that book)."""
+
+    def __init__(self, activate_remote: Callable[[int, str, int, Layout, dict], None]):
+        self._activate_remote = activate_remote
+        self._live_version = 0
+        self._staged: tuple[str, torch.Tensor] | None = None  # the segment's name and its bytes (mapped)
+
+    @property
+    def live_version(self) -> int:
+        return self._live_version
+
+    def allocate(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
+        """The round's buckets: views of one new staging segment (on a GPU, device buffers staged at activation)."""
+        self.discard()  # a round that never reached activation (refused, interrupted) leaves its segment here
+        if device.type != "cpu":
+            return allocate_apart(sizes, device)
+        flat = self._stage(sum(sizes))
+        return list(flat.split(list(sizes)))
+
+    def _stage(self, size: int) -> torch.Tensor:
+        name = f"{STAGE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
+        path = os.path.join(SHM_DIR, name)
+        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            # Reserve the pages first: a full /dev/shm fails here (ENOSPC, the round is interrupted and the old
+            # version keeps serving) instead of killing the worker with SIGBUS on the first write to a missing page.
+            os.posix_fallocate(descriptor, 0, max(size, 1))
+        except OSError:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(descriptor)
+        flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
+        self._staged = (name, flat)
+        return flat
+
+    def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple[str, int, Layout]:
+        """The staged segment holding `tensors` (views of it, as received), or a new one they are copied into."""
+        if self._staged is not None and all(t.device.type == "cpu" for t in tensors.values()):
+            name, flat = self._staged
+            base, size = flat.data_ptr(), flat.numel()
+            layout: Layout = []
+            for tensor_name, tensor in tensors.items():
+                offset, nbytes = tensor.data_ptr() - base, tensor.numel() * tensor.element_size()
+                if not (offset >= 0 and offset + nbytes <= size and tensor.is_contiguous()):
+                    break
+                layout.append(
+                    (tensor_name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes)
+                )
+            else:
+                return name, size, layout
+        layout, size = payload_layout(tensors)  # received elsewhere (a GPU): one copy to the host, into a segment
+        flat = self._stage(size)
+        for (_, _, _, start, nbytes), tensor in zip(layout, tensors.values(), strict=True):
+            flat[start : start + nbytes].view(tensor.dtype).copy_(tensor.detach().reshape(-1))
+        name, _ = self._staged  # type: ignore[misc]
+        return name, size, layout
+
+    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+        try:
+            segment, size, layout = self._layout(tensors)
+            self._activate_remote(version, segment, size, layout, adapter_config)
+            self._live_version = version
+        finally:
+            self.discard()
+
+    def discard(self) -> None:
+        """Remove the staged segment's name: the workers that mapped it keep the bytes; its pages go with the last
+        mapping (here, once the round's buffers are dropped)."""
+        staged, self._staged = self._staged, None
+        if staged is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, staged[0]))
