@@ -47,18 +47,52 @@ def test_a_payload_unpacks_to_the_same_tensors_each_in_memory_of_its_own():
 
 
 def test_a_shared_payload_outlives_its_name_in_the_workers_mapping():
-    from multiprocessing import resource_tracker, shared_memory
+    from multiprocessing import shared_memory
 
     tensors = {"a": torch.randn(4, 8), "b": torch.randn(3).to(torch.bfloat16)}
     with shared_payload(tensors) as (segment, size, layout):
         held = SharedPayload(segment, size)  # what a worker maps before the call returns
-        # This process plays the worker too: give back the creator's registration that the worker side dropped.
-        resource_tracker.register(f"/{segment}", "shared_memory")
     with pytest.raises(FileNotFoundError):  # the name is gone as the call ends ...
         shared_memory.SharedMemory(name=segment)
     for _ in range(2):  # ... and the worker's mapping still holds the bytes, for every build
         assert all(torch.equal(t, tensors[k]) for k, t in unpack_payload(held, layout).items())
     held.close()
+
+
+WORKER_SHARES_THE_TRACKER = """
+import multiprocessing as mp
+import torch
+from grpolora.workers.inference.vllm_worker import SharedPayload, shared_payload
+
+def worker(name, size, done):
+    SharedPayload(name, size).close()
+    done.put(True)
+
+if __name__ == "__main__":
+    ctx = mp.get_context("spawn")  # as vLLM starts its workers: they share this process's resource tracker
+    with shared_payload({"a": torch.arange(8, dtype=torch.float32)}) as (name, size, _):
+        done = ctx.Queue()
+        child = ctx.Process(target=worker, args=(name, size, done))
+        child.start()
+        assert done.get(timeout=60)
+        child.join()
+    print("activated")
+"""
+
+
+def test_a_worker_mapping_a_shared_payload_leaves_the_servers_resource_tracker_alone(tmp_path):
+    """vLLM's workers are the server's multiprocessing children and share its resource tracker. A worker that
+    opened the segment with shared_memory.SharedMemory registered the name there and unregistered it again, taking
+    the server's own registration with it: the server's unlink then made the tracker print a KeyError traceback
+    (seen in every `grpolora eval`), and a tracker that saw the worker's registration last warned of a leak."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "activation.py"
+    script.write_text(WORKER_SHARES_THE_TRACKER, encoding="utf-8")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "activated", result.stderr[-3000:]
+    assert "Traceback" not in result.stderr and "leaked" not in result.stderr, result.stderr[-3000:]
 
 
 def test_a_layout_reaching_past_the_payload_is_refused():

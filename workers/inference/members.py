@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
-from grpolora.workers.inference.vllm_worker import Layout, payload_layout
+from grpolora.workers.inference.vllm_worker import SHM_DIR, Layout, payload_layout
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
     JoinRequest,
@@ -60,7 +60,6 @@ from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, alloca
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"  # where shm_open puts a segment's name (vllm_worker.SharedPayload opens it by that name)
 CONTROL_TIMEOUT_SECONDS = 10.0
 _ERRORS: dict[str, type[SyncError]] = {"FingerprintMismatch": FingerprintMismatch, "StaleEpoch": StaleEpoch}
 

@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import mmap
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ import torch
 log = logging.getLogger(__name__)
 
 MEMORY_PATH_PREFIX = "grpolora-memory:"  # LoRARequest.lora_path of an adapter built from memory (never a path)
+SHM_DIR = "/dev/shm"  # where shm_open puts a segment's name: SharedPayload maps it from there
 
 _DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -98,17 +100,22 @@ class SharedPayload:
     nothing outlives a crash). Nothing writes to it after the server packed it: every build copies out of it."""
 
     def __init__(self, name: str, size: int):
-        self._segment = shared_memory.SharedMemory(name=name)
-        # Python 3.11 registers a segment with this process's resource tracker even when it only opens it, and
-        # would unlink it again at exit: the server that created it removes it.
-        resource_tracker.unregister(self._segment._name, "shared_memory")  # type: ignore[attr-defined]
+        # Mapped as the file shm_open made of it, not opened with shared_memory.SharedMemory: Python 3.11 registers
+        # a segment it only opens with the resource tracker, which vLLM's workers share with the server that started
+        # them, and unregistering it took the server's own registration away (its unlink then made the tracker print
+        # a KeyError traceback). Its creator alone tracks and removes it.
+        descriptor = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDONLY)
+        try:
+            self._map = mmap.mmap(descriptor, max(size, 1), prot=mmap.PROT_READ)
+        finally:
+            os.close(descriptor)
         self.size = size
 
     def copy(self) -> bytearray:
-        return bytearray(self._segment.buf[: self.size])
+        return bytearray(self._map[: self.size])
 
     def close(self) -> None:
-        self._segment.close()
+        self._map.close()
 
 
 def unpack_payload(
