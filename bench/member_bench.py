@@ -31,10 +31,7 @@ from pathlib import Path
 import httpx
 import torch
 
-from grpolora.api.load import parse_job
-from grpolora.api.plan import LoopbackNetwork, plan
-from grpolora.testing.jobs import job_doc
-from grpolora.testing.servers import TOKEN, ServerProcess, free_port
+from grpolora.testing.servers import TOKEN, ServerProcess, tiny_cpu_job
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.models import fingerprint, resolve_model
 from grpolora.workers.sync.control import HttpMember
@@ -137,19 +134,13 @@ def main() -> None:
     torch.set_num_threads(1)
     model_dir = resolve_model(MODEL)
     policy = build_policy(model_dir)
-    spec = {
-        "model": {"name": MODEL, "dtype": "float32"},
-        "trainer": {"gpusPerReplica": 0, "masterPort": free_port(), "statusPort": free_port()},
-        "inference": {
-            "gpusPerReplica": 0,
-            "kvCacheGiB": 1,
-            "maxModelLen": 512,
-            "port": free_port(),
-            "replicas": args.replicas,
-        },
-        "sync": {"backend": "gloo", "port": free_port()},
-    }
-    job = plan(parse_job(job_doc(**spec)), LoopbackNetwork())
+    # SmolLM2 with the spec's own LoRA and sync defaults, one server per replica on loopback.
+    job = tiny_cpu_job(
+        model={"name": MODEL, "dtype": "float32"},
+        lora={"rank": 16, "alpha": 32},
+        inference={"maxModelLen": 512, "replicas": args.replicas},
+        sync={"timeoutSeconds": 600},
+    )
     log_dir = Path(tempfile.mkdtemp(prefix="member-bench-"))
     servers = [ServerProcess(job, i, log_dir) for i in range(args.replicas)]
     phases: list[dict] = []
