@@ -130,6 +130,13 @@ def tokens_per_second(reports: Sequence[Mapping[str, Any] | None]) -> float | No
     return round(sum(rates), 1) if rates else None
 
 
+def label_selector(statefulset: Mapping[str, Any] | None) -> str | None:
+    """The StatefulSet's pod selector as the scale subresource states it (metav1.FormatLabelSelector of its
+    matchLabels); None before the StatefulSet is seen."""
+    labels = (((statefulset or {}).get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items())) or None
+
+
 def pool_status(
     pool: RolloutPool,
     old: PoolStatus,
@@ -167,6 +174,7 @@ def pool_status(
         observed_generation=generation,
         conditions=cond.merge(old.conditions, wants, now=cond.rfc3339(now), generation=generation),
         replicas=RoleReplicas(desired=spec.replicas, ready=ready),
+        selector=label_selector(statefulset),
         attached_jobs=attached,
         waiting_jobs=list(admission.waiting),
         jobs=jobs,

@@ -106,7 +106,11 @@ def pool_crd() -> dict[str, Any]:
         "job's adapters in LoRA slots of its own.",
         rules=name_rules(),
         # `kubectl scale rolloutpool/<name> --replicas=N` (and a HorizontalPodAutoscaler) write spec.replicas.
-        scale={"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas.ready"},
+        scale={
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas.ready",
+            "labelSelectorPath": ".status.selector",  # an autoscaler's way to the pods (PoolStatus.selector)
+        },
         columns=[
             column("Ready", "integer", ".status.replicas.ready", "Ready server replicas"),
             column("Desired", "integer", ".status.replicas.desired", "Server replicas", priority=1),

@@ -258,6 +258,9 @@ class PoolStatus(_Wire):
     """Conditions in metav1.Condition shape; the whole list is written each time."""
     replicas: RoleReplicas | None = None
     """Ready and desired server pods."""
+    selector: str | None = None
+    """The server pods' label selector as a string (`k=v,...`): the scale subresource's labelSelectorPath, which a
+    HorizontalPodAutoscaler reads to find the pods whose metrics it averages."""
     attached_jobs: list[AttachedJob] = Field(default_factory=list)
     """The jobs the servers serve (the pool's attachment list), in the order they attached."""
     waiting_jobs: list[str] = Field(default_factory=list)

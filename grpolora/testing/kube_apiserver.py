@@ -179,7 +179,8 @@ def crd_schema(kind: str = c.KIND) -> dict[str, Any]:
 
 
 def crd_scale_paths(kind: str) -> dict[str, str] | None:
-    """The CRD's scale subresource (specReplicasPath, statusReplicasPath), or None where it has none."""
+    """The CRD's scale subresource (specReplicasPath, statusReplicasPath, labelSelectorPath), or None where it has
+    none."""
     scale: dict[str, str] | None = CRDS[kind]()["spec"]["versions"][0]["subresources"].get("scale")
     return scale
 

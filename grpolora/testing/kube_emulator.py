@@ -191,7 +191,8 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _scale(self, request: kmock.Request, paths: Mapping[str, str]) -> Any:
         """GET or write the autoscaling/v1 Scale of a custom resource, as apiextensions-apiserver serves it: its
-        spec.replicas is the object's specReplicasPath, its status.replicas the statusReplicasPath; a write is a
+        spec.replicas is the object's specReplicasPath, its status.replicas the statusReplicasPath, its
+        status.selector the labelSelectorPath (when set and a string there); a write is a
         patch of specReplicasPath alone, admitted like any write of the object (schema, CEL rules)."""
         spec_path = paths["specReplicasPath"].lstrip(".").split(".")
         status_path = paths["statusReplicasPath"].lstrip(".").split(".")
@@ -223,13 +224,17 @@ class Emulator(kmock.KubernetesEmulator):
             return value
 
         meta = found["metadata"]
+        # status.selector from labelSelectorPath, where the CRD has one and the object holds a string there.
+        selector_path = paths.get("labelSelectorPath")
+        label_selector = at(selector_path.lstrip(".").split(".")) if selector_path else None
+        selector = {"selector": label_selector} if isinstance(label_selector, str) else {}
         return aiohttp.web.json_response(
             {
                 "apiVersion": "autoscaling/v1",
                 "kind": "Scale",
                 "metadata": {k: meta[k] for k in ("name", "namespace", "uid", "resourceVersion") if k in meta},
                 "spec": {"replicas": at(spec_path)},
-                "status": {"replicas": at(status_path) or 0},
+                "status": {"replicas": at(status_path) or 0, **selector},
             }
         )
 

@@ -394,6 +394,11 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
                                for _, reason, message in cluster.events(POOL)), "Scaled")  # fmt: skip
     assert names.E_POOL_REPLICA_LOST not in [e[1] for e in cluster.events(POOL)]
     assert cluster.pool_status(POOL)["replicas"]["desired"] == 3
+    # What a HorizontalPodAutoscaler reads to find the pods whose metrics it averages: the Scale's status.selector
+    # (the CRD's labelSelectorPath), the StatefulSet's own selector as a string.
+    scale = await cluster._call("GET", f"{path}/scale")
+    matched = cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["selector"]["matchLabels"]
+    assert scale["status"]["selector"] == ",".join(f"{k}={v}" for k, v in sorted(matched.items()))
 
     await cluster._call("PATCH", f"{path}/scale", {"spec": {"replicas": 2}})
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS)["spec"]["replicas"] == 2, "2 servers")

@@ -239,6 +239,7 @@ def test_everything_the_operator_writes_to_a_pool_status_survives_pruning():
             Condition(type="Ready", status="True", reason="AllReady", last_transition_time="2026-01-01T00:00:00Z")
         ],
         replicas=RoleReplicas(desired=2, ready=1),
+        selector="grpolora.dev/pool=shared,grpolora.dev/role=inference",
         attached_jobs=[
             AttachedJob(
                 job="rl/a", uid="u", token_digest="0123", adapter_versions=[ReplicaAdapter(replica=0, live_version=3)]
@@ -291,12 +292,15 @@ def test_only_a_pools_replicas_can_change_its_servers_run_with_the_rest(change: 
 
 def test_a_pool_has_the_scale_subresource_so_kubectl_scale_works():
     """`kubectl scale rolloutpool/x --replicas=3` (and an HPA) writes spec.replicas through /scale; it reads the
-    replicas the pool has from status.replicas.ready."""
+    replicas the pool has from status.replicas.ready, and an HPA the pods' selector from status.selector."""
     version = pool_crd()["spec"]["versions"][0]
     assert version["subresources"]["scale"] == {
         "specReplicasPath": ".spec.replicas",
         "statusReplicasPath": ".status.replicas.ready",
+        "labelSelectorPath": ".status.selector",
     }
+    selector = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["selector"]
+    assert selector["type"] == "string"  # apiextensions-apiserver requires a string there
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["replicas"]
     status = version["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]["replicas"]
     assert spec["type"] == "integer" and status["properties"]["ready"]["type"] == "integer"
