@@ -31,12 +31,9 @@ from pathlib import Path
 import httpx
 import torch
 
-from grpolora.testing.servers import TOKEN, ServerProcess, tiny_cpu_job
+from grpolora.testing.servers import TOKEN, ServerProcess, http_sender, tiny_cpu_job
 from grpolora.workers.adapter import lora_config, lora_tensors
-from grpolora.workers.models import fingerprint, resolve_model
-from grpolora.workers.sync.control import HttpMember
-from grpolora.workers.sync.sender import AdapterSender
-from grpolora.workers.sync.transport import connect_store
+from grpolora.workers.models import resolve_model
 
 MODEL = "offline:smollm2-135m-instruct"
 
@@ -148,18 +145,14 @@ def main() -> None:
     try:
         for server in servers:
             server.wait_healthy(timeout=600)
-        store = connect_store("127.0.0.1", job.sync.port, is_master=True, timeout_seconds=60)
-        sender = AdapterSender(
-            [HttpMember(i, url, TOKEN) for i, url in enumerate(job.inference_endpoints)],
-            store=store,
-            store_addr="127.0.0.1",
+        sender = http_sender(
+            job.inference_endpoints,
+            TOKEN,
             store_port=job.sync.port,
-            backend="gloo",
+            model_dir=model_dir,
             timeout_seconds=60,
-            join_timeout_seconds=60,
             bucket_bytes=job.sync.bucket_bytes,
-            fingerprint=fingerprint(model_dir),
-            token=TOKEN,
+            join_timeout_seconds=60,
         )
         sender.form_group(wait_for_all_seconds=60)
         sender.send(new_version(policy, 0), lora_config(policy))  # warm-up: both paths have built a LoRA once

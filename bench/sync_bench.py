@@ -30,10 +30,8 @@ from pathlib import Path
 import httpx
 import torch
 
-from grpolora.testing.servers import TOKEN, ServerProcess, free_port, tiny_cpu_job
-from grpolora.workers.models import fingerprint, resolve_model
-from grpolora.workers.sync.control import HttpMember
-from grpolora.workers.sync.sender import AdapterSender
+from grpolora.testing.servers import TOKEN, ServerProcess, free_port, http_sender, tiny_cpu_job
+from grpolora.workers.models import resolve_model
 from grpolora.workers.sync.transport import connect_store, create_transport
 
 MODEL = "offline:smollm2-135m-instruct"
@@ -136,18 +134,14 @@ def main() -> None:
             server.wait_healthy(timeout=600)
         ready.wait(600)
         bench = create_transport("gloo", bench_store, epoch=0, rank=0, world_size=2, timeout_seconds=600)
-        store = connect_store("127.0.0.1", job.sync.port, is_master=True, timeout_seconds=60)
-        sender = AdapterSender(
-            [HttpMember(i, url, TOKEN) for i, url in enumerate(job.inference_endpoints)],
-            store=store,
-            store_addr="127.0.0.1",
+        sender = http_sender(
+            job.inference_endpoints,
+            TOKEN,
             store_port=job.sync.port,
-            backend="gloo",
+            model_dir=model_dir,
             timeout_seconds=60,
-            join_timeout_seconds=60,
             bucket_bytes=job.sync.bucket_bytes,
-            fingerprint=fingerprint(model_dir),
-            token=TOKEN,
+            join_timeout_seconds=60,
         )
         sender.form_group(wait_for_all_seconds=60)
         results: dict[str, list[dict]] = {"adapter": [], "merged": [], "raw": []}

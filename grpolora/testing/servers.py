@@ -76,6 +76,38 @@ def pool_attachment(job: str, token: str, kept_versions: int = 2, uid: str = "")
     )
 
 
+def http_sender(
+    endpoints,
+    token: str,
+    *,
+    store_port: int,
+    model_dir,
+    timeout_seconds: float,
+    bucket_bytes: int,
+    join_timeout_seconds: float = 30,
+):
+    """Trainer rank 0's AdapterSender (its store on `store_port`, gloo) to the servers at `endpoints`, as `token`'s
+    job. The ML stack is imported here, not with this module (the operator tests use it without)."""
+    from grpolora.workers.models import fingerprint
+    from grpolora.workers.sync.control import HttpMember
+    from grpolora.workers.sync.sender import AdapterSender
+    from grpolora.workers.sync.transport import connect_store
+
+    store = connect_store("127.0.0.1", store_port, is_master=True, timeout_seconds=timeout_seconds)
+    return AdapterSender(
+        [HttpMember(i, url, token) for i, url in enumerate(endpoints)],
+        store=store,
+        store_addr="127.0.0.1",
+        store_port=store_port,
+        backend="gloo",
+        timeout_seconds=timeout_seconds,
+        join_timeout_seconds=join_timeout_seconds,
+        bucket_bytes=bucket_bytes,
+        fingerprint=fingerprint(model_dir),
+        token=token,
+    )
+
+
 class ServerProcess:
     def __init__(self, job: JobPlan, index: int, log_dir: Path):
         self._start(job.env_for("inference", index, token=TOKEN), job.inference_endpoints[index], index, log_dir)

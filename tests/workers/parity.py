@@ -10,10 +10,6 @@ import httpx
 import torch
 
 from grpolora.testing.servers import TOKEN, generate
-from grpolora.workers.models import fingerprint
-from grpolora.workers.sync.control import HttpMember
-from grpolora.workers.sync.sender import AdapterSender
-from grpolora.workers.sync.transport import connect_store
 
 PROMPT = "The quick brown fox"
 
@@ -33,25 +29,6 @@ def randomize_adapter(model, seed: int) -> None:
         for name, param in model.named_parameters():
             if "lora_" in name:
                 param.copy_(torch.randn(param.shape, generator=g) * 0.2)
-
-
-def http_sender(
-    endpoints, token: str, *, store_port: int, model_dir, timeout_seconds: float, bucket_bytes: int
-) -> AdapterSender:
-    """Trainer rank 0's sender (its store on `store_port`) to the servers at `endpoints`, as `token`'s job."""
-    store = connect_store("127.0.0.1", store_port, is_master=True, timeout_seconds=timeout_seconds)
-    return AdapterSender(
-        [HttpMember(i, url, token) for i, url in enumerate(endpoints)],
-        store=store,
-        store_addr="127.0.0.1",
-        store_port=store_port,
-        backend="gloo",
-        timeout_seconds=timeout_seconds,
-        join_timeout_seconds=30,
-        bucket_bytes=bucket_bytes,
-        fingerprint=fingerprint(model_dir),
-        token=token,
-    )
 
 
 def tokens(model_dir) -> list[int]:

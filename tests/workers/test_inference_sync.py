@@ -24,6 +24,7 @@ from grpolora.testing.servers import (
     descendants,
     free_port,
     generate,
+    http_sender,
     tiny_cpu_job,
     wait_in_flight,
 )
@@ -39,7 +40,6 @@ from grpolora.workers.trainer.rollout import RolloutClient, Sampling, prompt_see
 from tests.workers.parity import (
     greedy,
     hf_logprobs,
-    http_sender,
     peft_policy,
     randomize_adapter,
     raw_request,

@@ -28,6 +28,7 @@ from grpolora.testing.servers import (
     PoolServerProcess,
     free_port,
     generate,
+    http_sender,
     pool_attachment,
     tiny_cpu_pool,
     wait_in_flight,
@@ -40,7 +41,7 @@ from grpolora.workers.models import resolve_model
 from grpolora.workers.sync.control import JoinRequest, SyncError
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.fakeengine import AppThread
-from tests.workers.parity import greedy, hf_logprobs, http_sender, peft_policy, randomize_adapter, raw_request, tokens
+from tests.workers.parity import greedy, hf_logprobs, peft_policy, randomize_adapter, raw_request, tokens
 
 log = logging.getLogger(__name__)
 JOB_A, JOB_B, JOB_C = "team-a/job-a", "team-a/job-b", "team-a/job-c"
