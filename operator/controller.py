@@ -267,8 +267,13 @@ class Controller:
             return
         tracked.wakes += 1
         tracked.due = min(tracked.due, asyncio.get_running_loop().time())
+        self._follow(tracked)
+
+    def _follow(self, tracked: _Tracked) -> None:
+        """Make the job's (or pool's) monitor look at `due` again, starting it if it had ended."""
         if tracked.task is None or tracked.task.done():
-            tracked.task = asyncio.create_task(self._monitor(tracked), name=_monitor_name(tracked))
+            name = f"grpolora monitor {tracked.namespace}/{tracked.name}"
+            tracked.task = asyncio.create_task(self._monitor(tracked), name=name)
         else:
             tracked.wake.set()
 
@@ -1036,14 +1041,11 @@ class Controller:
     def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision, *, woken: bool = False) -> None:
         """After a handler's pass: the job's monitor passes next after the decision's delay (at once if an event
         came during the pass), or not at all if it settled."""
-        if decision.idle and not woken:
-            return
-        loop = asyncio.get_running_loop()
-        job.due = loop.time() + (0.0 if woken else self._delay(decision))
-        if job.task is None or job.task.done():
-            job.task = asyncio.create_task(self._monitor(job), name=_monitor_name(job))
-        else:
-            job.wake.set()
+        if woken:
+            self._wake(job)
+        elif not decision.idle:
+            job.due = asyncio.get_running_loop().time() + self._delay(decision)
+            self._follow(job)
 
     def _delay(self, decision: rec.Decision | pr.PoolDecision) -> float:
         if decision.requeue_after is not None:
@@ -1090,10 +1092,6 @@ class Controller:
                 return
             else:
                 job.due = loop.time() + self._delay(decision)
-
-
-def _monitor_name(tracked: _Tracked) -> str:
-    return f"grpolora monitor {tracked.namespace}/{tracked.name}"
 
 
 def _pool_ref(body: Mapping[str, Any]) -> str | None:
