@@ -32,6 +32,7 @@ from pathlib import Path
 
 import yaml
 
+from grpolora.workers.launcher.results import read_metrics
 from grpolora.workers.models import resolve_model
 from grpolora.workers.tasks import chat_messages
 from grpolora.workers.tasks.arithmetic import ArithmeticTask
@@ -69,12 +70,6 @@ def job(seed: int) -> dict:
     }
 
 
-def records(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-
-
 def run_ours(seed: int, budget: float, root: Path) -> tuple[list[dict], Path]:
     """`grpolora run` until a step ends past the budget, then Ctrl-C (it stops after its checkpoint)."""
     folder = root / f"grpolora-{seed}"
@@ -86,9 +81,8 @@ def run_ours(seed: int, budget: float, root: Path) -> tuple[list[dict], Path]:
         stdout=subprocess.DEVNULL,
         stderr=(root / f"grpolora-{seed}.log").open("w"),
     )
-    metrics = folder / "metrics.jsonl"
     while process.poll() is None:
-        seen = records(metrics)
+        seen = read_metrics(folder)
         if seen and seen[-1]["time"] - started >= budget:
             # The checkpoint of that step is written before the next step's record; wait for it, then stop.
             wanted = folder / "checkpoints" / f"step-{seen[-1]['step']:08d}"
@@ -98,9 +92,8 @@ def run_ours(seed: int, budget: float, root: Path) -> tuple[list[dict], Path]:
             break
         time.sleep(0.5)
     process.wait(timeout=120)
-    steps = [
-        {"step": r["step"], "reward_mean": r["reward_mean"], "elapsed": r["time"] - started} for r in records(metrics)
-    ]
+    records = read_metrics(folder)
+    steps = [{"step": r["step"], "reward_mean": r["reward_mean"], "elapsed": r["time"] - started} for r in records]
     last = max((folder / "checkpoints").glob("step-*"))
     return steps, last / "adapter"
 
@@ -122,7 +115,7 @@ def run_trl(seed: int, budget: float, root: Path, trl_python: str, model_dir: Pa
     command += ["--max-new-tokens", str(MAX_NEW_TOKENS), "--learning-rate", str(LEARNING_RATE), "--kl-coef", str(KL)]
     with (root / f"trl-{seed}.log").open("w") as log:
         subprocess.run(command, check=True, stdout=log, stderr=subprocess.STDOUT)
-    return records(folder / "steps.jsonl"), folder / "adapter"
+    return read_metrics(folder), folder / "adapter"
 
 
 def held_out(seed: int, adapter: Path, root: Path, name: str) -> dict:

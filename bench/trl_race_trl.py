@@ -4,8 +4,9 @@ Run by bench/trl_race.py with the Python of a virtual environment that has TRL (
 script imports TRL, nothing of TRL is committed). It needs this repository importable there for the task's reward
 (`pip install --no-deps -e .` into that environment), so that both sides score with the same function.
 
-Writes to --out: steps.jsonl (per optimizer step: step, reward mean, wall time since the race started the
-process) and adapter/ (the LoRA adapter as the budget ran out), the peft folder `grpolora eval` reads.
+Writes to --out: metrics.jsonl (named as `grpolora run` names it; per optimizer step: step, reward mean, wall
+time since the race started the process) and adapter/ (the LoRA adapter as the budget ran out), the peft folder
+`grpolora eval` reads.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def main() -> None:
     )
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules="all-linear", task_type="CAUSAL_LM")
     args.out.mkdir(parents=True, exist_ok=True)
-    steps = args.out / "steps.jsonl"
+    steps = args.out / "metrics.jsonl"
     steps.unlink(missing_ok=True)
     trainer = GRPOTrainer(
         model=str(args.model_dir),
