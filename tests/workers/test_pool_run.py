@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -311,8 +312,11 @@ def test_a_job_beyond_max_jobs_waits_and_attaches_when_one_ends(pool_run):
     waited = err.index(
         f"{LATER}: waiting for a slot of RolloutPool {POOL_NAME} (2 of 2 jobs attached); place 1 in line"
     )
-    attached = err.index(f"{LATER}: attached to RolloutPool {POOL_NAME} (2 of 2 jobs); starting its trainer")
-    assert waited < attached
+    # Attached as the count stands then: 2 of 2 when one first job still runs, 1 of 2 when both ended before the
+    # launcher's next look (seen on CI: the replica's restart lines both jobs up, so they may end together).
+    found = re.search(rf"{LATER}: attached to RolloutPool {POOL_NAME} \(([12]) of 2 jobs\); starting its trainer", err)
+    assert found is not None, err[-4000:]
+    assert waited < found.start()
     # It was attached only once a first job had detached, and ran to its end on the same replica.
     assert log.index(f"serving job default/{LATER}") > min(log.index(f"job default/{name} detached") for name in JOBS)
     later = pool_run.records[LATER]
