@@ -118,7 +118,7 @@ def build_children(
         objects.append(network_policy(plan, operator_namespace))
     if plan.inference is not None:  # a job on a RolloutPool has no servers of its own
         objects.append(inference_disruption_budget(plan))
-    if queue_name(plan) is not None:
+    if plan.job.queue_name is not None:
         objects.append(queue_workload(plan))
     objects += workloads(plan, admitted)
     return _owned(plan, owner_uid, objects)
@@ -308,11 +308,6 @@ def _network_policy(
     }
 
 
-def queue_name(plan: JobPlan) -> str | None:
-    """The Kueue LocalQueue the job asks for (its kueue.x-k8s.io/queue-name label), if any."""
-    return plan.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL)
-
-
 def queue_workload(plan: JobPlan) -> K8sObject:
     """One Kueue Workload for the whole job, a pod set per role with the pod templates rendered here: Kueue admits
     all pod sets or none, so inference never holds its GPUs while the trainer's do not fit (or the reverse). The
@@ -327,7 +322,7 @@ def queue_workload(plan: JobPlan) -> K8sObject:
         "apiVersion": c.KUEUE_API_VERSION,
         "kind": "Workload",
         "metadata": _metadata(plan, plan.name),
-        "spec": {"queueName": queue_name(plan), "podSets": pod_sets},
+        "spec": {"queueName": plan.job.queue_name, "podSets": pod_sets},
     }
     if plan.job.spec.suspend:
         # Created inactive, so that Kueue never reserves quota for a suspended job (reactivated when it resumes).

@@ -760,7 +760,7 @@ class Controller:
             warnings = obs.pod_warnings(events, present, pods, desired)
         claims = (await self._claims(job, view) if full else job.claims) if running else {}
         queue_workload = None
-        if view.job.metadata.labels.get(c.KUEUE_QUEUE_LABEL) is not None:
+        if view.job.queue_name is not None:
             # Read once per pass: a full pass's _ensure_kept_children read it into the cache just before.
             queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
         report, error = None, None

@@ -3,6 +3,7 @@ the fold of trainer rank 0's /status into the job's progress figures."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -98,6 +99,19 @@ def statefulset_ready(statefulset: K8sObject | None) -> int:
 
 def deleting(obj: K8sObject | None) -> bool:
     return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
+
+
+def recorded_runtime(meta: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a started job recorded of its runtime (names.RUNTIME_ANNOTATION, grpolora.api.runtime.record_of); None
+    when it recorded none, or something unreadable."""
+    raw = (meta.get("annotations") or {}).get(names.RUNTIME_ANNOTATION)
+    if not raw:
+        return None
+    try:
+        found = json.loads(raw)
+    except ValueError:
+        return None
+    return found if isinstance(found, dict) and isinstance(found.get("spec"), dict) else None
 
 
 def controller_uid(obj: K8sObject | None) -> str | None:

@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from grpolora.api import runtime as rt
 from grpolora.api.constants import KUEUE_QUEUE_LABEL
 from grpolora.api.load import InvalidJob, parse_job, parse_pool
 from grpolora.api.pool import Admission, Candidate, fit_errors, job_key
@@ -34,16 +35,14 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
     ref = ((spec.get("inference") or {}).get("poolRef") or {}).get("name")
     if ref != pool.name or meta.get("namespace") != pool.namespace:
         return None
-    try:
-        job: GRPOLoraJob | None = parse_job(body)
-    except InvalidJob:
-        job = None
+    job = _as_it_runs(body)
     status = body.get("status") or {}
     phase = status.get("phase")
     active = not meta.get("deletionTimestamp") and not spec.get("suspend") and phase not in DONE_PHASES
     # Under Kueue, only an admitted job wants a place: a queued one holding a place while Kueue admits a later job
     # first (BestEffortFIFO) would leave that job holding GPU quota and waiting for the place, and neither runs.
-    active = active and admitted_by_kueue(body)
+    queue = job.queue_name if job is not None else (meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL)
+    active = active and (queue is None or admitted_by_kueue(body))
     return Candidate(
         key=job_key(meta.get("namespace", ""), meta.get("name", "")),
         uid=meta.get("uid", ""),
@@ -55,11 +54,23 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
     )
 
 
+def _as_it_runs(body: Mapping[str, Any]) -> GRPOLoraJob | None:
+    """The job merged with the runtime it recorded as it started (the grpolora.dev/runtime annotation), or as written
+    when it names none or has not started yet: its first pass records the runtime before it makes its token Secret,
+    so a job cannot attach before then (a runtime sets nothing else the pool reads: model, LoRA, staleness).
+    None when it does not parse."""
+    try:
+        recorded = obs.recorded_runtime(body.get("metadata") or {}) if rt.ref_in(body) is not None else None
+        if recorded is None:
+            return parse_job(body)
+        return rt.parse_resolved(body, recorded["spec"], "its recorded runtime")
+    except InvalidJob:
+        return None
+
+
 def admitted_by_kueue(body: Mapping[str, Any]) -> bool:
-    """True for a job without a Kueue queue label, else whether its status says Kueue admitted its Workload (the
-    job's own pass writes that condition from the Workload, so the pool reads no Workload)."""
-    if not ((body.get("metadata") or {}).get("labels") or {}).get(KUEUE_QUEUE_LABEL):
-        return True
+    """Whether the job's status says Kueue admitted its Workload (the job's own pass writes that condition from the
+    Workload, so the pool reads no Workload)."""
     conditions = (body.get("status") or {}).get("conditions") or []
     return any(x.get("type") == names.ADMITTED and x.get("status") == "True" for x in conditions)
 

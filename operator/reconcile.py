@@ -121,7 +121,7 @@ def job_view(body: Mapping[str, Any], runtime: Mapping[str, Any] | None = None) 
     deleting = bool(meta.get("deletionTimestamp"))
     created = cond.is_true(stored_status(body.get("status")).conditions, names.CREATED)
     applied = _applied_spec(meta) if created else None
-    recorded = _recorded_runtime(meta) if created else None
+    recorded = obs.recorded_runtime(meta) if created else None
     used: Mapping[str, Any] | None = None
     try:
         current = parse_job(body)
@@ -182,20 +182,9 @@ def runtime_to_read(body: Mapping[str, Any]) -> RuntimeRef | None:
     """The runtime a pass must read for the job: the one it names, until it has started on a recorded one."""
     ref = rt.ref_in(body)
     started = cond.is_true(stored_status(body.get("status")).conditions, names.CREATED)
-    if ref is None or (started and _recorded_runtime(body.get("metadata") or {}) is not None):
+    if ref is None or (started and obs.recorded_runtime(body.get("metadata") or {}) is not None):
         return None
     return ref
-
-
-def _recorded_runtime(meta: Mapping[str, Any]) -> dict[str, Any] | None:
-    raw = (meta.get("annotations") or {}).get(names.RUNTIME_ANNOTATION)
-    if not raw:
-        return None
-    try:
-        found = json.loads(raw)
-    except ValueError:
-        return None
-    return found if isinstance(found, dict) and isinstance(found.get("spec"), dict) else None
 
 
 def _applied_spec(meta: Mapping[str, Any]) -> GRPOLoraJobSpec | None:
@@ -495,7 +484,7 @@ def _placement(view: JobView, old: JobStatus, observed: Observed, now: datetime.
         place = pools.place(observed.pool.pool, observed.pool.status, key, view.uid, observed.token)
     else:
         job_plan = plan(job)
-    return _Placement(job_plan, place, builders.queue_name(job_plan))
+    return _Placement(job_plan, place, job_plan.job.queue_name)
 
 
 @dataclass(frozen=True)
@@ -1002,7 +991,9 @@ def _placed_workloads(
 def _admission(queue: str | None, workload: K8sObject | None, *, api_missing: bool = False) -> cond.Want:
     """Kueue's verdict on the job's Workload: Admitted True (or no queue), else why not."""
     if queue is None:
-        return cond.Want(names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label)")
+        return cond.Want(
+            names.ADMITTED, "True", names.R_NO_QUEUE, "not queued (no kueue.x-k8s.io/queue-name label or queueName)"
+        )
     if workload is None and api_missing:
         return cond.Want(
             names.ADMITTED,
@@ -1064,8 +1055,8 @@ def _suspended_by_another(trainer_job: K8sObject, queue: str | None) -> str:
         "job for the trainer Job's Kueue-managed owner"
     )
     if queue is None:
-        fix += f", and give the job a {c.KUEUE_QUEUE_LABEL} label (Kueue holds a Kueue-managed job's Jobs until its "
-        fix += "Workload is admitted)"
+        fix += f", and give the job a {c.KUEUE_QUEUE_LABEL} label or spec.scheduling.queueName (Kueue holds a "
+        fix += "Kueue-managed job's Jobs until its Workload is admitted)"
     return (
         f"the trainer Job {name} is suspended (spec.suspend: true), not by the operator: no trainer pod runs. Kueue's "
         f"Job integration does this under manageJobsWithoutQueueName; {fix}"

@@ -134,8 +134,9 @@ POOL_JOBS_VOLUME: Final = "pool-jobs"
 POOL_JOBS_MOUNT: Final = "/var/run/grpolora/pool"
 POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME)
 
-# Kueue: this label on a GRPOLoraJob names the LocalQueue; the operator then creates one Kueue Workload holding a pod
-# set per role, so that Kueue admits both pools' pods together (grpolora.operator.builders.queue_workload).
+# Kueue: this label on a GRPOLoraJob (or its spec.scheduling.queueName, which a runtime may set) names the LocalQueue;
+# the operator then creates one Kueue Workload holding a pod set per role, so that Kueue admits both pools' pods
+# together (grpolora.operator.builders.queue_workload).
 KUEUE_QUEUE_LABEL: Final = "kueue.x-k8s.io/queue-name"
 KUEUE_API_VERSION: Final = "kueue.x-k8s.io/v1beta1"
 # Every kind this project defines a CRD for (`grpolora crd --kind`, crds/, the chart's files/).

@@ -32,6 +32,7 @@ Port = Annotated[int, Field(ge=1024, le=65535)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 REWARD_REF_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 
 
 class FieldErrors(ValueError):
@@ -863,8 +864,9 @@ def _tensor_parallel_rule() -> dict[str, str]:
     gpus = cel_or_default("gpusPerReplica", RoleSpec.model_fields["gpus_per_replica"].default)
     tp = cel_or_default("tensorParallelSize", 1)
     return cel_rule(
-        f"{gpus} == 0 ? {tp} == 1 : {gpus} % {tp} == 0",
-        "tensorParallelSize must divide gpusPerReplica (CPU replicas, gpusPerReplica 0, need 1)",
+        f"{gpus} == 0 ? {tp} == 1 : {gpus} == {tp}",
+        "tensorParallelSize must equal gpusPerReplica: a replica runs one vLLM engine over all its GPUs (CPU "
+        "replicas, gpusPerReplica 0, need 1); scale out with replicas",
         ".tensorParallelSize",
     )
 
@@ -875,7 +877,9 @@ class ServingSpec(RoleSpec):
     model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [_tensor_parallel_rule()]})
 
     tensor_parallel_size: int = Field(default=1, gt=0, le=c.MAX_GPUS_PER_POD)
-    """vLLM tensor-parallel size; must divide gpusPerReplica (the quotient runs as vLLM data parallelism)."""
+    """vLLM tensor-parallel size: gpusPerReplica on GPU replicas, 1 on CPU ones. A replica runs one vLLM engine over
+    all its GPUs; data parallelism is more replicas (each one member of the sync group, acknowledging each adapter),
+    never several engines in one replica (docs/design.md)."""
     port: Port = 8000
     """HTTP port of each inference server: generate, health, readiness, metrics, sync control."""
     max_model_len: int | None = Field(default=None, gt=0, le=c.MAX_MODEL_LEN)
@@ -889,12 +893,16 @@ class ServingSpec(RoleSpec):
         """Cross-field problems of the serving fields, at paths under `at` (e.g. `inference`)."""
         if self.gpus_per_replica == 0 and self.tensor_parallel_size != 1:
             return [(f"{at}tensorParallelSize", "CPU replicas (gpusPerReplica: 0) need 1")]
-        if self.gpus_per_replica and self.gpus_per_replica % self.tensor_parallel_size:
+        gpus, tp = self.gpus_per_replica, self.tensor_parallel_size
+        if gpus and gpus != tp:
+            times = {2: "twice"}.get(gpus // tp, f"{gpus // tp} times") if gpus % tp == 0 else "more"
             return [
                 (
                     f"{at}tensorParallelSize",
-                    f"{self.tensor_parallel_size} does not divide {at}gpusPerReplica ({self.gpus_per_replica}); "
-                    "use a divisor of it",
+                    f"is {tp} but gpusPerReplica is {gpus}: a replica runs one vLLM engine over all its GPUs, whose "
+                    "tensor-parallel rank 0 worker takes each adapter (several engines in one replica, vLLM's data "
+                    f"parallelism, would each need it); use tensorParallelSize {gpus}, or gpusPerReplica {tp} and "
+                    f"{times} the replicas",
                 )
             ]
         return []
@@ -953,8 +961,13 @@ class SyncSpec(SpecModel):
 
 
 class SchedulingSpec(SpecModel):
-    """How long the job waits for its pods when they cannot all start (e.g. one GPU pool has room and the other has
-    not). With Kueue (the `kueue.x-k8s.io/queue-name` label) admission decides instead (docs/operator.md)."""
+    """Which Kueue queue admits the job, and how long it waits for its pods when they cannot all start (e.g. one GPU
+    pool has room and the other has not). With Kueue, admission decides instead (docs/operator.md)."""
+
+    queue_name: str | None = Field(default=None, pattern=DNS_1123_SUBDOMAIN.pattern, max_length=253)
+    """The Kueue LocalQueue (in the job's namespace) that admits the job: the operator makes one Kueue Workload for
+    it, a pod set per role. A `kueue.x-k8s.io/queue-name` label on the job wins over it. Set on a runtime, it queues
+    every job on the runtime without a label on each. Unset (and no label): not queued."""
 
     startup_deadline_seconds: int | None = Field(default=None, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """Pods not all ready this long after they were created (or after one was lost) report
@@ -1145,7 +1158,7 @@ class GRPOLoraJobSpec(SpecModel):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     """Checkpointing of the trainer."""
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
-    """Startup deadline of the pods (partial admission without Kueue)."""
+    """The Kueue queue, and the pods' startup deadline (partial admission without Kueue)."""
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     """Network isolation of the job's pods."""
     pod_security: PodSecuritySpec = Field(default_factory=PodSecuritySpec)
@@ -1324,6 +1337,12 @@ class GRPOLoraJob(_Named, BaseModel):
     spec: GRPOLoraJobSpec
     status: dict[str, Any] | None = None
 
+    @property
+    def queue_name(self) -> str | None:
+        """The Kueue LocalQueue that admits the job: its `kueue.x-k8s.io/queue-name` label (Kueue's own convention)
+        wins over spec.scheduling.queueName (the job's, or its runtime's); None: not queued."""
+        return self.metadata.labels.get(c.KUEUE_QUEUE_LABEL) or self.spec.scheduling.queue_name
+
 
 # ---- RolloutPool: one vLLM fleet shared by several jobs ------------------------------------------------------
 
@@ -1436,7 +1455,7 @@ class RuntimeMeta(BaseModel):
     """A runtime's metadata: its name (any Kubernetes object name; no children are named after it)."""
 
     model_config = ConfigDict(extra="allow", frozen=True)
-    name: str = Field(pattern=r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$", max_length=253)
+    name: str = Field(pattern=DNS_1123_SUBDOMAIN.pattern, max_length=253)
     namespace: str = "default"
     generation: int | None = None
     resource_version: str | None = Field(default=None, alias="resourceVersion")

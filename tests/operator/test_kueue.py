@@ -348,3 +348,35 @@ async def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_and_fin
     finished = lambda: [x for x in cluster.get(WORKLOADS, "demo")["status"]["conditions"] if x["type"] == "Finished"]  # noqa: E731
     (condition,) = await wait_for(finished, "the Workload marked Finished")
     assert condition["reason"] == "FailedToStart"
+
+
+async def test_a_runtime_that_names_a_queue_queues_its_jobs_and_a_jobs_own_label_wins(cluster, operator):
+    """A platform team sets the LocalQueue once, on the runtime (spec.scheduling.queueName); its jobs carry no label.
+    The operator makes their Workload itself, so Kueue reads the queue from the Workload's spec.queueName alone; with
+    no label on the job, Kueue's batch/v1 Job integration leaves its trainer Job alone unless
+    manageJobsWithoutQueueName, when the job is its Kueue-managed ancestor either way (FindAncestorJobManagedByKueue,
+    pkg/controller/jobframework)."""
+    from tests.operator.test_runtime import cluster_runtime, job_on_runtime
+
+    async with FakeKueue(cluster) as kueue:
+        await cluster.apply(
+            cluster_runtime(
+                trainer={"gpusPerReplica": 0},
+                inference={"gpusPerReplica": 0, "kvCacheGiB": 1},
+                sync={"backend": "gloo"},
+                scheduling={"queueName": "team-queue"},
+            )
+        )
+        await cluster.apply(job_on_runtime("demo"))
+        await wait_for(lambda: kueue.workload("demo") is not None, "the Kueue Workload")
+        assert kueue.workload("demo")["spec"]["queueName"] == "team-queue"
+        await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+        await kueue.admit("demo")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job once admitted")
+
+        labelled = job_on_runtime("labelled")
+        labelled["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "urgent-queue"}
+        await cluster.apply(labelled)
+        await wait_for(lambda: kueue.workload("labelled") is not None, "the labelled job's Workload")
+        assert kueue.workload("labelled")["spec"]["queueName"] == "urgent-queue"

@@ -39,7 +39,8 @@ LONGEST = max_job_name_length()
 # (document, valid): each cross-field rule both ways, including fields left to their defaults.
 CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("defaults", job_doc(), True),
-    ("tp divides gpus", job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 2}), True),
+    ("tp is the replica's gpus", job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 4}), True),
+    ("tp below the gpus: data parallel", job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 2}), False),
     ("tp does not divide gpus", job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 3}), False),
     ("tp > default gpus", job_doc(inference={"tensorParallelSize": 2}), False),
     ("cpu replicas with tp 2", job_doc(inference={"gpusPerReplica": 0, "tensorParallelSize": 2}), False),

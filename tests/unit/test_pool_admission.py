@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 
 import pytest
 
@@ -125,6 +126,20 @@ def test_a_queued_job_is_a_candidate_only_once_kueue_admitted_it():
     admitted = {"type": names.ADMITTED, "status": "True", "reason": names.R_ADMITTED}
     assert candidate({**queued, "status": {"conditions": [admitted]}}, shared).active
     assert candidate(body(), shared).active, "a job without a queue needs no admission"
+
+
+def test_a_job_queued_by_its_runtime_is_a_candidate_only_once_kueue_admitted_it():
+    """The queue may come from the job's runtime (spec.scheduling.queueName there), which the pool reads from what the
+    job recorded as it started (the grpolora.dev/runtime annotation): the same rule as for a labelled job."""
+    shared = pool()
+    on_runtime = body(runtimeRef={"kind": "ClusterGRPOLoraRuntime", "name": "gpu"})
+    record = {"kind": "ClusterGRPOLoraRuntime", "name": "gpu", "spec": {"scheduling": {"queueName": "gpu-queue"}}}
+    on_runtime["metadata"]["annotations"] = {names.RUNTIME_ANNOTATION: json.dumps(record)}
+    assert not candidate(on_runtime, shared).active, "queued by its runtime, not admitted yet"
+    admitted = {"type": names.ADMITTED, "status": "True", "reason": names.R_ADMITTED}
+    assert candidate({**on_runtime, "status": {"conditions": [admitted]}}, shared).active
+    # Its own spec.scheduling.queueName queues it as well.
+    assert not candidate(body(scheduling={"queueName": "gpu-queue"}), shared).active
 
 
 def test_replica_versions_tolerate_replicas_that_do_not_answer_or_answer_nonsense():

@@ -104,7 +104,12 @@ INVALID = [
     (
         job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 3}),
         "spec.inference.tensorParallelSize",
-        "does not divide",
+        "is 3 but gpusPerReplica is 4",
+    ),
+    (  # vLLM data parallelism inside a replica: one engine per GPU group, each needing the adapter (use replicas)
+        job_doc(inference={"gpusPerReplica": 4, "tensorParallelSize": 2}),
+        "spec.inference.tensorParallelSize",
+        "use tensorParallelSize 4, or gpusPerReplica 2 and twice the replicas",
     ),
     (
         job_doc(inference={"gpusPerReplica": 0, "tensorParallelSize": 2}),
@@ -466,3 +471,16 @@ def test_a_job_on_a_pool_is_not_warned_about_the_pools_servers():
         job_doc(model={"name": "Qwen/Qwen3-0.6B", "dtype": "bfloat16"}, inference={"poolRef": {"name": "p"}})
     )
     assert [w.path for w in job_warnings(job) if w.path.endswith(".resources")] == ["spec.trainer.resources"]
+
+
+def test_the_kueue_queue_is_the_jobs_label_else_spec_scheduling_queue_name():
+    """One answer to "which LocalQueue?", read by the Workload builder, the job's pass and the pool's admission: the
+    kueue.x-k8s.io/queue-name label (Kueue's own convention) wins over spec.scheduling.queueName, which a runtime may
+    set for every job on it."""
+    assert parse_job(job_doc()).queue_name is None
+    assert parse_job(job_doc(scheduling={"queueName": "team-queue"})).queue_name == "team-queue"
+    labelled = job_doc(scheduling={"queueName": "team-queue"})
+    labelled["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "urgent"}
+    assert parse_job(labelled).queue_name == "urgent"
+    # A LocalQueue is named as any object is (Kueue's Workload spec.queueName: a DNS-1123 subdomain).
+    assert any("spec.scheduling.queueName" in p for p in problems_of(job_doc(scheduling={"queueName": "Team_Q"})))

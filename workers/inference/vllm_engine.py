@@ -37,7 +37,6 @@ class EngineConfig:
     max_loras: int
     max_cpu_loras: int | None = None  # None: max_loras + 1 (room for a version arriving while two are in use)
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
     max_model_len: int | None = None
     gpu_memory_utilization: float = 0.85
     seed: int = 0
@@ -134,7 +133,6 @@ def config_for(spec: GRPOLoraJobSpec | RolloutPoolSpec, model_dir: str) -> Engin
         max_loras=slots,
         max_cpu_loras=cpu_slots,
         tensor_parallel_size=serving.tensor_parallel_size,
-        data_parallel_size=max(gpus // serving.tensor_parallel_size, 1),
         max_model_len=serving.max_model_len,
         # On CPUs the KV cache is sized by VLLM_CPU_KVCACHE_SPACE; a low fraction keeps vLLM's memory check from
         # failing when the trainer shares the machine.
@@ -208,7 +206,6 @@ class VllmEngine:
             max_loras=cfg.max_loras,
             max_cpu_loras=cfg.max_cpu_loras or cfg.max_loras + 1,
             tensor_parallel_size=cfg.tensor_parallel_size,
-            data_parallel_size=cfg.data_parallel_size,
             max_model_len=cfg.max_model_len,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             enforce_eager=cfg.enforce_eager,
