@@ -338,7 +338,10 @@ def plan(
         EnvVar(env.STATUS_PORT, str(spec.trainer.status_port)),
         EnvVar(env.CHECKPOINT_DIR, checkpoint_dir),
         *((EnvVar(env.OUTPUT_DIR, output_dir),) if output_dir else ()),
-        # In a cluster the dataset volume and the Secrets are mounted; a local run reads the user's own paths.
+    )
+    # In a cluster the dataset volume and the Secrets are mounted, in trainer pods only (the servers read neither);
+    # a local run reads the user's own paths.
+    trainer_only = (
         *((EnvVar(env.DATA_DIR, DATASET_MOUNT),) if cluster and spec.task.dataset and spec.task.dataset.pvc else ()),
         *((EnvVar(env.SECRETS_DIR, SECRETS_MOUNT),) if cluster and trainer_secrets(spec) else ()),
     )
@@ -352,7 +355,7 @@ def plan(
             service_name=names[role],
             hosts=role_hosts,
             ports=ports,
-            env=(EnvVar(env.ROLE, role), *common),
+            env=(EnvVar(env.ROLE, role), *common, *(trainer_only if role == c.ROLE_TRAINER else ())),
             user_env=tuple(role_spec.env),
             placement=_placement(role_spec),
         )

@@ -216,9 +216,11 @@ def test_trainer_mounts_the_dataset_volume_and_named_secrets_read_only():
     assert volumes["secret-0"] == {"name": "secret-0", "secret": {"secretName": "reward-auth"}}
     assert env_of(trainer)[contract.DATA_DIR] == "/data"
     assert env_of(trainer)[contract.SECRETS_DIR] == "/var/run/grpolora/secrets"
-    # Inference pods read neither.
-    inference = objs[("StatefulSet", "demo-inference")]["spec"]["template"]["spec"]
+    # Inference pods read neither: no volume, and no variable pointing at a folder they do not have.
+    servers = objs[("StatefulSet", "demo-inference")]
+    inference = servers["spec"]["template"]["spec"]
     assert not {"dataset", "secret-0"} & {v["name"] for v in inference["volumes"]}
+    assert not {contract.DATA_DIR, contract.SECRETS_DIR} & set(env_of(servers))
     for obj in objs.values():
         kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
 
