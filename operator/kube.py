@@ -30,6 +30,12 @@ LIST_PAGE: Final = 500
 """Objects per list request: client-go's pager's default page size (k8s.io/client-go/tools/pager)."""
 
 
+def format_selector(pairs: Mapping[str, str]) -> str:
+    """Equality requirements as a label or field selector says them (`a=1,b=2`, sorted: the form
+    metav1.FormatLabelSelector gives matchLabels, so that equal selectors are equal strings)."""
+    return ",".join(f"{key}={value}" for key, value in sorted(pairs.items()))
+
+
 @dataclass(frozen=True)
 class Kind:
     group: str
@@ -287,9 +293,9 @@ class KubeClient:
         kubernetes.io/docs/reference/using-api/api-concepts)."""
         params = {"limit": str(page)}
         if labels:
-            params["labelSelector"] = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+            params["labelSelector"] = format_selector(labels)
         if fields:
-            params["fieldSelector"] = ",".join(f"{key}={value}" for key, value in sorted(fields.items()))
+            params["fieldSelector"] = format_selector(fields)
         for attempt in (1, 2):
             found: list[K8sObject] = []
             token = ""

@@ -23,6 +23,7 @@ from grpolora.api.status import AttachedJob, Condition, PoolStatus, ReplicaAdapt
 from grpolora.operator import conditions as cond
 from grpolora.operator import names
 from grpolora.operator import observe as obs
+from grpolora.operator.kube import format_selector
 
 # Phases after which a job no longer uses its pool (a Failed job that never started counts too).
 DONE_PHASES: Final = ("Succeeded", "Failed")
@@ -145,7 +146,7 @@ def label_selector(statefulset: Mapping[str, Any] | None) -> str | None:
     """The StatefulSet's pod selector as the scale subresource states it (metav1.FormatLabelSelector of its
     matchLabels); None before the StatefulSet is seen."""
     labels = (((statefulset or {}).get("spec") or {}).get("selector") or {}).get("matchLabels") or {}
-    return ",".join(f"{key}={value}" for key, value in sorted(labels.items())) or None
+    return format_selector(labels) or None
 
 
 def pool_status(
