@@ -155,3 +155,63 @@ def test_a_refused_large_body_gets_its_answer_not_a_reset(uvicorn_server, header
 
     response = asyncio.run(post())
     assert response.status_code == status and words in response.json()["detail"], response.text
+
+
+@pytest.mark.parametrize("path", [STATE_PATH, JOIN_PATH, PREPARE_PATH, "/ready"])
+def test_a_control_call_waiting_on_the_member_in_vllms_worker_stalls_no_generation(tmp_path, path):
+    """With the sync member in vLLM's worker (workers/inference/members.py), each /v1/sync/* call and the readiness
+    probe is a socket round trip to that worker, answered within members.CONTROL_TIMEOUT_SECONDS (10 s) by a thread
+    there. Made on the event loop, every generation and probe of the replica would wait for it meanwhile."""
+    import concurrent.futures
+    import json
+    import multiprocessing
+
+    from grpolora.workers.inference.members import RemoteMember
+    from tests.workers.fakeengine import AppThread
+
+    control, worker_control = multiprocessing.Pipe()
+    events, worker_events = multiprocessing.Pipe()
+    engine = FakeOwnEngineBook(tmp_path)
+
+    def member(sink) -> RemoteMember:
+        return RemoteMember(
+            control, events, sink, replica_index=0, fingerprint="f" * 64, name="job", on_round=None, on_error=None,
+            timeout_seconds=60,
+        )  # fmt: skip
+
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    bodies = {
+        JOIN_PATH: {"epoch": 1, "rank": 1, "world_size": 2, "store_addr": "127.0.0.1", "store_port": 1,
+                    "backend": "gloo", "timeout_seconds": 5, "join_timeout_seconds": 5,
+                    "trainer_fingerprint": "f" * 64, "current_version": 0},
+        PREPARE_PATH: {"epoch": 1, "version": 1},
+    }  # fmt: skip
+    with AppThread(create_app(engine, member, token=TOKEN, version_wait_seconds=1)) as server:
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as threads:
+                method = "post" if path in bodies else "get"
+                call = threads.submit(
+                    httpx.request, method, f"{server.url}{path}", json=bodies.get(path), headers=auth, timeout=60
+                )
+                # The call has reached the worker's end (observable: its request is there) and is not answered yet.
+                assert worker_control.poll(20), f"{path} never reached the member"
+                asked = json.loads(worker_control.recv_bytes())["op"]
+                generated = httpx.post(
+                    f"{server.url}/v1/generate", json={"prompt_token_ids": [[1, 2]]}, headers=auth, timeout=10
+                )
+                assert generated.status_code == 200
+                assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+                assert not call.done()
+                state = {"replica_index": 0, "fingerprint": "f" * 64, "epoch": None, "rank": None,
+                         "live_version": 0, "required_version": 0, "busy": False}  # fmt: skip
+                worker_control.send_bytes(json.dumps({"value": state if asked == "state" else True}).encode())
+                deadline = time.monotonic() + 30
+                while not call.done():  # and what else the call asks (readiness asks `asked`, then `ready`)
+                    assert time.monotonic() < deadline, f"{path} never ended"
+                    if worker_control.poll(0.05):
+                        asked = json.loads(worker_control.recv_bytes())["op"]
+                        worker_control.send_bytes(json.dumps({"value": True}).encode())
+                assert call.result().status_code in (200, 202), path
+        finally:
+            worker_control.close()
+            worker_events.close()

@@ -262,7 +262,9 @@ def build_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        if tenants.ready:
+        # Off the event loop, as every call that reaches a job's sync member: with the member in vLLM's worker it
+        # is a socket round trip (up to members.CONTROL_TIMEOUT_SECONDS), which would stall every generation here.
+        if await asyncio.to_thread(lambda: tenants.ready):
             return Response("ready")
         return Response("not ready: engine starting or waiting for the current adapter of a job", status_code=503)
 
@@ -345,7 +347,7 @@ def build_app(
 
     @app.get(STATE_PATH, response_model=MemberState)
     async def sync_state(http: Request) -> MemberState:
-        return caller(http).receiver.state()
+        return await asyncio.to_thread(caller(http).receiver.state)
 
     @app.get(POOL_PATH, response_model=PoolReplicas)
     async def sync_pool(http: Request) -> PoolReplicas:
@@ -360,7 +362,7 @@ def build_app(
     @app.post(JOIN_PATH, status_code=202)
     async def sync_join(request: JoinRequest, http: Request) -> dict:
         try:
-            caller(http).receiver.join(request)
+            await asyncio.to_thread(caller(http).receiver.join, request)
         except FingerprintMismatch as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
@@ -368,7 +370,7 @@ def build_app(
     @app.post(PREPARE_PATH, status_code=202)
     async def sync_prepare(request: PrepareRequest, http: Request) -> dict:
         try:
-            caller(http).receiver.prepare(request)
+            await asyncio.to_thread(caller(http).receiver.prepare, request)
         except StaleEpoch as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
