@@ -1111,14 +1111,21 @@ def _admission_facts(body: Mapping[str, Any]) -> tuple[Any, ...]:
         (body.get("spec") or {}).get("suspend"),
         bool(meta.get("deletionTimestamp")),
         created,
+        # Its Kueue queue (label, or the runtime it recorded) and Kueue's verdict: only an admitted job takes a place.
+        (meta.get("labels") or {}).get(c.KUEUE_QUEUE_LABEL),
+        (meta.get("annotations") or {}).get(names.RUNTIME_ANNOTATION),
         pools.admitted_by_kueue(body),
     )
 
 
 def _member(body: Mapping[str, Any]) -> dict[str, Any]:
     """What a pool's pass keeps of a job: its body less the applied-spec annotation (a second copy of its spec)
-    and managedFields (each writer's field set, bigger still)."""
+    and managedFields (each writer's field set, bigger still). The runtime it recorded as it started stays: the
+    pool's admission reads the job's Kueue queue from it (pools.candidate)."""
     meta = {k: v for k, v in (body.get("metadata") or {}).items() if k not in ("annotations", "managedFields")}
+    recorded = ((body.get("metadata") or {}).get("annotations") or {}).get(names.RUNTIME_ANNOTATION)
+    if recorded is not None:
+        meta["annotations"] = {names.RUNTIME_ANNOTATION: recorded}
     return {**body, "metadata": meta}
 
 

@@ -213,16 +213,22 @@ async def test_kueue_queues_only_the_trainer_of_a_job_on_a_pool_and_only_an_admi
 ):
     """A place in the pool goes to admitted jobs only. Were a queued job to take one while Kueue holds it back, a
     later job admitted first (BestEffortFIFO) would hold its GPU quota and wait for that place: a deadlock."""
+    from tests.operator.test_runtime import cluster_runtime
+
     workloads = "kueue.x-k8s.io/v1beta1/workloads"
     first, later = job_on_pool("first"), job_on_pool("later")  # first in the pool's line (creation, then name)
-    for doc in (first, later):
-        doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    # The first is queued by its runtime (spec.scheduling.queueName there, no label): the pool reads that queue from
+    # what the job recorded as it started, the later one's from its label.
+    await cluster.apply(cluster_runtime(scheduling={"queueName": "gpu-queue"}))
+    first["spec"]["runtimeRef"] = {"kind": c.CLUSTER_RUNTIME_KIND, "name": "cpu-small"}
+    later["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
     await cluster.apply(pool_doc())  # one place
     await cluster.apply(first)
     await cluster.apply(later)
     # Each job's pass runs on its own: the later job's Workload may well be written first.
     await wait_for(lambda: cluster.get(workloads, "first") and cluster.get(workloads, "later"), "the Kueue Workloads")
     assert [(p["name"], p["count"]) for p in cluster.get(workloads, "first")["spec"]["podSets"]] == [("trainer", 1)]
+    assert cluster.get(workloads, "first")["spec"]["queueName"] == "gpu-queue"
     await wait_for(lambda: cluster.condition("first", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued")
 
     await kueue.admit("later")  # Kueue admits the later job first
