@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, serve_host
+from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, StagingSink, serve_host
 from grpolora.workers.inference.server import sync_member_factory
 from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
 from grpolora.workers.sync import wire
@@ -313,3 +313,53 @@ def test_a_link_whose_worker_never_connects_fails_to_start_and_leaves_no_thread(
         assert time.monotonic() < deadline, "the accepting thread is still blocked"
         time.sleep(0.05)
     assert not os.path.exists(made.address)
+
+
+class DeviceBufferStaging(StagingSink):
+    """A member's staging as on a GPU, run on CPUs (the seam): the round's buckets are buffers of their own, as
+    device buffers are, so only `land` brings their bytes into the staging segment."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.segments_made = 0
+
+    def _apart(self, device: torch.device) -> bool:
+        return True
+
+    def _stage(self, size: int) -> torch.Tensor:
+        self.segments_made += 1
+        return super()._stage(size)
+
+
+def receive_into(
+    sink: StagingSink, sent: list[torch.Tensor], *, skip: int | None = None
+) -> tuple[list[torch.Tensor], str]:
+    """What receive_round does with a round's bytes: each piece lands in the sink's buffers and is MAC'd from what
+    `land` gives (piece `skip` arrives but is not landed)."""
+    buckets = sink.allocate([b.numel() for b in sent], torch.device("cpu"))
+    mac, index = wire.PayloadMac(KEY), 0
+    for bucket, source in zip(buckets, sent, strict=True):
+        for piece, arrived in zip(bucket.split(1000), source.split(1000), strict=True):
+            piece.copy_(arrived)
+            mac.update(piece if index == skip else sink.land(piece))
+            index += 1
+    return buckets, mac.hexdigest()
+
+
+@pytest.mark.parametrize("skip", [None, 3], ids=["every-piece-landed", "a-piece-not-landed"])
+def test_a_round_in_device_buffers_reaches_the_host_once_into_its_staging_segment(skip):
+    """On a GPU the buckets are device buffers and the MAC is host work: each piece is copied once, straight into
+    the staging segment, and MAC'd there; activation hands that segment over without a second copy. A round whose
+    pieces did not all land that way is copied whole at activation instead (never a segment with holes)."""
+    book, before = RecordingBook(), staged_names()
+    sink = DeviceBufferStaging(book.activate_staged)
+    tensors = adapter(1)
+    header, sent = wire.pack(tensors, key=KEY, version=1, epoch=1, bucket_bytes=1 << 12)
+    buckets, mac = receive_into(sink, sent, skip=skip)
+    wire.verify(header, buckets, KEY, computed=mac)
+    sink.activate(1, wire.unpack(header, buckets), {})
+    assert sink.segments_made == (1 if skip is None else 2)
+    assert set(book.adapters[1]) == set(tensors)
+    for name, tensor in tensors.items():
+        assert torch.equal(book.adapters[1][name], tensor), name
+    assert staged_names() == before, "every segment's name is gone once activated"

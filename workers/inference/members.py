@@ -56,7 +56,7 @@ from grpolora.workers.sync.control import (
     StaleEpoch,
     SyncError,
 )
-from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, allocate_apart
+from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, allocate_apart, land_on_host
 
 log = logging.getLogger(__name__)
 
@@ -379,6 +379,7 @@ class WorkerMember:
             on_error=self._failed,
             name=name,
             allocate=self.sink.allocate,
+            land=self.sink.land,
             thread_context=_cuda_stream(device) if gpu else None,
         )
         threading.Thread(target=self._serve_control, name=f"member-control-{name}", daemon=True).start()
@@ -460,24 +461,37 @@ class WorkerMember:
 class StagingSink:
     """Where one tenant's rounds land in the worker: a shared-memory segment per round, whose buckets the receiver
     fills and verifies, and whose name the activation hands to every worker of the engine. Its live version mirrors
-    the tenant's book (only this member activates that book)."""
+    the tenant's book (only this member activates that book).
+
+    On a CPU the buckets are views of the segment. On a GPU they are device buffers (NCCL receives into device
+    memory), and each piece is copied once into its place in the segment as it lands (`land`), where the MAC reads
+    it: the round's one trip to the host."""
 
     def __init__(self, activate_remote: Callable[[int, str, int, Layout, dict], None]):
         self._activate_remote = activate_remote
         self._live_version = 0
         self._staged: tuple[str, torch.Tensor] | None = None  # the segment's name and its bytes (mapped)
+        self._mirrors: list[tuple[torch.Tensor, torch.Tensor]] = []  # device bucket -> its bytes in the segment
+        self._landed = 0  # bytes of the device buckets copied into the segment this round
 
     @property
     def live_version(self) -> int:
         return self._live_version
 
+    def _apart(self, device: torch.device) -> bool:
+        """Whether the round is received into buffers of its own rather than into the segment (device memory)."""
+        return device.type != "cpu"
+
     def allocate(self, sizes: Sequence[int], device: torch.device) -> list[torch.Tensor]:
-        """The round's buckets: views of one new staging segment (on a GPU, device buffers staged at activation)."""
+        """The round's buckets: views of one new staging segment, or device buffers that `land` copies into it."""
         self.discard()  # a round that never reached activation (refused, interrupted) leaves its segment here
-        if device.type != "cpu":
-            return allocate_apart(sizes, device)
         flat = self._stage(sum(sizes))
-        return list(flat.split(list(sizes)))
+        hosts = list(flat.split(list(sizes)))
+        if not self._apart(device):
+            return hosts
+        buckets = allocate_apart(sizes, device)
+        self._mirrors = list(zip(buckets, hosts, strict=True))
+        return buckets
 
     def _stage(self, size: int) -> torch.Tensor:
         name = f"{STAGE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
@@ -496,22 +510,50 @@ class StagingSink:
         self._staged = (name, flat)
         return flat
 
+    def land(self, piece: torch.Tensor) -> torch.Tensor:
+        """The host bytes of a piece just received (see receiver.Land): itself when it is in the segment already;
+        else copied into its place there (on the receiving thread's stream, after the piece's receive)."""
+        if not self._mirrors:
+            return land_on_host(piece)
+        host = self._in_segment(piece)
+        if host is None:
+            return land_on_host(piece)
+        host.copy_(piece.reshape(-1).view(torch.uint8))
+        self._landed += host.numel()
+        return host
+
+    def _in_segment(self, tensor: torch.Tensor) -> torch.Tensor | None:
+        """The bytes of the segment that mirror `tensor`, a view of one of the round's device buckets."""
+        for bucket, host in self._mirrors:
+            start = tensor.data_ptr() - bucket.data_ptr()
+            nbytes = tensor.numel() * tensor.element_size()
+            if tensor.is_contiguous() and start >= 0 and start + nbytes <= bucket.numel():
+                return host[start : start + nbytes]
+        return None
+
     def _layout(self, tensors: dict[str, torch.Tensor]) -> tuple[str, int, Layout]:
-        """The staged segment holding `tensors` (views of it, as received), or a new one they are copied into."""
-        if self._staged is not None and all(t.device.type == "cpu" for t in tensors.values()):
+        """The staged segment holding `tensors` (views of it, or of device buckets every byte of which has landed
+        in it), or a new one they are copied into."""
+        complete = not self._mirrors or self._landed == sum(bucket.numel() for bucket, _ in self._mirrors)
+        if self._staged is not None and complete:
             name, flat = self._staged
             base, size = flat.data_ptr(), flat.numel()
             layout: Layout = []
             for tensor_name, tensor in tensors.items():
-                offset, nbytes = tensor.data_ptr() - base, tensor.numel() * tensor.element_size()
-                if not (offset >= 0 and offset + nbytes <= size and tensor.is_contiguous()):
+                host = self._in_segment(tensor) if self._mirrors else tensor
+                nbytes = tensor.numel() * tensor.element_size()
+                if host is None or host.device.type != "cpu" or not tensor.is_contiguous():
+                    break
+                offset = host.data_ptr() - base
+                if not (offset >= 0 and offset + nbytes <= size):
                     break
                 layout.append(
                     (tensor_name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset, nbytes)
                 )
             else:
                 return name, size, layout
-        layout, size = payload_layout(tensors)  # received elsewhere (a GPU): one copy to the host, into a segment
+        layout, size = payload_layout(tensors)  # not all in the segment: one copy to the host, into a new one
+        self.discard()  # the round's own segment, if any, goes (what maps it keeps its bytes)
         flat = self._stage(size)
         for (_, _, _, start, nbytes), tensor in zip(layout, tensors.values(), strict=True):
             flat[start : start + nbytes].view(tensor.dtype).copy_(tensor.detach().reshape(-1))
@@ -530,6 +572,7 @@ class StagingSink:
         """Remove the staged segment's name: the workers that mapped it keep the bytes; its pages go with the last
         mapping (here, once the round's buffers are dropped)."""
         staged, self._staged = self._staged, None
+        self._mirrors, self._landed = [], 0
         if staged is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, staged[0]))

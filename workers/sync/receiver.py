@@ -59,6 +59,15 @@ def allocate_apart(sizes: Sequence[int], device: torch.device) -> list[torch.Ten
     return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
 
 
+# The host bytes of a piece that has landed, for the MAC (host work): the piece itself on a CPU, else a copy. A member
+# in vLLM's worker on a GPU copies each piece straight into its staging segment here: the round's one host copy.
+Land = Callable[[torch.Tensor], torch.Tensor]
+
+
+def land_on_host(piece: torch.Tensor) -> torch.Tensor:
+    return piece if piece.device.type == "cpu" else piece.cpu()
+
+
 @dataclass
 class RoundOutcome:
     version: int
@@ -72,7 +81,11 @@ class RoundOutcome:
 
 
 def receive_round(
-    transport: Transport, key: bytes, announced: PrepareRequest, allocate: Allocate = allocate_apart
+    transport: Transport,
+    key: bytes,
+    announced: PrepareRequest,
+    allocate: Allocate = allocate_apart,
+    land: Land = land_on_host,
 ) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
     """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
     once the receiver knows whether the version went live).
@@ -103,8 +116,8 @@ def receive_round(
     pending = [transport.start_broadcast(piece) for piece in pieces]
     mac = wire.PayloadMac(key)
     for piece, op in zip(pieces, pending, strict=True):
-        op.wait()
-        mac.update(piece)
+        op.wait()  # on a GPU: the current stream waits for it, so `land`'s copy on that stream follows it
+        mac.update(land(piece))
     reason = None
     try:
         wire.verify(header, buckets, key, computed=mac.hexdigest())
@@ -136,10 +149,12 @@ class AdapterReceiver:
         on_error: Callable[[str], None] | None = None,
         name: str = "job",
         allocate: Allocate = allocate_apart,
+        land: Land = land_on_host,
         thread_context: Callable[[], AbstractContextManager] | None = None,
     ):
         self._sink = sink
         self._allocate = allocate  # where each round lands (the staging segment of a member in vLLM's worker)
+        self._land = land
         # Entered by the receiver thread for its whole life: a member on a GPU receives on a CUDA stream of its own.
         self._thread_context = thread_context or contextlib.nullcontext
         self.name = name  # the job, in its log lines (a pool server holds one receiver per job)
@@ -289,7 +304,7 @@ class AdapterReceiver:
             return
         started = time.perf_counter()
         try:
-            header, buckets, reason = receive_round(transport, self._key, request, self._allocate)
+            header, buckets, reason = receive_round(transport, self._key, request, self._allocate, self._land)
         except (TransportError, wire.WireError) as exc:
             self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
             return
