@@ -47,6 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from grpolora.workers.inference.vllm_worker import SHM_DIR, Layout, payload_layout
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
     JoinRequest,
@@ -56,7 +57,7 @@ from grpolora.workers.sync.control import (
     StaleEpoch,
     SyncError,
 )
-from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, allocate_apart, land_on_host
+from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, allocate_apart
 
 log = logging.getLogger(__name__)
 
@@ -514,10 +515,10 @@ class StagingSink:
         """The host bytes of a piece just received (see receiver.Land): itself when it is in the segment already;
         else copied into its place there (on the receiving thread's stream, after the piece's receive)."""
         if not self._mirrors:
-            return land_on_host(piece)
+            return wire.on_host(piece)
         host = self._in_segment(piece)
         if host is None:
-            return land_on_host(piece)
+            return wire.on_host(piece)
         host.copy_(piece.reshape(-1).view(torch.uint8))
         self._landed += host.numel()
         return host

@@ -59,13 +59,10 @@ def allocate_apart(sizes: Sequence[int], device: torch.device) -> list[torch.Ten
     return [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
 
 
-# The host bytes of a piece that has landed, for the MAC (host work): the piece itself on a CPU, else a copy. A member
-# in vLLM's worker on a GPU copies each piece straight into its staging segment here: the round's one host copy.
+# The host bytes of a piece that has landed, for the MAC (host work): by default wire.on_host, the piece itself on a
+# CPU, else a copy. A member in vLLM's worker on a GPU copies each piece straight into its staging segment instead:
+# the round's one host copy.
 Land = Callable[[torch.Tensor], torch.Tensor]
-
-
-def land_on_host(piece: torch.Tensor) -> torch.Tensor:
-    return piece if piece.device.type == "cpu" else piece.cpu()
 
 
 @dataclass
@@ -85,7 +82,7 @@ def receive_round(
     key: bytes,
     announced: PrepareRequest,
     allocate: Allocate = allocate_apart,
-    land: Land = land_on_host,
+    land: Land = wire.on_host,
 ) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
     """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
     once the receiver knows whether the version went live).
@@ -149,7 +146,7 @@ class AdapterReceiver:
         on_error: Callable[[str], None] | None = None,
         name: str = "job",
         allocate: Allocate = allocate_apart,
-        land: Land = land_on_host,
+        land: Land = wire.on_host,
         thread_context: Callable[[], AbstractContextManager] | None = None,
     ):
         self._sink = sink

@@ -346,7 +346,8 @@ class AdapterSender:
         """Re-form if membership changed (a member lost, replaced or back); then every member behind the current
         version gets it at once, before rollouts go to it.
 
-        Returns True if the group changed. Cheap when nothing changed: one state request per member.
+        Returns True if the group changed. Cheap when nothing changed: per member, one state request and one for
+        the pool's list of replicas (a job's own servers answer that one with 404: they have none).
         """
         with self._lock:
             return self._refresh()
