@@ -9,9 +9,10 @@ Needs only torch, transformers and peft. The model is built from a config dict w
 numbers, from its published config.json) with random weights, directly on the device; everything after that is
 this project's code: `Policy.from_model` (the LoRA wrapping, the selective logprob head), `train_step` (reference
 pass at klCoef > 0, policy forward, GRPO loss, backward, clip, AdamW) on a batch from `build_batch`, and for the
-sync what `AdapterSender.send` does before its transfer: `lora_tensors` (the gather), the sender's copy of them,
-and `wire.pack` into `sync.bucketMiB` buckets on the transport's device with the payload's HMAC-SHA256 (on the
-host: a GPU's buckets are copied there piece by piece), then that MAC again as a receiver checks it. The transfer
+sync what `AdapterSender.send` does before its transfer: `lora_tensors` (the gather), the sender's copy of them
+in the model's dtype (`wire.round_copy`: the float32 master weights travel as bf16 in a bf16 model), and
+`wire.pack` into `sync.bucketMiB` buckets on the transport's device with the payload's HMAC-SHA256 (on the host: a
+GPU's buckets are copied there piece by piece), then that MAC again as a receiver checks it. The transfer
 itself is measured on CPUs by bench/sync_bench.py; on GPUs it is NCCL's bandwidth.
 
 Writes one JSON (default bench/results/gpu_scale.json); the bytes per round are the sum of the wire buckets, as
@@ -144,12 +145,15 @@ def tensor_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def sync_round(policy: Policy, version: int, bucket_bytes: int, device: torch.device) -> dict[str, Any]:
+def sync_round(
+    policy: Policy, version: int, bucket_bytes: int, device: torch.device, wire_dtype: torch.dtype
+) -> dict[str, Any]:
     """What AdapterSender.send does before the transfer, timed step by step (the transfer is NCCL's or gloo's)."""
     config = lora_config(policy.model)
     gathered, gather_s = timed(lambda: lora_tensors(policy.model), device)
-    # AdapterSender.send keeps a copy of what it sends (a member caught up later gets these very bytes).
-    kept, copy_s = timed(lambda: {k: v.detach().clone() for k, v in gathered.items()}, device)
+    # AdapterSender.send keeps a copy of what it sends, in the model's dtype (a member caught up later gets these
+    # very bytes).
+    kept, copy_s = timed(lambda: wire.round_copy(gathered, wire_dtype), device)
     packed, pack_s = timed(
         lambda: wire.pack(
             kept,
@@ -233,7 +237,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     step_median = statistics.median(timed_steps)
 
     bucket_bytes = spec.sync.bucket_mib << 20
-    rounds = [sync_round(policy, version, bucket_bytes, device) for version in range(1, args.rounds + 1)]
+    wire_dtype = wire.dtype_named(spec.model.dtype)  # as the trainer gives its sender
+    rounds = [sync_round(policy, version, bucket_bytes, device, wire_dtype) for version in range(1, args.rounds + 1)]
     kept, header, buckets = rounds[-1].pop("sent")
     for extra in rounds[:-1]:
         extra.pop("sent")
@@ -249,7 +254,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "target_modules": spec.lora.target_modules,
             "tensors": len(kept),
             "parameters": lora_parameters,
-            "dtype": str(next(iter(kept.values())).dtype).removeprefix("torch."),
+            "master_dtype": str(next(iter(policy.trainable_parameters())).dtype).removeprefix("torch."),
+            "dtype": str(next(iter(kept.values())).dtype).removeprefix("torch."),  # on the wire
         },
         "batch": {
             "sequences": len(batch),
@@ -281,7 +287,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "buckets": len(buckets),
             "round_bytes": header.total_bytes,
             "adapter_parameter_bytes": adapter_bytes,
-            "adapter_bytes_if_bf16": lora_parameters * 2,
         },
         "full_weights_bytes": full_weights_bytes,
         "full_weights_parameters": sum(p.numel() for p in base.parameters() if not p.requires_grad),

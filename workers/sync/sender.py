@@ -390,10 +390,7 @@ class AdapterSender:
             if self._transport is None:
                 self._form_with_retries()
             version = self.version + 1
-            # A copy, not views of the trainer's parameters: a member caught up later must get these very bytes
-            # under this version number, whatever the optimizer has done to the parameters since.
-            # Rounded to the wire dtype in the same copy; the trainer's float32 master weights are left as they are.
-            kept = {k: v.detach().to(dtype=self._wire_dtype, copy=True) for k, v in tensors.items()}
+            kept = wire.round_copy(tensors, self._wire_dtype)
             report = self._send_attempts(kept, adapter_config, version)
             self._last_round = (kept, dict(adapter_config))
             return report

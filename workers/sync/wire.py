@@ -269,6 +269,13 @@ def payload_mac(buckets: Sequence[torch.Tensor], key: bytes) -> str:
     return mac.hexdigest()
 
 
+def round_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """What a round sends: a copy of each tensor, in the wire dtype (None: each its own). A copy, not views of the
+    trainer's parameters, so that a member caught up later gets these very bytes under the round's version whatever
+    the optimizer has done since; rounded in the same copy, leaving the trainer's float32 master weights as they are."""
+    return {name: t.detach().to(dtype=dtype, copy=True) for name, t in tensors.items()}
+
+
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor itself on a CPU, else a copy of it there."""
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
