@@ -205,8 +205,8 @@ def main() -> None:
         "tokens_per_s_without_rounds": without,
         "tokens_per_s_during_rounds": during,
         "tokens_per_s_ratio_during_over_without": (sum(during) / len(during)) / (sum(without) / len(without))
-        if during and without
-        else None,
+        if during and sum(without)
+        else None,  # none without a stream (--clients 0: rounds alone)
         "stream_errors": stream.errors,
         "http_process_memory_kib_before": memory_before,
         "http_process_memory_kib_after": memory_after,

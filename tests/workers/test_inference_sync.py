@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -103,6 +104,26 @@ def test_control_endpoints_need_the_token(servers):
     assert httpx.get(f"{url}/v1/sync/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200
     assert "grpolora_inference_adapter_version" in httpx.get(f"{url}/metrics").text
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (/proc/<pid>/stat, in clock ticks)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_replicas_engine_processes_leave_the_cores_alone(servers):
+    """After a request, vLLM's worker and engine-core processes soon wait without spinning (vllm_plugin: on CPUs
+    their message-queue readers busy-loop 0.1 s after a message, not vLLM's 1 s): in the second after a generation
+    returns, the replica's vLLM processes use a small fraction of a core (0.89 s of it before)."""
+    server = servers[0]
+    engines = [pid for pid in descendants(server.proc.pid) if alive(pid)]
+    assert engines  # EngineCore and its worker
+    assert greedy(server.url, [1, 2, 3], None)["token_ids"]  # every process has just read a message
+    before = {pid: cpu_seconds(pid) for pid in engines}
+    time.sleep(1.0)
+    used = {pid: cpu_seconds(pid) - before[pid] for pid in engines}
+    assert sum(used.values()) < 0.3, f"CPU seconds in the idle second after a request, by process: {used}"
 
 
 def test_unauthenticated_requests_are_refused_before_their_body_is_read(servers):

@@ -115,3 +115,35 @@ def test_prompt_logprob_rows_need_no_lora_term_without_an_lm_head_lora(original)
         theirs[row] += (x[row] @ a[index, 0].T) @ b[index, 0].T
     torch.testing.assert_close(ours, theirs)
     assert punica_cpu.PunicaWrapperCPU.add_lora_logits is vllm_plugin.add_lora_logits
+
+
+def test_register_makes_message_queue_readers_wait_idle_at_once_on_cpu(monkeypatch):
+    """vLLM's shared-memory message queues (scheduler output to the workers, their answers back to the engine core)
+    keep a reader spinning on sched_yield for `busy_loop_s` (1 s, not configurable in vLLM 0.32:
+    vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition) after every message before it waits on
+    its socket. On a CPU replica each spinning reader holds a core that generation, the sync member's receive and
+    the trainer need: a sync round of two idle replicas took 1.4 s on 2 cores (BENCHMARKS.md). On CPUs readers spin
+    0.1 s, then wait on that socket as vLLM's own readers do after their first idle second; writers and other
+    platforms are unchanged."""
+    import vllm
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    def made(is_reader: bool) -> float:
+        context = zmq.Context()
+        try:
+            spin = shm_broadcast.SpinCondition(is_reader, context, "inproc://grpolora-spin-test")
+            return spin.busy_loop_s
+        finally:
+            context.destroy(linger=0)
+
+    shm_broadcast = importlib.reload(shm_broadcast)  # vLLM's own class again
+    monkeypatch.setattr(vllm, "__version__", "9.9.9")
+    vllm_plugin.register()
+    assert made(is_reader=True) == 1
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    vllm_plugin.register()
+    vllm_plugin.register()  # idempotent: wrapped once
+    assert made(is_reader=True) == vllm_plugin.CPU_READER_SPIN_SECONDS == 0.1
+    assert made(is_reader=False) == 0  # a writer never spins (vLLM's own 0)
+    assert shm_broadcast.SpinCondition.__init__.__wrapped__.__module__ == shm_broadcast.__name__

@@ -1,5 +1,6 @@
 """A vLLM general plugin (entry point `vllm.general_plugins`, loaded by vLLM in each of its processes): faster
-LoRA matmuls for vLLM's CPU backend, and, in an inference server, engine processes that die with the server.
+LoRA matmuls for vLLM's CPU backend, engine processes that do not spin on a CPU's cores while they wait, and, in an
+inference server, engine processes that die with the server.
 
 vLLM's CPU LoRA ops (`vllm.lora.ops.torch_ops`) gather a full copy of the adapter weight for every token,
 `weights[indices]` (tokens x out x rank), then einsum. In RL almost every token in a batch uses the same adapter
@@ -9,12 +10,21 @@ on 2 cores (bench/lora_plugin_bench.py, plugin on vs off; BENCHMARKS.md). Nothin
 Triton kernels. It also lets a request's prompt logprobs (the server's reference scoring) share a batch with
 requests on other adapters, which vLLM 0.32's CPU LoRA path does not (`add_lora_logits` below).
 
+vLLM's shared-memory message queues (scheduler output to the workers, their answers back) keep a reader spinning
+on sched_yield for a second after every message before it waits on its socket (`SpinCondition.busy_loop_s`, fixed at
+1 s in vLLM 0.32): on a GPU node that is one of many cores, buying microseconds per engine step; on a CPU replica it
+is a core that generation, the sync member in the worker and, on a small machine, the trainer need. A sync round of
+two CPU replicas on 2 cores took 1.4 s with the spin (BENCHMARKS.md). On CPUs readers therefore spin for 0.1 s
+only, then wait on the socket, as vLLM's readers do anyway after their first idle second: the writer wakes them
+through it on every message.
+
 This replaces private functions, so it is guarded: it applies only to the vLLM versions it was written and tested
 against (tests/workers/test_vllm_plugin.py compares it with the originals), and only on CPU platforms.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -22,6 +32,11 @@ import torch
 log = logging.getLogger(__name__)
 
 TESTED_VLLM = ("0.32.",)
+# A message-queue reader's busy loop after each message on CPUs (vLLM's: 1 s). Not 0: a reader that waits on its
+# socket at once depends on the writer's wake-up message, which vLLM's queue can lose (it re-checks every 5 s for
+# that reason, SHM_READER_RECHECK_INTERVAL_MS); with 0, a replica generating without pause had activations stall
+# 4.3 s in 3 of 10 rounds. 0.1 s covers the gap between engine steps, so a busy replica never depends on it.
+CPU_READER_SPIN_SECONDS = 0.1
 
 
 def _grouped_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype):
@@ -99,6 +114,16 @@ def add_lora_logits(self, y, x, lora_a_stacked, lora_b_stacked, scale, *, buffer
     )
 
 
+def _spin_less(init):
+    """SpinCondition.__init__ with a reader's busy loop cut to CPU_READER_SPIN_SECONDS."""
+
+    @functools.wraps(init)
+    def __init__(self, is_reader, context, notify_address, busy_loop_s: float = 1, **kwargs):
+        init(self, is_reader, context, notify_address, min(busy_loop_s, CPU_READER_SPIN_SECONDS), **kwargs)
+
+    return __init__
+
+
 def register() -> None:
     """The entry point vLLM calls in every process it starts (idempotent)."""
     import os
@@ -127,6 +152,11 @@ def register() -> None:
         module.bgmv_shrink = bgmv_shrink
         module.bgmv_expand = bgmv_expand
         module.bgmv_expand_slice = bgmv_expand_slice
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    # Before any engine or worker makes its queues: vLLM loads general plugins first in each of its processes.
+    if not hasattr(shm_broadcast.SpinCondition.__init__, "__wrapped__"):
+        shm_broadcast.SpinCondition.__init__ = _spin_less(shm_broadcast.SpinCondition.__init__)
     global _vllm_add_lora_logits
     if punica_cpu.PunicaWrapperCPU.add_lora_logits is not add_lora_logits:
         _vllm_add_lora_logits = punica_cpu.PunicaWrapperCPU.add_lora_logits
