@@ -39,6 +39,7 @@ import yaml
 from grpolora.api import constants as c
 from grpolora.testing.jobs import job_doc
 from grpolora.testing.kube_emulator import running_cluster
+from grpolora.testing.servers import cpu_seconds
 
 NAMESPACE = "bench"
 SCENARIOS = ("running", "queued", "pool-waiting")
@@ -59,12 +60,6 @@ def peak_rss_mib(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/<pid>/status")
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def percentile(values: list[float], fraction: float) -> float:

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -22,6 +21,7 @@ from grpolora.testing.servers import (
     TOKEN,
     ServerProcess,
     alive,
+    cpu_seconds,
     descendants,
     free_port,
     generate,
@@ -104,12 +104,6 @@ def test_control_endpoints_need_the_token(servers):
     assert httpx.get(f"{url}/v1/sync/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200
     assert "grpolora_inference_adapter_version" in httpx.get(f"{url}/metrics").text
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process so far (/proc/<pid>/stat, in clock ticks)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_an_idle_replicas_engine_processes_leave_the_cores_alone(servers):

@@ -117,7 +117,7 @@ def test_prompt_logprob_rows_need_no_lora_term_without_an_lm_head_lora(original)
     assert punica_cpu.PunicaWrapperCPU.add_lora_logits is vllm_plugin.add_lora_logits
 
 
-def test_register_makes_message_queue_readers_wait_idle_at_once_on_cpu(monkeypatch):
+def test_register_cuts_the_busy_loop_of_message_queue_readers_on_cpu(monkeypatch):
     """vLLM's shared-memory message queues (scheduler output to the workers, their answers back to the engine core)
     keep a reader spinning on sched_yield for `busy_loop_s` (1 s, not configurable in vLLM 0.32:
     vllm/distributed/device_communicators/shm_broadcast.py, SpinCondition) after every message before it waits on
