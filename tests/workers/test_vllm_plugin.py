@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import time
 
 import pytest
 import torch
@@ -126,16 +128,11 @@ def test_register_cuts_the_busy_loop_of_message_queue_readers_on_cpu(monkeypatch
     0.1 s, then wait on that socket as vLLM's own readers do after their first idle second; writers and other
     platforms are unchanged."""
     import vllm
-    import zmq
     from vllm.distributed.device_communicators import shm_broadcast
 
     def made(is_reader: bool) -> float:
-        context = zmq.Context()
-        try:
-            spin = shm_broadcast.SpinCondition(is_reader, context, "inproc://grpolora-spin-test")
+        with spin_condition(shm_broadcast, is_reader) as spin:
             return spin.busy_loop_s
-        finally:
-            context.destroy(linger=0)
 
     shm_broadcast = importlib.reload(shm_broadcast)  # vLLM's own class again
     monkeypatch.setattr(vllm, "__version__", "9.9.9")
@@ -147,3 +144,41 @@ def test_register_cuts_the_busy_loop_of_message_queue_readers_on_cpu(monkeypatch
     assert made(is_reader=True) == vllm_plugin.CPU_READER_SPIN_SECONDS == 0.1
     assert made(is_reader=False) == 0  # a writer never spins (vLLM's own 0)
     assert shm_broadcast.SpinCondition.__init__.__wrapped__.__module__ == shm_broadcast.__name__
+
+
+def test_a_spinning_reader_on_cpu_naps_instead_of_holding_a_core(monkeypatch):
+    """In its busy window a reader loops on `sched_yield` (vllm/distributed/device_communicators/shm_broadcast.py,
+    SpinCondition.wait). A task that yields stays runnable and Linux runs it again at once, so the loop took a
+    whole core for the window: after each activation of one replica its worker and engine core spun on both of
+    2 cores while the other replica activated (BENCHMARKS.md). On CPUs the loop naps 0.1 ms instead: a reader kept
+    in its busy window for 0.3 s uses a small share of a core (about all of it before)."""
+    import vllm
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    shm_broadcast = importlib.reload(shm_broadcast)  # vLLM's own functions again
+    monkeypatch.setattr(vllm, "__version__", "0.32.0")
+    vllm_plugin.register()
+    assert shm_broadcast.sched_yield is vllm_plugin.nap
+    with spin_condition(shm_broadcast, is_reader=True) as reader:
+        started, cpu = time.monotonic(), time.thread_time()
+        while time.monotonic() - started < 0.3:
+            reader.record_read()  # as a reader does after each message: the next wait stays in the busy loop
+            reader.wait(timeout_ms=1000)
+        share = (time.thread_time() - cpu) / (time.monotonic() - started)
+    assert share < 0.3, f"a spinning reader used {share:.0%} of a core"
+
+
+@contextlib.contextmanager
+def spin_condition(shm_broadcast, is_reader: bool):
+    """vLLM's SpinCondition on a zmq context of its own, as vLLM pairs them: a writer binds the notification address
+    and readers connect to it. A reader alone left an inproc connection pending on an address nobody bound, and
+    terminating its context then aborted the process in libzmq now and then (ctx.cpp, 1 run in 8 under load)."""
+    import zmq
+
+    context = zmq.Context()
+    address = "inproc://grpolora-spin-test"
+    try:
+        writer = shm_broadcast.SpinCondition(False, context, address)
+        yield shm_broadcast.SpinCondition(True, context, address) if is_reader else writer
+    finally:
+        context.destroy(linger=0)

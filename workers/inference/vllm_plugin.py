@@ -16,7 +16,9 @@ on sched_yield for a second after every message before it waits on its socket (`
 is a core that generation, the sync member in the worker and, on a small machine, the trainer need. A sync round of
 two CPU replicas on 2 cores took 1.4 s with the spin (BENCHMARKS.md). On CPUs readers therefore spin for 0.1 s
 only, then wait on the socket, as vLLM's readers do anyway after their first idle second: the writer wakes them
-through it on every message.
+through it on every message. And they spin by napping 0.1 ms, not by sched_yield: a task that yields stays
+runnable, and Linux's scheduler runs it again at once, so each spinning reader still took a whole core for its
+0.1 s, from the other replica's activation or from generation (BENCHMARKS.md).
 
 This replaces private functions, so it is guarded: it applies only to the vLLM versions it was written and tested
 against (tests/workers/test_vllm_plugin.py compares it with the originals), and only on CPU platforms.
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import torch
 
@@ -37,6 +40,15 @@ TESTED_VLLM = ("0.32.",)
 # that reason, SHM_READER_RECHECK_INTERVAL_MS); with 0, a replica generating without pause had activations stall
 # 4.3 s in 3 of 10 rounds. 0.1 s covers the gap between engine steps, so a busy replica never depends on it.
 CPU_READER_SPIN_SECONDS = 0.1
+# How a reader on a CPU spins: a nap of this long instead of sched_yield, between looks at the queue. A message then
+# waits up to ~0.1 ms (plus the timer's slack) for its reader, against engine steps of tens of milliseconds on CPUs,
+# and a spinning reader costs a few percent of a core instead of all of it.
+CPU_READER_NAP_SECONDS = 1e-4
+
+
+def nap() -> None:
+    """shm_broadcast's `sched_yield` on CPUs (see CPU_READER_NAP_SECONDS)."""
+    time.sleep(CPU_READER_NAP_SECONDS)
 
 
 def _grouped_products(inputs: torch.Tensor, weights: torch.Tensor, indices: torch.Tensor, dtype: torch.dtype):
@@ -157,6 +169,8 @@ def register() -> None:
     # Before any engine or worker makes its queues: vLLM loads general plugins first in each of its processes.
     if not hasattr(shm_broadcast.SpinCondition.__init__, "__wrapped__"):
         shm_broadcast.SpinCondition.__init__ = _spin_less(shm_broadcast.SpinCondition.__init__)
+    # The queue's busy loops (a reader's spin, a writer waiting for a slot) call it by this module-level name.
+    shm_broadcast.sched_yield = nap
     global _vllm_add_lora_logits
     if punica_cpu.PunicaWrapperCPU.add_lora_logits is not add_lora_logits:
         _vllm_add_lora_logits = punica_cpu.PunicaWrapperCPU.add_lora_logits
