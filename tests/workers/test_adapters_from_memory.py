@@ -13,7 +13,7 @@ import torch
 from peft import set_peft_model_state_dict
 
 from grpolora.workers.adapter import lora_config, lora_tensors
-from grpolora.workers.inference.vllm_engine import EngineConfig, SamplingRequest, VllmEngine
+from grpolora.workers.inference.vllm_engine import EngineConfig, SamplingRequest, VllmEngine, cpu_engine_defaults
 from grpolora.workers.inference.vllm_worker import (
     ALIGN,
     SharedPayload,
@@ -110,8 +110,7 @@ def test_an_adapter_evicted_by_vllms_lru_is_rebuilt_with_the_same_logprobs(monke
     import torch._inductor.config
 
     model_dir = resolve_model("offline:tiny-llama")
-    serving = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
-    serving["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path)
+    serving = cpu_engine_defaults(kv_cache_gib=1) | {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
     for name, value in serving.items():  # what cpu_engine_env sets in a server, undone after this test
         monkeypatch.setenv(name, value)
     # vLLM's processes fork from this one, whose inductor read TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS long ago

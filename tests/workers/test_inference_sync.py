@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -30,6 +31,7 @@ from grpolora.testing.servers import (
     wait_in_flight,
 )
 from grpolora.workers.adapter import lora_config, lora_tensors
+from grpolora.workers.inference.members import MEMBER_THREAD_NAME
 from grpolora.workers.models import resolve_model
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
@@ -194,6 +196,33 @@ def test_synced_adapter_serves_with_logprob_parity(servers, sender, policy, mode
         base = hf_logprobs(policy, prompt, out["token_ids"], adapter=False)
         assert (base - expected).abs().max().item() > 0.05
     assert httpx.get(f"{servers[0].url}/ready").status_code == 200
+
+
+def test_vllms_worker_and_the_sync_members_threads_may_use_every_cpu_of_the_replica(servers, sender):
+    """vLLM's "auto" binding pins a CPU worker's OpenMP threads one per core from the first core of the NUMA node
+    (`OMP_PROC_BIND`, vllm/utils/ompmultiprocessing.py), as if the engine had the machine to itself, and a thread
+    inherits the CPUs of the thread that starts it. So both replicas' workers ran their main thread on core 0,
+    and so did the sync member started from it, its receiver and gloo's threads: a round waited ~140 ms on one
+    core while the other idled. The servers leave vLLM's threads unbound on CPUs (cpu_engine_env), and the
+    member's threads (named MEMBER_THREAD_NAME; gloo's are started by them) take the server's CPUs in any case,
+    should a user bind vLLM's threads."""
+    for server in servers:
+        allowed = os.sched_getaffinity(server.proc.pid)
+        workers = [pid for pid in descendants(server.proc.pid) if thread_name(pid, pid) == "VLLM::Worker"]
+        assert len(workers) == 1, workers
+        assert os.sched_getaffinity(workers[0]) == allowed, f"replica {server.index}: vLLM's worker is bound"
+        tasks = [int(t) for t in os.listdir(f"/proc/{workers[0]}/task")]
+        members = [t for t in tasks if thread_name(workers[0], t) == MEMBER_THREAD_NAME]
+        # The host, and per job its control and receiver threads.
+        assert len(members) >= 3, f"replica {server.index}: member threads {members} among {len(tasks)}"
+        pinned = {t: os.sched_getaffinity(t) for t in members if os.sched_getaffinity(t) != allowed}
+        assert not pinned, f"replica {server.index}: member threads on fewer CPUs than {sorted(allowed)}: {pinned}"
+
+
+def thread_name(pid: int, tid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    return ""
 
 
 def test_requests_racing_a_swap_complete_each_on_one_version(servers, sender, policy, model_dir):

@@ -315,6 +315,45 @@ def test_a_link_whose_worker_never_connects_fails_to_start_and_leaves_no_thread(
     assert not os.path.exists(made.address)
 
 
+@pytest.mark.parametrize("worker", ["call-fails", "never-connects"])
+def test_a_link_whose_worker_fails_after_accept_began_raises_and_leaves_no_thread(worker):
+    """The link had begun to wait for the worker to connect when the member host's call failed in vLLM's worker
+    (seen: a worker of another code version refusing the call's arguments), or the worker said it became the host
+    but never connected. start() raises (the worker's error; a timeout) and the thread that waited in accept()
+    ends. Before, closing the listener did not wake that thread (Linux does not wake an accept() when another
+    thread closes its socket) and start() waited for it: the server hung at start, neither exiting nor logging."""
+    made = MemberLink(timeout_seconds=1.0)
+    threads_before = threading.active_count()
+
+    async def connect(address: str, authkey_hex: str) -> list[bool]:
+        while threading.active_count() == threads_before:  # the accepting thread has started
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # and is blocked in accept()
+        if worker == "call-fails":
+            raise RuntimeError("Worker failed with error 'grpolora_member_host() takes 3 positional arguments'")
+        return [True]
+
+    raised: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            asyncio.run(made.start(connect))
+        except BaseException as exc:
+            raised.append(exc)
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    starting.join(3 * TIMEOUT)
+    assert not starting.is_alive(), "start() hung"
+    expected = RuntimeError if worker == "call-fails" else TimeoutError
+    assert len(raised) == 1 and isinstance(raised[0], expected), raised
+    deadline = time.monotonic() + 5
+    while threading.active_count() > threads_before:
+        assert time.monotonic() < deadline, "the accepting thread is still blocked"
+        time.sleep(0.05)
+    assert not os.path.exists(made.address)
+
+
 class DeviceBufferStaging(StagingSink):
     """A member's staging as on a GPU, run on CPUs (the seam): the round's buckets are buffers of their own, as
     device buffers are, so only `land` brings their bytes into the staging segment."""

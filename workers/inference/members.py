@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -108,10 +109,17 @@ class MemberLink:
                 raise RuntimeError("no vLLM worker became the sync member host (none is TP rank 0?)")
             self._host = await asyncio.wait_for(accepted, self.timeout_seconds)
         except BaseException:
+            self._wake_accept()  # also when wait_for gave up on it: cancelling the future does not end the thread
             self.close()
             with contextlib.suppress(BaseException):
                 await accepted
             raise
+
+    def _wake_accept(self) -> None:
+        """Connect once, and hang up, so that a thread blocked in the listener's accept() returns (its handshake then
+        fails): Linux does not wake an accept() when another thread closes the listening socket."""
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as knock:
+            knock.connect(self.address)
 
     def attach(
         self,
@@ -271,6 +279,17 @@ class RemoteMember:
 # ---- the worker's end ------------------------------------------------------------------------------------------
 
 
+MEMBER_THREAD_NAME = "grpolora-sync"
+"""The OS name of the member host's thread in vLLM's worker, and so of the member threads it starts (a new thread
+inherits it; gloo renames its own): what `top -H` shows for the sync, apart from vLLM's own threads."""
+PR_SET_NAME = 15
+
+
+def name_this_thread(name: str) -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
+
+
 STAGE_PREFIX = "grpolora-stage-"  # then the staging process's pid, "-", and a random part
 
 
@@ -290,11 +309,14 @@ def remove_orphaned_stages() -> list[str]:
     return removed
 
 
-def serve_host(address: str, authkey_hex: str, device: torch.device | None = None) -> MemberHost:
-    """In the member worker: connect to the HTTP process's MemberLink and serve it on a thread of its own."""
+def serve_host(
+    address: str, authkey_hex: str, device: torch.device | None = None, cpus: Sequence[int] | None = None
+) -> MemberHost:
+    """In the member worker: connect to the HTTP process's MemberLink and serve it on a thread of its own, which
+    may run on `cpus` (see MemberHost.serve)."""
     remove_orphaned_stages()
     connection = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
-    host = MemberHost(connection, device)
+    host = MemberHost(connection, device, cpus)
     threading.Thread(target=host.serve, name="grpolora-member-host", daemon=True).start()
     return host
 
@@ -303,13 +325,22 @@ class MemberHost:
     """The worker's end of a MemberLink: attaches a WorkerMember per tenant; when the HTTP process goes, every
     member leaves its group."""
 
-    def __init__(self, connection: Connection, device: torch.device | None):
+    def __init__(self, connection: Connection, device: torch.device | None, cpus: Sequence[int] | None = None):
         self._connection = connection
         self._device = device
+        self._cpus = cpus
         self.members: list[WorkerMember] = []
         self.finished = threading.Event()  # set once the HTTP process has gone and every member has left
 
     def serve(self) -> None:
+        if self._cpus and (self._device is None or self._device.type == "cpu"):
+            # vLLM binds a CPU worker's OpenMP threads one per core, its main thread (which starts this one) to the
+            # first (OMP_PROC_BIND, vllm/utils/ompmultiprocessing.py), and a thread inherits the CPUs of the thread
+            # that starts it. Left so, every member thread and gloo's would share that core with generation while
+            # others idle (with two replicas on one machine, both members shared core 0). This thread, and every
+            # thread started from it (members, receivers, gloo's), may run on the CPUs the server may.
+            os.sched_setaffinity(0, self._cpus)  # 0: the calling thread only (Linux)
+        name_this_thread(MEMBER_THREAD_NAME)
         try:
             while True:
                 try:

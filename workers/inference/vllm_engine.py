@@ -169,13 +169,26 @@ def cpu_engine_env(spec: GRPOLoraJobSpec | RolloutPoolSpec) -> None:
     serving = serving_of(spec)
     if serving.gpus_per_replica:
         return
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(serving.kv_cache_gib))
-    # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
-    # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
-    os.environ.setdefault("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0")
-    # vLLM keeps a core for its front end by default: on a small machine that halves generation. Our front end
-    # is light, and sequential GRPO leaves the trainer idle while it generates.
-    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    for name, value in cpu_engine_defaults(serving.kv_cache_gib).items():
+        os.environ.setdefault(name, value)
+
+
+def cpu_engine_defaults(kv_cache_gib: int) -> dict[str, str]:
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib),
+        # vLLM's CPU sampler compiles small kernels with inductor; its shared precompiled headers were seen to go
+        # stale between processes ("'at::vec' has not been declared"), which kills the engine. Compile without.
+        "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS": "0",
+        # vLLM keeps a core for its front end by default: on a small machine that halves generation. Our front end
+        # is light, and sequential GRPO leaves the trainer idle while it generates.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        # vLLM's "auto" binds the worker's OpenMP threads one per core from the first core of the NUMA node, as if
+        # the engine had the node to itself: every replica on a machine (a local run, CI, pods of a node without
+        # Kubernetes' static CPU manager) then ran its worker's main thread, and the threads started from it, on
+        # core 0, and a sync round of two replicas waited on one core while another idled (BENCHMARKS.md). The
+        # OS places unbound threads; who dedicates cores to a replica sets the variable (an overlay's env).
+        "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    }
 
 
 class VllmEngine:
@@ -226,7 +239,9 @@ class VllmEngine:
         self.limits = EngineLimits(model_config.max_model_len, model_config.get_vocab_size())
         self.members = MemberLink()
         await self.members.start(
-            lambda address, key: self._engine.collective_rpc("grpolora_member_host", args=(address, key))
+            lambda address, key: self._engine.collective_rpc(
+                "grpolora_member_host", args=(address, key, sorted(os.sched_getaffinity(0)))
+            )
         )
         log.info("vLLM engine ready: %s (%s)", cfg.model_dir, cfg.dtype)
 

@@ -189,17 +189,18 @@ class AdapterExtension:
             adapter.payload.close()
         return removed
 
-    def grpolora_member_host(self, address: str, authkey_hex: str) -> bool:
+    def grpolora_member_host(self, address: str, authkey_hex: str, cpus: list[int] | None = None) -> bool:
         """Become the sync-group member host of this engine if this is its first worker (TP rank 0): connect to
-        the HTTP process at `address` and receive the tenants' rounds here (workers/inference/members.py). The
-        other workers answer False: they get each adapter by mapping the segment the member staged it in."""
+        the HTTP process at `address` and receive the tenants' rounds here (workers/inference/members.py), on
+        threads that may use `cpus` (the server's). The other workers answer False: they get each adapter by
+        mapping the segment the member staged it in."""
         if getattr(self, "rank", 0) != 0:
             return False
         from grpolora.workers.inference.members import serve_host
 
         device = getattr(self, "device", None)
         self._grpolora_member_host = serve_host(
-            address, authkey_hex, device if isinstance(device, torch.device) else None
+            address, authkey_hex, device if isinstance(device, torch.device) else None, cpus
         )
         return True
 
