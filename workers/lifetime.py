@@ -14,8 +14,21 @@ import os
 import signal
 
 PR_SET_PDEATHSIG = 1
+PR_SET_NAME = 15
 _installed = False
 _forker = [0]
+
+
+def prctl(option: int, argument: int | bytes) -> None:
+    """Linux's prctl(2) for the calling thread or process; nothing where there is no glibc (as on macOS)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(option, argument)
+
+
+def name_this_thread(name: str) -> None:
+    """The calling thread's OS name (what `top -H` and /proc/<pid>/task/<tid>/comm show; 15 bytes at most).
+    Threads it starts afterwards inherit the name."""
+    prctl(PR_SET_NAME, name.encode()[:15])
 
 
 def die_with_parent(expected_parent: int | None = None) -> None:
@@ -23,8 +36,7 @@ def die_with_parent(expected_parent: int | None = None) -> None:
 
     Safe between fork and exec (a `preexec_fn`). The signal follows the thread that started the process: start
     such children from a thread that lives as long as the parent (the main thread)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     if expected_parent is not None and os.getppid() != expected_parent:
         os._exit(1)  # the parent died before the request took effect
 

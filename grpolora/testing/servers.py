@@ -212,6 +212,13 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_name(pid: int, tid: int) -> str:
+    """A thread's OS name (/proc/<pid>/task/<tid>/comm); "" once it is gone."""
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+    return ""
+
+
 def alive(pid: int) -> bool:
     """Running (a zombie is not: it has exited and waits for its parent to reap it)."""
     try:

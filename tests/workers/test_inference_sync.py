@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -27,6 +26,7 @@ from grpolora.testing.servers import (
     free_port,
     generate,
     http_sender,
+    thread_name,
     tiny_cpu_job,
     wait_in_flight,
 )
@@ -217,12 +217,6 @@ def test_vllms_worker_and_the_sync_members_threads_may_use_every_cpu_of_the_repl
         assert len(members) >= 3, f"replica {server.index}: member threads {members} among {len(tasks)}"
         pinned = {t: os.sched_getaffinity(t) for t in members if os.sched_getaffinity(t) != allowed}
         assert not pinned, f"replica {server.index}: member threads on fewer CPUs than {sorted(allowed)}: {pinned}"
-
-
-def thread_name(pid: int, tid: int) -> str:
-    with contextlib.suppress(OSError):
-        return Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-    return ""
 
 
 def test_requests_racing_a_swap_complete_each_on_one_version(servers, sender, policy, model_dir):

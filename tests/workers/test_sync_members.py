@@ -308,11 +308,16 @@ def test_a_link_whose_worker_never_connects_fails_to_start_and_leaves_no_thread(
     with pytest.raises(RuntimeError, match="no vLLM worker became the sync member host"):
         asyncio.run(made.start(nobody))
     assert time.monotonic() - started < TIMEOUT
+    assert_left_nothing(made, threads_before)
+
+
+def assert_left_nothing(link: MemberLink, threads_before: int) -> None:
+    """A link that failed to start: the thread that waited in accept() ends, and its socket is gone."""
     deadline = time.monotonic() + 5
     while threading.active_count() > threads_before:
         assert time.monotonic() < deadline, "the accepting thread is still blocked"
         time.sleep(0.05)
-    assert not os.path.exists(made.address)
+    assert not os.path.exists(link.address)
 
 
 @pytest.mark.parametrize("worker", ["call-fails", "never-connects"])
@@ -347,11 +352,7 @@ def test_a_link_whose_worker_fails_after_accept_began_raises_and_leaves_no_threa
     assert not starting.is_alive(), "start() hung"
     expected = RuntimeError if worker == "call-fails" else TimeoutError
     assert len(raised) == 1 and isinstance(raised[0], expected), raised
-    deadline = time.monotonic() + 5
-    while threading.active_count() > threads_before:
-        assert time.monotonic() < deadline, "the accepting thread is still blocked"
-        time.sleep(0.05)
-    assert not os.path.exists(made.address)
+    assert_left_nothing(made, threads_before)
 
 
 class DeviceBufferStaging(StagingSink):

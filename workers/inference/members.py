@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import dataclasses
 import json
 import logging
@@ -48,6 +47,7 @@ from typing import Any, Protocol
 import torch
 
 from grpolora.workers.inference.vllm_worker import SHM_DIR, Layout, payload_layout
+from grpolora.workers.lifetime import name_this_thread
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
@@ -282,12 +282,6 @@ class RemoteMember:
 MEMBER_THREAD_NAME = "grpolora-sync"
 """The OS name of the member host's thread in vLLM's worker, and so of the member threads it starts (a new thread
 inherits it; gloo renames its own): what `top -H` shows for the sync, apart from vLLM's own threads."""
-PR_SET_NAME = 15
-
-
-def name_this_thread(name: str) -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_NAME, name.encode()[:15])
 
 
 STAGE_PREFIX = "grpolora-stage-"  # then the staging process's pid, "-", and a random part
