@@ -95,40 +95,42 @@ def shared_payload(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, i
 
 
 class SharedPayload:
-    """A worker's mapping of a shared payload, held while its LoRA id is loaded. The server removes the segment's
-    name as soon as the call returns; the mapping, and so the bytes, stay until `close` (or this process ends, so
-    nothing outlives a crash). Nothing writes to it after the server packed it: every build copies out of it."""
+    """A worker's hold on a shared payload while its LoRA id is loaded: the segment's file, open. The server removes
+    the segment's name as soon as the call returns; the open file, and so the bytes, stay until `close` (or this
+    process ends, so nothing outlives a crash). Nothing writes to the segment after the server packed it."""
 
     def __init__(self, name: str, size: int):
-        # Mapped as the file shm_open made of it, not opened with shared_memory.SharedMemory: Python 3.11 registers
-        # a segment it only opens with the resource tracker, which vLLM's workers share with the server that started
+        # Opened as the file shm_open made of it, not with shared_memory.SharedMemory: Python 3.11 registers a
+        # segment it only opens with the resource tracker, which vLLM's workers share with the server that started
         # them, and unregistering it took the server's own registration away (its unlink then made the tracker print
         # a KeyError traceback). Its creator alone tracks and removes it.
-        descriptor = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDONLY)
-        try:
-            self._map = mmap.mmap(descriptor, max(size, 1), prot=mmap.PROT_READ)
-        finally:
-            os.close(descriptor)
+        self._descriptor = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDONLY)
         self.size = size
 
-    def copy(self) -> bytearray:
-        return bytearray(self._map[: self.size])
+    def private_mapping(self) -> mmap.mmap:
+        """The payload mapped copy-on-write (MAP_PRIVATE): reads share the segment's pages, and a write copies only
+        the page written, for this mapping alone. The mapping lasts as long as something refers to it."""
+        return mmap.mmap(self._descriptor, max(self.size, 1), access=mmap.ACCESS_COPY)
 
     def close(self) -> None:
-        self._map.close()
+        with contextlib.suppress(OSError):
+            os.close(self._descriptor)
 
 
 def unpack_payload(
     payload: bytes | bytearray | SharedPayload, layout: Sequence[Sequence[Any]]
 ) -> dict[str, torch.Tensor]:
-    """Fresh tensors from a payload: one copy of it that they alone own (vLLM scales them in place)."""
-    owned = payload.copy() if isinstance(payload, SharedPayload) else bytearray(payload)
-    if not owned:
+    """Fresh tensors from a payload that no other build's tensors share (vLLM scales them in place): a private
+    mapping of a shared payload (copy-on-write: vLLM writes to lora_B alone, so most pages are never copied), or a
+    copy of plain bytes."""
+    owned = payload.private_mapping() if isinstance(payload, SharedPayload) else bytearray(payload)
+    size = payload.size if isinstance(payload, SharedPayload) else len(owned)
+    if not size:
         return {name: torch.empty(shape, dtype=_DTYPES[dtype]) for name, dtype, shape, _, _ in layout}
-    flat = torch.frombuffer(owned, dtype=torch.uint8)
+    flat = torch.frombuffer(owned, dtype=torch.uint8)[:size]  # the tensors keep the mapping alive
     tensors = {}
     for name, dtype, shape, offset, nbytes in layout:
-        if offset < 0 or offset + nbytes > len(owned):
+        if offset < 0 or offset + nbytes > size:
             raise ValueError(f"adapter tensor {name}: bytes {offset}..{offset + nbytes} outside the payload")
         tensors[name] = flat[offset : offset + nbytes].view(_DTYPES[dtype]).view(tuple(shape))
     return tensors
