@@ -11,7 +11,7 @@ this project's code: `Policy.from_model` (the LoRA wrapping, the selective logpr
 pass at klCoef > 0, policy forward, GRPO loss, backward, clip, AdamW) on a batch from `build_batch`, and for the
 sync what `AdapterSender.send` does before its transfer: `lora_tensors` (the gather), the sender's copy of them
 in the model's dtype (`wire.round_copy`: the float32 master weights travel as bf16 in a bf16 model), and
-`wire.pack` into `sync.bucketMiB` buckets on the transport's device with the payload's HMAC-SHA256 (on the host: a
+`wire.pack` into `sync.bucketMiB` buckets on the transport's device with the payload's MAC (on the host: a
 GPU's buckets are copied there piece by piece), then that MAC again as a receiver checks it. The transfer
 itself is measured on CPUs by bench/sync_bench.py; on GPUs it is NCCL's bandwidth.
 
@@ -282,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "sync": {
             "rounds": rounds,
             "median_seconds": {key: statistics.median(r[key] for r in rounds) for key in rounds[0]},
-            "payload_mac": "hmac-sha256",
+            "payload_mac": header.payload_mac_algorithm,
             "bucket_bytes": bucket_bytes,
             "buckets": len(buckets),
             "round_bytes": header.total_bytes,

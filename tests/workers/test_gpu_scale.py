@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from grpolora.workers.sync import wire
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -90,7 +92,7 @@ def test_tiny_run_writes_every_figure(tmp_path):
     assert sync["adapter_parameter_bytes"] == 2 * lora["parameters"]
     # The wire adds at most 63 alignment bytes per tensor (none here: every tensor is a multiple of 64 bytes).
     assert 0 <= sync["round_bytes"] - sync["adapter_parameter_bytes"] < 64 * lora["tensors"]
-    assert sync["payload_mac"] == "hmac-sha256" and sync["buckets"] >= 1
+    assert sync["payload_mac"] == wire.PAYLOAD_MAC_ALGORITHM and sync["buckets"] >= 1
     assert len(sync["rounds"]) == 2
     for round_ in sync["rounds"]:
         parts = round_["gather_seconds"] + round_["copy_seconds"] + round_["pack_and_mac_seconds"]

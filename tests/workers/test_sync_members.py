@@ -372,12 +372,12 @@ class DeviceBufferStaging(StagingSink):
 
 
 def receive_into(
-    sink: StagingSink, sent: list[torch.Tensor], *, skip: int | None = None
+    sink: StagingSink, header: wire.RoundHeader, sent: list[torch.Tensor], *, skip: int | None = None
 ) -> tuple[list[torch.Tensor], str]:
     """What receive_round does with a round's bytes: each piece lands in the sink's buffers and is MAC'd from what
     `land` gives (piece `skip` arrives but is not landed)."""
     buckets = sink.allocate([b.numel() for b in sent], torch.device("cpu"))
-    mac, index = wire.PayloadMac(KEY), 0
+    mac, index = wire.PayloadMac.of(header, KEY), 0
     for bucket, source in zip(buckets, sent, strict=True):
         for piece, arrived in zip(bucket.split(1000), source.split(1000), strict=True):
             piece.copy_(arrived)
@@ -395,7 +395,7 @@ def test_a_round_in_device_buffers_reaches_the_host_once_into_its_staging_segmen
     sink = DeviceBufferStaging(book.activate_staged)
     tensors = adapter(1)
     header, sent = wire.pack(tensors, key=KEY, version=1, epoch=1, bucket_bytes=1 << 12)
-    buckets, mac = receive_into(sink, sent, skip=skip)
+    buckets, mac = receive_into(sink, header, sent, skip=skip)
     wire.verify(header, buckets, KEY, computed=mac)
     sink.activate(1, wire.unpack(header, buckets), {})
     assert sink.segments_made == (1 if skip is None else 2)

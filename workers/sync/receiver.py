@@ -111,7 +111,7 @@ def receive_round(
     # Every piece is posted at once; each is checked as it lands while the following ones are still arriving.
     pieces = [piece for bucket in buckets for piece in transport.pieces(bucket)]
     pending = [transport.start_broadcast(piece) for piece in pieces]
-    mac = wire.PayloadMac(key)
+    mac = wire.PayloadMac.of(header, key)
     for piece, op in zip(pieces, pending, strict=True):
         op.wait()  # on a GPU: the current stream waits for it, so `land`'s copy on that stream follows it
         mac.update(land(piece))
