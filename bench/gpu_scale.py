@@ -9,10 +9,10 @@ Needs only torch, transformers and peft. The model is built from a config dict w
 numbers, from its published config.json) with random weights, directly on the device; everything after that is
 this project's code: `Policy.from_model` (the LoRA wrapping, the selective logprob head), `train_step` (reference
 pass at klCoef > 0, policy forward, GRPO loss, backward, clip, AdamW) on a batch from `build_batch`, and for the
-sync what `AdapterSender.send` does before its transfer: `lora_tensors` (the gather), the sender's copy of them
-in the model's dtype (`wire.round_copy`: the float32 master weights travel as bf16 in a bf16 model), and
-`wire.pack` into `sync.bucketMiB` buckets on the transport's device with the payload's MAC (on the host: a
-GPU's buckets are copied there piece by piece), then that MAC again as a receiver checks it. The transfer
+sync what `AdapterSender.send` does before its transfer: `lora_tensors` (the gather) and `wire.pack`, which copies
+them in the model's dtype (the float32 master weights travel as bf16 in a bf16 model) into `sync.bucketMiB`
+buckets on the transport's device with the payload's MAC (on the host: a GPU's buckets are copied there piece by
+piece), then that MAC again as a receiver checks it. The transfer
 itself is measured on CPUs by bench/sync_bench.py; on GPUs it is NCCL's bandwidth.
 
 Writes one JSON (default bench/results/gpu_scale.json); the bytes per round are the sum of the wire buckets, as
@@ -151,18 +151,17 @@ def sync_round(
     """What AdapterSender.send does before the transfer, timed step by step (the transfer is NCCL's or gloo's)."""
     config = lora_config(policy.model)
     gathered, gather_s = timed(lambda: lora_tensors(policy.model), device)
-    # AdapterSender.send keeps a copy of what it sends, in the model's dtype (a member caught up later gets these
-    # very bytes).
-    kept, copy_s = timed(lambda: wire.round_copy(gathered, wire_dtype), device)
+    # AdapterSender.send packs a copy in the model's dtype, and keeps it (a member caught up later gets these bytes).
     packed, pack_s = timed(
         lambda: wire.pack(
-            kept,
+            gathered,
             key=KEY,
             version=version,
             epoch=1,
             bucket_bytes=bucket_bytes,
             device=device,
             adapter_config=config,
+            dtype=wire_dtype,
         ),
         device,
     )
@@ -170,11 +169,10 @@ def sync_round(
     _, mac_s = timed(lambda: wire.verify(header, buckets, KEY), device)  # what a receiver's MAC pass costs
     return {
         "gather_seconds": gather_s,
-        "copy_seconds": copy_s,
         "pack_and_mac_seconds": pack_s,
         "mac_seconds": mac_s,
-        "total_seconds": gather_s + copy_s + pack_s,
-        "sent": (kept, header, buckets),
+        "total_seconds": gather_s + pack_s,
+        "sent": (wire.unpack(header, buckets), header, buckets),
     }
 
 

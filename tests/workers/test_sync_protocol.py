@@ -636,7 +636,7 @@ def test_a_receiver_never_activates_a_version_at_or_below_its_own(cluster):
     c.sender.send(adapter(1), {})
     c.wait_live(2)
     with c.sender._lock:  # a round of version 1 again, bypassing the sender's own numbering
-        c.sender._send_once(adapter(5), {}, 1, 1)
+        c.sender._send_once(wire.pack(adapter(5), key=KEY, version=1, epoch=0, bucket_bytes=1 << 20), 1, 1)
     eventually(lambda: not c.receivers[0].state().busy)
     assert c.sinks[0].live_version == 2 and sorted(c.sinks[0].adapters) == [1, 2]
     assert torch.equal(

@@ -13,6 +13,7 @@ caught up like a replacement), one a scale-down removed stops being one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -53,6 +54,9 @@ REFUSAL_REASONS = {
 }
 
 
+Packed = tuple[wire.RoundHeader, list[torch.Tensor]]  # a round's header and buckets, as wire.pack makes them
+
+
 @dataclass(frozen=True)
 class RoundReport:
     version: int
@@ -60,7 +64,7 @@ class RoundReport:
     members: tuple[int, ...]  # replica indices that verified this version
     refused: Mapping[int, str]  # replica index -> why it refused
     bytes: int
-    seconds: float  # pack + broadcast + status, the last (successful) attempt
+    seconds: float  # pack (on the first attempt) + prepare + broadcast + status, the last (successful) attempt
     transport_seconds: float  # header + buckets + status collectives only
     attempts: int
     finished_at: float = field(default_factory=time.time)
@@ -139,7 +143,7 @@ class AdapterSender:
         self._rejoin_backoff = rejoin_backoff_seconds
         self._replacement_wait = replacement_wait_seconds
         self._transport: Transport | None = None
-        self._last_round: tuple[Mapping[str, torch.Tensor], Mapping] | None = None
+        self._last_round: Packed | None = None  # the current version as it was sent, for members behind it
         self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
         self._lock = threading.RLock()  # one round or re-formation at a time, whichever thread asks
         # The live version and the members serving it, published together once a formation or a round has set
@@ -369,8 +373,7 @@ class AdapterSender:
         replica, one whose activation failed); members that already serve it verify and keep it."""
         if self._last_round is None or len(self.serving(self.version)) == len(self.group):
             return
-        tensors, config = self._last_round
-        self._send_attempts(tensors, config, self.version)
+        self._send_attempts(self._last_round, self.version)
 
     def _form_with_retries(self) -> None:
         for attempt in range(1, MAX_ATTEMPTS + 1):
@@ -389,17 +392,28 @@ class AdapterSender:
         with self._lock:
             if self._transport is None:
                 self._form_with_retries()
-            version = self.version + 1
-            kept = wire.round_copy(tensors, self._wire_dtype)
-            report = self._send_attempts(kept, adapter_config, version)
-            self._last_round = (kept, dict(adapter_config))
+            assert self._transport is not None
+            # Packed once, into a copy in the wire dtype: every attempt, and any later catch-up, sends these bytes.
+            started = time.perf_counter()
+            packed = wire.pack(
+                tensors,
+                key=self._key,
+                version=self.version + 1,
+                epoch=self.epoch,
+                bucket_bytes=self._bucket_bytes,
+                device=self._transport.device,
+                adapter_config=adapter_config,
+                dtype=self._wire_dtype,
+            )
+            report = self._send_attempts(packed, self.version + 1, started)
+            self._last_round = packed
             return report
 
-    def _send_attempts(self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int) -> RoundReport:
+    def _send_attempts(self, packed: Packed, version: int, packing_started: float | None = None) -> RoundReport:
         last_error: Exception | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                report = self._send_once(tensors, config, version, attempt)
+                report = self._send_once(packed, version, attempt, packing_started if attempt == 1 else None)
             except (TransportError, MemberUnreachable, StaleEpoch) as exc:
                 last_error = exc
                 log.warning("adapter sync: round %d failed in epoch %d: %s; re-forming", version, self.epoch, exc)
@@ -417,20 +431,13 @@ class AdapterSender:
             return report
         raise SyncError(f"version {version} could not be sent after {MAX_ATTEMPTS} attempts: {last_error}")
 
-    def _send_once(
-        self, tensors: Mapping[str, torch.Tensor], config: Mapping, version: int, attempt: int
-    ) -> RoundReport:
+    def _send_once(self, packed: Packed, version: int, attempt: int, started: float | None = None) -> RoundReport:
+        """One attempt at sending `packed` (the header as packed, in the group's epoch now) as `version`, the version
+        the members are told to expect (a header that says otherwise is refused)."""
         assert self._transport is not None
-        started = time.perf_counter()
-        header, buckets = wire.pack(
-            tensors,
-            key=self._key,
-            version=version,
-            epoch=self.epoch,
-            bucket_bytes=self._bucket_bytes,
-            device=self._transport.device,
-            adapter_config=config,
-        )
+        started = started or time.perf_counter()
+        header, buckets = packed
+        header = dataclasses.replace(header, epoch=self.epoch)
         list(
             self._pool.map(
                 lambda index: self._members[index].prepare(PrepareRequest(epoch=self.epoch, version=version)),

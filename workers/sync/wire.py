@@ -212,19 +212,23 @@ def _padded(nbytes: int) -> int:
     return (nbytes + ALIGN - 1) // ALIGN * ALIGN
 
 
-def plan_buckets(tensors: Mapping[str, torch.Tensor], bucket_bytes: int) -> tuple[list[TensorEntry], list[int]]:
-    """Assign each tensor a bucket and offset, in name order; a tensor larger than a bucket gets its own."""
+def plan_buckets(
+    tensors: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
+) -> tuple[list[TensorEntry], list[int]]:
+    """Assign each tensor a bucket and offset, in name order, as `dtype` (None: each its own); a tensor larger than
+    a bucket gets its own."""
     entries: list[TensorEntry] = []
     sizes: list[int] = []
     for name in sorted(tensors):
         tensor = tensors[name]
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise WireError(f"tensor {name}: unsupported dtype {dtype}")
-        nbytes = tensor.numel() * tensor.element_size()
+        wire_dtype = dtype or tensor.dtype
+        dtype_name = str(wire_dtype).removeprefix("torch.")
+        if dtype_name not in _DTYPES:
+            raise WireError(f"tensor {name}: unsupported dtype {dtype_name}")
+        nbytes = tensor.numel() * wire_dtype.itemsize
         if not sizes or sizes[-1] + _padded(nbytes) > bucket_bytes:
             sizes.append(0)
-        entries.append(TensorEntry(name, dtype, tuple(tensor.shape), len(sizes) - 1, sizes[-1], nbytes))
+        entries.append(TensorEntry(name, dtype_name, tuple(tensor.shape), len(sizes) - 1, sizes[-1], nbytes))
         sizes[-1] += _padded(nbytes)
     return entries, sizes
 
@@ -238,19 +242,24 @@ def pack(
     bucket_bytes: int,
     device: torch.device | str = "cpu",
     adapter_config: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> tuple[RoundHeader, list[torch.Tensor]]:
-    """Copy the tensors into few uint8 buckets on `device` and describe them in a header, with the buckets' MAC
-    under `key` (see round_key)."""
+    """Copy the tensors into few uint8 buckets on `device`, as `dtype` (the wire dtype; None: each its own), and
+    describe them in a header, with the buckets' MAC under `key` (see round_key).
+
+    The buckets are a copy, never views of the trainer's parameters, so that a member caught up later gets these
+    very bytes under the round's version whatever the optimizer has done since; rounded to the wire dtype in that
+    one copy, leaving the trainer's float32 master weights as they are."""
     if not tensors:
         raise WireError("nothing to send: the adapter has no tensors")
-    entries, sizes = plan_buckets(tensors, bucket_bytes)
+    entries, sizes = plan_buckets(tensors, bucket_bytes, dtype)
     # Padding bytes stay uninitialised: they travel like the rest, and the MAC covers what was sent.
     buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
     for entry in entries:
         source = tensors[entry.name].detach().reshape(-1)
         view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes]
-        # Copy as the tensor's own dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
-        view.view(source.dtype).copy_(source)
+        # Copy as the wire dtype into an aligned view (rounding on the way): a byte-wise copy is ~100x slower on CPUs.
+        view.view(_DTYPES[entry.dtype]).copy_(source)
     algorithm, nonce = PAYLOAD_MAC_ALGORITHM, secrets.token_hex(NONCE_BYTES)
     header = RoundHeader(
         version=version,
@@ -293,13 +302,6 @@ def payload_mac(buckets: Sequence[torch.Tensor], mac: PayloadMac) -> str:
     for bucket in buckets:
         mac.update(bucket)
     return mac.hexdigest()
-
-
-def round_copy(tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
-    """What a round sends: a copy of each tensor, in the wire dtype (None: each its own). A copy, not views of the
-    trainer's parameters, so that a member caught up later gets these very bytes under the round's version whatever
-    the optimizer has done since; rounded in the same copy, leaving the trainer's float32 master weights as they are."""
-    return {name: t.detach().to(dtype=dtype, copy=True) for name, t in tensors.items()}
 
 
 def on_host(tensor: torch.Tensor) -> torch.Tensor:
