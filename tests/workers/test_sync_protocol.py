@@ -367,6 +367,36 @@ def test_a_header_for_another_round_than_the_announced_one_is_refused(cluster, m
     assert "header for version 6 of epoch 0, but the trainer announced version 1 of epoch 0" in caplog.text
 
 
+def test_members_are_told_to_expect_a_round_while_it_is_packed(cluster, monkeypatch):
+    """Packing (a copy of the adapter and its MAC) and the members' prepare calls (an HTTP round trip each) overlap:
+    a pack that waits for every member to have been asked still finishes, where it timed out when packing came
+    first. What cannot travel (a dtype the wire lacks) is still refused before any member is asked."""
+    c = cluster(2)
+    asked = threading.Barrier(len(c.members) + 1, timeout=5)
+    for member in c.members:
+        real_prepare = member.prepare
+
+        def prepare(request, real_prepare=real_prepare):
+            asked.wait()
+            real_prepare(request)
+
+        member.prepare = prepare
+    real_pack = wire.pack
+
+    def pack_once_asked(*args, **kwargs):
+        asked.wait()  # BrokenBarrierError after 5 s unless every member has been asked meanwhile
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(wire, "pack", pack_once_asked)
+    report = c.sender.send(adapter(0), {})
+    assert report.members == (0, 1)
+    c.wait_live(1)
+    for member in c.members:
+        member.prepare = lambda request: pytest.fail("a member was asked to expect a round that cannot travel")
+    with pytest.raises(wire.WireError, match="unsupported dtype int64"):
+        c.sender.send({"x": torch.arange(4)}, {})
+
+
 def test_rounds_deliver_exact_tensors_and_versions_grow(cluster):
     c = cluster(2, bucket_bytes=4096)  # the adapter spans several buckets and arrives whole
     for version, seed in ((1, 0), (2, 1)):

@@ -18,7 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -393,27 +393,41 @@ class AdapterSender:
             if self._transport is None:
                 self._form_with_retries()
             assert self._transport is not None
-            # Packed once, into a copy in the wire dtype: every attempt, and any later catch-up, sends these bytes.
-            started = time.perf_counter()
+            version, started = self.version + 1, time.perf_counter()
+            # What cannot travel is refused before any member is told to expect it; the members then prepare (an
+            # HTTP round trip each) while the round is packed. Packed once, into a copy in the wire dtype: every
+            # attempt, and any later catch-up, sends these bytes.
+            wire.plan_buckets(tensors, self._bucket_bytes, self._wire_dtype)
+            preparing = self._prepare(version)
             packed = wire.pack(
                 tensors,
                 key=self._key,
-                version=self.version + 1,
+                version=version,
                 epoch=self.epoch,
                 bucket_bytes=self._bucket_bytes,
                 device=self._transport.device,
                 adapter_config=adapter_config,
                 dtype=self._wire_dtype,
             )
-            report = self._send_attempts(packed, self.version + 1, started)
+            report = self._send_attempts(packed, version, started, preparing)
             self._last_round = packed
             return report
 
-    def _send_attempts(self, packed: Packed, version: int, packing_started: float | None = None) -> RoundReport:
+    def _send_attempts(
+        self,
+        packed: Packed,
+        version: int,
+        packing_started: float | None = None,
+        preparing: list[Future[None]] | None = None,
+    ) -> RoundReport:
+        """`preparing`: the first attempt's prepare calls, already under way (see send)."""
         last_error: Exception | None = None
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
-                report = self._send_once(packed, version, attempt, packing_started if attempt == 1 else None)
+                first = attempt == 1
+                report = self._send_once(
+                    packed, version, attempt, packing_started if first else None, preparing if first else None
+                )
             except (TransportError, MemberUnreachable, StaleEpoch) as exc:
                 last_error = exc
                 log.warning("adapter sync: round %d failed in epoch %d: %s; re-forming", version, self.epoch, exc)
@@ -431,19 +445,27 @@ class AdapterSender:
             return report
         raise SyncError(f"version {version} could not be sent after {MAX_ATTEMPTS} attempts: {last_error}")
 
-    def _send_once(self, packed: Packed, version: int, attempt: int, started: float | None = None) -> RoundReport:
+    def _prepare(self, version: int) -> list[Future[None]]:
+        """Tell every member of the group to expect `version` in this epoch (one call each, in parallel)."""
+        request = PrepareRequest(epoch=self.epoch, version=version)
+        return [self._pool.submit(self._members[index].prepare, request) for index in self.group]
+
+    def _send_once(
+        self,
+        packed: Packed,
+        version: int,
+        attempt: int,
+        started: float | None = None,
+        preparing: list[Future[None]] | None = None,
+    ) -> RoundReport:
         """One attempt at sending `packed` (the header as packed, in the group's epoch now) as `version`, the version
         the members are told to expect (a header that says otherwise is refused)."""
         assert self._transport is not None
         started = started or time.perf_counter()
         header, buckets = packed
         header = dataclasses.replace(header, epoch=self.epoch)
-        list(
-            self._pool.map(
-                lambda index: self._members[index].prepare(PrepareRequest(epoch=self.epoch, version=version)),
-                self.group,
-            )
-        )
+        for call in preparing if preparing is not None else self._prepare(version):
+            call.result()  # the first failure raises, as the calls were made: the round is not sent
         sent = time.perf_counter()
         codes = send_round(self._transport, header, buckets, self._key, self._on_bucket_sent)
         finished = time.perf_counter()

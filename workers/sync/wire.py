@@ -216,7 +216,9 @@ def plan_buckets(
     tensors: Mapping[str, torch.Tensor], bucket_bytes: int, dtype: torch.dtype | None = None
 ) -> tuple[list[TensorEntry], list[int]]:
     """Assign each tensor a bucket and offset, in name order, as `dtype` (None: each its own); a tensor larger than
-    a bucket gets its own."""
+    a bucket gets its own. Raises WireError for what cannot travel."""
+    if not tensors:
+        raise WireError("nothing to send: the adapter has no tensors")
     entries: list[TensorEntry] = []
     sizes: list[int] = []
     for name in sorted(tensors):
@@ -250,8 +252,6 @@ def pack(
     The buckets are a copy, never views of the trainer's parameters, so that a member caught up later gets these
     very bytes under the round's version whatever the optimizer has done since; rounded to the wire dtype in that
     one copy, leaving the trainer's float32 master weights as they are."""
-    if not tensors:
-        raise WireError("nothing to send: the adapter has no tensors")
     entries, sizes = plan_buckets(tensors, bucket_bytes, dtype)
     # Padding bytes stay uninitialised: they travel like the rest, and the MAC covers what was sent.
     buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
