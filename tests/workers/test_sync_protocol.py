@@ -590,6 +590,25 @@ def test_a_late_joiner_gets_the_bytes_of_the_version_it_is_told(cluster):
     assert all(torch.equal(c.sinks[1].adapters[1][k], sent[k]) for k in sent)
 
 
+def test_the_sender_packs_into_the_buckets_of_the_round_before_last_never_the_kept_one(cluster):
+    """Packing into fresh memory cost a page fault per page (11 ms against 5.6 ms into reused memory for the
+    quickstart's 19.5 MB). The sender reuses the buckets of the round before the last: the last round's are kept
+    for members behind it, and a late joiner still gets exactly those bytes."""
+    c = cluster(2)
+    c.members[1].down = True
+    c.sender.send(adapter(0), {})
+    first = [b.data_ptr() for b in c.sender._last_round[1]]
+    c.sender.send(adapter(1), {})
+    second = [b.data_ptr() for b in c.sender._last_round[1]]
+    c.sender.send(adapter(2), {})
+    assert [b.data_ptr() for b in c.sender._last_round[1]] == first and second != first
+    c.wait_live(3, indices=[0])
+    c.members[1].down = False
+    assert c.sender.refresh() is True
+    c.wait_live(3, indices=[1])
+    assert all(torch.equal(c.sinks[1].adapters[3][k], v) for k, v in adapter(2).items())
+
+
 def replace_replica(c: Cluster, index: int, sink=None) -> None:
     """A fresh process takes over replica `index` (same address): it has joined no epoch and serves version 0."""
     c.receivers[index].close()

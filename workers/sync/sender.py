@@ -144,6 +144,7 @@ class AdapterSender:
         self._replacement_wait = replacement_wait_seconds
         self._transport: Transport | None = None
         self._last_round: Packed | None = None  # the current version as it was sent, for members behind it
+        self._spare_buckets: list[torch.Tensor] = []  # of a round neither kept nor in flight: packed into next
         self._pool = ThreadPoolExecutor(max_workers=max(len(self._members), 1), thread_name_prefix="sync-control")
         self._lock = threading.RLock()  # one round or re-formation at a time, whichever thread asks
         # The live version and the members serving it, published together once a formation or a round has set
@@ -408,9 +409,17 @@ class AdapterSender:
                 device=self._transport.device,
                 adapter_config=adapter_config,
                 dtype=self._wire_dtype,
+                reuse=self._spare_buckets,
             )
-            report = self._send_attempts(packed, version, started, preparing)
-            self._last_round = packed
+            self._spare_buckets = []
+            try:
+                report = self._send_attempts(packed, version, started, preparing)
+            except BaseException:
+                self._spare_buckets = packed[1]  # never kept: free for the next round
+                raise
+            # The last round's buckets stay as they are for members behind it; the ones they replace are free.
+            replaced, self._last_round = self._last_round, packed
+            self._spare_buckets = replaced[1] if replaced is not None else []
             return report
 
     def _send_attempts(

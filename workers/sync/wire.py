@@ -245,16 +245,21 @@ def pack(
     device: torch.device | str = "cpu",
     adapter_config: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
+    reuse: Sequence[torch.Tensor] = (),
 ) -> tuple[RoundHeader, list[torch.Tensor]]:
     """Copy the tensors into few uint8 buckets on `device`, as `dtype` (the wire dtype; None: each its own), and
     describe them in a header, with the buckets' MAC under `key` (see round_key).
 
     The buckets are a copy, never views of the trainer's parameters, so that a member caught up later gets these
     very bytes under the round's version whatever the optimizer has done since; rounded to the wire dtype in that
-    one copy, leaving the trainer's float32 master weights as they are."""
+    one copy, leaving the trainer's float32 master weights as they are.
+
+    `reuse`: buffers of an earlier round that nothing reads any more, packed into where their sizes and device fit
+    (writing into fresh memory costs a page fault per page on a CPU)."""
     entries, sizes = plan_buckets(tensors, bucket_bytes, dtype)
+    spare = {(b.numel(), b.device): b for b in reuse if b.dtype == torch.uint8 and b.is_contiguous()}
     # Padding bytes stay uninitialised: they travel like the rest, and the MAC covers what was sent.
-    buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
+    buckets = [_reused(spare, size, torch.device(device)) for size in sizes]
     for entry in entries:
         source = tensors[entry.name].detach().reshape(-1)
         view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes]
@@ -272,6 +277,12 @@ def pack(
         adapter_config=dict(adapter_config or {}),
     )
     return header, buckets
+
+
+def _reused(spare: dict[tuple[int, torch.device], torch.Tensor], size: int, device: torch.device) -> torch.Tensor:
+    """A spare buffer of `size` bytes on `device` (taken out of `spare`), else a new one."""
+    buffer = spare.pop((size, device), None)
+    return buffer if buffer is not None else torch.empty(size, dtype=torch.uint8, device=device)
 
 
 def unpack(header: RoundHeader, buckets: Sequence[torch.Tensor]) -> dict[str, torch.Tensor]:
