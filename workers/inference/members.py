@@ -491,7 +491,11 @@ class StagingSink:
 
     On a CPU the buckets are views of the segment. On a GPU they are device buffers (NCCL receives into device
     memory), and each piece is copied once into its place in the segment as it lands (`land`), where the MAC reads
-    it: the round's one trip to the host."""
+    it: the round's one trip to the host.
+
+    A segment is new each round and never written once its round is activated: the workers' builds map it
+    copy-on-write (vllm_worker.SharedPayload), and a page of such a mapping that no build has written to shows what
+    the segment holds now, so the adapter's tensors read it for as long as the LoRA is loaded."""
 
     def __init__(self, activate_remote: Callable[[int, str, int, Layout, dict], None]):
         self._activate_remote = activate_remote
