@@ -248,6 +248,25 @@ def test_a_receiver_without_poly1305_refuses_such_a_round_saying_why(monkeypatch
         wire.verify(header, buckets, KEY)
 
 
+def test_a_round_a_receiver_cannot_check_is_refused_with_the_reason_and_the_group_stays(cluster, monkeypatch):
+    """A receiver whose OpenSSL lacks Poly1305 (FIPS mode) next to a sender that has it: the header is genuine, so
+    the receiver follows the round to its end (in lockstep with the group), refuses it, says why, and stays in the
+    group; a sender without Poly1305 (HMAC-SHA256 rounds) then gets through to it."""
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    epoch = c.sender.epoch
+    monkeypatch.setattr(wire, "poly1305_available", lambda: False)  # the receivers' side (sender's choice was made)
+    with pytest.raises(SyncError, match="every replica refused version 2"):
+        c.sender.send(adapter(1), {})
+    eventually(lambda: all("Poly1305 is not available here" in (r.state().last_error or "") for r in c.receivers))
+    assert [s.live_version for s in c.sinks] == [1, 1] and c.sender.epoch == epoch
+    monkeypatch.setattr(wire, "PAYLOAD_MAC_ALGORITHM", "hmac-sha256")  # what a sender in FIPS mode chooses
+    report = c.sender.send(adapter(1), {})
+    assert report.members == (0, 1) and c.sender.epoch == epoch
+    c.wait_live(report.version)
+
+
 def test_a_forged_payload_is_never_activated(cluster, monkeypatch):
     c = cluster(2)
     c.sender.send(adapter(0), {})

@@ -107,19 +107,25 @@ def receive_round(
     except wire.WireError:
         transport.close()
         raise
+    try:
+        mac: wire.PayloadMac | None = wire.PayloadMac.of(header, key)
+        reason = None
+    except wire.WireError as exc:  # a genuine header this receiver cannot check: follow the round, refuse it
+        mac, reason = None, str(exc)
     buckets = allocate(header.bucket_sizes, transport.device)
     # Every piece is posted at once; each is checked as it lands while the following ones are still arriving.
     pieces = [piece for bucket in buckets for piece in transport.pieces(bucket)]
     pending = [transport.start_broadcast(piece) for piece in pieces]
-    mac = wire.PayloadMac.of(header, key)
     for piece, op in zip(pieces, pending, strict=True):
         op.wait()  # on a GPU: the current stream waits for it, so `land`'s copy on that stream follows it
-        mac.update(land(piece))
-    reason = None
-    try:
-        wire.verify(header, buckets, key, computed=mac.hexdigest())
-    except wire.WireError as exc:
-        reason = str(exc)
+        landed = land(piece)
+        if mac is not None:
+            mac.update(landed)
+    if mac is not None:
+        try:
+            wire.verify(header, buckets, key, computed=mac.hexdigest())
+        except wire.WireError as exc:
+            reason = str(exc)
     return header, buckets, reason
 
 

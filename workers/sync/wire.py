@@ -338,8 +338,6 @@ class PayloadMac:
         self._digest: Callable[[], bytes]
         self._slice: int | None = None
         if algorithm == "poly1305":
-            if not poly1305_available():
-                raise WireError("the round's payload MAC is Poly1305, and Poly1305 is not available here (FIPS mode?)")
             one_time_key = hmac.new(key, POLY1305_KEY_TAG + bytes.fromhex(nonce), hashlib.sha256).digest()
             poly = Poly1305(one_time_key)
             # cryptography holds the GIL while Poly1305 runs (OpenSSL's HMAC drops it): fed a slice at a time, it
@@ -354,7 +352,9 @@ class PayloadMac:
 
     @classmethod
     def of(cls, header: RoundHeader, key: bytes) -> PayloadMac:
-        """The MAC a receiver checks `header`'s payload with."""
+        """The MAC a receiver checks `header`'s payload with; WireError if it cannot (a sender chooses what it has)."""
+        if header.payload_mac_algorithm == "poly1305" and not poly1305_available():
+            raise WireError("the round's payload MAC is Poly1305, and Poly1305 is not available here (FIPS mode?)")
         return cls(key, header.payload_mac_algorithm, header.payload_nonce)
 
     def update(self, piece: torch.Tensor) -> None:
