@@ -136,6 +136,27 @@ def unpack_payload(
     return tensors
 
 
+def fold_lora_scaling(flat: torch.Tensor, layout: Layout, adapter_config: dict) -> dict:
+    """Multiply every lora_B in `flat` (a staged payload, not yet handed to any worker) by the LoRA's scaling, and
+    return the adapter config under which vLLM then scales by 1: vLLM would do that multiplication itself, in place,
+    as it builds the LoRA (`LoRALayerWeights.optimize`), in the engine's thread between steps and, on a copy-on-write
+    mapping, one page fault per page written. Same arithmetic (in the tensor's own dtype, as vLLM's in-place
+    multiply), computed by vLLM's own PEFTHelper. A config with per-module ranks or alphas is returned as it is, and
+    vLLM scales as before (it resolves the patterns)."""
+    from vllm.lora.peft_helper import PEFTHelper
+
+    try:
+        helper = PEFTHelper.from_dict(adapter_config)
+    except (TypeError, ValueError):
+        return adapter_config  # vLLM's build refuses it, with its reason, as it would have
+    if helper.rank_pattern or helper.alpha_pattern or helper.vllm_lora_scaling_factor == 1:
+        return adapter_config
+    for name, dtype, _, offset, nbytes in layout:
+        if "lora_B" in name or "lora_embedding_B" in name:  # peft's names; vLLM scales every B it builds
+            flat[offset : offset + nbytes].view(_DTYPES[dtype]).mul_(helper.vllm_lora_scaling_factor)
+    return dict(adapter_config, lora_alpha=helper.r, use_rslora=False)
+
+
 @dataclass(frozen=True)
 class HeldAdapter:
     """What a worker keeps of an adapter while its LoRA id may be (re)loaded: the payload and its config."""
