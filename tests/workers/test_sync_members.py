@@ -440,3 +440,24 @@ def test_the_member_folds_the_lora_scaling_into_lora_b_before_vllm_builds_it(con
     for name, tensor in tensors.items():
         expected = tensor * scaling if "lora_B" in name else tensor  # in the tensor's own dtype, as vLLM does
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], expected), name
+
+
+def test_folding_the_scaling_imports_nothing_of_vllm():
+    """The fold runs inside a round, between the last piece and the closing all-reduce. Asking vLLM's PEFTHelper
+    there imported vLLM (5.9 s on this machine) in a member whose process had not, and on a loaded CI machine the
+    sender's all-reduce timed out waiting (test_rounds_are_received_in_the_worker_... failed so). The scaling is
+    vLLM's formula, checked against PEFTHelper in the test above; the fold itself needs no vLLM."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch\n"
+        "from grpolora.workers.inference.vllm_worker import fold_lora_scaling\n"
+        "config = fold_lora_scaling(torch.zeros(64, dtype=torch.uint8), [('m.lora_B.weight', 'float32', [4], 0, 16)],"
+        " {'r': 8, 'lora_alpha': 16, 'target_modules': ['m']})\n"
+        "assert config['lora_alpha'] == 8, config\n"
+        "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n"
+    )
+    result = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "[]"

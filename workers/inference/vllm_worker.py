@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import mmap
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -136,25 +137,38 @@ def unpack_payload(
     return tensors
 
 
+def lora_scaling(adapter_config: Mapping[str, Any]) -> float | None:
+    """The factor vLLM multiplies a LoRA's lora_B by as it builds it, by vLLM 0.32's formula (`PEFTHelper._scaling`:
+    lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA; tests/workers/test_sync_members.py checks it against
+    PEFTHelper): computed here, not asked of vLLM, because importing vLLM takes seconds in a process that has not.
+    None where vLLM decides per module (rank or alpha patterns) or refuses the config (then its build says why)."""
+    r, alpha = adapter_config.get("r"), adapter_config.get("lora_alpha")
+    if (
+        adapter_config.get("rank_pattern")
+        or adapter_config.get("alpha_pattern")
+        or "target_modules" not in adapter_config
+    ):
+        return None
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        return None
+    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+
+
 def fold_lora_scaling(flat: torch.Tensor, layout: Layout, adapter_config: dict) -> dict:
     """Multiply every lora_B in `flat` (a staged payload, not yet handed to any worker) by the LoRA's scaling, and
     return the adapter config under which vLLM then scales by 1: vLLM would do that multiplication itself, in place,
     as it builds the LoRA (`LoRALayerWeights.optimize`), in the engine's thread between steps and, on a copy-on-write
-    mapping, one page fault per page written. Same arithmetic (in the tensor's own dtype, as vLLM's in-place
-    multiply), computed by vLLM's own PEFTHelper. A config with per-module ranks or alphas is returned as it is, and
-    vLLM scales as before (it resolves the patterns)."""
-    from vllm.lora.peft_helper import PEFTHelper
-
-    try:
-        helper = PEFTHelper.from_dict(adapter_config)
-    except (TypeError, ValueError):
-        return adapter_config  # vLLM's build refuses it, with its reason, as it would have
-    if helper.rank_pattern or helper.alpha_pattern or helper.vllm_lora_scaling_factor == 1:
+    mapping, one page fault per page written. The same arithmetic: in the tensor's own dtype, as vLLM's in-place
+    multiply. A config vLLM scales per module is returned as it is, and vLLM scales as before."""
+    scaling = lora_scaling(adapter_config)
+    if scaling is None or scaling == 1:
         return adapter_config
     for name, dtype, _, offset, nbytes in layout:
         if "lora_B" in name or "lora_embedding_B" in name:  # peft's names; vLLM scales every B it builds
-            flat[offset : offset + nbytes].view(_DTYPES[dtype]).mul_(helper.vllm_lora_scaling_factor)
-    return dict(adapter_config, lora_alpha=helper.r, use_rslora=False)
+            flat[offset : offset + nbytes].view(_DTYPES[dtype]).mul_(scaling)
+    return dict(adapter_config, lora_alpha=adapter_config["r"], use_rslora=False)
 
 
 @dataclass(frozen=True)
