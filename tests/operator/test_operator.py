@@ -802,7 +802,9 @@ async def test_a_job_past_its_active_deadline_fails_with_deadline_exceeded_and_i
     await cluster.apply(job_doc(activeDeadlineSeconds=2))
     await created(cluster)
     await pods_up(cluster)
-    assert cluster.status("demo").get("activeSince")
+    # Stamped by the status patch that ends the pass which created the children: `created` sees the children first
+    # (CI once found the status still empty here).
+    await wait_for(lambda: cluster.status("demo").get("activeSince"), "the job's activeSince stamped")
     await wait_for(lambda: phase(cluster) == "Failed", "the job failed at its deadline", timeout=15)
     assert cluster.condition("demo", "Failed")["reason"] == "DeadlineExceeded"
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
