@@ -62,7 +62,7 @@ class AdapterBook:
         self._loaded: dict[int, int] = {}  # version -> its LoRA id, for versions added to vLLM and not yet removed
         self._version_changed = asyncio.Condition()
         self._closed = False
-        self._unloading: asyncio.Future | None = None  # the unload the last activation left running (held: not GC'd)
+        self._unloading: set[asyncio.Task[None]] = set()  # unloads activations left running (held: asyncio keeps none)
 
     def bind(self) -> None:
         """Serve from the running event loop (activations from the sync thread are run on it)."""
@@ -114,10 +114,12 @@ class AdapterBook:
         )
         # Returns now, so the member acknowledges the round (and the trainer's send() returns) with the version live;
         # the version that left the window is unloaded meanwhile (overlapping unloads: see _unload_if_idle).
-        self._unloading = asyncio.ensure_future(self._unload_unneeded())
-        self._unloading.add_done_callback(self._unloaded)
+        task = asyncio.create_task(self._unload_unneeded())
+        self._unloading.add(task)
+        task.add_done_callback(self._unloaded)
 
-    def _unloaded(self, task: asyncio.Future) -> None:
+    def _unloaded(self, task: asyncio.Task[None]) -> None:
+        self._unloading.discard(task)
         if not task.cancelled() and task.exception() is not None:
             log.error("%s: unloading old adapter versions failed: %r", self.job, task.exception())
 

@@ -167,8 +167,7 @@ class RoundHeader:
     def check_layout(self) -> None:
         """Bounded, and consistent: every tensor has a known dtype, a size matching its shape, and lies inside its
         bucket without overlapping another; every bucket ends where its last tensor does (padded)."""
-        if self.payload_mac_algorithm not in PAYLOAD_MAC_ALGORITHMS:
-            raise WireError(f"payload MAC algorithm {self.payload_mac_algorithm!r} (one of {PAYLOAD_MAC_ALGORITHMS})")
+        check_mac_algorithm(self.payload_mac_algorithm)
         try:
             nonce = bytes.fromhex(self.payload_nonce)
         except ValueError:
@@ -325,6 +324,11 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
+def check_mac_algorithm(algorithm: str) -> None:
+    if algorithm not in PAYLOAD_MAC_ALGORITHMS:
+        raise WireError(f"payload MAC algorithm {algorithm!r} (one of {PAYLOAD_MAC_ALGORITHMS})")
+
+
 def poly1305_available() -> bool:
     """Whether this OpenSSL offers Poly1305 (not in FIPS mode)."""
     try:
@@ -340,6 +344,7 @@ class PayloadMac:
     (BENCHMARKS.md). Buffers on a GPU are copied to the host piece by piece first: a MAC is host work."""
 
     def __init__(self, key: bytes, algorithm: str, nonce: str) -> None:
+        check_mac_algorithm(algorithm)
         self._digest: Callable[[], bytes]
         self._slice: int | None = None
         if algorithm == "poly1305":
@@ -348,11 +353,9 @@ class PayloadMac:
             # cryptography holds the GIL while Poly1305 runs (OpenSSL's HMAC drops it): fed a slice at a time, it
             # never stops the process's other threads (vLLM's engine loop, in a member) for more than ~0.2 ms.
             self._update, self._digest, self._slice = poly.update, poly.finalize, POLY1305_SLICE_BYTES
-        elif algorithm == "hmac-sha256":
+        else:  # hmac-sha256
             mac = hmac.new(key, PAYLOAD_TAG, hashlib.sha256)
             self._update, self._digest = mac.update, mac.digest
-        else:
-            raise WireError(f"payload MAC algorithm {algorithm!r} (one of {PAYLOAD_MAC_ALGORITHMS})")
         self._result: str | None = None
 
     @classmethod
