@@ -7,7 +7,9 @@ and vLLM load, so the synced adapter and a saved checkpoint are the same thing.
 from __future__ import annotations
 
 import json
+import math
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,3 +54,36 @@ def load_adapter(folder: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]
     from safetensors.torch import load_file
 
     return load_file(str(folder / WEIGHTS_FILE)), json.loads((folder / CONFIG_FILE).read_text())
+
+
+def lora_scaling(adapter_config: Mapping[str, Any]) -> float | None:
+    """The factor a LoRA's lora_B output is multiplied by, by vLLM 0.32's formula (`PEFTHelper._scaling`, peft's
+    own: lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA; tests/workers/test_sync_members.py checks it against
+    PEFTHelper), computed here rather than asked of vLLM, which takes seconds to import. None where it is decided
+    per module (rank or alpha patterns) or the config is not one vLLM would build (then its build says why)."""
+    r, alpha = adapter_config.get("r"), adapter_config.get("lora_alpha")
+    if (
+        adapter_config.get("rank_pattern")
+        or adapter_config.get("alpha_pattern")
+        or "target_modules" not in adapter_config
+    ):
+        return None
+    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
+        return None
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
+        return None
+    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
+
+
+def is_lora_b(name: str) -> bool:
+    """Whether a tensor under peft's saved names is a lora_B (what a LoRA's scaling multiplies)."""
+    return "lora_B" in name or "lora_embedding_B" in name
+
+
+def folded_scaling(adapter_config: Mapping[str, Any]) -> tuple[dict[str, Any], float | None]:
+    """The same adapter with its scaling folded into lora_B: the config whose scaling is 1, and the factor to
+    multiply every lora_B by (None, and the config as it is, where the scaling is per module or already 1)."""
+    scaling = lora_scaling(adapter_config)
+    if scaling is None or scaling == 1:
+        return dict(adapter_config), None
+    return dict(adapter_config, lora_alpha=adapter_config["r"], use_rslora=False), scaling

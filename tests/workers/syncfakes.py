@@ -18,6 +18,7 @@ class RecordingSink:
     def __init__(self) -> None:
         self._version = 0
         self.adapters: dict[int, dict[str, torch.Tensor]] = {}
+        self.configs: dict[int, dict] = {}
         self.activated = threading.Event()
 
     @property
@@ -26,6 +27,7 @@ class RecordingSink:
 
     def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
         self.adapters[version] = {k: v.clone() for k, v in tensors.items()}
+        self.configs[version] = dict(adapter_config)
         self._version = version
         self.activated.set()
 

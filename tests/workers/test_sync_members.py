@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 
+from grpolora.workers.adapter import folded_scaling, lora_scaling
 from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, StagingSink, serve_host
 from grpolora.workers.inference.server import sync_member_factory
 from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
@@ -416,46 +417,36 @@ def test_a_round_in_device_buffers_reaches_the_host_once_into_its_staging_segmen
     ],
     ids=["alpha-over-r", "rslora", "per-module-alpha-left-to-vllm"],
 )
-def test_the_member_folds_the_lora_scaling_into_lora_b_before_vllm_builds_it(config, scaling):
-    """vLLM multiplies lora_B by the LoRA's scaling in place as it builds a LoRA (LoRALayerWeights.optimize), in the
-    engine's thread between steps; on a build that maps the payload copy-on-write every page it writes is a page
-    fault and a copy (9 of the 26 ms of an activation in a profile). The member folds the scaling into the staged
-    lora_B first, off the engine's path, and hands vLLM the same adapter with a config whose scaling is 1 (vLLM's
-    own PEFTHelper says so). Per-module alphas are left to vLLM, which resolves their patterns."""
+def test_the_folded_scaling_is_vllms_own_and_leaves_vllm_scaling_by_1(config, scaling):
+    """The sender folds the LoRA's scaling into lora_B as it packs (test_sync_protocol.py), so that vLLM, which
+    would multiply lora_B in place as it builds the LoRA, in the engine's thread, scales by 1. Both numbers are
+    vLLM's own: its PEFTHelper reads the scaling of the config the trainer has, and 1 for the one the round carries.
+    Per-module alphas are left to vLLM, which resolves their patterns."""
     from vllm.lora.peft_helper import PEFTHelper
 
-    book = RecordingBook()
-    sink = StagingSink(book.activate_staged)
-    tensors = {**adapter(1), "layers.1.q_proj.lora_B.weight": torch.randn(64, 8).to(torch.bfloat16)}
-    header, sent = wire.pack(tensors, key=KEY, version=1, epoch=1, bucket_bytes=1 << 12)
-    buckets, mac = receive_into(sink, header, sent)
-    wire.verify(header, buckets, KEY, computed=mac)
-    sink.activate(1, wire.unpack(header, buckets), dict(config))
-    got, handed = book.adapters[1], book.configs[1]
+    folded, factor = folded_scaling(config)
+    assert lora_scaling(config) == factor
     if scaling is None:
-        assert handed == config and all(torch.equal(got[k], v) for k, v in tensors.items())
+        assert folded == config and factor is None
         return
-    assert PEFTHelper.from_dict(handed).vllm_lora_scaling_factor == 1.0
-    assert PEFTHelper.from_dict(config).vllm_lora_scaling_factor == scaling
-    for name, tensor in tensors.items():
-        expected = tensor * scaling if "lora_B" in name else tensor  # in the tensor's own dtype, as vLLM does
-        assert got[name].dtype == tensor.dtype and torch.equal(got[name], expected), name
+    assert PEFTHelper.from_dict(config).vllm_lora_scaling_factor == pytest.approx(scaling) == factor
+    assert PEFTHelper.from_dict(folded).vllm_lora_scaling_factor == 1.0
 
 
 def test_folding_the_scaling_imports_nothing_of_vllm():
-    """The fold runs inside a round, between the last piece and the closing all-reduce. Asking vLLM's PEFTHelper
-    there imported vLLM (5.9 s on this machine) in a member whose process had not, and on a loaded CI machine the
-    sender's all-reduce timed out waiting (test_rounds_are_received_in_the_worker_... failed so). The scaling is
-    vLLM's formula, checked against PEFTHelper in the test above; the fold itself needs no vLLM."""
+    """The fold once ran inside a round, in a member whose process had not loaded vLLM, and asking vLLM's
+    PEFTHelper there imported it (5.9 s on this machine): on a loaded CI machine the sender's all-reduce timed out
+    waiting. The fold is now the sender's, in the trainer, which never loads vLLM; its formula is vLLM's, checked
+    against PEFTHelper in the test above."""
     import subprocess
     import sys
 
     script = (
-        "import sys, torch\n"
-        "from grpolora.workers.inference.vllm_worker import fold_lora_scaling\n"
-        "config = fold_lora_scaling(torch.zeros(64, dtype=torch.uint8), [('m.lora_B.weight', 'float32', [4], 0, 16)],"
-        " {'r': 8, 'lora_alpha': 16, 'target_modules': ['m']})\n"
-        "assert config['lora_alpha'] == 8, config\n"
+        "import sys\n"
+        "from grpolora.workers.adapter import folded_scaling\n"
+        "from grpolora.workers.sync.sender import AdapterSender\n"
+        "config, factor = folded_scaling({'r': 8, 'lora_alpha': 16, 'target_modules': ['m']})\n"
+        "assert config['lora_alpha'] == 8 and factor == 2, config\n"
         "print(sorted(m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')))\n"
     )
     result = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)

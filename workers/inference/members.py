@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
-from grpolora.workers.inference.vllm_worker import SHM_DIR, Layout, fold_lora_scaling, payload_layout
+from grpolora.workers.inference.vllm_worker import SHM_DIR, Layout, payload_layout
 from grpolora.workers.lifetime import name_this_thread
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
@@ -593,9 +593,6 @@ class StagingSink:
     def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
         try:
             segment, size, layout = self._layout(tensors)
-            assert self._staged is not None
-            # Here, on the receiver's thread, rather than in vLLM's build on the engine's (see fold_lora_scaling).
-            adapter_config = fold_lora_scaling(self._staged[1], layout, adapter_config)
             self._activate_remote(version, segment, size, layout, adapter_config)
             self._live_version = version
         finally:

@@ -9,10 +9,12 @@ it. Its first worker (TP rank 0) is also the sync-group member of the replica (`
 workers/inference/members.py): the segment a synced adapter arrives in is the one that member received and
 verified it into.
 
-vLLM 0.32 folds a LoRA's scaling into lora_B in place when it adds a model (`LoRALayerWeights.optimize`), and its
-LRU cache drops LoRA models beyond `max_cpu_loras` and builds them again from the request when they are asked
-for. Each build therefore gets tensors of its own, fresh from the payload (which is immutable bytes): built twice
-from one tensor, an adapter would be scaled twice (tests/workers/test_inference_sync.py evicts and re-adds).
+vLLM 0.32 folds a LoRA's scaling into lora_B in place when it adds a model (`LoRALayerWeights.optimize`; a synced
+adapter arrives with its scaling folded in by the sender and a config whose scaling is 1, but one with per-module
+alphas or ranks is scaled here), and its LRU cache drops LoRA models beyond `max_cpu_loras` and builds them again
+from the request when they are asked for. Each build therefore gets tensors of its own, fresh from the payload
+(which is immutable bytes): built twice from one tensor, an adapter would be scaled twice
+(tests/workers/test_inference_sync.py evicts and re-adds).
 
 The hook into vLLM's loader (`WorkerLoRAManager._load_adapter`) is private, so it applies only to the vLLM
 versions it was tested against (vllm_plugin.TESTED_VLLM); with any other the extension refuses to load.
@@ -22,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import mmap
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -135,40 +136,6 @@ def unpack_payload(
             raise ValueError(f"adapter tensor {name}: bytes {offset}..{offset + nbytes} outside the payload")
         tensors[name] = flat[offset : offset + nbytes].view(_DTYPES[dtype]).view(tuple(shape))
     return tensors
-
-
-def lora_scaling(adapter_config: Mapping[str, Any]) -> float | None:
-    """The factor vLLM multiplies a LoRA's lora_B by as it builds it, by vLLM 0.32's formula (`PEFTHelper._scaling`:
-    lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA; tests/workers/test_sync_members.py checks it against
-    PEFTHelper): computed here, not asked of vLLM, because importing vLLM takes seconds in a process that has not.
-    None where vLLM decides per module (rank or alpha patterns) or refuses the config (then its build says why)."""
-    r, alpha = adapter_config.get("r"), adapter_config.get("lora_alpha")
-    if (
-        adapter_config.get("rank_pattern")
-        or adapter_config.get("alpha_pattern")
-        or "target_modules" not in adapter_config
-    ):
-        return None
-    if isinstance(r, bool) or not isinstance(r, int) or r <= 0:
-        return None
-    if isinstance(alpha, bool) or not isinstance(alpha, int | float):
-        return None
-    return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
-
-
-def fold_lora_scaling(flat: torch.Tensor, layout: Layout, adapter_config: dict) -> dict:
-    """Multiply every lora_B in `flat` (a staged payload, not yet handed to any worker) by the LoRA's scaling, and
-    return the adapter config under which vLLM then scales by 1: vLLM would do that multiplication itself, in place,
-    as it builds the LoRA (`LoRALayerWeights.optimize`), in the engine's thread between steps and, on a copy-on-write
-    mapping, one page fault per page written. The same arithmetic: in the tensor's own dtype, as vLLM's in-place
-    multiply. A config vLLM scales per module is returned as it is, and vLLM scales as before."""
-    scaling = lora_scaling(adapter_config)
-    if scaling is None or scaling == 1:
-        return adapter_config
-    for name, dtype, _, offset, nbytes in layout:
-        if "lora_B" in name or "lora_embedding_B" in name:  # peft's names; vLLM scales every B it builds
-            flat[offset : offset + nbytes].view(_DTYPES[dtype]).mul_(scaling)
-    return dict(adapter_config, lora_alpha=adapter_config["r"], use_rslora=False)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from grpolora.api.pool import PoolReplicas
+from grpolora.workers.adapter import folded_scaling, is_lora_b
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
@@ -400,6 +401,11 @@ class AdapterSender:
             # attempt, and any later catch-up, sends these bytes.
             wire.plan_buckets(tensors, self._bucket_bytes, self._wire_dtype)
             preparing = self._prepare(version)
+            # vLLM multiplies lora_B by the scaling as it builds a LoRA, in place, in the engine's thread between
+            # steps; folded here instead, by the multiply that takes the copy's place in the pack, the receivers
+            # get an equivalent adapter whose scaling is 1 (per-module scalings travel as they are).
+            adapter_config, scaling = folded_scaling(adapter_config)
+            scales = {name: scaling for name in tensors if is_lora_b(name)} if scaling is not None else None
             packed = wire.pack(
                 tensors,
                 key=self._key,
@@ -410,6 +416,7 @@ class AdapterSender:
                 adapter_config=adapter_config,
                 dtype=self._wire_dtype,
                 reuse=self._spare_buckets,
+                scales=scales,
             )
             self._spare_buckets = []
             try:
@@ -430,7 +437,10 @@ class AdapterSender:
         preparing: list[Future[None]] | None = None,
     ) -> RoundReport:
         """`preparing`: the first attempt's prepare calls, already under way (see send)."""
-        last_error: Exception | None = None
+        # What went wrong, as text: an exception kept here holds its traceback, whose frame holds it (a reference
+        # cycle), and with it the failed epoch's transport and pending collectives until some later garbage
+        # collection tears that group down, in whatever thread it runs, blocked until gloo gives up on it.
+        last_error = ""
         for attempt in range(1, MAX_ATTEMPTS + 1):
             try:
                 first = attempt == 1
@@ -438,7 +448,7 @@ class AdapterSender:
                     packed, version, attempt, packing_started if first else None, preparing if first else None
                 )
             except (TransportError, MemberUnreachable, StaleEpoch) as exc:
-                last_error = exc
+                last_error = str(exc)
                 log.warning("adapter sync: round %d failed in epoch %d: %s; re-forming", version, self.epoch, exc)
                 self._leave()
                 self._form_with_retries()
