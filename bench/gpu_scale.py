@@ -37,7 +37,7 @@ import torch
 
 from grpolora.api.load import load_jobs
 from grpolora.api.spec import GRPOLoraJobSpec
-from grpolora.workers.adapter import folded_scaling, is_lora_b, lora_config, lora_tensors
+from grpolora.workers.adapter import lora_b_scales, lora_config, lora_tensors
 from grpolora.workers.sync import wire
 from grpolora.workers.trainer.policy import DTYPES, Batch, Policy, build_batch
 from grpolora.workers.trainer.step import make_optimizer, train_step
@@ -149,9 +149,8 @@ def sync_round(
     policy: Policy, version: int, bucket_bytes: int, device: torch.device, wire_dtype: torch.dtype
 ) -> dict[str, Any]:
     """What AdapterSender.send does before the transfer, timed step by step (the transfer is NCCL's or gloo's)."""
-    config, scaling = folded_scaling(lora_config(policy.model))
     gathered, gather_s = timed(lambda: lora_tensors(policy.model), device)
-    scales = {name: scaling for name in gathered if is_lora_b(name)} if scaling is not None else None
+    config, scales = lora_b_scales(gathered, lora_config(policy.model))
     # AdapterSender.send packs a copy in the model's dtype, lora_B scaled on the way, and keeps it (a member caught
     # up later gets these bytes).
     packed, pack_s = timed(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,11 +75,6 @@ def lora_scaling(adapter_config: Mapping[str, Any]) -> float | None:
     return alpha / math.sqrt(r) if adapter_config.get("use_rslora") else alpha / r
 
 
-def is_lora_b(name: str) -> bool:
-    """Whether a tensor under peft's saved names is a lora_B (what a LoRA's scaling multiplies)."""
-    return "lora_B" in name or "lora_embedding_B" in name
-
-
 def folded_scaling(adapter_config: Mapping[str, Any]) -> tuple[dict[str, Any], float | None]:
     """The same adapter with its scaling folded into lora_B: the config whose scaling is 1, and the factor to
     multiply every lora_B by (None, and the config as it is, where the scaling is per module or already 1)."""
@@ -87,3 +82,13 @@ def folded_scaling(adapter_config: Mapping[str, Any]) -> tuple[dict[str, Any], f
     if scaling is None or scaling == 1:
         return dict(adapter_config), None
     return dict(adapter_config, lora_alpha=adapter_config["r"], use_rslora=False), scaling
+
+
+def lora_b_scales(names: Iterable[str], adapter_config: Mapping[str, Any]) -> tuple[dict[str, Any], dict | None]:
+    """`folded_scaling` for a whole adapter: the config whose scaling is 1, and the factor for each lora_B among the
+    tensor `names` (peft's saved names; None where nothing is folded): what a round is packed with (wire.pack's
+    `scales`)."""
+    config, scaling = folded_scaling(adapter_config)
+    if scaling is None:
+        return config, None
+    return config, {name: scaling for name in names if "lora_B" in name or "lora_embedding_B" in name}

@@ -6,12 +6,26 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from grpolora.api.pool import PoolReplicas
 from grpolora.testing.servers import free_port  # noqa: F401  (re-exported: the port helper the sync tests use)
 from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
 from grpolora.workers.sync.receiver import AdapterReceiver
+
+# LoRA configs and the scaling vLLM gives each (None: per module, left to vLLM), for the tests of the sender's fold
+# (test_sync_protocol.py) and of its formula against vLLM's PEFTHelper (test_sync_members.py).
+LORA_SCALINGS = pytest.mark.parametrize(
+    ("config", "scaling"),
+    [
+        ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, 2.0),
+        # alpha / sqrt(r); 6 is no power of two, so the sender's float32 multiply then rounding shows in bf16
+        ({"r": 16, "lora_alpha": 24, "use_rslora": True, "target_modules": ["q_proj"]}, 6.0),
+        ({"r": 8, "lora_alpha": 16, "alpha_pattern": {"q_proj": 4}, "target_modules": ["q_proj"]}, None),
+    ],
+    ids=["alpha-over-r", "rslora", "per-module-alpha-left-to-vllm"],
+)
 
 
 class RecordingSink:

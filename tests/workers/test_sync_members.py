@@ -23,7 +23,7 @@ from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, StaleEpoch, SyncError
 from grpolora.workers.sync.sender import AdapterSender
 from grpolora.workers.sync.transport import connect_store
-from tests.workers.syncfakes import LocalMember, free_port
+from tests.workers.syncfakes import LORA_SCALINGS, LocalMember, free_port
 
 TOKEN = "job-token"
 KEY = wire.round_key(TOKEN)
@@ -408,15 +408,7 @@ def test_a_round_in_device_buffers_reaches_the_host_once_into_its_staging_segmen
     assert staged_names() == before, "every segment's name is gone once activated"
 
 
-@pytest.mark.parametrize(
-    ("config", "scaling"),
-    [
-        ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, 2.0),
-        ({"r": 16, "lora_alpha": 32, "use_rslora": True, "target_modules": ["q_proj"]}, 8.0),  # alpha / sqrt(r)
-        ({"r": 8, "lora_alpha": 16, "alpha_pattern": {"q_proj": 4}, "target_modules": ["q_proj"]}, None),
-    ],
-    ids=["alpha-over-r", "rslora", "per-module-alpha-left-to-vllm"],
-)
+@LORA_SCALINGS
 def test_the_folded_scaling_is_vllms_own_and_leaves_vllm_scaling_by_1(config, scaling):
     """The sender folds the LoRA's scaling into lora_B as it packs (test_sync_protocol.py), so that vLLM, which
     would multiply lora_B in place as it builds the LoRA, in the engine's thread, scales by 1. Both numbers are

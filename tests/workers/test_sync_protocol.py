@@ -28,7 +28,7 @@ from grpolora.workers.trainer.buffer import RolloutBuffer
 from grpolora.workers.trainer.producer import ROUND_ATTEMPTS, RolloutProducer
 from grpolora.workers.trainer.rollout import Completion, ReplicasLost, RolloutError
 from tests.helpers import job_doc
-from tests.workers.syncfakes import LocalMember, RecordingSink, free_port
+from tests.workers.syncfakes import LORA_SCALINGS, LocalMember, RecordingSink, free_port
 
 TIMEOUT = 3.0
 TOKEN = "job-token"
@@ -456,15 +456,7 @@ def test_an_adapter_travels_in_the_models_dtype_in_half_the_bytes(cluster, dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    ("config", "scaling"),
-    [
-        ({"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}, 2.0),
-        ({"r": 16, "lora_alpha": 24, "use_rslora": True, "target_modules": ["q_proj"]}, 6.0),  # alpha / sqrt(r)
-        ({"r": 8, "lora_alpha": 16, "alpha_pattern": {"q_proj": 4}, "target_modules": ["q_proj"]}, None),
-    ],
-    ids=["alpha-over-r", "rslora", "per-module-alpha-left-to-vllm"],
-)
+@LORA_SCALINGS
 def test_the_sender_folds_the_lora_scaling_into_lora_b_as_it_packs(cluster, config, scaling, dtype):
     """vLLM multiplies lora_B by the LoRA's scaling in place as it builds a LoRA (LoRALayerWeights.optimize), in the
     engine's thread between steps, and a receiver folding it into its staged copy first spent 2.5-5.6 ms of each

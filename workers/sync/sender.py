@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from grpolora.api.pool import PoolReplicas
-from grpolora.workers.adapter import folded_scaling, is_lora_b
+from grpolora.workers.adapter import lora_b_scales
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
     FingerprintMismatch,
@@ -404,8 +404,7 @@ class AdapterSender:
             # vLLM multiplies lora_B by the scaling as it builds a LoRA, in place, in the engine's thread between
             # steps; folded here instead, by the multiply that takes the copy's place in the pack, the receivers
             # get an equivalent adapter whose scaling is 1 (per-module scalings travel as they are).
-            adapter_config, scaling = folded_scaling(adapter_config)
-            scales = {name: scaling for name in tensors if is_lora_b(name)} if scaling is not None else None
+            adapter_config, scales = lora_b_scales(tensors, adapter_config)
             packed = wire.pack(
                 tensors,
                 key=self._key,
