@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import dataclasses
 import json
 import logging
@@ -447,14 +448,17 @@ class WorkerMember:
         raise SyncError(f"unknown member call {op!r}")
 
     # Both on the receiver thread, as a round ends: a refused or interrupted round's segment goes at once (an
-    # activated one went as it was activated), so no round's bytes stay named in /dev/shm until the next.
+    # activated one went as it was activated), so no round's bytes stay named in /dev/shm until the next; then,
+    # with the round's closing all-reduce behind, the next round's segment is made (StagingSink.stage_ahead).
     def _round_ended(self, outcome: RoundOutcome) -> None:
         self.sink.discard()
         self._event({"op": "round", "outcome": dataclasses.asdict(outcome)})
+        self.sink.stage_ahead()
 
     def _failed(self, kind: str) -> None:
         self.sink.discard()
         self._event({"op": "error", "kind": kind})
+        self.sink.stage_ahead()
 
     def _event(self, message: dict) -> None:
         with self._events_lock, contextlib.suppress(OSError):
@@ -478,7 +482,7 @@ class WorkerMember:
             return
         self.closed = True
         self.receiver.close()
-        self.sink.discard()
+        self.sink.close()
         for connection in (self._control, self._events):
             with contextlib.suppress(OSError):
                 connection.close()
@@ -495,7 +499,13 @@ class StagingSink:
 
     A segment is new each round and never written once its round is activated: the workers' builds map it
     copy-on-write (vllm_worker.SharedPayload), and a page of such a mapping that no build has written to shows what
-    the segment holds now, so the adapter's tensors read it for as long as the LoRA is loaded."""
+    the segment holds now, so the adapter's tensors read it for as long as the LoRA is loaded.
+
+    It is made between rounds, though: once a round has ended, `stage_ahead` makes the next round's segment, of the
+    size of the last, and touches every page of it. Making it and faulting its pages in as the bytes arrived took
+    ~5-7 ms of each receiver's part of a 19.5 MB round, on the round's path (the sender waits for the slowest
+    receiver); between rounds that CPU is spent while nothing waits on it (BENCHMARKS.md). It costs one adapter's
+    size of /dev/shm per tenant while no round runs; `close` removes it."""
 
     def __init__(self, activate_remote: Callable[[int, str, int, Layout, dict], None]):
         self._activate_remote = activate_remote
@@ -503,6 +513,8 @@ class StagingSink:
         self._staged: tuple[str, torch.Tensor] | None = None  # the segment's name and its bytes (mapped)
         self._mirrors: list[tuple[torch.Tensor, torch.Tensor]] = []  # device bucket -> its bytes in the segment
         self._landed = 0  # bytes of the device buckets copied into the segment this round
+        self._ahead: tuple[str, torch.Tensor] | None = None  # the next round's segment, its pages touched
+        self._last_size = 0  # of the last round's segment: the size the next one is staged at
 
     @property
     def live_version(self) -> int:
@@ -523,22 +535,28 @@ class StagingSink:
         self._mirrors = list(zip(buckets, hosts, strict=True))
         return buckets
 
-    def _stage(self, size: int) -> torch.Tensor:
-        name = f"{STAGE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
-        path = os.path.join(SHM_DIR, name)
-        descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    def stage_ahead(self) -> None:
+        """Make the next round's segment now, between rounds, the size of the last round's (see the class)."""
+        if self._ahead is not None or not self._last_size:
+            return
         try:
-            # Reserve the pages first: a full /dev/shm fails here (ENOSPC, the round is interrupted and the old
-            # version keeps serving) instead of killing the worker with SIGBUS on the first write to a missing page.
-            os.posix_fallocate(descriptor, 0, max(size, 1))
-        except OSError:
-            os.unlink(path)
-            raise
-        finally:
-            os.close(descriptor)
-        flat = torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
-        self._staged = (name, flat)
-        return flat
+            self._ahead = _new_segment(self._last_size)
+        except OSError as exc:  # /dev/shm full: the next round makes its own, or is interrupted then
+            log.warning("could not stage the next round's %d bytes ahead: %s", self._last_size, exc)
+            return
+        # posix_fallocate gave the pages; writing maps each into this process. A plain memset, not a torch op:
+        # nothing of torch's OpenMP pool starts on a member's thread beside the engine's forward passes.
+        ctypes.memset(self._ahead[1].data_ptr(), 0, self._ahead[1].numel())
+
+    def _stage(self, size: int) -> torch.Tensor:
+        """A segment of `size` bytes for this round: the one staged ahead if it has that size, else a new one."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[1].numel() != size:
+            _remove(ahead[0])
+            ahead = None
+        self._staged = ahead or _new_segment(size)
+        self._last_size = size
+        return self._staged[1]
 
     def land(self, piece: torch.Tensor) -> torch.Tensor:
         """The host bytes of a piece just received (see receiver.Land): itself when it is in the segment already;
@@ -604,5 +622,33 @@ class StagingSink:
         staged, self._staged = self._staged, None
         self._mirrors, self._landed = [], 0
         if staged is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, staged[0]))
+            _remove(staged[0])
+
+    def close(self) -> None:
+        """Remove the round's segment and the one staged ahead."""
+        self.discard()
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            _remove(ahead[0])
+
+
+def _new_segment(size: int) -> tuple[str, torch.Tensor]:
+    """A new staging segment of `size` bytes in /dev/shm: its name and its bytes, mapped shared."""
+    name = f"{STAGE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    path = os.path.join(SHM_DIR, name)
+    descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        # Reserve the pages first: a full /dev/shm fails here (ENOSPC, the round is interrupted and the old version
+        # keeps serving) instead of killing the worker with SIGBUS on the first write to a missing page.
+        os.posix_fallocate(descriptor, 0, max(size, 1))
+    except OSError:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(descriptor)
+    return name, torch.from_file(path, shared=True, size=max(size, 1), dtype=torch.uint8)[:size]
+
+
+def _remove(name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(SHM_DIR, name))
