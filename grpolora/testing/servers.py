@@ -85,9 +85,11 @@ def http_sender(
     timeout_seconds: float,
     bucket_bytes: int,
     join_timeout_seconds: float = 30,
+    **options,
 ):
     """Trainer rank 0's AdapterSender (its store on `store_port`, gloo) to the servers at `endpoints`, as `token`'s
-    job. The ML stack is imported here, not with this module (the operator tests use it without)."""
+    job; `options`: more of AdapterSender's keywords. The ML stack is imported here, not with this module (the
+    operator tests use it without)."""
     from grpolora.workers.models import fingerprint
     from grpolora.workers.sync.control import HttpMember
     from grpolora.workers.sync.sender import AdapterSender
@@ -105,6 +107,7 @@ def http_sender(
         bucket_bytes=bucket_bytes,
         fingerprint=fingerprint(model_dir),
         token=token,
+        **options,
     )
 
 
