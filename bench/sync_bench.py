@@ -45,14 +45,20 @@ MODEL = "offline:smollm2-135m-instruct"
 STOP, RAW, MERGED = 0, 1, 2
 
 
+def next_command(transport) -> tuple[int, int]:
+    """A receiving rank's next command from the bench: its kind and size."""
+    command = torch.zeros(2, dtype=torch.int64)
+    transport.broadcast(command)
+    kind, size = command.tolist()
+    return kind, size
+
+
 def raw_receiver(port: int, rank: int, world_size: int) -> None:
     """A plain gloo rank for the transport ceiling: receives each raw payload into fresh memory, then closes."""
     store = connect_store("127.0.0.1", port, is_master=False, timeout_seconds=600)
     transport = create_transport("gloo", store, epoch=0, rank=rank, world_size=world_size, timeout_seconds=600)
     while True:
-        command = torch.zeros(2, dtype=torch.int64)
-        transport.broadcast(command)
-        kind, size = command.tolist()
+        kind, size = next_command(transport)
         if kind == STOP:
             transport.close()
             return
@@ -98,9 +104,7 @@ def full_weight_receiver(model_dir: str, port: int, ready) -> None:
     transport = create_transport("gloo", store, epoch=0, rank=1, world_size=2, timeout_seconds=600)
     folder = Path(tempfile.mkdtemp(dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     while True:
-        command = torch.zeros(2, dtype=torch.int64)
-        transport.broadcast(command)
-        kind, size = command.tolist()
+        kind, size = next_command(transport)
         if kind == STOP:
             transport.close()
             os._exit(0)  # skip vLLM's slow interpreter-exit teardown in this bench-only process

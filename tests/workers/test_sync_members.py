@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from grpolora.workers.adapter import folded_scaling, lora_scaling
-from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, StagingSink, serve_host
+from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, RemoteMember, StagingSink, serve_host
 from grpolora.workers.inference.server import sync_member_factory
 from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
 from grpolora.workers.sync import wire
@@ -98,6 +98,15 @@ def sender_for(members, port, store) -> AdapterSender:
     )
 
 
+def one_member(link: MemberLink) -> tuple[RecordingBook, RemoteMember, AdapterSender]:
+    """Job "a"'s member on `link`, its recording book, and a sender whose group it is the only member of."""
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    book = RecordingBook()
+    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(book, KEY, "a")
+    return book, member, sender_for([LocalMember(0, member)], port, store)
+
+
 def staged_names() -> set[str]:
     return {name for name in os.listdir(SHM_DIR) if name.startswith(STAGE_PREFIX)}
 
@@ -175,11 +184,7 @@ def test_a_round_lands_in_the_segment_staged_for_it_between_rounds(link):
     same size, and touches its pages, so the next round lands in memory that is there. A round of another size
     makes its own; none of them is left named once the member has closed."""
     before = staged_names()
-    port = free_port()
-    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
-    book = RecordingBook()
-    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(book, KEY, "a")
-    sender = sender_for([LocalMember(0, member)], port, store)
+    book, member, sender = one_member(link)
     try:
         sender.form_group(wait_for_all_seconds=TIMEOUT)
         sender.send(adapter(1), {"r": 8})
@@ -356,11 +361,7 @@ def test_a_corrupted_round_is_refused_in_the_worker_and_leaves_no_staging_segmen
     nothing of a corrupted round, and the segment it landed in is removed at the round's end, not left for the
     next round to find (the next round lands in a new one)."""
     before = staged_names()
-    port = free_port()
-    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
-    book = RecordingBook()
-    member = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "fp")(book, KEY, "a")
-    sender = sender_for([LocalMember(0, member)], port, store)
+    book, member, sender = one_member(link)
     real_pack = wire.pack
 
     def corrupting_pack(*args, **kwargs):
