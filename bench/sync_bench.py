@@ -28,6 +28,7 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import tempfile
@@ -107,6 +108,7 @@ def full_weight_receiver(model_dir: str, port: int, ready) -> None:
         kind, size = next_command(transport)
         if kind == STOP:
             transport.close()
+            shutil.rmtree(folder, ignore_errors=True)  # ~620 MB of tmpfs: os._exit runs no cleanup
             os._exit(0)  # skip vLLM's slow interpreter-exit teardown in this bench-only process
         tensors = {}
         for _ in range(size):
