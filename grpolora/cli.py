@@ -25,9 +25,11 @@ from grpolora.api.load import (
     Document,
     InvalidJob,
     Problem,
+    Skipped,
     job_warnings,
     load_documents,
     load_one_job,
+    read_documents,
     source_name,
 )
 
@@ -48,10 +50,11 @@ class _Checked:
     task_errors: list[Problem] = field(default_factory=list)  # reward plugin and dataset, as the trainer checks them
     warnings: list[Problem] = field(default_factory=list)
     not_checked: list[Problem] = field(default_factory=list)
+    strict: bool = False  # --strict: a warning fails the document too
 
     @property
     def valid(self) -> bool:
-        return not (self.errors or self.task_errors)
+        return not (self.errors or self.task_errors or (self.strict and self.warnings))
 
     def as_object(self) -> dict:
         found: dict = {"file": self.file}
@@ -73,13 +76,17 @@ class _Checked:
             print(f"{self.file}: {problem}", file=sys.stderr)
         for problem in self.errors:
             print(f"{named}: {problem}", file=sys.stderr)
-        if not self.valid:
+        if self.errors or self.task_errors:
             return
         for warning in self.warnings:
             print(f"{self.file}: warning: {warning}", file=sys.stderr)
         for missing in self.not_checked:
             print(f"{self.file}: not checked here: {missing}", file=sys.stderr)
-        print(f"{named} is valid")
+        if self.valid:
+            print(f"{named} is valid")
+        else:
+            count = len(self.warnings)
+            print(f"{named}: fails --strict: {count} warning{'s' if count > 1 else ''}", file=sys.stderr)
 
 
 def _named(document: Document) -> str:
@@ -113,11 +120,15 @@ def cmd_validate(args: argparse.Namespace) -> int:
     check_tracking = _tracking_checker()
     checked: list[_Checked] = []
     outcomes: list[tuple[str, list[Document] | InvalidJob]] = []
+    skipped: list[tuple[str, Skipped]] = []
     for path in _files(args):
         try:
-            outcomes.append((source_name(path), load_documents(path)))
+            documents, others = read_documents(path)
         except InvalidJob as exc:
             outcomes.append((source_name(path), exc))
+            continue
+        outcomes.append((source_name(path), documents))
+        skipped += [(source_name(path), other) for other in others]
     loaded = [(path, found) for path, found in outcomes if not isinstance(found, InvalidJob)]
     pools = _pools_of(loaded)
     runtimes = runtimes_by_key(d for _, docs in loaded for d in docs)
@@ -127,7 +138,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             checked.append(_Checked(path, errors=found.problems))
             continue
         for index, document in enumerate(found):
-            result = _Checked(path, document, errors=list(repeats.get((path, index), [])))
+            result = _Checked(path, document, errors=list(repeats.get((path, index), [])), strict=args.strict)
             checked.append(result)
             if not isinstance(document, GRPOLoraJob):
                 continue
@@ -156,14 +167,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
             if ref is not None and misfit is None:
                 fit = f"its fit to RolloutPool {job.namespace}/{ref.name} (give the pool's file too to check it)"
                 result.not_checked.append(Problem("spec.inference.poolRef", fit))
-    failed = any(not r.valid for r in checked) or (args.strict and any(r.warnings for r in checked))
+    failed = any(not r.valid for r in checked)
     if args.output:
         report = {"valid": not failed, "items": [r.as_object() for r in checked]}
+        if skipped:
+            report["skipped"] = [_skipped_object(path, other) for path, other in skipped]
         _print_structured(report, args.output)
     else:
+        for path, other in skipped:
+            print(f"{path}: note: {other}", file=sys.stderr)
         for result in checked:
             result.print_text()
     return 1 if failed else 0
+
+
+def _skipped_object(path: str, skipped: Skipped) -> dict:
+    return {"file": path, "line": skipped.line, "kind": skipped.kind, "namespace": skipped.namespace,
+            "name": skipped.name}  # fmt: skip
 
 
 def _files(args: argparse.Namespace) -> list[str]:
@@ -312,10 +332,12 @@ def cmd_render(args: argparse.Namespace) -> int:
     loaded: list[tuple[str, list[Document]]] = []
     for path in _files(args):
         try:
-            documents = load_documents(path)
+            documents, others = read_documents(path)
         except InvalidJob as exc:
             print(exc, file=sys.stderr)
             return 1
+        for other in others:  # kubectl applies them beside the rendered objects; render has none of theirs
+            print(f"{source_name(path)}: note: {other}", file=sys.stderr)
         if args.namespace:
             documents = [
                 d.model_copy(update={"metadata": d.metadata.model_copy(update={"namespace": args.namespace})})

@@ -7,7 +7,6 @@ Used by `grpolora validate|render|run` and by the operator (where the path goes 
 from __future__ import annotations
 
 import difflib
-import re
 import sys
 import typing
 from collections.abc import Iterable, Mapping
@@ -19,7 +18,15 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from grpolora.api import constants as c
-from grpolora.api.spec import ClusterGRPOLoraRuntime, FieldErrors, GRPOLoraJob, GRPOLoraRuntime, RolloutPool
+from grpolora.api.spec import (
+    YAML11_NUMBER,
+    ClusterGRPOLoraRuntime,
+    FieldErrors,
+    GRPOLoraJob,
+    GRPOLoraRuntime,
+    RolloutPool,
+    Yaml11Number,
+)
 
 Runtime = GRPOLoraRuntime | ClusterGRPOLoraRuntime
 Document = GRPOLoraJob | RolloutPool | GRPOLoraRuntime | ClusterGRPOLoraRuntime
@@ -98,8 +105,17 @@ def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
 
 
 def load_documents(path: str | Path) -> list[Document]:
-    """Every GRPOLoraJob, RolloutPool and runtime in a YAML file, in order; InvalidJob on any problem in any."""
+    """Every GRPOLoraJob, RolloutPool and runtime in a YAML file, in order; InvalidJob on any problem in any.
+    Documents of other API groups (a PersistentVolumeClaim beside its job) are left out (read_documents names
+    them)."""
     return load_documents_from_text(_read(path), source=source_name(path))
+
+
+def read_documents(path: str | Path) -> tuple[list[Document], list[Skipped]]:
+    """load_documents, and the documents of other kinds it left out (for `validate` to name)."""
+    skipped: list[Skipped] = []
+    found = _load_from_text(_read(path), source_name(path), parse_document, skipped)
+    return found, skipped
 
 
 STDIN = "-"  # a file argument that means standard input, as for kubectl -f
@@ -151,10 +167,56 @@ def load_documents_from_text(text: str, *, source: str = "<input>") -> list[Docu
     return _load_from_text(text, source, parse_document)
 
 
-def _load_from_text(text: str, source: str, parse: typing.Callable[..., _T]) -> list[_T]:
+class _Loader(yaml.SafeLoader):
+    """PyYAML's safe loader, marking the plain scalars YAML 1.1 reads as strings and kubectl (YAML 1.2) as numbers
+    (`1e-5`): a number field takes those, and refuses a quoted string as the API server does (spec.Yaml11Number)."""
+
+
+_YAML11_NUMBER_TAG: typing.Final = "tag:grpolora.dev,2026:yaml11-number"
+_Loader.add_implicit_resolver(_YAML11_NUMBER_TAG, YAML11_NUMBER, list("-+0123456789"))
+_Loader.add_constructor(_YAML11_NUMBER_TAG, lambda loader, node: Yaml11Number(loader.construct_scalar(node)))
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A document of a kind that is not ours (the PersistentVolumeClaim a job uses, in the job's file): kubectl
+    applies it, grpolora's commands leave it, and `validate` says so."""
+
+    line: int
+    kind: str
+    namespace: str
+    name: str
+    document: str  # "document 2: " where the file holds several, else ""
+
+    def __str__(self) -> str:
+        named = f"{self.namespace}/{self.name}" if self.namespace else self.name
+        where = f" ({self.document.removesuffix(': ')})" if self.document else ""
+        return (
+            f"line {self.line}: {self.kind} {named}{where}: not a {c.GROUP} kind, not checked here (kubectl apply "
+            "checks it)"
+        )
+
+
+def _foreign(document: Any, node: yaml.Node, label: str) -> Skipped | None:
+    """`document` as Skipped when it is a Kubernetes object of another API group; None for ours (a document of our
+    group with an unknown kind, or with no kind, is checked as a job, and refused as one)."""
+    if not isinstance(document, Mapping):
+        return None
+    kind, api_version = document.get("kind"), document.get("apiVersion")
+    if not isinstance(kind, str) or kind in _MODELS or kind == "List":
+        return None
+    if isinstance(api_version, str) and api_version.partition("/")[0] == c.GROUP:
+        return None
+    meta = document.get("metadata") if isinstance(document.get("metadata"), Mapping) else {}
+    return Skipped(node.start_mark.line + 1, kind, str(meta.get("namespace") or ""), str(meta.get("name")), label)
+
+
+def _load_from_text(
+    text: str, source: str, parse: typing.Callable[..., _T], skipped: list[Skipped] | None = None
+) -> list[_T]:
     try:
-        nodes = [n for n in yaml.compose_all(text, Loader=yaml.SafeLoader) if n is not None]
-        documents = [yaml.load(yaml.serialize(n), Loader=yaml.SafeLoader) for n in nodes]
+        nodes = [n for n in yaml.compose_all(text, Loader=_Loader) if n is not None]
+        documents = [yaml.load(yaml.serialize(n), Loader=_Loader) for n in nodes]
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         line = mark.line + 1 if mark is not None else None
@@ -167,6 +229,11 @@ def _load_from_text(text: str, source: str, parse: typing.Callable[..., _T]) -> 
         label = f"document {index + 1}: " if len(documents) > 1 else ""
         found = _duplicate_keys(node, "")
         for prefix, item_node, item in _items(node, document):
+            other = _foreign(item, item_node, label + (f"{prefix.rstrip('.')}: " if prefix else ""))
+            if other is not None:
+                if skipped is not None:
+                    skipped.append(other)
+                continue
             try:
                 jobs.append(parse(item, source=source, node=item_node))
             except InvalidJob as exc:
@@ -175,6 +242,9 @@ def _load_from_text(text: str, source: str, parse: typing.Callable[..., _T]) -> 
         problems += [Problem(p.path, label + p.message, p.line) for p in found]
     if problems:
         raise InvalidJob(problems, source)
+    if not jobs and not problems and skipped is None:
+        kinds = ", ".join(c.CRD_KINDS)
+        raise InvalidJob([Problem("", f"holds no {c.GROUP} document ({kinds})")], source)
     return jobs
 
 
@@ -300,10 +370,6 @@ UNREFLECTED_SAMPLING: dict[str, str] = {
     "frequencyPenalty": _LOGITS_PROCESSOR,
 }
 
-# A number with an exponent but no dot: YAML 1.2 (and kubectl's YAML reader) take it as a number, YAML 1.1 (PyYAML,
-# so the operator's own tools and many others) as a string.
-_EXPONENT = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
-
 
 def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob) -> Iterable[Problem]:
     loc = tuple(error["loc"])
@@ -336,7 +402,7 @@ def _problems_from(error: Mapping[str, Any], root: type[BaseModel] = GRPOLoraJob
     elif (
         kind in ("int_parsing", "float_parsing")
         and isinstance(error.get("input"), str)
-        and _EXPONENT.match(error["input"])
+        and YAML11_NUMBER.match(error["input"])
     ):
         written = error["input"]
         value = float(written)
@@ -428,19 +494,25 @@ def _duplicate_keys(node: yaml.Node, path: str) -> list[Problem]:
 
 
 def _line_of(node: yaml.Node, path: str) -> int | None:
-    """1-based line of the deepest node along `path` (a missing field points at its parent)."""
-    line = node.start_mark.line + 1
-    for part in _split(path):
-        child = None
-        if isinstance(node, yaml.MappingNode) and isinstance(part, str):
-            child = next((v for k, v in node.value if getattr(k, "value", None) == part), None)
-            if child is None:  # an unknown key: point at the key itself
-                child = next((k for k, _ in node.value if getattr(k, "value", None) == part), None)
-        elif isinstance(node, yaml.SequenceNode) and isinstance(part, int) and part < len(node.value):
-            child = node.value[part]
+    """1-based line of the deepest node along `path` (a missing field points at its parent). A key may hold dots
+    (`nvidia.com/gpu.product` in a nodeSelector), so each step takes the longest key of the mapping that the rest
+    of the path starts with, rather than splitting the path at every dot."""
+    line, rest = node.start_mark.line + 1, path
+    while rest:
+        child, after = None, ""
+        if isinstance(node, yaml.MappingNode) and not rest.startswith("["):
+            keyed = [(str(getattr(k, "value", "")), v) for k, v in node.value]
+            matches = [(key, v) for key, v in keyed if rest == key or rest.startswith((key + ".", key + "["))]
+            if matches:
+                key, child = max(matches, key=lambda match: len(match[0]))
+                after = rest[len(key) :]
+        elif isinstance(node, yaml.SequenceNode) and rest.startswith("["):
+            index, _, after = rest[1:].partition("]")
+            if index.isdigit() and int(index) < len(node.value):
+                child = node.value[int(index)]
         if child is None:
             break
-        node, line = child, child.start_mark.line + 1
+        node, line, rest = child, child.start_mark.line + 1, after.removeprefix(".")
     return line
 
 

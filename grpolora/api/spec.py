@@ -33,6 +33,22 @@ NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
 REWARD_REF_PATTERN = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$"
 DNS_1035_LABEL = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+# A number with an exponent but no dot: YAML 1.2 (and kubectl's YAML reader) take it as a number, YAML 1.1 (PyYAML,
+# so the operator's own tools and many others) as a string.
+YAML11_NUMBER = re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$")
+
+
+class Yaml11Number(str):
+    """A plain (unquoted) YAML scalar such as `1e-5` that PyYAML reads as a string and kubectl as a number
+    (grpolora.api.load marks them): a number field takes it, where it refuses a quoted string."""
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 class FieldErrors(ValueError):
@@ -80,6 +96,15 @@ class SpecModel(BaseModel):
         )
         if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
             raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        if isinstance(value, str) and not isinstance(value, Yaml11Number) and kinds & {int, float} and str not in kinds:
+            # The CRD says integer or number here (grpolora.api.crd, from these annotations), and the API server
+            # refuses a string, quoted number or not; pydantic's lax mode would read "1" as 1.
+            wanted = "an integer" if int in kinds else "a number"
+            hint = f": write {value.strip()} without quotes" if _is_number(value) else ""
+            raise ValueError(
+                f"expected {wanted}, got the string {value!r} (the CRD says {wanted.split()[-1]}; the API server "
+                f"refuses a string){hint}"
+            )
         if bool in kinds and value is not None and not isinstance(value, bool):
             raise ValueError(f"expected true or false, got {value!r}")
         return value
