@@ -399,9 +399,18 @@ class Controller:
             ):
                 # First pass of a new job whose kept children were all just created: its workloads cannot exist
                 # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
+                assert view.job is not None
+                queued = view.job.queue_name is not None and not job.queue_api_missing
+                claims, queue_workload = await asyncio.gather(
+                    self._claims(job, view),
+                    # Just ensured: an ending before the job ever starts finishes it too (reconcile._ended), or Kueue
+                    # would admit a failed job's Workload and hold its quota.
+                    self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name) if queued else _none(),
+                )
                 observed = rec.Observed(
-                    claims=await self._claims(job, view),
+                    claims=claims,
                     pool=pool,
+                    queue_workload=queue_workload,
                     queue_api_missing=job.queue_api_missing,
                     token=job.token,
                 )
@@ -427,12 +436,18 @@ class Controller:
             if any(obj["kind"] in rec.WORKLOAD_KINDS for obj in decision.create):
                 managed = await self._managed_secret(view)
                 if managed is not None:
-                    decision = rec.decide_managed_secret(view, old, *managed, self.clock())
+                    decision = rec.decide_managed_secret(
+                        view, old, *managed, self.clock(), queue_workload=observed.queue_workload
+                    )
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
                 decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         except ChildRefused as refused:
-            decision = rec.decide_refused(view, old, refused.refusal, self.clock())
+            queue_workload = None
+            if view.job is not None and view.job.queue_name is not None and not refused.refusal.transient:
+                # The job ends: its Workload is marked Finished (reconcile._ended), so that its quota goes back.
+                queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
+            decision = rec.decide_refused(view, old, refused.refusal, self.clock(), queue_workload=queue_workload)
             logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
             await self._record(job, decision)
             if refused.refusal.transient:

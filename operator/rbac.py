@@ -104,9 +104,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("kueue.x-k8s.io",),
         ("workloads",),
-        ("get", "list", "watch", "create", "patch"),
+        ("get", "list", "watch", "create", "patch", "delete"),
         "with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both "
-        "pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active)",
+        "pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active); "
+        "a Finished one deleted when the job runs again after it failed to start",
     ),
     Rule(
         ("kueue.x-k8s.io",),

@@ -375,13 +375,48 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     if view.runtime_wait is not None and not view.deleting:
         return _decide_waiting_for_runtime(view, old, stamp)
     decision = _decide(view, old, observed, now)
-    if view.runtime is None:
+    if view.runtime is not None:
+        want = cond.Want(names.RUNTIME_RESOLVED, "True", names.R_RUNTIME_RESOLVED, f"runs on {view.runtime}")
+        before = cond.find(old.conditions, names.RUNTIME_RESOLVED)  # its transition time, kept while it holds
+        (resolved,) = cond.merge([before] if before else [], [want], now=stamp, generation=view.generation)
+        conditions = [*(x for x in decision.status.conditions if x.type != names.RUNTIME_RESOLVED), resolved]
+        decision = dataclasses.replace(decision, status=decision.status.model_copy(update={"conditions": conditions}))
+    return _ended(decision, observed.queue_workload if not view.deleting else None, stamp)
+
+
+def _ended(decision: Decision, workload: K8sObject | None, stamp: str) -> Decision:
+    """The one path of every ending (the main decision's, a deleted pool's, a refused child's, a managed Secret's, a
+    claim the pods cannot share): a job that has ended marks its Kueue Workload Finished, as Kueue's jobframework
+    does for its own kinds (reconciler.go ReconcileGenericJob, "if the job is finished, mark the workload as
+    finished"), with reason FailedToStart where it never started (kueue WorkloadFinishedReasonFailedToStart), else
+    its phase. Kueue counts a Workload's quota until it is Finished: an ending that skipped this held the
+    ClusterQueue's GPUs until the job was deleted."""
+    status = decision.status
+    if workload is None or status.phase not in TERMINAL:
         return decision
-    want = cond.Want(names.RUNTIME_RESOLVED, "True", names.R_RUNTIME_RESOLVED, f"runs on {view.runtime}")
-    before = cond.find(old.conditions, names.RUNTIME_RESOLVED)  # its transition time, kept while it holds
-    (resolved,) = cond.merge([before] if before else [], [want], now=stamp, generation=view.generation)
-    conditions = [*(x for x in decision.status.conditions if x.type != names.RUNTIME_RESOLVED), resolved]
-    return dataclasses.replace(decision, status=decision.status.model_copy(update={"conditions": conditions}))
+    write = kueue.integration_write(
+        workload,
+        now=stamp,
+        inactive=True,
+        pods_ready=False,
+        finished=(_finish_reason(status), status.message or status.phase or ""),
+        suspended=False,
+    )
+    # Not idle until Kueue's Workload says Finished (a write that met a newer Workload is decided again).
+    return dataclasses.replace(decision, queue_workload_write=write, idle=decision.idle and write is None)
+
+
+def _finish_reason(status: JobStatus) -> str:
+    """Kueue's Finished reason: FailedToStart for a job that never started (its children were refused, or Kueue's
+    admission could not be honoured), else Succeeded or Failed."""
+    failed = cond.find(status.conditions, names.FAILED)
+    never_started = cond.find(status.conditions, names.CREATED)
+    if status.phase == "Failed" and (
+        (failed is not None and failed.reason == names.R_FAILED_TO_START)
+        or (never_started is not None and never_started.status == "False")
+    ):
+        return names.R_FAILED_TO_START
+    return str(status.phase)
 
 
 def _decide_waiting_for_runtime(view: JobView, old: JobStatus, stamp: str) -> Decision:
@@ -426,9 +461,14 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
     volumes = obs.volume_check(volume_uses(spec), observed.claims)
     if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
         return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
+    stale = _finished_workload_of_a_new_run(where, old, observed)
+    if stale is not None:
+        observed = dataclasses.replace(observed, queue_workload=None)
     progress = obs.fold_trainer(old, observed.trainer)
     admission = _admission(where.queue, observed.queue_workload, api_missing=observed.queue_api_missing)
     course = _course(where, old, observed, admission, progress, stamp)
+    if stale is not None:
+        course = dataclasses.replace(course, deletes=(*course.deletes, stale), requeue=REPLACE_RECHECK_SECONDS)
     course, build = _workloads_to_create(view, where, observed, course, stamp)
     overdue, course, build = _startup_deadline(where, old, observed, course, build, now, stamp)
     course, build = _active_deadline(spec, observed, course, build, now, stamp)
@@ -453,6 +493,18 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
         idle=settled and (course.finished or course.phase == "Suspended") and queue_write is None and not holds_quota,
     )
+
+
+def _finished_workload_of_a_new_run(where: _Placement, old: JobStatus, observed: Observed) -> ChildRef | None:
+    """The job's Kueue Workload when it is Finished but the job runs again (a spec fixed after it failed to start:
+    such a failure has no completionTime). A Finished Workload is never admitted again and holds no quota, yet still
+    says Admitted: it is deleted and a new one queued (the next full pass creates it), as Kueue's jobframework
+    deletes a Workload that no longer matches its job (reconciler.go ensureOneWorkload)."""
+    workload = observed.queue_workload
+    if where.queue is None or not kueue.is_true(workload, kueue.FINISHED) or is_finished(old):
+        return None
+    assert workload is not None
+    return ChildRef("Workload", workload["metadata"]["name"])
 
 
 @dataclass(frozen=True)
@@ -916,17 +968,15 @@ def _queue_write(
     where: _Placement, observed: Observed, course: _Course, status: JobStatus, *, pods_ready: bool, stamp: str
 ) -> kueue.WorkloadWrite | None:
     """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue)."""
-    if where.queue is None or observed.queue_workload is None:
-        return None
-    # Kueue's own reason when its admission could not be honoured, else the phase (Succeeded, Failed).
-    finish_reason = course.failed_reason if course.failed_reason == names.R_FAILED_TO_START else course.phase
+    if where.queue is None or observed.queue_workload is None or course.phase in TERMINAL:
+        return None  # an ending: decide's one ending path (_ended) marks the Workload Finished
     return kueue.integration_write(
         observed.queue_workload,
         now=stamp,
         inactive=observed.trainer_job is None and observed.inference is None,
         # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
         pods_ready=pods_ready,
-        finished=(finish_reason, status.message) if course.finished else None,
+        finished=None,
         suspended=where.job_plan.spec.suspend,
     )
 
@@ -1084,7 +1134,9 @@ _KIND_WORDS: Final = {
 }
 
 
-def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetime.datetime) -> Decision:
+def decide_refused(
+    view: JobView, old: JobStatus, refusal: Refusal, now: datetime.datetime, *, queue_workload: K8sObject | None = None
+) -> Decision:
     """The API server refused to create a child: the job fails with its message, or waits if it may pass later.
 
     A refusal (invalid object, forbidden by RBAC or an admission webhook, quota) repeats until something changes,
@@ -1112,12 +1164,21 @@ def decide_refused(view: JobView, old: JobStatus, refusal: Refusal, now: datetim
             Event("Warning", names.R_API_RETRYING, message),
         )  # fmt: skip
         return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
-    return _failed_to_start(
+    failed = _failed_to_start(
         view, old, names.R_CREATE_REFUSED, f"the API server refused the {what}: {refusal.message}", stamp
     )
+    return _ended(failed, queue_workload, stamp)
 
 
-def decide_managed_secret(view: JobView, old: JobStatus, path: str, name: str, now: datetime.datetime) -> Decision:
+def decide_managed_secret(
+    view: JobView,
+    old: JobStatus,
+    path: str,
+    name: str,
+    now: datetime.datetime,
+    *,
+    queue_workload: K8sObject | None = None,
+) -> Decision:
     """A Secret the job names (at `path`) is one of the operator's (its managed-by label): the job fails before any
     of its pods could mount it. Spec validation and the CRD refuse the names the operator gives its Secrets; this
     catches the rest (a job applied before that rule, a CRD installed without its CEL rules, another naming)."""
@@ -1126,7 +1187,8 @@ def decide_managed_secret(view: JobView, old: JobStatus, path: str, name: str, n
         "job may not mount the operator's Secrets (with another job's token it could act as that job). Name a Secret "
         "of your own"
     )
-    return _failed_to_start(view, old, names.R_MANAGED_SECRET, message, cond.rfc3339(now))
+    stamp = cond.rfc3339(now)
+    return _ended(_failed_to_start(view, old, names.R_MANAGED_SECRET, message, stamp), queue_workload, stamp)
 
 
 def _failed_to_start(

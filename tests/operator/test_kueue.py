@@ -380,3 +380,49 @@ async def test_a_runtime_that_names_a_queue_queues_its_jobs_and_a_jobs_own_label
         await cluster.apply(labelled)
         await wait_for(lambda: kueue.workload("labelled") is not None, "the labelled job's Workload")
         assert kueue.workload("labelled")["spec"]["queueName"] == "urgent-queue"
+
+
+async def test_an_admitted_job_whose_pool_is_deleted_fails_and_gives_its_quota_back(cluster, operator, kueue):
+    """Every ending marks the Workload Finished (reconcile._ended), not only the main decision's: Kueue counts a
+    Workload's quota until it is Finished (jobframework/reconciler.go: a finished job's Workload is finished)."""
+    from tests.operator.test_pool import POOL, job_on_pool, pool_doc, trainer
+
+    job = job_on_pool("on-pool")
+    job["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+    await cluster.apply(pool_doc())
+    await cluster.apply(job)
+    await wait_for(lambda: kueue.workload("on-pool"), "the Kueue Workload")
+    await kueue.admit("on-pool")
+    await wait_for(lambda: trainer(cluster, "on-pool"), "the trainer Job")
+    await cluster.delete_pool(POOL)
+    await wait_for(lambda: cluster.status("on-pool").get("phase") == "Failed", "Failed")
+    assert cluster.condition("on-pool", names.FAILED)["reason"] == names.R_POOL_DELETED
+    finished = await wait_for(lambda: find(kueue.workload("on-pool"), "Finished"), "the Workload Finished")
+    assert (finished["status"], finished["reason"]) == ("True", "Failed")
+    assert not kueue.holds_quota(kueue.workload("on-pool"))
+
+
+async def test_a_job_that_failed_to_start_gives_its_quota_back_and_queues_anew_once_fixed(cluster, operator, kueue):
+    """A claim its pods cannot share fails the job before it starts (FailedToStart, as Kueue says it): its Workload
+    is Finished at once. Fixed (a spec change; such a failure has no completionTime), the job runs again with a new
+    Workload: the Finished one is never admitted again (Kueue's IsAdmissible), yet still says Admitted."""
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpts"},
+             "spec": {"accessModes": ["ReadWriteOncePod"]}}  # fmt: skip
+    await cluster._call("POST", f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims", claim)
+    await cluster.apply(queued(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2}))
+    await wait_for(lambda: kueue.workload("demo"), "the Kueue Workload")
+    await kueue.admit("demo")
+    failed = names.R_VOLUME_ACCESS_MODE
+    await wait_for(lambda: cluster.condition("demo", names.FAILED).get("reason") == failed, "Failed")
+    finished = await wait_for(lambda: find(kueue.workload("demo"), "Finished"), "the Workload Finished")
+    assert (finished["status"], finished["reason"]) == ("True", "FailedToStart")
+    old_uid = kueue.workload("demo")["metadata"]["uid"]
+
+    await cluster.patch_spec("demo", {"trainer": {"replicas": 1}})  # one pod: ReadWriteOncePod serves it
+    await wait_for(lambda: (kueue.workload("demo") or {}).get("metadata", {}).get("uid") not in (None, old_uid),
+                   "a new Workload")  # fmt: skip
+    assert find(kueue.workload("demo"), "Finished") is None
+    await wait_for(lambda: cluster.condition("demo", names.ADMITTED).get("reason") == names.R_QUEUED, "Queued again")
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None, "nothing runs before Kueue admits it again"
+    await kueue.admit("demo")
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job")

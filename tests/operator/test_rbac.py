@@ -80,6 +80,17 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await cluster.set_status("batch/v1/jobs", "queued-trainer", complete)
             finished = lambda: "Finished" in str(cluster.get(workloads, "queued")["status"]["conditions"])  # noqa: E731
             await wait_for(finished, "the Workload Finished")
+            # One that fails to start (a claim one pod at a time can use, two trainer ranks): its Workload Finished at
+            # once; fixed, it runs again with a new one (the Finished one deleted).
+            claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "once"},
+                     "spec": {"accessModes": ["ReadWriteOncePod"]}}  # fmt: skip
+            await cluster._call("POST", f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims", claim)
+            refit = job_doc(checkpoint={"pvc": {"claimName": "once"}}, trainer={"replicas": 2})
+            refit["metadata"].update(name="refit", labels={c.KUEUE_QUEUE_LABEL: "q"})
+            await cluster.apply(refit)
+            await wait_for(lambda: "FailedToStart" in str(cluster.get(workloads, "refit") or ""), "refit Finished")
+            await cluster.patch_spec("refit", {"trainer": {"replicas": 1}})
+            await wait_for(lambda: ("delete", "workloads", "refit") in cluster.emulator.log, "the Finished one deleted")
 
             # A RolloutPool of one place and two jobs on it: the second attaches when the first finishes (the pool
             # rewrites its attachment list and its NetworkPolicy); then it is scaled (its StatefulSet patched).

@@ -4,6 +4,7 @@ marks it Finished (Kueue releases the quota)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -12,9 +13,19 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
-from grpolora.api.status import JobStatus
+from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kueue, names
-from grpolora.operator.reconcile import ChildRef, Observed, decide, job_view, spec_json
+from grpolora.operator.pools import PoolView
+from grpolora.operator.reconcile import (
+    ChildRef,
+    Observed,
+    Refusal,
+    decide,
+    decide_managed_secret,
+    decide_refused,
+    job_view,
+    spec_json,
+)
 from tests.helpers import job_doc
 from tests.unit.test_operator_reconcile import NOW, body, condition, statefulset, trainer_job
 
@@ -357,3 +368,66 @@ def test_a_flavor_that_contradicts_the_node_selector_fails_the_job_as_kueue_does
     assert [(e.type, e.reason) for e in decision.events if e.reason == "Failed"] == [("Warning", "Failed")]
     # Kueue's own integrations mark the Workload Finished with reason FailedToStart (its quota goes back).
     assert written_conditions(decision)["Finished"] == ("True", "FailedToStart")
+
+
+# ---- every ending gives the quota back -----------------------------------------------------------------------------
+# Kueue's jobframework marks a Workload Finished whenever its job has ended, whatever ended it
+# (pkg/controller/jobframework/reconciler.go ReconcileGenericJob: "if the job is finished, mark the workload as
+# finished"; FinishWorkload with reason Succeeded or Failed), and with reason FailedToStart where the job could not
+# start at all (kueue.WorkloadFinishedReasonFailedToStart, e.g. on a podset info conflict). A Workload not Finished
+# keeps its QuotaReserved: Kueue's cache counts its usage until it finishes.
+
+
+def test_a_job_whose_pool_is_deleted_marks_its_workload_finished():
+    from tests.unit.test_pool_reconcile import attached_before, view
+
+    gone = PoolView("shared", None, PoolStatus())
+    observed = Observed(trainer_job=trainer_job(active=1), pool=gone, queue_workload=admitted())
+    decision = decide(_queued(view()), attached_before(), observed, NOW)
+    assert decision.status.phase == "Failed" and condition(decision, names.FAILED)[1] == names.R_POOL_DELETED
+    assert written_conditions(decision)["Finished"] == ("True", "Failed")
+
+
+def _queued(view):
+    """The view with its job in a Kueue queue (the label, as a user sets it)."""
+    meta = view.job.metadata.model_copy(update={"labels": {c.KUEUE_QUEUE_LABEL: "gpu-queue"}})
+    return dataclasses.replace(view, job=view.job.model_copy(update={"metadata": meta}))
+
+
+def test_a_job_that_cannot_share_its_claim_marks_its_workload_finished_failed_to_start():
+    doc = queued_doc(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2})
+    observed = Observed(claims={"ckpts": ("ReadWriteOncePod",)}, queue_workload=admitted())
+    decision = decide(view_of(doc), JobStatus(), observed, NOW)
+    assert decision.status.phase == "Failed" and condition(decision, names.FAILED)[1] == names.R_VOLUME_ACCESS_MODE
+    assert written_conditions(decision)["Finished"] == ("True", "FailedToStart")
+
+
+def test_a_refused_child_or_a_managed_secret_marks_the_workload_finished_failed_to_start():
+    refusal = Refusal("Job", "demo-trainer", 403, "forbidden")
+    refused = decide_refused(view_of(queued_doc()), JobStatus(), refusal, NOW, queue_workload=admitted())
+    assert condition(refused, names.FAILED)[1] == names.R_CREATE_REFUSED
+    assert written_conditions(refused)["Finished"] == ("True", "FailedToStart")
+    managed = decide_managed_secret(
+        view_of(queued_doc()), JobStatus(), "model.hfTokenSecret", "x", NOW, queue_workload=admitted()
+    )
+    assert condition(managed, names.FAILED)[1] == names.R_MANAGED_SECRET
+    assert written_conditions(managed)["Finished"] == ("True", "FailedToStart")
+    # A transient refusal ends nothing: the Workload keeps its quota while the create is retried.
+    transient = decide_refused(
+        view_of(queued_doc()), JobStatus(), Refusal("Job", "demo-trainer", 503, "x"), NOW, queue_workload=admitted()
+    )
+    assert transient.queue_workload_write is None
+
+
+def test_a_job_started_again_after_it_failed_to_start_queues_a_new_workload():
+    """A spec fix runs a job that failed to start again (it has no completionTime); its Finished Workload holds no
+    quota and is never admitted again, so it is deleted and a new one made (by the next full pass)."""
+    doc = queued_doc(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2})
+    observed = Observed(claims={"ckpts": ("ReadWriteOncePod",)}, queue_workload=admitted())
+    failed = decide(view_of(doc), JobStatus(), observed, NOW)
+    finished = admitted()
+    finished["status"]["conditions"].append({"type": "Finished", "status": "True", "reason": "FailedToStart"})
+    fixed = Observed(claims={"ckpts": ("ReadWriteMany",)}, queue_workload=finished)
+    again = decide(view_of(doc), failed.status, fixed, NOW)
+    assert again.create == () and ChildRef("Workload", "demo") in again.delete
+    assert condition(again, names.ADMITTED) == ("False", names.R_QUEUED)

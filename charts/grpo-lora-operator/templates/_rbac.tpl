@@ -50,10 +50,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create"]
-# with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active)
+# with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active); a Finished one deleted when the job runs again after it failed to start
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # as Kueue's job integrations do: give the quota back after an eviction, write PodsReady, mark a finished job's Workload Finished (Kueue then returns its quota)
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
