@@ -31,6 +31,11 @@ class ModelError(RuntimeError):
     """The base model cannot be found or built (names what was looked for)."""
 
 
+class ModelUnavailable(ModelError):
+    """The model does not exist, or the token cannot read it: a spec error, which a restart would only repeat (the
+    trainer exits EXIT_INVALID_SPEC). The message starts with the spec field to fix."""
+
+
 def cache_root() -> Path:
     return Path(os.environ.get("GRPOLORA_CACHE") or Path.home() / ".cache" / "grpolora")
 
@@ -44,21 +49,57 @@ def resolve_model(name: str, revision: str | None = None) -> Path:
             "tiny-llama": _build_tiny_llama,
         }
         if offline not in builders:
-            raise ModelError(f"unknown offline model {name!r}; valid: {', '.join(builders)}")
+            raise ModelUnavailable(f"spec.model.name: unknown offline model {name!r}; valid: {', '.join(builders)}")
         return _built_once(cache_root() / "models" / offline, builders[offline])
     path = Path(name).expanduser()
     if path.exists():
         if not (path / "config.json").exists():
-            raise ModelError(f"model path {path} has no config.json (expected a Hugging Face model folder)")
+            raise ModelUnavailable(
+                f"spec.model.name: model path {path} has no config.json (expected a Hugging Face model folder)"
+            )
         return path
     if name.startswith(("/", "./", "../")):
-        raise ModelError(f"model path {name} does not exist")
+        raise ModelUnavailable(f"spec.model.name: model path {name} does not exist")
     from huggingface_hub import snapshot_download
 
     try:
         return Path(snapshot_download(repo_id=name, revision=revision))
     except Exception as exc:  # hub errors come in many types; the message is what the user needs
+        refused = hub_refusal(exc, name, revision)
+        if refused is not None:
+            raise ModelUnavailable(refused) from exc
         raise ModelError(f"cannot download model {name!r} (revision {revision or 'main'}): {exc}") from exc
+
+
+def hub_refusal(exc: Exception, name: str, revision: str | None) -> str | None:
+    """What to fix when the hub's answer would be the same on every retry (the model or revision does not exist,
+    or the token cannot read it), naming the spec field; None for anything a retry may cure (no connection, the hub
+    down or rate-limiting). Read from huggingface_hub's errors (utils/_http.py hf_raise_for_status: it reads the
+    hub's X-Error-Code; a 401 without one is a token the hub refused)."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError, RevisionNotFoundError
+
+    hub = constants.ENDPOINT
+    if isinstance(exc, RevisionNotFoundError):
+        return f"spec.model.revision: {revision!r} was not found in model {name!r} on {hub}"
+    if isinstance(exc, GatedRepoError):  # checked before RepositoryNotFoundError, its base class
+        if exc.response.status_code == 401:
+            return (
+                f"spec.model.tokenFrom: model {name!r} is gated on {hub} and no token was given: name a Secret "
+                "holding the token of an account that has been granted access"
+            )
+        return (
+            f"spec.model.tokenFrom: the token cannot read model {name!r} (gated on {hub}): its account has not been "
+            "granted access (accept the model's terms on the hub with it)"
+        )
+    if isinstance(exc, RepositoryNotFoundError):
+        return (
+            f"spec.model.name: model {name!r} was not found on {hub} (check the name; a private model also needs "
+            "spec.model.tokenFrom naming a Secret with a token that can read it)"
+        )
+    if isinstance(exc, HfHubHTTPError) and exc.response is not None and exc.response.status_code in (401, 403):
+        return f"spec.model.tokenFrom: {hub} refused the token as invalid for model {name!r}: {exc}"
+    return None
 
 
 def fingerprint(model_dir: Path) -> str:

@@ -39,6 +39,9 @@ SPEC: Final = "GRPOLORA_SPEC"  # the validated job spec as JSON (camelCase, defa
 REPLICA_INDEX: Final = "GRPOLORA_REPLICA_INDEX"  # this pod's index within its role
 MODEL: Final = "GRPOLORA_MODEL"  # where to load the base model from: a hub id or a path in the pod
 TOKEN: Final = "GRPOLORA_TOKEN"  # per-job secret required by the control endpoints
+# Read by huggingface_hub itself (its constants.HF_TOKEN_PATH), so by every hub client in the pod: the file that holds
+# the hub token of spec.model.tokenFrom, which the operator mounts. A file, not HF_TOKEN: no secret in the env.
+HUB_TOKEN_PATH: Final = "HF_TOKEN_PATH"
 BIND_ADDR: Final = "GRPOLORA_BIND_ADDR"  # address the HTTP servers listen on
 
 # The sync group.

@@ -1,6 +1,6 @@
-"""A Hugging Face Hub on loopback for the push tests: the part of the Hub's HTTP API that `huggingface_hub`'s
-`create_repo`, `create_branch` and `upload_folder` call (read from the installed client), served by uvicorn in a
-thread, keeping what it receives in memory.
+"""A Hugging Face Hub on loopback for the push and model download tests: the part of the Hub's HTTP API that
+`huggingface_hub`'s `create_repo`, `create_branch`, `upload_folder` and `snapshot_download` call (read from the
+installed client), served by uvicorn in a thread, keeping what it receives in memory.
 
 Covered, as the real Hub answers them:
 - POST /api/repos/create (409 when the repository exists), GET /api/models/<repo>[/revision/<rev>] (repo_info);
@@ -11,8 +11,19 @@ Covered, as the real Hub answers them:
 - the LFS batch API (POST /<repo>.git/info/lfs/objects/batch, basic transfer) with a single-use upload URL
   (PUT, checked against the announced sha256 and size) and the verify call;
 - POST /api/models/<repo>/commit/<rev>: the NDJSON commit (header, file, lfsFile, deletedFile, deletedFolder;
-  parentCommit checked), one commit per call with its message.
-Every call but the LFS upload (a presigned URL on the real Hub) needs `Authorization: Bearer <token>`, else 401.
+  parentCommit checked), one commit per call with its message;
+- downloads: GET /api/models/<repo>/tree/<rev> (the listing snapshot_download reads) and HEAD/GET
+  /<repo>/resolve/<rev>/<path> (X-Repo-Commit, ETag or X-Linked-Etag/X-Linked-Size for LFS files, as
+  huggingface_hub's get_hf_file_metadata reads them), where <rev> is a branch or a commit.
+Writes need `Authorization: Bearer <token>`, else 401. Reads are anonymous for a public repository, as on the Hub;
+a wrong token is refused everywhere (401 "Invalid credentials in Authorization header", which huggingface_hub's
+hf_raise_for_status tells apart from a missing repository). How the Hub answers reads it does not allow, as
+huggingface_hub's hf_raise_for_status (utils/_http.py) and its docs on gated models describe them:
+- a repository that does not exist, or a private one the caller cannot read: 401 without a token, 404 with one,
+  both with `X-Error-Code: RepoNotFound` (the Hub does not say which, so that private names do not leak);
+- a gated repository: its metadata and file list are public; its files answer 401 (no token) or 403 (a token
+  whose user has not been granted access) with `X-Error-Code: GatedRepo`;
+- a revision that does not exist: 404 with `X-Error-Code: RevisionNotFound`.
 
 Not covered: the Xet storage protocol (huggingface_hub uses it when `hf_xet` is installed: tests set
 HF_HUB_DISABLE_XET, so LFS is what they exercise), downloads, pull requests, multipart LFS, rate limits.
@@ -27,6 +38,7 @@ import json
 import secrets
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import yaml
 from fastapi import FastAPI, Request
@@ -55,9 +67,17 @@ class Commit:
 class Repo:
     private: bool
     branches: dict[str, list[Commit]] = field(default_factory=dict)  # oldest first
+    gated: bool = False
+    granted: frozenset[str] = frozenset()  # the tokens whose users may read a gated or private repository
 
     def head(self, branch: str) -> Commit:
         return self.branches[branch][-1]
+
+    def at(self, revision: str) -> Commit | None:
+        """The commit a branch names, or the commit of that oid; None if neither."""
+        if revision in self.branches:
+            return self.head(revision)
+        return next((c for commits in self.branches.values() for c in commits if c.oid == revision), None)
 
 
 @dataclass
@@ -71,27 +91,45 @@ class HubState:
     holding: threading.Event = field(default_factory=threading.Event)
 
 
-def _error(status: int, message: str, **extra: str) -> JSONResponse:
-    # The Hub's error body; huggingface_hub puts "error" into the exception's message.
-    return JSONResponse({"error": message, **extra}, status_code=status, headers={"X-Error-Message": message})
+def _error(status: int, message: str, *, code: str | None = None, **extra: str) -> JSONResponse:
+    # The Hub's error body; huggingface_hub puts "error" into the exception's message and picks the exception's
+    # type by X-Error-Code.
+    headers = {"X-Error-Message": message, **({"X-Error-Code": code} if code else {})}
+    return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
 
 
-def make_app(state: HubState, token: str) -> FastAPI:
+def _is_read(request: Request) -> bool:
+    path = request.url.path
+    return request.method in ("GET", "HEAD") and (path.startswith("/api/models/") or "/resolve/" in path)
+
+
+def make_app(state: HubState, token: str, read_tokens: frozenset[str] = frozenset()) -> FastAPI:
     app = FastAPI()
+    known = {token, *read_tokens}
 
     @app.middleware("http")
     async def authorize(request: Request, call_next):
         state.calls.append(f"{request.method} {request.url.path}")
-        if (
-            not request.url.path.startswith("/lfs-upload/")
-            and request.headers.get("authorization") != f"Bearer {token}"
-        ):
+        given = request.headers.get("authorization")
+        if request.url.path.startswith("/lfs-upload/"):
+            return await call_next(request)
+        if given is None and _is_read(request):
+            return await call_next(request)  # anonymous reads: the route decides what a public caller may see
+        if given not in {f"Bearer {t}" for t in (known if _is_read(request) else {token})}:
             return _error(401, "Invalid credentials in Authorization header")
         return await call_next(request)
 
-    def repo_or_404(repo_id: str) -> Repo | JSONResponse:
+    def caller(request: Request) -> str | None:
+        given = request.headers.get("authorization") or ""
+        return given.removeprefix("Bearer ") or None
+
+    def repo_or_404(repo_id: str, request: Request | None = None) -> Repo | JSONResponse:
         repo = state.repos.get(repo_id)
-        return repo if repo is not None else _error(404, f"Repository Not Found for url: {repo_id}")
+        who = caller(request) if request is not None else token
+        if repo is None or (repo.private and who != token and who not in repo.granted):
+            status = 401 if who is None else 404
+            return _error(status, f"Repository Not Found for url: {repo_id}", code="RepoNotFound")
+        return repo
 
     @app.post("/api/repos/create")
     async def create_repo(request: Request):
@@ -110,15 +148,64 @@ def make_app(state: HubState, token: str) -> FastAPI:
 
     @app.get("/api/models/{owner}/{name}")
     @app.get("/api/models/{owner}/{name}/revision/{revision}")
-    async def repo_info(owner: str, name: str, revision: str = "main"):
-        repo = repo_or_404(f"{owner}/{name}")
+    async def repo_info(owner: str, name: str, request: Request, revision: str = "main"):
+        repo = repo_or_404(f"{owner}/{name}", request)
         if isinstance(repo, JSONResponse):
             return repo
-        if revision not in repo.branches:
-            return _error(404, f"Revision Not Found: {revision}")
-        head = repo.head(revision)
+        head = repo.at(revision)
+        if head is None:
+            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
         siblings = [{"rfilename": path} for path in sorted(head.files)]
-        return {"id": f"{owner}/{name}", "sha": head.oid, "private": repo.private, "siblings": siblings}
+        return {
+            "id": f"{owner}/{name}",
+            "sha": head.oid,
+            "private": repo.private,
+            "gated": "manual" if repo.gated else False,
+            "siblings": siblings,
+        }
+
+    @app.get("/api/models/{owner}/{name}/tree/{revision}")
+    async def tree(owner: str, name: str, revision: str, request: Request):
+        repo = repo_or_404(f"{owner}/{name}", request)
+        if isinstance(repo, JSONResponse):
+            return repo
+        head = repo.at(revision)
+        if head is None:
+            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
+        entries = []
+        for path in sorted(head.files):
+            content = head.files[path]
+            entry = {"type": "file", "path": path, "size": len(content), "oid": git_blob_oid(content)}
+            if path in head.lfs:
+                sha = hashlib.sha256(content).hexdigest()
+                entry["lfs"] = {"oid": sha, "size": len(content), "pointerSize": 134}
+            entries.append(entry)
+        return entries
+
+    @app.api_route("/{owner}/{name}/resolve/{revision}/{path:path}", methods=["GET", "HEAD"])
+    async def resolve(owner: str, name: str, revision: str, path: str, request: Request):
+        repo_id = f"{owner}/{name}"
+        repo = repo_or_404(repo_id, request)
+        if isinstance(repo, JSONResponse):
+            return repo
+        who = caller(request)
+        if repo.gated and who != token and who not in repo.granted:
+            status = 401 if who is None else 403
+            return _error(status, f"Access to model {repo_id} is restricted and you are not in the authorized list",
+                          code="GatedRepo")  # fmt: skip
+        head = repo.at(revision)
+        if head is None:
+            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
+        if path not in head.files:
+            return _error(404, f"Entry not found: {path}", code="EntryNotFound")
+        content = head.files[path]
+        headers = {"X-Repo-Commit": head.oid, "Content-Length": str(len(content))}
+        if path in head.lfs:
+            headers["X-Linked-Etag"] = f'"{hashlib.sha256(content).hexdigest()}"'
+            headers["X-Linked-Size"] = str(len(content))
+        headers["ETag"] = f'"{git_blob_oid(content)}"'
+        body = b"" if request.method == "HEAD" else content
+        return Response(body, headers=headers, media_type="application/octet-stream")
 
     @app.post("/api/models/{owner}/{name}/branch/{branch}")
     async def create_branch(owner: str, name: str, branch: str, request: Request):
@@ -253,10 +340,27 @@ def make_app(state: HubState, token: str) -> FastAPI:
 class HubServer(AppServer):
     """The emulated Hub; `state` holds the repositories, their branches and commits."""
 
-    def __init__(self, token: str = TOKEN):
+    def __init__(self, token: str = TOKEN, read_tokens: frozenset[str] = frozenset()):
         self.state = HubState()
         self.token = token
-        super().__init__(make_app(self.state, token))
+        super().__init__(make_app(self.state, token, read_tokens))
+
+    def add_model(
+        self,
+        repo_id: str,
+        folder: Path,
+        *,
+        private: bool = False,
+        gated: bool = False,
+        granted: frozenset[str] = frozenset(),
+    ) -> str:
+        """A model repository holding `folder`'s files (weights as LFS files, as the Hub keeps them); returns the
+        commit. `granted`: the tokens (other than the write token) allowed to read it when private or gated."""
+        files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+        lfs = frozenset(path for path in files if path.endswith(LFS_SUFFIXES))
+        commit = Commit(secrets.token_hex(20), "upload model", None, files, lfs)
+        self.state.repos[repo_id] = Repo(private=private, branches={"main": [commit]}, gated=gated, granted=granted)
+        return commit.oid
 
     def files(self, repo_id: str, branch: str = "main") -> dict[str, bytes]:
         return self.state.repos[repo_id].head(branch).files

@@ -4,7 +4,8 @@ It reads the env (WorkerEnv for a job's own server, PoolEnv for a RolloutPool's)
 builds the vLLM engine and the adapter books of the jobs it serves, each with its sync member in vLLM's first worker
 (this process relays the member's control calls and activates what it verified; it holds no collective and never
 initialises CUDA: `sync_member_factory`), and serves the HTTP API (workers/inference/app.py) with uvicorn until
-SIGTERM, or until the engine fails to start (exit 1).
+SIGTERM, or until the engine fails to start (exit 1; EXIT_INVALID_SPEC when the model does not exist or the token
+cannot read it).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 from fastapi import FastAPI
 
-from grpolora.api.contract import PoolEnv, WorkerEnv
+from grpolora.api.contract import EXIT_INVALID_SPEC, PoolEnv, WorkerEnv, write_termination_message
 from grpolora.api.pool import job_key
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook
@@ -85,7 +86,7 @@ def sync_member_factory(
 def serve(env: WorkerEnv | PoolEnv) -> int:
     """`grpolora worker inference`: resolve the model, start the engine and the API, receive adapters; for one job
     (its own server, WorkerEnv) or for the jobs attached to a RolloutPool (PoolEnv)."""
-    from grpolora.workers.models import fingerprint, resolve_model
+    from grpolora.workers.models import ModelUnavailable, fingerprint, resolve_model
 
     spec = env.spec
     cpu_engine_env(spec)
@@ -98,6 +99,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
     receiver = sync_member_factory(link, replica_index=env.replica_index, fingerprint=lambda: holder["fingerprint"])
 
     failed: list[bool] = []
+    exit_code: list[int] = []
 
     def stop_on_fatal() -> None:  # closes over `server`, assigned below before it can run
         failed.append(True)
@@ -133,13 +135,20 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
             )
 
     async def prepare() -> None:
-        model_dir = await asyncio.to_thread(resolve_model, env.model, spec.model.revision)
+        try:
+            model_dir = await asyncio.to_thread(resolve_model, env.model, spec.model.revision)
+        except ModelUnavailable as exc:
+            # A spec error, as for the trainer: its own exit code and message, where `kubectl describe` shows them,
+            # so that a restarting server says why instead of exiting 1 again and again.
+            write_termination_message(str(exc))
+            exit_code.append(EXIT_INVALID_SPEC)
+            raise
         holder["fingerprint"] = await asyncio.to_thread(fingerprint, model_dir)
         engine.config = config_for(spec, str(model_dir))
 
     server = uvicorn_server(app_for(prepare), host=env.bind_addr, port=env.port)
     server.run()
-    return 1 if failed else 0
+    return (exit_code or [1])[0] if failed else 0
 
 
 def uvicorn_server(app: FastAPI, *, host: str, port: int):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.models import ModelUnavailable
 from grpolora.workers.secrets import SecretError
 from grpolora.workers.tasks.base import TaskError
 from grpolora.workers.tracking import TrackingError
@@ -163,13 +164,13 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
 
 def exit_code(exc: BaseException) -> int:
     """The trainer's exit code for what ended it. A bad dataset or reward plugin (EXIT_INVALID_DATA), or a setting
-    that can only fail where the run starts -- tracking, a Secret it names, a LoRA target module the model lacks
-    (EXIT_INVALID_SPEC) -- would fail a restart
+    that can only fail where the run starts -- tracking, a Secret it names, a LoRA target module the model lacks,
+    a model that does not exist or that the token cannot read (EXIT_INVALID_SPEC) -- would fail a restart
     the same way: the operator fails the job at once with the message instead of restarting it. Anything else may be
     transient (1: restarted)."""
     if isinstance(exc, TaskError):
         return contract.EXIT_INVALID_DATA
-    if isinstance(exc, TrackingError | SecretError | ModelMismatch):
+    if isinstance(exc, TrackingError | SecretError | ModelMismatch | ModelUnavailable):
         return contract.EXIT_INVALID_SPEC
     return 1
 
