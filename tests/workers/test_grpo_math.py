@@ -714,3 +714,59 @@ def test_micro_batches_by_a_token_budget():
     assert micro_batch_slices([20, 30], size=8, tokens=12) == [slice(0, 1), slice(1, 2)]
     assert micro_batch_slices(lengths, size=2, tokens=None) == [slice(0, 2), slice(2, 4), slice(4, 5)]
     assert micro_batch_slices([], size=2, tokens=12) == []
+
+
+# --- entropy of the sampling distribution ---------------------------------------------------------------------------
+
+
+def test_token_entropy_of_uniform_and_two_point_distributions():
+    from grpolora.workers.trainer.grpo import token_entropy
+
+    # Position 0: four equal logits -> uniform over 4, H = ln 4. Position 1: logits (ln 3, 0, -inf, -inf) ->
+    # p = (3/4, 1/4), H = -(3/4 ln 3/4 + 1/4 ln 1/4) = ln 4 - (3/4) ln 3.
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [math.log(3.0), 0.0, -1e9, -1e9]]])
+    close(token_entropy(logits), [[math.log(4.0), math.log(4.0) - 0.75 * math.log(3.0)]], tol=1e-6)
+
+
+def test_token_entropy_follows_the_sampler_temperature_and_truncation():
+    from grpolora.workers.trainer.grpo import token_entropy
+
+    # logits (2 ln 2, 0) at temperature 2 -> (ln 2, 0) -> p = (2/3, 1/3), H = ln 3 - (2/3) ln 2.
+    logits = torch.tensor([[[2 * LN2, 0.0]]])
+    close(token_entropy(logits, temperature=2.0), [[math.log(3.0) - (2 / 3) * LN2]])
+    # top_k 2 over (ln 3, 0, -5): the third token is dropped, p = (3/4, 1/4) as above; never NaN from 0 * -inf.
+    three = torch.tensor([[[math.log(3.0), 0.0, -5.0]]])
+    close(token_entropy(three, top_k=2), [[math.log(4.0) - 0.75 * math.log(3.0)]])
+    # top_p 0.5: only the most likely token is kept, a point mass, H = 0.
+    close(token_entropy(three, top_p=0.5), [[0.0]])
+
+
+def test_token_entropy_in_chunks_equals_one_pass():
+    from grpolora.workers.trainer.grpo import token_entropy
+
+    logits = torch.randn(2, 7, 11, generator=torch.Generator().manual_seed(0))
+    whole = token_entropy(logits, chunk_size=1024)
+    close(token_entropy(logits, chunk_size=3), whole.tolist(), tol=1e-6)
+    probs = logits.softmax(-1)
+    close(whole, (-(probs * probs.log()).sum(-1)).tolist(), tol=1e-5)
+
+
+def test_entropy_stats_mean_over_completion_tokens_only():
+    from grpolora.workers.trainer.grpo import EntropyStats, entropy_stats
+
+    # Tokens 1.0 and 3.0 are completion tokens; the padding's 100 (and a NaN) must not count: mean 2.0.
+    entropy = torch.tensor([[1.0, 100.0], [3.0, float("nan")]])
+    mask = torch.tensor([[1.0, 0.0], [1.0, 0.0]])
+    stats = entropy_stats(entropy, mask)
+    assert stats == EntropyStats(token_count=2.0, entropy_sum=4.0)
+    assert (stats + EntropyStats(token_count=2.0, entropy_sum=2.0)).mean == 1.5
+    assert EntropyStats().mean == 0.0
+
+
+def test_clipped_update_share_counts_norms_above_the_bound():
+    from grpolora.workers.trainer.step import clipped_share
+
+    # torch's clip_grad_norm_ scales by max_norm / (norm + 1e-6) only where that is below 1: norms 0.5 and 1.0 are
+    # left alone, 3.0 is cut; 1 of 3 updates.
+    assert clipped_share([0.5, 1.0, 3.0], max_norm=1.0) == pytest.approx(1 / 3)
+    assert clipped_share([], max_norm=1.0) == 0.0

@@ -325,7 +325,9 @@ class Controller:
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
             "grad_norm": stats.grad_norm,
+            "grad_clipped": stats.grad_clipped,
             "learning_rate": stats.learning_rate,
+            "entropy": stats.entropy,
             "updates": stats.updates,
             **agreement,
             "gen_kl": stats.gen_kl,
@@ -367,6 +369,7 @@ class Controller:
         metrics.STEP.set(progress.step)
         metrics.REWARD_MEAN.set(record["reward_mean"])
         metrics.KL.set(stats.kl)
+        metrics.ENTROPY.set(stats.entropy)
         if on_policy:  # each gauge keeps its last step of its kind
             metrics.MISMATCH.set(stats.mismatch)
             self.board.update(mismatch=stats.mismatch)

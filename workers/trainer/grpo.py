@@ -215,6 +215,32 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+@torch.no_grad()
+def token_entropy(
+    logits: Tensor, *, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0, chunk_size: int = 1024
+) -> Tensor:
+    """Entropy H = -sum_v p_v log p_v of the distribution the sampler draws each token from: p = softmax(logits /
+    temperature), truncated by top-k and top-p (`sampling_mask`) and renormalised, as in `token_logprobs`.
+
+    Computed as logsumexp(x) - sum_v p_v x_v over the kept tokens (dropped ones have p_v = 0 and add nothing; a
+    plain p * x would be 0 * -inf = NaN there), chunk by chunk like `token_logprobs`, so the float32 working set is
+    one [chunk_size, V] slice. A figure to watch (entropy collapse is what clip-higher guards against), not a loss
+    term: no gradient. `logits[B, T, V]` -> [B, T] float32 (float64 for float64 logits); mask padding yourself."""
+    if logits.ndim != 3:
+        raise ValueError(f"need logits [B, T, V], got {tuple(logits.shape)}")
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    batch, length, _ = logits.shape
+    out = torch.empty(batch, length, dtype=dtype, device=logits.device)
+    for b, s in _chunks(batch, length, chunk_size):
+        x = logits[b, s].to(dtype) / temperature
+        if top_p < 1 or top_k:
+            x = x.masked_fill(~sampling_mask(x, top_p, top_k), float("-inf"))
+        lse = torch.logsumexp(x, dim=-1, keepdim=True)
+        probs = torch.exp(x - lse)
+        out[b, s] = lse.squeeze(-1) - torch.where(probs > 0, probs * x, 0.0).sum(dim=-1)
+    return out
+
+
 def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     """Per-token k3 estimator of KL(pi || ref): exp(ref_logp - logp) - (ref_logp - logp) - 1.
 
@@ -461,6 +487,26 @@ def grpo_loss(
         )
     # One device-to-host copy for all the figures (each float() on a GPU tensor would wait for the device).
     return loss, LossStats(*sums.tolist())
+
+
+@dataclass(frozen=True)
+class EntropyStats(_Reducible):
+    """The policy's token entropy summed over completion tokens, so micro-batches and ranks add up (`_Reducible`)."""
+
+    token_count: float = 0.0
+    entropy_sum: float = 0.0
+
+    @property
+    def mean(self) -> float:
+        """Mean token entropy (nats) over the completion tokens; 0 when there were none."""
+        return safe_div(self.entropy_sum, self.token_count)
+
+
+@torch.no_grad()
+def entropy_stats(entropy: Tensor, mask: Tensor) -> EntropyStats:
+    """`token_entropy` summed over the completion tokens (mask 1); padding never counts, even where it is NaN."""
+    keep = mask.bool()
+    return EntropyStats(token_count=float(keep.sum()), entropy_sum=float(entropy[keep].double().sum()))
 
 
 @dataclass(frozen=True)

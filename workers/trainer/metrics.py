@@ -21,6 +21,11 @@ EVAL_REWARD = Gauge(
     "grpolora_trainer_eval_reward", "Mean reward of the last evaluation on the held-out prompts", registry=REGISTRY
 )
 KL = Gauge("grpolora_trainer_kl", "Mean k3 KL to the reference policy at the last step", registry=REGISTRY)
+ENTROPY = Gauge(
+    "grpolora_trainer_entropy",
+    "The policy's mean token entropy (nats) over the last step's completions, before its update",
+    registry=REGISTRY,
+)
 MISMATCH = Gauge(
     "grpolora_trainer_logprob_mismatch",
     "Mean exp(|logprob_trainer - logprob_vllm|) - 1 over the tokens of the last on-policy step (numerics only)",

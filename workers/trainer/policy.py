@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from grpolora.api.spec import GRPOLoraJobSpec
-from grpolora.workers.trainer.grpo import token_logprobs
+from grpolora.workers.trainer.grpo import token_entropy, token_logprobs
 
 log = logging.getLogger(__name__)
 
@@ -229,24 +229,32 @@ class Policy:
     def logprobs(self, batch: Batch) -> torch.Tensor:
         """Per-token logprobs [B, T-1] at the sampling temperature and top-p, float32 (the same distribution vLLM
         samples); exact at completion positions, zero elsewhere when only those are computed."""
+        return self._logprobs(batch, entropy=False)[0]
+
+    def logprobs_and_entropy(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """`logprobs` and, from the same logits (no second forward), the sampling distribution's entropy at each
+        position [B, T-1] (`token_entropy`; detached; zero where `logprobs` is)."""
+        logp, entropy = self._logprobs(batch, entropy=True)
+        assert entropy is not None
+        return logp, entropy
+
+    def _logprobs(self, batch: Batch, *, entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        sampler = {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}
         if not self._selective_head:
-            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-            return token_logprobs(
-                logits[:, :-1],
-                batch.input_ids[:, 1:],
-                temperature=self.temperature,
-                top_p=self.top_p,
-                top_k=self.top_k,
-            )
+            logits = self.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits[:, :-1]
+            logp = token_logprobs(logits, batch.input_ids[:, 1:], **sampler)
+            return logp, token_entropy(logits, **sampler) if entropy else None
         causal_lm = self.model.get_base_model()
         hidden = causal_lm.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
         keep = batch.completion_mask.bool()
-        logits = causal_lm.lm_head(hidden[:, :-1][keep])  # [completion tokens, V]
+        logits = causal_lm.lm_head(hidden[:, :-1][keep])[None]  # [1, completion tokens, V]
         targets = batch.input_ids[:, 1:][keep]
-        selected = token_logprobs(
-            logits[None], targets[None], temperature=self.temperature, top_p=self.top_p, top_k=self.top_k
-        )[0]
-        return torch.zeros(keep.shape, dtype=selected.dtype, device=selected.device).masked_scatter(keep, selected)
+        selected = token_logprobs(logits, targets[None], **sampler)[0]
+        logp = torch.zeros(keep.shape, dtype=selected.dtype, device=selected.device).masked_scatter(keep, selected)
+        if not entropy:
+            return logp, None
+        spread = token_entropy(logits, **sampler)[0]
+        return logp, torch.zeros_like(logp).masked_scatter(keep, spread)
 
     def _selective_head_matches(self) -> bool:
         causal_lm = self.model.get_base_model()

@@ -17,8 +17,10 @@ import torch.distributed as dist
 
 from grpolora.api.spec import GRPOSpec, LrSchedule
 from grpolora.workers.trainer.grpo import (
+    EntropyStats,
     LossStats,
     MismatchStats,
+    entropy_stats,
     grpo_loss,
     logprob_mismatch,
     loss_normalizer,
@@ -26,7 +28,7 @@ from grpolora.workers.trainer.grpo import (
 )
 from grpolora.workers.trainer.policy import Batch, Policy
 
-_Stats = TypeVar("_Stats", LossStats, MismatchStats)
+_Stats = TypeVar("_Stats", LossStats, MismatchStats, EntropyStats)
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,16 @@ class StepStats:
     truncated_fraction: float = 0.0  # share of off-policy tokens whose weight was cut to grpo.importanceWeightCap
     updates: int = 1  # optimizer steps taken on the batch (grpo.updatesPerBatch x mini-batches)
     learning_rate: float = 0.0  # the step's rate after grpo.lrSchedule
+    entropy: float = 0.0  # the policy's mean token entropy (nats) on the batch, before the first update
+    grad_clipped: float = 0.0  # share of the updates whose gradient norm grpo.maxGradNorm cut (clipped_share)
+
+
+def clipped_share(norms: list[float], *, max_norm: float) -> float:
+    """The share of updates whose gradient norm (as `clip_grad_norm_` returns it, before the cut) is above max_norm:
+    the cut bound there (it multiplies by max_norm / (norm + 1e-6); at norm == max_norm that is a no-op). With
+    Adam the cut matters where it binds on some steps and not others: it changes those steps' weight in the
+    moments, which is why the figure is logged beside grad_norm."""
+    return safe_div(sum(1 for n in norms if n > max_norm), len(norms))
 
 
 def logprob_agreement(stats: StepStats, on_policy: bool) -> dict[str, float | None]:
@@ -238,16 +250,20 @@ def train_step(
     updates = grpo.updates_per_batch * len(minis)
     weighted = not on_policy or corrects_mismatch(grpo, policy.spec.model.dtype)
     policy.model.train()
-    mismatch = MismatchStats()
+    mismatch, spread = MismatchStats(), EntropyStats()
     if updates > 1:
-        minis, mismatch = _take_old_logprobs(policy, minis, grpo)
+        minis, mismatch, spread = _take_old_logprobs(policy, minis, grpo)
     loss_stats, grad_norms = LossStats(), []
     for _ in range(grpo.updates_per_batch):
         for mini in minis:
             optimizer.zero_grad(set_to_none=True)
             for micro in mini.micros:
                 ref = micro.reference if updates > 1 else _reference(policy, micro.batch, grpo)
-                logp = policy.logprobs(micro.batch)
+                if updates == 1:
+                    logp, entropy = policy.logprobs_and_entropy(micro.batch)
+                    spread = spread + entropy_stats(entropy, micro.batch.completion_mask)
+                else:
+                    logp = policy.logprobs(micro.batch)
                 stats = _backward(logp, micro, ref, mini.normalizer, grpo, weighted)
                 loss_stats = loss_stats + stats
                 if updates == 1:
@@ -259,6 +275,7 @@ def train_step(
             optimizer.step()
     totals = _reduced(loss_stats, world_size, policy.device)
     merged = _reduced(mismatch, world_size, policy.device)
+    entropy = _reduced(spread, world_size, policy.device)
     return StepStats(
         loss=safe_div(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
         kl=totals.mean_kl,
@@ -273,26 +290,29 @@ def train_step(
         truncated_fraction=totals.truncated_fraction,
         updates=updates,
         learning_rate=learning_rate,
+        entropy=entropy.mean,
+        grad_clipped=clipped_share(grad_norms, max_norm=grpo.max_grad_norm),
     )
 
 
 def _take_old_logprobs(
     policy: Policy, minis: list[_MiniBatch], grpo: GRPOSpec
-) -> tuple[list[_MiniBatch], MismatchStats]:
+) -> tuple[list[_MiniBatch], MismatchStats, EntropyStats]:
     """Before the first of several updates: every micro-batch's logprobs under the current weights (the proximal
-    policy all updates are clipped around) and its reference logprobs, each once; and the mismatch of the former
-    with the sampler's."""
-    mismatch = MismatchStats()
+    policy all updates are clipped around) and its reference logprobs, each once; the mismatch of the former
+    with the sampler's, and the policy's entropy."""
+    mismatch, spread = MismatchStats(), EntropyStats()
     taken = []
     for mini in minis:
         micros = []
         for micro in mini.micros:
             with torch.no_grad():
-                old = policy.logprobs(micro.batch)
+                old, entropy = policy.logprobs_and_entropy(micro.batch)
+            spread = spread + entropy_stats(entropy, micro.batch.completion_mask)
             micros.append(_Micro(micro.batch, old, _reference(policy, micro.batch, grpo)))
             mismatch = mismatch + logprob_mismatch(old, micro.batch.behaviour_logprobs, micro.batch.completion_mask)
         taken.append(_MiniBatch(micros, mini.normalizer))
-    return taken, mismatch
+    return taken, mismatch, spread
 
 
 def _backward(
