@@ -68,6 +68,34 @@ def _merge_list(base: list[Any], overlay: list[Any], merge_key: str) -> list[Any
     return result
 
 
+PATCH: Final = "$patch"
+"""A list item's directive, as in a strategic merge patch: `$patch: delete` on a job's item drops the runtime's item
+it matches; an item `{$patch: replace}` makes the job's list replace the runtime's whole (grpolora.api.runtime)."""
+PATCH_VERBS: Final = ("delete", "replace")
+
+
+def directives(value: Any, path: str) -> list[tuple[str, Any]]:
+    """(path of the `$patch` key, its value) for each directive in `value`, at any depth."""
+    found: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        for key, item in value.items():
+            at = _dot(path, str(key))
+            found += [(at, item)] if key == PATCH else directives(item, at)
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += directives(item, f"{path}[{i}]")
+    return found
+
+
+def without_directives(value: Any) -> Any:
+    """`value` as the Kubernetes checks see it: `$patch` keys left out, and the items that held nothing else."""
+    if isinstance(value, Mapping):
+        return {key: without_directives(item) for key, item in value.items() if key != PATCH}
+    if isinstance(value, list):
+        return [without_directives(i) for i in value if not (isinstance(i, Mapping) and set(i) == {PATCH})]
+    return value
+
+
 def owned_paths(role: str, *, checkpoint_path: str | None, fields_at: str | None = None) -> dict[str, str]:
     """Pod template paths (list items as `[key]`) the overlay of `role` cannot set, and who sets them: the operator
     or a field of spec.<role> / spec (`fields_at`: where the role's fields are, `spec` for a RolloutPool)."""
@@ -96,6 +124,8 @@ def owned_paths(role: str, *, checkpoint_path: str | None, fields_at: str | None
         c.CACHE_MOUNT,
         c.MODEL_MOUNT,
         c.POOL_JOBS_MOUNT,
+        c.TOKEN_MOUNT,
+        c.HUB_TOKEN_MOUNT,
         *([checkpoint_path] if checkpoint_path else []),
     ):
         owned[f"{container}.volumeMounts[{mount}]"] = OPERATOR

@@ -1,11 +1,17 @@
 """A job on a runtime (spec.runtimeRef): the one merge of a GRPOLoraRuntime's or ClusterGRPOLoraRuntime's spec
 under a job's, used by `grpolora validate|render|run` and by the operator.
 
-The rule: **the job's fields win, field by field.** Mappings merge key by key, at any depth (so a job that sets
-`trainer.resources.requests.memory` keeps the runtime's `trainer.resources.limits` and its `trainer.image`);
-anything else the job sets (a value, a list such as `tolerations` or `env`, `null`) replaces the runtime's whole.
-A job on a RolloutPool (spec.inference.poolRef) takes its servers from the pool, so the runtime's `inference` is
-left out for it.
+The rule: **the job's fields win, field by field, and a job adds to the runtime's lists.** Mappings merge key by key,
+at any depth (so a job that sets `trainer.resources.requests.memory` keeps the runtime's `trainer.resources.limits`
+and its `trainer.image`). Lists merge as Kubernetes users know from strategic merge patches: a role's `env` by
+`name`, its `tolerations` as a union (the runtime's first, an equal one once), and the lists of its `podTemplate`
+by their merge keys (containers, volumes, env... by name, volumeMounts by mountPath: overlay.MERGE_KEYS); an item
+the job gives with the key of one of the runtime's is merged into it, in its place. A job drops one of the
+runtime's items with `$patch: delete` on an item with its key (a toleration: the whole toleration), or replaces
+the runtime's list with an item `{$patch: replace}`, as a strategic merge patch says it; deleting an item the
+runtime does not have is an error. Any other list, and any value (`null` too), the job sets replaces the
+runtime's. A job on a RolloutPool (spec.inference.poolRef) takes its servers from the pool, so the runtime's
+`inference` is left out for it.
 
 Merged as written, before defaults: a default is no choice of the job's, so it must not hide the runtime's value.
 The models apply the defaults to the merged spec (grpolora.api.spec), and the CRD carries no `default:` on these
@@ -14,21 +20,101 @@ fields, which the API server would otherwise write into every job (grpolora.api.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Final
 
 from grpolora.api import constants as c
+from grpolora.api import overlay
 from grpolora.api.load import InvalidJob, Problem, Runtime, parse_job
 from grpolora.api.spec import ClusterGRPOLoraRuntime, GRPOLoraJob, GRPOLoraRuntime, RuntimeRef
 
+UNION: Final = ""
+"""The merge key of a list merged as a union of whole items (tolerations: a toleration has no key)."""
+ROLES: Final = (c.ROLE_TRAINER, c.ROLE_INFERENCE)
+ROLE_LISTS: Final = {"env": "name", "tolerations": UNION}
+"""The lists of a role's spec that merge, and their keys; a podTemplate's merge by overlay.MERGE_KEYS."""
+
+
+class MergeError(ValueError):
+    """The job's `$patch` items do not fit its runtime's lists: (path in the spec, message) each."""
+
+    def __init__(self, errors: list[tuple[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{path}: {message}" for path, message in errors))
+
 
 def merge(under: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
-    """`over` merged onto `under`: mappings key by key (recursively), anything else `over` has replaces `under`'s."""
-    merged = dict(under)
-    for key, value in over.items():
-        below = merged.get(key)
-        merged[key] = merge(below, value) if isinstance(below, Mapping) and isinstance(value, Mapping) else value
+    """The spec `over` (a job's, as written) merged onto `under` (its runtime's): see the module docstring.
+    MergeError when a `$patch: delete` finds nothing to delete."""
+    errors: list[tuple[str, str]] = []
+    merged = _merge(under, over, (), errors)
+    if errors:
+        raise MergeError(errors)
     return merged
+
+
+def _merge(under: Mapping[str, Any], over: Mapping[str, Any], at: tuple[str, ...], errors: list) -> dict[str, Any]:
+    merged = copy.deepcopy(dict(under))
+    for key, value in over.items():
+        below, here = merged.get(key), (*at, key)
+        key_of_items = _list_key(here)
+        if isinstance(below, Mapping) and isinstance(value, Mapping):
+            merged[key] = _merge(below, value, here, errors)
+        elif key_of_items is not None and isinstance(value, list) and isinstance(below, list | None):
+            merged[key] = _merge_list(below or [], value, key_of_items, here, errors)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _list_key(at: tuple[str, ...]) -> str | None:
+    """The merge key of the list at `at` (UNION for a union), or None for a list replaced whole."""
+    if len(at) == 2 and at[0] in ROLES:
+        return ROLE_LISTS.get(at[1])
+    if len(at) > 2 and at[0] in ROLES and at[1] == "podTemplate":
+        return overlay.MERGE_KEYS.get(at[-1])
+    return None
+
+
+def _merge_list(below: list[Any], over: list[Any], key: str, at: tuple[str, ...], errors: list) -> list[Any]:
+    def same(item: Any, other: Any) -> bool:
+        if not (isinstance(item, Mapping) and isinstance(other, Mapping)):
+            return item == other
+        if key == UNION:
+            return {k: v for k, v in item.items() if k != overlay.PATCH} == other
+        return item.get(key) == other.get(key)
+
+    replace = any(isinstance(i, Mapping) and i.get(overlay.PATCH) == "replace" for i in over)
+    result = [] if replace else copy.deepcopy(below)
+    for index, item in enumerate(over):
+        if isinstance(item, Mapping) and set(item) == {overlay.PATCH}:
+            continue  # {$patch: replace}
+        found = next((i for i, old in enumerate(result) if same(item, old)), None)
+        if isinstance(item, Mapping) and item.get(overlay.PATCH) == "delete":
+            if found is None:
+                errors.append((_path(at) + f"[{index}]", _nothing_to_delete(item, below, key)))
+            else:
+                del result[found]
+        elif found is None:
+            result.append(copy.deepcopy(item))
+        elif key != UNION:
+            result[found] = _merge(result[found], item, (*at, f"[{item.get(key)}]"), errors)
+    return result
+
+
+def _nothing_to_delete(item: Mapping[str, Any], below: list[Any], key: str) -> str:
+    if key == UNION:
+        return "`$patch: delete` drops the runtime's equal item, and the runtime has none: write it as the runtime does"
+    has = ", ".join(str(old.get(key)) for old in below if isinstance(old, Mapping)) or "none"
+    return (
+        f"`$patch: delete` drops the runtime's item with {key} {item.get(key)}, and the runtime has none (it has: "
+        f"{has})"
+    )
+
+
+def _path(at: tuple[str, ...]) -> str:
+    return "".join(part if part.startswith("[") else f".{part}" for part in at).removeprefix(".")
 
 
 def resolve_spec(runtime_spec: Mapping[str, Any], job_spec: Mapping[str, Any]) -> dict[str, Any]:
@@ -76,11 +162,15 @@ def parse_resolved(
 ) -> GRPOLoraJob:
     """A job document merged with the spec of its runtime (`where` names it), validated as one job; InvalidJob
     naming the runtime when the merged spec is invalid (a field may come from either)."""
+    with_runtime = f" (the job merged with {where})"
     try:
         return parse_job(resolved_document(job, runtime_spec), source=source)
     except InvalidJob as exc:
-        with_runtime = f" (the job merged with {where})"
         raise InvalidJob([Problem(p.path, p.message + with_runtime, p.line) for p in exc.problems], source) from None
+    except MergeError as exc:
+        raise InvalidJob(
+            [Problem(f"spec.{path}", message + with_runtime) for path, message in exc.errors], source
+        ) from None
 
 
 class RuntimeNotGiven(InvalidJob):

@@ -847,13 +847,35 @@ class RoleSpec(SpecModel):
     @field_validator("pod_template")
     @classmethod
     def _kube_pod_template(cls, value: dict[str, Any]) -> dict[str, Any]:
-        raise_if_any(kubetypes.problems(value, "PodTemplateSpec", partial=True))
+        raise_if_any(kubetypes.problems(overlay.without_directives(value), "PodTemplateSpec", partial=True))
         return value
 
     @field_validator("tolerations")
     @classmethod
     def _kube_tolerations(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return kube_checked(value, "Toleration")
+        kube_checked(overlay.without_directives(value), "Toleration")
+        return value
+
+    def patch_directives(self) -> list[tuple[str, Any]]:
+        """(path, verb) of each `$patch` in env, tolerations and podTemplate: a job's word on its runtime's lists
+        (grpolora.api.runtime.merge), allowed only on a job that names a runtime."""
+        return [
+            *overlay.directives(self.env, "env"),
+            *overlay.directives(self.tolerations, "tolerations"),
+            *overlay.directives(self.pod_template, "podTemplate"),
+        ]
+
+    @model_validator(mode="after")
+    def _patch_verbs(self) -> RoleSpec:
+        raise_if_any(
+            [
+                (path, f"`{verb}`: use `delete` (drop the runtime's item) or `replace` (the job's list replaces the "
+                 "runtime's whole)")
+                for path, verb in self.patch_directives()
+                if verb not in overlay.PATCH_VERBS
+            ]
+        )  # fmt: skip
+        return self
 
     @field_validator("affinity")
     @classmethod
@@ -867,13 +889,16 @@ class RoleSpec(SpecModel):
 
         errors = []
         for i, var in enumerate(value):
+            if set(var) == {overlay.PATCH}:  # {$patch: replace}: a directive, not a variable
+                continue
             name = var.get("name")
             if not isinstance(name, str) or not name:
                 errors.append((f"[{i}].name", "every env entry needs a `name`"))
             elif name in CONTRACT_NAMES:
                 errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
         raise_if_any(errors)
-        return kube_checked(value, "EnvVar")
+        kube_checked(overlay.without_directives(value), "EnvVar")
+        return value
 
 
 class TrainerSpec(RoleSpec):
@@ -1163,9 +1188,12 @@ class GRPOLoraJobSpec(SpecModel):
 
     runtime_ref: RuntimeRef | None = None
     """A runtime that says where and how the job runs (trainer, inference, sync, scheduling, networkPolicy,
-    podSecurity, output). The job's own fields win, field by field: mappings merge key by key, a list or a value the
-    job sets replaces the runtime's whole (grpolora.api.runtime.merge). Resolved when the job starts and kept: a
-    later edit of the runtime does not change a running job."""
+    podSecurity, output). The job's own fields win, field by field, and add to the runtime's lists: mappings merge
+    key by key; env merges by name, tolerations as a union, a podTemplate's lists by name (volumeMounts by
+    mountPath); an item with `$patch: delete` drops the runtime's item it matches, an item `{$patch: replace}` makes
+    the job's list replace the runtime's; other lists and values the job sets replace the runtime's
+    (grpolora.api.runtime.merge). Resolved when the job starts and kept: a later edit of the runtime does not change
+    a running job."""
     model: ModelSpec
     """The base model, loaded by trainer and inference alike (its fingerprint must match across them)."""
     lora: LoraSpec = Field(default_factory=LoraSpec)
@@ -1262,6 +1290,12 @@ class GRPOLoraJobSpec(SpecModel):
         for role, role_spec in ((c.ROLE_TRAINER, self.trainer), (c.ROLE_INFERENCE, inf)):
             for path, message in overlay.clashes(role, role_spec.pod_template, checkpoint_path=self.checkpoint.path):
                 errors.append((f"{role}.podTemplate.{path}", message))
+            if self.runtime_ref is None:
+                errors += [
+                    (f"{role}.{path}", "drops an item of a runtime's list, and this job names no runtime "
+                     "(spec.runtimeRef): remove the item")
+                    for path, _ in role_spec.patch_directives()
+                ]  # fmt: skip
         raise_if_any(errors)
         return self
 
@@ -1420,6 +1454,7 @@ class RolloutPoolSpec(ServingSpec):
             c.ROLE_INFERENCE, self.pod_template, checkpoint_path=None, fields_at="spec"
         ):
             errors.append((f"podTemplate.{path}", message))
+        errors += [(p, "a RolloutPool has no runtime: `$patch` belongs in a job") for p, _ in self.patch_directives()]
         raise_if_any(errors)
         return self
 
@@ -1468,6 +1503,14 @@ class GRPOLoraRuntimeSpec(SpecModel):
         if self.inference is not None and self.inference.pool_ref is not None:
             raise FieldErrors([("inference.poolRef", "a RolloutPool is named by the job (spec.inference.poolRef), "
                                 "in its own namespace; remove it from the runtime")])  # fmt: skip
+        raise_if_any(
+            [
+                (f"{role}.{path}", "a runtime's lists are what jobs merge with; `$patch` belongs in a job")
+                for role, role_spec in (("trainer", self.trainer), ("inference", self.inference))
+                if role_spec is not None
+                for path, _ in role_spec.patch_directives()
+            ]
+        )
         return self
 
 

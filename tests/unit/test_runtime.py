@@ -44,10 +44,92 @@ def test_merge_is_deep_for_mappings_and_the_job_wins_every_value_it_sets():
     }
 
 
-def test_merge_replaces_lists_whole():
-    runtime = {"trainer": {"tolerations": [{"key": "a", "operator": "Exists"}, {"key": "b", "operator": "Exists"}]}}
-    job = {"trainer": {"tolerations": [{"key": "c", "operator": "Exists"}]}}
-    assert merge(runtime, job)["trainer"]["tolerations"] == [{"key": "c", "operator": "Exists"}]
+GPU = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+SPOT = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+
+
+def test_tolerations_are_a_union_the_runtimes_first():
+    runtime = {"trainer": {"tolerations": [GPU]}}
+    job = {"trainer": {"tolerations": [SPOT, dict(GPU)]}}  # the GPU one again: kept once
+    assert merge(runtime, job)["trainer"]["tolerations"] == [GPU, SPOT]
+
+
+def test_env_merges_by_name_the_jobs_value_winning_in_the_runtimes_place():
+    runtime = {"inference": {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "2"}]}}
+    job = {"inference": {"env": [{"name": "C", "value": "3"}, {"name": "A", "value": "9"}]}}
+    assert merge(runtime, job)["inference"]["env"] == [
+        {"name": "A", "value": "9"},
+        {"name": "B", "value": "2"},
+        {"name": "C", "value": "3"},
+    ]
+
+
+def test_a_pod_templates_lists_merge_by_their_strategic_merge_keys_at_any_depth():
+    runtime = {"trainer": {"podTemplate": {"spec": {
+        "volumes": [{"name": "datasets", "persistentVolumeClaim": {"claimName": "ds"}}],
+        "containers": [{"name": "trainer", "volumeMounts": [{"name": "datasets", "mountPath": "/data"}]},
+                       {"name": "log-shipper", "image": "fluent-bit:3"}],
+    }}}}  # fmt: skip
+    job = {"trainer": {"podTemplate": {"spec": {
+        "volumes": [{"name": "scratch", "emptyDir": {}}],
+        "containers": [{"name": "trainer", "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}]}],
+    }}}}  # fmt: skip
+    spec = merge(runtime, job)["trainer"]["podTemplate"]["spec"]
+    assert [v["name"] for v in spec["volumes"]] == ["datasets", "scratch"]
+    assert [c["name"] for c in spec["containers"]] == ["trainer", "log-shipper"]
+    assert [m["mountPath"] for m in spec["containers"][0]["volumeMounts"]] == ["/data", "/scratch"]
+
+
+def test_patch_delete_drops_one_runtime_item_and_patch_replace_the_whole_list():
+    runtime = {"trainer": {"tolerations": [GPU, SPOT], "env": [{"name": "A", "value": "1"}, {"name": "B"}],
+                           "podTemplate": {"spec": {"volumes": [{"name": "ds", "emptyDir": {}}]}}}}  # fmt: skip
+    job = {"trainer": {
+        "tolerations": [{**SPOT, "$patch": "delete"}],
+        "env": [{"$patch": "replace"}, {"name": "C", "value": "3"}],
+        "podTemplate": {"spec": {"volumes": [{"name": "ds", "$patch": "delete"}]}},
+    }}  # fmt: skip
+    trainer = merge(runtime, job)["trainer"]
+    assert trainer["tolerations"] == [GPU]
+    assert trainer["env"] == [{"name": "C", "value": "3"}]
+    assert trainer["podTemplate"]["spec"]["volumes"] == []
+
+
+def test_deleting_what_the_runtime_does_not_set_is_an_error_naming_the_item():
+    runtime = parse_runtime(runtime_doc(trainer={"env": [{"name": "A", "value": "1"}]}))
+    job = parse_job(on_runtime(trainer={"env": [{"name": "AA", "$patch": "delete"}]}))
+    with pytest.raises(InvalidJob) as caught:
+        resolve(job, runtime)
+    (problem,) = caught.value.problems
+    assert problem.path == "spec.trainer.env[0]"
+    assert problem.message == (
+        "`$patch: delete` drops the runtime's item with name AA, and the runtime has none (it has: A) (the job "
+        "merged with ClusterGRPOLoraRuntime gpu)"
+    )
+
+
+def test_a_patch_directive_needs_a_runtime_and_a_known_verb():
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(job_doc(trainer={"env": [{"name": "A", "$patch": "delete"}]}))
+    assert [(p.path, p.message) for p in caught.value.problems] == [
+        ("spec.trainer.env[0].$patch", "drops an item of a runtime's list, and this job names no runtime "
+         "(spec.runtimeRef): remove the item")
+    ]  # fmt: skip
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(on_runtime(inference={"tolerations": [{**GPU, "$patch": "remove"}]}))
+    (problem,) = caught.value.problems
+    assert problem.path == "spec.inference.tolerations[0].$patch"
+    assert "`remove`: use `delete` (drop the runtime's item) or `replace`" in problem.message
+    with pytest.raises(InvalidJob) as caught:
+        parse_runtime(runtime_doc(trainer={"tolerations": [{**GPU, "$patch": "delete"}]}))
+    assert [p.path for p in caught.value.problems] == ["spec.trainer.tolerations[0].$patch"]
+
+
+def test_lists_outside_the_merged_ones_are_replaced_whole():
+    runtime = {"trainer": {"affinity": {"nodeAffinity": {"x": [1, 2]}}}, "networkPolicy": {"metricsFrom": [{"a": 1}]}}
+    job = {"trainer": {"affinity": {"nodeAffinity": {"x": [3]}}}, "networkPolicy": {"metricsFrom": [{"b": 2}]}}
+    merged = merge(runtime, job)
+    assert merged["trainer"]["affinity"]["nodeAffinity"]["x"] == [3]
+    assert merged["networkPolicy"]["metricsFrom"] == [{"b": 2}]
 
 
 def test_merge_leaves_its_inputs_alone():
@@ -353,3 +435,19 @@ def test_the_runtime_examples_pass_their_crds_schema_and_cel_rules():
     for path in (RUNTIME, JOB):
         doc = yaml.safe_load(path.read_text())
         validate_custom(doc, crd_schema(doc["kind"]), strict=True, part="spec")  # raises what the API server would
+
+
+def test_render_shows_the_runtimes_env_and_toleration_beside_the_ones_the_job_adds(tmp_path, capsys):
+    """The issue as a new user met it: the job adds one env var and a spot toleration; the runtime's stay."""
+    from grpolora.cli import main
+
+    runtime = runtime_doc(trainer={"env": [{"name": "NCCL_IB_DISABLE", "value": "1"}], "tolerations": [GPU]})
+    job = on_runtime(trainer={"env": [{"name": "WANDB_MODE", "value": "offline"}], "tolerations": [SPOT]})
+    path = tmp_path / "both.yaml"
+    path.write_text(yaml.safe_dump_all([runtime, job], sort_keys=False))
+    assert main(["render", str(path)]) == 0
+    trainer_job = next(o for o in yaml.safe_load_all(capsys.readouterr().out) if o["kind"] == "Job")
+    pod = trainer_job["spec"]["template"]["spec"]
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    assert env["NCCL_IB_DISABLE"] == "1" and env["WANDB_MODE"] == "offline"
+    assert GPU in pod["tolerations"] and SPOT in pod["tolerations"]
