@@ -166,3 +166,22 @@ RULES: Final[tuple[Rule, ...]] = (
 
 def allowed(verb: str, group: str, resource: str) -> bool:
     return any(rule.allows(verb, group, resource) for rule in RULES)
+
+
+KUEUE_READS: Final[tuple[Rule, ...]] = (
+    Rule(
+        (c.GROUP,),
+        (c.PLURAL, c.POOL_PLURAL),
+        ("get", "list", "watch"),
+        "for Kueue's service account: once GRPOLoraJob is listed in Kueue's integrations.externalFrameworks, Kueue's "
+        "Job, StatefulSet and Pod webhooks walk a child's owner chain and read the owning GRPOLoraJob (or RolloutPool) "
+        "with Kueue's own client (jobframework FindAncestorJobManagedByKueue; Kueue's external-framework guide: add "
+        "RBAC for your CRD). Kueue's ClusterRole has no rule for grpolora.dev: without this its webhooks refuse every "
+        "trainer Job",
+    ),
+)
+"""What the chart grants Kueue's service account (kueue.readJobs in values.yaml): not the operator's own RBAC."""
+
+
+def kueue_reads(verb: str, group: str, resource: str) -> bool:
+    return any(rule.allows(verb, group, resource) for rule in KUEUE_READS)

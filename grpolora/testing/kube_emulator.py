@@ -21,11 +21,12 @@ import asyncio
 import contextlib
 import copy
 import datetime
+import inspect
 import itertools
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import aiohttp
@@ -113,9 +114,16 @@ class Emulator(kmock.KubernetesEmulator):
     uninstalled: set[str] = attrs.field(factory=set)
     """Resources of RESOURCES whose CRDs are not installed (yet): left out of discovery, and every request to them
     answers 404 NotFound, as a real API server answers for a resource it does not serve (`Cluster.install`)."""
-    webhooks: list[Callable[[kmock.Request, dict[str, Any]], None]] = attrs.field(factory=list, init=False)
-    """Mutating admission webhooks: each is called with every create request and its object, which it may change
-    (before validation, as the API server calls mutating webhooks before it validates)."""
+    webhooks: list[Callable[[kmock.Request, dict[str, Any]], Awaitable[None] | None]] = attrs.field(
+        factory=list, init=False
+    )
+    """Mutating admission webhooks: each is called (and awaited, if it is a coroutine function) with every create
+    request and its object, which it may change (before validation, as the API server calls mutating webhooks before
+    it validates); one that raises Refused refuses the create, as a webhook's denial does."""
+    accounts: dict[str, tuple[str, Callable[[str, str, str], bool]]] = attrs.field(factory=dict, init=False)
+    """Service accounts other than the operator's, by bearer token: (user name, its RBAC as (verb, group, resource)
+    -> allowed). Their calls are refused 403 where not allowed, as the API server's RBAC authorizer refuses them
+    (Cluster.service_account), and are not counted in `calls`."""
     pod_exit_seconds: float | None = 0.1
     """How long a deleted pod's containers take to exit on SIGTERM, after which the kubelet removes the pod; None:
     they ignore SIGTERM (as NCCL workers often do) and the pod stays Terminating for its whole grace period, until
@@ -148,6 +156,7 @@ class Emulator(kmock.KubernetesEmulator):
         # long run quadratic; keep only the current request (the tests read `log` instead).
         del self._requests[:-1]
         if request.resource is not None and request.resource.plural:
+            self._authorize_account(request)
             self._record(request)
             served = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
             if served in self.uninstalled:
@@ -157,7 +166,9 @@ class Emulator(kmock.KubernetesEmulator):
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
                 for webhook in self.webhooks:
-                    webhook(request, request.data)
+                    called = webhook(request, request.data)
+                    if inspect.isawaitable(called):
+                        await called
                 self._admit(request, request.data, created=True)
             elif request.action == kmock.action.UPDATE and isinstance(request.data, dict):
                 merged = self._on_patch(request)
@@ -446,18 +457,30 @@ class Emulator(kmock.KubernetesEmulator):
         self._gc_due = True
 
     def _record(self, request: kmock.Request) -> None:
-        if _from_test(request):
+        if _from_test(request) or _bearer(request) in self.accounts:
             return
-        verb = _VERBS.get(request.action) if request.action else None
-        if request.action == kmock.action.UPDATE:
-            verb = "patch" if request.method == kmock.method.PATCH else "update"
-        if verb is None:
-            verb = str(request.method).lower()
-        resource = str(request.resource.plural)
-        if request.subresource:
-            resource += f"/{request.subresource}"
+        verb, resource = _verb_and_resource(request)
         self.calls.add((verb, str(request.resource.group), resource))
         self.log.append((verb, resource, request.name))
+
+    def _authorize_account(self, request: kmock.Request) -> None:
+        """Refuse a service account's call its RBAC does not allow, worded as the API server's RBAC authorizer
+        words it (plugin/pkg/auth/authorizer/rbac: `User "..." cannot <verb> resource "..." in API group "..."`)."""
+        account = self.accounts.get(_bearer(request) or "")
+        if account is None:
+            return
+        user, authorize = account
+        verb, resource = _verb_and_resource(request)
+        group = str(request.resource.group)
+        if authorize(verb, group, resource):
+            return
+        where = f' in the namespace "{request.namespace}"' if request.namespace else " at the cluster scope"
+        qualified = f"{request.resource.plural}.{group}".rstrip(".")
+        raise kube_apiserver.forbidden(
+            qualified,
+            request.name or "",
+            f'User "{user}" cannot {verb} resource "{resource}" in API group "{group}"{where}',
+        )
 
     def _on_create(self, request: kmock.Request) -> None:
         meta = request.data.setdefault("metadata", {})
@@ -565,7 +588,26 @@ def _waits_for_dependents(obj: Mapping[str, Any]) -> bool:
 
 
 def _from_test(request: kmock.Request) -> bool:
-    return request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT)
+    return request.headers.get("User-Agent", "").startswith(TEST_USER_AGENT) and _bearer(request) is None
+
+
+def _bearer(request: kmock.Request) -> str | None:
+    """The bearer token a request carries (a service account's, see Emulator.accounts)."""
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token if scheme == "Bearer" and token else None
+
+
+def _verb_and_resource(request: kmock.Request) -> tuple[str, str]:
+    """The RBAC verb and resource[/subresource] of a request, as the API server's authorizer sees them."""
+    verb = _VERBS.get(request.action) if request.action else None
+    if request.action == kmock.action.UPDATE:
+        verb = "patch" if request.method == kmock.method.PATCH else "update"
+    if verb is None:
+        verb = str(request.method).lower()
+    resource = str(request.resource.plural)
+    if request.subresource:
+        resource += f"/{request.subresource}"
+    return verb, resource
 
 
 def _fields_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
@@ -660,6 +702,13 @@ class Cluster:
         for resource in resources:
             self.emulator.uninstalled.discard(resource)
             self.emulator.resources[resource] = RESOURCES[resource]
+
+    def service_account(self, namespace: str, name: str, authorize: Callable[[str, str, str], bool]) -> dict[str, str]:
+        """Request headers of a client acting as this service account: every call it makes is checked against
+        `authorize` (the RBAC rules bound to it) and refused 403 where not allowed (Emulator.accounts)."""
+        token = secrets.token_hex(16)
+        self.emulator.accounts[token] = (f"system:serviceaccount:{namespace}:{name}", authorize)
+        return {"Authorization": f"Bearer {token}", "User-Agent": name}
 
     async def add_pod(self, pod: dict[str, Any], namespace: str = NAMESPACE) -> None:
         await self._call("POST", f"/api/v1/namespaces/{namespace}/pods", pod)

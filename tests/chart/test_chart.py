@@ -83,6 +83,8 @@ def test_default_release_renders_exactly_these_objects(chart):
         [
             "ClusterRole",
             "ClusterRoleBinding",
+            "ClusterRole",  # Kueue's service account may read GRPOLoraJobs and RolloutPools (kueue.readJobs)
+            "ClusterRoleBinding",
             "CustomResourceDefinition",  # GRPOLoraJob (the Kopf peering CRDs only with peering.enabled)
             "CustomResourceDefinition",  # RolloutPool
             "CustomResourceDefinition",  # GRPOLoraRuntime

@@ -70,8 +70,23 @@ def expected_grant(rules: set[Triple], *, all_namespaces: bool, peering: bool, f
     }
 
 
+KUEUE_GRANT = "-kueue-reads"
+"""The suffix of the ClusterRole and binding that let Kueue read our kinds (not the operator's own RBAC)."""
+
+
+def kueue_grant(objects: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], set[Triple]] | None:
+    """(the binding's subjects, the triples it grants) of the chart's grant to Kueue's service account, if any."""
+    bindings = [o for o in objects if o["kind"] == "ClusterRoleBinding" and o["metadata"]["name"].endswith(KUEUE_GRANT)]
+    if not bindings:
+        return None
+    (binding,) = bindings
+    role = find(objects, "ClusterRole", binding["roleRef"]["name"])
+    return binding["subjects"], triples(role["rules"])
+
+
 def rbac(objects: list[dict[str, Any]]) -> tuple[set[Triple], dict[str, set[Triple]]]:
     """The ClusterRole's triples and each namespace's Role triples, following the bindings to the operator's SA."""
+    objects = [o for o in objects if not o["metadata"]["name"].endswith(KUEUE_GRANT)]
     dep = find(objects, "Deployment", namespace=NAMESPACE)
     account = dep["spec"]["template"]["spec"]["serviceAccountName"]
     subject = {"kind": "ServiceAccount", "name": account, "namespace": NAMESPACE}
@@ -225,10 +240,44 @@ def test_the_docs_promise_no_cluster_role_that_listed_namespaces_do_not_get(char
     # Kueue's ResourceFlavors when readable (the default).
     runtimes = ("grpolora.dev", "clustergrpoloraruntimes", "get")
     objects = chart.render({"watch": {"namespaces": ["team-a"]}, "kueue": {"resourceFlavors": False}})
-    (role,) = [o for o in objects if o["kind"] == "ClusterRole"]
+    (role,) = [o for o in objects if o["kind"] == "ClusterRole" and not o["metadata"]["name"].endswith(KUEUE_GRANT)]
     assert triples(role["rules"]) == {runtimes}
-    (role,) = [o for o in chart.render({"watch": {"namespaces": ["team-a"]}}) if o["kind"] == "ClusterRole"]
+    objects = chart.render({"watch": {"namespaces": ["team-a"]}})
+    (role,) = [o for o in objects if o["kind"] == "ClusterRole" and not o["metadata"]["name"].endswith(KUEUE_GRANT)]
     assert triples(role["rules"]) == {runtimes, ("kueue.x-k8s.io", "resourceflavors", "get")}
     for path in (CHART / "values.yaml", CHART / "README.md"):
         text = " ".join(path.read_text().split())
         assert "ClusterRole remains" not in text, path
+
+
+# --- what Kueue's own service account needs of our kinds ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "account"),
+    [
+        ({}, {"kind": "ServiceAccount", "name": "kueue-controller-manager", "namespace": "kueue-system"}),
+        ({"watch": {"namespaces": ["team-a"]}},
+         {"kind": "ServiceAccount", "name": "kueue-controller-manager", "namespace": "kueue-system"}),
+        ({"kueue": {"readJobs": {"serviceAccount": {"name": "kueue", "namespace": "platform"}}}},
+         {"kind": "ServiceAccount", "name": "kueue", "namespace": "platform"}),
+        ({"kueue": {"readJobs": {"enabled": False}}}, None),
+    ],
+)  # fmt: skip
+def test_kueue_may_read_the_jobs_it_finds_as_owners(chart, values, account):
+    """Kueue's webhooks read the GRPOLoraJob that owns a trainer Job with Kueue's own client once the kind is in its
+    integrations.externalFrameworks (jobframework FindAncestorJobManagedByKueue); the chart binds exactly
+    grpolora.operator.rbac.KUEUE_READS to Kueue's account (tests/operator/kueue_double.py reads with those rights),
+    cluster-wide whatever namespaces the operator watches (Kueue's own ClusterRole is cluster-wide)."""
+    from grpolora.operator import rbac as rbac_module
+
+    grant = kueue_grant(chart.render(values))
+    if account is None:
+        assert grant is None
+        return
+    assert grant is not None
+    subjects, granted = grant
+    assert subjects == [account]
+    assert granted == triples(rbac_module.KUEUE_READS)
+    text = chart.template_text(values, "--show-only", "templates/rbac.yaml")
+    assert all(f"# {rule.reason}" in text for rule in rbac_module.KUEUE_READS)

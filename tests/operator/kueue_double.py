@@ -40,6 +40,14 @@ Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 
   time with a Workload of its own.
 - the Job reconciler for such a child (jobframework/reconciler.go shouldSuspendChildJob): a running child Job
   whose managed ancestor has no unfinished Workload, or one not admitted, is suspended.
+- Kueue's rights: the ancestor is read through Kueue's own client (FindAncestorJobManagedByKueue calls
+  client.Get on the owner), as Kueue's service account, whose RBAC the emulator enforces
+  (Cluster.service_account): Kueue's ClusterRole (config/components/rbac/role.yaml, kueue-manager-role) names only
+  Kueue's built-in integrations, so a registered external kind is readable only with the rules its operator grants
+  (Kueue's "Supporting external frameworks" guide: add RBAC for the CRD; here grpolora.operator.rbac.KUEUE_READS,
+  what the chart binds to Kueue's account). A refused read fails the Job webhook, which controller-runtime turns
+  into the API status (admission.Defaulter: an APIStatus error becomes the response), and with Kueue's
+  failurePolicy Fail the API server refuses the Job.
 """
 
 from __future__ import annotations
@@ -52,9 +60,25 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+from grpolora.operator import rbac
+from grpolora.operator.rbac import Rule
+from grpolora.testing import kube_apiserver
 from grpolora.testing.kube_emulator import NAMESPACE, RESOURCES, Cluster
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
+KUEUE_ACCOUNT = ("kueue-system", "kueue-controller-manager")
+"""Kueue's service account in its default install (namespace, name): the chart's kueue.readJobs defaults."""
+KUEUE_MANAGER_RULES = (
+    Rule(("batch",), ("jobs",), ("get", "list", "watch", "update", "patch"), ""),
+    Rule(("batch",), ("jobs/status",), ("get", "update", "patch"), ""),
+    Rule(("apps",), ("statefulsets",), ("get", "list", "watch", "update", "patch"), ""),
+    Rule(("",), ("pods",), ("get", "list", "watch", "update", "patch", "delete"), ""),
+    Rule(("kueue.x-k8s.io",), ("workloads",), ("get", "list", "watch", "create", "update", "patch", "delete"), ""),
+    Rule(("kueue.x-k8s.io",), ("workloads/status",), ("get", "update", "patch"), ""),
+    Rule(("kueue.x-k8s.io",), ("resourceflavors", "clusterqueues", "localqueues"), ("get", "list", "watch"), ""),
+)
+"""Kueue's own ClusterRole, the part of it about the kinds the double touches (config/components/rbac/role.yaml):
+nothing of grpolora.dev."""
 QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 REGISTERED = ("GRPOLoraJob.v1alpha1.grpolora.dev",)
 """What docs/operator.md tells platform teams to list in Kueue's integrations.externalFrameworks."""
@@ -107,6 +131,7 @@ class FakeKueue:
         manage_jobs_without_queue_name: bool = False,
         external_frameworks: tuple[str, ...] = (),
         job_webhook: bool = False,
+        kueue_rbac: tuple[Rule, ...] = rbac.KUEUE_READS,
     ):
         self.cluster, self.capacity, self.cluster_queue = cluster, capacity, cluster_queue
         self.pods_ready_timeout, self.backoff, self.requeuing_limit = pods_ready_timeout, backoff, requeuing_limit
@@ -124,6 +149,13 @@ class FakeKueue:
         self.job_webhook = job_webhook or manage_jobs_without_queue_name or bool(external_frameworks)
         self.suspended_jobs: list[str] = []
         """batch/v1 Jobs the webhook created suspended or the Job reconciler suspended, in order."""
+        self.webhook_refusals: list[str] = []
+        """Why the Job webhook refused a create (its read of the owner refused), in order."""
+        rules = (*KUEUE_MANAGER_RULES, *kueue_rbac)
+        self.kueue_client = cluster.service_account(
+            *KUEUE_ACCOUNT, lambda verb, group, resource: any(r.allows(verb, group, resource) for r in rules)
+        )
+        """Headers of Kueue's own client: its ClusterRole plus what is bound to its account (`kueue_rbac`)."""
 
     async def __aenter__(self) -> FakeKueue:
         if self.job_webhook:
@@ -379,8 +411,9 @@ class FakeKueue:
 
     # ---- the batch/v1 Job integration's webhook and reconciler -------------------------------------------------
 
-    def _managed_ancestor(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
-        """FindAncestorJobManagedByKueue, one level up (a GRPOLoraJob has no owner of its own)."""
+    async def _managed_ancestor(self, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """FindAncestorJobManagedByKueue, one level up (a GRPOLoraJob has no owner of its own), reading the owner
+        with Kueue's client; raises kube_apiserver.Refused with the API's answer when that read is refused."""
         meta = obj.get("metadata") or {}
         owner = next((ref for ref in meta.get("ownerReferences") or [] if ref.get("controller")), None)
         if owner is None:
@@ -389,16 +422,41 @@ class FakeKueue:
         if f"{owner.get('kind')}.{version}.{group}" not in self.external_frameworks:
             return None  # not a known owner: Kueue stops walking up
         resource = next((r for r, info in RESOURCES.items() if info.kind == owner.get("kind")), None)
-        parent = self.cluster.get(resource, owner["name"], meta.get("namespace", NAMESPACE)) if resource else None
-        if parent is None or parent["metadata"].get("uid") != owner.get("uid"):
+        if resource is None:
+            return None
+        group_version, plural = resource.rsplit("/", 1)
+        path = f"/apis/{group_version}/namespaces/{meta.get('namespace', NAMESPACE)}/{plural}/{owner['name']}"
+        async with self.cluster.session.get(self.cluster.url + path, headers=self.kueue_client) as response:
+            payload = await response.json(content_type=None)
+            if response.status == 404:
+                return None
+            if response.status >= 300:
+                raise kube_apiserver.Refused(
+                    status=response.status,
+                    reason=payload.get("reason", ""),
+                    message=payload.get("message", ""),
+                    details={},
+                )
+        parent = payload
+        if parent["metadata"].get("uid") != owner.get("uid"):
             return None
         labelled = QUEUE_LABEL in ((parent.get("metadata") or {}).get("labels") or {})
         return parent if self.manage_jobs_without_queue_name or labelled else None
 
-    def _default_job(self, request: Any, obj: dict[str, Any]) -> None:
+    async def _default_job(self, request: Any, obj: dict[str, Any]) -> None:
         if (request.resource.group, request.resource.plural) != ("batch", "jobs"):
             return
-        if self._managed_ancestor(obj) is not None:
+        try:
+            ancestor = await self._managed_ancestor(obj)
+        except kube_apiserver.Refused as refused:
+            self.webhook_refusals.append(refused.message)
+            raise kube_apiserver.Refused(
+                status=refused.status,
+                reason=refused.reason,
+                message=f'admission webhook "mjob.kb.io" denied the request: {refused.message}',
+                details={},
+            ) from None
+        if ancestor is not None:
             return
         labels = (obj.get("metadata") or {}).get("labels") or {}
         if labels.get(QUEUE_LABEL) or self.manage_jobs_without_queue_name:
@@ -406,7 +464,10 @@ class FakeKueue:
             self.suspended_jobs.append(obj["metadata"]["name"])
 
     async def _reconcile_child_job(self, name: str, job: dict[str, Any]) -> None:
-        ancestor = self._managed_ancestor(job)
+        try:
+            ancestor = await self._managed_ancestor(job)
+        except kube_apiserver.Refused:
+            return  # the reconciler's error: retried with backoff, nothing changes meanwhile
         spec, status = job.get("spec") or {}, job.get("status") or {}
         finished = any(c.get("type") in ("Complete", "Failed") and c.get("status") == "True"
                        for c in status.get("conditions") or [])  # fmt: skip

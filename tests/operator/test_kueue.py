@@ -215,6 +215,25 @@ async def test_under_manage_jobs_without_queue_name_the_trainer_job_runs_only_wi
         await wait_for(lambda: "queue-name" in cluster.status("unqueued").get("message", ""), "the reason")
 
 
+async def test_with_the_kind_registered_kueue_must_be_able_to_read_it(cluster, operator):
+    """Registered in integrations.externalFrameworks, GRPOLoraJob is read by Kueue's Job webhook through Kueue's own
+    client (FindAncestorJobManagedByKueue); Kueue's ClusterRole has no rule for grpolora.dev, so without the grant
+    the chart binds to Kueue's account (grpolora.operator.rbac.KUEUE_READS) the webhook refuses every trainer Job.
+    The test with the grant is the one above (the registered job runs)."""
+    async with FakeKueue(cluster, external_frameworks=REGISTERED, kueue_rbac=()) as kueue:  # no grant
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: kueue.workload("demo"), "the Workload")
+        await kueue.admit("demo")
+        failed = await wait_for(
+            lambda: cluster.condition("demo", names.FAILED).get("reason") == names.R_CREATE_REFUSED, "refused"
+        )
+        assert failed
+        message = cluster.status("demo")["message"]
+        assert 'cannot get resource "grpolorajobs" in API group "grpolora.dev"' in message, message
+        assert "system:serviceaccount:kueue-system:kueue-controller-manager" in message
+        assert kueue.webhook_refusals and cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+
 async def test_a_suspended_job_neither_holds_nor_takes_quota_and_queues_again_when_resumed(cluster, operator):
     """The operator deactivates the Workload of a suspended job (spec.active false, as Kueue's integrations with
     custom activation do: jobframework/reconciler.go JobWithCustomWorkloadActivation); Kueue evicts it

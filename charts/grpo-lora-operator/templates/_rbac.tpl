@@ -107,3 +107,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
   resources: ["clusterkopfpeerings"]
   verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}
+
+{{- define "grpo-lora-operator.rules.kueue.reads" -}}
+# for Kueue's service account: once GRPOLoraJob is listed in Kueue's integrations.externalFrameworks, Kueue's Job, StatefulSet and Pod webhooks walk a child's owner chain and read the owning GRPOLoraJob (or RolloutPool) with Kueue's own client (jobframework FindAncestorJobManagedByKueue; Kueue's external-framework guide: add RBAC for your CRD). Kueue's ClusterRole has no rule for grpolora.dev: without this its webhooks refuse every trainer Job
+- apiGroups: ["grpolora.dev"]
+  resources: ["grpolorajobs", "rolloutpools"]
+  verbs: ["get", "list", "watch"]
+{{- end }}
