@@ -117,17 +117,55 @@ def _path(at: tuple[str, ...]) -> str:
     return "".join(part if part.startswith("[") else f".{part}" for part in at).removeprefix(".")
 
 
-def resolve_spec(runtime_spec: Mapping[str, Any], job_spec: Mapping[str, Any]) -> dict[str, Any]:
-    """A job's spec as written, merged over its runtime's spec as written (the module's rule)."""
+SERVICE_ACCOUNT_FIELDS: Final = ("serviceAccountName", "serviceAccount")  # the second: PodSpec's deprecated alias
+
+
+def resolve_spec(runtime_spec: Mapping[str, Any], job_spec: Mapping[str, Any], where: str = "its runtime") -> dict:
+    """A job's spec as written, merged over its runtime's spec as written (the module's rule); MergeError when the
+    job's `$patch` items do not fit, or when it changes a service account the runtime pins (`where` names it)."""
     base = dict(runtime_spec)
     if ((job_spec.get("inference") or {}).get("poolRef")) is not None:
         base.pop("inference", None)
-    return merge(base, job_spec)
+    merged = merge(base, job_spec)
+    errors = [e for role in ROLES for e in _service_account_changed(role, base, job_spec, merged, where)]
+    if errors:
+        raise MergeError(errors)
+    return merged
 
 
-def resolved_document(job: Mapping[str, Any], runtime_spec: Mapping[str, Any]) -> dict[str, Any]:
+def _pod_spec(spec: Mapping[str, Any], role: str) -> Mapping[str, Any]:
+    template = (spec.get(role) or {}).get("podTemplate") or {}
+    return template.get("spec") or {} if isinstance(template, Mapping) else {}
+
+
+def _service_account_changed(
+    role: str, runtime: Mapping[str, Any], job: Mapping[str, Any], merged: Mapping[str, Any], where: str
+) -> list[tuple[str, str]]:
+    """A runtime that names a service account for a role's pods pins it: whoever may create a job may otherwise run
+    its pods as any service account of the namespace (docs/operator.md, *Trust boundary*), and a platform team that
+    gives a runtime's pods an identity (a cloud IAM role through workload identity) means it as a rule, not a
+    default. So the merged pods must run as that account, whatever the job wrote (another name, the deprecated
+    alias, null)."""
+    own = _pod_spec(runtime, role)
+    pinned = next((own[f] for f in SERVICE_ACCOUNT_FIELDS if own.get(f)), None)
+    if pinned is None:
+        return []
+    result = _pod_spec(merged, role)
+    if all(result.get(f) in (None, pinned) for f in SERVICE_ACCOUNT_FIELDS) and result.get(SERVICE_ACCOUNT_FIELDS[0]):
+        return []
+    written = _pod_spec(job, role)
+    field = next((f for f in SERVICE_ACCOUNT_FIELDS if f in written and written[f] != pinned), None)
+    path = f"{role}.podTemplate.spec.{field}" if field else f"{role}.podTemplate"
+    message = (
+        f"{where} pins the {role} pods' service account to {pinned}: a job on it may not choose another; remove "
+        "this field"
+    )
+    return [(path, message)]
+
+
+def resolved_document(job: Mapping[str, Any], runtime_spec: Mapping[str, Any], where: str = "its runtime") -> dict:
     """A whole job document (as written or as read from the API) with its spec resolved on `runtime_spec`."""
-    return {**job, "spec": resolve_spec(runtime_spec, job.get("spec") or {})}
+    return {**job, "spec": resolve_spec(runtime_spec, job.get("spec") or {}, where)}
 
 
 def as_written(document: GRPOLoraJob | Runtime) -> dict[str, Any]:
@@ -164,7 +202,7 @@ def parse_resolved(
     naming the runtime when the merged spec is invalid (a field may come from either)."""
     with_runtime = f" (the job merged with {where})"
     try:
-        return parse_job(resolved_document(job, runtime_spec), source=source)
+        return parse_job(resolved_document(job, runtime_spec, where), source=source)
     except InvalidJob as exc:
         raise InvalidJob([Problem(p.path, p.message + with_runtime, p.line) for p in exc.problems], source) from None
     except MergeError as exc:

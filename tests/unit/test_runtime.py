@@ -451,3 +451,44 @@ def test_render_shows_the_runtimes_env_and_toleration_beside_the_ones_the_job_ad
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
     assert env["NCCL_IB_DISABLE"] == "1" and env["WANDB_MODE"] == "offline"
     assert GPU in pod["tolerations"] and SPOT in pod["tolerations"]
+
+
+# ---- a runtime pins the service account ------------------------------------------------------------------
+
+
+def _sa_runtime() -> Any:
+    return parse_runtime(runtime_doc(trainer={"podTemplate": {"spec": {"serviceAccountName": "trainer-bucket"}}}))
+
+
+def test_a_runtimes_service_account_is_the_jobs_pods():
+    job = parse_job(on_runtime(trainer={"podTemplate": {"spec": {"serviceAccountName": "trainer-bucket"}}}))
+    assert resolve(job, _sa_runtime()).spec.trainer.pod_template["spec"]["serviceAccountName"] == "trainer-bucket"
+    plain = resolve(parse_job(on_runtime()), _sa_runtime())
+    assert plain.spec.trainer.pod_template["spec"]["serviceAccountName"] == "trainer-bucket"
+
+
+@pytest.mark.parametrize(
+    ("pod_spec", "path"),
+    [
+        ({"serviceAccountName": "admin"}, "spec.trainer.podTemplate.spec.serviceAccountName"),
+        ({"serviceAccount": "admin"}, "spec.trainer.podTemplate.spec.serviceAccount"),  # PodSpec's deprecated alias
+        ({"serviceAccountName": None}, "spec.trainer.podTemplate.spec.serviceAccountName"),  # back to `default`
+    ],
+    ids=["name", "deprecated-alias", "null"],
+)
+def test_a_job_may_not_choose_another_service_account_than_its_runtimes(pod_spec, path):
+    job = parse_job(on_runtime(trainer={"podTemplate": {"spec": pod_spec}}))
+    with pytest.raises(InvalidJob) as caught:
+        resolve(job, _sa_runtime())
+    (problem,) = caught.value.problems
+    assert problem.path == path
+    assert problem.message.startswith(
+        "ClusterGRPOLoraRuntime gpu pins the trainer pods' service account to trainer-bucket: a job on it may not "
+        "choose another; remove this field"
+    )
+
+
+def test_the_pin_is_per_role():
+    job = parse_job(on_runtime(inference={"podTemplate": {"spec": {"serviceAccountName": "serving"}}}))
+    resolved = resolve(job, _sa_runtime()).spec
+    assert resolved.inference.pod_template["spec"]["serviceAccountName"] == "serving"
