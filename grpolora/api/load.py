@@ -326,6 +326,15 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
                 f"{spec.lora.rank}",
             )
         )
+    if spec.grpo.importance_ratio == "sequence" and spec.grpo.loss_aggregation == "token-mean":
+        warnings.append(
+            Problem(
+                "spec.grpo.importanceRatio",
+                "sequence (GSPO) with lossAggregation: token-mean: every token of a completion gets the "
+                "completion's one clipped ratio, and the token mean then weighs each completion by its length, "
+                "which GSPO's objective does not; set lossAggregation: sequence-mean (GSPO's own averaging)",
+            )
+        )
     persists = spec.output.pvc is not None if spec.output else spec.checkpoint.pvc is not None
     if not persists and not (spec.output and spec.output.push):
         warnings.append(

@@ -311,6 +311,11 @@ class GRPOSpec(SpecModel):
     above the lower side (0.28 against 0.2) so that unlikely tokens can gain probability before the clip cuts
     their gradient (against entropy collapse); GSPO's sequence-level ratios take a far narrower range
     (about 3e-4 and 4e-4)."""
+    clip_ratio_max: float | None = Field(default=None, gt=1)
+    """Two-sided clip (TRL's `delta`, INTELLECT-2): the unclipped ratio of PPO's min() is capped at this value, so
+    that with several updates per batch a negative-advantage token whose probability grew far cannot make the loss
+    unbounded (past the cap its gradient is zero). Meant above 1 + clipEpsilonHigh (e.g. 4). Unset: off. Binds only
+    where the ratio can move off 1 (`updatesPerBatch` or `miniBatches` > 1)."""
     importance_ratio: Literal["token", "sequence"] = "token"
     """Level of the clipped importance ratio: `token` (PPO/GRPO, one ratio per token) or `sequence` (GSPO: the
     geometric mean of a completion's token ratios, exp(mean_t log ratio_t), clipped for the whole completion;
@@ -384,6 +389,15 @@ class GRPOSpec(SpecModel):
     """What happens to a token whose behaviour importance weight passes `importanceWeightCap`: `truncate`, the
     weight is cut to the cap (a bounded, slightly biased gradient; IMPALA, TIS), or `mask`, the token leaves the
     loss (AReaL; verl's rollout-IS masking). Counted in `truncated_fraction` either way."""
+    importance_weight_level: Literal["token", "sequence", "geometric"] = "token"
+    """Level of the behaviour importance weight (docs/design.md has each formula): `token`, each token's own
+    pi_trainer / pi_sampler; `sequence`, the completion's likelihood ratio (the product of its token weights;
+    unbiased for a sequence-level reward, but its variance grows with length); `geometric`, that product's per-token
+    geometric mean (verl's `geo_mean`). At the sequence levels one weight applies to every token of a completion
+    and `importanceWeightCap` / `importanceWeightFloor` cut or mask the whole completion."""
+    importance_weight_floor: float | None = Field(default=None, gt=0, lt=1)
+    """Lower bound of the behaviour importance weight: a weight below it is raised to it (`truncate`) or its token
+    (completion, at the sequence levels) leaves the loss (`mask`; verl's lower threshold). Unset: none. Below 1."""
     mismatch_correction: bool | None = None
     """Also weight the tokens of on-policy steps by pi_trainer / pi_vLLM (capped as `importanceWeightMode` says):
     the weights are the version vLLM sampled from, but its kernels and dtype give other probabilities (bf16
@@ -716,6 +730,21 @@ class TaskSpec(SpecModel):
     into one. Required with `dataset`; overrides a built-in task's reward."""
     system_prompt: str | None = None
     """Optional system message put before every prompt in the chat template."""
+    chat_template_args: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra={"x-kubernetes-preserve-unknown-fields": True}
+    )
+    """Keyword arguments for the model's chat template, as `apply_chat_template` takes them (e.g. `enable_thinking:
+    false` for Qwen3, whose template otherwise lets the model think first). Values are strings, numbers or
+    booleans. The trainer renders and tokenises every prompt (training and evaluation) with them and sends the
+    replicas token ids, so vLLM generates from exactly the tokens the trainer trains on."""
+
+    @field_validator("chat_template_args")
+    @classmethod
+    def _scalar_template_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        for key, item in value.items():
+            if not isinstance(item, str | int | float | bool):
+                raise ValueError(f"{key!r}: {item!r} is not a string, number or boolean (what a template reads)")
+        return value
 
     @field_validator("reward", mode="before")
     @classmethod

@@ -770,3 +770,82 @@ def test_clipped_update_share_counts_norms_above_the_bound():
     # left alone, 3.0 is cut; 1 of 3 updates.
     assert clipped_share([0.5, 1.0, 3.0], max_norm=1.0) == pytest.approx(1 / 3)
     assert clipped_share([], max_norm=1.0) == 0.0
+
+
+# --- two-sided clip (TRL's delta) and the mismatch correction's level and floor -------------------------------------
+
+
+def test_two_sided_clip_bounds_the_loss_of_a_negative_advantage():
+    # eps 0.2, delta 3, one token per sequence, ratio r = exp(logp - proximal):
+    #   A -1, r 4:   PPO alone: -min(4 * -1, 1.2 * -1) = 4, gradient -A r = 4 (unbounded as r grows).
+    #                two-sided: -min(min(r, 3) * -1, -1.2) = 3, and min(r, 3) is flat in r: no gradient.
+    #   A -1, r 2:   below delta, as PPO: -min(-2, -1.2) = 2, gradient 2.
+    #   A +1, r 4:   -min(min(4, 3), 1.2) = -1.2 as PPO (the clip already bounds a positive advantage), no gradient.
+    # Sum 3 + 2 - 1.2 = 3.8 over 3 tokens; gradients / 3 = [0, 2/3, 0]. Tokens cut by delta count as clipped.
+    proximal = torch.full((3, 1), -3.0)
+    logp = (proximal + torch.tensor([[4.0], [2.0], [4.0]]).log()).requires_grad_()
+    kwargs = {"clip_epsilon": 0.2, "kl_coef": 0.0, "normalizer": 3}
+    advantages = torch.tensor([-1.0, -1.0, 1.0])
+    plain, _ = grpo_loss(logp, proximal, None, advantages, torch.ones(3, 1), **kwargs)
+    close(plain, (4 + 2 - 1.2) / 3)
+    loss, stats = grpo_loss(logp, proximal, None, advantages, torch.ones(3, 1), clip_ratio_max=3.0, **kwargs)
+    close(loss, 3.8 / 3)
+    loss.backward()
+    close(logp.grad, [[0.0], [2 / 3], [0.0]])
+    assert (stats.clipped_low, stats.clipped_high, stats.clipped_ratio_max) == (0.0, 1.0, 1.0)
+    assert stats.clip_fraction == pytest.approx(2 / 3)
+    with pytest.raises(ValueError, match="clip_ratio_max must be above 1"):
+        grpo_loss(logp, proximal, None, advantages, torch.ones(3, 1), clip_ratio_max=1.0, **kwargs)
+
+
+def _weights_case(level, floor=None, mode="truncate"):
+    # Two sequences of two tokens, A = 1, on-policy (ratio 1, so each token's loss is -w_t):
+    #   sequence 0: per-token weights exp(proximal - behaviour) = 2 and 0.5
+    #   sequence 1: 0.25 and 0.25
+    behaviour = torch.full((2, 2), -2.0)
+    proximal = behaviour + torch.tensor([[2.0, 0.5], [0.25, 0.25]]).log()
+    logp = proximal.clone().requires_grad_()
+    loss, stats = grpo_loss(
+        logp, proximal, None, torch.ones(2), torch.ones(2, 2), clip_epsilon=0.2, kl_coef=0.0, normalizer=4,
+        behaviour_logp=behaviour, weight_cap=3.0, weight_floor=floor, weight_mode=mode, weight_level=level,
+    )  # fmt: skip
+    loss.backward()
+    return loss, logp.grad, stats
+
+
+def test_mismatch_weight_per_token_with_a_floor():
+    # token: w = (2, 0.5 | 0.25, 0.25), loss -(2 + 0.5 + 0.25 + 0.25) / 4 = -0.75, gradient -w / 4.
+    loss, grad, _ = _weights_case("token")
+    close(loss, -0.75)
+    close(grad, [[-0.5, -0.125], [-0.0625, -0.0625]])
+    # floor 0.4, truncate: 0.25 -> 0.4: -(2 + 0.5 + 0.4 + 0.4) / 4 = -0.825; the two raised weights count.
+    loss, grad, stats = _weights_case("token", floor=0.4)
+    close(loss, -0.825)
+    close(grad, [[-0.5, -0.125], [-0.1, -0.1]])
+    assert stats.truncated == 2.0
+    # floor 0.4, mask: the two tokens below it leave the loss: -(2 + 0.5) / 4 = -0.625.
+    loss, grad, stats = _weights_case("token", floor=0.4, mode="mask")
+    close(loss, -0.625)
+    close(grad, [[-0.5, -0.125], [0.0, 0.0]])
+
+
+def test_mismatch_weight_per_sequence_and_geometric():
+    # sequence: w_b = prod_t w_t: 2 * 0.5 = 1 and 0.25 * 0.25 = 0.0625, for every token of the sequence:
+    #   loss -(1 + 1 + 0.0625 + 0.0625) / 4 = -0.53125.
+    loss, grad, stats = _weights_case("sequence")
+    close(loss, -0.53125)
+    close(grad, [[-0.25, -0.25], [-0.015625, -0.015625]])
+    assert stats.weight_max == pytest.approx(1.0) and stats.mean_weight == pytest.approx(0.53125)
+    # geometric: w_b = exp(mean_t log w_t) = sqrt(2 * 0.5) = 1 and sqrt(0.0625) = 0.25: -(1 + 1 + 0.25 + 0.25) / 4.
+    loss, grad, _ = _weights_case("geometric")
+    close(loss, -0.625)
+    close(grad, [[-0.25, -0.25], [-0.0625, -0.0625]])
+    # sequence with floor 0.1, mask: sequence 1 (0.0625) leaves whole: -(1 + 1) / 4 = -0.5; counted per token.
+    loss, grad, stats = _weights_case("sequence", floor=0.1, mode="mask")
+    close(loss, -0.5)
+    close(grad, [[-0.25, -0.25], [0.0, 0.0]])
+    assert stats.truncated == 2.0
+    with pytest.raises(ValueError, match="unknown weight level 'batch'; valid: token, sequence, geometric"):
+        _weights_case("batch")
+    with pytest.raises(ValueError, match="weight_floor must be in"):
+        _weights_case("token", floor=3.0)

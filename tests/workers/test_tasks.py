@@ -279,3 +279,30 @@ def test_plugin_folder_is_appended_to_the_import_path_once(tmp_path):
 def test_tasks_import_without_torch():
     code = "import sys, grpolora.workers.tasks\nassert 'torch' not in sys.modules, 'tasks imported torch'\n"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+# A chat template that reads `enable_thinking` as Qwen3's does: unless it is false, the model is left to think first;
+# false closes an empty think block in the generation prompt.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def test_chat_template_args_reach_the_prompt_tokens_the_replicas_get():
+    from transformers import AutoTokenizer
+
+    from grpolora.workers.models import resolve_model
+    from grpolora.workers.trainer.evaluate import tokenize_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("offline:tiny-llama"))
+    tokenizer.chat_template = THINKING_TEMPLATE
+    prompt = Prompt(text="What is 2 + 3?")
+    thinking = tokenize_prompt(tokenizer, prompt, None)
+    direct = tokenize_prompt(tokenizer, prompt, None, {"enable_thinking": False})
+    assert tokenizer.decode(thinking).endswith("<|im_start|>assistant\n")
+    assert tokenizer.decode(direct).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    # These ids are what the trainer sends (RolloutClient posts prompt_token_ids; vLLM never renders the text) and
+    # what it trains on (the group keeps them for build_batch): one rendering serves both sides.
+    assert direct[: len(thinking)] == thinking and len(direct) > len(thinking)

@@ -104,7 +104,8 @@ class Controller:
         return self.task.stream(self.spec.grpo.seed, self.ctx.progress.prompts_consumed)
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
-        return evaluate.tokenize_prompt(self.ctx.policy.tokenizer, prompt, self.spec.task.system_prompt)
+        task = self.spec.task
+        return evaluate.tokenize_prompt(self.ctx.policy.tokenizer, prompt, task.system_prompt, task.chat_template_args)
 
     def _on_policy(self, rollouts: Rollouts) -> bool:
         """Sampled from exactly the trainer's current weights: the synced version they equal, unmoved since."""

@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 from pathlib import Path
+from typing import Any
 
 from grpolora.api.spec import EvalSpec, GRPOLoraJobSpec
 from grpolora.workers.tasks import Prompt, Task, chat_messages
@@ -61,10 +62,14 @@ Generate = Callable[[list[list[int]], Sampling], list[list[Completion]]]
 (`grpolora eval`)."""
 
 
-def tokenize_prompt(tokenizer, prompt: Prompt, system_prompt: str | None) -> list[int]:
-    """A prompt's token ids as the replicas get them: its chat rendered with the template, generation prompt added."""
+def tokenize_prompt(
+    tokenizer, prompt: Prompt, system_prompt: str | None, template_args: Mapping[str, Any] | None = None
+) -> list[int]:
+    """A prompt's token ids as the replicas get them: its chat rendered with the template, generation prompt added,
+    and `template_args` (spec.task.chatTemplateArgs, e.g. enable_thinking) passed to the template. The replicas
+    receive these ids, never the text, so generation and training see the same prompt tokens."""
     text = tokenizer.apply_chat_template(
-        chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True
+        chat_messages(prompt, system_prompt), tokenize=False, add_generation_prompt=True, **(template_args or {})
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
@@ -143,7 +148,9 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
                         evaluate,
                         prompts,
                         task=task,
-                        tokenize=lambda p: tokenize_prompt(tokenizer, p, spec.task.system_prompt),
+                        tokenize=lambda p: tokenize_prompt(
+                            tokenizer, p, spec.task.system_prompt, spec.task.chat_template_args
+                        ),
                         generate=generate,
                         spec=spec,
                     )

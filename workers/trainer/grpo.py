@@ -20,6 +20,7 @@ AdvantageScale = Literal["group-std", "batch-std", "none"]
 LossAggregation = Literal["token-mean", "sequence-mean", "constant"]
 RatioLevel = Literal["token", "sequence"]
 WeightMode = Literal["truncate", "mask"]
+WeightLevel = Literal["token", "sequence", "geometric"]
 
 
 def group_advantages(
@@ -301,7 +302,9 @@ class LossStats(_Reducible):
     weight_max: float = 0.0
     """Largest behaviour importance weight, before truncation."""
     truncated: float = 0.0
-    """Tokens whose behaviour importance weight passed the cap (cut to it, or masked)."""
+    """Tokens whose behaviour importance weight passed the cap or the floor (cut to it, or masked)."""
+    clipped_ratio_max: float = 0.0
+    """Tokens with A < 0 and ratio > clip_ratio_max: the two-sided clip zeroes their policy gradient."""
 
     @classmethod
     def from_tensor(cls, values: Tensor) -> LossStats:
@@ -309,7 +312,7 @@ class LossStats(_Reducible):
 
     @property
     def clip_fraction(self) -> float:
-        return safe_div(self.clipped_low + self.clipped_high, self.token_count)
+        return safe_div(self.clipped_low + self.clipped_high + self.clipped_ratio_max, self.token_count)
 
     @property
     def mean_ratio(self) -> float:
@@ -371,15 +374,22 @@ def grpo_loss(
     behaviour_logp: Tensor | None = None,
     weight_cap: float = float("inf"),
     weight_mode: WeightMode = "truncate",
+    weight_level: WeightLevel = "token",
+    weight_floor: float | None = None,
+    clip_ratio_max: float | None = None,
 ) -> tuple[Tensor, LossStats]:
     """GRPO loss of one micro-batch: PPO clipped surrogate plus k3 KL, summed over completion tokens only; with
     `behaviour_logp`, the decoupled PPO objective (Hilton et al. 2021, as AReaL uses it; docs/design.md).
 
         ratio_t = exp(logp_t - proximal_logp_t)                                  (ratio_level "token")
         ratio_t = exp(sum_t'(logp_t' - proximal_logp_t') / |y|) for every t      (ratio_level "sequence", GSPO)
-        w_t     = min(exp(proximal_logp_t - behaviour_logp_t), weight_cap)     (1 without behaviour_logp)
-                  or, with weight_mode "mask", w_t if w_t <= weight_cap else 0
-        l_t     = -w_t * min(ratio_t * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
+        d_t     = proximal_logp_t - behaviour_logp_t
+        w_t     = exp(d_t)                                  (weight_level "token"; 1 without behaviour_logp)
+        w_t     = exp(sum_t' d_t')  for every t of y        (weight_level "sequence": the sequence's likelihood ratio)
+        w_t     = exp(sum_t' d_t' / |y|)  for every t of y  (weight_level "geometric": its per-token geometric mean)
+        w_t     = clamp(w_t, weight_floor, weight_cap)      (weight_mode "truncate")
+                  or w_t if weight_floor <= w_t <= weight_cap else 0    (weight_mode "mask")
+        l_t     = -w_t * min(min(ratio_t, clip_ratio_max) * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
                   + kl_coef * k3(logp_t, ref_logp_t)
         loss    = sum_t(l_t * mask_t) / normalizer                                (token-mean, constant)
         loss    = sum_b(sum_t(l_t * mask_t) / |y_b|) / normalizer                 (sequence-mean)
@@ -391,6 +401,15 @@ def grpo_loss(
     is truncated at `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance
     (or, `mask`, such a token leaves the loss: no biased gradient for it, but none at all).
     Without it (an on-policy step) this is the plain clipped surrogate.
+
+    `weight_floor` (None: no lower bound) keeps tokens (or, at the sequence levels, whole sequences) the trainer
+    finds far less likely than the sampler did from pulling the gradient down to nothing (truncate) or drops them
+    (mask, verl's rollout-IS lower threshold); a sequence-level weight multiplies |y| token ratios, so its cap and
+    floor want a wider range than the token level's.
+    `clip_ratio_max` (TRL's `delta`, INTELLECT-2's two-sided clip; None: off): PPO's min() leaves the ratio of a
+    negative-advantage token unbounded above, so with several updates per batch one token whose probability grew
+    far can dominate the loss; capping that ratio at delta bounds it (and zeroes its gradient past delta). A
+    positive advantage is already bounded by the clip at 1 + eps_high.
 
     Clip range: eps_low = `clip_epsilon`, eps_high = `clip_epsilon_high` (the same when None). DAPO's clip-higher
     (eps_high > eps_low) leaves a low-probability token more room to rise before its gradient is cut.
@@ -424,6 +443,12 @@ def grpo_loss(
         raise ValueError(f"unknown loss aggregation {aggregation!r}; valid: token-mean, sequence-mean, constant")
     if weight_mode not in ("truncate", "mask"):
         raise ValueError(f"unknown weight mode {weight_mode!r}; valid: truncate, mask")
+    if weight_level not in ("token", "sequence", "geometric"):
+        raise ValueError(f"unknown weight level {weight_level!r}; valid: token, sequence, geometric")
+    if weight_floor is not None and not 0 < weight_floor < min(weight_cap, 1.0):
+        raise ValueError(f"weight_floor must be in (0, min(weight_cap, 1)), got {weight_floor}")
+    if clip_ratio_max is not None and not clip_ratio_max > 1:
+        raise ValueError(f"clip_ratio_max must be above 1 (it caps ratios above the clip range), got {clip_ratio_max}")
     if ratio_level not in ("token", "sequence"):
         raise ValueError(f"unknown ratio level {ratio_level!r}; valid: token, sequence")
     shapes = [t.shape for t in (proximal_logp, mask, behaviour_logp) if t is not None]
@@ -448,13 +473,22 @@ def grpo_loss(
     else:
         ratio = torch.exp(logp - proximal_logp)
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
-    policy_loss = -torch.minimum(ratio * adv, clipped_ratio * adv)
+    unclipped = ratio if clip_ratio_max is None else ratio.clamp(max=clip_ratio_max)
+    policy_loss = -torch.minimum(unclipped * adv, clipped_ratio * adv)
     if behaviour_logp is not None:
-        behaviour_weight = torch.exp(proximal_logp - torch.where(keep, behaviour_logp.detach(), zero))
+        log_weight = proximal_logp - torch.where(keep, behaviour_logp.detach(), zero)
+        if weight_level != "token":
+            log_weight = (log_weight * weight).sum(dim=1, keepdim=True)
+            if weight_level == "geometric":
+                log_weight = log_weight / lengths
+            log_weight = log_weight.expand_as(logp)
+        behaviour_weight = torch.exp(log_weight)
+        floor = 0.0 if weight_floor is None else weight_floor
+        outside = (behaviour_weight > weight_cap) | (behaviour_weight < floor)
         if weight_mode == "mask":
-            capped = torch.where(behaviour_weight > weight_cap, zero, behaviour_weight)
+            capped = torch.where(outside, zero, behaviour_weight)
         else:
-            capped = behaviour_weight.clamp(max=weight_cap)
+            capped = behaviour_weight.clamp(min=floor, max=weight_cap)
         policy_loss = capped * policy_loss
     per_token = policy_loss
     kl = None
@@ -478,10 +512,15 @@ def grpo_loss(
                         weight.sum(),
                         (behaviour_weight * weight).sum(),
                         torch.where(keep, behaviour_weight, zero).max() if keep.any() else zero,
-                        ((behaviour_weight > weight_cap) & keep).sum().to(weight.dtype),
+                        (outside & keep).sum().to(weight.dtype),
                     )
                     if behaviour_logp is not None
                     else (zero, zero, zero, zero)
+                ),
+                (
+                    ((ratio > clip_ratio_max) & (adv < 0) & keep).sum().to(weight.dtype)
+                    if clip_ratio_max is not None
+                    else zero
                 ),
             ]
         )

@@ -337,6 +337,9 @@ def _backward(
         behaviour_logp=batch.behaviour_logprobs if weighted else None,
         weight_cap=grpo.importance_weight_cap,
         weight_mode=grpo.importance_weight_mode,
+        weight_level=grpo.importance_weight_level,
+        weight_floor=grpo.importance_weight_floor,
+        clip_ratio_max=grpo.clip_ratio_max,
     )
     loss.backward()
     return stats

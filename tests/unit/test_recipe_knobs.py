@@ -1,0 +1,42 @@
+"""The GRPO recipe's knobs of issue 37 at the schema: what `grpolora validate` warns about or refuses."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpolora.api.load import InvalidJob, job_warnings, parse_job
+from tests.helpers import job_doc
+
+
+def _warnings(path: str, **grpo) -> list[str]:
+    return [w.message for w in job_warnings(parse_job(job_doc(grpo=grpo))) if w.path == path]
+
+
+def test_gspo_on_the_token_mean_loss_is_warned_about():
+    # GSPO's sequence-level ratio gives every token of a completion the same clipped weight; a token-mean loss then
+    # sums over tokens, so a completion weighs in proportion to its length (TRL warns of the same; verl forces
+    # per-sequence averaging with GSPO).
+    [message] = _warnings("spec.grpo.importanceRatio", importanceRatio="sequence")
+    assert "lossAggregation: token-mean" in message and "sequence-mean" in message and "length" in message
+    assert not _warnings("spec.grpo.importanceRatio", importanceRatio="sequence", lossAggregation="sequence-mean")
+    assert not _warnings("spec.grpo.importanceRatio")
+
+
+def test_the_two_sided_clip_and_the_weight_floor_are_checked():
+    assert parse_job(job_doc(grpo={"clipRatioMax": 4})).spec.grpo.clip_ratio_max == 4
+    with pytest.raises(InvalidJob, match="clipRatioMax"):
+        parse_job(job_doc(grpo={"clipRatioMax": 1.0}))
+    grpo = parse_job(job_doc(grpo={"importanceWeightLevel": "geometric", "importanceWeightFloor": 0.5})).spec.grpo
+    assert (grpo.importance_weight_level, grpo.importance_weight_floor) == ("geometric", 0.5)
+    with pytest.raises(InvalidJob, match="importanceWeightLevel"):
+        parse_job(job_doc(grpo={"importanceWeightLevel": "batch"}))
+    with pytest.raises(InvalidJob, match="importanceWeightFloor"):
+        parse_job(job_doc(grpo={"importanceWeightFloor": 1.5}))
+
+
+def test_chat_template_args_take_scalars_only():
+    task = {"name": "arithmetic", "chatTemplateArgs": {"enable_thinking": False, "reasoning_effort": "low"}}
+    parsed = parse_job(job_doc(task=task)).spec.task
+    assert parsed.chat_template_args == {"enable_thinking": False, "reasoning_effort": "low"}
+    with pytest.raises(InvalidJob, match=r"chatTemplateArgs.*'tools'.*not a string, number or boolean"):
+        parse_job(job_doc(task={"name": "arithmetic", "chatTemplateArgs": {"tools": [{"x": 1}]}}))
