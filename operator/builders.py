@@ -27,9 +27,12 @@ from grpolora.api import constants as c
 from grpolora.api import contract, overlay
 from grpolora.api.plan import (
     DATASET_MOUNT,
+    HUB_TOKEN_MOUNT,
     MODEL_MOUNT,
     POOL_JOBS_MOUNT,
+    SECRET_FILE,
     SECRETS_MOUNT,
+    TOKEN_MOUNT,
     JobPlan,
     PoolPlan,
     RolePlan,
@@ -428,7 +431,7 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         ],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
         "env": _env(plan, role),
-        "resources": _resources(placement.resources, placement.gpus),
+        "resources": _resources(placement.resources, placement.gpus, model.cache_size),
         "volumeMounts": [
             {"name": "shm", "mountPath": SHM_MOUNT},
             {"name": "cache", "mountPath": CACHE_MOUNT},
@@ -443,8 +446,12 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
     volumes: list[dict[str, Any]] = [
         # NCCL and vLLM's CPU backend use shared memory well beyond the default 64 MiB.
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec(plan, role).shm_size_limit}},
-        {"name": "cache", "emptyDir": {}},
+        # The model is downloaded here (HF_HOME): sized by spec.model.cacheSize, which _resources also requests.
+        {"name": "cache", "emptyDir": {"sizeLimit": model.cache_size} if model.cache_size else {}},
     ]
+    for name, path, secret, key in _secret_files(role, model):
+        container["volumeMounts"].append({"name": name, "mountPath": path, "readOnly": True})
+        volumes.append({"name": name, "secret": {"secretName": secret, "items": [{"key": key, "path": SECRET_FILE}]}})
     if model.source is not None:
         pvc = model.source.pvc
         mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
@@ -499,6 +506,16 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
     if placement.image_pull_secrets:  # the cluster's (grpolora.api.plan.WorkerDefaults); a podTemplate adds its own
         pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
     return pod
+
+
+def _secret_files(role: RolePlan, model: ModelSpec) -> list[tuple[str, str, str, str]]:
+    """(volume, mount path, Secret, key) of each Secret key the worker reads as a file: the job's token (the contract
+    variable that names its file is in _env) and spec.model.tokenFrom's hub token (HF_TOKEN_PATH, from the plan)."""
+    found = [(c.TOKEN_VOLUME, TOKEN_MOUNT, *var.secret) for var in role.env if var.secret is not None]
+    assert len(found) <= 1, "one Secret key per pod is mounted at TOKEN_MOUNT"
+    if model.token_from is not None:
+        found.append((c.HUB_TOKEN_VOLUME, HUB_TOKEN_MOUNT, model.token_from.secret_name, model.token_from.key))
+    return found
 
 
 def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -570,18 +587,22 @@ def _env(plan: Plan, role: RolePlan) -> list[dict[str, Any]]:
     for var in role.env:
         if var.replica_index:
             result.append({"name": var.name, "valueFrom": {"fieldRef": {"fieldPath": index_field}}})
-        elif var.secret is not None:
-            secret_name, key = var.secret
-            result.append({"name": var.name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}})
+        elif var.secret is not None:  # a file (_secret_files mounts it): no secret in the env
+            assert var.secret_file is not None, f"{var.name}: a Secret key reaches pods as a file"
+            result.append({"name": var.secret_file, "value": f"{TOKEN_MOUNT}/{SECRET_FILE}"})
         else:
             result.append({"name": var.name, "value": var.value})
     return result + [copy.deepcopy(dict(v)) for v in role.user_env]
 
 
-def _resources(resources: Mapping[str, Any], gpus: int) -> dict[str, Any]:
+def _resources(resources: Mapping[str, Any], gpus: int, cache_size: str | None = None) -> dict[str, Any]:
     result = copy.deepcopy(dict(resources))
     if gpus:
         result.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+    if cache_size:
+        # The scheduler counts requests, not an emptyDir's sizeLimit: without this a pod lands on a node whose disk
+        # cannot hold the model. A request of the role's own covers it and whatever else the pod writes.
+        result.setdefault("requests", {}).setdefault("ephemeral-storage", cache_size)
     return result
 
 

@@ -132,7 +132,12 @@ MODEL_MOUNT: Final = "/models"
 # A RolloutPool's attachment list (its Secret, mounted into its servers).
 POOL_JOBS_VOLUME: Final = "pool-jobs"
 POOL_JOBS_MOUNT: Final = "/var/run/grpolora/pool"
-POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME)
+# The job's sync token and spec.model.tokenFrom's hub token, each a read-only file (never an env variable).
+TOKEN_VOLUME: Final = "job-token"
+TOKEN_MOUNT: Final = "/var/run/grpolora/token"
+HUB_TOKEN_VOLUME: Final = "hub-token"
+HUB_TOKEN_MOUNT: Final = "/var/run/grpolora/hub-token"
+POD_VOLUMES: Final = ("shm", "cache", "model", "checkpoints", POOL_JOBS_VOLUME, TOKEN_VOLUME, HUB_TOKEN_VOLUME)
 
 # Kueue: this label on a GRPOLoraJob (or its spec.scheduling.queueName, which a runtime may set) names the LocalQueue;
 # the operator then creates one Kueue Workload holding a pod set per role, so that Kueue admits both pools' pods

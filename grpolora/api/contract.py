@@ -18,6 +18,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Final, Literal
 
 from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec
@@ -38,7 +39,10 @@ ROLE: Final = "GRPOLORA_ROLE"
 SPEC: Final = "GRPOLORA_SPEC"  # the validated job spec as JSON (camelCase, defaults filled in)
 REPLICA_INDEX: Final = "GRPOLORA_REPLICA_INDEX"  # this pod's index within its role
 MODEL: Final = "GRPOLORA_MODEL"  # where to load the base model from: a hub id or a path in the pod
-TOKEN: Final = "GRPOLORA_TOKEN"  # per-job secret required by the control endpoints
+TOKEN: Final = "GRPOLORA_TOKEN"  # per-job secret required by the control endpoints (local runs)
+# In pods: the file holding that token, the job's token Secret mounted read-only (no secret in the env). A worker
+# reads the token from this file when it is set, else from GRPOLORA_TOKEN.
+TOKEN_FILE: Final = "GRPOLORA_TOKEN_FILE"
 # Read by huggingface_hub itself (its constants.HF_TOKEN_PATH), so by every hub client in the pod: the file that holds
 # the hub token of spec.model.tokenFrom, which the operator mounts. A file, not HF_TOKEN: no secret in the env.
 HUB_TOKEN_PATH: Final = "HF_TOKEN_PATH"
@@ -88,6 +92,8 @@ ALL: Final = (
     REPLICA_INDEX,
     MODEL,
     TOKEN,
+    TOKEN_FILE,
+    HUB_TOKEN_PATH,
     BIND_ADDR,
     SYNC_ADDR,
     SYNC_PORT,
@@ -196,7 +202,7 @@ class WorkerEnv:
             spec=spec,
             replica_index=index,
             model=get(MODEL),
-            token=get(TOKEN),
+            token=read.secret(TOKEN, TOKEN_FILE),
             bind_addr=read.env.get(BIND_ADDR) or "0.0.0.0",
             master_addr=get(MASTER_ADDR),
             master_port=integer(MASTER_PORT),
@@ -287,6 +293,19 @@ class _Reader:
         value = self.env.get(name)
         if value is None or value == "":
             raise ContractError(f"environment variable {name} is not set (see docs/contract.md)")
+        return value
+
+    def secret(self, name: str, file_name: str) -> str:
+        """A secret from the file `file_name` names (how pods get it), else from the variable `name` itself."""
+        path = self.env.get(file_name)
+        if not path:
+            return self.get(name)
+        try:
+            value = Path(path).read_text(encoding="utf-8").strip()
+        except OSError as exc:
+            raise ContractError(f"environment variable {file_name}={path}: cannot read the file ({exc})") from None
+        if not value:
+            raise ContractError(f"environment variable {file_name}={path}: the file is empty")
         return value
 
     def integer(self, name: str) -> int:

@@ -14,12 +14,17 @@ from typing import Any, Literal
 from grpolora.api import constants as c
 from grpolora.api import contract as env
 from grpolora.api.pool import JOBS_FILE_KEY, PoolReplicas, bind, fit_errors
-from grpolora.api.spec import FieldErrors, GRPOLoraJob, GRPOLoraJobSpec, RoleSpec, RolloutPool
+from grpolora.api.spec import FieldErrors, GRPOLoraJob, GRPOLoraJobSpec, ModelSpec, RoleSpec, RolloutPool
 
 Role = Literal["trainer", "inference"]
 MODEL_MOUNT = c.MODEL_MOUNT
 DATASET_MOUNT = "/data"
 SECRETS_MOUNT = "/var/run/grpolora/secrets"
+# Each Secret key a pod reads is one file under its mount, named after this (a Secret volume's `items[].path`).
+SECRET_FILE = "token"
+TOKEN_MOUNT = c.TOKEN_MOUNT
+HUB_TOKEN_MOUNT = c.HUB_TOKEN_MOUNT
+HUB_TOKEN_FILE = f"{HUB_TOKEN_MOUNT}/{SECRET_FILE}"
 
 
 def trainer_secrets(spec: GRPOLoraJobSpec) -> tuple[str, ...]:
@@ -64,12 +69,15 @@ Network = ClusterNetwork | LoopbackNetwork
 
 @dataclass(frozen=True)
 class EnvVar:
-    """One contract variable: a literal value, this pod's index in its role, or a Secret key."""
+    """One contract variable: a literal value, this pod's index in its role, or a Secret key. In pods a Secret key
+    is a read-only file, which the variable `secret_file` names (no secret in a pod's env); a local run passes the
+    value itself in `name`."""
 
     name: str
     value: str | None = None
     replica_index: bool = False
     secret: tuple[str, str] | None = None  # (Secret name, key)
+    secret_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -219,6 +227,12 @@ def _endpoints(network: Network, workload: str, namespace: str, port: int, count
     )
 
 
+def _hub_token(model: ModelSpec, cluster: bool) -> tuple[EnvVar, ...]:
+    """Where huggingface_hub finds spec.model.tokenFrom's token in a pod (the operator mounts it there). A local run
+    uses the hub login of whoever runs it."""
+    return (EnvVar(env.HUB_TOKEN_PATH, HUB_TOKEN_FILE),) if cluster and model.token_from is not None else ()
+
+
 def _model_location(spec_model) -> str:
     return f"{MODEL_MOUNT}/{spec_model.name.lstrip('/')}" if spec_model.source else spec_model.name
 
@@ -249,6 +263,7 @@ def plan_pool(pool: RolloutPool, network: Network | None = None) -> PoolPlan:
         EnvVar(env.HTTP_PORT, str(network.inference_port(spec.port, 0))),
         EnvVar(env.SYNC_BACKEND, "nccl" if spec.gpus_per_replica else "gloo"),
         EnvVar(env.POOL_JOBS_FILE, f"{POOL_JOBS_MOUNT}/{JOBS_FILE_KEY}"),
+        *_hub_token(spec.model, isinstance(network, ClusterNetwork)),
     )
     role = RolePlan(
         role=c.ROLE_INFERENCE,
@@ -321,7 +336,8 @@ def plan(
         EnvVar(env.SPEC, json.dumps(spec.to_wire(), separators=(",", ":"), sort_keys=True)),
         EnvVar(env.MODEL, model),
         EnvVar(env.REPLICA_INDEX, replica_index=True),
-        EnvVar(env.TOKEN, secret=(names["token"], c.TOKEN_SECRET_KEY)),
+        EnvVar(env.TOKEN, secret=(names["token"], c.TOKEN_SECRET_KEY), secret_file=env.TOKEN_FILE),
+        *_hub_token(spec.model, cluster),
         EnvVar(env.BIND_ADDR, network.bind_addr),
         EnvVar(env.MASTER_ADDR, trainer_hosts[0]),
         EnvVar(env.MASTER_PORT, str(spec.trainer.master_port)),

@@ -183,6 +183,21 @@ class ModelSpec(SpecModel):
     """Compute dtype of the base model on trainer and inference (LoRA master weights stay float32)."""
     source: ModelSource | None = None
     """Where the weights come from when not from a hub."""
+    token_from: HubTokenRef | None = None
+    """The Secret holding the hub token, for a gated or private model: mounted read-only as a file in every
+    trainer and inference pod, where HF_TOKEN_PATH points (huggingface_hub reads it; never an env variable)."""
+    cache_size: str | None = None
+    """Disk for the model each pod downloads (e.g. 40Gi: about twice the weights of an 8B bf16 model, for the
+    download and its cache): the size limit of the pod's /cache emptyDir, and its ephemeral-storage request (unless
+    the role's resources request one), so that pods land on nodes with the disk and a full cache evicts only its
+    pod. Unset: no limit and no request. A model read from `source.pvc` is not downloaded."""
+
+    @field_validator("cache_size")
+    @classmethod
+    def _cache_quantity(cls, value: str | None) -> str | None:
+        if value is not None and not kubetypes.QUANTITY.match(value):
+            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 40Gi, 500G)")
+        return value
 
 
 class LoraSpec(SpecModel):
@@ -632,6 +647,14 @@ def pod_secret_references(env: list[dict[str, Any]], pod_template: Mapping[str, 
 class SecretRef(SpecModel):
     secret_name: SecretName
     """Name of a Secret in the job's namespace."""
+
+
+class HubTokenRef(SpecModel):
+    secret_name: SecretName
+    """Name of a Secret in the namespace (the job's, or the RolloutPool's) holding a hub token that can read the
+    model."""
+    key: NonEmptyStr = c.TOKEN_SECRET_KEY
+    """The Secret's key that holds the token."""
 
 
 REWARD_LABEL = re.compile(r"^[A-Za-z0-9_.-]+$")
@@ -1331,6 +1354,8 @@ class GRPOLoraJobSpec(SpecModel):
     def secret_references(self) -> list[tuple[str, str]]:
         """(field path, Secret name) of every Secret the job's pods read by the job's say (not its own token)."""
         found: list[tuple[str, str]] = []
+        if self.model.token_from is not None:
+            found.append(("model.tokenFrom.secretName", self.model.token_from.secret_name))
         rewards = self.task.reward if isinstance(self.task.reward, list) else []
         for i, reward in enumerate(rewards):
             if reward.headers_from is not None:

@@ -119,19 +119,27 @@ def test_the_contract_says_which_variables_each_pod_gets():
         return rendered_env(build_children(plan(parse_job(doc)), owner_uid="u", token="t"))
 
     plain = job_env(job_doc())
+    hub_token = {"secretName": "hf", "key": "token"}
     conditional = job_env(
         job_doc(
+            model={"name": "Qwen/Qwen3-0.6B", "tokenFrom": hub_token},
             task={
                 "dataset": {"pvc": {"claimName": "prompts"}, "path": "train.parquet"},
                 "reward": [{"url": "http://reward.rl.svc:8000/score", "headersFrom": {"secretName": "reward-auth"}}],
-            }
+            },
         )
     )
-    pool = parse_pool(yaml.safe_load((ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml").read_text()))
-    plain |= rendered_env(
-        build_pool_children(plan_pool(pool), owner_uid="u", attachments=Attachments(pool="p", jobs=[]))
-    )
-    conditional[POD_KINDS[2]] = plain[POD_KINDS[2]]
+    pool_doc = yaml.safe_load((ROOT / "examples" / "pool" / "qwen3-shared-pool.yaml").read_text())
+
+    def pool_env(doc: dict[str, Any]) -> dict[str, set[str]]:
+        pool = parse_pool(doc)
+        return rendered_env(
+            build_pool_children(plan_pool(pool), owner_uid="u", attachments=Attachments(pool="p", jobs=[]))
+        )
+
+    plain |= pool_env(pool_doc)
+    pool_doc["spec"]["model"]["tokenFrom"] = hub_token
+    conditional |= pool_env(pool_doc)
     assert sorted(plain) == sorted(conditional) == sorted(POD_KINDS)
     for kind in POD_KINDS:
         always = {v for v, cell in table[kind].items() if cell == "yes"}
