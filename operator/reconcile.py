@@ -853,7 +853,7 @@ def _status(
     build: _Build,
     stamp: str,
 ) -> tuple[JobStatus, bool]:
-    """The job's whole status after the pass, and whether its pods count as ready (Kueue's PodsReady)."""
+    """The job's whole status after the pass, and whether its pods let it make progress (Kueue's PodsReady)."""
     spec, place, phase = where.job_plan.spec, where.place, course.phase
     tj, sts = observed.trainer_job, observed.inference
     wanted = phase not in (*TERMINAL, "Suspended")
@@ -931,7 +931,8 @@ def _status(
         pool=where.job_plan.pool,
         token_digest=course.token_digest,
     )
-    return status, wanted and pods.status == "True"
+    serving = _serving_replicas(spec, sts, place)
+    return status, wanted and makes_progress(counts.trainer.ready, counts.trainer.desired, serving)
 
 
 def _pending_message(
@@ -974,7 +975,7 @@ def _queue_write(
         observed.queue_workload,
         now=stamp,
         inactive=observed.trainer_job is None and observed.inference is None,
-        # The counts of the job's own PodsReady condition (on a pool, the pool's servers count as well).
+        # What the job needs to make progress (makes_progress), not every pod of its own PodsReady condition.
         pods_ready=pods_ready,
         finished=None,
         suspended=where.job_plan.spec.suspend,
@@ -1332,6 +1333,15 @@ def _serving_replicas(
     return None if sts is None else RoleReplicas(desired=spec.inference.replicas, ready=obs.statefulset_ready(sts))
 
 
+def makes_progress(trainer_ready: int, trainer_desired: int, serving: RoleReplicas | None) -> bool:
+    """What a job needs to make progress: every trainer rank ready (the ranks train together) and at least one
+    serving replica ready (the trainer generates on the replicas that serve and syncs the adapter to those; a lost or
+    unscheduled replica rejoins at the next sync round). Kueue's PodsReady on the job's Workload says this, so that
+    waitForPodsReady (timeout, and since Kueue 0.16 recoveryTimeout, which defaults to timeout) evicts only a job that
+    cannot go on; the job's own PodsReady condition counts every pod."""
+    return serving is not None and trainer_ready >= trainer_desired and serving.ready >= min(1, serving.desired)
+
+
 def _startup_overdue(
     spec: GRPOLoraJobSpec,
     old: JobStatus,
@@ -1351,8 +1361,12 @@ def _startup_overdue(
     deadline = spec.scheduling.startup_deadline_seconds
     if deadline is None or phase not in ("Pending", "Running") or tj is None or serving is None:
         return None
-    needed = min(1, serving.desired) if on_pool else serving.desired
-    if obs.job_ready(tj) >= spec.trainer.replicas and serving.ready >= needed:
+    trainer_ready = obs.job_ready(tj)
+    if (
+        makes_progress(trainer_ready, spec.trainer.replicas, serving)
+        if on_pool
+        else (trainer_ready >= spec.trainer.replicas and serving.ready >= serving.desired)
+    ):
         return None
     since = cond.find(old.conditions, names.PODS_READY)
     if since is None or since.status != "False" or not since.last_transition_time:

@@ -27,6 +27,12 @@ Each rule below names where Kueue does the same (kubernetes-sigs/kueue, main of 
   `requeuing_limit` (waitForPodsReady.requeuingStrategy.backoffLimitCount), a timeout beyond it deactivates the
   Workload instead (triggerDeactivation: DeactivationTarget True, RequeuingLimitExceeded; then spec.active false,
   and the eviction says DeactivatedDueToRequeuingLimitExceeded).
+- waitForPodsReady.recoveryTimeout (`recovery_timeout`): a Workload that was ready and whose PodsReady turned False
+  (WaitForRecovery) is evicted the same way once it has stayed so that long. Unset, it is `timeout`: Kueue's
+  "Setup All-or-nothing with ready Pods" (site/content/en/docs/tasks/manage/setup_wait_for_pods_ready.md: "If not
+  specified, it defaults to the value of `timeout`. Setting `recoveryTimeout: 0s` disables recovery timeout
+  checking"; the default since Kueue 0.16). So by default a job whose PodsReady says False for a lost pod is evicted
+  after the same timeout as one that never started.
 - deactivation (workload_controller.go Reconcile, the branch of an inactive Workload): a Workload with `spec.active:
   false` that is not evicted yet is evicted with reason Deactivated, "The workload is deactivated" (with a quota
   reservation or not), and its requeueState is cleared; reactivated, one whose Requeued is False with reason
@@ -126,6 +132,7 @@ class FakeKueue:
         capacity: int | None = None,
         cluster_queue: str = "cq",
         pods_ready_timeout: float | None = None,
+        recovery_timeout: float | None = None,
         backoff: float = 0.2,
         requeuing_limit: int | None = None,
         manage_jobs_without_queue_name: bool = False,
@@ -135,6 +142,9 @@ class FakeKueue:
     ):
         self.cluster, self.capacity, self.cluster_queue = cluster, capacity, cluster_queue
         self.pods_ready_timeout, self.backoff, self.requeuing_limit = pods_ready_timeout, backoff, requeuing_limit
+        self.recovery_timeout = recovery_timeout
+        """None: not configured, so Kueue's default, `pods_ready_timeout`; 0 disables it."""
+        self._recovering_since: dict[str, float] = {}
         self._task: asyncio.Task[None] | None = None
         self.admissions: list[str] = []
         """Names of the Workloads the double admitted, in order (one entry per admission)."""
@@ -251,6 +261,7 @@ class FakeKueue:
         await self._write_status(name, change, namespace)
         self.admissions.append(name)
         self._admitted_at[name] = time.monotonic()
+        self._recovering_since.pop(name, None)
 
     async def evict(self, name: str, reason: str = "Preempted", message: str = "", namespace: str = NAMESPACE) -> None:
         """Evicted True (and Preempted True for a preemption); the admission and QuotaReserved stay."""
@@ -377,15 +388,21 @@ class FakeKueue:
             return
         if not is_true(workload, "Admitted") or name not in self._admitted_at:
             return
-        if time.monotonic() - self._admitted_at[name] < self.pods_ready_timeout:
-            return
-        if is_true(workload, "PodsReady"):
-            if name not in self.ready_in_time:
-                self.ready_in_time.append(name)
-            return
         ready = find(workload, "PodsReady")
-        if ready is not None and ready["reason"] not in ("WaitForStart", "PodsReady"):
-            return  # WaitForRecovery: only a recoveryTimeout (not configured here) evicts it
+        if ready is not None and (ready["status"], ready["reason"]) == ("False", "WaitForRecovery"):
+            # Ready once, then not: the recovery timeout runs from when it turned so (seen by this loop).
+            since = self._recovering_since.setdefault(name, time.monotonic())
+            recovery = self.pods_ready_timeout if self.recovery_timeout is None else self.recovery_timeout
+            if not recovery or time.monotonic() - since < recovery:
+                return
+        else:
+            self._recovering_since.pop(name, None)
+            if time.monotonic() - self._admitted_at[name] < self.pods_ready_timeout:
+                return
+            if is_true(workload, "PodsReady"):
+                if name not in self.ready_in_time:
+                    self.ready_in_time.append(name)
+                return
         count = int(((workload.get("status") or {}).get("requeueState") or {}).get("count") or 0) + 1
         if self.requeuing_limit is not None and count > self.requeuing_limit:
 

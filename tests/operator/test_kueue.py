@@ -445,3 +445,30 @@ async def test_a_job_that_failed_to_start_gives_its_quota_back_and_queues_anew_o
     assert cluster.get("batch/v1/jobs", "demo-trainer") is None, "nothing runs before Kueue admits it again"
     await kueue.admit("demo")
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job")
+
+
+async def test_kueue_evicts_only_a_job_that_cannot_make_progress(cluster, operator):
+    """The Workload's PodsReady says what the job needs to go on (every trainer rank and one serving replica):
+    with one of two inference replicas ready the job trains, and Kueue's waitForPodsReady leaves it running. Once a
+    trainer rank is lost it cannot go on: PodsReady False (WaitForRecovery), and Kueue's recoveryTimeout, by default
+    its timeout (the double plays Kueue's default), evicts it."""
+    async with FakeKueue(cluster, capacity=1, pods_ready_timeout=3600.0) as kueue:
+        await cluster.apply(queued("demo", inference={"replicas": 2}))
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "admitted and started")
+        await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1, "ready": 1})
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"readyReplicas": 1})
+        await wait_for(lambda: is_true(kueue.workload("demo"), "PodsReady"), "PodsReady True with 1/2 servers")
+        assert cluster.condition("demo", names.PODS_READY)["status"] == "False", "the job's own counts every pod"
+        # The test plays the clock: the timeout is shortened once PodsReady is True (see the test above).
+        kueue.pods_ready_timeout = 0.5
+        await wait_for(lambda: kueue.ready_in_time == ["demo"], "the timeout passed with the job making progress")
+        assert kueue.timed_out == []
+
+        await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1, "ready": 0})  # a rank lost
+        ready = await wait_for(
+            lambda: (find(kueue.workload("demo"), "PodsReady") or {}).get("reason") == "WaitForRecovery" and
+            find(kueue.workload("demo"), "PodsReady"), "WaitForRecovery")  # fmt: skip
+        assert ready["status"] == "False"
+        await wait_for(lambda: kueue.timed_out == ["demo"], "evicted after the recovery timeout")
+        evicted = find(kueue.workload("demo"), "Evicted")
+        assert (evicted["status"], evicted["reason"]) == ("True", "PodsReadyTimeout")

@@ -431,3 +431,19 @@ def test_a_job_started_again_after_it_failed_to_start_queues_a_new_workload():
     again = decide(view_of(doc), failed.status, fixed, NOW)
     assert again.create == () and ChildRef("Workload", "demo") in again.delete
     assert condition(again, names.ADMITTED) == ("False", names.R_QUEUED)
+
+
+def test_the_workloads_pods_ready_is_what_the_job_needs_to_make_progress():
+    """Every trainer rank and at least one serving replica (the rule of the startup deadline): the job trains on the
+    replicas that serve, so a replica lost or not yet scheduled must not let Kueue's waitForPodsReady (timeout, and
+    since 0.16 recoveryTimeout, which defaults to timeout) evict a job that makes progress. The job's own PodsReady
+    still counts every pod."""
+    doc = queued_doc(inference={"replicas": 2})
+    observed = Observed(trainer_job(active=1, ready=1), statefulset(1), queue_workload=admitted())
+    decision = decide(view_of(doc), JobStatus(), observed, NOW)
+    assert written_conditions(decision)["PodsReady"] == ("True", "Started")
+    assert condition(decision, names.PODS_READY)[0] == "False", "the job's own condition counts every pod"
+    no_server = Observed(trainer_job(active=1, ready=1), statefulset(0), queue_workload=admitted())
+    assert written_conditions(decide(view_of(doc), JobStatus(), no_server, NOW))["PodsReady"][0] == "False"
+    no_trainer = Observed(trainer_job(active=1, ready=0), statefulset(2), queue_workload=admitted())
+    assert written_conditions(decide(view_of(doc), JobStatus(), no_trainer, NOW))["PodsReady"][0] == "False"
