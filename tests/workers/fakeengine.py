@@ -30,6 +30,11 @@ class FakeOwnEngineBook(OwnEngineBook):
 
     def __init__(self, tmp: Path):
         super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=2))
+        self.died = False  # a test sets it: the engine's processes are gone (VllmEngine.dead)
+
+    @property
+    def dead(self) -> bool:
+        return self.died
 
     async def start(self) -> None:
         self.requests: list[tuple[list[int], SamplingRequest]] = []  # what generate was asked, in order

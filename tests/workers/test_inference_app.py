@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import threading
 import time
 
 import httpx
@@ -21,20 +22,44 @@ from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.fakeengine import TOKEN, FakeOwnEngineBook, fake_servers
 
 
+def receiver_factory(sink) -> AdapterReceiver:
+    return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.round_key(TOKEN))
+
+
+def wait_healthy(client: TestClient) -> None:
+    deadline = time.monotonic() + 10
+    while client.get("/health").status_code != 200:
+        assert time.monotonic() < deadline, "the app never became healthy"
+        time.sleep(0.01)
+
+
 @pytest.fixture
 def served(tmp_path):
     engine = FakeOwnEngineBook(tmp_path)
-
-    def receiver_factory(sink) -> AdapterReceiver:
-        return AdapterReceiver(sink, replica_index=0, fingerprint="f" * 64, key=wire.round_key(TOKEN))
-
     app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
     with TestClient(app) as client:
-        deadline = time.monotonic() + 10
-        while client.get("/health").status_code != 200:
-            assert time.monotonic() < deadline, "the app never became healthy"
-            time.sleep(0.01)
+        wait_healthy(client)
         yield client, engine
+
+
+def test_an_engine_that_dies_fails_health_at_once_and_stops_the_server(tmp_path):
+    """vLLM's EngineCore or a worker died (an OOM kill, a CUDA error, a fault in the sync member's thread there): the
+    HTTP process must not live on as a healthy-looking shell. /health fails from then on (the kubelet's liveness
+    probe) and the server stops (on_fatal: `grpolora worker inference` exits 1, so the StatefulSet or `grpolora
+    run` starts it again). vLLM's own API server does the same: vllm/entrypoints/launchers/launcher.py,
+    watchdog_loop and terminate_if_errored, on AsyncLLM.errored (set by MPClient's engine-core monitor thread,
+    vllm/v1/engine/core_client.py, start_engine_core_monitor). The real engine's death: test_inference_sync.py."""
+    engine = FakeOwnEngineBook(tmp_path)
+    stopped = threading.Event()
+    app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1, on_fatal=stopped.set)
+    with TestClient(app) as client:
+        wait_healthy(client)
+        assert not stopped.is_set()
+        engine.died = True
+        response = client.get("/health")  # at once: not after the watchdog's next look
+        assert response.status_code == 500 and "engine died" in response.text, response.text
+        assert stopped.wait(10), "the server was not stopped after its engine died"
+        assert client.get("/health").status_code == 500
 
 
 GUARDED = [

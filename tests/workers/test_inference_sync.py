@@ -11,6 +11,7 @@ import os
 import signal
 import socket
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -482,9 +483,34 @@ def test_a_replica_killed_mid_round_is_dropped_then_its_replacement_catches_up(
     assert report.members == (0, 1)
 
 
+def engine_core(server: ServerProcess) -> int:
+    """The pid of the server's vLLM EngineCore process (vLLM titles it VLLM::EngineCore, system_utils.set_process_title;
+    with TP = 1 the worker, and so the sync member, runs inside it)."""
+    for pid in descendants(server.proc.pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                return pid
+    raise AssertionError(f"inference server {server.index} has no VLLM::EngineCore process")
+
+
+def test_a_server_whose_engine_core_is_sigkilled_exits_non_zero_and_the_group_goes_on_without_it(
+    servers, sender, policy
+):
+    """The EngineCore killed (an OOM kill, a CUDA error, a fault of the sync member in its process): the HTTP process
+    must die too (exit 1: the kubelet or `grpolora run` starts a new one), never live on NotReady for good, and the
+    trainer's next round goes on without the replica. The launcher's restart of it: test_local_run.py."""
+    victim = servers[1]
+    os.kill(engine_core(victim), signal.SIGKILL)
+    assert victim.proc.wait(60) == 1, victim.log.read_text()[-3000:]
+    assert "vLLM's engine died" in victim.log.read_text()
+    randomize_adapter(policy, seed=6)
+    report = sender.send(lora_tensors(policy), lora_config(policy))
+    assert report.members == (0,) and sender.group == (0,)
+
+
 def test_engine_processes_die_with_their_server(servers):
     """The server process alone killed (as the OOM killer does): vLLM's engine processes must not live on."""
-    victim = servers[-1]
+    victim = servers[0]
     engine = descendants(victim.proc.pid)
     assert engine, "the inference server has no engine processes"
     os.kill(victim.proc.pid, signal.SIGKILL)

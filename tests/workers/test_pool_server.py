@@ -59,6 +59,8 @@ class GatedEngine(VllmEngine):
     """vLLM's side, stood in for: records each prompt as it enters generation (with how many prompts of each job
     were generating then) and answers only once `release` is set; LoRA ids added and removed are kept as vLLM would."""
 
+    errored = False  # AsyncLLM.errored, which VllmEngine.dead reads: this one never dies
+
     def __init__(self) -> None:
         super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=8))
         self.release = threading.Event()

@@ -21,7 +21,7 @@ from grpolora.workers.adapter import lora_scaling
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, SyncError
 from grpolora.workers.sync.receiver import AdapterReceiver
-from grpolora.workers.sync.sender import AdapterSender
+from grpolora.workers.sync.sender import AdapterSender, send_round
 from grpolora.workers.sync.transport import TransportError, connect_store
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.buffer import RolloutBuffer
@@ -944,12 +944,104 @@ class BlockingTransport:
         self.entered = threading.Event()
 
     def broadcast(self, tensor, src: int = 0) -> None:
+        self.start_broadcast(tensor, src).wait()
+
+    def start_broadcast(self, tensor, src: int = 0) -> BlockingTransport:
         self.entered.set()
+        return self
+
+    def wait(self) -> None:  # the Pending of every collective: it never completes
         self.closed.wait()
         raise TransportError("the group is closed")
 
+    def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        return [buffer]
+
+    def all_reduce_sum(self, tensor) -> None:
+        self.wait()
+
     def close(self) -> None:
         self.closed.set()
+
+
+def test_a_round_whose_collective_never_completes_is_cut_by_the_senders_watchdog():
+    """A receiver that hangs (a stuck NCCL peer, a node gone without closing its sockets) leaves the sender inside a
+    collective until sync.timeoutSeconds; the watchdog closes the transport after progressTimeoutSeconds without a
+    piece, the collective fails, and the sender goes on (it re-forms: the next test)."""
+    transport = BlockingTransport(epoch=0, rank=0, world_size=2)
+    header, buckets = wire.pack(adapter(0), key=KEY, version=1, epoch=0, bucket_bytes=1 << 20)
+    raised: list[BaseException] = []
+
+    def send() -> None:
+        try:
+            send_round(transport, header, buckets, KEY, progress_seconds=0.5)
+        except BaseException as exc:
+            raised.append(exc)
+
+    sending = threading.Thread(target=send, daemon=True)
+    sending.start()
+    sending.join(5)
+    transport.close()  # frees the thread if the watchdog did not
+    assert not sending.is_alive() or raised, "the round was not cut"
+    sending.join(5)
+    assert raised and isinstance(raised[0], TransportError), raised
+    assert "no progress in the round of version 1 for 0.5s; abandoned" in str(raised[0])
+
+
+def test_a_hung_replica_is_cut_out_by_the_watchdog_long_before_the_sync_timeout(cluster):
+    """Real gloo: replica 1 answers its prepare and never enters the round. The round is cut after
+    progressTimeoutSeconds without progress, not after sync.timeoutSeconds, and the next epoch forms without it."""
+    c = cluster(2, timeout_seconds=20, progress_timeout_seconds=1.0)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    hung = c.members[1]
+
+    def hang(request) -> None:  # answers, then never enters the round, and stops answering (SIGSTOP-like)
+        hung.down = True
+
+    hung.prepare = hang
+    started = time.monotonic()
+    report = c.sender.send(adapter(1), {})
+    assert time.monotonic() - started < 10  # the sync timeout is 20 s
+    assert report.members == (0,) and c.sender.group == (0,)
+
+
+def test_a_member_in_a_stalled_round_leaves_it_and_joins_the_next_epoch(monkeypatch):
+    """The member's own watchdog: a round in which nothing arrives for progressTimeoutSeconds is left (the member
+    is out of that epoch at once, whatever the trainer does), and the next epoch's join is taken."""
+    from grpolora.workers.sync import receiver as receiver_module
+
+    made: list[BlockingTransport] = []
+
+    def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
+        made.append(BlockingTransport(**kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
+    port = free_port()
+    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
+    member = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=KEY)
+
+    def join(epoch: int) -> JoinRequest:
+        return JoinRequest(
+            epoch=epoch, rank=1, world_size=2, store_addr="127.0.0.1", store_port=port, backend="gloo",
+            timeout_seconds=3600, join_timeout_seconds=TIMEOUT, progress_timeout_seconds=0.5,
+            trainer_fingerprint="fp", current_version=0,
+        )  # fmt: skip
+
+    try:
+        member.join(join(0))
+        eventually(lambda: member.state().epoch == 0)
+        member.prepare(PrepareRequest(epoch=0, version=1))
+        assert made[0].entered.wait(TIMEOUT)
+        eventually(lambda: member.state().epoch is None, seconds=5)  # left the stalled round's epoch on its own
+        assert made[0].closed.is_set()
+        assert "no progress in the round 1 of epoch 0 for 0.5s" in (member.state().last_error or "")
+        member.join(join(1))
+        eventually(lambda: member.state().epoch == 1, seconds=TIMEOUT)
+    finally:
+        member.close()
+        del store
 
 
 def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(monkeypatch):

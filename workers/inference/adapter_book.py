@@ -237,6 +237,10 @@ class OwnEngineBook(AdapterBook):
         return self._engine.started
 
     @property
+    def dead(self) -> bool:
+        return self._engine.dead
+
+    @property
     def members(self):
         """The link to the sync members in vLLM's worker (VllmEngine.members), once started."""
         return self._engine.members

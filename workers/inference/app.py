@@ -74,6 +74,9 @@ LINGER_BYTES = 4 * MAX_BODY_BYTES
 LINGER_SECONDS = 10.0
 """After answering a request without reading its body, the server reads and drops at most this much of the rest,
 for at most this long, before it closes the connection (LingeringSend); a larger announced body is not waited for."""
+ENGINE_WATCH_SECONDS = 1.0
+"""How often the server looks whether vLLM's engine died (a flag read: vLLM's own server looks every 5 s)."""
+ENGINE_DIED = "vLLM's engine died (its EngineCore or a worker process is gone)"
 MAX_PROMPTS = 4096
 """Most prompts in one generate request."""
 MAX_STOP_TOKEN_IDS = 256
@@ -231,9 +234,24 @@ def build_app(
                 tenants.started = True
             except Exception as exc:  # the server stops and exits non-zero: Kubernetes or the launcher sees it
                 log.exception("inference server failed to start")
-                state["error"] = f"{type(exc).__name__}: {exc}"
-                if on_fatal is not None:
-                    on_fatal()
+                fail(f"{type(exc).__name__}: {exc}")
+                return
+            await watch_engine()
+
+        def fail(error: str) -> None:
+            state["error"] = error
+            if on_fatal is not None:
+                on_fatal()
+
+        async def watch_engine() -> None:
+            """An engine that dies ends the server (exit 1): the kubelet or `grpolora run` then starts a new one,
+            and the trainer re-forms its group around it, as for a lost pod. Left alive, the HTTP process would
+            answer (NotReady, never restarted) for good while the pool had one replica less. vLLM's own server
+            watches its engine the same way (vllm/entrypoints/launchers/launcher.py, watchdog_loop)."""
+            while not engine.dead:
+                await asyncio.sleep(ENGINE_WATCH_SECONDS)
+            log.error("vLLM's engine died (its EngineCore or a worker process is gone); stopping the server")
+            fail(ENGINE_DIED)
 
         task = asyncio.create_task(boot())
         try:
@@ -254,8 +272,8 @@ def build_app(
 
     @app.get("/health")
     async def health() -> Response:
-        if "error" in state:
-            return Response(f"failed: {state['error']}", status_code=500)
+        if "error" in state or engine.dead:  # the engine's death at once, not at the watchdog's next look
+            return Response(f"failed: {state.get('error', ENGINE_DIED)}", status_code=500)
         if not tenants.started:
             return Response("starting", status_code=503)
         return Response("ok")

@@ -249,6 +249,13 @@ class VllmEngine:
     def started(self) -> bool:
         return self._engine is not None
 
+    @property
+    def dead(self) -> bool:
+        """vLLM's engine is gone for good: its EngineCore process (or, with TP > 1, a worker, which takes the core
+        down with it) died. MPClient's monitor thread sees the process end and sets the flag AsyncLLM.errored reads
+        (vllm/v1/engine/core_client.py, start_engine_core_monitor): every later call would raise EngineDeadError."""
+        return self._engine is not None and self._engine.errored
+
     def shutdown(self) -> None:
         members, self.members = self.members, None
         if members is not None:

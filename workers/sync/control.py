@@ -36,6 +36,9 @@ class JoinRequest(_Message):
     backend: str
     timeout_seconds: float  # bounds every collective of the epoch
     join_timeout_seconds: float  # bounds forming the group: a replica that cannot join by then is left out
+    # A round in which nothing completes this long is cut on both sides (sync/watchdog.py); None: only
+    # timeout_seconds bounds it (a trainer of an older release).
+    progress_timeout_seconds: float | None = None
     trainer_fingerprint: str
     current_version: int  # the replica reports ready once it serves at least this version
 

@@ -33,9 +33,22 @@ class GlooTransport(Transport):
     piece_bytes = PIECE_BYTES
 
     def __init__(
-        self, store: dist.Store, *, rank: int, world_size: int, timeout_seconds: float, join_timeout_seconds: float
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_seconds: float,
+        join_timeout_seconds: float,
+        op_timeout_seconds: float | None = None,
     ):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        # Each collective of a round fails on its own after this (gloo starts its clock as the collective runs,
+        # tcp/unbound_buffer.cc): closing the group cannot interrupt one in flight, so a round's watchdog alone
+        # would leave the thread waiting on it until the group's timeout.
+        self._op_timeout = None
+        if op_timeout_seconds is not None:
+            self._op_timeout = timedelta(seconds=min(op_timeout_seconds, timeout_seconds))
         try:
             # Formation waits at most the join timeout for every rank; collectives then get the sync timeout.
             group = dist.ProcessGroupGloo(store, rank, world_size, timedelta(seconds=join_timeout_seconds))
@@ -52,11 +65,11 @@ class GlooTransport(Transport):
         return self._group
 
     def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
-        options = broadcast_options(src)
+        options = broadcast_options(src, self._op_timeout)
         return self._start(lambda group: group.broadcast([tensor], options), "broadcast")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        options = sum_options()
+        options = sum_options(self._op_timeout)
         self._start(lambda group: group.allreduce([tensor], options), "all-reduce").wait()
 
     def _start(self, start, what: str) -> Pending:

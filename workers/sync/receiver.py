@@ -30,6 +30,7 @@ from grpolora.workers.sync.control import (
     StaleEpoch,
 )
 from grpolora.workers.sync.transport import Transport, TransportError, connect_store, create_transport
+from grpolora.workers.sync.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
@@ -83,6 +84,7 @@ def receive_round(
     announced: PrepareRequest,
     allocate: Allocate = allocate_apart,
     land: Land = wire.on_host,
+    progress: Callable[[], None] = lambda: None,
 ) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
     """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
     once the receiver knows whether the version went live).
@@ -91,6 +93,7 @@ def receive_round(
     TransportError when the collective breaks, and WireError (after leaving the group) on a header that is
     unreadable, out of bounds, not authenticated by `key`, or for another round than the `announced` one: a rank
     that cannot follow the layout cannot stay in lockstep with the others, and nothing is allocated from it.
+    `progress` is called as the header and each piece complete (the round's Watchdog).
     """
     length = torch.zeros(1, dtype=torch.int64, device=transport.device)
     transport.broadcast(length)
@@ -98,6 +101,7 @@ def receive_round(
         wire.check_header_length(int(length.item()))
         raw = torch.empty(int(length.item()), dtype=torch.uint8, device=transport.device)
         transport.broadcast(raw)
+        progress()
         header = wire.RoundHeader.decode(bytes(raw.cpu().numpy()), key)
         if (header.epoch, header.version) != (announced.epoch, announced.version):
             raise wire.WireError(
@@ -121,6 +125,7 @@ def receive_round(
         landed = land(piece)
         if mac is not None:
             mac.update(landed)
+        progress()
     if mac is not None:
         try:
             wire.verify(header, buckets, key, computed=mac.hexdigest())
@@ -284,6 +289,7 @@ class AdapterReceiver:
             world_size=request.world_size,
             timeout_seconds=request.timeout_seconds,
             join_timeout_seconds=request.join_timeout_seconds,
+            progress_timeout_seconds=request.progress_timeout_seconds,
             device=self._device,
         )
         with self._lock:
@@ -305,12 +311,26 @@ class AdapterReceiver:
         if transport is None or joined is None or joined.epoch != request.epoch:
             self._fail("interrupted", f"round for epoch {request.epoch} arrived outside that epoch's group")
             return
+        # A round that stops moving is cut here too (watchdog.py): the member leaves the group, whatever the
+        # trainer's side does, and takes the next epoch's join.
+        what = f"round {request.version} of epoch {request.epoch}"
+        with Watchdog(joined.progress_timeout_seconds, transport.close, what=what) as watchdog:
+            outcome = self._take_part(request, transport, watchdog)
+        if outcome is not None and self._on_round is not None:
+            self._on_round(outcome)
+
+    def _take_part(self, request: PrepareRequest, transport: Transport, watchdog: Watchdog) -> RoundOutcome | None:
+        """Receive, verify, activate and report one round; the outcome, or None if it was interrupted."""
         started = time.perf_counter()
         try:
-            header, buckets, reason = receive_round(transport, self._key, request, self._allocate, self._land)
+            header, buckets, reason = receive_round(
+                transport, self._key, request, self._allocate, self._land, progress=watchdog.progress
+            )
         except (TransportError, wire.WireError) as exc:
+            if isinstance(exc, TransportError):
+                exc = watchdog.explain(exc)
             self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
-            return
+            return None
         received = time.perf_counter()
         outcome = RoundOutcome(
             version=header.version,
@@ -344,13 +364,14 @@ class AdapterReceiver:
             self._on_error("refused" if code == REFUSED else "activation")
         with self._lock:
             self._last_error = reason
+        watchdog.progress()  # activated (or refused): the closing status is the round's last piece
         try:
             report_status(transport, code)  # only now: the sender counts VERIFIED as serving this version
         except TransportError as exc:
+            exc = watchdog.explain(exc)
             self._fail("interrupted", f"round {request.version} of epoch {request.epoch} interrupted: {exc}")
-            return
-        if self._on_round is not None:
-            self._on_round(outcome)
+            return None
+        return outcome
 
     def _fail(self, kind: str, reason: str) -> None:
         log.error("adapter sync of %s: %s", self.name, reason)

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from grpolora.api.pool import PoolReplicas
+from grpolora.api.spec import SyncSpec
 from grpolora.workers.adapter import lora_b_scales
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
@@ -39,10 +40,12 @@ from grpolora.workers.sync.control import (
 )
 from grpolora.workers.sync.receiver import ACTIVATION_FAILED, REFUSED, VERIFIED
 from grpolora.workers.sync.transport import Backend, Transport, TransportError, arrived_ranks, create_transport
+from grpolora.workers.sync.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 MAX_ATTEMPTS = 3
+PROGRESS_TIMEOUT_SECONDS: float = SyncSpec.model_fields["progress_timeout_seconds"].default
 # A replica that answers but cannot join is tried again after this, doubling per failure up to the maximum.
 REJOIN_BACKOFF_SECONDS = 30.0
 MAX_REJOIN_BACKOFF_SECONDS = 600.0
@@ -77,19 +80,28 @@ def send_round(
     buckets: Sequence[torch.Tensor],
     key: bytes,
     on_bucket_sent: Callable[[int], None] | None = None,
+    progress_seconds: float | None = None,
 ) -> list[int]:
-    """One round from sync rank 0, its header authenticated with `key`; returns each rank's status code."""
+    """One round from sync rank 0, its header authenticated with `key`; returns each rank's status code. A round in
+    which no collective completes for `progress_seconds` is cut (Watchdog): TransportError, the transport closed."""
     raw = header.encode(key)
-    transport.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=transport.device))
-    transport.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(transport.device))
-    posted = [[transport.start_broadcast(piece) for piece in transport.pieces(bucket)] for bucket in buckets]
-    for index, pending in enumerate(posted):
-        for op in pending:
-            op.wait()
-        if on_bucket_sent is not None:
-            on_bucket_sent(index)
-    status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
-    transport.all_reduce_sum(status)
+    with Watchdog(progress_seconds, transport.close, what=f"round of version {header.version}") as watchdog:
+        try:
+            transport.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=transport.device))
+            transport.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(transport.device))
+            watchdog.progress()
+            posted = [[transport.start_broadcast(piece) for piece in transport.pieces(bucket)] for bucket in buckets]
+            for index, pending in enumerate(posted):
+                for op in pending:
+                    op.wait()
+                    watchdog.progress()
+                if on_bucket_sent is not None:
+                    on_bucket_sent(index)
+            # Waits for every receiver to have loaded the version: a replica's activation counts as one piece.
+            status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
+            transport.all_reduce_sum(status)
+        except TransportError as exc:
+            raise watchdog.explain(exc) from None
     return status.tolist()
 
 
@@ -115,6 +127,7 @@ class AdapterSender:
         replacement_wait_seconds: float = REPLACEMENT_WAIT_SECONDS,
         wire_dtype: torch.dtype | None = None,
         member_factory: Callable[[int, str], Member] | None = None,
+        progress_timeout_seconds: float | None = PROGRESS_TIMEOUT_SECONDS,
     ):
         self._members = {m.index: m for m in members}
         # On a pool: how to reach a replica the pool's servers name (index, base URL); None: the members are fixed.
@@ -125,6 +138,7 @@ class AdapterSender:
         self._backend = backend
         self._timeout = timeout_seconds
         self._join_timeout = join_timeout_seconds
+        self._progress_timeout = progress_timeout_seconds  # a round stalled this long is cut (watchdog.py)
         self._bucket_bytes = bucket_bytes
         # The dtype adapters travel in: the model's (vLLM builds the LoRA in the model's dtype anyway, so a bf16 or
         # fp16 model is served the same adapter from half the bytes); None sends each tensor as it is.
@@ -316,6 +330,7 @@ class AdapterSender:
                         backend=self._backend,
                         timeout_seconds=self._timeout,
                         join_timeout_seconds=self._join_timeout,
+                        progress_timeout_seconds=self._progress_timeout,
                         trainer_fingerprint=self.fingerprint,
                         current_version=self.version,
                     )
@@ -337,6 +352,7 @@ class AdapterSender:
                 world_size=world_size,
                 timeout_seconds=self._timeout,
                 join_timeout_seconds=self._join_timeout,
+                progress_timeout_seconds=self._progress_timeout,
                 device=self._device,
             )
         except TransportError:
@@ -485,7 +501,7 @@ class AdapterSender:
         for call in preparing if preparing is not None else self._prepare(version):
             call.result()  # the first failure raises, as the calls were made: the round is not sent
         sent = time.perf_counter()
-        codes = send_round(self._transport, header, buckets, self._key, self._on_bucket_sent)
+        codes = send_round(self._transport, header, buckets, self._key, self._on_bucket_sent, self._progress_timeout)
         finished = time.perf_counter()
         verified = tuple(index for rank, index in enumerate(self.group, start=1) if codes[rank] == VERIFIED)
         refused = {

@@ -61,15 +61,19 @@ class Transport(ABC):
         """Leave the group; safe to call after a failure."""
 
 
-def broadcast_options(src: int) -> dist.BroadcastOptions:
+def broadcast_options(src: int, timeout: timedelta | None = None) -> dist.BroadcastOptions:
     options = dist.BroadcastOptions()
     options.rootRank, options.rootTensor = src, 0
+    if timeout is not None:
+        options.timeout = timeout
     return options
 
 
-def sum_options() -> dist.AllreduceOptions:
+def sum_options(timeout: timedelta | None = None) -> dist.AllreduceOptions:
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.SUM
+    if timeout is not None:
+        options.timeout = timeout
     return options
 
 
@@ -108,10 +112,13 @@ def create_transport(
     world_size: int,
     timeout_seconds: float,
     join_timeout_seconds: float | None = None,
+    progress_timeout_seconds: float | None = None,
     device: torch.device | None = None,
 ) -> Transport:
     """Join epoch `epoch` of the group as `rank`: blocks until all `world_size` ranks have joined, or raises
     TransportError after `join_timeout_seconds` (default: `timeout_seconds`, which bounds every collective).
+    `progress_timeout_seconds`: a round's watchdog (watchdog.py) cuts a collective stalled this long by closing the
+    transport; gloo, whose close cannot interrupt a collective in flight, also gives each collective that timeout.
 
     A rank marks its arrival in the store first, so that after a formation that timed out the sender can tell
     the replicas that never reached the group from a formation that failed for everyone."""
@@ -127,6 +134,7 @@ def create_transport(
             world_size=world_size,
             timeout_seconds=timeout_seconds,
             join_timeout_seconds=join_timeout,
+            op_timeout_seconds=progress_timeout_seconds,
         )
     if backend == "nccl":
         from grpolora.workers.sync.nccl import NcclTransport

@@ -238,6 +238,7 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         backend=env.sync_backend,
         timeout_seconds=env.sync_timeout_seconds,
         join_timeout_seconds=env.spec.sync.join_timeout_seconds,
+        progress_timeout_seconds=env.spec.sync.progress_timeout_seconds,
         bucket_bytes=env.spec.sync.bucket_mib << 20,
         fingerprint=model_fingerprint,
         token=env.token,
