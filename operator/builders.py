@@ -431,7 +431,7 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         ],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
         "env": _env(plan, role),
-        "resources": _resources(placement.resources, placement.gpus, model.cache_size),
+        "resources": _resources(placement.resources, placement.gpus, role_spec(plan, role).cache_size_limit),
         "volumeMounts": [
             {"name": "shm", "mountPath": SHM_MOUNT},
             {"name": "cache", "mountPath": CACHE_MOUNT},
@@ -446,8 +446,8 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
     volumes: list[dict[str, Any]] = [
         # NCCL and vLLM's CPU backend use shared memory well beyond the default 64 MiB.
         {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec(plan, role).shm_size_limit}},
-        # The model is downloaded here (HF_HOME): sized by spec.model.cacheSize, which _resources also requests.
-        {"name": "cache", "emptyDir": {"sizeLimit": model.cache_size} if model.cache_size else {}},
+        # The model is downloaded here (HF_HOME): sized by the role's cacheSizeLimit, which _resources also requests.
+        {"name": "cache", "emptyDir": _sized(role_spec(plan, role).cache_size_limit)},
     ]
     for name, path, secret, key in _secret_files(role, model):
         container["volumeMounts"].append({"name": name, "mountPath": path, "readOnly": True})
@@ -593,6 +593,10 @@ def _env(plan: Plan, role: RolePlan) -> list[dict[str, Any]]:
         else:
             result.append({"name": var.name, "value": var.value})
     return result + [copy.deepcopy(dict(v)) for v in role.user_env]
+
+
+def _sized(size_limit: str | None) -> dict[str, Any]:
+    return {"sizeLimit": size_limit} if size_limit else {}
 
 
 def _resources(resources: Mapping[str, Any], gpus: int, cache_size: str | None = None) -> dict[str, Any]:

@@ -186,18 +186,6 @@ class ModelSpec(SpecModel):
     token_from: HubTokenRef | None = None
     """The Secret holding the hub token, for a gated or private model: mounted read-only as a file in every
     trainer and inference pod, where HF_TOKEN_PATH points (huggingface_hub reads it; never an env variable)."""
-    cache_size: str | None = None
-    """Disk for the model each pod downloads (e.g. 40Gi: about twice the weights of an 8B bf16 model, for the
-    download and its cache): the size limit of the pod's /cache emptyDir, and its ephemeral-storage request (unless
-    the role's resources request one), so that pods land on nodes with the disk and a full cache evicts only its
-    pod. Unset: no limit and no request. A model read from `source.pvc` is not downloaded."""
-
-    @field_validator("cache_size")
-    @classmethod
-    def _cache_quantity(cls, value: str | None) -> str | None:
-        if value is not None and not kubetypes.QUANTITY.match(value):
-            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 40Gi, 500G)")
-        return value
 
 
 class LoraSpec(SpecModel):
@@ -861,6 +849,12 @@ class RoleSpec(SpecModel):
     """Extra environment variables (EnvVar objects) for the worker container."""
     shm_size_limit: str = "8Gi"
     """Size limit of the memory-backed /dev/shm (NCCL and vLLM use shared memory; it counts as the pod's memory)."""
+    cache_size_limit: str | None = None
+    """Disk for what the pods download: the model (from a hub; not one read from `model.source.pvc`) and the hub's
+    and datasets' caches, in the /cache emptyDir (HF_HOME). Its size limit, and the pods' ephemeral-storage request
+    (unless `resources` requests one), so that pods land on nodes with the disk and a full cache evicts only its
+    pod; e.g. 40Gi for an 8B bf16 model (16 GB of weights). Unset: no limit and no request. A runtime sets it for
+    its jobs."""
     pod_template: KubeObject = Field(default_factory=dict)
     """A partial PodTemplateSpec (metadata.labels, metadata.annotations, spec.*) merged over the pod template the
     operator builds, like a strategic merge patch: containers (the worker's is named after the role), volumes, env
@@ -880,10 +874,10 @@ class RoleSpec(SpecModel):
         )
         return self
 
-    @field_validator("shm_size_limit")
+    @field_validator("shm_size_limit", "cache_size_limit")
     @classmethod
-    def _shm_quantity(cls, value: str) -> str:
-        if not kubetypes.QUANTITY.match(value):
+    def _shm_quantity(cls, value: str | None) -> str | None:
+        if value is not None and not kubetypes.QUANTITY.match(value):
             raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8Gi, 512Mi)")
         return value
 
@@ -1055,12 +1049,6 @@ class SyncSpec(SpecModel):
     """Port of the sync group's rendezvous store on trainer rank 0."""
     timeout_seconds: int = Field(default=600, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A round that takes longer is abandoned: the group re-forms without the unresponsive replicas."""
-    progress_timeout_seconds: int = Field(default=30, gt=0, le=c.MAX_TIMEOUT_SECONDS)
-    """A round in which no piece of the adapter moves for this long is cut, on the trainer and on each replica: the
-    trainer abandons it and re-forms the group (a replica that cannot join then is left out), the replicas leave it
-    and join the next epoch. Far below `timeoutSeconds`, so that one hung replica (a stuck NCCL peer, a vanished
-    node) costs seconds, not the whole timeout. The round's closing status, which waits for each replica to load the
-    adapter, is bounded by `timeoutSeconds`."""
     join_timeout_seconds: int = Field(default=30, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A replica that answers but has not joined the sync group this long after being asked is left out: the
     group forms without it, and it is asked again after a back-off (30 s, doubling to 10 min)."""

@@ -1,11 +1,12 @@
 """The model's credentials and its place in the pods, as rendered: the hub token of spec.model.tokenFrom and the job's
 own sync token reach the workers as read-only files, never as environment variables (Checkov's CKV_K8S_35, "prefer
 using secrets as files over secrets as environment variables"); huggingface_hub reads the hub token from the file
-HF_TOKEN_PATH names (its constants.HF_TOKEN_PATH). spec.model.cacheSize sizes the emptyDir the model is downloaded
-into and requests that much ephemeral storage, so that the scheduler places the pod on a node with the disk, and
-the kubelet evicts only the pod that overflows it (Kubernetes docs, "Local ephemeral storage": an emptyDir's
-sizeLimit is enforced by eviction; requests.ephemeral-storage is what the scheduler counts). Table-driven over a
-job's trainer and inference pods and a RolloutPool's servers, each checked against Kubernetes' schemas."""
+HF_TOKEN_PATH names (its constants.HF_TOKEN_PATH). A role's cacheSizeLimit (a runtime may set it for its jobs)
+sizes the emptyDir the model is downloaded into and requests that much ephemeral storage, so that the scheduler
+places the pod on a node with the disk, and the kubelet evicts only the pod that overflows it (Kubernetes docs,
+"Local ephemeral storage": an emptyDir's sizeLimit is enforced by eviction; requests.ephemeral-storage is what the
+scheduler counts). Table-driven over a job's trainer and inference pods and a RolloutPool's servers, each checked
+against Kubernetes' schemas."""
 
 from __future__ import annotations
 
@@ -17,13 +18,16 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.api.contract import ContractError, WorkerEnv
-from grpolora.api.load import InvalidJob, parse_job
+from grpolora.api.load import InvalidJob, parse_job, parse_runtime
 from grpolora.api.plan import HUB_TOKEN_FILE, HUB_TOKEN_MOUNT, TOKEN_MOUNT, plan, plan_pool
 from grpolora.api.pool import Attachments
+from grpolora.api.runtime import resolve
+from grpolora.api.spec import GRPOLoraJob
 from grpolora.operator import builders
 from tests.helpers import job_doc
 from tests.unit.test_pool import pool, pool_doc
 from tests.unit.test_render import K8S_VERSION
+from tests.unit.test_runtime import on_runtime, runtime_doc
 
 HF = {"secretName": "hf", "key": "HF_TOKEN"}
 
@@ -38,8 +42,8 @@ def job_pods(**model: Any) -> dict[str, dict[str, Any]]:
     return {o["metadata"]["labels"][c.LABEL_ROLE]: o["spec"]["template"] for o in objects if o["kind"] in WORKLOADS}
 
 
-def pool_pods(**model: Any) -> dict[str, dict[str, Any]]:
-    doc = pool_doc()
+def pool_pods(cache_size_limit: str | None = None, **model: Any) -> dict[str, dict[str, Any]]:
+    doc = pool_doc(**({"cacheSizeLimit": cache_size_limit} if cache_size_limit else {}))
     doc["spec"]["model"] |= model
     objects = builders.build_pool_children(
         plan_pool(pool(**doc["spec"])), owner_uid="u", attachments=Attachments(pool="shared", jobs=[])
@@ -122,52 +126,67 @@ def test_the_hub_token_is_a_file_where_hf_token_path_points(pods, model, expecte
         }, role
 
 
+def templates(job: GRPOLoraJob) -> dict[str, dict[str, Any]]:
+    objects = builders.build_children(plan(job), owner_uid="u", token="t")
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    return {o["metadata"]["labels"][c.LABEL_ROLE]: o["spec"]["template"] for o in objects if o["kind"] in WORKLOADS}
+
+
+def cache_and_request(template: dict[str, Any]) -> tuple[str | None, str | None]:
+    """The /cache emptyDir's size limit and the container's ephemeral-storage request."""
+    cache = volume(template, "cache")
+    assert cache is not None and set(cache["emptyDir"]) <= {"sizeLimit"}
+    requests = container(template)["resources"].get("requests") or {}
+    return cache["emptyDir"].get("sizeLimit"), requests.get("ephemeral-storage")
+
+
 @pytest.mark.parametrize(
-    ("pods", "model", "resources", "size", "requested"),
+    ("trainer", "inference", "expected"),
     [
-        (job_pods, {}, {}, None, None),
-        (job_pods, {"cacheSize": "40Gi"}, {}, "40Gi", "40Gi"),
-        # The user's own request stands: it covers the cache and whatever else the pod writes.
-        (job_pods, {"cacheSize": "40Gi"}, {"requests": {"ephemeral-storage": "60Gi"}}, "40Gi", "60Gi"),
-        (job_pods, {"cacheSize": "40Gi"}, {"requests": {"memory": "8Gi"}}, "40Gi", "40Gi"),
-        (pool_pods, {"cacheSize": "20Gi"}, {}, "20Gi", "20Gi"),
+        ({}, {}, {"trainer": (None, None), "inference": (None, None)}),
+        (
+            {"cacheSizeLimit": "40Gi"},
+            {"cacheSizeLimit": "30Gi"},
+            {"trainer": ("40Gi", "40Gi"), "inference": ("30Gi", "30Gi")},
+        ),
+        # The role's own request stands: it covers the cache and whatever else the pod writes.
+        (
+            {"cacheSizeLimit": "40Gi", "resources": {"requests": {"ephemeral-storage": "60Gi"}}},
+            {"cacheSizeLimit": "40Gi", "resources": {"requests": {"memory": "8Gi"}}},
+            {"trainer": ("40Gi", "60Gi"), "inference": ("40Gi", "40Gi")},
+        ),
     ],
-    ids=["job-unsized", "job-sized", "job-own-request", "job-other-requests", "pool-sized"],
+    ids=["unsized", "sized", "own-request"],
 )
-def test_the_model_cache_is_sized_and_its_storage_requested(pods, model, resources, size, requested):
-    if pods is job_pods:
-        rendered = builders.build_children(
-            plan(
-                parse_job(
-                    job_doc(
-                        model={"name": "Qwen/Qwen3-0.6B", **model},
-                        trainer={"resources": resources},
-                        inference={"resources": resources},
-                    )
-                )
-            ),
-            owner_uid="u",
-            token="t",
-        )
-        for obj in rendered:
-            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
-        templates = [o["spec"]["template"] for o in rendered if o["kind"] in WORKLOADS]
-    else:
-        templates = list(pods(**model).values())
-    assert len(templates) == (2 if pods is job_pods else 1)
-    for template in templates:
-        cache = volume(template, "cache")
-        assert cache == {"name": "cache", "emptyDir": {"sizeLimit": size} if size else {}}
-        requests = container(template)["resources"].get("requests") or {}
-        assert requests.get("ephemeral-storage") == requested
-        if resources.get("requests", {}).get("memory"):
-            assert requests["memory"] == "8Gi"
+def test_the_model_cache_is_sized_and_its_storage_requested(trainer, inference, expected):
+    rendered = templates(parse_job(job_doc(trainer=trainer, inference=inference)))
+    assert {role: cache_and_request(t) for role, t in rendered.items()} == expected
+    if "memory" in str(inference):
+        assert container(rendered["inference"])["resources"]["requests"]["memory"] == "8Gi"
+
+
+def test_a_pools_servers_get_the_pools_cache_size():
+    (template,) = pool_pods(cache_size_limit="20Gi").values()
+    assert cache_and_request(template) == ("20Gi", "20Gi")
+
+
+def test_a_runtime_sizes_the_cache_for_every_job_on_it():
+    size = {"cacheSizeLimit": "50Gi"}
+    runtime = parse_runtime(runtime_doc(trainer=size, inference=size))
+    job = resolve(parse_job(on_runtime()), runtime)
+    assert {role: cache_and_request(t) for role, t in templates(job).items()} == {
+        "trainer": ("50Gi", "50Gi"),
+        "inference": ("50Gi", "50Gi"),
+    }
+    own = resolve(parse_job(on_runtime(trainer={"cacheSizeLimit": "80Gi"})), runtime)
+    assert cache_and_request(templates(own)["trainer"]) == ("80Gi", "80Gi")
 
 
 @pytest.mark.parametrize(
     ("model", "path", "message"),
     [
-        ({"cacheSize": "40 GB"}, "spec.model.cacheSize", "is not a Kubernetes quantity"),
+        ({}, "spec.trainer.cacheSizeLimit", "is not a Kubernetes quantity"),
         (
             {"tokenFrom": {"secretName": "demo-grpolora-token"}},
             "spec.model.tokenFrom.secretName",
@@ -176,11 +195,15 @@ def test_the_model_cache_is_sized_and_its_storage_requested(pods, model, resourc
         ({"tokenFrom": {"secretName": "hf", "key": ""}}, "spec.model.tokenFrom.key", "at least 1 character"),
         ({"tokenFrom": {"name": "hf"}}, "spec.model.tokenFrom", ""),
     ],
-    ids=["cache-size", "managed-secret", "empty-key", "unknown-field"],
+    ids=["cache-size-limit", "managed-secret", "empty-key", "unknown-field"],
 )
-def test_bad_model_fields_name_the_field(model, path, message):
+def test_bad_fields_name_the_field(model, path, message):
     with pytest.raises(InvalidJob) as caught:
-        parse_job(job_doc(model={"name": "Qwen/Qwen3-0.6B", **model}))
+        parse_job(
+            job_doc(
+                model={"name": "Qwen/Qwen3-0.6B", **model}, trainer={"cacheSizeLimit": "40 GB"} if not model else {}
+            )
+        )
     assert path in str(caught.value) and message in str(caught.value), str(caught.value)
 
 
