@@ -1049,6 +1049,12 @@ class SyncSpec(SpecModel):
     """Port of the sync group's rendezvous store on trainer rank 0."""
     timeout_seconds: int = Field(default=600, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A round that takes longer is abandoned: the group re-forms without the unresponsive replicas."""
+    progress_timeout_seconds: int = Field(default=30, gt=0, le=c.MAX_TIMEOUT_SECONDS)
+    """A round in which no piece of the adapter moves for this long is cut, on the trainer and on each replica: the
+    trainer abandons it and re-forms the group (a replica that cannot join then is left out), the replicas leave it
+    and join the next epoch. Far below `timeoutSeconds`, so that one hung replica (a stuck NCCL peer, a vanished
+    node) costs seconds, not the whole timeout. The round's closing status, which waits for each replica to load the
+    adapter, is bounded by `timeoutSeconds`."""
     join_timeout_seconds: int = Field(default=30, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A replica that answers but has not joined the sync group this long after being asked is left out: the
     group forms without it, and it is asked again after a back-off (30 s, doubling to 10 min)."""
