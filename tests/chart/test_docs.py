@@ -160,3 +160,64 @@ def test_the_design_notes_name_only_files_of_this_repository():
     for name in named:
         # A path from the root, or a bare file name that one tracked file ends with.
         assert name in tracked or any(path.endswith(f"/{name}") for path in tracked), name
+
+
+# ---- the CRDs the chart ships, named in full wherever the docs list them ------------------------------------
+
+INSTALL_DOCS = [
+    ROOT / "README.md",
+    CHART / "README.md",
+    CHART / "values.yaml",
+    CHART / "templates" / "NOTES.txt",
+    ROOT / "docs" / "operator.md",
+    ROOT / "docs" / "operations.md",
+]
+NUMBERS = {1: "one", 2: "two", 3: "three", 4: "four", 5: "five", 6: "six"}
+
+
+def shipped_crds(chart) -> dict[str, str]:
+    """{kind: CRD name} of every CRD of ours the chart installs, as `helm template` renders them."""
+    return {o["spec"]["names"]["kind"]: o["metadata"]["name"] for o in chart.render()
+            if o["kind"] == "CustomResourceDefinition" and o["spec"]["group"] == "grpolora.dev"}  # fmt: skip
+
+
+def commands(text: str) -> list[str]:
+    """Shell commands of a text: the lines of code blocks (continuation lines joined) and inline `code` (which may
+    wrap across lines of prose)."""
+    joined = re.sub(r"\\\n\s*", " ", text)
+    inline = [re.sub(r"\s+", " ", code) for code in re.findall(r"`([^`]+)`", joined)]
+    return [line for line in joined.splitlines() if "`" not in line] + inline
+
+
+def test_the_chart_ships_every_crd_of_the_api(chart):
+    from grpolora.api.crd import CRD_FILES
+
+    assert sorted(shipped_crds(chart).values()) == sorted(name.removesuffix(".yaml") for name in CRD_FILES.values())
+
+
+@pytest.mark.parametrize("path", INSTALL_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_crd_recipe_in_the_docs_names_every_crd_the_chart_ships(path, chart):
+    """The adoption (label, annotate), apply and uninstall (delete) recipes: one left out fails its step, or leaves
+    runtimes behind."""
+    names = shipped_crds(chart).values()
+    text = path.read_text()
+    recipes = [c for c in commands(text) if re.search(r"kubectl (delete|label|annotate|get) crds?\b", c)
+               and any(n in c for n in names)]  # fmt: skip
+    for recipe in recipes:
+        missing = [n for n in names if n not in recipe]
+        assert missing == [], f"{path.name}: `{recipe.strip()}` leaves out {missing}"
+
+
+@pytest.mark.parametrize("path", INSTALL_DOCS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_docs_count_the_crds_the_chart_ships(path, chart):
+    """ "The two CRDs, GRPOLoraJob and RolloutPool" was true once; a count or a list of our kinds before "CRD" must
+    hold them all (the Kopf peering CRDs are counted apart)."""
+    kinds = shipped_crds(chart)
+    text = re.sub(r"\s+", " ", path.read_text())
+    counts = re.findall(r"\b(one|two|three|four|five|six|both) (?!Kopf)(?:[\w-]+ )?CRDs\b", text)
+    assert {c for c in counts if c != NUMBERS[len(kinds)]} == set(), path.name
+    listed = re.findall(r"((?:GRPOLoraJob|RolloutPool|GRPOLoraRuntime|ClusterGRPOLoraRuntime)"
+                        r"(?:(?:,| and| or|, and) (?:GRPOLoraJob|RolloutPool|GRPOLoraRuntime|ClusterGRPOLoraRuntime))*"
+                        r")(?: custom resources)? CRDs?\b", text)  # fmt: skip
+    for listing in listed:
+        assert all(kind in listing for kind in kinds) or listing in kinds, f"{path.name}: `{listing} CRD`"
