@@ -5,7 +5,8 @@
     python bench/trl_race.py --trl-python /path/to/trl-venv/bin/python --task sums --steps 10 --seeds 0 1 2 3
 
 `--steps N` bounds each side by optimizer steps instead of wall time (issue 37): a per-step comparison of what each
-update learns needs no idle machine, so it can run beside other work (its times then say nothing).
+update learns needs no idle machine, so it can run beside other work (its times then say nothing). `--together`
+runs a seed's two sides at the same time and `--no-held-out` skips the held-out evaluation, for such per-step runs.
 
 Tasks: `arithmetic` (the built-in task: two-digit sums and differences, products up to 12 x 99), or `sums`, a
 GSM8K-shaped file made on disk (rows {messages, answer}, a training file and 64 held-out rows) of one- and two-digit
@@ -42,6 +43,8 @@ import statistics
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from itertools import islice
 from pathlib import Path
 
@@ -279,23 +282,31 @@ def main() -> None:
     parser.add_argument("--task", choices=["arithmetic", "sums"], default="arithmetic")
     parser.add_argument("--max-new-tokens", type=int, default=MAX_NEW_TOKENS)
     parser.add_argument("--out", type=Path, default=Path("bench/results/trl_race.json"))
+    parser.add_argument("--together", action="store_true", help="a seed's two sides at once (with --steps)")
+    parser.add_argument("--no-held-out", dest="held_out", action="store_false", help="skip the held-out evaluation")
     args = parser.parse_args()
     if args.budget is None and args.steps is None:
         args.budget = 420.0
     args.root.mkdir(parents=True, exist_ok=True)
     model_dir = resolve_model(MODEL)
     result: dict = {"task": args.task, "max_new_tokens": args.max_new_tokens, "budget_seconds": args.budget}
-    result |= {"steps": args.steps, "seeds": {}}
+    result |= {"steps": args.steps, "sides_together": args.together, "seeds": {}}
+    if args.together and args.steps is None:
+        parser.error("--together compares per step only: give --steps")
     for seed in args.seeds:
         prompts, in_order = race_prompts(args.task, seed, args.root)
         document = job(seed, task_spec(args.task, seed, args.root, prompts), args.max_new_tokens, args.steps)
-        ours, ours_adapter = run_ours(seed, args.budget, args.root, document)
-        trl, trl_adapter = run_trl(
-            seed, (args.budget, args.steps), args.root, args.trl_python, model_dir, in_order, args.max_new_tokens
-        )
+        trl_side = partial(
+            run_trl, seed, (args.budget, args.steps), args.root, args.trl_python, model_dir, in_order,
+            args.max_new_tokens,
+        )  # fmt: skip
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            theirs = pool.submit(trl_side) if args.together else None
+            ours, ours_adapter = run_ours(seed, args.budget, args.root, document)
+            trl, trl_adapter = theirs.result() if theirs else trl_side()
         threshold = statistics.fmean(s["reward_mean"] for s in trl[-SMOOTH:])
         evals = {
-            name: held_out(seed, adapter, args.root, name)
+            name: held_out(seed, adapter, args.root, name) if args.held_out else None
             for name, adapter in (("grpolora", ours_adapter), ("trl", trl_adapter))
         }
         seeded = {"threshold (TRL's final training reward, mean of its last 3 steps)": threshold}
