@@ -163,6 +163,9 @@ def run_ours(seed: int, budget: float | None, root: Path, document: dict) -> tup
         [sys.executable, "-m", "grpolora.cli", "run", str(job_file), "--run-dir", str(folder)],
         stdout=subprocess.DEVNULL,
         stderr=(root / f"grpolora-{seed}.log").open("w"),
+        # A shell's background job starts with SIGINT ignored, and Python then installs no handler: the budget's
+        # Ctrl-C would never arrive. The run gets the default disposition back.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     while process.poll() is None:
         seen = read_metrics(folder)
