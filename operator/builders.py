@@ -34,6 +34,7 @@ from grpolora.api.plan import (
     SECRETS_MOUNT,
     TOKEN_MOUNT,
     JobPlan,
+    Placement,
     PoolPlan,
     RolePlan,
     trainer_secrets,
@@ -431,7 +432,7 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         ],
         "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
         "env": _env(plan, role),
-        "resources": _resources(placement.resources, placement.gpus, role_spec(plan, role).cache_size_limit),
+        "resources": _resources(placement, role_spec(plan, role).cache_size_limit),
         "volumeMounts": [
             {"name": "shm", "mountPath": SHM_MOUNT},
             {"name": "cache", "mountPath": CACHE_MOUNT},
@@ -599,10 +600,10 @@ def _sized(size_limit: str | None) -> dict[str, Any]:
     return {"sizeLimit": size_limit} if size_limit else {}
 
 
-def _resources(resources: Mapping[str, Any], gpus: int, cache_size: str | None = None) -> dict[str, Any]:
-    result = copy.deepcopy(dict(resources))
-    if gpus:
-        result.setdefault("limits", {})["nvidia.com/gpu"] = gpus
+def _resources(placement: Placement, cache_size: str | None = None) -> dict[str, Any]:
+    result = copy.deepcopy(dict(placement.resources))
+    if placement.gpus:
+        result.setdefault("limits", {})[placement.gpu_resource] = placement.gpus
     if cache_size:
         # The scheduler counts requests, not an emptyDir's sizeLimit: without this a pod lands on a node whose disk
         # cannot hold the model. A request of the role's own covers it and whatever else the pod writes.

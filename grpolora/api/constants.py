@@ -93,6 +93,7 @@ MAX_GENERATIONS_PER_PROMPT: Final = 4_096  # a group's completions (vLLM generat
 MAX_MODEL_LEN: Final = 16_777_216  # tokens (2^24): above the longest context any served model has (10 M)
 MAX_REPLICAS: Final = 5_000  # pods of a role: Kubernetes supports clusters of at most 5,000 nodes
 MAX_GPUS_PER_POD: Final = 16  # GPUs of one node (the largest nodes have 8 or 16)
+DEFAULT_GPU_RESOURCE: Final = "nvidia.com/gpu"  # the NVIDIA device plugin's; a role's gpuResource names another
 MAX_LORA_SLOTS: Final = 1_024  # vLLM's max_loras: LoRA slots per engine, each a buffer on every GPU
 MAX_KV_CACHE_GIB: Final = 4_096  # CPU replicas' KV cache: above the memory of the largest nodes (a few TiB)
 MAX_RESTARTS: Final = 1_000  # restarts of a failed trainer before the job fails

@@ -123,6 +123,34 @@ def _values(value: Any, type_name: str, path: str) -> Iterator[tuple[str, str]]:
             yield _join(path, "effect"), f'Unsupported value: "{effect}": supported values: {supported}'
 
 
+# k8s.io/apimachinery/pkg/util/validation: IsQualifiedName's name part, and a DNS-1123 subdomain as its prefix.
+_QUALIFIED_NAME: Final = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN: Final = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+EXTENDED_RESOURCE_PATTERN: Final = (
+    r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*/([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$"
+)
+"""The shape of an extended resource name, for the CRD (RE2 has no look-ahead: the kubernetes.io and `requests.`
+exclusions are extended_resource_problem's)."""
+REQUESTS_PREFIX: Final = "requests."
+
+
+def extended_resource_problem(name: str) -> str | None:
+    """Why `name` is not an extended resource name (a device plugin's, such as nvidia.com/gpu), or None. The API
+    server's rule, pkg/apis/core/helper/helpers.go IsExtendedResourceName: not a native resource (a name without a
+    domain, or in the kubernetes.io namespace), not starting with `requests.`, and `requests.<name>` a qualified
+    name (a DNS subdomain of at most 253 characters, `/`, a name of at most 63)."""
+    if "/" not in name:
+        return "has no domain (`vendor.com/gpu`)"
+    if "kubernetes.io/" in name:
+        return "is in the kubernetes.io namespace, which has no extended resources"
+    if name.startswith(REQUESTS_PREFIX):
+        return "starts with `requests.`, which resource quotas reserve"
+    prefix, _, short = (REQUESTS_PREFIX + name).rpartition("/")
+    if not (_DNS_SUBDOMAIN.match(prefix) and len(prefix) <= 253 and _QUALIFIED_NAME.match(short) and len(short) <= 63):
+        return "is not an extended resource name (a lower-case DNS domain, `/`, and a name of letters, digits, `-_.`)"
+    return None
+
+
 def _is(value: Any, json_type: str) -> bool:
     if isinstance(value, bool):
         return json_type == "boolean"

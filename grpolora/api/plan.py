@@ -86,6 +86,7 @@ class Placement:
     image_pull_policy: str | None
     image_pull_secrets: tuple[str, ...]
     gpus: int
+    gpu_resource: str  # the extended resource the GPUs are requested as (nvidia.com/gpu, a MIG profile, amd.com/gpu)
     resources: Mapping[str, Any]
     node_selector: Mapping[str, str]
     tolerations: tuple[Mapping[str, Any], ...]
@@ -447,6 +448,7 @@ def _placement(role_spec: RoleSpec) -> Placement:
         image_pull_policy=role_spec.image_pull_policy,
         image_pull_secrets=defaults.image_pull_secrets,
         gpus=gpus,
+        gpu_resource=role_spec.gpu_resource,
         resources=role_spec.resources,
         node_selector=role_spec.node_selector,
         tolerations=tuple(role_spec.tolerations),

@@ -832,7 +832,13 @@ class RoleSpec(SpecModel):
     replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
     """Number of pods of this role."""
     gpus_per_replica: int = Field(default=1, ge=0, le=c.MAX_GPUS_PER_POD)
-    """GPUs per pod (`nvidia.com/gpu`); 0 runs on CPU."""
+    """GPUs per pod (requested as `gpuResource`); 0 runs on CPU."""
+    gpu_resource: str = Field(
+        default=c.DEFAULT_GPU_RESOURCE, json_schema_extra={"pattern": kubetypes.EXTENDED_RESOURCE_PATTERN}
+    )
+    """The extended resource the pods' GPUs are requested as, `gpusPerReplica` of it: the NVIDIA device plugin's
+    `nvidia.com/gpu`, a MIG profile such as `nvidia.com/mig-1g.10gb` (with the device plugin's mixed strategy),
+    `amd.com/gpu`; what `kubectl describe node` lists under Allocatable."""
     image: str | None = None
     """Container image; defaults to the project's GPU or CPU worker image."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
@@ -883,12 +889,31 @@ class RoleSpec(SpecModel):
 
     @field_validator("resources")
     @classmethod
-    def _no_gpu_in_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
-        kube_checked(value, "ResourceRequirements")
-        for section in ("limits", "requests"):
-            if "nvidia.com/gpu" in (value.get(section) or {}):
-                raise ValueError(f"{section}: set GPUs with `gpusPerReplica`, not `nvidia.com/gpu`")
+    def _kube_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return kube_checked(value, "ResourceRequirements")
+
+    @field_validator("gpu_resource")
+    @classmethod
+    def _extended_resource(cls, value: str) -> str:
+        problem = kubetypes.extended_resource_problem(value)
+        if problem is not None:
+            raise ValueError(
+                f"{value!r} {problem}; a GPU resource is a device plugin's extended resource: nvidia.com/gpu, a MIG "
+                "profile such as nvidia.com/mig-1g.10gb, amd.com/gpu (see `kubectl describe node`, Allocatable)"
+            )
         return value
+
+    @model_validator(mode="after")
+    def _no_gpu_in_resources(self) -> RoleSpec:
+        raise_if_any(
+            [
+                (f"resources.{section}.{self.gpu_resource}", "set GPUs with `gpusPerReplica` (their resource name "
+                 "with `gpuResource`), not in resources")
+                for section in ("limits", "requests")
+                if self.gpu_resource in (self.resources.get(section) or {})
+            ]
+        )  # fmt: skip
+        return self
 
     @field_validator("pod_template")
     @classmethod

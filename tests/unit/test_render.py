@@ -261,3 +261,32 @@ def test_validate_warns_when_no_output_persists():
     assert not warned(checkpoint={"pvc": {"claimName": "c"}})  # outputs default to the checkpoint volume
     assert not warned(output={"pvc": {"claimName": "r"}})
     assert not warned(output={"push": {"s3": {"url": "s3://b/p"}}})
+
+
+# ---- the GPU resource name: nvidia.com/gpu, a MIG profile, another vendor's --------------------------------
+
+
+def _limits(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    (obj,) = [o for o in objects if o["kind"] == kind]
+    return obj["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
+
+
+def test_each_role_requests_gpus_under_the_resource_name_it_gives():
+    doc = job_doc(
+        trainer={"gpusPerReplica": 2, "gpuResource": "nvidia.com/mig-1g.10gb"},
+        inference={"gpusPerReplica": 1, "gpuResource": "amd.com/gpu"},
+    )
+    objects = build_children(plan(parse_job(doc)), owner_uid="u", token="t")
+    trainer, inference = _limits(objects, "Job"), _limits(objects, "StatefulSet")
+    assert trainer["nvidia.com/mig-1g.10gb"] == 2 and "nvidia.com/gpu" not in trainer
+    assert inference["amd.com/gpu"] == 1 and "nvidia.com/gpu" not in inference
+    # Kueue's Workload counts what the pods request: its pod sets carry the same templates.
+    from grpolora.operator.builders import queue_workload
+
+    sets = queue_workload(plan(parse_job(doc)))["spec"]["podSets"]
+    assert [s["template"]["spec"]["containers"][0]["resources"]["limits"] for s in sets] == [trainer, inference]
+
+
+def test_the_gpu_resource_defaults_to_nvidia_com_gpu():
+    objects = build_children(plan(parse_job(job_doc(trainer={"gpusPerReplica": 1}))), owner_uid="u", token="t")
+    assert _limits(objects, "Job")[c.DEFAULT_GPU_RESOURCE] == 1 and c.DEFAULT_GPU_RESOURCE == "nvidia.com/gpu"

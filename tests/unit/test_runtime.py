@@ -492,3 +492,10 @@ def test_the_pin_is_per_role():
     job = parse_job(on_runtime(inference={"podTemplate": {"spec": {"serviceAccountName": "serving"}}}))
     resolved = resolve(job, _sa_runtime()).spec
     assert resolved.inference.pod_template["spec"]["serviceAccountName"] == "serving"
+
+
+def test_a_runtime_names_the_gpu_resource_of_its_jobs():
+    runtime = parse_runtime(runtime_doc(trainer={"gpuResource": "nvidia.com/mig-3g.40gb"}))
+    resolved = resolve(parse_job(on_runtime(trainer={"gpusPerReplica": 1})), runtime).spec
+    assert resolved.trainer.gpu_resource == "nvidia.com/mig-3g.40gb"
+    assert resolved.inference.gpu_resource == c.DEFAULT_GPU_RESOURCE

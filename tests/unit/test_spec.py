@@ -180,7 +180,11 @@ INVALID = [
     (job_doc(task={"name": "arithmetic", "reward": "no_colon"}), "spec.task.reward", "should match pattern"),
     (job_doc(task={"name": "arithmetic", "reward": "pkg.mod:"}), "spec.task.reward", "should match pattern"),
     (job_doc(task={"name": "arithmetic", "reward": "1pkg:f"}), "spec.task.reward", "should match pattern"),
-    (job_doc(trainer={"resources": {"limits": {"nvidia.com/gpu": 2}}}), "spec.trainer.resources", "gpusPerReplica"),
+    (
+        job_doc(trainer={"resources": {"limits": {"nvidia.com/gpu": 2}}}),
+        "spec.trainer.resources.limits.nvidia.com/gpu",
+        "gpusPerReplica",
+    ),
     (
         job_doc(trainer={"env": [{"name": "MASTER_ADDR", "value": "x"}]}),
         "spec.trainer.env[0].name",
@@ -484,3 +488,39 @@ def test_the_kueue_queue_is_the_jobs_label_else_spec_scheduling_queue_name():
     assert parse_job(labelled).queue_name == "urgent"
     # A LocalQueue is named as any object is (Kueue's Workload spec.queueName: a DNS-1123 subdomain).
     assert any("spec.scheduling.queueName" in p for p in problems_of(job_doc(scheduling={"queueName": "Team_Q"})))
+
+
+# ---- the GPU resource name -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["nvidia.com/gpu", "nvidia.com/mig-1g.10gb", "amd.com/gpu", "gpu.intel.com/i915"])
+def test_an_extended_resource_name_is_a_gpu_resource(name):
+    spec = parse_job(job_doc(trainer={"gpuResource": name}, inference={"gpuResource": name})).spec
+    assert spec.trainer.gpu_resource == spec.inference.gpu_resource == name
+
+
+@pytest.mark.parametrize(
+    ("name", "why"),
+    [
+        ("gpu", "has no domain (`vendor.com/gpu`)"),
+        ("kubernetes.io/gpu", "is in the kubernetes.io namespace"),
+        ("requests.nvidia.com/gpu", "starts with `requests.`"),
+        ("NVIDIA.com/gpu", "is not an extended resource name"),
+        ("nvidia.com/gpu!", "is not an extended resource name"),
+    ],
+)
+def test_a_gpu_resource_that_is_no_extended_resource_name_is_refused(name, why):
+    with pytest.raises(InvalidJob) as info:
+        parse_job(job_doc(trainer={"gpuResource": name}))
+    (problem,) = info.value.problems
+    assert problem.path == "spec.trainer.gpuResource"
+    assert problem.message.startswith(f"{name!r} {why}")
+    assert "nvidia.com/gpu, a MIG profile such as nvidia.com/mig-1g.10gb, amd.com/gpu" in problem.message
+
+
+def test_the_roles_gpu_resource_is_set_with_gpus_per_replica_not_in_resources():
+    with pytest.raises(InvalidJob) as info:
+        parse_job(job_doc(inference={"gpuResource": "amd.com/gpu", "resources": {"limits": {"amd.com/gpu": 1}}}))
+    (problem,) = info.value.problems
+    assert problem.path == "spec.inference.resources.limits.amd.com/gpu"
+    assert "set GPUs with `gpusPerReplica` (their resource name with `gpuResource`)" in problem.message
