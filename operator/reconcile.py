@@ -258,6 +258,10 @@ def with_restart_attempt(trainer_job: K8sObject, attempt: int) -> K8sObject:
         return trainer_job
     marked = copy.deepcopy(trainer_job)
     marked["metadata"].setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
+    # And its pods: their GRPOLORA_TRAINER_INCARNATION reads it (builders._env), so that replicas refuse the trainer
+    # of an earlier attempt that still runs (fencing, workers/sync/receiver.py).
+    template = marked["spec"]["template"].setdefault("metadata", {})
+    template.setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
     return marked
 
 

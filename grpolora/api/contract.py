@@ -57,6 +57,11 @@ SYNC_WORLD_SIZE: Final = "GRPOLORA_SYNC_WORLD_SIZE"
 SYNC_BACKEND: Final = "GRPOLORA_SYNC_BACKEND"  # nccl | gloo
 SYNC_EPOCH: Final = "GRPOLORA_SYNC_EPOCH"
 SYNC_TIMEOUT_SECONDS: Final = "GRPOLORA_SYNC_TIMEOUT_SECONDS"
+# Trainer pods: which start of the job's trainer this is, a count that only grows (the operator: its restart attempt,
+# the trainer Job's pod template annotation RESTART_ATTEMPT read through the downward API, empty for the first;
+# `grpolora run`: its start time in ms). Replicas refuse a trainer older than the newest they have seen (fencing:
+# workers/sync/receiver.py), so a restart's predecessor that still runs cannot publish.
+TRAINER_INCARNATION: Final = "GRPOLORA_TRAINER_INCARNATION"
 
 # Trainer rank 0.
 INFERENCE_ENDPOINTS: Final = "GRPOLORA_INFERENCE_ENDPOINTS"  # comma-separated base URLs, in replica order
@@ -101,6 +106,7 @@ ALL: Final = (
     SYNC_BACKEND,
     SYNC_EPOCH,
     SYNC_TIMEOUT_SECONDS,
+    TRAINER_INCARNATION,
     INFERENCE_ENDPOINTS,
     STATUS_PORT,
     CHECKPOINT_DIR,
@@ -163,6 +169,7 @@ class WorkerEnv:
     checkpoint_dir: str
     output_dir: str | None
     data_dir: str | None = None
+    trainer_incarnation: int = 0  # TRAINER_INCARNATION (trainer pods; 0 when unset or empty)
 
     @property
     def sync_rank(self) -> int:
@@ -220,6 +227,7 @@ class WorkerEnv:
             checkpoint_dir=get(CHECKPOINT_DIR),
             output_dir=read.env.get(OUTPUT_DIR) or None,
             data_dir=read.env.get(DATA_DIR) or None,
+            trainer_incarnation=integer(TRAINER_INCARNATION) if read.env.get(TRAINER_INCARNATION) else 0,
         )
 
 

@@ -19,7 +19,13 @@ import torch
 from grpolora.api.load import parse_job
 from grpolora.workers.adapter import lora_scaling
 from grpolora.workers.sync import wire
-from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, SyncError
+from grpolora.workers.sync.control import (
+    FingerprintMismatch,
+    JoinRequest,
+    PrepareRequest,
+    StaleIncarnation,
+    SyncError,
+)
 from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.sender import AdapterSender, send_round
 from grpolora.workers.sync.transport import TransportError, connect_store
@@ -324,6 +330,7 @@ def _layout(**changes) -> bytes:
     data = {
         "version": 1,
         "epoch": 0,
+        "incarnation": 0,
         "tensors": [{"name": "x", "dtype": "float32", "shape": [4], "bucket": 0, "offset": 0, "nbytes": 16}],
         "bucket_sizes": [64],
         "payload_mac": "0" * 32,
@@ -354,6 +361,7 @@ def _layout(**changes) -> bytes:
         (_layout(tensor={"offset": 64}), "overlap or leave its bucket"),
         (_layout(tensor={"bucket": 3}), "bucket 3 of 1"),
         (_layout(version=-1), "version -1"),
+        (_layout(incarnation=-1), "incarnation -1"),
         (_layout(payload_mac_algorithm="crc32"), "payload MAC algorithm 'crc32' (one of"),
         (_layout(payload_nonce="00"), "payload nonce"),
         (_layout(payload_nonce="zz" * 16), "payload nonce"),
@@ -390,7 +398,23 @@ def test_a_header_for_another_round_than_the_announced_one_is_refused(cluster, m
     with pytest.raises(SyncError):
         c.sender.send(adapter(0), {})
     assert [s.live_version for s in c.sinks] == [0, 0]
-    assert "header for version 6 of epoch 0, but the trainer announced version 1 of epoch 0" in caplog.text
+    assert (
+        "header for version 6 of epoch 0 from trainer incarnation 0, but the trainer announced version 1 of epoch 0"
+        in caplog.text
+    )
+
+
+def test_a_header_from_another_incarnation_than_the_announced_one_is_refused(cluster, monkeypatch, caplog):
+    """The incarnation is MAC'd with the round: a header may not claim another trainer's than its prepare did."""
+    c = cluster(1)
+    real_pack = wire.pack
+    monkeypatch.setattr(wire, "pack", lambda *a, **kw: real_pack(*a, **kw | {"incarnation": 7}))
+    with pytest.raises(SyncError):
+        c.sender.send(adapter(0), {})
+    assert c.sinks[0].live_version == 0
+    assert (
+        "from trainer incarnation 7, but the trainer announced version 1 of epoch 0 from incarnation 0" in caplog.text
+    )
 
 
 def test_members_are_told_to_expect_a_round_while_it_is_packed(cluster, monkeypatch):
@@ -1088,3 +1112,78 @@ def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(monkeyp
     finally:
         member.close()
         del store
+
+
+# ---- fencing: two trainers of one job (a restart whose old pod still runs, a zombie behind a partition) ----------
+
+
+def test_a_stale_trainer_can_neither_publish_nor_take_the_group_back(cluster):
+    """Both hold the job's token. Once the replicas have seen the newer incarnation, the older one's rounds are
+    refused before they start, and its join does not break up the newer one's group."""
+    c = cluster(2)
+    old = c.sender  # incarnation 0
+    old.send(adapter(0), {})
+    c.wait_live(1)
+    new = c.make_sender(incarnation=1)
+    new.send(adapter(1), {})
+    c.wait_live(2)
+    epoch, group = new.epoch, new.group
+    with pytest.raises(StaleIncarnation, match="follows incarnation 1, a newer trainer of this job"):
+        old.send(adapter(2), {})
+    with pytest.raises(StaleIncarnation, match="another trainer of this job has taken over"):
+        old.form_group()
+    assert [s.live_version for s in c.sinks] == [2, 2]
+    assert all(torch.equal(s.adapters[2][n], t) for s in c.sinks for n, t in adapter(1).items())
+    assert all(r.state().epoch == epoch for r in c.receivers)  # still in the newer trainer's group
+    report = new.send(adapter(3), {})
+    assert report.members == group and report.attempts == 1
+    new.close()
+
+
+def test_a_restarted_trainer_counts_no_replica_as_serving_a_version_another_incarnation_sent(cluster):
+    """A trainer restarted from a checkpoint of version 1 while the replicas hold version 2 of its predecessor: the
+    number is the same, the weights are not. It must not count them as serving its versions until it sent its own."""
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.sender.send(adapter(1), {})
+    c.wait_live(2)
+    restarted = c.make_sender(incarnation=1, first_version=1)
+    restarted.form_group()
+    assert restarted.version == 2 and restarted.serving(1) == ()
+    report = restarted.send(adapter(5), {})
+    assert report.version == 3 and restarted.serving(3) == (0, 1)
+    restarted.close()
+
+
+@pytest.mark.parametrize(("value", "incarnation"), [(None, 0), ("", 0), ("3", 3)])
+def test_a_trainer_pods_incarnation_is_its_restart_attempt(value, incarnation):
+    """Where the trainer's incarnation comes from on a cluster: the operator marks a restart's trainer Job and its
+    pod template with the attempt (reconcile.with_restart_attempt), the pod reads the annotation through the
+    downward API (empty for the first attempt: Kubernetes' pkg/fieldpath gives a missing annotation as "")."""
+    from grpolora.api import contract
+    from grpolora.api.plan import LoopbackNetwork, plan
+    from grpolora.operator import names
+    from grpolora.operator.builders import trainer_job
+    from grpolora.operator.reconcile import with_restart_attempt
+
+    planned = plan(parse_job(job_doc()), LoopbackNetwork())
+    job = with_restart_attempt(trainer_job(planned), 3)
+    pod = job["spec"]["template"]
+    assert pod["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "3"
+    (container,) = pod["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    field = env[contract.TRAINER_INCARNATION]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert field == f"metadata.annotations['{names.RESTART_ATTEMPT_ANNOTATION}']"
+    environ = planned.env_for("trainer", 0, token=TOKEN)
+    if value is not None:
+        environ[contract.TRAINER_INCARNATION] = value
+    assert contract.WorkerEnv.from_environ(environ).trainer_incarnation == incarnation
+
+
+def test_an_incarnation_that_is_no_number_is_refused_naming_the_variable():
+    from grpolora.api import contract
+    from grpolora.api.plan import LoopbackNetwork, plan
+
+    environ = plan(parse_job(job_doc()), LoopbackNetwork()).env_for("trainer", 0, token=TOKEN)
+    with pytest.raises(contract.ContractError, match="GRPOLORA_TRAINER_INCARNATION='x' is not an integer"):
+        contract.WorkerEnv.from_environ(environ | {contract.TRAINER_INCARNATION: "x"})

@@ -62,6 +62,7 @@ from grpolora.workers.sync.control import (
     MemberState,
     PrepareRequest,
     StaleEpoch,
+    StaleIncarnation,
 )
 
 log = logging.getLogger(__name__)
@@ -381,7 +382,7 @@ def build_app(
     async def sync_join(request: JoinRequest, http: Request) -> dict:
         try:
             await asyncio.to_thread(caller(http).receiver.join, request)
-        except FingerprintMismatch as exc:
+        except (FingerprintMismatch, StaleIncarnation) as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
 
@@ -389,7 +390,7 @@ def build_app(
     async def sync_prepare(request: PrepareRequest, http: Request) -> dict:
         try:
             await asyncio.to_thread(caller(http).receiver.prepare, request)
-        except StaleEpoch as exc:
+        except (StaleEpoch, StaleIncarnation) as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         return {"accepted": True}
 

@@ -57,6 +57,7 @@ from grpolora.workers.sync.control import (
     MemberUnreachable,
     PrepareRequest,
     StaleEpoch,
+    StaleIncarnation,
     SyncError,
 )
 from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, allocate_apart
@@ -64,7 +65,9 @@ from grpolora.workers.sync.receiver import AdapterReceiver, RoundOutcome, alloca
 log = logging.getLogger(__name__)
 
 CONTROL_TIMEOUT_SECONDS = 10.0
-_ERRORS: dict[str, type[SyncError]] = {"FingerprintMismatch": FingerprintMismatch, "StaleEpoch": StaleEpoch}
+_ERRORS: dict[str, type[SyncError]] = {
+    error.__name__: error for error in (FingerprintMismatch, StaleEpoch, StaleIncarnation)
+}
 
 
 def _send(connection: Connection, message: dict) -> None:

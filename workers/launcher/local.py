@@ -430,6 +430,8 @@ class LocalRun:
         for index in range(trainers.replicas):
             worker = Worker("trainer", index, trainers.placement.gpus, logs / f"trainer-{index}.log", job.name)
             env = job.plan.env_for("trainer", index, token=job.token)
+            # Fencing (contract.TRAINER_INCARNATION): a later `grpolora run` of a job is a later trainer.
+            env[contract.TRAINER_INCARNATION] = str(time.time_ns() // 1_000_000)
             if index > 0:
                 # Pods have an address each; here every trainer replica shares 127.0.0.1, so the /health
                 # endpoint of replicas > 0 (rank 0 alone serves /status) needs a port of its own.

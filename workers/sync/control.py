@@ -41,11 +41,15 @@ class JoinRequest(_Message):
     progress_timeout_seconds: float | None = None
     trainer_fingerprint: str
     current_version: int  # the replica reports ready once it serves at least this version
+    # Of the trainer asking (AdapterSender): a replica refuses joins, rounds and versions from an incarnation older
+    # than the newest it has seen. 0: a trainer of an older release, or one that was given none.
+    incarnation: int = 0
 
 
 class PrepareRequest(_Message):
     epoch: int
     version: int
+    incarnation: int = 0  # of the trainer announcing the round (JoinRequest.incarnation)
 
 
 class MemberState(_Message):
@@ -56,6 +60,8 @@ class MemberState(_Message):
     epoch: int | None  # the epoch it has joined, if any
     rank: int | None
     live_version: int  # adapter version serving new requests (0 = base model)
+    live_incarnation: int = 0  # of the trainer that sent the live version: its version numbers are that trainer's
+    incarnation: int = 0  # the newest trainer incarnation this replica has seen (older ones are refused)
     required_version: int  # the version the trainer last said is current
     busy: bool  # forming a group or inside a round
     last_error: str | None = None
@@ -71,6 +77,11 @@ class FingerprintMismatch(SyncError):
 
 class StaleEpoch(SyncError):
     """A request for an epoch the replica is not in (the sender must re-form)."""
+
+
+class StaleIncarnation(SyncError):
+    """A newer incarnation of this job's trainer has taken over the replica: this trainer is a stale one (a pod of a
+    restart whose predecessor still runs, a zombie behind a partition) and must stop; fatal."""
 
 
 class MemberUnreachable(SyncError):
@@ -120,6 +131,8 @@ class HttpMember:
         if response.status_code == 409:
             detail = response.json().get("detail", response.text)
             error = FingerprintMismatch if "fingerprint" in str(detail) else StaleEpoch
+            if "incarnation" in str(detail):
+                error = StaleIncarnation
             raise error(f"inference replica {self.index}: {detail}")
         if response.status_code >= 400:
             raise MemberUnreachable(

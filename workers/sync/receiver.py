@@ -28,6 +28,7 @@ from grpolora.workers.sync.control import (
     MemberState,
     PrepareRequest,
     StaleEpoch,
+    StaleIncarnation,
 )
 from grpolora.workers.sync.transport import Transport, TransportError, connect_store, create_transport
 from grpolora.workers.sync.watchdog import Watchdog
@@ -103,10 +104,12 @@ def receive_round(
         transport.broadcast(raw)
         progress()
         header = wire.RoundHeader.decode(bytes(raw.cpu().numpy()), key)
-        if (header.epoch, header.version) != (announced.epoch, announced.version):
+        said = (header.epoch, header.version, header.incarnation)
+        if said != (announced.epoch, announced.version, announced.incarnation):
             raise wire.WireError(
-                f"header for version {header.version} of epoch {header.epoch}, but the trainer announced version "
-                f"{announced.version} of epoch {announced.epoch}"
+                f"header for version {header.version} of epoch {header.epoch} from trainer incarnation "
+                f"{header.incarnation}, but the trainer announced version {announced.version} of epoch "
+                f"{announced.epoch} from incarnation {announced.incarnation}"
             )
     except wire.WireError:
         transport.close()
@@ -178,6 +181,10 @@ class AdapterReceiver:
         self._joined: JoinRequest | None = None  # the epoch whose group is formed
         self._pending_join: JoinRequest | None = None
         self._required_version = 0
+        # Fencing: the newest trainer incarnation seen (joins, rounds and versions of older ones are refused), and
+        # the incarnation of the trainer whose round is live (its version numbers are that trainer's).
+        self._incarnation = 0
+        self._live_incarnation = 0
         self._has_joined = False
         self._busy = False
         self._last_error: str | None = None
@@ -195,6 +202,8 @@ class AdapterReceiver:
                 epoch=joined.epoch if joined else None,
                 rank=joined.rank if joined else None,
                 live_version=self._sink.live_version,
+                live_incarnation=self._live_incarnation,
+                incarnation=self._incarnation,
                 required_version=self._required_version,
                 busy=self._busy,
                 last_error=self._last_error,
@@ -224,21 +233,36 @@ class AdapterReceiver:
                 "and files"
             )
         with self._lock:
+            self._refuse_stale(request.incarnation, f"a join of epoch {request.epoch}")
+            self._incarnation = request.incarnation
             self._pending_join = request
             self._required_version = max(self._required_version, request.current_version)
             joined = self._joined
-            # A newer epoch means the trainer gave up on the old group. If this member is inside one of that group's
-            # rounds, abandoned when another member's prepare failed or a member died, it may wait there for the
-            # whole sync.timeoutSeconds: NCCL over P2P/NVLink/SHM does not surface a peer's abort. Close its side
-            # now, so the round fails at once and the thread takes this join within sync.joinTimeoutSeconds.
-            stale = self._transport if self._busy and joined is not None and joined.epoch < request.epoch else None
+            # A newer epoch means the trainer gave up on the old group (a newer incarnation: another trainer took
+            # over). If this member is inside one of that group's rounds, abandoned when another member's prepare
+            # failed or a member died, it may wait there for the whole sync.timeoutSeconds: NCCL over P2P/NVLink/SHM
+            # does not surface a peer's abort. Close its side now, so the round fails at once and the thread takes
+            # this join within sync.joinTimeoutSeconds.
+            superseded = joined is not None and (
+                joined.epoch < request.epoch or joined.incarnation < request.incarnation
+            )
+            stale = self._transport if self._busy and superseded else None
         if stale is not None:
             log.warning("adapter sync of %s: leaving epoch %d for %d mid-round", self.name, joined.epoch, request.epoch)
             stale.close()
         self._commands.put(request)
 
+    def _refuse_stale(self, incarnation: int, what: str) -> None:
+        """StaleIncarnation for a request of a trainer older than the newest seen (called under the lock)."""
+        if incarnation < self._incarnation:
+            raise StaleIncarnation(
+                f"{what} from trainer incarnation {incarnation} refused: this replica (index {self.replica_index}) "
+                f"follows incarnation {self._incarnation}, a newer trainer of this job"
+            )
+
     def prepare(self, request: PrepareRequest) -> None:
         with self._lock:
+            self._refuse_stale(request.incarnation, f"the round of version {request.version}")
             target = self._pending_join or self._joined
             if target is None or target.epoch != request.epoch:
                 have = target.epoch if target else None
@@ -345,12 +369,18 @@ class AdapterReceiver:
         code = REFUSED
         if reason is None:
             code = VERIFIED
+            with self._lock:
+                newer = self._incarnation if header.incarnation < self._incarnation else None
+            if newer is not None:  # a newer trainer joined while this round ran: its sender is a stale one
+                code, reason = REFUSED, f"round from trainer incarnation {header.incarnation}, older than {newer}"
             # Never back to (or again to) a version at or below the live one: versions only grow. A re-sent
             # current version (to catch another member up) verifies and leaves this replica as it is.
-            if header.version > self._sink.live_version:
+            elif header.version > self._sink.live_version:
                 try:
                     self._sink.activate(header.version, wire.unpack(header, buckets), dict(header.adapter_config))
                     outcome.activated = True
+                    with self._lock:
+                        self._live_incarnation = header.incarnation
                 except Exception as exc:  # the engine refused it: the older version keeps serving
                     log.exception("adapter sync: version %d verified but not activated", header.version)
                     reason = f"activation failed: {type(exc).__name__}: {exc}"

@@ -36,6 +36,7 @@ from grpolora.workers.sync.control import (
     MemberUnreachable,
     PrepareRequest,
     StaleEpoch,
+    StaleIncarnation,
     SyncError,
 )
 from grpolora.workers.sync.receiver import ACTIVATION_FAILED, REFUSED, VERIFIED
@@ -128,6 +129,7 @@ class AdapterSender:
         wire_dtype: torch.dtype | None = None,
         member_factory: Callable[[int, str], Member] | None = None,
         progress_timeout_seconds: float | None = PROGRESS_TIMEOUT_SECONDS,
+        incarnation: int = 0,
     ):
         self._members = {m.index: m for m in members}
         # On a pool: how to reach a replica the pool's servers name (index, base URL); None: the members are fixed.
@@ -144,6 +146,10 @@ class AdapterSender:
         # fp16 model is served the same adapter from half the bytes); None sends each tensor as it is.
         self._wire_dtype = wire_dtype
         self.fingerprint = fingerprint
+        # Fencing: this trainer's start among the job's (grpolora.api.contract.TRAINER_INCARNATION). A replica that
+        # has seen a newer one refuses this one's joins and rounds (StaleIncarnation: this trainer must stop), and a
+        # version a replica holds from another incarnation never counts as this one's.
+        self.incarnation = incarnation
         self._key = wire.round_key(token)
         self._device = device or torch.device("cpu")
         self._on_bucket_sent = on_bucket_sent
@@ -288,6 +294,11 @@ class AdapterSender:
         if not states:
             raise SyncError(f"no inference replica answers ({len(self._members)} expected) after waiting {longest:g}s")
         for state in states.values():
+            if state.incarnation > self.incarnation:
+                raise StaleIncarnation(
+                    f"inference replica {state.replica_index} follows trainer incarnation {state.incarnation}, newer "
+                    f"than this trainer's {self.incarnation}: another trainer of this job has taken over; stopping"
+                )
             if state.fingerprint != self.fingerprint:
                 raise FingerprintMismatch(
                     f"base model fingerprint mismatch: the trainer loaded {self.fingerprint}, inference replica "
@@ -304,7 +315,12 @@ class AdapterSender:
             left_out = self._form(candidates)
             if not left_out:
                 self.group = tuple(candidates)
-                self._serving = {i: states[i].live_version for i in candidates}
+                # A version number means these weights only if this trainer sent it: a restarted trainer (resumed
+                # from an older checkpoint) goes on numbering past what replicas hold, and catches them up.
+                self._serving = {
+                    i: states[i].live_version if states[i].live_incarnation == self.incarnation else 0
+                    for i in candidates
+                }
                 self._publish()
                 log.info("adapter sync: epoch %d formed with replicas %s", self.epoch, list(candidates))
                 return self.group
@@ -333,6 +349,7 @@ class AdapterSender:
                         progress_timeout_seconds=self._progress_timeout,
                         trainer_fingerprint=self.fingerprint,
                         current_version=self.version,
+                        incarnation=self.incarnation,
                     )
                 )
             except MemberUnreachable:
@@ -427,6 +444,7 @@ class AdapterSender:
                 version=version,
                 epoch=self.epoch,
                 bucket_bytes=self._bucket_bytes,
+                incarnation=self.incarnation,
                 device=self._transport.device,
                 adapter_config=adapter_config,
                 dtype=self._wire_dtype,
@@ -481,7 +499,7 @@ class AdapterSender:
 
     def _prepare(self, version: int) -> list[Future[None]]:
         """Tell every member of the group to expect `version` in this epoch (one call each, in parallel)."""
-        request = PrepareRequest(epoch=self.epoch, version=version)
+        request = PrepareRequest(epoch=self.epoch, version=version, incarnation=self.incarnation)
         return [self._pool.submit(self._members[index].prepare, request) for index in self.group]
 
     def _send_once(

@@ -37,7 +37,8 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 from grpolora.api.pool import sync_key
 
-WIRE_VERSION = 4  # 2: the header carries a MAC; 3: and a MAC of the payload instead of a checksum; 4: Poly1305
+# 2: the header carries a MAC; 3: and a MAC of the payload instead of a checksum; 4: Poly1305; 5: the incarnation
+WIRE_VERSION = 5
 ALIGN = 64  # bytes; every tensor starts aligned so that a byte view can be reinterpreted as any dtype
 MAC_BYTES = 32  # HMAC-SHA256, the header's MAC
 NONCE_BYTES = 16  # random per round: 2^-64 odds of a repeat after 2^32 rounds
@@ -102,6 +103,7 @@ class TensorEntry:
 class RoundHeader:
     version: int  # adapter version the receivers will serve after this round
     epoch: int  # sync-group epoch the round belongs to
+    incarnation: int  # of the trainer that sent it (AdapterSender): a replica refuses one older than it has seen
     tensors: tuple[TensorEntry, ...]
     bucket_sizes: tuple[int, ...]
     payload_mac: str  # hex MAC of every bucket, in order (PayloadMac)
@@ -150,6 +152,7 @@ class RoundHeader:
             header = cls(
                 version=_count(data["version"], "version"),
                 epoch=_count(data["epoch"], "epoch"),
+                incarnation=_count(data["incarnation"], "incarnation"),
                 tensors=tensors,
                 bucket_sizes=tuple(_count(s, "bucket size") for s in data["bucket_sizes"]),
                 payload_mac=str(data["payload_mac"]),
@@ -246,6 +249,7 @@ def pack(
     version: int,
     epoch: int,
     bucket_bytes: int,
+    incarnation: int = 0,
     device: torch.device | str = "cpu",
     adapter_config: Mapping[str, Any] | None = None,
     dtype: torch.dtype | None = None,
@@ -279,6 +283,7 @@ def pack(
     header = RoundHeader(
         version=version,
         epoch=epoch,
+        incarnation=incarnation,
         tensors=tuple(entries),
         bucket_sizes=tuple(sizes),
         payload_mac=payload_mac(buckets, PayloadMac(key, algorithm, nonce)),

@@ -239,6 +239,7 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         timeout_seconds=env.sync_timeout_seconds,
         join_timeout_seconds=env.spec.sync.join_timeout_seconds,
         progress_timeout_seconds=env.spec.sync.progress_timeout_seconds,
+        incarnation=env.trainer_incarnation,
         bucket_bytes=env.spec.sync.bucket_mib << 20,
         fingerprint=model_fingerprint,
         token=env.token,
