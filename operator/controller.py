@@ -370,6 +370,7 @@ class Controller:
         body = {**job.body, "status": job.status}
         view = rec.job_view(body, await self._runtime(body))
         old = rec.stored_status(job.status)
+        view = await self._queue_in_effect(view, old)
         # Nothing to read: a job being deleted gets nothing, and one waiting for its runtime has nothing yet.
         if view.deleting or view.runtime_wait is not None:
             decision = rec.decide(view, old, rec.Observed(), self.clock())
@@ -868,6 +869,19 @@ class Controller:
         body = self.cache.get(key)
         return pools.pool_view(name, body)
 
+    async def _queue_in_effect(self, view: rec.JobView, old: JobStatus) -> rec.JobView:
+        """The view with the Kueue queue the job runs under (reconcile.with_queue_in_effect), from its Workload: read
+        (from the watch's cache, or the API) when the job names a queue, else only as the watch last showed it (a job
+        without a queue, and without a Workload, costs no read)."""
+        if view.job is None or view.deleting:
+            return view
+        key = (kube.KUEUE_WORKLOAD.kind, view.namespace, view.name)
+        if view.job.queue_name is not None or self.cache.get(key) is not None:
+            workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
+        else:
+            workload = None
+        return rec.with_queue_in_effect(view, old, workload)
+
     async def _runtime(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """The runtime a job names, read from the API while the job has not started (its passes then use the one it
         recorded, and read none): one read a pass of a waiting job, at the monitor's interval."""
@@ -981,10 +995,7 @@ class Controller:
             written = await self.client.patch(kube.KUEUE_WORKLOAD, job.namespace, job.name, write.spec)
             if written is not None:
                 self._remember(key, dict(written), written)
-                active = (written.get("spec") or {}).get("active") is not False
-                logger.info(
-                    "%s/%s: %s the Kueue Workload", job.namespace, job.name, "reactivated" if active else "deactivated"
-                )
+                logger.info("%s/%s: patched the Kueue Workload: %s", job.namespace, job.name, write.spec.get("spec"))
             if write.status is not None:
                 return False  # the status patch was decided from the older version: decide again
         if write.status is None:

@@ -116,6 +116,10 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.resume(*resource, registry=registry, id="reconcile")(reconcile)
     # Only spec changes matter (our own annotation and status writes must not trigger a pass).
     kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(reconcile)
+    # And the Kueue queue label, which moves a job that waits to another queue (or out of Kueue) and is held while
+    # Kueue admits it (reconcile.with_queue_in_effect).
+    queue_label = ("metadata", "labels", c.KUEUE_QUEUE_LABEL)
+    kopf.on.update(*resource, registry=registry, id="queue-label", field=queue_label)(reconcile)
     # Filtered before invocation, so the other events (every status write) cost nothing and log nothing.
     kopf.on.event(*resource, registry=registry, id="deletion", when=_is_deletion)(deletion)
     # RolloutPools: the same pass machinery. Jobs on a pool wake their pool's pass when they come, finish or go (the

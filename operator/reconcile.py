@@ -100,6 +100,10 @@ class JobView:
     """The runtime the job runs on, as the RuntimeResolved condition names it (jobs with spec.runtimeRef only)."""
     runtime_wait: tuple[str, str] | None = None
     """(reason, message): the job waits, Pending, for the runtime it names to exist or to be valid."""
+    queue_refused: str | None = None
+    """Why the job's Kueue queue label did not change what it runs under (with_queue_in_effect)."""
+    queue_left: str | None = None
+    """The Kueue Workload of a queue the job left before Kueue admitted it (its label removed): deleted."""
 
 
 def spec_json(spec: GRPOLoraJobSpec) -> str:
@@ -176,6 +180,54 @@ def _runtime_wait(ref: RuntimeRef, namespace: str, runtime: Mapping[str, Any] | 
     except InvalidJob as exc:
         return (names.R_RUNTIME_INVALID, f"waiting for {where}, which is invalid: {'; '.join(map(str, exc.problems))}")
     return None
+
+
+def with_queue_in_effect(view: JobView, old: JobStatus, workload: K8sObject | None) -> JobView:
+    """The view with the Kueue queue the job runs under (the `kueue.x-k8s.io/queue-name` label it has now, or
+    spec.scheduling.queueName): its Workload's queue (`workload`, None: none) while Kueue admits it, or while it runs
+    without a queue; the new one otherwise. Kueue's webhooks hold a Job's queue-name label while the Job is not
+    suspended (jobframework/validation.go: immutable unless suspended; a Kueue-managed Job is unsuspended only once
+    admitted), and a Workload's queueName once quota is reserved (workload_webhook.go). Following a change the
+    operator restarts, or the label being read only at restart, killed and requeued a running job, or let it run
+    outside Kueue while its old Workload kept its quota."""
+    job = view.job
+    if job is None:
+        return view
+    wanted = job.queue_name
+    live = workload if workload is not None and not kueue.is_true(workload, kueue.FINISHED) else None
+    current = ((live.get("spec") or {}).get("queueName") or None) if live is not None else None
+    if wanted == current:
+        return view
+    suspended = job.spec.suspend
+    if live is not None:
+        held = kueue.is_true(live, kueue.QUOTA_RESERVED) and not suspended
+    else:
+        admitted = cond.find(old.conditions, names.ADMITTED)
+        held = (
+            cond.is_true(old.conditions, names.CREATED)
+            and not suspended
+            and not is_finished(old)
+            and admitted is not None
+            and admitted.reason == names.R_NO_QUEUE
+        )
+    if not held:
+        if wanted is None and live is not None:
+            return dataclasses.replace(view, queue_left=live["metadata"]["name"])
+        return view
+    labels = {k: v for k, v in job.metadata.labels.items() if k != c.KUEUE_QUEUE_LABEL}
+    if current is not None:
+        labels[c.KUEUE_QUEUE_LABEL] = current
+    where = f"LocalQueue {current}, which admitted it" if current is not None else "no Kueue queue, as it started"
+    message = (
+        f"metadata.labels[{c.KUEUE_QUEUE_LABEL}] ({wanted or 'removed'}) cannot change while the job runs (Kueue's "
+        f"webhooks refuse it for their Jobs): it stays in {where}. Suspend the job (spec.suspend: true) to move it, "
+        "or set the label back"
+    )
+    meta = job.metadata.model_copy(update={"labels": labels})
+    spec = job.spec
+    if current is None and spec.scheduling.queue_name is not None:
+        spec = spec.model_copy(update={"scheduling": spec.scheduling.model_copy(update={"queue_name": None})})
+    return dataclasses.replace(view, job=job.model_copy(update={"metadata": meta, "spec": spec}), queue_refused=message)
 
 
 def runtime_to_read(body: Mapping[str, Any]) -> RuntimeRef | None:
@@ -473,6 +525,8 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
     course = _course(where, old, observed, admission, progress, stamp)
     if stale is not None:
         course = dataclasses.replace(course, deletes=(*course.deletes, stale), requeue=REPLACE_RECHECK_SECONDS)
+    if view.queue_left is not None:  # the label removed before Kueue admitted it: it runs without a queue
+        course = dataclasses.replace(course, deletes=(*course.deletes, ChildRef("Workload", view.queue_left)))
     course, build = _workloads_to_create(view, where, observed, course, stamp)
     overdue, course, build = _startup_deadline(where, old, observed, course, build, now, stamp)
     course, build = _active_deadline(spec, observed, course, build, now, stamp)
@@ -912,7 +966,7 @@ def _status(
         if phase == "Suspended"
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
         _invalid_condition(view.problems),
-        _refused_condition(view.refused),
+        _refused_condition(view.refused, view.queue_refused),
         _volumes_condition(volumes),
         admission,
         *([cond.Want(names.POOL_ATTACHED, _true(place.attached), place.reason, place.message)] if place else []),
@@ -975,7 +1029,7 @@ def _queue_write(
     """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue)."""
     if where.queue is None or observed.queue_workload is None or course.phase in TERMINAL:
         return None  # an ending: decide's one ending path (_ended) marks the Workload Finished
-    return kueue.integration_write(
+    write = kueue.integration_write(
         observed.queue_workload,
         now=stamp,
         inactive=observed.trainer_job is None and observed.inference is None,
@@ -984,6 +1038,14 @@ def _queue_write(
         finished=None,
         suspended=where.job_plan.spec.suspend,
     )
+    if (observed.queue_workload.get("spec") or {}).get("queueName") in (None, where.queue):
+        return write
+    # Its label moved it to another queue before Kueue admitted it (with_queue_in_effect): the Workload follows.
+    moved = {"spec": {"queueName": where.queue}}
+    if write is None:
+        return kueue.WorkloadWrite(spec=moved)
+    spec = {**(write.spec or {}), "spec": {**((write.spec or {}).get("spec") or {}), "queueName": where.queue}}
+    return dataclasses.replace(write, spec=spec)
 
 
 def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:
@@ -1269,7 +1331,7 @@ def _decide_without_pool(view: JobView, old: JobStatus, observed: Observed, now:
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
         _invalid_condition(view.problems),
-        _refused_condition(view.refused),
+        _refused_condition(view.refused, view.queue_refused),
         cond.Want(names.POOL_ATTACHED, "False", reason, message),
     ]
     status = old.model_copy(
@@ -1473,16 +1535,17 @@ def _invalid_condition(problems: Sequence[str]) -> cond.Want:
     return cond.Want(names.INVALID_SPEC, "False", names.R_VALID)
 
 
-def _refused_condition(refused: Sequence[str]) -> cond.Want:
-    if not refused:
+def _refused_condition(refused: Sequence[str], queue: str | None = None) -> cond.Want:
+    if not refused and queue is None:
         return cond.Want(names.SPEC_CHANGE_REFUSED, "False", names.R_UNCHANGED)
-    return cond.Want(
-        names.SPEC_CHANGE_REFUSED,
-        "True",
-        names.R_REFUSED,
-        f"{', '.join(refused)} cannot change on a created job (only spec.suspend and spec.ttlSecondsAfterFinished "
-        "can); the children keep the applied spec. Delete and re-create the job to apply the change",
-    )
+    messages = [queue] if queue is not None else []
+    if refused:
+        messages.insert(
+            0,
+            f"{', '.join(refused)} cannot change on a created job (only spec.suspend and spec.ttlSecondsAfterFinished "
+            "can); the children keep the applied spec. Delete and re-create the job to apply the change",
+        )
+    return cond.Want(names.SPEC_CHANGE_REFUSED, "True", names.R_REFUSED, "; ".join(messages))
 
 
 def _parse_time(value: str) -> datetime.datetime:

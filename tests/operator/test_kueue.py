@@ -423,14 +423,14 @@ async def test_an_admitted_job_whose_pool_is_deleted_fails_and_gives_its_quota_b
 
 async def test_a_job_that_failed_to_start_gives_its_quota_back_and_queues_anew_once_fixed(cluster, operator, kueue):
     """A claim its pods cannot share fails the job before it starts (FailedToStart, as Kueue says it): its Workload
-    is Finished at once. Fixed (a spec change; such a failure has no completionTime), the job runs again with a new
-    Workload: the Finished one is never admitted again (Kueue's IsAdmissible), yet still says Admitted."""
+    is Finished at once, so that Kueue never admits it. Fixed (a spec change; such a failure has no completionTime),
+    the job runs again with a new Workload: the Finished one is never admitted again (Kueue's IsAdmissible), yet
+    still says Admitted."""
     claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "ckpts"},
              "spec": {"accessModes": ["ReadWriteOncePod"]}}  # fmt: skip
     await cluster._call("POST", f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims", claim)
     await cluster.apply(queued(checkpoint={"pvc": {"claimName": "ckpts"}}, trainer={"replicas": 2}))
-    await wait_for(lambda: kueue.workload("demo"), "the Kueue Workload")
-    await kueue.admit("demo")
+    # It fails in its first pass, its Workload Finished at once: Kueue never admits (and holds quota for) it.
     failed = names.R_VOLUME_ACCESS_MODE
     await wait_for(lambda: cluster.condition("demo", names.FAILED).get("reason") == failed, "Failed")
     finished = await wait_for(lambda: find(kueue.workload("demo"), "Finished"), "the Workload Finished")
@@ -472,3 +472,45 @@ async def test_kueue_evicts_only_a_job_that_cannot_make_progress(cluster, operat
         await wait_for(lambda: kueue.timed_out == ["demo"], "evicted after the recovery timeout")
         evicted = find(kueue.workload("demo"), "Evicted")
         assert (evicted["status"], evicted["reason"]) == ("True", "PodsReadyTimeout")
+
+
+async def relabel(cluster, name: str, queue: str | None) -> None:
+    """`kubectl label glj NAME kueue.x-k8s.io/queue-name=QUEUE --overwrite` (None: `...queue-name-`)."""
+    await cluster.patch_object(
+        {"kind": c.KIND, "metadata": {"name": name, "namespace": NAMESPACE}},
+        {"metadata": {"labels": {c.KUEUE_QUEUE_LABEL: queue}}},
+    )
+
+
+async def test_the_queue_label_is_followed_while_the_job_waits_and_held_once_kueue_admits_it(cluster, operator):
+    """Kueue's webhooks refuse a change of a running Job's queue-name label (jobframework/validation.go) and of an
+    admitted Workload's queueName (workload_webhook.go); until then the Workload follows the label."""
+    async with FakeKueue(cluster) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: kueue.workload("demo"), "the Workload")
+        await relabel(cluster, "demo", "other-queue")
+        await wait_for(lambda: kueue.workload("demo")["spec"]["queueName"] == "other-queue", "the Workload moved")
+        await kueue.admit("demo")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "admitted and started")
+
+        await relabel(cluster, "demo", "third-queue")
+        refused = await wait_for(
+            lambda: (
+                cluster.condition("demo", names.SPEC_CHANGE_REFUSED).get("status") == "True"
+                and cluster.condition("demo", names.SPEC_CHANGE_REFUSED)
+            ),
+            "the change refused",
+        )
+        assert "other-queue" in refused["message"] and c.KUEUE_QUEUE_LABEL in refused["message"]
+        assert kueue.workload("demo")["spec"]["queueName"] == "other-queue"
+        assert cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the job runs on"
+        assert cluster.condition("demo", names.ADMITTED)["status"] == "True"
+
+        # A job that runs without a queue does not join one: no Workload, its trainer stays.
+        plain = job_doc()
+        plain["metadata"]["name"] = "plain"
+        await cluster.apply(plain)
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "plain-trainer"), "plain runs")
+        await relabel(cluster, "plain", "gpu-queue")
+        await wait_for(lambda: cluster.condition("plain", names.SPEC_CHANGE_REFUSED).get("status") == "True", "held")
+        assert kueue.workload("plain") is None and cluster.get("batch/v1/jobs", "plain-trainer") is not None

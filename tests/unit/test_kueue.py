@@ -25,6 +25,7 @@ from grpolora.operator.reconcile import (
     decide_refused,
     job_view,
     spec_json,
+    with_queue_in_effect,
 )
 from tests.helpers import job_doc
 from tests.unit.test_operator_reconcile import NOW, body, condition, statefulset, trainer_job
@@ -447,3 +448,66 @@ def test_the_workloads_pods_ready_is_what_the_job_needs_to_make_progress():
     assert written_conditions(decide(view_of(doc), JobStatus(), no_server, NOW))["PodsReady"][0] == "False"
     no_trainer = Observed(trainer_job(active=1, ready=0), statefulset(2), queue_workload=admitted())
     assert written_conditions(decide(view_of(doc), JobStatus(), no_trainer, NOW))["PodsReady"][0] == "False"
+
+
+# ---- the queue label, followed; held while Kueue admits the job ------------------------------------------------------
+# Kueue's webhooks refuse a change of a Job's queue-name label unless the Job is suspended
+# (pkg/controller/jobframework/validation.go: the queue name is immutable while the job is not suspended, and a
+# Kueue-managed job runs only once admitted); its Workload's spec.queueName may change until quota is reserved
+# (pkg/webhooks/workload_webhook.go ValidateWorkloadUpdate).
+
+
+def labelled(queue: str | None, **spec: Any):
+    """view_of a job whose queue label now says `queue` (None: removed)."""
+    doc = queued_doc(**spec)
+    view = view_of(doc)
+    labels = {c.KUEUE_QUEUE_LABEL: queue} if queue is not None else {}
+    return dataclasses.replace(
+        view, job=view.job.model_copy(update={"metadata": view.job.metadata.model_copy(update={"labels": labels})})
+    )
+
+
+def workload_in(queue: str, admitted_now: bool) -> dict[str, Any]:
+    workload = admitted() if admitted_now else {"metadata": {"name": "demo", "resourceVersion": "7"}, "status": {}}
+    workload["spec"] = {"queueName": queue}
+    return workload
+
+
+def test_the_queue_of_a_job_kueue_admitted_cannot_change():
+    view = with_queue_in_effect(labelled("other-queue"), JobStatus(), workload_in("gpu-queue", True))
+    assert view.job.queue_name == "gpu-queue" and view.queue_refused is not None
+    observed = Observed(trainer_job(active=1, ready=1), statefulset(1), queue_workload=workload_in("gpu-queue", True))
+    decision = decide(view, JobStatus(), observed, NOW)
+    assert decision.delete == () and decision.create == ()
+    refused = next(x for x in decision.status.conditions if x.type == names.SPEC_CHANGE_REFUSED)
+    assert refused.status == "True" and c.KUEUE_QUEUE_LABEL in refused.message and "gpu-queue" in refused.message
+    assert (decision.queue_workload_write is None) or (decision.queue_workload_write.spec is None)
+    # Removed, the same: the job keeps its place and runs on.
+    assert with_queue_in_effect(labelled(None), JobStatus(), workload_in("gpu-queue", True)).job.queue_name == (
+        "gpu-queue"
+    )
+
+
+def test_the_queue_of_a_waiting_job_follows_its_label():
+    view = with_queue_in_effect(labelled("other-queue"), JobStatus(), workload_in("gpu-queue", False))
+    assert view.job.queue_name == "other-queue" and view.queue_refused is None
+    decision = decide(view, JobStatus(), Observed(queue_workload=workload_in("gpu-queue", False)), NOW)
+    assert decision.queue_workload_write.spec == {"spec": {"queueName": "other-queue"}}
+    assert decision.create == ()
+
+
+def test_a_waiting_job_whose_label_is_removed_leaves_kueue():
+    view = with_queue_in_effect(labelled(None), JobStatus(), workload_in("gpu-queue", False))
+    assert view.job.queue_name is None and view.queue_left == "demo"
+    decision = decide(view, JobStatus(), Observed(), NOW)
+    assert ChildRef("Workload", "demo") in decision.delete
+    assert sorted(o["kind"] for o in decision.create) == ["Job", "StatefulSet"]
+
+
+def test_a_job_running_without_a_queue_does_not_join_one():
+    running_status = decide(labelled(None), JobStatus(), Observed(), NOW).status
+    view = with_queue_in_effect(labelled("gpu-queue"), running_status, None)
+    assert view.job.queue_name is None and view.queue_refused is not None
+    # Suspended, it may: it then waits in the queue when resumed.
+    suspended = with_queue_in_effect(labelled("gpu-queue", suspend=True), running_status, None)
+    assert suspended.job.queue_name == "gpu-queue" and suspended.queue_refused is None

@@ -62,11 +62,13 @@ async def test_a_job_deleted_during_the_pass_is_not_an_error():
 
 
 def test_the_registry_has_one_reconcile_handler_for_create_resume_and_spec_updates():
-    """For GRPOLoraJobs, and for RolloutPools through the same machinery."""
+    """For GRPOLoraJobs, and for RolloutPools through the same machinery; a job's Kueue queue label too (it moves a
+    waiting job to another queue, reconcile.with_queue_in_effect)."""
     registry = handlers.build_registry()
-    for function in (handlers.reconcile, handlers.reconcile_pool):
+    for function, more in ((handlers.reconcile, {"queue-label/metadata.labels.kueue.x-k8s.io/queue-name"}),
+                           (handlers.reconcile_pool, set())):  # fmt: skip
         changing = [h.id for h in registry._changing.get_all_handlers() if h.fn is function]
-        assert set(changing) == {"reconcile", "reconcile/spec"} and len(changing) == 3, function
+        assert set(changing) == {"reconcile", "reconcile/spec"} | more and len(changing) == 3 + len(more), changing
 
 
 @pytest.mark.parametrize(
