@@ -81,8 +81,8 @@ def test_advantages_reject_bad_input():
         group_advantages(torch.zeros(3, 1), "group-normalized")
     with pytest.raises(ValueError, match=r"\[num_groups, group_size\]"):
         group_advantages(torch.zeros(8), "group-normalized")
-    with pytest.raises(ValueError, match="must be finite"):
-        group_advantages(torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), "leave-one-out")
+    with pytest.raises(ValueError, match="must be finite"):  # NaN is an unscorable completion; inf has no meaning
+        group_advantages(torch.tensor([[1.0, float("inf")], [0.0, 1.0]]), "leave-one-out")
     with pytest.raises(ValueError, match="unknown advantage method"):
         group_advantages(torch.zeros(2, 4), "mean")  # type: ignore[arg-type]
 
@@ -849,3 +849,28 @@ def test_mismatch_weight_per_sequence_and_geometric():
         _weights_case("batch")
     with pytest.raises(ValueError, match="weight_floor must be in"):
         _weights_case("token", floor=3.0)
+
+
+# --- completions that no reward scored ------------------------------------------------------------------------------
+
+
+def test_unscorable_completions_are_left_out_of_their_groups_baseline():
+    # Group 0: rewards (1, None, 0, 0). Without the None the group is (1, 0, 0): mean 1/3, population std
+    # sqrt(((2/3)^2 + 2 (1/3)^2) / 3) = sqrt(2) / 3, so A = (2/3) / (sqrt(2)/3) = sqrt(2) and (-1/3) / (sqrt(2)/3)
+    # = -1/sqrt(2); the None gets 0. Scored as 0 instead, the group would be (1, 0, 0, 0): A = (sqrt(3), ...).
+    # Group 1: (None, 1, None, None): one scored completion has nothing to be compared with, all 0.
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, nan, 0.0, 0.0], [nan, 1.0, nan, nan]])
+    advantages = group_advantages(rewards, "group-normalized")
+    s2 = math.sqrt(2.0)
+    close(advantages, [[s2, 0.0, -1 / s2, -1 / s2], [0.0, 0.0, 0.0, 0.0]], tol=1e-5)
+    # leave-one-out over the scored ones: 1 - (0 + 0) / 2 = 1, 0 - (1 + 0) / 2 = -0.5.
+    close(group_advantages(rewards, "leave-one-out"), [[1.0, 0.0, -0.5, -0.5], [0.0, 0.0, 0.0, 0.0]])
+    # batch-std: the population std of the 4 scored rewards (1, 0, 0, 1): 0.5; group 0 centred by its own mean 1/3.
+    close(
+        group_advantages(rewards, "group-normalized", scale="batch-std"),
+        [[(2 / 3) / 0.5, 0.0, (-1 / 3) / 0.5, (-1 / 3) / 0.5], [0.0, 0.0, 0.0, 0.0]],
+        tol=1e-5,
+    )
+    with pytest.raises(ValueError, match="finite or NaN"):
+        group_advantages(torch.tensor([[1.0, float("inf")]]), "group-normalized")

@@ -254,3 +254,19 @@ def test_a_trl_style_reward_that_returns_the_wrong_number_of_scores_names_the_fi
     task = rewarded([{"function": f"{module}:wrong_length"}], tmp_path)
     with pytest.raises(RewardError, match=r"^spec.task.reward\[0\].function: .*returned 1 scores for 3 completions"):
         task.score(ITEMS[:3])
+
+
+def test_a_completion_every_reward_skipped_is_unscorable_not_zero(tmp_path):
+    """TRL (>= 1.x) marks a completion for which every reward function returned None unscorable (NaN), so that it
+    neither enters its group's baseline nor gets an advantage; a None beside a real score still adds nothing."""
+    import math
+
+    module = f"trl_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{module}.py").write_text(TRL_STYLE)
+    task = rewarded([{"function": f"{module}:judged"}], tmp_path)
+    items = [
+        (Prompt(text="q0", answer="7", meta={"difficulty": 2.0}), "it is 7"),
+        (Prompt(text="q2", answer="9", meta={"difficulty": "skip"}), "it is 9"),
+    ]
+    total = task.score(items).total
+    assert total[0] == 2.0 and math.isnan(total[1])

@@ -149,3 +149,28 @@ def test_the_controllers_extra_draws_come_from_the_buffer_within_its_allowance()
     # p0, p2 kept; draw 2 (p4, p5: p4 kept), draw 1 (p6).
     assert [g.prompt.text for g in filled.groups] == ["p0", "p2", "p4", "p6"] and filled.draws == 2
     assert dropped == 0 and room == 0 and buffer.held() == 0 and buffer.consumed() == 7
+
+
+class _SkippingTask:
+    """Reward 1 for completions longer than 2 tokens, 0 for others, and None (NaN) for those of length 2."""
+
+    def score(self, items):
+        return Scores([float("nan") if len(c) == 2 else float(len(c) > 2) for _, c in items])
+
+
+def test_unscorable_completions_are_counted_and_reported_over_the_scored_ones():
+    from grpolora.workers.trainer.scoring import reward_figures, sample_rows
+
+    rollouts = _rollouts([[1, 2, 3, 3]], [["stop"] * 4])
+    scored = score(_SkippingTask(), rollouts, _grpo(), pad_token_id=0)
+    assert scored.unscorable == 1
+    assert scored.advantages[0, 1] == 0.0 and scored.advantages[0, 0] < 0 < scored.advantages[0, 2]
+    # metrics.jsonl: mean (0 + 1 + 1) / 3 and sample std of (0, 1, 1) over the scored ones; the count beside them.
+    figures = reward_figures(scored)
+    assert figures["reward_mean"] == pytest.approx(2 / 3)
+    assert figures["reward_std"] == pytest.approx(torch.tensor([0.0, 1.0, 1.0]).std().item())
+    assert figures["rewards_unscorable"] == 1
+    # A sample row shows no reward for it (JSON has no NaN).
+    assert [row["reward"] for row in sample_rows(rollouts, scored, 1)] == [0.0, None, 1.0, 1.0]
+    # A group is flat when its scored rewards are equal, whatever its unscorable ones.
+    assert has_spread(torch.tensor([[1.0, float("nan"), 1.0], [0.0, float("nan"), 1.0]])).tolist() == [False, True]

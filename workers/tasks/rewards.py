@@ -182,11 +182,12 @@ class Rewards:
 
     def score(self, items: Sequence[tuple[Prompt, str]]) -> Scores:
         parts = {scorer.label: scorer(items) for scorer, _ in self.parts}
-        # NaN: a reward that does not apply to that item (a TRL-shaped plugin's None) adds nothing.
-        total = [
-            math.fsum(weight * v for scorer, weight in self.parts if not math.isnan(v := parts[scorer.label][i]))
-            for i in range(len(items))
-        ]
+        # NaN: a reward that does not apply to that item (a TRL-shaped plugin's None) adds nothing; an item no
+        # reward applies to is unscorable, NaN in the total too (left out of its group's baseline, as TRL does).
+        total = []
+        for i in range(len(items)):
+            applied = [(weight, v) for scorer, weight in self.parts if not math.isnan(v := parts[scorer.label][i])]
+            total.append(math.fsum(weight * v for weight, v in applied) if applied else math.nan)
         return Scores(total, parts if len(self.parts) > 1 else {})
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ from grpolora.workers.trainer.scoring import (
     Scored,
     fill_with_spread,
     reference_from,
+    reward_figures,
     rewards_of,
     sample_rows,
     score,
@@ -313,13 +314,11 @@ class Controller:
         """`staleness`: the version the trainer measured staleness against (its latest synced one), the largest
         lag of a trained group behind it, and the groups dropped as more than grpo.maxStaleness behind."""
         progress = self.ctx.progress
-        rewards = scored.rewards
         agreement = logprob_agreement(stats, on_policy)
         lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
         record: dict[str, Any] = {
             "step": progress.step,
-            "reward_mean": float(rewards.mean()),
-            "reward_std": float(rewards.std()),
+            **reward_figures(scored),
             **({"rewards": scored.part_means()} if scored.parts else {}),
             "kl": stats.kl,
             "reference_from": reference_from(scored, self.spec.grpo),

@@ -10,6 +10,7 @@ problem by chance).
 from __future__ import annotations
 
 import asyncio
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -94,9 +95,10 @@ def evaluate(
     )
     texts = [group[0] for group in generate([tokenize(p) for p in prompts], sampling)]
     scores = task.score([(p, c.text) for p, c in zip(prompts, texts, strict=True)])
+    scored = [r for r in scores.total if not math.isnan(r)] or [0.0]  # unscorable ones (NaN) are left out
     return EvalResult(
-        reward_mean=statistics.fmean(scores.total),
-        reward_std=statistics.pstdev(scores.total),
+        reward_mean=statistics.fmean(scored),
+        reward_std=statistics.pstdev(scored),
         parts=scores.part_means(),
         completion_length_mean=statistics.fmean(len(c.token_ids) for c in texts),
         prompts=len(prompts),

@@ -44,6 +44,10 @@ def group_advantages(
 
     A group whose rewards are all equal gets exactly zero advantages (it carries no signal about which completion
     is better), also where floating-point rounding would leave a residue of order 1e-17 / eps.
+
+    NaN marks an unscorable completion (every reward returned None): it is left out of its group's mean and std
+    (and of the batch std), with G the count of the group's scored completions, and its advantage is 0, as TRL's
+    GRPOTrainer does; a group with fewer than 2 scored completions has nothing to compare and gets zeros.
     Returns float32 (or float64 for float64 input) of the same shape as `rewards`.
     """
     if rewards.ndim != 2:
@@ -54,25 +58,30 @@ def group_advantages(
     if eps <= 0:
         raise ValueError(f"eps must be positive, got {eps}")
     r = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    if not torch.isfinite(r).all():
-        raise ValueError("rewards must be finite (a NaN or inf would spread to every advantage of its group)")
-    centered = r - r.mean(dim=1, keepdim=True)
-    if method == "group-normalized":
-        advantages = centered
-    elif method == "leave-one-out":
-        advantages = centered * (group_size / (group_size - 1))
-    else:
+    scored = ~torch.isnan(r)
+    if torch.isinf(r).any():
+        raise ValueError("rewards must be finite or NaN (unscorable): an inf would spread to its whole group")
+    if method not in ("group-normalized", "leave-one-out"):
         raise ValueError(f"unknown advantage method {method!r}; valid: group-normalized, leave-one-out")
+    count = scored.sum(dim=1, keepdim=True)
+    values = torch.where(scored, r, torch.zeros_like(r))
+    mean = values.sum(dim=1, keepdim=True) / count.clamp(min=1)
+    centered = torch.where(scored, r - mean, torch.zeros_like(r))
+    advantages = centered
+    if method == "leave-one-out":
+        advantages = centered * (count / (count - 1).clamp(min=1))
     if scale is None:
         scale = "group-std" if method == "group-normalized" else "none"
     if scale == "group-std":
-        advantages = advantages / (r.std(dim=1, keepdim=True, correction=0) + eps)
+        std = (centered.square().sum(dim=1, keepdim=True) / count.clamp(min=1)).sqrt()
+        advantages = advantages / (std + eps)
     elif scale == "batch-std":
-        advantages = advantages / (r.std(correction=0) + eps)
+        advantages = advantages / (r[scored].std(correction=0) + eps if scored.any() else 1.0)
     elif scale != "none":
         raise ValueError(f"unknown advantage scale {scale!r}; valid: group-std, batch-std, none")
-    flat = (r == r[:, :1]).all(dim=1, keepdim=True)
-    return torch.where(flat, torch.zeros_like(advantages), advantages)
+    first = torch.where(scored, r, torch.full_like(r, float("inf"))).amin(dim=1, keepdim=True)
+    flat = ((r == first) | ~scored).all(dim=1, keepdim=True) | (count < 2)
+    return torch.where(flat | ~scored, torch.zeros_like(advantages), advantages)
 
 
 def overlong_penalty(lengths: Tensor, *, max_new_tokens: int, buffer: int, factor: float = 1.0) -> Tensor:

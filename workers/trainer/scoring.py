@@ -59,6 +59,22 @@ class Scored:
         out)."""
         return {label: float(v.nanmean()) for label, v in self.parts.items() if not bool(v.isnan().all())}
 
+    @property
+    def unscorable(self) -> int:
+        """Completions no reward applied to (NaN rewards): out of their group's baseline, advantage 0."""
+        return int(self.rewards.isnan().sum())
+
+
+def reward_figures(scored: Scored) -> dict[str, float | int]:
+    """The step's reward figures for metrics.jsonl: mean and (sample) std over the scored completions, and how many
+    were unscorable (0 and 0 when none was scored: JSON has no NaN)."""
+    values = scored.rewards[~scored.rewards.isnan()]
+    return {
+        "reward_mean": float(values.mean()) if len(values) else 0.0,
+        "reward_std": float(values.std()) if len(values) > 1 else 0.0,
+        "rewards_unscorable": scored.unscorable,
+    }
+
 
 def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The task's rewards of every completion, [prompts, generations]: the weighted total and each reward's own."""
@@ -71,8 +87,12 @@ def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, 
 
 def has_spread(rewards: torch.Tensor) -> torch.Tensor:
     """Which groups (rows of `rewards[groups, generations]`) have rewards that differ: a group whose completions
-    all scored the same has zero advantages and adds nothing but the KL term to the gradient."""
-    return (rewards != rewards[:, :1]).any(dim=1)
+    all scored the same has zero advantages and adds nothing but the KL term to the gradient. Unscorable (NaN)
+    completions are not compared: they get advantage 0 whatever the others scored."""
+    scored = ~rewards.isnan()
+    low = torch.where(scored, rewards, torch.full_like(rewards, float("inf"))).amin(dim=1)
+    high = torch.where(scored, rewards, torch.full_like(rewards, float("-inf"))).amax(dim=1)
+    return scored.any(dim=1) & (high > low)
 
 
 @dataclass
@@ -107,7 +127,8 @@ def fill_with_spread(
     while True:
         rewards, parts = rate(batch)
         first_rated = first_rated or (rewards, parts)
-        drawn_sum, drawn_count = drawn_sum + float(rewards.mean(dim=1).sum()), drawn_count + len(batch)
+        group_means = rewards.nanmean(dim=1).nan_to_num(0.0)  # a group none of whose completions was scored: 0
+        drawn_sum, drawn_count = drawn_sum + float(group_means.sum()), drawn_count + len(batch)
         for index in has_spread(rewards).nonzero().flatten().tolist():
             kept.append(batch[index])
             rows.append(rewards[index])
@@ -177,7 +198,7 @@ def sample_rows(rollouts: Rollouts, scored: Scored, prompts: int) -> list[dict[s
                 "prompt": prompt.text,
                 "answer": prompt.answer,
                 "completion": completion.text,
-                "reward": float(scored.rewards[i, j]),
+                "reward": None if math.isnan(reward := float(scored.rewards[i, j])) else reward,
                 "advantage": float(scored.advantages[i, j]),
             }
             if scored.parts:  # None: that reward does not apply to this sample
