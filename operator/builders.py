@@ -356,6 +356,9 @@ def _trainer_failure_policy() -> dict[str, Any]:
                 "operator": "In",
                 "values": sorted(contract.TRAINER_INPUT_EXIT_CODES),
             },
+            # Kubernetes 1.28 (the chart's minimum) requires the field in every rule; empty is "not both" to its
+            # validation (pkg/apis/batch/validation: len(rule.OnPodConditions) > 0), and 1.29+ made it optional.
+            "onPodConditions": [],
         },
         # FailJob, not Ignore: Ignore would replace only the disrupted rank, whose peers are stuck in the broken
         # collective; the operator restarts the whole group instead, without counting it.

@@ -34,6 +34,7 @@ def test_the_trainer_job_fails_at_once_on_a_disruption_or_a_bad_spec_exit_code()
                 "operator": "In",
                 "values": sorted(contract.TRAINER_INPUT_EXIT_CODES),
             },
+            "onPodConditions": [],  # required by Kubernetes 1.28's schema (tests/unit/test_render.py)
         },
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
     ]

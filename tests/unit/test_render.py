@@ -290,3 +290,31 @@ def test_each_role_requests_gpus_under_the_resource_name_it_gives():
 def test_the_gpu_resource_defaults_to_nvidia_com_gpu():
     objects = build_children(plan(parse_job(job_doc(trainer={"gpusPerReplica": 1}))), owner_uid="u", token="t")
     assert _limits(objects, "Job")[c.DEFAULT_GPU_RESOURCE] == 1 and c.DEFAULT_GPU_RESOURCE == "nvidia.com/gpu"
+
+
+# ---- every Kubernetes version the chart supports -----------------------------------------------------------
+
+CHART_MINIMUM = "1.28.0"  # charts/grpo-lora-operator/Chart.yaml kubeVersion (a test below reads it)
+ALL_EXAMPLES = sorted((ROOT / "examples").rglob("*.yaml"))
+
+
+def test_the_oldest_version_checked_is_the_charts_minimum():
+    chart = (ROOT / "charts" / "grpo-lora-operator" / "Chart.yaml").read_text()
+    assert f'kubeVersion: ">={CHART_MINIMUM}-0"' in chart
+
+
+@pytest.mark.parametrize("version", [CHART_MINIMUM, K8S_VERSION])
+def test_every_rendered_object_of_every_example_validates_at_each_supported_version(version, capsys):
+    """Strict schemas of the chart's minimum and of the version the emulator plays: a CI gate pinned to the minimum
+    (kubeconform, kubernetes-validate) refuses what that version's schema does not have or requires, e.g. 1.28's
+    podFailurePolicy rule, where `onPodConditions` is required even beside `onExitCodes`."""
+    import yaml
+
+    from grpolora.cli import main
+
+    assert main(["render", *map(str, ALL_EXAMPLES)]) == 0
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert {"Job", "StatefulSet", "Service", "NetworkPolicy", "Secret"} <= {o["kind"] for o in objects}
+    for obj in objects:
+        if obj["apiVersion"] != c.KUEUE_API_VERSION:  # Kueue's Workload is no built-in kind (not in these schemas)
+            kubernetes_validate.validate(obj, version, strict=True)
