@@ -66,15 +66,17 @@ def test_helm_lint_strict_passes(chart, values):
 
 
 @all_value_sets()
-def test_every_rendered_object_validates_against_the_kubernetes_1_33_schemas(chart, values):
+def test_every_rendered_object_validates_against_the_kubernetes_1_28_and_1_33_schemas(chart, values):
+    """1.28: the chart's kubeVersion minimum (a CI gate pinned to it checks these schemas); 1.33: the emulator's."""
     for obj in chart.render(values):
         ident = f"{obj['kind']} {obj['metadata'].get('namespace', '')}/{obj['metadata']['name']}"
         if obj["kind"] in PROMETHEUS_OPERATOR_KINDS:
             continue  # no schema offline; test_service_monitor_* and test_worker_pod_monitor_* check them
-        try:
-            kubernetes_validate.validate(obj, "1.33.0", strict=True)
-        except kubernetes_validate.ValidationError as exc:
-            pytest.fail(f"{ident}: {str(exc).splitlines()[0]} at {list(exc.path)}")
+        for version in ("1.28.0", "1.33.0"):
+            try:
+                kubernetes_validate.validate(obj, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{ident} at {version}: {str(exc).splitlines()[0]} at {list(exc.path)}")
 
 
 def test_default_release_renders_exactly_these_objects(chart):
