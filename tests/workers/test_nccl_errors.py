@@ -84,8 +84,13 @@ def make(**overrides) -> nccl.NcclTransport:
 def test_the_group_is_built_to_raise_not_to_kill_the_process(fake_nccl):
     transport = make()
     (group,) = fake_nccl.built
-    # Watchdog aborts the communicator only (not the process); wait() blocks and raises on error or timeout.
-    assert group.environment == {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2", "TORCH_NCCL_BLOCKING_WAIT": "1"}
+    # Watchdog aborts the communicator only (not the process); wait() blocks and raises on error or timeout; no
+    # heartbeat monitor, which would end the process (vLLM's engine, in a member) when the watchdog hangs in an abort.
+    assert group.environment == {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "TORCH_NCCL_ENABLE_MONITORING": "0",
+    }
     assert group.options._timeout == timedelta(seconds=600)  # every collective: sync.timeoutSeconds
     assert group.works[0].waited_with == [timedelta(seconds=30)]  # forming: sync.joinTimeoutSeconds
     # Only while the group is built: the trainer's own FSDP group keeps PyTorch's defaults.
@@ -171,3 +176,31 @@ def test_groups_formed_at_once_on_two_threads_each_get_the_settings_and_leave_no
     assert all(name not in os.environ for name in nccl.ERROR_ENVIRONMENT)
     for transport in transports:
         transport.close()
+
+
+def test_an_adapter_travels_over_nccl_in_pieces_of_a_few_mib(fake_nccl):
+    """One piece for a whole 87 MB adapter made receive, copy to the host and MAC run one after another on a
+    receiver; in pieces of a few MiB each is checked while the next arrives, as over gloo."""
+    transport = make()
+    adapter = torch.empty(87 << 20, dtype=torch.uint8)
+    pieces = transport.pieces(adapter)
+    assert len(pieces) > 10 and max(p.numel() for p in pieces) <= 8 << 20
+    assert sum(p.numel() for p in pieces) == adapter.numel()
+    transport.close()
+
+
+def test_the_allocators_cache_is_freed_before_the_communicator_is_made(fake_nccl, monkeypatch):
+    """NCCL's communicator takes its buffers with cudaMalloc, outside PyTorch's caching allocator and outside vLLM's
+    gpuMemoryUtilization: blocks the allocator caches but no tensor uses are handed back to the device first (as
+    NeMo-RL does before it builds its refit communicator), so that they do not make that allocation fail."""
+    events: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    real_init = FakeGroup.__init__
+
+    def recorded(self, *args) -> None:
+        events.append("communicator")
+        real_init(self, *args)
+
+    monkeypatch.setattr(FakeGroup, "__init__", recorded)
+    make().close()
+    assert events == ["empty_cache", "communicator"]

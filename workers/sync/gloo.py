@@ -7,9 +7,14 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpolora.workers.sync.transport import Pending, Transport, TransportError, broadcast_options, sum_options
-
-PIECE_BYTES = 4 << 20  # large enough for full TCP throughput, small enough to overlap checking with receiving
+from grpolora.workers.sync.transport import (
+    PIECE_BYTES,
+    Pending,
+    Transport,
+    TransportError,
+    broadcast_options,
+    sum_options,
+)
 
 
 class _GlooPending(Pending):

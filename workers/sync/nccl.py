@@ -10,7 +10,13 @@ down on a failed or timed-out collective (TORCH_NCCL_ASYNC_ERROR_HANDLING=3). He
 error in the thread that waits, which the sender answers by re-forming the group without it:
 - TORCH_NCCL_ASYNC_ERROR_HANDLING=2: on an error or timeout the watchdog aborts the communicator only;
 - TORCH_NCCL_BLOCKING_WAIT=1: `wait()` blocks and raises (DistBackendError, a RuntimeError) when the collective
-  failed or ran past the group's timeout (`sync.timeoutSeconds`), which becomes a TransportError.
+  failed or ran past the group's timeout (`sync.timeoutSeconds`), which becomes a TransportError;
+- TORCH_NCCL_ENABLE_MONITORING=0: no heartbeat monitor for this group. c10d's monitor ends the whole process when the
+  group's watchdog thread hangs (in an abort of a communicator whose InfiniBand peer is dead, say), and on a replica
+  that process is vLLM's engine (the member lives in its TP rank 0 worker). The round's own watchdog (watchdog.py)
+  cuts a stalled round instead. Chosen over receiving with vLLM's stateless NCCL communicator (PyNcclCommunicator,
+  as TRL's and NeMo-RL's weight sync do): that one has no abort, so a receive posted to a dead sender could only
+  end with the process, the very failure this avoids.
 The trainer's own FSDP group keeps PyTorch's defaults: a lost trainer rank ends the trainer, and the operator
 restarts the whole group.
 """
@@ -26,11 +32,19 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from grpolora.workers.sync.transport import Pending, Transport, TransportError, broadcast_options, sum_options
+from grpolora.workers.sync.transport import (
+    PIECE_BYTES,
+    Pending,
+    Transport,
+    TransportError,
+    broadcast_options,
+    sum_options,
+)
 
 ERROR_ENVIRONMENT: Mapping[str, str] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_BLOCKING_WAIT": "1",
+    "TORCH_NCCL_ENABLE_MONITORING": "0",
 }
 
 
@@ -74,6 +88,8 @@ class _NcclPending(Pending):
 
 
 class NcclTransport(Transport):
+    piece_bytes = PIECE_BYTES
+
     def __init__(
         self,
         store: dist.Store,
@@ -92,6 +108,10 @@ class NcclTransport(Transport):
         options._timeout = timedelta(seconds=timeout_seconds)
         options.is_high_priority_stream = True  # sync overlaps with generation on inference GPUs
         self._group: dist.ProcessGroupNCCL | None = None
+        # The communicator's buffers are cudaMalloc'd outside PyTorch's allocator (and outside vLLM's
+        # gpuMemoryUtilization, in a member): hand the blocks the allocator caches unused back first, as NeMo-RL does
+        # before building its refit communicator.
+        torch.cuda.empty_cache()
         try:
             with _environment(ERROR_ENVIRONMENT):
                 self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
