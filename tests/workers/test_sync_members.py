@@ -16,7 +16,18 @@ import pytest
 import torch
 
 from grpolora.workers.adapter import folded_scaling, lora_scaling
-from grpolora.workers.inference.members import SHM_DIR, STAGE_PREFIX, MemberLink, RemoteMember, StagingSink, serve_host
+from grpolora.workers.inference.members import (
+    SHM_DIR,
+    STAGE_PREFIX,
+    MemberLink,
+    RemoteMember,
+    StageOwner,
+    StagingSink,
+    process_start,
+    serve_host,
+    stage_name,
+    stage_owner,
+)
 from grpolora.workers.inference.server import sync_member_factory
 from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
 from grpolora.workers.sync import wire
@@ -28,6 +39,8 @@ from tests.workers.syncfakes import LORA_SCALINGS, LocalMember, free_port
 TOKEN = "job-token"
 KEY = wire.round_key(TOKEN)
 TIMEOUT = 5.0
+# How long a spawned worker end may take to start and connect (it imports torch: seconds on a machine under load).
+LINK_TIMEOUT = 60.0
 
 
 def worker_end(address: str, authkey_hex: str) -> None:
@@ -57,7 +70,7 @@ class RecordingBook:
 @pytest.fixture
 def link():
     """A MemberLink whose worker end is a process of its own (spawned: nothing of this process is inherited)."""
-    made = MemberLink(timeout_seconds=TIMEOUT)
+    made = MemberLink(timeout_seconds=LINK_TIMEOUT)
     processes = []
 
     async def connect(address: str, authkey_hex: str) -> list[bool]:
@@ -304,16 +317,30 @@ def test_the_http_process_of_an_nccl_replica_never_initialises_cuda(link, monkey
 
 def test_a_member_host_removes_the_staging_segments_of_members_killed_mid_round(tmp_path):
     """A worker killed inside a round (SIGKILL, OOM) cannot remove its staging segment's name; the next member
-    host on the machine does, and leaves those of live processes alone."""
+    host on the machine does: of a process gone, or of its container's predecessor (a restarted container keeps the
+    pod's /dev/shm emptyDir, under a new pid namespace where pids start again, so a pid alone names no process),
+    and leaves those of live processes and of other containers alone."""
     dead = mp.get_context("spawn").Process(target=int)
     dead.start()
     dead.join()
-    stale = os.path.join(SHM_DIR, f"{STAGE_PREFIX}{dead.pid}-0123456789abcdef")
-    live = os.path.join(SHM_DIR, f"{STAGE_PREFIX}{os.getpid()}-0123456789abcdef")
-    for path in (stale, live):
+    me, start = os.getpid(), process_start(os.getpid())
+    pidns, host = stage_owner().pid_namespace, stage_owner().host
+
+    def segment(**owner) -> str:
+        fields = {"host": host, "pid_namespace": pidns, "pid": me, "start": start} | owner
+        return os.path.join(SHM_DIR, stage_name(StageOwner(**fields)))
+
+    gone = [
+        segment(pid=dead.pid),
+        segment(start=start + 1),  # this pid, another process: the pid was reused
+        segment(pid_namespace=pidns + 1, pid=1),  # the predecessor of this container: same pod, other pid namespace
+    ]
+    kept = [segment(), segment(host="0" * 8, pid=dead.pid)]  # live; another pod's or container's
+    stale, live = gone[0], kept[0]
+    for path in gone + kept:
         open(path, "wb").close()
     try:
-        made = MemberLink(timeout_seconds=TIMEOUT)
+        made = MemberLink(timeout_seconds=LINK_TIMEOUT)
 
         async def connect(address: str, authkey_hex: str) -> list[bool]:
             process = mp.get_context("spawn").Process(target=worker_end, args=(address, authkey_hex), daemon=True)
@@ -325,8 +352,10 @@ def test_a_member_host_removes_the_staging_segments_of_members_killed_mid_round(
         made.close()
         connect.process.join(30)
         assert not os.path.exists(stale) and os.path.exists(live)
+        assert [path for path in gone if os.path.exists(path)] == []
+        assert [path for path in kept if not os.path.exists(path)] == []
     finally:
-        for path in (stale, live):
+        for path in gone + kept:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
 

@@ -31,6 +31,7 @@ import asyncio
 import contextlib
 import ctypes
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -288,16 +289,67 @@ MEMBER_THREAD_NAME = "grpolora-sync"
 inherits it; gloo renames its own): what `top -H` shows for the sync, apart from vLLM's own threads."""
 
 
-STAGE_PREFIX = "grpolora-stage-"  # then the staging process's pid, "-", and a random part
+STAGE_PREFIX = "grpolora-stage-"  # then the owner (StageOwner), "-", and a random part
+
+
+@dataclasses.dataclass(frozen=True)
+class StageOwner:
+    """Who made a staging segment, as its name says. A pid alone names no process: a container restarted in its pod
+    keeps the pod's /dev/shm (an emptyDir) under a new pid namespace, where pids start again, so its new worker may
+    have the pid of its predecessor's. Hence the container (its hostname, the pod's name, the same across its
+    container's restarts; hashed), the pid namespace, and the process by pid and start time."""
+
+    host: str  # 8 hex digits
+    pid_namespace: int
+    pid: int
+    start: int  # clock ticks after boot (/proc/<pid>/stat, field 22)
+
+
+def process_start(pid: int) -> int | None:
+    """When process `pid` (of this pid namespace) started, in clock ticks after boot; None if there is none."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def stage_owner() -> StageOwner:
+    """This process, as the owner of the staging segments it makes."""
+    host = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+    return StageOwner(host, os.stat("/proc/self/ns/pid").st_ino, os.getpid(), process_start(os.getpid()) or 0)
+
+
+def stage_name(owner: StageOwner) -> str:
+    """A new segment's name: the prefix, its owner, a random part."""
+    return f"{STAGE_PREFIX}{owner.host}-{owner.pid_namespace}-{owner.pid}-{owner.start}-{uuid.uuid4().hex[:16]}"
+
+
+def _stage_owner_of(name: str) -> StageOwner | None:
+    parts = name.removeprefix(STAGE_PREFIX).split("-")
+    if not name.startswith(STAGE_PREFIX) or len(parts) != 5 or not all(p.isdigit() for p in parts[1:4]):
+        return None
+    return StageOwner(parts[0], int(parts[1]), int(parts[2]), int(parts[3]))
+
+
+def orphaned(owner: StageOwner, me: StageOwner) -> bool:
+    """Whether a segment of `owner` is one nobody will remove, seen from `me`: its process is gone (in this pid
+    namespace: no process with its pid and start time), or it was made by this container's predecessor (this pod's
+    container, another pid namespace). Another container's or pod's segments are never touched."""
+    if owner.host != me.host:
+        return False
+    if owner.pid_namespace != me.pid_namespace:
+        return True
+    return process_start(owner.pid) != owner.start
 
 
 def remove_orphaned_stages() -> list[str]:
-    """Remove the staging segments whose process is gone (a worker killed inside a round cannot; in a pod they
-    would hold /dev/shm's memory until the pod ends). Returns their names."""
-    removed = []
+    """Remove the staging segments nobody will remove (`orphaned`: a worker killed inside a round cannot; in a pod
+    they would hold /dev/shm's memory until the pod ends). Returns their names."""
+    me, removed = stage_owner(), []
     for name in os.listdir(SHM_DIR):
-        pid = name.removeprefix(STAGE_PREFIX).partition("-")[0]
-        if not name.startswith(STAGE_PREFIX) or not pid.isdigit() or os.path.exists(f"/proc/{pid}"):
+        owner = _stage_owner_of(name)
+        if owner is None or not orphaned(owner, me):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))
@@ -637,7 +689,7 @@ class StagingSink:
 
 def _new_segment(size: int) -> tuple[str, torch.Tensor]:
     """A new staging segment of `size` bytes in /dev/shm: its name and its bytes, mapped shared."""
-    name = f"{STAGE_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:16]}"
+    name = stage_name(stage_owner())
     path = os.path.join(SHM_DIR, name)
     descriptor = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
