@@ -31,7 +31,7 @@ from typing import Annotated, Any
 
 from fastapi import FastAPI, HTTPException, Request, Response
 from fastapi.responses import JSONResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api import constants as c
@@ -289,7 +289,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.REGISTRY), media_type=CONTENT_TYPE_LATEST)
+        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/adapter")
     async def adapter(http: Request) -> dict:

@@ -3,12 +3,14 @@
 Every series carries a `job` label, "<namespace>/<name>" (grpolora.api.pool.job_key): a pool's server serves
 several jobs, a job's own server labels with its own job, so a dashboard reads both alike."""
 
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 REGISTRY = CollectorRegistry(auto_describe=True)
 JOB = "job"
@@ -67,6 +69,17 @@ BY_JOB = {  # every metric, with its label names (in declaration order)
     IN_FLIGHT: (JOB,),
     WAITING: (JOB,),
 }
+
+
+def exposition() -> bytes:
+    """What GET /metrics serves: ours, then vLLM's own statistics (KV-cache usage, requests running and waiting,
+    preemptions, token counts; no job label: one engine serves every job of a pool). vLLM's PrometheusStatLogger
+    registers its `vllm:*` series in prometheus_client's global registry, or in a multiprocess one when
+    PROMETHEUS_MULTIPROC_DIR is set (vllm/v1/metrics/prometheus.py, get_prometheus_registry), which is asked only
+    once vLLM is loaded. The global registry also holds prometheus_client's process and Python collectors."""
+    vllm_metrics = sys.modules.get("vllm.v1.metrics.prometheus")
+    engine = vllm_metrics.get_prometheus_registry() if vllm_metrics is not None else prometheus_client.REGISTRY
+    return generate_latest(REGISTRY) + generate_latest(engine)
 
 
 def forget(job: str) -> None:

@@ -230,7 +230,9 @@ class VllmEngine:
             # Logprobs of the distribution tokens were sampled from (temperature applied): the behaviour policy
             # that GRPO's importance ratio needs.
             logprobs_mode="processed_logprobs",
-            disable_log_stats=True,
+            # vLLM's statistics (KV-cache usage, queue, preemptions: what maxNumSeqs and gpuMemoryUtilization are
+            # tuned with), served beside ours on /metrics (metrics.exposition) and logged every 10 s.
+            disable_log_stats=False,
             # Adapters are built from memory in vLLM's own workers (workers/inference/vllm_worker.py).
             worker_extension_cls=WORKER_EXTENSION,
         )
