@@ -110,12 +110,14 @@ def build_children(
     token: str,
     operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
     admitted: Mapping[str, kueue.PodSetInfo] | None = None,
+    priority: tuple[str, int] | None = None,
 ) -> list[K8sObject]:
     """Every object the operator creates for a job that is not suspended, in creation order.
 
     `operator_namespace`: where the operator runs; the NetworkPolicy admits its /status polls from there only.
     `admitted`: what Kueue's admission adds to the workloads' pod templates (see workloads()); the Kueue Workload
-    itself always carries the templates as rendered.
+    itself always carries the templates as rendered. `priority`: (PriorityClass, its value) of the job's pods, for
+    its Kueue Workload (pods_priority_class; None: no PriorityClass applies).
     """
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
@@ -123,7 +125,7 @@ def build_children(
     if plan.inference is not None:  # a job on a RolloutPool has no servers of its own
         objects.append(inference_disruption_budget(plan))
     if plan.job.queue_name is not None:
-        objects.append(queue_workload(plan))
+        objects.append(queue_workload(plan, priority))
     objects += workloads(plan, admitted)
     return _owned(plan, owner_uid, objects)
 
@@ -312,7 +314,18 @@ def _network_policy(
     }
 
 
-def queue_workload(plan: JobPlan) -> K8sObject:
+def pods_priority_class(plan: JobPlan) -> str | None:
+    """The PriorityClass the job's pods name (spec.scheduling.priorityClassName, or a role's podTemplate): the one
+    its Kueue Workload ranks with, as Kueue's integrations take it from their pod templates (jobframework
+    PrepareWorkloadPriority). The trainer's first, as Kueue takes the first pod set's."""
+    for workload in workloads(plan):
+        name = workload["spec"]["template"]["spec"].get("priorityClassName")
+        if name:
+            return str(name)
+    return None
+
+
+def queue_workload(plan: JobPlan, priority: tuple[str, int] | None = None) -> K8sObject:
     """One Kueue Workload for the whole job, a pod set per role with the pod templates rendered here: Kueue admits
     all pod sets or none, so inference never holds its GPUs while the trainer's do not fit (or the reverse). The
     operator creates the trainer Job and inference StatefulSet only while it is admitted (grpolora.operator.reconcile)
@@ -328,11 +341,21 @@ def queue_workload(plan: JobPlan) -> K8sObject:
         "metadata": _metadata(plan, plan.name),
         "spec": {"queueName": plan.job.queue_name, "podSets": pod_sets},
     }
+    if priority is not None:
+        # Kueue's scheduler orders a queue and preempts by spec.priority; its validation wants it with the class
+        # (workload_webhook.go: priority is required when priorityClassName is set).
+        workload["spec"].update(
+            priorityClassName=priority[0], priority=priority[1], priorityClassSource=PRIORITY_CLASS_SOURCE
+        )
     if plan.job.spec.suspend:
         # Created inactive, so that Kueue never reserves quota for a suspended job (reactivated when it resumes).
         workload["metadata"]["annotations"] = {kueue.DEACTIVATED_FOR_SUSPEND: "true"}
         workload["spec"]["active"] = False
     return workload
+
+
+PRIORITY_CLASS_SOURCE = "scheduling.k8s.io/priorityclass"
+"""A Workload's priorityClassSource for a pods' PriorityClass (Kueue's constants.PodPriorityClassSource)."""
 
 
 def inference_disruption_budget(plan: Plan) -> K8sObject:
@@ -509,6 +532,8 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         pod["affinity"] = copy.deepcopy(dict(placement.affinity))
     if placement.image_pull_secrets:  # the cluster's (grpolora.api.plan.WorkerDefaults); a podTemplate adds its own
         pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
+    if isinstance(plan, JobPlan) and plan.spec.scheduling.priority_class_name:  # a podTemplate's own one wins
+        pod["priorityClassName"] = plan.spec.scheduling.priority_class_name
     return pod
 
 

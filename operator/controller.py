@@ -43,7 +43,7 @@ from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool
 from grpolora.api.pool import token_fingerprint
 from grpolora.api.status import JobStatus, PoolStatus
-from grpolora.operator import kube, names, pools
+from grpolora.operator import builders, kube, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
@@ -654,7 +654,17 @@ class Controller:
         # A fresh token each time, used only if the Secret does not exist yet (create-if-absent). One made again for
         # a running job (its Secret was deleted) re-keys the job as a whole (reconcile.decide, status.tokenDigest).
         fresh = secrets.token_urlsafe(TOKEN_BYTES)
-        kept, _ = rec.children(job_plan, uid=view.uid, token=fresh, operator_namespace=self.config.operator_namespace)
+        priority = None
+        queue_key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
+        if job_plan.job.queue_name is not None and not self.cache.get(queue_key):
+            priority = await self._priority(job_plan)  # its Workload may be about to be created
+        kept, _ = rec.children(
+            job_plan,
+            uid=view.uid,
+            token=fresh,
+            operator_namespace=self.config.operator_namespace,
+            priority=priority,
+        )
 
         new_job = view.record_applied is not None
         owner_check: asyncio.Future[bool] | None = None
@@ -698,6 +708,22 @@ class Controller:
         job.queue_api_missing = False
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
         return [ref for ref in found if ref is not None]
+
+    async def _priority(self, job_plan: JobPlan) -> tuple[str, int] | None:
+        """(PriorityClass, value) for the job's Kueue Workload, as Kueue's integrations find it
+        (pkg/util/priority GetPriorityFromPriorityClass): the class the pods name, else the cluster's globalDefault
+        one; None: neither (Kueue ranks the Workload at 0). Listed, not watched: read only when a Workload is made,
+        and a cluster has few PriorityClasses. A class the pods name that does not exist is the Priority admission
+        plugin's to refuse, naming it, when the pods are created."""
+        name = builders.pods_priority_class(job_plan)
+        classes = await self.client.list(kube.PRIORITY_CLASS, None, {})  # type: ignore[arg-type]
+        for found in classes:
+            meta, value = found.get("metadata") or {}, found.get("value")
+            if isinstance(value, int) and (meta.get("name") == name if name else found.get("globalDefault") is True):
+                return str(meta.get("name")), value
+        if name:
+            logger.warning("%s: PriorityClass %s does not exist; its Workload gets no priority", job_plan.name, name)
+        return None
 
     async def _kept(self, kind: kube.Kind, namespace: str, name: str, *, fresh: bool = False) -> dict[str, Any] | None:
         """A kept child, as a full pass reads it: a watched kind from the cache (_workload), the token Secret (not

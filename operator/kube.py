@@ -69,6 +69,7 @@ POD_DISRUPTION_BUDGET: Final = Kind("policy", "v1", "poddisruptionbudgets", "Pod
 KUEUE_WORKLOAD: Final = Kind("kueue.x-k8s.io", "v1beta1", "workloads", "Workload")
 KUEUE_RESOURCE_FLAVOR: Final = Kind("kueue.x-k8s.io", "v1beta1", "resourceflavors", "ResourceFlavor", namespaced=False)
 STATEFULSET: Final = Kind("apps", "v1", "statefulsets", "StatefulSet")
+PRIORITY_CLASS: Final = Kind("scheduling.k8s.io", "v1", "priorityclasses", "PriorityClass", namespaced=False)
 GRPOLORAJOB: Final = Kind(c.GROUP, c.VERSION, c.PLURAL, c.KIND)
 ROLLOUTPOOL: Final = Kind(c.GROUP, c.VERSION, c.POOL_PLURAL, c.POOL_KIND)
 GRPOLORA_RUNTIME: Final = Kind(c.GROUP, c.VERSION, c.RUNTIME_PLURAL, c.RUNTIME_KIND)
@@ -89,6 +90,7 @@ KINDS: Final = {
         POD_DISRUPTION_BUDGET,
         KUEUE_WORKLOAD,
         KUEUE_RESOURCE_FLAVOR,
+        PRIORITY_CLASS,
         JOB,
         STATEFULSET,
         GRPOLORAJOB,
@@ -234,6 +236,8 @@ class KubeClient:
                             continue
                     if response.status >= 400:
                         raise await _api_error(response, method, path)
+                    if response.content_type == "text/plain":  # a pod's log
+                        return await response.text()
                     return await response.json(content_type=None) if response.content_length != 0 else None
             except (TimeoutError, aiohttp.ClientError) as exc:
                 raise ApiError(0, type(exc).__name__, str(exc) or "unreachable", method=method, path=path) from exc
@@ -348,6 +352,18 @@ class KubeClient:
                 return False
             raise
         return True
+
+    async def pod_log(
+        self, namespace: str, name: str, *, container: str, tail_lines: int, limit_bytes: int
+    ) -> str | None:
+        """The last `tail_lines` lines of a container's log, at most `limit_bytes` (pods/log; None: no such pod)."""
+        params = {"container": container, "tailLines": str(tail_lines), "limitBytes": str(limit_bytes)}
+        try:
+            return await self._call("GET", POD.path(namespace, name, "log"), params=params)
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
 
     async def post_event(
         self, involved: Mapping[str, Any], type_: str, reason: str, message: str, *, now: datetime.datetime

@@ -117,6 +117,13 @@ RULES: Final[tuple[Rule, ...]] = (
         "tolerations as Kueue's own integrations do; read when the pods are created, so no list or watch",
     ),
     Rule(
+        ("scheduling.k8s.io",),
+        ("priorityclasses",),
+        ("list",),
+        "the priority of a queued job's Kueue Workload, from the PriorityClass its pods name or the cluster's "
+        "globalDefault one, as Kueue's integrations take it (cluster-scoped; listed when a Workload is made)",
+    ),
+    Rule(
         ("kueue.x-k8s.io",),
         ("workloads/status",),
         ("patch",),

@@ -294,11 +294,17 @@ def children(
     token: str,
     operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
     admitted: Mapping[str, kueue.PodSetInfo] | None = None,
+    priority: tuple[str, int] | None = None,
 ) -> tuple[list[K8sObject], dict[str, K8sObject]]:
     """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them, with
     what Kueue's admission adds to the workloads' pod templates (raises kueue.PodSetConflict)."""
     objects = builders.build_children(
-        job_plan, owner_uid=uid, token=token, operator_namespace=operator_namespace, admitted=admitted
+        job_plan,
+        owner_uid=uid,
+        token=token,
+        operator_namespace=operator_namespace,
+        admitted=admitted,
+        priority=priority,
     )
     kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
     return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}

@@ -1095,6 +1095,11 @@ class SchedulingSpec(SpecModel):
     """The Kueue LocalQueue (in the job's namespace) that admits the job: the operator makes one Kueue Workload for
     it, a pod set per role. A `kueue.x-k8s.io/queue-name` label on the job wins over it. Set on a runtime, it queues
     every job on the runtime without a label on each. Unset (and no label): not queued."""
+    priority_class_name: str | None = Field(default=None, pattern=DNS_1123_SUBDOMAIN.pattern, max_length=253)
+    """The PriorityClass of the job's pods (the trainer's, and its own inference replicas'; a role's podTemplate may
+    name its own), and with Kueue its Workload's priority (spec.priority, priorityClassName; Kueue orders a queue and
+    preempts by it), as Kueue's own integrations take it from their pods. Set on a runtime, every job on it gets it.
+    Unset: the cluster's globalDefault PriorityClass, if there is one."""
 
     startup_deadline_seconds: int | None = Field(default=None, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """Pods not all ready this long after they were created (or after one was lost) report

@@ -75,6 +75,7 @@ RESOURCES: dict[str, kmock.ResourceInfo] = {
         kind="Workload", namespaced=True, subresources={"status"}, verbs=ALL_VERBS
     ),
     "kueue.x-k8s.io/v1beta1/resourceflavors": kmock.ResourceInfo(kind="ResourceFlavor", namespaced=False),
+    "scheduling.k8s.io/v1/priorityclasses": kmock.ResourceInfo(kind="PriorityClass", namespaced=False),
 }
 PEERING_RESOURCES: dict[str, kmock.ResourceInfo] = {
     "kopf.dev/v1/kopfpeerings": kmock.ResourceInfo(kind="KopfPeering", namespaced=True, verbs=ALL_VERBS),
@@ -128,6 +129,12 @@ class Emulator(kmock.KubernetesEmulator):
     """How long a deleted pod's containers take to exit on SIGTERM, after which the kubelet removes the pod; None:
     they ignore SIGTERM (as NCCL workers often do) and the pod stays Terminating for its whole grace period, until
     the kubelet's SIGKILL (`end_grace_periods` brings that forward)."""
+    pod_logs: dict[tuple[str, str, str], str] = attrs.field(factory=dict, init=False)
+    """What the kubelet would serve as each container's log, by (namespace, pod, container); the test writes it.
+    GET pods/<name>/log answers it as the API server does (pkg/registry/core/pod/rest/log.go and the kubelet):
+    text/plain; `tailLines` keeps the last lines, then `limitBytes` cuts from the front of what is left (the
+    PodLogOptions docs: "the number of bytes to read from the server before terminating the log output"); 404 for
+    no such pod, 400 for a container the pod does not have or that has not started (no log yet)."""
     _versions: itertools.count[int] = attrs.field(factory=lambda: itertools.count(1), init=False)
     _crd_schemas: dict[str, dict[str, Any]] = attrs.field(
         factory=lambda: {
@@ -161,6 +168,8 @@ class Emulator(kmock.KubernetesEmulator):
             served = f"{request.resource.group}/{request.resource.version}/{request.resource.plural}".lstrip("/")
             if served in self.uninstalled:
                 raise kube_apiserver.not_served()
+            if request.subresource == "log" and str(request.resource.plural) == "pods":
+                return self._pod_log(request)
             if request.subresource == "scale" and str(request.resource.plural) in self._scale_paths:
                 return await self._scale(request, self._scale_paths[str(request.resource.plural)])
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
@@ -199,6 +208,29 @@ class Emulator(kmock.KubernetesEmulator):
             self.created.append(key)
             self.created_at[key] = time.monotonic()
         return response
+
+    def _pod_log(self, request: kmock.Request) -> aiohttp.web.Response:
+        key = (kmock.resource("v1/pods"), request.namespace, request.name)
+        if key not in self.objects or self.objects[key].deleted:
+            raise kube_apiserver.Refused(
+                status=404, reason="NotFound", message=f'pods "{request.name}" not found', details={}
+            )
+        pod = self.objects[key].raw
+        names = [container["name"] for container in (pod.get("spec") or {}).get("containers") or []]
+        container = request.params.get("container") or (names[0] if len(names) == 1 else "")
+        if container not in names:
+            raise kube_apiserver.bad_request(f"container {container} is not valid for pod {request.name}")
+        text = self.pod_logs.get((request.namespace, request.name, container))
+        if text is None:
+            message = f'container "{container}" in pod "{request.name}" is waiting to start: ContainerCreating'
+            raise kube_apiserver.bad_request(message)
+        if "tailLines" in request.params:
+            lines = text.splitlines(keepends=True)
+            text = "".join(lines[len(lines) - int(request.params["tailLines"]) :]) if lines else ""
+        data = text.encode()
+        if "limitBytes" in request.params:
+            data = data[: int(request.params["limitBytes"])]
+        return aiohttp.web.Response(body=data, content_type="text/plain", charset="utf-8")
 
     async def _scale(self, request: kmock.Request, paths: Mapping[str, str]) -> Any:
         """GET or write the autoscaling/v1 Scale of a custom resource, as apiextensions-apiserver serves it: its

@@ -236,15 +236,15 @@ def test_chart_grants_update_on_the_jobs_finalizers_for_owner_reference_enforcem
 
 
 def test_the_docs_promise_no_cluster_role_that_listed_namespaces_do_not_get(chart):
-    # With listed namespaces, the ClusterRole holds the cluster-scoped reads only: ClusterGRPOLoraRuntimes, and
-    # Kueue's ResourceFlavors when readable (the default).
-    runtimes = ("grpolora.dev", "clustergrpoloraruntimes", "get")
+    # With listed namespaces, the ClusterRole holds the cluster-scoped reads only: ClusterGRPOLoraRuntimes,
+    # PriorityClasses, and Kueue's ResourceFlavors when readable (the default).
+    runtimes = {("grpolora.dev", "clustergrpoloraruntimes", "get"), ("scheduling.k8s.io", "priorityclasses", "list")}
     objects = chart.render({"watch": {"namespaces": ["team-a"]}, "kueue": {"resourceFlavors": False}})
     (role,) = [o for o in objects if o["kind"] == "ClusterRole" and not o["metadata"]["name"].endswith(KUEUE_GRANT)]
-    assert triples(role["rules"]) == {runtimes}
+    assert triples(role["rules"]) == runtimes
     objects = chart.render({"watch": {"namespaces": ["team-a"]}})
     (role,) = [o for o in objects if o["kind"] == "ClusterRole" and not o["metadata"]["name"].endswith(KUEUE_GRANT)]
-    assert triples(role["rules"]) == {runtimes, ("kueue.x-k8s.io", "resourceflavors", "get")}
+    assert triples(role["rules"]) == runtimes | {("kueue.x-k8s.io", "resourceflavors", "get")}
     for path in (CHART / "values.yaml", CHART / "README.md"):
         text = " ".join(path.read_text().split())
         assert "ClusterRole remains" not in text, path

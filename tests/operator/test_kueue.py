@@ -514,3 +514,22 @@ async def test_the_queue_label_is_followed_while_the_job_waits_and_held_once_kue
         await relabel(cluster, "plain", "gpu-queue")
         await wait_for(lambda: cluster.condition("plain", names.SPEC_CHANGE_REFUSED).get("status") == "True", "held")
         assert kueue.workload("plain") is None and cluster.get("batch/v1/jobs", "plain-trainer") is not None
+
+
+async def test_a_queued_job_ranks_with_its_priority_class_or_the_clusters_default(cluster, operator):
+    classes = "/apis/scheduling.k8s.io/v1/priorityclasses"
+    for name, value, default in (("research-high", 1000, False), ("normal", 10, True)):
+        doc = {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": name},
+               "value": value, "globalDefault": default}  # fmt: skip
+        await cluster._call("POST", classes, doc)
+    async with FakeKueue(cluster, capacity=0) as kueue:
+        await cluster.apply(queued("high", scheduling={"priorityClassName": "research-high"}))
+        await cluster.apply(queued("plain"))
+        high = await wait_for(lambda: kueue.workload("high"), "high's Workload")
+        plain = await wait_for(lambda: kueue.workload("plain"), "plain's Workload")
+        assert (high["spec"]["priorityClassName"], high["spec"]["priority"]) == ("research-high", 1000)
+        assert high["spec"]["priorityClassSource"] == "scheduling.k8s.io/priorityclass"
+        assert (plain["spec"]["priorityClassName"], plain["spec"]["priority"]) == ("normal", 10)
+        await kueue.admit("high")
+        trainer = await wait_for(lambda: cluster.get("batch/v1/jobs", "high-trainer"), "high's trainer Job")
+        assert trainer["spec"]["template"]["spec"]["priorityClassName"] == "research-high"

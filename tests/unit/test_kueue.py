@@ -511,3 +511,31 @@ def test_a_job_running_without_a_queue_does_not_join_one():
     # Suspended, it may: it then waits in the queue when resumed.
     suspended = with_queue_in_effect(labelled("gpu-queue", suspend=True), running_status, None)
     assert suspended.job.queue_name == "gpu-queue" and suspended.queue_refused is None
+
+
+# ---- priority ------------------------------------------------------------------------------------------------------
+
+
+def test_the_jobs_priority_class_reaches_its_pods_and_its_workload():
+    """Kueue's integrations give a Workload the priority of its pods' PriorityClass (jobframework
+    PrepareWorkloadPriority: spec.priorityClassName, spec.priority, priorityClassSource
+    scheduling.k8s.io/priorityclass): Kueue orders a queue and preempts by it. Without one, every GRPOLoraJob
+    ranked at 0 (below a cluster default)."""
+    job_plan = plan(parse_job(queued_doc(scheduling={"priorityClassName": "research-high"})))
+    assert builders.pods_priority_class(job_plan) == "research-high"
+    objects = builders.build_children(job_plan, owner_uid="u", token="t", priority=("research-high", 1000))
+    (workload,) = [o for o in objects if o["kind"] == "Workload"]
+    assert {k: workload["spec"][k] for k in ("priorityClassName", "priority", "priorityClassSource")} == {
+        "priorityClassName": "research-high",
+        "priority": 1000,
+        "priorityClassSource": "scheduling.k8s.io/priorityclass",
+    }
+    for kind in ("Job", "StatefulSet"):
+        pod = next(o for o in objects if o["kind"] == kind)["spec"]["template"]["spec"]
+        assert pod["priorityClassName"] == "research-high", kind
+    # A role's podTemplate names its own: the pods keep it, and the Workload ranks with the trainer's.
+    own = queued_doc(trainer={"podTemplate": {"spec": {"priorityClassName": "urgent"}}})
+    assert builders.pods_priority_class(plan(parse_job(own))) == "urgent"
+    # None known (no class, no cluster default): no priority fields (Kueue ranks it at 0).
+    plain = [o for o in builders.build_children(plan(parse_job(queued_doc())), owner_uid="u", token="t")]
+    assert "priority" not in next(o for o in plain if o["kind"] == "Workload")["spec"]

@@ -87,6 +87,13 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
   verbs: ["get"]
 {{- end }}
 
+{{- define "grpo-lora-operator.rules.priority.cluster" -}}
+# the priority of a queued job's Kueue Workload, from the PriorityClass its pods name or the cluster's globalDefault one, as Kueue's integrations take it (cluster-scoped; listed when a Workload is made)
+- apiGroups: ["scheduling.k8s.io"]
+  resources: ["priorityclasses"]
+  verbs: ["list"]
+{{- end }}
+
 {{- define "grpo-lora-operator.rules.kueue.cluster" -}}
 # read the ResourceFlavors a Kueue admission names (cluster-scoped), to give the pods their node labels and tolerations as Kueue's own integrations do; read when the pods are created, so no list or watch
 - apiGroups: ["kueue.x-k8s.io"]
