@@ -118,6 +118,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     check_task = _task_checker()
     check_tracking = _tracking_checker()
+    cluster = _cluster_view(args)
     checked: list[_Checked] = []
     outcomes: list[tuple[str, list[Document] | InvalidJob]] = []
     skipped: list[tuple[str, Skipped]] = []
@@ -167,18 +168,61 @@ def cmd_validate(args: argparse.Namespace) -> int:
             if ref is not None and misfit is None:
                 fit = f"its fit to RolloutPool {job.namespace}/{ref.name} (give the pool's file too to check it)"
                 result.not_checked.append(Problem("spec.inference.poolRef", fit))
-    failed = any(not r.valid for r in checked)
+            if cluster is not None and result.valid:
+                found = cluster.module.check_job(job, cluster.view)
+                result.errors += found.errors
+                result.warnings += found.warnings
+                result.not_checked += found.not_checked
+    cluster_found = cluster.module.check_cluster(cluster.view, cluster.shipped) if cluster is not None else None
+    failed = any(not r.valid for r in checked) or bool(cluster_found and cluster_found.errors)
     if args.output:
-        report = {"valid": not failed, "items": [r.as_object() for r in checked]}
+        report: dict = {"valid": not failed, "items": [r.as_object() for r in checked]}
         if skipped:
             report["skipped"] = [_skipped_object(path, other) for path, other in skipped]
+        if cluster is not None and cluster_found is not None:
+            lists = {"errors": cluster_found.errors, "warnings": cluster_found.warnings,
+                     "notChecked": cluster_found.not_checked}  # fmt: skip
+            report["cluster"] = {"context": cluster.view.context} | {
+                key: [_problem_object(p) for p in problems] for key, problems in lists.items()
+            }
         _print_structured(report, args.output)
     else:
         for path, other in skipped:
             print(f"{path}: note: {other}", file=sys.stderr)
         for result in checked:
             result.print_text()
+        if cluster is not None and cluster_found is not None:
+            where = f"cluster (context {cluster.view.context})"
+            for label, problems in (("", cluster_found.errors), ("warning: ", cluster_found.warnings),
+                                    ("not checked here: ", cluster_found.not_checked)):  # fmt: skip
+                for problem in problems:
+                    print(f"{where}: {label}{problem}", file=sys.stderr)
+            if not cluster_found.errors:
+                print(f"{where}: the CRDs are installed and current")
     return 1 if failed else 0
+
+
+@dataclass(frozen=True)
+class _Cluster:
+    module: ModuleType  # grpolora.cluster_check
+    view: object  # its ClusterView
+    shipped: Mapping[str, Mapping]  # the CRDs this grpolora generates, by name
+
+
+def _cluster_view(args: argparse.Namespace) -> _Cluster | None:
+    """With --cluster: the cluster as the kubeconfig shows it (grpolora.cluster_check), read once."""
+    if not args.cluster:
+        return None
+    _import_extra("kubernetes", "cluster", "validate --cluster")
+    from grpolora import cluster_check
+    from grpolora.api.crd import CRD_FILES, CRDS
+
+    try:
+        view = cluster_check.connect(args.kubeconfig, args.context)
+    except ValueError as exc:
+        raise SystemExit(f"grpolora validate --cluster: {exc}") from None
+    shipped = {CRD_FILES[kind].removesuffix(".yaml"): build() for kind, build in CRDS.items()}
+    return _Cluster(cluster_check, view, shipped)
 
 
 def _skipped_object(path: str, skipped: Skipped) -> dict:
@@ -547,6 +591,13 @@ def build_parser() -> argparse.ArgumentParser:
         "path, line and message) instead of lines"
     )  # fmt: skip
     p.add_argument("--strict", action="store_true", help="fail on warnings too")
+    p.add_argument(
+        "--cluster", action="store_true", help="also check the cluster the jobs would run on (CRDs and operator, "
+        "GPU resources and node selectors on its nodes, the claims, Secrets and RuntimeClasses the jobs name), "
+        "read-only through the kubeconfig; needs the cluster extra"
+    )  # fmt: skip
+    p.add_argument("--kubeconfig", help="with --cluster: this kubeconfig ($KUBECONFIG or ~/.kube/config)")
+    p.add_argument("--context", help="with --cluster: this kubeconfig context (its current one)")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("render", help="print every Kubernetes object the operator would create (dry run)")
