@@ -8,9 +8,17 @@ from typing import Any
 
 import pytest
 
+from grpolora.operator.metrics import POOL_GAUGES
 from tests.chart.chart import CHART
+from tests.workers.test_vllm_metrics import VLLM_SERIES
 
 DASHBOARD = CHART / "dashboards" / "grpo-lora.json"
+# vLLM's own series on an inference server's /metrics (a real engine serves each: tests/workers/test_vllm_metrics.py).
+# The chart's PodMonitor scrapes a job's own servers with `job` = the GRPOLoraJob's name (its jobLabel, the pods'
+# grpolora.dev/job label) and the target's `namespace`: the labels the per-job panels filter on. A RolloutPool's
+# servers carry no grpolora.dev/job label and are not its targets: the pool row reads the operator's grpolora_pool_*
+# series (the ServiceMonitor keeps their own namespace and pool labels: honorLabels).
+POOL_SERIES = {name for name, _, _ in POOL_GAUGES}
 
 # The metric contract of the operator (issue 5) and the workers (trainer rank 0 and inference /metrics).
 GAUGES_AND_COUNTERS = {
@@ -34,6 +42,8 @@ GAUGES_AND_COUNTERS = {
     "grpolora_inference_generated_tokens_total",
     "grpolora_inference_requests_total",
     "grpolora_inference_sync_failures_total",
+    *VLLM_SERIES,
+    *POOL_SERIES,
 }
 HISTOGRAMS = {
     "grpolora_reconcile_duration_seconds",
@@ -58,6 +68,15 @@ REQUIRED = {
     "grpolora_inference_generated_tokens_total",
     "grpolora_reconcile_errors_total",
     "grpolora_reconcile_duration_seconds_bucket",
+    # vLLM's own figures, what maxNumSeqs and gpuMemoryUtilization are tuned with (issue 38).
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+    # A RolloutPool: its attached jobs, its LoRA slots, its queue.
+    "grpolora_pool_jobs_attached",
+    "grpolora_pool_jobs_waiting",
+    "grpolora_pool_lora_slots",
+    "grpolora_pool_lora_slots_free",
 }
 PROMQL_FUNCTIONS = {"sum", "rate", "increase", "histogram_quantile", "max", "min", "avg", "count", "label_values"}
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset"}
@@ -108,7 +127,7 @@ def test_dashboard_is_a_grafana_dashboard():
     board = dashboard()
     assert board["uid"] == "grpo-lora" and board["title"] and board["schemaVersion"] >= 36
     names = [v["name"] for v in board["templating"]["list"]]
-    assert names == ["datasource", "namespace", "job"]
+    assert names == ["datasource", "namespace", "job", "pool"]
     ids = [p["id"] for p in panels(board)]
     assert len(ids) == len(set(ids)), "panel ids must be unique"
     for panel in panels(board):
@@ -154,6 +173,16 @@ def test_per_job_panels_filter_by_the_namespace_and_job_variables():
     for panel in panels(dashboard()):
         for target in panel.get("targets", []):
             expr = target["expr"]
-            per_job = metrics_in(expr) - {"grpolora_jobs"} - {m for m in KNOWN if "reconcile" in m}
+            used = metrics_in(expr)
+            per_job = used - {"grpolora_jobs"} - {m for m in KNOWN if "reconcile" in m} - POOL_SERIES
             if per_job:
                 assert 'namespace=~"$namespace"' in expr and 'job=~"$job"' in expr, (panel["title"], expr)
+            if used & POOL_SERIES:
+                assert not per_job, (panel["title"], "a pool's series beside a job's")
+                assert 'namespace=~"$namespace"' in expr and 'pool=~"$pool"' in expr, (panel["title"], expr)
+
+
+def test_the_pool_variable_lists_the_pools_the_operator_reports():
+    (pool,) = [v for v in dashboard()["templating"]["list"] if v["name"] == "pool"]
+    assert metrics_in(pool["query"]["query"]) <= POOL_SERIES and pool["multi"] and pool["includeAll"]
+    assert 'namespace=~"$namespace"' in pool["query"]["query"] and pool["query"]["query"].endswith(", pool)")
