@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from grpolora.operator.metrics import POOL_GAUGES
+from grpolora.workers.inference.metrics import VLLM_SERIES
 from tests.chart.chart import CHART
-from tests.workers.test_vllm_metrics import VLLM_SERIES
 
 DASHBOARD = CHART / "dashboards" / "grpo-lora.json"
 # vLLM's own series on an inference server's /metrics (a real engine serves each: tests/workers/test_vllm_metrics.py).

@@ -13,18 +13,10 @@ import httpx
 import pytest
 
 from grpolora.testing.servers import ServerProcess, tiny_cpu_job
+from grpolora.workers.inference.metrics import VLLM_SERIES
 from tests.workers.parity import greedy
 
 pytestmark = pytest.mark.vllm
-
-# The series the dashboard reads (charts/grpo-lora-operator/dashboards/; tests/chart/test_dashboard.py).
-VLLM_SERIES = (
-    "vllm:kv_cache_usage_perc",
-    "vllm:num_requests_running",
-    "vllm:num_requests_waiting",
-    "vllm:num_preemptions_total",
-    "vllm:generation_tokens_total",
-)
 
 
 def sample(text: str, name: str) -> float | None:

@@ -71,6 +71,18 @@ BY_JOB = {  # every metric, with its label names (in declaration order)
 }
 
 
+# vLLM's own series that this project reads (the Grafana dashboard, charts/grpo-lora-operator/dashboards/): its
+# KV-cache usage, running and waiting requests, preemptions and generated tokens. Its names, not ours: a vLLM upgrade
+# that renames one fails tests/workers/test_vllm_metrics.py.
+VLLM_SERIES = (
+    "vllm:kv_cache_usage_perc",
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:num_preemptions_total",
+    "vllm:generation_tokens_total",
+)
+
+
 def exposition() -> bytes:
     """What GET /metrics serves: ours, then vLLM's own statistics (KV-cache usage, requests running and waiting,
     preemptions, token counts; no job label: one engine serves every job of a pool). vLLM's PrometheusStatLogger
