@@ -199,7 +199,7 @@ async def serve(
     metrics = Metrics()
     controller = Controller(
         client,
-        TrainerStatusClient(),
+        TrainerStatusClient(metrics=metrics),
         metrics,
         ControllerConfig(
             interval=options.status_interval,

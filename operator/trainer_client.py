@@ -3,17 +3,30 @@
 
 Workers hold no Kubernetes credentials: progress reaches the cluster only through this poll. While the pods start,
 DNS names and ports do not answer yet; that is reported back as a short reason, not raised.
+
+A trainer runs its job author's code, and one operator polls every tenant's: each answer is read up to
+MAX_STATUS_BYTES (a larger one is refused, not buffered) within `timeout` seconds all told, and what is refused is
+counted (grpolora_trainer_status_refused_total, by reason), so that one trainer cannot hold the operator's memory or
+its passes.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any, Final
 
 import aiohttp
 from pydantic import ValidationError
 
 from grpolora.api.plan import JobPlan
 from grpolora.api.status import TrainerStatus
+
+if TYPE_CHECKING:
+    from grpolora.operator.metrics import Metrics
+
+MAX_STATUS_BYTES: Final = 64 * 1024
+"""The largest /status (or /v1/adapter) body read: a trainer's report is a few hundred bytes, a pool's adapter
+report a few per job."""
 
 
 def status_url(job_plan: JobPlan) -> str:
@@ -24,9 +37,15 @@ class TrainerUnavailable(Exception):
     """Trainer rank 0 did not answer with a valid status (not up yet, restarting, or broken)."""
 
 
+class _TooLarge(ValueError):
+    pass
+
+
 class TrainerStatusClient:
-    def __init__(self, *, timeout: float = 3.0):
+    def __init__(self, *, timeout: float = 3.0, max_bytes: int = MAX_STATUS_BYTES, metrics: Metrics | None = None):
         self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._max_bytes = max_bytes
+        self._metrics = metrics
         self._session: aiohttp.ClientSession | None = None
 
     def _client(self) -> aiohttp.ClientSession:
@@ -42,18 +61,37 @@ class TrainerStatusClient:
             async with self._client().get(url) as response:
                 if response.status != 200:
                     return None
-                payload = await response.json(content_type=None)
-        except (TimeoutError, aiohttp.ClientError, ValueError):
+                payload = await self._read(response)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            self._refused(exc)
             return None
         return payload if isinstance(payload, dict) else None
+
+    async def _read(self, response: aiohttp.ClientResponse) -> Any:
+        """The JSON body, read up to the cap (a declared Content-Length over it is refused before reading)."""
+        if response.content_length is not None and response.content_length > self._max_bytes:
+            raise _TooLarge(f"body over {self._max_bytes} bytes ({response.content_length})")
+        body = await response.content.read(self._max_bytes + 1)
+        if len(body) > self._max_bytes:
+            raise _TooLarge(f"body over {self._max_bytes} bytes")
+        return json.loads(body)
+
+    def _refused(self, exc: BaseException) -> None:
+        if self._metrics is None:
+            return
+        if isinstance(exc, _TooLarge):
+            self._metrics.trainer_status_refused.labels(reason="too_large").inc()
+        elif isinstance(exc, TimeoutError):
+            self._metrics.trainer_status_refused.labels(reason="timeout").inc()
 
     async def fetch(self, url: str) -> TrainerStatus:
         try:
             async with self._client().get(url) as response:
                 if response.status != 200:
                     raise TrainerUnavailable(f"GET {url}: HTTP {response.status}")
-                payload = await response.json(content_type=None)
+                payload = await self._read(response)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            self._refused(exc)
             raise TrainerUnavailable(f"GET {url}: {type(exc).__name__}: {exc}".rstrip(": ")) from exc
         try:
             return TrainerStatus.model_validate(payload)

@@ -1,0 +1,91 @@
+"""The operator's poll of trainer rank 0's /status: a tenant's trainer runs the job author's code, so what it answers
+must not cost the shared operator more than a bounded body and a bounded time; what it refuses is counted."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp import web
+
+from grpolora.operator.metrics import Metrics
+from grpolora.operator.trainer_client import MAX_STATUS_BYTES, TrainerStatusClient, TrainerUnavailable
+
+REPORT = {"phase": "Running", "totalSteps": 100, "step": 3, "syncMembers": [0]}
+
+
+async def serve(handler) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_get("/status", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/status"
+
+
+def refused(metrics: Metrics, reason: str) -> float:
+    return metrics.registry.get_sample_value("grpolora_trainer_status_refused_total", {"reason": reason}) or 0.0
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+async def test_a_status_body_over_the_cap_is_refused_and_counted(chunked):
+    big = json.dumps({**REPORT, "message": "x" * (2 * MAX_STATUS_BYTES)}).encode()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if not chunked:
+            return web.Response(body=big, content_type="application/json")
+        response = web.StreamResponse()
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        for start in range(0, len(big), 4096):
+            await response.write(big[start : start + 4096])
+        return response
+
+    runner, url = await serve(handler)
+    metrics = Metrics()
+    client = TrainerStatusClient(metrics=metrics)
+    try:
+        with pytest.raises(TrainerUnavailable, match=f"over {MAX_STATUS_BYTES} bytes"):
+            await client.fetch(url)
+        assert refused(metrics, "too_large") == 1
+        assert await client.json(url) is None  # the pool's adapter reports: the same cap
+        assert refused(metrics, "too_large") == 2
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_a_status_that_does_not_come_in_time_is_refused_and_counted():
+    release = asyncio.Event()
+
+    async def handler(_: web.Request) -> web.Response:
+        await release.wait()  # never answers within the client's time
+        return web.json_response(REPORT)
+
+    runner, url = await serve(handler)
+    metrics = Metrics()
+    client = TrainerStatusClient(timeout=0.2, metrics=metrics)
+    try:
+        with pytest.raises(TrainerUnavailable, match="TimeoutError"):
+            await client.fetch(url)
+        assert refused(metrics, "timeout") == 1
+    finally:
+        release.set()
+        await client.close()
+        await runner.cleanup()
+
+
+async def test_a_normal_status_is_read():
+    runner, url = await serve(_json)
+    client = TrainerStatusClient(metrics=Metrics())
+    try:
+        assert (await client.fetch(url)).step == 3
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
+async def _json(_: web.Request) -> web.Response:
+    return web.json_response(REPORT)
