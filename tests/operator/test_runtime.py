@@ -133,3 +133,26 @@ async def test_a_merge_that_is_invalid_fails_the_job_naming_the_runtime(cluster,
     assert "spec.sync.backend" in invalid["message"]
     assert f"(the job merged with ClusterGRPOLoraRuntime {RUNTIME})" in invalid["message"]
     assert cluster.get(CRD_RESOURCE, "demo") is not None and trainer_pod(cluster) is None
+
+
+GPU_TOLERATION = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+SPOT_TOLERATION = {"key": "cloud.google.com/gke-spot", "operator": "Equal", "value": "true", "effect": "NoSchedule"}
+
+
+async def test_a_jobs_env_and_tolerations_add_to_the_runtimes_through_the_api(cluster, operator):
+    """The API server keeps `$patch` items (env and tolerations are schemaless Kubernetes objects in the CRD), and the
+    operator merges as `grpolora render` does: the platform's settings stay beside the job's one added line."""
+    trainer = {**PLACEMENT, "env": [{"name": "NCCL_DEBUG", "value": "WARN"}, {"name": "DROP_ME", "value": "1"}],
+               "tolerations": [GPU_TOLERATION]}  # fmt: skip
+    await cluster.apply(cluster_runtime(trainer=trainer, inference={**PLACEMENT, "gpusPerReplica": 0}))
+    job_trainer = {
+        "env": [{"name": "WANDB_MODE", "value": "offline"}, {"name": "DROP_ME", "$patch": "delete"}],
+        "tolerations": [SPOT_TOLERATION],
+    }
+    await cluster.apply(job_on_runtime(trainer=job_trainer))
+    await wait_for(lambda: trainer_pod(cluster) is not None, "the trainer Job")
+    pod = trainer_pod(cluster)
+    assert pod is not None
+    env = {e["name"]: e.get("value") for e in worker(pod)["env"]}
+    assert env["NCCL_DEBUG"] == "WARN" and env["WANDB_MODE"] == "offline" and "DROP_ME" not in env
+    assert GPU_TOLERATION in pod["tolerations"] and SPOT_TOLERATION in pod["tolerations"]
