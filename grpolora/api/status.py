@@ -57,6 +57,8 @@ class TrainerStatus(_Wire):
     agreement); off-policy steps measure the policy's drift instead and leave it as it was."""
     gen_kl: float | None = None
     """k3 estimate of KL(vLLM sampler || trainer policy) over the last step's tokens."""
+    entropy: float | None = None
+    """The policy's mean token entropy (nats) over the last step's completion tokens, before its update."""
     prompts_skipped: int = 0
     """Prompts skipped since the trainer started because they do not fit the model length with
     grpo.maxNewTokens."""

@@ -57,3 +57,15 @@ def test_the_plot_shows_both_figures_apart(tmp_path):
     out = tmp_path / "plot.png"
     plot([step_record(1, True, 0.0), step_record(2, False, 9.24e-02)], out)
     assert out.stat().st_size > 0
+
+
+def test_the_plot_has_a_panel_for_the_policys_entropy(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # keep the figure plot() made, to read its panels
+    records = [step_record(1, True, 0.0) | {"entropy": 2.5}, step_record(2, True, 0.0) | {"entropy": 2.1}]
+    plot([*records, step_record(3, True, 0.0)], tmp_path / "plot.png")  # a record of an older run has none
+    [figure] = figures
+    [panel] = [axis for axis in figure.axes if axis.get_ylabel().startswith("policy entropy")]
+    assert list(panel.lines[0].get_ydata()[:2]) == [2.5, 2.1]

@@ -55,3 +55,11 @@ def test_the_progress_printer_shows_one_sample_line_per_sampled_step(tmp_path, c
     assert err == ["[Running] step 2/4", sample_line(rows[0], 90)]
     progress.close(TrainerStatus(phase="Succeeded", step=4, total_steps=4))
     assert "earlier run" not in capsys.readouterr().err
+
+
+def test_the_progress_line_shows_the_policys_entropy(capsys):
+    # The figure clip-higher exists to keep up: a user watching a run sees it collapse (or not) step by step, the
+    # same number as metrics.jsonl's `entropy` (the trainer's /status carries the last step's).
+    progress = Progress(4, enabled=True)
+    progress.update(TrainerStatus(phase="Running", step=2, total_steps=4, reward_mean=0.5, kl=0.001, entropy=1.234))
+    assert capsys.readouterr().err.splitlines() == ["[Running] step 2/4 reward 0.500 kl 0.0010 entropy 1.23"]

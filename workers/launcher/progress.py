@@ -102,6 +102,7 @@ class Progress:
                 self._last_line = (status.phase, status.step, restarts)
                 reward = "" if status.reward_mean is None else f" reward {status.reward_mean:.3f}"
                 kl = "" if status.kl is None else f" kl {status.kl:.4f}"
+                kl += "" if status.entropy is None else f" entropy {status.entropy:.2f}"
                 sync = "" if status.last_sync_seconds is None else f" sync {status.last_sync_seconds * 1000:.0f} ms"
                 lost = f" {replicas}, inference restarts {restarts}" if restarts else ""
                 print(
@@ -113,6 +114,8 @@ class Progress:
         postfix = {"phase": status.phase}
         if status.reward_mean is not None:
             postfix |= {"reward": f"{status.reward_mean:.3f}", "kl": f"{status.kl or 0:.4f}"}
+        if status.entropy is not None:
+            postfix |= {"entropy": f"{status.entropy:.2f}"}
         if status.last_sync_seconds is not None:
             postfix |= {"sync": f"{status.last_sync_seconds * 1000:.0f}ms", "round": status.sync_round}
         if restarts:

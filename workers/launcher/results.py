@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -15,21 +16,24 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def plot(records: Sequence[dict], out: Path) -> None:
-    """reward, KL, sync time and the trainer-vs-vLLM logprob figures per step, one panel each."""
+    """reward, KL, the policy's entropy, sync time and the trainer-vs-vLLM logprob figures per step, one panel
+    each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in records]
-    figure, axes = plt.subplots(4, 1, figsize=(7, 10), sharex=True)
+    figure, axes = plt.subplots(5, 1, figsize=(7, 12), sharex=True)
     series = (
         ("reward (mean ± std)", [r["reward_mean"] for r in records], [r["reward_std"] for r in records]),
         ("KL to reference (k3)", [r["kl"] for r in records], None),
+        # NaN where a record has none (a run before the figure existed): a gap, not a zero.
+        ("policy entropy (nats/token)", [r.get("entropy", math.nan) for r in records], None),
         ("adapter sync (ms)", [r["seconds"]["sync"] * 1000 for r in records], None),
     )
     # Trainer vs vLLM: numerics on on-policy steps, the policy's drift on off-policy ones (never one line).
-    agreement = axes[3]
+    agreement = axes[4]
     for key, label, marker in (("mismatch", "mismatch (on-policy)", "o"), ("policy_drift", "policy drift", "x")):
         points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
         if points:
@@ -43,7 +47,7 @@ def plot(records: Sequence[dict], out: Path) -> None:
     if evaluated:
         axes[0].plot(*zip(*evaluated, strict=True), marker="s", color="tab:green", label="eval reward (held out)")
         axes[0].legend(loc="best")
-    for axis, (label, values, spread) in zip(axes[:3], series, strict=True):
+    for axis, (label, values, spread) in zip(axes[:4], series, strict=True):
         axis.plot(steps, values, marker="o", markersize=3)
         if spread is not None:
             low = [v - s for v, s in zip(values, spread, strict=True)]

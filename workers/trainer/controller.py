@@ -383,6 +383,7 @@ class Controller:
             reward_std=record["reward_std"],
             kl=stats.kl,
             gen_kl=stats.gen_kl,
+            entropy=stats.entropy,
             importance_weight_mean=stats.weight_mean,
             importance_weight_max=stats.weight_max,
             truncated_fraction=stats.truncated_fraction,
