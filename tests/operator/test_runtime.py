@@ -156,3 +156,14 @@ async def test_a_jobs_env_and_tolerations_add_to_the_runtimes_through_the_api(cl
     env = {e["name"]: e.get("value") for e in worker(pod)["env"]}
     assert env["NCCL_DEBUG"] == "WARN" and env["WANDB_MODE"] == "offline" and "DROP_ME" not in env
     assert GPU_TOLERATION in pod["tolerations"] and SPOT_TOLERATION in pod["tolerations"]
+
+
+async def test_a_job_that_changes_the_service_account_its_runtime_pins_fails_naming_both(cluster, operator):
+    pinned = {**PLACEMENT, "podTemplate": {"spec": {"serviceAccountName": "trainer-bucket"}}}
+    await cluster.apply(cluster_runtime(trainer=pinned, inference={**PLACEMENT, "gpusPerReplica": 0}))
+    await cluster.apply(job_on_runtime(trainer={"podTemplate": {"spec": {"serviceAccountName": "admin"}}}))
+    await wait_for(lambda: cluster.status("demo").get("phase") == "Failed", "Failed")
+    message = cluster.condition("demo", names.INVALID_SPEC)["message"]
+    assert "spec.trainer.podTemplate.spec.serviceAccountName" in message
+    assert f"ClusterGRPOLoraRuntime {RUNTIME} pins the trainer pods' service account to trainer-bucket" in message
+    assert trainer_pod(cluster) is None
