@@ -231,3 +231,53 @@ def test_an_activation_is_acknowledged_without_waiting_for_the_old_versions_unlo
         assert sorted(vllm.removed) == [1, 2, 3, 4] and engine.lora_ids() == []
 
     asyncio.run(scenario())
+
+
+def test_an_activation_of_a_version_not_newer_than_the_live_one_loads_nothing(tmp_path):
+    """Versions only grow on a replica. An activation of the live version (or an older one) made it live a second
+    time under a new LoRA id and dropped the older id from the book: loaded in vLLM for good, never unloaded."""
+
+    async def scenario() -> None:
+        vllm = SlowRemover()
+        vllm.gate.set()
+        engine = book_unloading_through(vllm, tmp_path)  # 1, 2, 3 loaded (id = version), 3 live
+        added: list[int] = []
+
+        async def add(request) -> None:
+            added.append(request.lora_int_id)
+
+        for version in (3, 2):
+            with pytest.raises(RuntimeError, match=f"version {version} is not newer than the live version 3"):
+                await engine._activate(version, add)
+        assert added == [] and engine.live_version == 3 and engine._loaded == {1: 1, 2: 2, 3: 3}
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_or_stuck_activation_leaves_no_lora_id_behind(tmp_path, monkeypatch):
+    """An activation is one collective_rpc into every TP worker: one failing (CUDA OOM on rank 1) left the LoRA
+    loaded on the others under an id the book never recorded; one never answering held the sync member for good.
+    Both now fail the activation (the member reports it, the older version keeps serving) and remove the id."""
+    from grpolora.workers.inference import adapter_book
+
+    monkeypatch.setattr(adapter_book, "ACTIVATION_TIMEOUT_SECONDS", 0.2)
+
+    async def scenario() -> None:
+        vllm = SlowRemover()
+        vllm.gate.set()
+        engine = book_unloading_through(vllm, tmp_path)
+
+        async def fails_on_one_worker(request) -> None:
+            raise RuntimeError("worker 1: CUDA out of memory")
+
+        async def never_answers(request) -> None:
+            await asyncio.Event().wait()
+
+        with pytest.raises(RuntimeError, match="CUDA out of memory"):
+            await engine._activate(4, fails_on_one_worker)
+        with pytest.raises(TimeoutError, match=r"version 5 not loaded by vLLM's workers within 0\.2s"):
+            await engine._activate(5, never_answers)
+        assert vllm.removed == [4, 5]  # the ids each may have left on some workers
+        assert engine.live_version == 3 and 4 not in engine._loaded and 5 not in engine._loaded
+
+    asyncio.run(scenario())

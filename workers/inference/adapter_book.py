@@ -35,6 +35,13 @@ from grpolora.workers.inference.vllm_worker import Layout, lora_request
 log = logging.getLogger(__name__)
 
 
+ACTIVATION_TIMEOUT_SECONDS = 60.0
+"""Longest an activation may take: one collective_rpc between engine steps, in which every worker maps the staged
+round and builds its LoRA (milliseconds to a second or two). Past it the round's member is told it failed (the older
+version keeps serving), instead of waiting on an engine that no longer steps; a dead engine ends the server anyway
+(app.watch_engine)."""
+
+
 class VersionUnavailable(RuntimeError):
     """The requested adapter version is not (or no longer) served here."""
 
@@ -95,9 +102,26 @@ class AdapterBook:
     async def _activate(self, version: int, add: Callable[[Any], Awaitable[None]]) -> None:
         if self._closed:  # a round that finished after its job was detached must not load anything again
             raise RuntimeError(f"job {self.job} is detached from this server")
+        if version <= self._live_version or version in self._loaded:
+            # Versions only grow: loaded again, it went live a second time under a new id, and the book forgot the
+            # older id, left loaded in vLLM for good.
+            raise RuntimeError(f"{self.job}: version {version} is not newer than the live version {self._live_version}")
         started = time.perf_counter()
         lora_id = self._engine.new_lora_id()
-        await add(self._lora_request(version, lora_id))
+        try:
+            async with asyncio.timeout(ACTIVATION_TIMEOUT_SECONDS):
+                await add(self._lora_request(version, lora_id))
+        except BaseException as exc:
+            # One collective_rpc into every TP worker: some may have loaded it before another failed (or before the
+            # wait gave up). vLLM runs the engine's calls in order, so this removal follows that load wherever it
+            # happened; an id a worker never loaded is nothing to remove there.
+            with contextlib.suppress(Exception):
+                await self._engine.remove_lora(lora_id)
+            if isinstance(exc, TimeoutError):
+                raise TimeoutError(
+                    f"{self.job}: version {version} not loaded by vLLM's workers within {ACTIVATION_TIMEOUT_SECONDS:g}s"
+                ) from None
+            raise
         self._loaded[version] = lora_id
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
