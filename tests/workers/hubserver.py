@@ -131,6 +131,16 @@ def make_app(state: HubState, token: str, read_tokens: frozenset[str] = frozense
             return _error(status, f"Repository Not Found for url: {repo_id}", code="RepoNotFound")
         return repo
 
+    def commit_or_error(repo_id: str, revision: str, request: Request) -> tuple[Repo, Commit] | JSONResponse:
+        """The repository and the commit `revision` names (a branch or a commit), or the Hub's refusal."""
+        repo = repo_or_404(repo_id, request)
+        if isinstance(repo, JSONResponse):
+            return repo
+        head = repo.at(revision)
+        if head is None:
+            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
+        return repo, head
+
     @app.post("/api/repos/create")
     async def create_repo(request: Request):
         body = await request.json()
@@ -149,12 +159,10 @@ def make_app(state: HubState, token: str, read_tokens: frozenset[str] = frozense
     @app.get("/api/models/{owner}/{name}")
     @app.get("/api/models/{owner}/{name}/revision/{revision}")
     async def repo_info(owner: str, name: str, request: Request, revision: str = "main"):
-        repo = repo_or_404(f"{owner}/{name}", request)
-        if isinstance(repo, JSONResponse):
-            return repo
-        head = repo.at(revision)
-        if head is None:
-            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
+        found = commit_or_error(f"{owner}/{name}", revision, request)
+        if isinstance(found, JSONResponse):
+            return found
+        repo, head = found
         siblings = [{"rfilename": path} for path in sorted(head.files)]
         return {
             "id": f"{owner}/{name}",
@@ -166,12 +174,10 @@ def make_app(state: HubState, token: str, read_tokens: frozenset[str] = frozense
 
     @app.get("/api/models/{owner}/{name}/tree/{revision}")
     async def tree(owner: str, name: str, revision: str, request: Request):
-        repo = repo_or_404(f"{owner}/{name}", request)
-        if isinstance(repo, JSONResponse):
-            return repo
-        head = repo.at(revision)
-        if head is None:
-            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
+        found = commit_or_error(f"{owner}/{name}", revision, request)
+        if isinstance(found, JSONResponse):
+            return found
+        _, head = found
         entries = []
         for path in sorted(head.files):
             content = head.files[path]
@@ -185,17 +191,15 @@ def make_app(state: HubState, token: str, read_tokens: frozenset[str] = frozense
     @app.api_route("/{owner}/{name}/resolve/{revision}/{path:path}", methods=["GET", "HEAD"])
     async def resolve(owner: str, name: str, revision: str, path: str, request: Request):
         repo_id = f"{owner}/{name}"
-        repo = repo_or_404(repo_id, request)
-        if isinstance(repo, JSONResponse):
-            return repo
+        found = commit_or_error(repo_id, revision, request)
+        if isinstance(found, JSONResponse):
+            return found
+        repo, head = found
         who = caller(request)
         if repo.gated and who != token and who not in repo.granted:
             status = 401 if who is None else 403
             return _error(status, f"Access to model {repo_id} is restricted and you are not in the authorized list",
                           code="GatedRepo")  # fmt: skip
-        head = repo.at(revision)
-        if head is None:
-            return _error(404, f"Revision Not Found: {revision}", code="RevisionNotFound")
         if path not in head.files:
             return _error(404, f"Entry not found: {path}", code="EntryNotFound")
         content = head.files[path]
