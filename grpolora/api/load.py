@@ -326,6 +326,18 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
                 f"{spec.lora.rank}",
             )
         )
+    if spec.grpo.reference_on_replicas and spec.model.dtype in ("bfloat16", "float16"):
+        warnings.append(
+            Problem(
+                "spec.grpo.referenceFrom",
+                f"inference with a {spec.model.dtype} model: the reference logprobs come from vLLM's kernels and the "
+                "policy's from the trainer's, which in half precision do not agree exactly (metrics.jsonl's "
+                "mismatch), so the KL term is not 0 at step 0 and pulls the policy towards vLLM's numerics rather "
+                "than the base "
+                "model; set referenceFrom: trainer (a reference pass with the adapter off, the same kernels) or a "
+                "float32 model where the KL matters",
+            )
+        )
     if spec.grpo.importance_ratio == "sequence" and spec.grpo.loss_aggregation == "token-mean":
         warnings.append(
             Problem(

@@ -40,3 +40,16 @@ def test_chat_template_args_take_scalars_only():
     assert parsed.chat_template_args == {"enable_thinking": False, "reasoning_effort": "low"}
     with pytest.raises(InvalidJob, match=r"chatTemplateArgs.*'tools'.*not a string, number or boolean"):
         parse_job(job_doc(task={"name": "arithmetic", "chatTemplateArgs": {"tools": [{"x": 1}]}}))
+
+
+def test_the_replicas_reference_in_half_precision_is_warned_about():
+    # referenceFrom: inference compares vLLM's kernels (the reference) with the trainer's (the policy): in bf16 they
+    # disagree by far more than the KL a step moves the policy, so the KL is not 0 at step 0 (the GPU example runs
+    # exactly this). float32 agrees to ~1e-5 and is not warned about.
+    def warned(dtype: str) -> list[str]:
+        doc = job_doc(grpo={"referenceFrom": "inference"}, model={"name": "offline:tiny-llama", "dtype": dtype})
+        return [w.message for w in job_warnings(parse_job(doc)) if w.path == "spec.grpo.referenceFrom"]
+
+    [message] = warned("bfloat16")
+    assert "bfloat16" in message and "step 0" in message and "referenceFrom: trainer" in message
+    assert warned("float16") and not warned("float32")
