@@ -150,6 +150,7 @@ E_FAILED: Final = "Failed"
 E_SUSPENDED: Final = "Suspended"
 E_RESUMED: Final = "Resumed"
 E_TRAINER_RESTARTING: Final = "TrainerRestarting"
+E_TRAINER_ATTEMPT_FAILED: Final = "TrainerAttemptFailed"  # the failed pod's log tail (grpolora.operator.attempts)
 E_REKEYED: Final = "TokenRekeyed"
 E_GROUP_REFORMED: Final = "SyncGroupReformed"
 E_PODS_NOT_READY: Final = "PodsNotReady"

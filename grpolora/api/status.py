@@ -126,6 +126,25 @@ class RestartCounts(_Wire):
     counted against spec.trainer.maxRestarts."""
 
 
+class FailedAttempt(_Wire):
+    """A trainer attempt that failed, as its pod told it before the restart (or the job's end) deleted the pod and
+    its log with it (grpolora.operator.attempts)."""
+
+    attempt: int
+    """Which run of the trainer group it was: 1 for the first, 2 after one restart, and so on."""
+    pod: str
+    """The trainer pod whose failure is kept: the first to fail with an exit code of its own (not one its peers'
+    failure caused, such as SIGTERM or SIGKILL)."""
+    exit_code: int | None = None
+    """That pod's trainer container exit code."""
+    reason: str | None = None
+    """The container's termination reason (Error, OOMKilled, ...)."""
+    finished_at: str | None = None
+    """When the container exited."""
+    log_tail: str = ""
+    """The last lines of its log (at most 50 lines and 4 KiB); empty when the log could not be read."""
+
+
 class ReplicaCounts(_Wire):
     trainer: RoleReplicas = Field(default_factory=RoleReplicas)
     """Trainer pods."""
@@ -221,6 +240,9 @@ class JobStatus(_Wire):
     pool: str | None = None
     """The RolloutPool whose servers run the rollouts (spec.inference.poolRef); see its status for the adapter
     version each replica serves and the job's place in line."""
+    last_failed_attempt: FailedAttempt | None = None
+    """The last trainer attempt that failed: its pod, exit code and the tail of its log, read before the restart
+    deleted the pod (`kubectl logs` cannot show it then). Also sent as a TrainerAttemptFailed event."""
     token_digest: str | None = None
     """Fingerprint of the token the job's pods were created with (grpolora.api.pool.token_fingerprint). A token
     Secret that no longer matches it (deleted, so re-made with a new token) re-keys the job as a whole: every pod is

@@ -14,6 +14,7 @@ from grpolora.api.load import parse_job
 from grpolora.api.status import (
     AttachedJob,
     Condition,
+    FailedAttempt,
     JobStatus,
     PoolStatus,
     RendezvousStatus,
@@ -136,6 +137,9 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         prompts_skipped=2,
         trainer_restarts=0,
         restarts_by_cause=RestartCounts(failure=1, disruption=2),
+        last_failed_attempt=FailedAttempt(
+            attempt=2, pod="p", exit_code=1, reason="Error", finished_at="2026-01-01T00:30:00Z", log_tail="a\nb"
+        ),
         start_time="2026-01-01T00:00:00Z",
         completion_time="2026-01-01T01:00:00Z",
         active_since="2026-01-01T00:00:00Z",
