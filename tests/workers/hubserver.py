@@ -26,7 +26,8 @@ huggingface_hub's hf_raise_for_status (utils/_http.py) and its docs on gated mod
 - a revision that does not exist: 404 with `X-Error-Code: RevisionNotFound`.
 
 Not covered: the Xet storage protocol (huggingface_hub uses it when `hf_xet` is installed: tests set
-HF_HUB_DISABLE_XET, so LFS is what they exercise), downloads, pull requests, multipart LFS, rate limits.
+HF_HUB_DISABLE_XET, so LFS is what they exercise), LFS files served by redirect to a CDN (the Hub's: resolve answers
+the file itself here), pull requests, multipart LFS, rate limits.
 """
 
 from __future__ import annotations
