@@ -32,6 +32,7 @@ from grpolora.api.load import (
     read_documents,
     source_name,
 )
+from grpolora.api.spec import YAML11_NUMBER
 
 if TYPE_CHECKING:
     from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, RolloutPool, TaskSpec
@@ -243,7 +244,21 @@ def _print_structured(value: object, output: str) -> None:
     if output == "json":
         print(json.dumps(value, indent=2))
     else:
-        sys.stdout.write(yaml.safe_dump(value, sort_keys=False, width=120))
+        sys.stdout.write(yaml.dump(value, Dumper=_Yaml12SafeDumper, sort_keys=False, width=120))
+
+
+class _Yaml12SafeDumper(yaml.SafeDumper):
+    """PyYAML's safe dumper, quoting the strings that YAML 1.1 reads as strings but YAML 1.2, and so kubectl, as
+    numbers (`1e5`): `grpolora render | kubectl apply -f -` must give the API server the string."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
+    if YAML11_NUMBER.match(value):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="'")
+    return dumper.represent_str(value)
+
+
+_Yaml12SafeDumper.add_representer(str, _represent_str)
 
 
 def _repeats(loaded: Sequence[tuple[str, Sequence[Document]]]) -> dict[tuple[str, int], list[Problem]]:
@@ -434,7 +449,7 @@ def cmd_render(args: argparse.Namespace) -> int:
     if args.output == "json":  # several objects as kubectl prints them: one List
         _print_structured({"apiVersion": "v1", "kind": "List", "items": objects}, "json")
     else:
-        sys.stdout.write(yaml.safe_dump_all(objects, sort_keys=False, width=120))
+        sys.stdout.write(yaml.dump_all(objects, Dumper=_Yaml12SafeDumper, sort_keys=False, width=120))
     return 0
 
 

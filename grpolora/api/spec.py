@@ -43,6 +43,24 @@ class Yaml11Number(str):
     (grpolora.api.load marks them): a number field takes it, where it refuses a quoted string."""
 
 
+def _as_yaml12(value: Any) -> Any:
+    """`value` with each Yaml11Number a number, as kubectl (YAML 1.2) reads it: outside a number field it is one too
+    (`value: 1e5` in an env var is a number the API server refuses, not the string PyYAML made of it)."""
+    if isinstance(value, Yaml11Number):
+        return float(value)
+    if isinstance(value, dict):
+        return {key: _as_yaml12(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_as_yaml12(item) for item in value]
+    return value
+
+
+def _holds_model(annotation: Any) -> bool:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return True
+    return any(_holds_model(arg) for arg in get_args(annotation))
+
+
 def _is_number(text: str) -> bool:
     try:
         float(text)
@@ -96,6 +114,9 @@ class SpecModel(BaseModel):
         )
         if isinstance(value, bool) and kinds & {int, float} and bool not in kinds:
             raise ValueError(f"expected a number, got the boolean {str(value).lower()}")
+        annotation = cls.model_fields[info.field_name].annotation
+        if not kinds & {int, float} and not _holds_model(annotation):  # a model's own fields are its own to read
+            value = _as_yaml12(value)
         if isinstance(value, str) and not isinstance(value, Yaml11Number) and kinds & {int, float} and str not in kinds:
             # The CRD says integer or number here (grpolora.api.crd, from these annotations), and the API server
             # refuses a string, quoted number or not; pydantic's lax mode would read "1" as 1.

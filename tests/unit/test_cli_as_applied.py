@@ -182,3 +182,22 @@ def test_strict_does_not_say_valid_of_a_file_it_fails(tmp_path, capsys):
     code, out, _ = run(capsys, "validate", "--strict", "-o", "json", str(path))
     report = json.loads(out)
     assert code == 1 and report["valid"] is False and report["items"][0]["valid"] is False
+
+
+def test_a_plain_exponent_number_outside_a_number_field_is_a_number_as_kubectl_reads_it(tmp_path, capsys):
+    """`1e5` is a number to kubectl (YAML 1.2), a string to PyYAML: in an env var's value the API server refuses it,
+    and so does validate; quoted, it is a string to both, and render prints it."""
+    path = job_file(tmp_path)
+    text = path.read_text().replace(
+        "    gpusPerReplica: 1\n", "    gpusPerReplica: 1\n    env: [{name: X, value: 1e5}]\n"
+    )
+    path.write_text(text)
+    code, _, err = run(capsys, "validate", str(path))
+    assert code == 1
+    assert (
+        f"line {line_of(path, 'name: X')}: spec.trainer.env[0].value: Invalid value: 100000.0: expected string" in err
+    )
+    path.write_text(text.replace("value: 1e5", 'value: "1e5"'))
+    code, out, err = run(capsys, "render", str(path))
+    assert code == 0, err
+    assert "value: '1e5'" in out  # quoted: kubectl (YAML 1.2) would read a plain 1e5 as a number
