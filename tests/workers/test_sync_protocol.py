@@ -1030,88 +1030,80 @@ def test_a_hung_replica_is_cut_out_by_the_watchdog_long_before_the_sync_timeout(
     assert report.members == (0,) and c.sender.group == (0,)
 
 
-def test_a_member_in_a_stalled_round_leaves_it_and_joins_the_next_epoch(monkeypatch):
-    """The member's own watchdog: a round in which nothing arrives for progressTimeoutSeconds is left (the member
-    is out of that epoch at once, whatever the trainer does), and the next epoch's join is taken."""
-    from grpolora.workers.sync import receiver as receiver_module
+class BlockedMember:
+    """A member (AdapterReceiver) whose every group's transport is a BlockingTransport (`made`, in order)."""
 
-    made: list[BlockingTransport] = []
+    def __init__(self, monkeypatch, **join) -> None:
+        from grpolora.workers.sync import receiver as receiver_module
 
-    def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
-        made.append(BlockingTransport(**kwargs))
-        return made[-1]
+        self.made: list[BlockingTransport] = []
 
-    monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
-    port = free_port()
-    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
-    member = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=KEY)
+        def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
+            self.made.append(BlockingTransport(**kwargs))
+            return self.made[-1]
 
-    def join(epoch: int) -> JoinRequest:
-        return JoinRequest(
-            epoch=epoch, rank=1, world_size=2, store_addr="127.0.0.1", store_port=port, backend="gloo",
-            timeout_seconds=3600, join_timeout_seconds=TIMEOUT, progress_timeout_seconds=0.5,
-            trainer_fingerprint="fp", current_version=0,
+        monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
+        self.port = free_port()
+        self.store = connect_store("127.0.0.1", self.port, is_master=True, timeout_seconds=TIMEOUT)
+        self.member = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=KEY)
+        self._join = join
+
+    def join(self, epoch: int) -> None:
+        self.member.join(
+            JoinRequest(
+                epoch=epoch, rank=1, world_size=2, store_addr="127.0.0.1", store_port=self.port,
+                join_timeout_seconds=TIMEOUT, trainer_fingerprint="fp", current_version=0, **self._join,
+            )
         )  # fmt: skip
 
-    try:
-        member.join(join(0))
-        eventually(lambda: member.state().epoch == 0)
-        member.prepare(PrepareRequest(epoch=0, version=1))
-        assert made[0].entered.wait(TIMEOUT)
-        eventually(lambda: member.state().epoch is None, seconds=5)  # left the stalled round's epoch on its own
-        assert made[0].closed.is_set()
-        assert "no progress in the round 1 of epoch 0 for 0.5s" in (member.state().last_error or "")
-        member.join(join(1))
-        eventually(lambda: member.state().epoch == 1, seconds=TIMEOUT)
-    finally:
+    def inside_a_round(self) -> None:
+        """Joined epoch 0 and inside its round's first broadcast."""
+        self.join(0)
+        eventually(lambda: self.member.state().epoch == 0)
+        self.member.prepare(PrepareRequest(epoch=0, version=1))
+        assert self.made[0].entered.wait(TIMEOUT)
+
+    def close(self) -> None:
+        self.member.close()
+        del self.store
+
+
+@pytest.fixture
+def blocked(monkeypatch):
+    made: list[BlockedMember] = []
+
+    def make(**join) -> BlockedMember:
+        made.append(BlockedMember(monkeypatch, **join))
+        return made[-1]
+
+    yield make
+    for member in made:
         member.close()
-        del store
 
 
-def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(monkeypatch):
+def test_a_member_in_a_stalled_round_leaves_it_and_joins_the_next_epoch(blocked):
+    """The member's own watchdog: a round in which nothing arrives for progressTimeoutSeconds is left (the member
+    is out of that epoch at once, whatever the trainer does), and the next epoch's join is taken."""
+    b = blocked(backend="gloo", timeout_seconds=3600, progress_timeout_seconds=0.5)
+    b.inside_a_round()
+    eventually(lambda: b.member.state().epoch is None, seconds=5)  # left the stalled round's epoch on its own
+    assert b.made[0].closed.is_set()
+    assert "no progress in the round 1 of epoch 0 for 0.5s" in (b.member.state().last_error or "")
+    b.join(1)
+    eventually(lambda: b.member.state().epoch == 1, seconds=TIMEOUT)
+
+
+def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(blocked):
     """A round abandoned by the trainer (another member's prepare failed, a member died) leaves this member inside
     its first broadcast. The join of the next epoch must free it, well within sync.joinTimeoutSeconds, not after
     sync.timeoutSeconds (an hour here)."""
-    from grpolora.workers.sync import receiver as receiver_module
-
-    made: list[BlockingTransport] = []
-
-    def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
-        made.append(BlockingTransport(**kwargs))
-        return made[-1]
-
-    monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
-    port = free_port()
-    store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
-    member = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=KEY)
-
-    def join(epoch: int) -> JoinRequest:
-        return JoinRequest(
-            epoch=epoch,
-            rank=1,
-            world_size=2,
-            store_addr="127.0.0.1",
-            store_port=port,
-            backend="nccl",
-            timeout_seconds=3600,
-            join_timeout_seconds=TIMEOUT,
-            trainer_fingerprint="fp",
-            current_version=0,
-        )
-
-    try:
-        member.join(join(0))
-        eventually(lambda: member.state().epoch == 0)
-        member.prepare(PrepareRequest(epoch=0, version=1))
-        assert made[0].entered.wait(TIMEOUT)  # inside the round's first broadcast, which the trainer abandons
-        started = time.monotonic()
-        member.join(join(1))
-        eventually(lambda: member.state().epoch == 1, seconds=TIMEOUT)
-        assert time.monotonic() - started < TIMEOUT
-        assert made[0].closed.is_set() and not made[1].closed.is_set()
-    finally:
-        member.close()
-        del store
+    b = blocked(backend="nccl", timeout_seconds=3600)
+    b.inside_a_round()  # the trainer abandons that round
+    started = time.monotonic()
+    b.join(1)
+    eventually(lambda: b.member.state().epoch == 1, seconds=TIMEOUT)
+    assert time.monotonic() - started < TIMEOUT
+    assert b.made[0].closed.is_set() and not b.made[1].closed.is_set()
 
 
 # ---- fencing: two trainers of one job (a restart whose old pod still runs, a zombie behind a partition) ----------
