@@ -1,8 +1,9 @@
 """The base model from a hub, as a pod gets it: the token is a file named by HF_TOKEN_PATH (which huggingface_hub
 reads; the operator mounts spec.model.tokenFrom there), and a model that does not exist, or that the token cannot
 read, is a spec error: the trainer exits EXIT_INVALID_SPEC with a message naming the model (the trainer Job's
-podFailurePolicy then fails the job at once, tests/unit/test_failure_policy.py), while a hub that cannot be reached
-stays a failure worth a restart. The hub is tests/workers/hubserver.py, answering as the Hugging Face Hub does.
+podFailurePolicy then fails the job at once, and the operator with the trainer's message), while a hub that cannot
+be reached stays a failure worth a restart. The hub is tests/workers/hubserver.py, answering as the Hugging Face
+Hub does.
 
 Every download runs in a child process with the pod's environment (HF_ENDPOINT, HF_TOKEN_PATH and HF_HOME are read
 once, when huggingface_hub is imported)."""
@@ -22,9 +23,13 @@ from safetensors.numpy import save_file
 from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
+from grpolora.operator.builders import build_children
+from grpolora.operator.reconcile import Observed, decide
 from grpolora.testing.servers import free_port
 from grpolora.workers.models import fingerprint
 from tests.helpers import job_doc
+from tests.unit.test_failure_policy import policy_failed, trainer_pod
+from tests.unit.test_operator_reconcile import NOW, applied_view, running, statefulset
 from tests.workers.hubserver import HubServer
 
 READER = "hf_reader_granted"
@@ -139,10 +144,24 @@ def worker(tmp_path: Path, hub_url: str, role: str, model: str, token: str | Non
     )
     environ = pod_env(tmp_path, hub_url, token) | plan(job).env_for(role, 0, token="t")
     environ[contract.BIND_ADDR] = "127.0.0.1"
-    command = [sys.executable, "-P", "-m", "grpolora.cli", "worker", role]
-    if role == "inference":
-        command.append(f"--lora-slots={job.spec.inference.max_loras}")
+    args = ["worker", role, *([f"--lora-slots={job.spec.inference.max_loras}"] if role == "inference" else [])]
+    # `grpolora worker <role>`, its termination message written where this test reads it (the kubelet's file is
+    # /dev/termination-log, contract.TERMINATION_LOG).
+    command = [sys.executable, "-P", "-c", WORKER, str(tmp_path / "termination-log"), *args]
     return subprocess.run(command, env=environ, capture_output=True, text=True, timeout=300)
+
+
+WORKER = """
+import sys
+from grpolora.api import contract
+contract.TERMINATION_LOG = sys.argv[1]
+from grpolora.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+def termination_message(tmp_path: Path) -> str:
+    return (tmp_path / "termination-log").read_text()
 
 
 @pytest.mark.parametrize(("model", "token"), [("org/opne", None), ("org/gated", None), ("org/gated", STRANGER)])
@@ -150,6 +169,9 @@ def test_the_trainer_exits_with_the_invalid_spec_code_naming_the_model(tmp_path,
     run = worker(tmp_path, hub.url, "trainer", model, token)
     assert run.returncode == contract.EXIT_INVALID_SPEC, run.stderr[-3000:]
     assert f"model '{model}'" in run.stderr
+    assert termination_message(tmp_path).startswith("spec.model.") and f"model '{model}'" in termination_message(
+        tmp_path
+    )
 
 
 def test_the_trainer_restarts_when_the_hub_cannot_be_reached(tmp_path):
@@ -164,3 +186,27 @@ def test_the_inference_server_exits_with_the_invalid_spec_code_naming_the_model(
     run = worker(tmp_path, hub.url, "inference", "org/opne")
     assert run.returncode == contract.EXIT_INVALID_SPEC, run.stderr[-3000:]
     assert "model 'org/opne' was not found" in run.stderr
+    assert termination_message(tmp_path).startswith("spec.model.name: model 'org/opne' was not found")
+
+
+def test_the_job_fails_once_on_that_exit_with_the_trainers_message(tmp_path, hub):
+    """What the operator does with it: the trainer Job's podFailurePolicy, as rendered, fails the Job on that exit
+    code (no pod is retried), and the operator fails the GRPOLoraJob with the trainer's message naming the model,
+    spending none of spec.trainer.maxRestarts (the Job controller's wording: tests/unit/test_failure_policy.py)."""
+    run = worker(tmp_path, hub.url, "trainer", "org/opne")
+    rendered = build_children(plan(parse_job(job_doc(model={"name": "org/opne"}))), owner_uid="u", token="t")
+    trainer = next(o for o in rendered if o["kind"] == "Job")
+    rules = trainer["spec"]["podFailurePolicy"]["rules"]
+    (index,) = [i for i, r in enumerate(rules) if run.returncode in (r.get("onExitCodes") or {}).get("values", [])]
+    assert rules[index]["action"] == "FailJob" and rules[index]["onExitCodes"]["containerName"] == "trainer"
+    assert trainer["spec"]["backoffLimit"] == 0
+    failed = policy_failed(
+        f"Container trainer for pod team-a/demo-trainer-0-x7k2p failed with exit code {run.returncode} matching "
+        f"FailJob rule at index {index}"
+    )
+    pod = trainer_pod(run.returncode, termination_message(tmp_path))
+    decision = decide(
+        applied_view(trainer={"maxRestarts": 3}), running(), Observed(failed, statefulset(1), pods=(pod,)), NOW
+    )
+    assert decision.status.phase == "Failed" and decision.status.trainer_restarts == 0
+    assert "spec.model.name: model 'org/opne' was not found" in decision.status.message
