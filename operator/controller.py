@@ -170,8 +170,9 @@ class Controller:
         discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
         self.relists: dict[str, tuple[float, asyncio.Future[None]]] = {}
         """Each namespace's last re-list of its watched children: (loop time, the re-list; see _relisted)."""
-        self.relist_touched: dict[tuple[str, str], set[tuple[str, str, str]]] = {}
-        """Cache keys the watch spoke of while a (kind, namespace)'s re-list is out: newer than that list."""
+        self.tombstones: dict[tuple[str, str, str], int] = {}
+        """The resourceVersion at which each child the cache holds as gone (None) was seen gone: an older read (a GET
+        answered before the deletion) must not bring it back."""
         self.listings: dict[tuple[Any, ...], tuple[float, asyncio.Future[list[dict[str, Any]]]]] = {}
         """Shared pod and Warning-event listings by (plural, namespace, labels, fields): (loop time, the listing)."""
 
@@ -287,6 +288,7 @@ class Controller:
             # The child of a job no longer followed (collected after it): no pass reads its tombstone, so none is
             # kept (a job of that name made later reads its workloads from the API first).
             self.cache.pop((kind, namespace, name), None)
+            self.tombstones.pop((kind, namespace, name), None)
             return
         key = (kind, namespace, name)
         self._remember(key, None if event_type == "DELETED" else dict(body), body)
@@ -302,13 +304,13 @@ class Controller:
         cached = self.cache.get(key)
         if cached is not None and _version(seen) < _version(cached):
             return
+        if value is not None and key in self.tombstones and _version(seen) <= self.tombstones[key]:
+            return  # read before it was seen gone
         self.cache[key] = value
-        # Newer than a re-list of its kind still out, whether the watch or an API read or write brought it: that
-        # list may have been served before, and must not mark it gone (a child read by GET while the list was out
-        # was otherwise cached as absent until its next watch event, which may never come).
-        touched = self.relist_touched.get(key[:2])
-        if touched is not None:
-            touched.add(key)
+        if value is None:
+            self.tombstones[key] = max(_version(seen), self.tombstones.get(key, 0))
+        else:
+            self.tombstones.pop(key, None)
 
     def deleting(self, body: Mapping[str, Any]) -> None:
         """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
@@ -345,6 +347,7 @@ class Controller:
         for kind in WATCHED:
             for child in (workloads["trainer"], workloads["inference"], name):
                 self.cache.pop((kind.kind, namespace, child), None)
+                self.tombstones.pop((kind.kind, namespace, child), None)
         self.metrics.forget_job(namespace, name)
 
     async def stop(self) -> None:
@@ -838,8 +841,10 @@ class Controller:
             done.set_result(None)
             self.relists[namespace] = (now, done)
             return
+        # One re-list per namespace at a time: a new one starts only once the last has ended, all its lists (one
+        # slower than the resync interval, or beside one that failed, would otherwise race a newer one).
         failed = last[1].done() and not last[1].cancelled() and last[1].exception() is not None
-        if now - last[0] >= self.config.resync_interval or failed:
+        if last[1].done() and (now - last[0] >= self.config.resync_interval or failed):
             last = (now, asyncio.ensure_future(self._relist(namespace)))
             self.relists[namespace] = last
         # Shielded: a pass cancelled while it waits must not cancel the re-list that other jobs wait for.
@@ -847,31 +852,32 @@ class Controller:
 
     async def _relist(self, namespace: str) -> None:
         """An informer's re-list for each watched kind: list the operator's children of the namespace (by label, a
-        page at a time, keeping only names) and mark gone whatever the cache holds of that kind that the list lacks
-        and the watch did not speak of meanwhile; its job gets a full pass at once."""
+        page at a time, keeping only names) and mark gone whatever the cache holds of that kind that the list lacks,
+        unless the cache's entry is newer than the list (its resourceVersion above the list's: the watch or a read
+        brought it after the list was served, as an informer's Replace keeps what came after its list); its job gets a
+        full pass at once. Ends only once every list has (one that failed fails the re-list after the others)."""
 
         async def relist(kind: kube.Kind) -> None:
-            touched: set[tuple[str, str, str]] = set()
-            self.relist_touched[(kind.kind, namespace)] = touched
             try:
-                listed = await self.client.list(
+                listed, served_at = await self.client.list_at(
                     kind, namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, keep=_name_if_a_jobs
                 )
             except kube.ApiError as exc:
                 if exc.status == 404:
                     return  # not served (Kueue not installed): nothing of it is cached either
                 raise
-            finally:
-                self.relist_touched.pop((kind.kind, namespace), None)
             present = {item["metadata"]["name"] for item in listed}
             for key, cached in list(self.cache.items()):
-                if key[:2] != (kind.kind, namespace) or key[2] in present or key in touched or cached is None:
+                if key[:2] != (kind.kind, namespace) or key[2] in present or cached is None:
                     continue
+                if served_at and _version(cached) > served_at:
+                    continue  # newer than the list
                 owner = ((cached.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB)
                 if owner is None:
                     continue  # not a job's (e.g. a pool's StatefulSet, read by its pass): not in this list
                 logger.info("%s/%s: %s %s went while the watch was away", namespace, owner, kind.kind, key[2])
                 self.cache[key] = None
+                self.tombstones[key] = served_at
                 job = self.jobs.get((namespace, owner))
                 if job is not None:
                     job.next_full = 0.0
@@ -879,7 +885,10 @@ class Controller:
 
         kinds = [kind for kind in WATCHED if kind != kube.KUEUE_WORKLOAD or self.queue_watched]
         started = asyncio.get_running_loop().time()
-        await asyncio.gather(*(relist(kind) for kind in kinds))
+        ended = await asyncio.gather(*(relist(kind) for kind in kinds), return_exceptions=True)
+        failed = next((result for result in ended if isinstance(result, BaseException)), None)
+        if failed is not None:
+            raise failed
         took = asyncio.get_running_loop().time() - started
         logger.info("%s: re-listed the jobs' watched children (%d kinds) in %.1f s", namespace, len(kinds), took)
 

@@ -288,9 +288,24 @@ class KubeClient:
         page: int = LIST_PAGE,
         keep: Callable[[K8sObject], K8sObject | None] | None = None,
     ) -> list[K8sObject]:
-        """Every matching object, `page` at a time (`limit`/`continue`, as client-go's pager lists): the server never
-        builds one response of the whole collection, nor does this process hold it. `keep` maps each item as its page
-        arrives (None drops it), so that what is kept of a large list is only what the caller reads.
+        """Every matching object (list_at, without the list's resourceVersion)."""
+        found, _ = await self.list_at(kind, namespace, labels, fields=fields, page=page, keep=keep)
+        return found
+
+    async def list_at(
+        self,
+        kind: Kind,
+        namespace: str,
+        labels: Mapping[str, str],
+        *,
+        fields: Mapping[str, str] | None = None,
+        page: int = LIST_PAGE,
+        keep: Callable[[K8sObject], K8sObject | None] | None = None,
+    ) -> tuple[list[K8sObject], int]:
+        """(every matching object, the list's resourceVersion: the revision its first page was served at, 0 when the
+        server gives none). The objects come `page` at a time (`limit`/`continue`, as client-go's pager lists): the
+        server never builds one response of the whole collection, nor does this process hold it. `keep` maps each
+        item as its page arrives (None drops it), so that what is kept of a large list is only what the caller reads.
 
         A `continue` token expires (410 Gone, after about 5 minutes of etcd compaction); the list then starts over
         once, as the API's docs say a client must ("Retrieving large results sets in chunks",
@@ -303,6 +318,7 @@ class KubeClient:
         for attempt in (1, 2):
             found: list[K8sObject] = []
             token = ""
+            version: int | None = None
             try:
                 while True:
                     asked = {**params, "continue": token} if token else params
@@ -311,9 +327,13 @@ class KubeClient:
                         kept = item if keep is None else keep(item)
                         if kept is not None:
                             found.append(kept)
-                    token = ((result or {}).get("metadata") or {}).get("continue") or ""
+                    meta = (result or {}).get("metadata") or {}
+                    if version is None:
+                        served_at = str(meta.get("resourceVersion") or "")
+                        version = int(served_at) if served_at.isdigit() else 0
+                    token = meta.get("continue") or ""
                     if not token:
-                        return found
+                        return found, version
             except ApiError as exc:
                 if exc.status != 410 or not token or attempt == 2:
                     raise

@@ -582,6 +582,10 @@ class Emulator(kmock.KubernetesEmulator):
         if fields:
             wanted = dict(term.split("=", 1) for term in fields.split(","))
             result["items"] = [item for item in result["items"] if _fields_match(item, wanted)]
+        if not (request.params or {}).get("continue"):
+            # The revision the list is served at (etcd's, above every object's): a client compares its cache with it
+            # (the List's metadata.resourceVersion; continued pages keep the first page's snapshot in the API).
+            result.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
         return _page(result, request.params or {})
 
 

@@ -11,7 +11,7 @@ import kopf
 from grpolora.api import constants as c
 from grpolora.operator import names, rbac
 from grpolora.operator.controller import WATCHED, Controller, ControllerConfig
-from grpolora.operator.kube import GRPOLORAJOB, KubeClient
+from grpolora.operator.kube import GRPOLORAJOB, ApiError, KubeClient
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.trainer_client import TrainerStatusClient
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE
@@ -404,3 +404,103 @@ async def test_a_failed_trainer_is_explained_by_its_pods_as_they_are_when_it_fai
         assert "spec.task.dataset.path: file not found: x" in failed["message"], failed
     finally:
         await controller.stop()
+
+
+async def test_overlapping_re_lists_never_mark_a_child_that_exists_gone(cluster):
+    """A re-list of the namespace that failed in part (one list of six answered 429) while another of its lists was
+    still out: the next full pass must not start a second re-list beside it, and the slow list, served before a
+    child was made again, must not mark that child gone when it ends (the job's passes would no longer see its
+    trainer). As an informer's Replace, an entry newer than the list (its resourceVersion above the list's) stays.
+    Deterministic: the client holds the Jobs list (served, then kept) until the test lets it go, and the test moves
+    on at states it observes (the lists answered, a second re-list's Jobs list asked for, or the first one still
+    out)."""
+    served, release, returned = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    answered: list[str] = []
+    jobs_lists: list[str] = []
+
+    class Holding(KubeClient):
+        armed = False
+
+        async def _call(self, method, path, *, params=None, body=None, content_type="application/json"):  # type: ignore[override]
+            asked = params or {}
+            relisting = self.armed and method == "GET" and "labelSelector" in asked and "limit" in asked
+            if relisting and path.endswith("/services") and "services" not in answered:
+                answered.append("services")
+                raise ApiError(429, "TooManyRequests", "throttled", method=method, path=path)
+            if relisting and path.endswith("/jobs"):
+                jobs_lists.append(path)
+            result = await super()._call(method, path, params=params, body=body, content_type=content_type)
+            if relisting and path.endswith("/jobs") and len(jobs_lists) == 1:
+                served.set()
+                await release.wait()  # served (before the child came back), then held
+                returned.set()  # (what the re-list does with it follows in this same step: no await left)
+            elif relisting:
+                answered.append(path.rsplit("/", 1)[-1])
+            return result
+
+    client = Holding(lambda: None)
+    client.use(kopf.ConnectionInfo(server=cluster.url))
+    resync = 0.2
+    controller = Controller(client, TrainerStatusClient(), Metrics(), ControllerConfig(3600.0, resync))
+    controller._follow = lambda tracked: None  # type: ignore[method-assign]  # passes by hand only: no monitor
+    key = ("Job", NAMESPACE, "demo-trainer")
+    try:
+        await cluster.apply(job_doc())
+        await controller.reconcile(cluster.job("demo"))  # creates its children
+        for kind in WATCHED:  # what the watch reports of them
+            resource = f"{kind.group}/{kind.version}/{kind.plural}".lstrip("/")
+            for obj in cluster.objects(resource).values():
+                controller.workload_event(kind.kind, "ADDED", obj)
+        # The trainer Job goes, unreported (the watch was away): the re-list is what finds it gone.
+        trainer_job = cluster.get("batch/v1/jobs", "demo-trainer")
+        await cluster._call("DELETE", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/demo-trainer")
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
+        job = controller.jobs[(NAMESPACE, "demo")]
+        await asyncio.sleep(resync)  # a resync due
+        client.armed = True
+        first = asyncio.create_task(controller._pass(job, full=True))
+        await wait_for(served.is_set, "the Jobs list served and held")
+        await wait_for(lambda: len(answered) == len(WATCHED) - 1, "every other list answered (Services with 429)")
+        await cluster._call("GET", f"/api/v1/namespaces/{NAMESPACE}/secrets")  # a round trip: the 429 has landed
+        relist = controller.relists[NAMESPACE][1]
+        second = asyncio.create_task(controller._pass(job, full=True))  # the next resync's full pass
+        # Either the second pass ran a re-list of its own beside the first (and made the trainer Job again), or the
+        # first is still the namespace's re-list, and still out.
+        await wait_for(
+            lambda: second.done() or (controller.relists[NAMESPACE][1] is relist and not relist.done()),
+            "a second pass done, or the first re-list still out",
+        )
+        # The trainer Job made again (by that pass, or here as a pass would) and reported by the watch.
+        made = cluster.get("batch/v1/jobs", "demo-trainer")
+        if made is None:
+            again = {k: v for k, v in trainer_job.items() if k != "status"}
+            kept = ("name", "namespace", "labels", "annotations", "ownerReferences")
+            again["metadata"] = {k: v for k, v in trainer_job["metadata"].items() if k in kept}
+            made = await cluster._call("POST", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", again)
+        controller.workload_event("Job", "ADDED", made)
+        release.set()
+        await wait_for(returned.is_set, "the held Jobs list returned to its re-list")
+        # (Bounded: a pass that never ends fails the test instead of hanging it.)
+        await asyncio.wait_for(asyncio.gather(first, second, return_exceptions=True), 30)
+        assert controller.cache.get(key) is not None, "a trainer Job that exists was marked gone by an older list"
+        assert controller.cache[key]["metadata"]["uid"] == made["metadata"]["uid"]
+    finally:
+        release.set()
+        await controller.stop()
+
+
+async def test_a_tombstone_keeps_its_version_so_an_older_read_cannot_bring_the_child_back():
+    controller = Controller(client=None, trainer=None, metrics=Metrics())  # type: ignore[arg-type]
+    labels = {c.LABEL_JOB: "demo"}
+
+    def trainer(version: int) -> dict:
+        meta = {"name": "demo-trainer", "namespace": "ns", "labels": labels, "resourceVersion": str(version)}
+        return {"kind": "Job", "metadata": meta}
+
+    controller._track({"metadata": {"name": "demo", "namespace": "ns", "uid": "u1"}})
+    controller.workload_event("Job", "DELETED", trainer(9))
+    controller._remember(("Job", "ns", "demo-trainer"), trainer(7), trainer(7))  # a GET answered before the delete
+    assert controller.cache[("Job", "ns", "demo-trainer")] is None
+    controller._remember(("Job", "ns", "demo-trainer"), trainer(12), trainer(12))  # made again since
+    assert controller.cache[("Job", "ns", "demo-trainer")]["metadata"]["resourceVersion"] == "12"
+    _stop_monitors(controller)
