@@ -791,10 +791,13 @@ class Controller:
             not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas
         )
         running = not spec.suspend and not rec.is_finished(old)
-        if running and (trainer_job or inference) and not_ready:
+        # A workload being deleted: which of its pods are still active says when the quota can go back
+        # (reconcile._nothing_active), as they are now (a listing taken before they ran would show none).
+        leaving = any(w is not None and obs.deleting(w) for w in (trainer_job, inference))
+        if (running and (trainer_job or inference) and not_ready) or leaving:
             # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
             # shared listing was taken), and the job's failure is final, so they are listed as they are now.
-            failed = obs.job_condition(trainer_job, "Failed") is not None
+            failed = obs.job_condition(trainer_job, "Failed") is not None or leaving
             ours, events = await asyncio.gather(
                 self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=failed),
                 self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),

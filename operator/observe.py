@@ -97,6 +97,14 @@ def statefulset_ready(statefulset: K8sObject | None) -> int:
     return int(_status(statefulset).get("readyReplicas") or 0)
 
 
+def pod_active(pod: K8sObject) -> bool:
+    """A pod that may still run: not finished, and not terminating. As the Job controller counts status.active
+    (pkg/controller/job: terminating pods are counted apart), which Kueue's Job integration reads for IsActive: a pod
+    stuck Terminating on a lost node (its kubelet never confirms) is not active."""
+    phase = _status(pod).get("phase")
+    return not deleting(pod) and phase not in ("Succeeded", "Failed")
+
+
 def deleting(obj: K8sObject | None) -> bool:
     return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
 

@@ -1038,7 +1038,7 @@ def _queue_write(
     write = kueue.integration_write(
         observed.queue_workload,
         now=stamp,
-        inactive=observed.trainer_job is None and observed.inference is None,
+        inactive=_nothing_active(observed),
         # What the job needs to make progress (makes_progress), not every pod of its own PodsReady condition.
         pods_ready=pods_ready,
         finished=None,
@@ -1052,6 +1052,17 @@ def _queue_write(
         return kueue.WorkloadWrite(spec=moved)
     spec = {**(write.spec or {}), "spec": {**((write.spec or {}).get("spec") or {}), "queueName": where.queue}}
     return dataclasses.replace(write, spec=spec)
+
+
+def _nothing_active(observed: Observed) -> bool:
+    """No pod of the job can still run: its workloads are gone or being deleted (none will make a pod again), and
+    none of its pods is active (obs.pod_active; the pass lists them while a workload is being deleted). Kueue's own
+    integrations give an evicted Workload's quota back at this point (reconciler.go: once !job.IsActive()), not once
+    the pods are gone: one stuck Terminating on a lost node would hold the quota for as long as it stays."""
+    for workload in (observed.trainer_job, observed.inference):
+        if workload is not None and not obs.deleting(workload):
+            return False
+    return not any(obs.pod_active(pod) for pod in observed.pods)
 
 
 def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:

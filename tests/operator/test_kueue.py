@@ -337,11 +337,17 @@ async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster
     # The Workload keeps the templates as rendered (Kueue compares them with the pods' owners' on its own side).
     assert "gpu.example.com/pool" not in str(cluster.get(WORKLOADS, "demo")["spec"])
 
-    # Evicted, then admitted elsewhere: the new pods follow the new flavors, nothing is left of the old ones.
+    # Evicted, then admitted elsewhere: the new pods follow the new flavors, nothing is left of the old ones. (The
+    # quota goes back once no pod is active, which may be before the old workloads have left the API.)
+    first = cluster.get("batch/v1/jobs", "demo-trainer")["metadata"]["uid"]
     await kueue.evict("demo", "Preempted", "by job x")
     await wait_for(lambda: kueue.why_not_admissible(kueue.workload("demo")) is None, "the quota given back")
     await kueue.admit("demo", to(trainer="l4", inference="h100"))
-    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is not None, "the trainer again")
+    await wait_for(
+        lambda: (cluster.get("batch/v1/jobs", "demo-trainer") or {"metadata": {"uid": first}})["metadata"]["uid"]
+        != first,
+        "the trainer again",
+    )
     trainer = pod_spec(cluster, "batch/v1/jobs", "demo-trainer")
     assert trainer["nodeSelector"] == {"topology.kubernetes.io/zone": "a", "gpu.example.com/pool": "l4"}
     assert "tolerations" not in trainer
@@ -533,3 +539,25 @@ async def test_a_queued_job_ranks_with_its_priority_class_or_the_clusters_defaul
         await kueue.admit("high")
         trainer = await wait_for(lambda: cluster.get("batch/v1/jobs", "high-trainer"), "high's trainer Job")
         assert trainer["spec"]["template"]["spec"]["priorityClassName"] == "research-high"
+
+
+async def test_an_evicted_jobs_quota_goes_back_once_no_pod_is_active_not_once_its_pods_are_gone(cluster, operator):
+    """Kueue's own integrations give the quota back once nothing of the job is active (jobframework/reconciler.go,
+    "handle eviction": once !job.IsActive(); for a batch Job IsActive is status.active != 0, and the Job controller
+    does not count a terminating pod as active: pkg/controller/jobs/job/job_controller.go). A pod stuck Terminating
+    (its node lost: no kubelet ever confirms it gone) held the quota, and the preemptor, for as long as it stayed:
+    the operator waited for the workloads to leave the API, which their foreground deletion ties to their pods."""
+    cluster.emulator.pod_exit_seconds = None  # the pods stay Terminating for their whole grace period (30 s)
+    async with FakeKueue(cluster, capacity=1) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "admitted and started")
+        trainer_pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer")
+        server_pod = await cluster.run_pod_of("apps/v1/statefulsets", "demo-inference")
+        await kueue.add_workload("urgent", priority=100)
+        await kueue.preempt("demo", by="urgent")
+        await wait_for(lambda: (cluster.get("v1/pods", trainer_pod) or {}).get("metadata", {}).get(
+            "deletionTimestamp"), "the trainer pod Terminating")  # fmt: skip
+        await wait_for(lambda: kueue.admissions == ["demo", "urgent"], "the quota back: the preemptor admitted")
+        assert cluster.get("v1/pods", trainer_pod) is not None and cluster.get("v1/pods", server_pod) is not None
+        assert find(kueue.workload("demo"), "QuotaReserved")["status"] == "False"
+        await cluster.emulator.end_grace_periods()
