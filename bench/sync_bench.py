@@ -40,7 +40,8 @@ import torch
 
 from grpolora.testing.servers import TOKEN, ServerProcess, free_port, http_sender, tiny_cpu_job
 from grpolora.workers.models import resolve_model
-from grpolora.workers.sync.transport import connect_store, create_transport
+from grpolora.workers.sync.groups import create_transport
+from grpolora.workers.sync.transport import connect_store
 
 MODEL = "offline:smollm2-135m-instruct"
 STOP, RAW, MERGED = 0, 1, 2

@@ -209,6 +209,16 @@ def descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in descendants(c)]
 
 
+def engine_core(pid: int) -> int:
+    """The pid of the vLLM EngineCore process below server `pid` (vLLM titles it VLLM::EngineCore:
+    vllm/utils/system_utils.py, set_process_title; with TP = 1 the worker, and so the sync member, runs inside it)."""
+    for child in descendants(pid):
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                return child
+    raise LookupError(f"process {pid} has no VLLM::EngineCore process below it")
+
+
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process so far (/proc/<pid>/stat, in clock ticks)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()

@@ -13,15 +13,9 @@ import torch
 from peft import set_peft_model_state_dict
 
 from grpolora.workers.adapter import lora_config, lora_tensors
+from grpolora.workers.inference.payload import ALIGN, SharedPayload, pack_payload, shared_payload, unpack_payload
 from grpolora.workers.inference.vllm_engine import EngineConfig, SamplingRequest, VllmEngine, cpu_engine_defaults
-from grpolora.workers.inference.vllm_worker import (
-    ALIGN,
-    SharedPayload,
-    lora_request,
-    pack_payload,
-    shared_payload,
-    unpack_payload,
-)
+from grpolora.workers.inference.vllm_worker import lora_request
 from grpolora.workers.models import resolve_model
 from tests.workers.parity import hf_logprobs, peft_policy, randomize_adapter, tokens
 
@@ -90,7 +84,7 @@ def test_a_build_maps_its_payload_copy_on_write_so_only_what_vllm_scales_is_copi
 WORKER_SHARES_THE_TRACKER = """
 import multiprocessing as mp
 import torch
-from grpolora.workers.inference.vllm_worker import SharedPayload, shared_payload
+from grpolora.workers.inference.payload import SharedPayload, shared_payload
 
 def worker(name, size, done):
     SharedPayload(name, size).close()

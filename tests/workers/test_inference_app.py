@@ -184,14 +184,14 @@ def test_a_refused_large_body_gets_its_answer_not_a_reset(uvicorn_server, header
 
 @pytest.mark.parametrize("path", [STATE_PATH, JOIN_PATH, PREPARE_PATH, "/ready"])
 def test_a_control_call_waiting_on_the_member_in_vllms_worker_stalls_no_generation(tmp_path, path):
-    """With the sync member in vLLM's worker (workers/inference/members.py), each /v1/sync/* call and the readiness
+    """With the sync member in vLLM's worker (workers/inference/member_host.py), each /v1/sync/* call and the readiness
     probe is a socket round trip to that worker, answered within members.CONTROL_TIMEOUT_SECONDS (10 s) by a thread
     there. Made on the event loop, every generation and probe of the replica would wait for it meanwhile."""
     import concurrent.futures
     import json
     import multiprocessing
 
-    from grpolora.workers.inference.members import RemoteMember
+    from grpolora.workers.inference.member_link import RemoteMember
     from tests.workers.fakeengine import AppThread
 
     control, worker_control = multiprocessing.Pipe()

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 import time
-from pathlib import Path
 
 import httpx
 import pytest
@@ -24,6 +23,7 @@ from grpolora.testing.servers import (
     alive,
     cpu_seconds,
     descendants,
+    engine_core,
     free_port,
     generate,
     http_sender,
@@ -32,7 +32,7 @@ from grpolora.testing.servers import (
     wait_in_flight,
 )
 from grpolora.workers.adapter import lora_config, lora_tensors
-from grpolora.workers.inference.members import MEMBER_THREAD_NAME
+from grpolora.workers.inference.member_host import MEMBER_THREAD_NAME
 from grpolora.workers.models import resolve_model
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
@@ -483,16 +483,6 @@ def test_a_replica_killed_mid_round_is_dropped_then_its_replacement_catches_up(
     assert report.members == (0, 1)
 
 
-def engine_core(server: ServerProcess) -> int:
-    """The pid of the server's vLLM EngineCore process (vLLM titles it VLLM::EngineCore, system_utils.set_process_title;
-    with TP = 1 the worker, and so the sync member, runs inside it)."""
-    for pid in descendants(server.proc.pid):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
-                return pid
-    raise AssertionError(f"inference server {server.index} has no VLLM::EngineCore process")
-
-
 def test_a_server_whose_engine_core_is_sigkilled_exits_non_zero_and_the_group_goes_on_without_it(
     servers, sender, policy
 ):
@@ -500,7 +490,7 @@ def test_a_server_whose_engine_core_is_sigkilled_exits_non_zero_and_the_group_go
     must die too (exit 1: the kubelet or `grpolora run` starts a new one), never live on NotReady for good, and the
     trainer's next round goes on without the replica. The launcher's restart of it: test_local_run.py."""
     victim = servers[1]
-    os.kill(engine_core(victim), signal.SIGKILL)
+    os.kill(engine_core(victim.proc.pid), signal.SIGKILL)
     assert victim.proc.wait(60) == 1, victim.log.read_text()[-3000:]
     assert "vLLM's engine died" in victim.log.read_text()
     randomize_adapter(policy, seed=6)

@@ -1,7 +1,8 @@
-"""The sync members inside vLLM's worker (workers/inference/members.py), without vLLM: the worker's end runs in a
-process of its own (what `AdapterExtension.grpolora_member_host` starts there), this process is the HTTP process's
-end with a recording book. The sender, the gloo collectives, the store and the wire format are the real ones;
-tests/workers/test_inference_sync.py runs the same path inside real vLLM engines."""
+"""The sync members inside vLLM's worker (workers/inference/member_host.py; the HTTP process's end: member_link.py),
+without vLLM: the worker's end runs in a process of its own (what `AdapterExtension.grpolora_member_host` starts
+there), this process is the HTTP process's end with a recording book. The sender, the gloo collectives, the store
+and the wire format are the real ones; tests/workers/test_inference_sync.py runs the same path inside real vLLM
+engines."""
 
 from __future__ import annotations
 
@@ -16,20 +17,19 @@ import pytest
 import torch
 
 from grpolora.workers.adapter import folded_scaling, lora_scaling
-from grpolora.workers.inference.members import (
+from grpolora.workers.inference.member_host import StagingSink, serve_host
+from grpolora.workers.inference.member_link import MemberLink, RemoteMember
+from grpolora.workers.inference.payload import (
     SHM_DIR,
     STAGE_PREFIX,
-    MemberLink,
-    RemoteMember,
+    SharedPayload,
     StageOwner,
-    StagingSink,
     process_start,
-    serve_host,
     stage_name,
     stage_owner,
+    unpack_payload,
 )
 from grpolora.workers.inference.server import sync_member_factory
-from grpolora.workers.inference.vllm_worker import SharedPayload, unpack_payload
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, JoinRequest, PrepareRequest, StaleEpoch, SyncError
 from grpolora.workers.sync.sender import AdapterSender
@@ -364,21 +364,21 @@ def test_a_full_dev_shm_between_rounds_costs_nothing_but_the_head_start(monkeypa
     """The next round's segment is made after a round has ended, on the receiver thread: where /dev/shm is full
     then, the member says so and goes on (a raise there would end the round as interrupted, and the member would
     leave its group), and the next round makes its own segment, or is refused as full then."""
-    from grpolora.workers.inference import members
+    from grpolora.workers.inference import member_host
 
     book, before = RecordingBook(), staged_names()
     sink = StagingSink(book.activate_staged)
     sink.allocate([1000, 24], torch.device("cpu"))
     sink.discard()
-    real = members._new_segment
+    real = member_host.new_segment
 
     def full(size: int):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(members, "_new_segment", full)
+    monkeypatch.setattr(member_host, "new_segment", full)
     sink.stage_ahead()
     assert staged_names() == before
-    monkeypatch.setattr(members, "_new_segment", real)
+    monkeypatch.setattr(member_host, "new_segment", real)
     (bucket,) = sink.allocate([1024], torch.device("cpu"))
     assert bucket.numel() == 1024 and len(staged_names() - before) == 1
     sink.close()

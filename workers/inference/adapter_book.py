@@ -8,7 +8,7 @@ ask for them), so the engine needs k + 1 LoRA slots and never fewer than two (`i
 spec); version 0 is the base model (no adapter).
 
 Adapters reach vLLM from memory: a synced version was received and verified by the job's sync member inside vLLM's
-first worker, into a shared-memory segment (workers/inference/members.py); `activate_staged` hands that segment to
+first worker, into a shared-memory segment (workers/inference/member_host.py); `activate_staged` hands that segment to
 every worker between engine steps, where it becomes a LoRA model (workers/inference/vllm_worker.py), with no folder
 and no copy through this process on the way; every worker of a tensor-parallel engine builds its own.
 
@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from grpolora.workers.inference import metrics
+from grpolora.workers.inference.payload import Layout
 from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
-from grpolora.workers.inference.vllm_worker import Layout, lora_request
+from grpolora.workers.inference.vllm_worker import lora_request
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ class AdapterBook:
 
     def activate_staged(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None:
         """As `activate`, for a version that a sync member in vLLM's worker received and verified into shared-memory
-        `segment` (workers/inference/members.py): the workers map it, nothing is copied through this process."""
+        `segment` (workers/inference/member_host.py): the workers map it, nothing is copied through this process."""
         self._run(version, lambda request: self._engine.add_staged_lora(request, segment, size, layout, adapter_config))
 
     def _run(self, version: int, add: Callable[[Any], Awaitable[None]]) -> None:

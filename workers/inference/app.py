@@ -281,8 +281,8 @@ def build_app(
 
     @app.get("/ready")
     async def ready() -> Response:
-        # Off the event loop, as every call that reaches a job's sync member: with the member in vLLM's worker it
-        # is a socket round trip (up to members.CONTROL_TIMEOUT_SECONDS), which would stall every generation here.
+        # Off the event loop, as every call that reaches a job's sync member: with the member in vLLM's worker it is
+        # a socket round trip (up to member_messages.CONTROL_TIMEOUT_SECONDS), which would stall every generation.
         if await asyncio.to_thread(lambda: tenants.ready):
             return Response("ready")
         return Response("not ready: engine starting or waiting for the current adapter of a job", status_code=503)

@@ -22,7 +22,7 @@ from grpolora.api.pool import job_key
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook
 from grpolora.workers.inference.app import create_app, create_pool_app
-from grpolora.workers.inference.members import MemberLink, RemoteMember
+from grpolora.workers.inference.member_link import MemberLink, RemoteMember
 from grpolora.workers.inference.tenants import pool_tenants
 from grpolora.workers.inference.vllm_engine import EngineConfig, VllmEngine, config_for, cpu_engine_env
 from grpolora.workers.sync import wire
@@ -66,7 +66,7 @@ def sync_member_factory(
     """How this process gets a job's sync member: it is never here. The member (its group, its buffers, with
     `sync.backend: nccl` its CUDA context and stream) lives in vLLM's first worker; this process holds a
     RemoteMember, the control plane (join, prepare, state, readiness) and the job's book, which activates each
-    verified round with one collective_rpc (workers/inference/members.py). `members`: the engine's link, once it
+    verified round with one collective_rpc (workers/inference/member_link.py). `members`: the engine's link, once it
     has started."""
 
     def member(book: AdapterBook, key: bytes, job: str) -> RemoteMember:

@@ -42,13 +42,13 @@ from grpolora.api.pool import Attachment, Attachments, PoolReplicas, replicas_fi
 from grpolora.api.spec import RolloutPoolSpec
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook
-from grpolora.workers.inference.members import RemoteMember
+from grpolora.workers.inference.member_link import RemoteMember
 from grpolora.workers.inference.vllm_engine import VllmEngine
 from grpolora.workers.sync.receiver import AdapterReceiver
 
 SyncMember = AdapterReceiver | RemoteMember
 """A tenant's sync member as the HTTP handlers use it: in a server, a RemoteMember (the member itself is in vLLM's
-worker, workers/inference/members.py); in tests of the app alone, an AdapterReceiver in this process."""
+worker, workers/inference/member_host.py); in tests of the app alone, an AdapterReceiver in this process."""
 
 log = logging.getLogger(__name__)
 

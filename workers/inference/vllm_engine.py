@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from grpolora.api.spec import GRPOLoraJobSpec, RolloutPoolSpec, ServingSpec
-from grpolora.workers.inference.members import MemberLink
-from grpolora.workers.inference.vllm_worker import Layout, shared_payload
+from grpolora.workers.inference.member_link import MemberLink
+from grpolora.workers.inference.payload import Layout, shared_payload
 
 if TYPE_CHECKING:
     import torch

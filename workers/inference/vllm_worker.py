@@ -6,7 +6,7 @@ workers between engine steps), and becomes a LoRA model there with vLLM's `LoRAM
 `AdapterExtension` is the worker extension class (`worker_extension_cls`) that vLLM mixes into its worker class: it
 keeps each adapter's payload for as long as the LoRA id is in use and answers vLLM's own (re)loads of that id from
 it. Its first worker (TP rank 0) is also the sync-group member of the replica (`grpolora_member_host`,
-workers/inference/members.py): the segment a synced adapter arrives in is the one that member received and
+workers/inference/member_host.py): the segment a synced adapter arrives in is the one that member received and
 verified it into.
 
 vLLM 0.32 folds a LoRA's scaling into lora_B in place when it adds a model (`LoRALayerWeights.optimize`; a synced
@@ -22,120 +22,18 @@ versions it was tested against (vllm_plugin.TESTED_VLLM); with any other the ext
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import mmap
-import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from multiprocessing import shared_memory
 from typing import Any
 
 import torch
 
+from grpolora.workers.inference.payload import Layout, SharedPayload, unpack_payload
+
 log = logging.getLogger(__name__)
 
 MEMORY_PATH_PREFIX = "grpolora-memory:"  # LoRARequest.lora_path of an adapter built from memory (never a path)
-SHM_DIR = "/dev/shm"  # where shm_open puts a segment's name: SharedPayload maps it from there
-
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-ALIGN = 64  # bytes; every tensor starts aligned, so that a byte view can be reinterpreted as its dtype
-# (name, dtype, shape, byte offset, nbytes) per tensor: plain types, as vLLM's RPC serialises them.
-Layout = list[tuple[str, str, list[int], int, int]]
-
-
-def payload_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[Layout, int]:
-    """Where each tensor goes in one contiguous payload, and the payload's size."""
-    layout: Layout = []
-    offset = 0
-    for name, tensor in tensors.items():
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"adapter tensor {name}: dtype {dtype} not one of {sorted(_DTYPES)}")
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append((name, dtype, list(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return layout, offset
-
-
-def pack_into(buffer: Any, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Copy the tensors into `buffer` (any writable buffer of the layout's size) as the layout says."""
-    flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    for (_, _, _, start, nbytes), tensor in zip(layout, tensors.values(), strict=True):
-        # Copied as the tensor's own dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
-        flat[start : start + nbytes].view(tensor.dtype).copy_(tensor.detach().reshape(-1))
-
-
-def pack_payload(tensors: Mapping[str, torch.Tensor]) -> tuple[bytearray, Layout]:
-    """The tensors as one contiguous buffer (one copy) and its layout."""
-    layout, size = payload_layout(tensors)
-    payload = bytearray(size)
-    if size:
-        pack_into(payload, tensors, layout)
-    return payload, layout
-
-
-@contextlib.contextmanager
-def shared_payload(tensors: Mapping[str, torch.Tensor]) -> Iterator[tuple[str, int, Layout]]:
-    """The tensors packed into a shared-memory segment for vLLM's workers to read (its name, size and layout),
-    removed on leaving. Shared memory, not vLLM's RPC, carries the bytes: the RPC would serialise them and copy
-    them through its sockets and queues several times on the way (about 4x the time on a busy CPU), while the
-    workers, on the same host as the server that started them, can read the one packed copy directly."""
-    layout, size = payload_layout(tensors)
-    segment = shared_memory.SharedMemory(create=True, size=max(size, 1))
-    try:
-        # Reserve the pages first: a full /dev/shm then fails here with ENOSPC (an activation failure, the old
-        # version keeps serving) instead of killing the server with SIGBUS on the first write to a missing page.
-        os.posix_fallocate(segment._fd, 0, max(size, 1))  # type: ignore[attr-defined]
-        if size:
-            pack_into(segment.buf[:size], tensors, layout)
-        yield segment.name, size, layout
-    finally:
-        segment.close()
-        segment.unlink()
-
-
-class SharedPayload:
-    """A worker's hold on a shared payload while its LoRA id is loaded: the segment's file, open. The server removes
-    the segment's name as soon as the call returns; the open file, and so the bytes, stay until `close` (or this
-    process ends, so nothing outlives a crash). Nothing writes to the segment after the server packed it."""
-
-    def __init__(self, name: str, size: int):
-        # Opened as the file shm_open made of it, not with shared_memory.SharedMemory: Python 3.11 registers a
-        # segment it only opens with the resource tracker, which vLLM's workers share with the server that started
-        # them, and unregistering it took the server's own registration away (its unlink then made the tracker print
-        # a KeyError traceback). Its creator alone tracks and removes it.
-        self._descriptor = os.open(os.path.join(SHM_DIR, name.lstrip("/")), os.O_RDONLY)
-        self.size = size
-
-    def private_mapping(self) -> mmap.mmap:
-        """The payload mapped copy-on-write (MAP_PRIVATE): reads share the segment's pages, and a write copies only
-        the page written, for this mapping alone. The mapping lasts as long as something refers to it."""
-        return mmap.mmap(self._descriptor, max(self.size, 1), access=mmap.ACCESS_COPY)
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            os.close(self._descriptor)
-
-
-def unpack_payload(
-    payload: bytes | bytearray | SharedPayload, layout: Sequence[Sequence[Any]]
-) -> dict[str, torch.Tensor]:
-    """Fresh tensors from a payload that no other build's tensors share (vLLM scales them in place): a private
-    mapping of a shared payload (copy-on-write: vLLM writes to lora_B alone, so most pages are never copied), or a
-    copy of plain bytes."""
-    owned = payload.private_mapping() if isinstance(payload, SharedPayload) else bytearray(payload)
-    size = payload.size if isinstance(payload, SharedPayload) else len(owned)
-    if not size:
-        return {name: torch.empty(shape, dtype=_DTYPES[dtype]) for name, dtype, shape, _, _ in layout}
-    flat = torch.frombuffer(owned, dtype=torch.uint8)[:size]  # the tensors keep the mapping alive
-    tensors = {}
-    for name, dtype, shape, offset, nbytes in layout:
-        if offset < 0 or offset + nbytes > size:
-            raise ValueError(f"adapter tensor {name}: bytes {offset}..{offset + nbytes} outside the payload")
-        tensors[name] = flat[offset : offset + nbytes].view(_DTYPES[dtype]).view(tuple(shape))
-    return tensors
 
 
 @dataclass(frozen=True)
@@ -195,12 +93,12 @@ class AdapterExtension:
 
     def grpolora_member_host(self, address: str, authkey_hex: str, cpus: list[int] | None = None) -> bool:
         """Become the sync-group member host of this engine if this is its first worker (TP rank 0): connect to
-        the HTTP process at `address` and receive the tenants' rounds here (workers/inference/members.py), on
+        the HTTP process at `address` and receive the tenants' rounds here (workers/inference/member_host.py), on
         threads that may use `cpus` (the server's). The other workers answer False: they get each adapter by
         mapping the segment the member staged it in."""
         if getattr(self, "rank", 0) != 0:
             return False
-        from grpolora.workers.inference.members import serve_host
+        from grpolora.workers.inference.member_host import serve_host
 
         device = getattr(self, "device", None)
         self._grpolora_member_host = serve_host(

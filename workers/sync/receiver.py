@@ -30,7 +30,8 @@ from grpolora.workers.sync.control import (
     StaleEpoch,
     StaleIncarnation,
 )
-from grpolora.workers.sync.transport import Transport, TransportError, connect_store, create_transport
+from grpolora.workers.sync.groups import create_transport
+from grpolora.workers.sync.transport import Transport, TransportError, connect_store
 from grpolora.workers.sync.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -53,7 +54,7 @@ class AdapterSink(Protocol):
 
 # Where a round's buckets are received: given their sizes and the transport's device, one buffer per bucket. The
 # default allocates each on its own; a member inside vLLM's worker receives into one staging segment instead
-# (workers/inference/members.py), which vLLM's workers then map without another copy.
+# (workers/inference/member_host.py), which vLLM's workers then map without another copy.
 Allocate = Callable[[Sequence[int], torch.device], list[torch.Tensor]]
 
 

@@ -39,8 +39,9 @@ from grpolora.workers.sync.control import (
     StaleIncarnation,
     SyncError,
 )
+from grpolora.workers.sync.groups import arrived_ranks, create_transport
 from grpolora.workers.sync.receiver import ACTIVATION_FAILED, REFUSED, VERIFIED
-from grpolora.workers.sync.transport import Backend, Transport, TransportError, arrived_ranks, create_transport
+from grpolora.workers.sync.transport import Backend, Transport, TransportError
 from grpolora.workers.sync.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
