@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from grpolora.api.status import TrainerStatus
-from grpolora.testing.servers import alive, descendants
+from grpolora.testing.servers import alive, descendants, engine_core
 from tests.helpers import ROOT
 
 pytestmark = pytest.mark.vllm
@@ -56,6 +56,7 @@ NAME = JOB["metadata"]["name"]
 # (an engine start takes 20-60 s on 2 shared cores; a step a few seconds).
 FIRST_RUN_STEPS = 60
 STEPS_AFTER_REJOIN = 2  # steps that sync to the replacement too before the interrupt
+ENGINE_DEATH_RESTART = "inference 0 exited with code 1; starting it again (restart 1 of 3)"
 ENGINE_DEATH_SECONDS = 5.0  # vLLM's engine processes must die this soon after their server is SIGKILLed
 CTRL_C_SECONDS = 20.0
 
@@ -192,6 +193,7 @@ class Interrupted:
     records: list[dict]
     checkpoint: int  # the last checkpoint's step when interrupted
     replica_log: str  # inference-1.log
+    engine_death_log: str  # inference-0.log, whose EngineCore was SIGKILLed
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +217,13 @@ def interrupted(tmp_path_factory) -> Interrupted:
         # members of the sync before the kill), then re-adds the replacement once it serves the current adapter.
         out = run.wait_for("1 replica(s) in sync, inference restarts 1")
         back = run.wait_until(lambda line: "2 replica(s) in sync, inference restarts 1" in line, "no rejoin", after=out)
+        # Then replica 0's vLLM EngineCore alone is SIGKILLed (an OOM kill, a CUDA error): its server must exit (1),
+        # the launcher start it again and the trainer re-form around it, while the run goes on.
+        (server,) = worker_pids(NAME, "inference", 0)
+        os.kill(engine_core(server), signal.SIGKILL)
+        died = run.wait_until(lambda line: ENGINE_DEATH_RESTART in line, "no restart after the engine died", after=back)
+        healed = "2 replica(s) in sync, inference restarts 2"
+        back = run.wait_until(lambda line: healed in line, "no rejoin after the engine died", after=died)
         (rejoined,) = map(int, STEP_LINE.search(run.lines[back]).groups())
         # A step after which no checkpoint is written yet (they are every 2 steps), so that the rerun must drop
         # its record and record it again.
@@ -245,6 +254,7 @@ def interrupted(tmp_path_factory) -> Interrupted:
         records=records(run_dir),
         checkpoint=int(checkpoints[-1].name.removeprefix("step-")) if checkpoints else 0,
         replica_log=(run_dir / "logs" / "inference-1.log").read_text(),
+        engine_death_log=(run_dir / "logs" / "inference-0.log").read_text(),
     )
 
 
@@ -291,9 +301,15 @@ def test_a_sigkilled_replicas_engine_processes_die_with_it(interrupted):
 def test_a_sigkilled_inference_replica_is_restarted_and_rejoins_while_the_run_goes_on(interrupted):
     # The fixture saw the restart and then both replicas in sync on later steps; the status says the same.
     status = interrupted.status
-    assert status.inference_restarts == 1 and status.sync_members == [0, 1]
+    assert status.inference_restarts == 2 and status.sync_members == [0, 1]  # replica 1, then replica 0
     assert status.step >= 2 + STEPS_AFTER_REJOIN
     assert "--- grpolora run: exited with code -9; restart 1 ---" in interrupted.replica_log
+
+
+def test_a_replica_whose_engine_core_is_sigkilled_exits_is_restarted_and_rejoins_while_the_run_goes_on(interrupted):
+    # The fixture saw the restart, then both replicas in sync on later steps (and every step synced: the first test).
+    assert "vLLM's engine died" in interrupted.engine_death_log
+    assert "--- grpolora run: exited with code 1; restart 1 ---" in interrupted.engine_death_log
 
 
 def test_ctrl_c_is_quick(interrupted):
