@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 
 from grpolora.workers.tasks.dataset import epoch_order
 from tests.helpers import ROOT
 
 
 def _race():
-    sys.path.insert(0, str(ROOT / "bench"))
     spec = importlib.util.spec_from_file_location("trl_race", ROOT / "bench" / "trl_race.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
