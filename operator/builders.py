@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import copy
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from grpolora.api import constants as c
 from grpolora.api import contract, overlay
@@ -103,6 +103,25 @@ def selector(plan: Plan, role: str | None = None) -> dict[str, str]:
     return result
 
 
+JOB_UID_LABEL: Final = c.LABEL_JOB_UID
+"""On every pod of a job, its uid; the job's Services select by it. A job deleted and applied again under its name
+has a new uid: its old pods, Terminating, keep their DNS records (the headless Services publish not-ready
+addresses) and would otherwise answer the new job's trainer."""
+
+
+def _incarnation(objects: list[K8sObject], owner_uid: str) -> None:
+    """Mark the job's pod templates (its workloads', and its Kueue Workload's pod sets) with its uid, and make its
+    Services select it."""
+    for obj in objects:
+        if obj["kind"] == "Service":
+            obj["spec"]["selector"][JOB_UID_LABEL] = owner_uid
+        templates = [obj["spec"]["template"]] if obj["kind"] in ("Job", "StatefulSet") else []
+        if obj["kind"] == "Workload":
+            templates = [pod_set["template"] for pod_set in obj["spec"]["podSets"]]
+        for template in templates:
+            template.setdefault("metadata", {}).setdefault("labels", {})[JOB_UID_LABEL] = owner_uid
+
+
 def build_children(
     plan: JobPlan,
     *,
@@ -127,6 +146,7 @@ def build_children(
     if plan.job.queue_name is not None:
         objects.append(queue_workload(plan, priority))
     objects += workloads(plan, admitted)
+    _incarnation(objects, owner_uid)
     return _owned(plan, owner_uid, objects)
 
 

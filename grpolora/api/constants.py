@@ -41,6 +41,8 @@ LABEL_COMPONENT: Final = "app.kubernetes.io/component"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 LABEL_JOB: Final = f"{GROUP}/job"
 LABEL_ROLE: Final = f"{GROUP}/role"
+LABEL_JOB_UID: Final = f"{GROUP}/job-uid"
+"""On every pod of a job, its uid; the job's Services select by it (grpolora.operator.builders._incarnation)."""
 # On a RolloutPool's children and pods (not `grpolora.dev/pool`: the examples use that one as a node label).
 LABEL_POOL: Final = f"{GROUP}/rollout-pool"
 

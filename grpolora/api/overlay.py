@@ -37,6 +37,7 @@ _OPERATOR_LABELS: Final = (
     c.LABEL_POOL,
     c.LABEL_COMPONENT,
     c.LABEL_ROLE,
+    c.LABEL_JOB_UID,
 )
 
 

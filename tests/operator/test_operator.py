@@ -816,3 +816,34 @@ async def test_a_job_past_its_active_deadline_fails_with_deadline_exceeded_and_i
     assert cluster.condition("demo", "Failed")["reason"] == "DeadlineExceeded"
     await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference") is None, "the StatefulSet gone")
+
+
+async def test_a_re_applied_job_is_served_by_its_own_pods_not_by_the_old_ones_still_terminating(cluster, operator):
+    """Deleted and applied again under its name, a job has a new uid; its old inference pod, Terminating (its
+    containers ignore SIGTERM), keeps its DNS record in a headless Service that publishes not-ready addresses. The
+    new job's Services select by its uid, so the new trainer never reaches the old replica."""
+    cluster.emulator.pod_exit_seconds = None
+    await cluster.apply(job_doc())
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the inference StatefulSet")
+    old_pod = await cluster.run_pod_of("apps/v1/statefulsets", "demo-inference")
+    old_uid = cluster.job("demo")["metadata"]["uid"]
+    await cluster.delete_job("demo")
+    await wait_for(lambda: (cluster.get("v1/pods", old_pod) or {}).get("metadata", {}).get("deletionTimestamp"),
+                   "the old pod Terminating")  # fmt: skip
+    await wait_for(lambda: cluster.get(CRD_RESOURCE, "demo") is None, "the old job gone")
+    await cluster.apply(job_doc())
+    new_uid = cluster.job("demo")["metadata"]["uid"]
+    assert new_uid != old_uid
+
+    def owned_by_new(resource: str, name: str) -> dict | None:
+        found = cluster.get(resource, name)
+        return found if found and found["metadata"]["ownerReferences"][0]["uid"] == new_uid else None
+
+    service = await wait_for(lambda: owned_by_new("v1/services", "demo-inference"), "the new job's Service")
+    statefulset = await wait_for(lambda: owned_by_new("apps/v1/statefulsets", "demo-inference"), "its StatefulSet")
+    selector = service["spec"]["selector"].items()
+    old_labels = cluster.get("v1/pods", old_pod)["metadata"]["labels"]
+    assert cluster.get("v1/pods", old_pod)["metadata"].get("deletionTimestamp"), "still Terminating"
+    assert not selector <= old_labels.items(), "the new job's Service selects the old job's pod"
+    assert selector <= statefulset["spec"]["template"]["metadata"]["labels"].items()
+    await cluster.emulator.end_grace_periods()

@@ -539,3 +539,18 @@ def test_the_jobs_priority_class_reaches_its_pods_and_its_workload():
     # None known (no class, no cluster default): no priority fields (Kueue ranks it at 0).
     plain = [o for o in builders.build_children(plan(parse_job(queued_doc())), owner_uid="u", token="t")]
     assert "priority" not in next(o for o in plain if o["kind"] == "Workload")["spec"]
+
+
+def test_a_jobs_services_select_only_the_pods_of_its_own_incarnation():
+    """A job deleted and applied again under its name (a new uid): the old pods, still Terminating, keep their DNS
+    records in a headless Service that publishes not-ready addresses, so a Service that selects by name alone lets
+    the new trainer reach an old inference replica. Every pod carries its job's uid, and the Services select by it."""
+    objects = builders.build_children(plan(parse_job(queued_doc())), owner_uid="uid-2", token="t")
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert services and all(s["spec"]["selector"][builders.JOB_UID_LABEL] == "uid-2" for s in services)
+    for kind in ("Job", "StatefulSet"):
+        template = next(o for o in objects if o["kind"] == kind)["spec"]["template"]
+        assert template["metadata"]["labels"][builders.JOB_UID_LABEL] == "uid-2", kind
+    (workload,) = [o for o in objects if o["kind"] == "Workload"]
+    pod_sets = workload["spec"]["podSets"]
+    assert all(p["template"]["metadata"]["labels"][builders.JOB_UID_LABEL] == "uid-2" for p in pod_sets)

@@ -70,7 +70,8 @@ def test_headless_services_publish_not_ready_addresses():
     for role in ("trainer", "inference"):
         svc = objs[("Service", f"demo-{role}")]["spec"]
         assert svc["clusterIP"] == "None" and svc["publishNotReadyAddresses"] is True
-        assert svc["selector"] == {c.LABEL_JOB: "demo", c.LABEL_ROLE: role}
+        # (and the job's uid: only the pods of this incarnation of the job, see test_kueue.py)
+        assert svc["selector"] == {c.LABEL_JOB: "demo", c.LABEL_ROLE: role, c.LABEL_JOB_UID: "1234"}
     ports = {p["name"]: p["port"] for p in objs[("Service", "demo-trainer")]["spec"]["ports"]}
     assert ports == {"master": 29500, "sync": 29600, "http": 8080}
 
