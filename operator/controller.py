@@ -43,7 +43,7 @@ from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan, PoolPlan, child_names, plan, plan_pool
 from grpolora.api.pool import token_fingerprint
 from grpolora.api.status import JobStatus, PoolStatus
-from grpolora.operator import builders, kube, names, pools
+from grpolora.operator import attempts, builders, kube, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
@@ -443,6 +443,8 @@ class Controller:
                     decision = rec.decide_managed_secret(
                         view, old, *managed, self.clock(), queue_workload=observed.queue_workload
                     )
+            # Before a restart (or the end) deletes the failed trainer's pods: keep its log tail (status, event).
+            decision = await attempts.kept_in(decision, old, observed, view.namespace, self.client)
             if not await self._change_workloads(job, decision):
                 # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
                 decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)

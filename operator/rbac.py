@@ -149,6 +149,12 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
     Rule(
         ("",),
+        ("pods/log",),
+        ("get",),
+        "read the last lines of a failed trainer pod's log before its restart deletes it (status.lastFailedAttempt)",
+    ),
+    Rule(
+        ("",),
         ("events",),
         ("create", "list"),
         "Events on the job for each key transition; list Warning events to say why pods are never created (quota, "

@@ -11,9 +11,11 @@ from grpolora.operator import rbac
 from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, fake_trainer, operator_options, wait_for
+from tests.operator.test_attempts import failed_trainer_pod
 from tests.operator.test_pool import job_on_pool, pool_doc
 
 PEERING = "grpo-lora-operator"
+STAMP = "2026-01-01T00:00:00Z"
 
 
 async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_needed():
@@ -30,7 +32,11 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(lambda: cluster.status("demo").get("syncRound") == 1, "a trainer report")
 
             failed = {"conditions": [{"type": "Failed", "status": "True", "reason": "PodFailure"}]}
+            # Its failed pod's log is read before the restart deletes it (pods/log).
+            await cluster.add_pod(failed_trainer_pod(cluster, "demo-trainer-0-abcde", 1, finished=STAMP))
+            cluster.emulator.pod_logs[(NAMESPACE, "demo-trainer-0-abcde", "trainer")] = "Traceback ...\n"
             await cluster.set_status("batch/v1/jobs", "demo-trainer", failed)
+            await wait_for(lambda: ("get", "pods/log", "demo-trainer-0-abcde") in cluster.emulator.log, "the log read")
             await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "a restart")
 
             await cluster.patch_spec("demo", {"suspend": True})

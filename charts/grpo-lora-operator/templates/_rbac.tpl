@@ -70,6 +70,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["list"]
+# read the last lines of a failed trainer pod's log before its restart deletes it (status.lastFailedAttempt)
+- apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]
 # Events on the job for each key transition; list Warning events to say why pods are never created (quota, Pod Security admission) or cannot mount their volumes (Multi-Attach)
 - apiGroups: [""]
   resources: ["events"]
