@@ -13,6 +13,10 @@ Scenarios (`--scenario`), one steady-state row each:
   StatefulSet (they wait for Kueue).
 - pool-waiting: every job names one RolloutPool of maxJobs 1 whose servers never get ready, so no job is attached
   and none gets its trainer Job.
+- reporting: as running, and every job's trainer rank 0 answers /status with a step that advances every
+  `--step-seconds` (one fake trainer in this process answers for all: the operator's process resolves every `*.svc`
+  name to it, kmock's resolver interception). Reported besides: the status writes per job and minute and per step
+  (at most one per step: a write only when the status changed), and the other requests per job and minute.
 
     python bench/operator_scale.py --jobs 500            # all at once (a burst)
     python bench/operator_scale.py --jobs 500 --rate 50  # paced: 50 jobs per second
@@ -35,6 +39,7 @@ from typing import Any
 
 import aiohttp
 import yaml
+from aiohttp import web
 
 from grpolora.api import constants as c
 from grpolora.testing.jobs import job_doc
@@ -42,7 +47,14 @@ from grpolora.testing.kube_emulator import running_cluster
 from grpolora.testing.servers import cpu_seconds
 
 NAMESPACE = "bench"
-SCENARIOS = ("running", "queued", "pool-waiting")
+SCENARIOS = ("running", "queued", "pool-waiting", "reporting")
+# Run in the operator's process for `reporting`: every `*.svc` name resolves to the bench's fake trainer.
+_INTERCEPTED = (
+    "import asyncio, os, re, sys, kmock; "
+    "host, port = os.environ['GRPOLORA_BENCH_TRAINER'].split(':'); "
+    "asyncio.run(kmock.AiohttpInterceptor(host, int(port), extra=re.compile(r'.+[.]svc')).__aenter__()); "
+    "from grpolora.cli import main; sys.exit(main(sys.argv[1:]))"
+)
 POOL = "shared"
 CHILDREN = (
     ("secrets", "{}-grpolora-token"),
@@ -78,10 +90,12 @@ async def run(
     settle: float = 15.0,
     resync: float = 600.0,
     scenario: str = "running",
+    step_seconds: float = 20.0,
 ) -> dict[str, Any]:
     # Without the emulator's schema validation: this measures the operator, not the emulator (the operator tests
     # run with it).
-    async with running_cluster(validate=False) as cluster:
+    trainer = _StepTrainer(step_seconds)
+    async with running_cluster(validate=False) as cluster, trainer:
         emulator = cluster.emulator
         with tempfile.TemporaryDirectory() as tmp, open(log_path or Path(tmp) / "operator.log", "wb") as log:
             kubeconfig = Path(tmp) / "kubeconfig"
@@ -100,9 +114,10 @@ async def run(
             profile = ["-m", "cProfile", "-o", profile_path] if profile_path else []
             flags = ["--namespace", NAMESPACE, "--standalone", "--metrics-port", "0", "--health-port", "0"]
             flags += ["--resync-interval", str(resync)]
+            entry = ["-c", _INTERCEPTED] if scenario == "reporting" else [*profile, "-m", "grpolora.cli"]
             operator = await asyncio.create_subprocess_exec(
-                *[sys.executable, "-P", *profile, "-m", "grpolora.cli", "operator", *flags, "--log-level", log_level],
-                env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+                *[sys.executable, "-P", *entry, "operator", *flags, "--log-level", log_level],
+                env={**os.environ, "KUBECONFIG": str(kubeconfig), "GRPOLORA_BENCH_TRAINER": trainer.address},
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=log.fileno(),
             )
@@ -123,13 +138,18 @@ async def run(
                 creation_rss = peak_rss_mib(operator.pid)
                 # Steady state: play the Job and StatefulSet controllers (every pod ready; no trainer is active, so
                 # no /status poll), let the jobs see it, then count the operator's API requests for `settle` s.
-                if scenario == "running":
+                if scenario in ("running", "reporting"):
                     await _all_ready(cluster, names, concurrency)
-                quiet_after = await _wait_until_quiet(emulator, timeout)
+                if scenario == "reporting":  # never quiet: every job writes its steps; wait until all report one
+                    quiet_after = await _wait_until_reporting(cluster, names, timeout)
+                else:
+                    quiet_after = await _wait_until_quiet(emulator, timeout)
+                steps_before = trainer.step()
                 requests_before = len(emulator.log)
                 await asyncio.sleep(settle)
                 steady_log = emulator.log[requests_before:]
                 steady_requests = len(steady_log)
+                steps = trainer.step() - steps_before
                 rss = peak_rss_mib(operator.pid)
             finally:
                 operator.terminate()
@@ -161,6 +181,7 @@ async def run(
         "steady_requests_per_second": round(steady_requests / settle, 1) if settle else None,
         "steady_requests_per_job_per_minute": round(steady_requests / jobs / (settle / 60), 2) if settle else None,
         "steady_seconds": settle,
+        **(_status_writes(steady_log, jobs, settle, steps) if scenario == "reporting" else {}),
         "quiet_after_seconds": quiet_after,
         "steady_requests": dict(Counter(f"{verb} {res}" for verb, res, _ in steady_log).most_common()),
         "operator_api_requests": len(emulator.log),
@@ -186,6 +207,60 @@ async def _wait_until_quiet(emulator: Any, timeout: float, quiet: float = 10.0) 
         seen = len(log)
         if time.monotonic() - last_write >= quiet:
             return round(last_write - started, 1)
+    return None
+
+
+def _status_writes(log: list[tuple[str, str, Any]], jobs: int, settle: float, steps: int) -> dict[str, Any]:
+    """The status writes of the steady window against the steps the trainers made in it, and the rest."""
+    writes = sum(1 for verb, resource, _ in log if (verb, resource) == ("patch", f"{c.PLURAL}/status"))
+    others = len(log) - writes
+    return {
+        "steps_in_window": steps,
+        "status_writes_per_job_per_minute": round(writes / jobs / (settle / 60), 2),
+        "status_writes_per_step": round(writes / jobs / steps, 2) if steps else None,
+        "other_requests_per_job_per_minute": round(others / jobs / (settle / 60), 2),
+    }
+
+
+class _StepTrainer:
+    """Every trainer rank 0's /status: a step that advances every `step_seconds` from the start (all jobs alike)."""
+
+    def __init__(self, step_seconds: float):
+        self.step_seconds, self.started = step_seconds, time.monotonic()
+        self.address = ""
+        self._runner: web.AppRunner | None = None
+
+    def step(self) -> int:
+        return int((time.monotonic() - self.started) / self.step_seconds)
+
+    async def _status(self, _: web.Request) -> web.Response:
+        step = self.step()
+        report = {"phase": "Running", "totalSteps": 1_000_000, "step": step, "syncRound": step, "epoch": 1,
+                  "syncMembers": [0]}  # fmt: skip
+        return web.json_response(report)
+
+    async def __aenter__(self) -> _StepTrainer:
+        app = web.Application()
+        app.router.add_get("/status", self._status)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.address = f"127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+
+async def _wait_until_reporting(cluster: Any, names: list[str], timeout: float) -> float | None:
+    """Wait until every job's status carries a step from its trainer; the seconds it took, None if not in time."""
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        jobs = cluster.objects(f"{c.GROUP}/{c.VERSION}/{c.PLURAL}", NAMESPACE)
+        if all((jobs.get(name) or {}).get("status", {}).get("step") is not None for name in names):
+            return round(time.monotonic() - started, 1)
+        await asyncio.sleep(0.5)
     return None
 
 
@@ -253,7 +328,7 @@ async def _all_ready(cluster: Any, names: list[str], concurrency: int) -> None:
 
     async def ready(name: str) -> None:
         async with semaphore:
-            await cluster.set_status("batch/v1/jobs", f"{name}-trainer", {"ready": 1}, namespace=NAMESPACE)
+            await cluster.set_status("batch/v1/jobs", f"{name}-trainer", {"active": 1, "ready": 1}, namespace=NAMESPACE)
             await cluster.set_status(
                 "apps/v1/statefulsets", f"{name}-inference", {"replicas": 1, "readyReplicas": 1}, namespace=NAMESPACE
             )
@@ -286,6 +361,7 @@ def main() -> None:
     parser.add_argument("--settle", type=float, default=60.0, help="seconds of steady state to count requests over")
     parser.add_argument("--scenario", choices=SCENARIOS, default="running", help="what the jobs wait for (see above)")
     parser.add_argument("--resync-interval", type=float, default=600.0, help="the operator's --resync-interval")
+    parser.add_argument("--step-seconds", type=float, default=20.0, help="reporting: seconds per trainer step")
     args = parser.parse_args()
     result = asyncio.run(
         run(
@@ -298,6 +374,7 @@ def main() -> None:
             settle=args.settle,
             resync=args.resync_interval,
             scenario=args.scenario,
+            step_seconds=args.step_seconds,
         )
     )
     print(json.dumps(result, indent=2))
