@@ -344,8 +344,9 @@ async def test_the_admitted_flavors_reach_the_trainer_and_inference_pods(cluster
     await wait_for(lambda: kueue.why_not_admissible(kueue.workload("demo")) is None, "the quota given back")
     await kueue.admit("demo", to(trainer="l4", inference="h100"))
     await wait_for(
-        lambda: (cluster.get("batch/v1/jobs", "demo-trainer") or {"metadata": {"uid": first}})["metadata"]["uid"]
-        != first,
+        lambda: (
+            (cluster.get("batch/v1/jobs", "demo-trainer") or {"metadata": {"uid": first}})["metadata"]["uid"] != first
+        ),
         "the trainer again",
     )
     trainer = pod_spec(cluster, "batch/v1/jobs", "demo-trainer")
