@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from grpolora.workers.adapter import folded_scaling, lora_scaling
+from grpolora.workers.inference.gpu_headroom import TenantBudget
 from grpolora.workers.inference.member_host import StagingSink, serve_host
 from grpolora.workers.inference.member_link import MemberLink, RemoteMember
 from grpolora.workers.inference.payload import (
@@ -240,6 +241,49 @@ def test_control_errors_come_back_as_the_receivers_own(link):
         assert not member.asked and member.state().replica_index == 3
     finally:
         member.close()
+
+
+def four_gib() -> int:
+    """The fake GPU memory reading of the budgeted worker end (module level: the spawned process unpickles it)."""
+    return 4 << 30
+
+
+def budgeted_worker_end(address: str, authkey_hex: str) -> None:
+    """A GPU replica's member worker end, its memory read as 4 GiB: at gpuMemoryUtilization 0.75, 1024 MiB are left
+    outside vLLM's budget, where one tenant's 300 MiB adapter buffer and 256 MiB communicator fit and two do not."""
+    budget = TenantBudget(total_bytes=four_gib, gpu_memory_utilization=0.75, adapter_bytes=300 << 20)
+    serve_host(address, authkey_hex, budget=budget).finished.wait()
+
+
+def test_a_gpu_replica_refuses_a_tenant_whose_sync_member_would_not_fit_outside_vllms_budget():
+    """Issue 36: each tenant's member keeps a communicator and an adapter-sized buffer outside gpuMemoryUtilization;
+    the worker refuses the attachment that would not fit, with the numbers, and keeps serving the tenants it has."""
+    made = MemberLink(timeout_seconds=LINK_TIMEOUT)
+
+    async def connect(address: str, authkey_hex: str) -> list[bool]:
+        process = mp.get_context("spawn").Process(target=budgeted_worker_end, args=(address, authkey_hex), daemon=True)
+        process.start()
+        connect.process = process
+        return [True]
+
+    asyncio.run(made.start(connect))
+    members = sync_member_factory(lambda: made, replica_index=0, fingerprint=lambda: "fp")
+    first = members(RecordingBook(), KEY, "ns/a")
+    try:
+        with pytest.raises(RuntimeError) as refused:
+            members(RecordingBook(), KEY, "ns/b")
+        assert str(refused.value) == (
+            "the member worker could not attach ns/b: job ns/b not attached: 2 tenants' sync members need 2 x "
+            "(300 MiB adapter receive buffer + 256 MiB NCCL communicator) = 1112 MiB outside gpuMemoryUtilization "
+            "0.75, which leaves 1024 MiB of the GPU's 4096 MiB; set gpuMemoryUtilization (a RolloutPool's spec, a "
+            "job's inference) to at most 0.72, or lower maxJobs"
+        )
+        assert first.state().replica_index == 0  # the attached tenant's member still answers
+    finally:
+        first.close()
+        made.close()
+        connect.process.join(30)
+    assert connect.process.exitcode == 0
 
 
 def test_a_failed_activation_is_reported_and_the_old_version_keeps_serving(link):

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from grpolora.workers.inference.gpu_headroom import TenantBudget
 from grpolora.workers.inference.member_messages import receive, send
 from grpolora.workers.inference.payload import (
     Layout,
@@ -41,25 +42,40 @@ inherits it; gloo renames its own): what `top -H` shows for the sync, apart from
 
 
 def serve_host(
-    address: str, authkey_hex: str, device: torch.device | None = None, cpus: Sequence[int] | None = None
+    address: str,
+    authkey_hex: str,
+    device: torch.device | None = None,
+    cpus: Sequence[int] | None = None,
+    budget: TenantBudget | None = None,
 ) -> MemberHost:
     """In the member worker: connect to the HTTP process's MemberLink and serve it on a thread of its own, which
-    may run on `cpus` (see MemberHost.serve)."""
+    may run on `cpus` (see MemberHost.serve). `budget`: a GPU replica's, which each attachment must fit."""
     remove_orphaned_stages()
     connection = Client(address, family="AF_UNIX", authkey=bytes.fromhex(authkey_hex))
-    host = MemberHost(connection, device, cpus)
+    host = MemberHost(connection, device, cpus, budget)
     threading.Thread(target=host.serve, name="grpolora-member-host", daemon=True).start()
     return host
 
 
 class MemberHost:
     """The worker's end of a MemberLink: attaches a WorkerMember per tenant; when the HTTP process goes, every
-    member leaves its group."""
+    member leaves its group.
 
-    def __init__(self, connection: Connection, device: torch.device | None, cpus: Sequence[int] | None = None):
+    On a GPU replica each attachment must fit `budget` (gpu_headroom.py: every member keeps a communicator and an
+    adapter-sized receive buffer outside vLLM's gpuMemoryUtilization), or it is refused with the numbers. A CPU
+    replica has no budget (None): its members' buffers are in /dev/shm and gloo's, not in vLLM's device memory."""
+
+    def __init__(
+        self,
+        connection: Connection,
+        device: torch.device | None,
+        cpus: Sequence[int] | None = None,
+        budget: TenantBudget | None = None,
+    ):
         self._connection = connection
         self._device = device
         self._cpus = cpus
+        self._budget = budget
         self.members: list[WorkerMember] = []
         self.finished = threading.Event()  # set once the HTTP process has gone and every member has left
 
@@ -88,6 +104,15 @@ class MemberHost:
     def _attach(self, message: dict) -> dict:
         control = Connection(reduction.recv_handle(self._connection))
         events = Connection(reduction.recv_handle(self._connection))
+        self.members = [m for m in self.members if not m.closed]
+        if self._budget is not None:
+            # A member closing still counts until its control thread has closed it: never more than fits.
+            room = self._budget.with_tenants(len(self.members) + 1)
+            if not room.fits:
+                control.close()
+                events.close()
+                log.error("%s", room.refusal(message["name"]))
+                return {"error": room.refusal(message["name"])}
         try:
             member = WorkerMember(
                 control,
@@ -102,7 +127,7 @@ class MemberHost:
             control.close()
             events.close()
             return {"error": f"{type(exc).__name__}: {exc}"}
-        self.members = [m for m in self.members if not m.closed] + [member]
+        self.members.append(member)
         return {"ok": True}
 
 

@@ -283,12 +283,22 @@ class AttachmentList:
         self._entries = wanted
         for job in gone:
             self.tenants.detach(job)
+        refused = []
         for job, entry in wanted.items():
             tenant = self.tenants.get(job)
             if tenant is None:
-                self.tenants.attach(self._make_tenant(entry))
+                try:
+                    self.tenants.attach(self._make_tenant(entry))
+                except RuntimeError as exc:
+                    # The member worker refused it (on a GPU: its member would not fit outside gpuMemoryUtilization,
+                    # gpu_headroom.py): the other jobs are attached all the same; the next change of the list
+                    # tries it again.
+                    refused.append(f"job {job} not attached: {exc}")
+                    log.error("attachment list %s: job %s not attached: %s", self.path, job, exc)
             else:
                 tenant.book.kept_versions = entry.kept_versions
+        if refused:
+            self.error = f"{self.path}: {'; '.join(refused)}"
 
     async def _refresh_replicas(self) -> None:
         """The pool's replicas beside the list (absent: a pool of an earlier release; unreadable or invalid: the last

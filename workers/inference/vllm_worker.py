@@ -29,9 +29,24 @@ from typing import Any
 
 import torch
 
+from grpolora.workers.inference.gpu_headroom import TenantBudget, adapter_bytes_bound
 from grpolora.workers.inference.payload import Layout, SharedPayload, unpack_payload
 
 log = logging.getLogger(__name__)
+
+
+def gpu_budget(vllm_config: Any, device: torch.device) -> TenantBudget:
+    """What each tenant's sync member must fit in on this GPU: its memory as CUDA reports it, the engine's
+    gpu_memory_utilization and the bound on an adapter of this model at the engine's max_lora_rank, in its dtype."""
+    model = vllm_config.model_config
+    return TenantBudget(
+        total_bytes=lambda: torch.cuda.mem_get_info(device)[1],
+        gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
+        adapter_bytes=adapter_bytes_bound(
+            model.hf_config.to_dict(), vllm_config.lora_config.max_lora_rank, model.dtype.itemsize
+        ),
+    )
+
 
 MEMORY_PATH_PREFIX = "grpolora-memory:"  # LoRARequest.lora_path of an adapter built from memory (never a path)
 
@@ -101,9 +116,10 @@ class AdapterExtension:
         from grpolora.workers.inference.member_host import serve_host
 
         device = getattr(self, "device", None)
-        self._grpolora_member_host = serve_host(
-            address, authkey_hex, device if isinstance(device, torch.device) else None, cpus
-        )
+        device = device if isinstance(device, torch.device) else None
+        # Only a GPU replica's members take memory vLLM does not count (gpu_headroom.py); on CPUs nothing to check.
+        budget = gpu_budget(self.vllm_config, device) if device is not None and device.type == "cuda" else None  # type: ignore[attr-defined]
+        self._grpolora_member_host = serve_host(address, authkey_hex, device, cpus, budget)
         return True
 
     def grpolora_held_adapters(self) -> list[int]:
