@@ -14,7 +14,9 @@ import kopf
 from grpolora.api import constants as c
 from grpolora.operator import conditions as cond
 from grpolora.operator import kube, names
-from grpolora.operator.controller import WATCHED, Controller, Gone
+from grpolora.operator.controller import Controller
+from grpolora.operator.scheduler import Gone
+from grpolora.operator.watch_cache import WATCHED
 
 # A transient API failure (unreachable, throttled, 5xx) is retried this soon; Kopf's default backoff is 60 s.
 API_RETRY_SECONDS = 5.0

@@ -19,11 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from grpolora.api import constants as c
 from grpolora.api.plan import WorkerDefaults, set_worker_defaults
 from grpolora.operator import names
-from grpolora.operator.controller import Controller, ControllerConfig
+from grpolora.operator.controller import Controller
 from grpolora.operator.handlers import build_registry
 from grpolora.operator.kube import KUEUE_WORKLOAD, ApiError, KubeClient, Login, RateLimiter
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_objects
+from grpolora.operator.scheduler import ControllerConfig
 from grpolora.operator.trainer_client import TrainerStatusClient
 
 logger = logging.getLogger(__name__)

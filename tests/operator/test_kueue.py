@@ -128,8 +128,9 @@ async def test_a_workload_status_write_never_overwrites_what_kueue_wrote_since_i
     from grpolora.api.status import JobStatus
     from grpolora.operator import kube
     from grpolora.operator import kueue as integration
-    from grpolora.operator.controller import Controller, _Tracked
+    from grpolora.operator.controller import Controller
     from grpolora.operator.reconcile import Decision
+    from grpolora.operator.scheduler import _Tracked
 
     await kueue.add_workload("demo", priority=0)
     await kueue.admit("demo")

@@ -10,10 +10,12 @@ import kopf
 
 from grpolora.api import constants as c
 from grpolora.operator import names, rbac
-from grpolora.operator.controller import WATCHED, Controller, ControllerConfig
+from grpolora.operator.controller import Controller
 from grpolora.operator.kube import GRPOLORAJOB, ApiError, KubeClient
 from grpolora.operator.metrics import Metrics
+from grpolora.operator.scheduler import ControllerConfig
 from grpolora.operator.trainer_client import TrainerStatusClient
+from grpolora.operator.watch_cache import WATCHED
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE
 from tests.helpers import job_doc
 from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for

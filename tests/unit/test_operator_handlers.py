@@ -10,9 +10,9 @@ import pytest
 
 from grpolora.api.status import JobStatus
 from grpolora.operator import handlers, kube, names
-from grpolora.operator.controller import Gone
 from grpolora.operator.main import OperatorOptions, build_settings
 from grpolora.operator.reconcile import Decision, Observed, decide, job_view
+from grpolora.operator.scheduler import Gone
 from tests.helpers import job_doc
 
 NOW = datetime.datetime(2026, 1, 1, tzinfo=datetime.UTC)

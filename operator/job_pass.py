@@ -1,0 +1,475 @@
+"""The controller's pass of a GRPOLoraJob: read its children (cache or API) and trainer rank 0, let the pure
+reconcile.decide choose, change its children, write its status once, then post its events."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+from collections.abc import Mapping
+from typing import Any, Final
+
+from grpolora.api import constants as c
+from grpolora.api.plan import JobPlan, child_names, plan
+from grpolora.api.pool import token_fingerprint
+from grpolora.api.status import JobStatus
+from grpolora.operator import attempts, builders, kube, names, pools
+from grpolora.operator import observe as obs
+from grpolora.operator import pool_reconcile as pr
+from grpolora.operator import reconcile as rec
+from grpolora.operator.scheduler import Gone, _deleting, _Tracked
+from grpolora.operator.trainer_client import TrainerUnavailable, status_url
+from grpolora.operator.watch_cache import _UNSEEN
+
+logger = logging.getLogger(__name__)
+
+TOKEN_BYTES: Final = 32
+
+
+class ChildRefused(Exception):
+    """The API server refused to create one of the job's children."""
+
+    def __init__(self, error: kube.ApiError, obj: Mapping[str, Any]):
+        super().__init__(str(error))
+        self.error = error
+        self.refusal = rec.Refusal(obj["kind"], obj["metadata"]["name"], error.status, error.message or error.reason)
+
+
+class JobPass:
+    """One reconcile pass of a job: the Controller's part that reads, decides and writes for a GRPOLoraJob.
+    Its state is set in Controller.__init__."""
+
+    async def _pass(self, job: _Tracked, *, full: bool) -> rec.Decision:
+        """One reconcile pass (full: children read from the API; see grpolora.operator.controller)."""
+        # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
+        body = {**job.body, "status": job.status}
+        view = rec.job_view(body, await self._runtime(body))
+        old = rec.stored_status(job.status)
+        view = await self._queue_in_effect(view, old)
+        # Nothing to read: a job being deleted gets nothing, and one waiting for its runtime has nothing yet.
+        if view.deleting or view.runtime_wait is not None:
+            decision = rec.decide(view, old, rec.Observed(), self.clock())
+            await self._record(job, decision)
+            return decision
+        # Children never created (e.g. the job waited for its pool): create them now, not at the next resync.
+        full = full or view.record_applied is not None
+        if full:
+            job.next_full = asyncio.get_running_loop().time() + self.config.resync_interval
+            await self._relisted(job.namespace)
+        pool: pools.PoolView | None = None
+        if view.job is not None and view.job.spec.inference.pool_ref is not None:
+            pool = await self._pool_view(view, full=full)
+        # A job on a pool is planned with it; one whose pool is missing or does not fit gets no children.
+        job_plan = None
+        if view.job is not None and (pool is None or pool.usable_by(view.job)):
+            job_plan = plan(view.job, pool=pool.pool if pool else None)
+        try:
+            blocked: list[rec.ChildRef] = []
+            if full and job_plan is not None and not rec.is_finished(old):
+                blocked += await self._ensure_kept_children(job, view, job_plan)
+            if (
+                view.record_applied is not None
+                and not blocked
+                and job_plan is not None
+                and not job_plan.job.spec.suspend
+            ):
+                # First pass of a new job whose kept children were all just created: its workloads cannot exist
+                # yet (were they there after all, creating them answers 409 and the next pass reads their owner).
+                assert view.job is not None
+                queued = view.job.queue_name is not None and not job.queue_api_missing
+                claims, queue_workload = await asyncio.gather(
+                    self._claims(job, view),
+                    # Just ensured: an ending before the job ever starts finishes it too (reconcile._ended), or Kueue
+                    # would admit a failed job's Workload and hold its quota.
+                    self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name) if queued else _none(),
+                )
+                observed = rec.Observed(
+                    claims=claims,
+                    pool=pool,
+                    queue_workload=queue_workload,
+                    queue_api_missing=job.queue_api_missing,
+                    token=job.token,
+                )
+            else:
+                observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
+            if job.queue_api_missing and observed.queue_workload is None:
+                job.next_full = 0.0  # its Workload could not be created (no Kueue yet): the next pass retries
+            if _deleting(job.body):  # found out while ensuring the kept children
+                view = dataclasses.replace(view, deleting=True)
+            decision = rec.decide(view, old, observed, self.clock())
+            if decision.create and view.record_applied is None and await self._owner_deleting(job):
+                # (A new job's first pass runs on the body its create handler was given: fresh enough.)
+                decision = rec.decide(dataclasses.replace(view, deleting=True), old, observed, self.clock())
+            if decision.read_flavors:
+                # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
+                flavors = await self._flavors(decision.read_flavors)
+                decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
+            if any(obj["kind"] == "Job" for obj in decision.create):
+                left = await self._trainer_pods_left(view)
+                if left:
+                    observed = dataclasses.replace(observed, trainer_pods_left=left)
+                    decision = rec.decide(view, old, observed, self.clock())
+            if any(obj["kind"] in rec.WORKLOAD_KINDS for obj in decision.create):
+                managed = await self._managed_secret(view)
+                if managed is not None:
+                    decision = rec.decide_managed_secret(
+                        view, old, *managed, self.clock(), queue_workload=observed.queue_workload
+                    )
+            # Before a restart (or the end) deletes the failed trainer's pods: keep its log tail (status, event).
+            decision = await attempts.kept_in(decision, old, observed, view.namespace, self.client)
+            if not await self._change_workloads(job, decision):
+                # Taken meanwhile (e.g. by an older job of this name): look again soon, owner and all.
+                decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
+        except ChildRefused as refused:
+            queue_workload = None
+            if view.job is not None and view.job.queue_name is not None and not refused.refusal.transient:
+                # The job ends: its Workload is marked Finished (reconcile._ended), so that its quota goes back.
+                queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
+            decision = rec.decide_refused(view, old, refused.refusal, self.clock(), queue_workload=queue_workload)
+            logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
+            await self._record(job, decision)
+            if refused.refusal.transient:
+                raise refused.error from None
+            return decision
+        if not await self._record(job, decision):
+            decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
+        return decision
+
+    async def _observe(
+        self,
+        job: _Tracked,
+        view: rec.JobView,
+        old: JobStatus,
+        blocked: list[rec.ChildRef],
+        *,
+        full: bool,
+        job_plan: JobPlan | None,
+        pool: pools.PoolView | None,
+    ) -> rec.Observed:
+        if view.job is None:
+            return rec.Observed()
+        workloads = child_names(view.name)
+        on_pool = view.job.spec.inference.pool_ref is not None
+        trainer_job, inference = await asyncio.gather(
+            self._workload(kube.JOB, view.namespace, workloads["trainer"]),
+            # A job on a pool has no StatefulSet of its own.
+            _none() if on_pool else self._workload(kube.STATEFULSET, view.namespace, workloads["inference"]),
+        )
+        # A workload of a deleted job of the same name is not this job's: its state (e.g. Complete) says nothing.
+        if trainer_job is not None and obs.controller_uid(trainer_job) != view.uid:
+            blocked.append(rec.ChildRef("Job", workloads["trainer"]))
+            trainer_job = None
+        if inference is not None and obs.controller_uid(inference) != view.uid:
+            blocked.append(rec.ChildRef("StatefulSet", workloads["inference"]))
+            inference = None
+        spec = view.job.spec
+        pods: list[dict[str, Any]] = []
+        warnings: tuple[obs.NotReady, ...] = ()
+        not_ready = obs.job_ready(trainer_job) < spec.trainer.replicas or (
+            not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas
+        )
+        running = not spec.suspend and not rec.is_finished(old)
+        # A workload being deleted: which of its pods are still active says when the quota can go back
+        # (reconcile._nothing_active), as they are now (a listing taken before they ran would show none).
+        leaving = any(w is not None and obs.deleting(w) for w in (trainer_job, inference))
+        if (running and (trainer_job or inference) and not_ready) or leaving:
+            # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
+            # shared listing was taken), and the job's failure is final, so they are listed as they are now.
+            failed = obs.job_condition(trainer_job, "Failed") is not None or leaving
+            ours, events = await asyncio.gather(
+                self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=failed),
+                self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
+            )
+            pods = [p for p in ours if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
+            desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
+            present = [w for w in (trainer_job, inference) if w is not None]
+            warnings = obs.pod_warnings(events, present, pods, desired)
+        claims = (await self._claims(job, view) if full else job.claims) if running else {}
+        queue_workload = None
+        if view.job.queue_name is not None:
+            # Read once per pass: a full pass's _ensure_kept_children read it into the cache just before.
+            queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
+        report, error = None, None
+        if job_plan is not None and rec.should_poll_trainer(view, old, trainer_job):
+            try:
+                report = await self.trainer.fetch(status_url(job_plan))
+            except TrainerUnavailable as exc:
+                error = str(exc)
+        return rec.Observed(
+            trainer_job,
+            inference,
+            tuple(pods),
+            report,
+            error,
+            blocked=tuple(blocked),
+            warnings=warnings,
+            claims=claims,
+            queue_workload=queue_workload,
+            queue_api_missing=job.queue_api_missing,
+            pool=pool,
+            token=job.token,
+        )
+
+    async def _create(self, job: _Tracked, obj: Mapping[str, Any]) -> bool:
+        """Create if absent (False on 409); an API refusal becomes ChildRefused."""
+        try:
+            new = await self.client.create(obj)
+        except kube.ApiError as exc:
+            raise ChildRefused(exc, obj) from exc
+        if new:
+            logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
+        return new
+
+    async def _ensure_kept_children(self, job: _Tracked, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
+        """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
+        assert view.job is not None
+        if view.record_applied is not None:
+            # Recorded before anything is created, so a restarted operator always knows what the children run.
+            annotations = {names.APPLIED_SPEC_ANNOTATION: view.record_applied}
+            if view.record_runtime is not None:  # in the same write: a started job always knows both
+                annotations[names.RUNTIME_ANNOTATION] = view.record_runtime
+            patched = await self.client.patch(
+                kube.GRPOLORAJOB, job.namespace, job.name, {"metadata": {"annotations": annotations}}
+            )
+            if patched is None:
+                raise Gone(f"{job.namespace}/{job.name}")
+            job.body.setdefault("metadata", {}).setdefault("annotations", {}).update(annotations)
+        # A fresh token each time, used only if the Secret does not exist yet (create-if-absent). One made again for
+        # a running job (its Secret was deleted) re-keys the job as a whole (reconcile.decide, status.tokenDigest).
+        fresh = secrets.token_urlsafe(TOKEN_BYTES)
+        priority = None
+        queue_key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
+        if job_plan.job.queue_name is not None and not self.cache.get(queue_key):
+            priority = await self._priority(job_plan)  # its Workload may be about to be created
+        kept, _ = rec.children(
+            job_plan,
+            uid=view.uid,
+            token=fresh,
+            operator_namespace=self.config.operator_namespace,
+            priority=priority,
+        )
+
+        new_job = view.record_applied is not None
+        owner_check: asyncio.Future[bool] | None = None
+
+        async def owner_deleting() -> bool:
+            """Read once per pass, and only when a child is missing (see _owner_deleting)."""
+            nonlocal owner_check
+            if owner_check is None:
+                owner_check = asyncio.ensure_future(self._owner_deleting(job))
+            return await owner_check
+
+        async def ensure(obj: dict[str, Any]) -> rec.ChildRef | None:
+            kind, name = kube.kind_of(obj), obj["metadata"]["name"]
+            # A new job's children are normally absent: create first, and read only on a conflict. Later passes
+            # read first (drift repair without a failed create per child and pass).
+            existing = None if new_job else await self._kept(kind, job.namespace, name)
+            if existing is None:
+                if not new_job and await owner_deleting():
+                    return None
+                try:
+                    if await self._create(job, obj):
+                        if self.cache.get((kind.kind, job.namespace, name), _UNSEEN) is None:
+                            del self.cache[(kind.kind, job.namespace, name)]  # read from the API until the watch says
+                        if obj["kind"] == "Secret":
+                            job.token = token_fingerprint(fresh)
+                        return None
+                except ChildRefused as refused:
+                    if kind != kube.KUEUE_WORKLOAD or refused.error.status != 404:
+                        raise
+                    # Kueue is not installed (yet): the job waits for it (rec.decide says so) instead of failing.
+                    job.queue_api_missing = True
+                    return None
+                existing = await self._kept(kind, job.namespace, name, fresh=True)  # there already: whose is it?
+            if existing is not None and obs.controller_uid(existing) != view.uid:
+                return rec.ChildRef(kind.kind, name)
+            if existing is not None and obj["kind"] == "Secret":
+                token = pr.token_of(existing)
+                job.token = token_fingerprint(token) if token else None
+            return None
+
+        job.queue_api_missing = False
+        found = await asyncio.gather(*(ensure(obj) for obj in kept))
+        return [ref for ref in found if ref is not None]
+
+    async def _priority(self, job_plan: JobPlan) -> tuple[str, int] | None:
+        """(PriorityClass, value) for the job's Kueue Workload, as Kueue's integrations find it
+        (pkg/util/priority GetPriorityFromPriorityClass): the class the pods name, else the cluster's globalDefault
+        one; None: neither (Kueue ranks the Workload at 0). Listed, not watched: read only when a Workload is made,
+        and a cluster has few PriorityClasses. A class the pods name that does not exist is the Priority admission
+        plugin's to refuse, naming it, when the pods are created."""
+        name = builders.pods_priority_class(job_plan)
+        classes = await self.client.list(kube.PRIORITY_CLASS, None, {})  # type: ignore[arg-type]
+        for found in classes:
+            meta, value = found.get("metadata") or {}, found.get("value")
+            if isinstance(value, int) and (meta.get("name") == name if name else found.get("globalDefault") is True):
+                return str(meta.get("name")), value
+        if name:
+            logger.warning("%s: PriorityClass %s does not exist; its Workload gets no priority", job_plan.name, name)
+        return None
+
+    async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
+        """The job's RolloutPool: from the pools' watch (a cache, like the workloads'), or from the API on full passes
+        and when the watch has not shown it."""
+        assert view.job is not None and view.job.spec.inference.pool_ref is not None
+        name = view.job.spec.inference.pool_ref.name
+        key = (c.POOL_KIND, view.namespace, name)
+        if full or key not in self.cache:
+            found = await self.client.get(kube.ROLLOUTPOOL, view.namespace, name)
+            self._pool_seen(view.namespace, name, None if found is None else dict(found), found or {}, read=True)
+        body = self.cache.get(key)
+        return pools.pool_view(name, body)
+
+    async def _queue_in_effect(self, view: rec.JobView, old: JobStatus) -> rec.JobView:
+        """The view with the Kueue queue the job runs under (reconcile.with_queue_in_effect), from its Workload: read
+        (from the watch's cache, or the API) when the job names a queue, else only as the watch last showed it (a job
+        without a queue, and without a Workload, costs no read)."""
+        if view.job is None or view.deleting:
+            return view
+        key = (kube.KUEUE_WORKLOAD.kind, view.namespace, view.name)
+        if view.job.queue_name is not None or self.cache.get(key) is not None:
+            workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
+        else:
+            workload = None
+        return rec.with_queue_in_effect(view, old, workload)
+
+    async def _runtime(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The runtime a job names, read from the API while the job has not started (its passes then use the one it
+        recorded, and read none): one read a pass of a waiting job, at the monitor's interval."""
+        ref = rec.runtime_to_read(body)
+        if ref is None:
+            return None
+        kind = kube.CLUSTER_GRPOLORA_RUNTIME if ref.kind == c.CLUSTER_RUNTIME_KIND else kube.GRPOLORA_RUNTIME
+        namespace = (body.get("metadata") or {}).get("namespace", "default")
+        return await self.client.get(kind, namespace if kind.namespaced else None, ref.name)
+
+    async def _trainer_pods_left(self, view: rec.JobView) -> int:
+        """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.
+        Listed by their labels when a trainer Job is about to be created (rare: a job's start, a restart, a resume),
+        not from the shared listing, whose snapshot may be up to an interval old (and would then be stale for the
+        failure messages that later passes read from it)."""
+        labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: view.name, c.LABEL_ROLE: c.ROLE_TRAINER}
+        return len(await self.client.list(kube.POD, view.namespace, labels))
+
+    async def _managed_secret(self, view: rec.JobView) -> tuple[str, str] | None:
+        """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read
+        only when its pods are about to be created (a missing Secret is the kubelet's to report)."""
+        assert view.job is not None
+        named = view.job.spec.secret_references()
+        found = await asyncio.gather(*(self.client.get(kube.SECRET, view.namespace, name) for _, name in named))
+        for (path, name), secret in zip(named, found, strict=True):
+            labels = ((secret or {}).get("metadata") or {}).get("labels") or {}
+            if labels.get(c.LABEL_MANAGED_BY) == c.OPERATOR_NAME:
+                return path, name
+        return None
+
+    async def _flavors(self, names_: tuple[str, ...]) -> dict[str, dict[str, Any] | None]:
+        """Kueue ResourceFlavors by name (cluster-scoped; None: not found or not readable, e.g. without the chart's
+        kueue.resourceFlavors grant). Read only when workloads are about to be created, so no watch is kept (Kueue's
+        own integrations read them at the same moment). A transient API failure fails the pass (retried)."""
+
+        async def read(name: str) -> dict[str, Any] | None:
+            try:
+                return await self.client.get(kube.KUEUE_RESOURCE_FLAVOR, None, name)
+            except kube.ApiError as exc:
+                if exc.transient:
+                    raise
+                logger.warning("cannot read Kueue ResourceFlavor %s: %s", name, exc)
+                return None
+
+        found = await asyncio.gather(*(read(name) for name in names_))
+        return dict(zip(names_, found, strict=True))
+
+    async def _claims(self, job: _Tracked, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
+        """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
+        assert view.job is not None
+        uses = rec.volume_uses(view.job.spec)
+        found = await asyncio.gather(*(self.client.get(kube.PVC, view.namespace, use.claim) for use in uses))
+        job.claims = {
+            use.claim: tuple((claim.get("spec") or {}).get("accessModes") or ()) if claim else None
+            for use, claim in zip(uses, found, strict=True)
+        }
+        return job.claims
+
+    async def _change_workloads(self, job: _Tracked, decision: rec.Decision) -> bool:
+        """Delete, then create (never the same name in one pass); False if a create found the name taken (409)."""
+        # What we change, the watch reports later: read it from the API until then.
+        for kind, name in [(r.kind, r.name) for r in decision.delete] + [
+            (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
+        ]:
+            self.cache.pop((kind, job.namespace, name), None)
+        # In the foreground: a workload stays (with a deletionTimestamp) until its pods are gone, so a decision that
+        # sees it absent knows its pods are gone too (a restart, a resume or a re-admission never overlaps them).
+        await asyncio.gather(
+            *(
+                self.client.delete(kube.KINDS[r.kind], job.namespace, r.name, propagation="Foreground")
+                for r in decision.delete
+            )
+        )
+        for ref in decision.delete:
+            logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
+        created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
+        return all(created)
+
+    async def _write_queue_workload(self, job: _Tracked, decision: rec.Decision) -> bool:
+        """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch
+        holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
+        so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
+        write = decision.queue_workload_write
+        if write is None:
+            return True
+        key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
+        if write.spec is not None:
+            written = await self.client.patch(kube.KUEUE_WORKLOAD, job.namespace, job.name, write.spec)
+            if written is not None:
+                self._remember(key, dict(written), written)
+                logger.info("%s/%s: patched the Kueue Workload: %s", job.namespace, job.name, write.spec.get("spec"))
+            if write.status is not None:
+                return False  # the status patch was decided from the older version: decide again
+        if write.status is None:
+            return True
+        try:
+            written = await self.client.patch(
+                kube.KUEUE_WORKLOAD, job.namespace, job.name, write.status, subresource="status"
+            )
+        except kube.ApiError as exc:
+            if exc.status != 409:
+                raise
+            logger.info("%s/%s: the Kueue Workload changed meanwhile; deciding again", job.namespace, job.name)
+            self.cache.pop(key, None)
+            return False
+        if written is not None:
+            self._remember(key, dict(written), written)
+            if write.released:
+                logger.info("%s/%s: gave the Kueue Workload's quota back after its eviction", job.namespace, job.name)
+        return True
+
+    async def _record(self, job: _Tracked, decision: rec.Decision) -> bool:
+        """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
+        delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
+        patch = rec.status_patch(job.status, decision.status)
+        if patch is not None:
+            written = await self.client.patch(
+                kube.GRPOLORAJOB, job.namespace, job.name, {"status": patch}, subresource="status"
+            )
+            if written is None:
+                raise Gone(f"{job.namespace}/{job.name}")
+            job.status = dict(written.get("status") or decision.status.to_wire())
+        self.metrics.set_job(job.namespace, job.name, decision.status)
+        queue_written = await self._write_queue_workload(job, decision)
+        involved = {"namespace": job.namespace, "name": job.name, "uid": job.uid}
+        for event in decision.events:
+            try:
+                await self.client.post_event(involved, event.type, event.reason, event.message, now=self.clock())
+            except kube.ApiError as exc:
+                logger.warning("%s/%s: could not post event %s: %s", job.namespace, job.name, event.reason, exc)
+        if decision.delete_job:
+            await self.client.delete(kube.GRPOLORAJOB, job.namespace, job.name)
+            logger.info("%s/%s: deleted after ttlSecondsAfterFinished", job.namespace, job.name)
+            raise Gone(f"{job.namespace}/{job.name}")
+        return queue_written
+
+
+async def _none() -> None:
+    return None
