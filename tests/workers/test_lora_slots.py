@@ -8,10 +8,12 @@ import asyncio
 from dataclasses import replace
 
 import pytest
+import torch
 
 from grpolora.api.spec import min_lora_slots
 from grpolora.workers.inference.adapter_book import OwnEngineBook, versions_to_unload
 from grpolora.workers.inference.vllm_engine import EngineConfig, config_for
+from grpolora.workers.inference.vllm_worker import AdapterExtension
 from tests.helpers import job_doc
 
 
@@ -279,5 +281,76 @@ def test_a_failed_or_stuck_activation_leaves_no_lora_id_behind(tmp_path, monkeyp
             await engine._activate(5, never_answers)
         assert vllm.removed == [4, 5]  # the ids each may have left on some workers
         assert engine.live_version == 3 and 4 not in engine._loaded and 5 not in engine._loaded
+
+    asyncio.run(scenario())
+
+
+class TPWorker(AdapterExtension):
+    """One TP rank's vLLM worker as the extension uses it: vLLM's Worker.add_lora/remove_lora (each answers a
+    bool), the LoRA ids loaded on this rank, and the extension's held payloads (real shared-memory mappings)."""
+
+    def __init__(self, rank: int, fails: bool = False):
+        self.rank, self.fails = rank, fails
+        self.loras: set[int] = set()
+        self._grpolora_adapters: dict = {}  # made here: no vLLM loader to hook
+
+    def add_lora(self, request) -> bool:
+        if self.fails:
+            raise RuntimeError(f"worker {self.rank}: CUDA out of memory")
+        self.loras.add(request.lora_int_id)
+        return True
+
+    def remove_lora(self, lora_id: int) -> bool:
+        present = lora_id in self.loras
+        self.loras.discard(lora_id)
+        return present
+
+
+class TensorParallelExecutor:
+    """AsyncLLM.collective_rpc over vLLM's MultiprocExecutor (vllm/v1/executor/multiproc_executor.py,
+    collective_rpc): the call is broadcast to every worker through one queue, so each runs it whatever the others
+    do; the responses are then read in rank order and the first that is not a success raises
+    RuntimeError("Worker failed with error ...") -- with the other ranks' work already done."""
+
+    def __init__(self, workers: list[TPWorker]):
+        self.workers = workers
+
+    async def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        outcomes = []
+        for worker in self.workers:
+            try:
+                outcomes.append((True, getattr(worker, method)(*args)))
+            except Exception as exc:
+                outcomes.append((False, exc))
+        for ok, result in outcomes:
+            if not ok:
+                raise RuntimeError(f"Worker failed with error '{result}', please check the stack trace above")
+        return [result for _, result in outcomes]
+
+
+def test_an_activation_failing_on_one_of_two_tp_workers_leaves_the_lora_on_neither():
+    """Issue 36: with tensor parallelism an activation is one collective_rpc into every worker. Rank 1 running out
+    of memory while rank 0 loads the LoRA (and maps its payload) left rank 0 holding both under an id the book never
+    recorded, for the engine's life. The book removes the id on every worker; a later version loads on both."""
+    workers = [TPWorker(0), TPWorker(1, fails=True)]
+    config = EngineConfig(model_dir="m", dtype="float32", max_lora_rank=8, max_loras=2, kept_versions=1)
+    tensors = {"layers.0.q_proj.lora_A.weight": torch.ones(8, 4), "layers.0.q_proj.lora_B.weight": torch.ones(4, 8)}
+
+    async def scenario() -> None:
+        book = OwnEngineBook(config)
+        book._engine._engine = TensorParallelExecutor(workers)
+        book._loop, book._version_changed = asyncio.get_running_loop(), asyncio.Condition()
+        with pytest.raises(RuntimeError, match="worker 1: CUDA out of memory"):
+            await asyncio.to_thread(book.activate, 1, tensors, {"r": 8})
+        assert [w.loras for w in workers] == [set(), set()]
+        assert [w._grpolora_adapters for w in workers] == [{}, {}]  # rank 0's payload mapping closed too
+        assert book.live_version == 0 and book.lora_ids() == []
+        workers[1].fails = False
+        await asyncio.to_thread(book.activate, 1, tensors, {"r": 8})
+        lora_id = book.lora_ids()
+        assert [sorted(w.loras) for w in workers] == [lora_id, lora_id] and book.live_version == 1
+        for worker in workers:
+            for held in worker._grpolora_adapters.values():
+                held.payload.close()
 
     asyncio.run(scenario())
