@@ -16,7 +16,7 @@ from grpolora.workers.inference.gpu_headroom import (
 
 GIB = 1 << 30
 
-# bench/gpu_scale.py's 8B configuration.
+# Qwen3-8B's config.json sizes (bench/gpu_scale.py's QWEN3_8B), written out: the numbers below are computed by hand.
 EIGHT_B = {
     "hidden_size": 4096,
     "intermediate_size": 12288,

@@ -12,6 +12,8 @@ import multiprocessing as mp
 import os
 import threading
 import time
+from collections.abc import Callable
+from multiprocessing.process import BaseProcess
 
 import pytest
 import torch
@@ -68,24 +70,29 @@ class RecordingBook:
         self.segments.append(segment)
 
 
-@pytest.fixture
-def link():
-    """A MemberLink whose worker end is a process of its own (spawned: nothing of this process is inherited)."""
+def started_link(worker: Callable[[str, str], None] = worker_end) -> tuple[MemberLink, BaseProcess]:
+    """A started MemberLink whose worker end `worker` is a process of its own (spawned: nothing of this process is
+    inherited), and that process."""
     made = MemberLink(timeout_seconds=LINK_TIMEOUT)
     processes = []
 
     async def connect(address: str, authkey_hex: str) -> list[bool]:
-        process = mp.get_context("spawn").Process(target=worker_end, args=(address, authkey_hex), daemon=True)
+        process = mp.get_context("spawn").Process(target=worker, args=(address, authkey_hex), daemon=True)
         process.start()
         processes.append(process)
         return [True]
 
     asyncio.run(made.start(connect))
+    return made, processes[0]
+
+
+@pytest.fixture
+def link():
+    made, process = started_link()
     yield made
     made.close()
-    for process in processes:
-        process.join(30)
-        assert process.exitcode == 0, "the worker end did not leave when the HTTP process's link closed"
+    process.join(30)
+    assert process.exitcode == 0, "the worker end did not leave when the HTTP process's link closed"
 
 
 def adapter(seed: int) -> dict[str, torch.Tensor]:
@@ -258,15 +265,7 @@ def budgeted_worker_end(address: str, authkey_hex: str) -> None:
 def test_a_gpu_replica_refuses_a_tenant_whose_sync_member_would_not_fit_outside_vllms_budget():
     """Issue 36: each tenant's member keeps a communicator and an adapter-sized buffer outside gpuMemoryUtilization;
     the worker refuses the attachment that would not fit, with the numbers, and keeps serving the tenants it has."""
-    made = MemberLink(timeout_seconds=LINK_TIMEOUT)
-
-    async def connect(address: str, authkey_hex: str) -> list[bool]:
-        process = mp.get_context("spawn").Process(target=budgeted_worker_end, args=(address, authkey_hex), daemon=True)
-        process.start()
-        connect.process = process
-        return [True]
-
-    asyncio.run(made.start(connect))
+    made, process = started_link(budgeted_worker_end)
     members = sync_member_factory(lambda: made, replica_index=0, fingerprint=lambda: "fp")
     first = members(RecordingBook(), KEY, "ns/a")
     try:
@@ -282,8 +281,8 @@ def test_a_gpu_replica_refuses_a_tenant_whose_sync_member_would_not_fit_outside_
     finally:
         first.close()
         made.close()
-        connect.process.join(30)
-    assert connect.process.exitcode == 0
+        process.join(30)
+    assert process.exitcode == 0
 
 
 def test_a_failed_activation_is_reported_and_the_old_version_keeps_serving(link):
@@ -384,17 +383,9 @@ def test_a_member_host_removes_the_staging_segments_of_members_killed_mid_round(
     for path in gone + kept:
         open(path, "wb").close()
     try:
-        made = MemberLink(timeout_seconds=LINK_TIMEOUT)
-
-        async def connect(address: str, authkey_hex: str) -> list[bool]:
-            process = mp.get_context("spawn").Process(target=worker_end, args=(address, authkey_hex), daemon=True)
-            process.start()
-            connect.process = process
-            return [True]
-
-        asyncio.run(made.start(connect))
+        made, process = started_link()
         made.close()
-        connect.process.join(30)
+        process.join(30)
         assert not os.path.exists(stale) and os.path.exists(live)
         assert [path for path in gone if os.path.exists(path)] == []
         assert [path for path in kept if not os.path.exists(path)] == []
