@@ -237,7 +237,8 @@ class AttachmentList:
         self.poll_seconds = poll_seconds
         self._text: str | None = None  # the content last read (good or bad), so that each change is read once
         self._entries: dict[str, Attachment] = {}  # the last good list, by job
-        self.error: str | None = None  # why the file as it is now is not used (None: it is)
+        self.list_error: str | None = None  # why the file as it is now is not used (None: it is)
+        self._refused: dict[str, str] = {}  # listed jobs the member worker refused, with its reason
         self.replicas_path = replicas_file(path)
         self._replicas_text: str | None = None
         self.replicas: PoolReplicas | None = None  # the pool's replicas as last read well (None: none read yet)
@@ -265,40 +266,55 @@ class AttachmentList:
         except OSError as exc:
             text = f"<unreadable: {exc}>"
             if text != self._text:
-                self._text, self.error = text, f"{self.path}: cannot be read ({exc}); keeping the last good list"
-                log.error("attachment list %s", self.error)
+                self._text = text
+                self.list_error = f"{self.path}: cannot be read ({exc}); keeping the last good list"
+                log.error("attachment list %s", self.list_error)
             return
         if text == self._text:
+            if self._refused:
+                self._attach_missing()
             return
         self._text = text
         try:
             wanted = self._parse(text)
         except ValueError as exc:
-            self.error = f"{self.path}: {exc}; keeping the last good list ({len(self._entries)} jobs)"
-            log.error("attachment list %s", self.error)
+            self.list_error = f"{self.path}: {exc}; keeping the last good list ({len(self._entries)} jobs)"
+            log.error("attachment list %s", self.list_error)
             return
-        self.error = None
+        self.list_error = None
         # A job whose token or key changed is another tenant: detached, then attached afresh.
         gone = [j for j, a in self._entries.items() if j not in wanted or _keys(a) != _keys(wanted[j])]
         self._entries = wanted
         for job in gone:
             self.tenants.detach(job)
-        refused = []
         for job, entry in wanted.items():
             tenant = self.tenants.get(job)
-            if tenant is None:
-                try:
-                    self.tenants.attach(self._make_tenant(entry))
-                except RuntimeError as exc:
-                    # The member worker refused it (on a GPU: its member would not fit outside gpuMemoryUtilization,
-                    # gpu_headroom.py): the other jobs are attached all the same; the next change of the list
-                    # tries it again.
-                    refused.append(f"job {job} not attached: {exc}")
-                    log.error("attachment list %s: job %s not attached: %s", self.path, job, exc)
-            else:
+            if tenant is not None:
                 tenant.book.kept_versions = entry.kept_versions
-        if refused:
-            self.error = f"{self.path}: {'; '.join(refused)}"
+        self._attach_missing()
+
+    def _attach_missing(self) -> None:
+        """Attach each job of the last good list not attached yet. One the member worker refuses (on a GPU: its
+        member would not fit outside gpuMemoryUtilization, gpu_headroom.py) is left out, the others attached all the
+        same, and tried again at every poll: a job detached a moment ago may still hold its member (it leaves in the
+        background), and the job that replaces it must not wait for the next change of the list."""
+        refused = {}
+        for job, entry in self._entries.items():
+            if self.tenants.get(job) is not None:
+                continue
+            try:
+                self.tenants.attach(self._make_tenant(entry))
+            except RuntimeError as exc:
+                refused[job] = f"job {job} not attached: {exc}"
+                if self._refused.get(job) != refused[job]:  # logged once, not at every poll
+                    log.error("attachment list %s: %s", self.path, refused[job])
+        self._refused = refused
+
+    @property
+    def error(self) -> str | None:
+        """What of the list is not applied, and why (None: all of it is)."""
+        refused = f"{self.path}: {'; '.join(self._refused.values())}" if self._refused else None
+        return "; ".join(e for e in (self.list_error, refused) if e) or None
 
     async def _refresh_replicas(self) -> None:
         """The pool's replicas beside the list (absent: a pool of an earlier release; unreadable or invalid: the last
