@@ -119,7 +119,7 @@ def build_registry() -> kopf.OperatorRegistry:
     # Only spec changes matter (our own annotation and status writes must not trigger a pass).
     kopf.on.update(*resource, registry=registry, id="reconcile", field="spec")(reconcile)
     # And the Kueue queue label, which moves a job that waits to another queue (or out of Kueue) and is held while
-    # Kueue admits it (reconcile.with_queue_in_effect).
+    # Kueue admits it (job_view.with_queue_in_effect).
     queue_label = ("metadata", "labels", c.KUEUE_QUEUE_LABEL)
     kopf.on.update(*resource, registry=registry, id="queue-label", field=queue_label)(reconcile)
     # Filtered before invocation, so the other events (every status write) cost nothing and log nothing.

@@ -18,6 +18,8 @@ from grpolora.operator import attempts, builders, kube, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
+from grpolora.operator.job_status import is_finished, status_patch, stored_status
+from grpolora.operator.job_view import JobView, job_view, runtime_to_read, with_queue_in_effect
 from grpolora.operator.scheduler import Gone, _deleting, _Tracked
 from grpolora.operator.trainer_client import TrainerUnavailable, status_url
 from grpolora.operator.watch_cache import _UNSEEN
@@ -44,8 +46,8 @@ class JobPass:
         """One reconcile pass (full: children read from the API; see grpolora.operator.controller)."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         body = {**job.body, "status": job.status}
-        view = rec.job_view(body, await self._runtime(body))
-        old = rec.stored_status(job.status)
+        view = job_view(body, await self._runtime(body))
+        old = stored_status(job.status)
         view = await self._queue_in_effect(view, old)
         # Nothing to read: a job being deleted gets nothing, and one waiting for its runtime has nothing yet.
         if view.deleting or view.runtime_wait is not None:
@@ -66,7 +68,7 @@ class JobPass:
             job_plan = plan(view.job, pool=pool.pool if pool else None)
         try:
             blocked: list[rec.ChildRef] = []
-            if full and job_plan is not None and not rec.is_finished(old):
+            if full and job_plan is not None and not is_finished(old):
                 blocked += await self._ensure_kept_children(job, view, job_plan)
             if (
                 view.record_applied is not None
@@ -139,7 +141,7 @@ class JobPass:
     async def _observe(
         self,
         job: _Tracked,
-        view: rec.JobView,
+        view: JobView,
         old: JobStatus,
         blocked: list[rec.ChildRef],
         *,
@@ -169,7 +171,7 @@ class JobPass:
         not_ready = obs.job_ready(trainer_job) < spec.trainer.replicas or (
             not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas
         )
-        running = not spec.suspend and not rec.is_finished(old)
+        running = not spec.suspend and not is_finished(old)
         # A workload being deleted: which of its pods are still active says when the quota can go back
         # (reconcile._nothing_active), as they are now (a listing taken before they ran would show none).
         leaving = any(w is not None and obs.deleting(w) for w in (trainer_job, inference))
@@ -221,7 +223,7 @@ class JobPass:
             logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
         return new
 
-    async def _ensure_kept_children(self, job: _Tracked, view: rec.JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
+    async def _ensure_kept_children(self, job: _Tracked, view: JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
         """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
         assert view.job is not None
         if view.record_applied is not None:
@@ -309,7 +311,7 @@ class JobPass:
             logger.warning("%s: PriorityClass %s does not exist; its Workload gets no priority", job_plan.name, name)
         return None
 
-    async def _pool_view(self, view: rec.JobView, *, full: bool) -> pools.PoolView:
+    async def _pool_view(self, view: JobView, *, full: bool) -> pools.PoolView:
         """The job's RolloutPool: from the pools' watch (a cache, like the workloads'), or from the API on full passes
         and when the watch has not shown it."""
         assert view.job is not None and view.job.spec.inference.pool_ref is not None
@@ -321,8 +323,8 @@ class JobPass:
         body = self.cache.get(key)
         return pools.pool_view(name, body)
 
-    async def _queue_in_effect(self, view: rec.JobView, old: JobStatus) -> rec.JobView:
-        """The view with the Kueue queue the job runs under (reconcile.with_queue_in_effect), from its Workload: read
+    async def _queue_in_effect(self, view: JobView, old: JobStatus) -> JobView:
+        """The view with the Kueue queue the job runs under (job_view.with_queue_in_effect), from its Workload: read
         (from the watch's cache, or the API) when the job names a queue, else only as the watch last showed it (a job
         without a queue, and without a Workload, costs no read)."""
         if view.job is None or view.deleting:
@@ -332,19 +334,19 @@ class JobPass:
             workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
         else:
             workload = None
-        return rec.with_queue_in_effect(view, old, workload)
+        return with_queue_in_effect(view, old, workload)
 
     async def _runtime(self, body: Mapping[str, Any]) -> dict[str, Any] | None:
         """The runtime a job names, read from the API while the job has not started (its passes then use the one it
         recorded, and read none): one read a pass of a waiting job, at the monitor's interval."""
-        ref = rec.runtime_to_read(body)
+        ref = runtime_to_read(body)
         if ref is None:
             return None
         kind = kube.CLUSTER_GRPOLORA_RUNTIME if ref.kind == c.CLUSTER_RUNTIME_KIND else kube.GRPOLORA_RUNTIME
         namespace = (body.get("metadata") or {}).get("namespace", "default")
         return await self.client.get(kind, namespace if kind.namespaced else None, ref.name)
 
-    async def _trainer_pods_left(self, view: rec.JobView) -> int:
+    async def _trainer_pods_left(self, view: JobView) -> int:
         """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.
         Listed by their labels when a trainer Job is about to be created (rare: a job's start, a restart, a resume),
         not from the shared listing, whose snapshot may be up to an interval old (and would then be stale for the
@@ -352,7 +354,7 @@ class JobPass:
         labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: view.name, c.LABEL_ROLE: c.ROLE_TRAINER}
         return len(await self.client.list(kube.POD, view.namespace, labels))
 
-    async def _managed_secret(self, view: rec.JobView) -> tuple[str, str] | None:
+    async def _managed_secret(self, view: JobView) -> tuple[str, str] | None:
         """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read
         only when its pods are about to be created (a missing Secret is the kubelet's to report)."""
         assert view.job is not None
@@ -381,7 +383,7 @@ class JobPass:
         found = await asyncio.gather(*(read(name) for name in names_))
         return dict(zip(names_, found, strict=True))
 
-    async def _claims(self, job: _Tracked, view: rec.JobView) -> dict[str, tuple[str, ...] | None]:
+    async def _claims(self, job: _Tracked, view: JobView) -> dict[str, tuple[str, ...] | None]:
         """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
         assert view.job is not None
         uses = rec.volume_uses(view.job.spec)
@@ -448,7 +450,7 @@ class JobPass:
     async def _record(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
         delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
-        patch = rec.status_patch(job.status, decision.status)
+        patch = status_patch(job.status, decision.status)
         if patch is not None:
             written = await self.client.patch(
                 kube.GRPOLORAJOB, job.namespace, job.name, {"status": patch}, subresource="status"

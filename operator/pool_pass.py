@@ -15,6 +15,7 @@ from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
 from grpolora.operator.job_pass import ChildRefused
+from grpolora.operator.job_status import status_patch
 from grpolora.operator.scheduler import Gone, _Tracked
 from grpolora.operator.watch_cache import _version
 
@@ -222,7 +223,7 @@ class PoolPass:
     async def _record_pool(self, pool: _Tracked, status: PoolStatus, events: tuple[rec.Event, ...] = ()) -> None:
         """Write the pool's status (once per pass, skipped when unchanged), let its jobs see it at once, then post
         the pool's events (only after the write succeeded, as a job's)."""
-        patch = rec.status_patch(pool.status, status)
+        patch = status_patch(pool.status, status)
         if patch is None:
             self.metrics.set_pool(pool.namespace, pool.name, status)  # unchanged (an operator restarted: report it)
             return

@@ -173,7 +173,7 @@ class Scheduler:
 
     def deleting(self, body: Mapping[str, Any]) -> None:
         """The job got a deletionTimestamp (e.g. `kubectl delete --cascade=foreground`): its passes create nothing
-        from now on (see reconcile.JobView.deleting)."""
+        from now on (see job_view.JobView.deleting)."""
         meta = body.get("metadata") or {}
         self._mark_deleting(self.jobs.get((meta.get("namespace", ""), meta.get("name", ""))), body)
 

@@ -12,7 +12,7 @@ import pytest
 from grpolora.api.crd import crd
 from grpolora.api.load import InvalidJob, parse_job
 from grpolora.api.spec import GRPOSpec, max_job_name_length
-from grpolora.operator.reconcile import changed_fields
+from grpolora.operator.job_view import changed_fields
 from grpolora.testing.kube_apiserver import cel_rules, cel_violations
 from tests.helpers import EXAMPLES, job_doc
 

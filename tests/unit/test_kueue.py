@@ -15,18 +15,9 @@ from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.api.status import JobStatus, PoolStatus
 from grpolora.operator import builders, kueue, names
+from grpolora.operator.job_view import job_view, spec_json, with_queue_in_effect
 from grpolora.operator.pools import PoolView
-from grpolora.operator.reconcile import (
-    ChildRef,
-    Observed,
-    Refusal,
-    decide,
-    decide_managed_secret,
-    decide_refused,
-    job_view,
-    spec_json,
-    with_queue_in_effect,
-)
+from grpolora.operator.reconcile import ChildRef, Observed, Refusal, decide, decide_managed_secret, decide_refused
 from tests.helpers import job_doc
 from tests.unit.test_operator_reconcile import NOW, body, condition, statefulset, trainer_job
 

@@ -10,8 +10,9 @@ import pytest
 
 from grpolora.api.status import JobStatus
 from grpolora.operator import handlers, kube, names
+from grpolora.operator.job_view import job_view
 from grpolora.operator.main import OperatorOptions, build_settings
-from grpolora.operator.reconcile import Decision, Observed, decide, job_view
+from grpolora.operator.reconcile import Decision, Observed, decide
 from grpolora.operator.scheduler import Gone
 from tests.helpers import job_doc
 
@@ -63,7 +64,7 @@ async def test_a_job_deleted_during_the_pass_is_not_an_error():
 
 def test_the_registry_has_one_reconcile_handler_for_create_resume_and_spec_updates():
     """For GRPOLoraJobs, and for RolloutPools through the same machinery; a job's Kueue queue label too (it moves a
-    waiting job to another queue, reconcile.with_queue_in_effect)."""
+    waiting job to another queue, job_view.with_queue_in_effect)."""
     registry = handlers.build_registry()
     for function, more in ((handlers.reconcile, {"queue-label/metadata.labels.kueue.x-k8s.io/queue-name"}),
                            (handlers.reconcile_pool, set())):  # fmt: skip

@@ -12,20 +12,17 @@ import pytest
 from grpolora.api.plan import plan
 from grpolora.api.status import JobStatus, RestartCounts, TrainerStatus
 from grpolora.operator import names
+from grpolora.operator.job_status import status_patch
+from grpolora.operator.job_view import JobView, changed_fields, job_view, spec_json
 from grpolora.operator.reconcile import (
     ChildRef,
     Decision,
-    JobView,
     Observed,
     Refusal,
-    changed_fields,
     children,
     decide,
     decide_refused,
-    job_view,
     should_poll_trainer,
-    spec_json,
-    status_patch,
 )
 from tests.helpers import job_doc
 

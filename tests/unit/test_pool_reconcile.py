@@ -6,8 +6,9 @@ import json
 
 from grpolora.api.status import AttachedJob, JobStatus, PoolStatus, RoleReplicas
 from grpolora.operator import names
+from grpolora.operator.job_view import job_view, spec_json
 from grpolora.operator.pools import PoolView
-from grpolora.operator.reconcile import ChildRef, Observed, decide, job_view, spec_json
+from grpolora.operator.reconcile import ChildRef, Observed, decide
 from tests.unit.test_operator_reconcile import NOW, body, trainer_job
 from tests.unit.test_pool import pool
 

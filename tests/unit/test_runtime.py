@@ -352,13 +352,13 @@ def test_eval_of_a_job_on_a_runtime_needs_the_runtime_and_checks_the_merge(tmp_p
     )
 
 
-# ---- the operator's view of a job on a runtime (pure: grpolora.operator.reconcile.job_view) ---------------------
+# ---- the operator's view of a job on a runtime (pure: grpolora.operator.job_view.job_view) ---------------------
 
 
 def _started(doc: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
     """`doc` as the operator left it when it started on `runtime`: both records written, condition Created."""
     from grpolora.operator import names
-    from grpolora.operator.reconcile import job_view
+    from grpolora.operator.job_view import job_view
 
     first = job_view(doc, runtime)
     assert first.record_applied and first.record_runtime
@@ -375,7 +375,7 @@ def _started(doc: dict[str, Any], runtime: dict[str, Any]) -> dict[str, Any]:
 
 def test_job_view_waits_for_a_missing_or_invalid_runtime_naming_it():
     from grpolora.operator import names
-    from grpolora.operator.reconcile import job_view
+    from grpolora.operator.job_view import job_view
 
     missing = job_view(on_runtime())
     assert missing.job is None and missing.runtime_wait is not None
@@ -388,7 +388,7 @@ def test_job_view_waits_for_a_missing_or_invalid_runtime_naming_it():
 
 
 def test_job_view_of_a_started_job_uses_the_recorded_runtime_not_the_live_one():
-    from grpolora.operator.reconcile import job_view, runtime_to_read
+    from grpolora.operator.job_view import job_view, runtime_to_read
 
     runtime = runtime_doc(trainer={"image": "img:1", "gpusPerReplica": 0}, sync={"backend": "gloo"})
     runtime["metadata"]["generation"] = 4
@@ -409,7 +409,8 @@ def test_the_runtime_resolved_condition_keeps_its_transition_time_over_passes():
     import datetime
 
     from grpolora.operator import names
-    from grpolora.operator.reconcile import Observed, decide, job_view
+    from grpolora.operator.job_view import job_view
+    from grpolora.operator.reconcile import Observed, decide
 
     runtime = runtime_doc(trainer={"gpusPerReplica": 0}, inference={"gpusPerReplica": 0}, sync={"backend": "gloo"})
     view = job_view(on_runtime(), runtime)
