@@ -403,6 +403,7 @@ def test_a_failing_worker_stops_the_run_with_its_error(tmp_path):
     job["spec"]["model"]["name"] = "/nonexistent/model"
     result = grpolora_run(job, tmp_path, tmp_path / "run")
     assert result.returncode == 1
-    assert "exited with code 1" in result.stderr and "model path /nonexistent/model does not exist" in result.stderr
+    # A model that is not there is a spec error: the worker exits 78 (EX_CONFIG), as a pod would for its failure policy.
+    assert "exited with code 78" in result.stderr and "model path /nonexistent/model does not exist" in result.stderr
     left = workers_left()
     assert not left, f"worker processes left running: {left}"
