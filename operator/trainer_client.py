@@ -71,9 +71,12 @@ class TrainerStatusClient:
         """The JSON body, read up to the cap (a declared Content-Length over it is refused before reading)."""
         if response.content_length is not None and response.content_length > self._max_bytes:
             raise _TooLarge(f"body over {self._max_bytes} bytes ({response.content_length})")
-        body = await response.content.read(self._max_bytes + 1)
-        if len(body) > self._max_bytes:
-            raise _TooLarge(f"body over {self._max_bytes} bytes")
+        # StreamReader.read(n) returns what is buffered (up to n bytes), not the body to its end: read piece by piece.
+        body = bytearray()
+        async for piece in response.content.iter_any():
+            body += piece
+            if len(body) > self._max_bytes:
+                raise _TooLarge(f"body over {self._max_bytes} bytes")
         return json.loads(body)
 
     def _refused(self, exc: BaseException) -> None:

@@ -57,6 +57,31 @@ async def test_a_status_body_over_the_cap_is_refused_and_counted(chunked):
         await runner.cleanup()
 
 
+async def test_a_status_under_the_cap_that_arrives_in_pieces_is_read_whole():
+    # aiohttp's StreamReader.read(n) returns what is buffered, up to n bytes, not the body to its end: a report sent
+    # in two writes with a pause between (a chunked body, or one split across TCP segments) must still be read whole.
+    body = json.dumps(REPORT).encode()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        response.enable_chunked_encoding()
+        await response.prepare(request)
+        await response.write(body[:10])
+        await asyncio.sleep(0.2)  # the pause between the pieces; the client must wait for the rest, whatever its length
+        await response.write(body[10:])
+        return response
+
+    runner, url = await serve(handler)
+    metrics = Metrics()
+    client = TrainerStatusClient(metrics=metrics)
+    try:
+        assert (await client.fetch(url)).step == 3
+        assert await client.json(url) == REPORT
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
 async def test_a_status_that_does_not_come_in_time_is_refused_and_counted():
     release = asyncio.Event()
 
