@@ -176,7 +176,9 @@ async def test_a_workload_kueue_deactivated_after_too_many_requeues_is_shown_so(
         assert (
             "RequeuingLimitExceeded" in message and "spec.active" in message and "to be admitted again" not in message
         )
-        assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+        # The quota goes back once no pod is active (6bd0807), which can be shown before the deleted Job has left the
+        # API (its foreground deletion waits for the pods): wait for it to go rather than catch it gone at once.
+        await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job deleted")
         assert kueue.workload("demo")["spec"]["active"] is False, "the operator does not undo Kueue's deactivation"
 
 
