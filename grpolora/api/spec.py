@@ -823,6 +823,52 @@ class TaskSpec(SpecModel):
         return self
 
 
+ENVIRONMENT_REF_PATTERN = REWARD_REF_PATTERN  # `package.module:factory`, found as reward plugins are
+
+
+class EnvironmentSpec(SpecModel):
+    """A multi-turn environment: each prompt of spec.task starts an episode in which the model and the environment
+    take turns (an assistant message, often a tool call; the environment's answer) until the environment says it
+    is done or a limit ends it. The episode's reward is the environment's, or else spec.task's reward of the last
+    assistant message. docs/tasks.md tells how to write one."""
+
+    # The enum on the string itself (not the Optional around it), where the CRD keeps it.
+    builtin: Annotated[str, Field(json_schema_extra={"enum": list(c.BUILTIN_ENVIRONMENTS)})] | None = None
+    """A built-in environment: `calculator` (the model may ask `<calc>12*7</calc>` and reads the result; for the
+    arithmetic task)."""
+    plugin: str | None = Field(default=None, pattern=ENVIRONMENT_REF_PATTERN)
+    """A plugin `package.module:factory`: factory() returns a new environment per episode, with reset(prompt) ->
+    opening messages (and tool specs) and step(assistant message) -> (messages to append, done, reward or None)."""
+    max_turns: int = Field(default=4, gt=0, le=c.MAX_EPISODE_TURNS)
+    """Assistant turns at most; an episode still going after the last is cut off (truncated, as a completion at
+    grpo.maxNewTokens is: grpo.maskTruncated takes it out of the loss)."""
+    max_episode_tokens: int = Field(default=1024, gt=0, le=c.MAX_MODEL_LEN)
+    """Tokens of a whole episode at most (opening, every turn, the environment's answers); each turn generates at
+    most grpo.maxNewTokens of what is left. An episode that reaches it is cut off (truncated)."""
+    step_timeout_seconds: float = Field(default=30.0, gt=0, le=c.MAX_TIMEOUT_SECONDS)
+    """A reset or step that takes longer ends its episode with an environment error (counted; the run goes on)."""
+
+    @model_validator(mode="after")
+    def _one_kind(self) -> EnvironmentSpec:
+        errors: list[tuple[str, str]] = []
+        if (self.builtin is None) == (self.plugin is None):
+            errors.append(("", "set exactly one of `builtin` (a built-in environment) or `plugin` "
+                           "(package.module:factory)"))  # fmt: skip
+        if self.builtin is not None and self.builtin not in c.BUILTIN_ENVIRONMENTS:
+            errors.append(("builtin", f"unknown built-in environment {self.builtin!r}; valid: "
+                           f"{', '.join(c.BUILTIN_ENVIRONMENTS)}"))  # fmt: skip
+        raise_if_any(errors)
+        return self
+
+    @field_validator("plugin", mode="before")
+    @classmethod
+    def _factory_ref(cls, value: Any) -> Any:
+        # Checked before the pattern so that the message says what the field takes.
+        if isinstance(value, str) and not re.match(ENVIRONMENT_REF_PATTERN, value):
+            raise ValueError(f"{value!r} should match pattern package.module:factory")
+        return value
+
+
 class NetworkPolicySpec(SpecModel):
     enabled: bool = True
     """Create a NetworkPolicy that admits traffic to the job's pods only from the job's own pods (and the
@@ -1305,6 +1351,9 @@ class GRPOLoraJobSpec(SpecModel):
     """GRPO hyperparameters."""
     task: TaskSpec = Field(default_factory=lambda: TaskSpec(name="arithmetic"))
     """Where prompts and rewards come from. Not set: the built-in `arithmetic` task (`grpolora validate` warns)."""
+    environment: EnvironmentSpec | None = None
+    """Multi-turn episodes against an environment (a tool, a game) instead of one completion per sample; spec.task
+    gives the prompts that start them and the reward where the environment gives none."""
     trainer: TrainerSpec = Field(default_factory=TrainerSpec)
     """The trainer role (torch.distributed among its ranks; rank 0 drives GRPO and sends the adapter)."""
     inference: InferenceSpec = Field(default_factory=InferenceSpec)
@@ -1348,6 +1397,7 @@ class GRPOLoraJobSpec(SpecModel):
                 for alias in own
             ]
         errors += inf.serving_errors("inference.")
+        errors += self._environment_errors()
         dataset = self.task.dataset
         if self.eval is not None and dataset is not None and dataset.eval is None:
             errors.append(("eval", "a dataset task evaluates on held-out prompts: set spec.task.dataset.eval"))
@@ -1401,6 +1451,24 @@ class GRPOLoraJobSpec(SpecModel):
                 ]  # fmt: skip
         raise_if_any(errors)
         return self
+
+    def _environment_errors(self) -> list[tuple[str, str]]:
+        env = self.environment
+        if env is None:
+            return []
+        errors = []
+        budget, turn = env.max_episode_tokens, self.grpo.max_new_tokens
+        if budget <= turn:
+            message = f"{budget} leaves no room for an opening and a turn of grpo.maxNewTokens ({turn}); give more"
+            errors.append(("environment.maxEpisodeTokens", message))
+        longest = self.inference.max_model_len
+        if longest is not None and budget > longest:
+            message = f"{budget} does not fit in inference.maxModelLen ({longest}), which holds a whole episode"
+            errors.append(("environment.maxEpisodeTokens", message))
+        if self.eval is not None:
+            errors.append(("eval", "evaluation runs single-turn prompts, not an environment's episodes (not yet "
+                           "supported with spec.environment): remove spec.eval"))  # fmt: skip
+        return errors
 
     def secret_references(self) -> list[tuple[str, str]]:
         """(field path, Secret name) of every Secret the job's pods read by the job's say (not its own token)."""

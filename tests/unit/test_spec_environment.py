@@ -1,0 +1,77 @@
+"""spec.environment (issue 39): a multi-turn environment beside spec.task, each rule's error naming its field and
+what would be valid, in `grpolora validate` and in the CRD."""
+
+from __future__ import annotations
+
+import pytest
+
+from grpolora.api import constants as c
+from grpolora.api.crd import crd
+from grpolora.api.load import InvalidJob, parse_job
+from grpolora.api.spec import GRPOLoraJobSpec
+from tests.helpers import job_doc
+
+
+def problems_of(doc) -> list[str]:
+    with pytest.raises(InvalidJob) as info:
+        parse_job(doc)
+    return [str(p) for p in info.value.problems]
+
+
+def test_no_environment_by_default_and_the_builtin_defaults():
+    assert parse_job(job_doc()).spec.environment is None
+    env = parse_job(job_doc(environment={"builtin": "calculator"})).spec.environment
+    assert (env.builtin, env.plugin, env.max_turns, env.max_episode_tokens, env.step_timeout_seconds) == (
+        "calculator", None, 4, 1024, 30.0,
+    )  # fmt: skip
+    # What reaches the workers (defaults written) parses to the same environment.
+    wire = parse_job(job_doc(environment={"builtin": "calculator"})).spec.to_wire()
+    assert GRPOLoraJobSpec.model_validate(wire).environment == env
+
+
+def test_a_plugin_environment():
+    env = parse_job(job_doc(environment={"plugin": "my_envs.guess:make", "maxTurns": 8})).spec.environment
+    assert (env.plugin, env.max_turns) == ("my_envs.guess:make", 8)
+
+
+@pytest.mark.parametrize(
+    ("environment", "path", "says"),
+    [
+        ({}, "spec.environment", "exactly one of `builtin`"),
+        ({"builtin": "calculator", "plugin": "a:b"}, "spec.environment", "exactly one of `builtin`"),
+        ({"builtin": "chess"}, "spec.environment.builtin", "valid: calculator"),
+        ({"plugin": "not a ref"}, "spec.environment.plugin", "package.module:factory"),
+        ({"builtin": "calculator", "maxTurns": 0}, "spec.environment.maxTurns", "greater than 0"),
+        ({"builtin": "calculator", "maxTurns": c.MAX_EPISODE_TURNS + 1}, "spec.environment.maxTurns", "less than"),
+        ({"builtin": "calculator", "maxEpisodeTokens": 0}, "spec.environment.maxEpisodeTokens", "greater than 0"),
+        ({"builtin": "calculator", "stepTimeoutSeconds": 0}, "spec.environment.stepTimeoutSeconds", "greater"),
+        ({"builtin": "calculator", "turns": 3}, "spec.environment.turns", "did you mean `maxTurns`"),
+    ],
+)
+def test_bad_environments_name_the_field(environment, path, says):
+    problems = problems_of(job_doc(environment=environment))
+    assert any(p.startswith(f"{path}:") and says in p for p in problems), problems
+
+
+def test_episode_budget_must_fit_the_model_length_and_hold_a_turn():
+    problems = problems_of(
+        job_doc(environment={"builtin": "calculator", "maxEpisodeTokens": 4096}, inference={"maxModelLen": 2048})
+    )
+    assert any(p.startswith("spec.environment.maxEpisodeTokens:") and "2048" in p for p in problems), problems
+    problems = problems_of(job_doc(environment={"builtin": "calculator", "maxEpisodeTokens": 100}))
+    assert any(p.startswith("spec.environment.maxEpisodeTokens:") and "maxNewTokens" in p for p in problems), problems
+
+
+def test_episodes_refuse_what_they_do_not_carry_yet():
+    # Evaluation runs single-turn prompts; an environment job's held-out evaluation would not be its episodes.
+    problems = problems_of(job_doc(environment={"builtin": "calculator"}, eval={"everySteps": 5}))
+    assert any(p.startswith("spec.eval:") and "environment" in p for p in problems), problems
+
+
+def test_the_crd_carries_the_environment_and_its_bounds():
+    schema = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    env = schema["environment"]["properties"]
+    assert env["maxTurns"]["maximum"] == c.MAX_EPISODE_TURNS and env["maxTurns"].get("exclusiveMinimum", True)
+    assert env["maxEpisodeTokens"]["maximum"] == c.MAX_MODEL_LEN
+    assert env["builtin"]["enum"] == list(c.BUILTIN_ENVIRONMENTS)
+    assert env["plugin"]["pattern"]
