@@ -32,7 +32,7 @@ from grpolora.api.load import (
     read_documents,
     source_name,
 )
-from grpolora.api.spec import YAML11_NUMBER
+from grpolora.api.spec import YAML11_NUMBER, ClusterGRPOLoraRuntime
 
 if TYPE_CHECKING:
     from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec, RolloutPool, TaskSpec
@@ -125,18 +125,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
     checked: list[_Checked] = []
     outcomes: list[tuple[str, list[Document] | InvalidJob]] = []
     skipped: list[tuple[str, Skipped]] = []
+    placement_errors: dict[tuple[str, int], list[Problem]] = {}
     for path in _files(args):
         try:
             documents, others = read_documents(path)
         except InvalidJob as exc:
             outcomes.append((source_name(path), exc))
             continue
+        documents, misplaced = _placed(documents, args.namespace, cluster.view.namespace if cluster else None)
         outcomes.append((source_name(path), documents))
         skipped += [(source_name(path), other) for other in others]
+        placement_errors.update({(source_name(path), index): [problem] for index, problem in misplaced.items()})
     loaded = [(path, found) for path, found in outcomes if not isinstance(found, InvalidJob)]
     pools = _pools_of(loaded)
     runtimes = runtimes_by_key(d for _, docs in loaded for d in docs)
     repeats = _repeats(loaded)
+    for key, problems in placement_errors.items():
+        repeats[key] = [*repeats.get(key, []), *problems]
     for path, found in outcomes:
         if isinstance(found, InvalidJob):
             checked.append(_Checked(path, errors=found.problems))
@@ -209,6 +214,38 @@ def cmd_validate(args: argparse.Namespace) -> int:
 class _Cluster:
     view: ClusterView
     shipped: Mapping[str, Mapping]  # the CRDs this grpolora generates, by name
+
+
+def _placed(
+    documents: list[Document], namespace: str | None, context_namespace: str | None
+) -> tuple[list[Document], dict[int, Problem]]:
+    """Documents in the namespace kubectl apply would put them in: metadata.namespace where written, else -n, else
+    the kubeconfig context's (with --cluster), else `default`. A written namespace other than -n is kubectl's
+    refusal ("the namespace from the provided object ... does not match"), reported at the document's index."""
+    placed: list[Document] = []
+    refused: dict[int, Problem] = {}
+    for index, document in enumerate(documents):
+        meta = document.metadata
+        written = "namespace" in meta.model_fields_set
+        if isinstance(document, ClusterGRPOLoraRuntime) or (written and not namespace):
+            placed.append(document)
+            continue
+        if written:
+            if meta.namespace != namespace:
+                refused[index] = Problem(
+                    "metadata.namespace",
+                    f'the namespace from the provided object "{meta.namespace}" does not match the namespace '
+                    f'"{namespace}" given with --namespace (kubectl apply refuses it)',
+                )
+            placed.append(document)
+            continue
+        target = namespace or context_namespace
+        placed.append(
+            document.model_copy(update={"metadata": meta.model_copy(update={"namespace": target})})
+            if target
+            else document
+        )
+    return placed, refused
 
 
 def _cluster_view(args: argparse.Namespace) -> _Cluster | None:
@@ -614,6 +651,11 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--kubeconfig", help="with --cluster: this kubeconfig ($KUBECONFIG or ~/.kube/config)")
     p.add_argument("--context", help="with --cluster: this kubeconfig context (its current one)")
+    p.add_argument(
+        "-n", "--namespace", help="the namespace of documents without metadata.namespace, as kubectl apply -n "
+        "(default: with --cluster, the kubeconfig context's namespace; else default); one that names another is "
+        "an error"
+    )  # fmt: skip
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("render", help="print every Kubernetes object the operator would create (dry run)")

@@ -41,6 +41,8 @@ class ClusterView:
     """What `validate --cluster` read: lists as found (None where not allowed), and a lookup for named objects."""
 
     context: str
+    # The context's namespace (else `default`): where kubectl apply puts an object without metadata.namespace.
+    namespace: str
     nodes: Sequence[Node] | None
     crds: Mapping[str, Mapping[str, Any]] | None  # installed CRDs of our group, by name
     operator_versions: Sequence[tuple[str, str]] | None  # (namespace/name, app.kubernetes.io/version) of each
@@ -275,7 +277,7 @@ def connect(kubeconfig: str | None, context: str | None) -> ClusterView:
 
     try:
         api = config.new_client_from_config(config_file=kubeconfig, context=context)
-        _, active = config.list_kube_config_contexts(config_file=kubeconfig)
+        contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
     except (ConfigException, OSError) as exc:
         raise ValueError(f"kubeconfig {kubeconfig or '(default: $KUBECONFIG or ~/.kube/config)'}: {exc}") from None
     core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
@@ -312,8 +314,10 @@ def connect(kubeconfig: str | None, context: str | None) -> ClusterView:
         return True
 
     serialize = api.sanitize_for_serialization
+    chosen = next((entry for entry in contexts or () if entry.get("name") == context), None) if context else active
     return ClusterView(
         context=context or (active or {}).get("name", "?"),
+        namespace=((chosen or {}).get("context") or {}).get("namespace") or "default",
         nodes=None if nodes is None else [_node(serialize(n)) for n in nodes.items],
         crds=None if crds is None else {d.metadata.name: serialize(d) for d in crds.items if d.spec.group == c.GROUP},
         operator_versions=None

@@ -118,14 +118,17 @@ async def ready_cluster(cluster: Cluster, *, crds: list[dict[str, Any]] | None =
     await create(cluster, claim)
 
 
-def kubeconfig(tmp_path, cluster: Cluster, headers: dict[str, str] | None = None) -> str:
+def kubeconfig(
+    tmp_path, cluster: Cluster, headers: dict[str, str] | None = None, *, namespace: str | None = None
+) -> str:
     token = (headers or {}).get("Authorization", "Bearer user-token").removeprefix("Bearer ")
+    context = {"cluster": "emulator", "user": "alice"} | ({"namespace": namespace} if namespace else {})
     config = {
         "apiVersion": "v1",
         "kind": "Config",
         "clusters": [{"name": "emulator", "cluster": {"server": cluster.url}}],
         "users": [{"name": "alice", "user": {"token": token}}],
-        "contexts": [{"name": "gpu-cluster", "context": {"cluster": "emulator", "user": "alice"}}],
+        "contexts": [{"name": "gpu-cluster", "context": context}],
         "current-context": "gpu-cluster",
     }
     path = tmp_path / "kubeconfig"
@@ -225,6 +228,40 @@ async def test_what_the_users_rbac_does_not_let_it_read_is_not_checked(tmp_path,
     assert code == 0, err
     assert "not checked here: spec: the nodes (listing nodes is not allowed)" in err
     assert "not checked here: the CRDs (listing customresourcedefinitions is not allowed)" in err
+
+
+async def test_a_job_without_a_namespace_is_checked_where_kubectl_would_apply_it(tmp_path, capsys):
+    """kubectl apply puts an object without metadata.namespace in --namespace, else in the kubeconfig context's
+    namespace, else in `default`; and refuses an object whose metadata.namespace differs from --namespace ("the
+    namespace from the provided object ... does not match the namespace ...", kubectl's apply/resource builder).
+    The check reads the claim and Secret there, not in `default`."""
+    unplaced = JOB.replace("metadata: {name: first, namespace: team-a}", "metadata: {name: first}")
+    path = tmp_path / "job.yaml"
+    path.write_text(unplaced)
+    async with running_cluster(authorize=None) as cluster:
+        await ready_cluster(cluster)
+        in_context = kubeconfig(tmp_path, cluster, namespace="team-a")
+        code = await asyncio.to_thread(main, ["validate", "--cluster", "--kubeconfig", in_context, str(path)])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "GRPOLoraJob team-a/first is valid" in out
+        argv = ["validate", "--cluster", "--kubeconfig", kubeconfig(tmp_path, cluster), str(path)]
+        code = await asyncio.to_thread(main, [*argv, "-n", "team-a"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "GRPOLoraJob team-a/first is valid" in out
+        code = await asyncio.to_thread(main, argv)
+        out, err = capsys.readouterr()
+        assert code == 1  # in `default`, where neither the claim nor the Secret is
+        assert "PersistentVolumeClaim default/first-checkpoints does not exist" in err
+        path.write_text(JOB)
+        code = await asyncio.to_thread(main, [*argv, "-n", "team-b"])
+        out, err = capsys.readouterr()
+    assert code == 1 and "is valid" not in out
+    assert (
+        'metadata.namespace: the namespace from the provided object "team-a" does not match the namespace "team-b" '
+        "given with --namespace (kubectl apply refuses it)"
+    ) in err
 
 
 def test_a_kubeconfig_that_cannot_be_read_is_named(tmp_path, capsys):
