@@ -1,0 +1,137 @@
+"""The environment protocol (issue 39): the built-in calculator, plugin loading with errors that name the field, and
+malformed answers turned into episode faults. Pure: no model, no engine."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+import pytest
+
+from grpolora.api import constants as c
+from grpolora.api.spec import EnvironmentSpec
+from grpolora.workers.environments import BUILTIN_ENVIRONMENTS, EnvironmentFault, Opening, Reply, load_environment
+from grpolora.workers.environments.base import checked_opening, checked_reply
+from grpolora.workers.environments.calculator import calculate
+from grpolora.workers.tasks import TaskError, TaskUnreachable
+from grpolora.workers.tasks.arithmetic import ArithmeticTask
+
+
+def test_builtin_names_agree_with_the_schema():
+    assert tuple(BUILTIN_ENVIRONMENTS) == c.BUILTIN_ENVIRONMENTS
+
+
+def test_calculator_episode_answers_a_call_and_ends_on_the_answer():
+    prompt = next(ArithmeticTask().prompts(0))
+    env = load_environment(EnvironmentSpec(builtin="calculator"))()
+    opening = env.reset(prompt)
+    assert [m["role"] for m in opening.messages] == ["system", "user"]
+    assert opening.messages[1]["content"] == prompt.text and "<calc>" in opening.messages[0]["content"]
+    expression = prompt.meta["expression"]
+    reply = env.step({"role": "assistant", "content": f"Let me compute. <calc>{expression}</calc>"})
+    assert reply == Reply([{"role": "tool", "content": f"<result>{prompt.answer}</result>"}], done=False)
+    final = env.step({"role": "assistant", "content": f"Answer: {prompt.answer}"})
+    assert final.done and final.reward is None  # the task's reward scores the last message
+
+
+@pytest.mark.parametrize(
+    ("expression", "value"),
+    [("12*7", 84), ("(3 + 4) * 2", 14), ("-5 + 2", -3), ("7 / 2", 3.5), ("8 / 2", 4), ("2 ** 10", 1024)],
+)
+def test_calculate(expression, value):
+    assert calculate(expression) == value
+
+
+@pytest.mark.parametrize(
+    ("expression", "says"),
+    [
+        ("__import__('os')", "not arithmetic"),
+        ("1 / 0", "division by zero"),
+        ("2 ** 1000", "exponent"),
+        ("1 +", "not an arithmetic expression"),
+        ("1" * 300, "longer than"),
+    ],
+)
+def test_calculate_refuses_what_is_not_arithmetic(expression, says):
+    with pytest.raises(ValueError, match=says):
+        calculate(expression)
+
+
+def test_a_bad_call_is_the_tools_answer_not_a_fault():
+    env = BUILTIN_ENVIRONMENTS["calculator"]()
+    reply = env.step({"role": "assistant", "content": "<calc>1/0</calc>"})
+    assert not reply.done and reply.messages[0]["content"] == "<result>error: division by zero</result>"
+
+
+@pytest.fixture
+def plugin_dir(tmp_path, monkeypatch):
+    (tmp_path / "guess_env.py").write_text(
+        textwrap.dedent("""
+        class Guess:
+            def reset(self, prompt):
+                return [{"role": "user", "content": "Guess a number from 1 to 10."}]
+            def step(self, message):
+                right = message["content"].strip() == "7"
+                return ([] if right else [{"role": "user", "content": "No."}]), right, (1.0 if right else None)
+
+        def make():
+            return Guess()
+
+        def broken():
+            return object()
+
+        NOT_CALLABLE = 3
+    """)
+    )
+    yield tmp_path
+    for name in ("guess_env",):
+        sys.modules.pop(name, None)
+
+
+def test_a_plugin_loads_and_plays(plugin_dir):
+    factory = load_environment(EnvironmentSpec(plugin="guess_env:make"), root=plugin_dir)
+    env = factory()
+    assert checked_opening(env.reset(None)) == Opening([{"role": "user", "content": "Guess a number from 1 to 10."}])
+    assert checked_reply(env.step({"role": "assistant", "content": "3"})) == Reply(
+        [{"role": "user", "content": "No."}], False, None
+    )
+    assert checked_reply(env.step({"role": "assistant", "content": "7"})) == Reply([], True, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("ref", "error", "says"),
+    [
+        ("no_such_env_module:make", TaskUnreachable, "cannot import module"),
+        ("guess_env:nothing", TaskError, "no callable 'nothing'"),
+        ("guess_env:NOT_CALLABLE", TaskError, "no callable"),
+        ("guess_env:broken", TaskError, "without reset and step"),
+    ],
+)
+def test_plugin_errors_name_the_field(plugin_dir, ref, error, says):
+    with pytest.raises(error) as info:
+        load_environment(EnvironmentSpec(plugin=ref), root=plugin_dir)
+    assert str(info.value).startswith("spec.environment.plugin: ") and says in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("answer", "says"),
+    [
+        ("text", "expected a Reply or (messages, done, reward)"),
+        (([{"role": "narrator", "content": "x"}], False, None), "role: 'narrator'; valid: system, user"),
+        (([{"role": "user", "content": 3}], False, None), "content: expected a string"),
+        (([], "yes", None), "done: expected a bool"),
+        (([], True, float("nan")), "reward: expected a finite float"),
+        (([], False, None), "not done and no messages"),
+    ],
+)
+def test_malformed_replies_are_faults_that_say_what_is_wrong(answer, says):
+    with pytest.raises(EnvironmentFault) as info:
+        checked_reply(answer)
+    assert says in str(info.value)
+
+
+def test_malformed_openings_are_faults():
+    with pytest.raises(EnvironmentFault, match="empty"):
+        checked_opening([])
+    with pytest.raises(EnvironmentFault, match="tools"):
+        checked_opening(Opening([{"role": "user", "content": "hi"}], tools="calc"))

@@ -1,0 +1,71 @@
+"""Multi-turn environments (spec.environment): the protocol (base.py), the built-ins, and the episode's tokens
+(episode.py) and its run on the replicas (runner.py). `load_environment` is the one entry point; it fails early
+with a TaskError that names the spec field."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+from grpolora.api.spec import EnvironmentSpec
+from grpolora.workers.environments.base import (
+    Environment,
+    EnvironmentFactory,
+    EnvironmentFault,
+    Message,
+    Opening,
+    Reply,
+)
+from grpolora.workers.environments.calculator import CalculatorEnvironment
+from grpolora.workers.tasks.base import TaskError, TaskUnreachable
+from grpolora.workers.tasks.plugin import _add_to_import_path
+
+BUILTIN_ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": CalculatorEnvironment}
+"""Built-in environments by name; the names must equal grpolora.api.constants.BUILTIN_ENVIRONMENTS (a test checks)."""
+
+__all__ = [
+    "BUILTIN_ENVIRONMENTS",
+    "Environment",
+    "EnvironmentFactory",
+    "EnvironmentFault",
+    "Message",
+    "Opening",
+    "Reply",
+    "load_environment",
+]
+
+FIELD = "spec.environment.plugin"
+
+
+def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> EnvironmentFactory:
+    """The factory of a validated spec.environment: a built-in's class, or the plugin's factory, imported (from
+    sys.path or `root`, default the current directory, as reward plugins are) and called once to check that what
+    it makes has reset and step. Raises TaskError naming the field."""
+    if spec.builtin is not None:
+        if spec.builtin not in BUILTIN_ENVIRONMENTS:
+            valid = ", ".join(BUILTIN_ENVIRONMENTS)
+            raise TaskError("spec.environment.builtin", f"unknown built-in {spec.builtin!r}; valid: {valid}")
+        return BUILTIN_ENVIRONMENTS[spec.builtin]
+    assert spec.plugin is not None  # the spec requires one of the two
+    module_name, _, attr = spec.plugin.partition(":")
+    _add_to_import_path(root or Path.cwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise TaskUnreachable(FIELD, f"cannot import module {module_name!r}: {err}") from err
+        raise TaskError(FIELD, f"importing module {module_name!r} failed: {err}") from err
+    except Exception as err:  # the plugin's own import-time error, reported as the user's
+        raise TaskError(FIELD, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise TaskError(FIELD, f"{module_name!r} has no callable {attr!r} (a factory returning an environment)")
+    try:
+        made = factory()
+    except Exception as err:
+        raise TaskError(FIELD, f"{spec.plugin}() raised {type(err).__name__}: {err}") from err
+    missing = [name for name in ("reset", "step") if not callable(getattr(made, name, None))]
+    if missing:
+        raise TaskError(FIELD, f"{spec.plugin}() made a {type(made).__name__} without {' and '.join(missing)}; an "
+                        "environment has reset(prompt) and step(message)")  # fmt: skip
+    return factory

@@ -1,0 +1,78 @@
+"""`calculator`: a tool for the arithmetic task. The model may write `<calc>12*7</calc>`; the environment answers
+`<result>84</result>` as a tool message and the model goes on; a message without a call ends the episode, and
+spec.task's reward (the arithmetic reward: the `Answer: N` line) scores that last message."""
+
+from __future__ import annotations
+
+import ast
+import operator
+import re
+
+from grpolora.workers.environments.base import Message, Opening, Reply
+from grpolora.workers.tasks.base import Prompt
+
+INSTRUCTIONS = (
+    "You have a calculator. To use it, write <calc>EXPRESSION</calc> (numbers, + - * / and parentheses) and stop; "
+    "the result comes back as <result>VALUE</result>. When you know the answer, give it on its own line as "
+    "`Answer: <integer>`."
+)
+CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+LONGEST_EXPRESSION = 200  # characters: arithmetic, not a program
+LARGEST_EXPONENT = 64
+
+_OPERATORS = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+
+
+def calculate(expression: str) -> int | float:
+    """The value of an arithmetic expression (numbers, + - * / // % **, parentheses); ValueError otherwise. Parsed,
+    never evaluated as Python: a model's text is untrusted."""
+    if len(expression) > LONGEST_EXPRESSION:
+        raise ValueError(f"longer than {LONGEST_EXPRESSION} characters")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as exc:
+        raise ValueError(f"not an arithmetic expression ({exc.msg})") from None
+
+    def value(node: ast.AST) -> int | float:
+        if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub | ast.UAdd):
+            inner = value(node.operand)
+            return -inner if isinstance(node.op, ast.USub) else inner
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            left, right = value(node.left), value(node.right)
+            if isinstance(node.op, ast.Pow) and abs(right) > LARGEST_EXPONENT:
+                raise ValueError(f"exponent above {LARGEST_EXPONENT}")
+            try:
+                return _OPERATORS[type(node.op)](left, right)
+            except ZeroDivisionError:
+                raise ValueError("division by zero") from None
+        raise ValueError(f"{type(node).__name__} is not arithmetic")
+
+    result = value(tree.body)
+    return int(result) if isinstance(result, float) and result.is_integer() else result
+
+
+class CalculatorEnvironment:
+    name = "calculator"
+
+    def reset(self, prompt: Prompt) -> Opening:
+        return Opening([{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": prompt.text}])
+
+    def step(self, message: Message) -> Reply:
+        call = CALL.search(message["content"])
+        if call is None:  # the final answer
+            return Reply(done=True)
+        try:
+            result = str(calculate(call.group(1)))
+        except ValueError as exc:
+            result = f"error: {exc}"  # the tool's answer (the model may try again), not an environment fault
+        return Reply([{"role": "tool", "content": f"<result>{result}</result>"}])
