@@ -133,6 +133,7 @@ def build_registry() -> kopf.OperatorRegistry:
     kopf.on.update(*pools, registry=registry, id="reconcile", field="spec")(reconcile_pool)
     kopf.on.event(*pools, registry=registry, id="watch-pools")(pool_event)
     # The jobs' children by watch (one per kind and namespace, shared by all jobs), not by a GET per job and pass.
+    # The API server filters them by the operator's label (main.build_settings); `labels=` keeps the jobs' own.
     ours = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: kopf.PRESENT}
     for kind in WATCHED:
         kopf.on.event(kind.group, kind.version, kind.plural, labels=ours, registry=registry, id=f"watch-{kind.plural}")(

@@ -21,11 +21,12 @@ from grpolora.api.plan import WorkerDefaults, set_worker_defaults
 from grpolora.operator import names
 from grpolora.operator.controller import Controller
 from grpolora.operator.handlers import build_registry
-from grpolora.operator.kube import KUEUE_WORKLOAD, ApiError, KubeClient, Login, RateLimiter
+from grpolora.operator.kube import KUEUE_WORKLOAD, ApiError, KubeClient, Login, RateLimiter, format_selector
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import PeeringGate, Standalone, ensure_peering_objects
 from grpolora.operator.scheduler import ControllerConfig
 from grpolora.operator.trainer_client import TrainerStatusClient
+from grpolora.operator.watch_cache import CHILDREN_SELECTOR, WATCHED
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +136,12 @@ def build_settings() -> kopf.OperatorSettings:
         prefix=names.KOPF_PREFIX, key="last-handled-configuration"
     )
     settings.persistence.progress_storage = kopf.SmartProgressStorage(prefix=names.KOPF_PREFIX)
+    # The jobs' children are listed and watched with the operator's label as the API server's labelSelector (Kopf
+    # sends it on both: kopf/_cogs/clients/fetching.py and watching.py), not filtered by the handlers' `labels=`
+    # after the server has streamed, and this process decoded, every tenant's Jobs, Services... of the namespaces
+    # served. The same selector as the namespaces' re-lists (watch_cache.CHILDREN_SELECTOR).
+    for kind in WATCHED:
+        settings.watching.label_selectors[kind.group, kind.version, kind.plural] = format_selector(CHILDREN_SELECTOR)
     # Reconnect watches now and then: a silently dropped connection would otherwise stall the operator.
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

@@ -24,6 +24,11 @@ WATCHED: Final = (
 """The kinds of a job's children followed by watch (handlers.build_registry) and read from the cache by every pass."""
 
 
+CHILDREN_SELECTOR: Final = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}
+"""The label selector of every list and watch of the WATCHED kinds (the watches: main.build_settings; the re-lists:
+_relist), so that the API server sends the operator its own children only (every child carries the label:
+builders.labels)."""
+
 KEPT_WATCHED: Final = frozenset(kind.kind for kind in (kube.SERVICE, kube.NETWORK_POLICY, kube.POD_DISRUPTION_BUDGET))
 """Watched kept children: a full pass makes them exist, so their DELETED asks for one; other events change nothing."""
 
@@ -137,9 +142,7 @@ class WatchCache:
 
         async def relist(kind: kube.Kind) -> None:
             try:
-                listed, served_at = await self.client.list_at(
-                    kind, namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, keep=_name_if_a_jobs
-                )
+                listed, served_at = await self.client.list_at(kind, namespace, CHILDREN_SELECTOR, keep=_name_if_a_jobs)
             except kube.ApiError as exc:
                 if exc.status == 404:
                     return  # not served (Kueue not installed): nothing of it is cached either

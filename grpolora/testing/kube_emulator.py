@@ -3,7 +3,8 @@
 Shared by the operator tests (tests/operator) and the scale benchmark (bench/operator_scale.py). Added here (not
 in the operator): uid, creationTimestamp, resourceVersion on every write and
 generation on spec changes; `generateName`; the status subresource (a /status patch changes only status, a main
-patch never changes the status of a resource that has the subresource); label and field selectors on lists;
+patch never changes the status of a resource that has the subresource); label and field selectors on lists, and
+label selectors on watches (`Emulator._serve_watch`, which also ends watches as the API server does: `end_watches`);
 what a real API server refuses (grpolora.testing.kube_apiserver: schema validation of built-in kinds and of
 GRPOLoraJobs, a few value rules, OwnerReferencesPermissionEnforcement against the requester's RBAC rules);
 deletion as the API server, the garbage collector and the kubelet do it (see `Emulator.collect_garbage` and
@@ -23,9 +24,11 @@ import copy
 import datetime
 import inspect
 import itertools
+import json
 import secrets
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
@@ -101,6 +104,13 @@ class Emulator(kmock.KubernetesEmulator):
     """(verb, API group, resource[/subresource]) of every request not sent by the test itself."""
     log: list[tuple[str, str, str | None]] = attrs.field(factory=list, init=False)
     """(verb, resource[/subresource], name) of every request not sent by the test itself, in order."""
+    selectors: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
+    """(verb, resource, labelSelector) of every list and watch not sent by the test itself, in order ('' for none)."""
+    watch_objects: Counter[tuple[str, str]] = attrs.field(factory=Counter, init=False)
+    """Objects the watch streams delivered to clients other than the test, by (resource plural, object name): what
+    the operator's watches cost it to receive and decode."""
+    watch_bytes: Counter[str] = attrs.field(factory=Counter, init=False)
+    """Bytes of those events (as JSON), by resource."""
     created: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     """(resource, namespace, name) of every successful create, in order (to spot duplicates)."""
     created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
@@ -494,6 +504,8 @@ class Emulator(kmock.KubernetesEmulator):
         verb, resource = _verb_and_resource(request)
         self.calls.add((verb, str(request.resource.group), resource))
         self.log.append((verb, resource, request.name))
+        if verb in ("list", "watch"):
+            self.selectors.append((verb, resource, (request.params or {}).get("labelSelector") or ""))
 
     def _authorize_account(self, request: kmock.Request) -> None:
         """Refuse a service account's call its RBAC does not allow, worded as the API server's RBAC authorizer
@@ -574,10 +586,9 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         result = await super()._serve_list(request)
-        selector = (request.params or {}).get("labelSelector")
+        selector = parse_label_selector((request.params or {}).get("labelSelector") or "")
         if selector:
-            wanted = dict(term.split("=", 1) for term in selector.split(","))
-            result["items"] = [item for item in result["items"] if _labels_match(item, wanted)]
+            result["items"] = [item for item in result["items"] if _labels_match(item, selector)]
         fields = (request.params or {}).get("fieldSelector")
         if fields:
             wanted = dict(term.split("=", 1) for term in fields.split(","))
@@ -587,6 +598,104 @@ class Emulator(kmock.KubernetesEmulator):
             # (the List's metadata.resourceVersion; continued pages keep the first page's snapshot in the API).
             result.setdefault("metadata", {})["resourceVersion"] = str(next(self._versions))
         return _page(result, request.params or {})
+
+    async def _serve_watch(self, request: kmock.Request) -> AsyncIterator[Any]:
+        """A watch as the API server serves one from its watch cache, with its label selector applied on the server
+        (kmock's own streams every object of the resource): the objects that match now, as ADDED, then each change
+        as the selector sees it (staging/src/k8s.io/apiserver/pkg/storage/cacher/cache_watcher.go,
+        cacheWatcher.convertToWatchEvent): an object that comes to match is ADDED, one that keeps matching MODIFIED,
+        and one that stops matching (a label removed) or is deleted is DELETED, carrying the content the watcher last
+        saw; the rest is never sent. `end_watches` ends the open ones. What each stream delivers to a client other
+        than the test is counted (`watch_objects`, `watch_bytes`)."""
+        selector = parse_label_selector((request.params or {}).get("labelSelector") or "")  # a 400 comes first
+        yield b""  # the headers go now, even if nothing comes for a while
+        plural = str(request.resource.plural)
+        counted = not _from_test(request)
+        bus = self._buses[request.resource]
+        # Marked before the snapshot, so that no change between the two is lost (one seen twice is harmless).
+        mark = await bus.mark()
+        try:
+            async with self._lock:
+                found = self._KubernetesEmulator__get_objs(request, strict=False)
+                pending = [{"type": "ADDED", "object": obj.raw} for obj in found if not obj.deleted]
+            shown: dict[tuple[str, str], dict[str, Any]] = {}
+            async for event in _chain(pending, bus.stream(since=mark)):
+                if event.get("type") == _END_OF_WATCH:
+                    if event["expired"]:
+                        yield {"type": "ERROR", "object": _EXPIRED}
+                    return
+                delivered = _as_selected(event, selector, shown, request.namespace, request.name)
+                if delivered is None:
+                    continue
+                if counted:
+                    self.watch_objects[plural, str(_meta(delivered["object"]).get("name"))] += 1
+                    self.watch_bytes[plural] += len(json.dumps(delivered))
+                yield delivered
+        finally:
+            await bus.unmark(mark)
+
+    async def end_watches(self, resource: str, *, expired: bool) -> None:
+        """End every open watch of `resource` (e.g. 'batch/v1/jobs'): as the API server's timeout ends one (the
+        client watches again from the last resourceVersion it saw), or, `expired`, with the ERROR event a watch gets
+        once its resourceVersion is older than the watch cache's window: a Status of code 410, reason Expired (the
+        client must list again)."""
+        await self._buses[kmock.resource(resource)].put({"type": _END_OF_WATCH, "expired": expired})
+
+    async def remove_unseen(self, resource: str, name: str, namespace: str) -> None:
+        """Remove an object without a DELETED to the open watches: a deletion a watch missed (it came while the
+        watch was away and the watch cache's window has passed it; only a list shows it)."""
+        async with self._lock:
+            self.objects._objects[(kmock.resource(resource), namespace, name)].delete()
+
+
+_END_OF_WATCH = "grpolora-emulator/end-of-watch"
+# What a watch from a resourceVersion older than the watch cache's window gets (apimachinery's
+# errors.NewResourceExpired, from the cacher's watch cache: "too old resource version"), as an ERROR event.
+_EXPIRED = {
+    "kind": "Status",
+    "apiVersion": "v1",
+    "metadata": {},
+    "status": "Failure",
+    "message": "too old resource version",
+    "reason": "Expired",
+    "code": 410,
+}
+
+
+async def _chain(first: list[dict[str, Any]], then: AsyncIterator[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for item in first:
+        yield item
+    async for item in then:
+        yield item
+
+
+def _as_selected(
+    event: Mapping[str, Any],
+    selector: list[tuple[str, str, str | None]],
+    shown: dict[tuple[str, str], dict[str, Any]],
+    namespace: str | None,
+    name: str | None,
+) -> dict[str, Any] | None:
+    """The event a watcher with this label selector gets (None: none), given what it was last shown (`shown`,
+    updated): cacheWatcher.convertToWatchEvent's rule, with `shown` standing in for the event's previous object."""
+    obj = event.get("object") or {}
+    meta = _meta(obj)
+    if namespace is not None and meta.get("namespace") != namespace:
+        return None
+    if name is not None and meta.get("name") != name:
+        return None
+    key = (str(meta.get("namespace") or ""), str(meta.get("name") or ""))
+    passes = event.get("type") != "DELETED" and _labels_match(obj, selector)
+    before = shown.get(key)
+    if passes:
+        shown[key] = dict(obj)
+        return {"type": "MODIFIED" if before is not None else "ADDED", "object": obj}
+    if before is None:
+        return None
+    del shown[key]
+    # The content the watcher last saw, at the event's resourceVersion.
+    gone = {**before, "metadata": {**_meta(before), "resourceVersion": meta.get("resourceVersion")}}
+    return {"type": "DELETED", "object": gone}
 
 
 def _page(result: dict[str, Any], params: Mapping[str, str]) -> dict[str, Any]:
@@ -657,9 +766,41 @@ def _fields_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
     return True
 
 
-def _labels_match(obj: Mapping[str, Any], wanted: Mapping[str, str]) -> bool:
+def parse_label_selector(text: str) -> list[tuple[str, str, str | None]]:
+    """A label selector's requirements as (key, operator, value): the equality-based forms the API accepts
+    (`k=v`, `k==v`, `k!=v`) and existence (`k`, `!k`), as apimachinery's labels.Parse reads them
+    (staging/src/k8s.io/apimachinery/pkg/labels/selector.go); the set-based forms (`in`, `notin`) are not played
+    and answered 400 rather than misread."""
+    requirements: list[tuple[str, str, str | None]] = []
+    for term in (part.strip() for part in text.split(",") if part.strip()):
+        if "(" in term or " in " in term or " notin " in term:
+            raise kube_apiserver.bad_request(f"labelSelector {text!r}: set-based requirements are not played here")
+        if "!=" in term:
+            key, value = term.split("!=", 1)
+            requirements.append((key.strip(), "!=", value.strip()))
+        elif "=" in term:
+            key, value = term.replace("==", "=", 1).split("=", 1)
+            requirements.append((key.strip(), "=", value.strip()))
+        elif term.startswith("!"):
+            requirements.append((term[1:].strip(), "!", None))
+        else:
+            requirements.append((term, "exists", None))
+    return requirements
+
+
+def _labels_match(obj: Mapping[str, Any], requirements: list[tuple[str, str, str | None]]) -> bool:
     labels = (obj.get("metadata") or {}).get("labels") or {}
-    return all(labels.get(key) == value for key, value in wanted.items())
+    for key, operator, value in requirements:
+        found = labels.get(key)
+        if operator == "=" and found != value:
+            return False
+        if operator == "!=" and found == value:
+            return False
+        if operator == "exists" and key not in labels:
+            return False
+        if operator == "!" and key in labels:
+            return False
+    return True
 
 
 def _patch_between(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:

@@ -506,3 +506,101 @@ async def test_a_tombstone_keeps_its_version_so_an_older_read_cannot_bring_the_c
     controller._remember(("Job", "ns", "demo-trainer"), trainer(12), trainer(12))  # made again since
     assert controller.cache[("Job", "ns", "demo-trainer")]["metadata"]["resourceVersion"] == "12"
     _stop_monitors(controller)
+
+
+# ---- the watches ask the API server for the operator's children only ------------------------------------------------
+
+OURS = f"{c.LABEL_MANAGED_BY}={c.OPERATOR_NAME}"
+WATCHED_PLURALS = {kind.plural for kind in WATCHED}
+
+
+def _tenants_objects(count: int) -> list[tuple[str, dict]]:
+    """Another tenant's Jobs and Services in the operator's namespace: half labelled by another manager, half not."""
+    found = []
+    for i in range(count):
+        labels = {c.LABEL_MANAGED_BY: "helm"} if i % 2 else {}
+        meta = {"name": f"tenant-{i}", "namespace": NAMESPACE, "labels": labels}
+        pod = {"spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox:1"}]}}
+        found.append(("jobs", {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": pod}}))
+        service = {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"ports": [{"port": 80}]}}
+        found.append(("services", service))
+    return found
+
+
+async def _add_tenants_objects(cluster, count: int) -> None:
+    for plural, doc in _tenants_objects(count):
+        root = "/api/v1" if plural == "services" else "/apis/batch/v1"
+        await cluster._call("POST", f"{root}/namespaces/{NAMESPACE}/{plural}", doc)
+
+
+async def test_the_watches_never_deliver_another_tenants_objects(cluster, trainer):
+    """Kopf's `labels=` filter on a handler is applied in the operator, after the API server has streamed and the
+    operator has decoded every object of the kind in the namespaces it serves: on a shared cluster, every tenant's
+    churn. Its settings.watching.label_selectors (Kopf >= 1.45: kopf/_cogs/clients/watching.py, watch_objs, and
+    fetching.py, fetch_objs, send it as the labelSelector of both the list and the watch) make the API server filter
+    instead: another tenant's Jobs and Services (some labelled by another manager) are never delivered, while the
+    job's own children still feed the cache."""
+    await _add_tenants_objects(cluster, 20)
+    operator = await OperatorThread(cluster.url, operator_options()).start()
+    try:
+        await cluster.apply(job_doc())
+        await created(cluster)
+        trainer.report = report(step=1, syncRound=1, epoch=1)
+        await pods_up(cluster)
+        await wait_for(lambda: cluster.status("demo").get("phase") == "Running", "phase Running")
+        # The tenant's churn: every one of its Jobs changes.
+        for i in range(20):
+            await cluster.set_status("batch/v1/jobs", f"tenant-{i}", {"active": 1})
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"replicas": 1, "readyReplicas": 0})
+        await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 0, "the change, by watch")
+    finally:
+        await operator.stop()
+    delivered = cluster.emulator.watch_objects
+    assert {key for key in delivered if key[1].startswith("tenant-")} == set(), "another tenant's objects delivered"
+    assert delivered["statefulsets", "demo-inference"] >= 2 and delivered["jobs", "demo-trainer"] >= 2
+    asked = {(verb, resource, selector) for verb, resource, selector in cluster.emulator.selectors}
+    for plural in WATCHED_PLURALS:
+        assert {selector for verb, resource, selector in asked if resource == plural} == {OURS}, (plural, asked)
+        assert {("list", plural, OURS), ("watch", plural, OURS)} <= asked, plural
+
+
+async def test_a_watch_that_ends_or_expires_is_taken_up_again_with_its_selector_and_loses_nothing(cluster, trainer):
+    """A watch the API server ends (its timeout) is opened again; one that expired (410 Gone: its resourceVersion
+    left the watch cache's window) is preceded by a new list (Kopf's continuous_watch returns on the 410 and its
+    infinite_watch lists again): both with the selector, and the changes after either still reach the job. A child
+    deleted while the watch was away (no DELETED ever comes: Kopf's list after a 410 reports none) is found gone by
+    the namespace's re-list at the next resync (Controller._relisted, by the same selector) and made again."""
+    operator = await OperatorThread(cluster.url, operator_options()).start()  # resync every 10 intervals: 1 s
+    try:
+        await cluster.apply(job_doc())
+        await created(cluster)
+        trainer.report = report(step=1, syncRound=1, epoch=1)
+        await pods_up(cluster)
+        await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 1, "ready")
+
+        def opened(verb: str) -> int:
+            return cluster.emulator.selectors.count((verb, "statefulsets", OURS))
+
+        watches, lists = opened("watch"), opened("list")
+        await cluster.emulator.end_watches("apps/v1/statefulsets", expired=False)
+        await wait_for(lambda: opened("watch") > watches, "the watch opened again")
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"replicas": 1, "readyReplicas": 0})
+        await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 0, "a change after it")
+
+        kopf_lists = lambda: [s for s in cluster.emulator.selectors if s == ("list", "statefulsets", OURS)]  # noqa: E731
+        before = len(kopf_lists())
+        watches = opened("watch")
+        await cluster.emulator.end_watches("apps/v1/statefulsets", expired=True)
+        await wait_for(lambda: len(kopf_lists()) > before and opened("watch") > watches, "a list, then a watch")
+        assert opened("list") > lists
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"replicas": 1, "readyReplicas": 1})
+        await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 1, "a change after it")
+
+        # A kept child goes while the watch is away, and the watch expires: no DELETED reaches the operator.
+        old = cluster.get("v1/services", "demo-trainer")
+        await cluster.emulator.remove_unseen("v1/services", "demo-trainer", NAMESPACE)
+        await cluster.emulator.end_watches("v1/services", expired=True)
+        made = await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service made again", timeout=15)
+        assert made["metadata"]["uid"] != old["metadata"]["uid"]
+    finally:
+        await operator.stop()
