@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -164,14 +165,33 @@ def termination_message(tmp_path: Path) -> str:
     return (tmp_path / "termination-log").read_text()
 
 
+class TrainerStart(NamedTuple):
+    run: subprocess.CompletedProcess[str]
+    termination_message: str
+
+
+@pytest.fixture(scope="module")
+def trainer_start(tmp_path_factory, hub):
+    """`grpolora worker trainer` started on a model it cannot have, once per (model, token) in the module: several
+    tests read the same exit (each start is ~4 s of imports), whichever of them asks first."""
+    starts: dict[tuple[str, str | None], TrainerStart] = {}
+
+    def start(model: str, token: str | None = None) -> TrainerStart:
+        if (model, token) not in starts:
+            tmp = tmp_path_factory.mktemp("trainer-start")
+            run = worker(tmp, hub.url, "trainer", model, token)
+            starts[model, token] = TrainerStart(run, termination_message(tmp))
+        return starts[model, token]
+
+    return start
+
+
 @pytest.mark.parametrize(("model", "token"), [("org/opne", None), ("org/gated", None), ("org/gated", STRANGER)])
-def test_the_trainer_exits_with_the_invalid_spec_code_naming_the_model(tmp_path, hub, model, token):
-    run = worker(tmp_path, hub.url, "trainer", model, token)
+def test_the_trainer_exits_with_the_invalid_spec_code_naming_the_model(trainer_start, model, token):
+    run, message = trainer_start(model, token)
     assert run.returncode == contract.EXIT_INVALID_SPEC, run.stderr[-3000:]
     assert f"model '{model}'" in run.stderr
-    assert termination_message(tmp_path).startswith("spec.model.") and f"model '{model}'" in termination_message(
-        tmp_path
-    )
+    assert message.startswith("spec.model.") and f"model '{model}'" in message
 
 
 def test_the_trainer_restarts_when_the_hub_cannot_be_reached(tmp_path):
@@ -189,11 +209,11 @@ def test_the_inference_server_exits_with_the_invalid_spec_code_naming_the_model(
     assert termination_message(tmp_path).startswith("spec.model.name: model 'org/opne' was not found")
 
 
-def test_the_job_fails_once_on_that_exit_with_the_trainers_message(tmp_path, hub):
+def test_the_job_fails_once_on_that_exit_with_the_trainers_message(trainer_start):
     """What the operator does with it: the trainer Job's podFailurePolicy, as rendered, fails the Job on that exit
     code (no pod is retried), and the operator fails the GRPOLoraJob with the trainer's message naming the model,
     spending none of spec.trainer.maxRestarts (the Job controller's wording: tests/unit/test_failure_policy.py)."""
-    run = worker(tmp_path, hub.url, "trainer", "org/opne")
+    run, message = trainer_start("org/opne")
     rendered = build_children(plan(parse_job(job_doc(model={"name": "org/opne"}))), owner_uid="u", token="t")
     trainer = next(o for o in rendered if o["kind"] == "Job")
     rules = trainer["spec"]["podFailurePolicy"]["rules"]
@@ -204,7 +224,7 @@ def test_the_job_fails_once_on_that_exit_with_the_trainers_message(tmp_path, hub
         f"Container trainer for pod team-a/demo-trainer-0-x7k2p failed with exit code {run.returncode} matching "
         f"FailJob rule at index {index}"
     )
-    pod = trainer_pod(run.returncode, termination_message(tmp_path))
+    pod = trainer_pod(run.returncode, message)
     decision = decide(
         applied_view(trainer={"maxRestarts": 3}), running(), Observed(failed, statefulset(1), pods=(pod,)), NOW
     )
