@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 from grpolora.api.spec import GRPOSpec
-from grpolora.workers.tasks import Prompt, Task
+from grpolora.workers.environments.episode import Episode
+from grpolora.workers.tasks import Prompt, Task, TaskError
 from grpolora.workers.trainer.buffer import Group
 from grpolora.workers.trainer.grpo import group_advantages, overlong_penalty
 from grpolora.workers.trainer.policy import Batch, build_batch
@@ -76,12 +77,27 @@ def reward_figures(scored: Scored) -> dict[str, float | int]:
     }
 
 
+def episode_of(completion: Completion) -> Episode | None:
+    """The episode a rollout is (spec.environment), or None for a single completion."""
+    return getattr(completion, "episode", None)
+
+
 def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The task's rewards of every completion, [prompts, generations]: the weighted total and each reward's own."""
+    """The task's rewards of every completion, [prompts, generations]: the weighted total and each reward's own.
+
+    An episode's is the environment's reward where it gave one, else the task's of its last assistant message; an
+    episode the environment ended with an error is unscorable (NaN: out of its group's baseline, advantage 0)."""
     items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
     scores = task.score(items)
     shape = (len(rollouts.prompts), -1)
-    rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
+    total = list(scores.total)
+    for i, completion in enumerate(c for group in rollouts.completions for c in group):
+        if (episode := episode_of(completion)) is not None:
+            if episode.error is not None:
+                total[i] = math.nan
+            elif episode.reward is not None:
+                total[i] = episode.reward
+    rewards = torch.tensor(total, dtype=torch.float32).view(shape)
     return rewards, {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
 
 
@@ -160,26 +176,72 @@ def score(
     rewards, parts = rewards_of(task, rollouts) if rated is None else rated
     shape = (len(rollouts.prompts), -1)
     completions = [c for group in rollouts.completions for c in group]
+    failed = [e.error for c in completions if (e := episode_of(c)) is not None and e.error is not None]
+    if failed and len(failed) == len(completions):
+        raise TaskError("spec.environment", f"every episode of the step ended with an environment error, e.g. "
+                        f"{failed[0]}")  # fmt: skip
     penalty = None
     if grpo.overlong_buffer is not None:
-        lengths = torch.tensor([len(c.token_ids) for c in completions]).view(shape)
+        lengths = torch.tensor([generated_length(c) for c in completions]).view(shape)
         penalty = overlong_penalty(
             lengths, max_new_tokens=grpo.max_new_tokens, buffer=grpo.overlong_buffer, factor=grpo.overlong_penalty
         )
     shaped = rewards if penalty is None else rewards + penalty
     advantages = group_advantages(shaped, grpo.advantage, scale=grpo.advantage_scale_in_force)
-    sequences, flat_advantages, reference = [], [], []
+    sequences, flat_advantages, reference, masks = [], [], [], []
     for ids, group, row in zip(rollouts.prompt_ids, rollouts.completions, advantages, strict=True):
         for completion, advantage in zip(group, row.tolist(), strict=True):
-            sequences.append((ids, completion.token_ids, completion.logprobs))
+            episode = episode_of(completion)
+            # An episode's prompt is its own opening (the environment's reset), not the task's rendering.
+            sequences.append((ids if episode is None else episode.opening, completion.token_ids, completion.logprobs))
             flat_advantages.append(advantage)
             reference.append(completion.reference_logprobs)
+            masks.append(None if episode is None else episode.loss_mask)
     given = reference if grpo.reference_on_replicas else None
-    batch = build_batch(sequences, flat_advantages, pad_token_id, given)
+    batch = with_loss_masks(
+        build_batch(sequences, flat_advantages, pad_token_id, given), [len(p) for p, _, _ in sequences], masks
+    )
     cut = torch.tensor([c.finish_reason == "length" for c in completions])
     if grpo.mask_truncated and cut.any():
         batch = dataclasses.replace(batch, completion_mask=batch.completion_mask * (~cut).to(torch.float32)[:, None])
     return Scored(rewards, parts, advantages, batch, penalty, int(cut.sum()))
+
+
+def with_loss_masks(batch: Batch, prompt_lengths: list[int], masks: list[list[int] | None]) -> Batch:
+    """`batch` with each episode's loss mask (1 on the assistant's tokens, 0 on the environment's and the
+    template's) in place of its all-ones completion mask; rows without one (single completions) unchanged. The
+    mask is what the loss, the KL, the entropy and the mismatch all sum over, so nothing else needs to know."""
+    if all(m is None for m in masks):
+        return batch
+    completion = batch.completion_mask.clone()
+    for row, (length, mask) in enumerate(zip(prompt_lengths, masks, strict=True)):
+        if mask is not None:
+            start = length - 1  # logits at the prompt's last position predict the first token after it
+            completion[row, start : start + len(mask)] = torch.tensor(mask, dtype=completion.dtype)
+    return dataclasses.replace(batch, completion_mask=completion)
+
+
+def generated_length(completion: Completion) -> int:
+    """Tokens the model generated: an episode's assistant tokens, not its environment's."""
+    episode = episode_of(completion)
+    return len(completion.token_ids) if episode is None else sum(episode.loss_mask)
+
+
+def episode_figures(rollouts: Rollouts) -> dict[str, float | int]:
+    """The step's episode figures for metrics.jsonl (spec.environment); {} when its rollouts are no episodes."""
+    episodes = [e for group in rollouts.completions for c in group if (e := episode_of(c)) is not None]
+    if not episodes:
+        return {}
+    count = len(episodes)
+    return {
+        "episode_turns_mean": sum(e.turns for e in episodes) / count,
+        "episode_turns_max": max(e.turns for e in episodes),
+        "episode_tool_calls": sum(e.tool_calls for e in episodes),
+        "episode_tokens_mean": sum(len(e.opening) + len(e.loss_mask) for e in episodes) / count,
+        "episodes_truncated": sum(e.truncated for e in episodes),
+        "environment_errors": sum(e.error is not None for e in episodes),
+        "environment_seconds": sum(e.environment_seconds for e in episodes),
+    }
 
 
 def reference_from(scored: Scored, grpo: GRPOSpec) -> str | None:
@@ -198,6 +260,7 @@ def sample_rows(rollouts: Rollouts, scored: Scored, prompts: int) -> list[dict[s
                 "prompt": prompt.text,
                 "answer": prompt.answer,
                 "completion": completion.text,
+                **episode_row(completion),
                 "reward": None if math.isnan(reward := float(scored.rewards[i, j])) else reward,
                 "advantage": float(scored.advantages[i, j]),
             }
@@ -206,3 +269,16 @@ def sample_rows(rollouts: Rollouts, scored: Scored, prompts: int) -> list[dict[s
                 row["rewards"] = {label: None if math.isnan(x) else x for label, x in parts.items()}
             rows.append(row)
     return rows
+
+
+def episode_row(completion: Completion) -> dict[str, Any]:
+    """An episode's part of its samples.jsonl row: the whole conversation, role-tagged, and how it ended."""
+    episode = episode_of(completion)
+    if episode is None:
+        return {}
+    return {
+        "messages": episode.messages,
+        "turns": episode.turns,
+        "truncated": episode.truncated,
+        **({"environment_error": episode.error} if episode.error is not None else {}),
+    }

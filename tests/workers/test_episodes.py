@@ -1,0 +1,330 @@
+"""Multi-turn episodes (issue 39), token in and token out: the sample is the ids vLLM generated plus the environment's
+turns tokenised once each, the loss mask keeps the environment's tokens out of the loss, the KL, the entropy and the
+mismatch; episodes run turn by turn on one replica each, and an environment's fault ends only its episode.
+
+The replicas are played by `ScriptedReplicas`: it answers each turn as /v1/generate does (token ids, their
+logprobs, the detokenised text, finish_reason `stop` at the end-of-turn token or `length` at max_tokens; the
+version served), so the turn loop, the budgets and the faults are checked without an engine. The real engine's
+logprobs over a multi-turn sample are checked in test_episodes_engine.py."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from grpolora.api.spec import EnvironmentSpec, GRPOSpec
+from grpolora.workers.environments import BUILTIN_ENVIRONMENTS, Opening, Reply, load_environment
+from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
+from grpolora.workers.environments.runner import EpisodeCompletion, EpisodeLimits, EpisodeRunner
+from grpolora.workers.models import resolve_model
+from grpolora.workers.tasks import Prompt, TaskError
+from grpolora.workers.tasks.arithmetic import ArithmeticTask
+from grpolora.workers.trainer.grpo import entropy_stats, grpo_loss, logprob_mismatch
+from grpolora.workers.trainer.policy import build_batch
+from grpolora.workers.trainer.rollout import Completion, Sampling
+from grpolora.workers.trainer.scoring import (
+    Rollouts,
+    episode_figures,
+    rewards_of,
+    sample_rows,
+    score,
+    with_loss_masks,
+)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model("offline:smollm2-135m-instruct"))
+
+
+# ---- the loss mask -------------------------------------------------------------------------------------------------
+
+OPENING = [1, 2, 3]
+FIRST, ENV, SECOND = [10, 11], [20, 21, 22], [12, 13]
+
+
+def _episode_batch(env_ids: list[int], env_logprobs: list[float]):
+    tokens = EpisodeTokens(list(OPENING))
+    tokens.add_assistant(FIRST, [-0.5, -0.7], None)
+    tokens.add_environment(env_ids)
+    tokens.logprobs[len(FIRST) : len(FIRST) + len(env_ids)] = env_logprobs  # what a sampler might say of them
+    tokens.add_assistant(SECOND, [-0.2, -0.9], None)
+    batch = build_batch([(tokens.opening, tokens.tokens, tokens.logprobs)], [1.5], pad_id=0)
+    return with_loss_masks(batch, [len(OPENING)], [tokens.mask])
+
+
+def test_the_mask_is_one_on_assistant_tokens_only():
+    batch = _episode_batch(ENV, [0.0] * 3)
+    # Position t predicts token t + 1: the opening's last position predicts the first assistant token.
+    assert batch.completion_mask[0].tolist() == [0, 0, 1, 1, 0, 0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def test_changing_only_environment_tokens_leaves_loss_and_gradient_unchanged(kl_coef):
+    """The issue's check: a hand-built episode whose environment tokens (and so the trainer's and the sampler's
+    logprobs of them, and the reference's) differ gives the same loss, the same gradient, the same mismatch and
+    entropy figures; changing an assistant token's logprob does change them (the check can fail)."""
+    torch.manual_seed(0)
+    base_logp = torch.randn(1, 9) - 2
+
+    def run(batch, logp_values, ref_shift):
+        logp = logp_values.clone().requires_grad_(True)
+        ref = logp_values.detach() - 0.3 + ref_shift
+        loss, _ = grpo_loss(
+            logp, logp.detach() - 0.05, ref, batch.advantages, batch.completion_mask,
+            clip_epsilon=0.2, kl_coef=kl_coef, normalizer=float(batch.completion_mask.sum()),
+            behaviour_logp=batch.behaviour_logprobs, weight_cap=2.0,
+        )  # fmt: skip
+        loss.backward()
+        mismatch = logprob_mismatch(logp.detach(), batch.behaviour_logprobs, batch.completion_mask)
+        spread = entropy_stats(logp.detach().abs(), batch.completion_mask)
+        return float(loss.detach()), logp.grad, mismatch, spread
+
+    env_positions = torch.tensor([0, 0, 0, 0, 1, 1, 1, 0, 0], dtype=torch.bool)
+    one = run(_episode_batch(ENV, [-1.0, -2.0, -3.0]), base_logp, 0.0)
+    other_logp = torch.where(env_positions, torch.randn(1, 9) * 5, base_logp)
+    other = run(_episode_batch([40, 41, 42], [-9.0, -0.1, -4.0]), other_logp, env_positions * 7.0)
+    assert one[0] == other[0]
+    assert torch.equal(one[1], other[1]) and not one[1][0, env_positions].any()
+    assert one[2] == other[2] and one[3] == other[3]
+    assistant_changed = run(_episode_batch(ENV, [-1.0, -2.0, -3.0]), base_logp + torch.eye(9)[2] * 0.5, 0.0)
+    assert assistant_changed[0] != one[0]
+
+
+def test_single_completions_keep_their_mask():
+    batch = build_batch([([1, 2], [5, 6, 7], [-1.0, -1.0, -1.0])], [1.0], pad_id=0)
+    assert with_loss_masks(batch, [2], [None]) is batch
+
+
+# ---- token in, token out -------------------------------------------------------------------------------------------
+
+
+def test_environment_turns_are_template_deltas_and_the_sample_decodes_to_the_transcript(tokenizer):
+    delta = ChatDelta(tokenizer)
+    opening = Opening([{"role": "system", "content": "S"}, {"role": "user", "content": "What is 12 * 7?"}])
+    tokens = EpisodeTokens(delta.opening(opening))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    first = tokenizer("<calc>12*7</calc>", add_special_tokens=False)["input_ids"] + [end]  # stopped at <|im_end|>
+    tokens.add_assistant(first, [-0.1] * len(first), None)
+    reply = [{"role": "tool", "content": "<result>84</result>"}]
+    tokens.add_environment(delta.environment_turn(first, reply))
+    second = tokenizer("Answer: 84", add_special_tokens=False)["input_ids"] + [end]
+    tokens.add_assistant(second, [-0.1] * len(second), None)
+    transcript = [
+        *opening.messages,
+        {"role": "assistant", "content": "<calc>12*7</calc>"},
+        *reply,
+        {"role": "assistant", "content": "Answer: 84"},
+    ]
+    rendered = tokenizer.apply_chat_template(transcript, tokenize=False)
+    assert tokenizer.decode(tokens.ids) == rendered.removesuffix("\n")  # the model did not write the last newline
+    assert tokens.mask == [1] * len(first) + [0] * (len(tokens.tokens) - len(first) - len(second)) + [1] * len(second)
+
+
+def test_a_turn_cut_by_a_stop_string_gets_its_whole_closing(tokenizer):
+    delta = ChatDelta(tokenizer)
+    generated = tokenizer("<calc>1+1</calc>", add_special_tokens=False)["input_ids"]  # no <|im_end|>
+    ids = delta.environment_turn(generated, [{"role": "tool", "content": "2"}])
+    assert tokenizer.decode(ids) == "<|im_end|>\n<|im_start|>tool\n2<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_the_sample_keeps_generated_ids_that_re_tokenising_would_change(tokenizer):
+    """Token in, token out: vLLM may sample a split that the tokenizer would merge ("Answer" as "An" "swer"); the sample
+    trains on those ids, with their logprobs, where re-tokenising the transcript gives other ids."""
+    delta = ChatDelta(tokenizer)
+    opening = Opening([{"role": "user", "content": "12 * 7?"}])
+    tokens = EpisodeTokens(delta.opening(opening))
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    split = [tokenizer.convert_tokens_to_ids(t) for t in ("An", "swer", ":", "Ġ", "8", "4")] + [end]
+    assert tokenizer.decode(split[:-1]) == "Answer: 84"
+    tokens.add_assistant(split, [-0.25] * len(split), None)
+    retokenised = tokenizer(tokenizer.decode(tokens.ids), add_special_tokens=False)["input_ids"]
+    assert retokenised != tokens.ids  # the merge changes the ids ...
+    assert tokens.tokens == split and tokens.logprobs == [-0.25] * len(split)  # ... the sample keeps vLLM's
+
+
+# ---- episodes on the replicas --------------------------------------------------------------------------------------
+
+
+class ScriptedReplicas:
+    """Plays the replicas' /v1/generate for episodes: each call answers each prompt (n = 1) with the next scripted
+    text of its episode, tokenised, ending at <|im_end|> with finish_reason `stop` unless max_tokens cuts it
+    (`length`, as vLLM reports a sample that hit max_tokens). Records every call."""
+
+    def __init__(self, tokenizer, script: dict[int, list[str]], version: int = 3):
+        self.tokenizer, self.script, self.version = tokenizer, script, version
+        self.end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        self.calls: list[tuple[int, int, list[int]]] = []  # (replica, max_tokens, seeds)
+        self.lock = threading.Lock()
+
+    def __call__(self, replica, prompts, sampling, seeds):
+        assert sampling.n == 1
+        with self.lock:
+            self.calls.append((replica, sampling.max_tokens, list(seeds)))
+        out = []
+        for _ids, seed in zip(prompts, seeds, strict=True):
+            episode = seed // 1024 % 1000  # the tests' seeds name the episode (seed base 1024 * episode)
+            turn = seed % 1024
+            text = self.script[episode][turn]
+            generated = self.tokenizer(text, add_special_tokens=False)["input_ids"] + [self.end]
+            finish = "stop"
+            if len(generated) > sampling.max_tokens:
+                generated, finish = generated[: sampling.max_tokens], "length"
+                text = self.tokenizer.decode(generated, skip_special_tokens=True)
+            out.append(Completion(generated, [-0.5] * len(generated), text, finish, self.version + replica))
+        return out
+
+
+def _runner(tokenizer, factory=None, **limits) -> EpisodeRunner:
+    settings = {"max_turns": 4, "max_episode_tokens": 512, "max_new_tokens": 32, "step_timeout_seconds": 5.0}
+    return EpisodeRunner(
+        factory or BUILTIN_ENVIRONMENTS["calculator"], ChatDelta(tokenizer), EpisodeLimits(**{**settings, **limits})
+    )
+
+
+PROMPT = Prompt("What is 12 * 7?", answer="84")
+
+
+def test_a_calculator_episode_on_one_replica(tokenizer):
+    replicas = ScriptedReplicas(tokenizer, {0: ["<calc>12*7</calc>", "Answer: 84"], 1: ["Answer: 80"]})
+    runner = _runner(tokenizer)
+    groups = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 32), replicas, replicas=[0, 1])
+    (used, one_turn), = groups  # fmt: skip
+    assert isinstance(used, EpisodeCompletion)
+    assert (used.episode.turns, used.episode.tool_calls, used.episode.truncated) == (2, 1, False)
+    assert [m["role"] for m in used.episode.messages] == ["system", "user", "assistant", "tool", "assistant"]
+    assert used.episode.messages[3]["content"] == "<result>84</result>"
+    assert used.text == "Answer: 84" and used.finish_reason == "stop"
+    assert (one_turn.episode.turns, one_turn.episode.tool_calls) == (1, 0)
+    # Each episode stays on its replica; the version recorded is the one that served it.
+    assert {r for r, _, seeds in replicas.calls if 0 in seeds or 1 in seeds} == {0}
+    assert (used.version, one_turn.version) == (3, 4)
+    # Assistant ids trained (with their logprobs), the environment's not; the ids decode to the transcript.
+    mask = used.episode.loss_mask
+    assert sum(mask) == sum(1 for lp in used.logprobs if lp == -0.5) and 0 in mask
+    assert tokenizer.decode(used.episode.opening + used.token_ids).endswith(
+        "<|im_start|>tool\n<result>84</result><|im_end|>\n<|im_start|>assistant\nAnswer: 84<|im_end|>"
+    )
+    runner.close()
+
+
+def test_limits_truncate_episodes(tokenizer):
+    looping = {0: ["<calc>1+1</calc>"] * 4}
+    runner = _runner(tokenizer, max_turns=2)
+    (done,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), ScriptedReplicas(tokenizer, looping),
+                          replicas=[0])  # fmt: skip
+    assert (done.episode.turns, done.episode.truncated, done.finish_reason) == (2, True, "length")
+    # maxEpisodeTokens: the budget left bounds a turn's max_tokens, and a turn that reaches it ends the episode.
+    replicas = ScriptedReplicas(tokenizer, looping)
+    opening_length = len(ChatDelta(tokenizer).opening(BUILTIN_ENVIRONMENTS["calculator"]().reset(PROMPT)))
+    runner = _runner(tokenizer, max_episode_tokens=opening_length + 12, max_new_tokens=32)
+    (cut,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), replicas, replicas=[0])  # fmt: skip
+    assert replicas.calls[0][1] == 12 and cut.episode.truncated and cut.finish_reason == "length"
+    assert len(cut.episode.opening) + len(cut.token_ids) <= opening_length + 12
+
+
+class Faulty:
+    """An environment that fails in the way it is told to at its first step."""
+
+    def __init__(self, how: str):
+        self.how = how
+
+    def reset(self, prompt):
+        if self.how == "reset":
+            raise RuntimeError("no sandbox")
+        return [{"role": "user", "content": prompt.text}]
+
+    def step(self, message):
+        if self.how == "raise":
+            raise KeyError("state")
+        if self.how == "hang":
+            time.sleep(3)  # beyond the test's stepTimeoutSeconds (0.2 s); the runner does not wait for it
+        if self.how == "malformed":
+            return {"messages": []}
+        return Reply(done=True, reward=0.75)
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        ("raise", "the environment raised KeyError"),
+        ("hang", "step() took longer than stepTimeoutSeconds (0.2 s)"),
+        ("malformed", "step(): expected a Reply or (messages, done, reward), got dict"),
+        ("reset", "the environment raised RuntimeError: no sandbox"),
+    ],
+)
+def test_an_environment_fault_ends_its_episode_with_an_error(tokenizer, how, says):
+    hows = iter([how, "ok"])
+    runner = _runner(tokenizer, factory=lambda: Faulty(next(hows)), step_timeout_seconds=0.2)
+    replicas = ScriptedReplicas(tokenizer, {0: ["x"], 1: ["y"]})
+    (failed, fine), = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0])  # fmt: skip
+    assert failed.episode.error.startswith(says) or says in failed.episode.error
+    assert fine.episode.error is None and fine.episode.reward == 0.75
+    if how == "reset":  # never opened: the task's prompt ids stand in, nothing generated
+        assert (failed.episode.opening, failed.token_ids, failed.episode.turns) == ([7, 8], [], 0)
+    # Scored: the failed episode is unscorable (NaN, advantage 0); the environment's reward wins for the other.
+    rollouts = Rollouts([PROMPT], [[1]], [[failed, fine]], 0.0)
+    rewards, _ = rewards_of(ArithmeticTask(), rollouts)
+    assert torch.isnan(rewards[0, 0]) and rewards[0, 1] == 0.75
+    assert episode_figures(rollouts)["environment_errors"] == 1
+    runner.close()
+
+
+def _episode(error=None, reward=None, turns=2, tools=1, truncated=False) -> EpisodeCompletion:
+    return EpisodeCompletion(
+        [5, 6, 7, 8], [-0.5, 0.0, 0.0, -0.5], "Answer: 84", "length" if truncated else "stop", 1,
+        episode=Episode([1, 2, 3], [1, 0, 0, 1], [{"role": "user", "content": "q"}], turns, tools, error, reward,
+                        truncated, 0.5),
+    )  # fmt: skip
+
+
+def test_every_episode_failing_fails_the_step():
+    rollouts = Rollouts([PROMPT], [[1]], [[_episode(error="boom"), _episode(error="boom")]], 0.0)
+    with pytest.raises(TaskError, match=r"spec.environment: every episode of the step ended with an environment error"):
+        score(ArithmeticTask(), rollouts, GRPOSpec(generations_per_prompt=2), pad_token_id=0)
+
+
+def test_episodes_score_train_on_their_masks_and_report_their_figures():
+    rollouts = Rollouts([PROMPT], [[1]], [[_episode(), _episode(turns=3, tools=2, truncated=True)]], 0.0)
+    scored = score(ArithmeticTask(), rollouts, GRPOSpec(generations_per_prompt=2, mask_truncated=True), 0)
+    # The opening is the prompt; the mask follows the episode's; a truncated episode leaves the loss (maskTruncated).
+    assert scored.batch.input_ids[0].tolist() == [1, 2, 3, 5, 6, 7, 8]
+    assert scored.batch.completion_mask.tolist() == [[0, 0, 1, 0, 0, 1], [0, 0, 0, 0, 0, 0]]
+    assert scored.truncated == 1
+    assert episode_figures(rollouts) == {
+        "episode_turns_mean": 2.5,
+        "episode_turns_max": 3,
+        "episode_tool_calls": 3,
+        "episode_tokens_mean": 7.0,
+        "episodes_truncated": 1,
+        "environment_errors": 0,
+        "environment_seconds": 1.0,
+    }
+    row = sample_rows(rollouts, scored, 1)[0]
+    assert row["messages"] == [{"role": "user", "content": "q"}] and row["turns"] == 2
+    assert episode_figures(Rollouts([PROMPT], [[1]], [[Completion([5], [-1.0], "x", "stop", 1)]], 0.0)) == {}
+
+
+def test_a_plugin_environment_plays_through_the_runner(tokenizer, tmp_path):
+    (tmp_path / "number_game.py").write_text(
+        "from grpolora.workers.environments import Reply\n"
+        "class Game:\n"
+        "    def reset(self, prompt):\n"
+        "        return [{'role': 'user', 'content': 'Guess my number (1-10).'}]\n"
+        "    def step(self, message):\n"
+        "        guess = message['content'].strip()\n"
+        "        if guess == '7':\n"
+        "            return Reply(done=True, reward=1.0)\n"
+        "        return Reply([{'role': 'user', 'content': 'higher' if guess < '7' else 'lower'}])\n"
+    )
+    factory = load_environment(EnvironmentSpec(plugin="number_game:Game"), root=tmp_path)
+    runner = _runner(tokenizer, factory=factory)
+    replicas = ScriptedReplicas(tokenizer, {0: ["3", "9", "7"]})
+    (won,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0])  # fmt: skip
+    assert (won.episode.turns, won.episode.reward, won.episode.tool_calls) == (3, 1.0, 0)
+    assert [m["content"] for m in won.episode.messages if m["role"] == "user"][1:] == ["higher", "lower"]

@@ -1,0 +1,225 @@
+"""Episodes on the replicas: every episode of a round runs turn by turn, all episodes' turns at once. Each episode
+stays on one replica (its prefix is in that replica's cache) and asks for the adapter version the round started on
+(the version that generated it is recorded per turn; the episode's is the oldest, for staleness and importance
+weights); each turn is a /v1/generate call with the episode's ids so far and n = 1. The environment's resets and
+steps run on a thread pool, each bounded by spec.environment.stepTimeoutSeconds; one that raises, times out or
+answers malformed data ends its episode with an error, not the run.
+
+A step call that times out cannot be stopped (Python threads are not killable): its thread is left to finish and
+its answer is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from grpolora.api.constants import MAX_EPISODE_TURNS
+from grpolora.workers.environments.base import (
+    EnvironmentFactory,
+    EnvironmentFault,
+    Message,
+    checked_opening,
+    checked_reply,
+)
+from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
+from grpolora.workers.tasks import Prompt
+from grpolora.workers.trainer.rollout import Completion, Sampling
+
+log = logging.getLogger(__name__)
+
+TurnGenerate = Callable[[int, list[list[int]], Sampling, list[int]], list[Completion]]
+"""(replica, each episode's ids so far, sampling with n = 1, one seed per episode) -> one Completion per episode."""
+
+
+@dataclass(frozen=True)
+class EpisodeCompletion(Completion):
+    """A rollout that is a whole episode: `token_ids` are every id after its opening (assistant and environment
+    turns), `logprobs` 0 at the environment's, `text` the last assistant message (what spec.task's reward scores)."""
+
+    episode: Episode | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    max_turns: int
+    max_episode_tokens: int
+    max_new_tokens: int
+    step_timeout_seconds: float
+    margin: int = 0  # tokens kept free at the end (the replicas' reference pass needs one more)
+
+
+@dataclass
+class _Live:
+    """One episode while it runs."""
+
+    env: Any
+    replica: int
+    seed: int
+    tokens: EpisodeTokens
+    messages: list[Message] = field(default_factory=list)
+    tools: list[dict[str, Any]] | None = None
+    turns: int = 0
+    tool_calls: int = 0
+    versions: list[int] = field(default_factory=list)
+    text: str = ""
+    ended: bool = False
+    error: str | None = None
+    reward: float | None = None
+    truncated: bool = False
+    seconds: float = 0.0
+
+    def end(self, *, error: str | None = None, truncated: bool = False, reward: float | None = None) -> None:
+        self.ended, self.error, self.truncated, self.reward = True, error, truncated, reward
+
+
+class EpisodeRunner:
+    def __init__(self, factory: EnvironmentFactory, delta: ChatDelta, limits: EpisodeLimits, *, workers: int = 8):
+        self.factory = factory
+        self.delta = delta
+        self.limits = limits
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment")
+
+    def run(
+        self,
+        prompts: Sequence[Prompt],
+        fallback_ids: Sequence[list[int]],
+        seeds: Sequence[int],
+        sampling: Sampling,
+        generate: TurnGenerate,
+        replicas: Sequence[int],
+    ) -> list[list[EpisodeCompletion]]:
+        """`sampling.n` episodes per prompt, spread over `replicas`; `fallback_ids` (each prompt's ids as the task
+        renders it) stand in as the opening of an episode whose environment failed to open it."""
+        if not replicas:
+            raise ValueError("no replica to run episodes on")
+        groups: list[list[_Live]] = []
+        for p, (prompt, fallback) in enumerate(zip(prompts, fallback_ids, strict=True)):
+            group = []
+            for g in range(sampling.n):
+                replica = replicas[(p * sampling.n + g) % len(replicas)]
+                group.append(self._open(prompt, replica, seeds[p] + g * MAX_EPISODE_TURNS, fallback))
+            groups.append(group)
+        episodes = [e for group in groups for e in group]
+        for turn in range(self.limits.max_turns):
+            live = [e for e in episodes if not e.ended]
+            if not live:
+                break
+            self._generate_turn(live, turn, sampling, generate)
+            self._environment_turn([e for e in live if not e.ended])
+        for episode in episodes:
+            if not episode.ended:  # maxTurns reached with the environment still going
+                episode.end(truncated=True)
+        return [[self._completion(e) for e in group] for group in groups]
+
+    def _open(self, prompt: Prompt, replica: int, seed: int, fallback: list[int]) -> _Live:
+        started = time.perf_counter()
+        try:
+            env = self.factory()
+            opening = checked_opening(self._bounded(self._pool.submit(env.reset, prompt), "reset"))
+            episode = _Live(
+                env, replica, seed, EpisodeTokens(self.delta.opening(opening)), list(opening.messages), opening.tools
+            )
+        except Exception as exc:  # the environment's own failure: this episode's error, not the run's
+            episode = _Live(None, replica, seed, EpisodeTokens(list(fallback)))
+            episode.end(error=_why(exc))
+        episode.seconds += time.perf_counter() - started
+        if not episode.ended and len(episode.tokens) + self.limits.margin >= self.limits.max_episode_tokens:
+            episode.end(
+                error=f"the opening's {len(episode.tokens)} tokens leave no room in maxEpisodeTokens "
+                f"({self.limits.max_episode_tokens})"
+            )
+        return episode
+
+    def _generate_turn(self, live: list[_Live], turn: int, sampling: Sampling, generate: TurnGenerate) -> None:
+        """One assistant turn of every live episode: one request per replica and token budget, all at once."""
+        batches: dict[tuple[int, int], list[_Live]] = {}
+        for episode in live:
+            room = self.limits.max_episode_tokens - len(episode.tokens) - self.limits.margin
+            batches.setdefault((episode.replica, min(self.limits.max_new_tokens, room)), []).append(episode)
+
+        def request(key: tuple[int, int]) -> list[Completion]:
+            replica, budget = key
+            members = batches[key]
+            turn_sampling = replace(sampling, n=1, max_tokens=budget)
+            return generate(replica, [e.tokens.ids for e in members], turn_sampling, [e.seed + turn for e in members])
+
+        keys = list(batches)
+        for key, answers in zip(keys, self._pool.map(request, keys), strict=True):
+            for episode, answer in zip(batches[key], answers, strict=True):
+                episode.tokens.add_assistant(answer.token_ids, answer.logprobs, answer.reference_logprobs)
+                episode.versions.append(answer.version)
+                episode.turns += 1
+                episode.text = answer.text
+                episode.messages.append({"role": "assistant", "content": answer.text})
+                if answer.finish_reason == "length":  # cut off mid-message: there is nothing to answer
+                    episode.end(truncated=True)
+
+    def _environment_turn(self, live: list[_Live]) -> None:
+        """Every live episode's environment answers its last assistant message (at once, each bounded in time)."""
+        started = time.perf_counter()
+        futures = [(e, self._pool.submit(e.env.step, e.messages[-1])) for e in live]
+        for episode, future in futures:
+            try:
+                reply = checked_reply(self._bounded(future, "step"))
+                if reply.done:
+                    episode.end(reward=reply.reward)
+                    continue
+                ids = self.delta.environment_turn(episode.tokens.tokens[-8:], reply.messages, episode.tools)
+            except Exception as exc:
+                episode.end(error=_why(exc))
+                continue
+            episode.messages += reply.messages
+            episode.tool_calls += sum(m["role"] == "tool" for m in reply.messages)
+            if len(episode.tokens) + len(ids) + self.limits.margin >= self.limits.max_episode_tokens:
+                episode.end(truncated=True)  # no room for the environment's answer and another turn
+            else:
+                episode.tokens.add_environment(ids)
+        seconds = time.perf_counter() - started
+        for episode in live:
+            episode.seconds += seconds / len(live)  # they ran at once: each its share of the wall time
+
+    def _bounded(self, future: Future, what: str) -> Any:
+        try:
+            return future.result(timeout=self.limits.step_timeout_seconds)
+        except FutureTimeout:
+            future.cancel()
+            raise EnvironmentFault(
+                f"{what}() took longer than stepTimeoutSeconds ({self.limits.step_timeout_seconds:g} s)"
+            ) from None
+
+    def _completion(self, e: _Live) -> EpisodeCompletion:
+        episode = Episode(
+            opening=e.tokens.opening,
+            loss_mask=list(e.tokens.mask),
+            messages=e.messages,
+            turns=e.turns,
+            tool_calls=e.tool_calls,
+            error=e.error,
+            reward=e.reward,
+            truncated=e.truncated,
+            environment_seconds=e.seconds,
+        )
+        return EpisodeCompletion(
+            token_ids=list(e.tokens.tokens),
+            logprobs=list(e.tokens.logprobs),
+            text=e.text,
+            finish_reason="length" if e.truncated else "stop",
+            version=min(e.versions, default=-1),
+            reference_logprobs=None if e.tokens.reference is None else list(e.tokens.reference),
+            episode=episode,
+        )
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _why(exc: BaseException) -> str:
+    if isinstance(exc, EnvironmentFault):
+        return str(exc)
+    return f"the environment raised {type(exc).__name__}: {exc}"[:2000]
