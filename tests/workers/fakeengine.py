@@ -1,6 +1,9 @@
 """The real inference API (create_app) and the real version leasing of OwnEngineBook, around a stand-in for vLLM,
 served by uvicorn on loopback: for what the HTTP contract does, cheaply and without an engine to start.
-(The real engine's side is tested in tests/workers/test_inference_sync.py.)"""
+(The real engine's side is tested in tests/workers/test_inference_sync.py.)
+
+FakeOwnEngineBook stands in for the book's activation too (a test sets the live version); MarkingEngine stands in
+for vLLM alone, under the real book and its real activation, and tells whose weights generated a completion."""
 
 from __future__ import annotations
 
@@ -12,11 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
+import torch
 import uvicorn
 
 from grpolora.workers.inference.adapter_book import OwnEngineBook
 from grpolora.workers.inference.app import create_app
-from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest
+from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.syncfakes import free_port
@@ -61,6 +65,51 @@ class FakeOwnEngineBook(OwnEngineBook):
     async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, version: int) -> list[Sample]:
         self.requests.append((prompt_token_ids, request))
         return [Sample([prompt_token_ids[-1] + i + 1], [-0.5], f"t{i}", "length") for i in range(request.n)]
+
+
+class MarkingEngine(VllmEngine):
+    """vLLM's side of a book, stood in for: LoRA ids are added and removed as vLLM holds them, and every completion is
+    one token, the first value of the `mark` tensor of the adapter that generated it (0: the base model), so that a
+    test sees whose weights served a request."""
+
+    errored = False  # AsyncLLM.errored, which VllmEngine.dead reads: this one never dies
+
+    def __init__(self) -> None:
+        super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=4))
+        self.marks: dict[int, int] = {}  # LoRA id -> its adapter's mark
+
+    async def start(self) -> None:
+        self.limits = EngineLimits(max_model_len=256, vocab_size=1000)
+        self._engine = self  # started
+
+    def shutdown(self) -> None:
+        self._engine = None
+
+    async def add_lora(self, request, tensors, adapter_config: dict) -> None:
+        self.marks[request.lora_int_id] = int(tensors["mark"][0])
+
+    async def remove_lora(self, lora_id: int) -> None:
+        self.marks.pop(lora_id, None)
+
+    async def list_loras(self) -> list[int]:
+        return sorted(self.marks)
+
+    async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, lora) -> list[Sample]:
+        mark = self.marks[lora.lora_int_id] if lora is not None else 0
+        return [Sample([mark], [-0.5], f"m{mark}", "length") for _ in range(request.n)]
+
+
+def marked(mark: int) -> dict[str, torch.Tensor]:
+    """An adapter whose completions on a MarkingEngine are the token `mark`."""
+    return {"mark": torch.full((4,), float(mark))}
+
+
+class MarkingBook(OwnEngineBook):
+    """A job's own book, real in everything (versions, leases, activation, unloads), on a MarkingEngine."""
+
+    def __init__(self) -> None:
+        super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=4))
+        self._engine = MarkingEngine()
 
 
 class AppThread:

@@ -33,15 +33,19 @@ class RecordingSink:
         self._version = 0
         self.adapters: dict[int, dict[str, torch.Tensor]] = {}
         self.configs: dict[int, dict] = {}
+        self.incarnations: dict[int, int] = {}  # version -> the incarnation of the trainer that published it
         self.activated = threading.Event()
 
     @property
     def live_version(self) -> int:
         return self._version
 
-    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+    def activate(
+        self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *, incarnation: int = 0
+    ) -> None:
         self.adapters[version] = {k: v.clone() for k, v in tensors.items()}
         self.configs[version] = dict(adapter_config)
+        self.incarnations[version] = incarnation
         self._version = version
         self.activated.set()
 

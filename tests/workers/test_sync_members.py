@@ -58,14 +58,16 @@ class RecordingBook:
         self.adapters: dict[int, dict[str, torch.Tensor]] = {}
         self.configs: dict[int, dict] = {}
         self.segments: list[str] = []
+        self.incarnations: dict[int, int] = {}
         self.fail = fail
 
-    def activate_staged(self, version, segment, size, layout, adapter_config) -> None:
+    def activate_staged(self, version, segment, size, layout, adapter_config, *, incarnation: int) -> None:
         if self.fail:
             raise RuntimeError("the engine refused it")
         held = SharedPayload(segment, size)
         self.adapters[version] = unpack_payload(held, layout)
         self.configs[version] = adapter_config
+        self.incarnations[version] = incarnation
         held.close()
         self.segments.append(segment)
 
@@ -104,7 +106,7 @@ def adapter(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def sender_for(members, port, store) -> AdapterSender:
+def sender_for(members, port, store, **options) -> AdapterSender:
     return AdapterSender(
         members,
         store=store,
@@ -116,6 +118,7 @@ def sender_for(members, port, store) -> AdapterSender:
         token=TOKEN,
         timeout_seconds=TIMEOUT,
         join_timeout_seconds=TIMEOUT,
+        **options,
     )
 
 
@@ -157,7 +160,8 @@ def assert_unstaged_eventually(before: set[str]) -> None:
 
 def test_rounds_are_received_in_the_worker_and_activated_from_its_staging_segment(link):
     """Two tenants on one link (two jobs on one engine): each round lands in the worker, verified, and the book
-    maps the very segment it was received into; each tenant's own key; nothing staged is left behind."""
+    maps the very segment it was received into, knowing which trainer incarnation published it (its leases are
+    fenced by it, test_lease_fencing.py); each tenant's own key; nothing staged is left behind."""
     before = staged_names()
     port = free_port()
     store = connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT)
@@ -174,13 +178,15 @@ def test_rounds_are_received_in_the_worker_and_activated_from_its_staging_segmen
             job_store = (
                 store if job == "a" else connect_store("127.0.0.1", job_port, is_master=True, timeout_seconds=TIMEOUT)
             )
-            senders[job] = sender_for([LocalMember(0, remote[job])], job_port, job_store)
+            incarnation = {"a": 4, "b": 7}[job]
+            senders[job] = sender_for([LocalMember(0, remote[job])], job_port, job_store, incarnation=incarnation)
             senders[job].form_group(wait_for_all_seconds=TIMEOUT)
         sent = {"a": adapter(1), "b": adapter(2)}
         for job in ("a", "b"):
             report = senders[job].send(sent[job], {"r": 8})
             assert report.version == 1
         for job, book in books.items():
+            assert book.incarnations == {1: {"a": 4, "b": 7}[job]}
             assert set(book.adapters[1]) == set(sent[job])
             for name, tensor in sent[job].items():
                 assert torch.equal(book.adapters[1][name], tensor)

@@ -717,11 +717,11 @@ class FlakySink(RecordingSink):
         super().__init__()
         self.failures = failures
 
-    def activate(self, version, tensors, adapter_config) -> None:
+    def activate(self, version, tensors, adapter_config, *, incarnation: int = 0) -> None:
         if self.failures:
             self.failures -= 1
             raise RuntimeError("add_lora failed")
-        super().activate(version, tensors, adapter_config)
+        super().activate(version, tensors, adapter_config, incarnation=incarnation)
 
 
 def test_a_round_is_acknowledged_only_after_activation(cluster):

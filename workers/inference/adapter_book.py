@@ -7,6 +7,12 @@ grpo.maxStaleness = k the book keeps the newest k + 1 versions loaded (buffered 
 ask for them), so the engine needs k + 1 LoRA slots and never fewer than two (`inference.maxLoras`, checked by the
 spec); version 0 is the base model (no adapter).
 
+Version numbers are a trainer's: each version loaded is recorded with the incarnation of the trainer that published
+it (sync/control.py, JoinRequest.incarnation), and the book follows the newest incarnation that joined. A lease
+from an older one is refused (StaleIncarnation: a stale trainer, which must stop, as for its joins and rounds); a
+lease from the newest is served only a version that incarnation published (or version 0, the base model), never
+another's weights under the same number (a restart numbering from a checkpoint).
+
 Adapters reach vLLM from memory: a synced version was received and verified by the job's sync member inside vLLM's
 first worker, into a shared-memory segment (workers/inference/member_host.py); `activate_staged` hands that segment to
 every worker between engine steps, where it becomes a LoRA model (workers/inference/vllm_worker.py), with no folder
@@ -32,6 +38,7 @@ from grpolora.workers.inference import metrics
 from grpolora.workers.inference.payload import Layout
 from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
 from grpolora.workers.inference.vllm_worker import lora_request
+from grpolora.workers.sync.control import StaleIncarnation
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +75,8 @@ class AdapterBook:
         self.live_since = time.time()  # wall time the live version started serving (for latency measurements)
         self._leases: dict[int, int] = {}  # version -> requests running on it
         self._loaded: dict[int, int] = {}  # version -> its LoRA id, for versions added to vLLM and not yet removed
+        self._published: dict[int, int] = {}  # version -> the incarnation of the trainer that sent it (of _loaded)
+        self.incarnation = 0  # the newest trainer incarnation that joined (follow): leases of older ones are refused
         self._version_changed = asyncio.Condition()
         self._closed = False
         self._unloading: set[asyncio.Task[None]] = set()  # unloads activations left running (held: asyncio keeps none)
@@ -87,20 +96,34 @@ class AdapterBook:
         """The LoRA ids of this job's versions loaded in vLLM."""
         return sorted(self._loaded.values())
 
-    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
-        """Load `version` next to the live one and switch new requests to it (called from a sync thread)."""
-        self._run(version, lambda request: self._engine.add_lora(request, tensors, adapter_config))
+    def follow(self, incarnation: int) -> None:
+        """A trainer of `incarnation` joined this replica (the join was accepted): leases of older ones are refused
+        from now on. Called on the event loop, by the join's handler."""
+        self.incarnation = max(self.incarnation, incarnation)
 
-    def activate_staged(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None:
+    def activate(
+        self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *, incarnation: int = 0
+    ) -> None:
+        """Load `version`, published by trainer `incarnation`, next to the live one and switch new requests to it
+        (called from a sync thread)."""
+        self._run(version, incarnation, lambda request: self._engine.add_lora(request, tensors, adapter_config))
+
+    def activate_staged(
+        self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict, *, incarnation: int = 0
+    ) -> None:
         """As `activate`, for a version that a sync member in vLLM's worker received and verified into shared-memory
         `segment` (workers/inference/member_host.py): the workers map it, nothing is copied through this process."""
-        self._run(version, lambda request: self._engine.add_staged_lora(request, segment, size, layout, adapter_config))
+        self._run(
+            version,
+            incarnation,
+            lambda request: self._engine.add_staged_lora(request, segment, size, layout, adapter_config),
+        )
 
-    def _run(self, version: int, add: Callable[[Any], Awaitable[None]]) -> None:
+    def _run(self, version: int, incarnation: int, add: Callable[[Any], Awaitable[None]]) -> None:
         assert self._loop is not None, "engine not started"
-        asyncio.run_coroutine_threadsafe(self._activate(version, add), self._loop).result()
+        asyncio.run_coroutine_threadsafe(self._activate(version, incarnation, add), self._loop).result()
 
-    async def _activate(self, version: int, add: Callable[[Any], Awaitable[None]]) -> None:
+    async def _activate(self, version: int, incarnation: int, add: Callable[[Any], Awaitable[None]]) -> None:
         if self._closed:  # a round that finished after its job was detached must not load anything again
             raise RuntimeError(f"job {self.job} is detached from this server")
         if version <= self._live_version or version in self._loaded:
@@ -124,6 +147,7 @@ class AdapterBook:
                 ) from None
             raise
         self._loaded[version] = lora_id
+        self._published[version] = incarnation
         async with self._version_changed:
             previous, self._live_version = self._live_version, version
             self.live_since = time.time()
@@ -175,6 +199,7 @@ class AdapterBook:
         if version == 0 or version == self._live_version or self._leases.get(version) or version not in self._loaded:
             return
         lora_id = self._loaded.pop(version)
+        self._published.pop(version, None)
         await self._engine.remove_lora(lora_id)
         log.info("%s: adapter version %d unloaded", self.job, version)
 
@@ -187,29 +212,59 @@ class AdapterBook:
             await self._version_changed.wait_for(lambda: not self._leases)
         while self._loaded:  # taken out before each await, as _unload_if_idle does: an unload may be under way
             version = min(self._loaded)
+            self._published.pop(version, None)
             await self._engine.remove_lora(self._loaded.pop(version))
             log.info("%s: adapter version %d unloaded (job detached)", self.job, version)
 
+    def _serves(self, version: int, incarnation: int | None) -> bool:
+        """`version` is loaded here as `incarnation`'s (version 0, the base model, is everyone's; None: no trainer
+        asks, any incarnation's will do)."""
+        if version == 0:
+            return True
+        if version != self._live_version and version not in self._loaded and not self._leases.get(version):
+            return False
+        return incarnation is None or self._published.get(version, 0) == incarnation
+
     @contextlib.asynccontextmanager
-    async def lease(self, version: int | None, wait_seconds: float) -> AsyncIterator[int]:
-        """Hold an adapter version for one request: the live one, or `version` (waiting until it is live)."""
+    async def lease(
+        self, version: int | None, wait_seconds: float, *, incarnation: int | None = None
+    ) -> AsyncIterator[int]:
+        """Hold an adapter version for one request: the live one, or `version` (waiting until it is live).
+
+        `incarnation`: of the trainer asking (None: no trainer, e.g. an evaluation). One older than the newest that
+        joined is refused (StaleIncarnation); otherwise only a version that incarnation published is leased: a
+        version number another incarnation published is waited for as a version not yet live."""
+        if incarnation is not None and incarnation < self.incarnation:
+            raise StaleIncarnation(
+                f"rollouts from trainer incarnation {incarnation} refused: this replica follows incarnation "
+                f"{self.incarnation}, a newer trainer of job {self.job}"
+            )
+        of = "" if incarnation is None else f" of trainer incarnation {incarnation}"
         if version is None:
             version = self._live_version
-        elif version > self._live_version:
+            if not self._serves(version, incarnation):
+                raise VersionUnavailable(
+                    f"the live version {version} was published by trainer incarnation "
+                    f"{self._published.get(version, 0)}, not by incarnation {incarnation}"
+                )
+        elif version >= self._live_version and not self._serves(version, incarnation):
             async with self._version_changed:
                 try:
                     await asyncio.wait_for(
-                        self._version_changed.wait_for(lambda: self._live_version >= version or self._closed),
+                        self._version_changed.wait_for(
+                            lambda: self._live_version > version or self._serves(version, incarnation) or self._closed
+                        ),
                         wait_seconds,
                     )
                 except TimeoutError:
                     raise VersionUnavailable(
-                        f"adapter version {version} is not live after {wait_seconds:.0f}s (live: {self._live_version})"
+                        f"adapter version {version}{of} is not live after {wait_seconds:.0f}s "
+                        f"(live: {self._live_version})"
                     ) from None
         if self._closed:
             raise VersionUnavailable(f"job {self.job} is detached from this server")
-        if version != self._live_version and version not in self._loaded and not self._leases.get(version):
-            raise VersionUnavailable(f"adapter version {version} is no longer served (live: {self._live_version})")
+        if not self._serves(version, incarnation):
+            raise VersionUnavailable(f"adapter version {version}{of} is no longer served (live: {self._live_version})")
         self._leases[version] = self._leases.get(version, 0) + 1
         try:
             yield version

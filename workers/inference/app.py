@@ -56,6 +56,7 @@ from grpolora.workers.sync.control import (
     JOIN_PATH,
     POOL_PATH,
     PREPARE_PATH,
+    REFUSAL_HEADER,
     STATE_PATH,
     FingerprintMismatch,
     JoinRequest,
@@ -63,6 +64,7 @@ from grpolora.workers.sync.control import (
     PrepareRequest,
     StaleEpoch,
     StaleIncarnation,
+    SyncError,
 )
 
 log = logging.getLogger(__name__)
@@ -104,6 +106,8 @@ class GenerateRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list, max_length=MAX_STOP_TOKEN_IDS)
     stop: list[Annotated[str, Field(min_length=1)]] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     adapter_version: int | None = Field(default=None, ge=0)  # None: the live one; N: wait until N is live
+    # The asking trainer's (JoinRequest.incarnation): fences its leases (AdapterBook.lease). None: no trainer.
+    incarnation: int | None = Field(default=None, ge=0)
     # Also each sample's logprobs under the base model, untempered: the KL reference (grpo.referenceFrom: inference).
     reference_logprobs: bool = False
 
@@ -340,8 +344,13 @@ def build_app(
         try:
             assert engine.limits is not None  # tenants are served only once the engine has started
             engine.limits.check(prompts, samplings[0])  # the same lengths and stop ids for every prompt
-            async with book.lease(request.adapter_version, version_wait_seconds) as version:
+            async with book.lease(
+                request.adapter_version, version_wait_seconds, incarnation=request.incarnation
+            ) as version:
                 outputs = await asyncio.gather(*(one(p, s, version) for p, s in zip(prompts, samplings, strict=True)))
+        except StaleIncarnation as exc:
+            metrics.REQUESTS.labels(**labels, status="stale_incarnation").inc()
+            raise refused(exc) from None
         except VersionUnavailable as exc:
             metrics.REQUESTS.labels(**labels, status="version_unavailable").inc()
             raise HTTPException(status_code=409, detail=str(exc)) from None
@@ -380,10 +389,14 @@ def build_app(
 
     @app.post(JOIN_PATH, status_code=202)
     async def sync_join(request: JoinRequest, http: Request) -> dict:
+        tenant = caller(http)
         try:
-            await asyncio.to_thread(caller(http).receiver.join, request)
+            await asyncio.to_thread(tenant.receiver.join, request)
         except (FingerprintMismatch, StaleIncarnation) as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
+            raise refused(exc) from None
+        # The member took it: from now on the book refuses rollouts of older incarnations too (the member may be
+        # in vLLM's worker; every join passes here, in the book's process, before it is answered).
+        tenant.book.follow(request.incarnation)
         return {"accepted": True}
 
     @app.post(PREPARE_PATH, status_code=202)
@@ -391,10 +404,15 @@ def build_app(
         try:
             await asyncio.to_thread(caller(http).receiver.prepare, request)
         except (StaleEpoch, StaleIncarnation) as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
+            raise refused(exc) from None
         return {"accepted": True}
 
     return app
+
+
+def refused(exc: SyncError) -> HTTPException:
+    """A trainer's request refused (409), the refusal named for its client (control.refusal_named)."""
+    return HTTPException(status_code=409, detail=str(exc), headers={REFUSAL_HEADER: type(exc).__name__})
 
 
 TENANT_SCOPE_KEY = "grpolora.tenant"

@@ -225,10 +225,13 @@ class WorkerMember:
         with self._events_lock, contextlib.suppress(OSError):
             send(self._events, message)
 
-    def _activate_remote(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None:
-        """Ask the HTTP process to activate a verified round staged in `segment`; returns once the book has it live
-        (every worker then maps the segment), raises if it could not."""
+    def _activate_remote(
+        self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict, *, incarnation: int
+    ) -> None:
+        """Ask the HTTP process to activate a verified round staged in `segment`, published by trainer `incarnation`;
+        returns once the book has it live (every worker then maps the segment), raises if it could not."""
         message = {"op": "activate", "version": version, "segment": segment, "size": size, "layout": layout}
+        message["incarnation"] = incarnation
         try:
             with self._events_lock:
                 send(self._events, message | {"adapter_config": adapter_config})
@@ -268,7 +271,7 @@ class StagingSink:
     receiver); between rounds that CPU is spent while nothing waits on it (BENCHMARKS.md). It costs one adapter's
     size of /dev/shm per tenant while no round runs; `close` removes it."""
 
-    def __init__(self, activate_remote: Callable[[int, str, int, Layout, dict], None]):
+    def __init__(self, activate_remote: Callable[..., None]):
         self._activate_remote = activate_remote
         self._live_version = 0
         self._staged: tuple[str, torch.Tensor] | None = None  # the segment's name and its bytes (mapped)
@@ -369,10 +372,12 @@ class StagingSink:
         name, _ = self._staged  # type: ignore[misc]
         return name, size, layout
 
-    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None:
+    def activate(
+        self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *, incarnation: int = 0
+    ) -> None:
         try:
             segment, size, layout = self._layout(tensors)
-            self._activate_remote(version, segment, size, layout, adapter_config)
+            self._activate_remote(version, segment, size, layout, adapter_config, incarnation=incarnation)
             self._live_version = version
         finally:
             self.discard()

@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 class StagedSink(Protocol):
     """Where a RemoteMember activates a verified round (the job's AdapterBook)."""
 
-    def activate_staged(self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict) -> None: ...
+    def activate_staged(
+        self, version: int, segment: str, size: int, layout: Layout, adapter_config: dict, *, incarnation: int
+    ) -> None: ...
 
 
 class MemberLink:
@@ -241,7 +243,12 @@ class RemoteMember:
         try:
             layout = [tuple(entry) for entry in message["layout"]]
             self._sink.activate_staged(
-                message["version"], message["segment"], message["size"], layout, message["adapter_config"]
+                message["version"],
+                message["segment"],
+                message["size"],
+                layout,
+                message["adapter_config"],
+                incarnation=message["incarnation"],
             )
         except Exception as exc:  # the member reports ACTIVATION_FAILED; the older version keeps serving
             log.exception("%s: version %d verified but not activated", self.name, message["version"])

@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 from multiprocessing.connection import Connection
 
-from grpolora.workers.sync.control import FingerprintMismatch, StaleEpoch, StaleIncarnation, SyncError
+from grpolora.workers.sync.control import REFUSALS, SyncError
 
 CONTROL_TIMEOUT_SECONDS = 10.0
-ERRORS: dict[str, type[SyncError]] = {
-    error.__name__: error for error in (FingerprintMismatch, StaleEpoch, StaleIncarnation)
-}
+ERRORS: dict[str, type[SyncError]] = REFUSALS
 
 
 def send(connection: Connection, message: dict) -> None:

@@ -88,6 +88,19 @@ class MemberUnreachable(SyncError):
     """The replica did not answer its control endpoint."""
 
 
+REFUSALS: dict[str, type[SyncError]] = {
+    error.__name__: error for error in (FingerprintMismatch, StaleEpoch, StaleIncarnation)
+}
+"""What a replica refuses a trainer's request with, by name: answered 409 over HTTP with the name in REFUSAL_HEADER
+(joins, prepares, and StaleIncarnation for rollouts too), and over the socket of a member in vLLM's worker."""
+REFUSAL_HEADER = "X-Grpolora-Refusal"
+
+
+def refusal_named(response: httpx.Response) -> type[SyncError] | None:
+    """The refusal a replica's 409 names (None: another 409, e.g. an adapter version not live)."""
+    return REFUSALS.get(response.headers.get(REFUSAL_HEADER, "")) if response.status_code == 409 else None
+
+
 class Member(Protocol):
     """Trainer rank 0's handle on one inference replica."""
 
@@ -130,10 +143,7 @@ class HttpMember:
             raise MemberUnreachable(f"inference replica {self.index} ({self.base_url}): {exc}") from exc
         if response.status_code == 409:
             detail = response.json().get("detail", response.text)
-            error = FingerprintMismatch if "fingerprint" in str(detail) else StaleEpoch
-            if "incarnation" in str(detail):
-                error = StaleIncarnation
-            raise error(f"inference replica {self.index}: {detail}")
+            raise (refusal_named(response) or StaleEpoch)(f"inference replica {self.index}: {detail}")
         if response.status_code >= 400:
             raise MemberUnreachable(
                 f"inference replica {self.index} ({self.base_url}) answered {response.status_code}: {response.text}"

@@ -44,12 +44,15 @@ ACTIVATION_FAILED = 3  # verified, but the engine could not load it: the older v
 
 
 class AdapterSink(Protocol):
-    """Where verified adapters go: makes `version` serve new requests, atomically."""
+    """Where verified adapters go: makes `version` serve new requests, atomically. `incarnation`: of the trainer
+    that published it (its version numbers are that trainer's: the job's adapter book leases a version only to it)."""
 
     @property
     def live_version(self) -> int: ...
 
-    def activate(self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict) -> None: ...
+    def activate(
+        self, version: int, tensors: dict[str, torch.Tensor], adapter_config: dict, *, incarnation: int
+    ) -> None: ...
 
 
 # Where a round's buckets are received: given their sizes and the transport's device, one buffer per bucket. The
@@ -378,7 +381,12 @@ class AdapterReceiver:
             # current version (to catch another member up) verifies and leaves this replica as it is.
             elif header.version > self._sink.live_version:
                 try:
-                    self._sink.activate(header.version, wire.unpack(header, buckets), dict(header.adapter_config))
+                    self._sink.activate(
+                        header.version,
+                        wire.unpack(header, buckets),
+                        dict(header.adapter_config),
+                        incarnation=header.incarnation,
+                    )
                     outcome.activated = True
                     with self._lock:
                         self._live_incarnation = header.incarnation

@@ -257,5 +257,6 @@ def _connect(env: WorkerEnv, model_fingerprint: str, ctx, device: torch.device):
         env.token,
         timeout_seconds=max(env.sync_timeout_seconds, 600),
         endpoint_of=sender.endpoint,
+        incarnation=sender.incarnation,  # fences its rollouts as its joins and rounds (AdapterBook.lease)
     )
     return sender, rollouts

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import httpx
 
 from grpolora.api.constants import TOKEN_HEADER
+from grpolora.workers.sync.control import StaleIncarnation, refusal_named
 
 log = logging.getLogger(__name__)
 
@@ -77,10 +78,15 @@ class RolloutClient:
         *,
         timeout_seconds: float,
         endpoint_of: Callable[[int], str | None] | None = None,
+        incarnation: int | None = None,
     ):
         """`endpoint_of`: the base URL of a replica by index where the replicas change while the trainer runs (a
-        scaled RolloutPool: AdapterSender.endpoint); `endpoints` (those the trainer started with) otherwise."""
+        scaled RolloutPool: AdapterSender.endpoint); `endpoints` (those the trainer started with) otherwise.
+        `incarnation`: the trainer's (AdapterSender.incarnation), in every request: a replica that follows a newer
+        one refuses them (StaleIncarnation: this trainer must stop), and serves a version number only under
+        weights this incarnation published. None: no trainer (an evaluation, a benchmark), not fenced."""
         self.endpoints = list(endpoints)
+        self.incarnation = incarnation
         self._endpoint_of = endpoint_of
         self._client = httpx.Client(headers={TOKEN_HEADER: f"Bearer {token}"}, timeout=timeout_seconds)
         self._pool = ThreadPoolExecutor(max_workers=max(len(self.endpoints), 1), thread_name_prefix="rollout")
@@ -164,6 +170,8 @@ class RolloutClient:
             "adapter_version": version,
         }
         # Only when set: a server of an older release refuses fields it does not know.
+        if self.incarnation is not None:
+            body["incarnation"] = self.incarnation
         if sampling.reference_logprobs:
             body["reference_logprobs"] = True
         if sampling.top_k:
@@ -171,6 +179,8 @@ class RolloutClient:
         if sampling.stop:
             body["stop"] = list(sampling.stop)
         response = self._client.post(f"{self._url(replica)}/v1/generate", json=body)
+        if refusal_named(response) is StaleIncarnation:  # a newer trainer of this job took over: stop, as on sync
+            raise StaleIncarnation(f"inference replica {replica}: {response.json().get('detail', response.text)}")
         if response.status_code == 409 and version is not None:
             live = self._live_version(replica)
             if live is not None and live > version:
