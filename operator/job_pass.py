@@ -346,13 +346,13 @@ class JobPass:
         namespace = (body.get("metadata") or {}).get("namespace", "default")
         return await self.client.get(kind, namespace if kind.namespaced else None, ref.name)
 
-    async def _trainer_pods_left(self, view: JobView) -> int:
+    async def _trainer_pods_left(self, view: JobView) -> tuple[dict[str, Any], ...]:
         """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.
         Listed by their labels when a trainer Job is about to be created (rare: a job's start, a restart, a resume),
         not from the shared listing, whose snapshot may be up to an interval old (and would then be stale for the
         failure messages that later passes read from it)."""
         labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: view.name, c.LABEL_ROLE: c.ROLE_TRAINER}
-        return len(await self.client.list(kube.POD, view.namespace, labels))
+        return tuple(await self.client.list(kube.POD, view.namespace, labels))
 
     async def _managed_secret(self, view: JobView) -> tuple[str, str] | None:
         """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read
@@ -395,12 +395,18 @@ class JobPass:
         return job.claims
 
     async def _change_workloads(self, job: _Tracked, decision: rec.Decision) -> bool:
-        """Delete, then create (never the same name in one pass); False if a create found the name taken (409)."""
+        """Fence lost pods, delete, then create (never the same name in one pass); False if a create found the name
+        taken (409)."""
         # What we change, the watch reports later: read it from the API until then.
-        for kind, name in [(r.kind, r.name) for r in decision.delete] + [
+        for kind, name in [(r.kind, r.name) for r in (*decision.delete, *decision.release)] + [
             (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
         ]:
             self.cache.pop((kind, job.namespace, name), None)
+        # Lost pods out of the job's Services (reconcile._leaving_trainer) before their Job is released.
+        unlabel = {"metadata": {"labels": {builders.JOB_UID_LABEL: None}}}
+        await asyncio.gather(*(self.client.patch(kube.POD, job.namespace, pod, unlabel) for pod in decision.fence))
+        for pod in decision.fence:
+            logger.warning("%s/%s: pod %s taken as lost, out of the job's Services", job.namespace, job.name, pod)
         # In the foreground: a workload stays (with a deletionTimestamp) until its pods are gone, so a decision that
         # sees it absent knows its pods are gone too (a restart, a resume or a re-admission never overlaps them).
         await asyncio.gather(
@@ -411,6 +417,17 @@ class JobPass:
         )
         for ref in decision.delete:
             logger.info("%s/%s: deleted %s %s", job.namespace, job.name, ref.kind, ref.name)
+        # Again, in the Background: the API server drops the foregroundDeletion finalizer that lost pods would hold.
+        await asyncio.gather(
+            *(
+                self.client.delete(kube.KINDS[r.kind], job.namespace, r.name, propagation="Background")
+                for r in decision.release
+            )
+        )
+        for ref in decision.release:
+            logger.warning(
+                "%s/%s: released %s %s (deleted in the background)", job.namespace, job.name, ref.kind, ref.name
+            )
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
         return all(created)
 

@@ -151,6 +151,7 @@ E_SUSPENDED: Final = "Suspended"
 E_RESUMED: Final = "Resumed"
 E_TRAINER_RESTARTING: Final = "TrainerRestarting"
 E_TRAINER_ATTEMPT_FAILED: Final = "TrainerAttemptFailed"  # the failed pod's log tail (grpolora.operator.attempts)
+E_TRAINER_POD_LOST: Final = "TrainerPodLost"  # a pod its node never confirms gone: a restart goes on
 E_REKEYED: Final = "TokenRekeyed"
 E_GROUP_REFORMED: Final = "SyncGroupReformed"
 E_PODS_NOT_READY: Final = "PodsNotReady"

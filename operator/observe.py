@@ -3,6 +3,7 @@ the fold of trainer rank 0's /status into the job's progress figures."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -107,6 +108,57 @@ def pod_active(pod: K8sObject) -> bool:
 
 def deleting(obj: K8sObject | None) -> bool:
     return bool(((obj or {}).get("metadata") or {}).get("deletionTimestamp"))
+
+
+POD_LOST_AFTER_SECONDS: Final = 60
+"""How long past its deletion deadline a Terminating pod must still be there to be taken as lost (see pod_lost_at)."""
+
+
+def pod_terminal(pod: K8sObject) -> bool:
+    """Its containers have all stopped (phase Succeeded or Failed): it runs nothing any more, and the EndpointSlice
+    controller has dropped it from every Service (staging/src/k8s.io/endpointslice: ShouldPodBeInEndpoints leaves
+    terminal pods out, even under publishNotReadyAddresses)."""
+    return _status(pod).get("phase") in ("Succeeded", "Failed")
+
+
+def pod_deletion_asked(pod: K8sObject) -> datetime.datetime | None:
+    """When the pod was deleted: its deletionTimestamp less its grace period (the API server sets the timestamp to the
+    delete's time plus deletionGracePeriodSeconds, pkg/registry/core/pod/strategy.go CheckGracefulDelete)."""
+    meta = pod.get("metadata") or {}
+    deadline = _time(meta.get("deletionTimestamp"))
+    if deadline is None:
+        return None
+    return deadline - datetime.timedelta(seconds=int(meta.get("deletionGracePeriodSeconds") or 0))
+
+
+def pod_lost_at(pod: K8sObject) -> datetime.datetime | None:
+    """When a Terminating pod is taken as lost: POD_LOST_AFTER_SECONDS past its deletionTimestamp, the deadline by
+    which its kubelet has stopped the containers (SIGKILL at the end of the grace period) and removed the pod. One
+    still there then has a kubelet that does not confirm: its node is lost or partitioned, and the pod would stay
+    Terminating until the node object is deleted, the node gets the out-of-service taint (PodGC's gcTerminating, which
+    since KEP-3329 marks it Failed first) or an admin force-deletes it. None: not being deleted."""
+    meta = pod.get("metadata") or {}
+    deadline = _time(meta.get("deletionTimestamp"))
+    return None if deadline is None else deadline + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+
+
+def pod_gone_for_replacement(pod: K8sObject, now: datetime.datetime) -> bool:
+    """Whether a pod of a workload being replaced no longer holds its replacement back: it has stopped (pod_terminal),
+    or it is lost (pod_lost_at has passed). The Job controller's own replacement rule with a podFailurePolicy
+    (podReplacementPolicy Failed) waits for the first only, and so waits forever for a pod on a lost node."""
+    if pod_terminal(pod):
+        return True
+    lost_at = pod_lost_at(pod)
+    return lost_at is not None and now >= lost_at
+
+
+def _time(value: Any) -> datetime.datetime | None:
+    if not value:
+        return None
+    try:
+        return datetime.datetime.fromisoformat(str(value).replace("Z", "+00:00"))
+    except ValueError:
+        return None
 
 
 def recorded_runtime(meta: Mapping[str, Any]) -> dict[str, Any] | None:

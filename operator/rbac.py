@@ -5,7 +5,8 @@ every (verb, group, resource) the operator sends to the API emulator and check t
 Not needed, on purpose: `list`/`update` on Secrets (the token is created with its Secret; `get` reads Secrets by
 name only: the job's own to check its owner, the ones a job names to check they are not the operator's), `list`/`watch`
 on namespaces and CRDs (Kopf runs with scanning disabled, see grpolora.operator.main.build_settings), and anything
-on pods but `list` (workers are never touched directly; their workloads are).
+on pods but `list` and `patch` (workers are never touched directly, their workloads are, except that a pod taken as
+lost on a node that never confirms its end loses the label the job's Services select it by: reconcile._leaving_trainer).
 """
 
 from __future__ import annotations
@@ -146,7 +147,13 @@ RULES: Final[tuple[Rule, ...]] = (
         "per resync), create it, patch a RolloutPool's replicas when it scales, delete it on suspend and when the "
         "job ends",
     ),
-    Rule(("",), ("pods",), ("list",), "say why a job's pods are not ready (unschedulable, image pull errors)"),
+    Rule(
+        ("",),
+        ("pods",),
+        ("list", "patch"),
+        "say why a job's pods are not ready (unschedulable, image pull errors); take a trainer pod whose node never "
+        "confirms its deletion out of the job's Services (patch: its job-uid label removed) before its restart",
+    ),
     Rule(
         ("",),
         ("pods/log",),

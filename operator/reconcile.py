@@ -134,7 +134,7 @@ class Observed:
     decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
     pool: pools.PoolView | None = None
     """The job's RolloutPool (jobs with spec.inference.poolRef only): its spec and status (the attachment list)."""
-    trainer_pods_left: int = 0
+    trainer_pods_left: tuple[K8sObject, ...] = ()
     """Trainer pods of this job's name that outlived their Job (deleted in the background by someone else, or by
     the collector after a delete of a job of the same name): read only when a decision creates a trainer Job, which
     is then decided again."""
@@ -174,6 +174,13 @@ class Decision:
     quota)."""
     read_flavors: tuple[str, ...] = ()
     """Read these ResourceFlavors and decide again: the workloads wait for them (see Observed.flavors)."""
+    release: tuple[ChildRef, ...] = ()
+    """Workloads to delete again, in the Background: their foreground deletion waits for pods that no longer hold
+    anything back (stopped, or on a node that does not confirm their end: observe.pod_gone_for_replacement). The
+    API server then drops their foregroundDeletion finalizer and removes them, freeing the name."""
+    fence: tuple[str, ...] = ()
+    """Pods taken as lost: remove their job-uid label (builders.JOB_UID_LABEL), so that no Service of the job selects
+    them any more (a Terminating pod stays in a publishNotReadyAddresses Service's endpoints)."""
     idle: bool = False
     """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
     keep watching; a spec change runs a new pass."""
@@ -294,7 +301,7 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         observed = dataclasses.replace(observed, queue_workload=None)
     progress = obs.fold_trainer(old, observed.trainer)
     admission = _admission(where.queue, observed.queue_workload, api_missing=observed.queue_api_missing)
-    course = _course(where, old, observed, admission, progress, stamp)
+    course = _course(where, old, observed, admission, progress, now)
     if stale is not None:
         course = dataclasses.replace(course, deletes=(*course.deletes, stale), requeue=REPLACE_RECHECK_SECONDS)
     if view.queue_left is not None:  # the label removed before Kueue admitted it: it runs without a queue
@@ -307,7 +314,14 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         view, old, observed, where, course, progress, admission, volumes, overdue, build, stamp
     )
     queue_write = _queue_write(where, observed, course, status, pods_ready=pods_ready, stamp=stamp)
-    settled = not build.creates and not course.deletes and not delete_job and course.requeue is None
+    settled = (
+        not build.creates
+        and not course.deletes
+        and not course.release
+        and not course.fence
+        and not delete_job
+        and course.requeue is None
+    )
     holds_quota = kueue.is_true(observed.queue_workload, kueue.QUOTA_RESERVED) and not kueue.is_true(
         observed.queue_workload, kueue.FINISHED
     )
@@ -317,9 +331,12 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         status=status,
         create=build.creates,
         delete=course.deletes,
+        release=course.release,
+        fence=course.fence,
         delete_job=delete_job,
         requeue_after=course.requeue,
-        events=tuple(transition_events(old, status)),
+        events=tuple(transition_events(old, status))
+        + ((Event("Warning", names.E_TRAINER_POD_LOST, course.lost_note),) if course.lost_note else ()),
         # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
         idle=settled and (course.finished or course.phase == "Suspended") and queue_write is None and not holds_quota,
     )
@@ -385,6 +402,10 @@ class _Course:
     rekey_note: str | None = None
     waiting_pods: str | None = None
     """Why a trainer Job is not created yet: pods of a previous one are still terminating."""
+    lost_note: str | None = None
+    """Pods of a previous trainer Job taken as lost in this pass, and when (a Warning event)."""
+    release: tuple[ChildRef, ...] = ()
+    fence: tuple[str, ...] = ()
     wanted_kinds: tuple[str, ...] = ()
     """The workloads to create (built by _workloads_to_create, once Kueue's additions are known)."""
     deletes: tuple[ChildRef, ...] = ()
@@ -403,7 +424,7 @@ def _course(
     observed: Observed,
     admission: cond.Want,
     progress: obs.Progress,
-    stamp: str,
+    now: datetime.datetime,
 ) -> _Course:
     """Finished, re-keyed, released (suspended, not admitted by Kueue, not attached to its pool), or running (the
     trainer's restarts and failures: _running_course)."""
@@ -457,18 +478,23 @@ def _course(
             deletes=tuple(_release(tj, sts)),
             active_since=None,
         )
-    course = dataclasses.replace(course, active_since=old.active_since or stamp)
-    return _running_course(where, old, observed, course, progress, stamp)
+    course = dataclasses.replace(course, active_since=old.active_since or cond.rfc3339(now))
+    return _running_course(where, old, observed, course, progress, now)
 
 
 def _running_course(
-    where: _Placement, old: JobStatus, observed: Observed, course: _Course, progress: obs.Progress, stamp: str
+    where: _Placement,
+    old: JobStatus,
+    observed: Observed,
+    course: _Course,
+    progress: obs.Progress,
+    now: datetime.datetime,
 ) -> _Course:
     """A job that should run: its trainer Job's course (_trainer_course), then its StatefulSet and its phase."""
     blocked_kinds = {ref.kind for ref in observed.blocked}
     if blocked_kinds:
         course = dataclasses.replace(course, requeue=REPLACE_RECHECK_SECONDS)
-    course = _trainer_course(where, observed, course, blocked_kinds, progress, stamp)
+    course = _trainer_course(where, observed, course, blocked_kinds, progress, now)
     if course.phase in TERMINAL:
         return course
     wanted_kinds = course.wanted_kinds
@@ -486,11 +512,12 @@ def _trainer_course(
     course: _Course,
     blocked_kinds: set[str],
     progress: obs.Progress,
-    stamp: str,
+    now: datetime.datetime,
 ) -> _Course:
     """The trainer Job's course: created, replaced after a committed restart, succeeded, or failed (restarted, or
     the job fails)."""
     spec = where.job_plan.spec
+    stamp = cond.rfc3339(now)
     tj, report = observed.trainer_job, observed.trainer
     if tj is None and "Job" in blocked_kinds:
         return course  # the previous job's trainer Job is still being collected
@@ -499,23 +526,37 @@ def _trainer_course(
         # create the replacement only once it has left, as JobSet does (kubernetes-sigs/jobset#392, #684).
         # Old and new ranks never overlap: a dying rank 0 still answers to the rendezvous name (the Services
         # publish not-ready addresses) and would spend a restart, and its GPUs are the ones the new pods need.
-        stale = () if obs.deleting(tj) else (ChildRef("Job", where.job_plan.trainer.workload_name),)
-        return dataclasses.replace(
-            course,
-            deletes=course.deletes + stale,
-            restart_note=f"restart {course.restarts}: waiting for the failed trainer Job and its pods to be gone "
-            "before creating its replacement",
-            requeue=REPLACE_RECHECK_SECONDS,
+        # Except a pod whose node never confirms its end (_leaving_trainer): it would hold the restart forever.
+        waiting = (
+            f"restart {course.restarts}: waiting for the failed trainer Job and its pods to be gone before creating "
+            "its replacement"
         )
+        if not obs.deleting(tj):
+            stale = ChildRef("Job", where.job_plan.trainer.workload_name)
+            return dataclasses.replace(
+                course, deletes=(*course.deletes, stale), restart_note=waiting, requeue=REPLACE_RECHECK_SECONDS
+            )
+        return _leaving_trainer(course, tj, observed.pods, now, waiting, restart=True)
     if tj is not None and obs.deleting(tj):
-        return dataclasses.replace(course, requeue=REPLACE_RECHECK_SECONDS)
+        # Deleted by a release (suspended, evicted, re-keyed) and wanted again: the same wait as a restart's.
+        waiting = "waiting for the previous trainer Job and its pods to be gone before creating the trainer Job"
+        return _leaving_trainer(course, tj, observed.pods, now, waiting, restart=False)
     if tj is None and observed.trainer_pods_left:
         # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
         # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
         # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
-        count = observed.trainer_pods_left
-        waiting = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
-        return dataclasses.replace(course, waiting_pods=waiting, requeue=REPLACE_RECHECK_SECONDS)
+        holding, lost, fence = _stale_trainer_pods(observed.trainer_pods_left, now)
+        if holding:
+            count = len(holding)
+            waiting = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
+            waiting = f"{waiting}: {_waiting_details(holding)}"
+            return dataclasses.replace(course, waiting_pods=waiting, requeue=REPLACE_RECHECK_SECONDS)
+        if fence:
+            # Out of the Services first; the trainer Job comes at the next pass, after the relabel is written.
+            note = f"{_lost_details(lost)}: taken out of the job's Services before the trainer Job is created"
+            return dataclasses.replace(
+                course, fence=fence, lost_note=note, waiting_pods=note, requeue=REPLACE_RECHECK_SECONDS
+            )
     if tj is None:
         return dataclasses.replace(course, wanted_kinds=(*course.wanted_kinds, "Job"))
     if obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
@@ -549,6 +590,88 @@ def _trainer_course(
         final_message=f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
         f"used up; last failure: {failure.message}",
     )
+
+
+def _leaving_trainer(
+    course: _Course, tj: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime, waiting: str, *, restart: bool
+) -> _Course:
+    """A trainer Job being deleted (in the foreground) that the job wants to replace: wait while any of its pods may
+    still run; once each is stopped or lost (obs.pod_gone_for_replacement), release it: delete it again in the
+    Background, so that the API server drops its foregroundDeletion finalizer and frees its name, and fence the lost
+    pods. A lost pod's rank may still run, cut off: the data plane refuses an older trainer incarnation
+    (GRPOLORA_TRAINER_INCARNATION, workers/sync/receiver.py), and the fence keeps its address out of the rendezvous
+    name. Its pods are the pass's listing of the job's pods (taken as they are now while a workload is leaving)."""
+    uid = (tj.get("metadata") or {}).get("uid")
+    left = [
+        pod
+        for pod in pods
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == c.ROLE_TRAINER
+        and (uid is None or obs.controller_uid(pod) == uid)
+    ]
+    holding, lost, fence = _stale_trainer_pods(left, now)
+    if holding or not left:  # (none left: the collector is about to drop the finalizer)
+        note = f"{waiting}: {_waiting_details(holding)}" if holding else waiting
+    else:
+        release = (ChildRef("Job", tj["metadata"]["name"]),)
+        lost_note = (
+            f"{_lost_details(lost)}: the trainer Job is deleted again in the background (its foreground deletion "
+            "waits for as long as a lost pod stays) and the lost pods are taken out of the job's Services"
+            if lost
+            else None
+        )
+        note = f"{waiting}: {lost_note}" if lost_note else waiting
+        course = dataclasses.replace(course, release=release, fence=fence, lost_note=lost_note)
+    if restart:
+        return dataclasses.replace(course, restart_note=note, requeue=REPLACE_RECHECK_SECONDS)
+    return dataclasses.replace(course, waiting_pods=note, requeue=REPLACE_RECHECK_SECONDS)
+
+
+def _stale_trainer_pods(
+    pods: Sequence[K8sObject], now: datetime.datetime
+) -> tuple[list[K8sObject], list[K8sObject], tuple[str, ...]]:
+    """(the pods that still hold a replacement back, those taken as lost, the names of the lost ones that a Service
+    of the job still selects: the fence to write)."""
+    holding = [pod for pod in pods if not obs.pod_gone_for_replacement(pod, now)]
+    lost = [pod for pod in pods if not obs.pod_terminal(pod) and obs.pod_gone_for_replacement(pod, now)]
+    fence = tuple(
+        str(pod["metadata"]["name"])
+        for pod in lost
+        if builders.JOB_UID_LABEL in ((pod.get("metadata") or {}).get("labels") or {})
+    )
+    return holding, lost, fence
+
+
+def _waiting_details(pods: Sequence[K8sObject]) -> str:
+    """What each pod waited for is doing, and when the wait ends (the first few)."""
+    details = []
+    for pod in pods[:_PODS_NAMED]:
+        name, asked, lost_at = pod["metadata"]["name"], obs.pod_deletion_asked(pod), obs.pod_lost_at(pod)
+        if asked is None or lost_at is None:
+            details.append(f"pod {name} not deleted yet")
+            continue
+        deadline = pod["metadata"]["deletionTimestamp"]
+        details.append(
+            f"pod {name} Terminating since {cond.rfc3339(asked)} (its grace period ends at {deadline}); taken as lost "
+            f"at {cond.rfc3339(lost_at)} if its node has not confirmed by then"
+        )
+    more = len(pods) - _PODS_NAMED
+    return "; ".join(details) + (f"; and {more} more" if more > 0 else "")
+
+
+def _lost_details(pods: Sequence[K8sObject]) -> str:
+    details = []
+    for pod in pods[:_PODS_NAMED]:
+        asked, lost_at = obs.pod_deletion_asked(pod), obs.pod_lost_at(pod)
+        assert asked is not None and lost_at is not None, "a lost pod is Terminating"
+        details.append(
+            f"pod {pod['metadata']['name']} Terminating since {cond.rfc3339(asked)}, its node does not confirm; "
+            f"taken as lost at {cond.rfc3339(lost_at)}"
+        )
+    more = len(pods) - _PODS_NAMED
+    return "; ".join(details) + (f"; and {more} more" if more > 0 else "")
+
+
+_PODS_NAMED: Final = 3
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ import datetime
 import inspect
 import itertools
 import json
+import math
 import secrets
 import time
 import uuid
@@ -139,6 +140,10 @@ class Emulator(kmock.KubernetesEmulator):
     """How long a deleted pod's containers take to exit on SIGTERM, after which the kubelet removes the pod; None:
     they ignore SIGTERM (as NCCL workers often do) and the pod stays Terminating for its whole grace period, until
     the kubelet's SIGKILL (`end_grace_periods` brings that forward)."""
+    lost_nodes: set[str] = attrs.field(factory=set)
+    """Nodes whose kubelet is gone (the node lost, or cut off from the API server): a deleted pod bound to one stays
+    Terminating, since only its kubelet removes it (pkg/registry/core/pod/strategy.go CheckGracefulDelete), until the
+    test removes it as the node's deletion or an admin's force-delete would; `end_grace_periods` passes it by."""
     pod_logs: dict[tuple[str, str, str], str] = attrs.field(factory=dict, init=False)
     """What the kubelet would serve as each container's log, by (namespace, pod, container); the test writes it.
     GET pods/<name>/log answers it as the API server does (pkg/registry/core/pod/rest/log.go and the kubelet):
@@ -401,8 +406,9 @@ class Emulator(kmock.KubernetesEmulator):
         """The kubelet's SIGKILL at the end of every Terminating pod's grace period, brought forward (so a test need
         not wait the grace period out): the pods are removed now."""
         async with self._lock:
-            for key in list(self._terminating):
-                await self._remove(key)
+            for key, due in list(self._terminating.items()):
+                if due != math.inf:  # a lost node's kubelet kills nothing
+                    await self._remove(key)
             self._gc_due = True
 
     async def _begin_deletion(self, request: kmock.Request) -> dict[str, Any] | None:
@@ -444,7 +450,13 @@ class Emulator(kmock.KubernetesEmulator):
         obj = self.objects._objects[key]
         meta = _meta(obj)
         if meta.get("deletionTimestamp"):
-            return  # already being deleted: the API server only answers with it
+            # Already being deleted: the API server only answers with it, except that the delete's policy sets the
+            # GC finalizers again (deletionFinalizersForGarbageCollection): Background drops foregroundDeletion,
+            # and the object goes if no finalizer is left.
+            if policy == "Background" and FOREGROUND_FINALIZER in (meta.get("finalizers") or []):
+                left = [f for f in meta.get("finalizers") or [] if f != FOREGROUND_FINALIZER]
+                await self._write(key, {"metadata": {"finalizers": left}})
+            return
         finalizers = list(meta.get("finalizers") or [])
         if policy == "Foreground" and FOREGROUND_FINALIZER not in finalizers:
             finalizers.append(FOREGROUND_FINALIZER)
@@ -469,7 +481,8 @@ class Emulator(kmock.KubernetesEmulator):
         await self._buses[key[0]].put({"type": "MODIFIED", "object": obj.raw})
         if seconds:
             exits = seconds if self.pod_exit_seconds is None else min(seconds, self.pod_exit_seconds)
-            self._terminating[key] = asyncio.get_running_loop().time() + exits
+            lost = spec.get("nodeName") in self.lost_nodes
+            self._terminating[key] = math.inf if lost else asyncio.get_running_loop().time() + exits
         self._gc_due = True
 
     async def _write(self, key: Any, patch: dict[str, Any]) -> None:

@@ -6,8 +6,11 @@ every verb of every rule must have been needed: least privilege in both directio
 
 from __future__ import annotations
 
+import datetime
+
 from grpolora.api import constants as c
 from grpolora.operator import rbac
+from grpolora.operator.scheduler import utcnow
 from grpolora.testing.kube_emulator import CRD_RESOURCE, NAMESPACE, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, fake_trainer, operator_options, wait_for
@@ -39,12 +42,20 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await wait_for(lambda: ("get", "pods/log", "demo-trainer-0-abcde") in cluster.emulator.log, "the log read")
             await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 2, "a restart")
 
+            # Its pod's node is lost: suspended, the trainer Job (deleted in the foreground) stays, held by the pod.
+            cluster.emulator.lost_nodes.add("gpu-node-lost")
+            lost = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-lost")
             await cluster.patch_spec("demo", {"suspend": True})
             await wait_for(lambda: cluster.status("demo").get("phase") == "Suspended", "suspend")
-            # Deleted in the foreground: gone once the collector has seen it has no pods left.
-            await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
+            await wait_for(lambda: cluster.get("v1/pods", lost)["metadata"].get("deletionTimestamp"), "Terminating")
+            # Resumed once the pod is taken as lost (the clock played): taken out of the Services (pods patch), its
+            # Job deleted again in the background, and the trainer Job created again.
+            assert operator.controller is not None
+            operator.controller.clock = lambda: utcnow() + datetime.timedelta(minutes=5)
             await cluster.patch_spec("demo", {"suspend": False})
-            await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "resume")
+            await wait_for(lambda: ("patch", "pods", lost) in cluster.emulator.log, "the lost pod fenced")
+            await wait_for(lambda: len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 3, "resume")
+            operator.controller.clock = utcnow
 
             complete = {"conditions": [{"type": "Complete", "status": "True"}]}
             await cluster.set_status("batch/v1/jobs", "demo-trainer", complete)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from grpolora.api import constants as c
 from grpolora.api.plan import plan
 from grpolora.api.status import JobStatus, RestartCounts, TrainerStatus
 from grpolora.operator import names
@@ -227,6 +228,99 @@ def test_a_failed_trainer_is_restarted_in_two_phases():
     # The replacement runs: nothing more to do.
     fourth = decide(view, third.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
     assert fourth.create == () and fourth.delete == () and fourth.status.phase == "Running"
+
+
+def stale_pod(
+    name: str = "demo-trainer-0-abcde",
+    *,
+    deleted: datetime.datetime | None = None,
+    grace: int = 30,
+    phase: str = "Running",
+    owner: str = "trainer-uid-0",
+    fenced: bool = False,
+) -> dict[str, Any]:
+    """A trainer pod of the Job `owner`, Terminating since `deleted` (with its grace period) when given."""
+    labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: "demo", c.LABEL_ROLE: c.ROLE_TRAINER}
+    if not fenced:
+        labels[c.LABEL_JOB_UID] = "uid-1"
+    meta: dict[str, Any] = {
+        "name": name,
+        "labels": labels,
+        "ownerReferences": [{"kind": "Job", "name": "demo-trainer", "uid": owner, "controller": True}],
+    }
+    if deleted is not None:
+        meta["deletionTimestamp"] = cond_stamp(deleted + datetime.timedelta(seconds=grace))
+        meta["deletionGracePeriodSeconds"] = grace
+    return {"metadata": meta, "status": {"phase": phase}}
+
+
+def leaving_trainer(**kw: Any) -> dict[str, Any]:
+    """The failed trainer Job of attempt 0, deleted in the foreground and held by its pods."""
+    job = trainer_job(condition="Failed", message="pod demo-trainer-0 exited with 1", **kw)
+    job["metadata"].update(uid="trainer-uid-0", deletionTimestamp=STAMP, finalizers=["foregroundDeletion"])
+    return job
+
+
+def test_a_restart_waits_for_a_pod_within_its_deletion_deadline_and_says_until_when():
+    """A pod slow to stop (NCCL ignores SIGTERM) is waited for: its grace period, then the margin for its kubelet to
+    confirm. The Job controller waits likewise for a terminating pod before it replaces it (podReplacementPolicy
+    Failed, the only value allowed with a podFailurePolicy: pkg/apis/batch/types.go)."""
+    view = applied_view(trainer={"maxRestarts": 2})
+    old = running(trainer_restarts=1, restarts_by_cause=RestartCounts(failure=1))
+    deleted = NOW - datetime.timedelta(seconds=80)  # grace 30 s: its deadline was 50 s ago, lost 10 s from now
+    pods = (stale_pod(deleted=deleted),)
+    waiting = decide(view, old, Observed(leaving_trainer(), statefulset(1), pods), NOW)
+    assert waiting.create == () and waiting.delete == () and waiting.release == () and waiting.fence == ()
+    assert waiting.requeue_after is not None
+    message = waiting.status.message
+    assert "waiting for the failed trainer Job and its pods to be gone" in message
+    assert "pod demo-trainer-0-abcde Terminating since 2026-01-01T11:58:40Z" in message
+    assert "taken as lost at 2026-01-01T12:00:10Z if its node has not confirmed by then" in message
+
+
+def test_a_pod_its_node_never_confirms_is_taken_as_lost_fenced_and_its_job_released():
+    """Past its deletionTimestamp by POD_LOST_AFTER_SECONDS, the pod's kubelet has not confirmed the kill (the node
+    is lost): it stops holding the restart. Its Job, held by the foregroundDeletion finalizer for as long as the pod
+    exists, is deleted again in the Background, which makes the API server drop that finalizer (apiserver
+    registry/generic/registry/store.go, deletionFinalizersForGarbageCollection) and frees the name; the pod loses
+    the label the job's Services select it by, since a Terminating pod stays in a publishNotReadyAddresses Service's
+    EndpointSlice as ready (staging/src/k8s.io/endpointslice utils.go podToEndpoint) and would share rank 0's
+    rendezvous name with its replacement."""
+    view = applied_view(trainer={"maxRestarts": 2})
+    old = running(trainer_restarts=1, restarts_by_cause=RestartCounts(failure=1))
+    deleted = NOW - datetime.timedelta(seconds=95)  # deadline 65 s ago: lost 5 s ago
+    lost = stale_pod(deleted=deleted)
+    stopped = stale_pod("demo-trainer-1-fghij", deleted=deleted, phase="Failed")  # its containers stopped
+    released = decide(view, old, Observed(leaving_trainer(), statefulset(1), (lost, stopped)), NOW)
+    assert released.release == (ChildRef("Job", "demo-trainer"),) and released.delete == ()
+    assert released.fence == ("demo-trainer-0-abcde",), "only the lost pod still in the Services"
+    assert released.create == () and released.requeue_after is not None
+    note = (
+        "pod demo-trainer-0-abcde Terminating since 2026-01-01T11:58:25Z, its node does not confirm; taken as lost "
+        "at 2026-01-01T11:59:55Z"
+    )
+    assert note in released.status.message
+    assert [(e.type, e.reason) for e in released.events] == [("Warning", names.E_TRAINER_POD_LOST)]
+    assert note in released.events[0].message
+    # The Job gone, the fenced pod left behind no longer holds anything: the replacement is created.
+    fenced = stale_pod(deleted=deleted, fenced=True)
+    replaced = decide(view, released.status, Observed(None, statefulset(1), trainer_pods_left=(fenced,)), NOW)
+    (job,) = replaced.create
+    assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
+    assert replaced.fence == () and replaced.release == ()
+
+
+def test_a_lost_pod_left_without_its_job_is_fenced_before_the_trainer_is_created():
+    """A trainer pod that outlived its Job (e.g. `kubectl delete job --cascade=background`) on a lost node: taken out
+    of the Services first, and the Job created at the next pass, after the relabel is written."""
+    deleted = NOW - datetime.timedelta(minutes=5)
+    first = decide(
+        applied_view(), pending(), Observed(None, statefulset(1), trainer_pods_left=(stale_pod(deleted=deleted),)), NOW
+    )
+    assert first.fence == ("demo-trainer-0-abcde",) and first.create == () and first.requeue_after is not None
+    fenced = stale_pod(deleted=deleted, fenced=True)
+    second = decide(applied_view(), first.status, Observed(None, statefulset(1), trainer_pods_left=(fenced,)), NOW)
+    assert kinds(second.create) == ["Job"] and second.fence == ()
 
 
 def test_a_trainer_that_keeps_failing_fails_the_job_with_the_reason():
@@ -461,7 +555,9 @@ def test_a_job_being_deleted_creates_nothing_and_writes_nothing():
 
 
 def test_no_trainer_job_is_created_while_pods_of_a_previous_one_are_left():
-    waiting = decide(applied_view(), pending(), Observed(None, statefulset(1), trainer_pods_left=2), NOW)
+    deleted = NOW - datetime.timedelta(seconds=10)
+    left = (stale_pod(deleted=deleted), stale_pod("demo-trainer-1-fghij", deleted=deleted))
+    waiting = decide(applied_view(), pending(), Observed(None, statefulset(1), trainer_pods_left=left), NOW)
     assert kinds(waiting.create) == [] and waiting.requeue_after is not None
     assert "waiting for 2 pods of a previous trainer Job to terminate" in waiting.status.message
     gone = decide(applied_view(), waiting.status, Observed(None, statefulset(1)), NOW)

@@ -66,10 +66,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# say why a job's pods are not ready (unschedulable, image pull errors)
+# say why a job's pods are not ready (unschedulable, image pull errors); take a trainer pod whose node never confirms its deletion out of the job's Services (patch: its job-uid label removed) before its restart
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["list"]
+  verbs: ["list", "patch"]
 # read the last lines of a failed trainer pod's log before its restart deletes it (status.lastFailedAttempt)
 - apiGroups: [""]
   resources: ["pods/log"]

@@ -1,0 +1,125 @@
+"""A trainer pod on a lost node: its kubelet never confirms the kill, so the pod stays Terminating and, deleted in the
+foreground, holds its Job. The restart must not wait for it forever, nor let it answer at rank 0's rendezvous name.
+
+What the real components do, which the emulator plays (grpolora.testing.kube_emulator) and the operator's rule
+(grpolora.operator.observe.pod_gone_for_replacement) is measured against:
+- The API server marks a bound pod Terminating (deletionTimestamp = the delete plus its grace period) and only the
+  kubelet removes it (pkg/registry/core/pod/strategy.go CheckGracefulDelete). A node whose kubelet is gone never does:
+  the pod stays until the node object is deleted, the node gets the out-of-service taint (PodGC gcTerminating;
+  KEP-3329 sets phase Failed before deleting) or an admin force-deletes it. `Emulator.lost_nodes` plays such a node.
+- The garbage collector keeps a Job deleted with propagationPolicy Foreground (finalizer foregroundDeletion) while a
+  dependent with blockOwnerDeletion exists (pkg/controller/garbagecollector processDeletingDependentsItem), and a
+  Terminating pod exists. JobSet deletes its child Jobs that way before a restart (kubernetes-sigs/jobset#392, #684),
+  so it waits for such a pod as well.
+- A second DELETE with propagationPolicy Background on an object held by foregroundDeletion makes the API server drop
+  that finalizer (staging/src/k8s.io/apiserver/pkg/registry/generic/registry/store.go, Delete ->
+  updateForGracefulDeletionAndFinalizers -> deletionFinalizersForGarbageCollection: both GC finalizers are removed,
+  then added back only for Orphan or Foreground); with none left, the object is removed and its name is free.
+- The Job controller replaces a pod only once it is terminal when a podFailurePolicy is set (podReplacementPolicy
+  Failed, pkg/apis/batch/types.go), so it too would wait for a pod on a lost node.
+- A Terminating pod stays in a publishNotReadyAddresses Service's EndpointSlice as ready
+  (staging/src/k8s.io/endpointslice/utils.go podToEndpoint: ready := PublishNotReadyAddresses || ...), so the Indexed
+  Job's fixed hostname <job>-trainer-0 would resolve to the old pod beside the new one: the operator removes the lost
+  pod's job-uid label, which the job's Services select by.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+
+from grpolora.api import constants as c
+from grpolora.operator import names
+from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
+from grpolora.testing.kube_emulator import Cluster
+from tests.helpers import job_doc
+from tests.operator.harness import OperatorThread, wait_for
+
+LOST_NODE = "gpu-node-lost"
+FAILED = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "x"}]}
+
+
+def progressing(cluster: Cluster) -> str:
+    found = next((k for k in cluster.status("demo").get("conditions") or [] if k["type"] == names.PROGRESSING), {})
+    return str(found.get("message", ""))
+
+
+def trainer_jobs_created(cluster: Cluster) -> int:
+    return len([k for k in cluster.emulator.created if k[0] == "jobs"])
+
+
+def clock_at(when: datetime.datetime) -> Callable[[], datetime.datetime]:
+    """The operator's clock, set to `when` now and running on from there."""
+    start = time.monotonic()
+    return lambda: when + datetime.timedelta(seconds=time.monotonic() - start)
+
+
+def deadline_of(pod: dict) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(pod["metadata"]["deletionTimestamp"].replace("Z", "+00:00"))
+
+
+async def passes_after(cluster: Cluster, count: int) -> None:
+    """Wait until the operator has listed the job's pods `count` more times (one list per pass while its trainer Job
+    is leaving): the passes that follow a change of the clock have run."""
+    before = cluster.emulator.log.count(("list", "pods", None))
+    await wait_for(lambda: cluster.emulator.log.count(("list", "pods", None)) >= before + count, f"{count} passes")
+
+
+async def fail_the_trainer_on_a_lost_node(cluster: Cluster) -> tuple[str, dict]:
+    cluster.emulator.pod_exit_seconds = None  # the containers ignore SIGTERM (NCCL): Terminating for the whole grace
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.apply(job_doc(trainer={"maxRestarts": 1}))
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the children")
+    pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node=LOST_NODE)
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", FAILED)
+    await wait_for(lambda: (cluster.get("v1/pods", pod) or {}).get("metadata", {}).get("deletionTimestamp"), "deleted")
+    await cluster.emulator.end_grace_periods()  # the kubelet's SIGKILL comes from healthy nodes only
+    found = cluster.get("v1/pods", pod)
+    assert found is not None, "a lost node's kubelet removed its pod"
+    return pod, found
+
+
+async def test_a_restart_waits_while_the_pod_is_within_its_deadline_and_says_until_when(cluster, operator):
+    """Slow, not lost: while the grace period and the margin after it last, the pod is waited for."""
+    pod, found = await fail_the_trainer_on_a_lost_node(cluster)
+    lost_at = deadline_of(found) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    await wait_for(lambda: f"pod {pod} Terminating since" in progressing(cluster), "the restart naming the pod")
+    assert f"taken as lost at {lost_at.strftime('%Y-%m-%dT%H:%M:%SZ')}" in progressing(cluster)
+    assert isinstance(operator, OperatorThread) and operator.controller is not None
+    operator.controller.clock = clock_at(lost_at - datetime.timedelta(seconds=5))  # its grace is over, not the margin
+    await passes_after(cluster, 3)
+    assert trainer_jobs_created(cluster) == 1, "replaced while the pod may still be stopping"
+    old_job = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert old_job is not None and old_job["metadata"]["finalizers"] == ["foregroundDeletion"]
+    assert c.LABEL_JOB_UID in cluster.get("v1/pods", pod)["metadata"]["labels"], "fenced before it was lost"
+
+
+async def test_a_pod_whose_node_never_confirms_is_taken_as_lost_and_the_job_restarts_and_finishes(cluster, operator):
+    pod, found = await fail_the_trainer_on_a_lost_node(cluster)
+    service = cluster.get("v1/services", "demo-trainer")
+    assert service is not None
+    selector = service["spec"]["selector"]
+    assert all(found["metadata"]["labels"].get(k) == v for k, v in selector.items()), "the old pod in the Service"
+    await wait_for(lambda: f"pod {pod} Terminating since" in progressing(cluster), "the restart naming the pod")
+    assert operator.controller is not None
+    lost_at = deadline_of(found) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    operator.controller.clock = clock_at(lost_at + datetime.timedelta(seconds=1))
+
+    await wait_for(lambda: trainer_jobs_created(cluster) == 2, "the replacement trainer Job", timeout=15)
+    replacement = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert replacement["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "1"
+    # The lost pod is still there (only its node or an admin can remove it), out of the job's Services.
+    left = cluster.get("v1/pods", pod)
+    assert left is not None and left["metadata"]["deletionTimestamp"]
+    assert not all(left["metadata"]["labels"].get(k) == v for k, v in selector.items()), "still in the Service"
+    assert ("delete", "jobs", "demo-trainer") in cluster.emulator.log
+    lost_events = [m for _, reason, m in cluster.events("demo") if reason == names.E_TRAINER_POD_LOST]
+    assert lost_events and f"pod {pod} Terminating since" in lost_events[0]
+    assert f"taken as lost at {lost_at.strftime('%Y-%m-%dT%H:%M:%SZ')}" in lost_events[0]
+
+    # The replacement runs and completes: the job finishes.
+    await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True"}]})
+    await wait_for(lambda: cluster.status("demo").get("phase") == "Succeeded", "the job Succeeded")
+    assert cluster.status("demo")["trainerRestarts"] == 1
