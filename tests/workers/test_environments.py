@@ -57,6 +57,12 @@ def test_calculate_refuses_what_is_not_arithmetic(expression, says):
         calculate(expression)
 
 
+def test_a_call_cut_at_its_stop_string_is_answered():
+    # grpo.stop: ["</calc>"] ends the turn at the call; vLLM's text leaves the stop string out.
+    reply = BUILTIN_ENVIRONMENTS["calculator"]().step({"role": "assistant", "content": "So <calc>6 * 7"})
+    assert reply.messages == [{"role": "tool", "content": "<result>42</result>"}] and not reply.done
+
+
 def test_a_bad_call_is_the_tools_answer_not_a_fault():
     env = BUILTIN_ENVIRONMENTS["calculator"]()
     reply = env.step({"role": "assistant", "content": "<calc>1/0</calc>"})

@@ -16,7 +16,8 @@ INSTRUCTIONS = (
     "the result comes back as <result>VALUE</result>. When you know the answer, give it on its own line as "
     "`Answer: <integer>`."
 )
-CALL = re.compile(r"<calc>(.*?)</calc>", re.DOTALL)
+# The closing tag may be missing: with `</calc>` as a stop string (grpo.stop), vLLM leaves it out of the text.
+CALL = re.compile(r"<calc>(.*?)(?:</calc>|\Z)", re.DOTALL)
 LONGEST_EXPRESSION = 200  # characters: arithmetic, not a program
 LARGEST_EXPONENT = 64
 

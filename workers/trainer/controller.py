@@ -25,6 +25,9 @@ from typing import Any
 import torch
 
 from grpolora.workers import adapter as adapter_io
+from grpolora.workers.environments import load_environment
+from grpolora.workers.environments.episode import ChatDelta
+from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking, drop_records_after
@@ -37,7 +40,9 @@ from grpolora.workers.trainer.scoring import (
     Filled,
     Rollouts,
     Scored,
+    episode_figures,
     fill_with_spread,
+    generated_length,
     reference_from,
     reward_figures,
     rewards_of,
@@ -90,6 +95,10 @@ class Controller:
         # The replicas score prompt + completion as one prompt for the reference, which vLLM takes only when one more
         # token would fit.
         margin = 1 if self.spec.grpo.reference_on_replicas else 0
+        self._episodes = self._episode_runner(margin)
+        if self._episodes is not None:  # an episode holds its opening and a turn at least
+            model_length = min(model_length or self.spec.environment.max_episode_tokens,
+                               self.spec.environment.max_episode_tokens)  # fmt: skip
         self._producer = RolloutProducer(
             self.spec.grpo,
             self._prompt_stream(),
@@ -98,7 +107,19 @@ class Controller:
             sender=sender,
             rollouts=rollouts,
             buffer=self._buffer,
+            episodes=self._episodes,
         )
+
+    def _episode_runner(self, margin: int) -> EpisodeRunner | None:
+        """spec.environment's runner (its plugin loaded now: a bad one fails before any rollout), or None."""
+        env, task = self.spec.environment, self.spec.task
+        if env is None:
+            return None
+        delta = ChatDelta(self.ctx.policy.tokenizer, task.chat_template_args, task.system_prompt)
+        limits = EpisodeLimits(
+            env.max_turns, env.max_episode_tokens, self.spec.grpo.max_new_tokens, env.step_timeout_seconds, margin
+        )
+        return EpisodeRunner(load_environment(env), delta, limits)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
@@ -259,6 +280,8 @@ class Controller:
 
     def close(self) -> None:
         self.tracking.close()
+        if self._episodes is not None:
+            self._episodes.close()
 
     def _eval_due(self, step: int, last: bool) -> bool:
         every = self.spec.eval.every_steps if self.spec.eval else None
@@ -315,7 +338,7 @@ class Controller:
         lag of a trained group behind it, and the groups dropped as more than grpo.maxStaleness behind."""
         progress = self.ctx.progress
         agreement = logprob_agreement(stats, on_policy)
-        lengths = [len(c.token_ids) for group in rollouts.completions for c in group]
+        lengths = [generated_length(c) for group in rollouts.completions for c in group]
         record: dict[str, Any] = {
             "step": progress.step,
             **reward_figures(scored),
@@ -338,6 +361,7 @@ class Controller:
             "completion_length_mean": sum(lengths) / max(len(lengths), 1),
             "completions_truncated": scored.truncated,
             **({"overlong_penalty_mean": float(scored.penalty.mean())} if scored.penalty is not None else {}),
+            **episode_figures(rollouts),
             "prompts_skipped": self._producer.skipped,
             "rollout_version": min(rollouts.versions),
             "on_policy": on_policy,

@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from grpolora.api.spec import GRPOSpec
+from grpolora.workers.environments.runner import EpisodeRunner
 from grpolora.workers.tasks import Prompt, TaskError
 from grpolora.workers.trainer.buffer import BufferClosed, Group, RolloutBuffer
 from grpolora.workers.trainer.rollout import Completion, ReplicasLost, RolloutClient, Sampling, prompt_seed
@@ -85,8 +86,11 @@ class RolloutProducer:
         sender,
         rollouts: RolloutClient,
         buffer: RolloutBuffer,
+        episodes: EpisodeRunner | None = None,
     ):
+        """`episodes`: each sample is a multi-turn episode run by it (spec.environment) instead of a completion."""
         self._grpo = grpo
+        self._episodes = episodes
         self._prompts = prompts
         self._tokenize = tokenize
         self._max_prompt_tokens = max_prompt_tokens
@@ -135,7 +139,20 @@ class RolloutProducer:
 
     def _generate(self, drawn: DrawnPrompts, sampling: Sampling) -> list[list[Completion]]:
         seeds = [prompt_seed(self._grpo.seed, position) for position in drawn.positions]
-        return generate_round(self._sender, self._rollouts, drawn.ids, sampling, seeds=seeds)
+        if self._episodes is None:
+            return generate_round(self._sender, self._rollouts, drawn.ids, sampling, seeds=seeds)
+        episodes = self._episodes
+
+        def run(version: int, replicas: list[int]) -> list[list[Completion]]:
+            def turn(replica: int, ids: list[list[int]], turn_sampling: Sampling, turn_seeds: list[int]):
+                answers = self._rollouts.generate(
+                    ids, turn_sampling, version=version, replicas=[replica], seeds=turn_seeds
+                )
+                return [samples[0] for samples in answers]
+
+            return episodes.run(drawn.prompts, drawn.ids, seeds, sampling, turn, replicas)
+
+        return on_live_replicas(self._sender, run)
 
 
 def generate_round(
@@ -145,12 +162,21 @@ def generate_round(
     failed (they died, or their node went), the sync group is re-formed -- waiting for replacements if none is left,
     and catching them up to the live version -- and the same prompts are generated again with the same seeds: a
     lost replica costs time, not the run."""
+    return on_live_replicas(
+        sender,
+        lambda version, replicas: rollouts.generate(prompts, sampling, version=version, replicas=replicas, seeds=seeds),
+    )
+
+
+def on_live_replicas(sender, generate: Callable[[int, list[int]], list[list[Completion]]]) -> list[list[Completion]]:
+    """`generate(live version, replicas)`, again on the re-formed sync group when every replica it went to failed
+    (at most ROUND_ATTEMPTS times in all): a round of completions, or of episodes (each a new start)."""
     for attempt in itertools.count(1):
         # Version and replicas read together, and never from a group that is re-forming (a replica lost or back):
         # the caller waits for the group there, where generating would fail the run.
         version, replicas = sender.live()
         try:
-            return rollouts.generate(prompts, sampling, version=version, replicas=replicas, seeds=seeds)
+            return generate(version, replicas)
         except ReplicasLost as exc:
             if attempt >= ROUND_ATTEMPTS:
                 raise
