@@ -17,6 +17,7 @@ from grpolora.workers.inference.payload import ALIGN, SharedPayload, pack_payloa
 from grpolora.workers.inference.vllm_engine import EngineConfig, SamplingRequest, VllmEngine, cpu_engine_defaults
 from grpolora.workers.inference.vllm_worker import lora_request
 from grpolora.workers.models import resolve_model
+from tests.workers.episode_parity import multi_turn_episode, trainer_episode_delta
 from tests.workers.parity import hf_logprobs, peft_policy, randomize_adapter, tokens
 
 log = logging.getLogger(__name__)
@@ -172,15 +173,16 @@ def test_an_adapter_evicted_by_vllms_lru_is_rebuilt_with_the_same_logprobs(monke
             await engine.add_lora(lora_request("b", ids["b"]), *adapters["b"])
             evicted = await engine.list_loras()
             other = await served("b")
+            episode = await multi_turn_episode(engine, lora_request("b", ids["b"]), model_dir)  # issue 39's parity
             again = await served("a")  # rebuilt from the held payload
             rebuilt = await engine.list_loras()
             held = await engine.held_adapters()
             await engine.remove_lora(ids["a"])
-            return first, other, again, evicted, rebuilt, held, await engine.held_adapters(), ids
+            return first, other, again, evicted, rebuilt, held, await engine.held_adapters(), ids, episode
         finally:
             engine.shutdown()
 
-    first, other, again, evicted, rebuilt, held, held_after, ids = asyncio.run(scenario())
+    first, other, again, evicted, rebuilt, held, held_after, ids, episode = asyncio.run(scenario())
     assert evicted == [ids["b"]] and rebuilt == [ids["a"]]  # A left vLLM's cache, then came back
     assert held == [[ids["a"], ids["b"]]] and held_after == [[ids["b"]]]  # payloads held until removed
     assert again.token_ids == first.token_ids
@@ -190,3 +192,8 @@ def test_an_adapter_evicted_by_vllms_lru_is_rebuilt_with_the_same_logprobs(monke
         delta = (hf_logprobs(policy, prompt, sample.token_ids) - torch.tensor(sample.logprobs)).abs().max().item()
         log.warning("from memory: adapter %s, max |dlogprob| against float32 peft = %.2e", name, delta)
         assert delta <= 1e-3
+    # A multi-turn episode (environment tokens between two assistant turns): the trainer's logprobs of every
+    # assistant token match vLLM's (tests/workers/episode_parity.py).
+    delta = trainer_episode_delta(model_dir, adapters["b"][0], episode)
+    log.warning("multi-turn episode: max |dlogprob| over %d assistant tokens = %.2e", sum(episode.mask), delta)
+    assert delta <= 1e-3
