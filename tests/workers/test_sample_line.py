@@ -63,3 +63,17 @@ def test_the_progress_line_shows_the_policys_entropy(capsys):
     progress = Progress(4, enabled=True)
     progress.update(TrainerStatus(phase="Running", step=2, total_steps=4, reward_mean=0.5, kl=0.001, entropy=1.234))
     assert capsys.readouterr().err.splitlines() == ["[Running] step 2/4 reward 0.500 kl 0.0010 entropy 1.23"]
+
+
+def test_an_episodes_sample_line_shows_its_turns():
+    # spec.environment (issue 39): the completion is the last assistant message, and the line says after how
+    # many turns (and whether the episode was cut off).
+    line = sample_line({**ROW, "turns": 3, "truncated": False}, 200)
+    assert line.endswith(" (reward 1.100, adv +0.817, 3 turns)")
+    assert sample_line({**ROW, "turns": 4, "truncated": True}, 200).endswith(", 4 turns, truncated)")
+
+
+def test_an_unscorable_samples_line_says_so():
+    # A row whose reward is None (no reward applied; an episode the environment ended with an error) used to
+    # raise in the format of its reward.
+    assert sample_line({**ROW, "reward": None}, 200).endswith(" (reward none, adv +0.817)")

@@ -16,11 +16,14 @@ from grpolora.api.status import TrainerStatus
 
 def sample_line(row: Mapping[str, Any], width: int) -> str:
     """One line of `grpolora run`'s progress for a row of samples.jsonl, at most `width` columns:
-    `step 10 sample: "<prompt>" -> "<completion>" (reward 1.100, adv +0.817)`. Newlines and other control characters
+    `step 10 sample: "<prompt>" -> "<completion>" (reward 1.100, adv +0.817)`, with an episode's turns (", 3
+    turns") where the row is one (spec.environment). Newlines and other control characters
     are escaped; the completion gets at least two thirds of the room for the texts, and each text is shortened with
     `…` when it does not fit."""
     head = f"step {row['step']} sample: "
-    tail = f" (reward {row['reward']:.3f}, adv {row['advantage']:+.3f})"
+    turns = f", {row['turns']} turns{', truncated' if row.get('truncated') else ''}" if "turns" in row else ""
+    reward = "none" if row["reward"] is None else f"{row['reward']:.3f}"
+    tail = f" (reward {reward}, adv {row['advantage']:+.3f}{turns})"
     prompt, completion = _escape(row["prompt"]), _escape(row["completion"])
     room = width - len(head) - len(tail) - len('"" -> ""')
     prompt_room = min(len(prompt), max(room // 3, room - len(completion), 1))
