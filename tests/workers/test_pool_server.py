@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -453,12 +454,32 @@ def sync_failures(metrics: str, job: str) -> dict[str, float]:
 
 
 def adapter_status(url: str) -> dict:
-    return httpx.get(f"{url}/v1/adapter").json()
+    # Not httpx's 5 s default: on 2 shared cores a server unloading a detached job's adapters answered later.
+    return httpx.get(f"{url}/v1/adapter", timeout=30).json()
+
+
+def ok_requests(metrics: str, job: str) -> float:
+    """grpolora_inference_requests_total of one job's answered requests on a replica's /metrics (0 before any)."""
+    found = re.search(rf'^grpolora_inference_requests_total{{job="{job}",status="ok"}} (\S+)$', metrics, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def pushed(job: str, senders, policies, at_least: int) -> int:
+    """`job`'s live version, after pushing rounds of its adapter until its trainer has sent version `at_least`: what
+    a test needs live it makes live itself, so that it passes alone or in any order, not only after the module's
+    first test pushed some."""
+    while senders[job].version < at_least:
+        randomize_adapter(policies[job], seed=1000 + senders[job].version)
+        senders[job].send(lora_tensors(policies[job]), lora_config(policies[job]))
+    return senders[job].version
 
 
 @VLLM
 def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_server, senders, policies, model_dir):
     url, rounds = pool_server.url, {JOB_A: 2, JOB_B: 3}
+    # From wherever the module's other tests left each job (it passes alone or after them).
+    start = {job: senders[job].version for job in rounds}
+    served_before = {job: ok_requests(httpx.get(f"{url}/metrics").text, job) for job in rounds}
     seen: dict[str, list[int]] = {JOB_A: [], JOB_B: []}
     done = threading.Event()
 
@@ -478,7 +499,7 @@ def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_ser
         versions = dict(zip(rounds, threads.map(push, rounds), strict=True))
         done.set()
         watcher.result()
-    assert versions == {JOB_A: 2, JOB_B: 3}
+    assert versions == {job: start[job] + n for job, n in rounds.items()}
     for job, live in seen.items():
         assert live == sorted(live), f"{job}'s live version went back: {live}"  # whatever the other job did
     prompt = tokens(model_dir)
@@ -500,14 +521,14 @@ def test_two_jobs_push_at_once_and_each_generates_under_its_own_adapter(pool_ser
     metrics = httpx.get(f"{url}/metrics").text
     for job in (JOB_A, JOB_B):
         assert f'grpolora_inference_adapter_version{{job="{job}"}} {versions[job]}.0' in metrics
-        assert f'grpolora_inference_requests_total{{job="{job}",status="ok"}} 1.0' in metrics
+        assert ok_requests(metrics, job) == served_before[job] + 1
 
 
 @VLLM
-def test_a_job_acts_only_as_itself(pool_server, senders, model_dir):
+def test_a_job_acts_only_as_itself(pool_server, senders, policies):
     url = pool_server.url
-    a, b = senders[JOB_A].version, senders[JOB_B].version
-    assert b > a
+    a = pushed(JOB_A, senders, policies, 1)
+    b = pushed(JOB_B, senders, policies, a + 1)
     # A names a version only B has: for A it is a version of its own not (yet) live, never B's adapter.
     response = generate(url, {"prompt_token_ids": [[1, 2]], "adapter_version": b}, token=TOKENS[JOB_A])
     assert response.status_code == 409 and f"adapter version {b} is not live" in response.text
@@ -566,9 +587,24 @@ def test_a_round_macd_with_another_jobs_key_is_refused_in_its_group(pool_server,
 
 @VLLM
 def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_server, senders, policies, model_dir):
+    """Job C, attached for this test alone and then detached (the module's A and B stay attached for the others,
+    whatever their order): its adapters unloaded from vLLM, its token and series gone, A served as before."""
     url, jobs_file = pool_server.url, pool_server.jobs_file
-    b_ids = set(adapter_status(url)["jobs"][JOB_B]["lora_ids"])
-    assert b_ids
+    attached = [pool_attachment(j, TOKENS[j]) for j in (JOB_A, JOB_B)]
+    write_attachments(jobs_file, Attachments(pool="shared", jobs=[*attached, pool_attachment(JOB_C, TOKENS[JOB_C])]))
+    wait_for(lambda: JOB_C in adapter_status(url)["jobs"], "C attached")
+    policy = peft_policy(model_dir)
+    sender = http_sender(
+        [url], TOKENS[JOB_C], store_port=free_port(), model_dir=model_dir, timeout_seconds=10, bucket_bytes=1 << 20
+    )
+    try:
+        sender.form_group(wait_for_all_seconds=60)
+        randomize_adapter(policy, seed=11)
+        sender.send(lora_tensors(policy), lora_config(policy))
+    finally:
+        sender.close()
+    c_ids = set(adapter_status(url)["jobs"][JOB_C]["lora_ids"])
+    assert c_ids
     # Adapters go to vLLM from memory: this server never writes a folder of them.
     assert not list(Path("/dev/shm").glob(f"grpolora-adapters-*-{pool_server.proc.pid}"))
     body = {"prompt_token_ids": [tokens(model_dir)], "max_tokens": 100, "temperature": 1.0, "seed": 3}
@@ -577,19 +613,19 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
         # The request thread starts late, as it does on a busy machine: the detach below must wait for the
         # server's own word that the request is in flight, not assume it.
         time.sleep(0.5)
-        return generate(url, body, 120.0, TOKENS[JOB_B])
+        return generate(url, body, 120.0, TOKENS[JOB_C])
 
     with concurrent.futures.ThreadPoolExecutor(1) as threads:
-        running = threads.submit(late_generate)  # in flight as B is detached
+        running = threads.submit(late_generate)  # in flight as C is detached
         # Detached only once the request is in (else it is refused 401): in flight, or already answered.
-        wait_in_flight(url, JOB_B, unless=running.done)
-        write_attachments(jobs_file, Attachments(pool="shared", jobs=[pool_attachment(JOB_A, TOKENS[JOB_A])]))
-        wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A}, "B detached")
+        wait_in_flight(url, JOB_C, unless=running.done)
+        write_attachments(jobs_file, Attachments(pool="shared", jobs=attached))
+        wait_for(lambda: set(adapter_status(url)["jobs"]) == {JOB_A, JOB_B}, "C detached")
         assert running.result().status_code == 200
-    wait_for(lambda: not b_ids & set(adapter_status(url)["engine_lora_ids"]), "B's adapters unloaded from vLLM")
-    assert generate(url, {"prompt_token_ids": [[1, 2]]}, token=TOKENS[JOB_B]).status_code == 401
-    assert httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_B)).status_code == 401
-    assert f'job="{JOB_B}"' not in httpx.get(f"{url}/metrics").text
+    wait_for(lambda: not c_ids & set(adapter_status(url)["engine_lora_ids"]), "C's adapters unloaded from vLLM")
+    assert generate(url, {"prompt_token_ids": [[1, 2]]}, token=TOKENS[JOB_C]).status_code == 401
+    assert httpx.get(f"{url}/v1/sync/state", headers=bearer(JOB_C)).status_code == 401
+    assert f'job="{JOB_C}"' not in httpx.get(f"{url}/metrics").text
     # A is served as before, and its trainer's rounds still land.
     randomize_adapter(policies[JOB_A], seed=9)
     report = senders[JOB_A].send(lora_tensors(policies[JOB_A]), lora_config(policies[JOB_A]))
