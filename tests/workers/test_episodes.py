@@ -176,7 +176,8 @@ class ScriptedReplicas:
             if len(generated) > sampling.max_tokens:
                 generated, finish = generated[: sampling.max_tokens], "length"
                 text = self.tokenizer.decode(generated, skip_special_tokens=True)
-            out.append(Completion(generated, [-0.5] * len(generated), text, finish, self.version + replica))
+            reference = [-0.75] * len(generated) if sampling.reference_logprobs else None
+            out.append(Completion(generated, [-0.5] * len(generated), text, finish, self.version + replica, reference))
         return out
 
 
@@ -328,3 +329,26 @@ def test_a_plugin_environment_plays_through_the_runner(tokenizer, tmp_path):
     (won,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0])  # fmt: skip
     assert (won.episode.turns, won.episode.reward, won.episode.tool_calls) == (3, 1.0, 0)
     assert [m["content"] for m in won.episode.messages if m["role"] == "user"][1:] == ["higher", "lower"]
+
+
+def test_reference_logprobs_from_the_replicas_cover_the_whole_episode(tokenizer):
+    """grpo.referenceFrom: inference: each turn's request asks for the base model's logprobs of what it generated,
+    given the whole episode so far; the sample carries them at the assistant's tokens (0 at the environment's,
+    which the mask leaves out of the KL)."""
+    replicas = ScriptedReplicas(tokenizer, {0: ["<calc>12*7</calc>", "Answer: 84"], 1: ["Answer: 84"]})
+    sampling = Sampling(2, 1.0, 1.0, 32, reference_logprobs=True)
+    (two_turns, one_turn), = _runner(tokenizer).run([PROMPT], [[1]], [0], sampling, replicas, replicas=[0])  # fmt: skip
+    mask = two_turns.episode.loss_mask
+    assert two_turns.reference_logprobs == [-0.75 if m else 0.0 for m in mask] and 0 in mask
+    grpo = GRPOSpec(generations_per_prompt=2, reference_from="inference")
+    scored = score(ArithmeticTask(), Rollouts([PROMPT], [[1]], [[two_turns, one_turn]], 0.0), grpo, 0)
+    kept = scored.batch.completion_mask.bool()
+    assert scored.batch.reference_logprobs is not None
+    assert set(scored.batch.reference_logprobs[kept].tolist()) == {-0.75}
+
+
+def test_the_episode_budget_is_also_bounded_by_the_model_length():
+    env = EnvironmentSpec(builtin="calculator", max_episode_tokens=4096, max_turns=5)
+    assert EpisodeLimits.of(env, 64, model_length=2048, margin=1) == EpisodeLimits(5, 2048, 64, 30.0, 1)
+    assert EpisodeLimits.of(env, 64, model_length=None).max_episode_tokens == 4096
+    assert EpisodeLimits.of(env, 64, model_length=8192).max_episode_tokens == 4096

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from grpolora.api.constants import MAX_EPISODE_TURNS
+from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.environments.base import (
     EnvironmentFactory,
     EnvironmentFault,
@@ -52,6 +53,13 @@ class EpisodeLimits:
     max_new_tokens: int
     step_timeout_seconds: float
     margin: int = 0  # tokens kept free at the end (the replicas' reference pass needs one more)
+
+    @classmethod
+    def of(cls, env: EnvironmentSpec, max_new_tokens: int, model_length: int | None, margin: int = 0) -> EpisodeLimits:
+        """spec.environment's limits, the episode's budget also within what the model holds (`model_length`:
+        inference.maxModelLen or the model's own), since the replicas refuse a longer request."""
+        budget = min(env.max_episode_tokens, model_length or env.max_episode_tokens)
+        return cls(env.max_turns, budget, max_new_tokens, env.step_timeout_seconds, margin)
 
 
 @dataclass

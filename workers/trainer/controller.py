@@ -95,10 +95,9 @@ class Controller:
         # The replicas score prompt + completion as one prompt for the reference, which vLLM takes only when one more
         # token would fit.
         margin = 1 if self.spec.grpo.reference_on_replicas else 0
-        self._episodes = self._episode_runner(margin)
-        if self._episodes is not None:  # an episode holds its opening and a turn at least
-            model_length = min(model_length or self.spec.environment.max_episode_tokens,
-                               self.spec.environment.max_episode_tokens)  # fmt: skip
+        self._episodes = self._episode_runner(margin, model_length)
+        if self._episodes is not None:  # an episode's opening leaves room for a turn at least
+            model_length = self._episodes.limits.max_episode_tokens
         self._producer = RolloutProducer(
             self.spec.grpo,
             self._prompt_stream(),
@@ -110,15 +109,13 @@ class Controller:
             episodes=self._episodes,
         )
 
-    def _episode_runner(self, margin: int) -> EpisodeRunner | None:
+    def _episode_runner(self, margin: int, model_length: int | None) -> EpisodeRunner | None:
         """spec.environment's runner (its plugin loaded now: a bad one fails before any rollout), or None."""
         env, task = self.spec.environment, self.spec.task
         if env is None:
             return None
         delta = ChatDelta(self.ctx.policy.tokenizer, task.chat_template_args, task.system_prompt)
-        limits = EpisodeLimits(
-            env.max_turns, env.max_episode_tokens, self.spec.grpo.max_new_tokens, env.step_timeout_seconds, margin
-        )
+        limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
         return EpisodeRunner(load_environment(env), delta, limits)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
