@@ -15,6 +15,7 @@ import zlib
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from grpolora.api.load import parse_job
 from grpolora.workers.adapter import lora_scaling
@@ -28,7 +29,7 @@ from grpolora.workers.sync.control import (
 )
 from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.sender import AdapterSender, send_round
-from grpolora.workers.sync.transport import TransportError, connect_store
+from grpolora.workers.sync.transport import Transport, TransportError, connect_store, epoch_store
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.buffer import RolloutBuffer
 from grpolora.workers.trainer.producer import ROUND_ATTEMPTS, RolloutProducer
@@ -958,24 +959,38 @@ def test_a_round_that_fails_on_every_replica_again_and_again_ends_the_run(cluste
     assert len(rollouts.calls) == ROUND_ATTEMPTS
 
 
-class BlockingTransport:
+class CountingStore:
+    """A store that counts the receiver's looks for a header (`check`): how a test sees a member waiting on it."""
+
+    def __init__(self, store) -> None:
+        self._store, self.checks = store, 0
+
+    def check(self, keys) -> bool:
+        self.checks += 1
+        return self._store.check(keys)
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+
+class BlockingTransport(Transport):
     """A member's transport whose collectives block until it is closed (NCCL over P2P/NVLink/SHM does not surface
-    a peer's abort: a member inside an abandoned round waits there until its own side aborts)."""
+    a peer's abort: a member inside an abandoned round waits there until its own side aborts). `entered`: a
+    collective was posted (on NCCL, a kernel on the member's stream). The header goes through `store` (the epoch's;
+    in memory by default), counted."""
 
-    def __init__(self, *, epoch: int, rank: int, world_size: int, **_) -> None:
+    def __init__(self, *, epoch: int, rank: int, world_size: int, store=None, **_) -> None:
         self.epoch, self.rank, self.world_size, self.device = epoch, rank, world_size, torch.device("cpu")
-        self.closed = threading.Event()
+        self.store = CountingStore(dist.HashStore() if store is None else epoch_store(store, epoch))
+        self.left = threading.Event()
         self.entered = threading.Event()
-
-    def broadcast(self, tensor, src: int = 0) -> None:
-        self.start_broadcast(tensor, src).wait()
 
     def start_broadcast(self, tensor, src: int = 0) -> BlockingTransport:
         self.entered.set()
         return self
 
     def wait(self) -> None:  # the Pending of every collective: it never completes
-        self.closed.wait()
+        self.left.wait()
         raise TransportError("the group is closed")
 
     def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -984,8 +999,12 @@ class BlockingTransport:
     def all_reduce_sum(self, tensor) -> None:
         self.wait()
 
+    @property
+    def closed(self) -> bool:
+        return self.left.is_set()
+
     def close(self) -> None:
-        self.closed.set()
+        self.left.set()
 
 
 def test_a_round_whose_collective_never_completes_is_cut_by_the_senders_watchdog():
@@ -1039,7 +1058,7 @@ class BlockedMember:
         self.made: list[BlockingTransport] = []
 
         def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
-            self.made.append(BlockingTransport(**kwargs))
+            self.made.append(BlockingTransport(store=store, **kwargs))
             return self.made[-1]
 
         monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
@@ -1056,16 +1075,29 @@ class BlockedMember:
             )
         )  # fmt: skip
 
-    def inside_a_round(self) -> None:
-        """Joined epoch 0 and inside its round's first broadcast."""
+    def prepared(self) -> None:
+        """Joined epoch 0 and told to prepare its round 1, which the sender has not committed (no header)."""
         self.join(0)
         eventually(lambda: self.member.state().epoch == 0)
         self.member.prepare(PrepareRequest(epoch=0, version=1))
+        # Waiting for the header (it looks in the store) -- or, wrongly, inside a collective already.
+        eventually(lambda: self.made[0].store.checks >= 3 or self.made[0].entered.is_set())
+
+    def inside_a_round(self) -> None:
+        """Joined epoch 0 and inside its round's first broadcast: the header came, the payload does not."""
+        self.prepared()
+        header, _ = wire.pack(adapter(0), key=KEY, version=1, epoch=0, bucket_bytes=1 << 20)
+        self.made[0].commit_header(1, header.encode(KEY))  # as the sender would
         assert self.made[0].entered.wait(TIMEOUT)
+
+    def sender_dies(self) -> None:
+        """The sender's process is gone, and with it the store it hosts."""
+        vars(self).pop("store", None)
+        gc.collect()
 
     def close(self) -> None:
         self.member.close()
-        del self.store
+        self.sender_dies()
 
 
 @pytest.fixture
@@ -1087,7 +1119,7 @@ def test_a_member_in_a_stalled_round_leaves_it_and_joins_the_next_epoch(blocked)
     b = blocked(backend="gloo", timeout_seconds=3600, progress_timeout_seconds=0.5)
     b.inside_a_round()
     eventually(lambda: b.member.state().epoch is None, seconds=5)  # left the stalled round's epoch on its own
-    assert b.made[0].closed.is_set()
+    assert b.made[0].closed
     assert "no progress in the round 1 of epoch 0 for 0.5s" in (b.member.state().last_error or "")
     b.join(1)
     eventually(lambda: b.member.state().epoch == 1, seconds=TIMEOUT)
@@ -1103,7 +1135,91 @@ def test_a_member_inside_an_abandoned_round_joins_the_next_epoch_at_once(blocked
     b.join(1)
     eventually(lambda: b.member.state().epoch == 1, seconds=TIMEOUT)
     assert time.monotonic() - started < TIMEOUT
-    assert b.made[0].closed.is_set() and not b.made[1].closed.is_set()
+    assert b.made[0].closed and not b.made[1].closed
+
+
+# ---- the round's receives are posted only once the sender has committed to it (issue 36, GPU hazards) -----------
+
+
+def test_a_member_posts_no_receive_while_the_sender_has_not_committed_the_round(cluster, monkeypatch):
+    """A receive posted at prepare (on NCCL: a kernel waiting on the member's stream, in vLLM's process) holds every
+    device-wide synchronisation of vLLM's (empty_cache, synchronize) until the round runs or is cut. The sender sits
+    between the prepares and the round while it packs and until every member's prepare is answered: here member 1's
+    is held. Member 0, told to prepare, waits for the header in the store and posts nothing on the group; once
+    the sender commits, the round goes through."""
+    from grpolora.workers.sync import receiver as receiver_module
+    from grpolora.workers.sync import sender as sender_module
+
+    events: list[tuple[str, int]] = []  # ("posted", rank): a collective started; ("committed", 0): the header out
+    stores: dict[int, CountingStore] = {}
+
+    def recording(create):
+        def create_transport(backend, store, **kwargs) -> Transport:
+            transport, rank = create(backend, store, **kwargs), kwargs["rank"]
+            start, commit = transport.start_broadcast, transport.commit_header
+
+            def start_broadcast(tensor, src: int = 0):
+                events.append(("posted", rank))
+                return start(tensor, src)
+
+            def commit_header(version: int, raw: bytes) -> None:
+                events.append(("committed", rank))
+                commit(version, raw)
+
+            transport.start_broadcast, transport.commit_header = start_broadcast, commit_header
+            transport.store = stores[rank] = CountingStore(transport.store)
+            return transport
+
+        return create_transport
+
+    monkeypatch.setattr(receiver_module, "create_transport", recording(receiver_module.create_transport))
+    monkeypatch.setattr(sender_module, "create_transport", recording(sender_module.create_transport))
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    events.clear()
+    release = threading.Event()
+    answer = c.members[1].prepare
+
+    def held(request: PrepareRequest) -> None:
+        assert release.wait(TIMEOUT * 3)
+        answer(request)
+
+    c.members[1].prepare = held
+    sending = threading.Thread(target=c.sender.send, args=(adapter(1), {}), daemon=True)
+    sending.start()
+    try:
+        checks = stores[1].checks
+        eventually(lambda: stores[1].checks >= checks + 3 or ("posted", 1) in events)  # member 0 is rank 1
+        assert events == [], "a member posted a receive before the sender committed the round"
+    finally:
+        release.set()
+    sending.join(TIMEOUT * 3)
+    c.wait_live(2)
+    committed = events.index(("committed", 0))
+    assert [event for event in events[:committed] if event[0] == "posted"] == []
+    assert {rank for kind, rank in events[committed:] if kind == "posted"} == {0, 1, 2}
+
+
+def test_a_sender_that_dies_after_the_prepare_leaves_no_receive_posted_on_its_members(blocked):
+    """The trainer died (or gave up) between a member's prepare and the round: the member waited on the store, posted
+    nothing, and leaves the epoch as soon as the store is gone with the sender's process."""
+    b = blocked(backend="nccl", timeout_seconds=3600)
+    b.prepared()
+    assert not b.made[0].entered.is_set(), "a receive was posted before the sender committed the round"
+    b.sender_dies()
+    eventually(lambda: b.member.state().epoch is None, seconds=TIMEOUT)
+    assert "the sync store failed" in (b.member.state().last_error or "")
+    assert not b.made[0].entered.is_set()
+
+
+def test_a_member_waiting_for_a_header_that_never_comes_takes_the_next_join(blocked):
+    """The round was abandoned before the sender committed it (another member's prepare failed): the next epoch's
+    join frees the member at once (it closes the epoch it waited in), with nothing ever posted in it."""
+    b = blocked(backend="nccl", timeout_seconds=3600)
+    b.prepared()
+    b.join(1)
+    eventually(lambda: b.member.state().epoch == 1, seconds=TIMEOUT)
+    assert b.made[0].closed and not b.made[0].entered.is_set()
 
 
 # ---- fencing: two trainers of one job (a restart whose old pod still runs, a zombie behind a partition) ----------

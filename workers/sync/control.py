@@ -3,8 +3,9 @@ take part in a round. Messages are small JSON over the inference server's token-
 themselves never go over HTTP.
 
 Why a control channel at all: collectives have timeouts, and replicas idle between rounds for as long as a
-training step takes. So receivers wait outside any collective and enter one only when told a round starts
-(`prepare`). A replica that does not answer is found out in seconds, not after the collective's timeout.
+training step takes. So receivers wait outside any collective, are told a round starts (`prepare`), and enter
+its collectives only once the sender has committed it (its header in the group's store, transport.py). A replica
+that does not answer is found out in seconds, not after the collective's timeout.
 """
 
 from __future__ import annotations

@@ -48,6 +48,7 @@ class GlooTransport(Transport):
         op_timeout_seconds: float | None = None,
     ):
         self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+        self.store = store
         # Each collective of a round fails on its own after this (gloo starts its clock as the collective runs,
         # tcp/unbound_buffer.cc): closing the group cannot interrupt one in flight, so a round's watchdog alone
         # would leave the thread waiting on it until the group's timeout.
@@ -82,6 +83,10 @@ class GlooTransport(Transport):
             return _GlooPending(start(self._group_or_fail()), what)
         except (RuntimeError, TransportError) as exc:
             return _GlooPending(None, what, f"gloo {what} failed: {exc}")
+
+    @property
+    def closed(self) -> bool:
+        return self._group is None
 
     def close(self) -> None:
         # Gloo has no abort that interrupts peers; destroying the group closes its TCP pairs, and peers blocked in

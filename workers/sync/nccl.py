@@ -103,6 +103,7 @@ class NcclTransport(Transport):
         if not torch.cuda.is_available():
             raise TransportError("the nccl sync backend needs a GPU in this process; use gloo on CPUs")
         self.rank, self.world_size = rank, world_size
+        self.store = store
         self.device = device or torch.device("cuda", torch.cuda.current_device())
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_seconds)
@@ -142,6 +143,10 @@ class NcclTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"NCCL all-reduce failed: {exc}") from exc
         _NcclPending(work, self.device, "all-reduce").wait()
+
+    @property
+    def closed(self) -> bool:
+        return self._group is None
 
     def close(self) -> None:
         group, self._group = self._group, None

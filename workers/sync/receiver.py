@@ -90,9 +90,14 @@ def receive_round(
     allocate: Allocate = allocate_apart,
     land: Land = wire.on_host,
     progress: Callable[[], None] = lambda: None,
+    header_timeout_seconds: float = 600.0,
 ) -> tuple[wire.RoundHeader, list[torch.Tensor], str | None]:
     """One round on a receiving rank: header, buckets and verification (the closing status is `report_status`,
     once the receiver knows whether the version went live).
+
+    The header is awaited in the group's store (Transport.await_header, up to `header_timeout_seconds`), where the
+    sender writes it only once every member has acknowledged the prepare: nothing is posted on the group before the
+    sender has committed to the round, and the payload receives are posted only once the header is here.
 
     Returns the header, the buckets and None if they verified, or a reason if they did not. Raises
     TransportError when the collective breaks, and WireError (after leaving the group) on a header that is
@@ -100,14 +105,11 @@ def receive_round(
     that cannot follow the layout cannot stay in lockstep with the others, and nothing is allocated from it.
     `progress` is called as the header and each piece complete (the round's Watchdog).
     """
-    length = torch.zeros(1, dtype=torch.int64, device=transport.device)
-    transport.broadcast(length)
+    raw = transport.await_header(announced.version, header_timeout_seconds)
     try:
-        wire.check_header_length(int(length.item()))
-        raw = torch.empty(int(length.item()), dtype=torch.uint8, device=transport.device)
-        transport.broadcast(raw)
+        wire.check_header_length(len(raw))
         progress()
-        header = wire.RoundHeader.decode(bytes(raw.cpu().numpy()), key)
+        header = wire.RoundHeader.decode(raw, key)
         said = (header.epoch, header.version, header.incarnation)
         if said != (announced.epoch, announced.version, announced.incarnation):
             raise wire.WireError(
@@ -343,16 +345,24 @@ class AdapterReceiver:
         # trainer's side does, and takes the next epoch's join.
         what = f"round {request.version} of epoch {request.epoch}"
         with Watchdog(joined.progress_timeout_seconds, transport.close, what=what) as watchdog:
-            outcome = self._take_part(request, transport, watchdog)
+            outcome = self._take_part(request, transport, watchdog, joined.timeout_seconds)
         if outcome is not None and self._on_round is not None:
             self._on_round(outcome)
 
-    def _take_part(self, request: PrepareRequest, transport: Transport, watchdog: Watchdog) -> RoundOutcome | None:
+    def _take_part(
+        self, request: PrepareRequest, transport: Transport, watchdog: Watchdog, timeout_seconds: float
+    ) -> RoundOutcome | None:
         """Receive, verify, activate and report one round; the outcome, or None if it was interrupted."""
         started = time.perf_counter()
         try:
             header, buckets, reason = receive_round(
-                transport, self._key, request, self._allocate, self._land, progress=watchdog.progress
+                transport,
+                self._key,
+                request,
+                self._allocate,
+                self._land,
+                progress=watchdog.progress,
+                header_timeout_seconds=timeout_seconds,  # the watchdog's cut comes first where it is on
             )
         except (TransportError, wire.WireError) as exc:
             if isinstance(exc, TransportError):

@@ -83,14 +83,17 @@ def send_round(
     key: bytes,
     on_bucket_sent: Callable[[int], None] | None = None,
     progress_seconds: float | None = None,
+    announced: int | None = None,
 ) -> list[int]:
-    """One round from sync rank 0, its header authenticated with `key`; returns each rank's status code. A round in
-    which no collective completes for `progress_seconds` is cut (Watchdog): TransportError, the transport closed."""
+    """One round from sync rank 0, its header authenticated with `key`, once every member has acknowledged its
+    prepare of round `announced` (by default the header's version); returns each rank's status code. A round in which
+    no collective completes for `progress_seconds` is cut (Watchdog): TransportError, the transport closed."""
     raw = header.encode(key)
     with Watchdog(progress_seconds, transport.close, what=f"round of version {header.version}") as watchdog:
         try:
-            transport.broadcast(torch.tensor([len(raw)], dtype=torch.int64, device=transport.device))
-            transport.broadcast(torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(transport.device))
+            # The commit: called once every member acknowledged the prepare, so a round the sender gives up on (or
+            # dies before) leaves no receive posted on a member (transport.py: the header goes through the store).
+            transport.commit_header(header.version if announced is None else announced, raw)
             watchdog.progress()
             posted = [[transport.start_broadcast(piece) for piece in transport.pieces(bucket)] for bucket in buckets]
             for index, pending in enumerate(posted):
@@ -501,6 +504,13 @@ class AdapterSender:
     def _prepare(self, version: int) -> list[Future[None]]:
         """Tell every member of the group to expect `version` in this epoch (one call each, in parallel)."""
         request = PrepareRequest(epoch=self.epoch, version=version, incarnation=self.incarnation)
+        assert self._transport is not None
+        try:
+            self._transport.withdraw_header(version)  # a catch-up's earlier header of this version is not this one's
+        except TransportError as exc:  # raised where the prepares are waited for: the round is tried again
+            failed: Future[None] = Future()
+            failed.set_exception(exc)
+            return [failed]
         return [self._pool.submit(self._members[index].prepare, request) for index in self.group]
 
     def _send_once(
@@ -520,7 +530,9 @@ class AdapterSender:
         for call in preparing if preparing is not None else self._prepare(version):
             call.result()  # the first failure raises, as the calls were made: the round is not sent
         sent = time.perf_counter()
-        codes = send_round(self._transport, header, buckets, self._key, self._on_bucket_sent, self._progress_timeout)
+        codes = send_round(
+            self._transport, header, buckets, self._key, self._on_bucket_sent, self._progress_timeout, announced=version
+        )
         finished = time.perf_counter()
         verified = tuple(index for rank, index in enumerate(self.group, start=1) if codes[rank] == VERIFIED)
         refused = {

@@ -1,12 +1,21 @@
-"""The transport interface: the three collectives a sync round needs, over a group outside the default one.
+"""The transport interface: the three collectives a sync round needs, over a group outside the default one, and the
+round's header, which goes through the group's store instead.
 
 Each group is built on the rendezvous store hosted by trainer rank 0, under the key prefix `epoch/<n>/`, so a
 re-formed group never meets stale keys of an earlier epoch. Transports are created per epoch and closed when
 the group re-forms; they never touch torch.distributed's default process group (which the trainer ranks use).
+
+Why the header goes through the store (TCP) and not the group: a receiver is told of a round (prepare) before the
+sender commits to it, and the sender may never do so (another member's prepare failed, the trainer died while it
+packed). A collective posted then (NCCL: a kernel waiting on the member's stream in vLLM's process) would hold every
+device-wide synchronisation of vLLM's (`empty_cache`, `synchronize`) until the round's watchdog or the next join cut
+it. Waiting on the store posts nothing on the device: a receiver posts its first receive once the header is there,
+and the sender writes it only after every member acknowledged the prepare, right before the payload.
 """
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from datetime import timedelta
 from typing import Literal
@@ -18,6 +27,9 @@ Backend = Literal["gloo", "nccl"]
 # Large enough for full TCP (or NVLink) throughput, small enough that a receiver copies to the host and MACs one piece
 # while the next arrives (one 87 MB piece made those run one after another).
 PIECE_BYTES = 4 << 20
+HEADER_POLL_SECONDS = 0.002
+"""How often a receiver looks for the round's header in the store (a TCP round trip, microseconds on loopback):
+polled, since a store wait that times out cannot be told apart from a lost connection without c10d logging each."""
 
 
 class TransportError(RuntimeError):
@@ -62,6 +74,47 @@ class Transport(ABC):
     @abstractmethod
     def close(self) -> None:
         """Leave the group; safe to call after a failure."""
+
+    @property
+    @abstractmethod
+    def closed(self) -> bool:
+        """This rank has left the group (close)."""
+
+    # The epoch's store (epoch_store), where a round's header goes (see the module docstring); set by each backend.
+    store: dist.Store
+
+    def withdraw_header(self, version: int) -> None:
+        """Sender, before it announces round `version`: an earlier round's header of that version (a catch-up sends
+        the current version again in the same epoch) is not this round's commit."""
+        self._store_call(lambda: self.store.delete_key(_header_key(version)))
+
+    def commit_header(self, version: int, raw: bytes) -> None:
+        """Sender, once every member acknowledged the prepare of round `version`: its header, for every receiver."""
+        self._store_call(lambda: self.store.set(_header_key(version), raw))
+
+    def await_header(self, version: int, timeout_seconds: float) -> bytes:
+        """Receiver: the header of round `version` once the sender committed it, with nothing posted on the group
+        meanwhile. Raises TransportError when this rank leaves the group meanwhile (a newer join, the round's
+        watchdog), when the store fails (the sender's process is gone: it hosts the store), or after
+        `timeout_seconds`."""
+        key, deadline = _header_key(version), time.monotonic() + timeout_seconds
+        while not self._store_call(lambda: self.store.check([key])):
+            if self.closed:
+                raise TransportError("the group is closed")
+            if time.monotonic() >= deadline:
+                raise TransportError(f"no header for round {version} within {timeout_seconds:g}s")
+            time.sleep(HEADER_POLL_SECONDS)
+        return bytes(self._store_call(lambda: self.store.get(key)))
+
+    def _store_call(self, call):
+        try:
+            return call()
+        except RuntimeError as exc:  # DistStoreError and the store's socket errors (their C++ trace after line 1)
+            raise TransportError(f"the sync store failed: {str(exc).splitlines()[0]}") from None
+
+
+def _header_key(version: int) -> str:
+    return f"header/{version}"
 
 
 def broadcast_options(src: int, timeout: timedelta | None = None) -> dist.BroadcastOptions:

@@ -84,7 +84,7 @@ def round_key(token: str) -> bytes:
 
 
 def check_header_length(length: int) -> None:
-    """The length word, before a buffer of that size is allocated."""
+    """A header's length, checked before the header is parsed (it came whole from the store: parsed if in bounds)."""
     if not MAC_BYTES < length <= MAX_HEADER_BYTES + MAC_BYTES:
         raise WireError(f"header length {length} outside (32, {MAX_HEADER_BYTES + MAC_BYTES}] bytes")
 
