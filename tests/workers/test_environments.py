@@ -25,8 +25,9 @@ def test_calculator_episode_answers_a_call_and_ends_on_the_answer():
     prompt = next(ArithmeticTask().prompts(0))
     env = load_environment(EnvironmentSpec(builtin="calculator"))()
     opening = env.reset(prompt)
-    assert [m["role"] for m in opening.messages] == ["system", "user"]
-    assert opening.messages[1]["content"] == prompt.text and "<calc>" in opening.messages[0]["content"]
+    # A worked example (user, call, result, answer) before the prompt: a small model imitates it.
+    assert [m["role"] for m in opening.messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    assert opening.messages[-1]["content"] == prompt.text and "<calc>" in opening.messages[0]["content"]
     expression = prompt.meta["expression"]
     reply = env.step({"role": "assistant", "content": f"Let me compute. <calc>{expression}</calc>"})
     assert reply == Reply([{"role": "tool", "content": f"<result>{prompt.answer}</result>"}], done=False)

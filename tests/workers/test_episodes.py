@@ -198,8 +198,9 @@ def test_a_calculator_episode_on_one_replica(tokenizer):
     (used, one_turn), = groups  # fmt: skip
     assert isinstance(used, EpisodeCompletion)
     assert (used.episode.turns, used.episode.tool_calls, used.episode.truncated) == (2, 1, False)
-    assert [m["role"] for m in used.episode.messages] == ["system", "user", "assistant", "tool", "assistant"]
-    assert used.episode.messages[3]["content"] == "<result>84</result>"
+    # The opening (the calculator's worked example included), then the episode's own turns.
+    assert [m["role"] for m in used.episode.messages[-4:]] == ["user", "assistant", "tool", "assistant"]
+    assert used.episode.messages[-2]["content"] == "<result>84</result>"
     assert used.text == "Answer: 84" and used.finish_reason == "stop"
     assert (one_turn.episode.turns, one_turn.episode.tool_calls) == (1, 0)
     # Each episode stays on its replica; the version recorded is the one that served it.

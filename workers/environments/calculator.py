@@ -16,6 +16,14 @@ INSTRUCTIONS = (
     "the result comes back as <result>VALUE</result>. When you know the answer, give it on its own line as "
     "`Answer: <integer>`."
 )
+# One worked episode before the prompt: without it SmolLM2-135M never calls the tool; with it about half of its
+# samples do (8 samples at temperature 1), so groups differ and the habit can be learned.
+EXAMPLE = (
+    {"role": "user", "content": "What is 3 * 14?"},
+    {"role": "assistant", "content": "<calc>3 * 14</calc>"},
+    {"role": "tool", "content": "<result>42</result>"},
+    {"role": "assistant", "content": "Answer: 42"},
+)
 # The closing tag may be missing: with `</calc>` as a stop string (grpo.stop), vLLM leaves it out of the text.
 CALL = re.compile(r"<calc>(.*?)(?:</calc>|\Z)", re.DOTALL)
 LONGEST_EXPRESSION = 200  # characters: arithmetic, not a program
@@ -66,7 +74,9 @@ class CalculatorEnvironment:
     name = "calculator"
 
     def reset(self, prompt: Prompt) -> Opening:
-        return Opening([{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": prompt.text}])
+        return Opening(
+            [{"role": "system", "content": INSTRUCTIONS}, *EXAMPLE, {"role": "user", "content": prompt.text}]
+        )
 
     def step(self, message: Message) -> Reply:
         call = CALL.search(message["content"])
