@@ -1263,6 +1263,41 @@ def test_a_restarted_trainer_counts_no_replica_as_serving_a_version_another_inca
     restarted.close()
 
 
+def test_a_catch_up_does_not_count_a_replica_holding_its_version_number_from_another_incarnation(cluster):
+    """Replica 1 was cut off from the restarted trainer (incarnation 1) while the old one (0) reached it alone and
+    made its version 2 live there; the new trainer's own version 2 went to replica 0. Back in the group, replica 1
+    gets the new trainer's version 2 as a catch-up: it cannot make the number live twice, and must not acknowledge
+    it as served, or the trainer would send it version-2 rollouts that run on the old trainer's weights."""
+    c = cluster(2)
+    c.sender.send(adapter(0), {})
+    c.wait_live(1)
+    c.members[1].down = True  # cut off from the new trainer
+    new = c.make_sender(incarnation=1)
+    new.form_group()
+    assert new.send(adapter(10), {}).version == 2
+    old = AdapterSender(
+        [LocalMember(1, c.receivers[1])],  # the old trainer still reaches replica 1
+        store=connect_store("127.0.0.1", (port := free_port()), is_master=True, timeout_seconds=TIMEOUT),
+        store_addr="127.0.0.1",
+        store_port=port,
+        backend="gloo",
+        timeout_seconds=TIMEOUT,
+        join_timeout_seconds=TIMEOUT,
+        bucket_bytes=1 << 20,
+        fingerprint="fp",
+        token=TOKEN,
+    )
+    assert old.send(adapter(20), {}).version == 2
+    old.close()
+    c.members[1].down = False
+    assert new.refresh() is True  # re-formed with replica 1, which the catch-up sends version 2
+    assert new.serving(2) == (0,)
+    assert c.sinks[1].incarnations[2] == 0 and "another trainer incarnation" in c.receivers[1].state().last_error
+    report = new.send(adapter(30), {})  # its next version replaces the old trainer's on replica 1
+    assert report.members == (0, 1) and c.sinks[1].incarnations[3] == 1
+    new.close()
+
+
 @pytest.mark.parametrize(("value", "incarnation"), [(None, 0), ("", 0), ("3", 3)])
 def test_a_trainer_pods_incarnation_is_its_restart_attempt(value, incarnation):
     """Where the trainer's incarnation comes from on a cluster: the operator marks a restart's trainer Job and its

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 VERIFIED = 1  # verified, and this version (or a later one) serves new requests
 REFUSED = 2  # payload MAC or size mismatch: nothing activated
 ACTIVATION_FAILED = 3  # verified, but the engine could not load it: the older version keeps serving
+OTHER_WEIGHTS = 4  # verified, but this replica serves that version number under another trainer incarnation's weights
 
 
 class AdapterSink(Protocol):
@@ -385,8 +386,18 @@ class AdapterReceiver:
             code = VERIFIED
             with self._lock:
                 newer = self._incarnation if header.incarnation < self._incarnation else None
+                live_incarnation = self._live_incarnation
             if newer is not None:  # a newer trainer joined while this round ran: its sender is a stale one
                 code, reason = REFUSED, f"round from trainer incarnation {header.incarnation}, older than {newer}"
+            elif header.version == self._sink.live_version and header.incarnation != live_incarnation:
+                # A catch-up of a number this replica already serves from another trainer (one cut off from the
+                # sender made it live here): it cannot go live twice, and acknowledged, that trainer would count
+                # this replica as serving its weights. Its next version replaces it.
+                code = OTHER_WEIGHTS
+                reason = (
+                    f"version {header.version} is live here from another trainer incarnation ({live_incarnation}), "
+                    f"not from {header.incarnation}"
+                )
             # Never back to (or again to) a version at or below the live one: versions only grow. A re-sent
             # current version (to catch another member up) verifies and leaves this replica as it is.
             elif header.version > self._sink.live_version:
@@ -410,7 +421,7 @@ class AdapterReceiver:
         else:
             log.error("adapter sync: refused version %d: %s", header.version, reason)
         if reason is not None and self._on_error is not None:
-            self._on_error("refused" if code == REFUSED else "activation")
+            self._on_error("activation" if code == ACTIVATION_FAILED else "refused")
         with self._lock:
             self._last_error = reason
         watchdog.progress()  # activated (or refused): the closing status is the round's last piece

@@ -40,7 +40,7 @@ from grpolora.workers.sync.control import (
     SyncError,
 )
 from grpolora.workers.sync.groups import arrived_ranks, create_transport
-from grpolora.workers.sync.receiver import ACTIVATION_FAILED, REFUSED, VERIFIED
+from grpolora.workers.sync.receiver import ACTIVATION_FAILED, OTHER_WEIGHTS, REFUSED, VERIFIED
 from grpolora.workers.sync.transport import Backend, Transport, TransportError
 from grpolora.workers.sync.watchdog import Watchdog
 
@@ -57,6 +57,7 @@ REPLACEMENT_WAIT_SECONDS = 1800.0
 REFUSAL_REASONS = {
     REFUSED: "payload MAC or size mismatch",
     ACTIVATION_FAILED: "activation failed: the engine could not load the version (see the replica's log)",
+    OTHER_WEIGHTS: "it serves this version number from another trainer incarnation (replaced by the next version)",
 }
 
 
