@@ -105,13 +105,14 @@ class Emulator(kmock.KubernetesEmulator):
     """(verb, API group, resource[/subresource]) of every request not sent by the test itself."""
     log: list[tuple[str, str, str | None]] = attrs.field(factory=list, init=False)
     """(verb, resource[/subresource], name) of every request not sent by the test itself, in order."""
-    selectors: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
-    """(verb, resource, labelSelector) of every list and watch not sent by the test itself, in order ('' for none)."""
+    selectors: list[tuple[str, str, str, str]] = attrs.field(factory=list, init=False)
+    """(verb, resource, labelSelector, client) of every list and watch not sent by the test itself, in order ('' for
+    no selector; the client is its User-Agent's product, e.g. 'kopf' or 'grpo-lora-operator')."""
     watch_objects: Counter[tuple[str, str]] = attrs.field(factory=Counter, init=False)
     """Objects the watch streams delivered to clients other than the test, by (resource plural, object name): what
     the operator's watches cost it to receive and decode."""
-    watch_bytes: Counter[str] = attrs.field(factory=Counter, init=False)
-    """Bytes of those events (as JSON), by resource."""
+    watch_bytes: Counter[tuple[str, str]] = attrs.field(factory=Counter, init=False)
+    """Bytes of those events (as JSON), likewise."""
     created: list[tuple[str, str, str]] = attrs.field(factory=list, init=False)
     """(resource, namespace, name) of every successful create, in order (to spot duplicates)."""
     created_at: dict[tuple[str, str, str], float] = attrs.field(factory=dict, init=False)
@@ -518,7 +519,8 @@ class Emulator(kmock.KubernetesEmulator):
         self.calls.add((verb, str(request.resource.group), resource))
         self.log.append((verb, resource, request.name))
         if verb in ("list", "watch"):
-            self.selectors.append((verb, resource, (request.params or {}).get("labelSelector") or ""))
+            client = request.headers.get("User-Agent", "").split("/", 1)[0]
+            self.selectors.append((verb, resource, (request.params or {}).get("labelSelector") or "", client))
 
     def _authorize_account(self, request: kmock.Request) -> None:
         """Refuse a service account's call its RBAC does not allow, worded as the API server's RBAC authorizer
@@ -641,8 +643,9 @@ class Emulator(kmock.KubernetesEmulator):
                 if delivered is None:
                     continue
                 if counted:
-                    self.watch_objects[plural, str(_meta(delivered["object"]).get("name"))] += 1
-                    self.watch_bytes[plural] += len(json.dumps(delivered))
+                    key = (plural, str(_meta(delivered["object"]).get("name")))
+                    self.watch_objects[key] += 1
+                    self.watch_bytes[key] += len(json.dumps(delivered))
                 yield delivered
         finally:
             await bus.unmark(mark)

@@ -83,7 +83,7 @@ async def test_a_watch_with_a_label_selector_gets_only_what_matches_and_what_sto
         await wait_for(lambda: len(watch.events) >= 4, "the deletion")
         assert watch.seen()[3:] == [("DELETED", "theirs-2")]
         assert cluster.emulator.watch_objects == {("jobs", "ours-1"): 2, ("jobs", "theirs-2"): 2}
-        assert ("watch", "jobs", OURS) in cluster.emulator.selectors
+        assert ("watch", "jobs", OURS, "grpo-lora-operator") in cluster.emulator.selectors
 
         # The watch cache's window passed: an ERROR event of 410 Gone, reason Expired, and the stream ends.
         await cluster.emulator.end_watches("batch/v1/jobs", expired=True)

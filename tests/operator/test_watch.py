@@ -24,17 +24,22 @@ from tests.operator.test_operator import created, pods_up, report, trainer_refus
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
 
 
+async def _running(cluster, trainer) -> None:
+    """Apply the job and play its pods up: wait until its status shows it Running with its inference replica ready."""
+    await cluster.apply(job_doc())
+    await created(cluster)
+    trainer.report = report(step=1, syncRound=1, epoch=1)
+    await pods_up(cluster)
+    await wait_for(lambda: cluster.status("demo").get("phase") == "Running", "phase Running")
+    await wait_for(
+        lambda: (cluster.status("demo").get("replicas") or {}).get("inference", {}).get("ready") == 1, "ready"
+    )
+
+
 async def test_a_steady_job_costs_no_api_requests_between_resyncs(cluster, trainer):
     operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
     try:
-        await cluster.apply(job_doc())
-        await created(cluster)
-        trainer.report = report(step=1, syncRound=1, epoch=1)
-        await pods_up(cluster)
-        await wait_for(lambda: cluster.status("demo").get("phase") == "Running", "phase Running")
-        await wait_for(
-            lambda: (cluster.status("demo").get("replicas") or {}).get("inference", {}).get("ready") == 1, "ready"
-        )
+        await _running(cluster, trainer)
         await asyncio.sleep(5 * FAST_INTERVAL)
         start = len(cluster.emulator.log)
         await asyncio.sleep(30 * FAST_INTERVAL)  # 30 monitor passes (trainer polls)
@@ -543,11 +548,7 @@ async def test_the_watches_never_deliver_another_tenants_objects(cluster, traine
     await _add_tenants_objects(cluster, 20)
     operator = await OperatorThread(cluster.url, operator_options()).start()
     try:
-        await cluster.apply(job_doc())
-        await created(cluster)
-        trainer.report = report(step=1, syncRound=1, epoch=1)
-        await pods_up(cluster)
-        await wait_for(lambda: cluster.status("demo").get("phase") == "Running", "phase Running")
+        await _running(cluster, trainer)
         # The tenant's churn: every one of its Jobs changes.
         for i in range(20):
             await cluster.set_status("batch/v1/jobs", f"tenant-{i}", {"active": 1})
@@ -558,10 +559,10 @@ async def test_the_watches_never_deliver_another_tenants_objects(cluster, traine
     delivered = cluster.emulator.watch_objects
     assert {key for key in delivered if key[1].startswith("tenant-")} == set(), "another tenant's objects delivered"
     assert delivered["statefulsets", "demo-inference"] >= 2 and delivered["jobs", "demo-trainer"] >= 2
-    asked = {(verb, resource, selector) for verb, resource, selector in cluster.emulator.selectors}
+    asked = set(cluster.emulator.selectors)
     for plural in WATCHED_PLURALS:
-        assert {selector for verb, resource, selector in asked if resource == plural} == {OURS}, (plural, asked)
-        assert {("list", plural, OURS), ("watch", plural, OURS)} <= asked, plural
+        assert {selector for _, resource, selector, _ in asked if resource == plural} == {OURS}, (plural, asked)
+        assert {("list", plural, OURS, "kopf"), ("watch", plural, OURS, "kopf")} <= asked, plural
 
 
 async def test_a_watch_that_ends_or_expires_is_taken_up_again_with_its_selector_and_loses_nothing(cluster, trainer):
@@ -572,27 +573,22 @@ async def test_a_watch_that_ends_or_expires_is_taken_up_again_with_its_selector_
     the namespace's re-list at the next resync (Controller._relisted, by the same selector) and made again."""
     operator = await OperatorThread(cluster.url, operator_options()).start()  # resync every 10 intervals: 1 s
     try:
-        await cluster.apply(job_doc())
-        await created(cluster)
-        trainer.report = report(step=1, syncRound=1, epoch=1)
-        await pods_up(cluster)
-        await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 1, "ready")
+        await _running(cluster, trainer)
 
         def opened(verb: str) -> int:
-            return cluster.emulator.selectors.count((verb, "statefulsets", OURS))
+            """Kopf's lists and watches of the StatefulSets (not the operator's own re-lists)."""
+            return cluster.emulator.selectors.count((verb, "statefulsets", OURS, "kopf"))
 
         watches, lists = opened("watch"), opened("list")
         await cluster.emulator.end_watches("apps/v1/statefulsets", expired=False)
         await wait_for(lambda: opened("watch") > watches, "the watch opened again")
+        assert opened("list") == lists, "an ended watch is opened again from its resourceVersion, without a list"
         await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"replicas": 1, "readyReplicas": 0})
         await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 0, "a change after it")
 
-        kopf_lists = lambda: [s for s in cluster.emulator.selectors if s == ("list", "statefulsets", OURS)]  # noqa: E731
-        before = len(kopf_lists())
-        watches = opened("watch")
+        watches, lists = opened("watch"), opened("list")
         await cluster.emulator.end_watches("apps/v1/statefulsets", expired=True)
-        await wait_for(lambda: len(kopf_lists()) > before and opened("watch") > watches, "a list, then a watch")
-        assert opened("list") > lists
+        await wait_for(lambda: opened("list") > lists and opened("watch") > watches, "a list, then a watch")
         await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"replicas": 1, "readyReplicas": 1})
         await wait_for(lambda: cluster.status("demo")["replicas"]["inference"]["ready"] == 1, "a change after it")
 
