@@ -4,7 +4,6 @@ with a TaskError that names the spec field."""
 
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 
 from grpolora.api.spec import EnvironmentSpec
@@ -17,8 +16,8 @@ from grpolora.workers.environments.base import (
     Reply,
 )
 from grpolora.workers.environments.calculator import CalculatorEnvironment
-from grpolora.workers.tasks.base import TaskError, TaskUnreachable
-from grpolora.workers.tasks.plugin import _add_to_import_path
+from grpolora.workers.tasks.base import TaskError
+from grpolora.workers.tasks.plugin import import_plugin_module
 
 BUILTIN_ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": CalculatorEnvironment}
 """Built-in environments by name; the names must equal grpolora.api.constants.BUILTIN_ENVIRONMENTS (a test checks)."""
@@ -48,15 +47,7 @@ def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> Environ
         return BUILTIN_ENVIRONMENTS[spec.builtin]
     assert spec.plugin is not None  # the spec requires one of the two
     module_name, _, attr = spec.plugin.partition(":")
-    _add_to_import_path(root or Path.cwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-            raise TaskUnreachable(FIELD, f"cannot import module {module_name!r}: {err}") from err
-        raise TaskError(FIELD, f"importing module {module_name!r} failed: {err}") from err
-    except Exception as err:  # the plugin's own import-time error, reported as the user's
-        raise TaskError(FIELD, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err
+    module = import_plugin_module(module_name, FIELD, root)
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise TaskError(FIELD, f"{module_name!r} has no callable {attr!r} (a factory returning an environment)")

@@ -14,6 +14,7 @@ import numbers
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from grpolora.workers.tasks.base import Prompt, RewardFn, TaskError, TaskUnreachable
@@ -30,21 +31,27 @@ def _add_to_import_path(folder: Path) -> None:
         sys.path.append(entry)
 
 
+def import_plugin_module(module_name: str, field: str, root: Path | None = None) -> ModuleType:
+    """Import a plugin's module (searched on sys.path and in `root`, default the current directory); a TaskError
+    naming `field` if it fails, a TaskUnreachable if the module is not there from here."""
+    _add_to_import_path(root or Path.cwd())
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
+            raise TaskUnreachable(field, f"cannot import module {module_name!r}: {err}") from err
+        raise TaskError(field, f"importing module {module_name!r} failed: {err}") from err
+    except Exception as err:  # the plugin's own import-time error, reported as the user's
+        raise TaskError(field, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err
+
+
 def load_reward_function(ref: str, root: Path | None = None) -> RewardFn:
     """Import `package.module:function` (searched on sys.path and in `root`, default the current directory) and
     check that it can be called with (prompt, completion, answer). Raises TaskError naming `spec.task.reward`."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
         raise TaskError(FIELD, f"{ref!r} is not of the form package.module:function")
-    _add_to_import_path(root or Path.cwd())
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as err:
-        if err.name and (module_name == err.name or module_name.startswith(err.name + ".")):
-            raise TaskUnreachable(FIELD, f"cannot import module {module_name!r}: {err}") from err
-        raise TaskError(FIELD, f"importing module {module_name!r} failed: {err}") from err
-    except Exception as err:  # the plugin's own import-time error, reported as the user's
-        raise TaskError(FIELD, f"importing module {module_name!r} failed: {type(err).__name__}: {err}") from err
+    module = import_plugin_module(module_name, FIELD, root)
     if not hasattr(module, attr):
         raise TaskError(FIELD, f"{module_name!r} has no function {attr!r}")
     fn = getattr(module, attr)
