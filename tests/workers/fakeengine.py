@@ -138,8 +138,13 @@ class AppThread:
 
 
 class FakeServer(AppThread):
-    def __init__(self, tmp: Path, *, version_wait_seconds: float = 1.0):
-        self.engine = FakeOwnEngineBook(tmp)
+    """A job's own server (fingerprint "fp", TOKEN) with an in-process sync receiver, on `book` (by default a
+    FakeOwnEngineBook)."""
+
+    def __init__(
+        self, tmp: Path | None = None, *, version_wait_seconds: float = 1.0, book: OwnEngineBook | None = None
+    ):
+        self.engine = book if book is not None else FakeOwnEngineBook(tmp)
         super().__init__(
             create_app(
                 self.engine,

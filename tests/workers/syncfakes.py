@@ -10,9 +10,11 @@ import pytest
 import torch
 
 from grpolora.api.pool import PoolReplicas
-from grpolora.testing.servers import free_port  # noqa: F401  (re-exported: the port helper the sync tests use)
+from grpolora.testing.servers import free_port  # also the port helper the sync tests import from here
 from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
 from grpolora.workers.sync.receiver import AdapterReceiver
+from grpolora.workers.sync.sender import AdapterSender
+from grpolora.workers.sync.transport import connect_store
 
 # LoRA configs and the scaling vLLM gives each (None: per module, left to vLLM), for the tests of the sender's fold
 # (test_sync_protocol.py) and of its formula against vLLM's PEFTHelper (test_sync_members.py).
@@ -26,6 +28,24 @@ LORA_SCALINGS = pytest.mark.parametrize(
     ],
     ids=["alpha-over-r", "rslora", "per-module-alpha-left-to-vllm"],
 )
+
+
+def gloo_sender(members, *, token: str, timeout_seconds: float, **options) -> AdapterSender:
+    """Trainer rank 0's sender to `members` over gloo (base model fingerprint "fp"), hosting a store of its own on a
+    free port, as each trainer (incarnation) does; `options`: more of AdapterSender's keywords."""
+    port = free_port()
+    return AdapterSender(
+        members,
+        store=connect_store("127.0.0.1", port, is_master=True, timeout_seconds=timeout_seconds),
+        store_addr="127.0.0.1",
+        store_port=port,
+        backend="gloo",
+        timeout_seconds=timeout_seconds,
+        join_timeout_seconds=timeout_seconds,
+        fingerprint="fp",
+        token=token,
+        **{"bucket_bytes": 1 << 20} | options,
+    )
 
 
 class RecordingSink:

@@ -14,51 +14,22 @@ from collections.abc import Iterator
 import pytest
 
 from grpolora.workers.inference.adapter_book import VersionUnavailable
-from grpolora.workers.inference.app import create_app
-from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import HttpMember, StaleIncarnation
-from grpolora.workers.sync.receiver import AdapterReceiver
-from grpolora.workers.sync.sender import AdapterSender
-from grpolora.workers.sync.transport import connect_store
 from grpolora.workers.trainer.rollout import RolloutClient, RolloutError, Sampling
-from tests.workers.fakeengine import TOKEN, AppThread, MarkingBook, marked
-from tests.workers.syncfakes import free_port
+from tests.workers.fakeengine import TOKEN, FakeServer, MarkingBook, marked
+from tests.workers.syncfakes import gloo_sender
 
 TIMEOUT = 5.0
 SAMPLING = Sampling(n=1, temperature=1.0, top_p=1.0, max_tokens=1)
 WAIT_SECONDS = 1.0  # the replica's version wait (adapterWaitSeconds)
 
 
-class Replica(AppThread):
-    def __init__(self) -> None:
-        self.book = MarkingBook()
-        super().__init__(
-            create_app(
-                self.book,
-                lambda book: AdapterReceiver(book, replica_index=0, fingerprint="fp", key=wire.round_key(TOKEN)),
-                token=TOKEN,
-                version_wait_seconds=WAIT_SECONDS,
-            )
-        )
-
-
 class Trainer:
     """One trainer incarnation's rank 0: its sender (own store) and its rollout client."""
 
-    def __init__(self, replica: Replica, incarnation: int) -> None:
-        port = free_port()
-        self.sender = AdapterSender(
-            [HttpMember(0, replica.url, TOKEN)],
-            store=connect_store("127.0.0.1", port, is_master=True, timeout_seconds=TIMEOUT),
-            store_addr="127.0.0.1",
-            store_port=port,
-            backend="gloo",
-            timeout_seconds=TIMEOUT,
-            join_timeout_seconds=TIMEOUT,
-            bucket_bytes=1 << 20,
-            fingerprint="fp",
-            token=TOKEN,
-            incarnation=incarnation,
+    def __init__(self, replica: FakeServer, incarnation: int) -> None:
+        self.sender = gloo_sender(
+            [HttpMember(0, replica.url, TOKEN)], token=TOKEN, timeout_seconds=TIMEOUT, incarnation=incarnation
         )
         self.rollouts = RolloutClient([replica.url], TOKEN, timeout_seconds=10, incarnation=incarnation)
 
@@ -73,8 +44,8 @@ class Trainer:
 
 
 @pytest.fixture
-def replica() -> Iterator[Replica]:
-    with Replica() as served:
+def replica() -> Iterator[FakeServer]:
+    with FakeServer(book=MarkingBook(), version_wait_seconds=WAIT_SECONDS) as served:
         yield served
 
 

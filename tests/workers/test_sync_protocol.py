@@ -35,7 +35,7 @@ from grpolora.workers.trainer.buffer import RolloutBuffer
 from grpolora.workers.trainer.producer import ROUND_ATTEMPTS, RolloutProducer
 from grpolora.workers.trainer.rollout import Completion, ReplicasLost, RolloutError
 from tests.helpers import job_doc
-from tests.workers.syncfakes import LORA_SCALINGS, LocalMember, RecordingSink, free_port
+from tests.workers.syncfakes import LORA_SCALINGS, LocalMember, RecordingSink, free_port, gloo_sender
 
 TIMEOUT = 3.0
 TOKEN = "job-token"
@@ -1275,18 +1275,8 @@ def test_a_catch_up_does_not_count_a_replica_holding_its_version_number_from_ano
     new = c.make_sender(incarnation=1)
     new.form_group()
     assert new.send(adapter(10), {}).version == 2
-    old = AdapterSender(
-        [LocalMember(1, c.receivers[1])],  # the old trainer still reaches replica 1
-        store=connect_store("127.0.0.1", (port := free_port()), is_master=True, timeout_seconds=TIMEOUT),
-        store_addr="127.0.0.1",
-        store_port=port,
-        backend="gloo",
-        timeout_seconds=TIMEOUT,
-        join_timeout_seconds=TIMEOUT,
-        bucket_bytes=1 << 20,
-        fingerprint="fp",
-        token=TOKEN,
-    )
+    # The old trainer still reaches replica 1.
+    old = gloo_sender([LocalMember(1, c.receivers[1])], token=TOKEN, timeout_seconds=TIMEOUT)
     assert old.send(adapter(20), {}).version == 2
     old.close()
     c.members[1].down = False
