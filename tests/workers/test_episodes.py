@@ -194,8 +194,8 @@ PROMPT = Prompt("What is 12 * 7?", answer="84")
 def test_a_calculator_episode_on_one_replica(tokenizer):
     replicas = ScriptedReplicas(tokenizer, {0: ["<calc>12*7</calc>", "Answer: 84"], 1: ["Answer: 80"]})
     runner = _runner(tokenizer)
-    groups = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 32), replicas, replicas=[0, 1])
-    (used, one_turn), = groups  # fmt: skip
+    groups = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 32), replicas, replicas=[0, 1], version=3)
+    [[used, one_turn]] = groups
     assert isinstance(used, EpisodeCompletion)
     assert (used.episode.turns, used.episode.tool_calls, used.episode.truncated) == (2, 1, False)
     # The opening (the calculator's worked example included), then the episode's own turns.
@@ -218,14 +218,15 @@ def test_a_calculator_episode_on_one_replica(tokenizer):
 def test_limits_truncate_episodes(tokenizer):
     looping = {0: ["<calc>1+1</calc>"] * 4}
     runner = _runner(tokenizer, max_turns=2)
-    (done,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), ScriptedReplicas(tokenizer, looping),
-                          replicas=[0])  # fmt: skip
+    [[done]] = runner.run(
+        [PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), ScriptedReplicas(tokenizer, looping), replicas=[0], version=3
+    )
     assert (done.episode.turns, done.episode.truncated, done.finish_reason) == (2, True, "length")
     # maxEpisodeTokens: the budget left bounds a turn's max_tokens, and a turn that reaches it ends the episode.
     replicas = ScriptedReplicas(tokenizer, looping)
     opening_length = len(ChatDelta(tokenizer).opening(BUILTIN_ENVIRONMENTS["calculator"]().reset(PROMPT)))
     runner = _runner(tokenizer, max_episode_tokens=opening_length + 12, max_new_tokens=32)
-    (cut,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), replicas, replicas=[0])  # fmt: skip
+    [[cut]] = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), replicas, replicas=[0], version=3)
     assert replicas.calls[0][1] == 12 and cut.episode.truncated and cut.finish_reason == "length"
     assert len(cut.episode.opening) + len(cut.token_ids) <= opening_length + 12
 
@@ -264,11 +265,14 @@ def test_an_environment_fault_ends_its_episode_with_an_error(tokenizer, how, say
     hows = iter([how, "ok"])
     runner = _runner(tokenizer, factory=lambda: Faulty(next(hows)), step_timeout_seconds=0.2)
     replicas = ScriptedReplicas(tokenizer, {0: ["x"], 1: ["y"]})
-    (failed, fine), = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0])  # fmt: skip
+    [[failed, fine]] = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
     assert failed.episode.error.startswith(says) or says in failed.episode.error
     assert fine.episode.error is None and fine.episode.reward == 0.75
     if how == "reset":  # never opened: the task's prompt ids stand in, nothing generated
         assert (failed.episode.opening, failed.token_ids, failed.episode.turns) == ([7, 8], [], 0)
+        # Nothing served it: it counts as of the version the round asked for, not as stale (its group would be
+        # dropped as older than any trainer version).
+        assert failed.version == 3
     # Scored: the failed episode is unscorable (NaN, advantage 0); the environment's reward wins for the other.
     rollouts = Rollouts([PROMPT], [[1]], [[failed, fine]], 0.0)
     rewards, _ = rewards_of(ArithmeticTask(), rollouts)
@@ -327,7 +331,7 @@ def test_a_plugin_environment_plays_through_the_runner(tokenizer, tmp_path):
     factory = load_environment(EnvironmentSpec(plugin="number_game:Game"), root=tmp_path)
     runner = _runner(tokenizer, factory=factory)
     replicas = ScriptedReplicas(tokenizer, {0: ["3", "9", "7"]})
-    (won,), = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0])  # fmt: skip
+    [[won]] = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
     assert (won.episode.turns, won.episode.reward, won.episode.tool_calls) == (3, 1.0, 0)
     assert [m["content"] for m in won.episode.messages if m["role"] == "user"][1:] == ["higher", "lower"]
 
@@ -338,7 +342,7 @@ def test_reference_logprobs_from_the_replicas_cover_the_whole_episode(tokenizer)
     which the mask leaves out of the KL)."""
     replicas = ScriptedReplicas(tokenizer, {0: ["<calc>12*7</calc>", "Answer: 84"], 1: ["Answer: 84"]})
     sampling = Sampling(2, 1.0, 1.0, 32, reference_logprobs=True)
-    (two_turns, one_turn), = _runner(tokenizer).run([PROMPT], [[1]], [0], sampling, replicas, replicas=[0])  # fmt: skip
+    [[two_turns, one_turn]] = _runner(tokenizer).run([PROMPT], [[1]], [0], sampling, replicas, replicas=[0], version=3)
     mask = two_turns.episode.loss_mask
     assert two_turns.reference_logprobs == [-0.75 if m else 0.0 for m in mask] and 0 in mask
     grpo = GRPOSpec(generations_per_prompt=2, reference_from="inference")

@@ -101,9 +101,12 @@ class EpisodeRunner:
         sampling: Sampling,
         generate: TurnGenerate,
         replicas: Sequence[int],
+        *,
+        version: int,
     ) -> list[list[EpisodeCompletion]]:
-        """`sampling.n` episodes per prompt, spread over `replicas`; `fallback_ids` (each prompt's ids as the task
-        renders it) stand in as the opening of an episode whose environment failed to open it."""
+        """`sampling.n` episodes per prompt, spread over `replicas`, on adapter `version` (what `generate` asks
+        for); `fallback_ids` (each prompt's ids as the task renders it) stand in as the opening of an episode whose
+        environment failed to open it, and `version` as the version of one that generated nothing."""
         if not replicas:
             raise ValueError("no replica to run episodes on")
         groups: list[list[_Live]] = []
@@ -123,7 +126,7 @@ class EpisodeRunner:
         for episode in episodes:
             if not episode.ended:  # maxTurns reached with the environment still going
                 episode.end(truncated=True)
-        return [[self._completion(e) for e in group] for group in groups]
+        return [[self._completion(e, version) for e in group] for group in groups]
 
     def _open(self, prompt: Prompt, replica: int, seed: int, fallback: list[int]) -> _Live:
         started = time.perf_counter()
@@ -201,7 +204,7 @@ class EpisodeRunner:
                 f"{what}() took longer than stepTimeoutSeconds ({self.limits.step_timeout_seconds:g} s)"
             ) from None
 
-    def _completion(self, e: _Live) -> EpisodeCompletion:
+    def _completion(self, e: _Live, asked: int) -> EpisodeCompletion:
         episode = Episode(
             opening=e.tokens.opening,
             loss_mask=list(e.tokens.mask),
@@ -218,7 +221,7 @@ class EpisodeRunner:
             logprobs=list(e.tokens.logprobs),
             text=e.text,
             finish_reason="length" if e.truncated else "stop",
-            version=min(e.versions, default=-1),
+            version=min(e.versions, default=asked),
             reference_logprobs=None if e.tokens.reference is None else list(e.tokens.reference),
             episode=episode,
         )

@@ -150,7 +150,7 @@ class RolloutProducer:
                 )
                 return [samples[0] for samples in answers]
 
-            return episodes.run(drawn.prompts, drawn.ids, seeds, sampling, turn, replicas)
+            return episodes.run(drawn.prompts, drawn.ids, seeds, sampling, turn, replicas, version=version)
 
         return on_live_replicas(self._sender, run)
 
