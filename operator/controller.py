@@ -84,6 +84,8 @@ class Controller(Scheduler, JobPass, PoolPass, WatchCache):
         discovers the resources it watches once, so queued jobs then read their Workload on every pass."""
         self.relists: dict[str, tuple[float, asyncio.Future[None]]] = {}
         """Each namespace's last re-list of its watched children: (loop time, the re-list; see _relisted)."""
+        self.relists_forward: dict[str, float] = {}
+        """When each namespace's re-list was last brought forward by a listing of Kopf's (see _listed_by_watch)."""
         self.tombstones: dict[tuple[str, str, str], int] = {}
         """The resourceVersion at which each child the cache holds as gone (None) was seen gone: an older read (a GET
         answered before the deletion) must not bring it back."""

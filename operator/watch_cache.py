@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Mapping
 from typing import Any, Final
 
@@ -28,6 +29,9 @@ CHILDREN_SELECTOR: Final = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}
 """The label selector of every list and watch of the WATCHED kinds (the watches: main.build_settings; the re-lists:
 _relist), so that the API server sends the operator its own children only (every child carries the label:
 builders.labels)."""
+
+LISTING_RELIST_SECONDS: Final = 5.0
+"""The least time between a namespace's re-lists brought forward by Kopf's listings (_listed_by_watch)."""
 
 KEPT_WATCHED: Final = frozenset(kind.kind for kind in (kube.SERVICE, kube.NETWORK_POLICY, kube.POD_DISRUPTION_BUDGET))
 """Watched kept children: a full pass makes them exist, so their DELETED asks for one; other events change nothing."""
@@ -54,6 +58,8 @@ class WatchCache:
         kept child, only when it went: then a full pass, which makes it again)."""
         meta = body.get("metadata") or {}
         namespace, name = meta.get("namespace", ""), meta.get("name", "")
+        if event_type is None:
+            self._listed_by_watch(namespace)
         job = self.jobs.get((namespace, ((meta.get("labels") or {}).get(c.LABEL_JOB, ""))))
         if event_type == "DELETED" and job is None:
             # The child of a job no longer followed (collected after it): no pass reads its tombstone, so none is
@@ -111,6 +117,28 @@ class WatchCache:
             # too). Not if the watch spoke while the GET was out: what it said is at least as new as the 404.
             self.cache[key] = None
         return found
+
+    def _listed_by_watch(self, namespace: str) -> None:
+        """Kopf listed a watched kind of the namespace (its objects come as events of type None): at start, and again
+        after its watch expired (410 Gone), when it reports no DELETED for what went meanwhile. Bring the namespace's
+        re-list forward, to the next full pass of one of its jobs (woken now), so that such a child is marked gone
+        at once rather than at the next resync. Once per LISTING_RELIST_SECONDS at most (a listing comes as many
+        events, of each kind); nothing before the namespace's first pass (the listing is then the cache's start)."""
+        last = self.relists.get(namespace)
+        now = asyncio.get_running_loop().time()
+        if (
+            last is None
+            or not last[1].done()
+            or now - self.relists_forward.get(namespace, -math.inf) < LISTING_RELIST_SECONDS
+        ):
+            return
+        job = next((job for key, job in self.jobs.items() if key[0] == namespace), None)
+        if job is None:
+            return
+        self.relists_forward[namespace] = now
+        self.relists[namespace] = (-math.inf, last[1])  # due: the next full pass re-lists
+        job.next_full = 0.0
+        self._wake(job)
 
     async def _relisted(self, namespace: str) -> None:
         """Re-list the namespace's watched children if its last re-list is a resync old, shared by every job there

@@ -600,3 +600,20 @@ async def test_a_watch_that_ends_or_expires_is_taken_up_again_with_its_selector_
         assert made["metadata"]["uid"] != old["metadata"]["uid"]
     finally:
         await operator.stop()
+
+
+async def test_a_deletion_missed_while_a_watch_expired_is_found_at_once_not_at_the_next_resync(cluster, trainer):
+    """Kopf lists again after its watch expired (410 Gone) and reports no DELETED for what went meanwhile; an
+    informer's re-list would (its Replace). The objects of Kopf's list come as events of type None: they bring the
+    namespace's own re-list forward (Controller._relisted), so a child that went while the watch was away is marked
+    gone and made again at once, not at the next resync (an hour away here)."""
+    operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+    try:
+        await _running(cluster, trainer)
+        old = cluster.get("v1/services", "demo-trainer")
+        await cluster.emulator.remove_unseen("v1/services", "demo-trainer", NAMESPACE)
+        await cluster.emulator.end_watches("v1/services", expired=True)
+        made = await wait_for(lambda: cluster.get("v1/services", "demo-trainer"), "the Service made again", timeout=15)
+        assert made["metadata"]["uid"] != old["metadata"]["uid"]
+    finally:
+        await operator.stop()
