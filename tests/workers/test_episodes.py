@@ -357,3 +357,54 @@ def test_the_episode_budget_is_also_bounded_by_the_model_length():
     assert EpisodeLimits.of(env, 64, model_length=2048, margin=1) == EpisodeLimits(5, 2048, 64, 30.0, 1)
     assert EpisodeLimits.of(env, 64, model_length=None).max_episode_tokens == 4096
     assert EpisodeLimits.of(env, 64, model_length=8192).max_episode_tokens == 4096
+
+
+class Stuck:
+    """Episode 0's environment never answers its first step (until the test lets it go); episode 1's answers once
+    and ends at its second step."""
+
+    made = 0
+
+    def __init__(self, release: threading.Event):
+        self.index, self.release, self.steps = Stuck.made, release, 0
+        Stuck.made += 1
+
+    def reset(self, prompt):
+        return [{"role": "user", "content": prompt.text}]
+
+    def step(self, message):
+        self.steps += 1
+        if self.index == 0:
+            self.release.wait()
+            return Reply(done=True)
+        return Reply([{"role": "user", "content": "go on"}]) if self.steps == 1 else Reply(done=True, reward=0.5)
+
+
+def test_a_step_that_never_returns_stalls_neither_generation_nor_the_other_episodes(tokenizer):
+    """A timed-out step's thread cannot be stopped; it must not hold the threads that later turns need (one
+    worker here, so that a held pool shows at once)."""
+    release = threading.Event()
+    Stuck.made = 0
+    runner = EpisodeRunner(
+        lambda: Stuck(release),
+        ChatDelta(tokenizer),
+        EpisodeLimits(max_turns=3, max_episode_tokens=512, max_new_tokens=16, step_timeout_seconds=0.2),
+        workers=1,
+    )
+    replicas = ScriptedReplicas(tokenizer, {0: ["a"] * 3, 1: ["b"] * 3})
+    done: list = []
+    thread = threading.Thread(
+        target=lambda: done.append(
+            runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+        ),
+        daemon=True,
+    )
+    thread.start()
+    thread.join(timeout=60)
+    finished = not thread.is_alive()
+    release.set()
+    assert finished, "the runner waited behind a step that never returned"
+    [[stuck, other]] = done[0]
+    assert "took longer than stepTimeoutSeconds" in stuck.episode.error
+    assert (other.episode.error, other.episode.turns, other.episode.reward) == (None, 2, 0.5)
+    runner.close()

@@ -2,20 +2,20 @@
 stays on one replica (its prefix is in that replica's cache) and asks for the adapter version the round started on
 (the version that generated it is recorded per turn; the episode's is the oldest, for staleness and importance
 weights); each turn is a /v1/generate call with the episode's ids so far and n = 1. The environment's resets and
-steps run on a thread pool, each bounded by spec.environment.stepTimeoutSeconds; one that raises, times out or
+steps run each on a thread of its own, bounded by spec.environment.stepTimeoutSeconds; one that raises, times out or
 answers malformed data ends its episode with an error, not the run.
 
-A step call that times out cannot be stopped (Python threads are not killable): its thread is left to finish and
+A call that times out cannot be stopped (Python threads are not killable): its own thread is left to finish and
 its answer is dropped.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -91,7 +91,9 @@ class EpisodeRunner:
         self.factory = factory
         self.delta = delta
         self.limits = limits
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="environment")
+        # Requests to the replicas, one per replica and budget of a turn. The environment's calls each get a thread
+        # of their own (_Call): one that never returns must not hold a thread another call waits for.
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="episode-turn")
 
     def run(
         self,
@@ -132,7 +134,8 @@ class EpisodeRunner:
         started = time.perf_counter()
         try:
             env = self.factory()
-            opening = checked_opening(self._bounded(self._pool.submit(env.reset, prompt), "reset"))
+            limit = self.limits.step_timeout_seconds
+            opening = checked_opening(_Call(env.reset, prompt).result(limit, "reset", limit))
             episode = _Live(
                 env, replica, seed, EpisodeTokens(self.delta.opening(opening)), list(opening.messages), opening.tools
             )
@@ -174,10 +177,12 @@ class EpisodeRunner:
     def _environment_turn(self, live: list[_Live]) -> None:
         """Every live episode's environment answers its last assistant message (at once, each bounded in time)."""
         started = time.perf_counter()
-        futures = [(e, self._pool.submit(e.env.step, e.messages[-1])) for e in live]
-        for episode, future in futures:
+        calls = [(e, _Call(e.env.step, e.messages[-1])) for e in live]
+        limit = self.limits.step_timeout_seconds
+        deadline = time.monotonic() + limit  # they run at once: one deadline for all
+        for episode, call in calls:
             try:
-                reply = checked_reply(self._bounded(future, "step"))
+                reply = checked_reply(call.result(max(deadline - time.monotonic(), 0.0), "step", limit))
                 if reply.done:
                     episode.end(reward=reply.reward)
                     continue
@@ -194,15 +199,6 @@ class EpisodeRunner:
         seconds = time.perf_counter() - started
         for episode in live:
             episode.seconds += seconds / len(live)  # they ran at once: each its share of the wall time
-
-    def _bounded(self, future: Future, what: str) -> Any:
-        try:
-            return future.result(timeout=self.limits.step_timeout_seconds)
-        except FutureTimeout:
-            future.cancel()
-            raise EnvironmentFault(
-                f"{what}() took longer than stepTimeoutSeconds ({self.limits.step_timeout_seconds:g} s)"
-            ) from None
 
     def _completion(self, e: _Live, asked: int) -> EpisodeCompletion:
         episode = Episode(
@@ -228,6 +224,34 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class _Call:
+    """An environment's call on a daemon thread of its own, its result awaited for a bounded time. A call that
+    takes longer is left to finish on its own (Python threads cannot be stopped) and its answer dropped."""
+
+    def __init__(self, fn: Callable[[Any], Any], argument: Any):
+        self._done = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+        threading.Thread(target=self._run, args=(fn, argument), name="environment", daemon=True).start()
+
+    def _run(self, fn: Callable[[Any], Any], argument: Any) -> None:
+        try:
+            self._value = fn(argument)
+        except BaseException as exc:  # handed to the waiting thread, which ends the episode with it
+            self._error = exc
+        finally:
+            self._done.set()
+
+    def result(self, wait: float, what: str, limit: float) -> Any:
+        """The call's answer (or its exception), waiting at most `wait` seconds: what is left of `limit`
+        (stepTimeoutSeconds) since the call started."""
+        if not self._done.wait(wait):
+            raise EnvironmentFault(f"{what}() took longer than stepTimeoutSeconds ({limit:g} s)")
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def _why(exc: BaseException) -> str:
