@@ -100,23 +100,13 @@ class JobPass:
             if _deleting(job.body):  # found out while ensuring the kept children
                 view = dataclasses.replace(view, deleting=True)
             decision = rec.decide(view, old, observed, self.clock())
-            if decision.create and view.record_applied is None and await self._owner_deleting(job):
-                # (A new job's first pass runs on the body its create handler was given: fresh enough.)
-                decision = rec.decide(dataclasses.replace(view, deleting=True), old, observed, self.clock())
-            if decision.read_flavors:
-                # Admitted by Kueue, and workloads to create: read the flavors that shape their pods, decide again.
-                flavors = await self._flavors(decision.read_flavors)
-                decision = rec.decide(view, old, dataclasses.replace(observed, flavors=flavors), self.clock())
-            if any(obj["kind"] == "Job" for obj in decision.create):
-                left = await self._trainer_pods_left(view)
-                if left:
-                    observed = dataclasses.replace(observed, trainer_pods_left=left)
-                    decision = rec.decide(view, old, observed, self.clock())
-            if any(obj["kind"] in rec.WORKLOAD_KINDS for obj in decision.create):
-                managed = await self._managed_secret(view)
-                if managed is not None:
-                    decision = rec.decide_managed_secret(
-                        view, old, *managed, self.clock(), queue_workload=observed.queue_workload
+            if decision.needs:
+                # Workloads about to be created: read what that needs, all at once, and decide a second, last time.
+                observed = await self._read_needs(job, view, observed, decision.needs)
+                decision = rec.decide(view, old, observed, self.clock())
+                if decision.needs:  # (not expected: every need was read) create nothing unchecked, look again soon
+                    decision = dataclasses.replace(
+                        decision, create=(), requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False
                     )
             # Before a restart (or the end) deletes the failed trainer's pods: keep its log tail (status, event).
             decision = await attempts.kept_in(decision, old, observed, view.namespace, self.client)
@@ -345,6 +335,24 @@ class JobPass:
         kind = kube.CLUSTER_GRPOLORA_RUNTIME if ref.kind == c.CLUSTER_RUNTIME_KIND else kube.GRPOLORA_RUNTIME
         namespace = (body.get("metadata") or {}).get("namespace", "default")
         return await self.client.get(kind, namespace if kind.namespaced else None, ref.name)
+
+    async def _read_needs(self, job: _Tracked, view: JobView, observed: rec.Observed, needs: rec.Needs) -> rec.Observed:
+        """The observation with what the decision needs (rec.Needs), read concurrently."""
+        owner, flavors, pods, managed = await asyncio.gather(
+            # (A new job's first pass runs on the body its create handler was given: fresh enough, never asked.)
+            self._owner_deleting(job) if needs.owner else _none(),
+            self._flavors(needs.flavors) if needs.flavors else _none(),
+            self._trainer_pods_left(view) if needs.trainer_pods else _none(),
+            self._managed_secret(view) if needs.secrets else _none(),
+        )
+        return dataclasses.replace(
+            observed,
+            owner_deleting=owner if needs.owner else observed.owner_deleting,
+            flavors={**(observed.flavors or {}), **flavors} if flavors is not None else observed.flavors,
+            trainer_pods_left=pods if needs.trainer_pods else observed.trainer_pods_left,
+            managed_secret=managed if needs.secrets else observed.managed_secret,
+            secrets_checked=observed.secrets_checked or needs.secrets,
+        )
 
     async def _trainer_pods_left(self, view: JobView) -> tuple[dict[str, Any], ...]:
         """Trainer pods of this job's name that are still there (Terminating, most likely) while no trainer Job is.

@@ -131,13 +131,19 @@ class Observed:
     """Creating the Workload answered 404: the API server does not serve Kueue's Workloads (Kueue not installed)."""
     flavors: Mapping[str, K8sObject | None] | None = None
     """The Kueue ResourceFlavors its admission names, by name (None in the map: no such flavor). Read only when a
-    decision asks (Decision.read_flavors): the workloads of an admitted job are about to be created."""
+    decision asks (Needs.flavors): the workloads of an admitted job are about to be created."""
     pool: pools.PoolView | None = None
     """The job's RolloutPool (jobs with spec.inference.poolRef only): its spec and status (the attachment list)."""
-    trainer_pods_left: tuple[K8sObject, ...] = ()
+    trainer_pods_left: tuple[K8sObject, ...] | None = None
     """Trainer pods of this job's name that outlived their Job (deleted in the background by someone else, or by
-    the collector after a delete of a job of the same name): read only when a decision creates a trainer Job, which
-    is then decided again."""
+    the collector after a delete of a job of the same name): read only when a decision would create a trainer Job
+    (Needs.trainer_pods); None: not read."""
+    owner_deleting: bool | None = None
+    """The job read again from the API is being deleted (Needs.owner); None: not read."""
+    managed_secret: tuple[str, str] | None = None
+    """(field path, name) of a Secret the job names that is one of the operator's (Needs.secrets)."""
+    secrets_checked: bool = False
+    """The Secrets the job names were read (Needs.secrets): managed_secret says what was found."""
     token: str | None = None
     """Fingerprint of the token in the job's token Secret (grpolora.api.pool.token_fingerprint), as the last full
     pass read or made it; None: not known (the pods' token is then taken as current)."""
@@ -159,6 +165,25 @@ class Refusal:
 
 
 @dataclass(frozen=True)
+class Needs:
+    """What a decision still needs read before it can be carried out: its pass reads all of it at once and decides
+    a second and last time (JobPass._pass). Asked for only when workloads are about to be created."""
+
+    owner: bool = False
+    """Read the job again: is it being deleted? (a later pass creating children; the body it decides on may be older
+    than the deletion, and a child created now would hold a foreground deletion)."""
+    flavors: tuple[str, ...] = ()
+    """The Kueue ResourceFlavors the admission names that were not read (Observed.flavors)."""
+    trainer_pods: bool = False
+    """List the trainer pods of the job's name (Observed.trainer_pods_left)."""
+    secrets: bool = False
+    """Read the Secrets the job names (Observed.managed_secret)."""
+
+    def __bool__(self) -> bool:
+        return self.owner or bool(self.flavors) or self.trainer_pods or self.secrets
+
+
+@dataclass(frozen=True)
 class Decision:
     status: JobStatus
     create: tuple[K8sObject, ...] = ()
@@ -172,8 +197,8 @@ class Decision:
     """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue): give the quota
     back after an eviction once the workloads are gone, mark it Finished when the job ends (Kueue then returns its
     quota)."""
-    read_flavors: tuple[str, ...] = ()
-    """Read these ResourceFlavors and decide again: the workloads wait for them (see Observed.flavors)."""
+    needs: Needs = Needs()
+    """What to read, then decide again, before anything of this decision is carried out."""
     release: tuple[ChildRef, ...] = ()
     """Workloads to delete again, in the Background: their foreground deletion waits for pods that no longer hold
     anything back (stopped, or on a node that does not confirm their end: observe.pod_gone_for_replacement). The
@@ -184,6 +209,11 @@ class Decision:
     idle: bool = False
     """Nothing can change until the spec does (finished without a pending TTL, suspended, never valid): no need to
     keep watching; a spec change runs a new pass."""
+
+    @property
+    def read_flavors(self) -> tuple[str, ...]:
+        """The ResourceFlavors the workloads wait for (Needs.flavors)."""
+        return self.needs.flavors
 
 
 def volume_uses(spec: GRPOLoraJobSpec) -> list[obs.VolumeUse]:
@@ -207,9 +237,13 @@ def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | 
 def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
     """The decision of one pass (_decide); a job on a runtime also says which one it runs on, or waits for it."""
     stamp = cond.rfc3339(now)
+    if observed.owner_deleting:
+        view = dataclasses.replace(view, deleting=True)
     if view.runtime_wait is not None and not view.deleting:
         return _decide_waiting_for_runtime(view, old, stamp)
     decision = _decide(view, old, observed, now)
+    if observed.managed_secret is not None and any(obj["kind"] in WORKLOAD_KINDS for obj in decision.create):
+        return decide_managed_secret(view, old, *observed.managed_secret, now, queue_workload=observed.queue_workload)
     if view.runtime is not None:
         want = cond.Want(names.RUNTIME_RESOLVED, "True", names.R_RUNTIME_RESOLVED, f"runs on {view.runtime}")
         before = cond.find(old.conditions, names.RUNTIME_RESOLVED)  # its transition time, kept while it holds
@@ -327,7 +361,7 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
     )
     return Decision(
         queue_workload_write=queue_write,
-        read_flavors=build.read_flavors,
+        needs=_needs(view, observed, course, build),
         status=status,
         create=build.creates,
         delete=course.deletes,
@@ -339,6 +373,21 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         + ((Event("Warning", names.E_TRAINER_POD_LOST, course.lost_note),) if course.lost_note else ()),
         # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
         idle=settled and (course.finished or course.phase == "Suspended") and queue_write is None and not holds_quota,
+    )
+
+
+def _needs(view: JobView, observed: Observed, course: _Course, build: _Build) -> Needs:
+    """What must be read before the workloads this pass creates (or would, once their flavors are read) are
+    created: the job's owner again (not on a new job's first pass, whose body is fresh), the flavors, the trainer
+    pods left of its name, the Secrets it names. Each only once: what the observation holds is not asked again."""
+    creating = course.wanted_kinds if build.creates or build.read_flavors else ()
+    if not creating:
+        return Needs()
+    return Needs(
+        owner=view.record_applied is None and observed.owner_deleting is None,
+        flavors=build.read_flavors,
+        trainer_pods="Job" in creating and observed.trainer_pods_left is None,
+        secrets=not observed.secrets_checked,
     )
 
 
