@@ -13,7 +13,7 @@ from grpolora.workers.inference.metrics import VLLM_SERIES
 from tests.chart.chart import CHART
 
 DASHBOARD = CHART / "dashboards" / "grpo-lora.json"
-# vLLM's own series on an inference server's /metrics (a real engine serves each: tests/workers/test_vllm_metrics.py).
+# vLLM's own series on an inference server's /metrics (a real engine serves each: tests/workers/test_inference_sync.py).
 # The chart's PodMonitor scrapes a job's own servers with `job` = the GRPOLoraJob's name (its jobLabel, the pods'
 # grpolora.dev/job label) and the target's `namespace`: the labels the per-job panels filter on. A RolloutPool's
 # servers carry no grpolora.dev/job label and are not its targets: the pool row reads the operator's grpolora_pool_*

@@ -1,6 +1,7 @@
 """Two real inference servers (vLLM CPU engines, separate processes) receive adapters from a sender in this
 process, round after round, over gloo: parity with HF + peft, swaps under load, refused corruption, a replica
-killed mid-round and its replacement, fingerprint mismatch. One pair of engines serves the whole module."""
+killed mid-round and its replacement, fingerprint mismatch, vLLM's own statistics on /metrics. One pair of engines
+serves the whole module (engine starts dominate the suite's time: a check that needs a real engine joins them)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import re
 import signal
 import socket
 import time
@@ -33,6 +35,7 @@ from grpolora.testing.servers import (
 )
 from grpolora.workers.adapter import lora_config, lora_tensors
 from grpolora.workers.inference.member_host import MEMBER_THREAD_NAME
+from grpolora.workers.inference.metrics import VLLM_SERIES
 from grpolora.workers.models import resolve_model
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import FingerprintMismatch, HttpMember, SyncError
@@ -107,6 +110,37 @@ def test_control_endpoints_need_the_token(servers):
     assert httpx.get(f"{url}/v1/sync/state", headers={"Authorization": "Bearer wrong"}).status_code == 401
     assert httpx.get(f"{url}/health").status_code == 200
     assert "grpolora_inference_adapter_version" in httpx.get(f"{url}/metrics").text
+
+
+def sample(text: str, name: str) -> float | None:
+    """The value of the first sample of `name` in a Prometheus text exposition."""
+    found = re.search(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+    return float(found.group(1)) if found else None
+
+
+def test_the_engines_statistics_are_served_beside_ours(servers):
+    """vLLM's own statistics beside ours on /metrics: the KV-cache usage, the requests running and waiting, and the
+    preemptions, which are what maxNumSeqs and gpuMemoryUtilization are tuned with. vLLM records them only with its
+    stats on (`disable_log_stats=False`): its PrometheusStatLogger (vllm/v1/metrics/loggers.py) registers `vllm:*`
+    series in prometheus_client's global registry, or a multiprocess one when PROMETHEUS_MULTIPROC_DIR is set
+    (vllm/v1/metrics/prometheus.py, get_prometheus_registry). Read from this module's engines (an engine of its
+    own cost a minute): the counter is compared with its value before this test's request, whatever others sent."""
+    url = servers[0].url
+    before = sample(httpx.get(f"{url}/metrics").text, "vllm:generation_tokens_total") or 0
+    out = greedy(url, [1, 2, 3, 4], None, max_tokens=8)
+    assert len(out["token_ids"]) == 8
+    # The engine's logger records each step's stats as its output arrives: wait for this request's tokens.
+    deadline = time.monotonic() + 30
+    while (sample(text := httpx.get(f"{url}/metrics").text, "vllm:generation_tokens_total") or 0) < before + 8:
+        assert time.monotonic() < deadline, text[-3000:]
+        time.sleep(0.2)
+    for name in VLLM_SERIES:
+        assert sample(text, name) is not None, f"{name} missing from /metrics"
+    assert 0 <= sample(text, "vllm:kv_cache_usage_perc") <= 1
+    assert "grpolora_inference_generated_tokens_total" in text  # ours, as before
+    # One exposition: every family once (a scraper refuses a repeated HELP/TYPE).
+    families = re.findall(r"^# TYPE (\S+) ", text, re.MULTILINE)
+    assert len(families) == len(set(families))
 
 
 def test_an_idle_replicas_engine_processes_leave_the_cores_alone(servers):
