@@ -235,6 +235,8 @@ class Faulty:
     """An environment that fails in the way it is told to at its first step."""
 
     def __init__(self, how: str):
+        if how == "make":
+            raise ValueError("cannot make")
         self.how = how
 
     def reset(self, prompt):
@@ -259,6 +261,7 @@ class Faulty:
         ("hang", "step() took longer than stepTimeoutSeconds (0.2 s)"),
         ("malformed", "step(): expected a Reply or (messages, done, reward), got dict"),
         ("reset", "the environment raised RuntimeError: no sandbox"),
+        ("make", "the environment raised ValueError: cannot make"),
     ],
 )
 def test_an_environment_fault_ends_its_episode_with_an_error(tokenizer, how, says):
@@ -268,7 +271,7 @@ def test_an_environment_fault_ends_its_episode_with_an_error(tokenizer, how, say
     [[failed, fine]] = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
     assert failed.episode.error.startswith(says) or says in failed.episode.error
     assert fine.episode.error is None and fine.episode.reward == 0.75
-    if how == "reset":  # never opened: the task's prompt ids stand in, nothing generated
+    if how in ("reset", "make"):  # never opened: the task's prompt ids stand in, nothing generated
         assert (failed.episode.opening, failed.token_ids, failed.episode.turns) == ([7, 8], [], 0)
         # Nothing served it: it counts as of the version the round asked for, not as stale (its group would be
         # dropped as older than any trainer version).

@@ -111,13 +111,15 @@ class EpisodeRunner:
         environment failed to open it, and `version` as the version of one that generated nothing."""
         if not replicas:
             raise ValueError("no replica to run episodes on")
-        groups: list[list[_Live]] = []
-        for p, (prompt, fallback) in enumerate(zip(prompts, fallback_ids, strict=True)):
-            group = []
-            for g in range(sampling.n):
-                replica = replicas[(p * sampling.n + g) % len(replicas)]
-                group.append(self._open(prompt, replica, seeds[p] + g * MAX_EPISODE_TURNS, fallback))
-            groups.append(group)
+        starts = [
+            (prompt, replicas[(p * sampling.n + g) % len(replicas)], seeds[p] + g * MAX_EPISODE_TURNS, fallback)
+            for p, (prompt, fallback) in enumerate(zip(prompts, fallback_ids, strict=True))
+            for g in range(sampling.n)
+        ]
+        # Made in order (a factory may count its environments), then reset all at once, as steps are.
+        made = [_Call.now(self.factory) for _ in starts]
+        opened = list(self._pool.map(lambda item: self._open(item[0], *item[1]), zip(made, starts, strict=True)))
+        groups = [opened[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
         episodes = [e for group in groups for e in group]
         for turn in range(self.limits.max_turns):
             live = [e for e in episodes if not e.ended]
@@ -130,10 +132,13 @@ class EpisodeRunner:
                 episode.end(truncated=True)
         return [[self._completion(e, version) for e in group] for group in groups]
 
-    def _open(self, prompt: Prompt, replica: int, seed: int, fallback: list[int]) -> _Live:
+    def _open(self, made: tuple[Any, BaseException | None], prompt: Prompt, replica: int, seed: int,
+              fallback: list[int]) -> _Live:  # fmt: skip
         started = time.perf_counter()
+        env, error = made
         try:
-            env = self.factory()
+            if error is not None:
+                raise error
             limit = self.limits.step_timeout_seconds
             opening = checked_opening(_Call(env.reset, prompt).result(limit, "reset", limit))
             episode = _Live(
@@ -243,6 +248,14 @@ class _Call:
             self._error = exc
         finally:
             self._done.set()
+
+    @staticmethod
+    def now(fn: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+        """fn() here and now, as (value, None) or (None, what it raised)."""
+        try:
+            return fn(), None
+        except Exception as exc:
+            return None, exc
 
     def result(self, wait: float, what: str, limit: float) -> Any:
         """The call's answer (or its exception), waiting at most `wait` seconds: what is left of `limit`
