@@ -13,7 +13,7 @@ from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.environments import BUILTIN_ENVIRONMENTS, EnvironmentFault, Opening, Reply, load_environment
 from grpolora.workers.environments.base import checked_opening, checked_reply
 from grpolora.workers.environments.calculator import calculate
-from grpolora.workers.tasks import TaskError, TaskUnreachable
+from grpolora.workers.tasks import Prompt, TaskError, TaskUnreachable
 from grpolora.workers.tasks.arithmetic import ArithmeticTask
 
 
@@ -27,7 +27,10 @@ def test_calculator_episode_answers_a_call_and_ends_on_the_answer():
     opening = env.reset(prompt)
     # A worked example (user, call, result, answer) before the prompt: a small model imitates it.
     assert [m["role"] for m in opening.messages] == ["system", "user", "assistant", "tool", "assistant", "user"]
-    assert opening.messages[-1]["content"] == prompt.text and "<calc>" in opening.messages[0]["content"]
+    assert opening.messages[-1]["content"] == f"What is {prompt.meta['expression']}?"
+    assert "<calc>" in opening.messages[0]["content"]
+    # Another task's prompt (no expression in its meta) is asked as it is.
+    assert env.reset(Prompt("How much is 2 + 2?")).messages[-1]["content"] == "How much is 2 + 2?"
     expression = prompt.meta["expression"]
     reply = env.step({"role": "assistant", "content": f"Let me compute. <calc>{expression}</calc>"})
     assert reply == Reply([{"role": "tool", "content": f"<result>{prompt.answer}</result>"}], done=False)

@@ -74,9 +74,11 @@ class CalculatorEnvironment:
     name = "calculator"
 
     def reset(self, prompt: Prompt) -> Opening:
-        return Opening(
-            [{"role": "system", "content": INSTRUCTIONS}, *EXAMPLE, {"role": "user", "content": prompt.text}]
-        )
+        # The arithmetic task's question alone, in the example's words: its own instruction to answer at once
+        # (`Answer: <integer>`) talks a small model out of the call (no call in 8 episodes of the example job).
+        expression = prompt.meta.get("expression")
+        question = f"What is {expression}?" if expression else prompt.text
+        return Opening([{"role": "system", "content": INSTRUCTIONS}, *EXAMPLE, {"role": "user", "content": question}])
 
     def step(self, message: Message) -> Reply:
         call = CALL.search(message["content"])
