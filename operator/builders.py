@@ -643,7 +643,7 @@ def _env(plan: Plan, role: RolePlan) -> list[dict[str, Any]]:
             result.append({"name": var.name, "value": var.value})
     if role.role == c.ROLE_TRAINER:
         # Fencing (contract.TRAINER_INCARNATION): the restart attempt the operator marks the trainer's pod template
-        # with (reconcile.with_restart_attempt); the downward API gives "" for the first, unmarked, attempt
+        # with (job_workloads.with_restart_attempt); the downward API gives "" for the first, unmarked, attempt
         # (Kubernetes pkg/fieldpath: a missing annotation is the empty string).
         attempt = f"metadata.annotations['{names.RESTART_ATTEMPT_ANNOTATION}']"
         result.append({"name": contract.TRAINER_INCARNATION, "valueFrom": {"fieldRef": {"fieldPath": attempt}}})

@@ -20,6 +20,7 @@ from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
 from grpolora.operator.job_status import is_finished, status_patch, stored_status
 from grpolora.operator.job_view import JobView, job_view, runtime_to_read, with_queue_in_effect
+from grpolora.operator.job_workloads import children
 from grpolora.operator.scheduler import Gone, _deleting, _Tracked
 from grpolora.operator.trainer_client import TrainerUnavailable, status_url
 from grpolora.operator.watch_cache import _UNSEEN
@@ -82,7 +83,7 @@ class JobPass:
                 queued = view.job.queue_name is not None and not job.queue_api_missing
                 claims, queue_workload = await asyncio.gather(
                     self._claims(job, view),
-                    # Just ensured: an ending before the job ever starts finishes it too (reconcile._ended), or Kueue
+                    # Just ensured: an ending before the job ever starts finishes it too (job_queue._ended), or Kueue
                     # would admit a failed job's Workload and hold its quota.
                     self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name) if queued else _none(),
                 )
@@ -116,7 +117,7 @@ class JobPass:
         except ChildRefused as refused:
             queue_workload = None
             if view.job is not None and view.job.queue_name is not None and not refused.refusal.transient:
-                # The job ends: its Workload is marked Finished (reconcile._ended), so that its quota goes back.
+                # The job ends: its Workload is marked Finished (job_queue._ended), so that its quota goes back.
                 queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
             decision = rec.decide_refused(view, old, refused.refusal, self.clock(), queue_workload=queue_workload)
             logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
@@ -163,7 +164,7 @@ class JobPass:
         )
         running = not spec.suspend and not is_finished(old)
         # A workload being deleted: which of its pods are still active says when the quota can go back
-        # (reconcile._nothing_active), as they are now (a listing taken before they ran would show none).
+        # (job_queue._nothing_active), as they are now (a listing taken before they ran would show none).
         leaving = any(w is not None and obs.deleting(w) for w in (trainer_job, inference))
         if (running and (trainer_job or inference) and not_ready) or leaving:
             # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
@@ -234,7 +235,7 @@ class JobPass:
         queue_key = (kube.KUEUE_WORKLOAD.kind, job.namespace, job.name)
         if job_plan.job.queue_name is not None and not self.cache.get(queue_key):
             priority = await self._priority(job_plan)  # its Workload may be about to be created
-        kept, _ = rec.children(
+        kept, _ = children(
             job_plan,
             uid=view.uid,
             token=fresh,
@@ -410,7 +411,7 @@ class JobPass:
             (obj["kind"], obj["metadata"]["name"]) for obj in decision.create
         ]:
             self.cache.pop((kind, job.namespace, name), None)
-        # Lost pods out of the job's Services (reconcile._leaving_trainer) before their Job is released.
+        # Lost pods out of the job's Services (job_course._leaving_trainer) before their Job is released.
         unlabel = {"metadata": {"labels": {builders.JOB_UID_LABEL: None}}}
         await asyncio.gather(*(self.client.patch(kube.POD, job.namespace, pod, unlabel) for pod in decision.fence))
         for pod in decision.fence:

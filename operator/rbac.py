@@ -6,7 +6,8 @@ Not needed, on purpose: `list`/`update` on Secrets (the token is created with it
 name only: the job's own to check its owner, the ones a job names to check they are not the operator's), `list`/`watch`
 on namespaces and CRDs (Kopf runs with scanning disabled, see grpolora.operator.main.build_settings), and anything
 on pods but `list` and `patch` (workers are never touched directly, their workloads are, except that a pod taken as
-lost on a node that never confirms its end loses the label the job's Services select it by: reconcile._leaving_trainer).
+lost on a node that never confirms its end loses the label the job's Services select it by:
+job_course._leaving_trainer).
 """
 
 from __future__ import annotations

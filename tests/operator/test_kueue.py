@@ -412,7 +412,7 @@ async def test_a_runtime_that_names_a_queue_queues_its_jobs_and_a_jobs_own_label
 
 
 async def test_an_admitted_job_whose_pool_is_deleted_fails_and_gives_its_quota_back(cluster, operator, kueue):
-    """Every ending marks the Workload Finished (reconcile._ended), not only the main decision's: Kueue counts a
+    """Every ending marks the Workload Finished (job_queue._ended), not only the main decision's: Kueue counts a
     Workload's quota until it is Finished (jobframework/reconciler.go: a finished job's Workload is finished)."""
     from tests.operator.test_pool import POOL, job_on_pool, pool_doc, trainer
 

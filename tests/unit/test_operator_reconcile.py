@@ -15,12 +15,12 @@ from grpolora.api.status import JobStatus, RestartCounts, TrainerStatus
 from grpolora.operator import names
 from grpolora.operator.job_status import status_patch
 from grpolora.operator.job_view import JobView, changed_fields, job_view, spec_json
+from grpolora.operator.job_workloads import children
 from grpolora.operator.reconcile import (
     ChildRef,
     Decision,
     Observed,
     Refusal,
-    children,
     decide,
     decide_refused,
     should_poll_trainer,

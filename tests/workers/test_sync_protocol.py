@@ -1291,13 +1291,13 @@ def test_a_catch_up_does_not_count_a_replica_holding_its_version_number_from_ano
 @pytest.mark.parametrize(("value", "incarnation"), [(None, 0), ("", 0), ("3", 3)])
 def test_a_trainer_pods_incarnation_is_its_restart_attempt(value, incarnation):
     """Where the trainer's incarnation comes from on a cluster: the operator marks a restart's trainer Job and its
-    pod template with the attempt (reconcile.with_restart_attempt), the pod reads the annotation through the
+    pod template with the attempt (job_workloads.with_restart_attempt), the pod reads the annotation through the
     downward API (empty for the first attempt: Kubernetes' pkg/fieldpath gives a missing annotation as "")."""
     from grpolora.api import contract
     from grpolora.api.plan import LoopbackNetwork, plan
     from grpolora.operator import names
     from grpolora.operator.builders import trainer_job
-    from grpolora.operator.reconcile import with_restart_attempt
+    from grpolora.operator.job_workloads import with_restart_attempt
 
     planned = plan(parse_job(job_doc()), LoopbackNetwork())
     job = with_restart_attempt(trainer_job(planned), 3)

@@ -1,0 +1,496 @@
+"""The course of a job's run in one decision, pure (grpolora.operator.reconcile.decide's middle stages): finished,
+re-keyed, released or running; the trainer Job's restarts and failures and the wait for a replaced Job's pods; the
+startup and active deadlines; the end (the inference released, the TTL)."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from grpolora.api import constants as c
+from grpolora.api.spec import GRPOLoraJobSpec
+from grpolora.api.status import JobPhase, JobStatus, RestartCounts, RoleReplicas
+from grpolora.operator import builders, names, pools
+from grpolora.operator import conditions as cond
+from grpolora.operator import observe as obs
+from grpolora.operator.job_decision import REPLACE_RECHECK_SECONDS, ChildRef, Observed
+from grpolora.operator.job_status import TERMINAL, is_finished
+from grpolora.operator.job_view import K8sObject
+
+if TYPE_CHECKING:
+    from grpolora.operator.job_placement import _Placement
+    from grpolora.operator.job_workloads import _Build
+
+
+@dataclass(frozen=True)
+class _Course:
+    """Where the job's run stands after this pass, as the stages after _placement decide it in turn."""
+
+    phase: JobPhase
+    completion: str | None
+    final_message: str | None
+    """The message of a terminal phase."""
+    failed_reason: str
+    restarts: int
+    by_cause: RestartCounts
+    token_digest: str | None
+    restart_note: str | None = None
+    rekey_note: str | None = None
+    waiting_pods: str | None = None
+    """Why a trainer Job is not created yet: pods of a previous one are still terminating."""
+    lost_note: str | None = None
+    """Pods of a previous trainer Job taken as lost in this pass, and when (a Warning event)."""
+    release: tuple[ChildRef, ...] = ()
+    fence: tuple[str, ...] = ()
+    wanted_kinds: tuple[str, ...] = ()
+    """The workloads to create (built by _workloads_to_create, once Kueue's additions are known)."""
+    deletes: tuple[ChildRef, ...] = ()
+    requeue: float | None = None
+    active_since: str | None = None
+    """When the job last became active (status.activeSince); None while it is not (spec.activeDeadlineSeconds)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.phase in TERMINAL and self.completion is not None
+
+
+def _course(
+    where: _Placement,
+    old: JobStatus,
+    observed: Observed,
+    admission: cond.Want,
+    progress: obs.Progress,
+    now: datetime.datetime,
+) -> _Course:
+    """Finished, re-keyed, released (suspended, not admitted by Kueue, not attached to its pool), or running (the
+    trainer's restarts and failures: _running_course)."""
+    spec = where.job_plan.spec
+    tj, sts = observed.trainer_job, observed.inference
+    finished = is_finished(old)
+    restarts = old.trainer_restarts or 0
+    # A token Secret re-made with a new token (deleted by hand): pods keep the token they started with, so the job
+    # is re-keyed as a whole -- every pod goes, then all come back with the new token (and the pool renews its
+    # attachment, see pools.place) -- never old and new tokens side by side (401s, MACs that do not verify).
+    stale_key = (
+        observed.token is not None
+        and old.token_digest is not None
+        and observed.token != old.token_digest
+        and not finished
+    )
+    pods_left = tj is not None or sts is not None
+    course = _Course(
+        phase=old.phase if finished and old.phase else "Pending",
+        completion=old.completion_time,
+        final_message=old.message if finished else None,
+        failed_reason=_failed_reason(old) if finished else names.R_BACKOFF_LIMIT,
+        restarts=restarts,
+        # Jobs from before restartsByCause: every restart was a failure.
+        by_cause=old.restarts_by_cause or RestartCounts(failure=restarts),
+        token_digest=observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest,
+        active_since=old.active_since,
+    )
+    if finished:
+        return course  # terminal phases stick; only releasing the inference pods and the TTL are left
+    if stale_key and pods_left and not spec.suspend and admission.status != "False":
+        note = (
+            f"re-keying: the token Secret {where.job_plan.token_secret} was re-made with a new token (was it "
+            "deleted?); every pod is replaced, and created again with the new token once all are gone"
+        )
+        return dataclasses.replace(
+            course,
+            phase="Running" if old.phase == "Running" else "Pending",
+            deletes=tuple(_release(tj, sts)),
+            rekey_note=note,
+            restart_note=note,
+            requeue=REPLACE_RECHECK_SECONDS,
+        )
+    if spec.suspend or admission.status == "False" or (where.place is not None and not where.place.attached):
+        # Suspended, not (or no longer) admitted by Kueue, or not (or no longer) served by its RolloutPool (whose
+        # servers would refuse the trainer): no pods hold any GPU.
+        # Not active: the deadline's clock stops, and starts over when it is again (as a Job's startTime on resume).
+        return dataclasses.replace(
+            course,
+            phase="Suspended" if spec.suspend else "Pending",
+            deletes=tuple(_release(tj, sts)),
+            active_since=None,
+        )
+    course = dataclasses.replace(course, active_since=old.active_since or cond.rfc3339(now))
+    return _running_course(where, old, observed, course, progress, now)
+
+
+def _running_course(
+    where: _Placement,
+    old: JobStatus,
+    observed: Observed,
+    course: _Course,
+    progress: obs.Progress,
+    now: datetime.datetime,
+) -> _Course:
+    """A job that should run: its trainer Job's course (_trainer_course), then its StatefulSet and its phase."""
+    blocked_kinds = {ref.kind for ref in observed.blocked}
+    if blocked_kinds:
+        course = dataclasses.replace(course, requeue=REPLACE_RECHECK_SECONDS)
+    course = _trainer_course(where, observed, course, blocked_kinds, progress, now)
+    if course.phase in TERMINAL:
+        return course
+    wanted_kinds = course.wanted_kinds
+    sts, report = observed.inference, observed.trainer
+    if sts is None and "StatefulSet" not in blocked_kinds and where.job_plan.inference is not None:
+        wanted_kinds += ("StatefulSet",)
+    alive = report is not None and report.phase in ("Starting", "Running")
+    phase: JobPhase = "Running" if alive or old.phase == "Running" else "Pending"
+    return dataclasses.replace(course, wanted_kinds=wanted_kinds, phase=phase)
+
+
+def _trainer_course(
+    where: _Placement,
+    observed: Observed,
+    course: _Course,
+    blocked_kinds: set[str],
+    progress: obs.Progress,
+    now: datetime.datetime,
+) -> _Course:
+    """The trainer Job's course: created, replaced after a committed restart, succeeded, or failed (restarted, or
+    the job fails)."""
+    spec = where.job_plan.spec
+    stamp = cond.rfc3339(now)
+    tj, report = observed.trainer_job, observed.trainer
+    if tj is None and "Job" in blocked_kinds:
+        return course  # the previous job's trainer Job is still being collected
+    if tj is not None and obs.restart_attempt(tj) < course.restarts:
+        # Committed restart: delete the stale Job (in the foreground: it stays until its pods are gone) and
+        # create the replacement only once it has left, as JobSet does (kubernetes-sigs/jobset#392, #684).
+        # Old and new ranks never overlap: a dying rank 0 still answers to the rendezvous name (the Services
+        # publish not-ready addresses) and would spend a restart, and its GPUs are the ones the new pods need.
+        # Except a pod whose node never confirms its end (_leaving_trainer): it would hold the restart forever.
+        waiting = (
+            f"restart {course.restarts}: waiting for the failed trainer Job and its pods to be gone before creating "
+            "its replacement"
+        )
+        if not obs.deleting(tj):
+            stale = ChildRef("Job", where.job_plan.trainer.workload_name)
+            return dataclasses.replace(
+                course, deletes=(*course.deletes, stale), restart_note=waiting, requeue=REPLACE_RECHECK_SECONDS
+            )
+        return _leaving_trainer(course, tj, observed.pods, now, waiting, restart=True)
+    if tj is not None and obs.deleting(tj):
+        # Deleted by a release (suspended, evicted, re-keyed) and wanted again: the same wait as a restart's.
+        waiting = "waiting for the previous trainer Job and its pods to be gone before creating the trainer Job"
+        return _leaving_trainer(course, tj, observed.pods, now, waiting, restart=False)
+    if tj is None and observed.trainer_pods_left:
+        # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
+        # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
+        # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
+        holding, lost, fence = _stale_trainer_pods(observed.trainer_pods_left, now)
+        if holding:
+            count = len(holding)
+            waiting = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
+            waiting = f"{waiting}: {_waiting_details(holding)}"
+            return dataclasses.replace(course, waiting_pods=waiting, requeue=REPLACE_RECHECK_SECONDS)
+        if fence:
+            # Out of the Services first; the trainer Job comes at the next pass, after the relabel is written.
+            note = f"{_lost_details(lost)}: taken out of the job's Services before the trainer Job is created"
+            return dataclasses.replace(
+                course, fence=fence, lost_note=note, waiting_pods=note, requeue=REPLACE_RECHECK_SECONDS
+            )
+    if tj is None:
+        return dataclasses.replace(course, wanted_kinds=(*course.wanted_kinds, "Job"))
+    if obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
+        return dataclasses.replace(
+            course,
+            phase="Succeeded",
+            completion=stamp,
+            final_message=f"trained {progress.step or 0}/{spec.grpo.steps} steps; "
+            f"the inference replicas served adapter version {progress.sync_round or 0}",
+        )
+    if not obs.job_failed(tj):
+        return course
+    failure = obs.trainer_failure(tj, observed.pods)
+    if failure.cause == names.CAUSE_INVALID_INPUT:
+        return dataclasses.replace(
+            course,
+            phase="Failed",
+            completion=stamp,
+            failed_reason=names.R_POD_FAILURE_POLICY,
+            final_message=f"the trainer cannot work with its spec or data (a restart would not help): "
+            f"{failure.message}",
+        )
+    if failure.cause == names.CAUSE_DISRUPTION or course.by_cause.failure < spec.trainer.max_restarts:
+        restarts, by_cause, note = _commit_restart(course.restarts, course.by_cause, failure, spec)
+        # requeue 0: the next pass replaces the trainer Job
+        return dataclasses.replace(course, restarts=restarts, by_cause=by_cause, restart_note=note, requeue=0.0)
+    return dataclasses.replace(
+        course,
+        phase="Failed",
+        completion=stamp,
+        final_message=f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
+        f"used up; last failure: {failure.message}",
+    )
+
+
+def _leaving_trainer(
+    course: _Course, tj: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime, waiting: str, *, restart: bool
+) -> _Course:
+    """A trainer Job being deleted (in the foreground) that the job wants to replace: wait while any of its pods may
+    still run; once each is stopped or lost (obs.pod_gone_for_replacement), release it: delete it again in the
+    Background, so that the API server drops its foregroundDeletion finalizer and frees its name, and fence the lost
+    pods. A lost pod's rank may still run, cut off: the data plane refuses an older trainer incarnation
+    (GRPOLORA_TRAINER_INCARNATION, workers/sync/receiver.py), and the fence keeps its address out of the rendezvous
+    name. Its pods are the pass's listing of the job's pods (taken as they are now while a workload is leaving)."""
+    uid = (tj.get("metadata") or {}).get("uid")
+    left = [
+        pod
+        for pod in pods
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == c.ROLE_TRAINER
+        and (uid is None or obs.controller_uid(pod) == uid)
+    ]
+    holding, lost, fence = _stale_trainer_pods(left, now)
+    if holding or not left:  # (none left: the collector is about to drop the finalizer)
+        note = f"{waiting}: {_waiting_details(holding)}" if holding else waiting
+    else:
+        release = (ChildRef("Job", tj["metadata"]["name"]),)
+        lost_note = (
+            f"{_lost_details(lost)}: the trainer Job is deleted again in the background (its foreground deletion "
+            "waits for as long as a lost pod stays) and the lost pods are taken out of the job's Services"
+            if lost
+            else None
+        )
+        note = f"{waiting}: {lost_note}" if lost_note else waiting
+        course = dataclasses.replace(course, release=release, fence=fence, lost_note=lost_note)
+    if restart:
+        return dataclasses.replace(course, restart_note=note, requeue=REPLACE_RECHECK_SECONDS)
+    return dataclasses.replace(course, waiting_pods=note, requeue=REPLACE_RECHECK_SECONDS)
+
+
+def _stale_trainer_pods(
+    pods: Sequence[K8sObject], now: datetime.datetime
+) -> tuple[list[K8sObject], list[K8sObject], tuple[str, ...]]:
+    """(the pods that still hold a replacement back, those taken as lost, the names of the lost ones that a Service
+    of the job still selects: the fence to write)."""
+    holding = [pod for pod in pods if not obs.pod_gone_for_replacement(pod, now)]
+    lost = [pod for pod in pods if not obs.pod_terminal(pod) and obs.pod_gone_for_replacement(pod, now)]
+    fence = tuple(
+        str(pod["metadata"]["name"])
+        for pod in lost
+        if builders.JOB_UID_LABEL in ((pod.get("metadata") or {}).get("labels") or {})
+    )
+    return holding, lost, fence
+
+
+def _waiting_details(pods: Sequence[K8sObject]) -> str:
+    """What each pod waited for is doing, and when the wait ends (the first few)."""
+    details = []
+    for pod in pods[:_PODS_NAMED]:
+        name, asked, lost_at = pod["metadata"]["name"], obs.pod_deletion_asked(pod), obs.pod_lost_at(pod)
+        if asked is None or lost_at is None:
+            details.append(f"pod {name} not deleted yet")
+            continue
+        deadline = pod["metadata"]["deletionTimestamp"]
+        details.append(
+            f"pod {name} Terminating since {cond.rfc3339(asked)} (its grace period ends at {deadline}); taken as lost "
+            f"at {cond.rfc3339(lost_at)} if its node has not confirmed by then"
+        )
+    more = len(pods) - _PODS_NAMED
+    return "; ".join(details) + (f"; and {more} more" if more > 0 else "")
+
+
+def _lost_details(pods: Sequence[K8sObject]) -> str:
+    details = []
+    for pod in pods[:_PODS_NAMED]:
+        asked, lost_at = obs.pod_deletion_asked(pod), obs.pod_lost_at(pod)
+        assert asked is not None and lost_at is not None, "a lost pod is Terminating"
+        details.append(
+            f"pod {pod['metadata']['name']} Terminating since {cond.rfc3339(asked)}, its node does not confirm; "
+            f"taken as lost at {cond.rfc3339(lost_at)}"
+        )
+    more = len(pods) - _PODS_NAMED
+    return "; ".join(details) + (f"; and {more} more" if more > 0 else "")
+
+
+_PODS_NAMED: Final = 3
+
+
+def _startup_deadline(
+    where: _Placement,
+    old: JobStatus,
+    observed: Observed,
+    course: _Course,
+    build: _Build,
+    now: datetime.datetime,
+    stamp: str,
+) -> tuple[str | None, _Course, _Build]:
+    """Why the job's pods are overdue (spec.scheduling.startupDeadlineSeconds), if they are; with
+    onStartupDeadline: Fail, the job fails and creates nothing."""
+    spec = where.job_plan.spec
+    tj = observed.trainer_job
+    serving = _serving_replicas(spec, observed.inference, where.place)
+    overdue = _startup_overdue(spec, old, course.phase, tj, serving, observed, now, on_pool=where.place is not None)
+    if overdue is None or spec.scheduling.on_startup_deadline != "Fail":
+        return overdue, course, build
+    deletes = course.deletes
+    if tj is not None and not obs.deleting(tj):
+        deletes += (ChildRef("Job", tj["metadata"]["name"]),)  # release the trainer pool too
+    failed = dataclasses.replace(
+        course,
+        phase="Failed",
+        completion=stamp,
+        failed_reason=names.R_STARTUP_DEADLINE,
+        final_message=overdue,
+        deletes=deletes,
+    )
+    return overdue, failed, dataclasses.replace(build, creates=())
+
+
+def _active_deadline(
+    spec: GRPOLoraJobSpec, observed: Observed, course: _Course, build: _Build, now: datetime.datetime, stamp: str
+) -> tuple[_Course, _Build]:
+    """spec.activeDeadlineSeconds: a job active for longer fails with reason DeadlineExceeded and creates nothing;
+    its trainer Job goes here, its StatefulSet with every finished job's (_end). As the Job controller does
+    (pkg/controller/job: pastActiveDeadline, then every active pod deleted and the Job Failed, DeadlineExceeded)."""
+    deadline = spec.active_deadline_seconds
+    if deadline is None or course.phase in TERMINAL or course.active_since is None:
+        return course, build
+    if (now - _parse_time(course.active_since)).total_seconds() < deadline:
+        return course, build
+    message = (
+        f"active for longer than spec.activeDeadlineSeconds ({deadline} s, since {course.active_since}): its pods "
+        "are deleted"
+    )
+    failed = _failed_now(course, observed, stamp, names.R_DEADLINE_EXCEEDED, message)
+    return failed, dataclasses.replace(build, creates=())
+
+
+def _failed_now(course: _Course, observed: Observed, stamp: str, reason: str, message: str) -> _Course:
+    """The course of a job that fails in this pass: Failed with `reason` and `message`, and its trainer Job deleted
+    (its StatefulSet goes with every finished job's, in _end)."""
+    tj = observed.trainer_job
+    deletes = course.deletes
+    if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
+        deletes += (ChildRef("Job", tj["metadata"]["name"]),)
+    return dataclasses.replace(
+        course,
+        phase="Failed",
+        completion=stamp,
+        failed_reason=reason,
+        final_message=message,
+        restart_note=None,
+        deletes=deletes,
+    )
+
+
+def _end(spec: GRPOLoraJobSpec, course: _Course, sts: K8sObject | None, now: datetime.datetime) -> tuple[_Course, bool]:
+    """A finished job releases its inference GPUs, and is deleted once ttlSecondsAfterFinished has passed (True)."""
+    if not course.finished:
+        return course, False
+    deletes = course.deletes
+    if sts is not None and not obs.deleting(sts):
+        deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)  # release the inference GPUs
+    requeue, delete_job = course.requeue, False
+    left = _ttl_left(spec, course.completion, now)
+    if left is not None:
+        delete_job = left <= 0
+        requeue = None if delete_job else min(left, requeue if requeue is not None else left)
+    return dataclasses.replace(course, deletes=deletes, requeue=requeue), delete_job
+
+
+def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:
+    """Delete both workloads (those not already leaving): no pod of the job holds a GPU, or an old token, after."""
+    found = (("Job", tj), ("StatefulSet", sts))
+    return [ChildRef(kind, obj["metadata"]["name"]) for kind, obj in found if obj is not None and not obs.deleting(obj)]
+
+
+def _commit_restart(
+    restarts: int, by_cause: RestartCounts, failure: obs.TrainerFailure, spec: GRPOLoraJobSpec
+) -> tuple[int, RestartCounts, str]:
+    """One more trainer restart (committed by the status write), counted under its cause: a disruption does not
+    spend spec.trainer.maxRestarts, a failure does. Returns the counts and the note for the Progressing condition."""
+    if failure.cause == names.CAUSE_DISRUPTION:
+        counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
+        note = (
+            f"restart {restarts + 1} from the latest checkpoint after a disruption (not counted against "
+            f"spec.trainer.maxRestarts): {failure.message}"
+        )
+    else:
+        counted = by_cause.model_copy(update={"failure": by_cause.failure + 1})
+        limit = spec.trainer.max_restarts
+        note = f"restart {counted.failure} of {limit} from the latest checkpoint: {failure.message}"
+    return restarts + 1, counted, note
+
+
+def _failed_reason(old: JobStatus) -> str:
+    """A finished job keeps the reason it failed with."""
+    found = next((c for c in old.conditions if c.type == names.FAILED and c.status == "True"), None)
+    return found.reason if found is not None else names.R_BACKOFF_LIMIT
+
+
+def _ttl_left(spec: GRPOLoraJobSpec, completion: str | None, now: datetime.datetime) -> float | None:
+    """Seconds until a finished job is deleted (spec.ttlSecondsAfterFinished); None without a TTL."""
+    ttl = spec.ttl_seconds_after_finished
+    if ttl is None or completion is None:
+        return None
+    return (_parse_time(completion) + datetime.timedelta(seconds=ttl) - now).total_seconds()
+
+
+def _serving_replicas(
+    spec: GRPOLoraJobSpec, sts: K8sObject | None, place: pools.PoolPlace | None
+) -> RoleReplicas | None:
+    """The inference replicas serving the job: its own StatefulSet's, or on a pool the pool's servers (while it is
+    attached); None while it has none."""
+    if place is not None:
+        return RoleReplicas(desired=place.desired, ready=place.ready) if place.attached else None
+    return None if sts is None else RoleReplicas(desired=spec.inference.replicas, ready=obs.statefulset_ready(sts))
+
+
+def makes_progress(trainer_ready: int, trainer_desired: int, serving: RoleReplicas | None) -> bool:
+    """What a job needs to make progress: every trainer rank ready (the ranks train together) and at least one
+    serving replica ready (the trainer generates on the replicas that serve and syncs the adapter to those; a lost or
+    unscheduled replica rejoins at the next sync round). Kueue's PodsReady on the job's Workload says this, so that
+    waitForPodsReady (timeout, and since Kueue 0.16 recoveryTimeout, which defaults to timeout) evicts only a job that
+    cannot go on; the job's own PodsReady condition counts every pod."""
+    return serving is not None and trainer_ready >= trainer_desired and serving.ready >= min(1, serving.desired)
+
+
+def _startup_overdue(
+    spec: GRPOLoraJobSpec,
+    old: JobStatus,
+    phase: str,
+    tj: K8sObject | None,
+    serving: RoleReplicas | None,
+    observed: Observed,
+    now: datetime.datetime,
+    *,
+    on_pool: bool,
+) -> str | None:
+    """Why the pods are overdue, when spec.scheduling.startupDeadlineSeconds has passed since PodsReady turned
+    False (the children's creation, or the loss of a pod) and they are still not all ready; else None. On a pool
+    the job's own pods are only the trainer's, and one ready server of the pool is enough: the job trains on the
+    pool's ready servers, and a pool short of its desired replicas (scaled up beyond what the cluster can place, a
+    replica lost) is the pool's to report (its Ready condition and events), never a reason to fail its jobs."""
+    deadline = spec.scheduling.startup_deadline_seconds
+    if deadline is None or phase not in ("Pending", "Running") or tj is None or serving is None:
+        return None
+    trainer_ready = obs.job_ready(tj)
+    if (
+        makes_progress(trainer_ready, spec.trainer.replicas, serving)
+        if on_pool
+        else (trainer_ready >= spec.trainer.replicas and serving.ready >= serving.desired)
+    ):
+        return None
+    since = cond.find(old.conditions, names.PODS_READY)
+    if since is None or since.status != "False" or not since.last_transition_time:
+        return None
+    if (now - _parse_time(since.last_transition_time)).total_seconds() < deadline:
+        return None
+    why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
+    ready = (
+        f"trainer {obs.job_ready(tj)}/{spec.trainer.replicas} ready, inference {serving.ready}/{serving.desired} ready"
+    )
+    detail = f"{why.reason}: {why.message}" if why is not None else "no reason reported"
+    return f"pods not all ready {deadline}s (spec.scheduling.startupDeadlineSeconds) after they were created: {ready}; {detail}"  # noqa: E501
+
+
+def _parse_time(value: str) -> datetime.datetime:
+    return datetime.datetime.fromisoformat(value.replace("Z", "+00:00"))

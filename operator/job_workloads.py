@@ -1,0 +1,126 @@
+"""The workloads a job's decision creates, pure: its children as `grpolora render` builds them, the trainer Job marked
+with its restart attempt, and what Kueue's admission adds to their pod templates (or why they wait for it)."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from grpolora.api import constants as c
+from grpolora.api.plan import JobPlan
+from grpolora.operator import builders, kueue, names
+from grpolora.operator.job_course import _failed_now
+from grpolora.operator.job_decision import API_RETRY_SECONDS, REPLACE_RECHECK_SECONDS, WORKLOAD_KINDS, Observed
+from grpolora.operator.job_view import JobView, K8sObject
+
+if TYPE_CHECKING:
+    from grpolora.operator.job_course import _Course
+    from grpolora.operator.job_placement import _Placement
+
+
+def children(
+    job_plan: JobPlan,
+    *,
+    uid: str,
+    token: str,
+    operator_namespace: str = c.DEFAULT_OPERATOR_NAMESPACE,
+    admitted: Mapping[str, kueue.PodSetInfo] | None = None,
+    priority: tuple[str, int] | None = None,
+) -> tuple[list[K8sObject], dict[str, K8sObject]]:
+    """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them, with
+    what Kueue's admission adds to the workloads' pod templates (raises kueue.PodSetConflict)."""
+    objects = builders.build_children(
+        job_plan,
+        owner_uid=uid,
+        token=token,
+        operator_namespace=operator_namespace,
+        admitted=admitted,
+        priority=priority,
+    )
+    kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
+    return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
+
+
+def with_restart_attempt(trainer_job: K8sObject, attempt: int) -> K8sObject:
+    """The trainer Job marked with the restart that creates it (unmarked for the first, as rendered)."""
+    if attempt == 0:
+        return trainer_job
+    marked = copy.deepcopy(trainer_job)
+    marked["metadata"].setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
+    # And its pods: their GRPOLORA_TRAINER_INCARNATION reads it (builders._env), so that replicas refuse the trainer
+    # of an earlier attempt that still runs (fencing, workers/sync/receiver.py).
+    template = marked["spec"]["template"].setdefault("metadata", {})
+    template.setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
+    return marked
+
+
+@dataclass(frozen=True)
+class _Build:
+    """The workloads to create (decide's create stage), or what they wait for."""
+
+    creates: tuple[K8sObject, ...] = ()
+    read_flavors: tuple[str, ...] = ()
+    flavor_wait: str | None = None
+
+
+def _workloads_to_create(
+    view: JobView, where: _Placement, observed: Observed, course: _Course, stamp: str
+) -> tuple[_Course, _Build]:
+    """The workloads the course wants, with what Kueue's admission adds to their pod templates; a conflict with the
+    admission fails the job."""
+    if not course.wanted_kinds:
+        return course, _Build()
+    placed = _placed_workloads(where.job_plan, view.uid, where.queue, observed)
+    if isinstance(placed, kueue.PodSetConflict):
+        message = (
+            f"cannot start the pods where Kueue admitted them: {placed}. Kueue's own integrations refuse this too: "
+            f"the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. Re-create the job "
+            f"with {placed.field_name} {placed.key} unset or set to {placed.wanted}"
+        )
+        return _failed_now(course, observed, stamp, names.R_FAILED_TO_START, message), _Build()
+    if isinstance(placed, _FlavorsMissing):
+        requeue = API_RETRY_SECONDS if not placed.unread else REPLACE_RECHECK_SECONDS
+        return dataclasses.replace(course, requeue=requeue), _Build(
+            read_flavors=placed.unread, flavor_wait=placed.message
+        )
+    creates = tuple(
+        with_restart_attempt(placed[kind], course.restarts) if kind == "Job" else placed[kind]
+        for kind in course.wanted_kinds
+    )
+    return course, _Build(creates=creates)
+
+
+@dataclass(frozen=True)
+class _FlavorsMissing:
+    unread: tuple[str, ...]
+    """Not read yet: read them and decide again."""
+    message: str
+
+
+def _placed_workloads(
+    job_plan: JobPlan, uid: str, queue: str | None, observed: Observed
+) -> dict[str, K8sObject] | kueue.PodSetConflict | _FlavorsMissing:
+    """The workloads by kind with what Kueue's admission adds (grpolora.operator.kueue); or why they cannot be built
+    yet (ResourceFlavors to read, or one that does not exist), or the conflict that keeps them from starting."""
+    workload = observed.queue_workload if queue is not None else None
+    wanted = kueue.flavor_names(workload)
+    flavors = observed.flavors or {}
+    unread = tuple(name for name in wanted if name not in flavors)
+    if unread:
+        return _FlavorsMissing(unread, f"reading the ResourceFlavors Kueue admitted the job to: {', '.join(unread)}")
+    absent = [name for name in wanted if flavors[name] is None]
+    if absent:
+        listed = ", ".join(f"ResourceFlavor {name}" for name in absent)
+        return _FlavorsMissing(
+            (),
+            f"admitted by Kueue, but {listed} cannot be read (not found, or not allowed: the operator needs get on "
+            "resourceflavors.kueue.x-k8s.io, the chart's kueue.resourceFlavors); retrying",
+        )
+    try:
+        admitted = kueue.pod_set_infos(workload, flavors) if workload is not None else None
+        return children(job_plan, uid=uid, token="", admitted=admitted)[1]
+    except kueue.PodSetConflict as conflict:
+        return conflict
