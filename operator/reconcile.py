@@ -176,7 +176,10 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         delete_job=delete_job,
         requeue_after=course.requeue,
         events=tuple(transition_events(old, status))
-        + ((Event("Warning", names.E_TRAINER_POD_LOST, course.lost_note),) if course.lost_note else ()),
+        # Once, with the fence that takes the pods out (a pass repeated before the Job has left writes none).
+        + (
+            (Event("Warning", names.E_TRAINER_POD_LOST, course.lost_note),) if course.lost_note and course.fence else ()
+        ),
         # A suspended job's Workload may still hold quota: Kueue evicts it once deactivated, and the release is ours.
         idle=settled and (course.finished or course.phase == "Suspended") and queue_write is None and not holds_quota,
     )

@@ -302,8 +302,11 @@ def test_a_pod_its_node_never_confirms_is_taken_as_lost_fenced_and_its_job_relea
     assert note in released.status.message
     assert [(e.type, e.reason) for e in released.events] == [("Warning", names.E_TRAINER_POD_LOST)]
     assert note in released.events[0].message
-    # The Job gone, the fenced pod left behind no longer holds anything: the replacement is created.
+    # A pass repeated before the Job has left (the pod already fenced) releases it again, quietly: one event.
     fenced = stale_pod(deleted=deleted, fenced=True)
+    again = decide(view, released.status, Observed(leaving_trainer(), statefulset(1), (fenced, stopped)), NOW)
+    assert again.release == (ChildRef("Job", "demo-trainer"),) and again.fence == () and again.events == ()
+    # The Job gone, the fenced pod left behind no longer holds anything: the replacement is created.
     replaced = decide(view, released.status, Observed(None, statefulset(1), trainer_pods_left=(fenced,)), NOW)
     (job,) = replaced.create
     assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
