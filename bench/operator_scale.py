@@ -18,9 +18,15 @@ Scenarios (`--scenario`), one steady-state row each:
   name to it, kmock's resolver interception). Reported besides: the status writes per job and minute and per step
   (at most one per step: a write only when the status changed), and the other requests per job and minute.
 
+With `--foreign N`, another tenant shares the namespace: N Jobs and N Services that are not the operator's (half of
+them labelled by another manager), made before the operator starts, and every one of those Jobs changes once as
+the steady window begins. Reported besides: the objects the operator's watch streams delivered to it (in all, in the
+steady window, and of them the tenant's) and their bytes, as the emulator counts them (`Emulator.watch_objects`).
+
     python bench/operator_scale.py --jobs 500            # all at once (a burst)
     python bench/operator_scale.py --jobs 500 --rate 50  # paced: 50 jobs per second
     python bench/operator_scale.py --jobs 500 --scenario queued --settle 60
+    python bench/operator_scale.py --jobs 500 --foreign 2000 --settle 30
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ async def run(
     resync: float = 600.0,
     scenario: str = "running",
     step_seconds: float = 20.0,
+    foreign: int = 0,
 ) -> dict[str, Any]:
     # Without the emulator's schema validation: this measures the operator, not the emulator (the operator tests
     # run with it).
@@ -115,6 +122,7 @@ async def run(
             flags = ["--namespace", NAMESPACE, "--standalone", "--metrics-port", "0", "--health-port", "0"]
             flags += ["--resync-interval", str(resync)]
             entry = ["-c", _INTERCEPTED] if scenario == "reporting" else [*profile, "-m", "grpolora.cli"]
+            await _add_tenant(cluster, foreign, concurrency)
             operator = await asyncio.create_subprocess_exec(
                 *[sys.executable, "-P", *entry, "operator", *flags, "--log-level", log_level],
                 env={**os.environ, "KUBECONFIG": str(kubeconfig), "GRPOLORA_BENCH_TRAINER": trainer.address},
@@ -146,10 +154,13 @@ async def run(
                     quiet_after = await _wait_until_quiet(emulator, timeout)
                 steps_before = trainer.step()
                 requests_before = len(emulator.log)
+                delivered_before = sum(emulator.watch_objects.values())
+                await _tenant_churn(cluster, foreign, concurrency)
                 await asyncio.sleep(settle)
                 steady_log = emulator.log[requests_before:]
                 steady_requests = len(steady_log)
                 steps = trainer.step() - steps_before
+                delivered_steady = sum(emulator.watch_objects.values()) - delivered_before
                 rss = peak_rss_mib(operator.pid)
             finally:
                 operator.terminate()
@@ -183,6 +194,12 @@ async def run(
         "steady_seconds": settle,
         **(_status_writes(steady_log, jobs, settle, steps) if scenario == "reporting" else {}),
         "quiet_after_seconds": quiet_after,
+        "foreign_objects": 2 * foreign,
+        "watch_objects_delivered": sum(emulator.watch_objects.values()),
+        "watch_objects_delivered_steady": delivered_steady,
+        "foreign_objects_delivered": _of_tenant(emulator.watch_objects),
+        "watch_mib_delivered": round(sum(emulator.watch_bytes.values()) / 2**20, 2),
+        "foreign_mib_delivered": round(_of_tenant(emulator.watch_bytes) / 2**20, 2),
         "steady_requests": dict(Counter(f"{verb} {res}" for verb, res, _ in steady_log).most_common()),
         "operator_api_requests": len(emulator.log),
         # What the operator asked until every job had its children (the burst is paced by the client rate limit).
@@ -283,6 +300,52 @@ def _children(scenario: str) -> tuple[tuple[str, str], ...]:
     return CHILDREN
 
 
+def _tenants(name: str) -> bool:
+    return name.startswith("tenant-")
+
+
+def _of_tenant(counts: Counter[tuple[str, str]]) -> int:
+    """The sum of a per-(resource, name) count over the tenant's objects."""
+    return sum(n for (_, name), n in counts.items() if _tenants(name))
+
+
+def _tenant_doc(plural: str, index: int) -> dict[str, Any]:
+    """Another tenant's Job or Service: half labelled by another manager, none by the operator."""
+    labels = {c.LABEL_MANAGED_BY: "helm"} if index % 2 else {}
+    meta = {"name": f"tenant-{index:05d}", "namespace": NAMESPACE, "labels": labels}
+    if plural == "services":
+        return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": {"ports": [{"port": 80}]}}
+    pod = {"spec": {"restartPolicy": "Never", "containers": [{"name": "main", "image": "busybox:1"}]}}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": meta, "spec": {"template": pod}}
+
+
+async def _each(count: int, concurrency: int, call: Any) -> None:
+    semaphore = asyncio.Semaphore(concurrency)
+
+    async def one(index: int) -> None:
+        async with semaphore:
+            await call(index)
+
+    await asyncio.gather(*(one(index) for index in range(count)))
+
+
+async def _add_tenant(cluster: Any, count: int, concurrency: int) -> None:
+    async def add(index: int) -> None:
+        await cluster._call("POST", f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs", _tenant_doc("jobs", index))
+        await cluster._call("POST", f"/api/v1/namespaces/{NAMESPACE}/services", _tenant_doc("services", index))
+
+    await _each(count, concurrency, add)
+
+
+async def _tenant_churn(cluster: Any, count: int, concurrency: int) -> None:
+    """Every one of the tenant's Jobs changes once (its controller reports a pod active)."""
+
+    async def change(index: int) -> None:
+        await cluster.set_status("batch/v1/jobs", f"tenant-{index:05d}", {"active": 1}, namespace=NAMESPACE)
+
+    await _each(count, concurrency, change)
+
+
 def _pool_doc() -> dict[str, Any]:
     return {
         "apiVersion": "grpolora.dev/v1alpha1",
@@ -362,6 +425,7 @@ def main() -> None:
     parser.add_argument("--scenario", choices=SCENARIOS, default="running", help="what the jobs wait for (see above)")
     parser.add_argument("--resync-interval", type=float, default=600.0, help="the operator's --resync-interval")
     parser.add_argument("--step-seconds", type=float, default=20.0, help="reporting: seconds per trainer step")
+    parser.add_argument("--foreign", type=int, default=0, help="another tenant's Jobs and Services (N of each)")
     args = parser.parse_args()
     result = asyncio.run(
         run(
@@ -375,6 +439,7 @@ def main() -> None:
             resync=args.resync_interval,
             scenario=args.scenario,
             step_seconds=args.step_seconds,
+            foreign=args.foreign,
         )
     )
     print(json.dumps(result, indent=2))
