@@ -75,3 +75,29 @@ def test_the_crd_carries_the_environment_and_its_bounds():
     assert env["maxEpisodeTokens"]["maximum"] == c.MAX_MODEL_LEN
     assert env["builtin"]["enum"] == list(c.BUILTIN_ENVIRONMENTS)
     assert env["plugin"]["pattern"]
+
+
+def _environment_job(tmp_path, environment: str) -> str:
+    path = tmp_path / "job.yaml"
+    path.write_text(
+        "apiVersion: grpolora.dev/v1alpha1\nkind: GRPOLoraJob\nmetadata: {name: t}\n"
+        f"spec:\n  model: {{name: m}}\n  environment: {environment}\n"
+    )
+    return str(path)
+
+
+def test_validate_loads_the_environment_plugin_it_can_reach(tmp_path):
+    from tests.unit.test_cli import grpolora
+
+    (tmp_path / "games.py").write_text("class Guess:\n    def reset(self, prompt):\n        return []\n")
+    job = _environment_job(tmp_path, "{plugin: 'games:Guess'}")
+    result = grpolora("validate", job, cwd=tmp_path)
+    assert result.returncode == 1 and "is valid" not in result.stdout
+    assert "spec.environment.plugin: games:Guess() made a Guess without step" in result.stderr
+    step = "    def step(self, message):\n        return []\n"
+    (tmp_path / "games.py").write_text("class Guess:\n    def reset(self, prompt):\n        return []\n" + step)
+    result = grpolora("validate", job, cwd=tmp_path)
+    assert result.returncode == 0 and "is valid" in result.stdout, result.stderr
+    result = grpolora("validate", _environment_job(tmp_path, "{plugin: 'team_envs.sandbox:make'}"), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "not checked here: spec.environment.plugin: cannot import module 'team_envs.sandbox'" in result.stderr

@@ -16,7 +16,7 @@ from grpolora.workers.environments.base import (
     Reply,
 )
 from grpolora.workers.environments.calculator import CalculatorEnvironment
-from grpolora.workers.tasks.base import TaskError
+from grpolora.workers.tasks.base import TaskError, TaskUnreachable
 from grpolora.workers.tasks.plugin import import_plugin_module
 
 BUILTIN_ENVIRONMENTS: dict[str, EnvironmentFactory] = {"calculator": CalculatorEnvironment}
@@ -30,6 +30,7 @@ __all__ = [
     "Message",
     "Opening",
     "Reply",
+    "check_environment",
     "load_environment",
 ]
 
@@ -60,3 +61,19 @@ def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> Environ
         raise TaskError(FIELD, f"{spec.plugin}() made a {type(made).__name__} without {' and '.join(missing)}; an "
                         "environment has reset(prompt) and step(message)")  # fmt: skip
     return factory
+
+
+def check_environment(
+    spec: EnvironmentSpec | None, root: Path | None = None
+) -> tuple[list[TaskError], list[TaskUnreachable]]:
+    """What `grpolora validate` checks of spec.environment from where it runs: (problems, things it could not reach
+    here), loading the plugin as the trainer does."""
+    if spec is None:
+        return [], []
+    try:
+        load_environment(spec, root)
+    except TaskUnreachable as exc:
+        return [], [exc]
+    except TaskError as exc:
+        return [exc], []
+    return [], []
