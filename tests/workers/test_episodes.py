@@ -222,6 +222,8 @@ def test_limits_truncate_episodes(tokenizer):
         [PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 32), ScriptedReplicas(tokenizer, looping), replicas=[0], version=3
     )
     assert (done.episode.turns, done.episode.truncated, done.finish_reason) == (2, True, "length")
+    # The environment's answer to the last turn is in the transcript, not in the sample: no turn trains after it.
+    assert done.episode.loss_mask[-1] == 1 and done.episode.messages[-1]["role"] == "tool"
     # maxEpisodeTokens: the budget left bounds a turn's max_tokens, and a turn that reaches it ends the episode.
     replicas = ScriptedReplicas(tokenizer, looping)
     opening_length = len(ChatDelta(tokenizer).opening(BUILTIN_ENVIRONMENTS["calculator"]().reset(PROMPT)))

@@ -126,7 +126,7 @@ class EpisodeRunner:
             if not live:
                 break
             self._generate_turn(live, turn, sampling, generate)
-            self._environment_turn([e for e in live if not e.ended])
+            self._environment_turn([e for e in live if not e.ended], last=turn + 1 == self.limits.max_turns)
         for episode in episodes:
             if not episode.ended:  # maxTurns reached with the environment still going
                 episode.end(truncated=True)
@@ -179,8 +179,9 @@ class EpisodeRunner:
                 if answer.finish_reason == "length":  # cut off mid-message: there is nothing to answer
                     episode.end(truncated=True)
 
-    def _environment_turn(self, live: list[_Live]) -> None:
-        """Every live episode's environment answers its last assistant message (at once, each bounded in time)."""
+    def _environment_turn(self, live: list[_Live], *, last: bool) -> None:
+        """Every live episode's environment answers its last assistant message (at once, each bounded in time).
+        After the `last` turn its answer goes into the transcript only: no turn follows that would train on it."""
         started = time.perf_counter()
         calls = [(e, _Call(e.env.step, e.messages[-1])) for e in live]
         limit = self.limits.step_timeout_seconds
@@ -197,8 +198,8 @@ class EpisodeRunner:
                 continue
             episode.messages += reply.messages
             episode.tool_calls += sum(m["role"] == "tool" for m in reply.messages)
-            if len(episode.tokens) + len(ids) + self.limits.margin >= self.limits.max_episode_tokens:
-                episode.end(truncated=True)  # no room for the environment's answer and another turn
+            if last or len(episode.tokens) + len(ids) + self.limits.margin >= self.limits.max_episode_tokens:
+                episode.end(truncated=True)  # maxTurns, or no room for the environment's answer and another turn
             else:
                 episode.tokens.add_environment(ids)
         seconds = time.perf_counter() - started
