@@ -225,7 +225,7 @@ def test_an_activation_is_acknowledged_without_waiting_for_the_old_versions_unlo
         async def add(request) -> None:
             pass
 
-        await asyncio.wait_for(engine._activate(4, add), 10)  # returns though remove_lora(1) cannot finish yet
+        await asyncio.wait_for(engine._activate(4, 0, add), 10)  # returns though remove_lora(1) cannot finish yet
         assert engine.live_version == 4
         assert await vllm.entered.get() == 1  # the unload is under way all the same
         vllm.gate.set()
@@ -250,7 +250,7 @@ def test_an_activation_of_a_version_not_newer_than_the_live_one_loads_nothing(tm
 
         for version in (3, 2):
             with pytest.raises(RuntimeError, match=f"version {version} is not newer than the live version 3"):
-                await engine._activate(version, add)
+                await engine._activate(version, 0, add)
         assert added == [] and engine.live_version == 3 and engine._loaded == {1: 1, 2: 2, 3: 3}
 
     asyncio.run(scenario())
@@ -276,9 +276,9 @@ def test_a_failed_or_stuck_activation_leaves_no_lora_id_behind(tmp_path, monkeyp
             await asyncio.Event().wait()
 
         with pytest.raises(RuntimeError, match="CUDA out of memory"):
-            await engine._activate(4, fails_on_one_worker)
+            await engine._activate(4, 0, fails_on_one_worker)
         with pytest.raises(TimeoutError, match=r"version 5 not loaded by vLLM's workers within 0\.2s"):
-            await engine._activate(5, never_answers)
+            await engine._activate(5, 0, never_answers)
         assert vllm.removed == [4, 5]  # the ids each may have left on some workers
         assert engine.live_version == 3 and 4 not in engine._loaded and 5 not in engine._loaded
 

@@ -73,7 +73,7 @@ BY_JOB = {  # every metric, with its label names (in declaration order)
 
 # vLLM's own series that this project reads (the Grafana dashboard, charts/grpo-lora-operator/dashboards/): its
 # KV-cache usage, running and waiting requests, preemptions and generated tokens. Its names, not ours: a vLLM upgrade
-# that renames one fails tests/workers/test_vllm_metrics.py.
+# that renames one fails tests/workers/test_inference_sync.py.
 VLLM_SERIES = (
     "vllm:kv_cache_usage_perc",
     "vllm:num_requests_running",
