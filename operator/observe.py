@@ -206,6 +206,7 @@ _STUCK_REASONS = (
 # Worst first: a pod stuck pulling its image says more than one still being created.
 _SEVERITY = (*_STUCK_REASONS, "Unschedulable", "ContainerCreating", "PodInitializing", "NotReady", "Pending")
 _MAX_PODS_NAMED = 3
+_MAX_LINE = 200  # of a container's last log line in a condition's message
 
 
 @dataclass(frozen=True)
@@ -225,7 +226,8 @@ def _pod_problem(pod: K8sObject) -> tuple[str, str] | None:
     for container in containers:
         waiting = (container.get("state") or {}).get("waiting")
         if waiting and waiting.get("reason") in _STUCK_REASONS:
-            return waiting["reason"], waiting.get("message") or f"container {container.get('name')}"
+            message = waiting.get("message") or f"container {container.get('name')}"
+            return waiting["reason"], message + _last_exit(container)
     for container in containers:
         waiting = (container.get("state") or {}).get("waiting")
         if waiting:
@@ -236,6 +238,18 @@ def _pod_problem(pod: K8sObject) -> tuple[str, str] | None:
     if status.get("phase") in (None, "Pending"):
         return "Pending", "pending"
     return None
+
+
+def _last_exit(container: K8sObject) -> str:
+    """How a restarting container last ended: the kubelet's back-off message names only the container, while the
+    cause is in lastState.terminated, whose message is the log's tail (FallbackToLogsOnError, builders.py); its
+    last line is the error our processes print before they exit."""
+    ended = (container.get("lastState") or {}).get("terminated")
+    if not ended:
+        return ""
+    lines = [line.strip() for line in str(ended.get("message") or "").splitlines() if line.strip()]
+    said = f": {lines[-1][:_MAX_LINE]}" if lines else f" ({ended['reason']})" if ended.get("reason") else ""
+    return f" (last exit {ended.get('exitCode', '?')}{said})"
 
 
 def why_not_ready(pods: Sequence[K8sObject]) -> NotReady | None:

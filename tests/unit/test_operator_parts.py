@@ -58,6 +58,25 @@ def test_why_pods_are_not_ready(pods, reason, fragment):
         assert found is not None and found.reason == reason and fragment in found.message
 
 
+def test_a_crash_loop_says_how_the_container_last_ended():
+    """The kubelet's CrashLoopBackOff message is only 'back-off 5m0s restarting failed container=...': what went
+    wrong is in lastState.terminated, whose message is the log's tail under FallbackToLogsOnError (builders.py),
+    e.g. a pool's server exiting 78 on a model it cannot load. Its exit code and last log line are reported."""
+    container = waiting("CrashLoopBackOff", "back-off 5m0s restarting failed container=server pod=pool-0")
+    container["lastState"] = {
+        "terminated": {
+            "exitCode": 78,
+            "reason": "Error",
+            "message": "INFO starting\nerror: spec.model.name: no config.json in /models/x\n\n",
+        }
+    }
+    found = why_not_ready([pod("pool-0", phase="Running", containers=[container])])
+    assert found is not None and found.reason == "CrashLoopBackOff"
+    assert "pool-0: back-off 5m0s" in found.message
+    assert "last exit 78: error: spec.model.name: no config.json in /models/x" in found.message
+    assert "INFO" not in found.message  # the last line, not the whole tail
+
+
 def test_why_names_at_most_three_pods():
     found = why_not_ready([pod(f"p{i}", conditions=[UNSCHEDULABLE]) for i in range(5)])
     assert found is not None and found.message.count("0/4 nodes") == 3 and "(and 2 more)" in found.message
