@@ -3,10 +3,13 @@ draw the same completions from the same model? The race's step reward is the mea
 sampler that answers right more often would read as more learning per step.
 
     python bench/trl_race_sampling.py --prompts 32 --out bench/results/trl_race_sampling.json
+    python bench/trl_race_sampling.py --samplers generate --generate-batch 8 \
+        --out bench/results/trl_race_sampling_unpadded.json      # generate without left padding
 
 The base model (SmolLM2-135M-Instruct float32: the policy of both sides at step 1, LoRA B = 0) on the race's first
 `--prompts` `sums` training prompts (seed 0, in grpo-lora's order), 8 completions each at temperature 1, top-p 1,
-no top-k, 64 new tokens: once with the vLLM CPU engine grpo-lora's replicas run (its own EngineConfig), once with
+no top-k, 64 new tokens: once with the vLLM CPU engine grpo-lora's replicas run (its own EngineConfig, a seed per
+prompt as the trainer sends), once with
 `generate` and the GenerationConfig TRL 1.16's GRPOTrainer builds (do_sample, temperature 1, top_p 1, top_k 0,
 repetition_penalty 1, the EOS ids, left-padded batches of 32). Both scored by the arithmetic reward. Prints and
 writes per sampler: mean reward with its standard error over prompts, the share with the right number, mean length,
@@ -29,6 +32,7 @@ from trl_race import MODEL, job, race_prompts, task_spec
 from grpolora.api.load import parse_job
 from grpolora.workers.models import resolve_model
 from grpolora.workers.tasks.arithmetic import arithmetic_reward
+from grpolora.workers.trainer.rollout import prompt_seed
 
 GENERATIONS, MAX_NEW_TOKENS, SEED = 8, 64, 0
 
@@ -55,12 +59,17 @@ def with_vllm(spec, model_dir: Path, prompts: list[list[int]]) -> list[list[dict
 
     cpu_engine_env(spec)
     engine = OwnEngineBook(config_for(spec, str(model_dir)))
-    request = SamplingRequest(GENERATIONS, 1.0, 1.0, MAX_NEW_TOKENS, seed=SEED)
+    # One seed per prompt, as the trainer asks (rollout.prompt_seed). One seed for all (this bench until 2026-12-04)
+    # makes every prompt's j-th sample draw the same random numbers: 8 streams, not 256 samples, whose mean length
+    # came out 24.0 tokens against 29.8 with a seed each.
+    requests = [
+        SamplingRequest(GENERATIONS, 1.0, 1.0, MAX_NEW_TOKENS, seed=prompt_seed(SEED, i)) for i in range(len(prompts))
+    ]
 
     async def run() -> list[list[dict]]:
         await engine.start()
         try:
-            outputs = await asyncio.gather(*(engine.generate(p, request, 0) for p in prompts))
+            outputs = await asyncio.gather(*(engine.generate(p, r, 0) for p, r in zip(prompts, requests, strict=True)))
         finally:
             engine.shutdown()
         return [
@@ -71,7 +80,7 @@ def with_vllm(spec, model_dir: Path, prompts: list[list[int]]) -> list[list[dict
     return asyncio.run(run())
 
 
-def with_generate(model_dir: Path, prompts: list[list[int]]) -> list[list[dict]]:
+def with_generate(model_dir: Path, prompts: list[list[int]], batch: int = 32) -> list[list[dict]]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -87,8 +96,8 @@ def with_generate(model_dir: Path, prompts: list[list[int]]) -> list[list[dict]]
     )  # fmt: skip
     repeated = [p for p in prompts for _ in range(GENERATIONS)]
     out: list[dict] = []
-    for start in range(0, len(repeated), 32):
-        part = repeated[start : start + 32]
+    for start in range(0, len(repeated), batch):
+        part = repeated[start : start + batch]
         width = max(map(len, part))
         ids = torch.tensor([[tokenizer.pad_token_id] * (width - len(p)) + p for p in part])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in part])
@@ -105,6 +114,12 @@ def with_generate(model_dir: Path, prompts: list[list[int]]) -> list[list[dict]]
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument(
+        "--generate-batch", type=int, default=32,
+        help="prompts per generate call: 32 left-pads as TRL's batches do; 8 (GENERATIONS) holds one prompt's samples, "
+        "no padding",
+    )  # fmt: skip
+    parser.add_argument("--samplers", nargs="+", default=["vllm", "generate"], choices=["vllm", "generate"])
     parser.add_argument("--root", type=Path, default=Path("runs/trl-race-sampling"))
     parser.add_argument("--out", type=Path, default=Path("bench/results/trl_race_sampling.json"))
     args = parser.parse_args()
@@ -121,8 +136,13 @@ def main() -> None:
     rows = [json.loads(line) for line in in_order.read_text().splitlines()[: args.prompts]]
     ids = [tokenize_prompt(tokenizer, Prompt(text="", messages=tuple(r["messages"])), None) for r in rows]
     result: dict = {"prompts": args.prompts, "generations": GENERATIONS, "max_new_tokens": MAX_NEW_TOKENS}
-    samplers = {"vllm": lambda: with_vllm(spec, model_dir, ids), "generate": lambda: with_generate(model_dir, ids)}
-    for name, sample in samplers.items():
+    samplers = {
+        "vllm": lambda: with_vllm(spec, model_dir, ids),
+        "generate": lambda: with_generate(model_dir, ids, args.generate_batch),
+    }
+    result["generate_batch"] = args.generate_batch
+    for name in args.samplers:
+        sample = samplers[name]
         drawn = sample()
         result[name] = summary([{"answer": r["answer"], "completions": c} for r, c in zip(rows, drawn, strict=True)])
         result[name + "_examples"] = [c["text"] for c in drawn[0][:4]]
