@@ -84,9 +84,10 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("",),
         ("services",),
-        ("get", "list", "watch", "create"),
+        ("get", "list", "watch", "create", "patch"),
         "the headless Services that give the trainer and inference pods DNS; followed by a watch of the operator's "
-        "(re-created at once if deleted), listed once per resync (what the watch missed), read to check their owner",
+        "(re-created at once if deleted), listed once per resync (what the watch missed), read to check their owner; "
+        "the operator's label put back on one that lost it (patch: the watch follows that label)",
     ),
     Rule(
         ("networking.k8s.io",),
@@ -99,9 +100,9 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("policy",),
         ("poddisruptionbudgets",),
-        ("get", "list", "watch", "create"),
+        ("get", "list", "watch", "create", "patch"),
         "the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; followed by a watch "
-        "and listed once per resync as the Services are, read to check its owner",
+        "and listed once per resync as the Services are, read to check its owner, its label put back as theirs is",
     ),
     Rule(
         ("kueue.x-k8s.io",),
@@ -135,10 +136,9 @@ RULES: Final[tuple[Rule, ...]] = (
     Rule(
         ("batch",),
         ("jobs",),
-        ("get", "list", "watch", "create", "delete"),
+        ("get", "list", "watch", "create", "patch", "delete"),
         "the trainer Indexed Job: follow its state (a watch of the operator's Jobs; listed once per resync), create "
-        "it, "
-        "delete it to restart or suspend the trainer",
+        "it, delete it to restart or suspend the trainer, put the operator's label back on it if it lost it (patch)",
     ),
     Rule(
         ("apps",),

@@ -33,6 +33,15 @@ async def test_rules_cover_every_call_of_a_whole_lifecycle_and_each_verb_is_need
             await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1})
             trainer.report = {"phase": "Running", "totalSteps": 100, "step": 1, "syncRound": 1}
             await wait_for(lambda: cluster.status("demo").get("syncRound") == 1, "a trainer report")
+            # Children that lost the operator's label (the watches follow it) get it back (patch).
+            for api, plural, name in (
+                ("/api/v1", "services", "demo-trainer"),
+                ("/apis/policy/v1", "poddisruptionbudgets", "demo-inference"),
+                ("/apis/batch/v1", "jobs", "demo-trainer"),
+            ):
+                unlabel = {"metadata": {"labels": {c.LABEL_MANAGED_BY: None}}}
+                await cluster._call("PATCH", f"{api}/namespaces/{NAMESPACE}/{plural}/{name}", unlabel)
+                await wait_for(lambda p=plural, n=name: ("patch", p, n) in cluster.emulator.log, f"{plural} relabelled")
 
             failed = {"conditions": [{"type": "Failed", "status": "True", "reason": "PodFailure"}]}
             # Its failed pod's log is read before the restart deletes it (pods/log).

@@ -22,6 +22,7 @@ from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_optio
 from tests.operator.test_operator import created, pods_up, report, trainer_refuses_its_data
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
+MANAGED_BY = c.LABEL_MANAGED_BY
 
 
 async def _running(cluster, trainer) -> None:
@@ -334,6 +335,34 @@ async def _settled(controller: Controller, name: str = "demo") -> None:
     """Wait until the job's monitor has ended: its last pass decided there is nothing to follow (idle)."""
     job = controller.jobs[(NAMESPACE, name)]
     await wait_for(lambda: job.task is None or job.task.done(), "the job settled (its monitor ended)")
+
+
+async def test_a_child_whose_operator_label_was_removed_gets_it_back(cluster, trainer):
+    """The watches list by the operator's label (watch_cache.CHILDREN_SELECTOR). A child that loses it (`kubectl
+    label svc demo-trainer app.kubernetes.io/managed-by-`, a policy engine's mutation) leaves the watch as a DELETED
+    (the API server's watch sends DELETED for an object that stops matching the selector: staging/src/k8s.io/
+    apiserver/pkg/storage/cacher/cache_watcher.go, convertToWatchEvent). The pass then found the name taken (409) at
+    every pass, and the child's later changes never reached the operator. It is ours (its controller owner is the
+    job): the label is put back, and the watch sees the child again."""
+    operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+    try:
+        await cluster.apply(job_doc())
+        await created(cluster)
+        for path, plural in (
+            (f"/api/v1/namespaces/{NAMESPACE}/services/demo-trainer", "v1/services"),
+            (f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/demo-trainer", "batch/v1/jobs"),
+        ):
+            await cluster._call("PATCH", path, {"metadata": {"labels": {MANAGED_BY: None}}})
+            await wait_for(
+                lambda plural=plural: (
+                    (cluster.get(plural, "demo-trainer")["metadata"].get("labels") or {}).get(MANAGED_BY)
+                    == c.OPERATOR_NAME
+                ),
+                f"the label back on {plural}",
+            )
+        assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1  # the same trainer Job, not another
+    finally:
+        await operator.stop()
 
 
 async def test_an_idle_job_makes_a_kept_child_again_when_the_watch_reports_it_deleted(cluster):

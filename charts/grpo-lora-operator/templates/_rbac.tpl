@@ -38,18 +38,18 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
-# the headless Services that give the trainer and inference pods DNS; followed by a watch of the operator's (re-created at once if deleted), listed once per resync (what the watch missed), read to check their owner
+# the headless Services that give the trainer and inference pods DNS; followed by a watch of the operator's (re-created at once if deleted), listed once per resync (what the watch missed), read to check their owner; the operator's label put back on one that lost it (patch: the watch follows that label)
 - apiGroups: [""]
   resources: ["services"]
-  verbs: ["get", "list", "watch", "create"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; followed by a watch and listed once per resync as the Services are, read to check its owner. A RolloutPool's admits exactly its attached jobs' trainers: rewritten as they change (patch)
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; followed by a watch and listed once per resync as the Services are, read to check its owner
+# the PodDisruptionBudget that keeps a drain from evicting every inference pod at once; followed by a watch and listed once per resync as the Services are, read to check its owner, its label put back as theirs is
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create"]
+  verbs: ["get", "list", "watch", "create", "patch"]
 # with the kueue.x-k8s.io/queue-name label: the job's Kueue Workload (a pod set per role, so Kueue admits both pools together); its admission followed by a watch; deactivated while the job is suspended (spec.active); a Finished one deleted when the job runs again after it failed to start
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads"]
@@ -58,10 +58,10 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["kueue.x-k8s.io"]
   resources: ["workloads/status"]
   verbs: ["patch"]
-# the trainer Indexed Job: follow its state (a watch of the operator's Jobs; listed once per resync), create it, delete it to restart or suspend the trainer
+# the trainer Indexed Job: follow its state (a watch of the operator's Jobs; listed once per resync), create it, delete it to restart or suspend the trainer, put the operator's label back on it if it lost it (patch)
 - apiGroups: ["batch"]
   resources: ["jobs"]
-  verbs: ["get", "list", "watch", "create", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # the inference StatefulSet: follow its ready replicas (a watch of the operator's StatefulSets; listed once per resync), create it, patch a RolloutPool's replicas when it scales, delete it on suspend and when the job ends
 - apiGroups: ["apps"]
   resources: ["statefulsets"]
