@@ -10,7 +10,7 @@ from typing import Any
 from grpolora.api import constants as c
 from grpolora.api.plan import PoolPlan, plan_pool
 from grpolora.api.status import PoolStatus
-from grpolora.operator import kube, names, pools
+from grpolora.operator import builders, kube, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
@@ -122,12 +122,18 @@ class PoolPass:
         children = dict(zip(refs, found, strict=True))
         reads = pr.token_reads(view, listed, pr.previous_attachments(view, children))
         pool_plan = plan_pool(view.pool)
-        reports, *tokens = await asyncio.gather(
-            self._adapter_reports(pool_plan, view, children.get(pr.statefulset_ref(pool_plan))),
+        statefulset = children.get(pr.statefulset_ref(pool_plan))
+        reports, pods, *tokens = await asyncio.gather(
+            self._adapter_reports(pool_plan, view, statefulset),
+            self._pool_pods(view, statefulset),
             *(self.client.get(kube.SECRET, view.namespace, pr.token_secret_name(key)) for key in reads),
         )
         return pr.PoolObserved(
-            jobs=tuple(listed), children=children, tokens=dict(zip(reads, tokens, strict=True)), reports=reports
+            jobs=tuple(listed),
+            children=children,
+            tokens=dict(zip(reads, tokens, strict=True)),
+            reports=reports,
+            pods=pods,
         )
 
     async def _pool_observe_light(self, view: pr.PoolPassView) -> pr.PoolObserved:
@@ -136,8 +142,20 @@ class PoolPass:
         pool_plan = plan_pool(view.pool)
         ref = pr.statefulset_ref(pool_plan)
         statefulset = await self.client.get(kube.STATEFULSET, view.namespace, ref[1])
-        reports = await self._adapter_reports(pool_plan, view, statefulset)
-        return pr.PoolObserved(children={ref: statefulset}, reports=reports)
+        reports, pods = await asyncio.gather(
+            self._adapter_reports(pool_plan, view, statefulset), self._pool_pods(view, statefulset)
+        )
+        return pr.PoolObserved(children={ref: statefulset}, reports=reports, pods=pods)
+
+    async def _pool_pods(
+        self, view: pr.PoolPassView, statefulset: Mapping[str, Any] | None
+    ) -> tuple[dict[str, Any], ...]:
+        """The pool's server pods while fewer are ready than it wants (they say why: a crash loop, no node), listed
+        by its selector at most once per interval (_listing); none otherwise."""
+        assert view.pool is not None
+        if statefulset is None or obs.statefulset_ready(statefulset) >= view.pool.spec.replicas:
+            return ()
+        return tuple(await self._listing(kube.POD, view.namespace, builders.pool_selector(view.name)))
 
     async def _write_pool_children(self, view: pr.PoolPassView, decision: pr.PoolDecision) -> None:
         """Create or rewrite the pool's children in the decision's order; an API refusal names the child refused."""

@@ -74,6 +74,8 @@ class PoolObserved:
     """The token Secrets of the jobs named by token_reads, by job key (None: not there yet)."""
     reports: tuple[Mapping[str, Any] | None, ...] = ()
     """Each replica's GET /v1/adapter (None where it does not answer); none while no replica is ready."""
+    pods: tuple[K8sObject, ...] = ()
+    """The pool's server pods, read only while fewer replicas are ready than it wants (they say why)."""
 
 
 @dataclass(frozen=True)
@@ -176,6 +178,7 @@ def decide_pool(
         generation=view.generation,
         now=now,
         tokens={entry.job: entry.fingerprint for entry in attachments.jobs},
+        pods=observed.pods,
     )
     return PoolDecision(status, tuple(writes), events=pool_events(old, status, view.pool.spec.max_jobs))
 
@@ -251,7 +254,7 @@ def _light_status(
     admission = Admission(tuple(attached), tuple(old.waiting_jobs))
     return pools.pool_status(
         pool, old, admission, attached, statefulset, observed.reports, generation=old.observed_generation, now=now,
-        tokens={entry.job: entry.token_digest for entry in old.attached_jobs},
+        tokens={entry.job: entry.token_digest for entry in old.attached_jobs}, pods=observed.pods,
     )  # fmt: skip
 
 

@@ -160,8 +160,9 @@ def pool_status(
     generation: int | None,
     now: datetime.datetime,
     tokens: Mapping[str, str] | None = None,
+    pods: Sequence[Mapping[str, Any]] = (),
 ) -> PoolStatus:
-    """The pool's whole status after a pass."""
+    """The pool's whole status after a pass; `pods`, its server pods, say why replicas are not ready."""
     spec = pool.spec
     ready = obs.statefulset_ready(statefulset) if statefulset is not None else 0
     attached = [
@@ -174,11 +175,13 @@ def pool_status(
         for key in admission.attached
     ]
     jobs = f"{len(attached)}/{spec.max_jobs}"
-    message = f"{ready}/{spec.replicas} replicas ready; {jobs} jobs attached, {len(admission.waiting)} waiting"
+    why = obs.why_not_ready(pods) if ready < spec.replicas else None
+    replicas = f"{ready}/{spec.replicas} replicas ready" + (f" ({why.message})" if why else "")
+    message = f"{replicas}; {jobs} jobs attached, {len(admission.waiting)} waiting"
     wants = [
         cond.Want(names.READY, "True", names.R_ALL_READY, message)
         if ready >= spec.replicas
-        else cond.Want(names.READY, "False", names.R_WAITING_FOR_PODS, message),
+        else cond.Want(names.READY, "False", why.reason if why else names.R_WAITING_FOR_PODS, message),
         cond.Want(names.INVALID_SPEC, "False", names.R_VALID),
     ]
     return PoolStatus(

@@ -341,6 +341,26 @@ async def test_a_pool_posts_events_for_attach_detach_full_and_a_lost_replica(clu
     assert [e[1] for e in cluster.events(POOL)].count(names.E_POOL_FULL) == 1, "each transition once"
 
 
+async def test_a_pool_whose_servers_crash_says_why_in_its_status(cluster, operator):
+    """A pool's servers that exit at start (a model they cannot load exits 78, then CrashLoopBackOff): its status
+    said only '0/1 replicas ready'. It now reads its pods while replicas are missing and says what the kubelet and
+    the container's last exit say, as a job's status does for its own pods."""
+    await cluster.apply(pool_doc())
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", SERVERS), "the pool's servers")
+    await cluster.set_status("apps/v1/statefulsets", SERVERS, {"replicas": 1, "readyReplicas": 0})
+    pod = await cluster.run_pod_of("apps/v1/statefulsets", SERVERS)
+    server = {
+        "name": "server",
+        "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s restarting failed container"}},
+        "lastState": {"terminated": {"exitCode": 78, "message": "error: spec.model.name: no such model\n"}},
+    }
+    await cluster.set_status("v1/pods", pod, {"phase": "Running", "containerStatuses": [server]})
+    said = f"0/1 replicas ready (CrashLoopBackOff: {pod}: back-off 20s restarting failed container (last exit 78: "
+    await wait_for(lambda: said in (cluster.pool_status(POOL).get("message") or ""), "the pool says why")
+    ready = next(x for x in cluster.pool_status(POOL)["conditions"] if x["type"] == names.READY)
+    assert ready["status"] == "False" and ready["reason"] == "CrashLoopBackOff"
+
+
 async def test_a_scaled_pool_patches_its_servers_replicas_alone_and_lists_them_for_the_jobs(
     cluster, trainer, unused_tcp_port
 ):

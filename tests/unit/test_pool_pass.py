@@ -198,6 +198,37 @@ def test_a_light_pass_keeps_the_attachments_and_counts_only_the_pools_own_ready_
     assert decision.status is not None and decision.status.replicas == RoleReplicas(desired=2, ready=0)
 
 
+def test_a_pool_whose_replicas_are_not_ready_says_why():
+    """`kubectl get rolloutpool` showed 0/2 replicas ready and nothing more while its servers crash-looped (a model
+    they cannot load exits 78): the pass reads the pool's pods while replicas are missing, and the Ready condition
+    and the message say what the job's do (observe.why_not_ready: the worst reason, naming the pods)."""
+    old = PoolStatus(observed_generation=3, replicas=RoleReplicas(desired=2, ready=0))
+    statefulset = children(maxJobs=1)[("StatefulSet", "shared-pool")] | {"status": {"readyReplicas": 1}}
+    crashing = {
+        "metadata": {"name": "shared-pool-1"},
+        "status": {
+            "phase": "Running",
+            "containerStatuses": [
+                {
+                    "name": "server",
+                    "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting"}},
+                    "lastState": {"terminated": {"exitCode": 78, "message": "error: spec.model.name: not found\n"}},
+                }
+            ],
+        },
+    }
+    observed = PoolObserved(children={("StatefulSet", "shared-pool"): statefulset}, pods=(crashing,))
+    decision = decide(view(maxJobs=1), observed, old)
+    assert decision.status is not None
+    ready = next(x for x in decision.status.conditions if x.type == names.READY)
+    assert ready.status == "False" and ready.reason == "CrashLoopBackOff"
+    assert "shared-pool-1: back-off 40s restarting (last exit 78: error: spec.model.name: not found)" in ready.message
+    assert decision.status.message.startswith("1/2 replicas ready (CrashLoopBackOff: shared-pool-1")
+    ready_now = statefulset | {"status": {"readyReplicas": 2}}
+    decision = decide(view(maxJobs=1), PoolObserved(children={("StatefulSet", "shared-pool"): ready_now}), old)
+    assert decision.status is not None and decision.status.message.startswith("2/2 replicas ready;")
+
+
 # ---- the pool's Events ---------------------------------------------------------------------------------------------
 
 
