@@ -274,9 +274,7 @@ class JobPass:
                     # Kueue is not installed (yet): the job waits for it (rec.decide says so) instead of failing.
                     job.queue_api_missing = True
                     return None
-                existing = await self._kept(kind, job.namespace, name, fresh=True)  # there already: whose is it?
-                if existing is not None:
-                    await self._label_again(job, kind, existing, view.uid)
+                existing = await self._taken(job, obj)  # there already: whose is it?
             if existing is not None and obs.controller_uid(existing) != view.uid:
                 return rec.ChildRef(kind.kind, name)
             if existing is not None and obj["kind"] == "Secret":
@@ -440,29 +438,32 @@ class JobPass:
                 "%s/%s: released %s %s (deleted in the background)", job.namespace, job.name, ref.kind, ref.name
             )
         created = await asyncio.gather(*(self._create(job, obj) for obj in decision.create))
-        for obj, new in zip(decision.create, created, strict=True):
-            if not new:  # the name is taken: by this job's own workload that the watch no longer shows?
-                kind = kube.kind_of(obj)
-                existing = await self._kept(kind, job.namespace, obj["metadata"]["name"], fresh=True)
-                if existing is not None:
-                    await self._label_again(job, kind, existing, obs.controller_uid(obj))
+        # A name taken: by this job's own workload that the watch no longer shows?
+        taken = [obj for obj, new in zip(decision.create, created, strict=True) if not new]
+        await asyncio.gather(*(self._taken(job, obj) for obj in taken))
         return all(created)
 
-    async def _label_again(self, job: _Tracked, kind: kube.Kind, existing: Mapping[str, Any], uid: str | None) -> None:
-        """Put the operator's label back on a child of this job (its controller owner) that lost it: the watches
-        list by that label (CHILDREN_SELECTOR), so without it the child left them as deleted, its changes never
-        reach a pass, and each pass found its name taken (409). Someone removed it (`kubectl label ... key-`, a
-        policy engine's mutation); the child is the job's all the same, as its owner says."""
-        meta = existing.get("metadata") or {}
-        labels = meta.get("labels") or {}
+    async def _taken(self, job: _Tracked, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+        """The child whose name `obj`'s create found taken (409), read from the API. One of this job's (the
+        controller owner `obj` names) that lost the operator's label gets it back: the watches list by that label
+        (CHILDREN_SELECTOR), so without it the child left them as deleted, its changes never reach a pass, and each
+        pass found its name taken. Someone removed it (`kubectl label ... key-`, a policy engine's mutation); the
+        child is the job's all the same, as its owner says."""
+        kind, name = kube.kind_of(obj), obj["metadata"]["name"]
+        existing = await self._kept(kind, job.namespace, name, fresh=True)
+        owner = obs.controller_uid(obj)
+        if existing is None or kind not in WATCHED or owner is None or obs.controller_uid(existing) != owner:
+            return existing
+        labels = (existing.get("metadata") or {}).get("labels") or {}
         missing = {key: value for key, value in CHILDREN_SELECTOR.items() if labels.get(key) != value}
-        if not missing or kind not in WATCHED or uid is None or obs.controller_uid(existing) != uid:
-            return
-        await self.client.patch(kind, job.namespace, meta["name"], {"metadata": {"labels": missing}})
+        if not missing:
+            return existing
+        await self.client.patch(kind, job.namespace, name, {"metadata": {"labels": missing}})
         logger.warning(
             "%s/%s: %s %s had lost the label %s; put back (the operator follows its children by it)",
-            job.namespace, job.name, kind.kind, meta["name"], ", ".join(missing),
+            job.namespace, job.name, kind.kind, name, ", ".join(missing),
         )  # fmt: skip
+        return existing
 
     async def _write_queue_workload(self, job: _Tracked, decision: rec.Decision) -> bool:
         """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch

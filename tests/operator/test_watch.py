@@ -22,7 +22,6 @@ from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_optio
 from tests.operator.test_operator import created, pods_up, report, trainer_refuses_its_data
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
-MANAGED_BY = c.LABEL_MANAGED_BY
 
 
 async def _running(cluster, trainer) -> None:
@@ -354,10 +353,10 @@ async def test_a_child_whose_operator_label_was_removed_gets_it_back(cluster, tr
             (f"/api/v1/namespaces/{NAMESPACE}/services/demo-trainer", "v1/services"),
             (f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/demo-trainer", "batch/v1/jobs"),
         ):
-            await cluster._call("PATCH", path, {"metadata": {"labels": {MANAGED_BY: None}}})
+            await cluster._call("PATCH", path, {"metadata": {"labels": {c.LABEL_MANAGED_BY: None}}})
             await wait_for(
                 lambda plural=plural: (
-                    (cluster.get(plural, "demo-trainer")["metadata"].get("labels") or {}).get(MANAGED_BY)
+                    (cluster.get(plural, "demo-trainer")["metadata"].get("labels") or {}).get(c.LABEL_MANAGED_BY)
                     == c.OPERATOR_NAME
                 ),
                 f"the label back on {plural}",
