@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from grpolora.api import constants
+from grpolora.api import constants, contract
 from grpolora.api.spec import TaskSpec
+from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.tasks import Prompt, TaskError, load_task
 from grpolora.workers.tasks.rewards import BUILTIN_REWARDS, RewardError, math_reward
+from grpolora.workers.trainer.main import exit_code
 from tests.workers.rewardserver import TOKEN, RewardServer
 
 
@@ -139,8 +141,14 @@ def test_headers_come_from_a_mounted_secret(tmp_path, server, monkeypatch):
         task = rewarded([{"url": f"{server.url}/score", "headersFrom": {"secretName": "reward-auth"}}])
         assert task.score(ITEMS[:2]).total == EXPECTED[:2]
         assert server.record.headers[-1]["authorization"] == TOKEN
-        with pytest.raises(RewardError, match="HTTP 401"):
-            rewarded([{"url": f"{server.url}/score"}]).score(ITEMS[:1])
+        # Refused credentials are a setting to fix, not a flaky service: not retried, and the trainer exits
+        # EXIT_INVALID_SPEC (78), as for a Secret that is not there.
+        started = time.monotonic()
+        with pytest.raises(AuthRefused, match=r"^spec.task.reward\[0\].url: .*/score refused the job's credentials: "
+                           r"HTTP 401.*check headersFrom"):  # fmt: skip
+            rewarded([{"url": f"{server.url}/score", "retries": 3}]).score(ITEMS[:1])
+        assert time.monotonic() - started < 0.5  # the first back-off alone is 0.5 s
+        assert exit_code(AuthRefused("spec.task.reward[0].url", "refused")) == contract.EXIT_INVALID_SPEC
         with pytest.raises(TaskError, match=r"^spec.task.reward\[0\].headersFrom: Secret 'other' not found"):
             rewarded([{"url": f"{server.url}/score", "headersFrom": {"secretName": "other"}}])
     finally:

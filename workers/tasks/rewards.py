@@ -8,7 +8,8 @@ str | null}, ...]}` answers `{"scores": [float, ...]}`, one per item, in order. 
 `batchSize` items, at most `concurrency` are in flight; a timeout, a connection error, a 429 or a 5xx answer is
 retried `retries` times with backoff; anything else (4xx, a malformed answer) fails at once. A failure is a
 RewardError naming the reward and the last problem, raised within a bounded time: about
-(retries + 1) * (timeoutSeconds + backoff) per batch, never a hung step.
+(retries + 1) * (timeoutSeconds + backoff) per batch, never a hung step; 401 and 403 are the job's credentials
+refused (AuthRefused: a spec error). workers/remote_service.py keeps the rule, which environment services share.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import logging
 import math
 import numbers
 import threading
-import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Protocol
 
 from grpolora.api.spec import RewardSpec
+from grpolora.workers import remote_service
 from grpolora.workers.secrets import SecretError, secret_values
 from grpolora.workers.tasks.arithmetic import arithmetic_reward
 from grpolora.workers.tasks.base import Prompt, RewardFn, Scores, TaskError, TaskUnreachable
@@ -34,8 +35,6 @@ from grpolora.workers.tasks.plugin import batched, call_batched, call_reward, lo
 log = logging.getLogger(__name__)
 
 FIELD = "spec.task.reward"
-BACKOFF_SECONDS = 0.5
-BACKOFF_MAX_SECONDS = 8.0
 
 
 class RewardError(TaskError):
@@ -124,31 +123,17 @@ class RemoteScorer:
         return [score for chunk in self._pool.map(self._score_chunk, chunks) for score in chunk]
 
     def _score_chunk(self, items: Sequence[tuple[Prompt, str]]) -> list[float]:
-        import httpx
-
         body = {"items": [{"prompt": p.text, "completion": c, "answer": p.answer} for p, c in items]}
-        problem = ""
-        for attempt in range(self.retries + 1):
-            if attempt:
-                time.sleep(min(BACKOFF_SECONDS * 2 ** (attempt - 1), BACKOFF_MAX_SECONDS))
-            try:
-                response = self._client.post(self.url, json=body)
-            except httpx.TimeoutException:
-                problem = f"no answer within {self._client.timeout.read} s"
-                continue
-            except httpx.TransportError as err:
-                problem = f"cannot reach it ({type(err).__name__}: {err})"
-                continue
-            if response.status_code == 429 or response.status_code >= 500:
-                problem = f"HTTP {response.status_code}: {response.text[:300]}"
-                continue
-            if response.status_code >= 400:
-                raise RewardError(self.field, f"{self.url} refused the request: HTTP {response.status_code}: "
-                                  f"{response.text[:300]}")  # fmt: skip
-            return self._parse(response, len(items))
-        raise RewardError(
-            self.field, f"{self.url} failed {self.retries + 1} time(s) for a batch of {len(items)}: {problem}"
-        )
+        try:
+            response = remote_service.post(self._client, self.url, body, retries=self.retries, field=self.field)
+        except remote_service.ServiceUnavailable as err:
+            raise RewardError(
+                self.field, f"{self.url} failed {err.attempts} time(s) for a batch of {len(items)}: {err.problem}"
+            ) from None
+        if response.status_code >= 400:
+            raise RewardError(self.field, f"{self.url} refused the request: HTTP {response.status_code}: "
+                              f"{response.text[:300]}")  # fmt: skip
+        return self._parse(response, len(items))
 
     def _parse(self, response, count: int) -> list[float]:
         try:

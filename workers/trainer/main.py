@@ -17,6 +17,7 @@ from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.models import ModelUnavailable
+from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.secrets import SecretError
 from grpolora.workers.tasks.base import TaskError
 from grpolora.workers.tracking import TrackingError
@@ -164,13 +165,13 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
 
 def exit_code(exc: BaseException) -> int:
     """The trainer's exit code for what ended it. A bad dataset or reward plugin (EXIT_INVALID_DATA), or a setting
-    that can only fail where the run starts -- tracking, a Secret it names, a LoRA target module the model lacks,
-    a model that does not exist or that the token cannot read (EXIT_INVALID_SPEC) -- would fail a restart
-    the same way: the operator fails the job at once with the message instead of restarting it. Anything else may be
-    transient (1: restarted)."""
+    that can only fail where the run starts -- tracking, a Secret it names or credentials a service refuses, a LoRA
+    target module the model lacks, a model that does not exist or that the token cannot read (EXIT_INVALID_SPEC) --
+    would fail a restart the same way: the operator fails the job at once with the message instead of restarting
+    it. Anything else may be transient (1: restarted)."""
     if isinstance(exc, TaskError):
         return contract.EXIT_INVALID_DATA
-    if isinstance(exc, TrackingError | SecretError | ModelMismatch | ModelUnavailable):
+    if isinstance(exc, TrackingError | SecretError | AuthRefused | ModelMismatch | ModelUnavailable):
         return contract.EXIT_INVALID_SPEC
     return 1
 
