@@ -28,8 +28,12 @@ HUB_TOKEN_FILE = f"{HUB_TOKEN_MOUNT}/{SECRET_FILE}"
 
 
 def trainer_secrets(spec: GRPOLoraJobSpec) -> tuple[str, ...]:
-    """Names of the Secrets the trainer reads (mounted read-only under SECRETS_MOUNT/<name>/), in spec order."""
+    """Names of the Secrets the trainer reads (mounted read-only under SECRETS_MOUNT/<name>/), in spec order: every
+    one of GRPOLoraJobSpec.secret_references but the model's token (HF_TOKEN_PATH, in every pod) and the pods' own
+    (tests/unit/test_render.py keeps the two lists in agreement)."""
     names = [r.headers_from.secret_name for r in spec.task.rewards if r.headers_from]
+    if spec.environment is not None and spec.environment.headers_from is not None:
+        names.append(spec.environment.headers_from.secret_name)
     tracking = spec.tracking
     names += [t.secret_name for t in (tracking.mlflow, tracking.wandb) if t is not None and t.secret_name]
     push = spec.output.push if spec.output else None

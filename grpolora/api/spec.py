@@ -826,11 +826,32 @@ class TaskSpec(SpecModel):
 ENVIRONMENT_REF_PATTERN = REWARD_REF_PATTERN  # `package.module:factory`, found as reward plugins are
 
 
+_ONE_ENVIRONMENT = (
+    "set exactly one of `builtin` (a built-in environment), `plugin` (package.module:factory) or `url` (a service)"
+)
+_SERVICE_ONLY = ("retries", "headers_from")
+_ENVIRONMENT_RETRIES = 2
+
+
+def _environment_rules() -> list[dict[str, str]]:
+    """The CEL twins of EnvironmentSpec._one_kind (defaults as the API server writes them: `retries` is there)."""
+    retries = f"has(self.url) || !has(self.retries) || self.retries == {_ENVIRONMENT_RETRIES}"
+    service_only = "applies to a remote environment (`url`) only"
+    one = " + ".join(f"(has(self.{kind}) ? 1 : 0)" for kind in ("builtin", "plugin", "url")) + " == 1"
+    return [
+        cel_rule(one, _ONE_ENVIRONMENT),
+        cel_rule(retries, f"retries {service_only}", ".retries"),
+        cel_rule("has(self.url) || !has(self.headersFrom)", f"headersFrom {service_only}", ".headersFrom"),
+    ]
+
+
 class EnvironmentSpec(SpecModel):
     """A multi-turn environment: each prompt of spec.task starts an episode in which the model and the environment
     take turns (an assistant message, often a tool call; the environment's answer) until the environment says it
     is done or a limit ends it. The episode's reward is the environment's, or else spec.task's reward of the last
     assistant message. docs/tasks.md tells how to write one."""
+
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: _environment_rules()})
 
     # The enum on the string itself (not the Optional around it), where the CRD keeps it.
     builtin: Annotated[str, Field(json_schema_extra={"enum": list(c.BUILTIN_ENVIRONMENTS)})] | None = None
@@ -839,6 +860,15 @@ class EnvironmentSpec(SpecModel):
     plugin: str | None = Field(default=None, pattern=ENVIRONMENT_REF_PATTERN)
     """A plugin `package.module:factory`: factory() returns a new environment per episode, with reset(prompt) ->
     opening messages (and tool specs) and step(assistant message) -> (messages to append, done, reward or None)."""
+    url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
+    """An environment service: POST <url>/reset, <url>/step and <url>/close, one episode id each (docs/tasks.md;
+    `python -m grpolora.workers.environments.service` serves any plugin so)."""
+    retries: int = Field(default=_ENVIRONMENT_RETRIES, ge=0, le=c.MAX_RETRIES)
+    """`url` only: further attempts after a timeout, a connection error, a 429 or a 5xx answer, all within
+    stepTimeoutSeconds; a step is retried with the same turn number, which the service answers once."""
+    headers_from: SecretRef | None = None
+    """`url` only: HTTP headers from this Secret (each key a header name, its value the header value), e.g. a key
+    `Authorization` with value `Bearer ...`. A 401 or 403 answer fails the job as a spec error."""
     max_turns: int = Field(default=4, gt=0, le=c.MAX_EPISODE_TURNS)
     """Assistant turns at most; an episode still going after the last is cut off (truncated, as a completion at
     grpo.maxNewTokens is: grpo.maskTruncated takes it out of the loss)."""
@@ -851,12 +881,17 @@ class EnvironmentSpec(SpecModel):
     @model_validator(mode="after")
     def _one_kind(self) -> EnvironmentSpec:
         errors: list[tuple[str, str]] = []
-        if (self.builtin is None) == (self.plugin is None):
-            errors.append(("", "set exactly one of `builtin` (a built-in environment) or `plugin` "
-                           "(package.module:factory)"))  # fmt: skip
+        if sum(kind is not None for kind in (self.builtin, self.plugin, self.url)) != 1:
+            errors.append(("", _ONE_ENVIRONMENT))
         if self.builtin is not None and self.builtin not in c.BUILTIN_ENVIRONMENTS:
             errors.append(("builtin", f"unknown built-in environment {self.builtin!r}; valid: "
                            f"{', '.join(c.BUILTIN_ENVIRONMENTS)}"))  # fmt: skip
+        if self.url is None:
+            # Compared with the defaults, not model_fields_set: the spec reaches the workers with defaults written.
+            fields = type(self).model_fields
+            for field_name in _SERVICE_ONLY:
+                if getattr(self, field_name) != fields[field_name].default:
+                    errors.append((to_camel(field_name), "applies to a remote environment (`url`) only"))
         raise_if_any(errors)
         return self
 
@@ -1479,6 +1514,8 @@ class GRPOLoraJobSpec(SpecModel):
         for i, reward in enumerate(rewards):
             if reward.headers_from is not None:
                 found.append((f"task.reward[{i}].headersFrom.secretName", reward.headers_from.secret_name))
+        if self.environment is not None and self.environment.headers_from is not None:
+            found.append(("environment.headersFrom.secretName", self.environment.headers_from.secret_name))
         push = self.output.push if self.output is not None else None
         for path, named in (
             ("output.push.s3", push.s3 if push else None),

@@ -88,6 +88,14 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("overlong buffer of the default 256 tokens", job_doc(grpo={"overlongBuffer": 256}), True),
     ("overlong buffer past the default 256 tokens", job_doc(grpo={"overlongBuffer": 257}), False),
     ("overlong buffer past 64 tokens", job_doc(grpo={"maxNewTokens": 64, "overlongBuffer": 65}), False),
+    # spec.environment: one kind of environment; a service's settings only with its url.
+    ("a built-in environment", job_doc(environment={"builtin": "calculator"}), True),
+    ("an environment service", job_doc(environment={"url": "http://env:8000", "retries": 0}), True),
+    ("two kinds of environment", job_doc(environment={"builtin": "calculator", "plugin": "a:b"}), False),
+    ("no kind of environment", job_doc(environment={"maxTurns": 3}), False),
+    ("retries of a built-in", job_doc(environment={"builtin": "calculator", "retries": 0}), False),
+    ("retries of a built-in, the default", job_doc(environment={"builtin": "calculator", "retries": 2}), True),
+    ("headers of a plugin", job_doc(environment={"plugin": "a:b", "headersFrom": {"secretName": "s"}}), False),
     # A job on a pool: its serving fields are the pool's (fit is checked when it attaches, not at apply).
     ("on a pool", job_doc(inference={"poolRef": {"name": "shared"}}), True),
     ("on a pool, staleness 3", job_doc(inference={"poolRef": {"name": "shared"}}, grpo={"maxStaleness": 3}), True),

@@ -10,7 +10,7 @@ import pytest
 from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.api.load import load_jobs, parse_job
-from grpolora.api.plan import plan
+from grpolora.api.plan import plan, trainer_secrets
 from grpolora.operator.builders import build_children, workloads
 from tests.helpers import EXAMPLES, ROOT, job_doc
 
@@ -201,7 +201,8 @@ def test_trainer_mounts_the_dataset_volume_and_named_secrets_read_only():
                 {"name": "math"},
                 {"url": "http://reward.rl.svc:8000/score", "headersFrom": {"secretName": "reward-auth"}},
             ],
-        }
+        },
+        environment={"url": "http://env.rl.svc:8000", "headersFrom": {"secretName": "env-auth"}},
     )
     objs = by_kind(children(doc))
     trainer = objs[("Job", "demo-trainer")]
@@ -216,6 +217,13 @@ def test_trainer_mounts_the_dataset_volume_and_named_secrets_read_only():
         "readOnly": True,
     }
     assert volumes["secret-0"] == {"name": "secret-0", "secret": {"secretName": "reward-auth"}}
+    assert mounts["secret-1"]["mountPath"] == "/var/run/grpolora/secrets/env-auth"  # the environment service's
+    assert volumes["secret-1"] == {"name": "secret-1", "secret": {"secretName": "env-auth"}}
+    # Every Secret the job names for the trainer to read is mounted: the list the operator checks exists
+    # (secret_references) and the one it mounts agree, but for the model's token and the pods' own references.
+    named = {name for path, name in parse_job(doc).spec.secret_references() if path.split(".")[0] in ("task",
+             "environment", "tracking", "output")}  # fmt: skip
+    assert set(trainer_secrets(parse_job(doc).spec)) == named == {"reward-auth", "env-auth"}
     assert env_of(trainer)[contract.DATA_DIR] == "/data"
     assert env_of(trainer)[contract.SECRETS_DIR] == "/var/run/grpolora/secrets"
     # Inference pods read neither: no volume, and no variable pointing at a folder they do not have.

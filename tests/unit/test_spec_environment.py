@@ -34,10 +34,26 @@ def test_a_plugin_environment():
     assert (env.plugin, env.max_turns) == ("my_envs.guess:make", 8)
 
 
+def test_a_remote_environment_service():
+    env = parse_job(job_doc(environment={"url": "http://env.rl.svc:8000", "retries": 3,
+                                         "headersFrom": {"secretName": "env-auth"}})).spec  # fmt: skip
+    assert (env.environment.url, env.environment.retries, env.environment.headers_from.secret_name) == (
+        "http://env.rl.svc:8000", 3, "env-auth",
+    )  # fmt: skip
+    # The Secret is one the job names: the operator mounts it in the trainer, where the runner reads it.
+    assert ("environment.headersFrom.secretName", "env-auth") in env.secret_references()
+    assert parse_job(job_doc(environment={"url": "https://envs.example.com/calc"})).spec.environment.retries == 2
+
+
 @pytest.mark.parametrize(
     ("environment", "path", "says"),
     [
         ({}, "spec.environment", "exactly one of `builtin`"),
+        ({"builtin": "calculator", "url": "http://e"}, "spec.environment", "exactly one of `builtin`"),
+        ({"url": "env.svc:8000"}, "spec.environment.url", "should match pattern"),
+        ({"builtin": "calculator", "retries": 3}, "spec.environment.retries", "applies to a remote environment"),
+        ({"plugin": "a:b", "headersFrom": {"secretName": "s"}}, "spec.environment.headersFrom", "remote environment"),
+        ({"url": "http://e", "retries": c.MAX_RETRIES + 1}, "spec.environment.retries", "less than or equal"),
         ({"builtin": "calculator", "plugin": "a:b"}, "spec.environment", "exactly one of `builtin`"),
         ({"builtin": "chess"}, "spec.environment.builtin", "valid: calculator"),
         ({"plugin": "not a ref"}, "spec.environment.plugin", "package.module:factory"),

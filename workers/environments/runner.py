@@ -29,6 +29,7 @@ from grpolora.workers.environments.base import (
     checked_reply,
 )
 from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
+from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.rollout import Completion, Sampling
 
@@ -130,6 +131,7 @@ class EpisodeRunner:
         for episode in episodes:
             if not episode.ended:  # maxTurns reached with the environment still going
                 episode.end(truncated=True)
+        _close_all([e.env for e in episodes if e.env is not None])
         return [[self._completion(e, version) for e in group] for group in groups]
 
     def _open(self, made: tuple[Any, BaseException | None], prompt: Prompt, replica: int, seed: int,
@@ -144,8 +146,10 @@ class EpisodeRunner:
             episode = _Live(
                 env, replica, seed, EpisodeTokens(self.delta.opening(opening)), list(opening.messages), opening.tools
             )
+        except AuthRefused:  # the job's credentials: a spec error for the run, not one episode's
+            raise
         except Exception as exc:  # the environment's own failure: this episode's error, not the run's
-            episode = _Live(None, replica, seed, EpisodeTokens(list(fallback)))
+            episode = _Live(env, replica, seed, EpisodeTokens(list(fallback)))
             episode.end(error=_why(exc))
         episode.seconds += time.perf_counter() - started
         if not episode.ended and len(episode.tokens) + self.limits.margin >= self.limits.max_episode_tokens:
@@ -193,6 +197,8 @@ class EpisodeRunner:
                     episode.end(reward=reply.reward)
                     continue
                 ids = self.delta.environment_turn(episode.tokens.tokens[-8:], reply.messages, episode.tools)
+            except AuthRefused:
+                raise
             except Exception as exc:
                 episode.end(error=_why(exc))
                 continue
@@ -266,6 +272,22 @@ class _Call:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def _close_all(environments: list[Any]) -> None:
+    """Every ended episode's environment that has a close() (optional: a plugin's sandbox, a service's episode),
+    called in turn on a thread of their own: the step goes on meanwhile, and one that fails is logged."""
+    closing = [close for env in environments if callable(close := getattr(env, "close", None))]
+
+    def close_all() -> None:
+        for close in closing:
+            try:
+                close()
+            except Exception as exc:
+                log.info("closing an episode's environment: %s", _why(exc))
+
+    if closing:
+        threading.Thread(target=close_all, name="environment-close", daemon=True).start()
 
 
 def _why(exc: BaseException) -> str:

@@ -1,0 +1,191 @@
+"""Serve an environment (a built-in or a plugin `package.module:factory`) as the service spec.environment.url
+speaks to (remote.py, docs/tasks.md), so that it runs where its sandbox, browser or database is:
+
+    python -m grpolora.workers.environments.service --environment calculator --port 8000
+    python -m grpolora.workers.environments.service --environment my_envs.sandbox:make --token-file /run/token
+
+One environment object per episode id (the factory makes it at /reset), each behind a lock of its own. A step
+keeps its turn number and answer: the same turn asked again (a retry after a lost answer) gets that answer without
+stepping again, a turn out of order gets 409. An environment that raises or answers what it may not is 422 with the
+reason (not retried: the episode ends with it). With a token every call needs `Authorization: Bearer <token>` (else
+401, which fails the job as a spec error). The client closes each episode when it ends; past `max_episodes` open at
+once the oldest is dropped (a trainer that died never closes its own), and a step of it gets 404.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import logging
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict
+
+from grpolora.workers.environments.base import (
+    Environment,
+    EnvironmentFactory,
+    EnvironmentFault,
+    checked_messages,
+    checked_opening,
+    checked_reply,
+)
+from grpolora.workers.tasks.base import Prompt
+
+log = logging.getLogger(__name__)
+
+MAX_EPISODES = 4096
+TOKEN_ENV = "GRPOLORA_ENVIRONMENT_TOKEN"
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # a newer client's fields do not break an older service
+
+
+class PromptBody(_Body):
+    text: str
+    answer: str | None = None
+    messages: list[dict[str, str]] | None = None
+    system: str | None = None
+    meta: dict[str, Any] = {}
+
+
+class ResetBody(_Body):
+    episode: str
+    prompt: PromptBody
+
+
+class StepBody(_Body):
+    episode: str
+    turn: int
+    message: dict[str, Any]
+
+
+class CloseBody(_Body):
+    episode: str
+
+
+@dataclass
+class _Served:
+    env: Environment
+    opening: dict[str, Any]
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    turn: int = 0
+    answer: dict[str, Any] | None = None
+
+
+def close_environment(episode: str, served: _Served) -> None:
+    """The environment's own close(), where it has one (it frees a sandbox, say)."""
+    if callable(close := getattr(served.env, "close", None)):
+        try:
+            close()
+        except Exception:
+            log.exception("closing episode %s", episode)
+
+
+def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_episodes: int = MAX_EPISODES) -> FastAPI:
+    """The service's ASGI app. Its routes are plain functions: FastAPI runs them on its worker threads, so an
+    environment may block (a sandbox's command) without holding the others up."""
+    app = FastAPI(title="grpolora environment service")
+    episodes: OrderedDict[str, _Served] = OrderedDict()
+    opening_lock = threading.Lock()  # guards `episodes` itself; each episode's calls hold its own lock
+
+    @app.middleware("http")
+    async def authorise(request: Request, call_next):
+        if token is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+                from fastapi.responses import JSONResponse
+
+                return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
+        return await call_next(request)
+
+    def environment_call(fn, *args):
+        try:
+            return fn(*args)
+        except EnvironmentFault as exc:
+            raise HTTPException(422, str(exc)) from None
+        except Exception as exc:  # the environment's own failure: the episode's, reported to the client
+            raise HTTPException(422, f"the environment raised {type(exc).__name__}: {exc}"[:2000]) from None
+
+    @app.get("/health")
+    def health() -> dict[str, Any]:
+        return {"episodes": len(episodes)}
+
+    @app.post("/reset")
+    def reset(body: ResetBody) -> dict[str, Any]:
+        with opening_lock:
+            served = episodes.get(body.episode)
+            if served is not None:  # a retried reset: the opening it already has
+                return served.opening
+        prompt_fields = body.prompt.model_dump()
+        messages = prompt_fields.pop("messages")
+        prompt = Prompt(**prompt_fields, messages=tuple(messages) if messages is not None else None)
+        env = environment_call(factory)
+        opening = environment_call(lambda: checked_opening(env.reset(prompt)))
+        answer = {"messages": opening.messages, "tools": opening.tools}
+        dropped = []
+        with opening_lock:
+            served = episodes.setdefault(body.episode, _Served(env, answer))
+            while len(episodes) > max_episodes:
+                dropped.append(episodes.popitem(last=False))
+        for episode, old in dropped:
+            log.warning("episode %s dropped: more than %d open (its client never closed it?)", episode, max_episodes)
+            close_environment(episode, old)
+        return served.opening
+
+    @app.post("/step")
+    def step(body: StepBody) -> dict[str, Any]:
+        served = episodes.get(body.episode)
+        if served is None:
+            raise HTTPException(404, f"no open episode {body.episode!r} (closed, or never reset)")
+        with served.lock:
+            if body.turn == served.turn and served.answer is not None:
+                return served.answer  # the same turn again: its answer was lost on the way
+            if body.turn != served.turn + 1:
+                raise HTTPException(409, f"turn {body.turn} of episode {body.episode!r}; expected {served.turn + 1}")
+            [message] = environment_call(checked_messages, [body.message], "message")
+            reply = environment_call(lambda: checked_reply(served.env.step(message)))
+            served.turn, served.answer = body.turn, {
+                "messages": reply.messages, "done": reply.done, "reward": reply.reward,
+            }  # fmt: skip
+            return served.answer
+
+    @app.post("/close")
+    def close(body: CloseBody) -> dict[str, Any]:
+        with opening_lock:
+            served = episodes.pop(body.episode, None)
+        if served is not None:
+            close_environment(body.episode, served)
+        return {"closed": served is not None}
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    import uvicorn
+
+    from grpolora.api.spec import EnvironmentSpec
+    from grpolora.workers.environments import load_environment
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--environment", required=True, help="a built-in name or a plugin package.module:factory")
+    parser.add_argument("--host", default="0.0.0.0")  # in a pod: on the pod's IP, for its Service
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--token-file", type=Path, help=f"the bearer token clients must send (or ${TOKEN_ENV})")
+    parser.add_argument("--max-episodes", type=int, default=MAX_EPISODES)
+    args = parser.parse_args(argv)
+    kind = "plugin" if ":" in args.environment else "builtin"
+    factory = load_environment(EnvironmentSpec.model_validate({kind: args.environment}), Path.cwd())
+    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV)
+    app = build_app(factory, token=token or None, max_episodes=args.max_episodes)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+
+
+if __name__ == "__main__":
+    main()
