@@ -1500,9 +1500,6 @@ class GRPOLoraJobSpec(SpecModel):
         if longest is not None and budget > longest:
             message = f"{budget} does not fit in inference.maxModelLen ({longest}), which holds a whole episode"
             errors.append(("environment.maxEpisodeTokens", message))
-        if self.eval is not None:
-            errors.append(("eval", "evaluation runs single-turn prompts, not an environment's episodes (not yet "
-                           "supported with spec.environment): remove spec.eval"))  # fmt: skip
         return errors
 
     def secret_references(self) -> list[tuple[str, str]]:

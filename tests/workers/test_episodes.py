@@ -413,3 +413,38 @@ def test_a_step_that_never_returns_stalls_neither_generation_nor_the_other_episo
     assert "took longer than stepTimeoutSeconds" in stuck.episode.error
     assert (other.episode.error, other.episode.turns, other.episode.reward) == (None, 2, 0.5)
     runner.close()
+
+
+def test_evaluation_runs_episodes_and_scores_them_as_training_does(tokenizer):
+    """spec.eval with spec.environment: each held-out prompt plays one episode (eval sampling), and the episode's
+    reward is what training would give it (the environment's, else the task's of the last message; an
+    environment error is unscorable, left out). The figures a user reads carry the episodes' turns."""
+    from grpolora.api.spec import GRPOLoraJobSpec
+    from grpolora.workers.trainer.evaluate import evaluate
+
+    spec = GRPOLoraJobSpec.model_validate({
+        "model": {"name": "m"}, "environment": {"builtin": "calculator"}, "eval": {"everySteps": 5},
+    })  # fmt: skip
+    prompts = [PROMPT, Prompt("What is 3 * 5?", answer="15")]
+    replicas = ScriptedReplicas(tokenizer, {0: ["<calc>12*7</calc>", "Answer: 84"], 1: ["Answer: 16"]})
+    runner = _runner(tokenizer)
+
+    def generate(asked, ids, sampling):
+        assert (sampling.n, sampling.temperature) == (1, 0.0)  # one greedy episode per held-out prompt
+        return runner.run(asked, ids, [0, 1024], sampling, replicas, replicas=[0], version=5)
+
+    result = evaluate(prompts, task=ArithmeticTask(), tokenize=lambda p: [1], generate=generate, spec=spec)
+    expected = ArithmeticTask().score([(PROMPT, "Answer: 84"), (prompts[1], "Answer: 16")]).total
+    assert result.prompts == 2 and result.reward_mean == pytest.approx(sum(expected) / 2)
+    record = result.record()
+    assert record["eval_episode_turns_mean"] == 1.5 and record["eval_environment_errors"] == 0
+    runner.close()
+
+
+def test_grpolora_eval_says_it_does_not_play_episodes(tmp_path):
+    from grpolora.api.spec import GRPOLoraJobSpec
+    from grpolora.workers.trainer.evaluate import offline
+
+    spec = GRPOLoraJobSpec.model_validate({"model": {"name": "m"}, "environment": {"builtin": "calculator"}})
+    with pytest.raises(TaskError, match=r"^spec.environment: `grpolora eval` does not play episodes yet"):
+        offline(spec, tmp_path)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
@@ -33,9 +33,9 @@ from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking, drop_records_after
 from grpolora.workers.trainer import evaluate, metrics, outputs
 from grpolora.workers.trainer.buffer import Group, RolloutBuffer
-from grpolora.workers.trainer.producer import RolloutProducer, generate_round
+from grpolora.workers.trainer.producer import RolloutProducer, episode_round, generate_round
 from grpolora.workers.trainer.ranks import Instruction, TrainerContext, broadcast_instruction
-from grpolora.workers.trainer.rollout import RolloutClient
+from grpolora.workers.trainer.rollout import Completion, RolloutClient, Sampling, prompt_seed
 from grpolora.workers.trainer.scoring import (
     Filled,
     Rollouts,
@@ -286,12 +286,15 @@ class Controller:
 
     def _evaluate(self) -> evaluate.EvalResult:
         # On the live version, the one just synced (an evaluation is always preceded by a sync).
+        def generate(prompts: Sequence[Prompt], ids: list[list[int]], sampling: Sampling) -> list[list[Completion]]:
+            if self._episodes is None:
+                return generate_round(self.sender, self.rollouts, ids, sampling)
+            # One episode per held-out prompt; seeds of their own (greedy by default, where they do not matter).
+            seeds = [prompt_seed(self.spec.grpo.seed + evaluate.EVAL_SEED_OFFSET, i) for i in range(len(ids))]
+            return episode_round(self.sender, self.rollouts, self._episodes, list(prompts), ids, sampling, seeds)
+
         result = evaluate.evaluate(
-            self._eval_prompts,
-            task=self.task,
-            tokenize=self._tokenize,
-            generate=lambda ids, sampling: generate_round(self.sender, self.rollouts, ids, sampling),
-            spec=self.spec,
+            self._eval_prompts, task=self.task, tokenize=self._tokenize, generate=generate, spec=self.spec
         )
         log.info("eval at step %d: reward %.3f over %d prompts", self.ctx.progress.step, result.reward_mean,
                  result.prompts)  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolora.api.spec import EvalSpec, GRPOLoraJobSpec
-from grpolora.workers.tasks import Prompt, Task, chat_messages
+from grpolora.workers.tasks import Prompt, Task, TaskError, chat_messages
 from grpolora.workers.trainer.rollout import Completion, Sampling
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -44,6 +44,8 @@ class EvalResult:
     prompts: int = 0
     version: int = 0
     seconds: float = 0.0
+    figures: dict[str, float | int] = field(default_factory=dict)
+    """With spec.environment: the episodes' figures (as training reports them), prefixed `eval_`."""
 
     def record(self) -> dict:
         """The figures as they go into metrics.jsonl."""
@@ -55,12 +57,12 @@ class EvalResult:
         }
         if self.parts:
             result["eval_rewards"] = dict(self.parts)
-        return result
+        return result | self.figures
 
 
-Generate = Callable[[list[list[int]], Sampling], list[list[Completion]]]
-"""Completions for token-id prompts: the inference replicas over HTTP (training), or an engine in this process
-(`grpolora eval`)."""
+Generate = Callable[[Sequence[Prompt], list[list[int]], Sampling], list[list[Completion]]]
+"""Completions for the prompts (and their token ids): the inference replicas over HTTP (training; with
+spec.environment, one episode per prompt), or an engine in this process (`grpolora eval`)."""
 
 
 def tokenize_prompt(
@@ -83,7 +85,10 @@ def evaluate(
     generate: Generate,
     spec: GRPOLoraJobSpec,
 ) -> EvalResult:
-    """Generate one completion per prompt and score it with the task's rewards."""
+    """Generate one completion (or, with spec.environment, play one episode) per prompt and score it as training
+    scores its rollouts (scoring.rewards_of: an episode's own reward wins; an unscorable one is left out)."""
+    from grpolora.workers.trainer.scoring import Rollouts, episode_figures, rewards_of
+
     evaluation = spec.eval or EvalSpec()
     started = time.perf_counter()
     sampling = Sampling(
@@ -93,17 +98,23 @@ def evaluate(
         max_tokens=evaluation.max_new_tokens or spec.grpo.max_new_tokens,
         stop=tuple(spec.grpo.stop),  # the answer format the rollouts were trained to end with
     )
-    texts = [group[0] for group in generate([tokenize(p) for p in prompts], sampling)]
-    scores = task.score([(p, c.text) for p, c in zip(prompts, texts, strict=True)])
-    scored = [r for r in scores.total if not math.isnan(r)] or [0.0]  # unscorable ones (NaN) are left out
+    ids = [tokenize(p) for p in prompts]
+    groups = generate(prompts, ids, sampling)
+    rollouts = Rollouts(list(prompts), ids, [group[:1] for group in groups], 0.0)
+    rewards, parts = rewards_of(task, rollouts)
+    scored = [r for r in rewards.flatten().tolist() if not math.isnan(r)] or [0.0]  # unscorable ones left out
+    part_means = {label: float(v[~v.isnan()].mean()) for label, v in parts.items() if (~v.isnan()).any()}
+    texts = [group[0] for group in rollouts.completions]
+    figures = {f"eval_{name}": value for name, value in episode_figures(rollouts).items()}
     return EvalResult(
         reward_mean=statistics.fmean(scored),
         reward_std=statistics.pstdev(scored),
-        parts=scores.part_means(),
+        parts=part_means,
         completion_length_mean=statistics.fmean(len(c.token_ids) for c in texts),
         prompts=len(prompts),
         version=min(c.version for c in texts),
         seconds=time.perf_counter() - started,
+        figures=figures,
     )
 
 
@@ -118,6 +129,9 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
     from grpolora.workers.models import resolve_model
     from grpolora.workers.tasks import load_task
 
+    if spec.environment is not None:
+        raise TaskError("spec.environment", "`grpolora eval` does not play episodes yet; the job's own evaluation "
+                        "(spec.eval, on the replicas during training) does")  # fmt: skip
     task = load_task(spec.task, root=root)
     try:
         prompts = held_out(task, spec)
@@ -135,7 +149,7 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
                 results = {}
                 for name, version in (("base", 0), ("adapter", 1)):
 
-                    def generate(ids: list[list[int]], sampling: Sampling, version: int = version):
+                    def generate(_prompts, ids: list[list[int]], sampling: Sampling, version: int = version):
                         request = SamplingRequest(sampling.n, sampling.temperature, sampling.top_p,
                                                   sampling.max_tokens, stop=sampling.stop)  # fmt: skip
                         futures = [

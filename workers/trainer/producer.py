@@ -141,18 +141,7 @@ class RolloutProducer:
         seeds = [prompt_seed(self._grpo.seed, position) for position in drawn.positions]
         if self._episodes is None:
             return generate_round(self._sender, self._rollouts, drawn.ids, sampling, seeds=seeds)
-        episodes = self._episodes
-
-        def run(version: int, replicas: list[int]) -> list[list[Completion]]:
-            def turn(replica: int, ids: list[list[int]], turn_sampling: Sampling, turn_seeds: list[int]):
-                answers = self._rollouts.generate(
-                    ids, turn_sampling, version=version, replicas=[replica], seeds=turn_seeds
-                )
-                return [samples[0] for samples in answers]
-
-            return episodes.run(drawn.prompts, drawn.ids, seeds, sampling, turn, replicas, version=version)
-
-        return on_live_replicas(self._sender, run)
+        return episode_round(self._sender, self._rollouts, self._episodes, drawn.prompts, drawn.ids, sampling, seeds)
 
 
 def generate_round(
@@ -166,6 +155,28 @@ def generate_round(
         sender,
         lambda version, replicas: rollouts.generate(prompts, sampling, version=version, replicas=replicas, seeds=seeds),
     )
+
+
+def episode_round(
+    sender,
+    rollouts: RolloutClient,
+    episodes: EpisodeRunner,
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    sampling: Sampling,
+    seeds: list[int],
+) -> list[list[Completion]]:
+    """`sampling.n` episodes per prompt on the live version (a rollout round or an evaluation), each turn a request
+    to the episode's replica; again from scratch on the re-formed group when every replica failed, as a round."""
+
+    def run(version: int, replicas: list[int]) -> list[list[Completion]]:
+        def turn(replica: int, ids: list[list[int]], turn_sampling: Sampling, turn_seeds: list[int]):
+            answers = rollouts.generate(ids, turn_sampling, version=version, replicas=[replica], seeds=turn_seeds)
+            return [samples[0] for samples in answers]
+
+        return episodes.run(prompts, prompt_ids, seeds, sampling, turn, replicas, version=version)
+
+    return on_live_replicas(sender, run)
 
 
 def on_live_replicas(sender, generate: Callable[[int, list[int]], list[list[Completion]]]) -> list[list[Completion]]:
