@@ -523,6 +523,25 @@ def test_worker_pod_monitor_selects_trainer_and_inference_pods(chart, values, na
         assert endpoint["port"] in port_names, workload["kind"]
 
 
+@pytest.mark.parametrize(("values", "namespaces"), [("monitoring", None), ("namespaces-monitoring", ["team-a"])])
+def test_pool_pod_monitor_selects_a_rollout_pools_servers(chart, values, namespaces):
+    """A shared pool's servers are no job's pods (no grpolora.dev/job label): without a monitor of their own their
+    vLLM and adapter series were never scraped. Their `job` label is the pool's name."""
+    monitor = find(chart.render(VALUE_SETS[values]), "PodMonitor", f"{FULLNAME}-pools", NAMESPACE)
+    spec = monitor["spec"]
+    assert spec["namespaceSelector"] == ({"any": True} if namespaces is None else {"matchNames": namespaces})
+    assert spec["jobLabel"] == c.LABEL_POOL
+    (endpoint,) = spec["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    [servers] = [o for o in pool_children() if o["kind"] == "StatefulSet"]
+    template = servers["spec"]["template"]
+    assert matches(spec["selector"], template["metadata"]["labels"])
+    assert endpoint["port"] in {p["name"] for p in template["spec"]["containers"][0]["ports"]}
+    # The job monitor does not also select them (each series scraped once).
+    workers = find(chart.render(VALUE_SETS[values]), "PodMonitor", f"{FULLNAME}-workers", NAMESPACE)
+    assert not matches(workers["spec"]["selector"], template["metadata"]["labels"])
+
+
 def test_worker_pod_monitor_skips_trainer_ranks_that_serve_no_metrics(chart):
     # Only trainer rank 0 serves /metrics; ranks > 0 would be down targets. Indexed Job pods carry their index in the
     # label batch.kubernetes.io/job-completion-index, which Prometheus sees as the meta label below.

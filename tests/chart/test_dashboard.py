@@ -16,8 +16,9 @@ DASHBOARD = CHART / "dashboards" / "grpo-lora.json"
 # vLLM's own series on an inference server's /metrics (a real engine serves each: tests/workers/test_inference_sync.py).
 # The chart's PodMonitor scrapes a job's own servers with `job` = the GRPOLoraJob's name (its jobLabel, the pods'
 # grpolora.dev/job label) and the target's `namespace`: the labels the per-job panels filter on. A RolloutPool's
-# servers carry no grpolora.dev/job label and are not its targets: the pool row reads the operator's grpolora_pool_*
-# series (the ServiceMonitor keeps their own namespace and pool labels: honorLabels).
+# servers carry no grpolora.dev/job label and are not its targets (a PodMonitor of their own scrapes them with `job` =
+# the pool's name): the pool row reads the operator's grpolora_pool_* series (the ServiceMonitor keeps their own
+# namespace and pool labels: honorLabels).
 POOL_SERIES = {name for name, _, _ in POOL_GAUGES}
 
 # The metric contract of the operator (issue 5) and the workers (trainer rank 0 and inference /metrics).
