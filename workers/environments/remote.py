@@ -41,11 +41,13 @@ class EnvironmentService:
     def __call__(self) -> RemoteEnvironment:
         return RemoteEnvironment(self)
 
-    def call(self, route: str, body: dict[str, Any], *, retries: int | None = None) -> dict[str, Any]:
-        """POST `body` to <url>/<route> within stepTimeoutSeconds; the answer's JSON object, or EnvironmentFault
-        (AuthRefused for refused credentials)."""
+    def call(
+        self, route: str, body: dict[str, Any], *, retries: int | None = None, timeout_seconds: float | None = None
+    ) -> dict[str, Any]:
+        """POST `body` to <url>/<route> within stepTimeoutSeconds (or `timeout_seconds`); the answer's JSON object,
+        or EnvironmentFault (AuthRefused for refused credentials)."""
         url = f"{self.url}/{route}"
-        deadline = time.monotonic() + self.timeout_seconds
+        deadline = time.monotonic() + (self.timeout_seconds if timeout_seconds is None else timeout_seconds)
         attempts = self.retries if retries is None else retries
         try:
             response = remote_service.post(self._client, url, body, retries=attempts, field=FIELD, deadline=deadline)
@@ -68,6 +70,8 @@ class EnvironmentService:
 class RemoteEnvironment:
     """One episode of an environment service."""
 
+    CLOSE_SECONDS = 2.0
+
     def __init__(self, service: EnvironmentService):
         self._service = service
         self.episode = uuid.uuid4().hex
@@ -84,4 +88,7 @@ class RemoteEnvironment:
 
     def close(self) -> None:
         """The episode is over (done, cut off or failed): the service may free what it holds for it."""
-        self._service.call("close", {"episode": self.episode}, retries=0)
+        # Short and not retried: the episodes of a step are closed in turn on one thread, and a service that
+        # does not answer a close frees the episode anyway once more than its bound are open.
+        self._service.call("close", {"episode": self.episode}, retries=0, timeout_seconds=min(self.CLOSE_SECONDS,
+                           self._service.timeout_seconds))  # fmt: skip
