@@ -166,6 +166,22 @@ def test_the_payload_mac_fed_in_pieces_equals_one_pass():
     wire.verify(header, buckets, KEY, computed=mac.hexdigest())
 
 
+def test_a_gpu_buckets_bytes_reach_the_mac_through_a_reused_staging_buffer_in_order():
+    """On a GPU the MAC reads a bucket through one page-locked buffer per thread, chunk by chunk (host_chunks): the
+    chunks, each read before the next overwrites the buffer, are the bucket's bytes in order. (CI has no GPU: the
+    staging is driven here with a CPU tensor and a small buffer; the H200 figures are in BENCHMARKS.md.)"""
+    data = torch.randint(0, 256, (10_000,), dtype=torch.uint8)
+    staging = torch.empty(4096, dtype=torch.uint8)
+    chunks = [bytes(chunk) for chunk in wire.staged_chunks(data, staging)]
+    assert [len(c) for c in chunks] == [4096, 4096, 1808] and b"".join(chunks) == data.numpy().tobytes()
+    header, buckets = wire.pack({"x": torch.randn(3000)}, key=KEY, version=1, epoch=0, bucket_bytes=1 << 20)
+    mac = wire.PayloadMac.of(header, KEY)
+    for chunk in wire.staged_chunks(buckets[0], staging):
+        mac._update(chunk)
+    assert mac.hexdigest() == header.payload_mac
+    assert [bytes(c) for c in wire.host_chunks(buckets[0])] == [buckets[0].numpy().tobytes()]  # a CPU's: no copy
+
+
 def _crc_fixup(message: bytes, forged: bytes, at: int) -> bytes:
     """`forged` with the four bytes at `at` replaced so that its CRC-32 equals `message`'s.
 

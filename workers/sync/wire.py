@@ -27,7 +27,8 @@ import hashlib
 import hmac
 import json
 import secrets
-from collections.abc import Callable, Mapping, Sequence
+import threading
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -335,6 +336,47 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor if tensor.device.type == "cpu" else tensor.cpu()
 
 
+# A GPU tensor's bytes reach the MAC through a page-locked buffer of this size that each thread reuses: on an H200,
+# 87 MB came to the host in 1.6 ms page-locked against 75 ms into pageable memory (`.cpu()`), which was most of the
+# sender's MAC (BENCHMARKS.md, GPU figures at scale).
+HOST_STAGING_BYTES = 16 << 20
+
+
+class _Staging(threading.local):
+    buffer: torch.Tensor | None = None
+
+
+_STAGING = _Staging()
+
+
+def _staging_buffer() -> torch.Tensor:
+    if _STAGING.buffer is None:
+        try:
+            _STAGING.buffer = torch.empty(HOST_STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+        except RuntimeError:  # no page-locked memory to be had: pageable, as `.cpu()` would give
+            _STAGING.buffer = torch.empty(HOST_STAGING_BYTES, dtype=torch.uint8)
+    return _STAGING.buffer
+
+
+def host_chunks(tensor: torch.Tensor) -> Iterator[memoryview]:
+    """`tensor`'s bytes on the host, in order: a CPU tensor's own memory, else staged chunks (staged_chunks)."""
+    flat = tensor.detach().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cpu":
+        yield memoryview(flat.numpy()).cast("B")
+    else:
+        yield from staged_chunks(flat, _staging_buffer())
+
+
+def staged_chunks(flat: torch.Tensor, staging: torch.Tensor) -> Iterator[memoryview]:
+    """The bytes of `flat` (uint8) copied chunk by chunk into `staging` (host memory): each chunk is valid until
+    the next one is asked for."""
+    for start in range(0, flat.numel(), staging.numel()):
+        part = flat[start : start + staging.numel()]
+        chunk = staging[: part.numel()]
+        chunk.copy_(part)
+        yield memoryview(chunk.numpy()).cast("B")
+
+
 def check_mac_algorithm(algorithm: str) -> None:
     if algorithm not in PAYLOAD_MAC_ALGORITHMS:
         raise WireError(f"payload MAC algorithm {algorithm!r} (one of {PAYLOAD_MAC_ALGORITHMS})")
@@ -352,7 +394,7 @@ def poly1305_available() -> bool:
 class PayloadMac:
     """The payload's MAC, fed piece by piece in wire order, so a receiver checks each piece while the next one
     arrives. Poly1305 at ~7 GB/s on one core here; HMAC-SHA256, the fallback, ~1.1 GB/s with SHA extensions
-    (BENCHMARKS.md). Buffers on a GPU are copied to the host piece by piece first: a MAC is host work."""
+    (BENCHMARKS.md). Buffers on a GPU are copied to the host chunk by chunk first (host_chunks): a MAC is host work."""
 
     def __init__(self, key: bytes, algorithm: str, nonce: str) -> None:
         check_mac_algorithm(algorithm)
@@ -377,10 +419,10 @@ class PayloadMac:
         return cls(key, header.payload_mac_algorithm, header.payload_nonce)
 
     def update(self, piece: torch.Tensor) -> None:
-        data = memoryview(on_host(piece).numpy()).cast("B")
-        step = self._slice or len(data) or 1
-        for start in range(0, len(data), step):
-            self._update(data[start : start + step])
+        for data in host_chunks(piece):
+            step = self._slice or len(data) or 1
+            for start in range(0, len(data), step):
+                self._update(data[start : start + step])
 
     def hexdigest(self) -> str:
         """The MAC of everything fed so far; nothing may be fed after."""
