@@ -1,8 +1,9 @@
 """What an environment is: it opens an episode from a task's prompt and answers each assistant message, until it
 says the episode is done. Torch-free and tokenizer-free (the episode's tokens are episode.py's business).
 
-The shape follows the common one of agent libraries (verifiers' MultiTurnEnv: setup state, then env_response per
-assistant turn with an is_completed check; OpenEnv's reset/step), so that one written for them is a thin adapter:
+The shape follows the common one of agent libraries (OpenEnv's reset/step; verifiers' MultiTurnEnv before 0.4:
+setup state, then env_response per assistant turn with an is_completed check), so that one written for them is a
+thin adapter:
 
     reset(prompt) -> Opening(messages, tools)        the conversation the model answers first, and tool specs
     step(message) -> Reply(messages, done, reward)   the messages to append, whether the episode ends, and its
