@@ -180,6 +180,17 @@ def fit_errors(pool_name: str, pool: RolloutPoolSpec, job: GRPOLoraJobSpec) -> l
                 f"{job.grpo.max_new_tokens} does not fit in {pool_says}'s maxModelLen ({pool.max_model_len})",
             )
         )
+    # A whole episode is one request's prompt and completion on the pool's replicas (bind would refuse it too, as
+    # it refuses a job's own inference.maxModelLen below maxEpisodeTokens).
+    env = job.environment
+    if env is not None and pool.max_model_len is not None and env.max_episode_tokens > pool.max_model_len:
+        errors.append(
+            (
+                "environment.maxEpisodeTokens",
+                f"{env.max_episode_tokens} does not fit in {pool_says}'s maxModelLen ({pool.max_model_len}), which "
+                "holds a whole episode",
+            )
+        )
     if job.sync.backend == "nccl" and not (job.trainer.gpus_per_replica and pool.gpus_per_replica):
         errors.append(("sync.backend", f"`nccl` needs GPUs on the trainer and on {pool_says}; use gloo or auto"))
     return errors

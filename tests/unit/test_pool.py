@@ -51,6 +51,8 @@ def test_a_matching_job_fits():
         ({}, {"loraTargetModules": ["q_proj"]}, "lora.targetModules", "all-linear not within"),
         ({"grpo": {"maxStaleness": 2}}, {}, "grpo.maxStaleness", "keeps 3 adapter versions in use"),
         ({"grpo": {"maxNewTokens": 512}}, {"maxModelLen": 256}, "grpo.maxNewTokens", "maxModelLen (256)"),
+        ({"environment": {"builtin": "calculator"}}, {"maxModelLen": 512}, "environment.maxEpisodeTokens",
+         "1024 does not fit in RolloutPool shared's maxModelLen (512), which holds a whole episode"),
         ({"sync": {"backend": "nccl"}, "trainer": {"gpusPerReplica": 1}}, {"gpusPerReplica": 0}, "sync.backend",
          "needs GPUs on the trainer and on RolloutPool shared"),
     ],
@@ -63,6 +65,17 @@ def test_a_mismatch_names_the_field_and_both_values(job_spec, pool_spec, path, w
 
 def test_staleness_fits_when_the_pool_gives_each_job_enough_slots():
     assert fit_errors("shared", pool(adaptersPerJob=3).spec, job_on_pool(grpo={"maxStaleness": 2}).spec) == []
+
+
+def test_a_job_that_fits_binds():
+    """What fit_errors lets through, bind takes: an episode budget within the pool's maxModelLen (a larger one was
+    let through and then failed bind's validation, a traceback from `grpolora run`)."""
+    p = pool(maxModelLen=512)
+    for budget, fits in ((512, True), (513, False)):
+        job = job_on_pool(environment={"builtin": "calculator", "maxEpisodeTokens": budget}).spec
+        assert (fit_errors("shared", p.spec, job) == []) == fits
+        if fits:
+            assert bind(job, p.spec).environment.max_episode_tokens == budget
 
 
 def test_a_job_on_a_pool_sets_none_of_its_own_serving_fields():
