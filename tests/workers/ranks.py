@@ -18,9 +18,11 @@ from safetensors.torch import load_file, save_file
 
 from grpolora.api.load import parse_job
 from grpolora.workers.adapter import WEIGHTS_FILE
+from grpolora.workers.environments.episode import EpisodeTokens
 from grpolora.workers.models import resolve_model
 from grpolora.workers.trainer import checkpoint
 from grpolora.workers.trainer.policy import Batch, Policy, build_batch
+from grpolora.workers.trainer.scoring import with_loss_masks
 from grpolora.workers.trainer.step import train_step
 from tests.helpers import job_doc
 
@@ -80,6 +82,9 @@ RECIPES = {
         True,
     ),
 }
+# Multi-turn episodes (spec.environment, issue 39) on the "updates" recipe: each sample is assistant tokens, an
+# environment's turn and assistant tokens again, the environment's masked out of the loss (episode_batch).
+RECIPES["episodes"] = RECIPES["updates"]
 # Several SGD steps of lr 1 on one batch diverge (the first already moves logprobs by tens of nats; the k3 KL then
 # explodes); at 1e-4 the adapter still moves by more than 1e-3 and the clip binds in the second pass.
 RECIPE_LR = 1e-4
@@ -101,7 +106,7 @@ def recipe_step(name: str, rank: int = 0, world_size: int = 1):
     grpo, on_policy = RECIPES[name]
     policy = new_policy(shard=world_size > 1)
     before = lora_state(policy)
-    batch = synthetic_batch(SEQUENCES)
+    batch = episode_batch(SEQUENCES) if name == "episodes" else synthetic_batch(SEQUENCES)
     if world_size > 1:
         batch = with_reference(policy, batch)
     batch = off_policy(policy, batch)
@@ -134,6 +139,25 @@ def synthetic_batch(size: int = 6) -> Batch:
         sequences.append((prompt, completion, (-torch.rand(len(completion), generator=g)).tolist()))
         advantages.append(float(torch.randn(1, generator=g)))
     return build_batch(sequences, advantages, pad_id=0)
+
+
+def episode_batch(size: int) -> Batch:
+    """Episodes as the runner leaves them (EpisodeTokens): an assistant turn, an environment's turn, an assistant
+    turn, of uneven lengths; the environment's tokens have logprob 0 and are masked out (scoring.with_loss_masks)."""
+    g = torch.Generator().manual_seed(2)
+    sequences, advantages, openings, masks = [], [], [], []
+    for i in range(size):
+        episode = EpisodeTokens(torch.randint(5, 1000, (4 + i % 3,), generator=g).tolist())
+        for turn, length in enumerate((2 + i % 2, 3 - i % 2)):
+            ids = torch.randint(5, 1000, (length,), generator=g).tolist()
+            episode.add_assistant(ids, (-torch.rand(length, generator=g)).tolist(), None)
+            if turn == 0:
+                episode.add_environment(torch.randint(5, 1000, (2 + i % 3,), generator=g).tolist())
+        sequences.append((episode.opening, episode.tokens, episode.logprobs))
+        advantages.append(float(torch.randn(1, generator=g)))
+        openings.append(len(episode.opening))
+        masks.append(episode.mask)
+    return with_loss_masks(build_batch(sequences, advantages, pad_id=0), openings, masks)
 
 
 def with_reference(policy: Policy, batch: Batch) -> Batch:

@@ -5,7 +5,8 @@ mismatch; episodes run turn by turn on one replica each, and an environment's fa
 The replicas are played by `ScriptedReplicas`: it answers each turn as /v1/generate does (token ids, their
 logprobs, the detokenised text, finish_reason `stop` at the end-of-turn token or `length` at max_tokens; the
 version served), so the turn loop, the budgets and the faults are checked without an engine. The real engine's
-logprobs over a multi-turn sample are checked in test_episodes_engine.py."""
+logprobs over a multi-turn sample are checked in test_adapters_from_memory.py (episode_parity.py); whole runs of
+episodes on real engines in test_episodes_run.py."""
 
 from __future__ import annotations
 

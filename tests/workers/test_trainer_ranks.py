@@ -16,6 +16,7 @@ from tests.workers.ranks import (
     RESULT_FILE,
     SEQUENCES,
     SPEC,
+    episode_batch,
     lora_state,
     new_policy,
     recipe_step,
@@ -84,8 +85,8 @@ def test_two_fsdp_ranks_give_the_same_update_as_one(one_rank, two_ranks):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_two_fsdp_ranks_give_the_same_update_as_one_under_each_recipe(name, two_ranks):
-    """Several updates over mini-batches, sequence-level ratios, the per-sequence mean and Dr. GRPO's constant
-    normaliser (see RECIPES): two ranks equal one, figures included."""
+    """Several updates over mini-batches, sequence-level ratios, the per-sequence mean, Dr. GRPO's constant
+    normaliser and multi-turn episodes (see RECIPES): two ranks equal one, figures included."""
     before, after_one, stats_one = recipe_step(name)
     _, after_two, stats_two = torch.load(two_ranks / RECIPE_FILE, weights_only=False)[name]
     moved = max((after_one[k] - before[k]).abs().max().item() for k in before)
@@ -103,6 +104,18 @@ def test_two_fsdp_ranks_give_the_same_update_as_one_under_each_recipe(name, two_
     assert stats_one.weight_mean > 0 and stats_one.truncated_fraction > 0
     if grpo.updates_per_batch > 1:
         assert stats_one.clip_fraction > 0  # the second pass is clipped around the old logprobs
+
+
+def test_two_fsdp_ranks_train_multi_turn_episodes_on_the_assistants_tokens_alone(two_ranks):
+    """Several trainer ranks with spec.environment (issue 39): every sample of the "episodes" recipe has an
+    environment's turn between two assistant turns. Split across the ranks, each share keeps its loss mask: the step
+    counts the assistant's tokens alone, as one rank does (and updates as one rank does: the recipe test above)."""
+    mask = episode_batch(SEQUENCES).completion_mask
+    for row in mask.tolist():  # ones, then the environment's zeros, then ones again
+        first, last = row.index(1), len(row) - row[::-1].index(1)
+        assert 0 in row[first:last], row
+    _, _, stats_two = torch.load(two_ranks / RECIPE_FILE, weights_only=False)["episodes"]
+    assert stats_two.tokens == int(mask.sum())
 
 
 def test_the_step_runs_at_its_scheduled_rate_with_its_betas():
