@@ -86,8 +86,8 @@ def evaluate(
     spec: GRPOLoraJobSpec,
 ) -> EvalResult:
     """Generate one completion (or, with spec.environment, play one episode) per prompt and score it as training
-    scores its rollouts (scoring.rewards_of: an episode's own reward wins; an unscorable one is left out)."""
-    from grpolora.workers.trainer.scoring import Rollouts, episode_figures, rewards_of
+    scores its rollouts (scoring.scores_of: an episode's own reward wins; an unscorable one is left out)."""
+    from grpolora.workers.trainer.scoring import Rollouts, episode_figures, scores_of
 
     evaluation = spec.eval or EvalSpec()
     started = time.perf_counter()
@@ -101,15 +101,14 @@ def evaluate(
     ids = [tokenize(p) for p in prompts]
     groups = generate(prompts, ids, sampling)
     rollouts = Rollouts(list(prompts), ids, [group[:1] for group in groups], 0.0)
-    rewards, parts = rewards_of(task, rollouts)
-    scored = [r for r in rewards.flatten().tolist() if not math.isnan(r)] or [0.0]  # unscorable ones left out
-    part_means = {label: float(v[~v.isnan()].mean()) for label, v in parts.items() if (~v.isnan()).any()}
+    scores = scores_of(task, rollouts)
+    scored = [r for r in scores.total if not math.isnan(r)] or [0.0]  # unscorable ones (NaN) are left out
     texts = [group[0] for group in rollouts.completions]
     figures = {f"eval_{name}": value for name, value in episode_figures(rollouts).items()}
     return EvalResult(
         reward_mean=statistics.fmean(scored),
         reward_std=statistics.pstdev(scored),
-        parts=part_means,
+        parts=scores.part_means(),
         completion_length_mean=statistics.fmean(len(c.token_ids) for c in texts),
         prompts=len(prompts),
         version=min(c.version for c in texts),

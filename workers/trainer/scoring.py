@@ -13,7 +13,7 @@ import torch
 
 from grpolora.api.spec import GRPOSpec
 from grpolora.workers.environments.episode import Episode
-from grpolora.workers.tasks import Prompt, Task, TaskError
+from grpolora.workers.tasks import Prompt, Scores, Task, TaskError
 from grpolora.workers.trainer.buffer import Group
 from grpolora.workers.trainer.grpo import group_advantages, overlong_penalty
 from grpolora.workers.trainer.policy import Batch, build_batch
@@ -82,14 +82,13 @@ def episode_of(completion: Completion) -> Episode | None:
     return getattr(completion, "episode", None)
 
 
-def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The task's rewards of every completion, [prompts, generations]: the weighted total and each reward's own.
+def scores_of(task: Task, rollouts: Rollouts) -> Scores:
+    """The task's scores of every completion, in order: the weighted total and each reward's own.
 
-    An episode's is the environment's reward where it gave one, else the task's of its last assistant message; an
-    episode the environment ended with an error is unscorable (NaN: out of its group's baseline, advantage 0)."""
+    An episode's total is the environment's reward where it gave one, else the task's of its last assistant message;
+    an episode the environment ended with an error is unscorable (NaN: out of its group's baseline, advantage 0)."""
     items = [(p, c.text) for p, group in zip(rollouts.prompts, rollouts.completions, strict=True) for c in group]
     scores = task.score(items)
-    shape = (len(rollouts.prompts), -1)
     total = list(scores.total)
     for i, completion in enumerate(c for group in rollouts.completions for c in group):
         if (episode := episode_of(completion)) is not None:
@@ -97,7 +96,14 @@ def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, 
                 total[i] = math.nan
             elif episode.reward is not None:
                 total[i] = episode.reward
-    rewards = torch.tensor(total, dtype=torch.float32).view(shape)
+    return Scores(total, scores.parts)
+
+
+def rewards_of(task: Task, rollouts: Rollouts) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """scores_of as tensors [prompts, generations]: the weighted total and each reward's own."""
+    scores = scores_of(task, rollouts)
+    shape = (len(rollouts.prompts), -1)
+    rewards = torch.tensor(scores.total, dtype=torch.float32).view(shape)
     return rewards, {label: torch.tensor(v, dtype=torch.float32).view(shape) for label, v in scores.parts.items()}
 
 
