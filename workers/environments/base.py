@@ -14,6 +14,7 @@ One environment object serves one episode (the factory makes a new one per episo
 
 from __future__ import annotations
 
+import logging
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
@@ -21,6 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from grpolora.workers.tasks.base import Prompt
+
+log = logging.getLogger(__name__)
 
 Message = dict[str, str]
 """A chat message: {"role": ..., "content": ...}, as chat templates take it."""
@@ -107,3 +110,20 @@ def checked_reply(value: Any) -> Reply:
     if not value.done and not messages:
         raise EnvironmentFault("step(): not done and no messages to append; the model would answer itself")
     return Reply(messages, value.done, None if reward is None else float(reward))
+
+
+def fault_reason(exc: BaseException) -> str:
+    """Why an environment's call failed, as an episode's error says it."""
+    if isinstance(exc, EnvironmentFault):
+        return str(exc)
+    return f"the environment raised {type(exc).__name__}: {exc}"[:2000]
+
+
+def close_environment(env: Any) -> None:
+    """The environment's own close(), where it has one (optional: it frees a sandbox, a service's episode); a
+    failure is logged, not raised: the episode is over either way."""
+    if callable(close := getattr(env, "close", None)):
+        try:
+            close()
+        except Exception as exc:
+            log.info("closing an episode's environment: %s", fault_reason(exc))

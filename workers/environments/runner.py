@@ -27,6 +27,8 @@ from grpolora.workers.environments.base import (
     Message,
     checked_opening,
     checked_reply,
+    close_environment,
+    fault_reason,
 )
 from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
 from grpolora.workers.remote_service import AuthRefused
@@ -150,7 +152,7 @@ class EpisodeRunner:
             raise
         except Exception as exc:  # the environment's own failure: this episode's error, not the run's
             episode = _Live(env, replica, seed, EpisodeTokens(list(fallback)))
-            episode.end(error=_why(exc))
+            episode.end(error=fault_reason(exc))
         episode.seconds += time.perf_counter() - started
         if not episode.ended and len(episode.tokens) + self.limits.margin >= self.limits.max_episode_tokens:
             episode.end(
@@ -200,7 +202,7 @@ class EpisodeRunner:
             except AuthRefused:
                 raise
             except Exception as exc:
-                episode.end(error=_why(exc))
+                episode.end(error=fault_reason(exc))
                 continue
             episode.messages += reply.messages
             episode.tool_calls += sum(m["role"] == "tool" for m in reply.messages)
@@ -275,22 +277,9 @@ class _Call:
 
 
 def _close_all(environments: list[Any]) -> None:
-    """Every ended episode's environment that has a close() (optional: a plugin's sandbox, a service's episode),
-    called in turn on a thread of their own: the step goes on meanwhile, and one that fails is logged."""
-    closing = [close for env in environments if callable(close := getattr(env, "close", None))]
-
-    def close_all() -> None:
-        for close in closing:
-            try:
-                close()
-            except Exception as exc:
-                log.info("closing an episode's environment: %s", _why(exc))
-
-    if closing:
-        threading.Thread(target=close_all, name="environment-close", daemon=True).start()
-
-
-def _why(exc: BaseException) -> str:
-    if isinstance(exc, EnvironmentFault):
-        return str(exc)
-    return f"the environment raised {type(exc).__name__}: {exc}"[:2000]
+    """Every ended episode's environment closed (close_environment), in turn on a thread of their own: the step goes
+    on meanwhile."""
+    if any(callable(getattr(env, "close", None)) for env in environments):
+        threading.Thread(
+            target=lambda: [close_environment(env) for env in environments], name="environment-close", daemon=True
+        ).start()

@@ -25,15 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
 from grpolora.workers.environments.base import (
     Environment,
     EnvironmentFactory,
-    EnvironmentFault,
     checked_messages,
     checked_opening,
     checked_reply,
+    close_environment,
+    fault_reason,
 )
 from grpolora.workers.tasks.base import Prompt
 
@@ -79,15 +81,6 @@ class _Served:
     answer: dict[str, Any] | None = None
 
 
-def close_environment(episode: str, served: _Served) -> None:
-    """The environment's own close(), where it has one (it frees a sandbox, say)."""
-    if callable(close := getattr(served.env, "close", None)):
-        try:
-            close()
-        except Exception:
-            log.exception("closing episode %s", episode)
-
-
 def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_episodes: int = MAX_EPISODES) -> FastAPI:
     """The service's ASGI app. Its routes are plain functions: FastAPI runs them on its worker threads, so an
     environment may block (a sandbox's command) without holding the others up."""
@@ -100,18 +93,14 @@ def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_epis
         if token is not None and request.url.path != "/health":
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-                from fastapi.responses import JSONResponse
-
                 return JSONResponse({"detail": "missing or wrong bearer token"}, status_code=401)
         return await call_next(request)
 
     def environment_call(fn, *args):
         try:
             return fn(*args)
-        except EnvironmentFault as exc:
-            raise HTTPException(422, str(exc)) from None
         except Exception as exc:  # the environment's own failure: the episode's, reported to the client
-            raise HTTPException(422, f"the environment raised {type(exc).__name__}: {exc}"[:2000]) from None
+            raise HTTPException(422, fault_reason(exc)) from None
 
     @app.get("/health")
     def health() -> dict[str, Any]:
@@ -136,7 +125,7 @@ def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_epis
                 dropped.append(episodes.popitem(last=False))
         for episode, old in dropped:
             log.warning("episode %s dropped: more than %d open (its client never closed it?)", episode, max_episodes)
-            close_environment(episode, old)
+            close_environment(old.env)
         return served.opening
 
     @app.post("/step")
@@ -161,7 +150,7 @@ def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_epis
         with opening_lock:
             served = episodes.pop(body.episode, None)
         if served is not None:
-            close_environment(body.episode, served)
+            close_environment(served.env)
         return {"closed": served is not None}
 
     return app
