@@ -669,6 +669,13 @@ class HubTokenRef(SpecModel):
 REWARD_LABEL = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
+def set_beside_defaults(model: BaseModel, names: tuple[str, ...], why: str) -> list[tuple[str, str]]:
+    """(field, `why`) for each of `names` that `model` sets to other than its default. Compared with the defaults,
+    not model_fields_set: the spec reaches the workers with defaults written."""
+    fields = type(model).model_fields
+    return [(to_camel(name), why) for name in names if getattr(model, name) != fields[name].default]
+
+
 class RewardSpec(SpecModel):
     """One reward: a built-in (`name`), a plugin (`function`) or a remote service (`url`), with its weight."""
 
@@ -705,11 +712,7 @@ class RewardSpec(SpecModel):
             errors.append(("name", f"unknown built-in reward {self.name!r}; valid: {', '.join(c.BUILTIN_REWARDS)}"))
         if self.url is None:
             remote_only = ("timeout_seconds", "concurrency", "batch_size", "retries", "headers_from")
-            # Compared with the defaults, not model_fields_set: the spec reaches the workers with defaults written.
-            fields = type(self).model_fields
-            for field_name in remote_only:
-                if getattr(self, field_name) != fields[field_name].default:
-                    errors.append((to_camel(field_name), "applies to a remote reward (`url`) only"))
+            errors += set_beside_defaults(self, remote_only, "applies to a remote reward (`url`) only")
         raise_if_any(errors)
         return self
 
@@ -887,11 +890,7 @@ class EnvironmentSpec(SpecModel):
             errors.append(("builtin", f"unknown built-in environment {self.builtin!r}; valid: "
                            f"{', '.join(c.BUILTIN_ENVIRONMENTS)}"))  # fmt: skip
         if self.url is None:
-            # Compared with the defaults, not model_fields_set: the spec reaches the workers with defaults written.
-            fields = type(self).model_fields
-            for field_name in _SERVICE_ONLY:
-                if getattr(self, field_name) != fields[field_name].default:
-                    errors.append((to_camel(field_name), "applies to a remote environment (`url`) only"))
+            errors += set_beside_defaults(self, _SERVICE_ONLY, "applies to a remote environment (`url`) only")
         raise_if_any(errors)
         return self
 
