@@ -43,6 +43,8 @@ def job(reward_url: str, mlflow_uri: str, hub_url: str) -> dict:
                 "lrSchedule": "cosine",
                 "warmupSteps": 1,
                 "overlongBuffer": 4,
+                # Synced after steps 2 and 3 only: step 2 samples the adapter from before step 1's update.
+                "syncEverySteps": 2,
             },
             "task": {
                 "dataset": {
@@ -122,6 +124,18 @@ def test_metrics_hold_each_reward_and_the_evaluations(data_run):
     status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
     assert status.phase == "Succeeded" and status.eval_reward == steps[-1]["eval_reward"] and status.eval_step == 3
     assert status.adapter_path == str((run_dir / "final-adapter").resolve())
+
+
+def test_steps_are_on_policy_only_when_sampled_from_the_trainers_exact_weights(data_run):
+    """grpo.syncEverySteps 2: step 1 samples version 0, the trainer's initial weights (on-policy); step 2 samples
+    version 0 again, but step 1 moved the trainer's weights: off-policy, its ratio uses vLLM's behaviour logprobs.
+    The sync after step 2 sends version 1, exactly the weights step 3 trains from: on-policy again."""
+    steps = records(data_run[0])
+    assert [r["rollout_version"] for r in steps] == [0, 0, 1]
+    assert [r["sync_round"] for r in steps] == [0, 1, 2]
+    assert [r["on_policy"] for r in steps] == [True, False, True]
+    assert all(r["mismatch_max_abs"] <= 1e-3 for r in steps if r["on_policy"])
+    assert steps[1]["importance_weight_mean"] > 0
 
 
 def status_of(run_dir) -> TrainerStatus:

@@ -1,11 +1,13 @@
-"""`grpolora run` end to end, as a user runs it: a trainer and two vLLM inference replicas as Ray actors on this
-machine, a tiny model, real adapter sync every step.
+"""`grpolora run` end to end, as a user runs it: two trainer ranks (FSDP2 over gloo) and two vLLM inference
+replicas as Ray actors on this machine, a tiny model, real adapter sync every step.
 
 Engine starts dominate the time of these tests, so one job carries the whole story in two `grpolora run`s:
 the first loses an inference replica (SIGKILLed at step 2, restarted, back in the sync group while the run goes on)
-and is then interrupted with SIGINT; the second, pipelined and with more steps, resumes it from its checkpoint and
-runs to the end. Module fixtures run the job once and record what they saw; each test asserts one behaviour on
-that record, so a failure still names what broke."""
+and is then interrupted with SIGINT; the second, pipelined and with more steps, resumes it from its checkpoint on
+both ranks and runs to the end. Every collective between rank 0 and its follower must match throughout (steps,
+syncs, checkpoints, the final adapter), across the replica losses, the interrupt and the resume. Module fixtures run
+the job once and record what they saw; each test asserts one behaviour on that record, so a failure still names
+what broke."""
 
 from __future__ import annotations
 
@@ -39,13 +41,16 @@ JOB = {
         "lora": {"rank": 8, "alpha": 16},
         "grpo": {
             "steps": 3,
-            "promptsPerStep": 2,
-            "generationsPerPrompt": 4,
+            # 3 prompts x 3 samples = 9 sequences over 2 ranks and micro-batches of 2: rank 1 holds 4 sequences
+            # and rank 0 five, so rank 1 meets a micro-batch with nothing in it.
+            "promptsPerStep": 3,
+            "generationsPerPrompt": 3,
+            "microBatchSize": 2,
             "maxNewTokens": 16,
             "learningRate": 1.0e-3,
         },
         "task": {"name": "keyword"},
-        "trainer": {"gpusPerReplica": 0},
+        "trainer": {"replicas": 2, "gpusPerReplica": 0},
         "inference": {"replicas": 2, "gpusPerReplica": 0, "kvCacheGiB": 1, "maxModelLen": 256},
         "sync": {"backend": "gloo", "timeoutSeconds": 60},
         "checkpoint": {"everySteps": 2},
@@ -108,7 +113,8 @@ def worker_pids(job_name: str, role: str, index: int) -> list[int]:
 
 def workers_left() -> list[str]:
     """This job's workers still running (other runs on a shared machine may have workers of their own)."""
-    replicas = [("trainer", 0)] + [("inference", i) for i in range(JOB["spec"]["inference"]["replicas"])]
+    replicas = [("trainer", i) for i in range(JOB["spec"]["trainer"]["replicas"])]
+    replicas += [("inference", i) for i in range(JOB["spec"]["inference"]["replicas"])]
     return [f"{role} {i}" for role, i in replicas if worker_pids(NAME, role, i)]
 
 
@@ -373,7 +379,13 @@ def test_run_folder_holds_adapter_plot_logs_and_final_status(resumed):
     config = PeftConfig.from_pretrained(run_dir / "final-adapter")  # the standard peft format
     assert config.r == 8
     assert (run_dir / "plot.png").stat().st_size > 10_000
-    assert {p.name for p in (run_dir / "logs").iterdir()} == {"trainer-0.log", "inference-0.log", "inference-1.log"}
+    assert {p.name for p in (run_dir / "logs").iterdir()} == {
+        "trainer-0.log",
+        "trainer-1.log",
+        "inference-0.log",
+        "inference-1.log",
+    }
+    assert (run_dir / "final-adapter" / "adapter_model.safetensors").exists()
     status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
     assert status.phase == "Succeeded" and status.step == status.total_steps == resumed.steps
     assert status.sync_round == resumed.records[-1]["sync_round"] and status.inference_restarts == 0
