@@ -9,13 +9,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.pool import Attachments, auth_digest, sync_key
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.launcher import local
-from grpolora.workers.launcher.local import LocalRun, Worker, _Live
+from grpolora.workers.launcher.local import LocalRun, RunFailed, Worker, _Live
 from tests.helpers import job_doc
 
 MODEL = {"name": "offline:tiny-llama", "dtype": "float32"}
@@ -57,6 +59,23 @@ def test_a_follower_rank_that_finished_first_is_not_a_failure(tmp_path, monkeypa
     run.start()
     run.wait()  # returns once trainer 0 is done; raised RunFailed("trainer 1 exited with code 0") before
     assert [j.state for j in run.jobs] == ["succeeded"]
+
+
+def test_an_inference_replica_with_a_spec_error_is_not_restarted(tmp_path, monkeypatch):
+    """Exit 78 (EX_CONFIG: a model that is not there, a token that cannot read it) is met again by every restart:
+    the run stops at once with the replica's own words, as the trainer's 78 ends its job. (Restarted three times,
+    each start a Ray actor and a process, it held the end of a run with a mistyped model for seconds.)"""
+    monkeypatch.setattr(local, "POLL_SECONDS", 0.01)
+    job = parse_job(job_doc(trainer={"gpusPerReplica": 0}, inference={"gpusPerReplica": 0}))
+    run = ScriptedRun(tmp_path, [job], [{}, {"demo inference 0": contract.EXIT_INVALID_SPEC}, {}, {}])
+    run.start()
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    (tmp_path / "logs" / "inference-0.log").write_text("spec.model.name: model path /x does not exist\n")
+    with pytest.raises(RunFailed, match="inference 0 exited with code 78: a spec error") as failed:
+        run.wait()
+    assert "model path /x does not exist" in str(failed.value)
+    assert [name for name, _ in run.started].count("demo inference 0") == 1  # never started again
+    assert run.inference_restarts == 0
 
 
 def pool(**spec) -> RolloutPool:

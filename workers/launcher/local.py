@@ -490,8 +490,8 @@ class LocalRun:
 
     def wait(self) -> None:
         """Until every job has ended: progress from each trainer rank 0's /status; a lost inference replica is
-        restarted within its budget (else RunFailed: the whole run stops); a failed trainer ends its job; on a pool,
-        waiting jobs attach as slots free."""
+        restarted within its budget unless it exited with a spec error (else RunFailed: the whole run stops); a
+        failed trainer ends its job; on a pool, waiting jobs attach as slots free."""
         client = httpx.Client(timeout=2.0)
         try:
             self._admit()
@@ -523,6 +523,9 @@ class LocalRun:
             self._end(job, f"trainer {worker.index} exited with code {code}; end of {worker.log}:\n{_tail(worker.log)}")
             return
         failure = f"inference {worker.index} exited with code {code}"
+        if code == contract.EXIT_INVALID_SPEC:  # a missing model or a refused token: every restart would meet it
+            failure += f": a spec error, not restarted; end of {worker.log}:\n{_tail(worker.log)}"
+            raise RunFailed(worker, failure)
         used = self.restarts.get(worker.index, 0)
         if used < INFERENCE_RESTARTS_PER_REPLICA:
             self._note(
