@@ -70,10 +70,16 @@ def test_an_inference_replica_with_a_spec_error_is_not_restarted(tmp_path, monke
     run = ScriptedRun(tmp_path, [job], [{}, {"demo inference 0": contract.EXIT_INVALID_SPEC}, {}, {}])
     run.start()
     (tmp_path / "logs").mkdir(exist_ok=True)
-    (tmp_path / "logs" / "inference-0.log").write_text("spec.model.name: model path /x does not exist\n")
-    with pytest.raises(RunFailed, match="inference 0 exited with code 78: a spec error") as failed:
+    (tmp_path / "logs" / "inference-0.log").write_text(
+        "ERROR inference server\nTraceback ...\nModelUnavailable: spec.model.name: model path /x does not exist\n"
+        "INFO:     Shutting down\n"
+    )
+    with pytest.raises(RunFailed) as failed:
         run.wait()
-    assert "model path /x does not exist" in str(failed.value)
+    # Its words first (status.json keeps the message's first lines), then the end of its log.
+    assert str(failed.value).startswith(
+        "inference 0 exited with code 78: a spec error, not restarted: spec.model.name: model path /x does not exist;"
+    )
     assert [name for name, _ in run.started].count("demo inference 0") == 1  # never started again
     assert run.inference_restarts == 0
 

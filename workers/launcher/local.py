@@ -524,7 +524,9 @@ class LocalRun:
             return
         failure = f"inference {worker.index} exited with code {code}"
         if code == contract.EXIT_INVALID_SPEC:  # a missing model or a refused token: every restart would meet it
-            failure += f": a spec error, not restarted; end of {worker.log}:\n{_tail(worker.log)}"
+            tail = _tail(worker.log)
+            said = [line[line.index("spec.") :] for line in tail.splitlines() if ": spec." in line]
+            failure += f": a spec error, not restarted{': ' + said[-1] if said else ''}; end of {worker.log}:\n{tail}"
             raise RunFailed(worker, failure)
         used = self.restarts.get(worker.index, 0)
         if used < INFERENCE_RESTARTS_PER_REPLICA:
