@@ -27,7 +27,7 @@ quickstart: venv
 test: venv
 	$(BIN)/ruff check .
 	status=0; \
-	$(BIN)/python -m pytest -m "not vllm" -n 2 --dist loadgroup || status=$$?; \
+	$(BIN)/python -m pytest -m "not vllm" -n 2 || status=$$?; \
 	$(BIN)/python -m pytest -m vllm || status=$$?; \
 	exit $$status
 
