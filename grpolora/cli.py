@@ -10,6 +10,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -289,11 +290,17 @@ def _print_structured(value: object, output: str) -> None:
 
 class _Yaml12SafeDumper(yaml.SafeDumper):
     """PyYAML's safe dumper, quoting the strings that YAML 1.1 reads as strings but YAML 1.2, and so kubectl, as
-    numbers (`1e5`): `grpolora render | kubectl apply -f -` must give the API server the string."""
+    numbers (`1e5`, `0o17`): `grpolora render | kubectl apply -f -` must give the API server the string."""
+
+
+# Integers with a base prefix that PyYAML (YAML 1.1) reads as strings, while kubectl's YAML reader (go-yaml v2)
+# resolves any plain scalar that Go's strconv.ParseInt(s, 0, 64) accepts, and that takes 0o, 0O, 0X and 0B.
+# Quoting more than needed is harmless: a quoted string is a string to every reader.
+_GO_PREFIXED_INT = re.compile(r"^[-+]?0[oOxXbB][0-9a-fA-F_]+$")
 
 
 def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.Node:
-    if YAML11_NUMBER.match(value):
+    if YAML11_NUMBER.match(value) or _GO_PREFIXED_INT.match(value):
         return dumper.represent_scalar("tag:yaml.org,2002:str", value, style="'")
     return dumper.represent_str(value)
 

@@ -201,3 +201,20 @@ def test_a_plain_exponent_number_outside_a_number_field_is_a_number_as_kubectl_r
     code, out, err = run(capsys, "render", str(path))
     assert code == 0, err
     assert "value: '1e5'" in out  # quoted: kubectl (YAML 1.2) would read a plain 1e5 as a number
+
+
+@pytest.mark.parametrize("value", ["0o17", "0O17", "0X1F", "0B101", "-0o7"])
+def test_render_quotes_the_strings_kubectl_would_read_as_go_integers(tmp_path, capsys, value):
+    """kubectl's YAML reader (sigs.k8s.io/yaml, a go-yaml v2 fork) resolves a plain scalar that Go's
+    strconv.ParseInt(s, 0, 64) accepts as an integer, and that takes the 0o, 0O, 0X and 0B prefixes; PyYAML (YAML
+    1.1) reads these as strings and would write them plain. Quoted in the job, they must reach the API server as
+    strings."""
+    path = job_file(tmp_path)
+    path.write_text(
+        path.read_text().replace(
+            "    gpusPerReplica: 1\n", f'    gpusPerReplica: 1\n    env: [{{name: X, value: "{value}"}}]\n'
+        )
+    )
+    code, out, err = run(capsys, "render", str(path))
+    assert code == 0, err
+    assert f"value: '{value}'" in out
