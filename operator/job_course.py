@@ -323,12 +323,16 @@ def _startup_deadline(
     stamp: str,
 ) -> tuple[str | None, _Course, _Build]:
     """Why the job's pods are overdue (spec.scheduling.startupDeadlineSeconds), if they are; with
-    onStartupDeadline: Fail, the job fails and creates nothing."""
+    onStartupDeadline: Fail (the default), a job that cannot make progress fails and creates nothing. One that
+    trains on the replicas it has is only reported: Fail gives back GPUs held idle, not a running job's."""
     spec = where.job_plan.spec
     tj = observed.trainer_job
     serving = _serving_replicas(spec, observed.inference, where.place)
     overdue = _startup_overdue(spec, old, course.phase, tj, serving, observed, now, on_pool=where.place is not None)
     if overdue is None or spec.scheduling.on_startup_deadline != "Fail":
+        return overdue, course, build
+    assert tj is not None  # overdue only with a trainer Job
+    if makes_progress(obs.job_ready(tj), spec.trainer.replicas, serving):
         return overdue, course, build
     deletes = course.deletes
     if tj is not None and not obs.deleting(tj):
@@ -470,7 +474,7 @@ def _startup_overdue(
     pool's ready servers, and a pool short of its desired replicas (scaled up beyond what the cluster can place, a
     replica lost) is the pool's to report (its Ready condition and events), never a reason to fail its jobs."""
     deadline = spec.scheduling.startup_deadline_seconds
-    if deadline is None or phase not in ("Pending", "Running") or tj is None or serving is None:
+    if deadline == 0 or phase not in ("Pending", "Running") or tj is None or serving is None:
         return None
     trainer_ready = obs.job_ready(tj)
     if (

@@ -1202,12 +1202,15 @@ class SchedulingSpec(SpecModel):
     preempts by it), as Kueue's own integrations take it from their pods. Set on a runtime, every job on it gets it.
     Unset: the cluster's globalDefault PriorityClass, if there is one."""
 
-    startup_deadline_seconds: int | None = Field(default=None, gt=0, le=c.MAX_TIMEOUT_SECONDS)
+    startup_deadline_seconds: int = Field(default=1800, ge=0, le=c.MAX_TIMEOUT_SECONDS)
     """Pods not all ready this long after they were created (or after one was lost) report
-    StartupDeadlineExceeded with the scheduler's reason. Unset: wait for ever."""
-    on_startup_deadline: Literal["Report", "Fail"] = "Report"
-    """`Report`: keep waiting and say why (condition PodsReady, an event, the message). `Fail`: fail the job and
-    release both pools, including the one whose pods did start."""
+    StartupDeadlineExceeded with the scheduler's reason. Half an hour by default: a multi-GB image pull on a fresh
+    GPU node and a model download fit in it; a pool that started should not hold its GPUs idle for ever while the
+    other cannot. 0: no deadline (wait for ever)."""
+    on_startup_deadline: Literal["Report", "Fail"] = "Fail"
+    """`Fail`: fail the job and release both pools, including the one whose pods did start, when the job cannot
+    make progress (a trainer rank or every serving replica not ready); a job that trains on the replicas it has is
+    only reported. `Report`: keep waiting and say why (condition PodsReady, an event, the message)."""
 
 
 class CheckpointSpec(SpecModel):

@@ -221,3 +221,22 @@ def test_the_docs_count_the_crds_the_chart_ships(path, chart):
                         r")(?: custom resources)? CRDs?\b", text)  # fmt: skip
     for listing in listed:
         assert all(kind in listing for kind in kinds) or listing in kinds, f"{path.name}: `{listing} CRD`"
+
+
+# ---- the startup deadline's default, said where users read it --------------------------------------------------
+
+
+def test_the_operator_guide_states_the_startup_deadlines_default_and_how_to_turn_it_off():
+    """The default lives in the spec (grpolora/api/spec.py SchedulingSpec); the guide says the same value and action,
+    and that 0 turns it off."""
+    from grpolora.api.spec import SchedulingSpec
+
+    default = SchedulingSpec()
+    text = re.sub(r"\s+", " ", (ROOT / "docs" / "operator.md").read_text())
+    section = text[text.index("## Partial admission and the startup deadline") :]
+    section = section[: section.index(" ## ")]
+    minutes = default.startup_deadline_seconds // 60
+    assert f"by default {minutes} minutes (`startupDeadlineSeconds: {default.startup_deadline_seconds}`)" in section
+    assert f"`onStartupDeadline: {default.on_startup_deadline}` by default" in section
+    assert "`startupDeadlineSeconds: 0` turns it off" in section
+    assert "waits for ever, as before" not in section

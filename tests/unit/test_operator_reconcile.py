@@ -72,8 +72,8 @@ def report(phase: str = "Running", **fields: Any) -> TrainerStatus:
 
 
 def pending() -> JobStatus:
-    """The status right after the children were created."""
-    return decide(applied_view(), JobStatus(), Observed(), NOW - datetime.timedelta(hours=1)).status
+    """The status right after the children were created (ten minutes ago: within the default startup deadline)."""
+    return decide(applied_view(), JobStatus(), Observed(), NOW - datetime.timedelta(minutes=10)).status
 
 
 def running(**fields: Any) -> JobStatus:
