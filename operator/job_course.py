@@ -206,9 +206,19 @@ def _trainer_course(
             final_message=f"trained {progress.step or 0}/{spec.grpo.steps} steps; "
             f"the inference replicas served adapter version {progress.sync_round or 0}",
         )
-    if not obs.job_failed(tj):
-        return course
-    failure = obs.trainer_failure(tj, observed.pods)
+    if obs.job_failed(tj):
+        failure = obs.trainer_failure(tj, observed.pods)
+    else:
+        # A pod of the current trainer Job on a lost node (deleted by the taint manager or a drain, its kubelet never
+        # confirms): the Job controller counts it as terminating, neither active nor failed, so with one rank the Job
+        # shows no condition for as long as the pod stays, and the podFailurePolicy's DisruptionTarget rule (matched
+        # against terminal pods only) never fires. Past its lost deadline it is a disruption like any other.
+        _, lost, _ = _stale_trainer_pods(_trainer_pods_of(tj, observed.pods), now)
+        if not lost:
+            return course
+        failure = obs.TrainerFailure(
+            names.CAUSE_DISRUPTION, f"{_lost_details(lost)} (the Job controller neither replaces nor fails it)"
+        )
     if failure.cause == names.CAUSE_INVALID_INPUT:
         return dataclasses.replace(
             course,
@@ -240,13 +250,7 @@ def _leaving_trainer(
     pods. A lost pod's rank may still run, cut off: the data plane refuses an older trainer incarnation
     (GRPOLORA_TRAINER_INCARNATION, workers/sync/receiver.py), and the fence keeps its address out of the rendezvous
     name. Its pods are the pass's listing of the job's pods (taken as they are now while a workload is leaving)."""
-    uid = (tj.get("metadata") or {}).get("uid")
-    left = [
-        pod
-        for pod in pods
-        if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == c.ROLE_TRAINER
-        and (uid is None or obs.controller_uid(pod) == uid)
-    ]
+    left = _trainer_pods_of(tj, pods)
     holding, lost, fence = _stale_trainer_pods(left, now)
     if holding or not left:  # (none left: the collector is about to drop the finalizer)
         note = f"{waiting}: {_waiting_details(holding)}" if holding else waiting
@@ -263,6 +267,17 @@ def _leaving_trainer(
     if restart:
         return dataclasses.replace(course, restart_note=note, requeue=REPLACE_RECHECK_SECONDS)
     return dataclasses.replace(course, waiting_pods=note, requeue=REPLACE_RECHECK_SECONDS)
+
+
+def _trainer_pods_of(tj: K8sObject, pods: Sequence[K8sObject]) -> list[K8sObject]:
+    """The trainer pods of this trainer Job (its controller uid) among the pass's listing of the job's pods."""
+    uid = (tj.get("metadata") or {}).get("uid")
+    return [
+        pod
+        for pod in pods
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == c.ROLE_TRAINER
+        and (uid is None or obs.controller_uid(pod) == uid)
+    ]
 
 
 def _stale_trainer_pods(

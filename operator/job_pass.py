@@ -169,7 +169,7 @@ class JobPass:
         if (running and (trainer_job or inference) and not_ready) or leaving:
             # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
             # shared listing was taken), and the job's failure is final, so they are listed as they are now.
-            failed = obs.job_condition(trainer_job, "Failed") is not None or leaving
+            failed = obs.job_failed(trainer_job) or leaving
             ours, events = await asyncio.gather(
                 self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=failed),
                 self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),

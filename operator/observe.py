@@ -38,13 +38,21 @@ def job_succeeded(job: K8sObject | None) -> bool:
     return job_condition(job, "Complete") is not None
 
 
+def failure_condition(job: K8sObject | None) -> Mapping[str, Any] | None:
+    """The trainer Job's failure: Failed, or the FailureTarget that precedes it. Since Kubernetes 1.31 the Job
+    controller writes FailureTarget as soon as the Job has failed (backoff limit, a FailJob rule) and adds Failed,
+    with the same reason and message, only once no pod of the Job is terminating (pkg/controller/job/job_controller.go
+    newFailureCondition, delayTerminalCondition; enactJobFinished). A pod on a lost node never stops terminating, so
+    Failed may never come: the job is failed from FailureTarget on."""
+    return job_condition(job, "Failed") or job_condition(job, "FailureTarget")
+
+
 def job_failed(job: K8sObject | None) -> bool:
-    # FailureTarget (Kubernetes 1.31+) comes first while pods still terminate; wait for the final Failed.
-    return job_condition(job, "Failed") is not None
+    return failure_condition(job) is not None
 
 
 def job_failure_message(job: K8sObject | None) -> str:
-    condition = job_condition(job, "Failed") or {}
+    condition = failure_condition(job) or {}
     reason, message = condition.get("reason", ""), condition.get("message", "")
     return ": ".join(part for part in (reason, message) if part) or "the trainer Job failed"
 
@@ -63,7 +71,7 @@ class TrainerFailure:
 def trainer_failure(job: K8sObject | None, pods: Sequence[K8sObject] = ()) -> TrainerFailure:
     """Why the (failed) trainer Job failed: the podFailurePolicy rule it names, else an ordinary failure. For bad
     spec or data the message is the trainer's own termination message, when its pod is still there to say it."""
-    condition = job_condition(job, "Failed") or {}
+    condition = failure_condition(job) or {}
     message = job_failure_message(job)
     matched = _POLICY_RULE.search(condition.get("message") or "")
     index = int(matched.group(1)) if matched and condition.get("reason") == names.R_POD_FAILURE_POLICY else None

@@ -890,6 +890,15 @@ class Cluster:
         root = f"/api/{group_version}" if group_version == "v1" else f"/apis/{group_version}"
         await self._call("PATCH", f"{root}/namespaces/{namespace}/{plural}/{name}/status", {"status": status})
 
+    async def delete_pod(self, name: str, namespace: str = NAMESPACE, *, grace: int | None = None) -> None:
+        """DELETE a pod with its own grace period (or `grace`), as the Job controller's deleteActivePods, the taint
+        manager's NoExecute eviction (pkg/controller/tainteviction) or a drain do: a pod bound to a node stays
+        Terminating until its kubelet removes it (never, on one of `Emulator.lost_nodes`)."""
+        body: dict[str, Any] = {"apiVersion": "v1", "kind": "DeleteOptions"}
+        if grace is not None:
+            body["gracePeriodSeconds"] = grace
+        await self._call("DELETE", f"/api/v1/namespaces/{namespace}/pods/{name}", body)
+
     def install(self, *resources: str) -> None:
         """Install CRDs that were left out (`running_cluster(uninstalled=...)`), e.g. Kueue's after the operator."""
         for resource in resources:

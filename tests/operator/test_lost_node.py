@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+
+import pytest
 
 from grpolora.api import constants as c
 from grpolora.operator import names
@@ -35,14 +37,34 @@ from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
 from grpolora.testing.kube_emulator import Cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, wait_for
+from tests.operator.job_controller_double import JobController
 
 LOST_NODE = "gpu-node-lost"
-FAILED = {"conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "x"}]}
+EXITED_1 = {
+    "phase": "Failed",
+    "containerStatuses": [{"name": c.ROLE_TRAINER, "state": {"terminated": {"exitCode": 1, "reason": "Error"}}}],
+}
 
 
 def progressing(cluster: Cluster) -> str:
     found = next((k for k in cluster.status("demo").get("conditions") or [] if k["type"] == names.PROGRESSING), {})
     return str(found.get("message", ""))
+
+
+def trainer_job_status(cluster: Cluster) -> dict:
+    return (cluster.get("batch/v1/jobs", "demo-trainer") or {}).get("status") or {}
+
+
+def trainer_condition(cluster: Cluster, type_: str) -> bool:
+    return any(
+        k["type"] == type_ and k["status"] == "True" for k in trainer_job_status(cluster).get("conditions") or []
+    )
+
+
+@pytest.fixture
+async def jobs(cluster: Cluster) -> AsyncIterator[JobController]:
+    async with JobController(cluster) as controller:
+        yield controller
 
 
 def trainer_jobs_created(cluster: Cluster) -> int:
@@ -66,23 +88,32 @@ async def passes_after(cluster: Cluster, count: int) -> None:
     await wait_for(lambda: cluster.emulator.log.count(("list", "pods", None)) >= before + count, f"{count} passes")
 
 
-async def fail_the_trainer_on_a_lost_node(cluster: Cluster) -> tuple[str, dict]:
+async def fail_the_trainer_on_a_lost_node(cluster: Cluster, jobs: JobController) -> tuple[str, dict]:
+    """Two trainer ranks; rank 1's node is lost. In the order the real components produce it: the taint manager
+    deletes the pod on the unreachable node (NoExecute, after tolerationSeconds; pkg/controller/tainteviction), which
+    stays Terminating; rank 0's collective then times out and its container exits 1; the Job controller (played by
+    `jobs`, 1.31+ rules) writes FailureTarget BackoffLimitExceeded and never Failed, since a pod still terminates."""
     cluster.emulator.pod_exit_seconds = None  # the containers ignore SIGTERM (NCCL): Terminating for the whole grace
     cluster.emulator.lost_nodes.add(LOST_NODE)
-    await cluster.apply(job_doc(trainer={"maxRestarts": 1}))
+    await cluster.apply(job_doc(trainer={"maxRestarts": 1, "replicas": 2}))
     await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the children")
-    pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node=LOST_NODE)
-    await cluster.set_status("batch/v1/jobs", "demo-trainer", FAILED)
-    await wait_for(lambda: (cluster.get("v1/pods", pod) or {}).get("metadata", {}).get("deletionTimestamp"), "deleted")
+    await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", 0, node="gpu-node-1")
+    pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", 1, node=LOST_NODE)
+    await cluster.delete_pod(pod)  # the taint manager
+    await wait_for(lambda: trainer_job_status(cluster).get("terminating") == 1, "the Job counting the pod terminating")
+    survivor = next(name for name in cluster.objects("v1/pods") if name.startswith("demo-trainer-0-"))
+    await cluster.set_status("v1/pods", survivor, EXITED_1)
+    await wait_for(lambda: trainer_condition(cluster, "FailureTarget"), "FailureTarget on the trainer Job")
+    assert not trainer_condition(cluster, "Failed"), "the Job controller wrote Failed while a pod terminates"
     await cluster.emulator.end_grace_periods()  # the kubelet's SIGKILL comes from healthy nodes only
     found = cluster.get("v1/pods", pod)
     assert found is not None, "a lost node's kubelet removed its pod"
     return pod, found
 
 
-async def test_a_restart_waits_while_the_pod_is_within_its_deadline_and_says_until_when(cluster, operator):
+async def test_a_restart_waits_while_the_pod_is_within_its_deadline_and_says_until_when(cluster, jobs, operator):
     """Slow, not lost: while the grace period and the margin after it last, the pod is waited for."""
-    pod, found = await fail_the_trainer_on_a_lost_node(cluster)
+    pod, found = await fail_the_trainer_on_a_lost_node(cluster, jobs)
     lost_at = deadline_of(found) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
     await wait_for(lambda: f"pod {pod} Terminating since" in progressing(cluster), "the restart naming the pod")
     assert f"taken as lost at {lost_at.strftime('%Y-%m-%dT%H:%M:%SZ')}" in progressing(cluster)
@@ -95,8 +126,10 @@ async def test_a_restart_waits_while_the_pod_is_within_its_deadline_and_says_unt
     assert c.LABEL_JOB_UID in cluster.get("v1/pods", pod)["metadata"]["labels"], "fenced before it was lost"
 
 
-async def test_a_pod_whose_node_never_confirms_is_taken_as_lost_and_the_job_restarts_and_finishes(cluster, operator):
-    pod, found = await fail_the_trainer_on_a_lost_node(cluster)
+async def test_a_pod_whose_node_never_confirms_is_taken_as_lost_and_the_job_restarts_and_finishes(
+    cluster, jobs, operator
+):
+    pod, found = await fail_the_trainer_on_a_lost_node(cluster, jobs)
     service = cluster.get("v1/services", "demo-trainer")
     assert service is not None
     selector = service["spec"]["selector"]
@@ -118,8 +151,47 @@ async def test_a_pod_whose_node_never_confirms_is_taken_as_lost_and_the_job_rest
     assert lost_events and f"pod {pod} Terminating since" in lost_events[0]
     assert f"taken as lost at {lost_at.strftime('%Y-%m-%dT%H:%M:%SZ')}" in lost_events[0]
 
-    # The replacement runs and completes: the job finishes.
-    await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
-    await cluster.set_status("batch/v1/jobs", "demo-trainer", {"conditions": [{"type": "Complete", "status": "True"}]})
+    # The replacement's two ranks run and complete (the Job controller writes SuccessCriteriaMet, then Complete):
+    # the job finishes.
+    for rank in (0, 1):
+        done = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", rank, node="gpu-node-1")
+        await cluster.set_status("v1/pods", done, {"phase": "Succeeded"})
     await wait_for(lambda: cluster.status("demo").get("phase") == "Succeeded", "the job Succeeded")
     assert cluster.status("demo")["trainerRestarts"] == 1
+
+
+async def test_one_rank_on_a_lost_node_restarts_the_trainer_once_the_pod_is_past_its_lost_deadline(
+    cluster, jobs, operator
+):
+    """One rank: the Job controller shows active 0, terminating 1 and no condition for as long as the pod stays
+    (no pod is terminal, so neither the backoff limit nor the podFailurePolicy's DisruptionTarget rule, which only
+    terminal pods are matched against, ever fires). The operator takes its current trainer's pod as lost once past
+    its lost deadline, and restarts the trainer as after a disruption."""
+    cluster.emulator.pod_exit_seconds = None
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.apply(job_doc(trainer={"maxRestarts": 0}))
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the children")
+    pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node=LOST_NODE)
+    await cluster.delete_pod(pod)  # the taint manager
+    await wait_for(lambda: trainer_job_status(cluster).get("terminating") == 1, "the Job counting the pod terminating")
+    found = cluster.get("v1/pods", pod)
+    assert found is not None
+    lost_at = deadline_of(found) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    assert operator.controller is not None
+    operator.controller.clock = clock_at(lost_at - datetime.timedelta(seconds=5))
+    await passes_after(cluster, 3)
+    assert trainer_jobs_created(cluster) == 1 and not cluster.status("demo").get("trainerRestarts")
+    assert trainer_job_status(cluster) == {**trainer_job_status(cluster), "active": 0, "terminating": 1}
+    assert not any(k["status"] == "True" for k in trainer_job_status(cluster).get("conditions") or [])
+
+    operator.controller.clock = clock_at(lost_at + datetime.timedelta(seconds=1))
+    await wait_for(lambda: trainer_jobs_created(cluster) == 2, "the replacement trainer Job", timeout=15)
+    replacement = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert replacement["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "1"
+    status = cluster.status("demo")
+    assert status["trainerRestarts"] == 1 and status["restartsByCause"]["disruption"] == 1, status
+    await passes_after(cluster, 3)
+    assert trainer_jobs_created(cluster) == 2, "restarted again for the same lost pod"
+    done = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
+    await cluster.set_status("v1/pods", done, {"phase": "Succeeded"})
+    await wait_for(lambda: cluster.status("demo").get("phase") == "Succeeded", "the job Succeeded")

@@ -479,6 +479,20 @@ def test_status_patch_recurses_into_objects():
     assert status_patch(old, new) == {"rendezvous": {"epoch": 5}}
 
 
+def test_failure_target_restarts_the_trainer_as_failed_would():
+    """Since Kubernetes 1.31 the Job controller writes FailureTarget first and Failed only once no pod terminates
+    (pkg/controller/job/job_controller.go, release-1.31: newFailureCondition, delayTerminalCondition): with a rank
+    on a lost node Failed never comes. The restart is committed on FailureTarget, with its reason and message."""
+    view = applied_view(trainer={"maxRestarts": 2})
+    target = trainer_job(condition="FailureTarget", message="Job has reached the specified backoff limit")
+    first = decide(view, running(), Observed(target, statefulset(1)), NOW)
+    assert first.status.trainer_restarts == 1 and first.status.restarts_by_cause.failure == 1
+    assert "Job has reached the specified backoff limit" in first.events[0].message
+    second = decide(view, first.status, Observed(target, statefulset(1)), NOW)
+    assert second.delete == (ChildRef("Job", "demo-trainer"),) and second.status.trainer_restarts == 1
+    assert not should_poll_trainer(view, running(), trainer_job(active=1, condition="FailureTarget"))
+
+
 def test_the_trainer_is_polled_only_while_its_pod_can_answer():
     view = applied_view()
     assert should_poll_trainer(view, JobStatus(), trainer_job(active=1))
