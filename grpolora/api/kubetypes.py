@@ -6,7 +6,8 @@ the operator creates those objects; checked here, `grpolora validate` and the op
 
 Two layers: the Kubernetes OpenAPI schemas of those types (kubeschema.json, extracted from kubernetes-validate's
 strict schemas by tests/kube_schema.py: unknown fields, types, required fields), plus the few value rules the API
-server enforces in code that matter here (quantities, toleration operators and effects). Other server-side rules
+server enforces in code that matter here (quantities and the resource rules of grpolora.api.quantity, toleration
+operators and effects). Other server-side rules
 (e.g. a toleration with `operator: Exists` must have no value) are left to the API server; the operator reports
 its refusal in the job's status (see grpolora.operator.controller).
 """
@@ -20,6 +21,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from grpolora.api import quantity
+
 KUBERNETES_VERSION: Final = "1.33.0"
 SCHEMA_FILE: Final = Path(__file__).with_name("kubeschema.json")
 ROOT_TYPES: Final = {
@@ -30,7 +33,8 @@ ROOT_TYPES: Final = {
     "NetworkPolicyPeer": "io.k8s.api.networking.v1.NetworkPolicyPeer",
     "PodTemplateSpec": "io.k8s.api.core.v1.PodTemplateSpec",
 }
-# k8s.io/apimachinery/pkg/api/resource: the quantity grammar (number, then a binary, decimal or exponent suffix).
+# k8s.io/apimachinery/pkg/api/resource: the quantity grammar (number, then a binary, decimal or exponent suffix), for
+# the API emulator's message; validation parses with grpolora.api.quantity, as the API server does.
 QUANTITY: Final = re.compile(
     r"^[+-]?([0-9]+(\.[0-9]*)?|\.[0-9]+)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?$"
 )
@@ -105,14 +109,14 @@ def _walk(value: Any, schema: dict[str, Any], path: str, partial: bool = False) 
 def _values(value: Any, type_name: str, path: str) -> Iterator[tuple[str, str]]:
     """The API server's value rules that the schemas do not carry (only called on schema-valid values)."""
     if type_name == "ResourceRequirements":
-        for section in ("limits", "requests"):
-            for resource, quantity in (value.get(section) or {}).items():
-                if isinstance(quantity, str) and not QUANTITY.match(quantity):
-                    yield (
-                        _join(path, f"{section}.{resource}"),
-                        f"Invalid value: {json.dumps(quantity)}: quantities must match the regular expression "
-                        f"'{QUANTITY.pattern}' (e.g. 500m, 2, 16Gi)",
-                    )
+        yield from quantity.requirements_problems(value, path)
+    elif type_name == "PodTemplateSpec":  # the sidecars' and init containers' resources
+        spec = value.get("spec") or {}
+        for kind in ("containers", "initContainers"):
+            for i, container in enumerate(spec.get(kind) or []):
+                resources = container.get("resources") if isinstance(container, dict) else None
+                if isinstance(resources, dict):
+                    yield from quantity.requirements_problems(resources, _join(path, f"spec.{kind}[{i}].resources"))
     elif type_name == "Toleration":
         operator, effect = value.get("operator"), value.get("effect")
         if operator and operator not in TOLERATION_OPERATORS:

@@ -26,7 +26,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from grpolora.api import constants as c
-from grpolora.api import kubetypes, overlay
+from grpolora.api import kubetypes, overlay, quantity
 
 Port = Annotated[int, Field(ge=1024, le=65535)]
 NonEmptyStr = Annotated[str, StringConstraints(min_length=1)]
@@ -984,8 +984,14 @@ class RoleSpec(SpecModel):
     @field_validator("shm_size_limit", "cache_size_limit")
     @classmethod
     def _shm_quantity(cls, value: str | None) -> str | None:
-        if value is not None and not kubetypes.QUANTITY.match(value):
-            raise ValueError(f"{value!r} is not a Kubernetes quantity (e.g. 8Gi, 512Mi)")
+        if value is None:
+            return value
+        try:
+            size = quantity.parse(value)
+        except quantity.QuantityError as exc:
+            raise ValueError(f"{value!r} is not a Kubernetes quantity ({exc}; e.g. 8Gi, 512Mi)") from None
+        if size < 0:
+            raise ValueError(f"{value!r}: must be greater than or equal to 0")
         return value
 
     @field_validator("resources")

@@ -154,3 +154,33 @@ def test_eval_and_run_refuse_a_file_with_several_jobs_naming_it(tmp_path):
     assert result.returncode == 1 and result.stderr.strip() == f"{path}: holds 2 jobs; `grpolora eval` evaluates one"
     result = grpolora("run", str(path))
     assert result.returncode == 1 and result.stderr.strip() == f"{path}: holds 2 jobs; `grpolora run` runs one"
+
+
+def test_validate_refuses_quantities_the_api_server_refuses_at_their_lines(tmp_path):
+    """A negative quantity, a request above its limit: the API server refuses the trainer Job or StatefulSet
+    (ValidateResourceRequirements); validate says so before, at the field and its line, errors in line order."""
+    job = tmp_path / "job.yaml"
+    job.write_text(
+        "apiVersion: grpolora.dev/v1alpha1\n"
+        "kind: GRPOLoraJob\n"
+        "metadata: {name: sized}\n"
+        "spec:\n"
+        "  model: {name: m}\n"
+        "  trainer:\n"
+        "    resources:\n"
+        "      requests: {memory: 64Gi}\n"
+        "      limits: {memory: 32Gi}\n"
+        "  inference:\n"
+        "    resources:\n"
+        "      limits:\n"
+        "        memory: -1Gi\n"
+    )
+    result = grpolora("validate", str(job))
+    assert result.returncode == 1 and "is valid" not in result.stdout
+    lines = result.stderr.splitlines()
+    request = f"{job}: line 8: spec.trainer.resources.requests.memory: Invalid value: " \
+        '"64Gi": must be less than or equal to memory limit of 32Gi'  # fmt: skip
+    negative = f"{job}: line 13: spec.inference.resources.limits.memory: Invalid value: " \
+        '"-1Gi": must be greater than or equal to 0'  # fmt: skip
+    assert request in lines and negative in lines, result.stderr
+    assert lines.index(request) < lines.index(negative)
