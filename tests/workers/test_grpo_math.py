@@ -874,3 +874,96 @@ def test_unscorable_completions_are_left_out_of_their_groups_baseline():
     )
     with pytest.raises(ValueError, match="finite or NaN"):
         group_advantages(torch.tensor([[1.0, float("inf")]]), "group-normalized")
+
+
+# --- numerics: log-ratios clamped as verl clamps them (issue 47) ------------------------------------------------------
+
+
+def _finite_stats(stats: LossStats) -> bool:
+    return all(math.isfinite(v) for v in stats.as_tensor().tolist())
+
+
+def test_a_sequence_log_weight_past_float32s_range_gives_a_finite_loss_and_figures():
+    # importanceWeightLevel: sequence multiplies the token weights: two tokens of log-weight 50 each sum to 100, and
+    # exp(100) overflows float32 (max ~3.4e38, exp(88.7)). Before the clamp the weight was inf: the loss was still
+    # finite (capped at 2) but weight_sum was NaN (row 0's padding position carried its row's inf times 0) and
+    # weight_max inf, so metrics.jsonl got NaN and Infinity. verl clamps the summed log-ratio to +-20
+    # (verl/trainer/ppo/rollout_corr_helper.py:75 SAFETY_BOUND, :543, volcengine/verl b178a3c, v0.7.0+125):
+    # row 0's weight is exp(20) before truncation, cut to the cap 2. Row 1: one token, log-weight -100 -> exp(-20).
+    # On-policy ratio 1, A = (1, 1): loss -(2 + 2 + exp(-20)) / 3; weight_max exp(20), weight_sum
+    # 2 exp(20) + exp(-20) over the 3 tokens.
+    behaviour = torch.tensor([[-60.0, -60.0, 0.0], [-5.0, -5.0, 0.0]])
+    proximal = torch.tensor([[-10.0, -10.0, 0.0], [-105.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    logp = proximal.clone().requires_grad_()
+    loss, stats = grpo_loss(
+        logp, proximal, None, torch.ones(2), mask, clip_epsilon=0.2, kl_coef=0.0, normalizer=3,
+        behaviour_logp=behaviour, weight_cap=2.0, weight_level="sequence",
+    )  # fmt: skip
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(logp.grad).all()
+    close(loss, -(4 + math.exp(-20)) / 3)
+    assert _finite_stats(stats), stats
+    assert stats.weight_max == pytest.approx(math.exp(20)) and stats.weight_sum == pytest.approx(2 * math.exp(20))
+    assert stats.truncated == 2.0
+
+
+def test_a_token_ratio_past_float32s_range_gives_a_finite_loss():
+    # Several updates per batch: a token whose logprob rose by 100 nats since the proximal policy (a degenerate
+    # step) has ratio exp(100) = inf in float32; with A < 0 PPO's min() keeps the unclipped term, -inf * -1: an
+    # infinite loss and a NaN gradient. verl clamps the log-ratio to +-20 before exp (core_algos.py:1130,
+    # compute_policy_loss_vanilla): the ratio is exp(20), loss exp(20) * 1 / 1, and no gradient past the clamp.
+    proximal = torch.tensor([[-101.0]])
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    loss, stats = grpo_loss(
+        logp, proximal, None, torch.tensor([-1.0]), torch.ones(1, 1), clip_epsilon=0.2, kl_coef=0.0, normalizer=1
+    )
+    loss.backward()
+    close(loss, math.exp(20), tol=1e-6 * math.exp(20))
+    close(logp.grad, [[0.0]])
+    assert _finite_stats(stats) and stats.mean_ratio == pytest.approx(math.exp(20))
+
+
+def test_the_k3_estimator_stays_finite_for_a_token_the_policy_all_but_excludes():
+    # ref - logp = 100: exp(100) overflows float32. verl's low_var_kl (k3) clamps that log-ratio to +-20
+    # (core_algos.py:1893): k3 = exp(20) - 20 - 1.
+    value = k3_kl(torch.tensor([-100.0]), torch.tensor([0.0]))
+    close(value, [math.exp(20) - 21], tol=1e-6 * math.exp(20))
+
+
+def test_the_kl_term_is_importance_weighted_on_off_policy_tokens():
+    # The tokens of an off-policy step were sampled by the behaviour policy mu, and k3 estimates KL(pi || ref) only
+    # under samples of pi: each token's KL term takes the same (capped) weight w = pi_prox / mu as its policy term
+    # (TRL's use_bias_correction_kl weights it by its ratio; docs/design.md says why this weight).
+    # Two tokens, A = 0 (no policy term), on-policy ratio 1, kl_coef 0.5, cap 2:
+    #   token 0: w = 1.5, ref - logp = ln 2: k3 = 2 - ln 2 - 1 = 0.3068528; d k3 / d logp = 1 - 2 = -1
+    #   token 1: w = 3 -> 2, ref - logp = -ln 2: k3 = 0.5 + ln 2 - 1 = 0.1931472; d k3 / d logp = 1 - 0.5 = 0.5
+    # loss = 0.5 * (1.5 * 0.3068528 + 2 * 0.1931472) / 2 = 0.2116434; gradient 0.5 * w * dk3 / 2 = [-0.375, 0.25].
+    # The reported KL is the weighted one too: (1.5 * 0.3068528 + 2 * 0.1931472) / 2 tokens.
+    behaviour = torch.full((2, 1), -2.0)
+    proximal = behaviour + torch.tensor([[1.5], [3.0]]).log()
+    logp = proximal.clone().requires_grad_()
+    ref = proximal + torch.tensor([[LN2], [-LN2]])
+    loss, stats = grpo_loss(
+        logp, proximal, ref, torch.zeros(2), torch.ones(2, 1), clip_epsilon=0.2, kl_coef=0.5, normalizer=2,
+        behaviour_logp=behaviour, weight_cap=2.0,
+    )  # fmt: skip
+    close(loss, 0.2116434)
+    loss.backward()
+    close(logp.grad, [[-0.375], [0.25]])
+    assert stats.mean_kl == pytest.approx((1.5 * 0.3068528 + 2 * 0.1931472) / 2, rel=1e-6)
+    # Masked (weight past the cap): token 1 leaves the KL term as it leaves the policy term.
+    loss, _ = grpo_loss(
+        logp, proximal, ref, torch.zeros(2), torch.ones(2, 1), clip_epsilon=0.2, kl_coef=0.5, normalizer=2,
+        behaviour_logp=behaviour, weight_cap=2.0, weight_mode="mask",
+    )  # fmt: skip
+    close(loss, 0.5 * 1.5 * 0.3068528 / 2)
+
+
+def test_clip_fractions_low_and_high_apart_as_trl_logs_them():
+    # TRL's clip_ratio/low_mean, high_mean and region_mean (trl/trainer/grpo_trainer.py, GRPOTrainer._compute_loss):
+    # the share of completion tokens clipped below (A < 0) and above (A > 0), and of either.
+    stats = LossStats(token_count=8, clipped_low=1, clipped_high=3, clipped_ratio_max=2)
+    assert (stats.clip_low_fraction, stats.clip_high_fraction, stats.clip_region_fraction) == (0.125, 0.375, 0.5)
+    assert stats.clip_fraction == 0.75  # ours also counts the two-sided clip's (clipRatioMax)
+    assert LossStats().clip_low_fraction == 0.0

@@ -22,6 +22,14 @@ RatioLevel = Literal["token", "sequence"]
 WeightMode = Literal["truncate", "mask"]
 WeightLevel = Literal["token", "sequence", "geometric"]
 
+LOG_RATIO_BOUND = 20.0
+"""Every log-ratio is clamped to [-20, 20] before exp(), as verl clamps them (volcengine/verl b178a3c, v0.7.0+125:
+`SAFETY_BOUND = 20.0` in verl/trainer/ppo/rollout_corr_helper.py:75 for its rollout IS weights, and
+verl/trainer/ppo/core_algos.py:1130 for the PPO ratio, :1893 for k3). exp(20) is about 4.9e8: far past any cap or
+clip, so nothing a healthy run computes changes, while a sequence-level weight's summed log-ratio (|y| tokens'
+worth) or a degenerate token can no longer overflow float32 (exp(88.7)) into inf, and from there NaN, in the loss
+or in metrics.jsonl. Past the bound the value stays exp(+-20) and its gradient is 0."""
+
 
 def group_advantages(
     rewards: Tensor, method: AdvantageMethod, eps: float = 1e-6, scale: AdvantageScale | None = None
@@ -257,8 +265,10 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     With tokens sampled from pi, E[exp(ref - logp)] = 1, so the expectation is E[logp - ref] = KL(pi || ref):
     unbiased, and lower-variance than log(pi / ref) because each term is >= 0 (e^x >= 1 + x), with equality
     exactly where logp == ref_logp. Its gradient with respect to logp is 1 - exp(ref - logp).
+    ref - logp is clamped to +-LOG_RATIO_BOUND (verl's low_var_kl does the same), so a token the policy all but
+    excludes gives a large but finite term.
     """
-    log_ratio = ref_logp - logp
+    log_ratio = (ref_logp - logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     return torch.exp(log_ratio) - log_ratio - 1
 
 
@@ -301,7 +311,8 @@ class LossStats(_Reducible):
     clipped_high: float = 0.0
     """Tokens with A > 0 and ratio > 1 + eps_high: the clip zeroes their policy gradient."""
     kl_sum: float = 0.0
-    """Sum of the per-token k3 KL to the reference (0 when no reference logprobs were given)."""
+    """Sum of the per-token k3 KL to the reference (0 when no reference logprobs were given); on weighted steps
+    (behaviour_logp given) each token's term times its capped weight w_t, as in the loss."""
     policy_loss_sum: float = 0.0
     """Sum of the per-token (weighted) clipped surrogate loss."""
     off_policy_tokens: float = 0.0
@@ -321,7 +332,23 @@ class LossStats(_Reducible):
 
     @property
     def clip_fraction(self) -> float:
+        """Share of the tokens whose policy gradient a clip zeroed: PPO's below and above, and clipRatioMax's."""
         return safe_div(self.clipped_low + self.clipped_high + self.clipped_ratio_max, self.token_count)
+
+    @property
+    def clip_low_fraction(self) -> float:
+        """Share clipped below (A < 0, ratio < 1 - eps_low): TRL's `clip_ratio/low_mean`."""
+        return safe_div(self.clipped_low, self.token_count)
+
+    @property
+    def clip_high_fraction(self) -> float:
+        """Share clipped above (A > 0, ratio > 1 + eps_high): TRL's `clip_ratio/high_mean`."""
+        return safe_div(self.clipped_high, self.token_count)
+
+    @property
+    def clip_region_fraction(self) -> float:
+        """Share clipped either way by PPO's clip (not clipRatioMax's): TRL's `clip_ratio/region_mean`."""
+        return safe_div(self.clipped_low + self.clipped_high, self.token_count)
 
     @property
     def mean_ratio(self) -> float:
@@ -399,7 +426,7 @@ def grpo_loss(
         w_t     = clamp(w_t, weight_floor, weight_cap)      (weight_mode "truncate")
                   or w_t if weight_floor <= w_t <= weight_cap else 0    (weight_mode "mask")
         l_t     = -w_t * min(min(ratio_t, clip_ratio_max) * A, clip(ratio_t, 1 - eps_low, 1 + eps_high) * A)
-                  + kl_coef * k3(logp_t, ref_logp_t)
+                  + kl_coef * w_t * k3(logp_t, ref_logp_t)
         loss    = sum_t(l_t * mask_t) / normalizer                                (token-mean, constant)
         loss    = sum_b(sum_t(l_t * mask_t) / |y_b|) / normalizer                 (sequence-mean)
 
@@ -409,7 +436,10 @@ def grpo_loss(
     generated them): the weight w_t corrects for sampling from that older (or numerically different) policy, and
     is truncated at `weight_cap` so that a token the sampler found unlikely cannot blow up the step's variance
     (or, `mask`, such a token leaves the loss: no biased gradient for it, but none at all).
-    Without it (an on-policy step) this is the plain clipped surrogate.
+    Without it (an on-policy step) this is the plain clipped surrogate. The KL term takes the same w_t: k3
+    estimates KL(pi || ref) from tokens sampled by pi, and these were sampled by the behaviour policy
+    (docs/design.md, "The KL term off-policy"). Every log-ratio (ratio, weight, k3) is clamped to
+    +-LOG_RATIO_BOUND before exp(), as verl does, so the loss and the figures stay finite.
 
     `weight_floor` (None: no lower bound) keeps tokens (or, at the sequence levels, whole sequences) the trainer
     finds far less likely than the sampler did from pulling the gradient down to nothing (truncate) or drops them
@@ -478,9 +508,9 @@ def grpo_loss(
 
     if ratio_level == "sequence":
         log_ratio = ((logp - proximal_logp) * weight).sum(dim=1, keepdim=True) / lengths
-        ratio = torch.exp(log_ratio).expand_as(logp)
+        ratio = torch.exp(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)).expand_as(logp)
     else:
-        ratio = torch.exp(logp - proximal_logp)
+        ratio = torch.exp((logp - proximal_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
     clipped_ratio = ratio.clamp(1 - eps_low, 1 + eps_high)
     unclipped = ratio if clip_ratio_max is None else ratio.clamp(max=clip_ratio_max)
     policy_loss = -torch.minimum(unclipped * adv, clipped_ratio * adv)
@@ -491,7 +521,7 @@ def grpo_loss(
             if weight_level == "geometric":
                 log_weight = log_weight / lengths
             log_weight = log_weight.expand_as(logp)
-        behaviour_weight = torch.exp(log_weight)
+        behaviour_weight = torch.exp(log_weight.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))
         floor = 0.0 if weight_floor is None else weight_floor
         outside = (behaviour_weight > weight_cap) | (behaviour_weight < floor)
         if weight_mode == "mask":
@@ -503,23 +533,26 @@ def grpo_loss(
     kl = None
     if ref_logp is not None:
         kl = k3_kl(logp, torch.where(keep, ref_logp.detach(), zero))
+        if behaviour_logp is not None:  # sampled by the behaviour policy: weighted as the policy term is
+            kl = capped * kl
         per_token = per_token + kl_coef * kl
     token_weight = weight / lengths if aggregation == "sequence-mean" else weight
     loss = (per_token * token_weight).sum() / normalizer
 
     with torch.no_grad():
+        # where(), not a multiply by the mask: a padding position must add 0 whatever its row's value is.
         sums = torch.stack(
             [
                 weight.sum(),
-                (ratio * weight).sum(),
+                torch.where(keep, ratio, zero).sum(),
                 ((ratio < 1 - eps_low) & (adv < 0) & keep).sum().to(weight.dtype),
                 ((ratio > 1 + eps_high) & (adv > 0) & keep).sum().to(weight.dtype),
-                (kl * weight).sum() if kl is not None else zero,
-                (policy_loss * weight).sum(),
+                torch.where(keep, kl, zero).sum() if kl is not None else zero,
+                torch.where(keep, policy_loss, zero).sum(),
                 *(
                     (
                         weight.sum(),
-                        (behaviour_weight * weight).sum(),
+                        torch.where(keep, behaviour_weight, zero).sum(),
                         torch.where(keep, behaviour_weight, zero).max() if keep.any() else zero,
                         (outside & keep).sum().to(weight.dtype),
                     )
@@ -607,7 +640,7 @@ def logprob_mismatch(trainer_logp: Tensor, sampler_logp: Tensor, mask: Tensor) -
     abs_diff = (trainer - sampler).abs()
     return MismatchStats(
         token_count=float(trainer.numel()),
-        exp_abs_diff_sum=float(torch.expm1(abs_diff).sum()),
+        exp_abs_diff_sum=float(torch.expm1(abs_diff.clamp(max=LOG_RATIO_BOUND)).sum()),
         max_abs_diff=float(abs_diff.max()),
         kl_sum=float(k3_kl(sampler, trainer).sum()),
     )
