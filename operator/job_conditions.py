@@ -83,21 +83,33 @@ def _status(
         f"sync-group epoch {progress.epoch}"
     )
     restart_note = course.restart_note
+    pending_reason, pending_why = _pending_message(
+        observed, where, course, pods, rendezvous, admission, build, wanted=wanted
+    )
     message = {
-        "Pending": _pending_message(observed, where, course, pods, rendezvous, admission, build, wanted=wanted)
-        or "waiting for the trainer and inference pods",
+        "Pending": pending_why or "waiting for the trainer and inference pods",
         "Running": f"{running_message}; {restart_note}" if restart_note else running_message,
         "Suspended": suspended_message(spec),
     }.get(phase, course.final_message or "")
+    progressing = (
+        cond.Want(names.PROGRESSING, "True", names.R_REKEYING, course.rekey_note)
+        if course.rekey_note is not None
+        else _progressing_condition(phase, restart_note, running_message, message)
+    )
+    reason = {
+        "Pending": pending_reason,
+        "Running": progressing.reason,
+        "Succeeded": names.R_COMPLETED,
+        "Failed": course.failed_reason,
+        "Suspended": names.R_SUSPENDED,
+    }.get(phase)
     wants = [
         cond.Want(names.CREATED, "False", names.R_WAITING_FOR_PREVIOUS_JOB, _blocked_message(observed.blocked))
         if observed.blocked
         else cond.Want(names.CREATED, "True", names.R_CHILDREN_CREATED, "children created from the applied spec"),
         pods,
         rendezvous,
-        cond.Want(names.PROGRESSING, "True", names.R_REKEYING, course.rekey_note)
-        if course.rekey_note is not None
-        else _progressing_condition(phase, restart_note, running_message, message),
+        progressing,
         cond.Want(names.SUCCEEDED, "True", names.R_COMPLETED, message)
         if phase == "Succeeded"
         else cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
@@ -117,6 +129,9 @@ def _status(
     status = JobStatus(
         phase=phase,
         message=message,
+        reason=reason,
+        progress=f"{progress.step or 0}/{spec.grpo.steps}",
+        ready=f"{counts.trainer.ready + counts.inference.ready}/{counts.trainer.desired + counts.inference.desired}",
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         **progress.status_fields(),
@@ -145,24 +160,28 @@ def _pending_message(
     build: _Build,
     *,
     wanted: bool,
-) -> str:
-    """Why a Pending job waits, the most telling reason last (each overrides those before it)."""
-    why = pods.message if pods.status == "False" and wanted else ""
+) -> tuple[str, str]:
+    """Why a Pending job waits, the most telling reason last (each overrides those before it): the reason of the
+    condition it comes from (kubectl get glj's Reason column), and the message."""
+    reason, why = (pods.reason, pods.message) if pods.status == "False" and wanted else ("", "")
+    if not why:  # the pods are ready: the trainer is starting (or the job waits for its pods to be made)
+        reason = rendezvous.reason if wanted and rendezvous.status != "True" else names.R_WAITING_FOR_PODS
     if observed.blocked:
-        why = _blocked_message(observed.blocked)
+        reason, why = names.R_WAITING_FOR_PREVIOUS_JOB, _blocked_message(observed.blocked)
     if rendezvous.status != "True" and observed.trainer_error and wanted:
+        reason = rendezvous.reason
         why = "; ".join(p for p in (why, f"trainer rank 0: {observed.trainer_error}") if p)
     pending = course.phase == "Pending"
     if pending and admission.status == "False":
-        why = admission.message
+        reason, why = admission.reason, admission.message
     if build.flavor_wait is not None and pending:
-        why = build.flavor_wait
+        reason, why = names.R_ADMITTED, build.flavor_wait
     if course.waiting_pods is not None and pending:
-        why = course.waiting_pods
+        reason, why = names.R_WAITING_FOR_PREVIOUS_JOB, course.waiting_pods
     place = where.place
     if place is not None and not place.attached and pending and admission.status == "True":
-        why = place.message
-    return why
+        reason, why = place.reason, place.message
+    return reason, why
 
 
 def _suspended_by_another(trainer_job: K8sObject, queue: str | None) -> str:
@@ -201,6 +220,7 @@ def _failed_to_start(
     status = JobStatus(
         phase="Failed",
         message=message,
+        reason=reason,
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         start_time=old.start_time or stamp,
@@ -223,6 +243,7 @@ def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
     status = JobStatus(
         phase="Failed",
         message=message,
+        reason=names.R_INVALID,
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
     )

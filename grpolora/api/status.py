@@ -180,6 +180,15 @@ class JobStatus(_Wire):
     """Pending, Running, Succeeded, Failed or Suspended."""
     message: str | None = None
     """Why the job is in its phase."""
+    reason: str | None = None
+    """Why the job waits, or what it does, in one CamelCase word: the reason of the condition the message comes from
+    (e.g. Unschedulable, ImagePullBackOff, Queued, WaitingForTrainer, Training, StartupDeadlineExceeded); for
+    `kubectl get glj`."""
+    progress: str | None = None
+    """`step/totalSteps`, for `kubectl get glj`."""
+    ready: str | None = None
+    """`ready/desired` pods of the job, trainer ranks and inference replicas together (on a pool, the pool's servers
+    that serve it), for `kubectl get glj`; replicas has them per role."""
     observed_generation: int | None = None
     """metadata.generation last reconciled."""
     # Bounded so that the CRD's CEL rule that reads it (the Created condition) has a bounded cost at admission.

@@ -49,15 +49,16 @@ def test_identity_and_printer_columns():
     columns = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if not c.get("priority")}
     assert columns == {
         "Phase": ".status.phase",
-        "Step": ".status.step",
+        "Reason": ".status.reason",
+        "Step": ".status.progress",
         "SyncRound": ".status.syncRound",
         "Reward": ".status.rewardMean",
-        "Ready": ".status.replicas.inference.ready",
+        "Ready": ".status.ready",
         "Restarts": ".status.trainerRestarts",
         "Age": ".metadata.creationTimestamp",
     }
     wide = {c["name"]: c["jsonPath"] for c in version["additionalPrinterColumns"] if c.get("priority") == 1}
-    assert wide == {"Total": ".status.totalSteps", "Epoch": ".status.rendezvous.epoch", "Message": ".status.message"}
+    assert wide == {"Epoch": ".status.rendezvous.epoch", "Message": ".status.message"}
 
 
 def walk(node: dict[str, Any], path: str = ""):
@@ -116,6 +117,9 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
     status = JobStatus(
         phase="Running",
         message="training",
+        reason="Training",
+        progress="3/10",
+        ready="3/3",
         observed_generation=2,
         step=3,
         steps_lost=2,
