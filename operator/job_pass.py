@@ -18,7 +18,7 @@ from grpolora.operator import attempts, builders, kube, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
-from grpolora.operator.job_status import is_finished, status_patch, stored_status
+from grpolora.operator.job_status import failed_at_this_generation, is_finished, status_patch, stored_status
 from grpolora.operator.job_view import JobView, job_view, runtime_to_read, with_queue_in_effect
 from grpolora.operator.job_workloads import children
 from grpolora.operator.scheduler import Gone, _deleting, _Tracked
@@ -50,9 +50,14 @@ class JobPass:
         view = job_view(body, await self._runtime(body))
         old = stored_status(job.status)
         view = await self._queue_in_effect(view, old)
-        # Nothing to read: a job being deleted gets nothing, and one waiting for its runtime has nothing yet.
-        if view.deleting or view.runtime_wait is not None:
-            decision = rec.decide(view, old, rec.Observed(), self.clock())
+        # Nothing to read: a job being deleted gets nothing, one waiting for its runtime has nothing yet, and one that
+        # failed to start at this generation gets nothing until its spec changes (only its Workload is looked at).
+        held = failed_at_this_generation(old, view.generation)
+        if view.deleting or view.runtime_wait is not None or held:
+            queue_workload = None
+            if held and not view.deleting and view.job is not None and view.job.queue_name is not None:
+                queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
+            decision = rec.decide(view, old, rec.Observed(queue_workload=queue_workload), self.clock())
             await self._record(job, decision)
             return decision
         # Children never created (e.g. the job waited for its pool): create them now, not at the next resync.

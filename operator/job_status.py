@@ -11,12 +11,41 @@ from pydantic import ValidationError
 from grpolora.api.status import (
     JobStatus,
 )
+from grpolora.operator import names
 
 TERMINAL: Final = ("Succeeded", "Failed")
 
 
+# The completionTime rule: how a job's end is decided, in one place.
+# - Finished for good (`is_finished`): a terminal phase with status.completionTime. Set when the job ran and ended
+#   (Succeeded; Failed by its trainer, its deadlines, its pool's deletion, a refusal after it started). Nothing runs
+#   again: only its inference pods are released and the TTL counts; a spec change is refused (the job has started).
+# - Failed to start: a terminal phase without completionTime (job_conditions.failed_to_start: a child refused before
+#   anything ran, a claim its pods cannot share, a pool it does not fit, a Secret of the operator's). Until its
+#   children exist every field may change, and a change of the spec (a generation past the failure's) runs it again.
+#   A failure found again on every pass (VolumeAccessMode, PoolMismatch) follows its cause; one known only from a
+#   refused create (CreateRefused, ManagedSecret) holds at the generation it failed at (`failed_at_this_generation`):
+#   retried each pass, under Kueue it deleted its Finished Workload, was admitted again and refused again, a loop.
+HELD_START_FAILURES: Final = (names.R_CREATE_REFUSED, names.R_MANAGED_SECRET)
+
+
 def is_finished(status: JobStatus) -> bool:
+    """Finished for good (see the completionTime rule above)."""
     return status.phase in TERMINAL and status.completion_time is not None
+
+
+def failed_at_this_generation(status: JobStatus, generation: int | None) -> bool:
+    """A job that failed to start for a reason known only from a refused create, and whose spec has not changed
+    since: it stays Failed, and nothing is created or re-queued for it (see the completionTime rule above)."""
+    if status.phase != "Failed" or is_finished(status):
+        return False
+    failed = next((k for k in status.conditions if k.type == names.FAILED and k.status == "True"), None)
+    return (
+        failed is not None
+        and failed.reason in HELD_START_FAILURES
+        and failed.observed_generation is not None
+        and failed.observed_generation == generation
+    )
 
 
 # ---- the status write --------------------------------------------------------------------------------------

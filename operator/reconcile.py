@@ -48,7 +48,7 @@ from grpolora.operator.job_decision import (
 from grpolora.operator.job_events import Event, transition_events
 from grpolora.operator.job_placement import _placement
 from grpolora.operator.job_queue import _admission, _ended, _finished_workload_of_a_new_run, _queue_write
-from grpolora.operator.job_status import is_finished
+from grpolora.operator.job_status import failed_at_this_generation, is_finished
 from grpolora.operator.job_view import JobView, K8sObject
 from grpolora.operator.job_workloads import _workloads_to_create
 
@@ -80,6 +80,10 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     stamp = cond.rfc3339(now)
     if observed.owner_deleting:
         view = dataclasses.replace(view, deleting=True)
+    if not view.deleting and failed_at_this_generation(old, view.generation):
+        # Failed to start for a reason only a create finds (job_status, the completionTime rule): it holds until the
+        # spec changes. Its Workload stays Finished (Kueue never admits it again); nothing is created or re-queued.
+        return _ended(Decision(status=old, idle=True), observed.queue_workload, stamp)
     if view.runtime_wait is not None and not view.deleting:
         return _decide_waiting_for_runtime(view, old, stamp)
     decision = _decide(view, old, observed, now)

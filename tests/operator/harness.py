@@ -61,6 +61,13 @@ class OperatorThread:
             raise self.error
         return self
 
+    def passes(self) -> int:
+        """Job passes the operator has run so far (its reconcile and monitor handlers, from its own metrics)."""
+        assert self.controller is not None
+        registry = self.controller.metrics.registry
+        name = "grpolora_reconcile_duration_seconds_count"
+        return int(sum(registry.get_sample_value(name, {"handler": h}) or 0 for h in ("reconcile", "monitor")))
+
     async def stop(self) -> None:
         self.stop_flag.set()
         await asyncio.to_thread(self._thread.join, 20)

@@ -4,12 +4,16 @@ own job integrations do, so that the preemptor is admitted and the evicted job q
 
 from __future__ import annotations
 
+import asyncio
+import datetime
+
 from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, operator_options, wait_for
 from tests.operator.kueue_double import REGISTERED, FakeKueue, find, is_true
+from tests.operator.test_lost_node import clock_at
 from tests.operator.test_operator import phase
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
@@ -235,6 +239,44 @@ async def test_with_the_kind_registered_kueue_must_be_able_to_read_it(cluster, o
         assert 'cannot get resource "grpolorajobs" in API group "grpolora.dev"' in message, message
         assert "system:serviceaccount:kueue-system:kueue-controller-manager" in message
         assert kueue.webhook_refusals and cluster.get("batch/v1/jobs", "demo-trainer") is None
+
+
+async def test_a_refused_create_under_kueue_stays_failed_until_the_spec_changes(cluster, operator):
+    """A create refused by the API server (here Kueue's own Job webhook, which cannot read the job) ends the job:
+    Failed, its Workload Finished (FailedToStart), as Kueue's jobframework marks a Workload Finished for a job that
+    finished. Kueue never admits a Finished Workload again (pkg/workload/workload.go IsAdmissible) and the
+    integration keeps it (reconciler.go ensureOneWorkload deletes only a Workload that no longer matches its job).
+    The refusal is known only from the create, so the job must not take its own Finished Workload for a fixed spec:
+    that deleted it, queued a new one, got it admitted (possibly preempting others) and was refused again, every few
+    seconds. Walked over 40 s of the operator's clock, with passes forced by a metadata change; only a spec change
+    (a generation past the failure's) runs it again."""
+    async with FakeKueue(cluster, capacity=1, external_frameworks=REGISTERED, kueue_rbac=()) as kueue:
+        await cluster.apply(queued("demo"))
+        await wait_for(
+            lambda: cluster.condition("demo", names.FAILED).get("reason") == names.R_CREATE_REFUSED, "Failed"
+        )
+        await wait_for(lambda: is_true(kueue.workload("demo"), "Finished"), "the Workload marked Finished")
+        assert operator.controller is not None
+        start = datetime.datetime.now(datetime.UTC)
+        for seconds in (10, 20, 30, 40):
+            operator.controller.clock = clock_at(start + datetime.timedelta(seconds=seconds))
+            # An event on the job's Workload (Kueue writes its Workloads for its own reasons) wakes a pass; the job's
+            # spec is unchanged.
+            before = operator.passes()
+            touch = {"metadata": {"annotations": {"touched": str(seconds)}}}
+            await cluster._call("PATCH", f"/apis/kueue.x-k8s.io/v1beta1/namespaces/{NAMESPACE}/workloads/demo", touch)
+            await wait_for(lambda b=before: operator.passes() > b, "a pass of the operator")
+            await asyncio.sleep(0.5)  # Kueue's double ticks every 0.05 s: time for a re-admission, were one asked
+            assert phase(cluster) == "Failed", cluster.status("demo")
+            created = [k for k in cluster.emulator.created if k[0] == "workloads"]
+            assert len(created) == 1 and len(kueue.workloads()) == 1, created
+            assert kueue.admissions == ["demo"] and len(kueue.webhook_refusals) == 1
+
+        # A spec change runs it again: a new Workload, admitted, and (still refused) Failed again at that generation.
+        await cluster.patch_spec("demo", {"trainer": {"maxRestarts": 5}})
+        await wait_for(lambda: len(kueue.webhook_refusals) == 2, "a second run")
+        await wait_for(lambda: phase(cluster) == "Failed", "Failed again")
+        assert len(kueue.admissions) == 2
 
 
 async def test_a_suspended_job_neither_holds_nor_takes_quota_and_queues_again_when_resumed(cluster, operator):

@@ -411,6 +411,26 @@ def test_a_refused_child_or_a_managed_secret_marks_the_workload_finished_failed_
     assert transient.queue_workload_write is None
 
 
+def test_a_refused_create_holds_its_finished_workload_until_the_spec_changes():
+    """The review's W2, pass after pass: a refusal known only from the create stays Failed at its generation, and its
+    Finished Workload is neither deleted nor re-queued; a new generation runs it again (a new Workload)."""
+    doc = queued_doc()
+    refused = decide_refused(
+        view_of(doc), JobStatus(), Refusal("Job", "demo-trainer", 403, "denied"), NOW, queue_workload=admitted()
+    )
+    finished = admitted()
+    finished["status"]["conditions"].append({"type": "Finished", "status": "True", "reason": "FailedToStart"})
+    status = refused.status
+    for _ in range(3):
+        again = decide(view_of(doc), status, Observed(queue_workload=finished), NOW)
+        assert again.status.phase == "Failed" and again.delete == () and again.create == () and again.idle
+        assert again.queue_workload_write is None
+        status = again.status
+    changed = dataclasses.replace(view_of(doc), generation=3)  # the spec changed
+    fixed = decide(changed, status, Observed(queue_workload=finished), NOW)
+    assert fixed.status.phase == "Pending" and fixed.delete == (ChildRef("Workload", "demo"),)
+
+
 def test_a_job_started_again_after_it_failed_to_start_queues_a_new_workload():
     """A spec fix runs a job that failed to start again (it has no completionTime); its Finished Workload holds no
     quota and is never admitted again, so it is deleted and a new one made (by the next full pass)."""
