@@ -7,6 +7,7 @@ Used by `grpolora validate|render|run` and by the operator (where the path goes 
 from __future__ import annotations
 
 import difflib
+import math
 import sys
 import typing
 from collections.abc import Iterable, Mapping
@@ -24,6 +25,7 @@ from grpolora.api.spec import (
     FieldErrors,
     GRPOLoraJob,
     GRPOLoraRuntime,
+    GRPOSpec,
     RolloutPool,
     Yaml11Number,
 )
@@ -310,6 +312,33 @@ def best_effort_warnings(job: GRPOLoraJob) -> list[Problem]:
     ]
 
 
+# The per-token log-weight spread a sequence-level weight's cap is judged against: a stale step's drift (metrics.jsonl
+# policy_drift measured 0.09 per token at maxStaleness 2 in a float32 run; bf16 mismatch is of that order too).
+SEQUENCE_WEIGHT_TOKEN_SPREAD = 0.1
+
+
+def sequence_weight_cap_warning(grpo: GRPOSpec) -> Problem | None:
+    """importanceWeightLevel: sequence multiplies up to maxNewTokens token weights, so its log spreads as
+    sqrt(length) times the per-token one: a cap below exp(0.1 * sqrt(maxNewTokens)) cuts (or masks) a large share
+    of the completions' weights, and the correction then mostly measures the cap."""
+    if grpo.importance_weight_level != "sequence":
+        return None
+    spread = SEQUENCE_WEIGHT_TOKEN_SPREAD * math.sqrt(grpo.max_new_tokens)
+    if math.log(grpo.importance_weight_cap) >= spread:
+        return None
+    return Problem(
+        "spec.grpo.importanceWeightCap",
+        f"{grpo.importance_weight_cap:g} with importanceWeightLevel: sequence: a completion's weight is the product "
+        f"of its up to {grpo.max_new_tokens} token weights, and at a per-token log-weight spread of "
+        f"{SEQUENCE_WEIGHT_TOKEN_SPREAD} nats (a stale step's drift) its log spreads about "
+        f"{SEQUENCE_WEIGHT_TOKEN_SPREAD} x sqrt({grpo.max_new_tokens}) = {spread:.2f} nats, far past the cap's "
+        f"log {math.log(grpo.importance_weight_cap):.2f}: a large share of the completions would be "
+        f"{'masked' if grpo.importance_weight_mode == 'mask' else 'cut to the cap'}; raise importanceWeightCap to "
+        f"at least {math.exp(spread):.2f}, or use importanceWeightLevel: geometric (the per-token mean, which does "
+        "not grow with length)",
+    )
+
+
 def job_warnings(job: GRPOLoraJob) -> list[Problem]:
     """Things that run but may surprise: said by `grpolora validate` (and `grpolora run`)."""
     spec, warnings = job.spec, best_effort_warnings(job)
@@ -338,15 +367,21 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
                 "float32 model where the KL matters",
             )
         )
-    if spec.grpo.importance_ratio == "sequence" and spec.grpo.loss_aggregation == "token-mean":
+    if spec.grpo.importance_ratio == "sequence" and spec.grpo.loss_aggregation in ("token-mean", "constant"):
+        # TRL warns of the same for its token-summing losses (bnpo, dr_grpo, dapo); verl's GSPO forces
+        # seq-mean-token-mean.
+        how = "the token mean" if spec.grpo.loss_aggregation == "token-mean" else "the constant normaliser"
         warnings.append(
             Problem(
                 "spec.grpo.importanceRatio",
-                "sequence (GSPO) with lossAggregation: token-mean: every token of a completion gets the "
-                "completion's one clipped ratio, and the token mean then weighs each completion by its length, "
-                "which GSPO's objective does not; set lossAggregation: sequence-mean (GSPO's own averaging)",
+                f"sequence (GSPO) with lossAggregation: {spec.grpo.loss_aggregation}: every token of a completion "
+                f"gets the completion's one clipped ratio, and {how} then sums its tokens, weighing each "
+                "completion by its length, which GSPO's objective does not; set lossAggregation: sequence-mean "
+                "(GSPO's own averaging)",
             )
         )
+    if (tight := sequence_weight_cap_warning(spec.grpo)) is not None:
+        warnings.append(tight)
     persists = spec.output.pvc is not None if spec.output else spec.checkpoint.pvc is not None
     if not persists and not (spec.output and spec.output.push):
         warnings.append(

@@ -20,6 +20,23 @@ def test_gspo_on_the_token_mean_loss_is_warned_about():
     assert "lossAggregation: token-mean" in message and "sequence-mean" in message and "length" in message
     assert not _warnings("spec.grpo.importanceRatio", importanceRatio="sequence", lossAggregation="sequence-mean")
     assert not _warnings("spec.grpo.importanceRatio")
+    # Dr. GRPO's constant normaliser sums the tokens as well (TRL warns for dr_grpo too, grpo_trainer.py).
+    [message] = _warnings("spec.grpo.importanceRatio", importanceRatio="sequence", lossAggregation="constant")
+    assert "lossAggregation: constant" in message and "length" in message and "sequence-mean" in message
+
+
+def test_a_cap_far_too_tight_for_sequence_level_weights_is_warned_about():
+    # A sequence-level weight multiplies up to maxNewTokens token weights: at a per-token log-weight spread of 0.1
+    # nats its log spreads 0.1 * sqrt(256) = 1.6 nats, so the default cap 2 (log 0.69) cuts a large share of the
+    # completions; the warning names the cap that would not (exp(1.6) = 4.95).
+    [message] = _warnings("spec.grpo.importanceWeightCap", importanceWeightLevel="sequence")
+    assert "importanceWeightLevel: sequence" in message and "1.60 nats" in message and "4.95" in message
+    assert "geometric" in message
+    assert not _warnings("spec.grpo.importanceWeightCap", importanceWeightLevel="sequence", importanceWeightCap=5)
+    # 16 tokens: 0.1 * 4 = 0.4 nats, exp 1.49 < 2: not warned. Nor the token and geometric levels.
+    assert not _warnings("spec.grpo.importanceWeightCap", importanceWeightLevel="sequence", maxNewTokens=16)
+    assert not _warnings("spec.grpo.importanceWeightCap", importanceWeightLevel="geometric")
+    assert not _warnings("spec.grpo.importanceWeightCap")
 
 
 def test_the_two_sided_clip_and_the_weight_floor_are_checked():
