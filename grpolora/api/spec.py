@@ -773,6 +773,21 @@ class TaskSpec(SpecModel):
     booleans. The trainer renders and tokenises every prompt (training and evaluation) with them and sends the
     replicas token ids, so vLLM generates from exactly the tokens the trainer trains on."""
 
+    chat_template: str | None = Field(default=None, min_length=1)
+    """The chat template the trainer renders prompts and episodes with instead of the model's own: Jinja text, or
+    the name of one the project ships (`gemma3`, `llama3.1`, `mistral-nemo`, `qwen2.5`, `qwen3`,
+    `qwen3-instruct-2507`: those models' own templates, for a model saved without one or with another family's).
+    With spec.environment the trainer checks at start that it continues a conversation turn by turn (exit 78 if not,
+    naming this field)."""
+
+    @field_validator("chat_template")
+    @classmethod
+    def _template_or_name(cls, value: str | None) -> str | None:
+        if value is not None and value not in c.CHAT_TEMPLATES and "{{" not in value and "{%" not in value:
+            raise ValueError(f"{value[:60]!r} is neither a template the project ships (valid: "
+                             f"{', '.join(c.CHAT_TEMPLATES)}) nor Jinja text")  # fmt: skip
+        return value
+
     @field_validator("chat_template_args")
     @classmethod
     def _scalar_template_args(cls, value: dict[str, Any]) -> dict[str, Any]:

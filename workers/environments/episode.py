@@ -3,10 +3,19 @@ assistant turn, with the environment's turns between them tokenised once each, n
 (BPE merges across a turn boundary would change the ids, and the logprobs vLLM returned would no longer be those of
 the sequence trained on). The loss mask is 1 on the assistant's tokens and 0 on the environment's and the template's.
 
-The environment's turn is the chat template applied to the appended messages only, as a delta: the template's text
-of a fixed short conversation plus the new messages (and the generation prompt), less the text of that conversation
-alone. What the template puts after an assistant message (`<|im_end|>\\n` for ChatML) and the model did not
-generate itself (it stopped at `<|im_end|>`, or at a stop string) goes first in that delta.
+The environment's turn is the chat template applied to the appended messages only, as a suffix: the template renders
+a fixed short conversation (a user message, an assistant message) followed by the new messages and the generation
+prompt, and the turn is what follows the assistant's content there. The conversation is never rendered again, so a
+template that renders earlier turns differently once later ones follow (Qwen3 drops an earlier assistant turn's think
+block) still continues what the model generated; TRL's tool loop takes the same suffix (trl
+`GRPOTrainer._get_tool_suffix_ids`) but needs the template to be prefix-preserving, which this does not. What the
+template puts after an assistant's content (`<|im_end|>\n` for ChatML, `<|eot_id|>` for Llama 3) and the model did
+not generate itself (it stopped at a stop string, or at an end-of-turn id the closing does not start with) goes first
+in that suffix, decided by token ids, never by text: a turn that ends with a plain `<` has not begun `<|im_end|>`.
+
+At start, `ChatDelta.probe` renders a two-turn conversation and refuses (ChatTemplateError, exit 78) a template that
+cannot be continued so; a template that takes no `tool` message (Gemma 3's alternates user and model only) gets the
+environment's tool answers as user messages, as Gemma's function-calling guide has them sent.
 """
 
 from __future__ import annotations
@@ -17,27 +26,46 @@ from typing import Any
 
 from grpolora.workers.environments.base import EnvironmentFault, Message, Opening
 
-# A conversation that every delta is rendered after; its contents never reach a sample.
+# The contents of the fixed conversation every suffix is rendered after; they never reach a sample.
 _MARK = "\u00b6"
 _BASE: tuple[Message, ...] = ({"role": "user", "content": _MARK}, {"role": "assistant", "content": _MARK})
+# A tool call id as strict templates want it (Mistral's: 9 alphanumerics), for the probe's tool message.
+_PROBE_CALL_ID = "probe0001"
+FIELD = "spec.task.chatTemplate"
+
+
+class ChatTemplateError(ValueError):
+    """A chat template that cannot continue a conversation turn by turn: a spec error (exit 78), found at start."""
+
+    def __init__(self, message: str):
+        super().__init__(f"{FIELD}: {message}")
 
 
 class ChatDelta:
-    """Renders and tokenises the parts of an episode with a tokenizer's chat template and `template_args`
-    (spec.task.chatTemplateArgs); `system_prompt` (spec.task.systemPrompt) opens an episode whose opening has
-    no system message."""
+    """Renders and tokenises the parts of an episode with a chat template (`chat_template`: spec.task.chatTemplate's
+    text; None, the tokenizer's own) and `template_args` (spec.task.chatTemplateArgs); `system_prompt`
+    (spec.task.systemPrompt) opens an episode whose opening has no system message."""
 
     def __init__(
-        self, tokenizer: Any, template_args: Mapping[str, Any] | None = None, system_prompt: str | None = None
+        self,
+        tokenizer: Any,
+        template_args: Mapping[str, Any] | None = None,
+        system_prompt: str | None = None,
+        chat_template: str | None = None,
     ):
         self.tokenizer = tokenizer
         self.template_args = dict(template_args or {})
         self.system_prompt = system_prompt
+        self.chat_template = chat_template
+        self.tool_role = True
+        """The template renders a `tool` message after an assistant's as it is sent (else: as a user message)."""
+        self._closings: dict[str, list[int]] = {}
 
     def _render(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None, generation: bool) -> str:
         return self.tokenizer.apply_chat_template(
-            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation, **self.template_args
-        )
+            list(messages), tools=tools, tokenize=False, add_generation_prompt=generation,
+            chat_template=self.chat_template, **self.template_args,
+        )  # fmt: skip
 
     def _ids(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -54,23 +82,85 @@ class ChatDelta:
     ) -> list[int]:
         """The ids that follow an assistant turn of `generated` ids: the end of the assistant's message the model
         did not generate, `messages` rendered, and the generation prompt of the next assistant turn."""
-        base = self._render(_BASE, tools, generation=False)
-        full = self._render([*_BASE, *messages], tools, generation=True)
-        if not full.startswith(base):
+        messages = [self._sendable(m) for m in messages]
+        try:
+            closing, after = self._closing_text(tools), self._after_assistant([*_BASE, *messages], tools)
+        except EnvironmentFault:
+            raise
+        except Exception as exc:  # the template raised (jinja's TemplateError, or its own raise_exception)
+            raise EnvironmentFault(f"the chat template cannot render the environment's messages: {exc}") from None
+        if not after.startswith(closing):
             raise EnvironmentFault(
-                "the chat template renders a conversation differently once messages follow it, so an environment's "
-                "turn cannot be tokenised on its own (a template that rewrites earlier turns)"
+                "the chat template ends an assistant message differently once messages follow it "
+                f"({closing!r} alone, {after[: len(closing) + 20]!r} followed)"
             )
-        closing = base[base.rindex(_MARK) + len(_MARK) :]  # what the template puts after an assistant's content
-        return self._ids(self._unwritten(closing, generated) + full[len(base) :])
+        return self._unwritten(self._closing_ids(closing), generated) + self._ids(after[len(closing) :])
 
-    def _unwritten(self, closing: str, generated: Sequence[int]) -> str:
-        """The part of `closing` that the generated ids do not already end with (all of it, or none)."""
-        tail = self.tokenizer.decode(list(generated[-8:]), skip_special_tokens=False)
-        for size in range(len(closing), 0, -1):
-            if tail.endswith(closing[:size]):
-                return closing[size:]
-        return closing
+    def probe(self, where: str = "the model's chat template") -> None:
+        """Refuse (ChatTemplateError) a template that cannot continue a conversation after an assistant's turn; learn
+        whether it takes a `tool` message. `where` says which template (the model's own, or spec.task.chatTemplate)."""
+        instead = (
+            f"set {FIELD} to a template that renders each message once, in order (your own Jinja text, or a name the "
+            "project ships: see docs/tasks.md)"
+        )
+        try:
+            self.environment_turn([], [{"role": "user", "content": _MARK}])
+        except Exception as exc:
+            raise ChatTemplateError(f"{where} cannot continue a conversation after an assistant's turn "
+                                    f"({_why(exc)}); {instead}") from None  # fmt: skip
+        try:
+            self.environment_turn([], [{"role": "tool", "content": _MARK}])
+        except Exception:
+            self.tool_role = False  # as Gemma 3: tool answers go as user messages
+        native = {"role": "tool", "content": _MARK, "tool_call_id": _PROBE_CALL_ID, "name": "probe"}
+        try:
+            self.environment_turn([], [native])
+        except Exception as exc:
+            if self.tool_role:
+                raise ChatTemplateError(f"{where} renders a tool message but not one answering a tool call "
+                                        f"({_why(exc)}); {instead}") from None  # fmt: skip
+
+    def _sendable(self, message: Message) -> Message:
+        """`message` as the template can take it: a tool answer becomes a user message where the template has no
+        `tool` role for a message without a call id."""
+        if message["role"] == "tool" and not self.tool_role and "tool_call_id" not in message:
+            return {"role": "user", "content": message["content"]}
+        return message
+
+    def _after_assistant(self, messages: Sequence[Message], tools: list[dict[str, Any]] | None) -> str:
+        """The text `messages` (the fixed user and assistant messages first) render to after the assistant's
+        content, with the generation prompt."""
+        full = self._render(messages, tools, generation=True)
+        user = full.find(_MARK)
+        assistant = full.find(_MARK, user + 1) if user >= 0 else -1
+        if assistant < 0:
+            raise EnvironmentFault("the chat template does not render an assistant message's content")
+        return full[assistant + len(_MARK) :]
+
+    def _closing_text(self, tools: list[dict[str, Any]] | None) -> str:
+        """What the template puts after the content of an assistant message that ends the conversation."""
+        base = self._render(_BASE, tools, generation=False)
+        if base.count(_MARK) < 2:
+            raise EnvironmentFault("the chat template does not render an assistant message's content")
+        return base[base.rindex(_MARK) + len(_MARK) :]
+
+    def _closing_ids(self, closing: str) -> list[int]:
+        if closing not in self._closings:
+            self._closings[closing] = self._ids(closing)
+        return self._closings[closing]
+
+    @staticmethod
+    def _unwritten(closing: Sequence[int], generated: Sequence[int]) -> list[int]:
+        """The ids of the closing that the generated ids do not already end with: all of it, or what follows the
+        longest start of it that the turn's last ids equal (the end-of-turn id the model stopped at)."""
+        for size in range(min(len(closing), len(generated)), 0, -1):
+            if list(generated[-size:]) == list(closing[:size]):
+                return list(closing[size:])
+        return list(closing)
+
+
+def _why(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
 
 
 @dataclass

@@ -115,6 +115,8 @@ class Controller:
         if env is None:
             return None
         delta = ChatDelta(self.ctx.policy.tokenizer, task.chat_template_args, task.system_prompt)
+        # A template that cannot continue a conversation fails the job now (exit 78), not every episode later.
+        delta.probe("spec.task.chatTemplate's template" if task.chat_template else "the model's chat template")
         limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
         return EpisodeRunner(load_environment(env), delta, limits)
 

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from grpolora.api import contract
 from grpolora.api.contract import WorkerEnv
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.environments.episode import ChatTemplateError
 from grpolora.workers.models import ModelUnavailable
 from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.secrets import SecretError
@@ -166,12 +167,14 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
 def exit_code(exc: BaseException) -> int:
     """The trainer's exit code for what ended it. A bad dataset or reward plugin (EXIT_INVALID_DATA), or a setting
     that can only fail where the run starts -- tracking, a Secret it names or credentials a service refuses, a LoRA
-    target module the model lacks, a model that does not exist or that the token cannot read (EXIT_INVALID_SPEC) --
-    would fail a restart the same way: the operator fails the job at once with the message instead of restarting
-    it. Anything else may be transient (1: restarted)."""
+    target module the model lacks, a model that does not exist or that the token cannot read, a chat template that
+    cannot continue an episode (EXIT_INVALID_SPEC) -- would fail a restart the same way: the operator fails the job
+    at once with the message instead of restarting it. Anything else may be transient (1: restarted)."""
     if isinstance(exc, TaskError):
         return contract.EXIT_INVALID_DATA
     if isinstance(exc, TrackingError | SecretError | AuthRefused | ModelMismatch | ModelUnavailable):
+        return contract.EXIT_INVALID_SPEC
+    if isinstance(exc, ChatTemplateError):  # the template the job names (or the model's own, which it can replace)
         return contract.EXIT_INVALID_SPEC
     return 1
 
