@@ -5,16 +5,19 @@ under test are the real ones."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from grpolora.api.pool import PoolReplicas
 from grpolora.testing.servers import free_port  # also the port helper the sync tests import from here
 from grpolora.workers.sync.control import JoinRequest, MemberState, MemberUnreachable, PrepareRequest
+from grpolora.workers.sync.gloo import GlooTransport
 from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.sender import AdapterSender
-from grpolora.workers.sync.transport import connect_store
+from grpolora.workers.sync.transport import Pending, TransportError, connect_store
 
 # LoRA configs and the scaling vLLM gives each (None: per module, left to vLLM), for the tests of the sender's fold
 # (test_sync_protocol.py) and of its formula against vLLM's PEFTHelper (test_sync_members.py).
@@ -95,3 +98,57 @@ class LocalMember:
     def pool_replicas(self) -> PoolReplicas | None:
         self._check()
         return None  # a job's own replica
+
+
+class _ReturnsWhenAborted(Pending):
+    """A collective as ProcessGroupNCCL's Work waits for it with TORCH_NCCL_BLOCKING_WAIT=1, read in
+    torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp (pytorch/pytorch main at cf1380d, past 2.7.1; the 2.13.0 wheel
+    the project installs ships no C++ source), `WorkNCCL::wait` and `WorkNCCL::isCompleted`:
+    - it returns once the collective completed on every rank;
+    - a peer that died or left is not seen over P2P/NVLink/SHM: the collective just never completes;
+    - once this rank's communicator is aborted (`ProcessGroupNCCL::abort`, what the transport's close does),
+      `isCompleted()` skips its error check (`if (!ncclComm_->isAborted()) checkAndSetException()`), the aborted
+      kernel's end event completes, `exception()` was never set, and `wait()` returns true: the tensor holds
+      whatever had arrived, and nothing is raised;
+    - past the group's timeout `checkTimeout` sets the exception, and `wait()` aborts and raises DistBackendError.
+    """
+
+    def __init__(self, work: dist.Work, transport: NcclAbortSemantics, what: str) -> None:
+        self._work, self._transport, self._what = work, transport, what
+
+    def wait(self) -> None:
+        deadline = time.monotonic() + self._transport.timeout_seconds
+        peer_failed = False
+        while True:
+            if not peer_failed and self._work.is_completed():
+                try:
+                    self._work.wait()
+                    return  # finished for real, on every rank
+                except RuntimeError:  # gloo saw a peer leave; NCCL over P2P/SHM would not: still "in flight"
+                    peer_failed = True
+            if self._transport.closed:
+                return  # aborted: wait() returns normally
+            if time.monotonic() >= deadline:
+                raise TransportError(f"NCCL {self._what} failed: timed out in blocking wait")
+            time.sleep(0.002)
+
+
+class NcclAbortSemantics(GlooTransport):
+    """gloo carries the bytes (on CPU, between threads); each collective is waited for as NCCL's is, above all
+    after an abort (_ReturnsWhenAborted). Formation stays gloo's, bounded by the join timeout."""
+
+    def __init__(self, store, *, timeout_seconds: float, **kwargs) -> None:
+        self.timeout_seconds = timeout_seconds
+        super().__init__(store, timeout_seconds=timeout_seconds, **kwargs)
+
+    def _start(self, start, what: str) -> Pending:
+        group = self._group_or_fail()  # NcclTransport too raises at once on a closed group
+        return _ReturnsWhenAborted(start(group), self, what)
+
+
+@pytest.fixture
+def nccl_abort_semantics(monkeypatch):
+    """Every sync group of the test formed as gloo, its collectives waited for as NCCL's (NcclAbortSemantics)."""
+    from grpolora.workers.sync import groups
+
+    monkeypatch.setattr(groups, "GlooTransport", NcclAbortSemantics)

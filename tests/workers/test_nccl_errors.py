@@ -204,3 +204,51 @@ def test_the_allocators_cache_is_freed_before_the_communicator_is_made(fake_nccl
     monkeypatch.setattr(FakeGroup, "__init__", recorded)
     make().close()
     assert events == ["empty_cache", "communicator"]
+
+
+class AbortedWork(FakeWork):
+    """A collective whose peer never comes, waited for as WorkNCCL::wait does with TORCH_NCCL_BLOCKING_WAIT=1
+    (torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp, pytorch/pytorch main at cf1380d, past 2.7.1): it loops on
+    isCompleted(), which skips checkAndSetException() once the communicator is aborted; the aborted kernel's end
+    event completes, exception() was never set, and wait() returns true. Nothing is raised."""
+
+    def __init__(self, group: FakeGroup) -> None:
+        super().__init__(None)
+        self.group = group
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        self.waiting.set()
+        while not self.group.aborted:
+            threading.Event().wait(0.005)
+        return True
+
+
+@pytest.mark.parametrize("collective", ["all-reduce", "broadcast"])
+def test_a_collective_cut_by_an_abort_raises_though_nccls_wait_returns(fake_nccl, collective):
+    """The round's watchdog closes (aborts) the transport from its own thread; the thread waiting on the collective
+    must get a TransportError, or the sender reads the closing status as all zeros ("every replica refused", the
+    trainer exits 1) where a replica was lost."""
+    transport = make()
+    (group,) = fake_nccl.built
+    blocked = AbortedWork(group)
+    group.allreduce = group.broadcast = lambda tensors, options: blocked
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            if collective == "all-reduce":
+                transport.all_reduce_sum(torch.zeros(2))
+            else:
+                transport.start_broadcast(torch.zeros(2)).wait()
+        except BaseException as exc:
+            raised.append(exc)
+
+    waiter = threading.Thread(target=run, daemon=True)
+    waiter.start()
+    assert blocked.waiting.wait(10)
+    transport.close()  # what the watchdog does
+    waiter.join(10)
+    assert not waiter.is_alive()
+    assert raised and isinstance(raised[0], TransportError), raised
+    assert "closed while" in str(raised[0])

@@ -35,7 +35,14 @@ from grpolora.workers.trainer.buffer import RolloutBuffer
 from grpolora.workers.trainer.producer import ROUND_ATTEMPTS, RolloutProducer
 from grpolora.workers.trainer.rollout import Completion, ReplicasLost, RolloutError
 from tests.helpers import job_doc
-from tests.workers.syncfakes import LORA_SCALINGS, LocalMember, RecordingSink, free_port, gloo_sender
+from tests.workers.syncfakes import (  # noqa: F401 (nccl_abort_semantics: a fixture)
+    LORA_SCALINGS,
+    LocalMember,
+    RecordingSink,
+    free_port,
+    gloo_sender,
+    nccl_abort_semantics,
+)
 
 TIMEOUT = 3.0
 TOKEN = "job-token"
@@ -995,6 +1002,10 @@ class BlockingTransport(Transport):
     collective was posted (on NCCL, a kernel on the member's stream). The header goes through `store` (the epoch's;
     in memory by default), counted."""
 
+    # NCCL's rule (syncfakes._ReturnsWhenAborted): a collective cut by this rank's own abort returns normally
+    # instead of raising as gloo's does. Set per test (BlockedMember's `returns_when_closed`).
+    returns_when_closed = False
+
     def __init__(self, *, epoch: int, rank: int, world_size: int, store=None, **_) -> None:
         self.epoch, self.rank, self.world_size, self.device = epoch, rank, world_size, torch.device("cpu")
         self.store = CountingStore(dist.HashStore() if store is None else epoch_store(store, epoch))
@@ -1007,6 +1018,8 @@ class BlockingTransport(Transport):
 
     def wait(self) -> None:  # the Pending of every collective: it never completes
         self.left.wait()
+        if self.returns_when_closed:
+            return
         raise TransportError("the group is closed")
 
     def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
@@ -1068,13 +1081,14 @@ def test_a_hung_replica_is_cut_out_by_the_watchdog_long_before_the_sync_timeout(
 class BlockedMember:
     """A member (AdapterReceiver) whose every group's transport is a BlockingTransport (`made`, in order)."""
 
-    def __init__(self, monkeypatch, **join) -> None:
+    def __init__(self, monkeypatch, returns_when_closed: bool = False, **join) -> None:
         from grpolora.workers.sync import receiver as receiver_module
 
         self.made: list[BlockingTransport] = []
 
         def blocking_transport(backend, store, **kwargs) -> BlockingTransport:
             self.made.append(BlockingTransport(store=store, **kwargs))
+            self.made[-1].returns_when_closed = returns_when_closed
             return self.made[-1]
 
         monkeypatch.setattr(receiver_module, "create_transport", blocking_transport)
@@ -1120,8 +1134,8 @@ class BlockedMember:
 def blocked(monkeypatch):
     made: list[BlockedMember] = []
 
-    def make(**join) -> BlockedMember:
-        made.append(BlockedMember(monkeypatch, **join))
+    def make(returns_when_closed: bool = False, **join) -> BlockedMember:
+        made.append(BlockedMember(monkeypatch, returns_when_closed, **join))
         return made[-1]
 
     yield make
@@ -1129,10 +1143,13 @@ def blocked(monkeypatch):
         member.close()
 
 
-def test_a_member_in_a_stalled_round_leaves_it_and_joins_the_next_epoch(blocked):
+@pytest.mark.parametrize("returns_when_closed", [False, True], ids=["gloo-raises", "nccl-returns"])
+def test_a_member_in_a_stalled_round_leaves_it_and_joins_the_next_epoch(blocked, returns_when_closed):
     """The member's own watchdog: a round in which nothing arrives for progressTimeoutSeconds is left (the member
-    is out of that epoch at once, whatever the trainer does), and the next epoch's join is taken."""
-    b = blocked(backend="gloo", timeout_seconds=3600, progress_timeout_seconds=0.5)
+    is out of that epoch at once, whatever the trainer does), and the next epoch's join is taken. On NCCL the cut
+    receive returns normally: the member must still see that it never finished (it landed nothing real), not refuse
+    the "round" and stay joined to the closed group."""
+    b = blocked(returns_when_closed, backend="gloo", timeout_seconds=3600, progress_timeout_seconds=0.5)
     b.inside_a_round()
     eventually(lambda: b.member.state().epoch is None, seconds=5)  # left the stalled round's epoch on its own
     assert b.made[0].closed
@@ -1336,3 +1353,64 @@ def test_an_incarnation_that_is_no_number_is_refused_naming_the_variable():
     environ = plan(parse_job(job_doc()), LoopbackNetwork()).env_for("trainer", 0, token=TOKEN)
     with pytest.raises(contract.ContractError, match="GRPOLORA_TRAINER_INCARNATION='x' is not an integer"):
         contract.WorkerEnv.from_environ(environ | {contract.TRAINER_INCARNATION: "x"})
+
+
+# ---- NCCL's abort: a cut collective returns normally (issue 45, data plane item 2) ----------------------------
+
+
+class StallingSink(RecordingSink):
+    """An activation slower than progressTimeoutSeconds (vLLM building the LoRA while short of memory, an engine
+    busy with a long prefill): version `stall` is held until `release` is set."""
+
+    def __init__(self, stall: int) -> None:
+        super().__init__()
+        self.stall, self.release, self.stalled = stall, threading.Event(), threading.Event()
+
+    def activate(self, version, tensors, adapter_config, *, incarnation: int = 0) -> None:
+        if version == self.stall:
+            self.stalled.set()
+            assert self.release.wait(60)
+        super().activate(version, tensors, adapter_config, incarnation=incarnation)
+
+
+@pytest.mark.usefixtures("nccl_abort_semantics")
+def test_an_aborted_closing_all_reduce_is_a_lost_replica_not_every_replica_refusing(cluster):
+    """NCCL's rules (syncfakes._ReturnsWhenAborted): replica 1's activation of version 2 stalls, so the closing
+    all-reduce stalls on every rank; the sender's watchdog aborts it, and the aborted wait returns normally with the
+    status tensor as it was (all zeros). Read as statuses, every replica "refused" and the trainer ended (exit 1).
+    It must be a lost replica: the sender re-forms without replica 1 and version 2 goes to replica 0; once replica 1
+    is free again it rejoins and takes version 3. Walked over four rounds."""
+    c = cluster(2, progress_timeout_seconds=1.0, join_timeout_seconds=1.5, rejoin_backoff_seconds=0.2)
+    slow = StallingSink(stall=2)
+    replace_replica(c, 1, slow)
+    try:
+        walk_rounds_with_a_stalled_activation(c, slow)
+    finally:
+        slow.release.set()
+
+
+def walk_rounds_with_a_stalled_activation(c: Cluster, slow: StallingSink) -> None:
+    assert c.sender.send(adapter(0), {}).members == (0, 1)
+    c.wait_live(1)
+
+    report = c.sender.send(adapter(1), {})  # round 2: the closing all-reduce is cut
+    assert slow.stalled.is_set()
+    assert report.members == (0,) and report.attempts == 2 and c.sender.group == (0,)
+    assert c.sinks[0].live_version == 2
+
+    slow.release.set()  # replica 1 finishes activating; its report of a cut round must fail, not "succeed"
+    eventually(lambda: "JoinRequest" in (c.receivers[1].state().last_error or ""), seconds=20)
+    eventually(lambda: not c.receivers[1].state().busy)
+    assert c.receivers[1].state().epoch is None  # left the aborted group instead of staying "joined" to it
+
+    assert c.sender.send(adapter(2), {}).members == (0,)  # round 3: replica 1 is still benched
+
+    def rejoined() -> bool:  # once its back-off (doubled per failed formation) has passed: back in the group
+        c.sender.refresh()
+        return c.sender.group == (0, 1)
+
+    eventually(rejoined, seconds=30)
+    report = c.sender.send(adapter(3), {})  # round 4
+    assert report.members == (0, 1) and report.version == 4
+    c.wait_live(4)
+    assert all(torch.equal(c.sinks[1].adapters[4][k], v) for k, v in adapter(3).items())

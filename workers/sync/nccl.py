@@ -73,8 +73,8 @@ def _environment(values: Mapping[str, str]) -> Iterator[None]:
 
 
 class _NcclPending(Pending):
-    def __init__(self, work: dist.Work, device: torch.device, what: str, timeout: timedelta | None = None):
-        self._work, self._device, self._what, self._timeout = work, device, what, timeout
+    def __init__(self, work: dist.Work, transport: NcclTransport, what: str, timeout: timedelta | None = None):
+        self._work, self._transport, self._what, self._timeout = work, transport, what, timeout
 
     def wait(self) -> None:
         try:
@@ -82,9 +82,13 @@ class _NcclPending(Pending):
                 self._work.wait()
             else:
                 self._work.wait(self._timeout)
-            torch.cuda.current_stream(self._device).synchronize()
+            torch.cuda.current_stream(self._transport.device).synchronize()
         except RuntimeError as exc:  # DistBackendError: a peer failed, or the collective timed out
             raise TransportError(f"NCCL {self._what} failed: {exc}") from exc
+        # A collective whose communicator this rank aborted (close: the round's watchdog, a newer join) returns from
+        # wait() normally: WorkNCCL::isCompleted skips its error check once the communicator is aborted, the aborted
+        # kernel's end event completes, and no exception was set (ProcessGroupNCCL.cpp). Not a finished collective.
+        self._transport.check_open(f"the {self._what}")
 
 
 class NcclTransport(Transport):
@@ -119,7 +123,7 @@ class NcclTransport(Transport):
             # NCCL communicators are created lazily; a first tiny collective makes "formed" mean formed, within
             # the join timeout.
             work = self._group.allreduce([torch.zeros(1, device=self.device)], sum_options())
-            _NcclPending(work, self.device, "group formation", timedelta(seconds=join_timeout_seconds)).wait()
+            _NcclPending(work, self, "group formation", timedelta(seconds=join_timeout_seconds)).wait()
         except (RuntimeError, TransportError) as exc:
             self.close()
             raise TransportError(f"NCCL group of {world_size} did not form: {exc}") from exc
@@ -132,7 +136,7 @@ class NcclTransport(Transport):
     def start_broadcast(self, tensor: torch.Tensor, src: int = 0) -> Pending:
         options = broadcast_options(src)
         try:
-            return _NcclPending(self._group_or_fail().broadcast([tensor], options), self.device, "broadcast")
+            return _NcclPending(self._group_or_fail().broadcast([tensor], options), self, "broadcast")
         except RuntimeError as exc:
             raise TransportError(f"NCCL broadcast failed: {exc}") from exc
 
@@ -142,7 +146,7 @@ class NcclTransport(Transport):
             work = self._group_or_fail().allreduce([tensor], options)
         except RuntimeError as exc:
             raise TransportError(f"NCCL all-reduce failed: {exc}") from exc
-        _NcclPending(work, self.device, "all-reduce").wait()
+        _NcclPending(work, self, "all-reduce").wait()
 
     @property
     def closed(self) -> bool:

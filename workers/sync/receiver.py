@@ -132,6 +132,7 @@ def receive_round(
     pending = [transport.start_broadcast(piece) for piece in pieces]
     for piece, op in zip(pieces, pending, strict=True):
         op.wait()  # on a GPU: the current stream waits for it, so `land`'s copy on that stream follows it
+        transport.check_open("a piece of the payload")  # an aborted receive returns normally on NCCL
         landed = land(piece)
         if mac is not None:
             mac.update(landed)
@@ -149,6 +150,9 @@ def report_status(transport: Transport, code: int) -> None:
     status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
     status[transport.rank] = code
     transport.all_reduce_sum(status)
+    # Cut (this member's watchdog, a newer join), NCCL's all-reduce returns normally: the member must leave the
+    # group, not stay joined to a closed one that the next round then waits on.
+    transport.check_open("the closing status")
 
 
 class AdapterReceiver:

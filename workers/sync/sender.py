@@ -100,12 +100,16 @@ def send_round(
             for index, pending in enumerate(posted):
                 for op in pending:
                     op.wait()
+                    transport.check_open(f"bucket {index}")
                     watchdog.progress()
                 if on_bucket_sent is not None:
                     on_bucket_sent(index)
             # Waits for every receiver to have loaded the version: a replica's activation counts as one piece.
             status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
             transport.all_reduce_sum(status)
+            # Cut by the watchdog, NCCL's all-reduce returns normally with the slots that had arrived (usually
+            # none): read as statuses, every replica would have "refused" the version. A lost replica instead.
+            transport.check_open("the closing status")
         except TransportError as exc:
             raise watchdog.explain(exc) from None
     return status.tolist()

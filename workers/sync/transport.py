@@ -80,6 +80,14 @@ class Transport(ABC):
     def closed(self) -> bool:
         """This rank has left the group (close)."""
 
+    def check_open(self, what: str) -> None:
+        """Called after every wait: TransportError if this rank closed the group meanwhile. On NCCL a collective
+        whose communicator was aborted (the round's watchdog, a newer join) returns from wait() normally, with the
+        tensor holding whatever had arrived (ProcessGroupNCCL.cpp, WorkNCCL::isCompleted skips its error check once
+        the communicator is aborted): the rank's own "closed" is the only sign that the collective never finished."""
+        if self.closed:
+            raise TransportError(f"the group was closed while {what} was waited for: the collective did not finish")
+
     # The epoch's store (epoch_store), where a round's header goes (see the module docstring); set by each backend.
     store: dist.Store
 
