@@ -61,6 +61,25 @@ def test_calculate_refuses_what_is_not_arithmetic(expression, says):
         calculate(expression)
 
 
+@pytest.mark.parametrize(
+    "expression",
+    [
+        "(((((9**64)**64)**64)**64)**64)",  # 31 characters, ~3.4 Gbit: hours in one long_pow holding the GIL
+        "((9**64)**64)**64",  # 831k bits
+        "(2**64)**64*(2**64)**64*(2**64)**64",  # products grow as powers do
+        "(10.0**64)**64",  # float overflow: OverflowError, which escaped calculate
+        "(9**64)**8/3",  # an integer too large for true division's float
+    ],
+)
+def test_the_calculator_refuses_what_it_cannot_compute_quickly_and_answers_with_an_error(expression):
+    """Issue 46: the built-in calculator ran in the trainer's process, and a nested power froze it (one C call holding
+    the GIL); an OverflowError escaped it. Each is now refused before it is computed, as the tool's error answer."""
+    with pytest.raises(ValueError, match=r"too large|overflow"):
+        calculate(expression)
+    reply = BUILTIN_ENVIRONMENTS["calculator"]().step({"role": "assistant", "content": f"<calc>{expression}</calc>"})
+    assert not reply.done and reply.messages[0]["content"].startswith("<result>error: ")
+
+
 def test_a_call_cut_at_its_stop_string_is_answered():
     # grpo.stop: ["</calc>"] ends the turn at the call; vLLM's text leaves the stop string out.
     reply = BUILTIN_ENVIRONMENTS["calculator"]().step({"role": "assistant", "content": "So <calc>6 * 7"})

@@ -28,6 +28,9 @@ EXAMPLE = (
 CALL = re.compile(r"<calc>(.*?)(?:</calc>|\Z)", re.DOTALL)
 LONGEST_EXPRESSION = 200  # characters: arithmetic, not a program
 LARGEST_EXPONENT = 64
+# Bits of an integer operand or result at most (~155 digits). Bounding the exponent alone bounds nothing once
+# powers nest: (((((9**64)**64)**64)**64)**64) is 31 characters and ~3.4 Gbit, hours in one C call.
+LARGEST_BITS = 512
 
 _OPERATORS = {
     ast.Add: operator.add,
@@ -60,14 +63,38 @@ def calculate(expression: str) -> int | float:
             left, right = value(node.left), value(node.right)
             if isinstance(node.op, ast.Pow) and abs(right) > LARGEST_EXPONENT:
                 raise ValueError(f"exponent above {LARGEST_EXPONENT}")
+            _refuse_large(node.op, left, right)
             try:
-                return _OPERATORS[type(node.op)](left, right)
+                return _bounded(_OPERATORS[type(node.op)](left, right))
             except ZeroDivisionError:
                 raise ValueError("division by zero") from None
+            except OverflowError:
+                raise ValueError("overflow: the result is too large") from None
         raise ValueError(f"{type(node).__name__} is not arithmetic")
 
     result = value(tree.body)
     return int(result) if isinstance(result, float) and result.is_integer() else result
+
+
+def _bits(number: int | float) -> int:
+    return abs(number).bit_length() if isinstance(number, int) else 0
+
+
+def _refuse_large(op: ast.operator, left: int | float, right: int | float) -> None:
+    """ValueError before an integer power or product whose result would pass LARGEST_BITS is computed (it would
+    hold the GIL for as long as it takes)."""
+    if isinstance(op, ast.Pow) and isinstance(left, int) and isinstance(right, int) and right > 0:
+        bits = (abs(left).bit_length() - 1) * right  # a lower bound of the result's bits, exact for powers of 2
+        if bits > LARGEST_BITS:
+            raise ValueError(f"too large: the result would have more than {LARGEST_BITS} bits")
+    if isinstance(op, ast.Mult) and _bits(left) + _bits(right) > LARGEST_BITS + 1:
+        raise ValueError(f"too large: the result would have more than {LARGEST_BITS} bits")
+
+
+def _bounded(result: int | float) -> int | float:
+    if _bits(result) > LARGEST_BITS:
+        raise ValueError(f"too large: the result has more than {LARGEST_BITS} bits")
+    return result
 
 
 class CalculatorEnvironment:
