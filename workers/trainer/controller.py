@@ -15,7 +15,6 @@ version) the decoupled objective weights each token by the trainer's over the sa
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -24,13 +23,14 @@ from typing import Any
 
 import torch
 
+from grpolora.api.constants import CHAT_TEMPLATES
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.environments import load_environment
 from grpolora.workers.environments.episode import ChatDelta
 from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task
-from grpolora.workers.tracking import Tracking, drop_records_after
+from grpolora.workers.tracking import Tracking, drop_records_after, metrics_line
 from grpolora.workers.trainer import evaluate, metrics, outputs
 from grpolora.workers.trainer.buffer import Group, RolloutBuffer
 from grpolora.workers.trainer.producer import RolloutProducer, episode_round, generate_round
@@ -40,9 +40,9 @@ from grpolora.workers.trainer.scoring import (
     Filled,
     Rollouts,
     Scored,
+    completion_figures,
     episode_figures,
     fill_with_spread,
-    generated_length,
     reference_from,
     reward_figures,
     rewards_of,
@@ -116,7 +116,13 @@ class Controller:
             return None
         delta = ChatDelta(self.ctx.policy.tokenizer, task.chat_template_args, task.system_prompt)
         # A template that cannot continue a conversation fails the job now (exit 78), not every episode later.
-        delta.probe("spec.task.chatTemplate's template" if task.chat_template else "the model's chat template")
+        where = "the model's chat template"
+        if task.chat_template is not None:
+            shipped = f" ({task.chat_template})" if task.chat_template in CHAT_TEMPLATES else ""
+            where = f"spec.task.chatTemplate's template{shipped}"
+        delta.probe(where)
+        log.info("episodes: %s continues turn by turn; tool answers go as %s messages", where,
+                 "tool" if delta.tool_role else "user")  # fmt: skip
         limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
         return EpisodeRunner(load_environment(env), delta, limits)
 
@@ -340,7 +346,6 @@ class Controller:
         lag of a trained group behind it, and the groups dropped as more than grpo.maxStaleness behind."""
         progress = self.ctx.progress
         agreement = logprob_agreement(stats, on_policy)
-        lengths = [generated_length(c) for group in rollouts.completions for c in group]
         record: dict[str, Any] = {
             "step": progress.step,
             **reward_figures(scored),
@@ -349,6 +354,7 @@ class Controller:
             "reference_from": reference_from(scored, self.spec.grpo),
             "loss": stats.loss,
             "clip_fraction": stats.clip_fraction,
+            "clip_ratio": {"low_mean": stats.clip_low, "high_mean": stats.clip_high, "region_mean": stats.clip_region},
             "grad_norm": stats.grad_norm,
             "grad_clipped": stats.grad_clipped,
             "learning_rate": stats.learning_rate,
@@ -360,7 +366,7 @@ class Controller:
             "importance_weight_max": stats.weight_max,
             "truncated_fraction": stats.truncated_fraction,
             "tokens": stats.tokens,
-            "completion_length_mean": sum(lengths) / max(len(lengths), 1),
+            **completion_figures(rollouts),
             "completions_truncated": scored.truncated,
             **({"overlong_penalty_mean": float(scored.penalty.mean())} if scored.penalty is not None else {}),
             **episode_figures(rollouts),
@@ -380,7 +386,7 @@ class Controller:
             **self.pushes.report(),
         }
         with self._metrics_file.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+            handle.write(metrics_line(record))
         last = progress.step == self.spec.grpo.steps
         samples = (
             sample_rows(rollouts, scored, self.spec.tracking.samples_per_step)
@@ -396,6 +402,7 @@ class Controller:
         metrics.REWARD_MEAN.set(record["reward_mean"])
         metrics.KL.set(stats.kl)
         metrics.ENTROPY.set(stats.entropy)
+        metrics.set_step_figures(record)
         if on_policy:  # each gauge keeps its last step of its kind
             metrics.MISMATCH.set(stats.mismatch)
             self.board.update(mismatch=stats.mismatch)
