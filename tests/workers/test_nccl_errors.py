@@ -71,6 +71,8 @@ def fake_nccl(monkeypatch):
     monkeypatch.setattr(dist, "ProcessGroupNCCL", FakeGroup, raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)  # the formation's thread takes both
+    monkeypatch.setattr(torch.cuda, "set_stream", lambda stream: None)
     for name in nccl.ERROR_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     return FakeGroup
@@ -84,8 +86,9 @@ def make(**overrides) -> nccl.NcclTransport:
 def test_the_group_is_built_to_raise_not_to_kill_the_process(fake_nccl):
     transport = make()
     (group,) = fake_nccl.built
-    # Watchdog aborts the communicator only (not the process); wait() blocks and raises on error or timeout; no
-    # heartbeat monitor, which would end the process (vLLM's engine, in a member) when the watchdog hangs in an abort.
+    # wait() blocks and raises on error or timeout, and with it ProcessGroupNCCL's constructor starts no watchdog
+    # thread (nor the heartbeat monitor it feeds), whose default handling ends the process (vLLM's engine, in a
+    # member); the other two keep that so should a release start the thread anyway (bench/gpu_probe_epochs.py).
     assert group.environment == {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
         "TORCH_NCCL_BLOCKING_WAIT": "1",
@@ -252,3 +255,48 @@ def test_a_collective_cut_by_an_abort_raises_though_nccls_wait_returns(fake_nccl
     assert not waiter.is_alive()
     assert raised and isinstance(raised[0], TransportError), raised
     assert "closed while" in str(raised[0])
+
+
+class NeverFormingGroup(FakeGroup):
+    """A group whose peer accepted the join and then died before reaching NCCL (its store connection refused, its
+    worker gone, out of memory). ProcessGroupNCCL creates the communicator lazily, inside the first collective
+    (`collective()` -> `initNCCLComm` -> `NCCLComm::create` -> `ncclCommInitRankConfig`), which in blocking mode
+    (PyTorch's default since 2.7.1, `useNonblocking()`) waits until every rank reaches NCCL's bootstrap; the
+    communicator enters `inInitializationCommMap_` only after `create` returns, so `abort()` (`abortComms`, over
+    that map and `devNCCLCommMap_`) cannot free it (ProcessGroupNCCL.cpp, pytorch/pytorch main at cf1380d). The
+    Work's timeout starts once the communicator exists: it bounds nothing here."""
+
+    release = threading.Event()  # the end of the test: lets the abandoned thread go
+
+    def allreduce(self, tensors, options) -> FakeWork:
+        NeverFormingGroup.release.wait()
+        raise dist.DistBackendError("NCCL error: remote process exited or there was a network error")
+
+
+@pytest.mark.parametrize("rank", [0, 1], ids=["trainer-rank-0", "member"])
+def test_a_group_whose_peer_never_reaches_nccl_fails_within_the_join_timeout(fake_nccl, monkeypatch, rank):
+    """A replica that acknowledged the join and then died must cost trainer rank 0 one join timeout, as on gloo, not
+    hang it for ever inside the sender's lock (and a member whose trainer died mid-formation must take its next
+    join). The same bound, three formations in a row: each one gives up, each aborts its group."""
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", NeverFormingGroup, raising=False)
+    NeverFormingGroup.release = threading.Event()
+    outcomes: list[BaseException | None] = []
+
+    def form_three() -> None:
+        for _ in range(3):
+            try:
+                make(rank=rank, join_timeout_seconds=0.3)
+                outcomes.append(None)
+            except BaseException as exc:
+                outcomes.append(exc)
+
+    try:
+        forming = threading.Thread(target=form_three, daemon=True)
+        forming.start()
+        forming.join(10)  # 3 x 0.3 s
+        assert not forming.is_alive(), "formation hung past its join timeout"
+    finally:
+        NeverFormingGroup.release.set()
+    assert len(outcomes) == 3 and all(isinstance(o, TransportError) for o in outcomes), outcomes
+    assert "NCCL group of 2 did not form: not every rank reached it within 0.3s" in str(outcomes[0])
+    assert [group.aborted for group in fake_nccl.built] == [True] * 3

@@ -1,26 +1,32 @@
-"""NCCL transport: GPU tensors over NVLink/InfiniBand/TCP. Used when both roles have GPUs.
+"""NCCL transport: GPU tensors over NVLink/InfiniBand/TCP. Used when both roles have GPUs. Runs in both processes of
+a group: trainer rank 0 (the sender) and each replica's member (vLLM's TP rank 0 worker; at TP=1 the EngineCore).
 
 A ProcessGroupNCCL built directly on the epoch's store: a communicator of its own, outside torch.distributed's
 default group (which the trainer ranks use for FSDP), and `abort()` to tear it down when a peer is lost so that
 the group can re-form under the next epoch.
 
-Error handling is set explicitly for this group (ERROR_ENVIRONMENT, read by ProcessGroupNCCL when it is built),
-because PyTorch's default is the wrong one for a group whose peers may die: its watchdog tears the whole process
-down on a failed or timed-out collective (TORCH_NCCL_ASYNC_ERROR_HANDLING=3). Here a dead or hung peer must be an
-error in the thread that waits, which the sender answers by re-forming the group without it:
-- TORCH_NCCL_ASYNC_ERROR_HANDLING=2: on an error or timeout the watchdog aborts the communicator only;
-- TORCH_NCCL_BLOCKING_WAIT=1: `wait()` blocks and raises (DistBackendError, a RuntimeError) when the collective
-  failed or ran past the group's timeout (`sync.timeoutSeconds`), which becomes a TransportError;
-- TORCH_NCCL_ENABLE_MONITORING=0: no heartbeat monitor for this group. c10d's monitor ends the whole process when the
-  group's watchdog thread hangs (in an abort of a communicator whose InfiniBand peer is dead, say), and on a replica
-  that process is vLLM's engine (the member lives in its TP rank 0 worker). The round's own watchdog (watchdog.py)
-  cuts a stalled round instead. Chosen over receiving with vLLM's stateless NCCL communicator (PyNcclCommunicator,
-  as TRL's and NeMo-RL's weight sync do): that one has no abort, so a receive posted to a dead sender could only
-  end with the process, the very failure this avoids.
+Error handling is set explicitly for this group (ERROR_ENVIRONMENT, read by ProcessGroupNCCL's constructor),
+because PyTorch's default is the wrong one for a group whose peers may die: its watchdog thread tears the whole
+process down on a failed or timed-out collective (TORCH_NCCL_ASYNC_ERROR_HANDLING=3), and on a replica that process
+is vLLM's engine. With TORCH_NCCL_BLOCKING_WAIT=1 the constructor starts no watchdog thread at all ("NO watchdog
+thread is created", ProcessGroupNCCL.cpp), and with it no heartbeat monitor (which only that thread feeds): `wait()`
+blocks in the calling thread and raises DistBackendError when the collective failed or ran past the group's timeout
+(`sync.timeoutSeconds`), which becomes a TransportError. ASYNC_ERROR_HANDLING=2 and ENABLE_MONITORING=0 are set as
+well, so that the group stays safe if a PyTorch release starts that thread under blocking wait again
+(bench/gpu_probe_epochs.py lists the process's threads to check).
+
+Three rules of NCCL that the code does not leave to it:
+- Formation: the communicator is created inside the first collective, which blocks until every rank arrives, and
+  abort() cannot reach it meanwhile. Formation runs on a thread of its own, bounded by `sync.joinTimeoutSeconds`
+  (NcclTransport._form).
+- A collective whose communicator this rank aborted (the round's watchdog, watchdog.py, or a newer join) returns
+  from `wait()` normally. Every wait checks the transport's own closed state (Transport.check_open).
+- The round's own watchdog cuts a stalled round; over P2P/NVLink/SHM NCCL never reports a dead peer.
+Chosen over receiving with vLLM's stateless NCCL communicator (PyNcclCommunicator, as TRL's and NeMo-RL's weight sync
+do): that one has no abort, so a receive posted to a dead sender could only end with the process.
 The trainer's own FSDP group keeps PyTorch's defaults: a lost trainer rank ends the trainer, and the operator
 restarts the whole group.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -120,13 +126,43 @@ class NcclTransport(Transport):
         try:
             with _environment(ERROR_ENVIRONMENT):
                 self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
-            # NCCL communicators are created lazily; a first tiny collective makes "formed" mean formed, within
-            # the join timeout.
-            work = self._group.allreduce([torch.zeros(1, device=self.device)], sum_options())
-            _NcclPending(work, self, "group formation", timedelta(seconds=join_timeout_seconds)).wait()
+            self._form(self._group, join_timeout_seconds)
         except (RuntimeError, TransportError) as exc:
             self.close()
             raise TransportError(f"NCCL group of {world_size} did not form: {exc}") from exc
+
+    def _form(self, group: dist.ProcessGroupNCCL, join_timeout_seconds: float) -> None:
+        """A first tiny collective makes "formed" mean formed, within the join timeout.
+
+        NCCL communicators are created lazily, inside the first collective (initNCCLComm -> ncclCommInitRankConfig),
+        which in blocking mode (PyTorch's default) waits until every rank has reached NCCL's bootstrap: a replica that
+        accepted the join and then died would hold this thread there for ever, and abort() cannot reach a
+        communicator still being created (it enters the group's maps only once ncclCommInitRank returns). So the
+        collective runs on a thread of its own, and this one waits at most the join timeout for it; past that the
+        group is aborted and the formation's thread, if still inside ncclCommInitRank, is abandoned (a daemon; one
+        per formation that a dead peer left, which the sender's back-off makes rare)."""
+        stream = torch.cuda.current_stream(self.device)  # the caller's (a member's own stream), not the default one
+        outcome: list[BaseException | None] = []
+        done = threading.Event()
+
+        def form() -> None:
+            try:
+                torch.cuda.set_device(self.device)  # device and stream are per thread
+                torch.cuda.set_stream(stream)
+                work = group.allreduce([torch.zeros(1, device=self.device)], sum_options())
+                _NcclPending(work, self, "group formation", timedelta(seconds=join_timeout_seconds)).wait()
+                outcome.append(None)
+            except BaseException as exc:  # handed to the waiting thread
+                outcome.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=form, name="nccl-formation", daemon=True).start()
+        if not done.wait(join_timeout_seconds):
+            bound = f"{join_timeout_seconds:g}s (sync.joinTimeoutSeconds)"
+            raise TransportError(f"not every rank reached it within {bound}")
+        if outcome[0] is not None:
+            raise TransportError(str(outcome[0])) from outcome[0]
 
     def _group_or_fail(self) -> dist.ProcessGroupNCCL:
         if self._group is None:
