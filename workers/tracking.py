@@ -48,6 +48,26 @@ def drop_records_after(path: Path, step: int) -> int:
     return len(lines) - len(kept)
 
 
+def metrics_line(record: Mapping[str, Any]) -> str:
+    """One metrics.jsonl line. A non-finite number (JSON has no NaN or Infinity: json.dumps would write tokens that
+    strict readers refuse) is written as null and logged by its name; the GRPO math keeps its figures finite, so
+    this is a guard, not a path a healthy run takes."""
+    bad: list[str] = []
+
+    def finite(value: Any, name: str) -> Any:
+        if isinstance(value, Mapping):
+            return {key: finite(v, f"{name}{key}/") for key, v in value.items()}
+        if isinstance(value, float) and not math.isfinite(value):
+            bad.append(name.rstrip("/"))
+            return None
+        return value
+
+    clean = finite(record, "")
+    if bad:
+        log.error("metrics.jsonl: step %s: non-finite %s written as null", record.get("step"), ", ".join(bad))
+    return json.dumps(clean) + "\n"
+
+
 def check_tracking(spec: GRPOLoraJobSpec) -> list[TrackingError]:
     """What `grpolora validate` can tell of the trackers from here, before a trainer fails on it at start: an MLflow
     file store, which MLflow 3 refuses ("in maintenance mode") unless the trainer's env sets the opt-out."""

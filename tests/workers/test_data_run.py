@@ -138,6 +138,43 @@ def test_steps_are_on_policy_only_when_sampled_from_the_trainers_exact_weights(d
     assert steps[1]["importance_weight_mean"] > 0
 
 
+def test_the_figures_a_trl_user_reads_first_are_there_under_trls_names(data_run):
+    """frac_reward_zero_std, completions/{mean,min,max}_length, completions/clipped_ratio and clip_ratio/* as TRL's
+    GRPOTrainer logs them (issue 47), in metrics.jsonl and in every tracker; `tokens` is the step's completion
+    tokens (docs/metrics.md); no NaN or Infinity anywhere in the file."""
+    run_dir, uri, _, _, _ = data_run
+
+    def refuse(constant: str):
+        raise AssertionError(f"metrics.jsonl holds {constant}, which is not JSON")
+
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line, parse_constant=refuse) for line in lines]
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    for r in steps:
+        c = r["completions"]
+        assert 1 <= c["min_length"] <= c["mean_length"] <= c["max_length"] <= 8, c
+        assert c["clipped_ratio"] == r["completions_truncated"] / 8  # 2 prompts x 4 completions
+        assert (c["max_terminated_length"] == 0) == (r["completions_truncated"] == 8)
+        assert r["tokens"] == round(c["mean_length"] * 8)  # every generated token is in the loss here
+        assert r["frac_reward_zero_std"] in (0.0, 0.5, 1.0)  # 2 groups a step
+        clip = r["clip_ratio"]
+        assert clip["region_mean"] == pytest.approx(clip["low_mean"] + clip["high_mean"])
+        assert clip["region_mean"] <= r["clip_fraction"] + 1e-12
+        # The samples of steps 2 and 3 hold all 8 completions, group after group: the flat share recomputed.
+        rows = [s for s in samples if s["step"] == r["step"]]
+        if rows:
+            groups = [{s["reward"] for s in rows[i : i + 4] if s["reward"] is not None} for i in (0, 4)]
+            assert r["frac_reward_zero_std"] == sum(len(g) <= 1 for g in groups) / 2
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    for name in ("frac_reward_zero_std", "completions/mean_length", "completions/clipped_ratio", "clip_ratio/low_mean"):
+        assert [s for s, _ in scalars[name]] == [1, 2, 3], name
+    import mlflow
+
+    client = mlflow.MlflowClient(uri)
+    (run,) = client.search_runs([client.get_experiment_by_name("data-run").experiment_id])
+    assert {"frac_reward_zero_std", "completions/max_length", "clip_ratio/region_mean"} <= set(run.data.metrics)
+
+
 def status_of(run_dir) -> TrainerStatus:
     return TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
 

@@ -69,3 +69,31 @@ def test_the_plot_has_a_panel_for_the_policys_entropy(tmp_path, monkeypatch):
     [figure] = figures
     [panel] = [axis for axis in figure.axes if axis.get_ylabel().startswith("policy entropy")]
     assert list(panel.lines[0].get_ydata()[:2]) == [2.5, 2.1]
+
+
+# --- no NaN or Infinity in metrics.jsonl; TRL's figures on the trainer's gauges (issue 47) ----------------------------
+
+
+def test_a_non_finite_figure_is_written_as_null_and_said(caplog):
+    """json.dumps writes NaN and Infinity, which are not JSON: jq, pandas' strict readers and the /status contract
+    refuse them. The math keeps its figures finite (log-ratios clamped, tests/workers/test_grpo_math.py); should one
+    still be non-finite, metrics.jsonl gets null and the log names the figure."""
+    from grpolora.workers.tracking import metrics_line
+
+    line = metrics_line({"step": 3, "loss": float("nan"), "seconds": {"train": float("inf")}, "on_policy": True})
+    assert json.loads(line) == {"step": 3, "loss": None, "seconds": {"train": None}, "on_policy": True}
+    assert "NaN" not in line and "Infinity" not in line and line.endswith("\n")
+    assert "loss" in caplog.text and "seconds/train" in caplog.text and "step 3" in caplog.text
+    assert json.loads(metrics_line({"step": 1, "kl": 0.5})) == {"step": 1, "kl": 0.5}
+
+
+def test_the_trainer_exports_trls_first_figures_as_gauges():
+    from grpolora.workers.trainer import metrics
+
+    metrics.set_step_figures(
+        {"frac_reward_zero_std": 0.25, "completions": {"mean_length": 31.25, "clipped_ratio": 0.15625}}
+    )
+    value = metrics.REGISTRY.get_sample_value
+    assert value("grpolora_trainer_frac_reward_zero_std") == 0.25
+    assert value("grpolora_trainer_completion_length_mean") == 31.25
+    assert value("grpolora_trainer_completions_clipped_ratio") == 0.15625

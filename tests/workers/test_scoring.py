@@ -174,3 +174,51 @@ def test_unscorable_completions_are_counted_and_reported_over_the_scored_ones():
     assert [row["reward"] for row in sample_rows(rollouts, scored, 1)] == [0.0, None, 1.0, 1.0]
     # A group is flat when its scored rewards are equal, whatever its unscorable ones.
     assert has_spread(torch.tensor([[1.0, float("nan"), 1.0], [0.0, float("nan"), 1.0]])).tolist() == [False, True]
+
+
+# --- the figures practitioners read first, under TRL's names (issue 47) ----------------------------------------------
+
+
+def test_the_share_of_groups_without_reward_spread_is_trls_frac_reward_zero_std():
+    # TRL's GRPOTrainer logs frac_reward_zero_std: the share of groups whose rewards have std 0 (trl
+    # grpo_trainer.py, _generate_and_score_completions; 0.28-0.34 in the race's first steps). Four groups:
+    # (1, 1, 1) flat, (0, 1, 0) spread, (0.5, 0.5, NaN) flat over its scored ones, (NaN, NaN, NaN) nothing scored:
+    # no spread either (its advantages are 0). 3 of 4 -> 0.75.
+    from grpolora.workers.trainer.scoring import frac_reward_zero_std
+
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.5, 0.5, nan], [nan, nan, nan]])
+    assert frac_reward_zero_std(rewards) == 0.75
+    assert frac_reward_zero_std(torch.tensor([[0.0, 1.0]])) == 0.0
+
+
+def test_reward_figures_carry_the_share_of_flat_groups():
+    from grpolora.workers.trainer.scoring import reward_figures
+
+    # _LengthTask scores every completion 1: both groups are flat.
+    scored = score(_LengthTask(), _rollouts([[3, 4], [5, 6]], [["stop"] * 2] * 2), _grpo(), pad_token_id=0)
+    assert reward_figures(scored)["frac_reward_zero_std"] == 1.0
+
+
+def test_completion_figures_are_trls_completions_block():
+    # TRL's completions/{mean,min,max}_length, clipped_ratio (cut at the length limit) and the lengths of those that
+    # terminated (trl grpo_trainer.py, _generate_and_score_completions). Lengths 3, 10 (cut), 10 (cut), 4, 5:
+    # mean 32 / 5 = 6.4, min 3, max 10; clipped 2 / 5; terminated 3, 4, 5: mean 4, min 3, max 5.
+    from grpolora.workers.trainer.scoring import completion_figures
+
+    rollouts = _rollouts([[3, 10], [10, 4], [5, 5]], [["stop", "length"], ["length", "stop"], ["stop", "stop"]])
+    rollouts.completions[2].pop()  # groups need not be the same size here: 5 completions
+    assert completion_figures(rollouts) == {
+        "completions": {
+            "mean_length": 6.4,
+            "min_length": 3,
+            "max_length": 10,
+            "clipped_ratio": 0.4,
+            "mean_terminated_length": 4.0,
+            "min_terminated_length": 3,
+            "max_terminated_length": 5,
+        }
+    }
+    # None terminated: TRL reports 0 for the terminated lengths (it takes a zero tensor); so do we.
+    cut = completion_figures(_rollouts([[10, 10]], [["length", "length"]]))["completions"]
+    assert (cut["clipped_ratio"], cut["mean_terminated_length"], cut["max_terminated_length"]) == (1.0, 0.0, 0)

@@ -1,5 +1,8 @@
 """Prometheus metrics of trainer rank 0 (all declared here; served at GET /metrics on the status port)."""
 
+from collections.abc import Mapping
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 REGISTRY = CollectorRegistry(auto_describe=True)
@@ -23,7 +26,8 @@ EVAL_REWARD = Gauge(
 KL = Gauge("grpolora_trainer_kl", "Mean k3 KL to the reference policy at the last step", registry=REGISTRY)
 ENTROPY = Gauge(
     "grpolora_trainer_entropy",
-    "The policy's mean token entropy (nats) over the last step's completions, before its update",
+    "The policy's mean token entropy (nats) over the last step's completion tokens, token-weighted, before its "
+    "update (TRL's entropy averages its micro-batches' means instead)",
     registry=REGISTRY,
 )
 MISMATCH = Gauge(
@@ -48,3 +52,25 @@ PUSH_FAILURES = Counter(
     "Adapter pushes to spec.output.push that failed (during training: reported, training goes on)",
     registry=REGISTRY,
 )
+FRAC_REWARD_ZERO_STD = Gauge(
+    "grpolora_trainer_frac_reward_zero_std",
+    "Share of the last step's groups whose rewards were all equal (no signal; TRL's frac_reward_zero_std)",
+    registry=REGISTRY,
+)
+COMPLETION_LENGTH = Gauge(
+    "grpolora_trainer_completion_length_mean",
+    "Mean tokens generated per completion at the last step (TRL's completions/mean_length)",
+    registry=REGISTRY,
+)
+CLIPPED_RATIO = Gauge(
+    "grpolora_trainer_completions_clipped_ratio",
+    "Share of the last step's completions cut at maxNewTokens (TRL's completions/clipped_ratio)",
+    registry=REGISTRY,
+)
+
+
+def set_step_figures(record: Mapping[str, Any]) -> None:
+    """The step gauges read from its metrics.jsonl record (one source for both)."""
+    FRAC_REWARD_ZERO_STD.set(record["frac_reward_zero_std"])
+    COMPLETION_LENGTH.set(record["completions"]["mean_length"])
+    CLIPPED_RATIO.set(record["completions"]["clipped_ratio"])

@@ -15,7 +15,7 @@ from grpolora.api.spec import GRPOSpec
 from grpolora.workers.environments.episode import Episode
 from grpolora.workers.tasks import Prompt, Scores, Task, TaskError
 from grpolora.workers.trainer.buffer import Group
-from grpolora.workers.trainer.grpo import group_advantages, overlong_penalty
+from grpolora.workers.trainer.grpo import group_advantages, overlong_penalty, safe_div
 from grpolora.workers.trainer.policy import Batch, build_batch
 from grpolora.workers.trainer.rollout import Completion
 
@@ -67,13 +67,45 @@ class Scored:
 
 
 def reward_figures(scored: Scored) -> dict[str, float | int]:
-    """The step's reward figures for metrics.jsonl: mean and (sample) std over the scored completions, and how many
-    were unscorable (0 and 0 when none was scored: JSON has no NaN)."""
+    """The step's reward figures for metrics.jsonl: mean and (sample) std over the scored completions, how many
+    were unscorable (0 and 0 when none was scored: JSON has no NaN), and the share of groups without spread."""
     values = scored.rewards[~scored.rewards.isnan()]
     return {
         "reward_mean": float(values.mean()) if len(values) else 0.0,
         "reward_std": float(values.std()) if len(values) > 1 else 0.0,
         "rewards_unscorable": scored.unscorable,
+        "frac_reward_zero_std": frac_reward_zero_std(scored.rewards),
+    }
+
+
+def frac_reward_zero_std(rewards: torch.Tensor) -> float:
+    """The share of groups (rows of `rewards[groups, generations]`) whose scored rewards are all equal, under TRL's
+    name (GRPOTrainer's `frac_reward_zero_std`): their advantages are 0, so they add nothing but the KL term, and
+    the step learns from the other groups only. A group with no scored completion counts as flat too (TRL's
+    NaN std does not; it has no signal either way)."""
+    return safe_div(float((~has_spread(rewards)).sum()), len(rewards))
+
+
+def completion_figures(rollouts: Rollouts) -> dict[str, dict[str, float | int]]:
+    """The step's completion lengths (tokens the model generated: `generated_length`) under TRL's names, nested so
+    that the trackers show `completions/mean_length` and the rest as TRL's GRPOTrainer logs them: mean, min and max
+    length; `clipped_ratio`, the share cut at maxNewTokens (finish reason `length`; TRL: no EOS at the end); and the
+    lengths of those that terminated, 0 when none did (as TRL)."""
+    completions = [c for group in rollouts.completions for c in group]
+    lengths = [generated_length(c) for c in completions]
+    finished = [n for n, c in zip(lengths, completions, strict=True) if c.finish_reason != "length"]
+    cut = len(lengths) - len(finished)
+    finished = finished or [0]
+    return {
+        "completions": {
+            "mean_length": safe_div(sum(lengths), len(lengths)),
+            "min_length": min(lengths, default=0),
+            "max_length": max(lengths, default=0),
+            "clipped_ratio": safe_div(cut, len(lengths)),
+            "mean_terminated_length": sum(finished) / len(finished),
+            "min_terminated_length": min(finished),
+            "max_terminated_length": max(finished),
+        }
     }
 
 

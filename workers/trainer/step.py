@@ -37,7 +37,7 @@ class StepStats:
     kl: float  # mean k3 KL to the reference per completion token
     clip_fraction: float
     grad_norm: float
-    tokens: int
+    tokens: int  # the step's completion tokens in the loss (mask sum, all ranks); not TRL's cumulative num_tokens
     mismatch: float  # mean exp(|logp_trainer - logp_sampler|) - 1 (trainer before the update)
     mismatch_max: float
     gen_kl: float  # k3 estimate of KL(sampler || trainer)
@@ -48,6 +48,9 @@ class StepStats:
     learning_rate: float = 0.0  # the step's rate after grpo.lrSchedule
     entropy: float = 0.0  # the policy's mean token entropy (nats) on the batch, before the first update
     grad_clipped: float = 0.0  # share of the updates whose gradient norm grpo.maxGradNorm cut (clipped_share)
+    clip_low: float = 0.0  # share of the tokens PPO's clip cut below (A < 0): TRL's clip_ratio/low_mean
+    clip_high: float = 0.0  # ... above (A > 0): TRL's clip_ratio/high_mean
+    clip_region: float = 0.0  # ... either way: TRL's clip_ratio/region_mean (clip_fraction adds clipRatioMax's)
 
 
 def clipped_share(norms: list[float], *, max_norm: float) -> float:
@@ -292,6 +295,9 @@ def train_step(
         learning_rate=learning_rate,
         entropy=entropy.mean,
         grad_clipped=clipped_share(grad_norms, max_norm=grpo.max_grad_norm),
+        clip_low=totals.clip_low_fraction,
+        clip_high=totals.clip_high_fraction,
+        clip_region=totals.clip_region_fraction,
     )
 
 
