@@ -895,6 +895,12 @@ class EnvironmentSpec(SpecModel):
     most grpo.maxNewTokens of what is left. An episode that reaches it is cut off (truncated)."""
     step_timeout_seconds: float = Field(default=30.0, gt=0, le=c.MAX_TIMEOUT_SECONDS)
     """A reset or step that takes longer ends its episode with an environment error (counted; the run goes on)."""
+    tool_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """Native tool calls: vLLM's tool parser for the model's call format (`hermes` for Qwen2.5 and Qwen3,
+    `llama3_json` for Llama 3.x, `mistral`, `pythonic`, ...: `vllm serve --tool-call-parser`'s names). Each assistant
+    turn is parsed into OpenAI-form `tool_calls` that the environment's step receives, and the environment answers
+    with `role: tool` messages; the tool specs its reset returns reach the chat template (`tools=`). A call the parser
+    cannot read is answered with a tool error. Unset: the environment reads the assistant's text itself."""
 
     @model_validator(mode="after")
     def _one_kind(self) -> EnvironmentSpec:

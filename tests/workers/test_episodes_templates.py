@@ -181,3 +181,112 @@ def test_the_field_takes_a_shipped_name_or_jinja_text():
     with pytest.raises(ValueError, match=r"chatTemplate[\s\S]*'qwen4' is neither a template the project ships "
                        r"\(valid: gemma3, llama3.1"):  # fmt: skip
         TaskSpec(name="arithmetic", chatTemplate="qwen4")
+
+
+# ---- native tool calls (spec.environment.toolParser) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tool_env(model_dir):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+    try:
+        import tool_calling_env
+    finally:
+        sys.path.pop(0)
+    return tool_calling_env
+
+
+class Counting:
+    def __init__(self, env):
+        self.env, self.steps = env, []
+
+    def reset(self, prompt):
+        return self.env.reset(prompt)
+
+    def step(self, message):
+        self.steps.append(message)
+        return self.env.step(message)
+
+
+def _tool_episode(model_dir, tool_env, script: list[str]):
+    from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
+    from grpolora.workers.environments.tools import ToolCallParser
+    from grpolora.workers.tasks import Prompt
+    from grpolora.workers.trainer.rollout import Sampling
+    from tests.workers.test_episodes import ScriptedReplicas
+
+    tokenizer = family_tokenizer(model_dir, "qwen3")
+    made: list[Counting] = []
+
+    def factory():
+        made.append(Counting(tool_env.make()))
+        return made[-1]
+
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=1024, max_new_tokens=64, step_timeout_seconds=5.0)
+    runner = EpisodeRunner(factory, ChatDelta(tokenizer), limits, tool_parser=ToolCallParser("hermes", tokenizer))
+    [[done]] = runner.run([Prompt("What is 2 + 3?")], [[1]], [0], Sampling(1, 1.0, 1.0, 64),
+                          ScriptedReplicas(tokenizer, {0: script}), replicas=[0], version=1)  # fmt: skip
+    runner.close()
+    return tokenizer, done, made[0]
+
+
+def test_native_tool_calls_are_parsed_by_vllms_parser_and_answered_as_tool_messages(model_dir, tool_env):
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    tokenizer, done, env = _tool_episode(model_dir, tool_env, [f"Let me add. {call}", "Answer: 5"])
+    sample = tokenizer.decode(done.episode.opening + done.token_ids)
+    # The environment's tool specs reached the template: Qwen3's tool prompt lists them.
+    assert "<tools>" in sample and '"name": "add"' in sample and '"name": "multiply"' in sample
+    # vLLM's hermes parser read the call; the environment got it in OpenAI's form and answered its id.
+    [asked, final] = env.steps
+    [parsed] = asked["tool_calls"]
+    assert asked["content"] == "Let me add. " and parsed["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+    tool = done.episode.messages[-2]
+    assert tool == {"role": "tool", "content": "5.0", "tool_call_id": parsed["id"], "name": "add"}
+    assert "<tool_response>\n5.0\n</tool_response>" in sample and final["content"] == "Answer: 5"
+    assert (done.episode.turns, done.episode.tool_calls, done.episode.tool_errors) == (2, 1, 0)
+    assert done.episode.error is None and done.text == "Answer: 5"
+
+
+def test_a_call_the_parser_cannot_read_is_answered_with_a_tool_error_not_sent_to_the_environment(model_dir, tool_env):
+    broken = '<tool_call>\n{"name": "add", "arguments": {"a": 2,\n</tool_call>'
+    _, done, env = _tool_episode(model_dir, tool_env, [broken, "Answer: 5"])
+    assert [m.get("tool_calls") for m in env.steps] == [None]  # only the final answer reached it
+    tool = done.episode.messages[-2]
+    assert tool["role"] == "tool" and tool["content"].startswith("error: the tool call could not be read (hermes")
+    assert (done.episode.turns, done.episode.tool_errors, done.episode.error) == (2, 1, None)
+
+
+@pytest.mark.parametrize(
+    ("family", "parser", "text"),
+    [
+        ("llama3.1", "llama3_json", '{"name": "add", "parameters": {"a": 2, "b": 3}}'),
+        # [TOOL_CALLS] is a special token: vLLM's text leaves it out, the parser reads the ids decoded with it.
+        ("mistral-nemo", "mistral", '[TOOL_CALLS][{"name": "add", "arguments": {"a": 2, "b": 3}}]'),
+    ],
+)
+def test_each_familys_parser_reads_its_calls_from_the_generated_ids(model_dir, family, parser, text):
+    from grpolora.workers.environments.tools import ToolCallParser
+
+    tokenizer = family_tokenizer(model_dir, family)
+    generated = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    shown = tokenizer.decode(generated, skip_special_tokens=True)  # what vLLM's text says
+    message, error = ToolCallParser(parser, tokenizer).message(generated, shown, tool_calling_tools())
+    assert error is None
+    [call] = message["tool_calls"]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'} and call["type"] == "function"
+
+
+def tool_calling_tools():
+    return [{"type": "function", "function": {"name": "add", "parameters": {"type": "object", "properties": {}}}}]
+
+
+def test_an_unknown_tool_parser_is_refused_naming_the_field(model_dir):
+    from grpolora.workers.environments.tools import ToolCallParser
+    from grpolora.workers.tasks import TaskError
+
+    says = r"^spec.environment.toolParser: unknown tool parser 'hermes2'; vLLM's: .*hermes"
+    with pytest.raises(TaskError, match=says):
+        ToolCallParser("hermes2", family_tokenizer(model_dir, "qwen3"))

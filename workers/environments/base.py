@@ -25,8 +25,10 @@ from grpolora.workers.tasks.base import Prompt
 
 log = logging.getLogger(__name__)
 
-Message = dict[str, str]
-"""A chat message: {"role": ..., "content": ...}, as chat templates take it."""
+Message = dict[str, Any]
+"""A chat message as chat templates take it: {"role", "content"}; with spec.environment.toolParser an assistant
+message may carry "tool_calls" (OpenAI's form: [{"id", "type": "function", "function": {"name", "arguments"}}],
+arguments a JSON string), and a tool message answering one "tool_call_id" and "name"."""
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -75,7 +77,13 @@ def checked_messages(value: Any, where: str) -> list[Message]:
             raise EnvironmentFault(f"{where}[{i}].role: {role!r}; valid: {', '.join(ROLES)}")
         if not isinstance(content, str):
             raise EnvironmentFault(f"{where}[{i}].content: expected a string, got {type(content).__name__}")
-        messages.append({"role": role, "content": content})
+        checked: Message = {"role": role, "content": content}
+        for key in ("tool_call_id", "name"):
+            if key in message and message[key] is not None:
+                if not isinstance(message[key], str):
+                    raise EnvironmentFault(f"{where}[{i}].{key}: expected a string, got {message[key]!r:.100}")
+                checked[key] = message[key]
+        messages.append(checked)
     return messages
 
 

@@ -144,6 +144,10 @@ class ChatDelta:
             raise EnvironmentFault("the chat template does not render an assistant message's content")
         return base[base.rindex(_MARK) + len(_MARK) :]
 
+    def closing_ids(self, tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """The ids the template puts after an assistant's content (`<|im_end|>`, `\\n` for ChatML)."""
+        return self._closing_ids(self._closing_text(tools))
+
     def _closing_ids(self, closing: str) -> list[int]:
         if closing not in self._closings:
             self._closings[closing] = self._ids(closing)
@@ -224,3 +228,5 @@ class Episode:
     """Cut off by maxTurns, maxEpisodeTokens or a turn's grpo.maxNewTokens (as grpo.maskTruncated treats it)."""
     environment_seconds: float = 0.0
     """Time spent in the environment's reset and steps."""
+    tool_errors: int = 0
+    """Calls the tool parser (spec.environment.toolParser) could not read, answered with the tool's error."""

@@ -25,12 +25,14 @@ from grpolora.workers.environments.base import (
     EnvironmentFactory,
     EnvironmentFault,
     Message,
+    Reply,
     checked_opening,
     checked_reply,
     close_environment,
     fault_reason,
 )
 from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
+from grpolora.workers.environments.tools import ToolCallParser
 from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.rollout import Completion, Sampling
@@ -84,16 +86,22 @@ class _Live:
     reward: float | None = None
     truncated: bool = False
     seconds: float = 0.0
+    unread_call: str | None = None  # the tool error that answers a call the tool parser could not read
+    tool_errors: int = 0
 
     def end(self, *, error: str | None = None, truncated: bool = False, reward: float | None = None) -> None:
         self.ended, self.error, self.truncated, self.reward = True, error, truncated, reward
 
 
 class EpisodeRunner:
-    def __init__(self, factory: EnvironmentFactory, delta: ChatDelta, limits: EpisodeLimits, *, workers: int = 8):
+    def __init__(
+        self, factory: EnvironmentFactory, delta: ChatDelta, limits: EpisodeLimits, *, workers: int = 8,
+        tool_parser: ToolCallParser | None = None,
+    ):  # fmt: skip
         self.factory = factory
         self.delta = delta
         self.limits = limits
+        self.tool_parser = tool_parser
         # Requests to the replicas, one per replica and budget of a turn. The environment's calls each get a thread
         # of their own (_Call): one that never returns must not hold a thread another call waits for.
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="episode-turn")
@@ -181,20 +189,33 @@ class EpisodeRunner:
                 episode.versions.append(answer.version)
                 episode.turns += 1
                 episode.text = answer.text
-                episode.messages.append({"role": "assistant", "content": answer.text})
+                episode.messages.append(self._assistant_message(episode, answer))
                 if answer.finish_reason == "length":  # cut off mid-message: there is nothing to answer
                     episode.end(truncated=True)
+
+    def _assistant_message(self, episode: _Live, answer: Completion) -> Message:
+        """The turn as the environment gets it: its text, or with spec.environment.toolParser, its parsed calls."""
+        if self.tool_parser is None:
+            return {"role": "assistant", "content": answer.text}
+        closing = self.delta.closing_ids(episode.tools)
+        message, episode.unread_call = self.tool_parser.message(answer.token_ids, answer.text, episode.tools, closing)
+        return message
 
     def _environment_turn(self, live: list[_Live], *, last: bool) -> None:
         """Every live episode's environment answers its last assistant message (at once, each bounded in time).
         After the `last` turn its answer goes into the transcript only: no turn follows that would train on it."""
         started = time.perf_counter()
-        calls = [(e, _Call(e.env.step, e.messages[-1])) for e in live]
+        # A call the tool parser could not read is answered with the tool's error, not sent to the environment.
+        calls = [(e, None if e.unread_call else _Call(e.env.step, e.messages[-1])) for e in live]
         limit = self.limits.step_timeout_seconds
         deadline = time.monotonic() + limit  # they run at once: one deadline for all
         for episode, call in calls:
             try:
-                reply = checked_reply(call.result(max(deadline - time.monotonic(), 0.0), "step", limit))
+                if call is None:
+                    reply = Reply([{"role": "tool", "content": episode.unread_call}])
+                    episode.unread_call, episode.tool_errors = None, episode.tool_errors + 1
+                else:
+                    reply = checked_reply(call.result(max(deadline - time.monotonic(), 0.0), "step", limit))
                 if reply.done:
                     episode.end(reward=reply.reward)
                     continue
@@ -221,6 +242,7 @@ class EpisodeRunner:
             messages=e.messages,
             turns=e.turns,
             tool_calls=e.tool_calls,
+            tool_errors=e.tool_errors,
             error=e.error,
             reward=e.reward,
             truncated=e.truncated,

@@ -28,6 +28,7 @@ from grpolora.workers import adapter as adapter_io
 from grpolora.workers.environments import load_environment
 from grpolora.workers.environments.episode import ChatDelta
 from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
+from grpolora.workers.environments.tools import ToolCallParser
 from grpolora.workers.sync.sender import RoundReport
 from grpolora.workers.tasks import Prompt, Task
 from grpolora.workers.tracking import Tracking, drop_records_after, metrics_line
@@ -124,7 +125,8 @@ class Controller:
         log.info("episodes: %s continues turn by turn; tool answers go as %s messages", where,
                  "tool" if delta.tool_role else "user")  # fmt: skip
         limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
-        return EpisodeRunner(load_environment(env), delta, limits)
+        parser = ToolCallParser(env.tool_parser, self.ctx.policy.tokenizer) if env.tool_parser else None
+        return EpisodeRunner(load_environment(env), delta, limits, tool_parser=parser)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.
