@@ -59,7 +59,13 @@ from grpolora.workers.tasks.dataset import epoch_order
 MODEL = "offline:smollm2-135m-instruct"
 # What the race keeps of each grpo-lora step (metrics.jsonl's names); TRL's side writes its own logs under these
 # names where it has them (bench/trl_race_trl.py) and the rest of its logs beside them.
-LOGGED = ("step", "reward_mean", "grad_norm", "grad_clipped", "learning_rate", "entropy", "kl", "tokens")
+# `tokens` is the step's completion tokens on both sides; `frac_reward_zero_std`, `completions` and `clip_ratio` are
+# TRL's figures under TRL's names (docs/metrics.md). Results recorded before 2026-12-04's issue 47 have TRL's
+# per-step prompt + completion tokens under `tokens` and lack the rest.
+LOGGED = (
+    "step", "reward_mean", "grad_norm", "grad_clipped", "learning_rate", "entropy", "kl", "tokens",
+    "frac_reward_zero_std", "completions", "clip_ratio",
+)  # fmt: skip
 SMOOTH = 3  # steps in the moving mean that decides when a side reached the threshold
 PROMPTS_PER_STEP, GENERATIONS, MAX_NEW_TOKENS, LEARNING_RATE, KL = 4, 8, 64, 2e-4, 0.01
 

@@ -60,7 +60,15 @@ class Budget(TrainerCallback):
                 "learning_rate": logs.get("learning_rate"),
                 "entropy": logs.get("entropy"),
                 "kl": logs.get("kl"),
-                "tokens": tokens - self.tokens_before,
+                # TRL's num_tokens counts prompt and completion tokens; grpo-lora's `tokens` completion tokens only:
+                # the same figure here is the mean completion length times the step's completions.
+                "prompt_and_completion_tokens": tokens - self.tokens_before,
+                "tokens": float(logs["completions/mean_length"]) * args.generation_batch_size
+                if "completions/mean_length" in logs
+                else None,
+                "frac_reward_zero_std": logs.get("frac_reward_zero_std"),
+                "completions": {k.split("/", 1)[1]: v for k, v in logs.items() if k.startswith("completions/")},
+                "clip_ratio": {k.split("/", 1)[1]: v for k, v in logs.items() if k.startswith("clip_ratio/")},
                 "logs": logs,
             }
             self.tokens_before = tokens
