@@ -61,10 +61,13 @@ MODEL = "offline:smollm2-135m-instruct"
 # names where it has them (bench/trl_race_trl.py) and the rest of its logs beside them.
 # `tokens` is the step's completion tokens on both sides; `frac_reward_zero_std`, `completions` and `clip_ratio` are
 # TRL's figures under TRL's names (docs/metrics.md). Results recorded before 2026-12-04's issue 47 have TRL's
-# per-step prompt + completion tokens under `tokens` and lack the rest.
+# per-step prompt + completion tokens under `tokens` and lack the rest. grpo-lora's on-policy evidence (the
+# version sampled against the trainer's, the logprob mismatch) is kept so that a claim of exact rollouts can be
+# checked from the results file.
 LOGGED = (
     "step", "reward_mean", "grad_norm", "grad_clipped", "learning_rate", "entropy", "kl", "tokens",
-    "frac_reward_zero_std", "completions", "clip_ratio",
+    "frac_reward_zero_std", "completions", "clip_ratio", "completions_truncated",
+    "on_policy", "rollout_version", "trainer_version", "mismatch", "mismatch_max_abs",
 )  # fmt: skip
 SMOOTH = 3  # steps in the moving mean that decides when a side reached the threshold
 PROMPTS_PER_STEP, GENERATIONS, MAX_NEW_TOKENS, LEARNING_RATE, KL = 4, 8, 64, 2e-4, 0.01
