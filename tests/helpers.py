@@ -17,4 +17,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 
 def example(name: str) -> dict[str, Any]:
-    return yaml.safe_load((ROOT / "examples" / name).read_text())
+    """The example file's grpolora.dev document (a file may bring the claims its job names beside it)."""
+    documents = [d for d in yaml.safe_load_all((ROOT / "examples" / name).read_text()) if d]
+    (ours,) = [d for d in documents if d["apiVersion"].startswith("grpolora.dev/")]
+    return ours

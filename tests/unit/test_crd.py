@@ -88,7 +88,8 @@ def openapi_validator(subschema: dict[str, Any]) -> jsonschema.Draft4Validator:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_examples_validate_against_the_crd_schema(path):
     for doc in yaml.safe_load_all(path.read_text()):
-        openapi_validator(schema()).validate(doc)
+        if doc["kind"] == "GRPOLoraJob":  # a claim the job names may come beside it
+            openapi_validator(schema()).validate(doc)
 
 
 def test_crd_schema_rejects_what_the_model_rejects():
