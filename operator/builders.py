@@ -642,11 +642,11 @@ def _env(plan: Plan, role: RolePlan) -> list[dict[str, Any]]:
         else:
             result.append({"name": var.name, "value": var.value})
     if role.role == c.ROLE_TRAINER:
-        # Fencing (contract.TRAINER_INCARNATION): the restart attempt the operator marks the trainer's pod template
-        # with (job_workloads.with_restart_attempt); the downward API gives "" for the first, unmarked, attempt
+        # Fencing (contract.TRAINER_INCARNATION): the incarnation the operator marks the trainer's pod template with
+        # (job_workloads.with_restart_attempt); the downward API gives "" for the first, unmarked, incarnation
         # (Kubernetes pkg/fieldpath: a missing annotation is the empty string).
-        attempt = f"metadata.annotations['{names.RESTART_ATTEMPT_ANNOTATION}']"
-        result.append({"name": contract.TRAINER_INCARNATION, "valueFrom": {"fieldRef": {"fieldPath": attempt}}})
+        incarnation = f"metadata.annotations['{names.INCARNATION_ANNOTATION}']"
+        result.append({"name": contract.TRAINER_INCARNATION, "valueFrom": {"fieldRef": {"fieldPath": incarnation}}})
     return result + [copy.deepcopy(dict(v)) for v in role.user_env]
 
 

@@ -140,6 +140,7 @@ def _status(
         rendezvous=_rendezvous(where.job_plan, progress.epoch),
         trainer_restarts=course.restarts,
         restarts_by_cause=course.by_cause,
+        trainer_incarnation=course.incarnation,
         start_time=old.start_time or stamp,
         completion_time=course.completion,
         active_since=course.active_since,
@@ -210,7 +211,9 @@ def _failed_to_start(
     view: JobView, old: JobStatus, reason: str, message: str, stamp: str, *, pool: str | None = None
 ) -> Decision:
     """The job cannot start as specified: Failed without a completionTime (a spec change runs a new pass, and until
-    the children exist every field may change)."""
+    the children exist every field may change). A job that had started before (a resume or re-admission that meets
+    a claim its pods cannot share, a pool it no longer fits) keeps the record of its run: restarts and their causes,
+    its token digest, its incarnation, its progress."""
     wants = [
         cond.Want(names.CREATED, "False", reason, message),
         cond.Want(names.FAILED, "True", reason, message),
@@ -225,6 +228,13 @@ def _failed_to_start(
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         start_time=old.start_time or stamp,
         pool=pool,
+        trainer_restarts=old.trainer_restarts,
+        restarts_by_cause=old.restarts_by_cause,
+        trainer_incarnation=old.trainer_incarnation,
+        token_digest=old.token_digest,
+        last_failed_attempt=old.last_failed_attempt,
+        total_steps=old.total_steps,
+        **obs.Progress.of(old, 0).status_fields(),
     )
     return Decision(status=status, events=tuple(transition_events(old, status)), idle=True)
 

@@ -51,6 +51,9 @@ class _Course:
     requeue: float | None = None
     active_since: str | None = None
     """When the job last became active (status.activeSince); None while it is not (spec.activeDeadlineSeconds)."""
+    incarnation: int | None = None
+    """The newest trainer Job's incarnation (status.trainerIncarnation): the stored one, or the one a trainer Job
+    created just before an operator crash carries; the workloads stage gives a new trainer Job the next."""
 
     @property
     def finished(self) -> bool:
@@ -91,6 +94,9 @@ def _course(
         by_cause=old.restarts_by_cause or RestartCounts(failure=restarts),
         token_digest=observed.token if (stale_key and not pods_left) or old.token_digest is None else old.token_digest,
         active_since=old.active_since,
+        incarnation=max(
+            (n for n in (old.trainer_incarnation, obs.trainer_incarnation(tj)) if n is not None), default=None
+        ),
     )
     if finished:
         return course  # terminal phases stick; only releasing the inference pods and the TTL are left

@@ -126,6 +126,8 @@ class JobPass:
                 queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
             decision = rec.decide_refused(view, old, refused.refusal, self.clock(), queue_workload=queue_workload)
             logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
+            if decision.status.phase == "Failed":
+                await self._withdraw_workloads(job, view)
             await self._record(job, decision)
             if refused.refusal.transient:
                 raise refused.error from None
@@ -133,6 +135,19 @@ class JobPass:
         if not await self._record(job, decision):
             decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         return decision
+
+    async def _withdraw_workloads(self, job: _Tracked, view: JobView) -> None:
+        """A job that failed to start keeps no workload: the trainer Job and StatefulSet are created side by side, so
+        the refusal of one leaves the other running (its GPUs held for a Failed job). Deleted in the foreground."""
+        workloads = child_names(view.name)
+        for kind, name in ((kube.JOB, workloads["trainer"]), (kube.STATEFULSET, workloads["inference"])):
+            self.cache.pop((kind.kind, view.namespace, name), None)  # just created: read from the API
+            found = await self._workload(kind, view.namespace, name)
+            if found is None or obs.controller_uid(found) != view.uid or obs.deleting(found):
+                continue
+            self.cache.pop((kind.kind, view.namespace, name), None)
+            await self.client.delete(kind, view.namespace, name, propagation="Foreground")
+            logger.info("%s/%s: deleted %s %s (the job failed to start)", job.namespace, job.name, kind.kind, name)
 
     async def _observe(
         self,

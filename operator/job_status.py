@@ -18,8 +18,10 @@ TERMINAL: Final = ("Succeeded", "Failed")
 
 # The completionTime rule: how a job's end is decided, in one place.
 # - Finished for good (`is_finished`): a terminal phase with status.completionTime. Set when the job ran and ended
-#   (Succeeded; Failed by its trainer, its deadlines, its pool's deletion, a refusal after it started). Nothing runs
-#   again: only its inference pods are released and the TTL counts; a spec change is refused (the job has started).
+#   (Succeeded; Failed by its trainer, its deadlines, its pool's deletion). Nothing runs again: only its inference
+#   pods are released and the TTL counts; a spec change is refused (the job has started). A create refused after the
+#   job started (status.trainerIncarnation set) ends nothing: the job keeps its run and tries again
+#   (reconcile.decide_refused).
 # - Failed to start: a terminal phase without completionTime (job_conditions.failed_to_start: a child refused before
 #   anything ran, a claim its pods cannot share, a pool it does not fit, a Secret of the operator's). Until its
 #   children exist every field may change, and a change of the spec (a generation past the failure's) runs it again.

@@ -44,16 +44,20 @@ def children(
     return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
 
 
-def with_restart_attempt(trainer_job: K8sObject, attempt: int) -> K8sObject:
-    """The trainer Job marked with the restart that creates it (unmarked for the first, as rendered)."""
-    if attempt == 0:
+def with_restart_attempt(trainer_job: K8sObject, attempt: int, incarnation: int | None = None) -> K8sObject:
+    """The trainer Job marked with the restart that creates it and its incarnation (by default the attempt), each
+    left unmarked at 0, as rendered. The incarnation goes on its pod template too: the pods' GRPOLORA_TRAINER_
+    INCARNATION reads it (builders._env), so that replicas refuse an earlier trainer that still runs (fencing,
+    workers/sync/receiver.py)."""
+    incarnation = attempt if incarnation is None else incarnation
+    if attempt == 0 and incarnation == 0:
         return trainer_job
     marked = copy.deepcopy(trainer_job)
-    marked["metadata"].setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
-    # And its pods: their GRPOLORA_TRAINER_INCARNATION reads it (builders._env), so that replicas refuse the trainer
-    # of an earlier attempt that still runs (fencing, workers/sync/receiver.py).
     template = marked["spec"]["template"].setdefault("metadata", {})
-    template.setdefault("annotations", {})[names.RESTART_ATTEMPT_ANNOTATION] = str(attempt)
+    for key, value in ((names.RESTART_ATTEMPT_ANNOTATION, attempt), (names.INCARNATION_ANNOTATION, incarnation)):
+        if value:
+            marked["metadata"].setdefault("annotations", {})[key] = str(value)
+            template.setdefault("annotations", {})[key] = str(value)
     return marked
 
 
@@ -86,8 +90,13 @@ def _workloads_to_create(
         return dataclasses.replace(course, requeue=requeue), _Build(
             read_flavors=placed.unread, flavor_wait=placed.message
         )
+    incarnation = course.incarnation
+    if "Job" in course.wanted_kinds:
+        # Every new trainer Job is a new incarnation, whatever replaced the last one (names.INCARNATION_ANNOTATION).
+        incarnation = 0 if course.incarnation is None else course.incarnation + 1
+        course = dataclasses.replace(course, incarnation=incarnation)
     creates = tuple(
-        with_restart_attempt(placed[kind], course.restarts) if kind == "Job" else placed[kind]
+        with_restart_attempt(placed[kind], course.restarts, incarnation) if kind == "Job" else placed[kind]
         for kind in course.wanted_kinds
     )
     return course, _Build(creates=creates)

@@ -19,6 +19,11 @@ RUNTIME_ANNOTATION: Final = f"{c.GROUP}/runtime"
 # On the trainer Job: which restart attempt created it (absent = 0). A Job whose attempt is older than
 # status.trainerRestarts is stale and is replaced; the idea comes from JobSet's restart-attempt label.
 RESTART_ATTEMPT_ANNOTATION: Final = f"{c.GROUP}/restart-attempt"
+# On the trainer Job and its pod template: its incarnation (status.trainerIncarnation; absent = 0, the first). Every
+# new trainer Job gets the next one, whatever replaced the last (a restart, suspend and resume, a Kueue eviction, a
+# pool detach), so that a cut-off rank of any earlier trainer is fenced; its pods read it through the downward API
+# as GRPOLORA_TRAINER_INCARNATION.
+INCARNATION_ANNOTATION: Final = f"{c.GROUP}/trainer-incarnation"
 # Kopf's own bookkeeping (last handled spec, handler progress) lives under this prefix.
 KOPF_PREFIX: Final = c.GROUP
 

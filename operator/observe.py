@@ -190,6 +190,18 @@ def controller_uid(obj: K8sObject | None) -> str | None:
     return None
 
 
+def trainer_incarnation(job: K8sObject | None) -> int | None:
+    """The incarnation this trainer Job was created with (names.INCARNATION_ANNOTATION): 0 when unmarked, None for
+    no Job."""
+    if job is None:
+        return None
+    annotations = (job.get("metadata") or {}).get("annotations") or {}
+    try:
+        return int(annotations.get(names.INCARNATION_ANNOTATION, 0))
+    except (TypeError, ValueError):
+        return 0
+
+
 def restart_attempt(job: K8sObject | None) -> int:
     """Which restart created this trainer Job (see names.RESTART_ATTEMPT_ANNOTATION); 0 when absent."""
     annotations = ((job or {}).get("metadata") or {}).get("annotations") or {}

@@ -243,10 +243,39 @@ def decide_refused(
             Event("Warning", names.R_API_RETRYING, message),
         )  # fmt: skip
         return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
+    if old.trainer_incarnation is not None:  # a trainer Job was created: the job has started
+        return _refused_after_start(view, old, what, refusal, stamp)
     failed = _failed_to_start(
         view, old, names.R_CREATE_REFUSED, f"the API server refused the {what}: {refusal.message}", stamp
     )
     return _ended(failed, queue_workload, stamp)
+
+
+REFUSED_RETRY_SECONDS: Final = 30.0
+"""How soon a started job tries a refused create again (a policy or quota lifted; its events wake it sooner)."""
+
+
+def _refused_after_start(view: JobView, old: JobStatus, what: str, refusal: Refusal, stamp: str) -> Decision:
+    """A create refused for a job that has started (a restart's replacement trainer Job under a policy added mid-run
+    or a count/jobs.batch quota; a kept child re-created by drift repair): not "failed to start". Its run goes on as
+    far as it can: the status keeps its restarts and their causes, its token digest, its progress and Created (the
+    spec stays locked), the Workload keeps its quota while its pods run (no Finished), and a later replacement gets
+    the next restart attempt. Progressing says what was refused; the create is tried again."""
+    message = f"the API server refused the {what}: {refusal.message}; retrying"
+    wants = [cond.Want(k.type, k.status, k.reason, k.message) for k in old.conditions if k.type != names.PROGRESSING]
+    wants.append(cond.Want(names.PROGRESSING, "False", names.R_CREATE_REFUSED, message))
+    status = old.model_copy(
+        update={
+            "phase": old.phase or "Pending",
+            "message": message,
+            "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+        }
+    )
+    before = cond.find(old.conditions, names.PROGRESSING)
+    events = () if before is not None and before.reason == names.R_CREATE_REFUSED else (
+        Event("Warning", names.R_CREATE_REFUSED, message),
+    )  # fmt: skip
+    return Decision(status=status, requeue_after=REFUSED_RETRY_SECONDS, events=events)
 
 
 def decide_managed_secret(

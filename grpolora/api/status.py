@@ -239,6 +239,10 @@ class JobStatus(_Wire):
     """Times the trainer group was restarted, for any cause (see restartsByCause)."""
     restarts_by_cause: RestartCounts | None = None
     """Trainer restarts by cause: failures (limited by spec.trainer.maxRestarts) and disruptions (not limited)."""
+    trainer_incarnation: int | None = None
+    """The incarnation of the newest trainer Job created for the job: 0 for the first, one more for each after it
+    (a restart, a resume, a re-admission by Kueue, a re-attachment to its pool); none until one is created. Its pods
+    get it as GRPOLORA_TRAINER_INCARNATION: the inference replicas refuse a trainer older than the newest they saw."""
     start_time: str | None = None
     """When the job's children were first created."""
     completion_time: str | None = None

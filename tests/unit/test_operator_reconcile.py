@@ -224,7 +224,10 @@ def test_a_failed_trainer_is_restarted_in_two_phases():
     # Gone (with its pods, deleted in the foreground): the replacement, marked as attempt 1.
     third = decide(view, waiting.status, Observed(None, statefulset(1)), NOW)
     (job,) = third.create
-    assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
+    assert job["metadata"]["annotations"] == {
+        names.RESTART_ATTEMPT_ANNOTATION: "1",
+        names.INCARNATION_ANNOTATION: "1",  # the second trainer Job
+    }
     # The replacement runs: nothing more to do.
     fourth = decide(view, third.status, Observed(trainer_job(active=1, attempt=1), statefulset(1)), NOW)
     assert fourth.create == () and fourth.delete == () and fourth.status.phase == "Running"
@@ -309,7 +312,10 @@ def test_a_pod_its_node_never_confirms_is_taken_as_lost_fenced_and_its_job_relea
     # The Job gone, the fenced pod left behind no longer holds anything: the replacement is created.
     replaced = decide(view, released.status, Observed(None, statefulset(1), trainer_pods_left=(fenced,)), NOW)
     (job,) = replaced.create
-    assert job["metadata"]["annotations"] == {names.RESTART_ATTEMPT_ANNOTATION: "1"}
+    assert job["metadata"]["annotations"] == {
+        names.RESTART_ATTEMPT_ANNOTATION: "1",
+        names.INCARNATION_ANNOTATION: "1",  # the second trainer Job
+    }
     assert replaced.fence == () and replaced.release == ()
 
 
@@ -545,10 +551,35 @@ def test_a_transient_api_failure_keeps_the_phase_and_retries_with_one_warning():
 
 def test_a_refused_child_fails_the_job_without_a_completion_time():
     refusal = Refusal("NetworkPolicy", "demo", 403, 'networkpolicies "demo" is forbidden: quota')
-    decision = decide_refused(applied_view(), pending(), refusal, NOW)
+    decision = decide_refused(applied_view(), JobStatus(), refusal, NOW)
     assert decision.status.phase == "Failed" and decision.status.completion_time is None and decision.idle
     assert condition(decision, names.FAILED) == ("True", names.R_CREATE_REFUSED)
     assert ("Warning", names.E_FAILED) in [(e.type, e.reason) for e in decision.events]
+
+
+def test_a_refusal_after_the_job_started_keeps_its_run_and_retries():
+    """A trainer Job was created (status.trainerIncarnation): a later refusal (a restart's replacement under a policy
+    added mid-run, a kept child re-made by drift repair) is not a failure to start. The run's record stays, Created
+    stays True (the spec stays locked), nothing marks the Workload Finished, and the create is tried again."""
+    refusal = Refusal("Job", "demo-trainer", 403, "denied by policy")
+    old = running(trainer_restarts=2, trainer_incarnation=2, token_digest="abc")
+    assert old.trainer_incarnation == 2 and old.step == 3
+    for _ in range(2):
+        decision = decide_refused(applied_view(), old, refusal, NOW)
+        status = decision.status
+        assert status.phase == "Running" and status.completion_time is None and not decision.idle
+        assert (status.trainer_restarts, status.trainer_incarnation, status.token_digest, status.step) == (
+            2,
+            2,
+            "abc",
+            3,
+        )
+        assert condition(decision, names.CREATED) == ("True", names.R_CHILDREN_CREATED)
+        assert condition(decision, names.FAILED) == ("False", names.R_NO_FAILURE)
+        assert condition(decision, names.PROGRESSING) == ("False", names.R_CREATE_REFUSED)
+        assert decision.queue_workload_write is None and decision.requeue_after is not None
+        old = status
+    assert decision.events == ()  # the Warning once, on the first refusal
 
 
 def test_children_of_a_deleted_job_of_the_same_name_are_waited_for_never_created_over():

@@ -1333,13 +1333,13 @@ def test_a_trainer_pods_incarnation_is_its_restart_attempt(value, incarnation):
     from grpolora.operator.job_workloads import with_restart_attempt
 
     planned = plan(parse_job(job_doc()), LoopbackNetwork())
-    job = with_restart_attempt(trainer_job(planned), 3)
+    job = with_restart_attempt(trainer_job(planned), 1, 3)  # restart 1, the fourth trainer Job (a resume between)
     pod = job["spec"]["template"]
-    assert pod["metadata"]["annotations"][names.RESTART_ATTEMPT_ANNOTATION] == "3"
+    assert pod["metadata"]["annotations"][names.INCARNATION_ANNOTATION] == "3"
     (container,) = pod["spec"]["containers"]
     env = {e["name"]: e for e in container["env"]}
     field = env[contract.TRAINER_INCARNATION]["valueFrom"]["fieldRef"]["fieldPath"]
-    assert field == f"metadata.annotations['{names.RESTART_ATTEMPT_ANNOTATION}']"
+    assert field == f"metadata.annotations['{names.INCARNATION_ANNOTATION}']"
     environ = planned.env_for("trainer", 0, token=TOKEN)
     if value is not None:
         environ[contract.TRAINER_INCARNATION] = value
