@@ -30,6 +30,7 @@ from grpolora.api.load import (
     job_warnings,
     load_documents,
     load_one_job,
+    located,
     read_documents,
     source_name,
 )
@@ -171,7 +172,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
             result.errors += map(_as_problem, check_tracking(job.spec))
             misfit = _pool_problems(job, pools)
             result.errors += [_as_problem(p) for p in misfit or ()]
-            result.warnings += job_warnings(job)
+            result.warnings += located(job_warnings(job), document)
             result.not_checked += [
                 Problem(p.path, f"{p.message} (the trainer checks it when it starts, where the file or module must "
                         "be reachable)") for p in map(_as_problem, unreachable)

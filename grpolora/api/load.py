@@ -10,6 +10,7 @@ import difflib
 import math
 import sys
 import typing
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +98,34 @@ def _parse(model: type[_M], document: Any, source: str, node: yaml.Node | None) 
     except ValidationError as exc:
         problems = [p for error in exc.errors() for p in _problems_from(error, model)]
         if node is not None:
-            problems = [Problem(p.path, p.message, _line_of(node, p.path)) for p in problems]
+            problems = in_line_order([Problem(p.path, p.message, _line_of(node, p.path)) for p in problems])
         raise InvalidJob(problems, source) from None
+
+
+def in_line_order(problems: Iterable[Problem]) -> list[Problem]:
+    """Problems in the order of their lines in the file (those without a line last), as a reader goes down it."""
+    return sorted(problems, key=lambda p: (p.line is None, p.line or 0))
+
+
+_SOURCE_NODES: dict[int, tuple[weakref.ref[Any], yaml.Node]] = {}
+"""The YAML node each document read from text came from, by the document's id while it lives: what is found about
+a document after it is parsed (its warnings) gets the lines its errors get (`located`)."""
+
+
+def _remember_node(document: Any, node: yaml.Node) -> None:
+    key = id(document)
+    _SOURCE_NODES[key] = (weakref.ref(document, lambda _: _SOURCE_NODES.pop(key, None)), node)
+
+
+def located(problems: Iterable[Problem], document: object) -> list[Problem]:
+    """`problems` about `document` (field paths such as spec.grpo.referenceFrom) with the line of each path in the
+    file the document was read from (a field not written: its nearest written parent), in line order; without lines
+    for a document that came from no file."""
+    found = _SOURCE_NODES.get(id(document))
+    if found is None or found[0]() is not document:
+        return list(problems)
+    node = found[1]
+    return in_line_order(Problem(p.path, p.message, p.line or _line_of(node, p.path)) for p in problems)
 
 
 def load_jobs(path: str | Path) -> list[GRPOLoraJob]:
@@ -238,10 +265,11 @@ def _load_from_text(
                 continue
             try:
                 jobs.append(parse(item, source=source, node=item_node))
+                _remember_node(jobs[-1], item_node)
             except InvalidJob as exc:
                 found += [Problem(prefix + p.path if p.path else prefix.rstrip("."), p.message, p.line)
                           for p in exc.problems]  # fmt: skip
-        problems += [Problem(p.path, label + p.message, p.line) for p in found]
+        problems += [Problem(p.path, label + p.message, p.line) for p in in_line_order(found)]
     if problems:
         raise InvalidJob(problems, source)
     if not jobs and not problems and skipped is None:

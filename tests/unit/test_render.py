@@ -255,7 +255,8 @@ def test_trainer_mounts_the_output_volume_and_tracking_and_push_secrets():
     assert secrets == {"reward-auth": "reward-auth", "mlflow": "mlflow", "s3": "s3"}
     assert all(m["readOnly"] for m in mounts.values() if m["name"].startswith("secret-"))
     # Without spec.output, results stay next to the checkpoints (no output variable: the worker defaults to them).
-    (plain,) = load_jobs(ROOT / "examples" / "qwen3-0.6b-gpu.yaml")
+    (plain,) = load_jobs(ROOT / "examples" / "model-cache" / "qwen3-from-a-volume.yaml")
+    assert plain.spec.output is None and plain.spec.checkpoint.pvc is not None
     assert contract.OUTPUT_DIR not in env_of(by_kind(children(plain))[("Job", f"{plain.name}-trainer")])
 
 
