@@ -240,3 +240,13 @@ def test_amd_gpu_is_said_to_be_a_resource_name_only_with_a_rocm_image_of_your_ow
         around = text[mention.start() : mention.start() + 400]
         assert "ROCm" in around and "spec.trainer.image" in around, around
 
+
+
+def test_the_operations_metrics_table_lists_every_series_the_operator_guide_lists():
+    """docs/operator.md's Metrics table is the operator's series; docs/operations.md's operator row must hold each
+    (it lacked grpolora_trainer_status_refused_total)."""
+    listed = re.findall(r"^\| `(grpolora_\w+)` \|", section((ROOT / "docs" / "operator.md").read_text(), "## Metrics"),
+                        re.M)  # fmt: skip
+    assert len(listed) >= 8
+    row = next(line for line in OPERATIONS.read_text().splitlines() if line.startswith("| operator |"))
+    assert [name for name in listed if name not in row] == []
