@@ -58,7 +58,7 @@ STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 # The trainer Job's podFailurePolicy rules, in order: a FailJob names the matching rule's index in the Job's
 # Failed condition ("... matching FailJob rule at index 1"), which grpolora.operator.observe maps back to the cause.
-TRAINER_FAILURE_RULE_CAUSES = (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION)
+TRAINER_FAILURE_RULE_CAUSES = (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION, names.CAUSE_FENCED)
 
 
 def owner_reference(plan: Plan, uid: str) -> dict[str, Any]:
@@ -408,6 +408,13 @@ def _trainer_failure_policy() -> dict[str, Any]:
         names.CAUSE_DISRUPTION: {
             "action": "FailJob",
             "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
+        },
+        # A fenced trainer (a newer incarnation took over): the job's trainer is replaced, never counted as a crash.
+        # Last: the Job's failure message names a rule by its index, and older Jobs' indexes must keep their meaning.
+        names.CAUSE_FENCED: {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": c.ROLE_TRAINER, "operator": "In", "values": [contract.EXIT_FENCED]},
+            "onPodConditions": [],
         },
     }
     return {"rules": [rules[cause] for cause in TRAINER_FAILURE_RULE_CAUSES]}

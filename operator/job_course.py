@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from grpolora.api import constants as c
+from grpolora.api import contract
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.api.status import JobPhase, JobStatus, RestartCounts, RoleReplicas
 from grpolora.operator import builders, names, pools
@@ -234,7 +235,10 @@ def _trainer_course(
             final_message=f"the trainer cannot work with its spec or data (a restart would not help): "
             f"{failure.message}",
         )
-    if failure.cause == names.CAUSE_DISRUPTION or course.by_cause.failure < spec.trainer.max_restarts:
+    if (
+        failure.cause in (names.CAUSE_DISRUPTION, names.CAUSE_FENCED)
+        or course.by_cause.failure < spec.trainer.max_restarts
+    ):
         restarts, by_cause, note = _commit_restart(course.restarts, course.by_cause, failure, spec)
         # requeue 0: the next pass replaces the trainer Job
         return dataclasses.replace(course, restarts=restarts, by_cause=by_cause, restart_note=note, requeue=0.0)
@@ -432,7 +436,14 @@ def _commit_restart(
 ) -> tuple[int, RestartCounts, str]:
     """One more trainer restart (committed by the status write), counted under its cause: a disruption does not
     spend spec.trainer.maxRestarts, a failure does. Returns the counts and the note for the Progressing condition."""
-    if failure.cause == names.CAUSE_DISRUPTION:
+    if failure.cause == names.CAUSE_FENCED:
+        counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
+        note = (
+            f"restart {restarts + 1} with a new incarnation: the inference replicas fenced the trainer off as older "
+            f"than the newest they saw (exit {contract.EXIT_FENCED}; not counted against spec.trainer.maxRestarts): "
+            f"{failure.message}"
+        )
+    elif failure.cause == names.CAUSE_DISRUPTION:
         counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
         note = (
             f"restart {restarts + 1} from the latest checkpoint after a disruption (not counted against "

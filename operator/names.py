@@ -175,6 +175,9 @@ E_POOL_SCALED: Final = "Scaled"
 CAUSE_FAILURE: Final = "failure"
 CAUSE_DISRUPTION: Final = "disruption"
 CAUSE_INVALID_INPUT: Final = "invalidInput"
+# A trainer that stopped because the replicas fenced it off (contract.EXIT_FENCED): not a crash; a restart for it is
+# counted as a disruption (restartsByCause has no field of its own for it).
+CAUSE_FENCED: Final = "fenced"
 
 # Spec fields that may change on a running job; every other change is refused.
 MUTABLE_SPEC_FIELDS: Final = c.MUTABLE_SPEC_FIELDS

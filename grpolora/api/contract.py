@@ -123,6 +123,12 @@ ALL: Final = (
 EXIT_INVALID_SPEC: Final = 78  # EX_CONFIG: the env contract or the spec it carries is invalid
 EXIT_INVALID_DATA: Final = 65  # EX_DATAERR: the task's dataset or reward plugin cannot work
 TRAINER_INPUT_EXIT_CODES: Final = (EXIT_INVALID_DATA, EXIT_INVALID_SPEC)
+# A trainer fenced off: an inference replica refused it as older than the newest trainer incarnation it saw
+# (TRAINER_INCARNATION; StaleIncarnation in grpolora.workers.sync.control), so a newer trainer of the job has taken
+# over. Not a crash: the trainer Job's podFailurePolicy has a rule for it, and the operator neither spends
+# spec.trainer.maxRestarts on it nor fails the job (it replaces the trainer with a new incarnation if it is still the
+# current one). 79: the first code past sysexits.h's range (EX__MAX is 78), so it means nothing else.
+EXIT_FENCED: Final = 79
 # Kubernetes copies this file into the container's terminated state (`message`, 4 KiB at most).
 TERMINATION_LOG: Final = "/dev/termination-log"
 

@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 
 from grpolora.api import constants as c
+from grpolora.api import contract
 from grpolora.operator import names
 from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
 from grpolora.testing.kube_emulator import Cluster
@@ -195,3 +196,33 @@ async def test_one_rank_on_a_lost_node_restarts_the_trainer_once_the_pod_is_past
     done = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
     await cluster.set_status("v1/pods", done, {"phase": "Succeeded"})
     await wait_for(lambda: cluster.status("demo").get("phase") == "Succeeded", "the job Succeeded")
+
+
+async def test_a_fenced_trainer_is_replaced_without_spending_a_restart(cluster, jobs, operator):
+    """A trainer that the inference replicas refuse as older than the newest incarnation they saw stops with
+    contract.EXIT_FENCED (workers/trainer/main.py exit_code). The trainer Job's podFailurePolicy has a FailJob rule for
+    that code, so the Job controller writes FailureTarget, PodFailurePolicy, naming the rule's index
+    (pod_failure_policy.go getFailJobMessage), and the operator reads it as no crash: with maxRestarts 0 the job is
+    not Failed; a new trainer Job comes with the next incarnation, the restart counted as a disruption."""
+    await cluster.apply(job_doc(trainer={"maxRestarts": 0}))
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the children")
+    pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
+    fenced = {
+        "phase": "Failed",
+        "containerStatuses": [
+            {"name": c.ROLE_TRAINER, "state": {"terminated": {"exitCode": contract.EXIT_FENCED, "reason": "Error"}}}
+        ],
+    }
+    await cluster.set_status("v1/pods", pod, fenced)
+    await wait_for(lambda: trainer_condition(cluster, "FailureTarget"), "FailureTarget on the trainer Job")
+    assert "matching FailJob rule at index" in next(
+        k["message"] for k in trainer_job_status(cluster)["conditions"] if k["type"] == "FailureTarget"
+    )
+    await wait_for(lambda: trainer_jobs_created(cluster) == 2, "the replacement trainer Job")
+    status = cluster.status("demo")
+    assert status["phase"] != "Failed", status["message"]
+    assert status["restartsByCause"] == {"failure": 0, "disruption": 1}
+    replacement = cluster.get("batch/v1/jobs", "demo-trainer")
+    assert replacement["metadata"]["annotations"][names.INCARNATION_ANNOTATION] == "1"
+    await passes_after(cluster, 2)
+    assert cluster.status("demo")["phase"] != "Failed"

@@ -37,9 +37,18 @@ def test_the_trainer_job_fails_at_once_on_a_disruption_or_a_bad_spec_exit_code()
             "onPodConditions": [],  # required by Kubernetes 1.28's schema (tests/unit/test_render.py)
         },
         {"action": "FailJob", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},
+        {
+            "action": "FailJob",
+            "onExitCodes": {"containerName": "trainer", "operator": "In", "values": [contract.EXIT_FENCED]},
+            "onPodConditions": [],
+        },
     ]
     # The rule indexes are what the Job's failure message names; the operator maps them back to the cause.
-    assert builders.TRAINER_FAILURE_RULE_CAUSES == (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION)
+    assert builders.TRAINER_FAILURE_RULE_CAUSES == (
+        names.CAUSE_INVALID_INPUT,
+        names.CAUSE_DISRUPTION,
+        names.CAUSE_FENCED,
+    )
     container = job["spec"]["template"]["spec"]["containers"][0]
     assert container["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
@@ -48,6 +57,22 @@ def test_the_exit_codes_are_distinct_and_not_the_generic_failure():
     codes = contract.TRAINER_INPUT_EXIT_CODES
     assert set(codes) == {contract.EXIT_INVALID_SPEC, contract.EXIT_INVALID_DATA}
     assert len(codes) == 2 and not {0, 1, 2, 137, 143} & set(codes)
+    assert contract.EXIT_FENCED not in {0, 1, 2, 137, 143, *codes}
+
+
+def test_a_fenced_trainer_is_replaced_as_a_disruption_not_a_failure():
+    """FailureTarget (or Failed) naming the fenced rule: a restart with a new incarnation, maxRestarts unspent."""
+    view = applied_view(trainer={"maxRestarts": 0})
+    message = (
+        f"Container trainer for pod team-a/demo-trainer-0-x failed with exit code {contract.EXIT_FENCED} matching "
+        "FailJob rule at index 2"
+    )
+    failed = trainer_job(condition="FailureTarget", message=message)
+    failed["status"]["conditions"][0]["reason"] = names.R_POD_FAILURE_POLICY
+    decision = decide(view, running(), Observed(failed, statefulset(1)), NOW)
+    assert decision.status.phase == "Running" and decision.status.trainer_restarts == 1
+    assert decision.status.restarts_by_cause == RestartCounts(failure=0, disruption=1)
+    assert "fenced" in decision.events[0].message
 
 
 def test_inference_pods_get_a_disruption_budget_that_selects_them():

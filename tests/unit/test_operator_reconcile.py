@@ -735,3 +735,24 @@ def test_a_job_whose_pods_would_be_best_effort_says_so_in_its_conditions():
     requests = {"resources": {"requests": {"memory": "8Gi"}}}
     burstable = decide(applied_view(trainer=requests, inference=requests), pending(), Observed(), NOW)
     assert names.PODS_BEST_EFFORT not in [c.type for c in burstable.status.conditions]
+
+
+def test_every_new_trainer_job_gets_the_next_incarnation_whatever_replaced_the_last():
+    """Not only a restart: a resume (and a Kueue re-admission, a pool re-attachment) creates a trainer Job too, and
+    a cut-off rank of the one before it must be fenced. The restart attempt stays (suspend is no restart)."""
+    view = applied_view()
+    first = decide(view, JobStatus(), Observed(), NOW)
+    (job,) = [o for o in first.create if o["kind"] == "Job"]
+    assert names.INCARNATION_ANNOTATION not in (job["metadata"].get("annotations") or {})
+    assert first.status.trainer_incarnation == 0
+    suspended = decide(applied_view(suspend=True), first.status, Observed(trainer_job(active=1), statefulset(1)), NOW)
+    assert ChildRef("Job", "demo-trainer") in suspended.delete and suspended.status.trainer_incarnation == 0
+    resumed = decide(view, suspended.status, Observed(), NOW)
+    (job,) = [o for o in resumed.create if o["kind"] == "Job"]
+    assert job["metadata"]["annotations"] == {names.INCARNATION_ANNOTATION: "1"}
+    assert job["spec"]["template"]["metadata"]["annotations"][names.INCARNATION_ANNOTATION] == "1"
+    assert resumed.status.trainer_incarnation == 1 and resumed.status.trainer_restarts == 0
+    # An operator that crashed after the create and before its status write: the Job's own mark is kept.
+    marked = trainer_job(active=1)
+    marked["metadata"]["annotations"] = {names.INCARNATION_ANNOTATION: "2"}
+    assert decide(view, resumed.status, Observed(marked, statefulset(1)), NOW).status.trainer_incarnation == 2

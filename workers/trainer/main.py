@@ -20,6 +20,7 @@ from grpolora.workers.environments.episode import ChatTemplateError
 from grpolora.workers.models import ModelUnavailable
 from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.secrets import SecretError
+from grpolora.workers.sync.control import StaleIncarnation
 from grpolora.workers.tasks.base import TaskError
 from grpolora.workers.tracking import TrackingError
 from grpolora.workers.trainer.policy import ModelMismatch
@@ -169,7 +170,11 @@ def exit_code(exc: BaseException) -> int:
     that can only fail where the run starts -- tracking, a Secret it names or credentials a service refuses, a LoRA
     target module the model lacks, a model that does not exist or that the token cannot read, a chat template that
     cannot continue an episode (EXIT_INVALID_SPEC) -- would fail a restart the same way: the operator fails the job
-    at once with the message instead of restarting it. Anything else may be transient (1: restarted)."""
+    at once with the message instead of restarting it. A trainer the replicas fenced off (StaleIncarnation: a newer
+    trainer of the job took over) exits EXIT_FENCED, which the operator does not take for a crash. Anything else may
+    be transient (1: restarted)."""
+    if isinstance(exc, StaleIncarnation):
+        return contract.EXIT_FENCED
     if isinstance(exc, TaskError):
         return contract.EXIT_INVALID_DATA
     if isinstance(exc, TrackingError | SecretError | AuthRefused | ModelMismatch | ModelUnavailable):
