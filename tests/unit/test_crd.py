@@ -142,6 +142,7 @@ def test_everything_the_operator_writes_to_status_survives_pruning():
         prompts_skipped=2,
         trainer_restarts=0,
         restarts_by_cause=RestartCounts(failure=1, disruption=2),
+        trainer_incarnation=3,
         last_failed_attempt=FailedAttempt(
             attempt=2, pod="p", exit_code=1, reason="Error", finished_at="2026-01-01T00:30:00Z", log_tail="a\nb"
         ),
