@@ -114,6 +114,9 @@ MAX_MICRO_BATCH_TOKENS: Final = 67_108_864  # tokens of one micro-batch (2^26): 
 MAX_CONCURRENCY: Final = 4_096  # requests in flight to a reward service, or per job on a pool's replica
 MAX_RETRIES: Final = 100  # further attempts of a failed reward request
 MAX_EPISODE_TURNS: Final = 1_024  # assistant turns of one episode (agent benchmarks run tens to a few hundred)
+MAX_ENVIRONMENT_PROCESSES: Final = 1_024  # environment worker processes beside one trainer
+MAX_ENVIRONMENT_MEMORY_MIB: Final = 1_048_576  # one environment process's address space (1 TiB)
+MAX_ERROR_REWARD: Final = 1e6  # |spec.environment.errorReward|
 MAX_CHECKPOINTS_KEPT: Final = 1_000  # checkpoints kept on the volume
 MAX_JOBS_PER_POOL: Final = 1_024  # jobs attached to a RolloutPool at once (each holds adapter slots)
 

@@ -673,7 +673,8 @@ def set_beside_defaults(model: BaseModel, names: tuple[str, ...], why: str) -> l
     """(field, `why`) for each of `names` that `model` sets to other than its default. Compared with the defaults,
     not model_fields_set: the spec reaches the workers with defaults written."""
     fields = type(model).model_fields
-    return [(to_camel(name), why) for name in names if getattr(model, name) != fields[name].default]
+    changed = [name for name in names if getattr(model, name) != fields[name].default]
+    return [(fields[name].alias or to_camel(name), why) for name in changed]
 
 
 class RewardSpec(SpecModel):
@@ -849,6 +850,9 @@ _ONE_ENVIRONMENT = (
 )
 _SERVICE_ONLY = ("retries", "headers_from")
 _ENVIRONMENT_RETRIES = 2
+_LOCAL_ONLY = ("processes", "process_memory_mib")
+_ENVIRONMENT_PROCESSES = 4
+_ENVIRONMENT_MEMORY_MIB = 4096
 
 
 def _environment_rules() -> list[dict[str, str]]:
@@ -856,10 +860,15 @@ def _environment_rules() -> list[dict[str, str]]:
     retries = f"has(self.url) || !has(self.retries) || self.retries == {_ENVIRONMENT_RETRIES}"
     service_only = "applies to a remote environment (`url`) only"
     one = " + ".join(f"(has(self.{kind}) ? 1 : 0)" for kind in ("builtin", "plugin", "url")) + " == 1"
+    local_only = "applies to a built-in or plugin environment only (a service runs its own)"
+    processes = f"!has(self.url) || !has(self.processes) || self.processes == {_ENVIRONMENT_PROCESSES}"
+    memory = f"!has(self.url) || !has(self.processMemoryMiB) || self.processMemoryMiB == {_ENVIRONMENT_MEMORY_MIB}"
     return [
         cel_rule(one, _ONE_ENVIRONMENT),
         cel_rule(retries, f"retries {service_only}", ".retries"),
         cel_rule("has(self.url) || !has(self.headersFrom)", f"headersFrom {service_only}", ".headersFrom"),
+        cel_rule(processes, f"processes {local_only}", ".processes"),
+        cel_rule(memory, f"processMemoryMiB {local_only}", ".processMemoryMiB"),
     ]
 
 
@@ -894,7 +903,28 @@ class EnvironmentSpec(SpecModel):
     """Tokens of a whole episode at most (opening, every turn, the environment's answers); each turn generates at
     most grpo.maxNewTokens of what is left. An episode that reaches it is cut off (truncated)."""
     step_timeout_seconds: float = Field(default=30.0, gt=0, le=c.MAX_TIMEOUT_SECONDS)
-    """A reset or step that takes longer ends its episode with an environment error (counted; the run goes on)."""
+    """A reset or step that takes longer is an infrastructure fault (the trainer waits no longer; a built-in's or
+    plugin's process is ended): the episode is played again on a fresh environment (episodeRetries)."""
+    processes: int = Field(default=_ENVIRONMENT_PROCESSES, gt=0, le=c.MAX_ENVIRONMENT_PROCESSES)
+    """A built-in or plugin environment runs in this many worker processes beside the trainer (never in the
+    trainer's own: a step that holds its GIL would freeze training); a process ended for a step past
+    stepTimeoutSeconds takes its other episodes' environments with it (they are played again)."""
+    process_memory_mib: int = Field(default=_ENVIRONMENT_MEMORY_MIB, ge=256, le=c.MAX_ENVIRONMENT_MEMORY_MIB,
+                                    alias="processMemoryMiB")  # fmt: skip
+    """Address space of each environment process in MiB (RLIMIT_AS): past it, allocation fails there (MemoryError,
+    the episode's fault), not in the trainer."""
+    episode_retries: int = Field(default=2, ge=0, le=c.MAX_RETRIES)
+    """An episode whose environment fails on infrastructure (unreachable, answering 5xx, a dead process, a step
+    past stepTimeoutSeconds; its reset failing) is played again from its start on a fresh environment at most this
+    many times; then it is unscorable (out of its group's baseline), never held against the model."""
+    error_reward: float = Field(default=0.0, ge=-c.MAX_ERROR_REWARD, le=c.MAX_ERROR_REWARD)
+    """The reward of an episode whose environment raised at the model's message (or answered malformed data): the
+    episode ends there and is scored, so that making the environment fail is no refuge from a low reward. An
+    environment that raises InvalidAction instead answers the model with the tool's error and goes on."""
+    outage_seconds: float = Field(default=300.0, ge=0, le=c.MAX_TIMEOUT_SECONDS)
+    """A step whose every episode failed on infrastructure is played again, with growing pauses, for this long at
+    most (a service restarting); then the run fails (exit 1: restarted), naming the environment and its last
+    error."""
     tool_parser: str | None = Field(default=None, pattern=r"^[A-Za-z0-9_.-]+$")
     """Native tool calls: vLLM's tool parser for the model's call format (`hermes` for Qwen2.5 and Qwen3,
     `llama3_json` for Llama 3.x, `mistral`, `pythonic`, ...: `vllm serve --tool-call-parser`'s names). Each assistant
@@ -912,6 +942,9 @@ class EnvironmentSpec(SpecModel):
                            f"{', '.join(c.BUILTIN_ENVIRONMENTS)}"))  # fmt: skip
         if self.url is None:
             errors += set_beside_defaults(self, _SERVICE_ONLY, "applies to a remote environment (`url`) only")
+        else:
+            errors += set_beside_defaults(self, _LOCAL_ONLY, "applies to a built-in or plugin environment only (a "
+                                          "service runs its own)")  # fmt: skip
         raise_if_any(errors)
         return self
 

@@ -3,8 +3,11 @@ malformed answers turned into episode faults. Pure: no model, no engine."""
 
 from __future__ import annotations
 
+import itertools
 import sys
 import textwrap
+import threading
+import time
 
 import pytest
 
@@ -15,6 +18,7 @@ from grpolora.workers.environments.base import checked_opening, checked_reply
 from grpolora.workers.environments.calculator import calculate
 from grpolora.workers.tasks import Prompt, TaskError, TaskUnreachable
 from grpolora.workers.tasks.arithmetic import ArithmeticTask
+from grpolora.workers.trainer.rollout import Sampling
 
 
 def test_builtin_names_agree_with_the_schema():
@@ -164,3 +168,123 @@ def test_malformed_openings_are_faults():
         checked_opening([])
     with pytest.raises(EnvironmentFault, match="tools"):
         checked_opening(Opening([{"role": "user", "content": "hi"}], tools="calc"))
+
+
+# ---- environment processes (spec.environment.processes) -------------------------------------------------------------
+
+
+@pytest.fixture
+def hostile_dir(tmp_path):
+    """Plugins that misbehave in their process: hold the GIL in C for hours, allocate past the limit, die once."""
+    (tmp_path / "hostile_env.py").write_text(
+        textwrap.dedent("""
+        import os, re
+        from pathlib import Path
+
+        class Hostile:
+            def reset(self, prompt):
+                return [{"role": "user", "content": prompt.text}]
+
+            def step(self, message):
+                what = message["content"]
+                if what == "regex":  # catastrophic backtracking: one C call (sre) holding the GIL for hours
+                    re.match(r"(a|aa)+$", "a" * 64 + "b")
+                if what == "memory":
+                    bytearray(2 << 30)
+                if what == "die-once":
+                    marker = Path(os.environ["HOSTILE_MARKER"])
+                    if not marker.exists():
+                        marker.write_text("died")
+                        os._exit(3)
+                return [], True, 1.0
+
+        def make():
+            return Hostile()
+    """)
+    )
+    yield tmp_path
+    sys.modules.pop("hostile_env", None)
+
+
+def _process_runner(tokenizer, spec):
+    from grpolora.workers.environments.episode import ChatDelta
+    from grpolora.workers.environments.processes import EnvironmentProcesses
+    from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
+
+    factory = EnvironmentProcesses(spec).start()
+    return EpisodeRunner(factory, ChatDelta(tokenizer), EpisodeLimits.of(spec, 16, None)), factory
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from grpolora.workers.models import resolve_model
+
+    return AutoTokenizer.from_pretrained(resolve_model("offline:smollm2-135m-instruct"))
+
+
+def test_a_step_that_holds_the_gil_for_hours_ends_its_episode_at_the_step_timeout(tokenizer, hostile_dir, monkeypatch):
+    """Issue 46: environment code ran on the trainer's threads, so a step holding the GIL in C froze training (and
+    could not be timed out). In its own process it is ended (SIGKILL) at stepTimeoutSeconds; meanwhile the
+    trainer's threads run: a heartbeat thread here keeps ticking while the step hangs."""
+    from tests.workers.test_episodes import PROMPT, ScriptedReplicas
+
+    monkeypatch.syspath_prepend(str(hostile_dir))
+    spec = EnvironmentSpec(plugin="hostile_env:make", step_timeout_seconds=2.0, processes=2, episode_retries=0)
+    runner, processes = _process_runner(tokenizer, spec)
+    beats, stop = [], threading.Event()
+
+    def heartbeat():
+        while not stop.wait(0.05):
+            beats.append(time.monotonic())
+
+    beating = threading.Thread(target=heartbeat, daemon=True)
+    beating.start()
+    try:
+        replicas = ScriptedReplicas(tokenizer, {0: ["regex"], 1: ["fine"]})
+        pids = [w.process.pid for w in processes._workers if w is not None]
+        started = time.monotonic()
+        [[hog, fine]] = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=1)
+        ended = time.monotonic()
+    finally:
+        stop.set()
+        beating.join()
+    assert "step() took longer than stepTimeoutSeconds (2 s)" in hog.episode.error
+    assert fine.episode.error is None and fine.episode.reward == 1.0  # on the other process
+    # The trainer's own threads ran all along: no gap of a second between heartbeats while the step hung.
+    during = [b for b in beats if started <= b <= ended]
+    assert len(during) > 10 and max(b - a for a, b in itertools.pairwise(during)) < 1.0
+    # Its process was ended at the bound (by the call's own wait, which started as the runner's did).
+    hog_worker = processes._workers[0]
+    hog_worker.process.join(10)
+    assert "took longer than stepTimeoutSeconds" in hog_worker.dead and hog_worker.process.pid in pids
+    assert not hog_worker.process.is_alive() and hog_worker.process.exitcode == -9
+    runner.close()
+
+
+def test_memory_past_the_limit_fails_in_the_environments_process_and_a_dead_one_is_replaced(
+    tokenizer, hostile_dir, monkeypatch, tmp_path
+):
+    from tests.workers.test_episodes import PROMPT, ScriptedReplicas
+
+    monkeypatch.syspath_prepend(str(hostile_dir))
+    monkeypatch.setenv("HOSTILE_MARKER", str(tmp_path / "marker"))
+    spec = EnvironmentSpec(plugin="hostile_env:make", processes=1, process_memory_mib=512, episode_retries=1,
+                           error_reward=-1.0)  # fmt: skip
+    runner, _ = _process_runner(tokenizer, spec)
+    replicas = ScriptedReplicas(tokenizer, {0: ["memory"], 1: ["die-once"]})
+    [[greedy, dying]] = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=1)
+    # 2 GiB past a 512 MiB address space: MemoryError in its process, the episode's fault (scored), not the trainer's.
+    assert greedy.episode.fault == "the environment raised MemoryError: " and greedy.episode.reward == -1.0
+    # A process that died: the episode is played again on a fresh process and environment, and ends well.
+    assert (dying.episode.error, dying.episode.reward) == (None, 1.0)
+    assert (tmp_path / "marker").read_text() == "died"
+    runner.close()
+
+
+def test_a_plugin_that_cannot_load_fails_the_start_naming_the_field(plugin_dir):
+    from grpolora.workers.environments.processes import EnvironmentProcesses
+
+    with pytest.raises(TaskError, match=r"^spec.environment.plugin: 'guess_env:broken\(\)' made|without reset"):
+        EnvironmentProcesses(EnvironmentSpec(plugin="guess_env:broken"), root=plugin_dir).start()

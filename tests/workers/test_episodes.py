@@ -18,8 +18,9 @@ import torch
 
 from grpolora.api.spec import EnvironmentSpec, GRPOSpec
 from grpolora.workers.environments import BUILTIN_ENVIRONMENTS, Opening, Reply, load_environment
+from grpolora.workers.environments.base import EnvironmentUnavailable, InvalidAction
 from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
-from grpolora.workers.environments.runner import EpisodeCompletion, EpisodeLimits, EpisodeRunner
+from grpolora.workers.environments.runner import EnvironmentOutage, EpisodeCompletion, EpisodeLimits, EpisodeRunner
 from grpolora.workers.models import resolve_model
 from grpolora.workers.tasks import Prompt, TaskError
 from grpolora.workers.tasks.arithmetic import ArithmeticTask
@@ -254,6 +255,8 @@ class Faulty:
             time.sleep(3)  # beyond the test's stepTimeoutSeconds (0.2 s); the runner does not wait for it
         if self.how == "malformed":
             return {"messages": []}
+        if self.how == "gone":
+            raise EnvironmentUnavailable("the environment's process died")
         return Reply(done=True, reward=0.75)
 
 
@@ -261,30 +264,108 @@ class Faulty:
     ("how", "says"),
     [
         ("raise", "the environment raised KeyError"),
-        ("hang", "step() took longer than stepTimeoutSeconds (0.2 s)"),
         ("malformed", "step(): expected a Reply or (messages, done, reward), got dict"),
-        ("reset", "the environment raised RuntimeError: no sandbox"),
-        ("make", "the environment raised ValueError: cannot make"),
     ],
 )
-def test_an_environment_fault_ends_its_episode_with_an_error(tokenizer, how, says):
+def test_an_environment_that_fails_at_the_models_message_scores_the_episode_with_the_error_reward(tokenizer, how, says):
+    """Issue 46: an episode whose environment raised at the model's message was unscorable (advantage 0), a refuge
+    from the negative advantage of a wrong answer. It now ends there with spec.environment.errorReward and is
+    scored; the fault is recorded beside it."""
     hows = iter([how, "ok"])
-    runner = _runner(tokenizer, factory=lambda: Faulty(next(hows)), step_timeout_seconds=0.2)
+    runner = _runner(tokenizer, factory=lambda: Faulty(next(hows)), step_timeout_seconds=2.0, error_reward=-0.5)
     replicas = ScriptedReplicas(tokenizer, {0: ["x"], 1: ["y"]})
     [[failed, fine]] = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
-    assert failed.episode.error.startswith(says) or says in failed.episode.error
-    assert fine.episode.error is None and fine.episode.reward == 0.75
+    assert says in failed.episode.fault and failed.episode.error is None and failed.episode.reward == -0.5
+    assert fine.episode.fault is None and fine.episode.reward == 0.75
+    rollouts = Rollouts([PROMPT], [[1]], [[failed, fine]], 0.0)
+    rewards, _ = rewards_of(ArithmeticTask(), rollouts)
+    assert rewards[0].tolist() == [-0.5, 0.75]  # both in the group's baseline
+    assert episode_figures(rollouts)["environment_errors"] == 0
+    runner.close()
+
+
+@pytest.mark.parametrize(
+    ("how", "says"),
+    [
+        ("hang", "step() took longer than stepTimeoutSeconds (0.2 s)"),
+        ("reset", "the environment raised RuntimeError: no sandbox"),
+        ("make", "the environment raised ValueError: cannot make"),
+        ("gone", "the environment's process died"),
+    ],
+)
+def test_an_infrastructure_fault_plays_the_episode_again_on_a_fresh_environment(tokenizer, how, says):
+    """A fault that is not the model's (the environment could not be made or reset, a step past stepTimeoutSeconds,
+    the environment gone) begins the episode again on a fresh environment, episodeRetries times at most; past
+    them the episode is unscorable (NaN: out of its group's baseline), never held against the model."""
+    replicas = ScriptedReplicas(tokenizer, {0: ["x"], 1: ["y"]})
+    hows = iter([how, "ok", "ok"])
+    runner = _runner(tokenizer, factory=lambda: Faulty(next(hows)), step_timeout_seconds=0.2, episode_retries=1)
+    [[again, fine]] = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+    assert (again.episode.error, again.episode.reward, again.episode.turns) == (None, 0.75, 1)
+    assert fine.episode.reward == 0.75
+    runner.close()
+    # Past episodeRetries (0 here): an error, unscorable.
+    hows = iter([how, "ok"])
+    runner = _runner(tokenizer, factory=lambda: Faulty(next(hows)), step_timeout_seconds=0.2)
+    [[failed, fine]] = runner.run([PROMPT], [[7, 8]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+    assert says in failed.episode.error
     if how in ("reset", "make"):  # never opened: the task's prompt ids stand in, nothing generated
         assert (failed.episode.opening, failed.token_ids, failed.episode.turns) == ([7, 8], [], 0)
-        # Nothing served it: it counts as of the version the round asked for, not as stale (its group would be
-        # dropped as older than any trainer version).
-        assert failed.version == 3
-    # Scored: the failed episode is unscorable (NaN, advantage 0); the environment's reward wins for the other.
+    # Nothing of it trains: it counts as of the version the round asked for, not as stale (its group would be
+    # dropped as older than any trainer version).
+    assert failed.version == 3 or how in ("hang", "gone")
     rollouts = Rollouts([PROMPT], [[1]], [[failed, fine]], 0.0)
     rewards, _ = rewards_of(ArithmeticTask(), rollouts)
     assert torch.isnan(rewards[0, 0]) and rewards[0, 1] == 0.75
     assert episode_figures(rollouts)["environment_errors"] == 1
     runner.close()
+
+
+def test_an_invalid_action_is_answered_as_the_tools_error_and_the_episode_goes_on(tokenizer):
+    class Strict:
+        def reset(self, prompt):
+            return [{"role": "user", "content": prompt.text}]
+
+        def step(self, message):
+            if message["content"] == "x":
+                raise InvalidAction("say a number")
+            return Reply(done=True, reward=1.0)
+
+    runner = _runner(tokenizer, factory=Strict)
+    replicas = ScriptedReplicas(tokenizer, {0: ["x", "5"]})
+    [[done]] = runner.run([PROMPT], [[7]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+    assert done.episode.messages[-2] == {"role": "tool", "content": "error: say a number"}
+    assert (done.episode.turns, done.episode.tool_errors, done.episode.reward, done.episode.fault) == (2, 1, 1.0, None)
+    runner.close()
+
+
+def test_an_outage_of_the_environment_waits_within_outage_seconds_then_fails_naming_it(tokenizer):
+    """Issue 46: when every episode of a step failed on the environment (a service restarting), the run failed at
+    once (exit 65). The step is now played again with growing pauses within outageSeconds: an environment that
+    refuses every call for its first seconds does not end the run; one that stays down fails it, naming the
+    environment and its last error."""
+    down_until = time.monotonic() + 1.5
+
+    class Restarting:
+        def reset(self, prompt):
+            if time.monotonic() < down_until:
+                raise EnvironmentUnavailable("reset(): connection refused")
+            return [{"role": "user", "content": prompt.text}]
+
+        def step(self, message):
+            return Reply(done=True, reward=1.0)
+
+    replicas = ScriptedReplicas(tokenizer, {0: ["x"], 1: ["y"]})
+    runner = _runner(tokenizer, factory=Restarting, outage_seconds=30.0)
+    [[one, two]] = runner.run([PROMPT], [[7]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+    assert time.monotonic() >= down_until and (one.episode.reward, two.episode.reward) == (1.0, 1.0)
+    down_until = time.monotonic() + 3600
+    runner = _runner(tokenizer, factory=Restarting, outage_seconds=1.0)
+    runner.name = "my_envs:make"
+    with pytest.raises(EnvironmentOutage, match=r"^spec.environment \(my_envs:make\): every episode of the step "
+                       r"failed on the environment for \d+ s, past outageSeconds \(1\); the last error: reset\(\): "
+                       r"connection refused"):  # fmt: skip
+        runner.run([PROMPT], [[7]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
 
 
 def _episode(error=None, reward=None, turns=2, tools=1, truncated=False) -> EpisodeCompletion:
@@ -315,6 +396,8 @@ def test_episodes_score_train_on_their_masks_and_report_their_figures():
         "episode_tokens_mean": 7.0,
         "episodes_truncated": 1,
         "environment_errors": 0,
+        "environment_faults": 0,
+        "episode_tool_errors": 0,
         "environment_seconds": 1.0,
     }
     row = sample_rows(rollouts, scored, 1)[0]
@@ -360,7 +443,7 @@ def test_reference_logprobs_from_the_replicas_cover_the_whole_episode(tokenizer)
 
 def test_the_episode_budget_is_also_bounded_by_the_model_length():
     env = EnvironmentSpec(builtin="calculator", max_episode_tokens=4096, max_turns=5)
-    assert EpisodeLimits.of(env, 64, model_length=2048, margin=1) == EpisodeLimits(5, 2048, 64, 30.0, 1)
+    assert EpisodeLimits.of(env, 64, model_length=2048, margin=1) == EpisodeLimits(5, 2048, 64, 30.0, 1, 2, 0.0, 300.0)
     assert EpisodeLimits.of(env, 64, model_length=None).max_episode_tokens == 4096
     assert EpisodeLimits.of(env, 64, model_length=8192).max_episode_tokens == 4096
 

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 from grpolora.api import contract
 from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.environments import BUILTIN_ENVIRONMENTS, Reply, check_environment, load_environment
+from grpolora.workers.environments.runner import EnvironmentOutage
 from grpolora.workers.environments.service import build_app
 from grpolora.workers.models import resolve_model
 from grpolora.workers.remote_service import AuthRefused
@@ -235,36 +236,45 @@ async def _unavailable():
 
 
 @pytest.mark.parametrize(
-    ("answer", "says"),
+    ("answer", "says", "infrastructure"),
     [
-        (_garbage, "step().done: expected a bool, got 'yes'"),
-        (_hang, "step()"),  # within stepTimeoutSeconds, retries included
-        (_not_found, "step(): http://127.0.0.1:"),
-        (_unavailable, "failed 2 time(s): HTTP 503"),
+        (_garbage, "step().done: expected a bool, got 'yes'", False),
+        (_hang, "step()", True),  # within stepTimeoutSeconds, retries included
+        (_not_found, "step(): http://127.0.0.1:", True),  # the service lost the episode
+        (_unavailable, "failed 2 time(s): HTTP 503", True),
     ],
     ids=["malformed", "hangs", "404", "503"],
 )
-def test_a_service_that_fails_a_step_ends_that_episode_within_the_step_timeout(tokenizer, answer, says):
+def test_a_service_that_fails_a_step_within_the_step_timeout(tokenizer, answer, says, infrastructure):
+    """A malformed answer is the environment's answer to the model's message: the episode ends with errorReward,
+    scored. A service that hangs, lost the episode or is down is an infrastructure fault: with every episode of the
+    step failing so and outageSeconds 0, the step fails at once, naming the environment and the error."""
     server = _bad_service(answer)
     try:
         runner = _runner(tokenizer, factory=remote(server.url, retries=1, stepTimeoutSeconds=1.0))
         replicas = ScriptedReplicas(tokenizer, {0: ["x"], 1: ["y"]})
         started = time.monotonic()
-        groups = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+        if infrastructure:
+            with pytest.raises(EnvironmentOutage) as caught:
+                runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+            assert says in str(caught.value)
+        else:
+            groups = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+            for episode in groups[0]:
+                assert episode.episode.error is None and says in episode.episode.fault, episode.episode.fault
+                assert episode.episode.reward == 0.0
         assert time.monotonic() - started < 4  # one stepTimeoutSeconds (1 s) for the turn: not the 30 s hang
-        for episode in groups[0]:
-            assert episode.episode.error is not None and says in episode.episode.error, episode.episode.error
         runner.close()
     finally:
         server.stop()
 
 
-def test_an_unreachable_service_ends_the_episodes_not_the_run(tokenizer):
+def test_an_unreachable_service_is_played_again_then_fails_the_step(tokenizer):
     from grpolora.testing.servers import free_port
 
-    runner = _runner(tokenizer, factory=remote(f"http://127.0.0.1:{free_port()}", retries=0))
+    runner = _runner(tokenizer, factory=remote(f"http://127.0.0.1:{free_port()}", retries=0), episode_retries=1)
     replicas = ScriptedReplicas(tokenizer, {0: ["x"]})
-    [[episode]] = runner.run([PROMPT], [[7, 8]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
-    assert "reset(): " in episode.episode.error and "cannot reach it" in episode.episode.error
-    assert episode.episode.opening == [7, 8] and episode.token_ids == []
+    says = r"the last error: reset\(\): .*cannot reach it.*\(after 1 more plays\)"
+    with pytest.raises(EnvironmentOutage, match=says):
+        runner.run([PROMPT], [[7, 8]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
     runner.close()

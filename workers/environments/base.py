@@ -64,6 +64,19 @@ class EnvironmentFault(Exception):
     error, not the run."""
 
 
+class EnvironmentUnavailable(EnvironmentFault):
+    """The environment could not be reached or is gone (a service refusing connections, answering 5xx or timing
+    out past its retries; a dead environment process): an infrastructure fault, not the model's. The episode is
+    played again on a fresh environment; a step whose every episode meets one waits for the environment
+    (spec.environment.outageSeconds)."""
+
+
+class InvalidAction(Exception):
+    """Raised by an environment's step for an assistant message it cannot act on (a malformed call, an illegal move):
+    the model's mistake. Its message goes back to the model as a tool message (`error: ...`) and the episode goes
+    on; any other exception from step ends the episode with spec.environment.errorReward."""
+
+
 def checked_messages(value: Any, where: str) -> list[Message]:
     """`value` as a list of {"role", "content"} messages, or an EnvironmentFault saying what is wrong."""
     if not isinstance(value, Sequence) or isinstance(value, str | bytes):
@@ -120,11 +133,21 @@ def checked_reply(value: Any) -> Reply:
     return Reply(messages, value.done, None if reward is None else float(reward))
 
 
+class EnvironmentRaised(Exception):
+    """Environment code raised in an environment process (processes.py): its exception's type name and message (its
+    own class may not unpickle in the trainer)."""
+
+    def __init__(self, kind: str, message: str):
+        self.kind = kind
+        super().__init__(message)
+
+
 def fault_reason(exc: BaseException) -> str:
     """Why an environment's call failed, as an episode's error says it."""
     if isinstance(exc, EnvironmentFault):
         return str(exc)
-    return f"the environment raised {type(exc).__name__}: {exc}"[:2000]
+    kind = exc.kind if isinstance(exc, EnvironmentRaised) else type(exc).__name__
+    return f"the environment raised {kind}: {exc}"[:2000]
 
 
 def close_environment(env: Any) -> None:

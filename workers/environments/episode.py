@@ -220,8 +220,9 @@ class Episode:
     tool_calls: int
     """Tool messages the environment answered with."""
     error: str | None = None
-    """Why the environment ended the episode early (it raised, timed out or answered malformed data); the episode
-    is then unscorable (out of its group's baseline, advantage 0)."""
+    """Why the environment failed the episode on infrastructure (unreachable, a dead process, a step past
+    stepTimeoutSeconds; its reset failed), after spec.environment.episodeRetries more plays; the episode is then
+    unscorable (out of its group's baseline, advantage 0)."""
     reward: float | None = None
     """The environment's reward; None: spec.task's reward of the last assistant message."""
     truncated: bool = False
@@ -229,4 +230,8 @@ class Episode:
     environment_seconds: float = 0.0
     """Time spent in the environment's reset and steps."""
     tool_errors: int = 0
-    """Calls the tool parser (spec.environment.toolParser) could not read, answered with the tool's error."""
+    """Calls answered with the tool's error: one the tool parser (spec.environment.toolParser) could not read, or
+    an InvalidAction the environment raised."""
+    fault: str | None = None
+    """What the environment raised at the model's message (or answered malformed): the episode ended there with
+    spec.environment.errorReward, and is scored (no refuge from a low reward)."""

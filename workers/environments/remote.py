@@ -8,8 +8,9 @@ to over HTTP (docs/tasks.md has the contract; service.py serves any environment 
 Each call follows workers/remote_service.py's rule within stepTimeoutSeconds: a timeout, a connection error, a 429
 or a 5xx is retried, the same body again. A step is not idempotent (a sandbox ran the command), so it carries its
 turn number and the service answers a turn it has already taken with the answer it gave: a retry after a lost
-answer does not step twice. A 401 or 403 is AuthRefused (the run fails as a spec error, exit 78); any other
-failure ends the episode with an error (EnvironmentFault), as a plugin's exception does.
+answer does not step twice. A 401 or 403 is AuthRefused (the run fails as a spec error, exit 78); a service out of
+reach after those retries (or answering 5xx) is EnvironmentUnavailable: the episode is played again on a fresh
+environment (runner.py), not held against the model; any other failure ends the episode as a plugin's exception does.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 import httpx
 
 from grpolora.workers import remote_service
-from grpolora.workers.environments.base import EnvironmentFault, Message, Opening, Reply
+from grpolora.workers.environments.base import EnvironmentFault, EnvironmentUnavailable, Message, Opening, Reply
 from grpolora.workers.tasks.base import Prompt
 
 FIELD = "spec.environment.url"
@@ -51,10 +52,12 @@ class EnvironmentService:
         attempts = self.retries if retries is None else retries
         try:
             response = remote_service.post(self._client, url, body, retries=attempts, field=FIELD, deadline=deadline)
-        except remote_service.ServiceUnavailable as err:
-            raise EnvironmentFault(f"{route}(): {err}") from None
+        except remote_service.ServiceUnavailable as err:  # refused, timed out, 429 or 5xx past its retries
+            raise EnvironmentUnavailable(f"{route}(): {err}") from None
         if response.status_code >= 400:
-            raise EnvironmentFault(f"{route}(): {url} answered HTTP {response.status_code}: {response.text[:300]}")
+            # 422: the environment raised at the model's message (service.py); anything else is the service's.
+            said = f"{route}(): {url} answered HTTP {response.status_code}: {response.text[:300]}"
+            raise (EnvironmentFault if response.status_code == 422 else EnvironmentUnavailable)(said)
         try:
             data = response.json()
         except ValueError:

@@ -23,8 +23,10 @@ from grpolora.api.constants import MAX_EPISODE_TURNS
 from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.environments.base import (
     EnvironmentFactory,
-    EnvironmentFault,
+    EnvironmentUnavailable,
+    InvalidAction,
     Message,
+    Opening,
     Reply,
     checked_opening,
     checked_reply,
@@ -58,23 +60,34 @@ class EpisodeLimits:
     max_new_tokens: int
     step_timeout_seconds: float
     margin: int = 0  # tokens kept free at the end (the replicas' reference pass needs one more)
+    episode_retries: int = 0  # spec.environment.episodeRetries
+    error_reward: float = 0.0  # spec.environment.errorReward
+    outage_seconds: float = 0.0  # spec.environment.outageSeconds
 
     @classmethod
     def of(cls, env: EnvironmentSpec, max_new_tokens: int, model_length: int | None, margin: int = 0) -> EpisodeLimits:
         """spec.environment's limits, the episode's budget also within what the model holds (`model_length`:
         inference.maxModelLen or the model's own), since the replicas refuse a longer request."""
         budget = min(env.max_episode_tokens, model_length or env.max_episode_tokens)
-        return cls(env.max_turns, budget, max_new_tokens, env.step_timeout_seconds, margin)
+        return cls(env.max_turns, budget, max_new_tokens, env.step_timeout_seconds, margin, env.episode_retries,
+                   env.error_reward, env.outage_seconds)  # fmt: skip
+
+
+class EnvironmentOutage(RuntimeError):
+    """Every episode of a step failed on the environment's infrastructure for longer than
+    spec.environment.outageSeconds: the run fails (exit 1: a restart may find the environment back)."""
 
 
 @dataclass
 class _Live:
     """One episode while it runs."""
 
-    env: Any
+    prompt: Prompt
     replica: int
     seed: int
-    tokens: EpisodeTokens
+    fallback: list[int]
+    tokens: EpisodeTokens = field(default_factory=lambda: EpisodeTokens([]))
+    env: Any = None
     messages: list[Message] = field(default_factory=list)
     tools: list[dict[str, Any]] | None = None
     turns: int = 0
@@ -88,17 +101,27 @@ class _Live:
     seconds: float = 0.0
     unread_call: str | None = None  # the tool error that answers a call the tool parser could not read
     tool_errors: int = 0
+    fault: str | None = None  # what the environment raised at the model's message (scored with errorReward)
+    attempts: int = 0  # plays begun again on a fresh environment after an infrastructure fault
 
     def end(self, *, error: str | None = None, truncated: bool = False, reward: float | None = None) -> None:
         self.ended, self.error, self.truncated, self.reward = True, error, truncated, reward
+
+    def begin(self, env: Any, opening: Opening, ids: list[int]) -> None:
+        """A (new) play of the episode: its environment, its opening, nothing generated yet."""
+        self.env, self.tokens, self.messages = env, EpisodeTokens(ids), list(opening.messages)
+        self.tools = opening.tools
+        self.turns, self.tool_calls, self.tool_errors, self.versions, self.text = 0, 0, 0, [], ""
+        self.unread_call = None
 
 
 class EpisodeRunner:
     def __init__(
         self, factory: EnvironmentFactory, delta: ChatDelta, limits: EpisodeLimits, *, workers: int = 8,
-        tool_parser: ToolCallParser | None = None,
+        tool_parser: ToolCallParser | None = None, name: str = "the environment",
     ):  # fmt: skip
         self.factory = factory
+        self.name = name  # how errors name the environment (its built-in, plugin or url)
         self.delta = delta
         self.limits = limits
         self.tool_parser = tool_parser
@@ -122,54 +145,84 @@ class EpisodeRunner:
         environment failed to open it, and `version` as the version of one that generated nothing."""
         if not replicas:
             raise ValueError("no replica to run episodes on")
-        starts = [
-            (prompt, replicas[(p * sampling.n + g) % len(replicas)], seeds[p] + g * MAX_EPISODE_TURNS, fallback)
+        started = time.monotonic()
+        pause = 1.0
+        while True:
+            groups = self._play(prompts, fallback_ids, seeds, sampling, generate, replicas)
+            lost = [e for group in groups for e in group if e.error is not None]
+            if len(lost) < sum(len(group) for group in groups):
+                return [[self._completion(e, version) for e in group] for group in groups]
+            # Every episode met an infrastructure fault (the environment is down or restarting): wait for it.
+            waited = time.monotonic() - started
+            if waited + pause > self.limits.outage_seconds:
+                raise EnvironmentOutage(
+                    f"spec.environment ({self.name}): every episode of the step failed on the environment for "
+                    f"{waited:.0f} s, past outageSeconds ({self.limits.outage_seconds:g}); the last error: "
+                    f"{lost[-1].error}"
+                )
+            log.warning("every episode of the step failed on the environment (%s; e.g. %s); playing the step again "
+                        "in %.0f s", self.name, lost[-1].error, pause)  # fmt: skip
+            time.sleep(pause)
+            pause = min(pause * 2, 30.0)
+
+    def _play(self, prompts: Sequence[Prompt], fallback_ids: Sequence[list[int]], seeds: Sequence[int],
+              sampling: Sampling, generate: TurnGenerate, replicas: Sequence[int]) -> list[list[_Live]]:  # fmt: skip
+        """One play of the round's episodes, each to its end (an episode that meets an infrastructure fault begins
+        again on a fresh environment, episodeRetries times at most, and ends with the fault after that)."""
+        episodes = [
+            _Live(prompt, replicas[(p * sampling.n + g) % len(replicas)], seeds[p] + g * MAX_EPISODE_TURNS, fallback)
             for p, (prompt, fallback) in enumerate(zip(prompts, fallback_ids, strict=True))
             for g in range(sampling.n)
         ]
         # Made in order (a factory may count its environments), then reset all at once, as steps are.
-        made = [_Call.now(self.factory) for _ in starts]
-        opened = list(self._pool.map(lambda item: self._open(item[0], *item[1]), zip(made, starts, strict=True)))
-        groups = [opened[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
-        episodes = [e for group in groups for e in group]
-        for turn in range(self.limits.max_turns):
-            live = [e for e in episodes if not e.ended]
-            if not live:
-                break
-            self._generate_turn(live, turn, sampling, generate)
-            self._environment_turn([e for e in live if not e.ended], last=turn + 1 == self.limits.max_turns)
-        for episode in episodes:
-            if not episode.ended:  # maxTurns reached with the environment still going
-                episode.end(truncated=True)
+        made = [_Call.now(self.factory) for _ in episodes]
+        list(self._pool.map(lambda item: self._open(*item), zip(episodes, made, strict=True)))
+        while live := [e for e in episodes if not e.ended]:
+            self._generate_turn(live, sampling, generate)
+            self._environment_turn([e for e in live if not e.ended])
         _close_all([e.env for e in episodes if e.env is not None])
-        return [[self._completion(e, version) for e in group] for group in groups]
+        return [episodes[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
 
-    def _open(self, made: tuple[Any, BaseException | None], prompt: Prompt, replica: int, seed: int,
-              fallback: list[int]) -> _Live:  # fmt: skip
+    def _open(self, episode: _Live, made: tuple[Any, BaseException | None]) -> None:
+        """A play of `episode` begun: `made` (its environment, or what making it raised) reset. Any failure here is
+        the environment's, not the model's (it has not acted yet): played again on a fresh one, within bounds."""
         started = time.perf_counter()
         env, error = made
         try:
             if error is not None:
                 raise error
             limit = self.limits.step_timeout_seconds
-            opening = checked_opening(_Call(env.reset, prompt).result(limit, "reset", limit))
-            episode = _Live(
-                env, replica, seed, EpisodeTokens(self.delta.opening(opening)), list(opening.messages), opening.tools
-            )
+            opening = checked_opening(_Call(env.reset, episode.prompt).result(limit, "reset", limit))
+            episode.begin(env, opening, self.delta.opening(opening))
         except AuthRefused:  # the job's credentials: a spec error for the run, not one episode's
             raise
-        except Exception as exc:  # the environment's own failure: this episode's error, not the run's
-            episode = _Live(env, replica, seed, EpisodeTokens(list(fallback)))
-            episode.end(error=fault_reason(exc))
+        except Exception as exc:  # the environment's own failure: this episode's, not the run's
+            episode.seconds += time.perf_counter() - started
+            self._lost(episode, env, exc)
+            return
         episode.seconds += time.perf_counter() - started
-        if not episode.ended and len(episode.tokens) + self.limits.margin >= self.limits.max_episode_tokens:
+        if len(episode.tokens) + self.limits.margin >= self.limits.max_episode_tokens:
             episode.end(
                 error=f"the opening's {len(episode.tokens)} tokens leave no room in maxEpisodeTokens "
                 f"({self.limits.max_episode_tokens})"
             )
-        return episode
 
-    def _generate_turn(self, live: list[_Live], turn: int, sampling: Sampling, generate: TurnGenerate) -> None:
+    def _lost(self, episode: _Live, env: Any, exc: BaseException) -> None:
+        """An infrastructure fault (`exc`): the episode begins again on a fresh environment, or, past
+        episodeRetries, ends with the fault (unscorable: no sample of the model's own doing)."""
+        if env is not None:
+            _close_all([env])
+        reason = fault_reason(exc)
+        if episode.attempts >= self.limits.episode_retries:
+            episode.tokens = EpisodeTokens(list(episode.fallback))  # what it generated trains on nothing
+            episode.env = None
+            episode.end(error=reason if not episode.attempts else f"{reason} (after {episode.attempts} more plays)")
+            return
+        episode.attempts += 1
+        log.info("an episode begins again on a fresh environment (play %d): %s", episode.attempts + 1, reason)
+        self._open(episode, _Call.now(self.factory))
+
+    def _generate_turn(self, live: list[_Live], sampling: Sampling, generate: TurnGenerate) -> None:
         """One assistant turn of every live episode: one request per replica and token budget, all at once."""
         batches: dict[tuple[int, int], list[_Live]] = {}
         for episode in live:
@@ -180,7 +233,8 @@ class EpisodeRunner:
             replica, budget = key
             members = batches[key]
             turn_sampling = replace(sampling, n=1, max_tokens=budget)
-            return generate(replica, [e.tokens.ids for e in members], turn_sampling, [e.seed + turn for e in members])
+            seeds = [e.seed + e.turns for e in members]  # a play begun again samples as the first did
+            return generate(replica, [e.tokens.ids for e in members], turn_sampling, seeds)
 
         keys = list(batches)
         for key, answers in zip(keys, self._pool.map(request, keys), strict=True):
@@ -201,9 +255,12 @@ class EpisodeRunner:
         message, episode.unread_call = self.tool_parser.message(answer.token_ids, answer.text, episode.tools, closing)
         return message
 
-    def _environment_turn(self, live: list[_Live], *, last: bool) -> None:
+    def _environment_turn(self, live: list[_Live]) -> None:
         """Every live episode's environment answers its last assistant message (at once, each bounded in time).
-        After the `last` turn its answer goes into the transcript only: no turn follows that would train on it."""
+        After an episode's last turn (maxTurns) its answer goes into the transcript only: no turn follows that would
+        train on it. What the environment raises at the model's message is the model's: InvalidAction is answered
+        as the tool's error, anything else ends the episode with errorReward; an infrastructure fault
+        (EnvironmentUnavailable, a step past stepTimeoutSeconds) plays the episode again (_lost)."""
         started = time.perf_counter()
         # A call the tool parser could not read is answered with the tool's error, not sent to the environment.
         calls = [(e, None if e.unread_call else _Call(e.env.step, e.messages[-1])) for e in live]
@@ -215,18 +272,27 @@ class EpisodeRunner:
                     reply = Reply([{"role": "tool", "content": episode.unread_call}])
                     episode.unread_call, episode.tool_errors = None, episode.tool_errors + 1
                 else:
-                    reply = checked_reply(call.result(max(deadline - time.monotonic(), 0.0), "step", limit))
+                    try:
+                        reply = checked_reply(call.result(max(deadline - time.monotonic(), 0.0), "step", limit))
+                    except InvalidAction as exc:
+                        reply = Reply([{"role": "tool", "content": f"error: {exc}"}])
+                        episode.tool_errors += 1
                 if reply.done:
                     episode.end(reward=reply.reward)
                     continue
                 ids = self.delta.environment_turn(episode.tokens.tokens[-8:], reply.messages, episode.tools)
             except AuthRefused:
                 raise
-            except Exception as exc:
-                episode.end(error=fault_reason(exc))
+            except EnvironmentUnavailable as exc:
+                self._lost(episode, episode.env, exc)
+                continue
+            except Exception as exc:  # raised at the model's message: scored, never a refuge from a low reward
+                episode.fault = fault_reason(exc)
+                episode.end(reward=self.limits.error_reward)
                 continue
             episode.messages += reply.messages
             episode.tool_calls += sum(m["role"] == "tool" for m in reply.messages)
+            last = episode.turns >= self.limits.max_turns
             if last or len(episode.tokens) + len(ids) + self.limits.margin >= self.limits.max_episode_tokens:
                 episode.end(truncated=True)  # maxTurns, or no room for the environment's answer and another turn
             else:
@@ -243,6 +309,7 @@ class EpisodeRunner:
             turns=e.turns,
             tool_calls=e.tool_calls,
             tool_errors=e.tool_errors,
+            fault=e.fault,
             error=e.error,
             reward=e.reward,
             truncated=e.truncated,
@@ -260,6 +327,8 @@ class EpisodeRunner:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if callable(close := getattr(self.factory, "close", None)):  # the environment processes, a service's client
+            close()
 
 
 class _Call:
@@ -292,7 +361,7 @@ class _Call:
         """The call's answer (or its exception), waiting at most `wait` seconds: what is left of `limit`
         (stepTimeoutSeconds) since the call started."""
         if not self._done.wait(wait):
-            raise EnvironmentFault(f"{what}() took longer than stepTimeoutSeconds ({limit:g} s)")
+            raise EnvironmentUnavailable(f"{what}() took longer than stepTimeoutSeconds ({limit:g} s)")
         if self._error is not None:
             raise self._error
         return self._value

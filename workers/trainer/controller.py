@@ -27,6 +27,7 @@ from grpolora.api.constants import CHAT_TEMPLATES
 from grpolora.workers import adapter as adapter_io
 from grpolora.workers.environments import load_environment
 from grpolora.workers.environments.episode import ChatDelta
+from grpolora.workers.environments.processes import EnvironmentProcesses
 from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
 from grpolora.workers.environments.tools import ToolCallParser
 from grpolora.workers.sync.sender import RoundReport
@@ -126,7 +127,10 @@ class Controller:
                  "tool" if delta.tool_role else "user")  # fmt: skip
         limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
         parser = ToolCallParser(env.tool_parser, self.ctx.policy.tokenizer) if env.tool_parser else None
-        return EpisodeRunner(load_environment(env), delta, limits, tool_parser=parser)
+        # A built-in's or plugin's code runs in processes of its own (a bad plugin fails here, in the first one).
+        factory = load_environment(env) if env.url is not None else EnvironmentProcesses(env).start()
+        name = env.builtin or env.plugin or env.url or "the environment"
+        return EpisodeRunner(factory, delta, limits, tool_parser=parser, name=name)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.

@@ -280,6 +280,8 @@ def episode_figures(rollouts: Rollouts) -> dict[str, float | int]:
         "environment_errors": sum(e.error is not None for e in episodes),
         "environment_seconds": sum(e.environment_seconds for e in episodes),
     }
+        "environment_faults": sum(e.fault is not None for e in episodes),
+        "episode_tool_errors": sum(e.tool_errors for e in episodes),
 
 
 def reference_from(scored: Scored, grpo: GRPOSpec) -> str | None:
@@ -320,3 +322,4 @@ def episode_row(completion: Completion) -> dict[str, Any]:
         "truncated": episode.truncated,
         **({"environment_error": episode.error} if episode.error is not None else {}),
     }
+        **({"environment_fault": episode.fault} if episode.fault is not None else {}),

@@ -1,0 +1,195 @@
+"""Environment code out of the trainer's process: a built-in's or a plugin's environments live in a pool of worker
+processes (spec.environment.processes), spawned by the trainer (rank 0, which runs the episodes) and each bounded in
+address space (spec.environment.processMemoryMiB). The trainer holds a proxy per episode; each reset and step is one
+request to the episode's process, and a call that takes longer than stepTimeoutSeconds ends that process
+(SIGKILL), so that a step holding its GIL in C for hours (a catastrophic regex, a huge power) costs one episode
+that long and no more, and the trainer's own threads (training, sync heartbeats) never share a GIL with
+environment code. The other episodes on an ended process lose their environment (EnvironmentUnavailable: played
+again on a fresh one, runner.py); the next episode made there gets a new process.
+
+Requests and answers are pickled over a pipe; an exception raised by environment code comes back as its type's
+name and message (its own class may not unpickle in the trainer)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any
+
+from grpolora.api.spec import EnvironmentSpec
+from grpolora.workers.environments.base import EnvironmentRaised, EnvironmentUnavailable, InvalidAction
+from grpolora.workers.tasks.base import TaskError
+
+log = logging.getLogger(__name__)
+
+# A spawned process: a fork of the trainer would copy its threads' locks (torch's, NCCL's) in whatever state.
+_CONTEXT = multiprocessing.get_context("spawn")
+START_SECONDS = 120.0  # a process's start and its factory's import at most (a plugin may import a large library)
+
+
+@dataclass(frozen=True)
+class Raised:
+    """What environment code raised, as it crosses the pipe."""
+
+    kind: str
+    message: str
+    invalid_action: bool = False
+
+
+def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) -> None:
+    """A worker process: make environments by id and run their calls, one at a time, until the pipe closes."""
+    import resource
+
+    limit = memory_mib * 1024 * 1024
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    from grpolora.workers.environments import load_environment
+
+    try:
+        factory = load_environment(EnvironmentSpec.model_validate_json(spec_json), Path(root) if root else None)
+    except TaskError as exc:
+        conn.send(("refused", exc.path, exc.message))
+        return
+    conn.send(("ready", None, None))
+    environments: dict[int, Any] = {}
+    while True:
+        try:
+            op, eid, argument = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if op == "make":
+                environments[eid] = factory()
+                value = None
+            elif op == "close":
+                env = environments.pop(eid, None)
+                close = getattr(env, "close", None)
+                value = close() if callable(close) else None
+            else:
+                value = getattr(environments[eid], op)(argument)
+            conn.send(("ok", value, None))
+        except BaseException as exc:  # handed back: the episode ends with it (or answers it, InvalidAction)
+            raised = Raised(type(exc).__name__, str(exc)[:2000], isinstance(exc, InvalidAction))
+            try:
+                conn.send(("raised", raised, None))
+            except Exception:  # an answer that does not pickle
+                conn.send(("raised", Raised("PicklingError", f"{op}() answered what cannot be sent back"), None))
+
+
+class _Worker:
+    def __init__(self, spec: EnvironmentSpec, root: Path | None, memory_mib: int):
+        self._conn, child = _CONTEXT.Pipe()
+        self.process = _CONTEXT.Process(
+            target=_serve, args=(child, spec.model_dump_json(by_alias=True), str(root) if root else None, memory_mib),
+            name="environment", daemon=True,
+        )  # fmt: skip
+        self.process.start()
+        child.close()
+        self.lock = threading.Lock()
+        self.dead: str | None = None
+        self.started = False
+
+    def wait_ready(self) -> None:
+        """Raise TaskError if the process cannot load the environment (a bad plugin), or EnvironmentUnavailable."""
+        if not self._conn.poll(START_SECONDS):
+            self.end(f"did not start within {START_SECONDS:g} s")
+            raise EnvironmentUnavailable(f"the environment process {self.dead}")
+        try:
+            kind, path, message = self._conn.recv()
+        except (EOFError, OSError):
+            self.end(f"exited at start (code {self.process.exitcode})")
+            raise EnvironmentUnavailable(f"the environment process {self.dead}") from None
+        if kind == "refused":
+            self.end("refused its environment")
+            raise TaskError(path, message)
+        self.started = True
+
+    def call(self, op: str, eid: int, argument: Any, timeout: float) -> Any:
+        with self.lock:
+            if not self.started:
+                self.wait_ready()
+            if self.dead is not None:
+                raise EnvironmentUnavailable(f"the environment's process {self.dead}")
+            try:
+                self._conn.send((op, eid, argument))
+                ready = self._conn.poll(timeout)
+                answer = self._conn.recv() if ready else None
+            except (EOFError, OSError, BrokenPipeError):
+                code = self.process.exitcode if not self.process.is_alive() else None
+                self.end(f"died (exit code {code}; over processMemoryMiB, or a crash)")
+                raise EnvironmentUnavailable(f"the environment's process {self.dead}") from None
+            if answer is None:
+                self.end(f"was ended: {op}() took longer than stepTimeoutSeconds ({timeout:g} s)")
+                raise EnvironmentUnavailable(f"{op}() took longer than stepTimeoutSeconds ({timeout:g} s); its process "
+                                       "was ended")  # fmt: skip
+        kind, value, _ = answer
+        if kind == "raised":
+            if value.invalid_action:
+                raise InvalidAction(value.message)
+            raise EnvironmentRaised(value.kind, value.message)
+        return value
+
+    def end(self, why: str) -> None:
+        self.dead = self.dead or why
+        if self.process.is_alive():
+            self.process.kill()
+        self.process.join(5)
+        self._conn.close()
+
+
+class EnvironmentProcesses:
+    """A factory of environments that live in a pool of `size` processes; each made environment is a proxy."""
+
+    def __init__(self, spec: EnvironmentSpec, root: Path | None = None):
+        self.spec = spec
+        self.root = root
+        self.size = spec.processes
+        self._workers: list[_Worker | None] = [None] * self.size
+        self._ids = itertools.count()
+        self._lock = threading.Lock()
+
+    def start(self) -> EnvironmentProcesses:
+        """Start the first process and load the environment there: a bad plugin fails now (TaskError)."""
+        self._worker(0).call("make", -1, None, START_SECONDS)
+        self._worker(0).call("close", -1, None, START_SECONDS)
+        return self
+
+    def _worker(self, slot: int) -> _Worker:
+        with self._lock:
+            worker = self._workers[slot]
+            if worker is None or worker.dead is not None:
+                worker = self._workers[slot] = _Worker(self.spec, self.root, self.spec.process_memory_mib)
+            return worker
+
+    def __call__(self) -> ProcessEnvironment:
+        eid = next(self._ids)
+        worker = self._worker(eid % self.size)
+        worker.call("make", eid, None, self.spec.step_timeout_seconds)
+        return ProcessEnvironment(worker, eid, self.spec.step_timeout_seconds)
+
+    def close(self) -> None:
+        with self._lock:
+            for worker in self._workers:
+                if worker is not None:
+                    worker.end("closed")
+
+
+class ProcessEnvironment:
+    """One episode's environment in its process: reset, step and close as the protocol has them."""
+
+    def __init__(self, worker: _Worker, eid: int, timeout: float):
+        self._worker, self._eid, self._timeout = worker, eid, timeout
+
+    def reset(self, prompt: Any) -> Any:
+        return self._worker.call("reset", self._eid, prompt, self._timeout)
+
+    def step(self, message: Any) -> Any:
+        return self._worker.call("step", self._eid, message, self._timeout)
+
+    def close(self) -> None:
+        if self._worker.dead is None:
+            self._worker.call("close", self._eid, None, self._timeout)
