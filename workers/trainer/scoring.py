@@ -278,10 +278,10 @@ def episode_figures(rollouts: Rollouts) -> dict[str, float | int]:
         "episode_tokens_mean": sum(len(e.opening) + len(e.loss_mask) for e in episodes) / count,
         "episodes_truncated": sum(e.truncated for e in episodes),
         "environment_errors": sum(e.error is not None for e in episodes),
-        "environment_seconds": sum(e.environment_seconds for e in episodes),
-    }
         "environment_faults": sum(e.fault is not None for e in episodes),
         "episode_tool_errors": sum(e.tool_errors for e in episodes),
+        "environment_seconds": sum(e.environment_seconds for e in episodes),
+    }
 
 
 def reference_from(scored: Scored, grpo: GRPOSpec) -> str | None:
@@ -321,5 +321,5 @@ def episode_row(completion: Completion) -> dict[str, Any]:
         "turns": episode.turns,
         "truncated": episode.truncated,
         **({"environment_error": episode.error} if episode.error is not None else {}),
-    }
         **({"environment_fault": episode.fault} if episode.fault is not None else {}),
+    }
