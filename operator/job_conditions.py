@@ -12,9 +12,8 @@ from grpolora.api.plan import JobPlan
 from grpolora.api.spec import GRPOLoraJob, GRPOLoraJobSpec
 from grpolora.api.status import JobStatus, RendezvousStatus, ReplicaCounts, RoleReplicas
 from grpolora.operator import conditions as cond
-from grpolora.operator import names
+from grpolora.operator import names, readiness
 from grpolora.operator import observe as obs
-from grpolora.operator.job_course import _serving_replicas, makes_progress
 from grpolora.operator.job_decision import ChildRef, Decision, Observed
 from grpolora.operator.job_events import transition_events
 from grpolora.operator.job_status import TERMINAL
@@ -60,7 +59,7 @@ def _status(
     counts = ReplicaCounts(
         trainer=RoleReplicas(
             desired=spec.trainer.replicas if wanted else 0,
-            ready=obs.job_ready(tj) if tj is not None and course.restart_note is None else 0,
+            ready=readiness.trainer_ranks_up(tj) if tj is not None and course.restart_note is None else 0,
         ),
         # On a pool: the pool's server replicas, which serve this job while it is attached.
         inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts))
@@ -147,8 +146,8 @@ def _status(
         pool=where.job_plan.pool,
         token_digest=course.token_digest,
     )
-    serving = _serving_replicas(spec, sts, place)
-    return status, wanted and makes_progress(counts.trainer.ready, counts.trainer.desired, serving)
+    serving = readiness.serving_replicas(spec, sts, place)
+    return status, wanted and readiness.makes_progress(counts.trainer.ready, counts.trainer.desired, serving)
 
 
 def _pending_message(
@@ -279,7 +278,7 @@ def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: O
         return cond.Want(names.PODS_READY, "False", names.R_NO_WORKLOADS, f"no pods: the job is {phase.lower()}")
     t, i = counts.trainer, counts.inference
     summary = f"trainer {t.ready}/{t.desired} ready, inference {i.ready}/{i.desired} ready"
-    if t.ready >= t.desired and i.ready >= i.desired:
+    if readiness.all_ready(counts):
         return cond.Want(names.PODS_READY, "True", names.R_ALL_READY, summary)
     # Pods never created (FailedCreate) or stuck mounting say more than the pods' own "ContainerCreating".
     why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Final
 from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.api.spec import GRPOLoraJobSpec
-from grpolora.api.status import JobPhase, JobStatus, RestartCounts, RoleReplicas
-from grpolora.operator import builders, names, pools
+from grpolora.api.status import JobPhase, JobStatus, ReplicaCounts, RestartCounts, RoleReplicas
+from grpolora.operator import builders, names, readiness
 from grpolora.operator import conditions as cond
 from grpolora.operator import observe as obs
 from grpolora.operator.job_decision import REPLACE_RECHECK_SECONDS, ChildRef, Observed
@@ -352,12 +352,12 @@ def _startup_deadline(
     trains on the replicas it has is only reported: Fail gives back GPUs held idle, not a running job's."""
     spec = where.job_plan.spec
     tj = observed.trainer_job
-    serving = _serving_replicas(spec, observed.inference, where.place)
+    serving = readiness.serving_replicas(spec, observed.inference, where.place)
     overdue = _startup_overdue(spec, old, course.phase, tj, serving, observed, now, on_pool=where.place is not None)
     if overdue is None or spec.scheduling.on_startup_deadline != "Fail":
         return overdue, course, build
     assert tj is not None  # overdue only with a trainer Job
-    if makes_progress(obs.job_ready(tj), spec.trainer.replicas, serving):
+    if readiness.makes_progress(readiness.trainer_ranks_up(tj), spec.trainer.replicas, serving):
         return overdue, course, build
     deletes = course.deletes
     if tj is not None and not obs.deleting(tj):
@@ -470,25 +470,6 @@ def _ttl_left(spec: GRPOLoraJobSpec, completion: str | None, now: datetime.datet
     return (_parse_time(completion) + datetime.timedelta(seconds=ttl) - now).total_seconds()
 
 
-def _serving_replicas(
-    spec: GRPOLoraJobSpec, sts: K8sObject | None, place: pools.PoolPlace | None
-) -> RoleReplicas | None:
-    """The inference replicas serving the job: its own StatefulSet's, or on a pool the pool's servers (while it is
-    attached); None while it has none."""
-    if place is not None:
-        return RoleReplicas(desired=place.desired, ready=place.ready) if place.attached else None
-    return None if sts is None else RoleReplicas(desired=spec.inference.replicas, ready=obs.statefulset_ready(sts))
-
-
-def makes_progress(trainer_ready: int, trainer_desired: int, serving: RoleReplicas | None) -> bool:
-    """What a job needs to make progress: every trainer rank ready (the ranks train together) and at least one
-    serving replica ready (the trainer generates on the replicas that serve and syncs the adapter to those; a lost or
-    unscheduled replica rejoins at the next sync round). Kueue's PodsReady on the job's Workload says this, so that
-    waitForPodsReady (timeout, and since Kueue 0.16 recoveryTimeout, which defaults to timeout) evicts only a job that
-    cannot go on; the job's own PodsReady condition counts every pod."""
-    return serving is not None and trainer_ready >= trainer_desired and serving.ready >= min(1, serving.desired)
-
-
 def _startup_overdue(
     spec: GRPOLoraJobSpec,
     old: JobStatus,
@@ -508,11 +489,13 @@ def _startup_overdue(
     deadline = spec.scheduling.startup_deadline_seconds
     if deadline == 0 or phase not in ("Pending", "Running") or tj is None or serving is None:
         return None
-    trainer_ready = obs.job_ready(tj)
+    trainer_up = readiness.trainer_ranks_up(tj)
     if (
-        makes_progress(trainer_ready, spec.trainer.replicas, serving)
+        readiness.makes_progress(trainer_up, spec.trainer.replicas, serving)
         if on_pool
-        else (trainer_ready >= spec.trainer.replicas and serving.ready >= serving.desired)
+        else readiness.all_ready(
+            ReplicaCounts(trainer=RoleReplicas(desired=spec.trainer.replicas, ready=trainer_up), inference=serving)
+        )
     ):
         return None
     since = cond.find(old.conditions, names.PODS_READY)
@@ -521,9 +504,7 @@ def _startup_overdue(
     if (now - _parse_time(since.last_transition_time)).total_seconds() < deadline:
         return None
     why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
-    ready = (
-        f"trainer {obs.job_ready(tj)}/{spec.trainer.replicas} ready, inference {serving.ready}/{serving.desired} ready"
-    )
+    ready = f"trainer {trainer_up}/{spec.trainer.replicas} ready, inference {serving.ready}/{serving.desired} ready"
     detail = f"{why.reason}: {why.message}" if why is not None else "no reason reported"
     return f"pods not all ready {deadline}s (spec.scheduling.startupDeadlineSeconds) after they were created: {ready}; {detail}"  # noqa: E501
 

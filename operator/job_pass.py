@@ -14,7 +14,7 @@ from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan, child_names, plan
 from grpolora.api.pool import token_fingerprint
 from grpolora.api.status import JobStatus
-from grpolora.operator import attempts, builders, kube, names, pools
+from grpolora.operator import attempts, builders, kube, names, pools, readiness
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
@@ -179,7 +179,7 @@ class JobPass:
         spec = view.job.spec
         pods: list[dict[str, Any]] = []
         warnings: tuple[obs.NotReady, ...] = ()
-        not_ready = obs.job_ready(trainer_job) < spec.trainer.replicas or (
+        not_ready = readiness.trainer_ranks_up(trainer_job) < spec.trainer.replicas or (
             not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas
         )
         running = not spec.suspend and not is_finished(old)

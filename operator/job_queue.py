@@ -78,7 +78,7 @@ def _queue_write(
         observed.queue_workload,
         now=stamp,
         inactive=_nothing_active(observed),
-        # What the job needs to make progress (makes_progress), not every pod of its own PodsReady condition.
+        # What the job needs to make progress (readiness.makes_progress), not every pod of its own PodsReady.
         pods_ready=pods_ready,
         finished=None,
         suspended=where.job_plan.spec.suspend,

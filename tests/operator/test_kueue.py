@@ -12,6 +12,7 @@ from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, operator_options, wait_for
+from tests.operator.job_controller_double import JobController
 from tests.operator.kueue_double import REGISTERED, FakeKueue, find, is_true
 from tests.operator.test_lost_node import clock_at
 from tests.operator.test_operator import phase
@@ -524,6 +525,39 @@ async def test_kueue_evicts_only_a_job_that_cannot_make_progress(cluster, operat
         await wait_for(lambda: kueue.timed_out == ["demo"], "evicted after the recovery timeout")
         evicted = find(kueue.workload("demo"), "Evicted")
         assert (evicted["status"], evicted["reason"]) == ("True", "PodsReadyTimeout")
+
+
+async def test_a_rank_that_finished_first_still_counts_for_pods_ready(cluster, operator):
+    """Ranks > 0 exit after the final gather while rank 0 saves and pushes the final adapter. The Job controller then
+    shows ready 1, succeeded 1 (tests/operator/job_controller_double.py), and Kueue's own Job integration counts both
+    (kubernetes-sigs/kueue pkg/controller/jobs/job/job_controller.go, (*Job).PodsReady: Status.Succeeded +
+    Status.Ready >= podsCount(), the same from release-0.6 to main). Counting only ready ranks turned PodsReady to
+    WaitForRecovery for the whole final push, and recoveryTimeout evicted the job at its very end."""
+    async with (
+        FakeKueue(cluster, capacity=1, pods_ready_timeout=3600.0) as kueue,
+        JobController(cluster),
+    ):
+        await cluster.apply(queued("demo", trainer={"replicas": 2}))
+        await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "admitted and started")
+        ranks = [await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", i, node=f"gpu-{i}") for i in (0, 1)]
+        for pod in ranks:
+            await cluster.set_status("v1/pods", pod, {"conditions": [{"type": "Ready", "status": "True"}]})
+        await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"readyReplicas": 1})
+        await wait_for(lambda: is_true(kueue.workload("demo"), "PodsReady"), "PodsReady True")
+        kueue.pods_ready_timeout = 0.5  # recoveryTimeout unset: Kueue's default, the timeout
+
+        await cluster.set_status("v1/pods", ranks[1], {"phase": "Succeeded", "conditions": []})  # rank 1 is done
+        await wait_for(
+            lambda: (cluster.get("batch/v1/jobs", "demo-trainer").get("status") or {}).get("succeeded") == 1,
+            "the Job counting rank 1 succeeded",
+        )
+        for _ in range(3):  # passes, and more than the recovery timeout
+            before = operator.passes()
+            await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"observedGeneration": before + 1})
+            await wait_for(lambda b=before: operator.passes() > b, "a pass of the operator")
+            await asyncio.sleep(0.3)
+            assert is_true(kueue.workload("demo"), "PodsReady"), find(kueue.workload("demo"), "PodsReady")
+        assert kueue.timed_out == [] and not is_true(kueue.workload("demo"), "Evicted")
 
 
 async def relabel(cluster, name: str, queue: str | None) -> None:
