@@ -4,7 +4,10 @@
 The checks are pure functions over a `ClusterView` (what was read), so that they are tested on their own; `connect`
 reads it through the official `kubernetes` client, which handles kubeconfig contexts and exec auth plugins as kubectl
 does. Nothing is written to the cluster. A check the kubeconfig's user may not make (403) is reported as not checked,
-not as a problem.
+not as a problem. A cluster that cannot be checked at all (unreachable, too slow, credentials refused, not an API
+server) is ClusterUnavailable: one message naming the server and what to fix. Every request has the client's own
+connect and read timeouts (`_request_timeout`) and is tried once (urllib3 would retry a refused connection three
+times).
 
 Errors are what makes the job fail or wait for ever (a missing CRD, PersistentVolumeClaim, Secret or RuntimeClass);
 warnings are what may be fine on an autoscaled cluster (no node offers the GPU resource or matches the node selector
@@ -14,7 +17,11 @@ now: a node pool scaled to zero has no nodes until a pod asks for one).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import fnmatch
+import itertools
+import json
+import re
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any, Final
 
 from pydantic import BaseModel
@@ -22,10 +29,20 @@ from pydantic import BaseModel
 from grpolora import __version__
 from grpolora.api import constants as c
 from grpolora.api.load import Problem
-from grpolora.api.spec import GRPOLoraJob, PvcRef, RoleSpec
+from grpolora.api.quantity import QuantityError, parse
+from grpolora.api.spec import GRPOLoraJob, PvcRef, RoleSpec, RolloutPool, pod_secret_references
 
 NOT_ALLOWED: Final = "not allowed"
 """What a lookup answers when the kubeconfig's user may not read it (403)."""
+REQUEST_TIMEOUT: Final = 15.0
+"""Seconds a request may take (read timeout; the connect timeout is at most 5 s), unless --request-timeout says."""
+CONNECT_TIMEOUT: Final = 5.0
+Provided = Collection[tuple[str, str, str]]
+"""(kind, namespace, name) of the objects the files given create beside the jobs (a claim, a Secret, a Namespace)."""
+
+
+class ClusterUnavailable(Exception):
+    """The cluster cannot be checked at all; the message names the server (or kubeconfig) and what to fix."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +54,20 @@ class Node:
 
 
 @dataclasses.dataclass(frozen=True)
+class Operator:
+    """An operator Deployment, and the namespaces its arguments make it serve (the chart's `--all-namespaces`, or a
+    `--namespace NS` per watch.namespaces entry; Kopf takes globs such as `team-*`)."""
+
+    where: str  # namespace/name
+    version: str  # its app.kubernetes.io/version label
+    namespaces: tuple[str, ...] | None  # None: every namespace
+    args_known: bool = True  # False: its arguments name no scope (not the chart's Deployment), so not known
+
+    def serves(self, namespace: str) -> bool:
+        return self.namespaces is None or any(fnmatch.fnmatchcase(namespace, p) for p in self.namespaces)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterView:
     """What `validate --cluster` read: lists as found (None where not allowed), and a lookup for named objects."""
 
@@ -45,8 +76,14 @@ class ClusterView:
     namespace: str
     nodes: Sequence[Node] | None
     crds: Mapping[str, Mapping[str, Any]] | None  # installed CRDs of our group, by name
-    operator_versions: Sequence[tuple[str, str]] | None  # (namespace/name, app.kubernetes.io/version) of each
-    exists: Callable[[str, str, str], bool | str]  # (kind, namespace, name) -> found, or NOT_ALLOWED
+    operators: Sequence[Operator] | None
+    # (kind, namespace, name) -> the object as read, None when it does not exist, or NOT_ALLOWED.
+    get: Callable[[str, str, str], Mapping[str, Any] | str | None]
+    server: str = ""
+
+    def exists(self, kind: str, namespace: str, name: str) -> bool | str:
+        found = self.get(kind, namespace, name)
+        return found if found == NOT_ALLOWED else found is not None
 
 
 @dataclasses.dataclass
@@ -84,9 +121,9 @@ def check_cluster(view: ClusterView, shipped_crds: Mapping[str, Mapping[str, Any
                         "jobs; upgrade the chart (or kubectl apply --server-side -f crds/)",
                     )
                 )
-    if view.operator_versions is None:
+    if view.operators is None:
         found.not_checked.append(Problem("", "the operator (listing deployments in all namespaces is not allowed)"))
-    elif not view.operator_versions:
+    elif not view.operators:
         found.warnings.append(
             Problem(
                 "",
@@ -95,33 +132,96 @@ def check_cluster(view: ClusterView, shipped_crds: Mapping[str, Mapping[str, Any
             )
         )
     else:
-        for where, version in view.operator_versions:
-            if version != __version__:
+        for operator in view.operators:
+            if operator.version != __version__:
                 found.warnings.append(
                     Problem(
                         "",
-                        f"the operator {where} is version {version or 'unknown'}, this "
+                        f"the operator {operator.where} is version {operator.version or 'unknown'}, this "
                         f"grpolora {__version__}: fields one knows the other may not",
                     )
                 )
     return found
 
 
-def check_job(job: GRPOLoraJob, view: ClusterView) -> Findings:
-    """What `job` (resolved on its runtime, where it names one) needs from the cluster, at its fields' paths."""
+def check_namespace(namespace: str, view: ClusterView, provided: Provided = ()) -> Findings:
+    """The namespace exists (or the files create it), and an operator serves it: a job or pool in a namespace no
+    operator watches is accepted by the API server and never run."""
     found = Findings()
-    namespace, spec = job.namespace, job.spec
+    if ("Namespace", "", namespace) not in provided:
+        answer = view.exists("Namespace", "", namespace)
+        if answer == NOT_ALLOWED:
+            unread = f"Namespace {namespace} (reading it is not allowed)"
+            found.not_checked.append(Problem("metadata.namespace", unread))
+        elif not answer:
+            found.errors.append(
+                Problem(
+                    "metadata.namespace",
+                    f"Namespace {namespace} does not exist in the cluster (context {view.context}): kubectl create "
+                    f"namespace {namespace}",
+                )
+            )
+    if not view.operators:  # not allowed, or none at all: check_cluster says so
+        return found
+    if any(o.args_known and o.serves(namespace) for o in view.operators):
+        return found
+    if not all(o.args_known for o in view.operators):
+        unknown = ", ".join(o.where for o in view.operators if not o.args_known)
+        why = f"whether the operator serves {namespace} ({unknown}: no --namespace or --all-namespaces in its args)"
+        found.not_checked.append(Problem("metadata.namespace", why))
+        return found
+    for operator in view.operators:
+        watched = ", ".join(operator.namespaces or ())
+        found.errors.append(
+            Problem(
+                "metadata.namespace",
+                f"the operator {operator.where} watches namespaces {watched}, not {namespace}: it would never run "
+                f"the job; add {namespace} to the chart's watch.namespaces (helm upgrade), or apply it in a watched "
+                "namespace",
+            )
+        )
+    return found
+
+
+def check_job(job: GRPOLoraJob, view: ClusterView, provided: Provided = ()) -> Findings:
+    """What `job` (resolved on its runtime, where it names one) needs from the cluster, at its fields' paths;
+    `provided`: what the files given create beside it, which kubectl apply creates too."""
+    spec = job.spec
     named = [("PersistentVolumeClaim", path, claim) for path, claim in claim_references(spec)]
     named += [("Secret", path, secret) for path, secret in spec.secret_references()]
     roles = [(c.ROLE_TRAINER, spec.trainer)]
     if spec.inference.pool_ref is None:  # a pool's servers are the pool's
         roles.append((c.ROLE_INFERENCE, spec.inference))
+    return _check_pods(job.namespace, named, roles, view, provided)
+
+
+def check_pool(pool: RolloutPool, view: ClusterView, provided: Provided = ()) -> Findings:
+    """What a RolloutPool's servers need from the cluster: its Secrets, claims, RuntimeClass, nodes."""
+    spec = pool.spec
+    named = [("PersistentVolumeClaim", f"{path}.claimName", ref.claim_name) for path, ref in _pvc_refs(spec, "")]
+    named += [("PersistentVolumeClaim", path, claim) for path, claim in _template_claims("", spec)]
+    if spec.model.token_from is not None:
+        named.append(("Secret", "model.tokenFrom.secretName", spec.model.token_from.secret_name))
+    named += [("Secret", path, name) for path, name in pod_secret_references(spec.env, spec.pod_template)]
+    return _check_pods(pool.namespace, named, [("", spec)], view, provided)
+
+
+def _check_pods(
+    namespace: str,
+    named: list[tuple[str, str, str]],
+    roles: Sequence[tuple[str, RoleSpec]],
+    view: ClusterView,
+    provided: Provided,
+) -> Findings:
+    found = check_namespace(namespace, view, provided)
     for role, role_spec in roles:
         runtime_class = (role_spec.pod_template.get("spec") or {}).get("runtimeClassName")
         if runtime_class:
-            named.append(("RuntimeClass", f"{role}.podTemplate.spec.runtimeClassName", runtime_class))
+            named.append(("RuntimeClass", _at(role, "podTemplate.spec.runtimeClassName"), runtime_class))
     for kind, path, name in named:
         scope = "" if kind == "RuntimeClass" else namespace
+        if (kind, scope, name) in provided:
+            continue
         answer = view.exists(kind, scope, name)
         where = f"{scope}/{name}" if scope else name
         if answer == NOT_ALLOWED:
@@ -138,8 +238,12 @@ def check_job(job: GRPOLoraJob, view: ClusterView) -> Findings:
         found.not_checked.append(Problem("spec", "the nodes (listing nodes is not allowed)"))
         return found
     for role, role_spec in roles:
-        found.warnings += _placement_warnings(f"spec.{role}", role_spec, view.nodes)
+        found.warnings += _placement_warnings(f"spec.{role}".rstrip("."), role_spec, view.nodes)
     return found
+
+
+def _at(role: str, path: str) -> str:
+    return f"{role}.{path}" if role else path
 
 
 def claim_references(spec: BaseModel) -> list[tuple[str, str]]:
@@ -148,12 +252,17 @@ def claim_references(spec: BaseModel) -> list[tuple[str, str]]:
     found = [(f"{path}.claimName", ref.claim_name) for path, ref in _pvc_refs(spec, "")]
     for role in (c.ROLE_TRAINER, c.ROLE_INFERENCE):
         role_spec = getattr(spec, role, None)
-        if not isinstance(role_spec, RoleSpec):
-            continue
-        for i, volume in enumerate((role_spec.pod_template.get("spec") or {}).get("volumes") or []):
-            claim = ((volume or {}).get("persistentVolumeClaim") or {}).get("claimName")
-            if claim:
-                found.append((f"{role}.podTemplate.spec.volumes[{i}].persistentVolumeClaim.claimName", str(claim)))
+        if isinstance(role_spec, RoleSpec):
+            found += _template_claims(role, role_spec)
+    return found
+
+
+def _template_claims(role: str, role_spec: RoleSpec) -> list[tuple[str, str]]:
+    found = []
+    for i, volume in enumerate((role_spec.pod_template.get("spec") or {}).get("volumes") or []):
+        claim = ((volume or {}).get("persistentVolumeClaim") or {}).get("claimName")
+        if claim:
+            found.append((_at(role, f"podTemplate.spec.volumes[{i}].persistentVolumeClaim.claimName"), str(claim)))
     return found
 
 
@@ -183,13 +292,10 @@ def _placement_warnings(at: str, role: RoleSpec, nodes: Sequence[Node]) -> list[
         ]
     untolerated = [n for n in placed if not _tolerates(role.tolerations, n.taints)]
     if placed and len(untolerated) == len(placed):
-        taints = sorted(
-            {f"{t.get('key')}={t.get('value', '')}:{t.get('effect')}" for n in placed for t in _hard_taints(n.taints)}
-        )
         return [
             Problem(
                 f"{at}.tolerations",
-                f"every node the role may use is tainted ({', '.join(taints)}) and "
+                f"every node the role may use is tainted ({_taints(placed)}) and "
                 "the role tolerates none of them: add a toleration for the node pool's taint",
             )
         ]
@@ -197,6 +303,16 @@ def _placement_warnings(at: str, role: RoleSpec, nodes: Sequence[Node]) -> list[
         return []
     resource, wanted = role.gpu_resource, role.gpus_per_replica
     offered = [_count(n.allocatable.get(resource)) for n in placed if n not in untolerated]
+    if not any(offered) and any(_count(n.allocatable.get(resource)) for n in untolerated):
+        # The scheduler would say "untolerated taint", not "insufficient": the GPUs are there, behind a taint.
+        with_gpus = [n for n in untolerated if _count(n.allocatable.get(resource))]
+        return [
+            Problem(
+                f"{at}.tolerations",
+                f"the nodes that offer {resource} are tainted ({_taints(with_gpus)}) and the role tolerates none "
+                "of them: add a toleration for the GPU node pool's taint",
+            )
+        ]
     if not any(offered):
         where = "the nodes it may use" if selector else "any node"
         return [
@@ -218,11 +334,16 @@ def _placement_warnings(at: str, role: RoleSpec, nodes: Sequence[Node]) -> list[
     return []
 
 
+def _taints(nodes: Sequence[Node]) -> str:
+    shown = {f"{t.get('key')}={t.get('value', '')}:{t.get('effect')}" for n in nodes for t in _hard_taints(n.taints)}
+    return ", ".join(sorted(shown))
+
+
 def _count(quantity: Any) -> int:
-    """A device count from a node's allocatable (a whole number for extended resources); 0 when absent or odd."""
+    """A device count from a node's allocatable (a quantity; whole for extended resources); 0 when absent or odd."""
     try:
-        return int(str(quantity or 0))
-    except ValueError:
+        return int(parse(quantity if quantity is not None else 0))
+    except QuantityError:
         return 0
 
 
@@ -268,68 +389,181 @@ def _fields_missing(shipped: Mapping[str, Any], installed: Mapping[str, Any], pa
 # ---- reading the cluster (the official client) --------------------------------------------------------------
 
 
-def connect(kubeconfig: str | None, context: str | None) -> ClusterView:
+def connect(kubeconfig: str | None, context: str | None, *, timeout: float = REQUEST_TIMEOUT) -> ClusterView:
     """A ClusterView read through the `kubernetes` client from the kubeconfig (its current context, or `context`);
-    ValueError naming the kubeconfig when it cannot be loaded."""
+    ClusterUnavailable naming the kubeconfig when it cannot be loaded, or the server when it cannot be used."""
     from kubernetes import client, config
-    from kubernetes.client.exceptions import ApiException
     from kubernetes.config.config_exception import ConfigException
 
+    configuration = client.Configuration()
     try:
-        api = config.new_client_from_config(config_file=kubeconfig, context=context)
+        config.load_kube_config(
+            config_file=kubeconfig, context=context, client_configuration=configuration, persist_config=False
+        )
         contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
     except (ConfigException, OSError) as exc:
-        raise ValueError(f"kubeconfig {kubeconfig or '(default: $KUBECONFIG or ~/.kube/config)'}: {exc}") from None
-    core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
-    extensions, node_api = client.ApiextensionsV1Api(api), client.NodeV1Api(api)
-
-    def listed(read: Callable[[], Any]) -> Any:
-        try:
-            return read()
-        except ApiException as exc:
-            if exc.status in (401, 403):
-                return None
-            raise
-
-    nodes = listed(core.list_node)
-    crds = listed(extensions.list_custom_resource_definition)
-    operators = listed(
-        lambda: apps.list_deployment_for_all_namespaces(label_selector=f"app.kubernetes.io/name={c.OPERATOR_NAME}")
-    )
-    readers = {
-        "PersistentVolumeClaim": core.read_namespaced_persistent_volume_claim,
-        "Secret": core.read_namespaced_secret,
-        "RuntimeClass": lambda name, _namespace: node_api.read_runtime_class(name),
-    }
-
-    def exists(kind: str, namespace: str, name: str) -> bool | str:
-        try:
-            readers[kind](name, namespace)
-        except ApiException as exc:
-            if exc.status == 404:
-                return False
-            if exc.status in (401, 403):
-                return NOT_ALLOWED
-            raise
-        return True
-
-    serialize = api.sanitize_for_serialization
+        raise ClusterUnavailable(
+            f"kubeconfig {kubeconfig or '(default: $KUBECONFIG or ~/.kube/config)'}: {exc}"
+        ) from None
+    configuration.retries = False  # one try: urllib3's default retries a refused or silent server three times
+    api = client.ApiClient(configuration)
+    name = context or (active or {}).get("name", "?")
     chosen = next((entry for entry in contexts or () if entry.get("name") == context), None) if context else active
+    server = _Server(configuration.host, name, (min(CONNECT_TIMEOUT, timeout), timeout))
+    core, apps, custom = client.CoreV1Api(api), client.AppsV1Api(api), client.CustomObjectsApi(api)
+    extensions, node_api = client.ApiextensionsV1Api(api), client.NodeV1Api(api)
+    server.probe(client.VersionApi(api).get_code)
+
+    nodes = server.read(core.list_node)
+    crds = server.read(extensions.list_custom_resource_definition)
+    operators = server.read(
+        apps.list_deployment_for_all_namespaces, label_selector=f"app.kubernetes.io/name={c.OPERATOR_NAME}"
+    )
+    readers: dict[str, Callable[[str, str], Any]] = {
+        "PersistentVolumeClaim": lambda n, ns: server.read(core.read_namespaced_persistent_volume_claim, n, ns),
+        "Secret": lambda n, ns: server.read(core.read_namespaced_secret, n, ns),
+        "RuntimeClass": lambda n, _: server.read(node_api.read_runtime_class, n),
+        "Namespace": lambda n, _: server.read(core.read_namespace, n),
+        c.RUNTIME_KIND: lambda n, ns: server.read(
+            custom.get_namespaced_custom_object, c.GROUP, c.VERSION, ns, c.RUNTIME_PLURAL, n
+        ),
+        c.CLUSTER_RUNTIME_KIND: lambda n, _: server.read(
+            custom.get_cluster_custom_object, c.GROUP, c.VERSION, c.CLUSTER_RUNTIME_PLURAL, n
+        ),
+        c.POOL_KIND: lambda n, ns: server.read(
+            custom.get_namespaced_custom_object, c.GROUP, c.VERSION, ns, c.POOL_PLURAL, n
+        ),
+    }
+    read: dict[tuple[str, str, str], Any] = {}
+    serialize = api.sanitize_for_serialization
+
+    def get(kind: str, namespace: str, name: str) -> Mapping[str, Any] | str | None:
+        key = (kind, namespace, name)
+        if key not in read:
+            found = readers[kind](name, namespace)
+            read[key] = found if found in (None, NOT_ALLOWED) else serialize(found)
+        return read[key]
+
     return ClusterView(
-        context=context or (active or {}).get("name", "?"),
+        context=name,
         namespace=((chosen or {}).get("context") or {}).get("namespace") or "default",
-        nodes=None if nodes is None else [_node(serialize(n)) for n in nodes.items],
-        crds=None if crds is None else {d.metadata.name: serialize(d) for d in crds.items if d.spec.group == c.GROUP},
-        operator_versions=None
-        if operators is None
-        else [
-            (
-                f"{d.metadata.namespace}/{d.metadata.name}",
-                (d.metadata.labels or {}).get("app.kubernetes.io/version", ""),
+        nodes=None if nodes == NOT_ALLOWED else [_node(serialize(n)) for n in nodes.items],
+        crds=None if crds == NOT_ALLOWED
+        else {d.metadata.name: serialize(d) for d in crds.items if d.spec.group == c.GROUP},
+        operators=None if operators == NOT_ALLOWED else [_operator(serialize(d)) for d in operators.items],
+        get=get,
+        server=configuration.host,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class _Server:
+    """Calls through the official client with its own timeouts, its errors turned into what to do about them: 403
+    is NOT_ALLOWED (that read is not checked), 404 None (it does not exist), and anything that says the cluster
+    cannot be used (no connection, no answer in time, credentials refused, not an API server) ClusterUnavailable."""
+
+    host: str
+    context: str
+    timeout: tuple[float, float]  # (connect, read) seconds: urllib3's, through the client's _request_timeout
+
+    def probe(self, call: Callable[..., Any]) -> None:
+        """The first request, GET /version (every user may read it, even an anonymous one: the
+        system:public-info-viewer ClusterRole): a 403 or 404 there says the server cannot be used at all."""
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            self._call(call)
+        except ApiException as exc:
+            if exc.status == 403:
+                raise ClusterUnavailable(
+                    f"the API server at {self.host} refused every request of context {self.context} (403 Forbidden: "
+                    f"{_status_message(exc)}): ask the cluster's admin for access (kubectl auth can-i --list)"
+                ) from None
+            if exc.status == 404:
+                raise ClusterUnavailable(
+                    f"the API server at {self.host} answered 404 Not Found to /version: not a Kubernetes API "
+                    f"server; check the server URL of context {self.context} (kubectl config view --minify)"
+                ) from None
+            raise self._unavailable(exc) from None
+
+    def read(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            return self._call(call, *args, **kwargs)
+        except ApiException as exc:
+            if exc.status == 403:
+                return NOT_ALLOWED
+            if exc.status == 404:
+                return None
+            raise self._unavailable(exc) from None
+
+    def _call(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        import urllib3
+
+        try:
+            return call(*args, _request_timeout=self.timeout, **kwargs)
+        except urllib3.exceptions.HTTPError as exc:
+            raise self._unreachable(exc) from None
+
+    def _unavailable(self, exc: Any) -> ClusterUnavailable:
+        if exc.status == 401:
+            return ClusterUnavailable(
+                f"the API server at {self.host} refused the credentials of context {self.context} (401 "
+                "Unauthorized): the token or client certificate is expired or wrong; log in again (refresh the "
+                "cloud CLI's credentials, or kubectl config view --minify to see the user)"
             )
-            for d in operators.items
-        ],
-        exists=exists,
+        return ClusterUnavailable(
+            f"the API server at {self.host} (context {self.context}) answered {exc.status} {exc.reason}: "
+            f"{_status_message(exc)}"
+        )
+
+    def _unreachable(self, exc: Exception) -> ClusterUnavailable:
+        import urllib3
+
+        reason = getattr(exc, "reason", None) if isinstance(exc, urllib3.exceptions.MaxRetryError) else exc
+        if isinstance(reason, urllib3.exceptions.ReadTimeoutError):
+            seconds = f"{self.timeout[1]:g}"
+            return ClusterUnavailable(
+                f"the API server at {self.host} (context {self.context}) did not answer within {seconds} s "
+                "(--request-timeout); it may be overloaded, or the address is not an API server"
+            )
+        if isinstance(reason, urllib3.exceptions.ConnectTimeoutError) and not isinstance(
+            reason, urllib3.exceptions.NewConnectionError  # its subclass, for a refused connection or a DNS failure
+        ):
+            why = f"no connection within {self.timeout[0]:g} s (a private endpoint without its VPN or bastion?)"
+        else:  # urllib3 words it "HTTPSConnection(host=..., port=...): Failed to ...: [Errno 111] Connection refused"
+            why = re.sub(r"^\w+\(host=[^)]*\): ", "", str(reason or exc))
+            why = re.sub(r"\[Errno -?\d+\] ", "", why.removeprefix("Failed to establish a new connection: "))
+            why = why[:1].lower() + why[1:]
+        return ClusterUnavailable(
+            f"cannot reach the API server at {self.host} (context {self.context}): {why}; check the kubeconfig's "
+            "server and your network (kubectl cluster-info)"
+        )
+
+
+def _status_message(exc: Any) -> str:
+    """The message of the API server's Status body, else the body as it came."""
+    try:
+        return str(json.loads(exc.body).get("message") or exc.body)
+    except (TypeError, ValueError, AttributeError):
+        return str(exc.body or exc.reason).strip()
+
+
+def _operator(deployment: Mapping[str, Any]) -> Operator:
+    """The namespaces an operator Deployment serves, from its container's arguments as the chart writes them."""
+    meta = deployment.get("metadata") or {}
+    containers = ((((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}).get("containers")) or []
+    words = [str(w) for container in containers for w in [*(container.get("command") or []),
+                                                          *(container.get("args") or [])]]  # fmt: skip
+    namespaces = [after for before, after in itertools.pairwise(words) if before == "--namespace"]
+    namespaces += [w.split("=", 1)[1] for w in words if w.startswith("--namespace=")]
+    every = "--all-namespaces" in words
+    return Operator(
+        where=f"{meta.get('namespace')}/{meta.get('name')}",
+        version=(meta.get("labels") or {}).get("app.kubernetes.io/version", ""),
+        namespaces=None if every else tuple(namespaces),
+        args_known=every or bool(namespaces),
     )
 
 
