@@ -42,12 +42,11 @@ def gloo_sender(members, *, token: str, timeout_seconds: float, **options) -> Ad
         store=connect_store("127.0.0.1", port, is_master=True, timeout_seconds=timeout_seconds),
         store_addr="127.0.0.1",
         store_port=port,
-        backend="gloo",
         timeout_seconds=timeout_seconds,
         join_timeout_seconds=timeout_seconds,
         fingerprint="fp",
         token=token,
-        **{"bucket_bytes": 1 << 20} | options,
+        **{"backend": "gloo", "bucket_bytes": 1 << 20} | options,
     )
 
 
@@ -135,9 +134,10 @@ class _ReturnsWhenAborted(Pending):
 
 class NcclAbortSemantics(GlooTransport):
     """gloo carries the bytes (on CPU, between threads); each collective is waited for as NCCL's is, above all
-    after an abort (_ReturnsWhenAborted). Formation stays gloo's, bounded by the join timeout."""
+    after an abort (_ReturnsWhenAborted), and bounded only by the group's timeout (NCCL has no per-collective progress
+    bound: gloo's op_timeout is not passed on). Formation stays gloo's, bounded by the join timeout."""
 
-    def __init__(self, store, *, timeout_seconds: float, **kwargs) -> None:
+    def __init__(self, store, *, timeout_seconds: float, op_timeout_seconds: float | None = None, **kwargs) -> None:
         self.timeout_seconds = timeout_seconds
         super().__init__(store, timeout_seconds=timeout_seconds, **kwargs)
 

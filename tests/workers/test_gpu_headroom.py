@@ -105,3 +105,20 @@ def test_a_gpu_workers_budget_is_its_engines_utilization_and_adapter_bound():
     budget = gpu_budget(vllm_config, torch.device("cuda", 0))
     assert (budget.gpu_memory_utilization, budget.adapter_bytes) == (0.9, 87_293_952)
     assert budget.communicator_bytes == COMMUNICATOR_BYTES
+
+
+def test_a_tenant_must_also_fit_in_the_memory_free_now_not_only_in_the_nominal_headroom():
+    """(1 - util) x total is what vLLM leaves by its own count, but its CUDA graphs, the other tenants' communicators
+    and anything else outside that count already live there, and the member no longer empties the allocator's cache
+    into it (nccl.py): the new tenant's receive buffer and communicator must fit in the memory free as measured
+    (torch.cuda.mem_get_info's free), with the numbers in the refusal."""
+    budget = TenantBudget(
+        total_bytes=lambda: 4 * GIB, gpu_memory_utilization=0.75, adapter_bytes=300 * MIB, free_bytes=lambda: 500 * MIB
+    )
+    room = budget.with_tenants(1)  # nominally 556 MiB of 1024 MiB: fits; measured: 556 MiB of 500 MiB free
+    assert room.needed_bytes <= room.outside_bytes and not room.fits
+    assert "556 MiB" in room.refusal("ns/a") and "500 MiB free on the GPU now" in room.refusal("ns/a")
+    roomy = TenantBudget(
+        total_bytes=lambda: 4 * GIB, gpu_memory_utilization=0.75, adapter_bytes=300 * MIB, free_bytes=lambda: GIB
+    )
+    assert roomy.with_tenants(1).fits

@@ -285,6 +285,32 @@ def test_a_failed_or_stuck_activation_leaves_no_lora_id_behind(tmp_path, monkeyp
     asyncio.run(scenario())
 
 
+def test_the_cleanup_of_a_stuck_activation_on_a_wedged_engine_is_bounded_too(tmp_path, monkeypatch):
+    """A wedged engine (alive, not stepping: watch_engine never fires) answers neither the activation nor the removal
+    that cleans it up. The removal had no bound: the book's call, the member's receiver thread waiting for the answer,
+    and with it the tenant's every later round, hung for good. Both are bounded: the member hears of the failure
+    within ACTIVATION_TIMEOUT_SECONDS + REMOVAL_TIMEOUT_SECONDS, twice in a row."""
+    from grpolora.workers.inference import adapter_book
+
+    monkeypatch.setattr(adapter_book, "ACTIVATION_TIMEOUT_SECONDS", 0.2)
+    monkeypatch.setattr(adapter_book, "REMOVAL_TIMEOUT_SECONDS", 0.2)
+
+    async def scenario() -> None:
+        vllm = SlowRemover()  # its gate stays shut: removals never finish
+        engine = book_unloading_through(vllm, tmp_path)
+
+        async def never_answers(request) -> None:
+            await asyncio.Event().wait()
+
+        for version in (4, 5):
+            with pytest.raises(TimeoutError, match=f"version {version} not loaded"):
+                await asyncio.wait_for(engine._activate(version, 0, never_answers), 5)
+        assert engine.live_version == 3 and 4 not in engine._loaded and 5 not in engine._loaded
+        vllm.gate.set()
+
+    asyncio.run(scenario())
+
+
 class TPWorker(AdapterExtension):
     """One TP rank's vLLM worker as the extension uses it: vLLM's Worker.add_lora/remove_lora (each answers a
     bool), the LoRA ids loaded on this rank, and the extension's held payloads (real shared-memory mappings)."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from grpolora.workers.sync import nccl
+from grpolora.workers.sync.receiver import AdapterReceiver
 from grpolora.workers.sync.transport import TransportError
 
 
@@ -192,10 +193,16 @@ def test_an_adapter_travels_over_nccl_in_pieces_of_a_few_mib(fake_nccl):
     transport.close()
 
 
-def test_the_allocators_cache_is_freed_before_the_communicator_is_made(fake_nccl, monkeypatch):
-    """NCCL's communicator takes its buffers with cudaMalloc, outside PyTorch's caching allocator and outside vLLM's
-    gpuMemoryUtilization: blocks the allocator caches but no tensor uses are handed back to the device first (as
-    NeMo-RL does before it builds its refit communicator), so that they do not make that allocation fail."""
+def test_only_the_trainer_frees_its_allocators_cache_before_the_communicator_is_made(fake_nccl, monkeypatch):
+    """NCCL's communicator takes its buffers with cudaMalloc, outside PyTorch's caching allocator. On trainer rank 0,
+    blocks its allocator caches unused are handed back first, so that they do not make that allocation fail (as
+    NeMo-RL does before it builds its refit communicator). Never in a member: there the process is vLLM's, and
+    empty_cache() is a device-wide synchronisation under the allocator's lock (every allocation of the engine waits,
+    as long as the slowest kernel in flight: another tenant's receive stuck on a dead sender) that hands vLLM's
+    profiled activation blocks to NCCL, so that vLLM's next large prefill runs out of memory. A member's fit is the
+    member host's budget (gpu_headroom.py), against the memory free as measured."""
+    from grpolora.workers.sync import groups
+
     events: list[str] = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
     real_init = FakeGroup.__init__
@@ -205,8 +212,38 @@ def test_the_allocators_cache_is_freed_before_the_communicator_is_made(fake_nccl
         real_init(self, *args)
 
     monkeypatch.setattr(FakeGroup, "__init__", recorded)
-    make().close()
-    assert events == ["empty_cache", "communicator"]
+    store = dist.HashStore()
+    for rank, trainer in ((1, False), (0, True)):
+        options = {"epoch": 0, "rank": rank, "world_size": 2, "timeout_seconds": 600, "device": torch.device("cpu")}
+        if trainer:  # as the sender builds its side of each epoch (sender.AdapterSender._form)
+            options["free_cached_memory"] = True
+        groups.create_transport("nccl", store, **options).close()
+    assert events == ["communicator", "empty_cache", "communicator"]
+
+
+def test_a_sender_and_its_member_over_nccl_free_the_cache_on_the_trainer_only(fake_nccl, monkeypatch):
+    """Who asks for it, walked through the real sender and receiver forming two epochs over the fake NCCL group:
+    each formation frees the cache once, on trainer rank 0's side, never in the member's (vLLM's) thread."""
+    from tests.workers.syncfakes import LocalMember, RecordingSink, gloo_sender
+
+    freed_on: list[str] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: freed_on.append(threading.current_thread().name))
+    cpu = torch.device("cpu")
+    receiver = AdapterReceiver(RecordingSink(), replica_index=0, fingerprint="fp", key=b"k" * 32, device=cpu)
+    member = LocalMember(0, receiver)
+    sender = gloo_sender([member], token="t", timeout_seconds=10, backend="nccl")
+    try:
+        for epoch in (0, 1):
+            sender.form_group()
+            for _ in range(1000):  # the member records its epoch once its side of the formation has returned
+                if member.receiver.state().epoch == epoch:
+                    break
+                threading.Event().wait(0.01)
+            assert sender.epoch == epoch and member.receiver.state().epoch == epoch
+        assert freed_on == [threading.current_thread().name] * 2
+    finally:
+        sender.close()
+        member.receiver.close()
 
 
 class AbortedWork(FakeWork):

@@ -1025,7 +1025,7 @@ class BlockingTransport(Transport):
     def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer]
 
-    def all_reduce_sum(self, tensor) -> None:
+    def all_reduce_sum(self, tensor, timeout_seconds: float | None = None) -> None:
         self.wait()
 
     @property
@@ -1322,10 +1322,11 @@ def test_a_catch_up_does_not_count_a_replica_holding_its_version_number_from_ano
 
 
 @pytest.mark.parametrize(("value", "incarnation"), [(None, 0), ("", 0), ("3", 3)])
-def test_a_trainer_pods_incarnation_is_its_restart_attempt(value, incarnation):
-    """Where the trainer's incarnation comes from on a cluster: the operator marks a restart's trainer Job and its
-    pod template with the attempt (job_workloads.with_restart_attempt), the pod reads the annotation through the
-    downward API (empty for the first attempt: Kubernetes' pkg/fieldpath gives a missing annotation as "")."""
+def test_a_trainer_pods_incarnation_is_the_one_its_job_is_marked_with(value, incarnation):
+    """Where the trainer's incarnation comes from on a cluster: the operator marks each new trainer Job and its pod
+    template with the next incarnation (job_workloads.with_restart_attempt; status.trainerIncarnation), the pod reads
+    the annotation through the downward API (empty for the first: Kubernetes' pkg/fieldpath gives a missing
+    annotation as "")."""
     from grpolora.api import contract
     from grpolora.api.plan import LoopbackNetwork, plan
     from grpolora.operator import names
@@ -1374,12 +1375,18 @@ class StallingSink(RecordingSink):
 
 
 @pytest.mark.usefixtures("nccl_abort_semantics")
-def test_an_aborted_closing_all_reduce_is_a_lost_replica_not_every_replica_refusing(cluster):
-    """NCCL's rules (syncfakes._ReturnsWhenAborted): replica 1's activation of version 2 stalls, so the closing
-    all-reduce stalls on every rank; the sender's watchdog aborts it, and the aborted wait returns normally with the
-    status tensor as it was (all zeros). Read as statuses, every replica "refused" and the trainer ended (exit 1).
-    It must be a lost replica: the sender re-forms without replica 1 and version 2 goes to replica 0; once replica 1
-    is free again it rejoins and takes version 3. Walked over four rounds."""
+def test_an_aborted_closing_all_reduce_is_a_lost_replica_not_every_replica_refusing(cluster, monkeypatch):
+    """NCCL's rules (syncfakes._ReturnsWhenAborted): replica 1's activation of version 2 stalls past the closing
+    status's bound (a wedged engine; CLOSING_TIMEOUT_SECONDS, 1 s here), so the closing all-reduce stalls on every
+    rank; the sender's watchdog aborts it, and the aborted wait returns normally with the status tensor as it was
+    (all zeros). Read as statuses, every replica "refused" and the trainer ended (exit 1). It must be a lost replica:
+    the sender re-forms without replica 1 and version 2 goes to replica 0; once replica 1 is free again it rejoins and
+    takes version 4. Walked over four rounds."""
+    from grpolora.workers.sync import receiver as receiver_module
+    from grpolora.workers.sync import sender as sender_module
+
+    for module in (sender_module, receiver_module):
+        monkeypatch.setattr(module, "CLOSING_TIMEOUT_SECONDS", 1.0)
     c = cluster(2, progress_timeout_seconds=1.0, join_timeout_seconds=1.5, rejoin_backoff_seconds=0.2)
     slow = StallingSink(stall=2)
     replace_replica(c, 1, slow)
@@ -1414,3 +1421,52 @@ def walk_rounds_with_a_stalled_activation(c: Cluster, slow: StallingSink) -> Non
     assert report.members == (0, 1) and report.version == 4
     c.wait_live(4)
     assert all(torch.equal(c.sinks[1].adapters[4][k], v) for k, v in adapter(3).items())
+
+
+# ---- the round's bounds agree, and the round leaves nothing in the store (issue 45, data plane 6) --------------
+
+
+class SlowSink(RecordingSink):
+    """vLLM's workers building the LoRA for `seconds`: longer than progressTimeoutSeconds, well within the activation's
+    own bound (adapter_book.ACTIVATION_TIMEOUT_SECONDS)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.seconds = seconds
+
+    def activate(self, version, tensors, adapter_config, *, incarnation: int = 0) -> None:
+        time.sleep(self.seconds)
+        super().activate(version, tensors, adapter_config, incarnation=incarnation)
+
+
+@pytest.mark.usefixtures("nccl_abort_semantics")
+def test_an_activation_within_its_own_bound_is_not_cut_by_the_rounds_watchdog(cluster):
+    """The closing status is the round's last piece and waits for the activation, which the book allows 60 s while
+    progressTimeoutSeconds is 30 by default: an activation between the two was cut on both sides (on NCCL, an abort
+    mid-activation), re-formed and sent again, every round. The closing piece is given the activation's bound.
+    (On gloo each collective keeps the progress bound of its own: gloo.GlooTransport.all_reduce_sum.)"""
+    c = cluster(2, progress_timeout_seconds=0.5)
+    replace_replica(c, 1, SlowSink(1.5))
+    for seed in range(3):
+        report = c.sender.send(adapter(seed), {})
+        assert (report.members, report.attempts) == ((0, 1), 1), report
+    assert c.sender.epoch == 0 and [s.live_version for s in c.sinks] == [3, 3]
+
+
+def test_a_rounds_header_is_deleted_from_the_store_after_its_round(cluster):
+    """Each round wrote epoch/<n>/header/<v> into trainer rank 0's store and nothing removed it: ~75 KB a round for an
+    8B model's adapter, for the whole run. Walked over rounds, a re-formation and a catch-up."""
+    c = cluster(2)
+    for seed in range(3):
+        c.sender.send(adapter(seed), {})
+    replace_replica(c, 1)
+    assert c.sender.refresh() is True  # a new epoch, and the current version sent again to replica 1
+    c.wait_live(3, indices=[1])
+    c.sender.send(adapter(3), {})
+    headers = [
+        (epoch, version)
+        for epoch in range(c.sender.epoch + 1)
+        for version in range(1, 5)
+        if epoch_store(c.store, epoch).check([f"header/{version}"])
+    ]
+    assert headers == []

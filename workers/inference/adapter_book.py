@@ -38,16 +38,16 @@ from grpolora.workers.inference import metrics
 from grpolora.workers.inference.payload import Layout
 from grpolora.workers.inference.vllm_engine import EngineConfig, EngineLimits, Sample, SamplingRequest, VllmEngine
 from grpolora.workers.inference.vllm_worker import lora_request
-from grpolora.workers.sync.control import StaleIncarnation
+from grpolora.workers.sync.control import ACTIVATION_TIMEOUT_SECONDS, StaleIncarnation
 
 log = logging.getLogger(__name__)
 
 
-ACTIVATION_TIMEOUT_SECONDS = 60.0
-"""Longest an activation may take: one collective_rpc between engine steps, in which every worker maps the staged
-round and builds its LoRA (milliseconds to a second or two). Past it the round's member is told it failed (the older
-version keeps serving), instead of waiting on an engine that no longer steps; a dead engine ends the server anyway
-(app.watch_engine)."""
+REMOVAL_TIMEOUT_SECONDS = 10.0
+"""Longest the cleanup of a failed or timed-out activation (remove_lora of its id) is waited for: an engine that did not
+load the version in ACTIVATION_TIMEOUT_SECONDS (sync/control.py: the round's closing status allows for both) may be
+wedged, and answer no removal either. Past it the member is told the activation failed all the same; the id, if some
+worker holds it, stays loaded until the engine is replaced (a wedged one is, by its health check)."""
 
 
 class VersionUnavailable(RuntimeError):
@@ -140,7 +140,8 @@ class AdapterBook:
             # wait gave up). vLLM runs the engine's calls in order, so this removal follows that load wherever it
             # happened; an id a worker never loaded is nothing to remove there.
             with contextlib.suppress(Exception):
-                await self._engine.remove_lora(lora_id)
+                async with asyncio.timeout(REMOVAL_TIMEOUT_SECONDS):
+                    await self._engine.remove_lora(lora_id)
             if isinstance(exc, TimeoutError):
                 raise TimeoutError(
                     f"{self.job}: version {version} not loaded by vLLM's workers within {ACTIVATION_TIMEOUT_SECONDS:g}s"

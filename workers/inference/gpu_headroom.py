@@ -7,7 +7,9 @@ process but outside that budget, and keeps what it takes for the tenant's life:
 - one adapter-sized receive buffer (the round's device buckets, StagingSink.allocate): PyTorch's caching allocator
   keeps the blocks for the next round, which has the same size.
 So a replica with N tenants needs N x (adapter + communicator) of the `(1 - gpuMemoryUtilization) x total` that vLLM
-leaves; a member that does not fit would make the next allocation of vLLM's engine, or of the member, fail with a
+leaves, and the tenant being attached needs its share free as measured then (vLLM's CUDA graphs and other memory it
+does not count live in that headroom too; the member never empties vLLM's allocator cache to make room); a member
+that does not fit would make the next allocation of vLLM's engine, or of the member, fail with a
 CUDA out-of-memory error in the engine's process. The member host refuses such an attachment instead, naming the
 numbers (member_host.MemberHost). On CPU replicas nothing of this applies (gloo, buffers in /dev/shm): no budget.
 
@@ -47,6 +49,7 @@ class Headroom:
     adapter_bytes: int  # one tenant's receive buffer: its adapter's size (an upper bound)
     communicator_bytes: int
     tenants: int  # counting the one being attached
+    free_bytes: int | None = None  # the GPU's memory free as measured now (None: not measured)
 
     @property
     def outside_bytes(self) -> int:
@@ -62,8 +65,14 @@ class Headroom:
         return self.tenants * self.per_tenant_bytes
 
     @property
+    def fits_free(self) -> bool:
+        """The new tenant's buffer and communicator fit in the memory free now: the nominal headroom already holds
+        what vLLM does not count (its CUDA graphs, the other tenants' communicators)."""
+        return self.free_bytes is None or self.per_tenant_bytes <= self.free_bytes
+
+    @property
     def fits(self) -> bool:
-        return self.needed_bytes <= self.outside_bytes
+        return self.needed_bytes <= self.outside_bytes and self.fits_free
 
     @property
     def utilization_that_fits(self) -> float:
@@ -72,6 +81,13 @@ class Headroom:
 
     def refusal(self, job: str) -> str:
         """Why `job` is not attached, with the numbers and what would make it fit."""
+        if self.needed_bytes <= self.outside_bytes and not self.fits_free:
+            return (
+                f"job {job} not attached: its sync member needs {_mib(self.adapter_bytes)} adapter receive buffer + "
+                f"{_mib(self.communicator_bytes)} NCCL communicator = {_mib(self.per_tenant_bytes)}, but only "
+                f"{_mib(self.free_bytes or 0)} free on the GPU now (of the {_mib(self.outside_bytes)} "
+                f"gpuMemoryUtilization {self.gpu_memory_utilization} leaves); lower gpuMemoryUtilization or maxJobs"
+            )
         return (
             f"job {job} not attached: {self.tenants} tenants' sync members need {self.tenants} x "
             f"({_mib(self.adapter_bytes)} adapter receive buffer + {_mib(self.communicator_bytes)} NCCL communicator)"
@@ -92,6 +108,7 @@ def headroom(
     adapter_bytes: int,
     tenants: int,
     communicator_bytes: int = COMMUNICATOR_BYTES,
+    free_bytes: int | None = None,
 ) -> Headroom:
     """The headroom of a replica with `tenants` sync members (see the module docstring)."""
     if total_bytes <= 0:
@@ -100,7 +117,7 @@ def headroom(
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
     if adapter_bytes < 0 or communicator_bytes < 0 or tenants < 0:
         raise ValueError("adapter_bytes, communicator_bytes and tenants must not be negative")
-    return Headroom(total_bytes, gpu_memory_utilization, adapter_bytes, communicator_bytes, tenants)
+    return Headroom(total_bytes, gpu_memory_utilization, adapter_bytes, communicator_bytes, tenants, free_bytes)
 
 
 def adapter_bytes_bound(hf_config: Mapping[str, Any], rank: int, dtype_bytes: int) -> int:
@@ -132,6 +149,7 @@ class TenantBudget:
     gpu_memory_utilization: float
     adapter_bytes: int
     communicator_bytes: int = COMMUNICATOR_BYTES
+    free_bytes: Callable[[], int] | None = None  # the memory free now (torch.cuda.mem_get_info's free)
 
     def with_tenants(self, tenants: int) -> Headroom:
         return headroom(
@@ -140,4 +158,5 @@ class TenantBudget:
             adapter_bytes=self.adapter_bytes,
             tenants=tenants,
             communicator_bytes=self.communicator_bytes,
+            free_bytes=self.free_bytes() if self.free_bytes is not None else None,
         )

@@ -41,6 +41,7 @@ def gpu_budget(vllm_config: Any, device: torch.device) -> TenantBudget:
     model = vllm_config.model_config
     return TenantBudget(
         total_bytes=lambda: torch.cuda.mem_get_info(device)[1],
+        free_bytes=lambda: torch.cuda.mem_get_info(device)[0],
         gpu_memory_utilization=vllm_config.cache_config.gpu_memory_utilization,
         adapter_bytes=adapter_bytes_bound(
             model.hf_config.to_dict(), vllm_config.lora_config.max_lora_rank, model.dtype.itemsize

@@ -18,6 +18,18 @@ from pydantic import BaseModel, ConfigDict
 from grpolora.api.constants import TOKEN_HEADER
 from grpolora.api.pool import PoolReplicas
 
+ACTIVATION_TIMEOUT_SECONDS = 60.0
+"""Longest an activation may take on a replica: one collective_rpc between engine steps, in which every worker maps the
+staged round and builds its LoRA (milliseconds to a second or two). Past it the book (inference/adapter_book.py)
+removes the version and the member reports ACTIVATION_FAILED (the older version keeps serving), instead of waiting on
+an engine that no longer steps."""
+
+CLOSING_TIMEOUT_SECONDS = ACTIVATION_TIMEOUT_SECONDS + 15.0
+"""The round's watchdog bound for its closing status (sync/watchdog.py), on the sender and on every member: that
+all-reduce waits for the slowest replica's activation, so `progressTimeoutSeconds` (30 s by default) would cut an
+activation the book still allows (60 s) -- on NCCL with an abort in the middle of it. The activation's own bound, plus
+the book's cleanup (REMOVAL_TIMEOUT_SECONDS, adapter_book.py) and the answer's trip back to the member."""
+
 JOIN_PATH = "/v1/sync/join"
 PREPARE_PATH = "/v1/sync/prepare"
 STATE_PATH = "/v1/sync/state"

@@ -33,11 +33,13 @@ def create_transport(
     join_timeout_seconds: float | None = None,
     progress_timeout_seconds: float | None = None,
     device: torch.device | None = None,
+    free_cached_memory: bool = False,
 ) -> Transport:
     """Join epoch `epoch` of the group as `rank`: blocks until all `world_size` ranks have joined, or raises
     TransportError after `join_timeout_seconds` (default: `timeout_seconds`, which bounds every collective).
     `progress_timeout_seconds`: a round's watchdog (watchdog.py) cuts a collective stalled this long by closing the
     transport; gloo, whose close cannot interrupt a collective in flight, also gives each collective that timeout.
+    `free_cached_memory`: NCCL only, trainer rank 0 only (nccl.NcclTransport): hand the allocator's cache back first.
 
     A rank marks its arrival in the store first, so that after a formation that timed out the sender can tell
     the replicas that never reached the group from a formation that failed for everyone."""
@@ -61,5 +63,6 @@ def create_transport(
             timeout_seconds=timeout_seconds,
             join_timeout_seconds=join_timeout,
             device=device,
+            free_cached_memory=free_cached_memory,
         )
     raise ValueError(f"unknown sync backend {backend!r}; expected gloo or nccl")

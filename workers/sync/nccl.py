@@ -109,6 +109,7 @@ class NcclTransport(Transport):
         timeout_seconds: float,
         join_timeout_seconds: float,
         device: torch.device | None,
+        free_cached_memory: bool = False,
     ):
         if not torch.cuda.is_available():
             raise TransportError("the nccl sync backend needs a GPU in this process; use gloo on CPUs")
@@ -119,10 +120,13 @@ class NcclTransport(Transport):
         options._timeout = timedelta(seconds=timeout_seconds)
         options.is_high_priority_stream = True  # sync overlaps with generation on inference GPUs
         self._group: dist.ProcessGroupNCCL | None = None
-        # The communicator's buffers are cudaMalloc'd outside PyTorch's allocator (and outside vLLM's
-        # gpuMemoryUtilization, in a member): hand the blocks the allocator caches unused back first, as NeMo-RL does
-        # before building its refit communicator.
-        torch.cuda.empty_cache()
+        if free_cached_memory:
+            # The communicator's buffers are cudaMalloc'd outside PyTorch's allocator: on trainer rank 0 the blocks
+            # its allocator caches unused go back first, as NeMo-RL does before building its refit communicator. Never
+            # in a member, whose process is vLLM's: there it is a device-wide synchronisation under the allocator's
+            # lock that stalls the engine's every allocation, and it hands vLLM's activation blocks to NCCL (the
+            # member host's budget, gpu_headroom.py, checks the memory actually free instead).
+            torch.cuda.empty_cache()
         try:
             with _environment(ERROR_ENVIRONMENT):
                 self._group = dist.ProcessGroupNCCL(store, rank, world_size, options)
@@ -176,7 +180,8 @@ class NcclTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"NCCL broadcast failed: {exc}") from exc
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, timeout_seconds: float | None = None) -> None:
+        # Bounded by the group's timeout and the round's watchdog (NCCL has no per-collective progress bound here).
         options = sum_options()
         try:
             work = self._group_or_fail().allreduce([tensor], options)

@@ -23,6 +23,7 @@ import torch
 
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
+    CLOSING_TIMEOUT_SECONDS,
     FingerprintMismatch,
     JoinRequest,
     MemberState,
@@ -146,10 +147,11 @@ def receive_round(
 
 
 def report_status(transport: Transport, code: int) -> None:
-    """The round's closing all-reduce: this rank's code in its own slot (the sender's is 0)."""
+    """The round's closing all-reduce: this rank's code in its own slot (the sender's is 0). It waits for the slowest
+    replica's activation: bounded by CLOSING_TIMEOUT_SECONDS, not the per-piece progress bound."""
     status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
     status[transport.rank] = code
-    transport.all_reduce_sum(status)
+    transport.all_reduce_sum(status, CLOSING_TIMEOUT_SECONDS)
     # Cut (this member's watchdog, a newer join), NCCL's all-reduce returns normally: the member must leave the
     # group, not stay joined to a closed one that the next round then waits on.
     transport.check_open("the closing status")
@@ -405,6 +407,7 @@ class AdapterReceiver:
             # Never back to (or again to) a version at or below the live one: versions only grow. A re-sent
             # current version (to catch another member up) verifies and leaves this replica as it is.
             elif header.version > self._sink.live_version:
+                watchdog.progress(within=CLOSING_TIMEOUT_SECONDS)  # the activation has its own bound, not progress's
                 try:
                     self._sink.activate(
                         header.version,
@@ -428,7 +431,9 @@ class AdapterReceiver:
             self._on_error("activation" if code == ACTIVATION_FAILED else "refused")
         with self._lock:
             self._last_error = reason
-        watchdog.progress()  # activated (or refused): the closing status is the round's last piece
+        # Activated (or refused): the closing status is the round's last piece, and waits for the other replicas'
+        # activations.
+        watchdog.progress(within=CLOSING_TIMEOUT_SECONDS)
         try:
             report_status(transport, code)  # only now: the sender counts VERIFIED as serving this version
         except TransportError as exc:

@@ -13,6 +13,7 @@ caught up like a replacement), one a scale-down removed stops being one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -29,6 +30,7 @@ from grpolora.api.spec import SyncSpec
 from grpolora.workers.adapter import lora_b_scales
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import (
+    CLOSING_TIMEOUT_SECONDS,
     FingerprintMismatch,
     JoinRequest,
     Member,
@@ -90,11 +92,12 @@ def send_round(
     prepare of round `announced` (by default the header's version); returns each rank's status code. A round in which
     no collective completes for `progress_seconds` is cut (Watchdog): TransportError, the transport closed."""
     raw = header.encode(key)
+    version = header.version if announced is None else announced
     with Watchdog(progress_seconds, transport.close, what=f"round of version {header.version}") as watchdog:
         try:
             # The commit: called once every member acknowledged the prepare, so a round the sender gives up on (or
             # dies before) leaves no receive posted on a member (transport.py: the header goes through the store).
-            transport.commit_header(header.version if announced is None else announced, raw)
+            transport.commit_header(version, raw)
             watchdog.progress()
             posted = [[transport.start_broadcast(piece) for piece in transport.pieces(bucket)] for bucket in buckets]
             for index, pending in enumerate(posted):
@@ -104,14 +107,21 @@ def send_round(
                     watchdog.progress()
                 if on_bucket_sent is not None:
                     on_bucket_sent(index)
-            # Waits for every receiver to have loaded the version: a replica's activation counts as one piece.
+            # Waits for every receiver to have loaded the version: a replica's activation counts as one piece, with
+            # the activation's own bound (CLOSING_TIMEOUT_SECONDS) rather than progressTimeoutSeconds.
+            watchdog.progress(within=CLOSING_TIMEOUT_SECONDS)
             status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
-            transport.all_reduce_sum(status)
+            transport.all_reduce_sum(status, CLOSING_TIMEOUT_SECONDS)
             # Cut by the watchdog, NCCL's all-reduce returns normally with the slots that had arrived (usually
             # none): read as statuses, every replica would have "refused" the version. A lost replica instead.
             transport.check_open("the closing status")
         except TransportError as exc:
             raise watchdog.explain(exc) from None
+        finally:
+            # Read by every receiver before its first receive, so no longer needed once the round is over, however it
+            # ended: left, each round's header stayed in trainer rank 0's store for the whole run.
+            with contextlib.suppress(TransportError):
+                transport.withdraw_header(version)
     return status.tolist()
 
 
@@ -380,6 +390,7 @@ class AdapterSender:
                 join_timeout_seconds=self._join_timeout,
                 progress_timeout_seconds=self._progress_timeout,
                 device=self._device,
+                free_cached_memory=True,  # this process is the trainer's, never vLLM's
             )
         except TransportError:
             arrived = arrived_ranks(self._store, self.epoch, world_size)

@@ -68,8 +68,10 @@ class Transport(ABC):
         return list(buffer.split(self.piece_bytes))
 
     @abstractmethod
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
-        """In place on every rank; raises TransportError on failure or timeout."""
+    def all_reduce_sum(self, tensor: torch.Tensor, timeout_seconds: float | None = None) -> None:
+        """In place on every rank; raises TransportError on failure or timeout. `timeout_seconds`: how long this one
+        may wait where a backend bounds each collective on its own (gloo's per-collective progress bound), at most
+        the group's timeout."""
 
     @abstractmethod
     def close(self) -> None:
@@ -92,8 +94,9 @@ class Transport(ABC):
     store: dist.Store
 
     def withdraw_header(self, version: int) -> None:
-        """Sender, before it announces round `version`: an earlier round's header of that version (a catch-up sends
-        the current version again in the same epoch) is not this round's commit."""
+        """Sender, once round `version` is over (every receiver read the header before its first receive), and
+        before it announces one: an earlier round's header of that version (a catch-up sends the current version
+        again in the same epoch) is not this round's commit."""
         self._store_call(lambda: self.store.delete_key(_header_key(version)))
 
     def commit_header(self, version: int, raw: bytes) -> None:

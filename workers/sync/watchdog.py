@@ -27,6 +27,7 @@ class Watchdog:
         self.stalled = False
         self._on_stall = on_stall
         self._last = time.monotonic()
+        self._window = seconds  # until the next progress: `seconds`, or a longer one given for one piece
         self._done = False
         self._changed = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -34,16 +35,20 @@ class Watchdog:
             self._thread = threading.Thread(target=self._watch, name="sync-watchdog", daemon=True)
             self._thread.start()
 
-    def progress(self) -> None:
-        """A piece completed: the round moves."""
+    def progress(self, within: float | None = None) -> None:
+        """A piece completed: the round moves. `within`: the next piece may take this long (if longer than the
+        watchdog's own bound), as the closing status, which waits for every replica's activation."""
         with self._changed:
             self._last = time.monotonic()
+            if self.seconds is not None:
+                self._window = max(self.seconds, within or 0.0)
+                self._changed.notify_all()
 
     def _watch(self) -> None:
         assert self.seconds is not None
         with self._changed:
             while not self._done:
-                left = self._last + self.seconds - time.monotonic()
+                left = self._last + self._window - time.monotonic()
                 if left <= 0:
                     self.stalled = True
                     break
@@ -62,7 +67,7 @@ class Watchdog:
         """`error` as raised by a collective the watchdog cut (its own message otherwise)."""
         if not self.stalled:
             return error
-        return TransportError(f"no progress in the {self.what} for {self.seconds:g}s; abandoned ({error})")
+        return TransportError(f"no progress in the {self.what} for {self._window:g}s; abandoned ({error})")
 
     def __enter__(self) -> Watchdog:
         return self
