@@ -138,7 +138,8 @@ def synthetic_batch(size: int = 6) -> Batch:
         completion = torch.randint(5, 1000, (3 + 2 * (i % 2),), generator=g).tolist()
         sequences.append((prompt, completion, (-torch.rand(len(completion), generator=g)).tolist()))
         advantages.append(float(torch.randn(1, generator=g)))
-    return build_batch(sequences, advantages, pad_id=0)
+    # Groups of 2 (the last may be 1) of uneven lengths: the mean of group means differs from the token mean.
+    return dataclasses.replace(build_batch(sequences, advantages, pad_id=0), groups=torch.arange(size) // 2)
 
 
 def episode_batch(size: int) -> Batch:

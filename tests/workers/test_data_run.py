@@ -160,6 +160,11 @@ def test_the_figures_a_trl_user_reads_first_are_there_under_trls_names(data_run)
         clip = r["clip_ratio"]
         assert clip["region_mean"] == pytest.approx(clip["low_mean"] + clip["high_mean"])
         assert clip["region_mean"] <= r["clip_fraction"] + 1e-12
+        # TRL's entropy averaging (mean of the groups' token means) equals the token mean when every completion
+        # has the same length, and weighs short groups more otherwise.
+        if c["min_length"] == c["max_length"]:
+            assert r["entropy_group_mean"] == pytest.approx(r["entropy"], rel=1e-6)
+        assert r["entropy_group_mean"] > 0
         # The samples of steps 2 and 3 hold all 8 completions, group after group: the flat share recomputed.
         rows = [s for s in samples if s["step"] == r["step"]]
         if rows:

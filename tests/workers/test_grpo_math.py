@@ -967,3 +967,24 @@ def test_clip_fractions_low_and_high_apart_as_trl_logs_them():
     assert (stats.clip_low_fraction, stats.clip_high_fraction, stats.clip_region_fraction) == (0.125, 0.375, 0.5)
     assert stats.clip_fraction == 0.75  # ours also counts the two-sided clip's (clipRatioMax)
     assert LossStats().clip_low_fraction == 0.0
+
+
+def test_entropy_as_trl_averages_it_with_one_group_per_micro_batch():
+    # TRL's `entropy` is the mean of its micro-batches' token means; with per_device_train_batch_size equal to
+    # num_generations (TRL's defaults, and the race) a micro-batch is one group. Two groups of two sequences:
+    #   group 0: tokens 1, 1, 1 | 3           -> 4 tokens, sum 6, mean 1.5
+    #   group 1: tokens 4 | 2 (one padding position, NaN there, never counted)  -> 2 tokens, sum 6, mean 3
+    # mean of group means (1.5 + 3) / 2 = 2.25; the token mean over all 6 tokens is 12 / 6 = 2.
+    from grpolora.workers.trainer.grpo import group_entropy_sums, mean_of_group_means
+
+    nan = float("nan")
+    entropy = torch.tensor([[1.0, 1.0, 1.0], [3.0, 0.0, 0.0], [4.0, nan, 0.0], [2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    sums = group_entropy_sums(entropy, mask, torch.tensor([0, 0, 1, 1]), num_groups=3)
+    assert sums.tolist() == [[6.0, 6.0, 0.0], [4.0, 2.0, 0.0]]  # a group of no tokens (the third) is left out
+    assert mean_of_group_means(sums) == 2.25
+    # Micro-batches and ranks add up: the same figure from the halves.
+    halves = group_entropy_sums(entropy[:2], mask[:2], torch.tensor([0, 0]), 3) + group_entropy_sums(
+        entropy[2:], mask[2:], torch.tensor([1, 1]), 3
+    )
+    assert mean_of_group_means(halves) == 2.25 and mean_of_group_means(torch.zeros(2, 0)) == 0.0

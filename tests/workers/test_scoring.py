@@ -222,3 +222,12 @@ def test_completion_figures_are_trls_completions_block():
     # None terminated: TRL reports 0 for the terminated lengths (it takes a zero tensor); so do we.
     cut = completion_figures(_rollouts([[10, 10]], [["length", "length"]]))["completions"]
     assert (cut["clipped_ratio"], cut["mean_terminated_length"], cut["max_terminated_length"]) == (1.0, 0.0, 0)
+
+
+def test_the_batch_numbers_each_sequences_prompt_group():
+    # The trainer's per-group figures (entropy as TRL averages it) need each sequence's group after sharding and
+    # length sorting have reordered them.
+    scored = score(_LengthTask(), _rollouts([[3, 4, 5], [6, 7, 8]], [["stop"] * 3] * 2), _grpo(), pad_token_id=0)
+    assert scored.batch.groups.tolist() == [0, 0, 0, 1, 1, 1]
+    assert scored.batch.by_length().trimmed().groups.tolist() == [0, 0, 0, 1, 1, 1]
+    assert scored.batch.select(torch.tensor([5, 0])).groups.tolist() == [1, 0]

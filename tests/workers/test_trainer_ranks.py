@@ -100,6 +100,11 @@ def test_two_fsdp_ranks_give_the_same_update_as_one_under_each_recipe(name, two_
     assert stats_two.loss == pytest.approx(stats_one.loss, rel=1e-4, abs=1e-6)
     assert stats_two.weight_mean == pytest.approx(stats_one.weight_mean, rel=1e-5)
     assert stats_two.truncated_fraction == pytest.approx(stats_one.truncated_fraction)
+    # The entropy as TRL averages it (the mean of each prompt group's token mean) adds up over ranks too; the
+    # synthetic batch's groups are of uneven lengths, so it is not the token mean (episodes: no groups, 0).
+    assert stats_two.entropy_group_mean == pytest.approx(stats_one.entropy_group_mean, rel=1e-5)
+    if name != "episodes":
+        assert stats_one.entropy_group_mean > 0 and stats_one.entropy_group_mean != pytest.approx(stats_one.entropy)
     # Off-policy, or on-policy with the mismatch correction: the behaviour weights were applied (and some masked).
     assert stats_one.weight_mean > 0 and stats_one.truncated_fraction > 0
     if grpo.updates_per_batch > 1:

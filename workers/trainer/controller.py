@@ -365,6 +365,7 @@ class Controller:
             "grad_clipped": stats.grad_clipped,
             "learning_rate": stats.learning_rate,
             "entropy": stats.entropy,
+            "entropy_group_mean": stats.entropy_group_mean,
             "updates": stats.updates,
             **agreement,
             "gen_kl": stats.gen_kl,

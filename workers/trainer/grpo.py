@@ -590,6 +590,26 @@ def entropy_stats(entropy: Tensor, mask: Tensor) -> EntropyStats:
     return EntropyStats(token_count=float(keep.sum()), entropy_sum=float(entropy[keep].double().sum()))
 
 
+@torch.no_grad()
+def group_entropy_sums(entropy: Tensor, mask: Tensor, groups: Tensor, num_groups: int) -> Tensor:
+    """Per prompt group: `token_entropy` summed over its completion tokens (row 0) and their count (row 1), as a
+    [2, num_groups] float64 tensor on the CPU, so that micro-batches and ranks add up. `groups[B]` numbers each
+    sequence's group (0 .. num_groups - 1); padding never counts, even where it is NaN."""
+    keep = mask.bool()
+    per_sequence = torch.stack([torch.where(keep, entropy, 0.0).sum(dim=1), keep.sum(dim=1)]).double().cpu()
+    return torch.zeros(2, num_groups, dtype=torch.float64).index_add_(1, groups.cpu(), per_sequence)
+
+
+def mean_of_group_means(sums: Tensor) -> float:
+    """The mean over groups (those with tokens) of each group's mean token entropy: TRL's `entropy` where each of
+    its micro-batches is one group (per_device_train_batch_size = num_generations, one process: its defaults).
+    TRL's `log` averages the micro-batches' token means, so a token of a short-answer group weighs more than in
+    the token mean (`EntropyStats.mean`). 0 without tokens."""
+    entropy, count = sums
+    has = count > 0
+    return float((entropy[has] / count[has]).mean()) if bool(has.any()) else 0.0
+
+
 @dataclass(frozen=True)
 class MismatchStats(_Reducible):
     """How far the trainer's logprobs are from the sampler's for the same tokens (sums, so they add up over

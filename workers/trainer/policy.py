@@ -57,6 +57,7 @@ class Batch:
     behaviour_logprobs: torch.Tensor  # [B, T-1] float32
     advantages: torch.Tensor  # [B] float32
     reference_logprobs: torch.Tensor | None = None  # [B, T-1] float32
+    groups: torch.Tensor | None = None  # [B] int64: each sequence's prompt group, for per-group figures
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -79,6 +80,7 @@ class Batch:
             self.behaviour_logprobs[:, : length - 1],
             self.advantages,
             None if reference is None else reference[:, : length - 1],
+            self.groups,
         )
 
     @staticmethod

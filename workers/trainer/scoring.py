@@ -239,6 +239,8 @@ def score(
     batch = with_loss_masks(
         build_batch(sequences, flat_advantages, pad_token_id, given), [len(p) for p, _, _ in sequences], masks
     )
+    sizes = torch.tensor([len(group) for group in rollouts.completions])
+    batch = dataclasses.replace(batch, groups=torch.arange(len(sizes)).repeat_interleave(sizes))
     cut = torch.tensor([c.finish_reason == "length" for c in completions])
     if grpo.mask_truncated and cut.any():
         batch = dataclasses.replace(batch, completion_mask=batch.completion_mask * (~cut).to(torch.float32)[:, None])

@@ -21,9 +21,11 @@ from grpolora.workers.trainer.grpo import (
     LossStats,
     MismatchStats,
     entropy_stats,
+    group_entropy_sums,
     grpo_loss,
     logprob_mismatch,
     loss_normalizer,
+    mean_of_group_means,
     safe_div,
 )
 from grpolora.workers.trainer.policy import Batch, Policy
@@ -47,6 +49,7 @@ class StepStats:
     updates: int = 1  # optimizer steps taken on the batch (grpo.updatesPerBatch x mini-batches)
     learning_rate: float = 0.0  # the step's rate after grpo.lrSchedule
     entropy: float = 0.0  # the policy's mean token entropy (nats) on the batch, before the first update
+    entropy_group_mean: float = 0.0  # ... as the mean of each prompt group's token mean (TRL's averaging)
     grad_clipped: float = 0.0  # share of the updates whose gradient norm grpo.maxGradNorm cut (clipped_share)
     clip_low: float = 0.0  # share of the tokens PPO's clip cut below (A < 0): TRL's clip_ratio/low_mean
     clip_high: float = 0.0  # ... above (A > 0): TRL's clip_ratio/high_mean
@@ -254,8 +257,9 @@ def train_step(
     weighted = not on_policy or corrects_mismatch(grpo, policy.spec.model.dtype)
     policy.model.train()
     mismatch, spread = MismatchStats(), EntropyStats()
+    groups = _GroupSpread(int(batch.groups.max()) + 1 if batch.groups is not None and len(batch) else 0)
     if updates > 1:
-        minis, mismatch, spread = _take_old_logprobs(policy, minis, grpo)
+        minis, mismatch, spread = _take_old_logprobs(policy, minis, grpo, groups)
     loss_stats, grad_norms = LossStats(), []
     for _ in range(grpo.updates_per_batch):
         for mini in minis:
@@ -265,6 +269,7 @@ def train_step(
                 if updates == 1:
                     logp, entropy = policy.logprobs_and_entropy(micro.batch)
                     spread = spread + entropy_stats(entropy, micro.batch.completion_mask)
+                    groups.add(entropy, micro.batch)
                 else:
                     logp = policy.logprobs(micro.batch)
                 stats = _backward(logp, micro, ref, mini.normalizer, grpo, weighted)
@@ -279,6 +284,7 @@ def train_step(
     totals = _reduced(loss_stats, world_size, policy.device)
     merged = _reduced(mismatch, world_size, policy.device)
     entropy = _reduced(spread, world_size, policy.device)
+    group_sums = torch.tensor(_all_reduce(groups.sums.flatten().tolist(), world_size, policy.device))
     return StepStats(
         loss=safe_div(totals.policy_loss_sum + grpo.kl_coef * totals.kl_sum, totals.token_count),
         kl=totals.mean_kl,
@@ -294,6 +300,7 @@ def train_step(
         updates=updates,
         learning_rate=learning_rate,
         entropy=entropy.mean,
+        entropy_group_mean=mean_of_group_means(group_sums.view(2, groups.num_groups)),
         grad_clipped=clipped_share(grad_norms, max_norm=grpo.max_grad_norm),
         clip_low=totals.clip_low_fraction,
         clip_high=totals.clip_high_fraction,
@@ -301,8 +308,20 @@ def train_step(
     )
 
 
+class _GroupSpread:
+    """The entropy sums and token counts of each prompt group over the micro-batches (group_entropy_sums)."""
+
+    def __init__(self, num_groups: int):
+        self.num_groups = num_groups
+        self.sums = torch.zeros(2, num_groups, dtype=torch.float64)
+
+    def add(self, entropy: torch.Tensor, micro: Batch) -> None:
+        if micro.groups is not None and self.num_groups:  # stand-ins have none (and no tokens)
+            self.sums += group_entropy_sums(entropy, micro.completion_mask, micro.groups, self.num_groups)
+
+
 def _take_old_logprobs(
-    policy: Policy, minis: list[_MiniBatch], grpo: GRPOSpec
+    policy: Policy, minis: list[_MiniBatch], grpo: GRPOSpec, groups: _GroupSpread
 ) -> tuple[list[_MiniBatch], MismatchStats, EntropyStats]:
     """Before the first of several updates: every micro-batch's logprobs under the current weights (the proximal
     policy all updates are clipped around) and its reference logprobs, each once; the mismatch of the former
@@ -315,6 +334,7 @@ def _take_old_logprobs(
             with torch.no_grad():
                 old, entropy = policy.logprobs_and_entropy(micro.batch)
             spread = spread + entropy_stats(entropy, micro.batch.completion_mask)
+            groups.add(entropy, micro.batch)
             micros.append(_Micro(micro.batch, old, _reference(policy, micro.batch, grpo)))
             mismatch = mismatch + logprob_mismatch(old, micro.batch.behaviour_logprobs, micro.batch.completion_mask)
         taken.append(_MiniBatch(micros, mini.normalizer))
