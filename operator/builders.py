@@ -539,7 +539,11 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         )
         # Ready = engine up and serving the adapter version the trainer last sent.
         container["readinessProbe"] = _http_probe("/ready", http, period=5)
-        container["livenessProbe"] = _http_probe("/health", http, period=20, failures=6)
+        # Live = engine up and answering a round trip within c.ENGINE_PROBE_SECONDS (a hung engine fails it); the
+        # probe's own timeout is longer, so that the kubelet reads the server's verdict (`grpolora run` plays it too).
+        container["livenessProbe"] = _http_probe(
+            "/health", http, period=c.LIVENESS_PERIOD_SECONDS, failures=c.LIVENESS_FAILURES
+        ) | {"timeoutSeconds": c.LIVENESS_TIMEOUT_SECONDS}
     pod: dict[str, Any] = {
         "restartPolicy": restart_policy,
         # Workers talk to nobody's API server: progress flows to the operator over HTTP.

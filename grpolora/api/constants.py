@@ -120,6 +120,16 @@ MAX_ERROR_REWARD: Final = 1e6  # |spec.environment.errorReward|
 MAX_CHECKPOINTS_KEPT: Final = 1_000  # checkpoints kept on the volume
 MAX_JOBS_PER_POOL: Final = 1_024  # jobs attached to a RolloutPool at once (each holds adapter slots)
 
+# An inference server's liveness (GET /health): besides its engine's death, it fails when vLLM's engine does not
+# answer a round trip (a collective_rpc to every worker, served between engine steps) within ENGINE_PROBE_SECONDS:
+# a hung engine (a wedged GPU, a deadlock) is alive and answers nothing. The pod's livenessProbe and `grpolora run`
+# replace a server that fails LIVENESS_FAILURES probes in a row, one every LIVENESS_PERIOD_SECONDS, each given
+# LIVENESS_TIMEOUT_SECONDS (above the engine's bound, so that the probe reads the server's own verdict).
+ENGINE_PROBE_SECONDS: Final = 10
+LIVENESS_PERIOD_SECONDS: Final = 10
+LIVENESS_FAILURES: Final = 3
+LIVENESS_TIMEOUT_SECONDS: Final = ENGINE_PROBE_SECONDS + 5
+
 DEFAULT_WORKER_IMAGE_GPU: Final = "ghcr.io/grpo-lora-operator/worker-gpu:0.1.0"
 DEFAULT_WORKER_IMAGE_CPU: Final = "ghcr.io/grpo-lora-operator/worker-cpu:0.1.0"
 

@@ -35,10 +35,17 @@ class FakeOwnEngineBook(OwnEngineBook):
     def __init__(self, tmp: Path):
         super().__init__(EngineConfig(model_dir="fake", dtype="float32", max_lora_rank=8, max_loras=2))
         self.died = False  # a test sets it: the engine's processes are gone (VllmEngine.dead)
+        self.hung = False  # a test sets it: the engine lives and answers nothing (a wedged GPU, a stopped EngineCore)
+        self.round_trips = 0  # round trips sent to the engine (VllmEngine.round_trip)
 
     @property
     def dead(self) -> bool:
         return self.died
+
+    async def round_trip(self) -> None:
+        self.round_trips += 1
+        while self.hung:
+            await asyncio.sleep(0.01)
 
     async def start(self) -> None:
         self.requests: list[tuple[list[int], SamplingRequest]] = []  # what generate was asked, in order
@@ -93,6 +100,9 @@ class MarkingEngine(VllmEngine):
 
     async def list_loras(self) -> list[int]:
         return sorted(self.marks)
+
+    async def collective_rpc(self, method: str, *_, **__) -> list[None]:  # AsyncLLM's: the health round trip
+        return [None]
 
     async def generate(self, prompt_token_ids: list[int], request: SamplingRequest, lora) -> list[Sample]:
         mark = self.marks[lora.lora_int_id] if lora is not None else 0

@@ -14,6 +14,7 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from grpolora.workers.inference import app as app_module
 from grpolora.workers.inference.app import MAX_BODY_BYTES, create_app
 from grpolora.workers.inference.metrics import TokenRate
 from grpolora.workers.sync import wire
@@ -60,6 +61,36 @@ def test_an_engine_that_dies_fails_health_at_once_and_stops_the_server(tmp_path)
         assert response.status_code == 500 and "engine died" in response.text, response.text
         assert stopped.wait(10), "the server was not stopped after its engine died"
         assert client.get("/health").status_code == 500
+
+
+def test_a_hung_engine_fails_health_within_its_bound_and_sends_no_second_round_trip(tmp_path, monkeypatch):
+    """A hung engine (its processes alive, so `dead` stays false; it answers nothing: a wedged GPU, a deadlock, an
+    EngineCore stopped with SIGSTOP) fails /health within the bound, so that the kubelet's liveness probe and
+    `grpolora run` replace the server (before, /health said ok for ever). Later probes fail at once without sending
+    the engine another call; once it answers again, /health is ok again. The real engine's round trip:
+    VllmEngine.round_trip; the whole path with a stopped EngineCore: test_local_run.py."""
+    monkeypatch.setattr(app_module, "ENGINE_PROBE_SECONDS", 0.5, raising=False)
+    engine = FakeOwnEngineBook(tmp_path)
+    app = create_app(engine, receiver_factory, token=TOKEN, version_wait_seconds=1)
+    with TestClient(app) as client:
+        wait_healthy(client)
+        sent = engine.round_trips
+        assert client.get("/health").status_code == 200
+        assert engine.round_trips == sent + 1  # each probe asks the engine
+        engine.hung = True
+        started = time.monotonic()
+        response = client.get("/health")
+        waited = time.monotonic() - started
+        assert response.status_code == 500 and "has not answered a round trip" in response.text, response.text
+        assert waited >= 0.45, f"failed after {waited:.2f}s, before the bound"
+        sent = engine.round_trips
+        for _ in range(3):
+            started = time.monotonic()
+            assert client.get("/health").status_code == 500
+            assert time.monotonic() - started < 0.45  # at once: the round trip sent earlier is still unanswered
+        assert engine.round_trips == sent  # no pile of calls in a hung engine
+        engine.hung = False
+        wait_healthy(client)
 
 
 GUARDED = [

@@ -7,6 +7,10 @@ adapter: that is the run ending, not a failure."""
 
 from __future__ import annotations
 
+import http.server
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -16,7 +20,7 @@ from grpolora.api.load import parse_job
 from grpolora.api.pool import Attachments, auth_digest, sync_key
 from grpolora.api.spec import RolloutPool
 from grpolora.api.status import TrainerStatus
-from grpolora.workers.launcher import local
+from grpolora.workers.launcher import liveness, local
 from grpolora.workers.launcher.local import LocalRun, RunFailed, Worker, _Live
 from tests.helpers import job_doc
 
@@ -173,3 +177,114 @@ def test_two_jobs_on_a_pool_share_the_cores_between_their_trainers(tmp_path, mon
     alone = ScriptedRun(tmp_path / "alone", [parse_job(job_doc(inference={"gpusPerReplica": 0}))], [])
     alone.start()
     assert {live.worker.role: live.env["OMP_NUM_THREADS"] for live in alone._live} == {"inference": "2", "trainer": "2"}
+
+
+class ScriptedHealth:
+    """A server's GET /health on loopback, answering the statuses of `script` in turn (then its last one for good),
+    as a real inference server does: 503 while its engine starts, 200 once it serves, 500 once its engine is hung
+    (app.EngineProbe)."""
+
+    def __init__(self, port: int, script: list[int]):
+        self.script, self.answered = list(script), []
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(handler) -> None:
+                status = self.script.pop(0) if len(self.script) > 1 else self.script[0]
+                self.answered.append(status)
+                body = b"ok" if status == 200 else b"failed: vLLM's engine has not answered a round trip"
+                handler.send_response(status)
+                handler.send_header("Content-Length", str(len(body)))
+                handler.end_headers()
+                handler.wfile.write(body)
+
+            def log_message(self, *_) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize(
+    ("script", "replaced"),
+    [
+        ([503, 503, 200, 500, 500, 500], True),  # started, then hung: three failures in a row
+        ([503, 503, 503, 503, 503, 503, 503], False),  # still starting: the startup probe's part, nothing counts
+        ([200, 500, 500, 200, 500, 500, 200], False),  # a success resets the count
+    ],
+    ids=["hung", "starting", "recovering"],
+)
+def test_the_liveness_probe_counts_failures_in_a_row_after_the_first_success(script, replaced, monkeypatch):
+    """The kubelet's rule (pkg/kubelet/prober/worker.go, Kubernetes 1.31): failureThreshold failures in a row
+    restart the container, a success resets the count; the startup phase is not counted against it."""
+    monkeypatch.setattr(liveness, "LIVENESS_PERIOD_SECONDS", 0.0)
+    health = ScriptedHealth(local.free_ports(1)[0], script)
+    probe = liveness.Liveness(f"http://127.0.0.1:{health.server.server_port}/health")
+    verdicts = []
+    with ThreadPoolExecutor(1) as probes:
+        # One probe at a time: once a probe past the script is answered, every answer of the script was checked.
+        while len(health.answered) <= len(script):
+            verdicts.append(probe.check(probes))
+            time.sleep(0.005)
+    health.close()
+    faults = [v for v in verdicts if v is not None]
+    assert bool(faults) == replaced, (health.answered, faults)
+    if replaced:
+        assert faults[0].startswith("GET /health answered 500: failed: vLLM's engine has not answered")
+
+
+def test_an_inference_replica_that_fails_its_liveness_probe_is_replaced(tmp_path, monkeypatch, capsys):
+    """A hung engine lives on and answers nothing: no exit code says it, only /health (app.EngineProbe). The run
+    plays the pod's livenessProbe (workers/launcher/liveness.py) and replaces the server as it replaces one that
+    exited, within the same budget of restarts. The real hung engine, SIGSTOPped: test_local_run.py."""
+    monkeypatch.setattr(local, "POLL_SECONDS", 0.01)
+    monkeypatch.setattr(liveness, "LIVENESS_PERIOD_SECONDS", 0.01)
+    job = parse_job(job_doc(trainer={"gpusPerReplica": 0}, inference={"gpusPerReplica": 0}))
+
+    deadline = time.monotonic() + 30
+
+    class Hung(ScriptedRun):
+        def _exit_codes(self):  # the trainer finishes once the hung server has been replaced (or time is up)
+            done = bool(self.restarts) or time.monotonic() > deadline
+            return [0 if live.worker.role == "trainer" and done else None for live in self._live]
+
+        def _restart(self, live, why):
+            self.restarts[live.worker.index] = self.restarts.get(live.worker.index, 0) + 1
+            self.why = why
+            self._live.remove(live)
+            self._launch(live.worker, live.env)
+
+    run = Hung(tmp_path, [job], [])
+    run.start()
+    (server,) = [live for live in run._live if live.worker.role == "inference"]
+    port = int(liveness.health_url(server.env).rsplit(":", 1)[1].split("/")[0])
+    health = ScriptedHealth(port, [200, 500])
+    try:
+        run.wait()
+    finally:
+        health.close()
+    assert [name for name, _ in run.started].count("demo inference 0") == 2, "the hung server was not replaced"
+    assert run.inference_restarts == 1 and run.why == "killed: it failed its liveness probe"
+    err = capsys.readouterr().err
+    assert "inference 0 failed 3 liveness probes in a row (GET /health answered 500: failed: vLLM's engine" in err
+    assert "starting it again (restart 1 of 3)" in err
+
+
+def test_the_pods_liveness_probe_is_the_rule_the_run_plays():
+    """One rule for a hung server, in a cluster and on one machine: the inference pod's livenessProbe has the numbers
+    workers/launcher/liveness.py plays, and gives each probe longer than the server's own bound on its engine's
+    round trip, so that the kubelet reads the server's verdict (a 500 naming the hung engine), not its own timeout.
+    (The kubelet's default timeoutSeconds is 1 s: pkg/apis/core/v1/defaults.go.)"""
+    from grpolora.api.plan import plan
+    from grpolora.operator import builders
+    from grpolora.workers.inference.app import ENGINE_PROBE_SECONDS
+
+    pod = builders.inference_statefulset(plan(parse_job(job_doc())))["spec"]["template"]["spec"]
+    probe = pod["containers"][0]["livenessProbe"]
+    assert probe["httpGet"]["path"] == "/health"
+    assert probe["periodSeconds"] == liveness.LIVENESS_PERIOD_SECONDS
+    assert probe["failureThreshold"] == liveness.LIVENESS_FAILURES
+    assert probe["timeoutSeconds"] == liveness.LIVENESS_TIMEOUT_SECONDS > ENGINE_PROBE_SECONDS

@@ -4,10 +4,11 @@ replicas as Ray actors on this machine, a tiny model, real adapter sync every st
 Engine starts dominate the time of these tests, so one job carries the whole story in two `grpolora run`s:
 the first loses an inference replica (SIGKILLed at step 2, restarted, back in the sync group while the run goes on)
 and is then interrupted with SIGINT; the second, pipelined and with more steps, resumes it from its checkpoint on
-both ranks and runs to the end. Every collective between rank 0 and its follower must match throughout (steps,
-syncs, checkpoints, the final adapter), across the replica losses, the interrupt and the resume. Module fixtures run
-the job once and record what they saw; each test asserts one behaviour on that record, so a failure still names
-what broke."""
+both ranks and runs to the end, through a hung engine (replica 0's EngineCore stopped with SIGSTOP after the
+second run's first step: its server fails its liveness probe and is replaced). Every collective between rank 0
+and its follower must match throughout (steps, syncs, checkpoints, the final adapter), across the replica losses,
+the interrupt and the resume. Module fixtures run the job once and record what they saw; each test asserts one
+behaviour on that record, so a failure still names what broke."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import pytest
 import torch
 import yaml
 
+from grpolora.api import constants as c
 from grpolora.api.status import TrainerStatus
 from grpolora.testing.servers import alive, descendants, engine_core
 from tests.helpers import ROOT
@@ -63,6 +65,7 @@ FIRST_RUN_STEPS = 60
 STEPS_AFTER_REJOIN = 2  # steps that sync to the replacement too before the interrupt
 ENGINE_DEATH_RESTART = "inference 0 exited with code 1; starting it again (restart 1 of 3)"
 ENGINE_DEATH_SECONDS = 5.0  # vLLM's engine processes must die this soon after their server is SIGKILLed
+HUNG_REPLACED = "inference 0 failed 3 liveness probes in a row"
 CTRL_C_SECONDS = 20.0
 
 
@@ -145,8 +148,11 @@ class RunningCommand:
             preexec_fn=default_sigint,
         )
         self.lines: list[str] = []
+        self.out: list[str] = []  # stdout, read as it comes too (a full pipe would stop the run)
         self._reader = threading.Thread(target=lambda: self.lines.extend(iter(self.proc.stderr.readline, "")))
         self._reader.start()
+        self._out_reader = threading.Thread(target=lambda: self.out.extend(iter(self.proc.stdout.readline, "")))
+        self._out_reader.start()
 
     def wait_for(self, words: str, timeout: float = 600) -> int:
         """Until a stderr line holds `words`; returns that line's position."""
@@ -175,6 +181,7 @@ class RunningCommand:
     def finish(self, timeout: float = 900) -> int:
         code = self.proc.wait(timeout)
         self._reader.join(10)
+        self._out_reader.join(10)
         return code
 
     @property
@@ -267,12 +274,17 @@ def interrupted(tmp_path_factory) -> Interrupted:
 
 @dataclass
 class Resumed:
-    """The second run: the same job resumed from the first run's checkpoint, pipelined, to its end."""
+    """The second run: the same job resumed from the first run's checkpoint, pipelined, to its end, through a hung
+    engine."""
 
     run_dir: Path
     steps: int
-    result: subprocess.CompletedProcess[str]
+    stdout: str
+    stderr: str
     records: list[dict]
+    hung_at_step: int  # the last step shown when replica 0's EngineCore was stopped
+    seconds_to_replace: float  # from the SIGSTOP to the launcher replacing the server
+    hung_log: str  # inference-0.log
 
 
 @pytest.fixture(scope="module")
@@ -282,9 +294,38 @@ def resumed(interrupted: Interrupted) -> Resumed:
     # adapter from before its predecessor's update) and the next checkpoint is written while a third is generated.
     steps = max(done, interrupted.checkpoint + 3)
     job = with_grpo(steps=steps, pipelined=True)
-    result = grpolora_run(job, interrupted.tmp, interrupted.run_dir)
-    assert result.returncode == 0, result.stderr[-6000:]
-    return Resumed(interrupted.run_dir, steps, result, records(interrupted.run_dir))
+    run = RunningCommand(job, interrupted.tmp, interrupted.run_dir)
+    core = None
+    try:
+        # After the rerun's first step, replica 0's engine hangs: its EngineCore (which, at TP 1, also runs the
+        # worker and the sync member) is stopped, alive and answering nothing, as a wedged GPU or a deadlock
+        # leaves it. Its server lives on; the steps left still sync to it and send it rollouts.
+        shown = run.wait_for_step(lambda step: step > interrupted.checkpoint, "the rerun's first step")
+        (hung_at,) = map(int, STEP_LINE.search(run.lines[shown]).groups())
+        (server,) = worker_pids(NAME, "inference", 0)
+        core = engine_core(server)
+        os.kill(core, signal.SIGSTOP)
+        stopped = time.monotonic()
+        run.wait_for(HUNG_REPLACED)
+        seconds = time.monotonic() - stopped
+        code = run.finish()
+    finally:
+        if run.proc.poll() is None:
+            os.killpg(run.proc.pid, signal.SIGKILL)
+        if core is not None and alive(core):  # the run replaced its server: its group is killed, this with it
+            os.kill(core, signal.SIGKILL)
+    print(f"SIGSTOP of replica 0's EngineCore to its replacement: {seconds:.1f} s")
+    assert code == 0, run.stderr[-6000:]
+    return Resumed(
+        interrupted.run_dir,
+        steps,
+        "".join(run.out),
+        run.stderr,
+        records(interrupted.run_dir),
+        hung_at,
+        seconds,
+        (interrupted.run_dir / "logs" / "inference-0.log").read_text(),
+    )
 
 
 # --- the first run, up to its interrupt: every step syncs, a lost replica is healed ---
@@ -372,6 +413,19 @@ def test_a_pipelined_checkpoint_counts_only_the_prompts_it_trained_on(interrupte
     assert state["progress"]["prompts_consumed"] == step * JOB["spec"]["grpo"]["promptsPerStep"]
 
 
+def test_a_hung_engine_is_replaced_and_the_run_finishes_every_step(resumed):
+    """A hung engine (alive, answering nothing) fails the server's /health within its bound (app.EngineProbe), the
+    launcher's liveness probe replaces the server (workers/launcher/liveness.py, the pod's livenessProbe's rule), and
+    the trainer finishes every step on the other replica meanwhile (test_the_rerun_records_each_step_once)."""
+    assert resumed.hung_at_step < resumed.steps  # stopped with steps left to run
+    assert "vLLM's engine has not answered a round trip" in resumed.hung_log
+    assert "--- grpolora run: killed: it failed its liveness probe; restart 1 ---" in resumed.hung_log
+    # The kubelet's arithmetic: a first probe within a period, failing after the engine's bound, then the other
+    # failures in a row one period apart (each at once, the round trip sent still unanswered); and the poll's second.
+    bound = c.LIVENESS_PERIOD_SECONDS + c.ENGINE_PROBE_SECONDS + (c.LIVENESS_FAILURES - 1) * c.LIVENESS_PERIOD_SECONDS
+    assert resumed.seconds_to_replace <= bound + 5, resumed.stderr[-4000:]
+
+
 def test_run_folder_holds_adapter_plot_logs_and_final_status(resumed):
     from peft import PeftConfig
 
@@ -388,9 +442,9 @@ def test_run_folder_holds_adapter_plot_logs_and_final_status(resumed):
     assert (run_dir / "final-adapter" / "adapter_model.safetensors").exists()
     status = TrainerStatus.model_validate_json((run_dir / "status.json").read_text())
     assert status.phase == "Succeeded" and status.step == status.total_steps == resumed.steps
-    assert status.sync_round == resumed.records[-1]["sync_round"] and status.inference_restarts == 0
-    assert set(status.sync_members) == {0, 1}
-    assert f"mean reward, first {min(5, resumed.steps)} steps" in resumed.result.stdout
+    assert status.sync_round == resumed.records[-1]["sync_round"] and status.inference_restarts == 1  # the hung one
+    assert 1 in status.sync_members  # replica 0's replacement may still be starting as the run ends
+    assert f"mean reward, first {min(5, resumed.steps)} steps" in resumed.stdout
 
 
 # --- without engines ---

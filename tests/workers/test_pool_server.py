@@ -77,6 +77,9 @@ class GatedEngine(VllmEngine):
     def shutdown(self) -> None:
         self._engine = None
 
+    async def collective_rpc(self, method: str, *_, **__) -> list[None]:  # AsyncLLM's: the health round trip
+        return [None]
+
     async def add_lora(self, request, tensors, adapter_config: dict) -> None:
         self.loras.add(request.lora_int_id)
 

@@ -321,6 +321,9 @@ class OwnEngineBook(AdapterBook):
     def dead(self) -> bool:
         return self._engine.dead
 
+    async def round_trip(self) -> None:
+        await self._engine.round_trip()
+
     @property
     def members(self):
         """The link to the sync members in vLLM's worker (VllmEngine.members), once started."""

@@ -7,7 +7,8 @@ attachment list on a pool's (PoolEnv, GRPOLORA_POOL_JOBS_FILE, followed as it ch
 selects its job, and everything it does acts on that job alone: its adapter versions (each a LoRA id and folder of
 its own on the one shared vLLM engine), its sync receiver (its own group with its own trainer), its in-flight cap.
 
-Open: GET /health (engine up; liveness and startup probe), GET /ready (engine up and every job served is current:
+Open: GET /health (engine up and answering a round trip within ENGINE_PROBE_SECONDS: EngineProbe; liveness and
+startup probe), GET /ready (engine up and every job served is current:
 the rule and why are in tenants.py; readiness probe), GET /metrics (labelled by job), GET /v1/adapter (per job:
 live and loaded versions; at the top level the caller's job, named by its token, or the job of a job's own server).
 Token-guarded (`Authorization: Bearer <a served job's token>`): everything else, i.e. POST /v1/generate,
@@ -80,6 +81,8 @@ for at most this long, before it closes the connection (LingeringSend); a larger
 ENGINE_WATCH_SECONDS = 1.0
 """How often the server looks whether vLLM's engine died (a flag read: vLLM's own server looks every 5 s)."""
 ENGINE_DIED = "vLLM's engine died (its EngineCore or a worker process is gone)"
+ENGINE_PROBE_SECONDS = c.ENGINE_PROBE_SECONDS
+"""How long /health waits for the engine's round trip (EngineProbe) before it fails."""
 MAX_PROMPTS = 4096
 """Most prompts in one generate request."""
 MAX_STOP_TOKEN_IDS = 256
@@ -211,6 +214,47 @@ def create_pool_app(
     )
 
 
+class EngineProbe:
+    """The engine's part of /health: a round trip through vLLM's engine to every worker (VllmEngine.round_trip),
+    bounded by `bound` seconds. A hung engine (alive, answering nothing: a wedged GPU, a deadlock, a stopped
+    process) is thereby found, which `dead` (its processes are gone) never says; the kubelet's liveness probe and
+    `grpolora run` then replace the server (LIVENESS_* in grpolora.api.constants).
+
+    One round trip at a time, shared by every /health call while it runs (the kubelet, `grpolora run`, anyone
+    probing at once start no queue of calls in the engine), and never cancelled: an engine that has not answered the
+    one sent `bound` seconds ago fails each later probe at once, without sending another."""
+
+    def __init__(self, round_trip: Callable[[], Awaitable[None]], bound: float):
+        self._round_trip = round_trip
+        self.bound = bound
+        self._pending: asyncio.Task[None] | None = None
+        self._sent = 0.0
+
+    async def fault(self) -> str | None:
+        """None when the engine answered within the bound; otherwise what went wrong."""
+        now = time.monotonic()
+        if self._pending is None or self._pending.done():
+            self._pending, self._sent = asyncio.create_task(self._round_trip()), now
+            self._pending.add_done_callback(_retrieved)
+        pending, sent = self._pending, self._sent
+        try:
+            await asyncio.wait_for(asyncio.shield(pending), timeout=max(0.0, sent + self.bound - now))
+        except TimeoutError:
+            return (
+                f"vLLM's engine has not answered a round trip sent {time.monotonic() - sent:.1f}s ago "
+                f"(bound {self.bound:g}s): it is hung"
+            )
+        except Exception as exc:
+            return f"vLLM's engine failed a round trip: {type(exc).__name__}: {exc}"
+        return None
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """A round trip that failed after its waiters gave up is not logged as an exception never retrieved."""
+    if not task.cancelled():
+        task.exception()
+
+
 def build_app(
     engine: OwnEngineBook | VllmEngine,
     tenants: Tenants,
@@ -227,6 +271,7 @@ def build_app(
     routes, each request acting for the job its token names). `prepare` (optional coroutine) loads the model and
     starts the engine in the background, so that /health answers (503) while a large model loads."""
     state: dict[str, object] = {}
+    probe = EngineProbe(engine.round_trip, ENGINE_PROBE_SECONDS)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -281,6 +326,10 @@ def build_app(
             return Response(f"failed: {state.get('error', ENGINE_DIED)}", status_code=500)
         if not tenants.started:
             return Response("starting", status_code=503)
+        fault = await probe.fault()
+        if fault is not None:
+            log.error("health: %s", fault)
+            return Response(f"failed: {fault}", status_code=500)
         return Response("ok")
 
     @app.get("/ready")

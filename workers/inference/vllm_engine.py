@@ -258,6 +258,14 @@ class VllmEngine:
         (vllm/v1/engine/core_client.py, start_engine_core_monitor): every later call would raise EngineDeadError."""
         return self._engine is not None and self._engine.errored
 
+    async def round_trip(self) -> None:
+        """One call through the engine to every worker and back: returns once each has answered. vLLM's EngineCore
+        serves it between two engine steps (EngineCore.collective_rpc, a utility call of its busy loop), and each
+        worker answers it on the thread that runs the model (WorkerBase.check_health, vllm/v1/worker/worker_base.py),
+        so an engine whose step never ends (a wedged GPU, a deadlock, a stopped process) never answers: `dead` stays
+        false for it, since its processes live. The caller bounds the wait (app.EngineProbe)."""
+        await self._engine.collective_rpc("check_health")
+
     def shutdown(self) -> None:
         members, self.members = self.members, None
         if members is not None:

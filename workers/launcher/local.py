@@ -12,7 +12,8 @@ On a pool the launcher plays the operator's part: every job must fit the pool be
 pool's maxJobs are attached at once (their entries in the attachment list the servers read, written before the
 job's trainer starts), the others wait in line and attach as jobs finish; a finished or failed job is detached.
 
-Faults, as a cluster would take them: a lost inference replica is started again (up to
+Faults, as a cluster would take them: a lost inference replica, or one that fails its liveness probe (a hung
+engine: workers/launcher/liveness.py plays the kubelet's probe), is started again (up to
 INFERENCE_RESTARTS_PER_REPLICA times) while the trainers carry on with the others and re-add the replacement once
 it serves their current adapter; a trainer failure ends its job (run it again to resume from the checkpoint), and
 the other jobs of a pool carry on. Every way a job ends leaves its status.json saying how, and Ctrl-C stops the
@@ -36,6 +37,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -57,6 +59,7 @@ from grpolora.api.pool import (
 )
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.launcher.liveness import LIVENESS_FAILURES, Liveness, health_url
 from grpolora.workers.launcher.progress import Progress
 from grpolora.workers.launcher.results import plot, read_metrics, summarize
 from grpolora.workers.launcher.run_files import read_run_files, run_problems
@@ -101,6 +104,7 @@ class _Live:
     env: dict[str, str]
     actor: Any
     group: int | None = None  # its process group on this machine (None: the Ray cluster is not ours)
+    liveness: Liveness | None = None  # an inference server's liveness probe, made at its first check
 
 
 def free_ports(count: int, *, consecutive: bool = False) -> list[int]:
@@ -458,7 +462,7 @@ class LocalRun:
         self._live.append(live)
         return live
 
-    def _restart(self, live: _Live, code: int | str) -> None:
+    def _restart(self, live: _Live, why: str) -> None:
         """Start a lost inference replica again, with the same env (name, port, rank): as a StatefulSet brings back
         its pod. The trainers re-add it to their sync groups once it serves their current adapter."""
         import ray
@@ -470,7 +474,7 @@ class LocalRun:
         self._live.remove(live)
         self.restarts[worker.index] = self.restarts.get(worker.index, 0) + 1
         with worker.log.open("a") as log:
-            log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[worker.index]} ---\n")
+            log.write(f"\n--- grpolora run: {why}; restart {self.restarts[worker.index]} ---\n")
         self._launch(worker, live.env)
 
     def _exit_codes(self) -> list[int | str | None]:
@@ -493,12 +497,16 @@ class LocalRun:
         restarted within its budget unless it exited with a spec error (else RunFailed: the whole run stops); a
         failed trainer ends its job; on a pool, waiting jobs attach as slots free."""
         client = httpx.Client(timeout=2.0)
+        probes = ThreadPoolExecutor(thread_name_prefix="liveness")  # a probe waits up to LIVENESS_TIMEOUT_SECONDS
         try:
             self._admit()
             while not all(job.done for job in self.jobs):
                 for live, code in zip(list(self._live), self._exit_codes(), strict=True):
                     if code is not None:
                         self._exited(live, code)
+                for live, fault in self._unresponsive(probes):
+                    failure = f"inference {live.worker.index} failed {LIVENESS_FAILURES} liveness probes in a row"
+                    self._replace(live, f"{failure} ({fault})", "killed: it failed its liveness probe")
                 self._admit()
                 for job in self.jobs:
                     if job.state == "running":
@@ -507,8 +515,23 @@ class LocalRun:
                     time.sleep(POLL_SECONDS)
         finally:
             client.close()
+            probes.shutdown(wait=False, cancel_futures=True)
             for job in self.jobs:
                 job.close_progress()
+
+    def _unresponsive(self, probes: ThreadPoolExecutor) -> list[tuple[_Live, str]]:
+        """The inference servers whose liveness probe failed LIVENESS_FAILURES times in a row, with the last fault
+        (probes run on `probes`, one at a time per server; this returns at once)."""
+        found = []
+        for live in self._live:
+            if live.worker.role != "inference":
+                continue
+            if live.liveness is None:
+                live.liveness = Liveness(health_url(live.env))
+            fault = live.liveness.check(probes)
+            if fault is not None:
+                found.append((live, fault))
+        return found
 
     def _exited(self, live: _Live, code: int | str) -> None:
         worker = live.worker
@@ -528,13 +551,19 @@ class LocalRun:
             said = [line[line.index("spec.") :] for line in tail.splitlines() if ": spec." in line]
             failure += f": a spec error, not restarted{': ' + said[-1] if said else ''}; end of {worker.log}:\n{tail}"
             raise RunFailed(worker, failure)
+        self._replace(live, failure, f"exited with code {code}")
+
+    def _replace(self, live: _Live, failure: str, why: str) -> None:
+        """Start an inference server again (its process group killed first), within its budget of restarts; else
+        the run fails (RunFailed)."""
+        worker = live.worker
         used = self.restarts.get(worker.index, 0)
         if used < INFERENCE_RESTARTS_PER_REPLICA:
             self._note(
                 f"grpolora run: {failure}; starting it again (restart {used + 1} of {INFERENCE_RESTARTS_PER_REPLICA}); "
                 f"the trainer carries on with the other replicas; log: {worker.log}"
             )
-            self._restart(live, code)
+            self._restart(live, why)
             return
         failure += f" after {INFERENCE_RESTARTS_PER_REPLICA} restarts"
         raise RunFailed(worker, f"{failure}; end of {worker.log}:\n{_tail(worker.log)}")
