@@ -366,6 +366,12 @@ class JobPass:
             self._trainer_pods_left(view) if needs.trainer_pods else _none(),
             self._managed_secret(view) if needs.secrets else _none(),
         )
+        if needs.trainer_pods and observed.trainer_job is None:
+            unlabelled = await self._trainer_job_of(job, view, pods)
+            if unlabelled is not None:  # ours after all: relabelled, and its pods are its own, not left over
+                uid = (unlabelled.get("metadata") or {}).get("uid")
+                pods = tuple(pod for pod in pods if obs.controller_uid(pod) != uid)
+                observed = dataclasses.replace(observed, trainer_job=unlabelled)
         return dataclasses.replace(
             observed,
             owner_deleting=owner if needs.owner else observed.owner_deleting,
@@ -382,6 +388,36 @@ class JobPass:
         failure messages that later passes read from it)."""
         labels = {c.LABEL_MANAGED_BY: c.OPERATOR_NAME, c.LABEL_JOB: view.name, c.LABEL_ROLE: c.ROLE_TRAINER}
         return tuple(await self.client.list(kube.POD, view.namespace, labels))
+
+    async def _trainer_job_of(
+        self, job: _Tracked, view: JobView, pods: tuple[dict[str, Any], ...]
+    ) -> dict[str, Any] | None:
+        """The trainer Job that the trainer pods left of the job's name belong to, when it is this job's and not
+        leaving, read from the API and relabelled: one that lost the operator's label (`kubectl label`, a policy
+        engine) leaves the watches as DELETED while its pods run on, and was then waited on as "a previous trainer
+        Job" (its pods keep their labels). Its controller owner says whose it is (owner checked, as _taken does)."""
+        name = child_names(view.name)["trainer"]
+        controllers = {
+            ref.get("uid")
+            for pod in pods
+            for ref in (pod.get("metadata") or {}).get("ownerReferences") or []
+            if ref.get("controller") and ref.get("kind") == "Job" and ref.get("name") == name
+        }
+        if not controllers:
+            return None
+        wanted = {
+            "apiVersion": "batch/v1",
+            "kind": "Job",
+            "metadata": {"name": name, "namespace": view.namespace, "ownerReferences": [
+                {"controller": True, "uid": view.uid}
+            ]},
+        }  # fmt: skip
+        found = await self._taken(job, wanted)
+        if found is None or obs.controller_uid(found) != view.uid or obs.deleting(found):
+            return None
+        if (found.get("metadata") or {}).get("uid") not in controllers:
+            return None
+        return found
 
     async def _managed_secret(self, view: JobView) -> tuple[str, str] | None:
         """(field path, name) of the first Secret the job names that carries the operator's managed-by label; read

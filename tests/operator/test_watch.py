@@ -366,6 +366,38 @@ async def test_a_child_whose_operator_label_was_removed_gets_it_back(cluster, tr
         await operator.stop()
 
 
+async def test_a_trainer_job_that_lost_its_label_while_its_pods_run_gets_it_back(cluster, trainer):
+    """As above, for the trainer Job with its pods running: the watch reports it DELETED, the pass wants a trainer
+    Job, lists the trainer pods of the job's name (still labelled: the label went from the Job only) and found the
+    running pods of that same Job, which it waited on as "a previous trainer Job"'s. Its status froze, and under
+    Kueue the Workload's PodsReady went to WaitForRecovery. Their controller is a Job of the trainer's name whose own
+    controller owner is the job: it is read from the API and relabelled, and never waited on."""
+    operator = await OperatorThread(cluster.url, operator_options(resync_interval=3600.0)).start()
+    try:
+        await cluster.apply(job_doc())
+        await created(cluster)
+        await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
+        await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1, "ready": 1})
+        path = f"/apis/batch/v1/namespaces/{NAMESPACE}/jobs/demo-trainer"
+        await cluster._call("PATCH", path, {"metadata": {"labels": {c.LABEL_MANAGED_BY: None}}})
+        await wait_for(
+            lambda: (
+                (cluster.get("batch/v1/jobs", "demo-trainer")["metadata"].get("labels") or {}).get(c.LABEL_MANAGED_BY)
+                == c.OPERATOR_NAME
+            ),
+            "the label back on the trainer Job",
+        )
+        assert operator.controller is not None
+        for _ in range(3):
+            before = operator.passes()
+            await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"observedGeneration": before + 1})
+            await wait_for(lambda b=before: operator.passes() > b, "a pass of the operator")
+            assert "previous trainer Job" not in cluster.status("demo").get("message", "")
+        assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1  # the same trainer Job
+    finally:
+        await operator.stop()
+
+
 async def test_an_idle_job_makes_a_kept_child_again_when_the_watch_reports_it_deleted(cluster):
     """A suspended job settles (no monitor runs for it); its kept children are still its own to keep: a Workload
     deleted meanwhile (by an admin, or by Kueue's own cleanup) is made again at once, as a running job's would be.
