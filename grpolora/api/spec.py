@@ -367,8 +367,9 @@ class GRPOSpec(SpecModel):
     overlong_buffer: int | None = Field(default=None, gt=0, le=c.MAX_MODEL_LEN)
     """DAPO's soft overlong penalty: over the last this-many tokens before maxNewTokens, a completion's reward
     falls linearly from 0 to -overlongPenalty (reached at maxNewTokens). Unset: no length penalty. At most
-    maxNewTokens. The reward reported stays the task's; the penalty enters the advantages
-    (`overlong_penalty_mean` in metrics.jsonl)."""
+    maxNewTokens. With spec.environment an episode's whole length (opening, turns, the environment's answers) is
+    measured against maxEpisodeTokens instead. The reward reported stays the task's; the penalty enters the
+    advantages (`overlong_penalty_mean` in metrics.jsonl)."""
     overlong_penalty: float = Field(default=1.0, gt=0)
     """Largest length penalty, reached at maxNewTokens (with `overlongBuffer`)."""
     updates_per_batch: int = Field(default=1, gt=0, le=64)

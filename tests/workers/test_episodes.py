@@ -382,6 +382,25 @@ def test_every_episode_failing_fails_the_step():
         score(ArithmeticTask(), rollouts, GRPOSpec(generations_per_prompt=2), pad_token_id=0)
 
 
+def test_the_overlong_penalty_of_an_episode_measures_it_against_max_episode_tokens():
+    """Issue 46: overlongBuffer compared an episode's assistant tokens summed over its turns with one turn's
+    maxNewTokens, so a 3-turn episode of 20 tokens a turn (60) at maxNewTokens 48, overlongBuffer 16 got the full -1.
+    An episode's whole length (opening, turns, the environment's answers) meets maxEpisodeTokens."""
+
+    def episode(turn_tokens: int, environment_tokens: int) -> EpisodeCompletion:
+        mask = ([1] * turn_tokens + [0] * environment_tokens) * 2 + [1] * turn_tokens
+        return EpisodeCompletion([5] * len(mask), [-0.5] * len(mask), "Answer: 84", "stop", 1,
+                                 episode=Episode([1] * 30, mask, [], 3, 2))  # fmt: skip
+
+    grpo = GRPOSpec(generations_per_prompt=2, max_new_tokens=48, overlong_buffer=16)
+    short, long = episode(20, 10), episode(100, 40)  # 30 + 80 = 110 tokens; 30 + 380 = 410
+    scored = score(ArithmeticTask(), Rollouts([PROMPT], [[1]], [[short, long]], 0.0), grpo, 0, episode_tokens=400)
+    assert scored.penalty[0].tolist() == [0.0, -1.0]
+    near = episode(100, 34)  # 30 + 368 = 398: 14 tokens into the last 16 before 400
+    scored = score(ArithmeticTask(), Rollouts([PROMPT], [[1]], [[short, near]], 0.0), grpo, 0, episode_tokens=400)
+    assert scored.penalty[0].tolist() == [0.0, pytest.approx(-14 / 16)]
+
+
 def test_episodes_score_train_on_their_masks_and_report_their_figures():
     rollouts = Rollouts([PROMPT], [[1]], [[_episode(), _episode(turns=3, tools=2, truncated=True)]], 0.0)
     scored = score(ArithmeticTask(), rollouts, GRPOSpec(generations_per_prompt=2, mask_truncated=True), 0)

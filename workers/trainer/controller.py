@@ -202,7 +202,8 @@ class Controller:
         rollouts = Rollouts.of(groups)
         on_policy = self._on_policy(rollouts)
         last = step + 1 == grpo.steps
-        scored = score(self.task, rollouts, self.spec.grpo, self.ctx.policy.tokenizer.pad_token_id, rated)
+        budget = self._episodes.limits.max_episode_tokens if self._episodes is not None else None
+        scored = score(self.task, rollouts, self.spec.grpo, self.ctx.policy.tokenizer.pad_token_id, rated, budget)
         # Waiting for dynamic sampling's extra draws counts as waiting, not as scoring.
         reward_seconds = time.perf_counter() - reward_started - waited
         wait_seconds += waited

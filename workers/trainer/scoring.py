@@ -206,11 +206,14 @@ def score(
     grpo: GRPOSpec,
     pad_token_id: int,
     rated: tuple[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+    episode_tokens: int | None = None,
 ) -> Scored:
     """Rewards from the task, advantages within each prompt's group (of the rewards plus grpo.overlongBuffer's
     length penalty), and the batch the ranks train on (with the replicas' reference logprobs when
     grpo.referenceFrom is inference; without the truncated completions' tokens with grpo.maskTruncated). `rated`:
-    the rewards and parts of rewards_of, where they were already computed (dynamic sampling)."""
+    the rewards and parts of rewards_of, where they were already computed (dynamic sampling). `episode_tokens`:
+    the episodes' budget (spec.environment.maxEpisodeTokens, within the model's length), which an episode's whole
+    length meets where a completion's meets grpo.maxNewTokens."""
     rewards, parts = rewards_of(task, rollouts) if rated is None else rated
     shape = (len(rollouts.prompts), -1)
     completions = [c for group in rollouts.completions for c in group]
@@ -220,9 +223,13 @@ def score(
                         f"{failed[0]}")  # fmt: skip
     penalty = None
     if grpo.overlong_buffer is not None:
-        lengths = torch.tensor([generated_length(c) for c in completions]).view(shape)
+        # An episode runs into maxEpisodeTokens (its opening, every turn, the environment's answers), not into one
+        # turn's maxNewTokens: its assistant tokens summed over turns are no measure of either.
+        episodic = episode_tokens is not None and any(episode_of(c) is not None for c in completions)
+        limit = episode_tokens if episodic else grpo.max_new_tokens
+        lengths = torch.tensor([episode_length(c) if episodic else generated_length(c) for c in completions])
         penalty = overlong_penalty(
-            lengths, max_new_tokens=grpo.max_new_tokens, buffer=grpo.overlong_buffer, factor=grpo.overlong_penalty
+            lengths.view(shape), max_new_tokens=limit, buffer=grpo.overlong_buffer, factor=grpo.overlong_penalty
         )
     shaped = rewards if penalty is None else rewards + penalty
     advantages = group_advantages(shaped, grpo.advantage, scale=grpo.advantage_scale_in_force)
@@ -265,6 +272,12 @@ def generated_length(completion: Completion) -> int:
     """Tokens the model generated: an episode's assistant tokens, not its environment's."""
     episode = episode_of(completion)
     return len(completion.token_ids) if episode is None else sum(episode.loss_mask)
+
+
+def episode_length(completion: Completion) -> int:
+    """An episode's whole length, as maxEpisodeTokens counts it (opening and every later id)."""
+    episode = episode_of(completion)
+    return len(completion.token_ids) + (0 if episode is None else len(episode.opening))
 
 
 def episode_figures(rollouts: Rollouts) -> dict[str, float | int]:
