@@ -154,3 +154,31 @@ def test_the_book_fences_leases_by_incarnation():
             await _leased(book, 1, 5)
 
     asyncio.run(scenario())
+
+
+def test_a_fenced_trainer_exits_79_and_leaves_the_new_trainers_status_json_alone(trainers, tmp_path, monkeypatch):
+    """Walked as it happens: trainer incarnation 1 syncs, incarnation 2 takes over the replica, and incarnation 1's
+    next round is refused (StaleIncarnation). The old trainer exits contract.EXIT_FENCED with the refusal as its
+    termination message (what the operator reads), and does not write "Failed" into the job's output folder: on a
+    shared volume that status.json is the live trainer's."""
+    from grpolora.api import contract
+    from grpolora.api.status import TrainerStatus
+    from grpolora.workers.trainer import main
+    from grpolora.workers.trainer.status_server import StatusBoard
+
+    old, new = trainers(1), trainers(2)
+    old.sender.send(marked(11), {})
+    new.sender.send(marked(22), {})
+    live = tmp_path / "status.json"
+    live.write_text('{"phase": "Running", "step": 7}')  # the new trainer's
+    with pytest.raises(StaleIncarnation) as refused:
+        old.sender.send(marked(12), {})
+    messages: list[str] = []
+    monkeypatch.setattr(contract, "write_termination_message", messages.append)
+    board = StatusBoard(TrainerStatus(phase="Running", total_steps=10))
+    assert main._record_failure(board, tmp_path, refused.value) == contract.EXIT_FENCED == 79
+    assert live.read_text() == '{"phase": "Running", "step": 7}'
+    assert board.get().phase == "Failed" and messages and "incarnation" in messages[0]
+    # Any other failure still leaves its record there (and exits 1: restarted).
+    assert main._record_failure(board, tmp_path, RuntimeError("lost")) == 1
+    assert '"phase": "Failed"' in live.read_text()

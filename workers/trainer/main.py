@@ -151,18 +151,27 @@ def run_rank(env: WorkerEnv, local_rank: int) -> int:
         return 0
     except Exception as exc:
         log.exception("trainer rank %d failed", rank)
-        if board is not None:
-            board.update(phase="Failed", message=f"{type(exc).__name__}: {exc}")
-            _write_final_status(board, Path(env.output_dir or env.checkpoint_dir))
-        code = exit_code(exc)
-        if code != 1:
-            contract.write_termination_message(str(exc))
-        return code
+        return _record_failure(board, Path(env.output_dir or env.checkpoint_dir), exc)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
         if server is not None:
             server.shutdown()
+
+
+def _record_failure(board, folder: Path, exc: BaseException) -> int:
+    """What the trainer leaves behind when `exc` ended it (its /status, status.json in the job's output folder, the
+    termination message the operator reads), and its exit code. A fenced trainer (EXIT_FENCED) leaves the output folder
+    alone: a newer trainer of the job owns it now, and on a shared (ReadWriteMany) volume "Failed" written there would
+    overwrite that live trainer's status.json."""
+    code = exit_code(exc)
+    if board is not None:
+        board.update(phase="Failed", message=f"{type(exc).__name__}: {exc}")
+        if code != contract.EXIT_FENCED:
+            _write_final_status(board, folder)
+    if code != 1:
+        contract.write_termination_message(str(exc))
+    return code
 
 
 def exit_code(exc: BaseException) -> int:
