@@ -147,6 +147,8 @@ def _running_course(
     sts, report = observed.inference, observed.trainer
     if sts is None and "StatefulSet" not in blocked_kinds and where.job_plan.inference is not None:
         wanted_kinds += ("StatefulSet",)
+    elif sts is not None and obs.deleting(sts) and where.job_plan.inference is not None:
+        course = _leaving_statefulset(course, sts, observed.pods, now)
     alive = report is not None and report.phase in ("Starting", "Running")
     phase: JobPhase = "Running" if alive or old.phase == "Running" else "Pending"
     return dataclasses.replace(course, wanted_kinds=wanted_kinds, phase=phase)
@@ -281,13 +283,46 @@ def _leaving_trainer(
 
 def _trainer_pods_of(tj: K8sObject, pods: Sequence[K8sObject]) -> list[K8sObject]:
     """The trainer pods of this trainer Job (its controller uid) among the pass's listing of the job's pods."""
-    uid = (tj.get("metadata") or {}).get("uid")
+    return _pods_of(tj, c.ROLE_TRAINER, pods)
+
+
+def _pods_of(workload: K8sObject, role: str, pods: Sequence[K8sObject]) -> list[K8sObject]:
+    """The pods of this workload (its controller uid) and role among the pass's listing of the job's pods."""
+    uid = (workload.get("metadata") or {}).get("uid")
     return [
         pod
         for pod in pods
-        if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == c.ROLE_TRAINER
+        if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == role
         and (uid is None or obs.controller_uid(pod) == uid)
     ]
+
+
+def _leaving_statefulset(
+    course: _Course, sts: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime
+) -> _Course:
+    """The job's inference StatefulSet being deleted (in the foreground: a suspend, an eviction, a re-key) while the
+    job wants one again: a server pod on a lost node would hold it for as long as the node object stays, and the job
+    would run with no replicas at all. Once each of its pods has stopped or is lost (obs.pod_gone_for_replacement),
+    it is released as a leaving trainer Job is (_leaving_trainer): deleted again in the Background, its lost pods
+    out of the job's Services; the next pass creates the StatefulSet. Its pod of a lost pod's name waits for that
+    name (a StatefulSet never makes a pod whose name is taken); the others run."""
+    left = _pods_of(sts, c.ROLE_INFERENCE, pods)
+    holding, lost, fence = _stale_trainer_pods(left, now)
+    requeue = REPLACE_RECHECK_SECONDS if course.requeue is None else min(course.requeue, REPLACE_RECHECK_SECONDS)
+    if holding or not left or not lost:
+        return dataclasses.replace(course, requeue=requeue)
+    note = (
+        f"{_lost_details(lost)}: the inference StatefulSet is deleted again in the background (its foreground "
+        "deletion waits for as long as a lost pod stays) and the lost pods are taken out of the job's Services"
+    )
+    lost_note = f"{course.lost_note}; {note}" if course.lost_note else note
+    return dataclasses.replace(
+        course,
+        release=(*course.release, ChildRef("StatefulSet", sts["metadata"]["name"])),
+        fence=(*course.fence, *fence),
+        lost_note=lost_note,
+        requeue=requeue,
+    )
 
 
 def _stale_trainer_pods(

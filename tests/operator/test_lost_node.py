@@ -226,3 +226,42 @@ async def test_a_fenced_trainer_is_replaced_without_spending_a_restart(cluster, 
     assert replacement["metadata"]["annotations"][names.INCARNATION_ANNOTATION] == "1"
     await passes_after(cluster, 2)
     assert cluster.status("demo")["phase"] != "Failed"
+
+
+async def test_an_inference_statefulset_held_by_a_lost_pod_is_released_on_resume(cluster, operator):
+    """Suspend deletes the StatefulSet in the foreground; a server pod on a lost node holds it there (the garbage
+    collector waits for a dependent with blockOwnerDeletion that still exists: a Terminating pod does). On resume the
+    job wanted a StatefulSet, saw one (leaving) and created none: it ran with no replicas at all, not one short.
+    Released as the trainer's lost pods are: once the pod is past its lost deadline, deleted again in the Background
+    (the API server drops foregroundDeletion), and a new StatefulSet is created. Its pod of the lost one's name waits
+    for that name, as a StatefulSet does; the others run."""
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.apply(job_doc(inference={"replicas": 2}))
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the children")
+    await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node="gpu-node-1")
+    lost = await cluster.run_pod_of("apps/v1/statefulsets", "demo-inference", 0, node=LOST_NODE)
+    await cluster.run_pod_of("apps/v1/statefulsets", "demo-inference", 1, node="gpu-node-2")
+    await cluster.patch_spec("demo", {"suspend": True})
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer") is None, "the trainer Job gone")
+    await wait_for(lambda: (cluster.get("v1/pods", lost) or {}).get("metadata", {}).get("deletionTimestamp"), "lost")
+    found = cluster.get("v1/pods", lost)
+    assert found is not None
+    lost_at = deadline_of(found) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    held = cluster.get("apps/v1/statefulsets", "demo-inference")
+    assert held is not None and held["metadata"]["finalizers"] == ["foregroundDeletion"]
+
+    assert operator.controller is not None
+    operator.controller.clock = clock_at(lost_at - datetime.timedelta(seconds=5))
+    await cluster.patch_spec("demo", {"suspend": False})
+    await wait_for(lambda: trainer_jobs_created(cluster) == 2, "the trainer Job again")
+    await passes_after(cluster, 3)
+    assert len([k for k in cluster.emulator.created if k[0] == "statefulsets"]) == 1, "released while not lost"
+
+    operator.controller.clock = clock_at(lost_at + datetime.timedelta(seconds=1))
+    await wait_for(
+        lambda: len([k for k in cluster.emulator.created if k[0] == "statefulsets"]) == 2, "a new StatefulSet"
+    )
+    fresh = cluster.get("apps/v1/statefulsets", "demo-inference")
+    assert fresh is not None and not fresh["metadata"].get("deletionTimestamp")
+    assert cluster.get("v1/pods", lost) is not None, "only its node or an admin removes the lost pod"
+    assert c.LABEL_JOB_UID not in cluster.get("v1/pods", lost)["metadata"]["labels"], "still in the Services"
