@@ -357,6 +357,9 @@ def test_decoupled_objective_with_truncated_behaviour_weight():
     assert stats.truncated_fraction == 0.25
     assert (stats.clipped_high, stats.clip_fraction) == (1.0, 0.25)
     assert stats.policy_loss_sum == pytest.approx(-4.2)
+    # Effective sample size of the weights as the loss used them (1.5, 2, 0.5, 1), as verl reports it
+    # (rollout_is_eff_sample_size, 1 / mean((w / mean w)^2)): (sum w)^2 / (n sum w^2) = 25 / (4 * 7.5) = 0.8333.
+    assert stats.weight_ess == pytest.approx(25 / 30)
 
 
 def test_behaviour_weight_stats_add_up_over_micro_batches_and_ranks():

@@ -373,6 +373,7 @@ class Controller:
             "importance_weight_mean": stats.weight_mean,
             "importance_weight_max": stats.weight_max,
             "truncated_fraction": stats.truncated_fraction,
+            "importance_weight_ess": stats.weight_ess,
             "tokens": stats.tokens,
             **completion_figures(rollouts),
             "completions_truncated": scored.truncated,

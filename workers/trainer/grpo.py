@@ -325,6 +325,10 @@ class LossStats(_Reducible):
     """Tokens whose behaviour importance weight passed the cap or the floor (cut to it, or masked)."""
     clipped_ratio_max: float = 0.0
     """Tokens with A < 0 and ratio > clip_ratio_max: the two-sided clip zeroes their policy gradient."""
+    used_weight_sum: float = 0.0
+    """Sum of the behaviour weights as the loss used them (after the cap and floor; 0 where masked)."""
+    used_weight_sq_sum: float = 0.0
+    """... and of their squares, for the effective sample size."""
 
     @classmethod
     def from_tensor(cls, values: Tensor) -> LossStats:
@@ -362,6 +366,13 @@ class LossStats(_Reducible):
     def mean_weight(self) -> float:
         """Mean behaviour importance weight over the off-policy tokens (0 when there were none)."""
         return safe_div(self.weight_sum, self.off_policy_tokens)
+
+    @property
+    def weight_ess(self) -> float:
+        """Effective sample size of the weights the loss used, as a share of the off-policy tokens: (sum w)^2 /
+        (n sum w^2), 1 when all weights are equal, near 1 / n when one dominates (verl's
+        rollout_is_eff_sample_size); 0 without off-policy tokens."""
+        return safe_div(self.used_weight_sum**2, self.off_policy_tokens * self.used_weight_sq_sum)
 
     @property
     def truncated_fraction(self) -> float:
@@ -563,6 +574,11 @@ def grpo_loss(
                     ((ratio > clip_ratio_max) & (adv < 0) & keep).sum().to(weight.dtype)
                     if clip_ratio_max is not None
                     else zero
+                ),
+                *(
+                    (torch.where(keep, capped, zero).sum(), torch.where(keep, capped.square(), zero).sum())
+                    if behaviour_logp is not None
+                    else (zero, zero)
                 ),
             ]
         )

@@ -46,6 +46,7 @@ class StepStats:
     weight_mean: float = 0.0  # behaviour importance weight pi_trainer / pi_sampler, mean over the weighted tokens
     weight_max: float = 0.0  # ... and its largest value, both before truncation
     truncated_fraction: float = 0.0  # share of off-policy tokens whose weight was cut to grpo.importanceWeightCap
+    weight_ess: float = 0.0  # effective sample size of the weights the loss used, as a share of those tokens
     updates: int = 1  # optimizer steps taken on the batch (grpo.updatesPerBatch x mini-batches)
     learning_rate: float = 0.0  # the step's rate after grpo.lrSchedule
     entropy: float = 0.0  # the policy's mean token entropy (nats) on the batch, before the first update
@@ -297,6 +298,7 @@ def train_step(
         weight_mean=totals.mean_weight,
         weight_max=totals.weight_max,
         truncated_fraction=totals.truncated_fraction,
+        weight_ess=totals.weight_ess,
         updates=updates,
         learning_rate=learning_rate,
         entropy=entropy.mean,
