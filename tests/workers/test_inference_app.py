@@ -18,7 +18,7 @@ from grpolora.workers.inference import app as app_module
 from grpolora.workers.inference.app import MAX_BODY_BYTES, create_app
 from grpolora.workers.inference.metrics import TokenRate
 from grpolora.workers.sync import wire
-from grpolora.workers.sync.control import JOIN_PATH, POOL_PATH, PREPARE_PATH, STATE_PATH
+from grpolora.workers.sync.control import JOIN_PATH, POOL_PATH, PREPARE_PATH, REFUSAL_HEADER, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.workers.fakeengine import TOKEN, FakeOwnEngineBook, fake_servers
 
@@ -91,6 +91,128 @@ def test_a_hung_engine_fails_health_within_its_bound_and_sends_no_second_round_t
         assert engine.round_trips == sent  # no pile of calls in a hung engine
         engine.hung = False
         wait_healthy(client)
+
+
+SLOW_JOIN_SECONDS = 4.0
+CONTROL_TIMEOUT = 1.0  # the link's control timeout in these tests (CONTROL_TIMEOUT_SECONDS, 10 s, in a server)
+
+
+def slow_first_join_worker(address: str, authkey_hex: str) -> None:
+    """vLLM's worker's end of the members, whose first join takes longer than the control timeout, as the join's
+    abort of the stale group on the control thread can (AdapterReceiver.join runs stale.close(); on NCCL,
+    ProcessGroupNCCL.abort waits on ncclCommAbort, which is unbounded on a dead InfiniBand peer)."""
+    from grpolora.workers.inference.member_host import serve_host
+    from grpolora.workers.sync.receiver import AdapterReceiver
+
+    join, joins = AdapterReceiver.join, []
+
+    def slow_first(self, request):
+        joins.append(request)
+        if len(joins) == 1:
+            time.sleep(SLOW_JOIN_SECONDS)
+        return join(self, request)
+
+    AdapterReceiver.join = slow_first
+    serve_host(address, authkey_hex).finished.wait()
+
+
+def join_body(**fields) -> dict:
+    body = {
+        "epoch": 1,
+        "rank": 1,
+        "world_size": 2,
+        "store_addr": "127.0.0.1",
+        "store_port": 1,
+        "backend": "gloo",
+        "timeout_seconds": 1,
+        "join_timeout_seconds": 1,
+        "trainer_fingerprint": "another model",  # refused by the member itself: its answer shows it was reached
+        "current_version": 0,
+    }
+    return body | fields
+
+
+def test_a_member_whose_control_call_timed_out_is_attached_again_at_the_next_join(tmp_path):
+    """A control call that outlives the control timeout closes the tenant's channel (a late answer would be read as
+    the next call's), and the worker's end closes its member when its late answer cannot be sent. Before, every
+    later call of that job answered MemberUnreachable for good while /health said ok: the job's own server NotReady
+    for ever, a pool serving the job without syncing it. Now the trainer's next join attaches a new member, which
+    answers; /health stays ok throughout. Real MemberLink and member host (a spawned process: the worker's end);
+    the NCCL abort's length is played by a slow first join."""
+    import asyncio
+    import multiprocessing as mp
+
+    from grpolora.workers.inference.member_link import MemberLink
+    from grpolora.workers.inference.server import sync_member_factory
+
+    link = MemberLink(timeout_seconds=60.0)  # the spawned worker end imports torch: seconds under load
+    processes = []
+
+    async def connect(address: str, authkey_hex: str) -> list[bool]:
+        process = mp.get_context("spawn").Process(target=slow_first_join_worker, args=(address, authkey_hex))
+        process.start()
+        processes.append(process)
+        return [True]
+
+    asyncio.run(link.start(connect))
+    link.timeout_seconds = CONTROL_TIMEOUT
+    factory = sync_member_factory(lambda: link, replica_index=0, fingerprint=lambda: "f" * 64)
+    engine = FakeOwnEngineBook(tmp_path)
+
+    def member(book):
+        return factory(book, wire.round_key(TOKEN), "local")
+
+    app = create_app(engine, member, token=TOKEN, version_wait_seconds=1)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        with TestClient(app, raise_server_exceptions=False) as client:
+            wait_healthy(client)
+            first = client.post(JOIN_PATH, json=join_body(), headers=auth)
+            assert first.status_code == 500, first.text  # MemberUnreachable: no answer within the timeout
+            assert client.get(STATE_PATH, headers=auth).status_code == 500  # its channel is closed
+            assert client.get("/health").status_code == 200  # the engine is fine: nothing to replace
+            again = client.post(JOIN_PATH, json=join_body(epoch=2), headers=auth)
+            # Reached a member (a new one), which refused the other model's trainer itself: 409, not 500.
+            assert again.status_code == 409 and again.headers.get(REFUSAL_HEADER) == "FingerprintMismatch"
+            assert client.get(STATE_PATH, headers=auth).json()["replica_index"] == 0
+            assert client.get("/health").status_code == 200
+    finally:
+        link.close()
+        for process in processes:
+            process.join(30)
+    assert processes[0].exitcode == 0, "the worker end did not leave when the HTTP process's link closed"
+
+
+class LostMember:
+    """A RemoteMember whose channel was lost (its control call timed out)."""
+
+    lost = "join: TimeoutError('no answer within 10s')"
+    asked = ready = False
+
+    def close(self) -> None:
+        pass
+
+
+def test_health_fails_when_a_lost_member_cannot_be_attached_again(tmp_path):
+    """Where the worker cannot give the job a new member (a GPU budget still held by the stuck one, a link that no
+    longer answers), the replica is no use to that job: /health fails, naming why, so that the kubelet or
+    `grpolora run` replaces it."""
+    made = []
+
+    def factory(book):
+        made.append(book)
+        if len(made) > 1:
+            raise RuntimeError("the member worker could not attach local: no room")
+        return LostMember()
+
+    app = create_app(FakeOwnEngineBook(tmp_path), factory, token=TOKEN, version_wait_seconds=1)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        wait_healthy(client)
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        assert client.post(JOIN_PATH, json=join_body(), headers=auth).status_code == 500
+        health = client.get("/health")
+        assert health.status_code == 500, health.text
+        assert "sync member of local was lost" in health.text and "no room" in health.text
 
 
 GUARDED = [

@@ -7,10 +7,11 @@ attachment list on a pool's (PoolEnv, GRPOLORA_POOL_JOBS_FILE, followed as it ch
 selects its job, and everything it does acts on that job alone: its adapter versions (each a LoRA id and folder of
 its own on the one shared vLLM engine), its sync receiver (its own group with its own trainer), its in-flight cap.
 
-Open: GET /health (engine up and answering a round trip within ENGINE_PROBE_SECONDS: EngineProbe; liveness and
-startup probe), GET /ready (engine up and every job served is current:
-the rule and why are in tenants.py; readiness probe), GET /metrics (labelled by job), GET /v1/adapter (per job:
-live and loaded versions; at the top level the caller's job, named by its token, or the job of a job's own server).
+Open: GET /health (engine up and answering a round trip within ENGINE_PROBE_SECONDS: EngineProbe; no job's sync
+member lost for good: tenants.Tenant.member; liveness and startup probe), GET /ready (engine up and every job
+served is current: the rule and why are in tenants.py; readiness probe), GET /metrics (labelled by job),
+GET /v1/adapter (per job: live and loaded versions; at the top level the caller's job, named by its token, or the
+job of a job's own server).
 Token-guarded (`Authorization: Bearer <a served job's token>`): everything else, i.e. POST /v1/generate,
 GET /v1/sync/state, GET /v1/sync/pool (a pool's replicas now), POST /v1/sync/join, POST /v1/sync/prepare.
 
@@ -166,6 +167,7 @@ def create_app(
                 book=engine,
                 receiver=receiver_factory(engine),
                 gate=FairGate(None, on_change=in_flight_gauges(job)),
+                remake=lambda: receiver_factory(engine),
             )
         )
 
@@ -326,7 +328,7 @@ def build_app(
             return Response(f"failed: {state.get('error', ENGINE_DIED)}", status_code=500)
         if not tenants.started:
             return Response("starting", status_code=503)
-        fault = await probe.fault()
+        fault = "; ".join(tenants.lost) or await probe.fault()
         if fault is not None:
             log.error("health: %s", fault)
             return Response(f"failed: {fault}", status_code=500)
@@ -440,7 +442,7 @@ def build_app(
     async def sync_join(request: JoinRequest, http: Request) -> dict:
         tenant = caller(http)
         try:
-            await asyncio.to_thread(tenant.receiver.join, request)
+            await asyncio.to_thread(lambda: tenant.member().join(request))
         except (FingerprintMismatch, StaleIncarnation) as exc:
             raise refused(exc) from None
         # The member took it: from now on the book refuses rollouts of older incarnations too (the member may be

@@ -175,6 +175,7 @@ class RemoteMember:
         self._on_round, self._on_error = on_round, on_error
         self._timeout = timeout_seconds
         self._lock = threading.Lock()
+        self.lost: str | None = None  # why the control channel was closed on a failed call (tenants.Tenant.member)
         self._events_thread = threading.Thread(target=self._serve_events, name=f"member-events-{name}", daemon=True)
         self._events_thread.start()
 
@@ -184,7 +185,9 @@ class RemoteMember:
                 send(self._control, {"op": op, **body})
                 answer = receive(self._control, self._timeout)
             except (OSError, EOFError, TimeoutError) as exc:
-                # A late answer would be read as the next call's: this channel is done.
+                # A late answer would be read as the next call's: this channel is done (the tenant attaches a new
+                # member at its trainer's next join: tenants.Tenant.member).
+                self.lost = self.lost or f"{op}: {exc!r}"
                 with contextlib.suppress(OSError):
                     self._control.close()
                 raise MemberUnreachable(f"the sync member of {self.name} in vLLM's worker: {exc!r}") from None

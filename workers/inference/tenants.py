@@ -33,6 +33,7 @@ import hashlib
 import hmac
 import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -131,6 +132,32 @@ class Tenant:
     gate: FairGate
     attached_at: float = field(default_factory=time.monotonic)
     awaited: bool = True  # attached as the server started: readiness waits (up to the grace) for its trainer
+    remake: Callable[[], SyncMember] | None = None  # a new sync member for this job, made as its first was
+    lost: str | None = None  # why its lost member could not be replaced (then /health fails: the replica goes)
+    _remaking: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def member(self) -> SyncMember:
+        """The job's sync member for its trainer's join. One whose channel to vLLM's worker was lost (RemoteMember
+        .lost: a control call timed out, e.g. behind an NCCL abort of the stale group, and its channel was closed)
+        answers nothing from then on, while the server stays healthy: it is replaced by a new member first, so
+        that the trainer's next join re-forms the group with this replica. When the worker cannot attach a new one
+        (a GPU budget still held by the old one, a link that no longer answers), `lost` says why, /health fails and
+        the replica is replaced."""
+        with self._remaking:
+            old = self.receiver
+            why = getattr(old, "lost", None)
+            if why is None or self.remake is None:
+                return old
+            log.warning("%s: its sync member's channel was lost (%s); attaching a new member", self.job, why)
+            try:
+                self.receiver = self.remake()
+            except Exception as exc:
+                self.lost = f"the sync member of {self.job} was lost ({why}) and could not be attached again: {exc}"
+                raise
+            self.lost = None
+        # The old member's worker end leaves once its own call returns; closing waits for that, off this thread.
+        threading.Thread(target=old.close, name=f"member-close-{self.job}", daemon=True).start()
+        return self.receiver
 
     def ready(self, grace: float | None) -> bool:
         return tenant_ready(
@@ -208,6 +235,11 @@ class Tenants:
     @property
     def ready(self) -> bool:
         return self.started and all(t.ready(self.grace) for t in self)
+
+    @property
+    def lost(self) -> list[str]:
+        """Why a tenant's sync member is lost for good (Tenant.member): each fails /health."""
+        return [t.lost for t in self if t.lost is not None]
 
 
 class AttachmentList:
@@ -381,6 +413,7 @@ def pool_tenants(
             book=book,
             receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
             gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
+            remake=lambda: receiver(book, bytes.fromhex(entry.sync_key), entry.job),
         )
 
     return AttachmentList(jobs_file, pool=pool, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant)
