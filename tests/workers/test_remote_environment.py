@@ -278,3 +278,36 @@ def test_an_unreachable_service_is_played_again_then_fails_the_step(tokenizer):
     with pytest.raises(EnvironmentOutage, match=says):
         runner.run([PROMPT], [[7, 8]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
     runner.close()
+
+
+def test_a_service_gets_the_models_tool_calls_and_answers_an_invalid_action_as_the_tools_error():
+    """Native tool calls reach an environment service as they reach a plugin (the message's tool_calls were dropped
+    by the service's message check), and an InvalidAction it raises is the tool's error, not a fault."""
+    import sys
+    from pathlib import Path
+
+    from grpolora.workers.environments.base import InvalidAction
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "examples"))
+    try:
+        import tool_calling_env
+    finally:
+        sys.path.pop(0)
+
+    class Picky(tool_calling_env.ToolCallingEnvironment):
+        def step(self, message):
+            if message["content"] == "?":
+                raise InvalidAction("call a tool or answer")
+            return super().step(message)
+
+    server = AppServer(build_app(Picky)).start()
+    try:
+        env = remote(server.url)()
+        env.reset(PROMPT)
+        call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+        reply = env.step({"role": "assistant", "content": "", "tool_calls": [call]})
+        assert reply.messages == [{"role": "tool", "content": "5.0", "tool_call_id": "call_1", "name": "add"}]
+        reply = env.step({"role": "assistant", "content": "?"})
+        assert reply.messages == [{"role": "tool", "content": "error: call a tool or answer"}] and not reply.done
+    finally:
+        server.stop()

@@ -96,6 +96,11 @@ def checked_messages(value: Any, where: str) -> list[Message]:
                 if not isinstance(message[key], str):
                     raise EnvironmentFault(f"{where}[{i}].{key}: expected a string, got {message[key]!r:.100}")
                 checked[key] = message[key]
+        calls = message.get("tool_calls")
+        if calls is not None:
+            if not isinstance(calls, list) or not all(isinstance(call, Mapping) for call in calls):
+                raise EnvironmentFault(f"{where}[{i}].tool_calls: expected a list of calls, got {calls!r:.100}")
+            checked["tool_calls"] = [dict(call) for call in calls]
         messages.append(checked)
     return messages
 

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict
 from grpolora.workers.environments.base import (
     Environment,
     EnvironmentFactory,
+    InvalidAction,
+    Reply,
     checked_messages,
     checked_opening,
     checked_reply,
@@ -70,6 +72,15 @@ class StepBody(_Body):
 
 class CloseBody(_Body):
     episode: str
+
+
+def _step(env: Any, message: dict[str, Any]) -> Reply:
+    """The environment's step, checked; an InvalidAction it raises is the tool's error answer (runner.py does the
+    same for an environment in the trainer's processes)."""
+    try:
+        return checked_reply(env.step(message))
+    except InvalidAction as exc:
+        return Reply([{"role": "tool", "content": f"error: {exc}"}])
 
 
 @dataclass
@@ -139,7 +150,7 @@ def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_epis
             if body.turn != served.turn + 1:
                 raise HTTPException(409, f"turn {body.turn} of episode {body.episode!r}; expected {served.turn + 1}")
             [message] = environment_call(checked_messages, [body.message], "message")
-            reply = environment_call(lambda: checked_reply(served.env.step(message)))
+            reply = environment_call(lambda: _step(served.env, message))
             served.turn, served.answer = body.turn, {
                 "messages": reply.messages, "done": reply.done, "reward": reply.reward,
             }  # fmt: skip
