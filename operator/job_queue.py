@@ -68,6 +68,29 @@ def _finished_workload_of_a_new_run(where: _Placement, old: JobStatus, observed:
     return ChildRef("Workload", workload["metadata"]["name"])
 
 
+def waits_for_pool_room(where: _Placement) -> bool:
+    """A queued job on a RolloutPool that has no place for it: its Workload is kept inactive (spec.active: false,
+    as a suspended job's: grpolora.operator.kueue.activation_patch), so that Kueue neither admits it nor holds quota
+    for it while it could not run, and waitForPodsReady never evicts and requeues it over and over (with
+    backoffLimitCount, until RequeuingLimitExceeded). Made active again once the pool has a place: Kueue then queues
+    and admits it, and the admitted job takes the place (pools.candidate). Two jobs that see one free place may
+    both be admitted; the one the pool does not attach is made inactive again, its quota given back."""
+    place = where.place
+    return where.queue is not None and place is not None and not place.attached and not place.room
+
+
+def pool_room_admission(where: _Placement) -> cond.Want:
+    """The job's Admitted condition while it waits for room on its pool (waits_for_pool_room)."""
+    assert where.place is not None
+    return cond.Want(
+        names.ADMITTED,
+        "False",
+        names.R_POOL_FULL,
+        f"waiting for room on its RolloutPool ({where.place.message}): its Kueue Workload is kept inactive, holding "
+        f"no quota, until a place is free; then it waits in LocalQueue {where.queue} to be admitted",
+    )
+
+
 def _queue_write(
     where: _Placement, observed: Observed, course: _Course, status: JobStatus, *, pods_ready: bool, stamp: str
 ) -> kueue.WorkloadWrite | None:
@@ -81,7 +104,7 @@ def _queue_write(
         # What the job needs to make progress (readiness.makes_progress), not every pod of its own PodsReady.
         pods_ready=pods_ready,
         finished=None,
-        suspended=where.job_plan.spec.suspend,
+        suspended=where.job_plan.spec.suspend or waits_for_pool_room(where),
     )
     if (observed.queue_workload.get("spec") or {}).get("queueName") in (None, where.queue):
         return write

@@ -92,6 +92,9 @@ class PoolPlace:
     ready: int = 0
     desired: int = 0
     """The pool's ready and desired server replicas (the job's inference replicas in `kubectl get glj`)."""
+    room: bool = True
+    """The pool has a place for the job: it is attached, or fewer than spec.maxJobs jobs are. Under Kueue a job
+    without one keeps its Workload inactive (job_queue.waits_for_pool_room)."""
 
 
 def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str, token: str | None = None) -> PoolPlace:
@@ -107,13 +110,13 @@ def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str, token: str 
             return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to renew its key for the job")
         return PoolPlace(True, names.R_POOL_ATTACHED, f"attached to {where}", replicas.ready, replicas.desired)
     count = f"{len(status.attached_jobs)}/{pool.spec.max_jobs} jobs attached"
+    full = len(status.attached_jobs) >= pool.spec.max_jobs
     if key in status.waiting_jobs:
         position = ordinal(status.waiting_jobs.index(key) + 1)
         # Not full: the job is about to attach (its token Secret is being made, or the pool's next pass is due).
-        full = len(status.attached_jobs) >= pool.spec.max_jobs
         reason = names.R_POOL_FULL if full else names.R_WAITING_FOR_POOL
-        return PoolPlace(False, reason, f"{position} in line for {where} ({count})")
-    return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to attach it ({count})")
+        return PoolPlace(False, reason, f"{position} in line for {where} ({count})", room=not full)
+    return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to attach it ({count})", room=not full)
 
 
 # ---- the pool's status ------------------------------------------------------------------------------------------

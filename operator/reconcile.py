@@ -47,7 +47,14 @@ from grpolora.operator.job_decision import (
 )
 from grpolora.operator.job_events import Event, transition_events
 from grpolora.operator.job_placement import _placement
-from grpolora.operator.job_queue import _admission, _ended, _finished_workload_of_a_new_run, _queue_write
+from grpolora.operator.job_queue import (
+    _admission,
+    _ended,
+    _finished_workload_of_a_new_run,
+    _queue_write,
+    pool_room_admission,
+    waits_for_pool_room,
+)
 from grpolora.operator.job_status import failed_at_this_generation, is_finished
 from grpolora.operator.job_view import JobView, K8sObject
 from grpolora.operator.job_workloads import _workloads_to_create
@@ -145,6 +152,8 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         observed = dataclasses.replace(observed, queue_workload=None)
     progress = obs.fold_trainer(old, observed.trainer)
     admission = _admission(where.queue, observed.queue_workload, api_missing=observed.queue_api_missing)
+    if waits_for_pool_room(where):
+        admission = pool_room_admission(where)
     course = _course(where, old, observed, admission, progress, now)
     if stale is not None:
         course = dataclasses.replace(course, deletes=(*course.deletes, stale), requeue=REPLACE_RECHECK_SECONDS)

@@ -433,3 +433,46 @@ async def scale_and_scrape(cluster: Cluster, metrics: str) -> None:
     await cluster.delete_pool(POOL)
     await wait_for(lambda: cluster.get(POOL_RESOURCE, POOL) is None, "the pool deleted")
     await scrape_until(metrics, f'pool="{POOL}"', present=False)  # the deleted pool's series go with it
+
+
+async def test_a_job_waiting_for_room_on_its_pool_holds_no_quota_and_is_not_evicted_over_and_over(cluster, operator):
+    """Kueue counts a job's trainer quota from its admission; the pool's places are the operator's. A job admitted
+    while its pool is full held that quota and waited; under waitForPodsReady Kueue evicted it after the timeout,
+    requeued it with backoff and admitted it again, over and over (and with backoffLimitCount deactivated it for good:
+    RequeuingLimitExceeded). While its pool has no place for it, the job keeps its Workload inactive (spec.active:
+    false, as for a suspended job: Kueue evicts an inactive Workload's admission, never admits it and holds no quota
+    for it, pkg/controller/core/workload_controller.go), and makes it active again once a place is free."""
+    from tests.operator.kueue_double import FakeKueue, is_true
+
+    async with FakeKueue(cluster, capacity=2, pods_ready_timeout=3600.0, backoff=0.1) as kueue:
+        await cluster.apply(pool_doc())  # one place
+        first, later = job_on_pool("first"), job_on_pool("later")
+        for doc in (first, later):
+            doc["metadata"]["labels"] = {c.KUEUE_QUEUE_LABEL: "gpu-queue"}
+            await cluster.apply(doc)
+            await wait_for(lambda doc=doc: trainer(cluster, doc["metadata"]["name"]) or doc is later, "first runs")
+        await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/first"], "the first job attached")
+        # The first job's pods are ready: its Workload is not the one waitForPodsReady is after.
+        await cluster.set_status("batch/v1/jobs", "first-trainer", {"active": 1, "ready": 1})
+        await cluster.set_status("apps/v1/statefulsets", SERVERS, {"readyReplicas": 1})
+        await wait_for(lambda: is_true(kueue.workload("first"), "PodsReady"), "first's PodsReady")
+        kueue.pods_ready_timeout = 0.5  # the test plays the clock (see test_kueue's PodsReady tests)
+
+        await wait_for(lambda: kueue.workload("later") is not None, "later's Workload")
+        for _ in range(4):  # passes over many PodsReady timeouts
+            before = operator.passes()
+            await wait_for(lambda b=before: operator.passes() > b + 2, "passes of the operator")
+            await asyncio.sleep(0.3)
+            workload = kueue.workload("later")
+            assert not kueue.holds_quota(workload), workload["status"]
+            assert "later" not in kueue.timed_out, kueue.timed_out
+            assert cluster.status("later")["phase"] == "Pending"
+            assert trainer(cluster, "later") is None
+        assert "room" in cluster.condition("later", names.ADMITTED)["message"], cluster.condition(
+            "later", names.ADMITTED
+        )
+
+        await succeed(cluster, "first")  # a place is free: later is queued, admitted and attached
+        await wait_for(lambda: listed(cluster) == [f"{NAMESPACE}/later"], "later attached")
+        await wait_for(lambda: trainer(cluster, "later"), "later's trainer Job")
+        assert kueue.holds_quota(kueue.workload("later"))
