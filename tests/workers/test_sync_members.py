@@ -600,3 +600,46 @@ def test_folding_the_scaling_imports_nothing_of_vllm():
     result = subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]"
+
+
+def test_the_payload_layout_is_the_wire_layout_of_one_bucket_and_packs_every_wire_dtype():
+    """One layout and one packer (wire.py): a shared payload is a round's single bucket, as plain types for vLLM's
+    RPC. payload.py had its own dtype table (without float64, which the wire carries), alignment and packer, and the
+    staging fallback copied by hand: an adapter the wire sent in float64 verified and then could not be staged."""
+    from grpolora.workers.inference import payload
+
+    tensors = {
+        "b": torch.randn(7).to(torch.bfloat16),
+        "a": torch.randn(3, 5, dtype=torch.float64),
+        "c": torch.randn(2, 3).to(torch.float16),
+    }
+    layout, size = payload.payload_layout(tensors)
+    entries, sizes = wire.plan_buckets(tensors, bucket_bytes=size)
+    assert sizes == [size]
+    assert layout == [(e.name, e.dtype, list(e.shape), e.offset, e.nbytes) for e in entries]
+    packed, layout = payload.pack_payload(tensors)
+    _, buckets = wire.pack(tensors, key=b"k" * 32, version=1, epoch=0, bucket_bytes=size)
+    for raw in (bytes(packed), bytes(buckets[0].numpy())):  # packed here, or a round's bucket as it arrived
+        unpacked = payload.unpack_payload(raw, layout)
+        assert all(torch.equal(unpacked[name], tensor) for name, tensor in tensors.items())
+    assert not hasattr(payload, "_DTYPES")
+
+
+def test_a_version_not_received_into_the_segment_is_staged_by_the_one_packer():
+    """StagingSink's fallback (tensors that are not views of a staged segment) packs with wire's packer into a new
+    segment, in the payload layout every worker unpacks; float64 included, as the wire carries it."""
+    from grpolora.workers.inference.payload import SharedPayload
+
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def activate_remote(version, segment, size, layout, adapter_config, *, incarnation):
+        held = SharedPayload(segment, size)  # a worker maps it while the call runs
+        seen.append(unpack_payload(held, layout))
+        held.close()
+
+    sink = StagingSink(activate_remote)
+    tensors = {"z": torch.randn(3, 4, dtype=torch.float64), "a": torch.randn(5).to(torch.bfloat16)}
+    sink.activate(1, tensors, {})
+    (unpacked,) = seen
+    assert sink.live_version == 1 and all(torch.equal(unpacked[k], v) for k, v in tensors.items())
+    sink.close()

@@ -23,6 +23,7 @@ from grpolora.workers.inference.gpu_headroom import TenantBudget
 from grpolora.workers.inference.member_messages import receive, send
 from grpolora.workers.inference.payload import (
     Layout,
+    entries_of,
     new_segment,
     payload_layout,
     remove_orphaned_stages,
@@ -367,8 +368,8 @@ class StagingSink:
         layout, size = payload_layout(tensors)  # not all in the segment: one copy to the host, into a new one
         self.discard()  # the round's own segment, if any, goes (what maps it keeps its bytes)
         flat = self._stage(size)
-        for (_, _, _, start, nbytes), tensor in zip(layout, tensors.values(), strict=True):
-            flat[start : start + nbytes].view(tensor.dtype).copy_(tensor.detach().reshape(-1))
+        if size:
+            wire.write_entries([flat], entries_of(layout), tensors)  # the one packer (wire.py)
         name, _ = self._staged  # type: ignore[misc]
         return name, size, layout
 

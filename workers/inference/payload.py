@@ -17,6 +17,7 @@ import logging
 import mmap
 import os
 import socket
+import sys
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from multiprocessing import shared_memory
@@ -24,37 +25,39 @@ from typing import Any
 
 import torch
 
+from grpolora.workers.sync import wire
+
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"  # where shm_open puts a segment's name: SharedPayload maps it from there
 
-_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-ALIGN = 64  # bytes; every tensor starts aligned, so that a byte view can be reinterpreted as its dtype
-# (name, dtype, shape, byte offset, nbytes) per tensor: plain types, as vLLM's RPC serialises them.
+ALIGN = wire.ALIGN  # every tensor starts aligned, so that a byte view can be reinterpreted as its dtype
 Layout = list[tuple[str, str, list[int], int, int]]
+"""A payload's layout: the wire's layout (sync/wire.py, TensorEntry) of one bucket, as (name, dtype, shape, byte
+offset, nbytes) per tensor: plain types, as vLLM's RPC serialises them. One layout and one packer for both."""
+
+
+def layout_of(entries: Sequence[wire.TensorEntry]) -> Layout:
+    """The plain form of one bucket's entries."""
+    return [(e.name, e.dtype, list(e.shape), e.offset, e.nbytes) for e in entries]
+
+
+def entries_of(layout: Layout) -> list[wire.TensorEntry]:
+    """A layout's entries again (bucket 0)."""
+    return [wire.TensorEntry(name, dtype, tuple(shape), 0, at, nbytes) for name, dtype, shape, at, nbytes in layout]
 
 
 def payload_layout(tensors: Mapping[str, torch.Tensor]) -> tuple[Layout, int]:
-    """Where each tensor goes in one contiguous payload, and the payload's size."""
-    layout: Layout = []
-    offset = 0
-    for name, tensor in tensors.items():
-        dtype = str(tensor.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
-            raise ValueError(f"adapter tensor {name}: dtype {dtype} not one of {sorted(_DTYPES)}")
-        nbytes = tensor.numel() * tensor.element_size()
-        layout.append((name, dtype, list(tensor.shape), offset, nbytes))
-        offset += -(-nbytes // ALIGN) * ALIGN
-    return layout, offset
+    """Where each tensor goes in one contiguous payload (the wire's layout of a single bucket), and its size."""
+    if not tensors:
+        return [], 0
+    entries, sizes = wire.plan_buckets(tensors, bucket_bytes=sys.maxsize)
+    return layout_of(entries), sizes[0]
 
 
 def pack_into(buffer: Any, tensors: Mapping[str, torch.Tensor], layout: Layout) -> None:
-    """Copy the tensors into `buffer` (any writable buffer of the layout's size) as the layout says."""
-    flat = torch.frombuffer(buffer, dtype=torch.uint8)
-    for (_, _, _, start, nbytes), tensor in zip(layout, tensors.values(), strict=True):
-        # Copied as the tensor's own dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
-        flat[start : start + nbytes].view(tensor.dtype).copy_(tensor.detach().reshape(-1))
+    """Copy the tensors into `buffer` (any writable buffer of the layout's size) as the layout says (wire's packer)."""
+    wire.write_entries([torch.frombuffer(buffer, dtype=torch.uint8)], entries_of(layout), tensors)
 
 
 def pack_payload(tensors: Mapping[str, torch.Tensor]) -> tuple[bytearray, Layout]:
@@ -118,13 +121,13 @@ def unpack_payload(
     owned = payload.private_mapping() if isinstance(payload, SharedPayload) else bytearray(payload)
     size = payload.size if isinstance(payload, SharedPayload) else len(owned)
     if not size:
-        return {name: torch.empty(shape, dtype=_DTYPES[dtype]) for name, dtype, shape, _, _ in layout}
+        return {name: torch.empty(shape, dtype=wire.dtype_named(dtype)) for name, dtype, shape, _, _ in layout}
     flat = torch.frombuffer(owned, dtype=torch.uint8)[:size]  # the tensors keep the mapping alive
     tensors = {}
     for name, dtype, shape, offset, nbytes in layout:
         if offset < 0 or offset + nbytes > size:
             raise ValueError(f"adapter tensor {name}: bytes {offset}..{offset + nbytes} outside the payload")
-        tensors[name] = flat[offset : offset + nbytes].view(_DTYPES[dtype]).view(tuple(shape))
+        tensors[name] = flat[offset : offset + nbytes].view(wire.dtype_named(dtype)).view(tuple(shape))
     return tensors
 
 

@@ -1,5 +1,11 @@
 """Adapters built from memory inside vLLM's own worker processes: no folder between a sync round and vLLM.
 
+Runs in two processes. `AdapterExtension`, `gpu_budget`, `build_lora_model` and `hook_loader` run in every vLLM
+worker process (each TP rank; at TP=1 the EngineCore), which imports this module as vLLM's `worker_extension_cls`.
+`lora_request` and `memory_path` are also imported by the replica's HTTP process (adapter_book.py): they name an
+adapter from memory as vLLM's requests carry it there. Nothing of the member host (member_host.py, worker only) is
+imported at module level.
+
 vLLM's public `add_lora` loads an adapter from a folder. A synced adapter reaches the workers instead as one
 contiguous payload in a shared-memory segment, named with its layout in a `collective_rpc` (vLLM's call into its
 workers between engine steps), and becomes a LoRA model there with vLLM's `LoRAModel.from_lora_tensors`.

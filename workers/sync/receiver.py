@@ -1,10 +1,14 @@
-"""The receiving side of adapter sync, inside each inference server.
+"""The receiving side of adapter sync: one AdapterReceiver per job on each inference replica. It runs in vLLM's TP
+rank 0 worker process (at TP=1 the EngineCore), inside the job's WorkerMember (workers/inference/member_host.py),
+never in the replica's HTTP process, which reaches it over the member's sockets (member_link.py). Tests run it
+in-process, beside the sender.
 
 One worker thread owns the collective: it forms the group when told to join an epoch and takes part in a round
 when told to prepare one. A round's buckets are verified against the header's payload MAC before anything is
 activated; a corrupted, short or interrupted round activates nothing, and the version already live keeps
-serving. Activation itself belongs to the `AdapterSink` (the job's adapter book on its engine,
-workers/inference/adapter_book.py), injected so that the protocol is testable without vLLM.
+serving. Activation itself belongs to the `AdapterSink`, injected so that the protocol is testable without vLLM: in
+a replica, the member's StagingSink (member_host.py), which hands the staged round to the job's adapter book in the
+HTTP process (inference/adapter_book.py) and returns once that book has the version live.
 """
 
 from __future__ import annotations

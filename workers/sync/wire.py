@@ -271,15 +271,7 @@ def pack(
     spare = {(b.numel(), b.device): b for b in reuse if b.dtype == torch.uint8 and b.is_contiguous()}
     # Padding bytes stay uninitialised: they travel like the rest, and the MAC covers what was sent.
     buckets = [_reused(spare, size, torch.device(device)) for size in sizes]
-    for entry in entries:
-        source = tensors[entry.name].detach().reshape(-1)
-        view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes]
-        # Copy as the wire dtype into an aligned view (rounding on the way): a byte-wise copy is ~100x slower on CPUs.
-        scale = scales.get(entry.name) if scales else None
-        if scale is None:
-            view.view(_DTYPES[entry.dtype]).copy_(source)
-        else:
-            torch.mul(source, scale, out=view.view(_DTYPES[entry.dtype]))
+    write_entries(buckets, entries, tensors, scales)
     algorithm, nonce = PAYLOAD_MAC_ALGORITHM, secrets.token_hex(NONCE_BYTES)
     header = RoundHeader(
         version=version,
@@ -293,6 +285,25 @@ def pack(
         adapter_config=dict(adapter_config or {}),
     )
     return header, buckets
+
+
+def write_entries(
+    buckets: Sequence[torch.Tensor],
+    entries: Sequence[TensorEntry],
+    tensors: Mapping[str, torch.Tensor],
+    scales: Mapping[str, float] | None = None,
+) -> None:
+    """The packer, for a round's buckets and a shared payload alike (inference/payload.py: one bucket): each tensor
+    copied into its entry's place, as the entry's dtype (rounding on the way), times its scale if it has one."""
+    for entry in entries:
+        source = tensors[entry.name].detach().reshape(-1)
+        view = buckets[entry.bucket][entry.offset : entry.offset + entry.nbytes].view(_DTYPES[entry.dtype])
+        # Copied as the dtype into an aligned view: a byte-wise copy is ~100x slower on CPUs.
+        scale = scales.get(entry.name) if scales else None
+        if scale is None:
+            view.copy_(source)
+        else:
+            torch.mul(source, scale, out=view)
 
 
 def _reused(spare: dict[tuple[int, torch.device], torch.Tensor], size: int, device: torch.device) -> torch.Tensor:
