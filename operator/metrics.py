@@ -156,11 +156,12 @@ class Metrics:
         self.trainer_status_refused = Counter(
             "grpolora_trainer_status_refused",
             "Answers of trainers' /status (and pool servers' /v1/adapter) the operator refused, by reason: too_large "
-            "(over grpolora.operator.trainer_client.MAX_STATUS_BYTES), timeout.",
+            "(over grpolora.operator.trainer_client.MAX_STATUS_BYTES), too_deep (JSON nested deeper than the parser "
+            "recurses), timeout.",
             ["reason"],
             registry=self.registry,
         )
-        for reason in ("too_large", "timeout"):
+        for reason in ("too_large", "too_deep", "timeout"):
             self.trainer_status_refused.labels(reason=reason)
         for handler in HANDLERS:  # exported from the start, so that rate() and alerts see a 0 rather than nothing
             self.reconcile_errors.labels(handler=handler)

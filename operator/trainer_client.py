@@ -5,7 +5,8 @@ Workers hold no Kubernetes credentials: progress reaches the cluster only throug
 DNS names and ports do not answer yet; that is reported back as a short reason, not raised.
 
 A trainer runs its job author's code, and one operator polls every tenant's: each answer is read up to
-MAX_STATUS_BYTES (a larger one is refused, not buffered) within `timeout` seconds all told, and what is refused is
+MAX_STATUS_BYTES (a larger one is refused, not buffered; one nested deeper than the JSON parser recurses is refused
+too) within `timeout` seconds all told, and what is refused is
 counted (grpolora_trainer_status_refused_total, by reason), so that one trainer cannot hold the operator's memory or
 its passes.
 """
@@ -39,6 +40,10 @@ class TrainerUnavailable(Exception):
 
 class _TooLarge(ValueError):
     pass
+
+
+class _TooDeep(ValueError):
+    """JSON nested deeper than the parser recurses (json.loads raises RecursionError, not a ValueError)."""
 
 
 class TrainerStatusClient:
@@ -77,13 +82,18 @@ class TrainerStatusClient:
             body += piece
             if len(body) > self._max_bytes:
                 raise _TooLarge(f"body over {self._max_bytes} bytes")
-        return json.loads(body)
+        try:
+            return json.loads(body)
+        except RecursionError:
+            raise _TooDeep(f"JSON nested too deep ({len(body)} bytes)") from None
 
     def _refused(self, exc: BaseException) -> None:
         if self._metrics is None:
             return
         if isinstance(exc, _TooLarge):
             self._metrics.trainer_status_refused.labels(reason="too_large").inc()
+        elif isinstance(exc, _TooDeep):
+            self._metrics.trainer_status_refused.labels(reason="too_deep").inc()
         elif isinstance(exc, TimeoutError):
             self._metrics.trainer_status_refused.labels(reason="timeout").inc()
 

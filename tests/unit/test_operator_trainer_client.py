@@ -57,6 +57,31 @@ async def test_a_status_body_over_the_cap_is_refused_and_counted(chunked):
         await runner.cleanup()
 
 
+async def test_a_deeply_nested_status_is_refused_like_an_oversized_one():
+    """Under the byte cap, JSON nested thousands deep makes json.loads raise RecursionError (CPython's scanner enters
+    a recursive call per level), which is no ValueError: it escaped the poll and failed the whole pass, which backed
+    off and failed again at every poll. Refused and counted like a body over the cap, pass after pass."""
+    depth = 20_000
+    nested = ("[" * depth + "]" * depth).encode()
+    assert len(nested) < MAX_STATUS_BYTES
+
+    async def handler(_: web.Request) -> web.Response:
+        return web.Response(body=nested, content_type="application/json")
+
+    runner, url = await serve(handler)
+    metrics = Metrics()
+    client = TrainerStatusClient(metrics=metrics)
+    try:
+        for polls in (1, 2, 3):
+            with pytest.raises(TrainerUnavailable, match="nested too deep"):
+                await client.fetch(url)
+            assert await client.json(url) is None  # the pool's adapter reports: the same rule
+            assert refused(metrics, "too_deep") == 2 * polls
+    finally:
+        await client.close()
+        await runner.cleanup()
+
+
 async def test_a_status_under_the_cap_that_arrives_in_pieces_is_read_whole():
     # aiohttp's StreamReader.read(n) returns what is buffered, up to n bytes, not the body to its end: a report sent
     # in two writes with a pause between (a chunked body, or one split across TCP segments) must still be read whole.
