@@ -70,6 +70,7 @@ CHECKPOINT_DIR: Final = "GRPOLORA_CHECKPOINT_DIR"
 OUTPUT_DIR: Final = "GRPOLORA_OUTPUT_DIR"  # metrics.jsonl, final adapter, plot
 DATA_DIR: Final = "GRPOLORA_DATA_DIR"  # where spec.task.dataset paths start (the dataset volume's mount)
 SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/<secret name>/<key>, one file a key
+CHAT_TEMPLATE_FILE: Final = "GRPOLORA_CHAT_TEMPLATE_FILE"  # spec.task.chatTemplateFrom's key, mounted as a file
 
 # The servers of a RolloutPool (shared by several jobs) get these instead of the job's: GRPOLORA_ROLE (inference),
 # GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR and GRPOLORA_SYNC_BACKEND (the device
@@ -113,6 +114,7 @@ ALL: Final = (
     OUTPUT_DIR,
     DATA_DIR,
     SECRETS_DIR,
+    CHAT_TEMPLATE_FILE,
     *POOL_ONLY,
 )
 

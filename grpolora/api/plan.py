@@ -20,6 +20,8 @@ Role = Literal["trainer", "inference"]
 MODEL_MOUNT = c.MODEL_MOUNT
 DATASET_MOUNT = "/data"
 SECRETS_MOUNT = "/var/run/grpolora/secrets"
+CHAT_TEMPLATE_MOUNT = "/var/run/grpolora/chat-template"  # spec.task.chatTemplateFrom's key, as CHAT_TEMPLATE_NAME
+CHAT_TEMPLATE_NAME = "template.jinja"
 # Each Secret key a pod reads is one file under its mount, named after this (a Secret volume's `items[].path`).
 SECRET_FILE = "token"
 TOKEN_MOUNT = c.TOKEN_MOUNT
@@ -365,6 +367,8 @@ def plan(
     trainer_only = (
         *((EnvVar(env.DATA_DIR, DATASET_MOUNT),) if cluster and spec.task.dataset and spec.task.dataset.pvc else ()),
         *((EnvVar(env.SECRETS_DIR, SECRETS_MOUNT),) if cluster and trainer_secrets(spec) else ()),
+        *((EnvVar(env.CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_NAME}"),)
+          if cluster and spec.task.chat_template_from else ()),
     )
 
     def role_plan(role: Role, role_spec: RoleSpec, role_hosts: tuple[str, ...], ports: dict[str, int]) -> RolePlan:

@@ -667,6 +667,13 @@ class HubTokenRef(SpecModel):
     """The Secret's key that holds the token."""
 
 
+class ConfigMapKeyRef(SpecModel):
+    name: SecretName  # a ConfigMap's name follows the Secret's rule (a DNS subdomain)
+    """Name of a ConfigMap in the job's namespace."""
+    key: NonEmptyStr
+    """The ConfigMap's key that holds the text."""
+
+
 REWARD_LABEL = re.compile(r"^[A-Za-z0-9_.-]+$")
 
 
@@ -753,7 +760,13 @@ def _reward_entry(index: int, entry: Any) -> RewardSpec:
         raise FieldErrors(errors) from None
 
 
+_ONE_TEMPLATE = "set at most one of `chatTemplate` (the text or a shipped name) or `chatTemplateFrom` (a ConfigMap key)"
+
+
 class TaskSpec(SpecModel):
+    model_config = ConfigDict(json_schema_extra={CEL_VALIDATIONS: [
+        cel_rule("!has(self.chatTemplate) || !has(self.chatTemplateFrom)", _ONE_TEMPLATE)]})  # fmt: skip
+
     name: str | None = None
     """A built-in task, generated in code so it runs offline: `arithmetic` (exact answer plus a format bonus) or
     `keyword` (a short answer that uses a given word; moves within ~20 steps even for a 135M model)."""
@@ -781,6 +794,11 @@ class TaskSpec(SpecModel):
     `qwen3-instruct-2507`: those models' own templates, for a model saved without one or with another family's).
     With spec.environment the trainer checks at start that it continues a conversation turn by turn (exit 78 if not,
     naming this field)."""
+
+    chat_template_from: ConfigMapKeyRef | None = None
+    """On a cluster: the chat template's Jinja text from a ConfigMap key (a template too long for the job's YAML),
+    mounted read-only in the trainer; as chatTemplate otherwise. For `grpolora run`, set GRPOLORA_CHAT_TEMPLATE_FILE
+    to the file instead."""
 
     @field_validator("chat_template")
     @classmethod
@@ -828,6 +846,8 @@ class TaskSpec(SpecModel):
         errors: list[tuple[str, str]] = []
         if (self.name is None) == (self.dataset is None):
             errors.append(("", "set exactly one of `name` (a built-in task) or `dataset` (files or a hub dataset)"))
+        if self.chat_template is not None and self.chat_template_from is not None:
+            errors.append(("chatTemplateFrom", _ONE_TEMPLATE))
         if self.name is not None and self.name not in c.BUILTIN_TASKS:
             errors.append(("name", f"unknown built-in task {self.name!r}; valid: {', '.join(c.BUILTIN_TASKS)}"))
         if self.dataset is not None and self.reward is None:

@@ -7,6 +7,7 @@ family's end-of-turn is one id, as in its own tokenizer). No model, no engine.""
 
 from __future__ import annotations
 
+import kubernetes_validate
 import pytest
 
 from grpolora.api import constants as c
@@ -290,3 +291,40 @@ def test_an_unknown_tool_parser_is_refused_naming_the_field(model_dir):
     says = r"^spec.environment.toolParser: unknown tool parser 'hermes2'; vLLM's: .*hermes"
     with pytest.raises(TaskError, match=says):
         ToolCallParser("hermes2", family_tokenizer(model_dir, "qwen3"))
+
+
+def test_a_template_from_a_configmap_key_is_mounted_in_the_trainer_and_read_there(tmp_path, monkeypatch):
+    """spec.task.chatTemplateFrom: the operator mounts the ConfigMap's key as a file in trainer pods (and tells the
+    trainer where); the trainer renders with its text; one not there fails the job naming the field (exit 78)."""
+    from grpolora.api import contract
+    from grpolora.api.load import parse_job
+    from grpolora.api.plan import plan
+    from grpolora.operator.builders import build_children
+    from grpolora.workers.environments.templates import job_chat_template
+    from tests.helpers import job_doc
+    from tests.unit.test_render import K8S_VERSION
+
+    doc = job_doc(task={"name": "arithmetic", "chatTemplateFrom": {"name": "templates", "key": "qwen3.jinja"}})
+    job = parse_job(doc)
+    trainer = next(o for o in build_children(plan(job), owner_uid="1", token="t") if o["kind"] == "Job")
+    pod = trainer["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["chat-template"]["configMap"] == {"name": "templates",
+                                                     "items": [{"key": "qwen3.jinja", "path": "template.jinja"}]}
+    [container] = pod["containers"]
+    assert {"name": "chat-template", "mountPath": "/var/run/grpolora/chat-template", "readOnly": True} in (
+        container["volumeMounts"])  # fmt: skip
+    kubernetes_validate.validate(trainer, K8S_VERSION, strict=True)
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env[contract.CHAT_TEMPLATE_FILE] == "/var/run/grpolora/chat-template/template.jinja"
+    # The trainer reads the mounted text.
+    (tmp_path / "template.jinja").write_text(shipped_template("qwen3"))
+    monkeypatch.setenv(contract.CHAT_TEMPLATE_FILE, str(tmp_path / "template.jinja"))
+    assert job_chat_template(job.spec.task) == shipped_template("qwen3")
+    monkeypatch.setenv(contract.CHAT_TEMPLATE_FILE, str(tmp_path / "absent.jinja"))
+    with pytest.raises(ChatTemplateError, match=r"^spec.task.chatTemplateFrom: ConfigMap 'templates', key "
+                       r"'qwen3.jinja': not mounted at .*absent.jinja") as caught:  # fmt: skip
+        job_chat_template(job.spec.task)
+    assert exit_code(caught.value) == 78
+    with pytest.raises(ValueError, match="set at most one of `chatTemplate`"):
+        TaskSpec(name="arithmetic", chatTemplate="qwen3", chatTemplateFrom={"name": "t", "key": "k"})

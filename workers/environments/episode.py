@@ -37,8 +37,8 @@ FIELD = "spec.task.chatTemplate"
 class ChatTemplateError(ValueError):
     """A chat template that cannot continue a conversation turn by turn: a spec error (exit 78), found at start."""
 
-    def __init__(self, message: str):
-        super().__init__(f"{FIELD}: {message}")
+    def __init__(self, message: str, field: str = FIELD):
+        super().__init__(f"{field}: {message}")
 
 
 class ChatDelta:

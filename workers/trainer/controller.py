@@ -122,6 +122,8 @@ class Controller:
         if task.chat_template is not None:
             shipped = f" ({task.chat_template})" if task.chat_template in CHAT_TEMPLATES else ""
             where = f"spec.task.chatTemplate's template{shipped}"
+        elif task.chat_template_from is not None:
+            where = f"spec.task.chatTemplateFrom's template (ConfigMap {task.chat_template_from.name!r})"
         delta.probe(where)
         log.info("episodes: %s continues turn by turn; tool answers go as %s messages", where,
                  "tool" if delta.tool_role else "user")  # fmt: skip

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from grpolora.api.spec import EvalSpec, GRPOLoraJobSpec
-from grpolora.workers.environments.templates import chat_template_text
+from grpolora.workers.environments.templates import job_chat_template
 from grpolora.workers.tasks import Prompt, Task, TaskError, chat_messages
 from grpolora.workers.trainer.rollout import Completion, Sampling
 
@@ -137,8 +137,8 @@ def offline(spec: GRPOLoraJobSpec, adapter_dir: Path, root: Path | None = None) 
         prompts = held_out(task, spec)
         model_dir = str(resolve_model(spec.model.name, spec.model.revision))
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        if spec.task.chat_template is not None:
-            tokenizer.chat_template = chat_template_text(spec.task.chat_template)
+        if (template := job_chat_template(spec.task)) is not None:
+            tokenizer.chat_template = template
         tensors, config = adapter_io.load_adapter(adapter_dir)
         cpu_engine_env(spec)
         engine = OwnEngineBook(config_for(spec, model_dir))

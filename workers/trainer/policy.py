@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from grpolora.api.spec import GRPOLoraJobSpec
-from grpolora.workers.environments.templates import chat_template_text
+from grpolora.workers.environments.templates import job_chat_template
 from grpolora.workers.trainer.grpo import token_entropy, token_logprobs
 
 log = logging.getLogger(__name__)
@@ -152,8 +152,8 @@ class Policy:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
-        if spec.task.chat_template is not None:  # every prompt and episode is rendered with it, not the model's
-            tokenizer.chat_template = chat_template_text(spec.task.chat_template)
+        if (template := job_chat_template(spec.task)) is not None:  # every prompt and episode, not the model's
+            tokenizer.chat_template = template
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[spec.model.dtype])
         self._attach(base, tokenizer, spec, device=device, shard=shard, source=str(model_dir))
 
