@@ -3,7 +3,8 @@
 installed client), served by uvicorn in a thread, keeping what it receives in memory.
 
 Covered, as the real Hub answers them:
-- POST /api/repos/create (409 when the repository exists), GET /api/models/<repo>[/revision/<rev>] (repo_info);
+- POST /api/repos/create (409 when the repository exists), GET /api/models/<repo>[/revision/<rev>] (repo_info),
+  GET /api/models/<repo>/auth-check (auth_check: may the caller read it);
 - POST /api/models/<repo>/branch/<branch> (409 when it exists);
 - POST /api/validate-yaml (the model card's front matter must be a YAML mapping);
 - POST /api/models/<repo>/preupload/<rev>: `lfs` for *.safetensors (the Hub's .gitattributes makes them LFS),
@@ -172,6 +173,22 @@ def make_app(state: HubState, token: str, read_tokens: frozenset[str] = frozense
             "gated": "manual" if repo.gated else False,
             "siblings": siblings,
         }
+
+    @app.get("/api/models/{owner}/{name}/auth-check")
+    async def auth_check(owner: str, name: str, request: Request):
+        # huggingface_hub's HfApi.auth_check (hf_api.py): 200 when the caller may read the repository; else the
+        # Hub's refusal, read by hf_raise_for_status: RepoNotFound as for any read, GatedRepo (401 without a token,
+        # 403 with one not granted access) as the gated repository's files answer.
+        repo_id = f"{owner}/{name}"
+        repo = repo_or_404(repo_id, request)
+        if isinstance(repo, JSONResponse):
+            return repo
+        who = caller(request)
+        if repo.gated and who != token and who not in repo.granted:
+            status = 401 if who is None else 403
+            return _error(status, f"Access to model {repo_id} is restricted and you are not in the authorized list",
+                          code="GatedRepo")  # fmt: skip
+        return {}
 
     @app.get("/api/models/{owner}/{name}/tree/{revision}")
     async def tree(owner: str, name: str, revision: str, request: Request):
