@@ -115,7 +115,9 @@ class NcclTransport(Transport):
             raise TransportError("the nccl sync backend needs a GPU in this process; use gloo on CPUs")
         self.rank, self.world_size = rank, world_size
         self.store = store
-        self.device = device or torch.device("cuda", torch.cuda.current_device())
+        self.device = device or torch.device("cuda")
+        if self.device.type == "cuda" and self.device.index is None:  # named by index: formation runs on another thread
+            self.device = torch.device("cuda", torch.cuda.current_device())
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timedelta(seconds=timeout_seconds)
         options.is_high_priority_stream = True  # sync overlaps with generation on inference GPUs
@@ -151,7 +153,8 @@ class NcclTransport(Transport):
 
         def form() -> None:
             try:
-                torch.cuda.set_device(self.device)  # device and stream are per thread
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # device and stream are per thread
                 torch.cuda.set_stream(stream)
                 work = group.allreduce([torch.zeros(1, device=self.device)], sum_options())
                 _NcclPending(work, self, "group formation", timedelta(seconds=join_timeout_seconds)).wait()
