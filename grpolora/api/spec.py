@@ -942,6 +942,10 @@ class EnvironmentSpec(SpecModel):
     """The reward of an episode whose environment raised at the model's message (or answered malformed data): the
     episode ends there and is scored, so that making the environment fail is no refuge from a low reward. An
     environment that raises InvalidAction instead answers the model with the tool's error and goes on."""
+    discount: float = Field(default=1.0, gt=0, le=1)
+    """An environment may give a reward with every step (the reward of the assistant turn it answers), not only the
+    last; the episode's return, which its advantage uses, is the sum over turns of discount^(turn - 1) * reward
+    (a turn without one counts 0). An episode whose environment gave no reward is scored by spec.task's reward."""
     outage_seconds: float = Field(default=300.0, ge=0, le=c.MAX_TIMEOUT_SECONDS)
     """A step whose every episode failed on infrastructure is played again, with growing pauses, for this long at
     most (a service restarting); then the run fails (exit 1: restarted), naming the environment and its last

@@ -339,6 +339,38 @@ def test_an_invalid_action_is_answered_as_the_tools_error_and_the_episode_goes_o
     runner.close()
 
 
+def test_per_turn_rewards_make_the_episodes_return_with_its_discount(tokenizer):
+    """Issue 46 item 6: an environment may reward every step, not only the last (its reward was read only with
+    `done`); the episode's return, discounted by turn, is its reward, and the per-turn rewards are logged."""
+
+    class Shaping:
+        def reset(self, prompt):
+            self.turn = 0
+            return [{"role": "user", "content": prompt.text}]
+
+        def step(self, message):
+            self.turn += 1
+            if message["content"] == "boom":
+                raise KeyError("state")
+            if self.turn == 3:
+                return Reply(done=True, reward=1.0)
+            reward = 0.5 if self.turn == 1 else None  # turn 2 gives none: it counts 0
+            return Reply([{"role": "user", "content": "go on"}], reward=reward)
+
+    runner = _runner(tokenizer, factory=Shaping, discount=0.5, error_reward=-1.0)
+    replicas = ScriptedReplicas(tokenizer, {0: ["a", "b", "c"], 1: ["a", "boom"]})
+    [[played, faulted]] = runner.run([PROMPT], [[7]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
+    assert played.episode.turn_rewards == [0.5, None, 1.0]
+    assert played.episode.reward == 0.5 + 0.25 * 1.0  # 0.5^0 * 0.5 + 0.5^1 * 0 + 0.5^2 * 1.0
+    assert faulted.episode.turn_rewards == [0.5, -1.0] and faulted.episode.reward == 0.5 + 0.5 * -1.0
+    rollouts = Rollouts([PROMPT], [[1]], [[played, faulted]], 0.0)
+    rewards, _ = rewards_of(ArithmeticTask(), rollouts)
+    assert rewards[0].tolist() == [0.75, 0.0]
+    figures = episode_figures(rollouts)
+    assert figures["episode_turn_rewards"] == 4 and figures["episode_turn_reward_mean"] == (0.5 + 1.0 + 0.5 - 1.0) / 4
+    runner.close()
+
+
 def test_an_outage_of_the_environment_waits_within_outage_seconds_then_fails_naming_it(tokenizer):
     """Issue 46: when every episode of a step failed on the environment (a service restarting), the run failed at
     once (exit 65). The step is now played again with growing pauses within outageSeconds: an environment that

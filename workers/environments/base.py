@@ -47,7 +47,9 @@ class Reply:
     """Messages to append after the assistant's (a tool's result, a game's answer); none when the episode ends."""
     done: bool = False
     reward: float | None = None
-    """The episode's reward, when `done`; None leaves it to spec.task's reward of the last assistant message."""
+    """The reward of the assistant turn this answers (any turn, the last included); the episode's return sums them
+    (spec.environment.discount). An environment that gives none leaves the episode to spec.task's reward of the last
+    assistant message."""
 
 
 class Environment(Protocol):

@@ -224,7 +224,8 @@ class Episode:
     stepTimeoutSeconds; its reset failed), after spec.environment.episodeRetries more plays; the episode is then
     unscorable (out of its group's baseline, advantage 0)."""
     reward: float | None = None
-    """The environment's reward; None: spec.task's reward of the last assistant message."""
+    """The environment's return: its per-turn rewards (a step's reward is its turn's; errorReward a fault's), summed
+    with spec.environment.discount; None where it gave none: spec.task's reward of the last assistant message."""
     truncated: bool = False
     """Cut off by maxTurns, maxEpisodeTokens or a turn's grpo.maxNewTokens (as grpo.maskTruncated treats it)."""
     environment_seconds: float = 0.0
@@ -235,3 +236,5 @@ class Episode:
     fault: str | None = None
     """What the environment raised at the model's message (or answered malformed): the episode ended there with
     spec.environment.errorReward, and is scored (no refuge from a low reward)."""
+    turn_rewards: list[float | None] | None = None
+    """The reward the environment gave each assistant turn (None: none for that turn); None where it gave none."""

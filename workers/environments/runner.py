@@ -63,6 +63,7 @@ class EpisodeLimits:
     episode_retries: int = 0  # spec.environment.episodeRetries
     error_reward: float = 0.0  # spec.environment.errorReward
     outage_seconds: float = 0.0  # spec.environment.outageSeconds
+    discount: float = 1.0  # spec.environment.discount
 
     @classmethod
     def of(cls, env: EnvironmentSpec, max_new_tokens: int, model_length: int | None, margin: int = 0) -> EpisodeLimits:
@@ -70,7 +71,15 @@ class EpisodeLimits:
         inference.maxModelLen or the model's own), since the replicas refuse a longer request."""
         budget = min(env.max_episode_tokens, model_length or env.max_episode_tokens)
         return cls(env.max_turns, budget, max_new_tokens, env.step_timeout_seconds, margin, env.episode_retries,
-                   env.error_reward, env.outage_seconds)  # fmt: skip
+                   env.error_reward, env.outage_seconds, env.discount)  # fmt: skip
+
+
+def episode_return(turn_rewards: dict[int, float], discount: float = 1.0) -> float | None:
+    """An episode's return from the rewards its environment gave per assistant turn (turn t from 1; a turn without
+    one counts 0): sum of discount^(t-1) * r_t. None where it gave none: spec.task's reward scores the episode."""
+    if not turn_rewards:
+        return None
+    return sum(discount ** (turn - 1) * reward for turn, reward in turn_rewards.items())
 
 
 class EnvironmentOutage(RuntimeError):
@@ -102,6 +111,7 @@ class _Live:
     unread_call: str | None = None  # the tool error that answers a call the tool parser could not read
     tool_errors: int = 0
     fault: str | None = None  # what the environment raised at the model's message (scored with errorReward)
+    turn_rewards: dict[int, float] = field(default_factory=dict)  # assistant turn (from 1) -> the reward its step gave
     attempts: int = 0  # plays begun again on a fresh environment after an infrastructure fault
 
     def end(self, *, error: str | None = None, truncated: bool = False, reward: float | None = None) -> None:
@@ -112,7 +122,7 @@ class _Live:
         self.env, self.tokens, self.messages = env, EpisodeTokens(ids), list(opening.messages)
         self.tools = opening.tools
         self.turns, self.tool_calls, self.tool_errors, self.versions, self.text = 0, 0, 0, [], ""
-        self.unread_call = None
+        self.unread_call, self.turn_rewards = None, {}
 
 
 class EpisodeRunner:
@@ -277,8 +287,10 @@ class EpisodeRunner:
                     except InvalidAction as exc:
                         reply = Reply([{"role": "tool", "content": f"error: {exc}"}])
                         episode.tool_errors += 1
+                if reply.reward is not None:  # the reward of the turn this step answered
+                    episode.turn_rewards[episode.turns] = reply.reward
                 if reply.done:
-                    episode.end(reward=reply.reward)
+                    episode.end()
                     continue
                 ids = self.delta.environment_turn(episode.tokens.tokens[-8:], reply.messages, episode.tools)
             except AuthRefused:
@@ -288,7 +300,8 @@ class EpisodeRunner:
                 continue
             except Exception as exc:  # raised at the model's message: scored, never a refuge from a low reward
                 episode.fault = fault_reason(exc)
-                episode.end(reward=self.limits.error_reward)
+                episode.turn_rewards[episode.turns] = self.limits.error_reward
+                episode.end()
                 continue
             episode.messages += reply.messages
             episode.tool_calls += sum(m["role"] == "tool" for m in reply.messages)
@@ -310,8 +323,9 @@ class EpisodeRunner:
             tool_calls=e.tool_calls,
             tool_errors=e.tool_errors,
             fault=e.fault,
+            turn_rewards=[e.turn_rewards.get(t) for t in range(1, e.turns + 1)] if e.turn_rewards else None,
             error=e.error,
-            reward=e.reward,
+            reward=episode_return(e.turn_rewards, self.limits.discount) if e.error is None else None,
             truncated=e.truncated,
             environment_seconds=e.seconds,
         )

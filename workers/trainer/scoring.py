@@ -296,7 +296,16 @@ def episode_figures(rollouts: Rollouts) -> dict[str, float | int]:
         "environment_faults": sum(e.fault is not None for e in episodes),
         "episode_tool_errors": sum(e.tool_errors for e in episodes),
         "environment_seconds": sum(e.environment_seconds for e in episodes),
+        **turn_reward_figures(episodes),
     }
+
+
+def turn_reward_figures(episodes: list[Episode]) -> dict[str, float]:
+    """The per-turn rewards environments gave (spec.environment.discount's inputs), where any gave one."""
+    given = [r for e in episodes for r in e.turn_rewards or [] if r is not None]
+    if not given:
+        return {}
+    return {"episode_turn_reward_mean": sum(given) / len(given), "episode_turn_rewards": len(given)}
 
 
 def reference_from(scored: Scored, grpo: GRPOSpec) -> str | None:
@@ -337,4 +346,5 @@ def episode_row(completion: Completion) -> dict[str, Any]:
         "truncated": episode.truncated,
         **({"environment_error": episode.error} if episode.error is not None else {}),
         **({"environment_fault": episode.fault} if episode.fault is not None else {}),
+        **({"turn_rewards": episode.turn_rewards} if episode.turn_rewards is not None else {}),
     }
