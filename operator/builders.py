@@ -43,7 +43,7 @@ from grpolora.api.plan import (
 )
 from grpolora.api.pool import JOBS_FILE_KEY, REPLICAS_FILE_KEY, Attachments, PoolReplicas
 from grpolora.api.spec import ModelSpec, NetworkPolicySpec, PodSecuritySpec, RoleSpec
-from grpolora.operator import kueue, names
+from grpolora.operator import job_failure, kueue, names
 
 K8sObject = dict[str, Any]
 Plan = JobPlan | PoolPlan
@@ -60,7 +60,6 @@ STARTUP_PROBE_PERIOD_SECONDS = 10
 STARTUP_PROBE_FAILURES = 180
 # The trainer Job's podFailurePolicy rules, in order: a FailJob names the matching rule's index in the Job's
 # Failed condition ("... matching FailJob rule at index 1"), which grpolora.operator.observe maps back to the cause.
-TRAINER_FAILURE_RULE_CAUSES = (names.CAUSE_INVALID_INPUT, names.CAUSE_DISRUPTION, names.CAUSE_FENCED)
 
 
 def owner_reference(plan: Plan, uid: str) -> dict[str, Any]:
@@ -392,36 +391,6 @@ def inference_disruption_budget(plan: Plan) -> K8sObject:
     }
 
 
-def _trainer_failure_policy() -> dict[str, Any]:
-    rules = {
-        names.CAUSE_INVALID_INPUT: {
-            "action": "FailJob",
-            "onExitCodes": {
-                "containerName": c.ROLE_TRAINER,
-                "operator": "In",
-                "values": sorted(contract.TRAINER_INPUT_EXIT_CODES),
-            },
-            # Kubernetes 1.28 (the chart's minimum) requires the field in every rule; empty is "not both" to its
-            # validation (pkg/apis/batch/validation: len(rule.OnPodConditions) > 0), and 1.29+ made it optional.
-            "onPodConditions": [],
-        },
-        # FailJob, not Ignore: Ignore would replace only the disrupted rank, whose peers are stuck in the broken
-        # collective; the operator restarts the whole group instead, without counting it.
-        names.CAUSE_DISRUPTION: {
-            "action": "FailJob",
-            "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}],
-        },
-        # A fenced trainer (a newer incarnation took over): the job's trainer is replaced, never counted as a crash.
-        # Last: the Job's failure message names a rule by its index, and older Jobs' indexes must keep their meaning.
-        names.CAUSE_FENCED: {
-            "action": "FailJob",
-            "onExitCodes": {"containerName": c.ROLE_TRAINER, "operator": "In", "values": [contract.EXIT_FENCED]},
-            "onPodConditions": [],
-        },
-    }
-    return {"rules": [rules[cause] for cause in TRAINER_FAILURE_RULE_CAUSES]}
-
-
 def trainer_job(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
     role = plan.trainer
     return {
@@ -433,7 +402,7 @@ def trainer_job(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sO
             "completions": role.replicas,
             "parallelism": role.replicas,
             "backoffLimit": 0,
-            "podFailurePolicy": _trainer_failure_policy(),
+            "podFailurePolicy": job_failure.trainer_failure_policy(),
             "template": _pod_template(
                 plan, role, _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name), admitted
             ),

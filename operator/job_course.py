@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from grpolora.api import constants as c
-from grpolora.api import contract
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.api.status import JobPhase, JobStatus, ReplicaCounts, RestartCounts, RoleReplicas
-from grpolora.operator import builders, names, readiness
+from grpolora.operator import builders, job_failure, names, readiness
 from grpolora.operator import conditions as cond
 from grpolora.operator import observe as obs
 from grpolora.operator.job_decision import REPLACE_RECHECK_SECONDS, ChildRef, Observed
@@ -215,8 +214,8 @@ def _trainer_course(
             final_message=f"trained {progress.step or 0}/{spec.grpo.steps} steps; "
             f"the inference replicas served adapter version {progress.sync_round or 0}",
         )
-    if obs.job_failed(tj):
-        failure = obs.trainer_failure(tj, observed.pods)
+    if job_failure.job_failed(tj):
+        failure = job_failure.trainer_failure(tj, observed.pods)
     else:
         # A pod of the current trainer Job on a lost node (deleted by the taint manager or a drain, its kubelet never
         # confirms): the Job controller counts it as terminating, neither active nor failed, so with one rank the Job
@@ -225,31 +224,17 @@ def _trainer_course(
         _, lost, _ = _stale_trainer_pods(_trainer_pods_of(tj, observed.pods), now)
         if not lost:
             return course
-        failure = obs.TrainerFailure(
+        failure = job_failure.TrainerFailure(
             names.CAUSE_DISRUPTION, f"{_lost_details(lost)} (the Job controller neither replaces nor fails it)"
         )
-    if failure.cause == names.CAUSE_INVALID_INPUT:
-        return dataclasses.replace(
-            course,
-            phase="Failed",
-            completion=stamp,
-            failed_reason=names.R_POD_FAILURE_POLICY,
-            final_message=f"the trainer cannot work with its spec or data (a restart would not help): "
-            f"{failure.message}",
-        )
-    if (
-        failure.cause in (names.CAUSE_DISRUPTION, names.CAUSE_FENCED)
-        or course.by_cause.failure < spec.trainer.max_restarts
-    ):
-        restarts, by_cause, note = _commit_restart(course.restarts, course.by_cause, failure, spec)
+    then = job_failure.outcome(failure, course.restarts, course.by_cause, spec)
+    if isinstance(then, job_failure.Restart):
         # requeue 0: the next pass replaces the trainer Job
-        return dataclasses.replace(course, restarts=restarts, by_cause=by_cause, restart_note=note, requeue=0.0)
+        return dataclasses.replace(
+            course, restarts=then.restarts, by_cause=then.by_cause, restart_note=then.note, requeue=0.0
+        )
     return dataclasses.replace(
-        course,
-        phase="Failed",
-        completion=stamp,
-        final_message=f"the trainer failed and spec.trainer.maxRestarts ({spec.trainer.max_restarts}) restarts are "
-        f"used up; last failure: {failure.message}",
+        course, phase="Failed", completion=stamp, failed_reason=then.reason, final_message=then.message
     )
 
 
@@ -297,9 +282,7 @@ def _pods_of(workload: K8sObject, role: str, pods: Sequence[K8sObject]) -> list[
     ]
 
 
-def _leaving_statefulset(
-    course: _Course, sts: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime
-) -> _Course:
+def _leaving_statefulset(course: _Course, sts: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime) -> _Course:
     """The job's inference StatefulSet being deleted (in the foreground: a suspend, an eviction, a re-key) while the
     job wants one again: a server pod on a lost node would hold it for as long as the node object stays, and the job
     would run with no replicas at all. Once each of its pods has stopped or is lost (obs.pod_gone_for_replacement),
@@ -464,31 +447,6 @@ def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:
     """Delete both workloads (those not already leaving): no pod of the job holds a GPU, or an old token, after."""
     found = (("Job", tj), ("StatefulSet", sts))
     return [ChildRef(kind, obj["metadata"]["name"]) for kind, obj in found if obj is not None and not obs.deleting(obj)]
-
-
-def _commit_restart(
-    restarts: int, by_cause: RestartCounts, failure: obs.TrainerFailure, spec: GRPOLoraJobSpec
-) -> tuple[int, RestartCounts, str]:
-    """One more trainer restart (committed by the status write), counted under its cause: a disruption does not
-    spend spec.trainer.maxRestarts, a failure does. Returns the counts and the note for the Progressing condition."""
-    if failure.cause == names.CAUSE_FENCED:
-        counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
-        note = (
-            f"restart {restarts + 1} with a new incarnation: the inference replicas fenced the trainer off as older "
-            f"than the newest they saw (exit {contract.EXIT_FENCED}; not counted against spec.trainer.maxRestarts): "
-            f"{failure.message}"
-        )
-    elif failure.cause == names.CAUSE_DISRUPTION:
-        counted = by_cause.model_copy(update={"disruption": by_cause.disruption + 1})
-        note = (
-            f"restart {restarts + 1} from the latest checkpoint after a disruption (not counted against "
-            f"spec.trainer.maxRestarts): {failure.message}"
-        )
-    else:
-        counted = by_cause.model_copy(update={"failure": by_cause.failure + 1})
-        limit = spec.trainer.max_restarts
-        note = f"restart {counted.failure} of {limit} from the latest checkpoint: {failure.message}"
-    return restarts + 1, counted, note
 
 
 def _failed_reason(old: JobStatus) -> str:

@@ -14,7 +14,7 @@ from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan, child_names, plan
 from grpolora.api.pool import token_fingerprint
 from grpolora.api.status import JobStatus
-from grpolora.operator import attempts, builders, kube, names, pools, readiness
+from grpolora.operator import attempts, builders, job_failure, kube, names, pools, readiness
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
@@ -189,7 +189,7 @@ class JobPass:
         if (running and (trainer_job or inference) and not_ready) or leaving:
             # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
             # shared listing was taken), and the job's failure is final, so they are listed as they are now.
-            failed = obs.job_failed(trainer_job) or leaving
+            failed = job_failure.job_failed(trainer_job) or leaving
             ours, events = await asyncio.gather(
                 self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=failed),
                 self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),

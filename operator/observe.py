@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Final
 
-from grpolora.api import constants as c
-from grpolora.api import contract
 from grpolora.api.status import JobStatus, TrainerStatus
 from grpolora.operator import names
-from grpolora.operator.builders import TRAINER_FAILURE_RULE_CAUSES
 
 K8sObject = Mapping[str, Any]
 
@@ -36,62 +32,6 @@ def job_condition(job: K8sObject | None, type_: str) -> Mapping[str, Any] | None
 
 def job_succeeded(job: K8sObject | None) -> bool:
     return job_condition(job, "Complete") is not None
-
-
-def failure_condition(job: K8sObject | None) -> Mapping[str, Any] | None:
-    """The trainer Job's failure: Failed, or the FailureTarget that precedes it. Since Kubernetes 1.31 the Job
-    controller writes FailureTarget as soon as the Job has failed (backoff limit, a FailJob rule) and adds Failed,
-    with the same reason and message, only once no pod of the Job is terminating (pkg/controller/job/job_controller.go
-    newFailureCondition, delayTerminalCondition; enactJobFinished). A pod on a lost node never stops terminating, so
-    Failed may never come: the job is failed from FailureTarget on."""
-    return job_condition(job, "Failed") or job_condition(job, "FailureTarget")
-
-
-def job_failed(job: K8sObject | None) -> bool:
-    return failure_condition(job) is not None
-
-
-def job_failure_message(job: K8sObject | None) -> str:
-    condition = failure_condition(job) or {}
-    reason, message = condition.get("reason", ""), condition.get("message", "")
-    return ": ".join(part for part in (reason, message) if part) or "the trainer Job failed"
-
-
-# The batch/v1 Job controller's wording of a podFailurePolicy FailJob (pkg/controller/job/pod_failure_policy.go).
-_POLICY_RULE = re.compile(r"matching FailJob rule at index (\d+)")
-
-
-@dataclass(frozen=True)
-class TrainerFailure:
-    cause: str
-    """names.CAUSE_FAILURE, CAUSE_DISRUPTION or CAUSE_INVALID_INPUT."""
-    message: str
-
-
-def trainer_failure(job: K8sObject | None, pods: Sequence[K8sObject] = ()) -> TrainerFailure:
-    """Why the (failed) trainer Job failed: the podFailurePolicy rule it names, else an ordinary failure. For bad
-    spec or data the message is the trainer's own termination message, when its pod is still there to say it."""
-    condition = failure_condition(job) or {}
-    message = job_failure_message(job)
-    matched = _POLICY_RULE.search(condition.get("message") or "")
-    index = int(matched.group(1)) if matched and condition.get("reason") == names.R_POD_FAILURE_POLICY else None
-    if index is None or index >= len(TRAINER_FAILURE_RULE_CAUSES):
-        return TrainerFailure(names.CAUSE_FAILURE, message)
-    cause = TRAINER_FAILURE_RULE_CAUSES[index]
-    if cause == names.CAUSE_INVALID_INPUT:
-        told = [
-            state["message"].strip()
-            for pod in pods
-            if ((pod.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE) == c.ROLE_TRAINER
-            for container in (pod.get("status") or {}).get("containerStatuses") or []
-            if container.get("name") == c.ROLE_TRAINER
-            and (state := (container.get("state") or {}).get("terminated") or {}).get("exitCode")
-            in contract.TRAINER_INPUT_EXIT_CODES
-            and (state.get("message") or "").strip()
-        ]
-        if told:
-            message = f"{told[0]} ({message})"
-    return TrainerFailure(cause, message)
 
 
 def job_active(job: K8sObject | None) -> int:

@@ -25,7 +25,7 @@ from grpolora.api import constants as c
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.api.status import JobStatus
 from grpolora.operator import conditions as cond
-from grpolora.operator import kueue, names
+from grpolora.operator import job_failure, kueue, names
 from grpolora.operator import observe as obs
 from grpolora.operator.job_conditions import (
     _decide_invalid,
@@ -79,7 +79,7 @@ def should_poll_trainer(view: JobView, old: JobStatus, trainer_job: K8sObject | 
     """Poll trainer rank 0 only while its pod can answer (saves a connection error per pass while pending)."""
     if view.job is None or view.job.spec.suspend or is_finished(old) or trainer_job is None:
         return False
-    return obs.job_active(trainer_job) > 0 and not obs.job_failed(trainer_job)
+    return obs.job_active(trainer_job) > 0 and not job_failure.job_failed(trainer_job)
 
 
 def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:

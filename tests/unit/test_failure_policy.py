@@ -10,7 +10,7 @@ from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
 from grpolora.api.status import JobStatus, RestartCounts
-from grpolora.operator import builders, names
+from grpolora.operator import builders, job_failure, names
 from grpolora.operator.reconcile import ChildRef, Observed, decide
 from tests.helpers import job_doc
 from tests.unit.test_operator_reconcile import NOW, STAMP, applied_view, condition, running, statefulset, trainer_job
@@ -44,7 +44,7 @@ def test_the_trainer_job_fails_at_once_on_a_disruption_or_a_bad_spec_exit_code()
         },
     ]
     # The rule indexes are what the Job's failure message names; the operator maps them back to the cause.
-    assert builders.TRAINER_FAILURE_RULE_CAUSES == (
+    assert job_failure.TRAINER_FAILURE_RULE_CAUSES == (
         names.CAUSE_INVALID_INPUT,
         names.CAUSE_DISRUPTION,
         names.CAUSE_FENCED,
