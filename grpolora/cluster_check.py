@@ -9,7 +9,8 @@ server) is ClusterUnavailable: one message naming the server and what to fix. Ev
 connect and read timeouts (`_request_timeout`) and is tried once (urllib3 would retry a refused connection three
 times).
 
-Errors are what makes the job fail or wait for ever (a missing CRD, PersistentVolumeClaim, Secret or RuntimeClass);
+Errors are what makes the job fail or wait for ever (a missing CRD, namespace, PersistentVolumeClaim, Secret,
+RuntimeClass, runtime or RolloutPool; a namespace no operator serves);
 warnings are what may be fine on an autoscaled cluster (no node offers the GPU resource or matches the node selector
 now: a node pool scaled to zero has no nodes until a pod asks for one).
 """
@@ -17,7 +18,6 @@ now: a node pool scaled to zero has no nodes until a pod asks for one).
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import itertools
 import json
 import re
@@ -56,7 +56,7 @@ class Node:
 @dataclasses.dataclass(frozen=True)
 class Operator:
     """An operator Deployment, and the namespaces its arguments make it serve (the chart's `--all-namespaces`, or a
-    `--namespace NS` per watch.namespaces entry; Kopf takes globs such as `team-*`)."""
+    `--namespace NS` per watch.namespaces entry: exact names, grpolora.operator.main)."""
 
     where: str  # namespace/name
     version: str  # its app.kubernetes.io/version label
@@ -64,7 +64,7 @@ class Operator:
     args_known: bool = True  # False: its arguments name no scope (not the chart's Deployment), so not known
 
     def serves(self, namespace: str) -> bool:
-        return self.namespaces is None or any(fnmatch.fnmatchcase(namespace, p) for p in self.namespaces)
+        return self.namespaces is None or namespace in self.namespaces
 
 
 @dataclasses.dataclass(frozen=True)
@@ -447,10 +447,9 @@ def connect(kubeconfig: str | None, context: str | None, *, timeout: float = REQ
     return ClusterView(
         context=name,
         namespace=((chosen or {}).get("context") or {}).get("namespace") or "default",
-        nodes=None if nodes == NOT_ALLOWED else [_node(serialize(n)) for n in nodes.items],
-        crds=None if crds == NOT_ALLOWED
-        else {d.metadata.name: serialize(d) for d in crds.items if d.spec.group == c.GROUP},
-        operators=None if operators == NOT_ALLOWED else [_operator(serialize(d)) for d in operators.items],
+        nodes=None if _unread(nodes) else [_node(serialize(n)) for n in nodes.items],
+        crds=None if _unread(crds) else {d.metadata.name: serialize(d) for d in crds.items if d.spec.group == c.GROUP},
+        operators=None if _unread(operators) else [_operator(serialize(d)) for d in operators.items],
         get=get,
         server=configuration.host,
     )  # fmt: skip
@@ -540,6 +539,11 @@ class _Server:
             f"cannot reach the API server at {self.host} (context {self.context}): {why}; check the kubeconfig's "
             "server and your network (kubectl cluster-info)"
         )
+
+
+def _unread(listed: Any) -> bool:
+    """A list the user may not read (NOT_ALLOWED), or that the server does not serve (None: 404)."""
+    return listed is None or isinstance(listed, str)
 
 
 def _status_message(exc: Any) -> str:
