@@ -31,8 +31,8 @@ import kubernetes_validate
 from referencing import Registry, Resource
 
 from grpolora.api import constants as c
+from grpolora.api import quantity
 from grpolora.api.crd import CRDS
-from grpolora.api.kubetypes import QUANTITY
 
 KUBERNETES_VERSION = "1.33.0"
 # pkg/apis/core/validation: IsEnvVarName (a C identifier, plus '-' and '.').
@@ -131,14 +131,12 @@ def _go_rules(obj: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
         yield from _toleration(toleration, f"{prefix}.tolerations[{i}]")
     for i, container in enumerate(pod.get("containers") or []):
         where = f"{prefix}.containers[{i}]"
-        for section in ("limits", "requests"):
-            for resource, quantity in ((container.get("resources") or {}).get(section) or {}).items():
-                if isinstance(quantity, str) and not QUANTITY.match(quantity):
-                    yield (
-                        f"{where}.resources.{section}[{resource}]",
-                        f"Invalid value: {json.dumps(quantity)}: quantities must match the regular expression "
-                        f"'{QUANTITY.pattern}'",
-                    )
+        # ValidateResourceRequirements (grpolora.api.quantity, which `validate` applies to the spec): paths as the
+        # API server names them, `limits[memory]`, and `requests` for a request against its limit.
+        for path, detail in quantity.requirements_problems(container.get("resources") or {}):
+            section, _, resource = path.partition(".")
+            against_limit = section == "requests" and " limit of " in detail
+            yield f"{where}.resources.{section}" + ("" if against_limit else f"[{resource}]"), detail
         for j, var in enumerate(container.get("env") or []):
             if not ENV_VAR_NAME.match(var.get("name") or ""):
                 yield (

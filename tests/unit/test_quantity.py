@@ -86,3 +86,23 @@ def test_the_size_limits_are_quantities_and_not_negative():
     found = problems_of(trainer={"shmSizeLimit": "-8Gi", "cacheSizeLimit": "40GB"})
     assert "must be greater than or equal to 0" in found["spec.trainer.shmSizeLimit"]
     assert "is not a Kubernetes quantity" in found["spec.trainer.cacheSizeLimit"]
+
+
+def test_the_api_emulator_refuses_what_the_api_server_refuses():
+    """The API emulator (grpolora/testing/kube_apiserver.py) plays the same rules on the pods it is sent, with the
+    API server's field paths (`limits[memory]`, and `requests` for a request against its limit)."""
+    pytest.importorskip("kubernetes_validate")
+    from grpolora.testing import kube_apiserver
+
+    container = {"name": "trainer", "image": "x", "resources": {"limits": {"memory": "32Gi", "cpu": "-1"},
+                                                                "requests": {"memory": "64Gi"}}}  # fmt: skip
+    job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "j"},
+           "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [container]}}}}  # fmt: skip
+    with pytest.raises(kube_apiserver.Refused) as refused:
+        kube_apiserver.validate_builtin(job, strict=True)
+    causes = {cause["field"]: cause["message"] for cause in refused.value.details["causes"]}
+    where = "spec.template.spec.containers[0].resources"
+    assert causes == {
+        f"{where}.limits[cpu]": 'Invalid value: "-1": must be greater than or equal to 0',
+        f"{where}.requests": 'Invalid value: "64Gi": must be less than or equal to memory limit of 32Gi',
+    }
