@@ -1078,6 +1078,20 @@ class RoleSpec(SpecModel):
     def _kube_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
         return kube_checked(value, "ResourceRequirements")
 
+    @model_validator(mode="after")
+    def _cache_within_limit(self) -> RoleSpec:
+        """The pods request cacheSizeLimit of ephemeral-storage unless `resources` requests some (the operator's
+        builders): a request above the role's limit, which the API server refuses (ValidateResourceRequirements)."""
+        limit = (self.resources.get("limits") or {}).get("ephemeral-storage")
+        requested = (self.resources.get("requests") or {}).get("ephemeral-storage")
+        if self.cache_size_limit is None or limit is None or requested is not None:
+            return self
+        if quantity.parse(self.cache_size_limit) > quantity.parse(limit):
+            raise_if_any([("cacheSizeLimit", f"{self.cache_size_limit!r} is requested as the pods' ephemeral-storage, "
+                           f"above resources.limits.ephemeral-storage ({limit}): the API server would refuse the "
+                           "pods; raise the limit or lower cacheSizeLimit")])  # fmt: skip
+        return self
+
     @field_validator("gpu_resource")
     @classmethod
     def _extended_resource(cls, value: str) -> str:

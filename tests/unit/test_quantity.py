@@ -106,3 +106,14 @@ def test_the_api_emulator_refuses_what_the_api_server_refuses():
         f"{where}.limits[cpu]": 'Invalid value: "-1": must be greater than or equal to 0',
         f"{where}.requests": 'Invalid value: "64Gi": must be less than or equal to memory limit of 32Gi',
     }
+
+
+def test_the_cache_request_the_operator_adds_stays_within_the_roles_limit():
+    """The operator requests cacheSizeLimit of ephemeral-storage for the pods (operator/builders.py _resources) unless
+    the role requests some: above the role's own ephemeral-storage limit, the API server would refuse the pods."""
+    found = problems_of(trainer={"cacheSizeLimit": "40Gi", "resources": {"limits": {"ephemeral-storage": "20Gi"}}})
+    assert found["spec.trainer.cacheSizeLimit"] == (
+        "'40Gi' is requested as the pods' ephemeral-storage, above resources.limits.ephemeral-storage (20Gi): the API "
+        "server would refuse the pods; raise the limit or lower cacheSizeLimit"
+    )
+    parse_job(job_doc(trainer={"cacheSizeLimit": "20Gi", "resources": {"limits": {"ephemeral-storage": "20Gi"}}}))
