@@ -10,12 +10,14 @@ episodes on real engines in test_episodes_run.py."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
 import pytest
 import torch
 
+from grpolora.api.constants import MAX_EPISODE_TURNS
 from grpolora.api.spec import EnvironmentSpec, GRPOSpec
 from grpolora.workers.environments import BUILTIN_ENVIRONMENTS, Opening, Reply, load_environment
 from grpolora.workers.environments.base import EnvironmentUnavailable, InvalidAction
@@ -336,6 +338,42 @@ def test_an_invalid_action_is_answered_as_the_tools_error_and_the_episode_goes_o
     [[done]] = runner.run([PROMPT], [[7]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=3)
     assert done.episode.messages[-2] == {"role": "tool", "content": "error: say a number"}
     assert (done.episode.turns, done.episode.tool_errors, done.episode.reward, done.episode.fault) == (2, 1, 1.0, None)
+    runner.close()
+
+
+@pytest.mark.parametrize("lockstep", [False, True])
+def test_each_episode_moves_to_its_next_turn_when_its_own_environment_answers(tokenizer, lockstep):
+    """Issue 46 item 4: turns ran in lockstep (every episode's turn t, then every step, then turn t + 1), so one slow
+    environment held every episode back a whole step per turn. Now an episode asks for its next turn as soon as its
+    own environment has answered; lockstep (the benchmark's baseline) still holds them back."""
+    made = itertools.count()
+
+    class Paced:
+        def __init__(self):
+            self.slow = next(made) == 0
+
+        def reset(self, prompt):
+            return [{"role": "user", "content": prompt.text}]
+
+        def step(self, message):
+            if self.slow:
+                time.sleep(0.5)
+            return Reply([{"role": "user", "content": "go on"}])
+
+    replicas = ScriptedReplicas(tokenizer, {0: ["a"] * 3, 1: ["b"] * 3})
+    asked: list[tuple[int, int, float]] = []  # (episode, turn, when)
+
+    def generate(replica, prompts, sampling, seeds):
+        asked.extend((seed // MAX_EPISODE_TURNS, seed % MAX_EPISODE_TURNS, time.monotonic()) for seed in seeds)
+        return replicas(replica, prompts, sampling, seeds)
+
+    runner = EpisodeRunner(Paced, ChatDelta(tokenizer), EpisodeLimits(3, 512, 8, 5.0), lockstep=lockstep)
+    [[slow, fast]] = runner.run([PROMPT], [[7]], [0], Sampling(2, 1.0, 1.0, 8), generate, replicas=[0], version=3)
+    assert slow.episode.turns == fast.episode.turns == 3 and slow.episode.truncated and fast.episode.truncated
+    when = {(episode, turn): at for episode, turn, at in asked}
+    # The fast episode's last turn is asked for before the slow one's second (after its 0.5 s step) -- or, in
+    # lockstep, only after it.
+    assert (when[(1, 2)] < when[(0, 1)]) != lockstep
     runner.close()
 
 

@@ -1,12 +1,15 @@
-"""Episodes on the replicas: every episode of a round runs turn by turn, all episodes' turns at once. Each episode
-stays on one replica (its prefix is in that replica's cache) and asks for the adapter version the round started on
-(the version that generated it is recorded per turn; the episode's is the oldest, for staleness and importance
-weights); each turn is a /v1/generate call with the episode's ids so far and n = 1. The environment's resets and
-steps run each on a thread of its own, bounded by spec.environment.stepTimeoutSeconds; one that raises, times out or
-answers malformed data ends its episode with an error, not the run.
+"""Episodes on the replicas: every episode of a round runs on its own, its next turn asked for as soon as its
+environment has answered (the replicas batch whatever turns are in flight; lockstep turns, every episode's turn t
+before any turn t + 1, remain for comparison: bench/episodes_async.py). Each episode stays on one replica (its
+prefix is in that replica's cache) and asks for the adapter version the round started on (the version that generated
+it is recorded per turn; the episode's is the oldest, for staleness and importance weights); each turn is a
+/v1/generate call with the episode's ids so far and n = 1. The environment's resets and steps are each bounded by
+spec.environment.stepTimeoutSeconds (a built-in's or plugin's run in environment processes: processes.py); faults
+are the model's (scored with errorReward) or the infrastructure's (the episode played again; a step whose every
+episode fails so waits within outageSeconds), never a silent refuge from a low reward.
 
-A call that times out cannot be stopped (Python threads are not killable): its own thread is left to finish and
-its answer is dropped.
+A call that times out on a thread here cannot be stopped (Python threads are not killable): its own thread is left
+to finish and its answer is dropped; an environment process is ended instead.
 """
 
 from __future__ import annotations
@@ -128,9 +131,13 @@ class _Live:
 class EpisodeRunner:
     def __init__(
         self, factory: EnvironmentFactory, delta: ChatDelta, limits: EpisodeLimits, *, workers: int = 8,
-        tool_parser: ToolCallParser | None = None, name: str = "the environment",
+        tool_parser: ToolCallParser | None = None, name: str = "the environment", lockstep: bool = False,
     ):  # fmt: skip
         self.factory = factory
+        # Episodes advance on their own by default: each its next turn as soon as its environment has answered (the
+        # replicas batch whatever requests are in flight). Lockstep (every live episode's turn t, then every step,
+        # then turn t + 1) is kept for the benchmark that compares the two (bench/episodes_async.py).
+        self.lockstep = lockstep
         self.name = name  # how errors name the environment (its built-in, plugin or url)
         self.delta = delta
         self.limits = limits
@@ -187,9 +194,13 @@ class EpisodeRunner:
         # Made in order (a factory may count its environments), then reset all at once, as steps are.
         made = [_Call.now(self.factory) for _ in episodes]
         list(self._pool.map(lambda item: self._open(*item), zip(episodes, made, strict=True)))
-        while live := [e for e in episodes if not e.ended]:
-            self._generate_turn(live, sampling, generate)
-            self._environment_turn([e for e in live if not e.ended])
+        if self.lockstep:
+            while live := [e for e in episodes if not e.ended]:
+                self._generate_turn(live, sampling, generate)
+                self._environment_turn([e for e in live if not e.ended])
+        else:
+            with ThreadPoolExecutor(max_workers=max(len(episodes), 1), thread_name_prefix="episode") as drivers:
+                list(drivers.map(lambda e: self._drive(e, sampling, generate), episodes))
         _close_all([e.env for e in episodes if e.env is not None])
         return [episodes[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
 
@@ -232,6 +243,13 @@ class EpisodeRunner:
         log.info("an episode begins again on a fresh environment (play %d): %s", episode.attempts + 1, reason)
         self._open(episode, _Call.now(self.factory))
 
+    def _drive(self, episode: _Live, sampling: Sampling, generate: TurnGenerate) -> None:
+        """One episode to its end on its own: a turn, then its environment's answer, then its next turn."""
+        while not episode.ended:
+            self._generate_turn([episode], sampling, generate)
+            if not episode.ended:
+                self._environment_turn([episode])
+
     def _generate_turn(self, live: list[_Live], sampling: Sampling, generate: TurnGenerate) -> None:
         """One assistant turn of every live episode: one request per replica and token budget, all at once."""
         batches: dict[tuple[int, int], list[_Live]] = {}
@@ -247,7 +265,9 @@ class EpisodeRunner:
             return generate(replica, [e.tokens.ids for e in members], turn_sampling, seeds)
 
         keys = list(batches)
-        for key, answers in zip(keys, self._pool.map(request, keys), strict=True):
+        # One request (an episode on its own): in this thread; several (lockstep): at once.
+        asked = [request(keys[0])] if len(keys) == 1 else list(self._pool.map(request, keys))
+        for key, answers in zip(keys, asked, strict=True):
             for episode, answer in zip(batches[key], answers, strict=True):
                 episode.tokens.add_assistant(answer.token_ids, answer.logprobs, answer.reference_logprobs)
                 episode.versions.append(answer.version)

@@ -138,7 +138,11 @@ class RolloutClient:
             for position, result in zip(positions, answer["results"], strict=True):
                 results[position] = [Completion(**sample, version=served) for sample in result["samples"]]
 
-        list(self._pool.map(lambda item: request(*item), shares.items()))
+        busy = [(replica, positions) for replica, positions in shares.items() if positions]
+        if len(busy) == 1:  # one replica's share (an episode's turn): in the caller's thread, not queued behind others
+            request(*busy[0])
+        else:
+            list(self._pool.map(lambda item: request(*item), busy))
         if failed:
             # Others take over the lost shares; the sync group re-forms before the next round.
             alive = [r for r in replicas if r not in failed]
