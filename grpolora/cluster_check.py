@@ -22,6 +22,7 @@ import itertools
 import json
 import re
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Final
 
 from pydantic import BaseModel
@@ -396,6 +397,8 @@ def connect(kubeconfig: str | None, context: str | None, *, timeout: float = REQ
     from kubernetes.config.config_exception import ConfigException
 
     configuration = client.Configuration()
+    if kubeconfig and not Path(kubeconfig).expanduser().exists():
+        raise ClusterUnavailable(f"kubeconfig {kubeconfig}: no such file (give --kubeconfig, or set $KUBECONFIG)")
     try:
         config.load_kube_config(
             config_file=kubeconfig, context=context, client_configuration=configuration, persist_config=False

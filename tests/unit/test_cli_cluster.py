@@ -353,6 +353,11 @@ def test_an_api_server_that_refuses_connections_is_one_line(tmp_path, capsys):
     assert f"cannot reach the API server at {server} (context far-cluster): connection refused" in err
     assert "kubectl cluster-info" in err
     assert_offline_result_kept(out, err)
+    code, out, _ = run_against(tmp_path, capsys, server, "-o", "json")
+    report = json.loads(out)
+    assert code == 1 and report["valid"] is False
+    assert report["cluster"]["error"].startswith(f"cannot reach the API server at {server}")
+    assert report["items"][0]["valid"] is True and report["items"][0]["clusterChecked"] is False
 
 
 def test_an_api_server_that_never_answers_times_out(tmp_path, capsys):
@@ -435,7 +440,7 @@ def test_a_kubeconfig_that_cannot_be_read_keeps_the_files_own_result(tmp_path, c
     code = main(["validate", "--cluster", "--kubeconfig", str(tmp_path / "missing"), str(path)])
     out, err = capsys.readouterr()
     assert code == 1
-    assert f"grpolora validate --cluster: kubeconfig {tmp_path / 'missing'}: " in err
+    assert f"grpolora validate --cluster: kubeconfig {tmp_path / 'missing'}: no such file (give --kubeconfig" in err
     assert_offline_result_kept(out, err)
 
 
