@@ -505,8 +505,10 @@ def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str
         volumes += extra
         container["readinessProbe"] = _http_probe("/health", http, period=10)
     else:
+        # Started = engine up and the jobs served, whether or not the engine answers now (app.py's /started): an
+        # engine hung right after the start is then the liveness probe's to replace, not the startup probe's 30 min.
         container["startupProbe"] = _http_probe(
-            "/health", http, period=STARTUP_PROBE_PERIOD_SECONDS, failures=STARTUP_PROBE_FAILURES
+            "/started", http, period=STARTUP_PROBE_PERIOD_SECONDS, failures=STARTUP_PROBE_FAILURES
         )
         # Ready = engine up and serving the adapter version the trainer last sent.
         container["readinessProbe"] = _http_probe("/ready", http, period=5)

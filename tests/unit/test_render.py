@@ -115,7 +115,8 @@ def test_inference_probes_separate_started_from_ready():
     objs = by_kind(children(job_doc()))
     container = objs[("StatefulSet", "demo-inference")]["spec"]["template"]["spec"]["containers"][0]
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
-    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    assert container["startupProbe"]["httpGet"]["path"] == "/started"  # the engine's hang is the liveness probe's
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
 
 
 def test_user_env_and_volumes():

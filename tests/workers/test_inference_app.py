@@ -83,6 +83,7 @@ def test_a_hung_engine_fails_health_within_its_bound_and_sends_no_second_round_t
         waited = time.monotonic() - started
         assert response.status_code == 500 and "has not answered a round trip" in response.text, response.text
         assert waited >= 0.45, f"failed after {waited:.2f}s, before the bound"
+        assert client.get("/started").status_code == 200  # the start is through: the liveness probe's to act on
         sent = engine.round_trips
         for _ in range(3):
             started = time.monotonic()
@@ -242,7 +243,7 @@ def test_the_right_token_is_let_through_and_probes_stay_open(served):
     response = client.post("/v1/generate", json={"prompt_token_ids": [[1, 2]]}, headers=auth)
     assert response.status_code == 200 and response.json()["results"][0]["samples"][0]["token_ids"] == [3]
     assert client.get(STATE_PATH, headers=auth).json()["replica_index"] == 0
-    for path in ("/health", "/metrics", "/v1/adapter"):  # probes and scraping carry no token
+    for path in ("/started", "/health", "/metrics", "/v1/adapter"):  # probes and scraping carry no token
         assert client.get(path).status_code == 200, path
     assert client.get("/ready").status_code in (200, 503)  # open too; readiness depends on the adapter
 

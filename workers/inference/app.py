@@ -7,8 +7,9 @@ attachment list on a pool's (PoolEnv, GRPOLORA_POOL_JOBS_FILE, followed as it ch
 selects its job, and everything it does acts on that job alone: its adapter versions (each a LoRA id and folder of
 its own on the one shared vLLM engine), its sync receiver (its own group with its own trainer), its in-flight cap.
 
-Open: GET /health (engine up and answering a round trip within ENGINE_PROBE_SECONDS: EngineProbe; no job's sync
-member lost for good: tenants.Tenant.member; liveness and startup probe), GET /ready (engine up and every job
+Open: GET /started (the engine started and the jobs are served: startup probe), GET /health (besides, the engine
+answers a round trip within ENGINE_PROBE_SECONDS: EngineProbe; no job's sync member lost for good:
+tenants.Tenant.member; liveness probe), GET /ready (engine up and every job
 served is current: the rule and why are in tenants.py; readiness probe), GET /metrics (labelled by job),
 GET /v1/adapter (per job: live and loaded versions; at the top level the caller's job, named by its token, or the
 job of a job's own server).
@@ -71,7 +72,7 @@ from grpolora.workers.sync.control import (
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = frozenset({"/health", "/ready", "/metrics", "/v1/adapter"})
+OPEN_PATHS = frozenset({"/started", "/health", "/ready", "/metrics", "/v1/adapter"})
 """Paths answered without the token; every other path needs it."""
 MAX_BODY_BYTES = 32 << 20
 """Largest request body: a rollout request of 1024 prompts of 4096 tokens is about 25 MiB of JSON."""
@@ -321,6 +322,18 @@ def build_app(
     def caller(http: Request) -> Tenant:
         """The job whose token the request carries (RequestGuard found it before the body was read)."""
         return http.scope[TENANT_SCOPE_KEY]
+
+    @app.get("/started")
+    async def started() -> Response:
+        """The startup probe's: whether the server got through its start (a large model loads for minutes), not
+        whether its engine answers now. On /health instead, an engine hung between the server's start and the
+        startup probe's next look would fail every startup probe (for up to its 30 minutes) and never reach the
+        liveness probe, which replaces a hung engine within LIVENESS_FAILURES periods."""
+        if "error" in state:
+            return Response(f"failed: {state['error']}", status_code=500)
+        if not tenants.started:
+            return Response("starting", status_code=503)
+        return Response("started")
 
     @app.get("/health")
     async def health() -> Response:
