@@ -41,7 +41,7 @@ from grpolora.operator.job_pass import JobPass
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import Gate, Standalone
 from grpolora.operator.pool_pass import PoolPass
-from grpolora.operator.scheduler import ControllerConfig, Gone, Scheduler, _Tracked, utcnow
+from grpolora.operator.scheduler import ControllerConfig, Gone, Scheduler, Tracked, utcnow
 from grpolora.operator.trainer_client import TrainerStatusClient
 from grpolora.operator.watch_cache import WatchCache
 
@@ -64,8 +64,8 @@ class Controller(Scheduler, JobPass, PoolPass, WatchCache):
         self.config = config or ControllerConfig()
         self.gate: Gate = gate or Standalone()
         self.clock = clock
-        self.jobs: dict[tuple[str, str], _Tracked] = {}
-        self.pools: dict[tuple[str, str], _Tracked] = {}
+        self.jobs: dict[tuple[str, str], Tracked] = {}
+        self.pools: dict[tuple[str, str], Tracked] = {}
         """The RolloutPools, by (namespace, name)."""
         self.pool_members: dict[tuple[str, str], tuple[str, tuple[Any, ...], dict[str, Any]]] = {}
         """Each job on a pool as the watch last showed it: (its pool, what its pool's admission reads of it, its body

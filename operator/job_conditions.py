@@ -20,9 +20,9 @@ from grpolora.operator.job_status import TERMINAL
 from grpolora.operator.job_view import JobView, K8sObject
 
 if TYPE_CHECKING:
-    from grpolora.operator.job_course import _Course
-    from grpolora.operator.job_placement import _Placement
-    from grpolora.operator.job_workloads import _Build
+    from grpolora.operator.job_course import Course
+    from grpolora.operator.job_placement import JobPlacement
+    from grpolora.operator.job_workloads import Build
 
 
 def suspended_message(spec: GRPOLoraJobSpec) -> str:
@@ -39,17 +39,17 @@ def suspended_message(spec: GRPOLoraJobSpec) -> str:
     )
 
 
-def _status(
+def status_of(
     view: JobView,
     old: JobStatus,
     observed: Observed,
-    where: _Placement,
-    course: _Course,
+    where: JobPlacement,
+    course: Course,
     progress: obs.Progress,
     admission: cond.Want,
     volumes: obs.VolumeCheck,
     overdue: str | None,
-    build: _Build,
+    build: Build,
     stamp: str,
 ) -> tuple[JobStatus, bool]:
     """The job's whole status after the pass, and whether its pods let it make progress (Kueue's PodsReady)."""
@@ -93,7 +93,7 @@ def _status(
     progressing = (
         cond.Want(names.PROGRESSING, "True", names.R_REKEYING, course.rekey_note)
         if course.rekey_note is not None
-        else _progressing_condition(phase, restart_note, running_message, message)
+        else progressing_condition(phase, restart_note, running_message, message)
     )
     reason = {
         "Pending": pending_reason,
@@ -118,8 +118,8 @@ def _status(
         cond.Want(names.SUSPENDED, "True", names.R_SUSPENDED, suspended_message(spec))
         if phase == "Suspended"
         else cond.Want(names.SUSPENDED, "False", names.R_NOT_SUSPENDED),
-        _invalid_condition(view.problems),
-        _refused_condition(view.refused, view.queue_refused),
+        invalid_condition(view.problems),
+        refused_condition(view.refused, view.queue_refused),
         _volumes_condition(volumes),
         admission,
         *([cond.Want(names.POOL_ATTACHED, _true(place.attached), place.reason, place.message)] if place else []),
@@ -152,12 +152,12 @@ def _status(
 
 def _pending_message(
     observed: Observed,
-    where: _Placement,
-    course: _Course,
+    where: JobPlacement,
+    course: Course,
     pods: cond.Want,
     rendezvous: cond.Want,
     admission: cond.Want,
-    build: _Build,
+    build: Build,
     *,
     wanted: bool,
 ) -> tuple[str, str]:
@@ -206,7 +206,7 @@ def _blocked_message(blocked: Sequence[ChildRef]) -> str:
     return f"waiting for the garbage collector to remove {listed}, left by a deleted job of the same name"
 
 
-def _failed_to_start(
+def failed_to_start(
     view: JobView, old: JobStatus, reason: str, message: str, stamp: str, *, pool: str | None = None
 ) -> Decision:
     """The job cannot start as specified: Failed without a completionTime (a spec change runs a new pass, and until
@@ -216,7 +216,7 @@ def _failed_to_start(
     wants = [
         cond.Want(names.CREATED, "False", reason, message),
         cond.Want(names.FAILED, "True", reason, message),
-        _invalid_condition(view.problems),
+        invalid_condition(view.problems),
         *([cond.Want(names.POOL_ATTACHED, "False", reason, message)] if pool else []),
     ]
     status = JobStatus(
@@ -242,12 +242,12 @@ def _true(value: bool) -> Literal["True", "False"]:
     return "True" if value else "False"
 
 
-def _decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
+def decide_invalid(view: JobView, old: JobStatus, stamp: str) -> Decision:
     message = "invalid spec: " + "; ".join(view.problems)
     wants = [
         cond.Want(names.CREATED, "False", names.R_INVALID, "nothing is created for an invalid spec"),
         cond.Want(names.FAILED, "True", names.R_INVALID, message),
-        _invalid_condition(view.problems),
+        invalid_condition(view.problems),
     ]
     status = JobStatus(
         phase="Failed",
@@ -326,7 +326,7 @@ def _rendezvous_condition(
     return cond.Want(names.RENDEZVOUS_READY, "False", names.R_WAITING_FOR_TRAINER, why)
 
 
-def _progressing_condition(phase: str, restart_note: str | None, running: str, message: str) -> cond.Want:
+def progressing_condition(phase: str, restart_note: str | None, running: str, message: str) -> cond.Want:
     if phase in TERMINAL:
         return cond.Want(names.PROGRESSING, "False", names.R_FINISHED, f"the job {phase.lower()}")
     if phase == "Suspended":
@@ -355,13 +355,13 @@ def _volumes_condition(volumes: obs.VolumeCheck) -> cond.Want:
     return cond.Want(names.VOLUMES_SHAREABLE, "True", names.R_ACCESS_MODES_FIT)
 
 
-def _invalid_condition(problems: Sequence[str]) -> cond.Want:
+def invalid_condition(problems: Sequence[str]) -> cond.Want:
     if problems:
         return cond.Want(names.INVALID_SPEC, "True", names.R_INVALID, "; ".join(problems))
     return cond.Want(names.INVALID_SPEC, "False", names.R_VALID)
 
 
-def _refused_condition(refused: Sequence[str], queue: str | None = None) -> cond.Want:
+def refused_condition(refused: Sequence[str], queue: str | None = None) -> cond.Want:
     if not refused and queue is None:
         return cond.Want(names.SPEC_CHANGE_REFUSED, "False", names.R_UNCHANGED)
     messages = [queue] if queue is not None else []

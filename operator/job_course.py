@@ -21,12 +21,12 @@ from grpolora.operator.job_status import TERMINAL, is_finished
 from grpolora.operator.job_view import K8sObject
 
 if TYPE_CHECKING:
-    from grpolora.operator.job_placement import _Placement
-    from grpolora.operator.job_workloads import _Build
+    from grpolora.operator.job_placement import JobPlacement
+    from grpolora.operator.job_workloads import Build
 
 
 @dataclass(frozen=True)
-class _Course:
+class Course:
     """Where the job's run stands after this pass, as the stages after _placement decide it in turn."""
 
     phase: JobPhase
@@ -60,14 +60,14 @@ class _Course:
         return self.phase in TERMINAL and self.completion is not None
 
 
-def _course(
-    where: _Placement,
+def course_of(
+    where: JobPlacement,
     old: JobStatus,
     observed: Observed,
     admission: cond.Want,
     progress: obs.Progress,
     now: datetime.datetime,
-) -> _Course:
+) -> Course:
     """Finished, re-keyed, released (suspended, not admitted by Kueue, not attached to its pool), or running (the
     trainer's restarts and failures: _running_course)."""
     spec = where.job_plan.spec
@@ -84,7 +84,7 @@ def _course(
         and not finished
     )
     pods_left = tj is not None or sts is not None
-    course = _Course(
+    course = Course(
         phase=old.phase if finished and old.phase else "Pending",
         completion=old.completion_time,
         final_message=old.message if finished else None,
@@ -128,13 +128,13 @@ def _course(
 
 
 def _running_course(
-    where: _Placement,
+    where: JobPlacement,
     old: JobStatus,
     observed: Observed,
-    course: _Course,
+    course: Course,
     progress: obs.Progress,
     now: datetime.datetime,
-) -> _Course:
+) -> Course:
     """A job that should run: its trainer Job's course (_trainer_course), then its StatefulSet and its phase."""
     blocked_kinds = {ref.kind for ref in observed.blocked}
     if blocked_kinds:
@@ -154,13 +154,13 @@ def _running_course(
 
 
 def _trainer_course(
-    where: _Placement,
+    where: JobPlacement,
     observed: Observed,
-    course: _Course,
+    course: Course,
     blocked_kinds: set[str],
     progress: obs.Progress,
     now: datetime.datetime,
-) -> _Course:
+) -> Course:
     """The trainer Job's course: created, replaced after a committed restart, succeeded, or failed (restarted, or
     the job fails)."""
     spec = where.job_plan.spec
@@ -239,8 +239,8 @@ def _trainer_course(
 
 
 def _leaving_trainer(
-    course: _Course, tj: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime, waiting: str, *, restart: bool
-) -> _Course:
+    course: Course, tj: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime, waiting: str, *, restart: bool
+) -> Course:
     """A trainer Job being deleted (in the foreground) that the job wants to replace: wait while any of its pods may
     still run; once each is stopped or lost (obs.pod_gone_for_replacement), release it: delete it again in the
     Background, so that the API server drops its foregroundDeletion finalizer and frees its name, and fence the lost
@@ -282,7 +282,7 @@ def _pods_of(workload: K8sObject, role: str, pods: Sequence[K8sObject]) -> list[
     ]
 
 
-def _leaving_statefulset(course: _Course, sts: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime) -> _Course:
+def _leaving_statefulset(course: Course, sts: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime) -> Course:
     """The job's inference StatefulSet being deleted (in the foreground: a suspend, an eviction, a re-key) while the
     job wants one again: a server pod on a lost node would hold it for as long as the node object stays, and the job
     would run with no replicas at all. Once each of its pods has stopped or is lost (obs.pod_gone_for_replacement),
@@ -356,15 +356,15 @@ def _lost_details(pods: Sequence[K8sObject]) -> str:
 _PODS_NAMED: Final = 3
 
 
-def _startup_deadline(
-    where: _Placement,
+def startup_deadline(
+    where: JobPlacement,
     old: JobStatus,
     observed: Observed,
-    course: _Course,
-    build: _Build,
+    course: Course,
+    build: Build,
     now: datetime.datetime,
     stamp: str,
-) -> tuple[str | None, _Course, _Build]:
+) -> tuple[str | None, Course, Build]:
     """Why the job's pods are overdue (spec.scheduling.startupDeadlineSeconds), if they are; with
     onStartupDeadline: Fail (the default), a job that cannot make progress fails and creates nothing. One that
     trains on the replicas it has is only reported: Fail gives back GPUs held idle, not a running job's."""
@@ -391,11 +391,11 @@ def _startup_deadline(
     return overdue, failed, dataclasses.replace(build, creates=())
 
 
-def _active_deadline(
-    spec: GRPOLoraJobSpec, observed: Observed, course: _Course, build: _Build, now: datetime.datetime, stamp: str
-) -> tuple[_Course, _Build]:
+def active_deadline(
+    spec: GRPOLoraJobSpec, observed: Observed, course: Course, build: Build, now: datetime.datetime, stamp: str
+) -> tuple[Course, Build]:
     """spec.activeDeadlineSeconds: a job active for longer fails with reason DeadlineExceeded and creates nothing;
-    its trainer Job goes here, its StatefulSet with every finished job's (_end). As the Job controller does
+    its trainer Job goes here, its StatefulSet with every finished job's (release_at_end). As the Job controller does
     (pkg/controller/job: pastActiveDeadline, then every active pod deleted and the Job Failed, DeadlineExceeded)."""
     deadline = spec.active_deadline_seconds
     if deadline is None or course.phase in TERMINAL or course.active_since is None:
@@ -406,13 +406,13 @@ def _active_deadline(
         f"active for longer than spec.activeDeadlineSeconds ({deadline} s, since {course.active_since}): its pods "
         "are deleted"
     )
-    failed = _failed_now(course, observed, stamp, names.R_DEADLINE_EXCEEDED, message)
+    failed = failed_now(course, observed, stamp, names.R_DEADLINE_EXCEEDED, message)
     return failed, dataclasses.replace(build, creates=())
 
 
-def _failed_now(course: _Course, observed: Observed, stamp: str, reason: str, message: str) -> _Course:
+def failed_now(course: Course, observed: Observed, stamp: str, reason: str, message: str) -> Course:
     """The course of a job that fails in this pass: Failed with `reason` and `message`, and its trainer Job deleted
-    (its StatefulSet goes with every finished job's, in _end)."""
+    (its StatefulSet goes with every finished job's, in release_at_end)."""
     tj = observed.trainer_job
     deletes = course.deletes
     if tj is not None and not obs.deleting(tj) and ChildRef("Job", tj["metadata"]["name"]) not in deletes:
@@ -428,7 +428,9 @@ def _failed_now(course: _Course, observed: Observed, stamp: str, reason: str, me
     )
 
 
-def _end(spec: GRPOLoraJobSpec, course: _Course, sts: K8sObject | None, now: datetime.datetime) -> tuple[_Course, bool]:
+def release_at_end(
+    spec: GRPOLoraJobSpec, course: Course, sts: K8sObject | None, now: datetime.datetime
+) -> tuple[Course, bool]:
     """A finished job releases its inference GPUs, and is deleted once ttlSecondsAfterFinished has passed (True)."""
     if not course.finished:
         return course, False
@@ -436,7 +438,7 @@ def _end(spec: GRPOLoraJobSpec, course: _Course, sts: K8sObject | None, now: dat
     if sts is not None and not obs.deleting(sts):
         deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)  # release the inference GPUs
     requeue, delete_job = course.requeue, False
-    left = _ttl_left(spec, course.completion, now)
+    left = ttl_left(spec, course.completion, now)
     if left is not None:
         delete_job = left <= 0
         requeue = None if delete_job else min(left, requeue if requeue is not None else left)
@@ -455,7 +457,7 @@ def _failed_reason(old: JobStatus) -> str:
     return found.reason if found is not None else names.R_BACKOFF_LIMIT
 
 
-def _ttl_left(spec: GRPOLoraJobSpec, completion: str | None, now: datetime.datetime) -> float | None:
+def ttl_left(spec: GRPOLoraJobSpec, completion: str | None, now: datetime.datetime) -> float | None:
     """Seconds until a finished job is deleted (spec.ttlSecondsAfterFinished); None without a TTL."""
     ttl = spec.ttl_seconds_after_finished
     if ttl is None or completion is None:

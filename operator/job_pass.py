@@ -21,9 +21,9 @@ from grpolora.operator import reconcile as rec
 from grpolora.operator.job_status import failed_at_this_generation, is_finished, status_patch, stored_status
 from grpolora.operator.job_view import JobView, job_view, runtime_to_read, with_queue_in_effect
 from grpolora.operator.job_workloads import children
-from grpolora.operator.scheduler import Gone, _deleting, _Tracked
+from grpolora.operator.scheduler import Gone, Tracked, is_deleting
 from grpolora.operator.trainer_client import TrainerUnavailable, status_url
-from grpolora.operator.watch_cache import _UNSEEN, CHILDREN_SELECTOR, WATCHED
+from grpolora.operator.watch_cache import CHILDREN_SELECTOR, UNSEEN, WATCHED
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class JobPass:
     """One reconcile pass of a job: the Controller's part that reads, decides and writes for a GRPOLoraJob.
     Its state is set in Controller.__init__."""
 
-    async def _pass(self, job: _Tracked, *, full: bool) -> rec.Decision:
+    async def _pass(self, job: Tracked, *, full: bool) -> rec.Decision:
         """One reconcile pass (full: children read from the API; see grpolora.operator.controller)."""
         # The status as last written by us (job.status) is newer than the one in the last watch event (job.body).
         body = {**job.body, "status": job.status}
@@ -88,8 +88,8 @@ class JobPass:
                 queued = view.job.queue_name is not None and not job.queue_api_missing
                 claims, queue_workload = await asyncio.gather(
                     self._claims(job, view),
-                    # Just ensured: an ending before the job ever starts finishes it too (job_queue._ended), or Kueue
-                    # would admit a failed job's Workload and hold its quota.
+                    # Just ensured: an ending before the job ever starts finishes it too (job_queue.finish_workload),
+                    # or Kueue would admit a failed job's Workload and hold its quota.
                     self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name) if queued else _none(),
                 )
                 observed = rec.Observed(
@@ -103,7 +103,7 @@ class JobPass:
                 observed = await self._observe(job, view, old, blocked, full=full, job_plan=job_plan, pool=pool)
             if job.queue_api_missing and observed.queue_workload is None:
                 job.next_full = 0.0  # its Workload could not be created (no Kueue yet): the next pass retries
-            if _deleting(job.body):  # found out while ensuring the kept children
+            if is_deleting(job.body):  # found out while ensuring the kept children
                 view = dataclasses.replace(view, deleting=True)
             decision = rec.decide(view, old, observed, self.clock())
             if decision.needs:
@@ -122,7 +122,7 @@ class JobPass:
         except ChildRefused as refused:
             queue_workload = None
             if view.job is not None and view.job.queue_name is not None and not refused.refusal.transient:
-                # The job ends: its Workload is marked Finished (job_queue._ended), so that its quota goes back.
+                # The job ends: its Workload is marked Finished (job_queue.finish_workload): its quota goes back.
                 queue_workload = await self._workload(kube.KUEUE_WORKLOAD, view.namespace, view.name)
             decision = rec.decide_refused(view, old, refused.refusal, self.clock(), queue_workload=queue_workload)
             logger.warning("%s/%s: %s", job.namespace, job.name, decision.status.message)
@@ -136,7 +136,7 @@ class JobPass:
             decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         return decision
 
-    async def _withdraw_workloads(self, job: _Tracked, view: JobView) -> None:
+    async def _withdraw_workloads(self, job: Tracked, view: JobView) -> None:
         """A job that failed to start keeps no workload: the trainer Job and StatefulSet are created side by side, so
         the refusal of one leaves the other running (its GPUs held for a Failed job). Deleted in the foreground."""
         workloads = child_names(view.name)
@@ -151,7 +151,7 @@ class JobPass:
 
     async def _observe(
         self,
-        job: _Tracked,
+        job: Tracked,
         view: JobView,
         old: JobStatus,
         blocked: list[rec.ChildRef],
@@ -224,7 +224,7 @@ class JobPass:
             token=job.token,
         )
 
-    async def _create(self, job: _Tracked, obj: Mapping[str, Any]) -> bool:
+    async def _create(self, job: Tracked, obj: Mapping[str, Any]) -> bool:
         """Create if absent (False on 409); an API refusal becomes ChildRefused."""
         try:
             new = await self.client.create(obj)
@@ -234,7 +234,7 @@ class JobPass:
             logger.info("%s/%s: created %s %s", job.namespace, job.name, obj["kind"], obj["metadata"]["name"])
         return new
 
-    async def _ensure_kept_children(self, job: _Tracked, view: JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
+    async def _ensure_kept_children(self, job: Tracked, view: JobView, job_plan: JobPlan) -> list[rec.ChildRef]:
         """Make sure the Secret, Services and NetworkPolicy exist; return those that belong to an older job."""
         assert view.job is not None
         if view.record_applied is not None:
@@ -283,7 +283,7 @@ class JobPass:
                     return None
                 try:
                     if await self._create(job, obj):
-                        if self.cache.get((kind.kind, job.namespace, name), _UNSEEN) is None:
+                        if self.cache.get((kind.kind, job.namespace, name), UNSEEN) is None:
                             del self.cache[(kind.kind, job.namespace, name)]  # read from the API until the watch says
                         if obj["kind"] == "Secret":
                             job.token = token_fingerprint(fresh)
@@ -357,7 +357,7 @@ class JobPass:
         namespace = (body.get("metadata") or {}).get("namespace", "default")
         return await self.client.get(kind, namespace if kind.namespaced else None, ref.name)
 
-    async def _read_needs(self, job: _Tracked, view: JobView, observed: rec.Observed, needs: rec.Needs) -> rec.Observed:
+    async def _read_needs(self, job: Tracked, view: JobView, observed: rec.Observed, needs: rec.Needs) -> rec.Observed:
         """The observation with what the decision needs (rec.Needs), read concurrently."""
         owner, flavors, pods, managed = await asyncio.gather(
             # (A new job's first pass runs on the body its create handler was given: fresh enough, never asked.)
@@ -390,7 +390,7 @@ class JobPass:
         return tuple(await self.client.list(kube.POD, view.namespace, labels))
 
     async def _trainer_job_of(
-        self, job: _Tracked, view: JobView, pods: tuple[dict[str, Any], ...]
+        self, job: Tracked, view: JobView, pods: tuple[dict[str, Any], ...]
     ) -> dict[str, Any] | None:
         """The trainer Job that the trainer pods left of the job's name belong to, when it is this job's and not
         leaving, read from the API and relabelled: one that lost the operator's label (`kubectl label`, a policy
@@ -448,7 +448,7 @@ class JobPass:
         found = await asyncio.gather(*(read(name) for name in names_))
         return dict(zip(names_, found, strict=True))
 
-    async def _claims(self, job: _Tracked, view: JobView) -> dict[str, tuple[str, ...] | None]:
+    async def _claims(self, job: Tracked, view: JobView) -> dict[str, tuple[str, ...] | None]:
         """Access modes of the claims the job's pods share (None: no such claim); kept for the light passes."""
         assert view.job is not None
         uses = rec.volume_uses(view.job.spec)
@@ -459,7 +459,7 @@ class JobPass:
         }
         return job.claims
 
-    async def _change_workloads(self, job: _Tracked, decision: rec.Decision) -> bool:
+    async def _change_workloads(self, job: Tracked, decision: rec.Decision) -> bool:
         """Fence lost pods, delete, then create (never the same name in one pass); False if a create found the name
         taken (409)."""
         # What we change, the watch reports later: read it from the API until then.
@@ -499,7 +499,7 @@ class JobPass:
         await asyncio.gather(*(self._taken(job, obj) for obj in taken))
         return all(created)
 
-    async def _taken(self, job: _Tracked, obj: Mapping[str, Any]) -> dict[str, Any] | None:
+    async def _taken(self, job: Tracked, obj: Mapping[str, Any]) -> dict[str, Any] | None:
         """The child whose name `obj`'s create found taken (409), read from the API. One of this job's (the
         controller owner `obj` names) that lost the operator's label gets it back: the watches list by that label
         (CHILDREN_SELECTOR), so without it the child left them as deleted, its changes never reach a pass, and each
@@ -521,7 +521,7 @@ class JobPass:
         )  # fmt: skip
         return existing
 
-    async def _write_queue_workload(self, job: _Tracked, decision: rec.Decision) -> bool:
+    async def _write_queue_workload(self, job: Tracked, decision: rec.Decision) -> bool:
         """Carry out what the decision writes on the job's Kueue Workload (grpolora.operator.kueue). A status patch
         holds the resourceVersion it was decided from: if Kueue wrote meanwhile (409), the cached Workload is dropped
         so that the next pass reads it from the API and decides again; False then (the pass comes again soon)."""
@@ -554,7 +554,7 @@ class JobPass:
                 logger.info("%s/%s: gave the Kueue Workload's quota back after its eviction", job.namespace, job.name)
         return True
 
-    async def _record(self, job: _Tracked, decision: rec.Decision) -> bool:
+    async def _record(self, job: Tracked, decision: rec.Decision) -> bool:
         """Write the status, then the Kueue Workload, then post the events (only after the status write succeeded);
         delete the job after its TTL. False when the Workload's write met a newer Workload (decide again soon)."""
         patch = status_patch(job.status, decision.status)

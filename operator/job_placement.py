@@ -13,12 +13,12 @@ from grpolora.operator import conditions as cond
 from grpolora.operator import names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator.job_conditions import (
-    _failed_to_start,
-    _invalid_condition,
-    _progressing_condition,
-    _refused_condition,
+    failed_to_start,
+    invalid_condition,
+    progressing_condition,
+    refused_condition,
 )
-from grpolora.operator.job_course import _ttl_left
+from grpolora.operator.job_course import ttl_left
 from grpolora.operator.job_decision import ChildRef, Decision, Observed
 from grpolora.operator.job_events import transition_events
 from grpolora.operator.job_status import is_finished
@@ -26,7 +26,7 @@ from grpolora.operator.job_view import JobView
 
 
 @dataclass(frozen=True)
-class _Placement:
+class JobPlacement:
     """Where the job runs (decide's first stage)."""
 
     job_plan: JobPlan
@@ -37,7 +37,7 @@ class _Placement:
     """Its Kueue LocalQueue (None: not queued)."""
 
 
-def _placement(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> _Placement | Decision:
+def placement_of(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> JobPlacement | Decision:
     """The job's plan, on its own or on its RolloutPool with its place there; the whole decision instead when its
     pool is missing or does not fit (_decide_without_pool)."""
     job = view.job
@@ -54,7 +54,7 @@ def _placement(view: JobView, old: JobStatus, observed: Observed, now: datetime.
         place = pools.place(observed.pool.pool, observed.pool.status, key, view.uid, observed.token)
     else:
         job_plan = plan(job)
-    return _Placement(job_plan, place, job_plan.job.queue_name)
+    return JobPlacement(job_plan, place, job_plan.job.queue_name)
 
 
 def _decide_without_pool(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision | None:
@@ -72,12 +72,12 @@ def _decide_without_pool(view: JobView, old: JobStatus, observed: Observed, now:
     if pool.usable_by(view.job):
         return None
     if is_finished(old):  # terminal phases stick; only the TTL is left
-        left = _ttl_left(view.job.spec, old.completion_time, now)
+        left = ttl_left(view.job.spec, old.completion_time, now)
         return Decision(status=old, delete_job=left is not None and left <= 0, requeue_after=left, idle=left is None)
     mismatch = pool.fit_errors(view.job)
     if mismatch:
         message = f"cannot run on {where}: " + "; ".join(f"spec.{path}: {why}" for path, why in mismatch)
-        return _failed_to_start(view, old, names.R_POOL_MISMATCH, message, stamp, pool=ref)
+        return failed_to_start(view, old, names.R_POOL_MISMATCH, message, stamp, pool=ref)
     deletes: tuple[ChildRef, ...] = ()
     if pools.attached_condition(old.conditions):
         phase: JobPhase = "Failed"
@@ -102,13 +102,13 @@ def _decide_without_pool(view: JobView, old: JobStatus, observed: Observed, now:
         cond.Want(created.type, created.status, created.reason, created.message)
         if created is not None
         else cond.Want(names.CREATED, "False", reason, message),
-        _progressing_condition(phase, None, "", message),
+        progressing_condition(phase, None, "", message),
         cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
         cond.Want(names.FAILED, "True", reason, message)
         if phase == "Failed"
         else cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
-        _invalid_condition(view.problems),
-        _refused_condition(view.refused, view.queue_refused),
+        invalid_condition(view.problems),
+        refused_condition(view.refused, view.queue_refused),
         cond.Want(names.POOL_ATTACHED, "False", reason, message),
     ]
     status = old.model_copy(

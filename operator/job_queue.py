@@ -17,11 +17,11 @@ from grpolora.operator.job_status import TERMINAL, is_finished
 from grpolora.operator.job_view import K8sObject
 
 if TYPE_CHECKING:
-    from grpolora.operator.job_course import _Course
-    from grpolora.operator.job_placement import _Placement
+    from grpolora.operator.job_course import Course
+    from grpolora.operator.job_placement import JobPlacement
 
 
-def _ended(decision: Decision, workload: K8sObject | None, stamp: str) -> Decision:
+def finish_workload(decision: Decision, workload: K8sObject | None, stamp: str) -> Decision:
     """The one path of every ending (the main decision's, a deleted pool's, a refused child's, a managed Secret's, a
     claim the pods cannot share): a job that has ended marks its Kueue Workload Finished, as Kueue's jobframework
     does for its own kinds (reconciler.go ReconcileGenericJob, "if the job is finished, mark the workload as
@@ -56,7 +56,7 @@ def _finish_reason(status: JobStatus) -> str:
     return str(status.phase)
 
 
-def _finished_workload_of_a_new_run(where: _Placement, old: JobStatus, observed: Observed) -> ChildRef | None:
+def finished_workload_of_a_new_run(where: JobPlacement, old: JobStatus, observed: Observed) -> ChildRef | None:
     """The job's Kueue Workload when it is Finished but the job runs again (a spec fixed after it failed to start:
     such a failure has no completionTime). A Finished Workload is never admitted again and holds no quota, yet still
     says Admitted: it is deleted and a new one queued (the next full pass creates it), as Kueue's jobframework
@@ -68,7 +68,7 @@ def _finished_workload_of_a_new_run(where: _Placement, old: JobStatus, observed:
     return ChildRef("Workload", workload["metadata"]["name"])
 
 
-def waits_for_pool_room(where: _Placement) -> bool:
+def waits_for_pool_room(where: JobPlacement) -> bool:
     """A queued job on a RolloutPool that has no place for it: its Workload is kept inactive (spec.active: false,
     as a suspended job's: grpolora.operator.kueue.activation_patch), so that Kueue neither admits it nor holds quota
     for it while it could not run, and waitForPodsReady never evicts and requeues it over and over (with
@@ -79,7 +79,7 @@ def waits_for_pool_room(where: _Placement) -> bool:
     return where.queue is not None and place is not None and not place.attached and not place.room
 
 
-def pool_room_admission(where: _Placement) -> cond.Want:
+def pool_room_admission(where: JobPlacement) -> cond.Want:
     """The job's Admitted condition while it waits for room on its pool (waits_for_pool_room)."""
     assert where.place is not None
     return cond.Want(
@@ -91,12 +91,12 @@ def pool_room_admission(where: _Placement) -> cond.Want:
     )
 
 
-def _queue_write(
-    where: _Placement, observed: Observed, course: _Course, status: JobStatus, *, pods_ready: bool, stamp: str
+def queue_write_of(
+    where: JobPlacement, observed: Observed, course: Course, status: JobStatus, *, pods_ready: bool, stamp: str
 ) -> kueue.WorkloadWrite | None:
     """What to write on the job's Kueue Workload, as a job integration does (grpolora.operator.kueue)."""
     if where.queue is None or observed.queue_workload is None or course.phase in TERMINAL:
-        return None  # an ending: decide's one ending path (_ended) marks the Workload Finished
+        return None  # an ending: decide's one ending path (finish_workload) marks the Workload Finished
     write = kueue.integration_write(
         observed.queue_workload,
         now=stamp,
@@ -127,7 +127,7 @@ def _nothing_active(observed: Observed) -> bool:
     return not any(obs.pod_active(pod) for pod in observed.pods)
 
 
-def _admission(queue: str | None, workload: K8sObject | None, *, api_missing: bool = False) -> cond.Want:
+def admission_of(queue: str | None, workload: K8sObject | None, *, api_missing: bool = False) -> cond.Want:
     """Kueue's verdict on the job's Workload: Admitted True (or no queue), else why not."""
     if queue is None:
         return cond.Want(

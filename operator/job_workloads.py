@@ -12,13 +12,13 @@ from typing import TYPE_CHECKING
 from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan
 from grpolora.operator import builders, kueue, names
-from grpolora.operator.job_course import _failed_now
+from grpolora.operator.job_course import failed_now
 from grpolora.operator.job_decision import API_RETRY_SECONDS, REPLACE_RECHECK_SECONDS, WORKLOAD_KINDS, Observed
 from grpolora.operator.job_view import JobView, K8sObject
 
 if TYPE_CHECKING:
-    from grpolora.operator.job_course import _Course
-    from grpolora.operator.job_placement import _Placement
+    from grpolora.operator.job_course import Course
+    from grpolora.operator.job_placement import JobPlacement
 
 
 def children(
@@ -62,7 +62,7 @@ def with_restart_attempt(trainer_job: K8sObject, attempt: int, incarnation: int 
 
 
 @dataclass(frozen=True)
-class _Build:
+class Build:
     """The workloads to create (decide's create stage), or what they wait for."""
 
     creates: tuple[K8sObject, ...] = ()
@@ -70,13 +70,13 @@ class _Build:
     flavor_wait: str | None = None
 
 
-def _workloads_to_create(
-    view: JobView, where: _Placement, observed: Observed, course: _Course, stamp: str
-) -> tuple[_Course, _Build]:
+def workloads_to_create(
+    view: JobView, where: JobPlacement, observed: Observed, course: Course, stamp: str
+) -> tuple[Course, Build]:
     """The workloads the course wants, with what Kueue's admission adds to their pod templates; a conflict with the
     admission fails the job."""
     if not course.wanted_kinds:
-        return course, _Build()
+        return course, Build()
     placed = _placed_workloads(where.job_plan, view.uid, where.queue, observed)
     if isinstance(placed, kueue.PodSetConflict):
         message = (
@@ -84,10 +84,10 @@ def _workloads_to_create(
             f"the Workload is marked Finished ({names.R_FAILED_TO_START}) and its quota returned. Re-create the job "
             f"with {placed.field_name} {placed.key} unset or set to {placed.wanted}"
         )
-        return _failed_now(course, observed, stamp, names.R_FAILED_TO_START, message), _Build()
+        return failed_now(course, observed, stamp, names.R_FAILED_TO_START, message), Build()
     if isinstance(placed, _FlavorsMissing):
         requeue = API_RETRY_SECONDS if not placed.unread else REPLACE_RECHECK_SECONDS
-        return dataclasses.replace(course, requeue=requeue), _Build(
+        return dataclasses.replace(course, requeue=requeue), Build(
             read_flavors=placed.unread, flavor_wait=placed.message
         )
     incarnation = course.incarnation
@@ -99,7 +99,7 @@ def _workloads_to_create(
         with_restart_attempt(placed[kind], course.restarts, incarnation) if kind == "Job" else placed[kind]
         for kind in course.wanted_kinds
     )
-    return course, _Build(creates=creates)
+    return course, Build(creates=creates)
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,8 @@ from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
 from grpolora.operator.job_pass import ChildRefused
 from grpolora.operator.job_status import status_patch
-from grpolora.operator.scheduler import Gone, _Tracked
-from grpolora.operator.watch_cache import _version
+from grpolora.operator.scheduler import Gone, Tracked
+from grpolora.operator.watch_cache import version_of
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +46,8 @@ class PoolPass:
         ref, seen = _pool_ref(body), _admission_facts(body)
         before = self.pool_members.get(key)
         if event_type == "DELETED" and key[0] in self.members_gone:
-            self.members_gone[key[0]][key] = _version(body)
-        if event_type != "DELETED" and before is not None and _version(body) < _version(before[2]):
+            self.members_gone[key[0]][key] = version_of(body)
+        if event_type != "DELETED" and before is not None and version_of(body) < version_of(before[2]):
             return  # behind what a list of the jobs read (see _pool_jobs)
         self.pool_members.pop(key, None)
         if event_type != "DELETED" and ref:
@@ -75,7 +75,7 @@ class PoolPass:
                 if job.namespace == namespace and (spec.get("poolRef") or {}).get("name") == name:
                     self._wake(job)
 
-    async def _pool_pass(self, pool: _Tracked, *, full: bool) -> pr.PoolDecision:
+    async def _pool_pass(self, pool: Tracked, *, full: bool) -> pr.PoolDecision:
         """One pass of a RolloutPool: read, let the pure `decide_pool` choose, create or rewrite its children, write
         its status once (which its jobs read). Full (its handlers, a job of it that came, finished or went, and every
         resync): it decides its attachments (it alone does) from a list of its namespace's jobs and writes them to the
@@ -110,7 +110,7 @@ class PoolPass:
             await self._record_pool(pool, decision.status, decision.events)
         return decision
 
-    async def _pool_observe(self, pool: _Tracked, view: pr.PoolPassView) -> pr.PoolObserved:
+    async def _pool_observe(self, pool: Tracked, view: pr.PoolPassView) -> pr.PoolObserved:
         """A full pass's reads: the jobs that name the pool (from the watch's cache, _pool_jobs) and the pool's
         children, then the token Secrets of the jobs about to attach and the replicas' adapter reports."""
         assert view.pool is not None
@@ -179,7 +179,7 @@ class PoolPass:
                 )  # fmt: skip
                 raise ChildRefused(exc, obj) from exc
 
-    async def _pool_jobs(self, pool: _Tracked) -> list[dict[str, Any]]:
+    async def _pool_jobs(self, pool: Tracked) -> list[dict[str, Any]]:
         """The jobs that name this pool, from the watch's cache of them (pool_members), as a controller decides from
         its informer's cache: every change a pool reads of a job wakes the pool's pass (job_event), so the cache is
         as new as what woke it. The namespace's jobs are listed (a page at a time, only the members kept) when the
@@ -210,7 +210,7 @@ class PoolPass:
 
         def keep(item: dict[str, Any]) -> dict[str, Any] | None:
             nonlocal newest
-            newest = max(newest, _version(item))
+            newest = max(newest, version_of(item))
             return _member(item) if _pool_ref(item) else None
 
         self.members_gone[namespace] = gone = {}
@@ -220,13 +220,13 @@ class PoolPass:
             del self.members_gone[namespace]
         found = {(namespace, body["metadata"].get("name", "")): body for body in listed}
         for key, (_, _, body) in list(self.pool_members.items()):
-            if key[0] == namespace and key not in found and _version(body) <= newest:
+            if key[0] == namespace and key not in found and version_of(body) <= newest:
                 del self.pool_members[key]  # older than the list, yet not in it: gone (or off its pool)
         for key, body in found.items():
             cached = self.pool_members.get(key)
-            if gone.get(key, -1) >= _version(body):
+            if gone.get(key, -1) >= version_of(body):
                 continue  # deleted since the list was taken
-            if cached is None or _version(cached[2]) <= _version(body):  # never back to an older version
+            if cached is None or version_of(cached[2]) <= version_of(body):  # never back to an older version
                 self.pool_members[key] = (str(_pool_ref(body)), _admission_facts(body), body)
 
     async def _adapter_reports(
@@ -238,7 +238,7 @@ class PoolPass:
             return ()
         return tuple(await asyncio.gather(*(self.trainer.json(f"{url}/v1/adapter") for url in pool_plan.endpoints)))
 
-    async def _record_pool(self, pool: _Tracked, status: PoolStatus, events: tuple[rec.Event, ...] = ()) -> None:
+    async def _record_pool(self, pool: Tracked, status: PoolStatus, events: tuple[rec.Event, ...] = ()) -> None:
         """Write the pool's status (once per pass, skipped when unchanged), let its jobs see it at once, then post
         the pool's events (only after the write succeeded, as a job's)."""
         patch = status_patch(pool.status, status)

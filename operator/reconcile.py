@@ -28,13 +28,13 @@ from grpolora.operator import conditions as cond
 from grpolora.operator import job_failure, kueue, names
 from grpolora.operator import observe as obs
 from grpolora.operator.job_conditions import (
-    _decide_invalid,
-    _failed_to_start,
-    _invalid_condition,
-    _progressing_condition,
-    _status,
+    decide_invalid,
+    failed_to_start,
+    invalid_condition,
+    progressing_condition,
+    status_of,
 )
-from grpolora.operator.job_course import _active_deadline, _course, _end, _startup_deadline
+from grpolora.operator.job_course import active_deadline, course_of, release_at_end, startup_deadline
 from grpolora.operator.job_decision import (
     API_RETRY_SECONDS,
     REPLACE_RECHECK_SECONDS,
@@ -46,22 +46,22 @@ from grpolora.operator.job_decision import (
     Refusal,
 )
 from grpolora.operator.job_events import Event, transition_events
-from grpolora.operator.job_placement import _placement
+from grpolora.operator.job_placement import placement_of
 from grpolora.operator.job_queue import (
-    _admission,
-    _ended,
-    _finished_workload_of_a_new_run,
-    _queue_write,
+    admission_of,
+    finish_workload,
+    finished_workload_of_a_new_run,
     pool_room_admission,
+    queue_write_of,
     waits_for_pool_room,
 )
 from grpolora.operator.job_status import failed_at_this_generation, is_finished
 from grpolora.operator.job_view import JobView, K8sObject
-from grpolora.operator.job_workloads import _workloads_to_create
+from grpolora.operator.job_workloads import workloads_to_create
 
 if TYPE_CHECKING:
-    from grpolora.operator.job_course import _Course
-    from grpolora.operator.job_workloads import _Build
+    from grpolora.operator.job_course import Course
+    from grpolora.operator.job_workloads import Build
 
 
 def volume_uses(spec: GRPOLoraJobSpec) -> list[obs.VolumeUse]:
@@ -90,7 +90,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
     if not view.deleting and failed_at_this_generation(old, view.generation):
         # Failed to start for a reason only a create finds (job_status, the completionTime rule): it holds until the
         # spec changes. Its Workload stays Finished (Kueue never admits it again); nothing is created or re-queued.
-        return _ended(Decision(status=old, idle=True), observed.queue_workload, stamp)
+        return finish_workload(Decision(status=old, idle=True), observed.queue_workload, stamp)
     if view.runtime_wait is not None and not view.deleting:
         return _decide_waiting_for_runtime(view, old, stamp)
     decision = _decide(view, old, observed, now)
@@ -102,7 +102,7 @@ def decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.date
         (resolved,) = cond.merge([before] if before else [], [want], now=stamp, generation=view.generation)
         conditions = [*(x for x in decision.status.conditions if x.type != names.RUNTIME_RESOLVED), resolved]
         decision = dataclasses.replace(decision, status=decision.status.model_copy(update={"conditions": conditions}))
-    return _ended(decision, observed.queue_workload if not view.deleting else None, stamp)
+    return finish_workload(decision, observed.queue_workload if not view.deleting else None, stamp)
 
 
 def _decide_waiting_for_runtime(view: JobView, old: JobStatus, stamp: str) -> Decision:
@@ -112,10 +112,10 @@ def _decide_waiting_for_runtime(view: JobView, old: JobStatus, stamp: str) -> De
     reason, message = view.runtime_wait
     wants = [
         cond.Want(names.CREATED, "False", reason, message),
-        _progressing_condition("Pending", None, "", message),
+        progressing_condition("Pending", None, "", message),
         cond.Want(names.SUCCEEDED, "False", names.R_IN_PROGRESS),
         cond.Want(names.FAILED, "False", names.R_NO_FAILURE),
-        _invalid_condition(()),
+        invalid_condition(()),
         cond.Want(names.RUNTIME_RESOLVED, "False", reason, message),
     ]
     status = old.model_copy(
@@ -139,34 +139,34 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
         return Decision(status=old, idle=True)
     stamp = cond.rfc3339(now)
     if view.job is None:
-        return _decide_invalid(view, old, stamp)
-    where = _placement(view, old, observed, now)
+        return decide_invalid(view, old, stamp)
+    where = placement_of(view, old, observed, now)
     if isinstance(where, Decision):
         return where
     spec = where.job_plan.spec  # on a pool: bound to it (its inference fields are the pool's)
     volumes = obs.volume_check(volume_uses(spec), observed.claims)
     if volumes.refusal and not is_finished(old) and not spec.suspend and observed.trainer_job is None:
-        return _failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
-    stale = _finished_workload_of_a_new_run(where, old, observed)
+        return failed_to_start(view, old, names.R_VOLUME_ACCESS_MODE, volumes.refusal, stamp)
+    stale = finished_workload_of_a_new_run(where, old, observed)
     if stale is not None:
         observed = dataclasses.replace(observed, queue_workload=None)
     progress = obs.fold_trainer(old, observed.trainer)
-    admission = _admission(where.queue, observed.queue_workload, api_missing=observed.queue_api_missing)
+    admission = admission_of(where.queue, observed.queue_workload, api_missing=observed.queue_api_missing)
     if waits_for_pool_room(where):
         admission = pool_room_admission(where)
-    course = _course(where, old, observed, admission, progress, now)
+    course = course_of(where, old, observed, admission, progress, now)
     if stale is not None:
         course = dataclasses.replace(course, deletes=(*course.deletes, stale), requeue=REPLACE_RECHECK_SECONDS)
     if view.queue_left is not None:  # the label removed before Kueue admitted it: it runs without a queue
         course = dataclasses.replace(course, deletes=(*course.deletes, ChildRef("Workload", view.queue_left)))
-    course, build = _workloads_to_create(view, where, observed, course, stamp)
-    overdue, course, build = _startup_deadline(where, old, observed, course, build, now, stamp)
-    course, build = _active_deadline(spec, observed, course, build, now, stamp)
-    course, delete_job = _end(spec, course, observed.inference, now)
-    status, pods_ready = _status(
+    course, build = workloads_to_create(view, where, observed, course, stamp)
+    overdue, course, build = startup_deadline(where, old, observed, course, build, now, stamp)
+    course, build = active_deadline(spec, observed, course, build, now, stamp)
+    course, delete_job = release_at_end(spec, course, observed.inference, now)
+    status, pods_ready = status_of(
         view, old, observed, where, course, progress, admission, volumes, overdue, build, stamp
     )
-    queue_write = _queue_write(where, observed, course, status, pods_ready=pods_ready, stamp=stamp)
+    queue_write = queue_write_of(where, observed, course, status, pods_ready=pods_ready, stamp=stamp)
     settled = (
         not build.creates
         and not course.deletes
@@ -198,7 +198,7 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
     )
 
 
-def _needs(view: JobView, observed: Observed, course: _Course, build: _Build) -> Needs:
+def _needs(view: JobView, observed: Observed, course: Course, build: Build) -> Needs:
     """What must be read before the workloads this pass creates (or would, once their flavors are read) are
     created: the job's owner again (not on a new job's first pass, whose body is fresh), the flavors, the trainer
     pods left of its name, the Secrets it names. Each only once: what the observation holds is not asked again."""
@@ -254,10 +254,10 @@ def decide_refused(
         return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
     if old.trainer_incarnation is not None:  # a trainer Job was created: the job has started
         return _refused_after_start(view, old, what, refusal, stamp)
-    failed = _failed_to_start(
+    failed = failed_to_start(
         view, old, names.R_CREATE_REFUSED, f"the API server refused the {what}: {refusal.message}", stamp
     )
-    return _ended(failed, queue_workload, stamp)
+    return finish_workload(failed, queue_workload, stamp)
 
 
 REFUSED_RETRY_SECONDS: Final = 30.0
@@ -305,4 +305,4 @@ def decide_managed_secret(
         "of your own"
     )
     stamp = cond.rfc3339(now)
-    return _ended(_failed_to_start(view, old, names.R_MANAGED_SECRET, message, stamp), queue_workload, stamp)
+    return finish_workload(failed_to_start(view, old, names.R_MANAGED_SECRET, message, stamp), queue_workload, stamp)

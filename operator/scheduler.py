@@ -1,4 +1,4 @@
-"""The controller's scheduling of passes: the jobs and pools it follows (_Tracked), their per-job locks, their
+"""The controller's scheduling of passes: the jobs and pools it follows (Tracked), their per-job locks, their
 monitors (plain asyncio tasks; see grpolora.operator.controller's docstring), wakes, delays and backoff."""
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class Gone(Exception):
 
 
 @dataclass
-class _Tracked:
+class Tracked:
     """A GRPOLoraJob or RolloutPool (`kind`) the operator follows: its last body and status, its pass lock, its
     monitor."""
 
@@ -78,7 +78,7 @@ class Scheduler:
     """When passes run: the Controller's part that follows jobs and pools and runs their monitors.
     Its state is set in Controller.__init__."""
 
-    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> _Tracked:
+    def _track(self, body: Mapping[str, Any], kind: str = c.KIND) -> Tracked:
         meta = body.get("metadata") or {}
         key = (meta.get("namespace", "default"), meta.get("name", ""))
         uid = meta.get("uid", "")
@@ -87,7 +87,7 @@ class Scheduler:
         if job is None or job.uid != uid:  # new, or deleted and re-created under the same name
             if job is not None:
                 forget(*key)
-            job = _Tracked(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
+            job = Tracked(key[0], key[1], uid, dict(body), dict(body.get("status") or {}), kind=kind)
             table[key] = job
         else:
             known = (job.body.get("metadata") or {}).get("annotations") or {}
@@ -99,7 +99,7 @@ class Scheduler:
                     annotations[ours] = written  # the event predates our own write
         return job
 
-    def _wake(self, tracked: _Tracked | None) -> None:
+    def _wake(self, tracked: Tracked | None) -> None:
         """Run the job's (or pool's) next monitor pass now; start its monitor if it had settled (its last pass was
         idle: a suspended or finished job still keeps its kept children, and a pool its attachments)."""
         if tracked is None:
@@ -108,7 +108,7 @@ class Scheduler:
         tracked.due = min(tracked.due, asyncio.get_running_loop().time())
         self._follow(tracked)
 
-    def _follow(self, tracked: _Tracked) -> None:
+    def _follow(self, tracked: Tracked) -> None:
         """Make the job's (or pool's) monitor look at `due` again, starting it if it had ended."""
         if tracked.task is None or tracked.task.done():
             name = f"grpolora monitor {tracked.namespace}/{tracked.name}"
@@ -116,7 +116,7 @@ class Scheduler:
         else:
             tracked.wake.set()
 
-    def _schedule(self, job: _Tracked, decision: rec.Decision | pr.PoolDecision, *, woken: bool = False) -> None:
+    def _schedule(self, job: Tracked, decision: rec.Decision | pr.PoolDecision, *, woken: bool = False) -> None:
         """After a handler's pass: the job's monitor passes next after the decision's delay (at once if an event
         came during the pass), or not at all if it settled."""
         if woken:
@@ -130,7 +130,7 @@ class Scheduler:
             return decision.requeue_after
         return self.config.interval * (1 + random.uniform(0, self.config.jitter))
 
-    async def _monitor(self, job: _Tracked) -> None:
+    async def _monitor(self, job: Tracked) -> None:
         loop = asyncio.get_running_loop()
         failures = 0
         while True:
@@ -177,7 +177,7 @@ class Scheduler:
         meta = body.get("metadata") or {}
         self._mark_deleting(self.jobs.get((meta.get("namespace", ""), meta.get("name", ""))), body)
 
-    def _mark_deleting(self, tracked: _Tracked | None, body: Mapping[str, Any]) -> None:
+    def _mark_deleting(self, tracked: Tracked | None, body: Mapping[str, Any]) -> None:
         """Record a followed job's or pool's deletionTimestamp (handlers pass only spec changes) and run a pass."""
         meta = body.get("metadata") or {}
         if tracked is None or tracked.uid != meta.get("uid") or not meta.get("deletionTimestamp"):
@@ -185,7 +185,7 @@ class Scheduler:
         tracked.body.setdefault("metadata", {})["deletionTimestamp"] = meta["deletionTimestamp"]
         self._wake(tracked)
 
-    async def _owner_deleting(self, tracked: _Tracked) -> bool:
+    async def _owner_deleting(self, tracked: Tracked) -> bool:
         """Read the job (or pool) itself before creating a child for it: the collector may already be removing its
         children while our watch has not yet delivered its deletionTimestamp, and a child created now would only be
         collected again (and, in a foreground deletion, hold up the owner's removal). Gone if it is gone."""
@@ -194,7 +194,7 @@ class Scheduler:
         if found is None or (found.get("metadata") or {}).get("uid") != tracked.uid:
             raise Gone(f"{tracked.kind} {tracked.namespace}/{tracked.name}")
         self._mark_deleting(tracked, found)
-        return _deleting(tracked.body)
+        return is_deleting(tracked.body)
 
     def forget(self, namespace: str, name: str) -> None:
         """The job was deleted: stop its monitor and drop its metrics."""
@@ -231,5 +231,5 @@ class Scheduler:
         await self.client.close()
 
 
-def _deleting(body: Mapping[str, Any]) -> bool:
+def is_deleting(body: Mapping[str, Any]) -> bool:
     return bool((body.get("metadata") or {}).get("deletionTimestamp"))

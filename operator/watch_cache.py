@@ -37,11 +37,11 @@ KEPT_WATCHED: Final = frozenset(kind.kind for kind in (kube.SERVICE, kube.NETWOR
 """Watched kept children: a full pass makes them exist, so their DELETED asks for one; other events change nothing."""
 
 
-_UNSEEN: Final = object()
+UNSEEN: Final = object()
 """Not in the workloads' cache (distinct from None, which there means: seen absent)."""
 
 
-def _version(obj: Mapping[str, Any]) -> int:
+def version_of(obj: Mapping[str, Any]) -> int:
     """metadata.resourceVersion as a number (etcd's revision; 0 when absent or not a number)."""
     try:
         return int((obj.get("metadata") or {}).get("resourceVersion") or 0)
@@ -79,13 +79,13 @@ class WatchCache:
         """Cache what the watch or a full pass saw, never going back to an older version: a watch event that lags
         behind a full pass's read must not undo it (e.g. bring back a Workload's admission after its eviction)."""
         cached = self.cache.get(key)
-        if cached is not None and _version(seen) < _version(cached):
+        if cached is not None and version_of(seen) < version_of(cached):
             return
-        if value is not None and key in self.tombstones and _version(seen) <= self.tombstones[key]:
+        if value is not None and key in self.tombstones and version_of(seen) <= self.tombstones[key]:
             return  # read before it was seen gone
         self.cache[key] = value
         if value is None:
-            self.tombstones[key] = max(_version(seen), self.tombstones.get(key, 0))
+            self.tombstones[key] = max(version_of(seen), self.tombstones.get(key, 0))
         else:
             self.tombstones.pop(key, None)
 
@@ -107,11 +107,11 @@ class WatchCache:
         if not full and key in self.cache:
             cached = self.cache[key]
             return None if cached is None else dict(cached)
-        before = self.cache.get(key, _UNSEEN)
+        before = self.cache.get(key, UNSEEN)
         found = await self.client.get(kind, namespace, name)
         if found is not None:
             self._remember(key, dict(found), found)
-        elif self.cache.get(key, _UNSEEN) is before:
+        elif self.cache.get(key, UNSEEN) is before:
             # Absent: remembered as such, or every light pass of a job whose workloads wait (for Kueue, for its pool)
             # would GET them again. The watch reports their ADDED when they come (a re-listing after a reconnect
             # too). Not if the watch spoke while the GET was out: what it said is at least as new as the 404.
@@ -179,7 +179,7 @@ class WatchCache:
             for key, cached in list(self.cache.items()):
                 if key[:2] != (kind.kind, namespace) or key[2] in present or cached is None:
                     continue
-                if served_at and _version(cached) > served_at:
+                if served_at and version_of(cached) > served_at:
                     continue  # newer than the list
                 owner = ((cached.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB)
                 if owner is None:

@@ -135,13 +135,13 @@ async def test_a_workload_status_write_never_overwrites_what_kueue_wrote_since_i
     from grpolora.operator import kueue as integration
     from grpolora.operator.controller import Controller
     from grpolora.operator.reconcile import Decision
-    from grpolora.operator.scheduler import _Tracked
+    from grpolora.operator.scheduler import Tracked
 
     await kueue.add_workload("demo", priority=0)
     await kueue.admit("demo")
     client = kube.KubeClient(lambda: kopf.ConnectionInfo(server=cluster.url))
     controller = Controller(client, trainer=None, metrics=None)  # type: ignore[arg-type]
-    job = _Tracked(NAMESPACE, "demo", "uid", {}, {})
+    job = Tracked(NAMESPACE, "demo", "uid", {}, {})
     try:
         read = await client.get(kube.KUEUE_WORKLOAD, NAMESPACE, "demo")
         controller._remember(("Workload", NAMESPACE, "demo"), read, read)
@@ -455,8 +455,8 @@ async def test_a_runtime_that_names_a_queue_queues_its_jobs_and_a_jobs_own_label
 
 
 async def test_an_admitted_job_whose_pool_is_deleted_fails_and_gives_its_quota_back(cluster, operator, kueue):
-    """Every ending marks the Workload Finished (job_queue._ended), not only the main decision's: Kueue counts a
-    Workload's quota until it is Finished (jobframework/reconciler.go: a finished job's Workload is finished)."""
+    """Every ending marks the Workload Finished (job_queue.finish_workload), not only the main decision's: Kueue counts
+    a Workload's quota until it is Finished (jobframework/reconciler.go: a finished job's Workload is finished)."""
     from tests.operator.test_pool import POOL, job_on_pool, pool_doc, trainer
 
     job = job_on_pool("on-pool")
