@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
-from pathlib import Path
 
 from grpolora.api import constants as c
 from grpolora.api.load import Problem
@@ -38,11 +37,13 @@ class HubToken:
 
 
 def from_hub(model: ModelSpec) -> bool:
-    """Whether the pods download `model` from a hub (not an offline build, a volume or a path)."""
+    """Whether the pods download `model` from a hub (not an offline build, a volume or a path). A name is a path to
+    the pods when it exists in the pod (workers/models.py resolve_model), which this machine cannot see: only an
+    explicit one (/, ./, ../, ~) is taken for a path here."""
     name = model.name
     if model.source is not None or name.startswith(c.OFFLINE_MODEL_PREFIX):
         return False
-    return not (name.startswith(("/", "./", "../", "~")) or Path(name).expanduser().exists())
+    return not name.startswith(("/", "./", "../", "~"))
 
 
 def check_model(model: ModelSpec, token: HubToken, *, timeout: float) -> Findings:

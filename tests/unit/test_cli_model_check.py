@@ -101,6 +101,11 @@ def test_without_the_cluster_the_users_own_token_stands_in_for_the_secrets(tmp_p
     code, _, err = validate(tmp_path, hub.url, gated, token=STRANGER)
     assert code == 0, err  # the pods' token may well be granted: not an error
     assert "(gated; your own hub token cannot read it either; --cluster reads the Secret)" in err
+    # Not found with the user's token: a typo, or a private model only the Secret's token reads. Warned, not refused.
+    code, _, err = validate(tmp_path, hub.url, job("org/opne", token_from="hf-token"), token=READER)
+    assert code == 0, err
+    assert f"warning: line 6: spec.model.name: model 'org/opne' was not found on {hub.url}" in err
+    assert "asked with your own hub token, the pods use Secret team-a/hf-token's (--cluster reads it)" in err
 
 
 def test_offline_or_unreachable_it_says_it_could_not_check(tmp_path, hub):
