@@ -482,6 +482,15 @@ async def test_a_tenants_job_is_merged_with_its_runtime_read_from_the_cluster(tm
         # Merged: the runtime's requests and placement, so no BestEffort or placement warning on the bare job.
         assert "BestEffort" not in err and "warning: spec.trainer" not in err, err
         assert "not checked here: spec.runtimeRef" not in err
+        # A namespace's own GRPOLoraRuntime, read from the job's namespace.
+        namespaced = yaml.safe_load(RUNTIME) | {"kind": c.RUNTIME_KIND, "metadata": {"name": "small",
+                                                                                    "namespace": "team-a"}}
+        await create(cluster, namespaced)
+        on_own = ON_RUNTIME.replace("{kind: ClusterGRPOLoraRuntime, name: a100}", f"{{kind: {c.RUNTIME_KIND}, "
+                                    "name: small}")
+        code, out, err = await validate(capsys, tmp_path, cluster, on_own)
+        assert code == 0 and "GRPOLoraJob team-a/tenant is valid" in out, err
+        assert "BestEffort" not in err
         code, out, err = await validate(capsys, tmp_path, cluster, ON_RUNTIME.replace("name: a100}", "name: h100}"))
     assert code == 1 and "is valid" not in out
     assert (
