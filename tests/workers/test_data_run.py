@@ -136,7 +136,7 @@ def test_steps_are_on_policy_only_when_sampled_from_the_trainers_exact_weights(d
     assert [r["on_policy"] for r in steps] == [True, False, True]
     assert all(r["mismatch_max_abs"] <= 1e-3 for r in steps if r["on_policy"])
     assert steps[1]["importance_weight_mean"] > 0
-    assert 0 < steps[1]["importance_weight_ess"] <= 1 + 1e-9  # (sum w)^2 / (n sum w^2)
+    assert 0 < steps[1]["importance_weight_ess"] <= 1 + 1e-6  # (sum w)^2 / (n sum w^2), float32 sums
 
 
 def test_the_figures_a_trl_user_reads_first_are_there_under_trls_names(data_run):
