@@ -400,9 +400,7 @@ def connect(kubeconfig: str | None, context: str | None, *, timeout: float = REQ
     if kubeconfig and not Path(kubeconfig).expanduser().exists():
         raise ClusterUnavailable(f"kubeconfig {kubeconfig}: no such file (give --kubeconfig, or set $KUBECONFIG)")
     try:
-        config.load_kube_config(
-            config_file=kubeconfig, context=context, client_configuration=configuration, persist_config=False
-        )
+        config.load_kube_config(config_file=kubeconfig, context=context, client_configuration=configuration)
         contexts, active = config.list_kube_config_contexts(config_file=kubeconfig)
     except (ConfigException, OSError) as exc:
         raise ClusterUnavailable(
