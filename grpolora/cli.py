@@ -13,7 +13,7 @@ import importlib.util
 import json
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import TYPE_CHECKING
@@ -175,7 +175,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     cluster, cluster_error = None, str(exc)
             if isinstance(document, RolloutPool) and not result.errors:
                 try:
-                    _check_model(document.spec.model, document.namespace, cluster, args.request_timeout, result)
+                    _check_model(document.spec.model, document.namespace, cluster, provided, args.request_timeout,
+                                 result)
                 except ClusterUnavailable as exc:
                     cluster, cluster_error = None, str(exc)
             if not isinstance(document, GRPOLoraJob):
@@ -231,7 +232,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
                     cluster, cluster_error = None, str(exc)
             if not (result.errors or result.task_errors):
                 try:
-                    _check_model(job.spec.model, job.namespace, cluster, args.request_timeout, result)
+                    _check_model(job.spec.model, job.namespace, cluster, provided, args.request_timeout, result)
                 except ClusterUnavailable as exc:
                     cluster, cluster_error = None, str(exc)
     if cluster_error is not None:
@@ -274,10 +275,17 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def _check_model(model: ModelSpec, namespace: str, cluster: _Cluster | None, timeout: float, result: _Checked) -> None:
+def _check_model(
+    model: ModelSpec,
+    namespace: str,
+    cluster: _Cluster | None,
+    provided: Collection[tuple[str, str, str]],
+    timeout: float,
+    result: _Checked,
+) -> None:
     """The hub's word on the model (grpolora.model_check), asked with the token the pods will have: tokenFrom's
-    Secret as the cluster holds it (--cluster), else the user's own in its stead (ClusterUnavailable from reading
-    the Secret)."""
+    Secret as the cluster holds it (--cluster), else (no cluster, the Secret not readable, or made by the files
+    given) the user's own in its stead (ClusterUnavailable from reading the Secret)."""
     from grpolora.cluster_check import NOT_ALLOWED
     from grpolora.model_check import HubToken, check_model
 
@@ -286,7 +294,7 @@ def _check_model(model: ModelSpec, namespace: str, cluster: _Cluster | None, tim
     if ref is not None:
         token = HubToken(None, stands_in_for=f"{namespace}/{ref.secret_name}")
         secret = cluster.view.get("Secret", namespace, ref.secret_name) if cluster is not None else NOT_ALLOWED
-        if secret is None:
+        if secret is None and ("Secret", namespace, ref.secret_name) not in provided:
             return  # check_job says the Secret is missing
         if isinstance(secret, Mapping):
             written = (secret.get("data") or {}).get(ref.key)
