@@ -145,6 +145,15 @@ async def test_with_the_cluster_the_secrets_token_is_the_one_asked(tmp_path, hub
                 validate, tmp_path, hub.url, job("org/gated", token_from=name), "--cluster", "--kubeconfig",
                 kubeconfig(tmp_path, cluster), token=READER,  # the user's own token could: the Secret's is asked
             )  # fmt: skip
+        # A Secret the same file creates is not in the cluster yet: the user's own token stands in for it.
+        secret = "apiVersion: v1\nkind: Secret\nmetadata: {name: hf-new, namespace: team-a}\ndata: {token: eA==}\n---\n"
+        found["hf-new"] = await asyncio.to_thread(
+            validate, tmp_path, hub.url, secret + job("org/gated", token_from="hf-new"), "--cluster", "--kubeconfig",
+            kubeconfig(tmp_path, cluster), token=READER,
+        )  # fmt: skip
+    code, _, err = found["hf-new"]
+    assert code == 0, err
+    assert "whether Secret team-a/hf-new's token can read model 'org/gated' (gated; your own hub token can" in err
     code, _, err = found["hf-stranger"]
     assert code == 1, err
     assert f"line 7: spec.model.tokenFrom: the token cannot read model 'org/gated' (gated on {hub.url}): its " \
