@@ -62,8 +62,10 @@ def versions_to_unload(loaded: Iterable[int], *, live: int, leases: Mapping[int,
 
 class AdapterBook:
     """The adapter versions of one job on a shared engine: which is live, which are loaded (each under a LoRA id
-    of its own), which requests hold which. `activate` is called from the job's sync
-    thread; everything else runs on the event loop."""
+    of its own), which requests hold which. In the replica's HTTP process: `activate_staged` is called from the
+    tenant's RemoteMember events thread (member_link.py, answering its member in vLLM's worker), `activate` from a
+    thread of the caller's (`grpolora eval`, the benchmarks, in-process tests); everything else runs on the event
+    loop."""
 
     def __init__(self, engine: VllmEngine, *, kept_versions: int, job: str, instance: str):
         self._engine = engine
