@@ -178,8 +178,10 @@ def hostile_dir(tmp_path):
     """Plugins that misbehave in their process: hold the GIL in C for hours, allocate past the limit, die once."""
     (tmp_path / "hostile_env.py").write_text(
         textwrap.dedent("""
-        import os, re
+        import os, re, threading
         from pathlib import Path
+
+        TOGETHER = threading.Barrier(2, timeout=20)
 
         class Hostile:
             def reset(self, prompt):
@@ -191,6 +193,8 @@ def hostile_dir(tmp_path):
                     re.match(r"(a|aa)+$", "a" * 64 + "b")
                 if what == "memory":
                     bytearray(2 << 30)
+                if what == "together":  # returns only once two steps are in at the same time
+                    TOGETHER.wait()
                 if what == "die-once":
                     marker = Path(os.environ["HOSTILE_MARKER"])
                     if not marker.exists():
@@ -284,6 +288,19 @@ def test_memory_past_the_limit_fails_in_the_environments_process_and_a_dead_one_
     # A process that died: the episode is played again on a fresh process and environment, and ends well.
     assert (dying.episode.error, dying.episode.reward) == (None, 1.0)
     assert (tmp_path / "marker").read_text() == "died"
+    runner.close()
+
+
+def test_steps_of_different_episodes_overlap_in_one_environment_process(tokenizer, hostile_dir, monkeypatch):
+    """Two episodes' steps in one process run at once (each step waits for the other at a barrier): a process answers
+    each call on a thread of its own, so I/O-bound tools are not queued one behind another."""
+    from tests.workers.test_episodes import PROMPT, ScriptedReplicas
+
+    monkeypatch.syspath_prepend(str(hostile_dir))
+    runner, _ = _process_runner(tokenizer, EnvironmentSpec(plugin="hostile_env:make", processes=1, episode_retries=0))
+    replicas = ScriptedReplicas(tokenizer, {0: ["together"], 1: ["together"]})
+    [[one, two]] = runner.run([PROMPT], [[1]], [0], Sampling(2, 1.0, 1.0, 8), replicas, replicas=[0], version=1)
+    assert (one.episode.fault, one.episode.reward, two.episode.fault, two.episode.reward) == (None, 1.0, None, 1.0)
     runner.close()
 
 

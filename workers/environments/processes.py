@@ -1,11 +1,12 @@
 """Environment code out of the trainer's process: a built-in's or a plugin's environments live in a pool of worker
 processes (spec.environment.processes), spawned by the trainer (rank 0, which runs the episodes) and each bounded in
 address space (spec.environment.processMemoryMiB). The trainer holds a proxy per episode; each reset and step is one
-request to the episode's process, and a call that takes longer than stepTimeoutSeconds ends that process
-(SIGKILL), so that a step holding its GIL in C for hours (a catastrophic regex, a huge power) costs one episode
-that long and no more, and the trainer's own threads (training, sync heartbeats) never share a GIL with
-environment code. The other episodes on an ended process lose their environment (EnvironmentUnavailable: played
-again on a fresh one, runner.py); the next episode made there gets a new process.
+request to the episode's process, answered on a thread there (several episodes' steps overlap, as I/O-bound tools
+should), and a call that takes longer than stepTimeoutSeconds ends that process (SIGKILL): a step holding its GIL in
+C for hours (a catastrophic regex, a huge power) costs one episode that long and no more, and the trainer's own
+threads (training, sync heartbeats) never share a GIL with environment code. The other episodes on an ended process
+lose their environment (EnvironmentUnavailable: played again on a fresh one, runner.py); the next episode made there
+gets a new process.
 
 Requests and answers are pickled over a pipe; an exception raised by environment code comes back as its type's
 name and message (its own class may not unpickle in the trainer)."""
@@ -16,6 +17,7 @@ import itertools
 import logging
 import multiprocessing
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -42,8 +44,10 @@ class Raised:
 
 
 def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) -> None:
-    """A worker process: make environments by id and run their calls, one at a time, until the pipe closes."""
+    """A worker process: make environments by id and run their calls, each on a thread of its own (an episode's calls
+    come one at a time; different episodes' overlap, as a tool waiting on I/O should), until the pipe closes."""
     import resource
+    from concurrent.futures import ThreadPoolExecutor
 
     limit = memory_mib * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -52,15 +56,13 @@ def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) 
     try:
         factory = load_environment(EnvironmentSpec.model_validate_json(spec_json), Path(root) if root else None)
     except TaskError as exc:
-        conn.send(("refused", exc.path, exc.message))
+        conn.send((None, "refused", (exc.path, exc.message)))
         return
-    conn.send(("ready", None, None))
+    conn.send((None, "ready", None))
     environments: dict[int, Any] = {}
-    while True:
-        try:
-            op, eid, argument = conn.recv()
-        except (EOFError, OSError):
-            return
+    sending = threading.Lock()
+
+    def run(call: int, op: str, eid: int, argument: Any) -> None:
         try:
             if op == "make":
                 environments[eid] = factory()
@@ -71,16 +73,28 @@ def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) 
                 value = close() if callable(close) else None
             else:
                 value = getattr(environments[eid], op)(argument)
-            conn.send(("ok", value, None))
+            answer = (call, "ok", value)
         except BaseException as exc:  # handed back: the episode ends with it (or answers it, InvalidAction)
-            raised = Raised(type(exc).__name__, str(exc)[:2000], isinstance(exc, InvalidAction))
+            answer = (call, "raised", Raised(type(exc).__name__, str(exc)[:2000], isinstance(exc, InvalidAction)))
+        with sending:
             try:
-                conn.send(("raised", raised, None))
+                conn.send(answer)
             except Exception:  # an answer that does not pickle
-                conn.send(("raised", Raised("PicklingError", f"{op}() answered what cannot be sent back"), None))
+                conn.send((call, "raised", Raised("PicklingError", f"{op}() answered what cannot be sent back")))
+
+    with ThreadPoolExecutor(max_workers=256, thread_name_prefix="environment") as calls:
+        while True:
+            try:
+                call, op, eid, argument = conn.recv()
+            except (EOFError, OSError):
+                return
+            calls.submit(run, call, op, eid, argument)
 
 
 class _Worker:
+    """One environment process, seen from the trainer: requests go down its pipe, each numbered; a reader thread
+    hands each answer to the call waiting for it."""
+
     def __init__(self, spec: EnvironmentSpec, root: Path | None, memory_mib: int):
         self._conn, child = _CONTEXT.Pipe()
         self.process = _CONTEXT.Process(
@@ -89,44 +103,69 @@ class _Worker:
         )  # fmt: skip
         self.process.start()
         child.close()
-        self.lock = threading.Lock()
         self.dead: str | None = None
-        self.started = False
+        self._lock = threading.Lock()
+        self._calls = itertools.count()
+        self._waiting: dict[int, Future] = {}
+        self._ready: Future = Future()
+        threading.Thread(target=self._read, name="environment-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        while True:
+            try:
+                call, kind, value = self._conn.recv()
+            except (EOFError, OSError):
+                code = self.process.exitcode
+                self._fail(f"died (exit code {code}; over processMemoryMiB, or a crash)")
+                return
+            if call is None:  # the start: ready, or the plugin refused
+                self._ready.set_result((kind, value))
+                continue
+            with self._lock:
+                waiting = self._waiting.pop(call, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result((kind, value))
+
+    def _fail(self, why: str) -> None:
+        """The process is gone: every call waiting on it fails (its episodes are played again elsewhere)."""
+        with self._lock:
+            self.dead = self.dead or why
+            waiting, self._waiting = list(self._waiting.values()), {}
+        lost = EnvironmentUnavailable(f"the environment's process {self.dead}")
+        for future in [*waiting, self._ready]:
+            if not future.done():
+                future.set_exception(lost)
 
     def wait_ready(self) -> None:
         """Raise TaskError if the process cannot load the environment (a bad plugin), or EnvironmentUnavailable."""
-        if not self._conn.poll(START_SECONDS):
-            self.end(f"did not start within {START_SECONDS:g} s")
-            raise EnvironmentUnavailable(f"the environment process {self.dead}")
         try:
-            kind, path, message = self._conn.recv()
-        except (EOFError, OSError):
-            self.end(f"exited at start (code {self.process.exitcode})")
+            kind, value = self._ready.result(START_SECONDS)
+        except TimeoutError:
+            self.end(f"did not start within {START_SECONDS:g} s")
             raise EnvironmentUnavailable(f"the environment process {self.dead}") from None
         if kind == "refused":
             self.end("refused its environment")
-            raise TaskError(path, message)
-        self.started = True
+            raise TaskError(*value)
 
     def call(self, op: str, eid: int, argument: Any, timeout: float) -> Any:
-        with self.lock:
-            if not self.started:
-                self.wait_ready()
+        self.wait_ready()
+        future: Future = Future()
+        with self._lock:
             if self.dead is not None:
                 raise EnvironmentUnavailable(f"the environment's process {self.dead}")
+            call = next(self._calls)
+            self._waiting[call] = future
             try:
-                self._conn.send((op, eid, argument))
-                ready = self._conn.poll(timeout)
-                answer = self._conn.recv() if ready else None
-            except (EOFError, OSError, BrokenPipeError):
-                code = self.process.exitcode if not self.process.is_alive() else None
-                self.end(f"died (exit code {code}; over processMemoryMiB, or a crash)")
-                raise EnvironmentUnavailable(f"the environment's process {self.dead}") from None
-            if answer is None:
-                self.end(f"was ended: {op}() took longer than stepTimeoutSeconds ({timeout:g} s)")
-                raise EnvironmentUnavailable(f"{op}() took longer than stepTimeoutSeconds ({timeout:g} s); its process "
-                                       "was ended")  # fmt: skip
-        kind, value, _ = answer
+                self._conn.send((call, op, eid, argument))
+            except (OSError, ValueError) as exc:
+                self._waiting.pop(call, None)
+                raise EnvironmentUnavailable(f"the environment's process cannot be reached ({exc})") from None
+        try:
+            kind, value = future.result(timeout)
+        except TimeoutError:
+            self.end(f"was ended: {op}() took longer than stepTimeoutSeconds ({timeout:g} s)")
+            raise EnvironmentUnavailable(f"{op}() took longer than stepTimeoutSeconds ({timeout:g} s); its process "
+                                         "was ended") from None  # fmt: skip
         if kind == "raised":
             if value.invalid_action:
                 raise InvalidAction(value.message)
@@ -134,11 +173,11 @@ class _Worker:
         return value
 
     def end(self, why: str) -> None:
-        self.dead = self.dead or why
+        with self._lock:
+            self.dead = self.dead or why
         if self.process.is_alive():
             self.process.kill()
-        self.process.join(5)
-        self._conn.close()
+        self._fail(why)
 
 
 class EnvironmentProcesses:
