@@ -1,7 +1,8 @@
 """The shape of the data plane's code, read from the source (no import runs): no import circle among the workers'
 modules (function-level imports included), and the modules of a replica's two processes apart: the HTTP process's
 end of the sync members (member_link) and vLLM's worker's end (member_host) share only their messages
-(member_messages), the shared-memory payload format (payload) and the sync protocol."""
+(member_messages), the shared-memory payload format (payload) and the sync protocol; and no chain of module-level
+imports loads one process's modules into the other."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ PACKAGE = "grpolora.workers"
 # What runs only in an inference server's HTTP process, and what only in vLLM's worker.
 HTTP_PROCESS = {"app", "server", "tenants", "adapter_book", "vllm_engine", "member_link", "metrics"}
 WORKER_PROCESS = {"member_host"}
+# Imported by both: the messages between them, the payload format, the headroom arithmetic (pure), vllm_worker (vLLM's
+# worker extension, whose lora_request the HTTP process names adapters with) and vllm_plugin (every vLLM process).
+BOTH_PROCESSES = {"", "member_messages", "payload", "gpu_headroom", "vllm_worker", "vllm_plugin"}
 
 
 def modules() -> dict[str, Path]:
@@ -84,3 +88,46 @@ def test_a_replicas_two_processes_import_nothing_of_each_other():
     for name in HTTP_PROCESS:
         wrong = {m for m in edges[f"{inference}.{name}"] if m.removeprefix(f"{inference}.") in WORKER_PROCESS}
         assert not wrong, f"{name} (the HTTP process) imports {wrong} (vLLM's worker's)"
+
+
+def top_level_imports(path: Path, known: set[str]) -> set[str]:
+    """The modules of `known` that the file imports when it is imported (its module-level statements only)."""
+    found = set()
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {name for name in names if name in known}
+    return found
+
+
+def reached(edges: dict[str, set[str]], start: str) -> set[str]:
+    seen, todo = set(), [start]
+    while todo:
+        for target in edges[todo.pop()] - seen:
+            seen.add(target)
+            todo.append(target)
+    return seen
+
+
+def test_every_inference_module_is_placed_in_its_process_and_imports_none_of_the_other_at_load():
+    """Each module of the inference server is classified (a new one must be), and importing one of a process's
+    modules loads none of the other's, through any chain of module-level imports (a lazy import inside a function,
+    as vllm_worker's of member_host in vLLM's worker, loads nothing until that function runs there)."""
+    known = modules()
+    inference = f"{PACKAGE}.inference"
+    placed = {name.removeprefix(inference).removeprefix(".") for name in known if name.startswith(inference)}
+    assert placed == HTTP_PROCESS | WORKER_PROCESS | BOTH_PROCESSES
+    assert not (HTTP_PROCESS & WORKER_PROCESS or HTTP_PROCESS & BOTH_PROCESSES or WORKER_PROCESS & BOTH_PROCESSES)
+    edges = {name: top_level_imports(path, set(known)) - {name} for name, path in known.items()}
+    for mine, theirs, what in ((HTTP_PROCESS, WORKER_PROCESS, "vLLM's worker"), (WORKER_PROCESS, HTTP_PROCESS, "HTTP")):
+        for name in mine:
+            wrong = {m for m in reached(edges, f"{inference}.{name}") if m.removeprefix(f"{inference}.") in theirs}
+            assert not wrong, f"importing {name} loads {wrong}, the {what} process's"
+    for name in BOTH_PROCESSES - {""}:  # what both import loads neither side's own modules
+        own = HTTP_PROCESS | WORKER_PROCESS
+        wrong = {m for m in reached(edges, f"{inference}.{name}") if m.removeprefix(f"{inference}.") in own}
+        assert not wrong, f"importing {name} (both processes) loads {wrong}"
