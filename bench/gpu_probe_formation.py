@@ -8,7 +8,8 @@ ncclCommInitRank waits until every rank has reached NCCL's bootstrap; abort() ca
 created (workers/sync/nccl.py). Rank 1 here is played by a process that connects to the store, as a member does, and
 then never calls NCCL (never arrives). Modes, each run in a fresh process:
 - project: the project's create_transport as trainer rank 0 builds its side (nccl.NcclTransport._form). PASS when it
-  raises TransportError within the join timeout plus 5 s.
+  raises TransportError within the join timeout plus 5 s, and the next epoch then forms in the same process (beside
+  the formation's thread NcclTransport abandoned inside NCCL).
 - blocking / nonblocking: a bare ProcessGroupNCCL (config.blocking left to PyTorch, or 0), its first all-reduce on a
   thread, then abort() from another thread after 3 join timeouts: whether abort returns and whether the formation's
   thread is freed by it. "freed" under nonblocking would let NcclTransport set config.blocking = 0 and abandon no
@@ -53,26 +54,32 @@ def project(backend: str, port: int, join_timeout: float) -> str:
     device = torch.device("cuda", 0) if backend == "nccl" else None
     outcome: dict[str, object] = {}
 
-    def form() -> None:
+    def form(epoch: int, world_size: int) -> None:
         started = time.monotonic()
         try:
             create_transport(
-                backend, store, epoch=0, rank=0, world_size=2, timeout_seconds=600,
+                backend, store, epoch=epoch, rank=0, world_size=world_size, timeout_seconds=600,
                 join_timeout_seconds=join_timeout, device=device, free_cached_memory=backend == "nccl",
             ).close()  # fmt: skip
-            outcome["formed"] = time.monotonic() - started
+            outcome[f"formed {epoch}"] = time.monotonic() - started
         except TransportError as exc:
-            outcome["raised"] = (time.monotonic() - started, str(exc).splitlines()[0][:160])
+            outcome[f"raised {epoch}"] = (time.monotonic() - started, str(exc).splitlines()[0][:160])
 
-    thread = threading.Thread(target=form, daemon=True)
+    thread = threading.Thread(target=form, args=(0, 2), daemon=True)
     thread.start()
     thread.join(join_timeout + 30)
-    if "raised" in outcome:
-        seconds, message = outcome["raised"]  # type: ignore[misc]
-        verdict = "PASS" if seconds <= join_timeout + 5 else "FAIL (too late)"
+    if "raised 0" in outcome:
+        seconds, message = outcome["raised 0"]  # type: ignore[misc]
+        # The next epoch (here a group of one) forms beside the formation abandoned in NCCL, if one was.
+        thread = threading.Thread(target=form, args=(1, 1), daemon=True)
+        thread.start()
+        thread.join(join_timeout + 30)
+        following = outcome.get("formed 1")
+        verdict = "PASS" if seconds <= join_timeout + 5 and following is not None else "FAIL"
         bound = f"join timeout {join_timeout:g}s"
-        return f"project/{backend}: {verdict}: TransportError after {seconds:.1f}s ({bound}): {message}"
-    if "formed" in outcome:
+        after = f"the next epoch formed in {following:.2f}s" if following is not None else f"the next epoch: {outcome}"
+        return f"project/{backend}: {verdict}: TransportError after {seconds:.1f}s ({bound}): {message}; {after}"
+    if "formed 0" in outcome:
         return "project: FAIL: formed without rank 1 (impossible: the probe is wrong)"
     return f"project/{backend}: FAIL: still forming after {join_timeout + 30:g}s (the join timeout does not bound it)"
 
