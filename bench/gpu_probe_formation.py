@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -42,11 +41,17 @@ from grpolora.workers.sync.transport import TransportError, connect_store, epoch
 MODES = ("project", "blocking", "nonblocking")
 
 
-def never_arrives(port: int) -> None:
-    """Rank 1: reaches the trainer's store (its join was accepted) and then never reaches the group."""
-    store = connect_store("127.0.0.1", port, is_master=False, timeout_seconds=30)
-    del store
-    time.sleep(3600)
+PEER = (
+    "import datetime, time, torch.distributed as dist\n"
+    "store = dist.TCPStore('127.0.0.1', {port}, None, False, datetime.timedelta(seconds=30))\n"
+    "time.sleep(3600)\n"
+)
+
+
+def start_peer(port: int) -> subprocess.Popen:
+    """Rank 1: a process that reaches the trainer's store (its join was accepted) and then never reaches the group.
+    -P: the repository's operator/ must not shadow the standard library's in it either."""
+    return subprocess.Popen([sys.executable, "-P", "-c", PEER.format(port=port)])
 
 
 def project(backend: str, port: int, join_timeout: float) -> str:
@@ -126,8 +131,7 @@ def bare(mode: str, port: int, join_timeout: float) -> str:
 
 def run_one(mode: str, backend: str, join_timeout: float) -> None:
     port = free_port()
-    peer = mp.get_context("spawn").Process(target=never_arrives, args=(port,), daemon=True)
-    peer.start()
+    peer = start_peer(port)
     try:
         line = project(backend, port, join_timeout) if mode == "project" else bare(mode, port, join_timeout)
     finally:
