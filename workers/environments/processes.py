@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-import multiprocessing
+import os
+import socket
+import subprocess
+import sys
 import threading
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -29,9 +32,12 @@ from grpolora.workers.tasks.base import TaskError
 
 log = logging.getLogger(__name__)
 
-# A spawned process: a fork of the trainer would copy its threads' locks (torch's, NCCL's) in whatever state.
-_CONTEXT = multiprocessing.get_context("spawn")
 START_SECONDS = 120.0  # a process's start and its factory's import at most (a plugin may import a large library)
+# A new interpreter, not a fork of the trainer (which would copy its threads' locks, torch's and NCCL's, in whatever
+# state) and not multiprocessing's spawn (which imports the parent's __main__ again: the trainer's, torch and vLLM
+# with it, minutes on a loaded machine); -P: the working directory (the repository's operator/ folder, a job's
+# folder) must not shadow the standard library. Its end of a socket pair is its only channel.
+_CHILD = "from grpolora.workers.environments.processes import child; child()"
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,15 @@ class Raised:
     kind: str
     message: str
     invalid_action: bool = False
+
+
+def child() -> None:
+    """An environment process's entry (`python -P -c`): argv names its socket's descriptor; the first message is
+    (the spec as JSON, the plugin root, the trainer's sys.path, the memory limit)."""
+    conn = Connection(int(sys.argv[1]))
+    spec_json, root, path, memory_mib = conn.recv()
+    sys.path[:] = path  # where the trainer finds plugins (as multiprocessing's spawn would set it)
+    _serve(conn, spec_json, root, memory_mib)
 
 
 def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) -> None:
@@ -96,13 +111,16 @@ class _Worker:
     hands each answer to the call waiting for it."""
 
     def __init__(self, spec: EnvironmentSpec, root: Path | None, memory_mib: int):
-        self._conn, child = _CONTEXT.Pipe()
-        self.process = _CONTEXT.Process(
-            target=_serve, args=(child, spec.model_dump_json(by_alias=True), str(root) if root else None, memory_mib),
-            name="environment", daemon=True,
-        )  # fmt: skip
-        self.process.start()
-        child.close()
+        mine, theirs = socket.socketpair()
+        self._conn = Connection(mine.detach())
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", "-c", _CHILD, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL, env={**os.environ, "PYTHONSAFEPATH": "1"},
+            )  # fmt: skip
+        finally:
+            theirs.close()
+        self._conn.send((spec.model_dump_json(by_alias=True), str(root) if root else None, sys.path, memory_mib))
         self.dead: str | None = None
         self._lock = threading.Lock()
         self._calls = itertools.count()
@@ -115,8 +133,7 @@ class _Worker:
             try:
                 call, kind, value = self._conn.recv()
             except (EOFError, OSError):
-                code = self.process.exitcode
-                self._fail(f"died (exit code {code}; over processMemoryMiB, or a crash)")
+                self._fail(f"died (exit code {self.process.poll()}; over processMemoryMiB, or a crash)")
                 return
             if call is None:  # the start: ready, or the plugin refused
                 self._ready.set_result((kind, value))
@@ -175,9 +192,10 @@ class _Worker:
     def end(self, why: str) -> None:
         with self._lock:
             self.dead = self.dead or why
-        if self.process.is_alive():
+        if self.process.poll() is None:
             self.process.kill()
         self._fail(why)
+        threading.Thread(target=self.process.wait, name="environment-reap", daemon=True).start()  # no zombie
 
 
 class EnvironmentProcesses:
