@@ -44,6 +44,9 @@ def candidate(body: Mapping[str, Any], pool: RolloutPool) -> Candidate | None:
     # first (BestEffortFIFO) would leave that job holding GPU quota and waiting for the place, and neither runs.
     queue = job.queue_name if job is not None else (meta.get("labels") or {}).get(KUEUE_QUEUE_LABEL)
     active = active and (queue is None or admitted_by_kueue(body))
+    # A job on a runtime is judged as it runs only once it recorded that runtime (its first pass): before, the queue
+    # its runtime names (spec.scheduling.queueName there) is unknown here, and it took a place Kueue had not given it.
+    active = active and (rt.ref_in(body) is None or obs.recorded_runtime(meta) is not None)
     return Candidate(
         key=job_key(meta.get("namespace", ""), meta.get("name", "")),
         uid=meta.get("uid", ""),
@@ -111,12 +114,15 @@ def place(pool: RolloutPool, status: PoolStatus, key: str, uid: str, token: str 
         return PoolPlace(True, names.R_POOL_ATTACHED, f"attached to {where}", replicas.ready, replicas.desired)
     count = f"{len(status.attached_jobs)}/{pool.spec.max_jobs} jobs attached"
     full = len(status.attached_jobs) >= pool.spec.max_jobs
+    # Room: a place not held by another job (an entry of this job's name, e.g. one the pool's status still lists
+    # under an older uid or token, is about to be renewed or dropped, and is no reason to give up its quota).
+    room = sum(1 for entry in status.attached_jobs if entry.job != key) < pool.spec.max_jobs
     if key in status.waiting_jobs:
         position = ordinal(status.waiting_jobs.index(key) + 1)
         # Not full: the job is about to attach (its token Secret is being made, or the pool's next pass is due).
         reason = names.R_POOL_FULL if full else names.R_WAITING_FOR_POOL
-        return PoolPlace(False, reason, f"{position} in line for {where} ({count})", room=not full)
-    return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to attach it ({count})", room=not full)
+        return PoolPlace(False, reason, f"{position} in line for {where} ({count})", room=room)
+    return PoolPlace(False, names.R_WAITING_FOR_POOL, f"waiting for {where} to attach it ({count})", room=room)
 
 
 # ---- the pool's status ------------------------------------------------------------------------------------------
