@@ -38,6 +38,7 @@ from grpolora.operator import kube
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
 from grpolora.operator.job_pass import JobPass
+from grpolora.operator.job_writes import JobWrites
 from grpolora.operator.metrics import Metrics
 from grpolora.operator.peering import Gate, Standalone
 from grpolora.operator.pool_pass import PoolPass
@@ -46,9 +47,10 @@ from grpolora.operator.trainer_client import TrainerStatusClient
 from grpolora.operator.watch_cache import WatchCache
 
 
-class Controller(Scheduler, JobPass, PoolPass, WatchCache):
+class Controller(Scheduler, JobPass, JobWrites, PoolPass, WatchCache):
     """The operator's one controller of GRPOLoraJobs and RolloutPools, composed of its parts: the watch cache
-    (watch_cache), the scheduler of passes (scheduler), the job pass (job_pass) and the pool pass (pool_pass)."""
+    (watch_cache), the scheduler of passes (scheduler), the job pass (job_pass: reads and decides; job_writes: carries
+    the decision out) and the pool pass (pool_pass)."""
 
     def __init__(
         self,

@@ -14,8 +14,8 @@ from grpolora.operator import builders, kube, names, pools
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
 from grpolora.operator import reconcile as rec
-from grpolora.operator.job_pass import ChildRefused
 from grpolora.operator.job_status import status_patch
+from grpolora.operator.job_writes import ChildRefused
 from grpolora.operator.scheduler import Gone, Tracked
 from grpolora.operator.watch_cache import version_of
 
