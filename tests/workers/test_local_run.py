@@ -423,9 +423,11 @@ def test_a_hung_engine_is_replaced_and_the_run_finishes_every_step(resumed):
     assert "vLLM's engine has not answered a round trip" in resumed.hung_log
     assert "--- grpolora run: killed: it failed its liveness probe; restart 1 ---" in resumed.hung_log
     # The kubelet's arithmetic: a first probe within a period, failing after the engine's bound, then the other
-    # failures in a row one period apart (each at once, the round trip sent still unanswered); and the poll's second.
+    # failures in a row one period apart (each at once, the round trip sent still unanswered): 40 s. Plus the
+    # launcher's poll, whose every pass also reads each worker's exit code over Ray and the trainer's /status
+    # (seconds on a loaded machine).
     bound = c.LIVENESS_PERIOD_SECONDS + c.ENGINE_PROBE_SECONDS + (c.LIVENESS_FAILURES - 1) * c.LIVENESS_PERIOD_SECONDS
-    assert resumed.seconds_to_replace <= bound + 5, resumed.stderr[-4000:]
+    assert resumed.seconds_to_replace <= bound + 10, resumed.stderr[-4000:]
 
 
 def test_run_folder_holds_adapter_plot_logs_and_final_status(resumed):
