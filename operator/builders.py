@@ -24,42 +24,22 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from grpolora.api import constants as c
-from grpolora.api import contract, overlay
+from grpolora.api import overlay
 from grpolora.api.plan import (
-    CHAT_TEMPLATE_MOUNT,
-    CHAT_TEMPLATE_NAME,
-    DATASET_MOUNT,
-    HUB_TOKEN_MOUNT,
-    MODEL_MOUNT,
-    POOL_JOBS_MOUNT,
-    SECRET_FILE,
-    SECRETS_MOUNT,
-    TOKEN_MOUNT,
     JobPlan,
-    Placement,
     PoolPlan,
     RolePlan,
-    trainer_secrets,
 )
 from grpolora.api.pool import JOBS_FILE_KEY, REPLICAS_FILE_KEY, Attachments, PoolReplicas
-from grpolora.api.spec import ModelSpec, NetworkPolicySpec, PodSecuritySpec, RoleSpec
-from grpolora.operator import job_failure, kueue, names
+from grpolora.api.spec import NetworkPolicySpec
+from grpolora.operator import job_failure, kueue, pod_spec
 
 K8sObject = dict[str, Any]
 Plan = JobPlan | PoolPlan
 """The owner of the objects built: a job, or a RolloutPool (whose one role is its servers, role inference)."""
 
-# The images' numeric USER (Dockerfile): runAsNonRoot holds without the pods fixing a uid (see PodSecuritySpec).
-WORKER_UID = 1000
-SHM_MOUNT = c.SHM_MOUNT
-CACHE_MOUNT = c.CACHE_MOUNT
-# Inference servers need minutes for large models (download + load); give the startup probe 30 minutes.
 # Set by Kubernetes (1.21+) on every namespace: selects a namespace by name in NetworkPolicies.
 NAMESPACE_NAME_LABEL = "kubernetes.io/metadata.name"
-STARTUP_PROBE_PERIOD_SECONDS = 10
-STARTUP_PROBE_FAILURES = 180
-# The trainer Job's podFailurePolicy rules, in order: a FailJob names the matching rule's index in the Job's
-# Failed condition ("... matching FailJob rule at index 1"), which grpolora.operator.observe maps back to the cause.
 
 
 def owner_reference(plan: Plan, uid: str) -> dict[str, Any]:
@@ -404,7 +384,10 @@ def trainer_job(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sO
             "backoffLimit": 0,
             "podFailurePolicy": job_failure.trainer_failure_policy(),
             "template": _pod_template(
-                plan, role, _pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name), admitted
+                plan,
+                role,
+                pod_spec.build_pod_spec(plan, role, restart_policy="Never", subdomain=role.service_name),
+                admitted,
             ),
         },
     }
@@ -422,236 +405,21 @@ def inference_statefulset(plan: Plan, admitted: kueue.PodSetInfo | None = None) 
             "replicas": role.replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(plan, role.role)},
-            "template": _pod_template(plan, role, _pod_spec(plan, role, restart_policy="Always"), admitted),
+            "template": _pod_template(
+                plan, role, pod_spec.build_pod_spec(plan, role, restart_policy="Always"), admitted
+            ),
         },
     }
 
 
 def _pod_template(
-    plan: Plan, role: RolePlan, pod_spec: dict[str, Any], admitted: kueue.PodSetInfo | None = None
+    plan: Plan, role: RolePlan, spec: dict[str, Any], admitted: kueue.PodSetInfo | None = None
 ) -> dict[str, Any]:
     """The role's pod template with spec.<role>.podTemplate merged over it (grpolora.api.overlay; the spec's
     validation has refused any overlay that would replace what is built here), then what Kueue's admission adds."""
-    built = {"metadata": {"labels": labels(plan, role.role)}, "spec": pod_spec}
-    template = overlay.merge(built, role_spec(plan, role).pod_template)
+    built = {"metadata": {"labels": labels(plan, role.role)}, "spec": spec}
+    template = overlay.merge(built, pod_spec.role_spec(plan, role).pod_template)
     if admitted is None:
         return template
     holder = f"the {role.role} pod template (spec.{role.role}.nodeSelector, spec.{role.role}.podTemplate)"
     return kueue.apply(template, admitted, holder=holder)
-
-
-def _pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain: str | None = None) -> dict:
-    placement = role.placement
-    model, security = _model_and_security(plan)
-    http = role.ports["http"]
-    container: dict[str, Any] = {
-        "name": role.role,
-        "image": placement.image,
-        # The inference engine's LoRA slots, visible in `grpolora render` and `kubectl describe`; the worker checks
-        # them against the spec it reads from the environment.
-        "args": [
-            "worker",
-            role.role,
-            *([f"--lora-slots={_lora_slots(plan)}"] if role.role == "inference" else []),
-        ],
-        "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in role.ports.items()],
-        "env": _env(plan, role),
-        "resources": _resources(placement, role_spec(plan, role).cache_size_limit),
-        "volumeMounts": [
-            {"name": "shm", "mountPath": SHM_MOUNT},
-            {"name": "cache", "mountPath": CACHE_MOUNT},
-        ],
-        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
-        # The worker's own message (contract.write_termination_message), else its last log lines, reach the
-        # container's terminated state, where the operator reads why it failed.
-        "terminationMessagePolicy": "FallbackToLogsOnError",
-    }
-    if placement.image_pull_policy:
-        container["imagePullPolicy"] = placement.image_pull_policy
-    volumes: list[dict[str, Any]] = [
-        # NCCL and vLLM's CPU backend use shared memory well beyond the default 64 MiB.
-        {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": role_spec(plan, role).shm_size_limit}},
-        # The model is downloaded here (HF_HOME): sized by the role's cacheSizeLimit, which _resources also requests.
-        {"name": "cache", "emptyDir": _sized(role_spec(plan, role).cache_size_limit)},
-    ]
-    for name, path, secret, key in _secret_files(role, model):
-        container["volumeMounts"].append({"name": name, "mountPath": path, "readOnly": True})
-        volumes.append({"name": name, "secret": {"secretName": secret, "items": [{"key": key, "path": SECRET_FILE}]}})
-    if model.source is not None:
-        pvc = model.source.pvc
-        mount = {"name": "model", "mountPath": MODEL_MOUNT, "readOnly": True}
-        if pvc.sub_path:
-            mount["subPath"] = pvc.sub_path
-        container["volumeMounts"].append(mount)
-        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
-    if isinstance(plan, PoolPlan):
-        # The attachment list: the Secret's key is a file in this folder, updated in place when jobs attach or
-        # detach (a whole-volume mount, not subPath, so that the kubelet refreshes it).
-        volume = c.POOL_JOBS_VOLUME
-        container["volumeMounts"].append({"name": volume, "mountPath": POOL_JOBS_MOUNT, "readOnly": True})
-        volumes.append({"name": volume, "secret": {"secretName": plan.jobs_secret}})
-    if role.role == c.ROLE_TRAINER:
-        assert isinstance(plan, JobPlan)
-        spec = plan.spec
-        container["volumeMounts"].append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
-        ckpt_pvc = spec.checkpoint.pvc
-        volumes.append(
-            {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt_pvc.claim_name}}
-            if ckpt_pvc
-            else {"name": "checkpoints", "emptyDir": {}}
-        )
-        mounts, extra = _trainer_inputs(plan)
-        container["volumeMounts"] += mounts
-        volumes += extra
-        container["readinessProbe"] = _http_probe("/health", http, period=10)
-    else:
-        # Started = engine up and the jobs served, whether or not the engine answers now (app.py's /started): an
-        # engine hung right after the start is then the liveness probe's to replace, not the startup probe's 30 min.
-        container["startupProbe"] = _http_probe(
-            "/started", http, period=STARTUP_PROBE_PERIOD_SECONDS, failures=STARTUP_PROBE_FAILURES
-        )
-        # Ready = engine up and serving the adapter version the trainer last sent.
-        container["readinessProbe"] = _http_probe("/ready", http, period=5)
-        # Live = engine up and answering a round trip within c.ENGINE_PROBE_SECONDS (a hung engine fails it); the
-        # probe's own timeout is longer, so that the kubelet reads the server's verdict (`grpolora run` plays it too).
-        container["livenessProbe"] = _http_probe(
-            "/health", http, period=c.LIVENESS_PERIOD_SECONDS, failures=c.LIVENESS_FAILURES
-        ) | {"timeoutSeconds": c.LIVENESS_TIMEOUT_SECONDS}
-    pod: dict[str, Any] = {
-        "restartPolicy": restart_policy,
-        # Workers talk to nobody's API server: progress flows to the operator over HTTP.
-        "automountServiceAccountToken": False,
-        "enableServiceLinks": False,
-        "securityContext": _pod_security(security),
-        "containers": [container],
-        "volumes": volumes,
-    }
-    if subdomain:
-        pod["subdomain"] = subdomain
-    if placement.node_selector:
-        pod["nodeSelector"] = dict(placement.node_selector)
-    if placement.tolerations:
-        pod["tolerations"] = [copy.deepcopy(dict(t)) for t in placement.tolerations]
-    if placement.affinity:
-        pod["affinity"] = copy.deepcopy(dict(placement.affinity))
-    if placement.image_pull_secrets:  # the cluster's (grpolora.api.plan.WorkerDefaults); a podTemplate adds its own
-        pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
-    if isinstance(plan, JobPlan) and plan.spec.scheduling.priority_class_name:  # a podTemplate's own one wins
-        pod["priorityClassName"] = plan.spec.scheduling.priority_class_name
-    return pod
-
-
-def _secret_files(role: RolePlan, model: ModelSpec) -> list[tuple[str, str, str, str]]:
-    """(volume, mount path, Secret, key) of each Secret key the worker reads as a file: the job's token (the contract
-    variable that names its file is in _env) and spec.model.tokenFrom's hub token (HF_TOKEN_PATH, from the plan)."""
-    found = [(c.TOKEN_VOLUME, TOKEN_MOUNT, *var.secret) for var in role.env if var.secret is not None]
-    assert len(found) <= 1, "one Secret key per pod is mounted at TOKEN_MOUNT"
-    if model.token_from is not None:
-        found.append((c.HUB_TOKEN_VOLUME, HUB_TOKEN_MOUNT, model.token_from.secret_name, model.token_from.key))
-    return found
-
-
-def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Mounts and volumes that only the trainer needs: the dataset volume and the Secrets the job names, read-only
-    (the trainer reads prompts and credentials, never writes them), and the output folder."""
-    spec = plan.job.spec
-    mounts: list[dict[str, Any]] = []
-    volumes: list[dict[str, Any]] = []
-    dataset = spec.task.dataset
-    if dataset is not None and dataset.pvc is not None:
-        mount = {"name": "dataset", "mountPath": DATASET_MOUNT, "readOnly": True}
-        if dataset.pvc.sub_path:
-            mount["subPath"] = dataset.pvc.sub_path
-        mounts.append(mount)
-        volumes.append(
-            {"name": "dataset", "persistentVolumeClaim": {"claimName": dataset.pvc.claim_name, "readOnly": True}}
-        )
-    if spec.output is not None:
-        mounts.append({"name": "output", "mountPath": spec.output.path})
-        volumes.append(
-            {"name": "output", "persistentVolumeClaim": {"claimName": spec.output.pvc.claim_name}}
-            if spec.output.pvc
-            else {"name": "output", "emptyDir": {}}
-        )
-        if spec.output.pvc and spec.output.pvc.sub_path:
-            mounts[-1]["subPath"] = spec.output.pvc.sub_path
-    for i, name in enumerate(trainer_secrets(spec)):
-        mounts.append({"name": f"secret-{i}", "mountPath": f"{SECRETS_MOUNT}/{name}", "readOnly": True})
-        volumes.append({"name": f"secret-{i}", "secret": {"secretName": name}})
-    if (template := spec.task.chat_template_from) is not None:
-        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True})
-        volumes.append({"name": "chat-template", "configMap": {"name": template.name, "items": [
-            {"key": template.key, "path": CHAT_TEMPLATE_NAME}]}})  # fmt: skip
-    return mounts, volumes
-
-
-def role_spec(plan: Plan, role: RolePlan) -> RoleSpec:
-    if isinstance(plan, PoolPlan):
-        return plan.pool.spec
-    spec = plan.spec
-    return spec.trainer if role.role == c.ROLE_TRAINER else spec.inference
-
-
-def _model_and_security(plan: Plan) -> tuple[ModelSpec, PodSecuritySpec]:
-    spec = plan.pool.spec if isinstance(plan, PoolPlan) else plan.spec
-    return spec.model, spec.pod_security
-
-
-def _lora_slots(plan: Plan) -> int:
-    """The engine's LoRA slots: a job's inference.maxLoras, or every attached job's slots on a pool."""
-    return plan.pool.spec.lora_slots if isinstance(plan, PoolPlan) else plan.spec.inference.max_loras
-
-
-def _pod_security(security: PodSecuritySpec) -> dict[str, Any]:
-    result: dict[str, Any] = {"runAsNonRoot": True}
-    for key, value in (
-        ("runAsUser", security.run_as_user),
-        ("runAsGroup", security.run_as_group),
-        ("fsGroup", security.fs_group),
-    ):
-        if value is not None:
-            result[key] = value
-    if security.fs_group is not None:
-        # Large PVCs: change ownership only when the volume root does not already match, not on every start.
-        result["fsGroupChangePolicy"] = "OnRootMismatch"
-    result["seccompProfile"] = {"type": "RuntimeDefault"}
-    return result
-
-
-def _env(plan: Plan, role: RolePlan) -> list[dict[str, Any]]:
-    index_field = c.JOB_COMPLETION_INDEX_FIELD if role.role == c.ROLE_TRAINER else c.STATEFULSET_POD_INDEX_FIELD
-    result: list[dict[str, Any]] = []
-    for var in role.env:
-        if var.replica_index:
-            result.append({"name": var.name, "valueFrom": {"fieldRef": {"fieldPath": index_field}}})
-        elif var.secret is not None:  # a file (_secret_files mounts it): no secret in the env
-            assert var.secret_file is not None, f"{var.name}: a Secret key reaches pods as a file"
-            result.append({"name": var.secret_file, "value": f"{TOKEN_MOUNT}/{SECRET_FILE}"})
-        else:
-            result.append({"name": var.name, "value": var.value})
-    if role.role == c.ROLE_TRAINER:
-        # Fencing (contract.TRAINER_INCARNATION): the incarnation the operator marks the trainer's pod template with
-        # (job_workloads.with_restart_attempt); the downward API gives "" for the first, unmarked, incarnation
-        # (Kubernetes pkg/fieldpath: a missing annotation is the empty string).
-        incarnation = f"metadata.annotations['{names.INCARNATION_ANNOTATION}']"
-        result.append({"name": contract.TRAINER_INCARNATION, "valueFrom": {"fieldRef": {"fieldPath": incarnation}}})
-    return result + [copy.deepcopy(dict(v)) for v in role.user_env]
-
-
-def _sized(size_limit: str | None) -> dict[str, Any]:
-    return {"sizeLimit": size_limit} if size_limit else {}
-
-
-def _resources(placement: Placement, cache_size: str | None = None) -> dict[str, Any]:
-    result = copy.deepcopy(dict(placement.resources))
-    if placement.gpus:
-        result.setdefault("limits", {})[placement.gpu_resource] = placement.gpus
-    if cache_size:
-        # The scheduler counts requests, not an emptyDir's sizeLimit: without this a pod lands on a node whose disk
-        # cannot hold the model. A request of the role's own covers it and whatever else the pod writes.
-        result.setdefault("requests", {}).setdefault("ephemeral-storage", cache_size)
-    return result
-
-
-def _http_probe(path: str, port: int, *, period: int, failures: int = 3) -> dict[str, Any]:
-    return {"httpGet": {"path": path, "port": port}, "periodSeconds": period, "failureThreshold": failures}

@@ -47,7 +47,7 @@ def children(
 def with_restart_attempt(trainer_job: K8sObject, attempt: int, incarnation: int | None = None) -> K8sObject:
     """The trainer Job marked with the restart that creates it and its incarnation (by default the attempt), each
     left unmarked at 0, as rendered. The incarnation goes on its pod template too: the pods' GRPOLORA_TRAINER_
-    INCARNATION reads it (builders._env), so that replicas refuse an earlier trainer that still runs (fencing,
+    INCARNATION reads it (pod_spec._env), so that replicas refuse an earlier trainer that still runs (fencing,
     workers/sync/receiver.py)."""
     incarnation = attempt if incarnation is None else incarnation
     if attempt == 0 and incarnation == 0:

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from grpolora.api import constants as c
-from grpolora.operator.builders import CACHE_MOUNT, WORKER_UID
+from grpolora.operator.pod_spec import CACHE_MOUNT, WORKER_UID
 from tests.chart.tools import HADOLINT_PACKAGE, linter_or_skip
 from tests.helpers import ROOT
 
