@@ -1,6 +1,18 @@
-"""What a job's decision reads from and writes on its Kueue Workload, pure: Kueue's verdict (the Admitted
-condition), the integration's writes while the job runs and the one ending path that marks it Finished
-(grpolora.operator.kueue holds the Workload's own rules)."""
+"""What a job's decision reads from and writes on its Kueue Workload, pure (run by the operator's reconcile pass):
+Kueue's verdict (the Admitted condition), the integration's writes while the job runs and the one ending path that
+marks it Finished (grpolora.operator.kueue holds the Workload's own rules).
+
+The seam Kueue's jobframework keeps behind its GenericJob interface (pkg/controller/jobframework/interface.go), for
+a GRPOLoraJob:
+- PodSets: builders.queue_workload (a pod set per role; on a pool the trainer's only).
+- IsActive: `_nothing_active` (no workload left that makes pods, no pod active: as Kueue's batch/v1 Job reads
+  status.active, which leaves out Terminating pods).
+- PodsReady: readiness.makes_progress, written by `queue_write_of` (ranks ready or succeeded, one serving replica).
+- Finished: `finish_workload` with `_finish_reason` (FailedToStart for a job that never started).
+- IsSuspended / Suspend: the job's spec.suspend, and `waits_for_pool_room`: either keeps the Workload inactive
+  (kueue.activation_patch), so that it holds no quota.
+- RunWithPodSetsInfo: job_workloads (the admitted flavors applied to the pod templates, kueue.pod_set_infos).
+"""
 
 from __future__ import annotations
 
