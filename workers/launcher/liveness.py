@@ -1,5 +1,5 @@
 """The inference servers' liveness probe as `grpolora run` plays it (in the launcher's own process): what the
-kubelet does with the livenessProbe of an inference pod (operator/builders.py), with the same numbers
+kubelet does with the livenessProbe of an inference pod (operator/pod_spec.py), with the same numbers
 (LIVENESS_* in grpolora.api.constants), so that a hung server is replaced on one machine as in a cluster.
 
 A server's GET /health fails when its engine died or does not answer a bounded round trip (workers/inference/app.py,
