@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import re
 import subprocess
 import sys
 
@@ -128,6 +129,19 @@ def test_without_huggingface_hub_it_says_so(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err
     assert code == 0, err
     assert "spec.model.name: model 'org/opne' on the hub (could not check: huggingface_hub not installed)" in err
+
+
+def test_the_suite_asks_no_real_hub(tmp_path, capsys):
+    """validate asks the hub by default: run in-process, as many tests do, it asks the endpoint tests/conftest.py
+    sets for the whole session (a loopback port nothing answers on), never huggingface.co, so a test's output is the
+    same with internet or without."""
+    path = tmp_path / "job.yaml"
+    path.write_text(job("org/opne"))
+    code = main(["validate", str(path)])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert re.search(r"model 'org/opne' on the hub \(could not check: http://127\.0\.0\.1:\d+ could not be reached",
+                     err), err  # fmt: skip
 
 
 async def test_with_the_cluster_the_secrets_token_is_the_one_asked(tmp_path, hub):
