@@ -29,10 +29,12 @@ def modules() -> dict[str, Path]:
     return found
 
 
-def imports(path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that the file imports, anywhere in it."""
+def imports(path: Path, known: set[str], *, top_level: bool = False) -> set[str]:
+    """The modules of `known` that the file imports, anywhere in it; with `top_level`, only those it imports when
+    it is imported (its module-level statements)."""
+    tree = ast.parse(path.read_text())
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in tree.body if top_level else ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
         elif isinstance(node, ast.Import):
@@ -90,20 +92,6 @@ def test_a_replicas_two_processes_import_nothing_of_each_other():
         assert not wrong, f"{name} (the HTTP process) imports {wrong} (vLLM's worker's)"
 
 
-def top_level_imports(path: Path, known: set[str]) -> set[str]:
-    """The modules of `known` that the file imports when it is imported (its module-level statements only)."""
-    found = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-        elif isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        else:
-            continue
-        found |= {name for name in names if name in known}
-    return found
-
-
 def reached(edges: dict[str, set[str]], start: str) -> set[str]:
     seen, todo = set(), [start]
     while todo:
@@ -122,7 +110,7 @@ def test_every_inference_module_is_placed_in_its_process_and_imports_none_of_the
     placed = {name.removeprefix(inference).removeprefix(".") for name in known if name.startswith(inference)}
     assert placed == HTTP_PROCESS | WORKER_PROCESS | BOTH_PROCESSES
     assert not (HTTP_PROCESS & WORKER_PROCESS or HTTP_PROCESS & BOTH_PROCESSES or WORKER_PROCESS & BOTH_PROCESSES)
-    edges = {name: top_level_imports(path, set(known)) - {name} for name, path in known.items()}
+    edges = {name: imports(path, set(known), top_level=True) - {name} for name, path in known.items()}
     for mine, theirs, what in ((HTTP_PROCESS, WORKER_PROCESS, "vLLM's worker"), (WORKER_PROCESS, HTTP_PROCESS, "HTTP")):
         for name in mine:
             wrong = {m for m in reached(edges, f"{inference}.{name}") if m.removeprefix(f"{inference}.") in theirs}
