@@ -1025,7 +1025,7 @@ class BlockingTransport(Transport):
     def pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         return [buffer]
 
-    def all_reduce_sum(self, tensor, timeout_seconds: float | None = None) -> None:
+    def all_reduce_sum(self, tensor) -> None:
         self.wait()
 
     @property

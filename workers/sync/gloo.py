@@ -74,7 +74,7 @@ class GlooTransport(Transport):
         options = broadcast_options(src, self._op_timeout)
         return self._start(lambda group: group.broadcast([tensor], options), "broadcast")
 
-    def all_reduce_sum(self, tensor: torch.Tensor, timeout_seconds: float | None = None) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         # Even the closing status keeps the per-collective progress bound here (so on CPU replicas an activation
         # must finish within progressTimeoutSeconds): ProcessGroupGloo's destructor waits, holding the GIL, for the
         # collectives still running on it, so a group closed around a long one would stall the whole process.

@@ -183,7 +183,7 @@ class NcclTransport(Transport):
         except RuntimeError as exc:
             raise TransportError(f"NCCL broadcast failed: {exc}") from exc
 
-    def all_reduce_sum(self, tensor: torch.Tensor, timeout_seconds: float | None = None) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         # Bounded by the group's timeout and the round's watchdog (NCCL has no per-collective progress bound here).
         options = sum_options()
         try:

@@ -152,10 +152,11 @@ def receive_round(
 
 def report_status(transport: Transport, code: int) -> None:
     """The round's closing all-reduce: this rank's code in its own slot (the sender's is 0). It waits for the slowest
-    replica's activation: bounded by CLOSING_TIMEOUT_SECONDS, not the per-piece progress bound."""
+    replica's activation: the caller gives it CLOSING_TIMEOUT_SECONDS on the round's watchdog, not the per-piece
+    progress bound (on gloo each collective keeps that bound too: gloo.GlooTransport.all_reduce_sum)."""
     status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
     status[transport.rank] = code
-    transport.all_reduce_sum(status, CLOSING_TIMEOUT_SECONDS)
+    transport.all_reduce_sum(status)
     # Cut (this member's watchdog, a newer join), NCCL's all-reduce returns normally: the member must leave the
     # group, not stay joined to a closed one that the next round then waits on.
     transport.check_open("the closing status")

@@ -111,7 +111,7 @@ def send_round(
             # the activation's own bound (CLOSING_TIMEOUT_SECONDS) rather than progressTimeoutSeconds.
             watchdog.progress(within=CLOSING_TIMEOUT_SECONDS)
             status = torch.zeros(transport.world_size, dtype=torch.int64, device=transport.device)
-            transport.all_reduce_sum(status, CLOSING_TIMEOUT_SECONDS)
+            transport.all_reduce_sum(status)
             # Cut by the watchdog, NCCL's all-reduce returns normally with the slots that had arrived (usually
             # none): read as statuses, every replica would have "refused" the version. A lost replica instead.
             transport.check_open("the closing status")

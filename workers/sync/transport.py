@@ -68,10 +68,8 @@ class Transport(ABC):
         return list(buffer.split(self.piece_bytes))
 
     @abstractmethod
-    def all_reduce_sum(self, tensor: torch.Tensor, timeout_seconds: float | None = None) -> None:
-        """In place on every rank; raises TransportError on failure or timeout. `timeout_seconds`: how long this one
-        may wait where a backend bounds each collective on its own (gloo's per-collective progress bound), at most
-        the group's timeout."""
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """In place on every rank; raises TransportError on failure or timeout."""
 
     @abstractmethod
     def close(self) -> None:
