@@ -57,6 +57,7 @@ def check_model(model: ModelSpec, token: HubToken, *, timeout: float) -> Finding
         from huggingface_hub.errors import (
             GatedRepoError,
             HfHubHTTPError,
+            HFValidationError,
             OfflineModeIsEnabled,
             RepositoryNotFoundError,
             RevisionNotFoundError,
@@ -81,6 +82,10 @@ def check_model(model: ModelSpec, token: HubToken, *, timeout: float) -> Finding
     except OfflineModeIsEnabled:
         found.not_checked.append(Problem("spec.model.name", f"model {name!r} on the hub (could not check: "
                                          "HF_HUB_OFFLINE is set)"))  # fmt: skip
+        return found
+    except HFValidationError as exc:  # refused before any request: the hub was not asked (the pod may read a path)
+        found.not_checked.append(Problem("spec.model.name", f"model {name!r} on the hub (could not check: not a "
+                                         f"hub model id ({_short(exc)}))"))  # fmt: skip
         return found
     except Exception as exc:  # the hub's refusals and the transport's errors come in many types
         refused = hub_refusal(exc, name, revision)

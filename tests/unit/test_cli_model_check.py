@@ -121,6 +121,20 @@ def test_offline_or_unreachable_it_says_it_could_not_check(tmp_path, hub):
         "not be reached" in err  # fmt: skip
 
 
+def test_a_name_that_is_no_hub_id_is_not_checked_and_the_hub_is_still_asked_for_the_next_job(tmp_path, hub):
+    """A name with three parts is no hub id (huggingface_hub refuses it before sending anything) and may be a path
+    in the pod (resolve_model): not checked, saying why. It was taken for an unreachable hub, so the next job in the
+    same run was not checked either ('could not be reached (HFValidationError ...)') and its typo passed."""
+    second = job("org/opne").replace("name: first", "name: second")
+    code, _, err = validate(tmp_path, hub.url, job("models/qwen3/v1") + "---\n" + second)
+    assert code == 1, err
+    assert "not checked here: line 6: spec.model.name: model 'models/qwen3/v1' on the hub (could not check: not a " \
+        "hub model id (Repo id must be" in err  # fmt: skip
+    assert "could not be reached" not in err, err
+    assert f"GRPOLoraJob team-a/second: line 16: spec.model.name: model 'org/opne' was not found on {hub.url}" in err
+    assert "GET /api/models/org/opne" in hub.state.calls
+
+
 def test_without_huggingface_hub_it_says_so(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)  # import huggingface_hub raises ModuleNotFoundError
     path = tmp_path / "job.yaml"
