@@ -308,6 +308,30 @@ def _leaving_statefulset(course: Course, sts: K8sObject, pods: Sequence[K8sObjec
     )
 
 
+def released_while_deleting(
+    workloads: Sequence[K8sObject | None], pods: Sequence[K8sObject], now: datetime.datetime
+) -> tuple[tuple[ChildRef, ...], tuple[str, ...], bool]:
+    """For a job being deleted: (its workloads to release, the lost pods to fence, whether any workload is still
+    leaving). The garbage collector deletes them in the foreground when the job is (`kubectl delete --cascade=
+    foreground`, Argo CD), and a pod on a lost node would hold them, and so the job's removal, for as long as the node
+    object stays; each whose pods have all stopped or are lost is deleted again in the Background, as on a restart
+    (_leaving_trainer)."""
+    release: tuple[ChildRef, ...] = ()
+    fence: tuple[str, ...] = ()
+    leaving = False
+    for workload in workloads:
+        if workload is None or not obs.deleting(workload):
+            continue
+        leaving = True
+        role = c.ROLE_TRAINER if workload.get("kind") == "Job" else c.ROLE_INFERENCE
+        left = _pods_of(workload, role, pods)
+        holding, lost, lost_fence = _stale_trainer_pods(left, now)
+        if left and lost and not holding:
+            release += (ChildRef(str(workload.get("kind")), workload["metadata"]["name"]),)
+            fence += lost_fence
+    return release, fence, leaving
+
+
 def _stale_trainer_pods(
     pods: Sequence[K8sObject], now: datetime.datetime
 ) -> tuple[list[K8sObject], list[K8sObject], tuple[str, ...]]:

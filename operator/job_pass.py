@@ -39,6 +39,11 @@ class JobPass:
         # Nothing to read: a job being deleted gets nothing, one waiting for its runtime has nothing yet, and one that
         # failed to start at this generation gets nothing until its spec changes (only its Workload is looked at).
         held = failed_at_this_generation(old, view.generation)
+        if view.deleting and view.job is not None:
+            decision = rec.decide_deleting(view, old, await self._leaving_workloads(view), self.clock())
+            await self._change_workloads(job, decision)
+            await self._record(job, decision)
+            return decision
         if view.deleting or view.runtime_wait is not None or held:
             queue_workload = None
             if held and not view.deleting and view.job is not None and view.job.queue_name is not None:
@@ -121,6 +126,20 @@ class JobPass:
         if not await self._record(job, decision):
             decision = dataclasses.replace(decision, requeue_after=rec.REPLACE_RECHECK_SECONDS, idle=False)
         return decision
+
+    async def _leaving_workloads(self, view: JobView) -> rec.Observed:
+        """For a job being deleted: its own workloads, and its pods (as they are now) while one of them is leaving."""
+        workloads = child_names(view.name)
+        trainer_job, inference = await asyncio.gather(
+            self._workload(kube.JOB, view.namespace, workloads["trainer"]),
+            self._workload(kube.STATEFULSET, view.namespace, workloads["inference"]),
+        )
+        ours = [w if w is not None and obs.controller_uid(w) == view.uid else None for w in (trainer_job, inference)]
+        pods: list[dict[str, Any]] = []
+        if any(w is not None and obs.deleting(w) for w in ours):
+            listed = await self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=True)
+            pods = [p for p in listed if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
+        return rec.Observed(ours[0], ours[1], tuple(pods))
 
     async def _observe(
         self,

@@ -34,7 +34,13 @@ from grpolora.operator.job_conditions import (
     progressing_condition,
     status_of,
 )
-from grpolora.operator.job_course import active_deadline, course_of, release_at_end, startup_deadline
+from grpolora.operator.job_course import (
+    active_deadline,
+    course_of,
+    release_at_end,
+    released_while_deleting,
+    startup_deadline,
+)
 from grpolora.operator.job_decision import (
     API_RETRY_SECONDS,
     REPLACE_RECHECK_SECONDS,
@@ -210,6 +216,20 @@ def _needs(view: JobView, observed: Observed, course: Course, build: Build) -> N
         flavors=build.read_flavors,
         trainer_pods="Job" in creating and observed.trainer_pods_left is None,
         secrets=not observed.secrets_checked,
+    )
+
+
+def decide_deleting(view: JobView, old: JobStatus, observed: Observed, now: datetime.datetime) -> Decision:
+    """A job being deleted: nothing is created or written for it, but its workloads that lost pods hold in the
+    garbage collector's foreground deletion are released (job_course.released_while_deleting); it is looked at again
+    while any of them is leaving."""
+    release, fence, leaving = released_while_deleting((observed.trainer_job, observed.inference), observed.pods, now)
+    return Decision(
+        status=old,
+        release=release,
+        fence=fence,
+        requeue_after=REPLACE_RECHECK_SECONDS if leaving else None,
+        idle=not leaving,
     )
 
 

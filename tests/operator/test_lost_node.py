@@ -35,6 +35,7 @@ from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.operator import names
 from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
+from grpolora.testing.kube_emulator import CRD_RESOURCE as CRD
 from grpolora.testing.kube_emulator import Cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, wait_for
@@ -265,3 +266,30 @@ async def test_an_inference_statefulset_held_by_a_lost_pod_is_released_on_resume
     assert fresh is not None and not fresh["metadata"].get("deletionTimestamp")
     assert cluster.get("v1/pods", lost) is not None, "only its node or an admin removes the lost pod"
     assert c.LABEL_JOB_UID not in cluster.get("v1/pods", lost)["metadata"]["labels"], "still in the Services"
+
+
+async def test_a_job_deleted_in_the_foreground_is_not_held_for_ever_by_a_lost_pod(cluster, operator):
+    """`kubectl delete glj demo --cascade=foreground` (Argo CD deletes so): the garbage collector deletes the trainer
+    Job in the foreground too (its owner waits for it, and it has dependents), and a trainer pod on a lost node holds
+    it, so the job's deletion hung for as long as the node object stayed. Being deleted, the job creates nothing, but
+    its workloads held by lost pods are released as on a restart: once past the lost deadline, deleted again in the
+    Background; the collector then finishes the job's removal."""
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.apply(job_doc())
+    await wait_for(lambda: cluster.get("apps/v1/statefulsets", "demo-inference"), "the children")
+    pod = await cluster.run_pod_of("batch/v1/jobs", "demo-trainer", node=LOST_NODE)
+    await cluster.delete_job("demo", cascade="Foreground")
+    await wait_for(lambda: (cluster.get("v1/pods", pod) or {}).get("metadata", {}).get("deletionTimestamp"), "lost")
+    found = cluster.get("v1/pods", pod)
+    assert found is not None
+    lost_at = deadline_of(found) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    assert operator.controller is not None
+    operator.controller.clock = clock_at(lost_at - datetime.timedelta(seconds=5))
+    before = operator.passes()
+    await wait_for(lambda: operator.passes() >= before + 3, "passes of the job being deleted")
+    assert cluster.get(CRD, "demo") is not None and cluster.get("batch/v1/jobs", "demo-trainer") is not None
+
+    operator.controller.clock = clock_at(lost_at + datetime.timedelta(seconds=1))
+    await wait_for(lambda: cluster.get(CRD, "demo") is None, "the job removed", timeout=15)
+    assert cluster.get("batch/v1/jobs", "demo-trainer") is None
+    assert trainer_jobs_created(cluster) == 1, "a deleted job created a trainer Job"
