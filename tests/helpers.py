@@ -18,7 +18,8 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
 
 def not_checked_lines(stderr: str) -> list[str]:
     """validate's "not checked here" lines, less its word on a model it could not ask the hub about (the tests run
-    without a hub: grpolora/model_check.py says so for every hub model)."""
+    without a hub, tests/conftest.py's endpoint refusing every connection: grpolora/model_check.py says so for every
+    hub model)."""
     hubless = [line for line in stderr.splitlines() if "on the hub (could not check:" not in line]
     return [line for line in hubless if "not checked here" in line]
 
