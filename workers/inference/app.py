@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -161,14 +162,15 @@ def create_app(
     tenants = Tenants(join_grace_seconds=None, default_job=job)
 
     async def serve_tenants() -> None:
+        member = functools.partial(receiver_factory, engine)  # its first sync member, and any that replaces it
         tenants.attach(
             Tenant(
                 job=job,
                 auth=auth_digest(token),
                 book=engine,
-                receiver=receiver_factory(engine),
+                receiver=member(),
                 gate=FairGate(None, on_change=in_flight_gauges(job)),
-                remake=lambda: receiver_factory(engine),
+                remake=member,
             )
         )
 

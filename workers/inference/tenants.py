@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import functools
 import hashlib
 import hmac
 import itertools
@@ -407,13 +408,14 @@ def pool_tenants(
             job=entry.job,
             instance=f"{entry.uid or 'no-uid'}.{incarnation}",
         )
+        member = functools.partial(receiver, book, bytes.fromhex(entry.sync_key), entry.job)  # first, and any later
         return Tenant(
             job=entry.job,
             auth=entry.auth,
             book=book,
-            receiver=receiver(book, bytes.fromhex(entry.sync_key), entry.job),
+            receiver=member(),
             gate=FairGate(spec.max_in_flight_per_job, on_change=in_flight_gauges(entry.job)),
-            remake=lambda: receiver(book, bytes.fromhex(entry.sync_key), entry.job),
+            remake=member,
         )
 
     return AttachmentList(jobs_file, pool=pool, max_jobs=spec.max_jobs, tenants=tenants, make_tenant=make_tenant)
