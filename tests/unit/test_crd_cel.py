@@ -96,6 +96,16 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("retries of a built-in", job_doc(environment={"builtin": "calculator", "retries": 0}), False),
     ("retries of a built-in, the default", job_doc(environment={"builtin": "calculator", "retries": 2}), True),
     ("headers of a plugin", job_doc(environment={"plugin": "a:b", "headersFrom": {"secretName": "s"}}), False),
+    # ... and environment processes' settings only without one (a service runs its own).
+    ("processes of a plugin", job_doc(environment={"plugin": "a:b", "processes": 8}), True),
+    ("processes of a service", job_doc(environment={"url": "http://env:8000", "processes": 8}), False),
+    ("processes of a service, the default", job_doc(environment={"url": "http://env:8000", "processes": 4}), True),
+    ("process memory of a service", job_doc(environment={"url": "http://env:8000", "processMemoryMiB": 512}), False),
+    # spec.task: a chat template from the spec or from a ConfigMap, not both.
+    ("a chat template from a ConfigMap", job_doc(task={"name": "arithmetic", "chatTemplateFrom": {"name": "t",
+     "key": "k"}}), True),
+    ("a chat template twice", job_doc(task={"name": "arithmetic", "chatTemplate": "qwen3", "chatTemplateFrom": {
+     "name": "t", "key": "k"}}), False),
     # A job on a pool: its serving fields are the pool's (fit is checked when it attaches, not at apply).
     ("on a pool", job_doc(inference={"poolRef": {"name": "shared"}}), True),
     ("on a pool, staleness 3", job_doc(inference={"poolRef": {"name": "shared"}}, grpo={"maxStaleness": 3}), True),
