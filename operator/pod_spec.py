@@ -93,8 +93,11 @@ def build_pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain
     if role.role == c.ROLE_TRAINER:
         assert isinstance(plan, JobPlan)
         spec = plan.spec
-        container["volumeMounts"].append({"name": "checkpoints", "mountPath": spec.checkpoint.path})
         ckpt_pvc = spec.checkpoint.pvc
+        container["volumeMounts"].append(
+            {"name": "checkpoints", "mountPath": spec.checkpoint.path}
+            | ({"subPath": ckpt_pvc.sub_path} if ckpt_pvc and ckpt_pvc.sub_path else {})
+        )
         volumes.append(
             {"name": "checkpoints", "persistentVolumeClaim": {"claimName": ckpt_pvc.claim_name}}
             if ckpt_pvc
@@ -117,6 +120,7 @@ def build_pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain
         container["livenessProbe"] = _http_probe(
             "/health", http, period=c.LIVENESS_PERIOD_SECONDS, failures=c.LIVENESS_FAILURES
         ) | {"timeoutSeconds": c.LIVENESS_TIMEOUT_SECONDS}
+    _one_volume_per_claim(volumes, container["volumeMounts"])
     pod: dict[str, Any] = {
         "restartPolicy": restart_policy,
         # Workers talk to nobody's API server: progress flows to the operator over HTTP.
@@ -139,6 +143,27 @@ def build_pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain
     if isinstance(plan, JobPlan) and plan.spec.scheduling.priority_class_name:  # a podTemplate's own one wins
         pod["priorityClassName"] = plan.spec.scheduling.priority_class_name
     return pod
+
+
+def _one_volume_per_claim(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
+    """Merge the volumes of one PersistentVolumeClaim (spec.model.source.pvc, checkpoint.pvc, output.pvc and
+    task.dataset.pvc may name the same one) into the first, its mounts renamed to it. The kubelet keys a pod's
+    volumes by the PersistentVolume, so a second volume of a claim is never mounted and the pod waits in
+    ContainerCreating for ever, which the API server admits (kubernetes/kubernetes#127004). A PVC source's readOnly
+    holds for every mount of the volume: the mounts keep their own, and the source is read-only only when all are."""
+    kept: dict[str, dict[str, Any]] = {}  # claim name -> its one volume
+    renamed: dict[str, str] = {}
+    for volume in list(volumes):
+        if (claim := volume.get("persistentVolumeClaim")) is None:
+            continue
+        if (first := kept.setdefault(claim["claimName"], volume)) is not volume:
+            renamed[volume["name"]] = first["name"]
+            volumes.remove(volume)
+    for mount in mounts:
+        mount["name"] = renamed.get(mount["name"], mount["name"])
+    for claim_name, volume in kept.items():
+        read_only = all(m.get("readOnly", False) for m in mounts if m["name"] == volume["name"])
+        volume["persistentVolumeClaim"] = {"claimName": claim_name} | ({"readOnly": True} if read_only else {})
 
 
 def _secret_files(role: RolePlan, model: ModelSpec) -> list[tuple[str, str, str, str]]:

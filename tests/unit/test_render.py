@@ -6,6 +6,7 @@ from typing import Any
 
 import kubernetes_validate
 import pytest
+import yaml
 
 from grpolora.api import constants as c
 from grpolora.api import contract
@@ -13,6 +14,7 @@ from grpolora.api.load import load_jobs, parse_job
 from grpolora.api.plan import plan, trainer_secrets
 from grpolora.operator.builders import build_children, workloads
 from tests.helpers import EXAMPLES, ROOT, job_doc
+from tests.unit.test_cli_conventions import run
 
 K8S_VERSION = "1.33.0"
 
@@ -135,6 +137,54 @@ def test_user_env_and_volumes():
     volumes = {v["name"]: v for v in pod["volumes"]}
     assert volumes["checkpoints"]["persistentVolumeClaim"] == {"claimName": "ckpts"}
     assert volumes["shm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+
+
+def test_one_claim_named_by_several_fields_is_one_volume_with_a_mount_each(tmp_path, capsys):
+    # The kubelet keys a pod's volumes by the PersistentVolume, not by the volume's name: two volumes of one claim
+    # leave the pod in ContainerCreating for ever ("Cannot mount the same PVC multiple times on one Pod",
+    # kubernetes/kubernetes#127004, open; #99453 the same with subPaths), and the API server admits such a pod
+    # (kubernetes/kubernetes#126730, the validation that would refuse it, was closed unmerged). One claim for the
+    # weights, the checkpoints and the results is what a small cluster with one RWX share does.
+    shared = {"claimName": "work"}
+    doc = job_doc(
+        model={"name": "llama", "source": {"pvc": {**shared, "subPath": "models"}}},
+        checkpoint={"path": "/ckpt", "pvc": {**shared, "subPath": "ckpt"}},
+        output={"path": "/out", "pvc": {**shared, "subPath": "out"}},
+        task={"dataset": {"pvc": {**shared, "subPath": "data"}, "path": "train.parquet"}, "reward": [{"name": "math"}]},
+    )
+    objs = by_kind(children(doc))
+    for kind, name, paths in (
+        ("Job", "demo-trainer", {"/models": True, "/ckpt": False, "/out": False, "/data": True}),
+        ("StatefulSet", "demo-inference", {"/models": True}),
+    ):
+        pod = objs[(kind, name)]["spec"]["template"]["spec"]
+        claims = [v for v in pod["volumes"] if "persistentVolumeClaim" in v]
+        assert len(claims) == 1, claims
+        (volume,) = claims
+        # A PVC source's readOnly holds for every mount of the volume: read-only lives on the mounts, and the
+        # source is read-only only when every mount is (the inference pods only read the weights).
+        assert volume["persistentVolumeClaim"] == {"claimName": "work", **({} if False in paths.values() else
+                                                   {"readOnly": True})}  # fmt: skip
+        mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"] if m["name"] == volume["name"]}
+        assert {path: m.get("readOnly", False) for path, m in mounts.items()} == paths
+        subpaths = {"/models": "models", "/ckpt": "ckpt", "/out": "out", "/data": "data"}
+        assert {path: m["subPath"] for path, m in mounts.items()} == {path: subpaths[path] for path in paths}
+    for obj in objs.values():
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+    # `grpolora render` prints the one volume.
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    code, out, err = run(capsys, "render", str(path))
+    assert code == 0, err
+    rendered = by_kind(list(yaml.safe_load_all(out)))
+    for kind, name in (("Job", "demo-trainer"), ("StatefulSet", "demo-inference")):
+        volumes = rendered[(kind, name)]["spec"]["template"]["spec"]["volumes"]
+        assert [v["name"] for v in volumes if "persistentVolumeClaim" in v] == ["model"]
+    # Two claims stay two volumes.
+    apart = by_kind(children(job_doc(checkpoint={"pvc": {"claimName": "a"}}, output={"pvc": {"claimName": "b"}})))
+    pod = apart[("Job", "demo-trainer")]["spec"]["template"]["spec"]
+    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"] if "persistentVolumeClaim" in v] == [
+        "a", "b"]  # fmt: skip
 
 
 def test_network_policy_admits_only_the_jobs_pods_and_the_operator():
