@@ -191,8 +191,8 @@ def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str,
         volumes.append(
             {"name": "dataset", "persistentVolumeClaim": {"claimName": dataset.pvc.claim_name, "readOnly": True}}
         )
-    if spec.output is not None:
-        mounts.append({"name": "output", "mountPath": spec.output.path})
+    if spec.output is not None and spec.output.folder is not None:  # else beside the checkpoints
+        mounts.append({"name": "output", "mountPath": spec.output.folder})
         volumes.append(
             {"name": "output", "persistentVolumeClaim": {"claimName": spec.output.pvc.claim_name}}
             if spec.output.pvc

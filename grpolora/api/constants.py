@@ -150,6 +150,8 @@ POOL_MUTABLE_SPEC_FIELDS: Final = ("replicas",)
 # (grpolora.api.overlay) may add volumes and mounts but not replace these.
 SHM_MOUNT: Final = "/dev/shm"
 CACHE_MOUNT: Final = "/cache"
+# Where spec.output.pvc is mounted in the trainer pod when spec.output.path is not given.
+OUTPUT_MOUNT: Final = "/var/lib/grpolora/output"
 MODEL_MOUNT: Final = "/models"
 # A RolloutPool's attachment list (its Secret, mounted into its servers).
 POOL_JOBS_VOLUME: Final = "pool-jobs"

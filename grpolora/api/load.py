@@ -410,14 +410,21 @@ def job_warnings(job: GRPOLoraJob) -> list[Problem]:
         )
     if (tight := sequence_weight_cap_warning(spec.grpo)) is not None:
         warnings.append(tight)
-    persists = spec.output.pvc is not None if spec.output else spec.checkpoint.pvc is not None
-    if not persists and not (spec.output and spec.output.push):
+    output = spec.output
+    if output is not None and output.folder is not None:
+        persists = output.pvc is not None
+    else:  # beside the checkpoints (grpolora.api.spec.OutputSpec.folder)
+        persists = spec.checkpoint.pvc is not None
+    pushed = output is not None and output.push is not None
+    if not persists:
         warnings.append(
             Problem(
                 "spec.output",
                 "no persistent location: in a cluster the final adapter, metrics.jsonl, samples and status.json "
-                "are written to the trainer pod's own disk and are lost with it; set spec.output.pvc (or "
-                "spec.checkpoint.pvc, where outputs go by default) or spec.output.push",
+                "are written to the trainer pod's own disk and are lost with it; "
+                + ("spec.output.push copies the adapter, so only the adapter outlives the pod; " if pushed else "")
+                + "set spec.output.pvc (or spec.checkpoint.pvc, where outputs go by default)"
+                + ("" if pushed else " or spec.output.push"),
             )
         )
     if spec.checkpoint.pvc is None:

@@ -310,7 +310,7 @@ def plan(
     spec.checkpoint.path and outputs to spec.output.path, or next to the checkpoints."""
     network = network or ClusterNetwork()
     cluster = isinstance(network, ClusterNetwork)
-    output_dir = output_dir or (job.spec.output.path if job.spec.output else None)
+    output_dir = output_dir or (job.spec.output.folder if job.spec.output else None)
     checkpoint_dir = checkpoint_dir or job.spec.checkpoint.path
     spec, name, namespace = job.spec, job.name, job.namespace
     names = child_names(name)

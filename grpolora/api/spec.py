@@ -1403,12 +1403,19 @@ class OutputSpec(SpecModel):
     """Where the trainer leaves its results: final-adapter/, metrics.jsonl, status.json, samples.jsonl,
     tensorboard/ (the layout `grpolora run` leaves in its run folder)."""
 
-    path: str = Field(default="/var/lib/grpolora/output", pattern=r"^/")
-    """Absolute folder in the trainer pod."""
+    path: str | None = Field(default=None, pattern=r"^/")
+    """Absolute folder in the trainer pod. Unset: /var/lib/grpolora/output when `pvc` is set, else the checkpoint
+    folder (spec.checkpoint.path, on spec.checkpoint.pvc when set), as without spec.output."""
     pvc: PvcRef | None = None
     """Mount this PersistentVolumeClaim at `path` so the results outlive the pod."""
     push: PushSpec | None = None
     """Also copy the final adapter (and, with everySteps, those during training) to S3 or the Hugging Face Hub."""
+
+    @property
+    def folder(self) -> str | None:
+        """The results' own folder in the trainer pod; None: the checkpoint folder (a spec.output with only `push`
+        leaves them beside the checkpoints, as no spec.output does)."""
+        return self.path or (c.OUTPUT_MOUNT if self.pvc is not None else None)
 
 
 class MlflowSpec(SpecModel):

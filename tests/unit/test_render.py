@@ -311,17 +311,45 @@ def test_trainer_mounts_the_output_volume_and_tracking_and_push_secrets():
     assert contract.OUTPUT_DIR not in env_of(by_kind(children(plain))[("Job", f"{plain.name}-trainer")])
 
 
+def test_an_output_that_only_pushes_lands_beside_the_checkpoints():
+    # docs/tasks.md: outputs go to spec.output.path on spec.output.pvc, "by default the checkpoint folder (on the
+    # checkpoint PVC when set)". A spec.output with only `push` named neither, yet the trainer wrote metrics.jsonl,
+    # samples, status.json and the final adapter to an emptyDir at /var/lib/grpolora/output, lost with the pod.
+    push = {"push": {"s3": {"url": "s3://b/p"}}}
+    job = parse_job(job_doc(output=push, checkpoint={"path": "/ckpt", "pvc": {"claimName": "ckpts"}}))
+    trainer = by_kind(children(job))[("Job", "demo-trainer")]
+    pod = trainer["spec"]["template"]["spec"]
+    assert {m["mountPath"] for m in pod["containers"][0]["volumeMounts"]} >= {"/ckpt"}
+    assert "output" not in {v["name"] for v in pod["volumes"]}
+    assert contract.OUTPUT_DIR not in env_of(trainer)  # the worker's default: the checkpoint folder
+    assert contract.OUTPUT_DIR not in plan(job).env_for("trainer", 0, token="t")
+    # A claim of its own without a path is mounted at the documented folder; a path is the user's.
+    for output, folder in (({"pvc": {"claimName": "r"}}, "/var/lib/grpolora/output"), ({"path": "/o"}, "/o")):
+        trainer = by_kind(children(job_doc(output=output | push)))[("Job", "demo-trainer")]
+        container = trainer["spec"]["template"]["spec"]["containers"][0]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["output"] == folder == env_of(trainer)[contract.OUTPUT_DIR]
+
+
 def test_validate_warns_when_no_output_persists():
     from grpolora.api.load import job_warnings
 
-    def warned(**fields) -> bool:
-        return any(w.path == "spec.output" for w in job_warnings(parse_job(job_doc(**fields))))
+    def warning(**fields) -> str | None:
+        found = [w.message for w in job_warnings(parse_job(job_doc(**fields))) if w.path == "spec.output"]
+        return found[0] if found else None
 
+    def warned(**fields) -> bool:
+        return warning(**fields) is not None
+
+    push = {"push": {"s3": {"url": "s3://b/p"}}}
     assert warned()
     assert warned(output={"path": "/out"}, checkpoint={"pvc": {"claimName": "c"}})  # output set, on no volume
     assert not warned(checkpoint={"pvc": {"claimName": "c"}})  # outputs default to the checkpoint volume
     assert not warned(output={"pvc": {"claimName": "r"}})
-    assert not warned(output={"push": {"s3": {"url": "s3://b/p"}}})
+    assert not warned(output=push, checkpoint={"pvc": {"claimName": "c"}})  # push only: beside the checkpoints
+    # Pushed, on no volume: the adapter leaves the pod, the rest of the run folder does not.
+    assert "only the adapter outlives the pod" in warning(output=push)
+    assert "only the adapter outlives the pod" in warning(output={"path": "/out"} | push)
 
 
 # ---- the GPU resource name: nvidia.com/gpu, a MIG profile, another vendor's --------------------------------
