@@ -13,7 +13,7 @@ from tests.helpers import ROOT
 
 PACKAGE = "grpolora.workers"
 # What runs only in an inference server's HTTP process, and what only in vLLM's worker.
-HTTP_PROCESS = {"app", "server", "tenants", "adapter_book", "vllm_engine", "member_link", "metrics"}
+HTTP_PROCESS = {"app", "server", "tenants", "adapter_book", "vllm_engine", "member_link", "metrics", "sessions"}
 WORKER_PROCESS = {"member_host"}
 # Imported by both: the messages between them, the payload format, the headroom arithmetic (pure), vllm_worker (vLLM's
 # worker extension, whose lora_request the HTTP process names adapters with) and vllm_plugin (every vLLM process).

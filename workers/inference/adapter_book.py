@@ -339,3 +339,6 @@ class OwnEngineBook(AdapterBook):
 
     async def encode(self, text: str) -> list[int]:
         return await self._engine.encode(text)
+
+    def tokenizer(self):
+        return self._engine.tokenizer()

@@ -14,7 +14,8 @@ served is current: the rule and why are in tenants.py; readiness probe), GET /me
 GET /v1/adapter (per job: live and loaded versions; at the top level the caller's job, named by its token, or the
 job of a job's own server).
 Token-guarded (`Authorization: Bearer <a served job's token>`): everything else, i.e. POST /v1/generate,
-GET /v1/sync/state, GET /v1/sync/pool (a pool's replicas now), POST /v1/sync/join, POST /v1/sync/prepare.
+the OpenAI-compatible chat sessions under /sessions/<id>/ (workers/inference/sessions.py), GET /v1/sync/state,
+GET /v1/sync/pool (a pool's replicas now), POST /v1/sync/join, POST /v1/sync/prepare.
 
 A client's mistake is a 4xx with the reason, never a 500: a missing or unknown token is refused (401) and a body
 over MAX_BODY_BYTES cut off (413) before the body is read, and the client still writing it reads that answer
@@ -40,8 +41,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from grpolora.api import constants as c
 from grpolora.api.pool import PoolReplicas, auth_digest
+from grpolora.workers.environments.episode import ChatDelta
 from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import OwnEngineBook, VersionUnavailable
+from grpolora.workers.inference.sessions import SessionChat, add_session_routes
 from grpolora.workers.inference.tenants import (
     AttachmentList,
     FairGate,
@@ -271,6 +274,7 @@ def build_app(
     cleanup: Callable[[], None],
     status: Callable[[], dict] = dict,
     pool_replicas: Callable[[], PoolReplicas | None] = lambda: None,
+    chat: Callable[[], SessionChat] | None = None,
 ) -> FastAPI:
     """The API around an engine and the jobs it serves (one for a job's own server, several for a pool's: the same
     routes, each request acting for the job its token names). `prepare` (optional coroutine) loads the model and
@@ -438,6 +442,14 @@ def build_app(
                 for p, samples in zip(prompts, outputs, strict=True)
             ],
         )
+
+    add_session_routes(
+        app,
+        engine,
+        caller,
+        chat or (lambda: SessionChat(ChatDelta(engine.tokenizer()))),  # the model's own template
+        version_wait_seconds=version_wait_seconds,
+    )
 
     @app.get(STATE_PATH, response_model=MemberState)
     async def sync_state(http: Request) -> MemberState:

@@ -373,6 +373,10 @@ class VllmEngine:
 
         return list(await asyncio.gather(*(score(sample) for sample in samples)))
 
+    def tokenizer(self):
+        """The model's tokenizer, as vLLM loaded it (the chat sessions render with it)."""
+        return self._engine.get_tokenizer()
+
     async def encode(self, text: str) -> list[int]:
         tokenizer = self._engine.get_tokenizer()
         return list(tokenizer.encode(text))

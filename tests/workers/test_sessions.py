@@ -1,0 +1,135 @@
+"""OpenAI-compatible chat sessions on the replicas (issue 48, item 1), called with the `openai` package's own client:
+the real create_app, the real adapter book with its real activation, leases and unloading, fed by a real gloo sync,
+around MarkingEngine (tests/workers/fakeengine.py), which stands in for vLLM alone and answers each call with one
+token, the mark of the adapter whose weights served it. The rendering is SmolLM2's real chat template and tokenizer
+through ChatDelta, the episodes' own suffix rendering."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import openai
+import pytest
+
+from grpolora.api.load import parse_job
+from grpolora.workers.environments.episode import ChatDelta
+from grpolora.workers.inference.sessions import VERSION_HEADER
+from grpolora.workers.inference.vllm_engine import EngineLimits, config_for
+from grpolora.workers.models import resolve_model
+from grpolora.workers.sync.control import HttpMember
+from tests.helpers import job_doc
+from tests.workers.fakeengine import TOKEN, FakeServer, MarkingBook, marked
+from tests.workers.syncfakes import gloo_sender
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model("offline:smollm2-135m-instruct"))
+
+
+@pytest.fixture
+def replica(tokenizer):
+    """A job's own replica keeping k + 1 = 2 versions (grpo.maxStaleness 1), and the trainer's sender to it."""
+    spec = parse_job(job_doc(grpo={"maxStaleness": 1})).spec
+    book = MarkingBook()
+    with FakeServer(book=book, version_wait_seconds=2) as served:
+        book.config = config_for(spec, "fake")
+        book.limits = EngineLimits(max_model_len=2048, vocab_size=len(tokenizer))
+        book._engine.get_tokenizer = lambda: tokenizer
+        sender = gloo_sender([HttpMember(0, served.url, TOKEN)], token=TOKEN, timeout_seconds=10)
+        try:
+            sender.form_group()
+            yield served, sender
+        finally:
+            sender.close()
+
+
+def client(url: str, session: str, **options) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=f"{url}/sessions/{session}/v1", api_key=TOKEN, max_retries=0, **options)
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+def test_two_concurrent_sessions_pinned_to_different_versions_each_get_their_own_versions_tokens(replica, tokenizer):
+    """Session a opens while version 1 is live, session b once version 2 is: their later calls, made at once, are
+    served by their own version's adapter (mark 11 and 22), though version 2 is live for both; each continues its own
+    ids, the new messages rendered as a suffix after the assistant's turn; the record masks the generated ids."""
+    served, sender = replica
+    assert sender.send(marked(11), {}).version == 1
+
+    async def play() -> tuple[list, list, dict, dict]:
+        a, b = client(served.url, "a"), client(served.url, "b")
+        a_chat = [user("What is 12 * 7?")]
+        first_a = await a.chat.completions.create(model="policy", messages=a_chat, max_tokens=4)
+        await asyncio.to_thread(sender.send, marked(22), {})  # version 2 goes live while a is between turns
+        b_chat = [user("Name a prime.")]
+        first_b = await b.chat.completions.create(model="policy", messages=b_chat, max_tokens=4)
+        a_chat += [first_a.choices[0].message.model_dump(exclude_none=True), user("And 12 * 8?")]
+        b_chat += [first_b.choices[0].message.model_dump(exclude_none=True), user("Another one.")]
+        second_a, second_b = await asyncio.gather(
+            a.chat.completions.create(model="policy", messages=a_chat, max_tokens=4),
+            b.chat.completions.create(model="policy", messages=b_chat, max_tokens=4),
+        )
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            records = [(await http.get(f"{served.url}/sessions/{s}")).json() for s in "ab"]
+        return [first_a, second_a], [first_b, second_b], *records
+
+    a_answers, b_answers, a_record, b_record = asyncio.run(play())
+    assert [answer.choices[0].message.content for answer in a_answers] == ["m11"] * 2  # MarkingEngine's text
+    assert [answer.choices[0].message.content for answer in b_answers] == ["m22"] * 2
+    assert (a_record["adapter_version"], b_record["adapter_version"]) == (1, 2)
+    assert [call["completion_token_ids"] for call in a_record["calls"]] == [[11], [11]]
+    assert [call["completion_token_ids"] for call in b_record["calls"]] == [[22], [22]]
+    delta = ChatDelta(tokenizer)
+    for record, mark, opening_text, follow_up in ((a_record, 11, "What is 12 * 7?", "And 12 * 8?"),
+                                                  (b_record, 22, "Name a prime.", "Another one.")):  # fmt: skip
+        (segment,) = record["segments"]
+        text = tokenizer.apply_chat_template([user(opening_text)], tokenize=False, add_generation_prompt=True)
+        opening = tokenizer(text, add_special_tokens=False)["input_ids"]
+        turn = delta.environment_turn([mark], [user(follow_up)])
+        assert segment["prompt_token_ids"] == list(opening)
+        assert segment["token_ids"] == [mark, *turn, mark]  # token in, token out: the suffix, never re-rendered
+        assert segment["mask"] == [1] + [0] * len(turn) + [1]
+        assert segment["logprobs"] == [-0.5] + [0.0] * len(turn) + [-0.5]
+        assert record["calls"][1]["prompt_token_ids"] == [*opening, mark, *turn]
+
+
+def test_a_rewritten_history_starts_a_new_segment_and_close_returns_the_record(replica, tokenizer):
+    served, sender = replica
+    assert sender.send(marked(11), {}).version == 1
+    assert sender.send(marked(22), {}).version == 2
+
+    async def play() -> tuple[dict, int, int]:
+        # Pinned at its first call to version 1, which this replica still keeps (k + 1 versions) though 2 is live.
+        pinned = client(served.url, "c", default_headers={VERSION_HEADER: "1"})
+        chat = [user("Hi")]
+        answer = await pinned.chat.completions.create(model="policy", messages=chat)
+        chat += [answer.choices[0].message.model_dump(exclude_none=True), user("Again")]
+        await pinned.chat.completions.create(model="policy", messages=chat)
+        # The agent edits its first message: the old ids no longer hold, a new segment begins.
+        rewritten = [user("Hello"), *chat[1:]]
+        await pinned.chat.completions.create(model="policy", messages=rewritten)
+        other = client(served.url, "c", default_headers={VERSION_HEADER: "2"})
+        with pytest.raises(openai.ConflictError):  # a session's version is its own for its life
+            await other.chat.completions.create(model="policy", messages=rewritten)
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+            closed = (await http.post(f"{served.url}/sessions/c/close")).json()
+            gone = (await http.get(f"{served.url}/sessions/c")).status_code
+            unauthenticated = (await httpx.AsyncClient().get(f"{served.url}/sessions/c")).status_code
+        return closed, gone, unauthenticated
+
+    record, gone, unauthenticated = asyncio.run(play())
+    assert record["closed"] and record["adapter_version"] == 1
+    assert [call["segment"] for call in record["calls"]] == [0, 0, 1]
+    assert [s["calls"] for s in record["segments"]] == [2, 1]
+    assert all(call["completion_token_ids"] == [11] for call in record["calls"])
+    rewritten = record["segments"][1]
+    # The new segment is the rewritten conversation rendered afresh, then the one generated id.
+    assert rewritten["prompt_token_ids"] == record["calls"][2]["prompt_token_ids"]
+    assert (rewritten["token_ids"], rewritten["mask"]) == ([11], [1])
+    assert (gone, unauthenticated) == (404, 401)

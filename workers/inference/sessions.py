@@ -1,0 +1,352 @@
+"""OpenAI-compatible chat sessions on an inference server (issue 48), run in the inference server's process (a job's
+own replica or a RolloutPool's, the same app: workers/inference/app.py mounts these routes).
+
+An agent written against the OpenAI client talks to `POST /sessions/<id>/v1/chat/completions` (the client's
+`base_url` is `<replica>/sessions/<id>/v1`, its `api_key` the job's token). A session binds its calls to:
+- one job: the job whose bearer token opened it (RequestGuard checks the token before the body is read, as for
+  /v1/generate); another job's token does not find it;
+- one adapter version, pinned for the session's life as an episode's is: the version named by the first call's
+  `X-Grpolora-Adapter-Version` header, or the version live at the first call; every later call leases that version
+  (AdapterBook.lease) and is refused (409) once this replica no longer serves it;
+- one replica: the session's tokens live in this process (the trainer keeps each session on the replica it opened).
+
+Token in, token out: the first call's messages are rendered once (ChatDelta.opening); each later call whose messages
+extend what the session holds (the previous call's messages and the assistant message it answered, exactly) appends
+only the new messages, rendered as a suffix after the assistant's turn (ChatDelta.environment_turn, the episodes'
+own rendering), to the session's ids; the conversation is never tokenised again, so the ids and the logprobs vLLM
+returned stay those of the sequence trained on. A call whose messages rewrite earlier history (edited, dropped or
+reordered messages, other tools) opens a new segment, rendered afresh and recorded as such, never merged.
+
+`GET /sessions/<id>` returns the record: per segment its prompt ids, the ids after them with their behaviour logprobs
+(0 where not generated) and a mask that is 1 on generated ids only, so a segment becomes one sample with the loss on
+generated tokens alone, exactly as an episode (episode.EpisodeTokens); per call its prompt and completion ids and
+logprobs. `POST /sessions/<id>/close` returns the same record and forgets the session.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+from fastapi import FastAPI, HTTPException, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from grpolora.workers.environments.base import EnvironmentFault, Message, Opening
+from grpolora.workers.environments.episode import ChatDelta, EpisodeTokens
+from grpolora.workers.inference import metrics
+from grpolora.workers.inference.adapter_book import VersionUnavailable
+from grpolora.workers.inference.tenants import Tenant
+from grpolora.workers.inference.vllm_engine import InvalidRequest, SamplingRequest
+from grpolora.workers.sync.control import StaleIncarnation
+
+SESSIONS_PATH = "/sessions"
+VERSION_HEADER = "x-grpolora-adapter-version"
+"""The header that pins a session to an adapter version at its first call (later calls may repeat it, not change
+it)."""
+MAX_SESSIONS = 4096
+"""Sessions one server holds at once (all jobs together); the oldest idle one goes first when more open."""
+SESSION_IDLE_SECONDS = 3600.0
+"""A session not called, read or closed for this long is forgotten when a new one needs room."""
+MAX_STOP_STRINGS = 16
+SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+class ChatRequest(BaseModel):
+    """The body of an OpenAI chat completion, as far as a session serves it (an unknown field is refused, 422, rather
+    than silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    model: str | None = None  # the session's adapter decides; kept as the answer's `model`
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | dict[str, Any] | None = None
+    temperature: float = Field(default=1.0, ge=0)
+    top_p: float = Field(default=1.0, gt=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    stop: str | list[Annotated[str, Field(min_length=1)]] | None = Field(default=None)
+    n: Literal[1] = 1
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stream: Literal[False] = False
+    parallel_tool_calls: bool | None = None
+    user: str | None = None
+
+
+@dataclass
+class SessionChat:
+    """What a session renders and parses with (built once the engine's tokenizer is there)."""
+
+    delta: ChatDelta
+    tool_message: Callable[[list[int], str, list[dict[str, Any]] | None], Message] | None = None
+    """The assistant message of generated ids with its parsed `tool_calls` (spec.environment.toolParser); None: the
+    text alone."""
+
+
+@dataclass
+class Segment:
+    tokens: EpisodeTokens
+    messages: list[Message]
+    """The conversation as the segment holds it: the messages sent and each assistant message answered."""
+    tools: list[dict[str, Any]] | None
+    generated: list[int] = field(default_factory=list)  # the last assistant turn's ids
+    calls: int = 0
+
+
+@dataclass
+class Session:
+    id: str
+    job: str
+    version: int
+    segments: list[Segment] = field(default_factory=list)
+    calls: list[dict[str, Any]] = field(default_factory=list)
+    used: float = field(default_factory=time.monotonic)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call of a session at a time, in arrival order
+
+    def record(self, closed: bool = False) -> dict[str, Any]:
+        return {
+            "session": self.id,
+            "job": self.job,
+            "adapter_version": self.version,
+            "replica": socket.gethostname(),
+            "closed": closed,
+            "segments": [
+                {
+                    "prompt_token_ids": s.tokens.opening,
+                    "token_ids": s.tokens.tokens,
+                    "logprobs": s.tokens.logprobs,
+                    "mask": s.tokens.mask,
+                    "calls": s.calls,
+                }
+                for s in self.segments
+            ],
+            "calls": self.calls,
+        }
+
+
+def normal(message: dict[str, Any]) -> Message:
+    """A message as sessions compare and render it: OpenAI's fields that change what the template renders, without
+    the ones a client echoes back empty (`refusal: null`, `audio: null`); text parts joined."""
+    role = message.get("role")
+    if role not in {"system", "developer", "user", "assistant", "tool"}:
+        raise InvalidRequest(f"messages: unknown role {role!r} (system, user, assistant or tool)", status=422)
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = message.get("content")
+    if isinstance(content, list):
+        if any(not isinstance(p, dict) or p.get("type") != "text" for p in content):
+            raise InvalidRequest("messages: only text content parts are served", status=422)
+        content = "".join(p.get("text", "") for p in content)
+    out["content"] = content or ""
+    if message.get("tool_calls"):
+        out["tool_calls"] = [
+            {
+                "id": call.get("id"),
+                "type": "function",
+                "function": {"name": call["function"]["name"], "arguments": call["function"]["arguments"]},
+            }
+            for call in message["tool_calls"]
+        ]
+    for key in ("tool_call_id", "name"):
+        if message.get(key) is not None:
+            out[key] = message[key]
+    return out
+
+
+class Sessions:
+    """The sessions of one server, keyed by job and session id."""
+
+    def __init__(self, max_sessions: int = MAX_SESSIONS, idle_seconds: float = SESSION_IDLE_SECONDS):
+        self._sessions: dict[tuple[str, str], Session] = {}
+        self.max_sessions = max_sessions
+        self.idle_seconds = idle_seconds
+
+    def get(self, job: str, sid: str) -> Session | None:
+        session = self._sessions.get((job, sid))
+        if session is not None:
+            session.used = time.monotonic()
+        return session
+
+    def open(self, job: str, sid: str, version: int) -> Session:
+        if len(self._sessions) >= self.max_sessions:
+            now = time.monotonic()
+            idle = sorted((s.used, key) for key, s in self._sessions.items() if now - s.used > self.idle_seconds)
+            if not idle:
+                raise HTTPException(status_code=429, detail=f"this server holds {self.max_sessions} open sessions")
+            del self._sessions[idle[0][1]]
+        session = self._sessions[(job, sid)] = Session(sid, job, version)
+        return session
+
+    def pop(self, job: str, sid: str) -> Session | None:
+        return self._sessions.pop((job, sid), None)
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+
+def _pinned(http: Request) -> int | None:
+    value = http.headers.get(VERSION_HEADER)
+    if value is None:
+        return None
+    if not value.isdigit():
+        raise HTTPException(status_code=422, detail=f"{VERSION_HEADER}: {value!r} is no adapter version (0, 1, ...)")
+    return int(value)
+
+
+def add_session_routes(
+    app: FastAPI,
+    engine: Any,
+    caller: Callable[[Request], Tenant],
+    chat: Callable[[], SessionChat],
+    *,
+    version_wait_seconds: float,
+) -> Sessions:
+    """Mount the session routes on `app` (engine: the server's OwnEngineBook or VllmEngine, for its limits; `chat`:
+    the rendering of the model, built at the first call)."""
+    sessions = Sessions()
+    built: list[SessionChat] = []
+
+    def renderer() -> SessionChat:
+        if not built:
+            built.append(chat())
+        return built[0]
+
+    def held(http: Request, sid: str) -> Session:
+        session = sessions.get(caller(http).job, sid)
+        if session is None:
+            raise HTTPException(status_code=404, detail=f"no session {sid!r} of this job on this replica")
+        return session
+
+    @app.post(SESSIONS_PATH + "/{sid}/v1/chat/completions")
+    async def chat_completions(sid: SessionId, request: ChatRequest, http: Request) -> dict:
+        tenant = caller(http)
+        labels = {"job": tenant.job}
+        started = time.perf_counter()
+        if isinstance(request.tool_choice, dict):
+            raise HTTPException(status_code=422, detail="tool_choice: 'auto' or 'none' (no guided decoding of a call)")
+        pinned = _pinned(http)
+        session = sessions.get(tenant.job, sid)
+        if session is not None and pinned is not None and pinned != session.version:
+            raise HTTPException(
+                status_code=409, detail=f"session {sid!r} is pinned to adapter version {session.version}, not {pinned}"
+            )
+        try:
+            messages = [normal(m) for m in request.messages]
+            rendering = renderer()
+            limit = request.max_completion_tokens or request.max_tokens
+            assert engine.limits is not None  # tenants are served only once the engine has started
+            stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
+            if len(stop) > MAX_STOP_STRINGS:
+                raise InvalidRequest(f"stop: at most {MAX_STOP_STRINGS} strings", status=422)
+            version_asked = pinned if session is None else session.version
+            async with tenant.book.lease(version_asked, version_wait_seconds) as version:
+                if session is None:
+                    session = sessions.get(tenant.job, sid) or sessions.open(tenant.job, sid, version)
+                async with session.lock:
+                    if version != session.version:  # another first call opened it meanwhile, on another version
+                        raise HTTPException(
+                            status_code=409, detail=f"session {sid!r} is pinned to version {session.version}"
+                        )
+                    segment, turn, prompt = _prompt(session, messages, request.tools, rendering.delta)
+                    sampling = SamplingRequest(
+                        n=1,
+                        temperature=request.temperature,
+                        top_p=request.top_p,
+                        max_tokens=limit or max(1, engine.limits.max_model_len - len(prompt) - 1),
+                        seed=request.seed,
+                        stop=stop,
+                    )
+                    engine.limits.check([prompt], sampling)
+                    async with tenant.gate.admit(1):
+                        (sample,) = await tenant.book.generate(prompt, sampling, version)
+                    if request.tool_choice != "none" and rendering.tool_message is not None and request.tools:
+                        message = rendering.tool_message(list(sample.token_ids), sample.text, request.tools)
+                    else:
+                        message = {"role": "assistant", "content": sample.text}
+                    _answered(session, segment, turn, prompt, sample)
+                    segment.messages = [*messages, normal(message)]
+        except StaleIncarnation as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except VersionUnavailable as exc:
+            metrics.REQUESTS.labels(**labels, status="version_unavailable").inc()
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except (InvalidRequest, EnvironmentFault) as exc:
+            metrics.REQUESTS.labels(**labels, status="invalid").inc()
+            raise HTTPException(status_code=getattr(exc, "status", 400), detail=str(exc)) from None
+        metrics.REQUESTS.labels(**labels, status="ok").inc()
+        metrics.REQUEST_SECONDS.labels(**labels).observe(time.perf_counter() - started)
+        metrics.GENERATED_TOKENS.labels(**labels).inc(len(sample.token_ids))
+        metrics.TOKEN_RATE.add(len(sample.token_ids))
+        finish = "tool_calls" if message.get("tool_calls") else sample.finish_reason or "stop"
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": request.model or tenant.job,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish, "logprobs": None}],
+            "usage": {
+                "prompt_tokens": len(prompt),
+                "completion_tokens": len(sample.token_ids),
+                "total_tokens": len(prompt) + len(sample.token_ids),
+            },
+            "adapter_version": version,
+        }
+
+    @app.get(SESSIONS_PATH + "/{sid}")
+    async def session_record(sid: SessionId, http: Request) -> dict:
+        return held(http, sid).record()
+
+    @app.post(SESSIONS_PATH + "/{sid}/close")
+    async def session_close(sid: SessionId, http: Request) -> dict:
+        session = held(http, sid)
+        async with session.lock:  # a call under way ends first, and is in the record
+            sessions.pop(session.job, sid)
+            return session.record(closed=True)
+
+    return sessions
+
+
+def _prompt(
+    session: Session, messages: list[Message], tools: list[dict[str, Any]] | None, delta: ChatDelta
+) -> tuple[Segment, list[int] | None, list[int]]:
+    """The segment a call continues, the ids of its new messages (None: a new segment) and its prompt ids: the
+    session's last segment with only the new messages rendered after it, where `messages` extend what it holds; else
+    a new segment of `messages` rendered afresh. Nothing is changed until the call is answered (_answered)."""
+    last = session.segments[-1] if session.segments else None
+    if (
+        last is not None
+        and tools == last.tools
+        and len(messages) > len(last.messages)
+        and messages[: len(last.messages)] == last.messages
+    ):
+        turn = delta.environment_turn(last.generated, messages[len(last.messages) :], tools)
+        return last, turn, last.tokens.ids + turn
+    try:
+        opening = delta.opening(Opening(list(messages), tools))
+    except Exception as exc:  # the template refused the conversation (jinja's error, its own raise_exception)
+        raise InvalidRequest(f"messages: the chat template cannot render them: {exc}", status=422) from None
+    return Segment(EpisodeTokens(list(opening)), list(messages), tools), None, list(opening)
+
+
+def _answered(session: Session, segment: Segment, turn: list[int] | None, prompt: list[int], sample: Any) -> None:
+    """Record an answered call: its new messages' ids (or its new segment), then the generated ids."""
+    if turn is None:
+        session.segments.append(segment)
+    else:
+        segment.tokens.add_environment(turn)
+    ids, logprobs = list(sample.token_ids), list(sample.logprobs)
+    segment.tokens.add_assistant(ids, logprobs, None)
+    segment.generated = ids
+    segment.calls += 1
+    session.calls.append(
+        {
+            "segment": len(session.segments) - 1,
+            "prompt_token_ids": prompt,
+            "completion_token_ids": ids,
+            "logprobs": logprobs,
+            "finish_reason": sample.finish_reason,
+        }
+    )
