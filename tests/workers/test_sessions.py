@@ -7,6 +7,7 @@ through ChatDelta, the episodes' own suffix rendering."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -14,12 +15,15 @@ import pytest
 
 from grpolora.api.load import parse_job
 from grpolora.workers.environments.episode import ChatDelta
-from grpolora.workers.inference.sessions import VERSION_HEADER
-from grpolora.workers.inference.vllm_engine import EngineLimits, config_for
+from grpolora.workers.inference.app import create_app
+from grpolora.workers.inference.sessions import VERSION_HEADER, job_session_chat
+from grpolora.workers.inference.vllm_engine import EngineLimits, Sample, config_for
 from grpolora.workers.models import resolve_model
+from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import HttpMember
+from grpolora.workers.sync.receiver import AdapterReceiver
 from tests.helpers import job_doc
-from tests.workers.fakeengine import TOKEN, FakeServer, MarkingBook, marked
+from tests.workers.fakeengine import TOKEN, AppThread, FakeServer, MarkingBook, marked
 from tests.workers.syncfakes import gloo_sender
 
 
@@ -77,6 +81,8 @@ def test_two_concurrent_sessions_pinned_to_different_versions_each_get_their_own
         )
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
             records = [(await http.get(f"{served.url}/sessions/{s}")).json() for s in "ab"]
+        await a.close()
+        await b.close()
         return [first_a, second_a], [first_b, second_b], *records
 
     a_answers, b_answers, a_record, b_record = asyncio.run(play())
@@ -117,10 +123,13 @@ def test_a_rewritten_history_starts_a_new_segment_and_close_returns_the_record(r
         other = client(served.url, "c", default_headers={VERSION_HEADER: "2"})
         with pytest.raises(openai.ConflictError):  # a session's version is its own for its life
             await other.chat.completions.create(model="policy", messages=rewritten)
+        await pinned.close()
+        await other.close()
         async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
             closed = (await http.post(f"{served.url}/sessions/c/close")).json()
             gone = (await http.get(f"{served.url}/sessions/c")).status_code
-            unauthenticated = (await httpx.AsyncClient().get(f"{served.url}/sessions/c")).status_code
+        async with httpx.AsyncClient() as http:
+            unauthenticated = (await http.get(f"{served.url}/sessions/c")).status_code
         return closed, gone, unauthenticated
 
     record, gone, unauthenticated = asyncio.run(play())
@@ -133,3 +142,59 @@ def test_a_rewritten_history_starts_a_new_segment_and_close_returns_the_record(r
     assert rewritten["prompt_token_ids"] == record["calls"][2]["prompt_token_ids"]
     assert (rewritten["token_ids"], rewritten["mask"]) == ([11], [1])
     assert (gone, unauthenticated) == (404, 401)
+
+
+CALC_TOOL = {
+    "type": "function",
+    "function": {"name": "calc", "parameters": {"type": "object", "properties": {"expression": {"type": "string"}}}},
+}
+
+
+def test_a_jobs_sessions_render_and_parse_as_its_episodes_tool_calls_included(tokenizer):
+    """The server of a job with spec.environment.toolParser hermes (server.py passes job_session_chat): the model's
+    call comes back as OpenAI `tool_calls` (finish_reason tool_calls); the agent's tool answer continues the ids."""
+    spec = parse_job(job_doc(environment={"builtin": "calculator", "toolParser": "hermes"})).spec
+    book = MarkingBook()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "12*7"}}\n</tool_call>'
+
+    prompts: list[list[int]] = []
+
+    async def generate(prompt_token_ids, request, lora):
+        prompts.append(prompt_token_ids)
+        text = call if len(prompts) == 1 else "84."
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [end]
+        return [Sample(ids, [-0.25] * len(ids), text, "stop")]
+
+    app = create_app(
+        book,
+        lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", key=wire.round_key(TOKEN)),
+        token=TOKEN,
+        version_wait_seconds=1,
+        chat=lambda: job_session_chat(tokenizer, spec),
+    )
+    with AppThread(app) as served:
+        book.limits = EngineLimits(max_model_len=2048, vocab_size=len(tokenizer))
+        book._engine.generate = generate
+
+        async def play():
+            async with client(served.url, "t") as agent:
+                chat = [user("What is 12 * 7?")]
+                first = await agent.chat.completions.create(model="policy", messages=chat, tools=[CALC_TOOL])
+                message = first.choices[0].message
+                chat += [message.model_dump(exclude_none=True)]
+                chat += [{"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "84"}]
+                second = await agent.chat.completions.create(model="policy", messages=chat, tools=[CALC_TOOL])
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                return first, second, (await http.get(f"{served.url}/sessions/t")).json()
+
+        first, second, record = asyncio.run(play())
+    assert first.choices[0].finish_reason == "tool_calls"
+    (called,) = first.choices[0].message.tool_calls
+    assert (called.function.name, json.loads(called.function.arguments)) == ("calc", {"expression": "12*7"})
+    assert second.choices[0].message.content == "84."
+    (segment,) = record["segments"]  # the tool answer continued the session's ids: one segment
+    assert record["adapter_version"] == 0 and [c["segment"] for c in record["calls"]] == [0, 0]
+    assert sum(segment["mask"]) == sum(len(c["completion_token_ids"]) for c in record["calls"])
+    assert prompts[1][: len(prompts[0])] == prompts[0]  # token in, token out: the first prompt, then the rest
+    assert record["calls"][1]["prompt_token_ids"] == prompts[1]

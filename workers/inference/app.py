@@ -160,8 +160,10 @@ def create_app(
     job: str = "local",
     prepare: Callable[[], Awaitable[None]] | None = None,
     on_fatal: Callable[[], None] | None = None,
+    chat: Callable[[], SessionChat] | None = None,
 ) -> FastAPI:
-    """A job's own server: one tenant, the job itself (`job`, its metrics' label), with its own engine."""
+    """A job's own server: one tenant, the job itself (`job`, its metrics' label), with its own engine; `chat`: how
+    its chat sessions render (None: the model's own template)."""
     tenants = Tenants(join_grace_seconds=None, default_job=job)
 
     async def serve_tenants() -> None:
@@ -185,6 +187,7 @@ def create_app(
         prepare=prepare,
         on_fatal=on_fatal,
         cleanup=engine.shutdown,
+        chat=chat,
     )
 
 

@@ -23,6 +23,7 @@ from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import AdapterBook, OwnEngineBook
 from grpolora.workers.inference.app import create_app, create_pool_app
 from grpolora.workers.inference.member_link import MemberLink, RemoteMember
+from grpolora.workers.inference.sessions import job_session_chat
 from grpolora.workers.inference.tenants import pool_tenants
 from grpolora.workers.inference.vllm_engine import EngineConfig, VllmEngine, config_for, cpu_engine_env
 from grpolora.workers.sync import wire
@@ -132,6 +133,7 @@ def serve(env: WorkerEnv | PoolEnv) -> int:
                 job=job,
                 prepare=prepare,
                 on_fatal=stop_on_fatal,
+                chat=lambda: job_session_chat(own.tokenizer(), spec),
             )
 
     async def prepare() -> None:

@@ -36,6 +36,7 @@ from typing import Annotated, Any, Literal
 from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers.environments.base import EnvironmentFault, Message, Opening
 from grpolora.workers.environments.episode import ChatDelta, EpisodeTokens
 from grpolora.workers.inference import metrics
@@ -85,6 +86,26 @@ class SessionChat:
     tool_message: Callable[[list[int], str, list[dict[str, Any]] | None], Message] | None = None
     """The assistant message of generated ids with its parsed `tool_calls` (spec.environment.toolParser); None: the
     text alone."""
+
+
+def job_session_chat(tokenizer: Any, spec: GRPOLoraJobSpec) -> SessionChat:
+    """A job's sessions render as its episodes do: spec.task's chat template (chatTemplate, or chatTemplateFrom's
+    mounted file), chatTemplateArgs and systemPrompt, and spec.environment.toolParser's calls."""
+    from grpolora.workers.environments.templates import job_chat_template
+    from grpolora.workers.environments.tools import ToolCallParser
+
+    task = spec.task
+    delta = ChatDelta(tokenizer, task.chat_template_args, task.system_prompt, job_chat_template(task))
+    name = spec.environment.tool_parser if spec.environment is not None else None
+    if name is None:
+        return SessionChat(delta)
+    parser = ToolCallParser(name, tokenizer)
+
+    def tool_message(generated: list[int], text: str, tools: list[dict[str, Any]] | None) -> Message:
+        message, _ = parser.message(generated, text, tools, delta.closing_ids(tools))
+        return message  # an unreadable call stays the assistant's text: the agent sees what the model wrote
+
+    return SessionChat(delta, tool_message)
 
 
 @dataclass
@@ -211,7 +232,10 @@ def add_session_routes(
 
     def renderer() -> SessionChat:
         if not built:
-            built.append(chat())
+            try:
+                built.append(chat())
+            except Exception as exc:  # the job's template cannot be read or its tool parser built: the server's fault
+                raise HTTPException(status_code=500, detail=f"sessions cannot render for this job: {exc}") from None
         return built[0]
 
     def held(http: Request, sid: str) -> Session:
