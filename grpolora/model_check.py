@@ -3,8 +3,9 @@ for a gated model, whether the token the pods will have can read it, so that a t
 laptop rather than after GPU nodes are up and the image is pulled (the pods would exit 78 with the same words).
 
 Run by the CLI process (light install: huggingface_hub is the workers extra's, so it may be absent, and that is said).
-The questions are huggingface_hub's own calls, HfApi.model_info (with its `timeout`) and HfApi.auth_check, at the
-endpoint the user's environment names (HF_ENDPOINT, read by huggingface_hub); its errors are read as the pods read
+The questions are huggingface_hub's HfApi.model_info (with its `timeout`) and HfApi.auth_check's request (sent here
+with a timeout, which auth_check does not take), at the endpoint the user's environment names (HF_ENDPOINT, read by
+huggingface_hub); its errors are read as the pods read
 them (grpolora.workers.models.hub_refusal: one wording for both). HF_HUB_OFFLINE, no connection or a failing hub:
 not checked, and said so.
 
@@ -15,9 +16,7 @@ model the Secret's token may or may not read) is said as not checked, not as an 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-from collections.abc import Iterator
 
 from grpolora.api import constants as c
 from grpolora.api.load import Problem
@@ -77,8 +76,7 @@ def check_model(model: ModelSpec, token: HubToken, *, timeout: float) -> Finding
     try:
         info = api.model_info(name, revision=revision, token=token.value, timeout=timeout)
         if info.gated:
-            with _bounded(timeout):
-                api.auth_check(name, token=token.value)
+            _auth_check(api.endpoint, name, token.value, timeout)
     except OfflineModeIsEnabled:
         found.not_checked.append(Problem("spec.model.name", f"model {name!r} on the hub (could not check: "
                                          "HF_HUB_OFFLINE is set)"))  # fmt: skip
@@ -118,19 +116,15 @@ def check_model(model: ModelSpec, token: HubToken, *, timeout: float) -> Finding
     return found
 
 
-@contextlib.contextmanager
-def _bounded(timeout: float) -> Iterator[None]:
-    """huggingface_hub's shared HTTP client (get_session) with a timeout, for the calls that take none
-    (auth_check); an httpx client's timeout applies to each request it sends."""
+def _auth_check(endpoint: str, name: str, token: str | bool | None, timeout: float) -> None:
+    """HfApi.auth_check (the same request, read by the same hf_raise_for_status: huggingface_hub 0.30 to 2.4 send it
+    alike) with a timeout: auth_check takes none and sends with the client get_session() shares, which has none of
+    its own on huggingface_hub 0.x (a requests.Session; 1.x's is an httpx client). Both clients' get() take one."""
     from huggingface_hub import get_session
+    from huggingface_hub.utils import build_hf_headers, hf_raise_for_status
 
-    session = get_session()
-    previous = getattr(session, "timeout", None)
-    session.timeout = timeout
-    try:
-        yield
-    finally:
-        session.timeout = previous
+    url = f"{endpoint}/api/models/{name}/auth-check"
+    hf_raise_for_status(get_session().get(url, headers=build_hf_headers(token=token), timeout=timeout))
 
 
 def _short(exc: Exception) -> str:

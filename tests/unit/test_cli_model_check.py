@@ -121,6 +121,36 @@ def test_offline_or_unreachable_it_says_it_could_not_check(tmp_path, hub):
         "not be reached" in err  # fmt: skip
 
 
+def test_a_hub_that_answers_the_model_and_stalls_the_access_check_is_waited_for_no_longer_than_the_timeout(tmp_path):
+    """A gated model: model_info answers, then the access check (auth-check) never does. huggingface_hub >= 1.0 shares
+    an httpx client whose timeout can be set; 0.x (pyproject allows >= 0.30) shares a requests.Session, which has no
+    timeout of its own, and HfApi.auth_check passes none: validate hung there. Run this file with an 0.x client
+    first on the path (pip install --target DIR --no-deps huggingface_hub==0.30.2; PYTHONPATH=DIR) to check that
+    line too."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"model_type": "llama"}')
+    stalling = HubServer(read_tokens=frozenset({READER}))
+
+    @stalling.app.middleware("http")
+    async def stall_the_access_check(request, call_next):
+        if request.url.path.endswith("/auth-check"):
+            stalling.state.calls.append(f"stalled {request.url.path}")
+            await asyncio.sleep(3600)  # until stop() cancels it
+        return await call_next(request)
+
+    stalling.start()
+    stalling.add_model("org/gated", folder, gated=True, granted=frozenset({READER}))
+    try:
+        code, _, err = validate(tmp_path, stalling.url, job("org/gated"), "--request-timeout", "2", token=READER)
+    finally:
+        stalling.stop()
+    assert "stalled /api/models/org/gated/auth-check" in stalling.state.calls  # model_info answered, then the stall
+    assert code == 0, err
+    assert f"spec.model.name: model 'org/gated' on the hub (could not check: {stalling.url} could not be reached " \
+        "(ReadTimeout" in err, err  # fmt: skip
+
+
 def test_a_name_that_is_no_hub_id_is_not_checked_and_the_hub_is_still_asked_for_the_next_job(tmp_path, hub):
     """A name with three parts is no hub id (huggingface_hub refuses it before sending anything) and may be a path
     in the pod (resolve_model): not checked, saying why. It was taken for an unreachable hub, so the next job in the
