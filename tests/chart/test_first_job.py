@@ -146,7 +146,7 @@ def test_the_walk_names_the_jobs_own_objects():
     assert f"kubectl logs -n {namespace} job/{name}-trainer -f" in text
     assert f"kubectl port-forward -n {namespace} job/{name}-trainer {spec.trainer.status_port}" in text
     assert f"curl -s localhost:{spec.trainer.status_port}/status" in text
-    outputs = spec.output.path if spec.output and spec.output.pvc else spec.checkpoint.path
+    outputs = (spec.output.folder if spec.output else None) or spec.checkpoint.path  # OutputSpec.folder
     assert f"--logdir {outputs}/tensorboard" in text
     assert f"{outputs}/final-adapter" in text
     claim = (spec.output.pvc if spec.output and spec.output.pvc else spec.checkpoint.pvc).claim_name
