@@ -638,6 +638,80 @@ def test_a_detached_job_is_unloaded_and_refused_and_the_other_goes_on(pool_serve
     assert httpx.get(f"{url}/ready").status_code == 200
 
 
+def lora_state(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters() if "lora_" in name}
+
+
+def load_lora_state(model, state: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in state:
+                param.copy_(state[name])
+
+
+@VLLM
+def test_two_concurrent_chat_sessions_pinned_to_different_versions_each_get_their_own_versions_tokens(
+    pool_server, senders, policies, model_dir
+):
+    """Issue 48: OpenAI-compatible chat sessions (the `openai` client) on the pool's real vLLM engine. Session `old`
+    opens while A's version v is live, session `new` once v + 1 is (the pool keeps adaptersPerJob 2 versions); their
+    second calls, made at once, are served each by its own version: every call's logprobs are HF + peft's under that
+    version's weights (<= 1e-3) and not under the other's. The second call's prompt continues the first's ids."""
+    import openai
+
+    url, policy = pool_server.url, policies[JOB_A]
+    weights = {(old := pushed(JOB_A, senders, policies, 1)): lora_state(policy)}
+
+    def chat(session: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{url}/sessions/{session}/v1", api_key=TOKENS[JOB_A], max_retries=0)
+
+    async def call(client: openai.AsyncOpenAI, messages: list[dict]):
+        return await client.chat.completions.create(model="a", messages=messages, temperature=0, max_tokens=8)
+
+    async def play() -> dict[str, dict]:
+        conversations = {"old": [{"role": "user", "content": "Count from one."}],
+                         "new": [{"role": "user", "content": "Name a colour."}]}  # fmt: skip
+        clients = {name: chat(f"pinned-{name}") for name in conversations}
+        first = {"old": await call(clients["old"], conversations["old"])}
+        randomize_adapter(policy, seed=4242)
+        report = await asyncio.to_thread(senders[JOB_A].send, lora_tensors(policy), lora_config(policy))
+        weights[report.version] = lora_state(policy)
+        first["new"] = await call(clients["new"], conversations["new"])
+        for name, messages in conversations.items():
+            messages += [first[name].choices[0].message.model_dump(exclude_none=True)]
+            messages += [{"role": "user", "content": "More."}]
+        await asyncio.gather(*(call(clients[name], conversations[name]) for name in conversations))
+        records = {}
+        async with httpx.AsyncClient(headers=bearer(JOB_A), timeout=30) as http:
+            for name in conversations:
+                records[name] = (await http.post(f"{url}/sessions/pinned-{name}/close")).json()
+        for client in clients.values():
+            await client.close()
+        return records
+
+    try:
+        records = asyncio.run(play())
+        assert {name: r["adapter_version"] for name, r in records.items()} == {"old": old, "new": old + 1}
+        for name, own, other in (("old", old, old + 1), ("new", old + 1, old)):
+            calls = records[name]["calls"]
+            assert len(calls) == 2 and [c["segment"] for c in calls] == [0, 0]
+            first, second = calls
+            held = first["prompt_token_ids"] + first["completion_token_ids"]
+            assert second["prompt_token_ids"][: len(held)] == held  # token in, token out
+            for c in calls:
+                load_lora_state(policy, weights[own])
+                mine = hf_logprobs(policy, c["prompt_token_ids"], c["completion_token_ids"])
+                load_lora_state(policy, weights[other])
+                theirs = hf_logprobs(policy, c["prompt_token_ids"], c["completion_token_ids"])
+                served = torch.tensor(c["logprobs"])
+                log.warning("session %s, call under version %d: max |dlogprob| %.2e own, %.2e other's", name, own,
+                            (mine - served).abs().max().item(), (theirs - served).abs().max().item())  # fmt: skip
+                assert (mine - served).abs().max().item() <= 1e-3
+                assert (theirs - served).abs().max().item() > 0.05
+    finally:
+        load_lora_state(policy, weights[max(weights)])  # the module's policy stays its trainer's newest
+
+
 def test_the_inference_worker_starts_a_pool_server_from_the_pool_contract(tmp_path):
     """`grpolora worker inference` reads the pool's env when GRPOLORA_POOL_SPEC is set: its slots are the pool's,
     and a broken pool env fails at once naming the variable (exit EX_CONFIG), before any engine starts."""
