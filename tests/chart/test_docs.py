@@ -126,6 +126,7 @@ def test_the_contract_says_which_variables_each_pod_gets():
             task={
                 "dataset": {"pvc": {"claimName": "prompts"}, "path": "train.parquet"},
                 "reward": [{"url": "http://reward.rl.svc:8000/score", "headersFrom": {"secretName": "reward-auth"}}],
+                "chatTemplateFrom": {"name": "templates", "key": "qwen3.jinja"},
             },
         )
     )
