@@ -198,3 +198,28 @@ def test_a_jobs_sessions_render_and_parse_as_its_episodes_tool_calls_included(to
     assert sum(segment["mask"]) == sum(len(c["completion_token_ids"]) for c in record["calls"])
     assert prompts[1][: len(prompts[0])] == prompts[0]  # token in, token out: the first prompt, then the rest
     assert record["calls"][1]["prompt_token_ids"] == prompts[1]
+
+
+def test_what_a_session_does_not_serve_is_refused_with_the_field_named(replica):
+    """Streaming, n > 1, a forced tool choice (no guided decoding here), an unknown role or field: 4xx naming what,
+    never a silent fallback; and a refused call leaves no session behind."""
+    served, _ = replica
+    base = {"model": "policy", "messages": [user("Hi")]}
+    cases = [
+        ({"stream": True}, "stream"),
+        ({"n": 2}, "n"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tool_choice": {"type": "function", "function": {"name": "calc"}}}, "tool_choice"),
+        ({"messages": [{"role": "robot", "content": "Hi"}]}, "role"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+    ]
+    with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        for extra, named in cases:
+            answer = http.post(f"{served.url}/sessions/r/v1/chat/completions", json=base | extra)
+            assert answer.status_code == 422 and named in answer.text, (extra, answer.text)
+        # Refused by the model's limits once the session was opened under its version: it is forgotten again.
+        too_long = http.post(f"{served.url}/sessions/r/v1/chat/completions", json=base | {"max_tokens": 4096})
+        assert too_long.status_code == 400 and "max_tokens" in too_long.text
+        assert http.get(f"{served.url}/sessions/r").status_code == 404
+        bad = http.post(f"{served.url}/sessions/r/v1/chat/completions", json=base, headers={VERSION_HEADER: "x"})
+        assert bad.status_code == 422 and VERSION_HEADER in bad.text.lower()

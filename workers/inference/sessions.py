@@ -127,6 +127,7 @@ class Session:
     calls: list[dict[str, Any]] = field(default_factory=list)
     used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call of a session at a time, in arrival order
+    pending: int = 0  # calls under way
 
     def record(self, closed: bool = False) -> dict[str, Any]:
         return {
@@ -204,6 +205,10 @@ class Sessions:
     def pop(self, job: str, sid: str) -> Session | None:
         return self._sessions.pop((job, sid), None)
 
+    def discard(self, session: Session) -> None:
+        if self._sessions.get((session.job, session.id)) is session:
+            del self._sessions[(session.job, session.id)]
+
     def __len__(self) -> int:
         return len(self._sessions)
 
@@ -269,29 +274,35 @@ def add_session_routes(
             async with tenant.book.lease(version_asked, version_wait_seconds) as version:
                 if session is None:
                     session = sessions.get(tenant.job, sid) or sessions.open(tenant.job, sid, version)
-                async with session.lock:
-                    if version != session.version:  # another first call opened it meanwhile, on another version
-                        raise HTTPException(
-                            status_code=409, detail=f"session {sid!r} is pinned to version {session.version}"
+                session.pending += 1
+                try:
+                    async with session.lock:
+                        if version != session.version:  # another first call opened it meanwhile, on another version
+                            raise HTTPException(
+                                status_code=409, detail=f"session {sid!r} is pinned to version {session.version}"
+                            )
+                        segment, turn, prompt = _prompt(session, messages, request.tools, rendering.delta)
+                        sampling = SamplingRequest(
+                            n=1,
+                            temperature=request.temperature,
+                            top_p=request.top_p,
+                            max_tokens=limit or max(1, engine.limits.max_model_len - len(prompt) - 1),
+                            seed=request.seed,
+                            stop=stop,
                         )
-                    segment, turn, prompt = _prompt(session, messages, request.tools, rendering.delta)
-                    sampling = SamplingRequest(
-                        n=1,
-                        temperature=request.temperature,
-                        top_p=request.top_p,
-                        max_tokens=limit or max(1, engine.limits.max_model_len - len(prompt) - 1),
-                        seed=request.seed,
-                        stop=stop,
-                    )
-                    engine.limits.check([prompt], sampling)
-                    async with tenant.gate.admit(1):
-                        (sample,) = await tenant.book.generate(prompt, sampling, version)
-                    if request.tool_choice != "none" and rendering.tool_message is not None and request.tools:
-                        message = rendering.tool_message(list(sample.token_ids), sample.text, request.tools)
-                    else:
-                        message = {"role": "assistant", "content": sample.text}
-                    _answered(session, segment, turn, prompt, sample)
-                    segment.messages = [*messages, normal(message)]
+                        engine.limits.check([prompt], sampling)
+                        async with tenant.gate.admit(1):
+                            (sample,) = await tenant.book.generate(prompt, sampling, version)
+                        if request.tool_choice != "none" and rendering.tool_message is not None and request.tools:
+                            message = rendering.tool_message(list(sample.token_ids), sample.text, request.tools)
+                        else:
+                            message = {"role": "assistant", "content": sample.text}
+                        _answered(session, segment, turn, prompt, sample)
+                        segment.messages = [*messages, normal(message)]
+                finally:
+                    session.pending -= 1
+                    if not session.calls and not session.pending:  # a refused first call leaves no session
+                        sessions.discard(session)
         except StaleIncarnation as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
         except VersionUnavailable as exc:
