@@ -255,23 +255,9 @@ def decide_refused(
     what = f"{_KIND_WORDS.get(refusal.kind, refusal.kind)} {refusal.name}"
     if refusal.transient:
         message = f"retrying: the Kubernetes API failed to create the {what}: {refusal.message}"
-        wants = [
-            cond.Want(k.type, k.status, k.reason, k.message) for k in old.conditions if k.type != names.PROGRESSING
-        ]
-        wants.append(cond.Want(names.PROGRESSING, "False", names.R_API_RETRYING, message))
-        status = old.model_copy(
-            update={
-                "phase": old.phase or "Pending",
-                "message": message,
-                "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
-                "start_time": old.start_time or stamp,
-            }
+        return _retrying(
+            view, old, names.R_API_RETRYING, message, stamp, API_RETRY_SECONDS, start_time=old.start_time or stamp
         )
-        before = cond.find(old.conditions, names.PROGRESSING)
-        events = () if before is not None and before.reason == names.R_API_RETRYING else (
-            Event("Warning", names.R_API_RETRYING, message),
-        )  # fmt: skip
-        return Decision(status=status, requeue_after=API_RETRY_SECONDS, events=events)
     if old.trainer_incarnation is not None:  # a trainer Job was created: the job has started
         return _refused_after_start(view, old, what, refusal, stamp)
     failed = failed_to_start(
@@ -291,20 +277,27 @@ def _refused_after_start(view: JobView, old: JobStatus, what: str, refusal: Refu
     spec stays locked), the Workload keeps its quota while its pods run (no Finished), and a later replacement gets
     the next restart attempt. Progressing says what was refused; the create is tried again."""
     message = f"the API server refused the {what}: {refusal.message}; retrying"
+    return _retrying(view, old, names.R_CREATE_REFUSED, message, stamp, REFUSED_RETRY_SECONDS)
+
+
+def _retrying(
+    view: JobView, old: JobStatus, reason: str, message: str, stamp: str, retry_seconds: float, **updates: object
+) -> Decision:
+    """The job as it was, with Progressing False for `reason` and the create tried again after `retry_seconds`; the
+    Warning event goes out once, when Progressing first takes that reason (not on every retry)."""
     wants = [cond.Want(k.type, k.status, k.reason, k.message) for k in old.conditions if k.type != names.PROGRESSING]
-    wants.append(cond.Want(names.PROGRESSING, "False", names.R_CREATE_REFUSED, message))
+    wants.append(cond.Want(names.PROGRESSING, "False", reason, message))
     status = old.model_copy(
         update={
             "phase": old.phase or "Pending",
             "message": message,
             "conditions": cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
+            **updates,
         }
     )
     before = cond.find(old.conditions, names.PROGRESSING)
-    events = () if before is not None and before.reason == names.R_CREATE_REFUSED else (
-        Event("Warning", names.R_CREATE_REFUSED, message),
-    )  # fmt: skip
-    return Decision(status=status, requeue_after=REFUSED_RETRY_SECONDS, events=events)
+    events = () if before is not None and before.reason == reason else (Event("Warning", reason, message),)
+    return Decision(status=status, requeue_after=retry_seconds, events=events)
 
 
 def decide_managed_secret(
