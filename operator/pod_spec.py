@@ -84,6 +84,11 @@ def build_pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain
             mount["subPath"] = pvc.sub_path
         container["volumeMounts"].append(mount)
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+    if isinstance(plan, JobPlan) and (template := plan.spec.task.chat_template_from) is not None:
+        # Both roles render with it: the trainer its prompts and episodes, a job's own servers its chat sessions.
+        container["volumeMounts"].append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True})
+        volumes.append({"name": "chat-template", "configMap": {"name": template.name, "items": [
+            {"key": template.key, "path": CHAT_TEMPLATE_NAME}]}})  # fmt: skip
     if isinstance(plan, PoolPlan):
         # The attachment list: the Secret's key is a file in this folder, updated in place when jobs attach or
         # detach (a whole-volume mount, not subPath, so that the kubelet refreshes it).
@@ -203,10 +208,6 @@ def _trainer_inputs(plan: JobPlan) -> tuple[list[dict[str, Any]], list[dict[str,
     for i, name in enumerate(trainer_secrets(spec)):
         mounts.append({"name": f"secret-{i}", "mountPath": f"{SECRETS_MOUNT}/{name}", "readOnly": True})
         volumes.append({"name": f"secret-{i}", "secret": {"secretName": name}})
-    if (template := spec.task.chat_template_from) is not None:
-        mounts.append({"name": "chat-template", "mountPath": CHAT_TEMPLATE_MOUNT, "readOnly": True})
-        volumes.append({"name": "chat-template", "configMap": {"name": template.name, "items": [
-            {"key": template.key, "path": CHAT_TEMPLATE_NAME}]}})  # fmt: skip
     return mounts, volumes
 
 

@@ -363,13 +363,14 @@ def plan(
         *((EnvVar(env.OUTPUT_DIR, output_dir),) if output_dir else ()),
     )
     # In a cluster the dataset volume and the Secrets are mounted, in trainer pods only (the servers read neither);
-    # a local run reads the user's own paths.
+    # a local run reads the user's own paths. The chat template's key is mounted in both: the trainer renders
+    # prompts and episodes with it, a job's own servers its chat sessions (workers/inference/sessions.py).
     trainer_only = (
         *((EnvVar(env.DATA_DIR, DATASET_MOUNT),) if cluster and spec.task.dataset and spec.task.dataset.pvc else ()),
         *((EnvVar(env.SECRETS_DIR, SECRETS_MOUNT),) if cluster and trainer_secrets(spec) else ()),
-        *((EnvVar(env.CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_NAME}"),)
-          if cluster and spec.task.chat_template_from else ()),
     )
+    if cluster and spec.task.chat_template_from:
+        common += (EnvVar(env.CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_NAME}"),)
 
     def role_plan(role: Role, role_spec: RoleSpec, role_hosts: tuple[str, ...], ports: dict[str, int]) -> RolePlan:
         return RolePlan(

@@ -797,8 +797,8 @@ class TaskSpec(SpecModel):
 
     chat_template_from: ConfigMapKeyRef | None = None
     """On a cluster: the chat template's Jinja text from a ConfigMap key (a template too long for the job's YAML),
-    mounted read-only in the trainer; as chatTemplate otherwise. For `grpolora run`, set GRPOLORA_CHAT_TEMPLATE_FILE
-    to the file instead."""
+    mounted read-only in the trainer and the job's inference pods (its chat sessions); as chatTemplate otherwise.
+    For `grpolora run`, set GRPOLORA_CHAT_TEMPLATE_FILE to the file instead."""
 
     @field_validator("chat_template")
     @classmethod

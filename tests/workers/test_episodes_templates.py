@@ -294,8 +294,9 @@ def test_an_unknown_tool_parser_is_refused_naming_the_field(model_dir):
 
 
 def test_a_template_from_a_configmap_key_is_mounted_in_the_trainer_and_read_there(tmp_path, monkeypatch):
-    """spec.task.chatTemplateFrom: the operator mounts the ConfigMap's key as a file in trainer pods (and tells the
-    trainer where); the trainer renders with its text; one not there fails the job naming the field (exit 78)."""
+    """spec.task.chatTemplateFrom: the operator mounts the ConfigMap's key as a file in trainer and inference pods
+    (and tells each where: a job's own servers render its chat sessions with it, workers/inference/sessions.py); the
+    trainer renders with its text; one not there fails the job naming the field (exit 78)."""
     from grpolora.api import contract
     from grpolora.api.load import parse_job
     from grpolora.api.plan import plan
@@ -306,17 +307,20 @@ def test_a_template_from_a_configmap_key_is_mounted_in_the_trainer_and_read_ther
 
     doc = job_doc(task={"name": "arithmetic", "chatTemplateFrom": {"name": "templates", "key": "qwen3.jinja"}})
     job = parse_job(doc)
-    trainer = next(o for o in build_children(plan(job), owner_uid="1", token="t") if o["kind"] == "Job")
-    pod = trainer["spec"]["template"]["spec"]
-    volumes = {v["name"]: v for v in pod["volumes"]}
-    assert volumes["chat-template"]["configMap"] == {"name": "templates",
-                                                     "items": [{"key": "qwen3.jinja", "path": "template.jinja"}]}
-    [container] = pod["containers"]
-    assert {"name": "chat-template", "mountPath": "/var/run/grpolora/chat-template", "readOnly": True} in (
-        container["volumeMounts"])  # fmt: skip
-    kubernetes_validate.validate(trainer, K8S_VERSION, strict=True)
-    env = {e["name"]: e.get("value") for e in container["env"]}
-    assert env[contract.CHAT_TEMPLATE_FILE] == "/var/run/grpolora/chat-template/template.jinja"
+    children = build_children(plan(job), owner_uid="1", token="t")
+    for workload in (o for o in children if o["kind"] in ("Job", "StatefulSet")):
+        pod = workload["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["chat-template"]["configMap"] == {
+            "name": "templates",
+            "items": [{"key": "qwen3.jinja", "path": "template.jinja"}],
+        }
+        [container] = pod["containers"]
+        assert {"name": "chat-template", "mountPath": "/var/run/grpolora/chat-template", "readOnly": True} in (
+            container["volumeMounts"])  # fmt: skip
+        kubernetes_validate.validate(workload, K8S_VERSION, strict=True)
+        env = {e["name"]: e.get("value") for e in container["env"]}
+        assert env[contract.CHAT_TEMPLATE_FILE] == "/var/run/grpolora/chat-template/template.jinja", workload["kind"]
     # The trainer reads the mounted text.
     (tmp_path / "template.jinja").write_text(shipped_template("qwen3"))
     monkeypatch.setenv(contract.CHAT_TEMPLATE_FILE, str(tmp_path / "template.jinja"))
