@@ -43,7 +43,6 @@ from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import VersionUnavailable
 from grpolora.workers.inference.tenants import Tenant
 from grpolora.workers.inference.vllm_engine import InvalidRequest, SamplingRequest
-from grpolora.workers.sync.control import StaleIncarnation
 
 SESSIONS_PATH = "/sessions"
 VERSION_HEADER = "x-grpolora-adapter-version"
@@ -303,8 +302,6 @@ def add_session_routes(
                     session.pending -= 1
                     if not session.calls and not session.pending:  # a refused first call leaves no session
                         sessions.discard(session)
-        except StaleIncarnation as exc:
-            raise HTTPException(status_code=409, detail=str(exc)) from None
         except VersionUnavailable as exc:
             metrics.REQUESTS.labels(**labels, status="version_unavailable").inc()
             raise HTTPException(status_code=409, detail=str(exc)) from None
