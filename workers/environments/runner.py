@@ -108,7 +108,6 @@ class _Live:
     text: str = ""
     ended: bool = False
     error: str | None = None
-    reward: float | None = None
     truncated: bool = False
     seconds: float = 0.0
     unread_call: str | None = None  # the tool error that answers a call the tool parser could not read
@@ -117,8 +116,8 @@ class _Live:
     turn_rewards: dict[int, float] = field(default_factory=dict)  # assistant turn (from 1) -> the reward its step gave
     attempts: int = 0  # plays begun again on a fresh environment after an infrastructure fault
 
-    def end(self, *, error: str | None = None, truncated: bool = False, reward: float | None = None) -> None:
-        self.ended, self.error, self.truncated, self.reward = True, error, truncated, reward
+    def end(self, *, error: str | None = None, truncated: bool = False) -> None:
+        self.ended, self.error, self.truncated = True, error, truncated
 
     def begin(self, env: Any, opening: Opening, ids: list[int]) -> None:
         """A (new) play of the episode: its environment, its opening, nothing generated yet."""
