@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from grpolora.api.status import (
     JobStatus,
 )
+from grpolora.operator import conditions as cond
 from grpolora.operator import names
 
 TERMINAL: Final = ("Succeeded", "Failed")
@@ -41,9 +42,10 @@ def failed_at_this_generation(status: JobStatus, generation: int | None) -> bool
     since: it stays Failed, and nothing is created or re-queued for it (see the completionTime rule above)."""
     if status.phase != "Failed" or is_finished(status):
         return False
-    failed = next((k for k in status.conditions if k.type == names.FAILED and k.status == "True"), None)
+    failed = cond.find(status.conditions, names.FAILED)
     return (
         failed is not None
+        and failed.status == "True"
         and failed.reason in HELD_START_FAILURES
         and failed.observed_generation is not None
         and failed.observed_generation == generation
