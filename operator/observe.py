@@ -133,20 +133,19 @@ def controller_uid(obj: K8sObject | None) -> str | None:
 def trainer_incarnation(job: K8sObject | None) -> int | None:
     """The incarnation this trainer Job was created with (names.INCARNATION_ANNOTATION): 0 when unmarked, None for
     no Job."""
-    if job is None:
-        return None
-    annotations = (job.get("metadata") or {}).get("annotations") or {}
-    try:
-        return int(annotations.get(names.INCARNATION_ANNOTATION, 0))
-    except (TypeError, ValueError):
-        return 0
+    return None if job is None else _count_annotation(job, names.INCARNATION_ANNOTATION)
 
 
 def restart_attempt(job: K8sObject | None) -> int:
     """Which restart created this trainer Job (see names.RESTART_ATTEMPT_ANNOTATION); 0 when absent."""
-    annotations = ((job or {}).get("metadata") or {}).get("annotations") or {}
+    return _count_annotation(job, names.RESTART_ATTEMPT_ANNOTATION)
+
+
+def _count_annotation(obj: K8sObject | None, key: str) -> int:
+    """An annotation that holds a count: 0 when absent or not a number."""
+    annotations = ((obj or {}).get("metadata") or {}).get("annotations") or {}
     try:
-        return int(annotations.get(names.RESTART_ATTEMPT_ANNOTATION, 0))
+        return int(annotations.get(key, 0))
     except (TypeError, ValueError):
         return 0
 
