@@ -192,7 +192,7 @@ def _trainer_course(
         # Old ranks still terminating: the new ones would meet them at the rendezvous name and wait for their
         # GPUs. Our own deletes are in the foreground (the Job stays until its pods are gone); this covers the
         # rest, e.g. `kubectl delete` in the background and a job re-applied under the same name.
-        holding, lost, fence = _stale_trainer_pods(observed.trainer_pods_left, now)
+        holding, lost, fence = _stale_pods(observed.trainer_pods_left, now)
         if holding:
             count = len(holding)
             waiting = f"waiting for {count} pod{'s' if count > 1 else ''} of a previous trainer Job to terminate"
@@ -221,7 +221,7 @@ def _trainer_course(
         # confirms): the Job controller counts it as terminating, neither active nor failed, so with one rank the Job
         # shows no condition for as long as the pod stays, and the podFailurePolicy's DisruptionTarget rule (matched
         # against terminal pods only) never fires. Past its lost deadline it is a disruption like any other.
-        _, lost, _ = _stale_trainer_pods(_trainer_pods_of(tj, observed.pods), now)
+        _, lost, _ = _stale_pods(_trainer_pods_of(tj, observed.pods), now)
         if not lost:
             return course
         failure = job_failure.TrainerFailure(
@@ -248,7 +248,7 @@ def _leaving_trainer(
     (GRPOLORA_TRAINER_INCARNATION, workers/sync/receiver.py), and the fence keeps its address out of the rendezvous
     name. Its pods are the pass's listing of the job's pods (taken as they are now while a workload is leaving)."""
     left = _trainer_pods_of(tj, pods)
-    holding, lost, fence = _stale_trainer_pods(left, now)
+    holding, lost, fence = _stale_pods(left, now)
     if holding or not left:  # (none left: the collector is about to drop the finalizer)
         note = f"{waiting}: {_waiting_details(holding)}" if holding else waiting
     else:
@@ -290,7 +290,7 @@ def _leaving_statefulset(course: Course, sts: K8sObject, pods: Sequence[K8sObjec
     out of the job's Services; the next pass creates the StatefulSet. Its pod of a lost pod's name waits for that
     name (a StatefulSet never makes a pod whose name is taken); the others run."""
     left = _pods_of(sts, c.ROLE_INFERENCE, pods)
-    holding, lost, fence = _stale_trainer_pods(left, now)
+    holding, lost, fence = _stale_pods(left, now)
     requeue = REPLACE_RECHECK_SECONDS if course.requeue is None else min(course.requeue, REPLACE_RECHECK_SECONDS)
     if holding or not left or not lost:
         return dataclasses.replace(course, requeue=requeue)
@@ -325,14 +325,14 @@ def released_while_deleting(
         leaving = True
         role = c.ROLE_TRAINER if workload.get("kind") == "Job" else c.ROLE_INFERENCE
         left = _pods_of(workload, role, pods)
-        holding, lost, lost_fence = _stale_trainer_pods(left, now)
+        holding, lost, lost_fence = _stale_pods(left, now)
         if left and lost and not holding:
             release += (ChildRef(str(workload.get("kind")), workload["metadata"]["name"]),)
             fence += lost_fence
     return release, fence, leaving
 
 
-def _stale_trainer_pods(
+def _stale_pods(
     pods: Sequence[K8sObject], now: datetime.datetime
 ) -> tuple[list[K8sObject], list[K8sObject], tuple[str, ...]]:
     """(the pods that still hold a replacement back, those taken as lost, the names of the lost ones that a Service
