@@ -78,6 +78,10 @@ class InvalidAction(Exception):
     the model's mistake. Its message goes back to the model as a tool message (`error: ...`) and the episode goes
     on; any other exception from step ends the episode with spec.environment.errorReward."""
 
+    def reply(self) -> Reply:
+        """The answer to the model's message: the tool's error (the same from the trainer and from service.py)."""
+        return Reply([{"role": "tool", "content": f"error: {self}"}])
+
 
 def checked_messages(value: Any, where: str) -> list[Message]:
     """`value` as a list of {"role", "content"} messages, or an EnvironmentFault saying what is wrong."""

@@ -304,7 +304,7 @@ class EpisodeRunner:
                     try:
                         reply = checked_reply(call.result(max(deadline - time.monotonic(), 0.0), "step", limit))
                     except InvalidAction as exc:
-                        reply = Reply([{"role": "tool", "content": f"error: {exc}"}])
+                        reply = exc.reply()
                         episode.tool_errors += 1
                 if reply.reward is not None:  # the reward of the turn this step answered
                     episode.turn_rewards[episode.turns] = reply.reward

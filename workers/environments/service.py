@@ -75,12 +75,12 @@ class CloseBody(_Body):
 
 
 def _step(env: Any, message: dict[str, Any]) -> Reply:
-    """The environment's step, checked; an InvalidAction it raises is the tool's error answer (runner.py does the
-    same for an environment in the trainer's processes)."""
+    """The environment's step, checked; an InvalidAction it raises is the tool's error answer, as runner.py answers
+    one from an environment in the trainer's processes."""
     try:
         return checked_reply(env.step(message))
     except InvalidAction as exc:
-        return Reply([{"role": "tool", "content": f"error: {exc}"}])
+        return exc.reply()
 
 
 @dataclass
