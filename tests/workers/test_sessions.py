@@ -223,3 +223,23 @@ def test_what_a_session_does_not_serve_is_refused_with_the_field_named(replica):
         assert http.get(f"{served.url}/sessions/r").status_code == 404
         bad = http.post(f"{served.url}/sessions/r/v1/chat/completions", json=base, headers={VERSION_HEADER: "x"})
         assert bad.status_code == 422 and VERSION_HEADER in bad.text.lower()
+
+
+def test_a_full_server_forgets_its_oldest_idle_session_and_refuses_when_none_is_idle():
+    import time
+
+    from fastapi import HTTPException
+
+    from grpolora.workers.inference.sessions import Sessions
+
+    sessions = Sessions(max_sessions=3, idle_seconds=100.0)
+    now = time.monotonic()
+    for sid, idle in (("a", 200.0), ("b", 300.0), ("c", 0.0)):
+        sessions.open("job", sid, 1).used = now - idle  # a and b idle past the limit, b the longest; c just called
+    sessions.open("job", "d", 1)
+    assert sessions.get("job", "b") is None and sessions.get("job", "a") is not None and len(sessions) == 3
+    for sid in ("a", "c", "d"):
+        sessions.get("job", sid)  # called now: none idle
+    with pytest.raises(HTTPException) as refused:
+        sessions.open("job", "e", 1)
+    assert refused.value.status_code == 429 and len(sessions) == 3

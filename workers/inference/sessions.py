@@ -194,10 +194,12 @@ class Sessions:
     def open(self, job: str, sid: str, version: int) -> Session:
         if len(self._sessions) >= self.max_sessions:
             now = time.monotonic()
-            idle = sorted((s.used, key) for key, s in self._sessions.items() if now - s.used > self.idle_seconds)
-            if not idle:
+            oldest = min(
+                ((s.used, key) for key, s in self._sessions.items() if now - s.used > self.idle_seconds), default=None
+            )
+            if oldest is None:
                 raise HTTPException(status_code=429, detail=f"this server holds {self.max_sessions} open sessions")
-            del self._sessions[idle[0][1]]
+            del self._sessions[oldest[1]]
         session = self._sessions[(job, sid)] = Session(sid, job, version)
         return session
 
