@@ -120,8 +120,6 @@ class RolloutClient:
         failed: dict[int, str] = {}  # replica -> why
 
         def request(replica: int, positions: list[int]) -> None:
-            if not positions:
-                return
             share = [prompts[p] for p in positions]
             share_seeds = None if seeds is None else [seeds[p] for p in positions]
             try:
