@@ -1,6 +1,7 @@
-"""spec.task.chatTemplate resolved to the Jinja text the trainer renders with (in the trainer's process, at start):
-a name the project ships (chat_templates/<name>.jinja, the models' own templates; README.md there gives each one's
-source) or the text itself."""
+"""spec.task.chatTemplate resolved to the Jinja text a job renders with, at start, in the trainer's process (prompts,
+episodes) and in the job's inference servers' (chat sessions: workers/inference/sessions.py): a name the project
+ships (chat_templates/<name>.jinja, the models' own templates; README.md there gives each one's source) or the text
+itself."""
 
 from __future__ import annotations
 

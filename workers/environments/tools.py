@@ -1,9 +1,10 @@
 """Native tool calls in episodes (spec.environment.toolParser): an assistant turn's text parsed into OpenAI-form
 `tool_calls` by vLLM's own tool parser for the model's format (`hermes` for Qwen2.5/Qwen3, `llama3_json` for
-Llama 3.x, `mistral`, ...; vllm/tool_parsers/), in the trainer's process, where the episode runner runs. The
-environment gets the assistant message with its calls and answers with `role: tool` messages; a call the parser
-could not read (the format's opening marker is there, the JSON is not) is answered with a tool error, not sent to
-the environment: the model's own mistake, which it may correct on its next turn.
+Llama 3.x, `mistral`, ...; vllm/tool_parsers/), in the trainer's process, where the episode runner runs, and in
+an inference server's, for its chat sessions (workers/inference/sessions.py). The environment gets the assistant
+message with its calls and answers with `role: tool` messages; a call the parser could not read (the format's
+opening marker is there, the JSON is not) is answered with a tool error, not sent to the environment: the model's
+own mistake, which it may correct on its next turn.
 
 The parser reads the generated ids decoded with special tokens kept (Mistral's `[TOOL_CALLS]` is one; vLLM's text
 leaves specials out, so its server switches that off for tool calls as well: `ToolParser.adjust_request`)."""
