@@ -7,6 +7,7 @@ import pytest
 from grpolora.operator import rbac
 from grpolora.testing.kube_emulator import Cluster, running_cluster
 from tests.operator.harness import FakeTrainer, OperatorThread, fake_trainer, operator_options
+from tests.operator.job_controller_double import JobController
 from tests.operator.kueue_double import FakeKueue
 
 
@@ -37,3 +38,10 @@ async def kueue(cluster: Cluster) -> AsyncIterator[FakeKueue]:
     """Kueue with the test as its scheduler: it admits and evicts when told (tests/operator/kueue_double.py)."""
     async with FakeKueue(cluster) as fake:
         yield fake
+
+
+@pytest.fixture
+async def jobs(cluster: Cluster) -> AsyncIterator[JobController]:
+    """The batch/v1 Job controller, played (tests/operator/job_controller_double.py)."""
+    async with JobController(cluster) as controller:
+        yield controller

@@ -22,7 +22,7 @@ from aiohttp import web
 
 from grpolora.operator.controller import Controller
 from grpolora.operator.main import OperatorOptions, serve
-from grpolora.testing.kube_emulator import NAMESPACE
+from grpolora.testing.kube_emulator import NAMESPACE, Cluster
 
 FAST_INTERVAL = 0.1  # seconds between monitor passes in tests
 
@@ -150,3 +150,14 @@ async def wait_for(check: Callable[[], Any] | Callable[[], Awaitable[Any]], what
             return last
         await asyncio.sleep(0.02)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+
+
+async def a_pass(cluster: Cluster, operator: OperatorThread) -> None:
+    """Wake a pass of the job demo, as a write of its StatefulSet by the StatefulSet controller does, and wait for it
+    to run."""
+    before = operator.passes()
+    sts = cluster.get("apps/v1/statefulsets", "demo-inference")
+    assert sts is not None
+    ready = int((sts.get("status") or {}).get("observedGeneration") or 0) + 1
+    await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"observedGeneration": ready})
+    await wait_for(lambda: operator.passes() > before, "a pass of the operator")

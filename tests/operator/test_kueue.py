@@ -11,7 +11,7 @@ from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, running_cluster
 from tests.helpers import job_doc
-from tests.operator.harness import OperatorThread, operator_options, wait_for
+from tests.operator.harness import OperatorThread, a_pass, operator_options, wait_for
 from tests.operator.job_controller_double import JobController
 from tests.operator.kueue_double import REGISTERED, FakeKueue, find, is_true
 from tests.operator.test_lost_node import clock_at
@@ -552,9 +552,7 @@ async def test_a_rank_that_finished_first_still_counts_for_pods_ready(cluster, o
             "the Job counting rank 1 succeeded",
         )
         for _ in range(3):  # passes, and more than the recovery timeout
-            before = operator.passes()
-            await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"observedGeneration": before + 1})
-            await wait_for(lambda b=before: operator.passes() > b, "a pass of the operator")
+            await a_pass(cluster, operator)
             await asyncio.sleep(0.3)
             assert is_true(kueue.workload("demo"), "PodsReady"), find(kueue.workload("demo"), "PodsReady")
         assert kueue.timed_out == [] and not is_true(kueue.workload("demo"), "Evicted")

@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import datetime
 import time
-from collections.abc import AsyncIterator, Callable
-
-import pytest
+from collections.abc import Callable
 
 from grpolora.api import constants as c
 from grpolora.api import contract
@@ -61,12 +59,6 @@ def trainer_condition(cluster: Cluster, type_: str) -> bool:
     return any(
         k["type"] == type_ and k["status"] == "True" for k in trainer_job_status(cluster).get("conditions") or []
     )
-
-
-@pytest.fixture
-async def jobs(cluster: Cluster) -> AsyncIterator[JobController]:
-    async with JobController(cluster) as controller:
-        yield controller
 
 
 def trainer_jobs_created(cluster: Cluster) -> int:

@@ -9,18 +9,14 @@ before the job started and after. Played in the orders the real components produ
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
-
-import pytest
 
 from grpolora.api import constants as c
 from grpolora.operator import names
 from grpolora.testing import kube_apiserver
-from grpolora.testing.kube_emulator import NAMESPACE, Cluster
+from grpolora.testing.kube_emulator import NAMESPACE
 from tests.helpers import job_doc
-from tests.operator.harness import FakeTrainer, OperatorThread, wait_for
-from tests.operator.job_controller_double import JobController
+from tests.operator.harness import FakeTrainer, a_pass, wait_for
 from tests.operator.kueue_double import FakeKueue, is_true
 from tests.operator.test_operator import phase, report
 
@@ -31,22 +27,6 @@ def deny_jobs(request: Any, obj: dict[str, Any]) -> None:
     """A validating webhook (a policy engine's rule) refusing every batch/v1 Job create."""
     if (request.resource.group, request.resource.plural) == ("batch", "jobs"):
         raise kube_apiserver.Refused(status=403, reason="Forbidden", message=DENIAL, details={})
-
-
-@pytest.fixture
-async def jobs(cluster: Cluster) -> AsyncIterator[JobController]:
-    async with JobController(cluster) as controller:
-        yield controller
-
-
-async def a_pass(cluster: Cluster, operator: OperatorThread) -> None:
-    """Wake a pass, as a write of the job's StatefulSet by its controller does, and wait for it to run."""
-    before = operator.passes()
-    sts = cluster.get("apps/v1/statefulsets", "demo-inference")
-    assert sts is not None
-    ready = int((sts.get("status") or {}).get("observedGeneration") or 0) + 1
-    await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"observedGeneration": ready})
-    await wait_for(lambda: operator.passes() > before, "a pass of the operator")
 
 
 async def test_a_refused_trainer_job_leaves_no_inference_statefulset_running(cluster, operator):

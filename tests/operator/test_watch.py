@@ -18,7 +18,7 @@ from grpolora.operator.trainer_client import TrainerStatusClient
 from grpolora.operator.watch_cache import WATCHED
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE
 from tests.helpers import job_doc
-from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
+from tests.operator.harness import FAST_INTERVAL, OperatorThread, a_pass, operator_options, wait_for
 from tests.operator.test_operator import created, pods_up, report, trainer_refuses_its_data
 
 WORKLOADS = "kueue.x-k8s.io/v1beta1/workloads"
@@ -389,9 +389,7 @@ async def test_a_trainer_job_that_lost_its_label_while_its_pods_run_gets_it_back
         )
         assert operator.controller is not None
         for _ in range(3):
-            before = operator.passes()
-            await cluster.set_status("apps/v1/statefulsets", "demo-inference", {"observedGeneration": before + 1})
-            await wait_for(lambda b=before: operator.passes() > b, "a pass of the operator")
+            await a_pass(cluster, operator)
             assert "previous trainer Job" not in cluster.status("demo").get("message", "")
         assert len([k for k in cluster.emulator.created if k[0] == "jobs"]) == 1  # the same trainer Job
     finally:
