@@ -137,9 +137,13 @@ class JobPass:
         ours = [w if w is not None and obs.controller_uid(w) == view.uid else None for w in (trainer_job, inference)]
         pods: list[dict[str, Any]] = []
         if any(w is not None and obs.deleting(w) for w in ours):
-            listed = await self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=True)
-            pods = [p for p in listed if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
+            pods = await self._pods_of_job(view, fresh=True)
         return rec.Observed(ours[0], ours[1], tuple(pods))
+
+    async def _pods_of_job(self, view: JobView, *, fresh: bool) -> list[dict[str, Any]]:
+        """The job's pods, from the listing of the operator's pods in its namespace (shared by its jobs)."""
+        listed = await self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=fresh)
+        return [p for p in listed if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
 
     async def _observe(
         self,
@@ -182,11 +186,10 @@ class JobPass:
             # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
             # shared listing was taken), and the job's failure is final, so they are listed as they are now.
             failed = job_failure.job_failed(trainer_job) or leaving
-            ours, events = await asyncio.gather(
-                self._listing(kube.POD, view.namespace, {c.LABEL_MANAGED_BY: c.OPERATOR_NAME}, fresh=failed),
+            pods, events = await asyncio.gather(
+                self._pods_of_job(view, fresh=failed),
                 self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
             )
-            pods = [p for p in ours if ((p.get("metadata") or {}).get("labels") or {}).get(c.LABEL_JOB) == view.name]
             desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
             present = [w for w in (trainer_job, inference) if w is not None]
             warnings = obs.pod_warnings(events, present, pods, desired)
