@@ -15,6 +15,7 @@ from grpolora.operator import names
 from grpolora.testing.kube_emulator import NAMESPACE, POOL_RESOURCE, Cluster
 from tests.helpers import job_doc
 from tests.operator.harness import FAST_INTERVAL, OperatorThread, operator_options, wait_for
+from tests.operator.kueue_double import FakeKueue, is_true
 
 POOL = "shared"
 SECRET = "shared-pool-jobs"
@@ -442,8 +443,6 @@ async def test_a_job_waiting_for_room_on_its_pool_holds_no_quota_and_is_not_evic
     RequeuingLimitExceeded). While its pool has no place for it, the job keeps its Workload inactive (spec.active:
     false, as for a suspended job: Kueue evicts an inactive Workload's admission, never admits it and holds no quota
     for it, pkg/controller/core/workload_controller.go), and makes it active again once a place is free."""
-    from tests.operator.kueue_double import FakeKueue, is_true
-
     async with FakeKueue(cluster, capacity=2, pods_ready_timeout=3600.0, backoff=0.1) as kueue:
         await cluster.apply(pool_doc())  # one place
         first, later = job_on_pool("first"), job_on_pool("later")
