@@ -71,6 +71,13 @@ OUTPUT_DIR: Final = "GRPOLORA_OUTPUT_DIR"  # metrics.jsonl, final adapter, plot
 DATA_DIR: Final = "GRPOLORA_DATA_DIR"  # where spec.task.dataset paths start (the dataset volume's mount)
 SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/<secret name>/<key>, one file a key
 CHAT_TEMPLATE_FILE: Final = "GRPOLORA_CHAT_TEMPLATE_FILE"  # spec.task.chatTemplateFrom's key, mounted as a file
+# spec.environment.server (issue 48): the base URL of the environment server the operator (or `grpolora run`) runs
+# for the job, its Service's address; the trainer reaches the environment there (an agent's tools, its sandbox). The
+# server's own pods get ENVIRONMENT_TOKEN_FILE: the job's token, which every call to it must carry as a bearer token
+# (a server of the project's, python -m grpolora.workers.environments.service, reads it; ENVIRONMENT_TOKEN locally).
+ENVIRONMENT_URL: Final = "GRPOLORA_ENVIRONMENT_URL"
+ENVIRONMENT_TOKEN: Final = "GRPOLORA_ENVIRONMENT_TOKEN"
+ENVIRONMENT_TOKEN_FILE: Final = "GRPOLORA_ENVIRONMENT_TOKEN_FILE"
 
 # The servers of a RolloutPool (shared by several jobs) get these instead of the job's: GRPOLORA_ROLE (inference),
 # GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR and GRPOLORA_SYNC_BACKEND (the device
@@ -115,6 +122,9 @@ ALL: Final = (
     DATA_DIR,
     SECRETS_DIR,
     CHAT_TEMPLATE_FILE,
+    ENVIRONMENT_URL,
+    ENVIRONMENT_TOKEN,
+    ENVIRONMENT_TOKEN_FILE,
     *POOL_ONLY,
 )
 

@@ -31,6 +31,7 @@ ROOT_TYPES: Final = {
     "Affinity": "io.k8s.api.core.v1.Affinity",
     "EnvVar": "io.k8s.api.core.v1.EnvVar",
     "NetworkPolicyPeer": "io.k8s.api.networking.v1.NetworkPolicyPeer",
+    "NetworkPolicyEgressRule": "io.k8s.api.networking.v1.NetworkPolicyEgressRule",
     "PodTemplateSpec": "io.k8s.api.core.v1.PodTemplateSpec",
 }
 # k8s.io/apimachinery/pkg/api/resource: the quantity grammar (number, then a binary, decimal or exponent suffix), for

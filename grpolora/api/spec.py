@@ -867,7 +867,8 @@ ENVIRONMENT_REF_PATTERN = REWARD_REF_PATTERN  # `package.module:factory`, found 
 
 
 _ONE_ENVIRONMENT = (
-    "set exactly one of `builtin` (a built-in environment), `plugin` (package.module:factory) or `url` (a service)"
+    "set exactly one of `builtin` (a built-in environment), `plugin` (package.module:factory), `url` (a service) or "
+    "`agent` (package.module:function), or only `server` with its own `command` (a service the operator runs)"
 )
 _SERVICE_ONLY = ("retries", "headers_from")
 _ENVIRONMENT_RETRIES = 2
@@ -876,21 +877,104 @@ _ENVIRONMENT_PROCESSES = 4
 _ENVIRONMENT_MEMORY_MIB = 4096
 
 
+class EnvironmentServerSpec(SpecModel):
+    """The environment as a role the operator runs beside the trainer and the replicas: a workload of `replicas`
+    pods and a Service in front of them, which the job's trainer reaches as its environment service (reset, step and
+    close over HTTP, docs/tasks.md). Only the job's own pods may reach it (a NetworkPolicy), and its pods reach
+    nothing unless `egress` opens it. Its pods count in the job's Kueue Workload, its readiness in the job's status,
+    and it goes with the job. `grpolora run` starts the same command on the local machine."""
+
+    image: str | None = None
+    """Container image; defaults to the project's CPU worker image, whose `python -m
+    grpolora.workers.environments.service` serves a built-in or plugin environment."""
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
+    """Image pull policy of the server container."""
+    command: list[NonEmptyStr] | None = None
+    """The container's command (its entrypoint). Unset: `python -m grpolora.workers.environments.service
+    --environment <builtin or plugin> --port <port>` serves the job's own `builtin` or `plugin`. A server of your own
+    (any language) speaks the same protocol and listens on `port`; it reads the job's token from
+    GRPOLORA_ENVIRONMENT_TOKEN."""
+    args: list[str] = Field(default_factory=list)
+    """Arguments of the command."""
+    replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
+    """Server pods; the trainer spreads episodes over them through the Service."""
+    port: Port = 8000
+    """The port the server listens on (the Service's port too)."""
+    resources: KubeObject = Field(default_factory=dict)
+    """ResourceRequirements of the server container."""
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    """Node labels the server's pods must match (e.g. a CPU or sandbox node pool)."""
+    tolerations: list[KubeObject] = Field(default_factory=list)
+    """Tolerations of the server's pods."""
+    runtime_class_name: str | None = Field(default=None, max_length=253, pattern=DNS_1123_SUBDOMAIN.pattern)
+    """A RuntimeClass for sandboxed tools: gVisor (`gvisor`) or Kata Containers (`kata`), as the cluster names them."""
+    env: list[KubeObject] = Field(default_factory=list)
+    """Extra environment variables (EnvVar objects) of the server container."""
+    egress: list[KubeObject] = Field(default_factory=list)
+    """NetworkPolicyEgressRules the server's pods may use. Empty (the default): no egress at all, not even DNS; a
+    server whose tools fetch from the internet opens what they need here."""
+
+    @field_validator("resources")
+    @classmethod
+    def _kube_resources(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return kube_checked(value, "ResourceRequirements")
+
+    @field_validator("tolerations")
+    @classmethod
+    def _kube_tolerations(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "Toleration")
+
+    @field_validator("egress")
+    @classmethod
+    def _kube_egress(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "NetworkPolicyEgressRule")
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        from grpolora.api.contract import ALL as CONTRACT_NAMES  # the contract module imports this one
+
+        errors = []
+        for i, var in enumerate(value):
+            name = var.get("name")
+            if not isinstance(name, str) or not name:
+                errors.append((f"[{i}].name", "every env entry needs a `name`"))
+            elif name in CONTRACT_NAMES:
+                errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
+        raise_if_any(errors)
+        return kube_checked(value, "EnvVar")
+
+
 def _environment_rules() -> list[dict[str, str]]:
     """The CEL twins of EnvironmentSpec._one_kind (defaults as the API server writes them: `retries` is there)."""
-    retries = f"has(self.url) || !has(self.retries) || self.retries == {_ENVIRONMENT_RETRIES}"
-    service_only = "applies to a remote environment (`url`) only"
-    one = " + ".join(f"(has(self.{kind}) ? 1 : 0)" for kind in ("builtin", "plugin", "url")) + " == 1"
-    local_only = "applies to a built-in or plugin environment only (a service runs its own)"
-    processes = f"!has(self.url) || !has(self.processes) || self.processes == {_ENVIRONMENT_PROCESSES}"
-    memory = f"!has(self.url) || !has(self.processMemoryMiB) || self.processMemoryMiB == {_ENVIRONMENT_MEMORY_MIB}"
+    kinds = " + ".join(f"(has(self.{kind}) ? 1 : 0)" for kind in ("builtin", "plugin", "url", "agent"))
+    one = f"{kinds} == 1 || ({kinds} == 0 && has(self.server) && has(self.server.command))"
+    # The trainer talks to a service: `url`, or the server the operator runs (unless an agent is what it runs).
+    remote = "(has(self.url) || (has(self.server) && !has(self.agent)))"
+    # The environment runs in processes beside the trainer: a built-in or plugin not served, or an agent.
+    local = "((!has(self.url) && !has(self.server)) || has(self.agent))"
+    retries = f"{remote} || !has(self.retries) || self.retries == {_ENVIRONMENT_RETRIES}"
+    processes = f"{local} || !has(self.processes) || self.processes == {_ENVIRONMENT_PROCESSES}"
+    memory = f"{local} || !has(self.processMemoryMiB) || self.processMemoryMiB == {_ENVIRONMENT_MEMORY_MIB}"
+    command = "!has(self.server) || has(self.server.command) || has(self.builtin) || has(self.plugin)"
     return [
         cel_rule(one, _ONE_ENVIRONMENT),
-        cel_rule(retries, f"retries {service_only}", ".retries"),
-        cel_rule("has(self.url) || !has(self.headersFrom)", f"headersFrom {service_only}", ".headersFrom"),
-        cel_rule(processes, f"processes {local_only}", ".processes"),
-        cel_rule(memory, f"processMemoryMiB {local_only}", ".processMemoryMiB"),
+        cel_rule("!has(self.url) || !has(self.server)", _URL_AND_SERVER, ".server"),
+        cel_rule(command, _SERVER_COMMAND, ".server.command"),
+        cel_rule(retries, f"retries {_SERVICE_ONLY_WHY}", ".retries"),
+        cel_rule(f"{remote} || !has(self.headersFrom)", f"headersFrom {_SERVICE_ONLY_WHY}", ".headersFrom"),
+        cel_rule(processes, f"processes {_LOCAL_ONLY_WHY}", ".processes"),
+        cel_rule(memory, f"processMemoryMiB {_LOCAL_ONLY_WHY}", ".processMemoryMiB"),
     ]
+
+
+_URL_AND_SERVER = "`url` is a service of your own, `server` one the operator runs for the job: set one of them"
+_SERVER_COMMAND = (
+    "a server with no `command` serves the job's `builtin` or `plugin` (python -m "
+    "grpolora.workers.environments.service); set one of them, or the server's own command"
+)
+_SERVICE_ONLY_WHY = "applies to an environment service only (`url`, or a `server` the operator runs)"
+_LOCAL_ONLY_WHY = "applies to environments run beside the trainer only (a built-in or plugin not served, or an agent)"
 
 
 class EnvironmentSpec(SpecModel):
@@ -911,12 +995,25 @@ class EnvironmentSpec(SpecModel):
     url: str | None = Field(default=None, pattern=r"^https?://[^\s/]+")
     """An environment service: POST <url>/reset, <url>/step and <url>/close, one episode id each (docs/tasks.md;
     `python -m grpolora.workers.environments.service` serves any plugin so)."""
+    agent: str | None = Field(default=None, pattern=ENVIRONMENT_REF_PATTERN)
+    """An agent `package.module:function`: `async def function(prompt, client)`, given the task's prompt and an
+    `openai.AsyncOpenAI` client bound to the episode's session on a replica (its own loop, its own tools, any
+    framework built on the OpenAI client), returns the episode's reward, or None for spec.task's reward of its last
+    answer. It runs in the environment processes (`processes`, `processMemoryMiB`); each session is one sample, the
+    loss on the tokens the model generated (docs/tasks.md)."""
+    server: EnvironmentServerSpec | None = None
+    """Run the environment as a service of the job's own: the operator makes its pods and a Service (`grpolora run`
+    starts its command locally) and the trainer reaches it there. With `builtin` or `plugin` and no `command`, it
+    serves that environment; with `agent`, it is the agent's sandbox (the agent finds it at
+    $GRPOLORA_ENVIRONMENT_URL); alone, its `command` speaks the environment protocol."""
     retries: int = Field(default=_ENVIRONMENT_RETRIES, ge=0, le=c.MAX_RETRIES)
-    """`url` only: further attempts after a timeout, a connection error, a 429 or a 5xx answer, all within
-    stepTimeoutSeconds; a step is retried with the same turn number, which the service answers once."""
+    """A service only (`url` or `server`): further attempts after a timeout, a connection error, a 429 or a 5xx
+    answer, all within stepTimeoutSeconds; a step is retried with the same turn number, which the service answers
+    once."""
     headers_from: SecretRef | None = None
-    """`url` only: HTTP headers from this Secret (each key a header name, its value the header value), e.g. a key
-    `Authorization` with value `Bearer ...`. A 401 or 403 answer fails the job as a spec error."""
+    """A service only (`url` or `server`): HTTP headers from this Secret (each key a header name, its value the
+    header value), e.g. a key `Authorization` with value `Bearer ...`. A 401 or 403 answer fails the job as a spec
+    error."""
     max_turns: int = Field(default=4, gt=0, le=c.MAX_EPISODE_TURNS)
     """Assistant turns at most; an episode still going after the last is cut off (truncated, as a completion at
     grpo.maxNewTokens is: grpo.maskTruncated takes it out of the loss)."""
@@ -957,28 +1054,44 @@ class EnvironmentSpec(SpecModel):
     with `role: tool` messages; the tool specs its reset returns reach the chat template (`tools=`). A call the parser
     cannot read is answered with a tool error. Unset: the environment reads the assistant's text itself."""
 
+    @property
+    def remote(self) -> bool:
+        """The trainer talks to a service: `url`, or the server the operator runs (unless it is an agent's sandbox)."""
+        return self.url is not None or (self.server is not None and self.agent is None)
+
+    @property
+    def local(self) -> bool:
+        """The environment runs in processes beside the trainer: a built-in or plugin not served, or an agent."""
+        return (self.url is None and self.server is None) or self.agent is not None
+
     @model_validator(mode="after")
     def _one_kind(self) -> EnvironmentSpec:
         errors: list[tuple[str, str]] = []
-        if sum(kind is not None for kind in (self.builtin, self.plugin, self.url)) != 1:
+        kinds = sum(kind is not None for kind in (self.builtin, self.plugin, self.url, self.agent))
+        if kinds != 1 and not (kinds == 0 and self.server is not None and self.server.command is not None):
             errors.append(("", _ONE_ENVIRONMENT))
         if self.builtin is not None and self.builtin not in c.BUILTIN_ENVIRONMENTS:
             errors.append(("builtin", f"unknown built-in environment {self.builtin!r}; valid: "
                            f"{', '.join(c.BUILTIN_ENVIRONMENTS)}"))  # fmt: skip
-        if self.url is None:
-            errors += set_beside_defaults(self, _SERVICE_ONLY, "applies to a remote environment (`url`) only")
-        else:
-            errors += set_beside_defaults(self, _LOCAL_ONLY, "applies to a built-in or plugin environment only (a "
-                                          "service runs its own)")  # fmt: skip
+        if self.url is not None and self.server is not None:
+            errors.append(("server", _URL_AND_SERVER))
+        server = self.server
+        if server is not None and server.command is None and self.builtin is None and self.plugin is None:
+            errors.append(("server.command", _SERVER_COMMAND))
+        if not self.remote:
+            errors += set_beside_defaults(self, _SERVICE_ONLY, _SERVICE_ONLY_WHY)
+        if not self.local:
+            errors += set_beside_defaults(self, _LOCAL_ONLY, _LOCAL_ONLY_WHY)
         raise_if_any(errors)
         return self
 
-    @field_validator("plugin", mode="before")
+    @field_validator("plugin", "agent", mode="before")
     @classmethod
-    def _factory_ref(cls, value: Any) -> Any:
+    def _factory_ref(cls, value: Any, info: ValidationInfo) -> Any:
         # Checked before the pattern so that the message says what the field takes.
         if isinstance(value, str) and not re.match(ENVIRONMENT_REF_PATTERN, value):
-            raise ValueError(f"{value!r} should match pattern package.module:factory")
+            what = "function" if info.field_name == "agent" else "factory"
+            raise ValueError(f"{value!r} should match pattern package.module:{what}")
         return value
 
 

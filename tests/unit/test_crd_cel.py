@@ -101,6 +101,17 @@ CASES: list[tuple[str, dict[str, Any], bool]] = [
     ("processes of a service", job_doc(environment={"url": "http://env:8000", "processes": 8}), False),
     ("processes of a service, the default", job_doc(environment={"url": "http://env:8000", "processes": 4}), True),
     ("process memory of a service", job_doc(environment={"url": "http://env:8000", "processMemoryMiB": 512}), False),
+    # An agent runs in the environment processes; a server the operator runs is a service (issue 48).
+    ("an agent", job_doc(environment={"agent": "a:b", "processes": 8}), True),
+    ("an agent and a plugin", job_doc(environment={"agent": "a:b", "plugin": "a:c"}), False),
+    ("a served plugin", job_doc(environment={"plugin": "a:b", "server": {"replicas": 2}, "retries": 0}), True),
+    ("a server of its own", job_doc(environment={"server": {"command": ["env-server"]}}), True),
+    ("a server with nothing to serve", job_doc(environment={"server": {"replicas": 2}}), False),
+    ("an agent's sandbox without a command", job_doc(environment={"agent": "a:b", "server": {"replicas": 1}}), False),
+    ("an agent's sandbox", job_doc(environment={"agent": "a:b", "server": {"command": ["sandbox"]}}), True),
+    ("a url and a server", job_doc(environment={"url": "http://env:8000", "server": {"command": ["s"]}}), False),
+    ("processes of a served plugin", job_doc(environment={"plugin": "a:b", "server": {}, "processes": 8}), False),
+    ("retries of an agent", job_doc(environment={"agent": "a:b", "retries": 0}), False),
     # spec.task: a chat template from the spec or from a ConfigMap, not both.
     ("a chat template from a ConfigMap", job_doc(task={"name": "arithmetic", "chatTemplateFrom": {"name": "t",
      "key": "k"}}), True),

@@ -28,6 +28,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict
 
+from grpolora.api import contract
 from grpolora.workers.environments.base import (
     Environment,
     EnvironmentFactory,
@@ -44,7 +45,7 @@ from grpolora.workers.tasks.base import Prompt
 log = logging.getLogger(__name__)
 
 MAX_EPISODES = 4096
-TOKEN_ENV = "GRPOLORA_ENVIRONMENT_TOKEN"
+TOKEN_ENV = contract.ENVIRONMENT_TOKEN
 
 
 class _Body(BaseModel):
