@@ -71,8 +71,10 @@ OUTPUT_DIR: Final = "GRPOLORA_OUTPUT_DIR"  # metrics.jsonl, final adapter, plot
 DATA_DIR: Final = "GRPOLORA_DATA_DIR"  # where spec.task.dataset paths start (the dataset volume's mount)
 SECRETS_DIR: Final = "GRPOLORA_SECRETS_DIR"  # the Secrets the job names: <dir>/<secret name>/<key>, one file a key
 CHAT_TEMPLATE_FILE: Final = "GRPOLORA_CHAT_TEMPLATE_FILE"  # spec.task.chatTemplateFrom's key, mounted as a file
-# spec.environment.server (issue 48): the base URL of the environment server the operator (or `grpolora run`) runs
-# for the job, its Service's address; the trainer reaches the environment there (an agent's tools, its sandbox). The
+# spec.environment.server (issue 48): the base URLs of the environment server's pods that the operator (or `grpolora
+# run`) runs for the job, comma-separated, in pod order (its headless Service's per-pod names: an episode's reset,
+# steps and close must reach the one server that holds it, so the trainer pins each episode to one URL rather than
+# letting a Service spread its calls); the trainer reaches the environment there (or an agent its sandbox). The
 # server's own pods get ENVIRONMENT_TOKEN_FILE: the job's token, which every call to it must carry as a bearer token
 # (a server of the project's, python -m grpolora.workers.environments.service, reads it; ENVIRONMENT_TOKEN locally).
 ENVIRONMENT_URL: Final = "GRPOLORA_ENVIRONMENT_URL"
