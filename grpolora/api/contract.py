@@ -80,6 +80,10 @@ CHAT_TEMPLATE_FILE: Final = "GRPOLORA_CHAT_TEMPLATE_FILE"  # spec.task.chatTempl
 ENVIRONMENT_URL: Final = "GRPOLORA_ENVIRONMENT_URL"
 ENVIRONMENT_TOKEN: Final = "GRPOLORA_ENVIRONMENT_TOKEN"
 ENVIRONMENT_TOKEN_FILE: Final = "GRPOLORA_ENVIRONMENT_TOKEN_FILE"
+# The port an environment server listens on (set in its own environment: spec.environment.server.port in a pod, a
+# free port per process in `grpolora run`). A server with its own command reads it, or names it in its command or
+# args as `$(GRPOLORA_ENVIRONMENT_PORT)`, which Kubernetes expands in a pod and `grpolora run` expands the same way.
+ENVIRONMENT_PORT: Final = "GRPOLORA_ENVIRONMENT_PORT"
 
 # The servers of a RolloutPool (shared by several jobs) get these instead of the job's: GRPOLORA_ROLE (inference),
 # GRPOLORA_NAMESPACE, GRPOLORA_REPLICA_INDEX, GRPOLORA_MODEL, GRPOLORA_BIND_ADDR and GRPOLORA_SYNC_BACKEND (the device
@@ -127,6 +131,7 @@ ALL: Final = (
     ENVIRONMENT_URL,
     ENVIRONMENT_TOKEN,
     ENVIRONMENT_TOKEN_FILE,
+    ENVIRONMENT_PORT,
     *POOL_ONLY,
 )
 
