@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from grpolora.api.load import parse_job
+from grpolora.workers.environments.base import Opening
 from grpolora.workers.environments.episode import ChatDelta
 from grpolora.workers.inference.app import create_app
 from grpolora.workers.inference.sessions import VERSION_HEADER, job_session_chat
@@ -243,3 +244,89 @@ def test_a_full_server_forgets_its_oldest_idle_session_and_refuses_when_none_is_
     with pytest.raises(HTTPException) as refused:
         sessions.open("job", "e", 1)
     assert refused.value.status_code == 429 and len(sessions) == 3
+
+
+def bounds(**overrides) -> dict:
+    """SessionBounds as the trainer opens an agent's session (workers/environments/agent.py, AgentSessions)."""
+    return {"max_calls": 2, "max_tokens": 400, "max_new_tokens": 3, "temperature": 0.5, "top_p": 0.9, "top_k": 5,
+            "seed": 7} | overrides  # fmt: skip
+
+
+def test_a_session_the_trainer_opened_is_pinned_bounded_and_sampled_as_the_job_samples(replica, tokenizer):
+    """The trainer opens an agent's session before the agent runs: its version is pinned then, each call samples with
+    the job's temperature, top-p and top-k and seed + call whatever the agent asks, generates at most maxNewTokens,
+    and a call past maxTurns is refused (400, naming the limit) and recorded, the session kept for its record."""
+    served, sender = replica
+    assert sender.send(marked(11), {}).version == 1
+    asked: list = []
+    engine = served.engine._engine
+    marking = engine.generate
+
+    async def generate(prompt_token_ids, request, lora):
+        asked.append(request)
+        return await marking(prompt_token_ids, request, lora)
+
+    engine.generate = generate
+    with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        opened = http.post(f"{served.url}/sessions/agent-1", json=bounds(adapter_version=1))
+        assert opened.status_code == 200 and opened.json()["adapter_version"] == 1
+        assert http.post(f"{served.url}/sessions/agent-1", json=bounds()).status_code == 409  # opened once
+        assert sender.send(marked(22), {}).version == 2  # live moves on; the session keeps version 1
+
+    async def play() -> list:
+        agent = client(served.url, "agent-1")
+        chat, answers = [user("Hi")], []
+        for _ in range(3):
+            try:
+                answer = await agent.chat.completions.create(model="policy", messages=chat, max_tokens=100,
+                                                             temperature=0.0, seed=99)  # fmt: skip
+            except openai.BadRequestError as exc:
+                answers.append(exc)
+                break
+            answers.append(answer)
+            chat += [answer.choices[0].message.model_dump(exclude_none=True), user("More")]
+        await agent.close()
+        return answers
+
+    first, second, refused = asyncio.run(play())
+    assert [a.choices[0].message.content for a in (first, second)] == ["m11", "m11"]  # version 1's adapter
+    assert [(r.temperature, r.top_p, r.top_k, r.max_tokens, r.seed) for r in asked] == [(0.5, 0.9, 5, 3, 7),
+                                                                                          (0.5, 0.9, 5, 3, 8)]
+    assert refused.status_code == 400 and "spec.environment.maxTurns" in refused.response.text
+    with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        record = http.post(f"{served.url}/sessions/agent-1/close").json()
+    assert "maxTurns" in record["refused"] and len(record["calls"]) == 2
+    (segment,) = record["segments"]
+    assert [m["role"] for m in segment["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert segment["finish_reasons"] == ["length", "length"]
+
+
+def test_a_bounded_sessions_calls_end_where_max_episode_tokens_does(replica, tokenizer):
+    """maxEpisodeTokens bounds a segment's ids, its prompt included: a call generates at most what is left, and one
+    whose conversation already fills it is refused (the episode truncated), never served past it."""
+    served, sender = replica
+    assert sender.send(marked(11), {}).version == 1
+    opening = ChatDelta(tokenizer).opening(Opening([user("Hi")]))
+    asked: list = []
+    engine = served.engine._engine
+    marking = engine.generate
+
+    async def generate(prompt_token_ids, request, lora):
+        asked.append(request.max_tokens)
+        return await marking(prompt_token_ids, request, lora)
+
+    engine.generate = generate
+    with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+        room = bounds(max_calls=8, max_tokens=len(opening) + 2, max_new_tokens=48)
+        assert http.post(f"{served.url}/sessions/agent-2", json=room).status_code == 200
+
+        def call(messages: list) -> httpx.Response:
+            return http.post(f"{served.url}/sessions/agent-2/v1/chat/completions", json={"messages": messages})
+
+        first = call([user("Hi")])
+        assert first.status_code == 200, first.text
+        chat = [user("Hi"), first.json()["choices"][0]["message"], user("More")]
+        refused = call(chat)
+        assert refused.status_code == 400 and "spec.environment.maxEpisodeTokens" in refused.text
+        record = http.get(f"{served.url}/sessions/agent-2").json()
+    assert asked == [2] and "maxEpisodeTokens" in record["refused"]

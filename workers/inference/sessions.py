@@ -17,6 +17,13 @@ own rendering), to the session's ids; the conversation is never tokenised again,
 returned stay those of the sequence trained on. A call whose messages rewrite earlier history (edited, dropped or
 reordered messages, other tools) opens a new segment, rendered afresh and recorded as such, never merged.
 
+An agent the trainer plays (spec.environment.agent, workers/environments/agent.py) gets a session the trainer
+opened first (`POST /sessions/<id>` with SessionBounds): pinned to the episode's adapter version, bounded by the
+episode's limits (spec.environment.maxTurns calls, maxEpisodeTokens ids per segment, grpo.maxNewTokens per call),
+and sampled with the job's temperature, top-p and top-k whatever the agent asks (the trainer's logprobs are of that
+distribution) and a seed per call. A call past the limits is refused (400, naming the limit) and recorded, so that
+the trainer truncates the episode; the agent cannot pass them.
+
 `GET /sessions/<id>` returns the record: per segment its prompt ids, the ids after them with their behaviour logprobs
 (0 where not generated) and a mask that is 1 on generated ids only, so a segment becomes one sample with the loss on
 generated tokens alone, exactly as an episode (episode.EpisodeTokens); per call its prompt and completion ids and
@@ -43,6 +50,7 @@ from grpolora.workers.inference import metrics
 from grpolora.workers.inference.adapter_book import VersionUnavailable
 from grpolora.workers.inference.tenants import Tenant
 from grpolora.workers.inference.vllm_engine import InvalidRequest, SamplingRequest
+from grpolora.workers.sync.control import REFUSAL_HEADER, StaleIncarnation
 
 SESSIONS_PATH = "/sessions"
 VERSION_HEADER = "x-grpolora-adapter-version"
@@ -54,6 +62,27 @@ SESSION_IDLE_SECONDS = 3600.0
 """A session not called, read or closed for this long is forgotten when a new one needs room."""
 MAX_STOP_STRINGS = 16
 SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+
+
+class SessionBounds(BaseModel):
+    """What the trainer opens an agent's session with (`POST /sessions/<id>`) before the agent runs."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    adapter_version: int | None = Field(default=None, ge=0)
+    """The episode's round version (None: the live one)."""
+    incarnation: int | None = Field(default=None, ge=0)
+    """The trainer's (AdapterSender.incarnation): a replica that follows a newer one refuses it, as /v1/generate."""
+    max_calls: int = Field(ge=1)
+    """spec.environment.maxTurns: chat calls of the session at most."""
+    max_tokens: int = Field(ge=2)
+    """maxEpisodeTokens (within the model's length): ids of a segment at most, its prompt included."""
+    max_new_tokens: int = Field(ge=1)
+    """grpo.maxNewTokens: each call's generation at most (a call's own max_tokens may ask for fewer)."""
+    temperature: float = Field(ge=0)
+    top_p: float = Field(gt=0, le=1)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = Field(default=None, ge=0, le=2**62)
+    """Call i of the session samples with seed + i (a call's own seed is ignored, as is its temperature)."""
 
 
 class ChatRequest(BaseModel):
@@ -115,6 +144,7 @@ class Segment:
     tools: list[dict[str, Any]] | None
     generated: list[int] = field(default_factory=list)  # the last assistant turn's ids
     calls: int = 0
+    finishes: list[str | None] = field(default_factory=list)  # each call's finish reason
 
 
 @dataclass
@@ -127,6 +157,8 @@ class Session:
     used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call of a session at a time, in arrival order
     pending: int = 0  # calls under way
+    bounds: SessionBounds | None = None  # a session the trainer opened for an agent
+    refused: str | None = None  # why a call past the bounds was refused (the episode is truncated)
 
     def record(self, closed: bool = False) -> dict[str, Any]:
         return {
@@ -142,10 +174,13 @@ class Session:
                     "logprobs": s.tokens.logprobs,
                     "mask": s.tokens.mask,
                     "calls": s.calls,
+                    "messages": s.messages,
+                    "finish_reasons": s.finishes,
                 }
                 for s in self.segments
             ],
             "calls": self.calls,
+            "refused": self.refused,
         }
 
 
@@ -266,7 +301,6 @@ def add_session_routes(
         try:
             messages = [normal(m) for m in request.messages]
             rendering = renderer()
-            limit = request.max_completion_tokens or request.max_tokens
             assert engine.limits is not None  # tenants are served only once the engine has started
             stop = [request.stop] if isinstance(request.stop, str) else list(request.stop or [])
             if len(stop) > MAX_STOP_STRINGS:
@@ -283,14 +317,7 @@ def add_session_routes(
                                 status_code=409, detail=f"session {sid!r} is pinned to version {session.version}"
                             )
                         segment, turn, prompt = _prompt(session, messages, request.tools, rendering.delta)
-                        sampling = SamplingRequest(
-                            n=1,
-                            temperature=request.temperature,
-                            top_p=request.top_p,
-                            max_tokens=limit or max(1, engine.limits.max_model_len - len(prompt) - 1),
-                            seed=request.seed,
-                            stop=stop,
-                        )
+                        sampling = _sampling(session, request, prompt, stop, engine.limits.max_model_len)
                         engine.limits.check([prompt], sampling)
                         async with tenant.gate.admit(1):
                             (sample,) = await tenant.book.generate(prompt, sampling, version)
@@ -302,7 +329,8 @@ def add_session_routes(
                         segment.messages = [*messages, normal(message)]
                 finally:
                     session.pending -= 1
-                    if not session.calls and not session.pending:  # a refused first call leaves no session
+                    if not session.calls and not session.pending and session.bounds is None:
+                        # a refused first call leaves no session (one the trainer opened stays: it reads the record)
                         sessions.discard(session)
         except VersionUnavailable as exc:
             metrics.REQUESTS.labels(**labels, status="version_unavailable").inc()
@@ -329,6 +357,24 @@ def add_session_routes(
             "adapter_version": version,
         }
 
+    @app.post(SESSIONS_PATH + "/{sid}")
+    async def session_open(sid: SessionId, bounds: SessionBounds, http: Request) -> dict:
+        """The trainer opens an agent's session: pinned to the episode's version now, bounded before any call."""
+        tenant = caller(http)
+        if sessions.get(tenant.job, sid) is not None:
+            raise HTTPException(status_code=409, detail=f"session {sid!r} is already open")
+        try:
+            lease = tenant.book.lease(bounds.adapter_version, version_wait_seconds, incarnation=bounds.incarnation)
+            async with lease as version:
+                session = sessions.open(tenant.job, sid, version)
+        except StaleIncarnation as exc:  # a newer trainer of this job took over: this one must stop
+            named = {REFUSAL_HEADER: type(exc).__name__}
+            raise HTTPException(status_code=409, detail=str(exc), headers=named) from None
+        except VersionUnavailable as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        session.bounds = bounds
+        return session.record()
+
     @app.get(SESSIONS_PATH + "/{sid}")
     async def session_record(sid: SessionId, http: Request) -> dict:
         return held(http, sid).record()
@@ -341,6 +387,37 @@ def add_session_routes(
             return session.record(closed=True)
 
     return sessions
+
+
+def _sampling(
+    session: Session, request: ChatRequest, prompt: list[int], stop: list[str], model_length: int
+) -> SamplingRequest:
+    """How a call samples: as it asks; in a session the trainer bounded, with the job's sampling, a seed per call and
+    at most grpo.maxNewTokens and what is left of maxEpisodeTokens, or refused (recorded) past maxTurns or with no
+    room left."""
+    asked = request.max_completion_tokens or request.max_tokens
+    bounds = session.bounds
+    if bounds is None:
+        return SamplingRequest(n=1, temperature=request.temperature, top_p=request.top_p, seed=request.seed, stop=stop,
+                               max_tokens=asked or max(1, model_length - len(prompt) - 1))  # fmt: skip
+    calls, room = len(session.calls), bounds.max_tokens - len(prompt)
+    if calls >= bounds.max_calls:
+        session.refused = (f"spec.environment.maxTurns: this session has made its {bounds.max_calls} calls; no more "
+                           "are served (the episode is truncated)")  # fmt: skip
+    elif room < 1:
+        session.refused = (f"spec.environment.maxEpisodeTokens: the conversation's {len(prompt)} tokens leave no room "
+                           f"in the {bounds.max_tokens} an episode may hold (the episode is truncated)")  # fmt: skip
+    if session.refused is not None:
+        raise InvalidRequest(session.refused)
+    return SamplingRequest(
+        n=1,
+        temperature=bounds.temperature,
+        top_p=bounds.top_p,
+        top_k=bounds.top_k,
+        max_tokens=min(asked or bounds.max_new_tokens, bounds.max_new_tokens, room),
+        seed=None if bounds.seed is None else bounds.seed + calls,
+        stop=stop,
+    )
 
 
 def _prompt(
@@ -375,6 +452,7 @@ def _answered(session: Session, segment: Segment, turn: list[int] | None, prompt
     segment.tokens.add_assistant(ids, logprobs, None)
     segment.generated = ids
     segment.calls += 1
+    segment.finishes.append(sample.finish_reason)
     session.calls.append(
         {
             "segment": len(session.segments) - 1,
