@@ -14,6 +14,11 @@ NetworkPolicy, over the pool's RolePlan with the pool as owner (`Plan` is either
 - Inference: a StatefulSet. Long-running servers with stable names that Kubernetes replaces when lost; the
   trainer re-forms the sync group around the replacement. `podManagementPolicy: Parallel` starts all at once.
 - Headless Services with `publishNotReadyAddresses`, so rendezvous DNS exists before any pod is ready.
+- The environment server (spec.environment.server): a StatefulSet too, `<job>-env`, for the same reasons: stable
+  per-pod names under its headless Service (the trainer pins each episode to one pod, GRPOLORA_ENVIRONMENT_URL), a
+  lost pod replaced under its name. A NetworkPolicy of its own admits only the job's trainer pods, on its port, and
+  gives it only the egress its spec opens (none by default, not even DNS); the job's NetworkPolicy leaves its pods
+  out, as peers and as targets, so that a sandbox that opened egress still cannot reach the trainer or the replicas.
 """
 
 from __future__ import annotations
@@ -122,8 +127,12 @@ def build_children(
     objects = [token_secret(plan, token), *services(plan)]
     if plan.job.spec.network_policy.enabled:
         objects.append(network_policy(plan, operator_namespace))
+    if plan.environment is not None:  # its egress is closed whatever spec.networkPolicy says
+        objects.append(environment_network_policy(plan))
     if plan.inference is not None:  # a job on a RolloutPool has no servers of its own
         objects.append(inference_disruption_budget(plan))
+    if plan.environment is not None:
+        objects.append(_disruption_budget(plan, plan.environment))
     if plan.job.queue_name is not None:
         objects.append(queue_workload(plan, priority))
     objects += workloads(plan, admitted)
@@ -165,6 +174,8 @@ def workloads(plan: JobPlan, admitted: Mapping[str, kueue.PodSetInfo] | None = N
     result = [trainer_job(plan, admitted.get(c.ROLE_TRAINER))]
     if plan.inference is not None:
         result.append(inference_statefulset(plan, admitted.get(c.ROLE_INFERENCE)))
+    if plan.environment is not None:
+        result.append(environment_statefulset(plan, admitted.get(c.ROLE_ENVIRONMENT)))
     return result
 
 
@@ -241,19 +252,51 @@ def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_N
     spec = plan.job.spec
     # gloo and NCCL open data connections on ephemeral ports, so the job's own pods get every port; so do the
     # servers of its RolloutPool, whose receivers join the job's sync group at its trainer's store (sync port).
-    peers = [{"podSelector": {"matchLabels": selector(plan)}}]
+    peers = [{"podSelector": _job_pods(plan)}]
     if plan.pool is not None:
         peers.append({"podSelector": {"matchLabels": pool_selector(plan.pool)}})
     # The operator polls trainer rank 0's /status (unauthenticated).
-    return _network_policy(
+    policy = _network_policy(
         plan,
         plan.name,
         [{"from": peers}],
         operator_namespace,
         operator_port=spec.trainer.status_port,
-        http_ports=[r.ports["http"] for r in plan.roles],
+        http_ports=[r.ports["http"] for r in plan.roles if r is not plan.environment],
         policy=spec.network_policy,
     )
+    policy["spec"]["podSelector"] = _job_pods(plan)
+    return policy
+
+
+def _job_pods(plan: JobPlan) -> dict[str, Any]:
+    """The selector of the job's trainer and inference pods: with an environment server, its pods are left out (they
+    run untrusted tools; environment_network_policy is theirs)."""
+    if plan.environment is None:
+        return {"matchLabels": selector(plan)}
+    left_out = {"key": c.LABEL_ROLE, "operator": "NotIn", "values": [c.ROLE_ENVIRONMENT]}
+    return {"matchLabels": selector(plan), "matchExpressions": [left_out]}
+
+
+def environment_network_policy(plan: JobPlan) -> K8sObject:
+    """The environment server's pods: ingress from the job's trainer pods (its environment processes and agents
+    call it) on the server's port only, and egress only where spec.environment.server.egress opens it (empty: none,
+    not even DNS; answers to admitted connections still flow). Not switched off by spec.networkPolicy.enabled: a
+    sandbox is closed unless its own spec opens it."""
+    role = plan.environment
+    assert role is not None and plan.spec.environment is not None and plan.spec.environment.server is not None
+    trainers = {"podSelector": {"matchLabels": selector(plan, c.ROLE_TRAINER)}}
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": _metadata(plan, role.workload_name, role.role),
+        "spec": {
+            "podSelector": {"matchLabels": selector(plan, role.role)},
+            "policyTypes": ["Ingress", "Egress"],
+            "ingress": [{"from": [trainers], "ports": [{"port": role.ports["http"], "protocol": "TCP"}]}],
+            "egress": copy.deepcopy(plan.spec.environment.server.egress),
+        },
+    }
 
 
 def pool_network_policy(
@@ -362,7 +405,13 @@ PRIORITY_CLASS_SOURCE = "scheduling.k8s.io/priorityclass"
 def inference_disruption_budget(plan: Plan) -> K8sObject:
     """At most one inference pod evicted at a time: the trainer re-forms the sync group around the rest, and a
     drain waits for the replacement to be ready before it evicts the next (one replica is not protected)."""
-    role = plan.inference
+    return _disruption_budget(plan, plan.inference)
+
+
+def _disruption_budget(plan: Plan, role: RolePlan | None) -> K8sObject:
+    """At most one of a role's pods evicted at a time (the inference servers', the environment server's: a drain
+    that took every environment pod at once would end every episode in flight)."""
+    assert role is not None
     return {
         "apiVersion": "policy/v1",
         "kind": "PodDisruptionBudget",
@@ -412,14 +461,38 @@ def inference_statefulset(plan: Plan, admitted: kueue.PodSetInfo | None = None) 
     }
 
 
+def environment_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
+    """spec.environment.server's pods: a StatefulSet as the inference servers' (stable per-pod names under its
+    headless Service, a lost pod replaced under its name), started in parallel."""
+    role = plan.environment
+    assert role is not None, "the job has no spec.environment.server"
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "StatefulSet",
+        "metadata": _metadata(plan, role.workload_name, role.role),
+        "spec": {
+            "serviceName": role.service_name,
+            "replicas": role.replicas,
+            "podManagementPolicy": "Parallel",
+            "selector": {"matchLabels": selector(plan, role.role)},
+            "template": _pod_template(plan, role, pod_spec.environment_pod_spec(plan, role), admitted),
+        },
+    }
+
+
 def _pod_template(
     plan: Plan, role: RolePlan, spec: dict[str, Any], admitted: kueue.PodSetInfo | None = None
 ) -> dict[str, Any]:
     """The role's pod template with spec.<role>.podTemplate merged over it (grpolora.api.overlay; the spec's
-    validation has refused any overlay that would replace what is built here), then what Kueue's admission adds."""
+    validation has refused any overlay that would replace what is built here; the environment server has none),
+    then what Kueue's admission adds."""
     built = {"metadata": {"labels": labels(plan, role.role)}, "spec": spec}
-    template = overlay.merge(built, pod_spec.role_spec(plan, role).pod_template)
+    template = built
+    if role.role != c.ROLE_ENVIRONMENT:
+        template = overlay.merge(built, pod_spec.role_spec(plan, role).pod_template)
     if admitted is None:
         return template
     holder = f"the {role.role} pod template (spec.{role.role}.nodeSelector, spec.{role.role}.podTemplate)"
+    if role.role == c.ROLE_ENVIRONMENT:
+        holder = "the environment server's pod template (spec.environment.server.nodeSelector)"
     return kueue.apply(template, admitted, holder=holder)

@@ -24,6 +24,7 @@ from grpolora.api.plan import (
     Placement,
     PoolPlan,
     RolePlan,
+    environment_server_command,
     trainer_secrets,
 )
 from grpolora.api.spec import ModelSpec, PodSecuritySpec, RoleSpec
@@ -150,6 +151,61 @@ def build_pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain
     return pod
 
 
+def environment_pod_spec(plan: JobPlan, role: RolePlan) -> dict[str, Any]:
+    """The pod spec of spec.environment.server's pods: its command (or the project's service of the job's builtin or
+    plugin, grpolora.api.plan.environment_server_command), the job's token as a read-only file, a readiness probe
+    on GET /health of its port (the service answers it without the token; a server of one's own must too,
+    docs/operator.md), its RuntimeClass (gVisor, Kata), and the security every pod of the job has. No model, no
+    shared memory, no service-account token: a sandbox gets as little as it can."""
+    environment = plan.spec.environment
+    assert environment is not None and environment.server is not None
+    server, placement = environment.server, role.placement
+    port = role.ports["http"]
+    ((volume, mount, secret, key),) = _secret_files(role, plan.spec.model, hub_token=False)
+    command, args = environment_server_command(environment, port=port, token_file=f"{mount}/{SECRET_FILE}")
+    container: dict[str, Any] = {
+        "name": role.role,
+        "image": placement.image,
+        "command": command,
+        "args": args,
+        "ports": [{"name": name, "containerPort": p, "protocol": "TCP"} for name, p in role.ports.items()],
+        "env": _env(plan, role),
+        "resources": _resources(placement),
+        # HOME is there in the project's images (Dockerfile): a plugin's caches go to an emptyDir, not the image.
+        "volumeMounts": [
+            {"name": "cache", "mountPath": CACHE_MOUNT},
+            {"name": volume, "mountPath": mount, "readOnly": True},
+        ],
+        "securityContext": {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}},
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+        "readinessProbe": _http_probe("/health", port, period=5),
+    }
+    if placement.image_pull_policy:
+        container["imagePullPolicy"] = placement.image_pull_policy
+    pod: dict[str, Any] = {
+        "restartPolicy": "Always",
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "securityContext": _pod_security(plan.spec.pod_security),
+        "containers": [container],
+        "volumes": [
+            {"name": "cache", "emptyDir": {}},
+            {"name": volume, "secret": {"secretName": secret, "items": [{"key": key, "path": SECRET_FILE}]}},
+        ],
+    }
+    if server.runtime_class_name:
+        pod["runtimeClassName"] = server.runtime_class_name
+    if placement.node_selector:
+        pod["nodeSelector"] = dict(placement.node_selector)
+    if placement.tolerations:
+        pod["tolerations"] = [copy.deepcopy(dict(t)) for t in placement.tolerations]
+    if placement.image_pull_secrets:
+        pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
+    if plan.spec.scheduling.priority_class_name:  # the job's pods share one (its Kueue Workload ranks by it)
+        pod["priorityClassName"] = plan.spec.scheduling.priority_class_name
+    return pod
+
+
 def _one_volume_per_claim(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
     """Merge the volumes of one PersistentVolumeClaim (spec.model.source.pvc, checkpoint.pvc, output.pvc and
     task.dataset.pvc may name the same one) into the first, its mounts renamed to it. The kubelet keys a pod's
@@ -171,12 +227,13 @@ def _one_volume_per_claim(volumes: list[dict[str, Any]], mounts: list[dict[str, 
         volume["persistentVolumeClaim"] = {"claimName": claim_name} | ({"readOnly": True} if read_only else {})
 
 
-def _secret_files(role: RolePlan, model: ModelSpec) -> list[tuple[str, str, str, str]]:
+def _secret_files(role: RolePlan, model: ModelSpec, *, hub_token: bool = True) -> list[tuple[str, str, str, str]]:
     """(volume, mount path, Secret, key) of each Secret key the worker reads as a file: the job's token (the contract
-    variable that names its file is in _env) and spec.model.tokenFrom's hub token (HF_TOKEN_PATH, from the plan)."""
+    variable that names its file is in _env) and spec.model.tokenFrom's hub token (HF_TOKEN_PATH, from the plan; not
+    for the environment server, which loads no model)."""
     found = [(c.TOKEN_VOLUME, TOKEN_MOUNT, *var.secret) for var in role.env if var.secret is not None]
     assert len(found) <= 1, "one Secret key per pod is mounted at TOKEN_MOUNT"
-    if model.token_from is not None:
+    if hub_token and model.token_from is not None:
         found.append((c.HUB_TOKEN_VOLUME, HUB_TOKEN_MOUNT, model.token_from.secret_name, model.token_from.key))
     return found
 

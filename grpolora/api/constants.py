@@ -49,6 +49,11 @@ LABEL_POOL: Final = f"{GROUP}/rollout-pool"
 ROLE_TRAINER: Final = "trainer"
 ROLE_INFERENCE: Final = "inference"
 ROLES: Final = (ROLE_TRAINER, ROLE_INFERENCE)
+# spec.environment.server's pods (issue 48): a role of the job's own, its StatefulSet and Service named
+# `<job>-env` (ENVIRONMENT_WORKLOAD_SUFFIX) rather than after the role, because the job name's bound (42 characters,
+# set by `-inference` and a StatefulSet's revision-hash label) leaves room for 4 characters, not 12.
+ROLE_ENVIRONMENT: Final = "environment"
+ENVIRONMENT_WORKLOAD_SUFFIX: Final = "env"
 
 # Kubernetes names: a Service name is an RFC 1035 label (63 characters, starts with a letter).
 DNS_LABEL_MAX: Final = 63

@@ -14,9 +14,18 @@ from typing import Any, Literal
 from grpolora.api import constants as c
 from grpolora.api import contract as env
 from grpolora.api.pool import JOBS_FILE_KEY, PoolReplicas, bind, fit_errors
-from grpolora.api.spec import FieldErrors, GRPOLoraJob, GRPOLoraJobSpec, ModelSpec, RoleSpec, RolloutPool
+from grpolora.api.spec import (
+    EnvironmentServerSpec,
+    EnvironmentSpec,
+    FieldErrors,
+    GRPOLoraJob,
+    GRPOLoraJobSpec,
+    ModelSpec,
+    RoleSpec,
+    RolloutPool,
+)
 
-Role = Literal["trainer", "inference"]
+Role = Literal["trainer", "inference", "environment"]
 MODEL_MOUNT = c.MODEL_MOUNT
 DATASET_MOUNT = "/data"
 SECRETS_MOUNT = "/var/run/grpolora/secrets"
@@ -52,6 +61,7 @@ class ClusterNetwork:
         return f"{workload}-{index}.{workload}.{namespace}.svc"
 
     def inference_port(self, base: int, index: int) -> int:
+        """The port replica `index` of a role listens on (the inference servers', the environment server's)."""
         return base
 
     bind_addr: str = "0.0.0.0"
@@ -149,17 +159,24 @@ class JobPlan:
     job: GRPOLoraJob = field(repr=False)
     spec: GRPOLoraJobSpec = field(repr=False)  # what the workers run with: the job's, bound to its pool if any
     pool: str | None = None
+    environment: RolePlan | None = None
+    """spec.environment.server's pods (a StatefulSet of the job's own, also on a RolloutPool); None without one."""
+    environment_endpoints: tuple[str, ...] = ()
+    """The base URL of each environment server pod, in pod order (the trainer's GRPOLORA_ENVIRONMENT_URL)."""
 
     @property
     def roles(self) -> tuple[RolePlan, ...]:
-        """The roles whose workloads this job owns (no inference role on a pool)."""
-        return (self.trainer,) if self.inference is None else (self.trainer, self.inference)
+        """The roles whose workloads this job owns, in creation order (no inference role on a pool; the environment
+        server's only with spec.environment.server)."""
+        return tuple(role for role in (self.trainer, self.inference, self.environment) if role is not None)
 
     def role(self, role: Role) -> RolePlan:
-        found = self.trainer if role == c.ROLE_TRAINER else self.inference
-        if found is None:
+        found = {c.ROLE_TRAINER: self.trainer, c.ROLE_INFERENCE: self.inference, c.ROLE_ENVIRONMENT: self.environment}
+        if found[role] is None and role == c.ROLE_ENVIRONMENT:
+            raise ValueError(f"job {self.name} has no environment server (spec.environment.server)")
+        if found[role] is None:
             raise ValueError(f"job {self.name} has no {role} role of its own: it runs on RolloutPool {self.pool}")
-        return found
+        return found[role]
 
     def env_for(self, role: Role, index: int, *, token: str) -> dict[str, str]:
         """Concrete environment of one pod/actor: what the launcher passes to a worker process."""
@@ -180,6 +197,8 @@ def child_names(job_name: str) -> dict[str, str]:
     return {
         c.ROLE_TRAINER: f"{job_name}-{c.ROLE_TRAINER}",
         c.ROLE_INFERENCE: f"{job_name}-{c.ROLE_INFERENCE}",
+        # spec.environment.server's StatefulSet, headless Service, PodDisruptionBudget and NetworkPolicy.
+        c.ROLE_ENVIRONMENT: f"{job_name}-{c.ENVIRONMENT_WORKLOAD_SUFFIX}",
         "token": f"{job_name}{c.TOKEN_SECRET_SUFFIX}",
         "networkPolicy": job_name,
     }
@@ -365,9 +384,18 @@ def plan(
     # In a cluster the dataset volume and the Secrets are mounted, in trainer pods only (the servers read neither);
     # a local run reads the user's own paths. The chat template's key is mounted in both: the trainer renders
     # prompts and episodes with it, a job's own servers its chat sessions (workers/inference/sessions.py).
+    server = spec.environment.server if spec.environment is not None else None
+    environment_endpoints: tuple[str, ...] = ()
+    if server is not None:
+        environment_endpoints = _endpoints(
+            network, names[c.ROLE_ENVIRONMENT], namespace, server.port, server.replicas
+        )
     trainer_only = (
         *((EnvVar(env.DATA_DIR, DATASET_MOUNT),) if cluster and spec.task.dataset and spec.task.dataset.pvc else ()),
         *((EnvVar(env.SECRETS_DIR, SECRETS_MOUNT),) if cluster and trainer_secrets(spec) else ()),
+        # One URL per server pod: the trainer pins each episode to one (its reset, steps and close reach the server
+        # that holds it), which a load-balancing Service would not.
+        *((EnvVar(env.ENVIRONMENT_URL, ",".join(environment_endpoints)),) if server is not None else ()),
     )
     if cluster and spec.task.chat_template_from:
         common += (EnvVar(env.CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_NAME}"),)
@@ -405,7 +433,72 @@ def plan(
         job=job,
         spec=spec,
         pool=pool_plan.name if pool_plan else None,
+        environment=None
+        if server is None
+        else _environment_role(network, names[c.ROLE_ENVIRONMENT], namespace, server, names["token"]),
+        environment_endpoints=environment_endpoints,
     )
+
+
+SERVICE_MODULE = "grpolora.workers.environments.service"
+"""The project's environment service (`python -m ...`), which serves a built-in or plugin environment."""
+
+
+def _environment_role(
+    network: Network, workload: str, namespace: str, server: EnvironmentServerSpec, token_secret: str
+) -> RolePlan:
+    """spec.environment.server's role: its pods get the job's token (a file in a cluster, the value locally), which
+    every call to them carries as a bearer token, and their port, and nothing else of the contract: they see no spec,
+    no model, no rendezvous (a sandbox knows as little of the job as it can)."""
+    return RolePlan(
+        role=c.ROLE_ENVIRONMENT,
+        replicas=server.replicas,
+        procs_per_replica=1,
+        workload_name=workload,
+        service_name=workload,
+        hosts=tuple(network.host(workload, namespace, i) for i in range(server.replicas)),
+        ports={"http": server.port},
+        env=(
+            EnvVar(
+                env.ENVIRONMENT_TOKEN,
+                secret=(token_secret, c.TOKEN_SECRET_KEY),
+                secret_file=env.ENVIRONMENT_TOKEN_FILE,
+            ),
+            # A server's own command reads it, or names it as $(GRPOLORA_ENVIRONMENT_PORT) (Kubernetes expands it).
+            EnvVar(env.ENVIRONMENT_PORT, str(server.port)),
+        ),
+        user_env=tuple(server.env),
+        placement=Placement(
+            image=server.image or _worker_defaults.image_cpu,
+            image_pull_policy=server.image_pull_policy,
+            image_pull_secrets=_worker_defaults.image_pull_secrets,
+            gpus=0,
+            gpu_resource=c.DEFAULT_GPU_RESOURCE,
+            resources=server.resources,
+            node_selector=server.node_selector,
+            tolerations=tuple(server.tolerations),
+            affinity={},
+        ),
+    )
+
+
+def environment_server_command(
+    environment: EnvironmentSpec, *, port: int, token_file: str | None, python: str = "python"
+) -> tuple[list[str], list[str]]:
+    """(command, args) of an environment server: the server's own `command` and `args`, or with none the project's
+    service of the job's `builtin` or `plugin` on `port`, reading the job's token from `token_file` (None: from
+    GRPOLORA_ENVIRONMENT_TOKEN, as a local run passes it), then the server's `args`. The operator's pods and `grpolora
+    run` start the same one (`python`: the interpreter, `python` on the worker image's PATH)."""
+    server = environment.server
+    assert server is not None, "spec.environment.server is not set"
+    if server.command is not None:
+        return list(server.command), list(server.args)
+    served = environment.builtin or environment.plugin
+    assert served is not None, "a server with no command serves a builtin or plugin (spec validation)"
+    args = ["--environment", served, "--port", str(port)]
+    if token_file is not None:
+        args += ["--token-file", token_file]
+    return [python, "-m", SERVICE_MODULE], [*args, *server.args]
 
 
 def _pool_of(job: GRPOLoraJob, pool: RolloutPool | None, network: Network) -> PoolPlan:

@@ -892,12 +892,13 @@ class EnvironmentServerSpec(SpecModel):
     command: list[NonEmptyStr] | None = None
     """The container's command (its entrypoint). Unset: `python -m grpolora.workers.environments.service
     --environment <builtin or plugin> --port <port>` serves the job's own `builtin` or `plugin`. A server of your own
-    (any language) speaks the same protocol and listens on `port`; it reads the job's token from
-    GRPOLORA_ENVIRONMENT_TOKEN."""
+    (any language) speaks the same protocol, listens on `port` ($GRPOLORA_ENVIRONMENT_PORT), answers GET /health
+    without the token once it serves (the pods' readiness probe), and reads the job's token from the file
+    $GRPOLORA_ENVIRONMENT_TOKEN_FILE (GRPOLORA_ENVIRONMENT_TOKEN in `grpolora run`)."""
     args: list[str] = Field(default_factory=list)
-    """Arguments of the command."""
+    """Arguments of the command (unset `command`: added after the service's own flags)."""
     replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
-    """Server pods; the trainer spreads episodes over them through the Service."""
+    """Server pods; the trainer pins each episode to one of them (GRPOLORA_ENVIRONMENT_URL lists each pod's URL)."""
     port: Port = 8000
     """The port the server listens on (the Service's port too)."""
     resources: KubeObject = Field(default_factory=dict)

@@ -101,7 +101,8 @@ def test_gpu_example_places_each_role_on_its_own_pool_with_full_rendezvous_env()
     assert i_env[contract.TOKEN_FILE] == "/var/run/grpolora/token/token" and contract.TOKEN not in i_env
     optional = {contract.RANK, contract.LOCAL_RANK, contract.OUTPUT_DIR, contract.DATA_DIR, contract.SECRETS_DIR,
                 contract.TOKEN, contract.HUB_TOKEN_PATH, contract.CHAT_TEMPLATE_FILE, contract.ENVIRONMENT_URL,
-                contract.ENVIRONMENT_TOKEN, contract.ENVIRONMENT_TOKEN_FILE, *contract.POOL_ONLY}  # fmt: skip
+                contract.ENVIRONMENT_TOKEN, contract.ENVIRONMENT_TOKEN_FILE, contract.ENVIRONMENT_PORT,
+                *contract.POOL_ONLY}  # fmt: skip
     assert set(contract.ALL) - optional <= set(t_env)
 
 
