@@ -330,3 +330,133 @@ def test_a_bounded_sessions_calls_end_where_max_episode_tokens_does(replica, tok
         assert refused.status_code == 400 and "spec.environment.maxEpisodeTokens" in refused.text
         record = http.get(f"{served.url}/sessions/agent-2").json()
     assert asked == [2] and "maxEpisodeTokens" in record["refused"]
+
+
+def figures(url: str, job: str) -> dict[str, float]:
+    """The server's /metrics as Prometheus scrapes it: `name{label=value,...}` -> value, for `job`'s series."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    found = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.labels.get("job") == job:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k not in {"job", "le"})
+                if "le" not in sample.labels:
+                    found[f"{sample.name}{{{labels}}}"] = sample.value
+    return found
+
+
+def test_session_figures_on_metrics_sessions_calls_tokens_latency_and_refusals_by_reason(tokenizer):
+    """A job's own server under its own job label, scraped at GET /metrics as Prometheus does: sessions open, opened
+    and closed; calls and tokens per session observed as a session closes; each answered call's latency; and every
+    refused call by its reason, a failure of the server's own as `error` (a refused first call opens nothing)."""
+    job = "figures/agent"
+    book = MarkingBook()
+    failing = []
+
+    async def generate(prompt_token_ids, request, lora):
+        if failing:
+            raise RuntimeError("the engine failed")
+        return [Sample([7, 8], [-0.5, -0.25], "m7", "length")]
+
+    app = create_app(
+        book,
+        lambda engine: AdapterReceiver(engine, replica_index=0, fingerprint="fp", key=wire.round_key(TOKEN)),
+        token=TOKEN,
+        version_wait_seconds=0.2,
+        job=job,
+    )
+    with AppThread(app) as served:
+        book.limits = EngineLimits(max_model_len=2048, vocab_size=len(tokenizer))
+        book._engine.get_tokenizer = lambda: tokenizer
+        book._engine.generate = generate
+        assert not any(key.startswith("grpolora_inference_session") for key in figures(served.url, job))
+
+        async def play() -> dict:
+            async with client(served.url, "kept") as kept, client(served.url, "closed") as closed:
+                chat = [user("Hi")]
+                first = await closed.chat.completions.create(model="policy", messages=chat, max_tokens=2)
+                chat += [first.choices[0].message.model_dump(exclude_none=True), user("Again")]
+                await closed.chat.completions.create(model="policy", messages=chat, max_tokens=2)
+                await kept.chat.completions.create(model="policy", messages=[user("Hi")], max_tokens=2)
+                with pytest.raises(openai.ConflictError):  # "kept" is pinned to version 0
+                    await kept.chat.completions.create(
+                        model="policy", messages=[user("Hi")], extra_headers={VERSION_HEADER: "1"}
+                    )
+                with pytest.raises(openai.ConflictError):  # version 5 never goes live
+                    async with client(served.url, "early", default_headers={VERSION_HEADER: "5"}) as early:
+                        await early.chat.completions.create(model="policy", messages=[user("Hi")])
+                with pytest.raises(openai.UnprocessableEntityError):  # refused by the route
+                    await kept.chat.completions.create(
+                        model="policy", messages=[user("Hi")], tool_choice={"type": "function", "function": {}}
+                    )
+                with pytest.raises(openai.UnprocessableEntityError):  # refused by FastAPI, before the route
+                    await kept.chat.completions.create(model="policy", messages=[user("Hi")], n=2)
+                async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                    opened = await http.post(f"{served.url}/sessions/bounded", json=bounds(max_calls=1))
+                    assert opened.status_code == 200
+                async with client(served.url, "bounded") as bounded:
+                    answer = await bounded.chat.completions.create(model="policy", messages=[user("Hi")])
+                    chat = [user("Hi"), answer.choices[0].message.model_dump(exclude_none=True), user("More")]
+                    with pytest.raises(openai.BadRequestError):  # past its maxTurns
+                        await bounded.chat.completions.create(model="policy", messages=chat)
+                failing.append(True)
+                async with client(served.url, "failed") as failed:
+                    with pytest.raises(openai.InternalServerError):
+                        await failed.chat.completions.create(model="policy", messages=[user("Hi")])
+            async with httpx.AsyncClient(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
+                return (await http.post(f"{served.url}/sessions/closed/close")).json()
+
+        record = asyncio.run(play())
+        found = figures(served.url, job)
+    (segment,) = record["segments"]
+    assert found["grpolora_inference_sessions_open{}"] == 2  # "kept", "bounded"; refused first calls left nothing
+    assert found["grpolora_inference_sessions_opened_total{}"] == 3
+    assert found["grpolora_inference_sessions_closed_total{reason=closed}"] == 1
+    assert found["grpolora_inference_calls_per_session_count{}"] == 1
+    assert found["grpolora_inference_calls_per_session_sum{}"] == 2
+    all_ids = len(segment["prompt_token_ids"]) + len(segment["token_ids"])
+    assert found["grpolora_inference_tokens_per_session_sum{kind=all}"] == all_ids
+    assert found["grpolora_inference_tokens_per_session_sum{kind=generated}"] == 4  # two calls of [7, 8]
+    calls = {key: value for key, value in found.items() if key.startswith("grpolora_inference_session_calls_total")}
+    assert calls == {
+        "grpolora_inference_session_calls_total{status=ok}": 4,
+        "grpolora_inference_session_calls_total{status=limit}": 1,
+        "grpolora_inference_session_calls_total{status=pinned}": 1,
+        "grpolora_inference_session_calls_total{status=version_unavailable}": 1,
+        "grpolora_inference_session_calls_total{status=invalid}": 2,
+        "grpolora_inference_session_calls_total{status=error}": 1,
+    }
+    assert found["grpolora_inference_session_call_seconds_count{}"] == 4
+    assert found["grpolora_inference_requests_total{status=error}"] == 1  # as /v1/generate counts its failures
+
+
+def test_a_session_forgotten_idle_is_counted_with_its_calls_and_tokens():
+    """Sessions.open forgets the oldest idle session to make room: it leaves the open count as `idle`, its length
+    observed; a session that never answered a call leaves no figure."""
+    import time
+
+    from grpolora.workers.environments.episode import EpisodeTokens
+    from grpolora.workers.inference import metrics
+    from grpolora.workers.inference.sessions import Segment, Sessions, _answered
+
+    job = "figures/idle"
+
+    def value(name: str, **labels: str) -> float:
+        return metrics.REGISTRY.get_sample_value(name, {"job": job, **labels}) or 0.0
+
+    sessions = Sessions(max_sessions=1, idle_seconds=10.0)
+    old = sessions.open(job, "old", 0)
+    sample = Sample([4, 5], [-0.1, -0.2], "", "stop")
+    _answered(old, Segment(EpisodeTokens([1, 2, 3]), [], None), None, [1, 2, 3], sample)
+    metrics.session_opened(job)  # what the route does once a session's first call is answered
+    old.used = time.monotonic() - 60
+    sessions.open(job, "new", 0)
+    assert value("grpolora_inference_sessions_open") == 0
+    assert value("grpolora_inference_sessions_closed_total", reason="idle") == 1
+    assert value("grpolora_inference_calls_per_session_sum") == 1
+    assert value("grpolora_inference_tokens_per_session_sum", kind="all") == 5
+    assert value("grpolora_inference_tokens_per_session_sum", kind="generated") == 2
+    sessions.get(job, "new").used = time.monotonic() - 60
+    sessions.open(job, "newer", 0)  # "new" answered nothing: no figure
+    assert value("grpolora_inference_sessions_closed_total", reason="idle") == 1

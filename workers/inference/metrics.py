@@ -59,6 +59,59 @@ WAITING = Gauge(
     [JOB],
     registry=REGISTRY,
 )
+SESSIONS_OPEN = Gauge(
+    "grpolora_inference_sessions_open",
+    "Chat sessions this server holds (their first call answered, not yet closed or forgotten)",
+    [JOB],
+    registry=REGISTRY,
+)
+SESSIONS_OPENED = Counter(
+    "grpolora_inference_sessions_opened_total",
+    "Chat sessions opened (a session counts once its first call is answered: a refused one leaves nothing)",
+    [JOB],
+    registry=REGISTRY,
+)
+SESSIONS_CLOSED = Counter(
+    "grpolora_inference_sessions_closed_total",
+    "Chat sessions that left this server, by reason (closed: by its client; idle: forgotten idle to make room)",
+    [JOB, "reason"],
+    registry=REGISTRY,
+)
+CALLS_PER_SESSION = Histogram(
+    "grpolora_inference_calls_per_session",
+    "Answered chat completion calls of a session, observed as it leaves (closed or forgotten)",
+    [JOB],
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256),
+    registry=REGISTRY,
+)
+TOKENS_PER_SESSION = Histogram(
+    "grpolora_inference_tokens_per_session",
+    "Token ids a session holds as it leaves, over its segments: all of them (kind=all: prompts, the agent's "
+    "messages and the generated ids, what the trainer trains on) or the generated ones (kind=generated)",
+    [JOB, "kind"],
+    buckets=(64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072),
+    registry=REGISTRY,
+)
+SESSION_CALLS = Counter(
+    "grpolora_inference_session_calls_total",
+    "Chat completion calls of sessions by outcome (ok, or the reason of a refusal: SESSION_CALL_STATUSES)",
+    [JOB, "status"],
+    registry=REGISTRY,
+)
+SESSION_CALL_SECONDS = Histogram(
+    "grpolora_inference_session_call_seconds",
+    "Latency of an answered chat completion call (the route's own time: rendering, generation, parsing)",
+    [JOB],
+    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    registry=REGISTRY,
+)
+SESSION_CALL_STATUSES = ("ok", "invalid", "limit", "version_unavailable", "pinned", "full", "error")
+"""The `status` values of SESSION_CALLS, a bounded set (workers/inference/sessions.py, call_status): `invalid` a
+request the session cannot serve (4xx: its body, the model's length, its template), `limit` a call past the bounds
+the trainer opened the session with (maxTurns, maxEpisodeTokens: the episode is truncated), `version_unavailable` its
+adapter version not served here, `pinned` a version other than the session's, `full` no room for another session,
+`error` the server's own failure (5xx)."""
+SESSION_LEAVE_REASONS = ("closed", "idle")
 BY_JOB = {  # every metric, with its label names (in declaration order)
     ADAPTER_VERSION: (JOB,),
     GENERATED_TOKENS: (JOB,),
@@ -68,6 +121,13 @@ BY_JOB = {  # every metric, with its label names (in declaration order)
     SYNC_FAILURES: (JOB, "reason"),
     IN_FLIGHT: (JOB,),
     WAITING: (JOB,),
+    SESSIONS_OPEN: (JOB,),
+    SESSIONS_OPENED: (JOB,),
+    SESSIONS_CLOSED: (JOB, "reason"),
+    CALLS_PER_SESSION: (JOB,),
+    TOKENS_PER_SESSION: (JOB, "kind"),
+    SESSION_CALLS: (JOB, "status"),
+    SESSION_CALL_SECONDS: (JOB,),
 }
 
 
@@ -106,6 +166,21 @@ def forget(job: str) -> None:
         }
         for values in found:
             metric.remove(*values)
+
+
+def session_opened(job: str) -> None:
+    SESSIONS_OPENED.labels(job=job).inc()
+    SESSIONS_OPEN.labels(job=job).inc()
+
+
+def session_left(job: str, reason: str, *, calls: int, tokens: int, generated: int) -> None:
+    """A session that answered calls leaves (reason: SESSION_LEAVE_REASONS): its length in calls and tokens."""
+    assert reason in SESSION_LEAVE_REASONS, reason
+    SESSIONS_OPEN.labels(job=job).dec()
+    SESSIONS_CLOSED.labels(job=job, reason=reason).inc()
+    CALLS_PER_SESSION.labels(job=job).observe(calls)
+    TOKENS_PER_SESSION.labels(job=job, kind="all").observe(tokens)
+    TOKENS_PER_SESSION.labels(job=job, kind="generated").observe(generated)
 
 
 class TokenRate:

@@ -33,6 +33,7 @@ logprobs. `POST /sessions/<id>/close` returns the same record and forgets the se
 from __future__ import annotations
 
 import asyncio
+import functools
 import socket
 import time
 import uuid
@@ -40,7 +41,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import FastAPI, HTTPException, Request, Response
+from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ConfigDict, Field
 
 from grpolora.api.spec import GRPOLoraJobSpec
@@ -62,6 +65,26 @@ SESSION_IDLE_SECONDS = 3600.0
 """A session not called, read or closed for this long is forgotten when a new one needs room."""
 MAX_STOP_STRINGS = 16
 SessionId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+CHAT_PATH = "/v1/chat/completions"
+
+
+class Refused(HTTPException):
+    """A chat call refused for a reason its metrics name (metrics.SESSION_CALL_STATUSES); a plain HTTPException
+    counts as `invalid` (4xx) or `error` (5xx)."""
+
+    def __init__(self, status_code: int, detail: str, reason: str):
+        assert reason in metrics.SESSION_CALL_STATUSES, reason
+        super().__init__(status_code=status_code, detail=detail)
+        self.reason = reason
+
+
+def call_status(exc: Exception) -> str:
+    """The status a chat call that raised counts under (metrics.SESSION_CALLS)."""
+    if isinstance(exc, Refused):
+        return exc.reason
+    if isinstance(exc, HTTPException) and exc.status_code < 500:
+        return "invalid"
+    return "error"
 
 
 class SessionBounds(BaseModel):
@@ -233,13 +256,16 @@ class Sessions:
                 ((s.used, key) for key, s in self._sessions.items() if now - s.used > self.idle_seconds), default=None
             )
             if oldest is None:
-                raise HTTPException(status_code=429, detail=f"this server holds {self.max_sessions} open sessions")
-            del self._sessions[oldest[1]]
+                raise Refused(429, f"this server holds {self.max_sessions} open sessions", "full")
+            _left(self._sessions.pop(oldest[1]), "idle")
         session = self._sessions[(job, sid)] = Session(sid, job, version)
         return session
 
     def pop(self, job: str, sid: str) -> Session | None:
-        return self._sessions.pop((job, sid), None)
+        session = self._sessions.pop((job, sid), None)
+        if session is not None:
+            _left(session, "closed")
+        return session
 
     def discard(self, session: Session) -> None:
         if self._sessions.get((session.job, session.id)) is session:
@@ -247,6 +273,18 @@ class Sessions:
 
     def __len__(self) -> int:
         return len(self._sessions)
+
+
+def _left(session: Session, reason: str) -> None:
+    """Count a session that leaves, if it counted as opened (an answered call; metrics.session_opened)."""
+    if session.calls:
+        metrics.session_left(
+            session.job,
+            reason,
+            calls=len(session.calls),
+            tokens=sum(len(s.tokens.opening) + len(s.tokens.tokens) for s in session.segments),
+            generated=sum(sum(s.tokens.mask) for s in session.segments),
+        )
 
 
 def _pinned(http: Request) -> int | None:
@@ -285,18 +323,52 @@ def add_session_routes(
             raise HTTPException(status_code=404, detail=f"no session {sid!r} of this job on this replica")
         return session
 
-    @app.post(SESSIONS_PATH + "/{sid}/v1/chat/completions")
+    def counted(route: Callable[..., Any]) -> Callable[..., Any]:
+        """A chat call's figures: its outcome (metrics.SESSION_CALLS and REQUESTS), an answered call's latency."""
+
+        @functools.wraps(route)
+        async def call(*, http: Request, **kwargs: Any) -> Any:
+            job, started = caller(http).job, time.perf_counter()
+            try:
+                answer = await route(http=http, **kwargs)
+            except Exception as exc:
+                status = call_status(exc)
+                metrics.SESSION_CALLS.labels(job=job, status=status).inc()
+                metrics.REQUESTS.labels(job=job, status=status).inc()
+                raise
+            seconds = time.perf_counter() - started
+            metrics.SESSION_CALLS.labels(job=job, status="ok").inc()
+            metrics.REQUESTS.labels(job=job, status="ok").inc()
+            metrics.SESSION_CALL_SECONDS.labels(job=job).observe(seconds)
+            metrics.REQUEST_SECONDS.labels(job=job).observe(seconds)
+            return answer
+
+        return call
+
+    async def refused_body(http: Request, exc: Exception) -> Response:
+        """A chat call whose body FastAPI refuses (422 before the route runs: streaming, n > 1, an unknown field)
+        counts as `invalid`; every refused body is answered as FastAPI's own handler does."""
+        path = http.url.path
+        if path.startswith(SESSIONS_PATH + "/") and path.endswith(CHAT_PATH):  # a guarded path: its caller is known
+            metrics.SESSION_CALLS.labels(job=caller(http).job, status="invalid").inc()
+            metrics.REQUESTS.labels(job=caller(http).job, status="invalid").inc()
+        assert isinstance(exc, RequestValidationError)
+        return await request_validation_exception_handler(http, exc)
+
+    app.add_exception_handler(RequestValidationError, refused_body)
+
+    @app.post(SESSIONS_PATH + "/{sid}" + CHAT_PATH)
+    @counted
     async def chat_completions(sid: SessionId, request: ChatRequest, http: Request) -> dict:
         tenant = caller(http)
         labels = {"job": tenant.job}
-        started = time.perf_counter()
         if isinstance(request.tool_choice, dict):
             raise HTTPException(status_code=422, detail="tool_choice: 'auto' or 'none' (no guided decoding of a call)")
         pinned = _pinned(http)
         session = sessions.get(tenant.job, sid)
         if session is not None and pinned is not None and pinned != session.version:
-            raise HTTPException(
-                status_code=409, detail=f"session {sid!r} is pinned to adapter version {session.version}, not {pinned}"
+            raise Refused(
+                409, f"session {sid!r} is pinned to adapter version {session.version}, not {pinned}", "pinned"
             )
         try:
             messages = [normal(m) for m in request.messages]
@@ -313,9 +385,7 @@ def add_session_routes(
                 try:
                     async with session.lock:
                         if version != session.version:  # another first call opened it meanwhile, on another version
-                            raise HTTPException(
-                                status_code=409, detail=f"session {sid!r} is pinned to version {session.version}"
-                            )
+                            raise Refused(409, f"session {sid!r} is pinned to version {session.version}", "pinned")
                         segment, turn, prompt = _prompt(session, messages, request.tools, rendering.delta)
                         sampling = _sampling(session, request, prompt, stop, engine.limits.max_model_len)
                         engine.limits.check([prompt], sampling)
@@ -326,6 +396,8 @@ def add_session_routes(
                         else:
                             message = {"role": "assistant", "content": sample.text}
                         _answered(session, segment, turn, prompt, sample)
+                        if len(session.calls) == 1:
+                            metrics.session_opened(session.job)
                         segment.messages = [*messages, normal(message)]
                 finally:
                     session.pending -= 1
@@ -333,13 +405,9 @@ def add_session_routes(
                         # a refused first call leaves no session (one the trainer opened stays: it reads the record)
                         sessions.discard(session)
         except VersionUnavailable as exc:
-            metrics.REQUESTS.labels(**labels, status="version_unavailable").inc()
-            raise HTTPException(status_code=409, detail=str(exc)) from None
+            raise Refused(409, str(exc), "version_unavailable") from None
         except (InvalidRequest, EnvironmentFault) as exc:
-            metrics.REQUESTS.labels(**labels, status="invalid").inc()
             raise HTTPException(status_code=getattr(exc, "status", 400), detail=str(exc)) from None
-        metrics.REQUESTS.labels(**labels, status="ok").inc()
-        metrics.REQUEST_SECONDS.labels(**labels).observe(time.perf_counter() - started)
         metrics.GENERATED_TOKENS.labels(**labels).inc(len(sample.token_ids))
         metrics.TOKEN_RATE.add(len(sample.token_ids))
         finish = "tool_calls" if message.get("tool_calls") else sample.finish_reason or "stop"
@@ -408,7 +476,7 @@ def _sampling(
         session.refused = (f"spec.environment.maxEpisodeTokens: the conversation's {len(prompt)} tokens leave no room "
                            f"in the {bounds.max_tokens} an episode may hold (the episode is truncated)")  # fmt: skip
     if session.refused is not None:
-        raise InvalidRequest(session.refused)
+        raise Refused(400, session.refused, "limit")
     return SamplingRequest(
         n=1,
         temperature=bounds.temperature,
