@@ -16,7 +16,7 @@ from grpolora.workers.environments.base import (
     Reply,
 )
 from grpolora.workers.environments.calculator import CalculatorEnvironment
-from grpolora.workers.environments.remote import EnvironmentService
+from grpolora.workers.environments.remote import SERVER_FIELD, EnvironmentService, server_token, server_urls
 from grpolora.workers.secrets import SecretError, secret_values
 from grpolora.workers.tasks.base import TaskError, TaskUnreachable
 from grpolora.workers.tasks.plugin import import_plugin_module
@@ -41,17 +41,17 @@ FIELD = "spec.environment.plugin"
 
 def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> EnvironmentFactory:
     """The factory of a validated spec.environment: a built-in's class, a service's client (its headers read from
-    the mounted Secret now), or the plugin's factory, imported (from sys.path or `root`, default the current
-    directory, as reward plugins are) and called once to check that what it makes has reset and step. Raises
-    TaskError naming the field."""
+    the mounted Secret now; for the job's own `server`, its URLs and the job's token from the env contract), or the
+    plugin's factory, imported (from sys.path or `root`, default the current directory, as reward plugins are) and
+    called once to check that what it makes has reset and step. Raises TaskError naming the field."""
+    if spec.remote:
+        return _service(spec)
     if spec.builtin is not None:
         if spec.builtin not in BUILTIN_ENVIRONMENTS:
             valid = ", ".join(BUILTIN_ENVIRONMENTS)
             raise TaskError("spec.environment.builtin", f"unknown built-in {spec.builtin!r}; valid: {valid}")
         return BUILTIN_ENVIRONMENTS[spec.builtin]
-    if spec.url is not None:
-        return _service(spec)
-    assert spec.plugin is not None  # the spec requires one of the three
+    assert spec.plugin is not None  # the spec requires one of the kinds
     module_name, _, attr = spec.plugin.partition(":")
     module = import_plugin_module(module_name, FIELD, root)
     factory = getattr(module, attr, None)
@@ -69,13 +69,26 @@ def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> Environ
 
 
 def _service(spec: EnvironmentSpec) -> EnvironmentService:
-    assert spec.url is not None
+    """The client of `url`, or of the job's own environment server (GRPOLORA_ENVIRONMENT_URL, one URL per process
+    or pod, each episode pinned to one), whose calls carry the job's token as a bearer token."""
     try:
         headers = secret_values(spec.headers_from.secret_name, "") if spec.headers_from else {}
     except SecretError as err:  # mounted in the trainer pod; not there where `grpolora validate` runs
         raise TaskUnreachable("spec.environment.headersFrom", str(err).removeprefix(": ")) from None
     timeout = spec.step_timeout_seconds
-    return EnvironmentService(spec.url, timeout_seconds=timeout, retries=spec.retries, headers=headers)
+    if spec.url is not None:
+        return EnvironmentService(spec.url, timeout_seconds=timeout, retries=spec.retries, headers=headers)
+    if any(name.lower() == "authorization" for name in headers):
+        raise TaskError("spec.environment.headersFrom", "its key `Authorization` would replace the job's token, "
+                        "which every call to the job's own environment server carries; remove that key")  # fmt: skip
+    try:
+        urls = server_urls()
+    except ValueError as err:
+        raise TaskUnreachable(SERVER_FIELD, str(err)) from None
+    token = server_token()
+    if token is not None:
+        headers = headers | {"Authorization": f"Bearer {token}"}
+    return EnvironmentService(urls, timeout_seconds=timeout, retries=spec.retries, headers=headers, field=SERVER_FIELD)
 
 
 def check_environment(
@@ -85,6 +98,11 @@ def check_environment(
     here), loading the plugin as the trainer does."""
     if spec is None:
         return [], []
+    if spec.remote and spec.url is None:  # the job's own server
+        if spec.builtin is None and spec.plugin is None:
+            return [], []  # the server's own command, in its own image: nothing to load here
+        # What the server serves, loaded as it will load it (its URLs exist only once the job runs).
+        spec = spec.model_copy(update={"server": None})
     try:
         load_environment(spec, root)
     except TaskUnreachable as exc:

@@ -7,9 +7,12 @@ speaks to (remote.py, docs/tasks.md), so that it runs where its sandbox, browser
 One environment object per episode id (the factory makes it at /reset), each behind a lock of its own. A step
 keeps its turn number and answer: the same turn asked again (a retry after a lost answer) gets that answer without
 stepping again, a turn out of order gets 409. An environment that raises or answers what it may not is 422 with the
-reason (not retried: the episode ends with it). With a token every call needs `Authorization: Bearer <token>` (else
-401, which fails the job as a spec error). The client closes each episode when it ends; past `max_episodes` open at
-once the oldest is dropped (a trainer that died never closes its own), and a step of it gets 404.
+reason (not retried: the episode ends with it). With a token (--token-file, else GRPOLORA_ENVIRONMENT_TOKEN_FILE's
+file, else GRPOLORA_ENVIRONMENT_TOKEN, as the operator and `grpolora run` give a job's server) every call but GET
+/health needs `Authorization: Bearer <token>` (else 401, which fails the job as a spec error). --port defaults to
+GRPOLORA_ENVIRONMENT_PORT. GET /health answers 200 once it serves: the readiness both launchers wait for. The
+client closes each episode when it ends; past `max_episodes` open at once the oldest is dropped (a trainer that died
+never closes its own), and a step of it gets 404.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ log = logging.getLogger(__name__)
 
 MAX_EPISODES = 4096
 TOKEN_ENV = contract.ENVIRONMENT_TOKEN
+TOKEN_FILE_ENV = contract.ENVIRONMENT_TOKEN_FILE  # in the server's pods (the operator's)
+PORT_ENV = contract.ENVIRONMENT_PORT
 
 
 class _Body(BaseModel):
@@ -177,13 +182,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--environment", required=True, help="a built-in name or a plugin package.module:factory")
     parser.add_argument("--host", default="0.0.0.0")  # in a pod: on the pod's IP, for its Service
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--token-file", type=Path, help=f"the bearer token clients must send (or ${TOKEN_ENV})")
+    port = os.environ.get(PORT_ENV)
+    parser.add_argument("--port", type=int, default=int(port) if port else 8000, help=f"default: ${PORT_ENV}, or 8000")
+    parser.add_argument("--token-file", type=Path, help=f"the file holding the bearer token clients must send "
+                        f"(default: ${TOKEN_FILE_ENV}'s file, or ${TOKEN_ENV} itself)")  # fmt: skip
     parser.add_argument("--max-episodes", type=int, default=MAX_EPISODES)
     args = parser.parse_args(argv)
     kind = "plugin" if ":" in args.environment else "builtin"
     factory = load_environment(EnvironmentSpec.model_validate({kind: args.environment}), Path.cwd())
-    token = args.token_file.read_text().strip() if args.token_file else os.environ.get(TOKEN_ENV)
+    token_file = args.token_file or (Path(os.environ[TOKEN_FILE_ENV]) if os.environ.get(TOKEN_FILE_ENV) else None)
+    token = token_file.read_text().strip() if token_file else os.environ.get(TOKEN_ENV)
     app = build_app(factory, token=token or None, max_episodes=args.max_episodes)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
 

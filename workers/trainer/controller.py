@@ -130,7 +130,7 @@ class Controller:
         limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
         parser = ToolCallParser(env.tool_parser, self.ctx.policy.tokenizer) if env.tool_parser else None
         # A built-in's or plugin's code runs in processes of its own (a bad plugin fails here, in the first one).
-        factory = load_environment(env) if env.url is not None else EnvironmentProcesses(env).start()
+        factory = load_environment(env) if env.remote else EnvironmentProcesses(env).start()
         name = env.builtin or env.plugin or env.url or "the environment"
         return EpisodeRunner(factory, delta, limits, tool_parser=parser, name=name)
 
