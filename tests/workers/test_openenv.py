@@ -1,0 +1,187 @@
+"""OpenEnv environments through workers/environments/openenv.py (issue 48, item 4), against a real OpenEnv server.
+
+The environment is openenv-core's own: `openenv init echo_env` writes the echo environment of its template
+(openenv-core 0.3.0, openenv/cli/templates/openenv_env: models.py's EchoAction/EchoObservation, server/app.py's
+`create_app(..., max_concurrent_envs=1)`, client.py's EchoEnv). Its server runs as OpenEnv serves it (uvicorn, a
+process of its own on loopback), so "the server is gone" is a killed process and a closed WebSocket, not a mock. The
+replicas are played by test_episodes.ScriptedReplicas, as in the other episode tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import pytest
+
+from grpolora.api.spec import EnvironmentSpec
+from grpolora.testing.servers import free_port
+from grpolora.workers.environments import Opening, Reply, load_environment
+from grpolora.workers.environments.base import EnvironmentUnavailable, InvalidAction
+from grpolora.workers.environments.openenv import openenv_environment  # openenv-core: `make test` installs it
+from grpolora.workers.tasks import Prompt, TaskError
+
+READY = "Echo Env environment ready!"  # what the template's EchoEnvironment.reset says
+
+
+@pytest.fixture(scope="module")
+def echo_env(tmp_path_factory):
+    """The echo environment package `openenv init` writes, importable (its client, models and server)."""
+    root = tmp_path_factory.mktemp("openenv")
+    # An empty PATH: `init` would run `uv lock` where uv is found, which needs the network.
+    subprocess.run([sys.executable, "-m", "openenv.cli", "init", "echo_env", "--output-dir", str(root)], check=True,
+                   env={**os.environ, "PATH": ""}, capture_output=True, timeout=120)  # fmt: skip
+    (root / "echo_plugin.py").write_text(
+        textwrap.dedent("""
+        import os
+
+        from echo_env import EchoEnv
+        from echo_env.server.echo_env_environment import EchoEnvironment
+        from grpolora.workers.environments.openenv import openenv_environment
+
+        echo = openenv_environment(EchoEnv, os.environ["ECHO_URL"])  # a server elsewhere
+        echo_here = openenv_environment(EchoEnvironment)  # the same environment in the plugin's process
+        """)
+    )
+    sys.path.insert(0, str(root))
+    yield root
+    sys.path.remove(str(root))
+    for name in [n for n in sys.modules if n.split(".")[0] in ("echo_env", "echo_plugin")]:
+        del sys.modules[name]
+
+
+class OpenEnvServer:
+    """The echo environment's server as OpenEnv runs it (`uvicorn echo_env.server.app:app`), one process."""
+
+    def __init__(self, root, port: int):
+        self.root, self.port, self.url = root, port, f"http://127.0.0.1:{port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> OpenEnvServer:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "echo_env.server.app:app", "--host", "127.0.0.1", "--port",
+             str(self.port), "--log-level", "warning"],
+            cwd=self.root, env={**os.environ, "PYTHONPATH": str(self.root)}, stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )  # fmt: skip
+        deadline = time.monotonic() + 60
+        while True:  # ready once its /health answers
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert self.process.poll() is None, "the OpenEnv server exited"
+            assert time.monotonic() < deadline, "the OpenEnv server did not start in 60 s"
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        """Gone at once (SIGKILL): its connections drop, nothing listens on its port."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(10)
+
+    def restart(self) -> None:
+        self.kill()
+        self.start()
+
+
+@pytest.fixture(scope="module")
+def server(echo_env):
+    served = OpenEnvServer(echo_env, free_port()).start()
+    yield served
+    served.kill()
+
+
+def reset_when_free(factory, prompt: Prompt, seconds: float = 10.0):
+    """A new episode reset once the server has a session free (it ends a closed one's session after the client has
+    gone: an observable state, waited for)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        episode = factory()
+        try:
+            return episode, episode.reset(prompt)
+        except EnvironmentUnavailable:
+            episode.close()
+            if time.monotonic() > deadline:
+                raise
+
+
+def test_an_episode_through_the_client_is_the_one_the_environment_plays_in_process(echo_env, server):
+    """reset, step and close through the server (one WebSocket, one server-side environment) give what the same
+    environment class gives in this process: the observation's text as the user's turn, the step's reward
+    (the template's: 0.1 per character) and done."""
+    from echo_env import EchoEnv
+    from echo_env.server.echo_env_environment import EchoEnvironment
+
+    prompt = Prompt("What is 12 * 7?")
+    hello = {"role": "assistant", "content": "hello"}
+    played = []
+    for factory in (openenv_environment(EchoEnv, server.url), openenv_environment(EchoEnvironment)):
+        episode, opening = reset_when_free(factory, prompt)
+        played.append((opening, episode.step(hello), episode.step({"role": "assistant", "content": "84"})))
+        episode.close()
+        factory.close()
+    assert played[0] == played[1]
+    assert played[0] == (
+        Opening([{"role": "user", "content": READY}]),
+        Reply([{"role": "user", "content": "hello"}], False, 0.5),
+        Reply([{"role": "user", "content": "84"}], False, 0.2),
+    )
+
+
+def test_a_full_server_and_a_server_gone_are_unavailable_and_close_frees_the_session(server):
+    """The template's server holds one session (max_concurrent_envs=1): a second episode is refused, the
+    infrastructure's fault (played again, not scored); once the first closes, a new one opens. The server sends
+    CAPACITY_REACHED and closes the connection at once (http_server.py, /ws), so the client's reset meets either
+    that answer or the closed connection (websockets refuses a send after the close), whichever comes first. A
+    server that died under an episode, or is not there, is EnvironmentUnavailable too."""
+    from echo_env import EchoEnv
+
+    factory = openenv_environment(EchoEnv, server.url)
+    first, _ = reset_when_free(factory, Prompt("a"))
+    second = factory()
+    with pytest.raises(EnvironmentUnavailable, match=r"reset\(\): the OpenEnv server at .*(CAPACITY_REACHED|Closed)"):
+        second.reset(Prompt("b"))
+    second.close()
+    first.close()
+    third, _ = reset_when_free(factory, Prompt("c"))  # the first's session was ended by its close
+    server.kill()
+    try:
+        with pytest.raises(EnvironmentUnavailable, match=r"step\(\): the OpenEnv server at .*ConnectionClosed"):
+            third.step({"role": "assistant", "content": "anyone?"})
+        third.close()  # best effort: nothing to close any more, and no hang
+        with pytest.raises(EnvironmentUnavailable, match=r"reset\(\): the OpenEnv server at .*ConnectionError"):
+            factory().reset(Prompt("d"))  # nothing listens there
+    finally:
+        server.start()
+    factory.close()
+
+
+def test_a_text_the_servers_action_refuses_is_the_models_mistake_and_a_missing_mapping_fails_the_load(
+    echo_env, server, monkeypatch
+):
+    """GenericEnvClient sends a dict; the server validates it against EchoAction (extra fields forbidden) and
+    answers VALIDATION_ERROR: InvalidAction, answered to the model as the tool's error. Without `action=` a generic
+    client cannot know the action's field: the plugin fails to load, naming the field."""
+    from openenv.core import GenericEnvClient
+
+    factory = openenv_environment(GenericEnvClient, server.url, action="text")
+    episode, opening = reset_when_free(factory, Prompt("a"))
+    assert opening.messages == [{"role": "user", "content": READY}]
+    with pytest.raises(InvalidAction, match="Invalid message"):
+        episode.step({"role": "assistant", "content": "hello"})
+    episode.close()
+    factory.close()
+    (echo_env / "generic_plugin.py").write_text(
+        "from openenv.core import GenericEnvClient\n"
+        "from grpolora.workers.environments.openenv import openenv_environment\n"
+        "echo = openenv_environment(GenericEnvClient, 'http://127.0.0.1:1')\n"
+    )
+    monkeypatch.delitem(sys.modules, "generic_plugin", raising=False)
+    with pytest.raises(TaskError, match=r"^spec.environment.plugin: .*Action class is not known.*pass action="):
+        load_environment(EnvironmentSpec(plugin="generic_plugin:echo"))
