@@ -23,7 +23,9 @@ from grpolora.testing.servers import free_port
 from grpolora.workers.environments import Opening, Reply, load_environment
 from grpolora.workers.environments.base import EnvironmentUnavailable, InvalidAction
 from grpolora.workers.environments.openenv import openenv_environment  # openenv-core: `make test` installs it
+from grpolora.workers.models import resolve_model
 from grpolora.workers.tasks import Prompt, TaskError
+from grpolora.workers.trainer.rollout import Sampling
 
 READY = "Echo Env environment ready!"  # what the template's EchoEnvironment.reset says
 
@@ -185,3 +187,56 @@ def test_a_text_the_servers_action_refuses_is_the_models_mistake_and_a_missing_m
     monkeypatch.delitem(sys.modules, "generic_plugin", raising=False)
     with pytest.raises(TaskError, match=r"^spec.environment.plugin: .*Action class is not known.*pass action="):
         load_environment(EnvironmentSpec(plugin="generic_plugin:echo"))
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(resolve_model("offline:smollm2-135m-instruct"))
+
+
+class KillsTheServerOnce:
+    """The replicas, except that while the first turn is generated the OpenEnv server dies and a new one starts on
+    its port: the episode's WebSocket is gone before its first step."""
+
+    def __init__(self, replicas, server: OpenEnvServer):
+        self.replicas, self.server, self.killed = replicas, server, False
+
+    def __call__(self, replica, prompts, sampling, seeds):
+        if not self.killed:
+            self.killed = True
+            self.server.restart()
+        return self.replicas(replica, prompts, sampling, seeds)
+
+
+def test_an_episode_whose_openenv_server_died_is_played_again_from_an_environment_process(
+    echo_env, server, tokenizer, monkeypatch
+):
+    """As a job runs a plugin: in an environment process beside the trainer (processes.py), its episodes driven by
+    the runner. The server dies between the reset and the first step: the adapter's EnvironmentUnavailable must
+    reach the runner as one, so the episode is played again on a fresh environment (the new server) and scored on
+    its own merit; it crossed the process boundary as an ordinary exception ("the environment raised
+    EnvironmentUnavailable"), which the runner scores as the model's fault with errorReward."""
+    from grpolora.workers.environments.episode import ChatDelta
+    from grpolora.workers.environments.processes import EnvironmentProcesses
+    from grpolora.workers.environments.runner import EpisodeLimits, EpisodeRunner
+    from tests.workers.test_episodes import PROMPT, ScriptedReplicas
+
+    monkeypatch.setenv("ECHO_URL", server.url)
+    spec = EnvironmentSpec(plugin="echo_plugin:echo", processes=1, max_turns=1, episode_retries=1, error_reward=-1.0)
+    processes = EnvironmentProcesses(spec).start()
+    runner = EpisodeRunner(processes, ChatDelta(tokenizer), EpisodeLimits.of(spec, 16, None))
+    replicas = KillsTheServerOnce(ScriptedReplicas(tokenizer, {0: ["hello"]}), server)
+    try:
+        [[played]] = runner.run([PROMPT], [[1]], [0], Sampling(1, 1.0, 1.0, 8), replicas, replicas=[0], version=1)
+    finally:
+        runner.close()
+    assert replicas.killed
+    assert (played.episode.error, played.episode.fault) == (None, None)
+    assert played.episode.reward == pytest.approx(0.5)  # the new server's echo of "hello", maxTurns 1
+    assert played.episode.messages == [  # one play in the record: the second, on the new server
+        {"role": "user", "content": READY},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hello"},
+    ]

@@ -9,7 +9,8 @@ lose their environment (EnvironmentUnavailable: played again on a fresh one, run
 gets a new process.
 
 Requests and answers are pickled over a pipe; an exception raised by environment code comes back as its type's
-name and message (its own class may not unpickle in the trainer)."""
+name and message (its own class may not unpickle in the trainer); InvalidAction and EnvironmentUnavailable (a plugin
+whose own backend is gone) are raised again as themselves, as runner.py tells them apart."""
 
 from __future__ import annotations
 
@@ -47,6 +48,9 @@ class Raised:
     kind: str
     message: str
     invalid_action: bool = False
+    unavailable: bool = False
+    """EnvironmentUnavailable (a plugin whose own backend is gone: an adapter's server): the trainer raises it again,
+    so the episode is played again rather than scored."""
 
 
 def child() -> None:
@@ -90,7 +94,8 @@ def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) 
                 value = getattr(environments[eid], op)(argument)
             answer = (call, "ok", value)
         except BaseException as exc:  # handed back: the episode ends with it (or answers it, InvalidAction)
-            answer = (call, "raised", Raised(type(exc).__name__, str(exc)[:2000], isinstance(exc, InvalidAction)))
+            answer = (call, "raised", Raised(type(exc).__name__, str(exc)[:2000], isinstance(exc, InvalidAction),
+                                             isinstance(exc, EnvironmentUnavailable)))  # fmt: skip
         with sending:
             try:
                 conn.send(answer)
@@ -186,6 +191,8 @@ class _Worker:
         if kind == "raised":
             if value.invalid_action:
                 raise InvalidAction(value.message)
+            if value.unavailable:
+                raise EnvironmentUnavailable(value.message)
             raise EnvironmentRaised(value.kind, value.message)
         return value
 
