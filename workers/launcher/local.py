@@ -6,7 +6,9 @@ own GPUs: trainer and inference never share one). An actor runs the very worker 
 `grpolora worker <role>`, with the env contract that plan() (and plan_pool() for a pool's servers) gives the
 operator, built for the loopback network. The driver watches each job's trainer rank 0 /status (as the operator
 does), draws a progress bar per job, and at the end writes each job's run folder: metrics.jsonl, the final adapter,
-checkpoints, worker logs and plot.png.
+checkpoints, worker logs and plot.png. A job with spec.environment.server gets that server's processes too
+(environment_servers.py: its command on free ports, ready before the trainer starts, started again when one exits,
+stopped with the job), and its trainer their URLs.
 
 On a pool the launcher plays the operator's part: every job must fit the pool before anything starts; up to the
 pool's maxJobs are attached at once (their entries in the attachment list the servers read, written before the
@@ -59,6 +61,7 @@ from grpolora.api.pool import (
 )
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
+from grpolora.workers.launcher.environment_servers import EnvironmentServerFailed, EnvironmentServers
 from grpolora.workers.launcher.liveness import LIVENESS_FAILURES, Liveness, health_url
 from grpolora.workers.launcher.progress import Progress
 from grpolora.workers.launcher.results import plot, read_metrics, summarize
@@ -229,6 +232,7 @@ class JobRun:
         self.last_status: TrainerStatus | None = None
         self.started_at = time.time()
         self.progress: Progress | None = None
+        self.environment: EnvironmentServers | None = None  # spec.environment.server's processes, once started
 
     @property
     def name(self) -> str:
@@ -371,6 +375,7 @@ class LocalRun:
             (job,) = self.jobs
             job.start(local_plan(job.job, job.run_dir), show_progress=self.show_progress)
             assert job.plan is not None
+            self._launch_environment(job)  # its servers start while the inference replicas load
             servers, owner = job.plan.role("inference"), job.name
             envs = [job.plan.env_for("inference", i, token=job.token) for i in range(servers.replicas)]
         else:
@@ -425,15 +430,38 @@ class LocalRun:
         env.setdefault("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads))
         return env
 
+    def _launch_environment(self, job: JobRun) -> None:
+        """Start the job's spec.environment.server processes (without waiting for them), once."""
+        spec = job.job.spec.environment
+        if spec is None or spec.server is None or job.environment is not None:
+            return
+        ports = free_ports(spec.server.replicas)
+        job.environment = EnvironmentServers(spec, job.run_dir / "logs", job.token, ports=ports)
+        job.environment.launch()
+
+    def _environment_env(self, job: JobRun) -> dict[str, str]:
+        """What the job's trainer is told of its environment server, once every process of it is ready: its URLs
+        and the job's token (docs/contract.md). EnvironmentServerFailed when one exits or is never ready."""
+        self._launch_environment(job)
+        if job.environment is None:
+            return {}
+        job.environment.wait_ready()
+        return {contract.ENVIRONMENT_URL: ",".join(job.environment.urls), contract.ENVIRONMENT_TOKEN: job.token}
+
     def _start_trainers(self, job: JobRun) -> None:
         assert job.plan is not None
+        try:
+            environment = self._environment_env(job)
+        except EnvironmentServerFailed as err:  # the job's: it fails (its servers stopped), a pool's others go on
+            self._end(job, str(err))
+            return
         trainers = job.plan.role("trainer")
         logs = job.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         threads = str(self._threads_per_worker("trainer"))
         for index in range(trainers.replicas):
             worker = Worker("trainer", index, trainers.placement.gpus, logs / f"trainer-{index}.log", job.name)
-            env = job.plan.env_for("trainer", index, token=job.token)
+            env = job.plan.env_for("trainer", index, token=job.token) | environment
             # Fencing (contract.TRAINER_INCARNATION): a later `grpolora run` of a job is a later trainer.
             env[contract.TRAINER_INCARNATION] = str(time.time_ns() // 1_000_000)
             if index > 0:
@@ -510,6 +538,8 @@ class LocalRun:
                 self._admit()
                 for job in self.jobs:
                     if job.state == "running":
+                        self._revive_environment(job)
+                    if job.state == "running":
                         job.poll(client, self.inference_restarts)
                 if not all(job.done for job in self.jobs):
                     time.sleep(POLL_SECONDS)
@@ -518,6 +548,17 @@ class LocalRun:
             probes.shutdown(wait=False, cancel_futures=True)
             for job in self.jobs:
                 job.close_progress()
+
+    def _revive_environment(self, job: JobRun) -> None:
+        """A server of the job's environment that exited is started again (as its pod would be), within its budget;
+        past it, the job fails."""
+        if job.environment is None:
+            return
+        try:
+            for line in job.environment.revive():
+                job.note(f"grpolora run: {job.label + ': ' if job.label else ''}{line}")
+        except EnvironmentServerFailed as err:
+            self._end(job, str(err))
 
     def _unresponsive(self, probes: ThreadPoolExecutor) -> list[tuple[_Live, str]]:
         """The inference servers whose liveness probe failed LIVENESS_FAILURES times in a row, with the last fault
@@ -584,6 +625,8 @@ class LocalRun:
         self._stop_workers(
             [live for live in self._live if live.worker.job == job.name and live.worker.role == "trainer"]
         )
+        if job.environment is not None:
+            job.environment.stop()
         job.state = "failed" if failure is not None else "succeeded"
         if self.pool is not None:
             self._write_attachments()
@@ -655,6 +698,10 @@ class LocalRun:
 
         for role in ("trainer", "inference"):
             self._stop_workers([live for live in self._live if live.worker.role == role])
+            if role == "trainer":  # what the trainers used: their environment servers
+                for job in self.jobs:
+                    if job.environment is not None:
+                        job.environment.stop()
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
@@ -718,9 +765,11 @@ def run(files: str | Sequence[str], *, run_dir: str | None = None, ray_address: 
             (job.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; with checkpoints the job resumes
     if pool is None:
         (job,) = jobs
+        server = job.spec.environment.server if job.spec.environment else None
+        servers = f" + {server.replicas} environment server(s)" if server else ""
         print(
             f"grpolora run: {job.name}: {job.spec.trainer.replicas} trainer + {job.spec.inference.replicas} "
-            f"inference replica(s), {job.spec.grpo.steps} steps; logs in {folder / 'logs'}",
+            f"inference replica(s){servers}, {job.spec.grpo.steps} steps; logs in {folder / 'logs'}",
             file=sys.stderr,
         )
     else:
