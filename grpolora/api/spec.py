@@ -1722,6 +1722,9 @@ class GRPOLoraJobSpec(SpecModel):
         if longest is not None and budget > longest:
             message = f"{budget} does not fit in inference.maxModelLen ({longest}), which holds a whole episode"
             errors.append(("environment.maxEpisodeTokens", message))
+        if env.agent is not None and self.grpo.reference_on_replicas:
+            why = "`inference` is not served to an agent's sessions (the replicas score a reference only for "
+            errors.append(("grpo.referenceFrom", why + "/v1/generate); use `trainer` with an agent"))
         return errors
 
     def secret_references(self) -> list[tuple[str, str]]:

@@ -189,6 +189,36 @@ def test_a_text_the_servers_action_refuses_is_the_models_mistake_and_a_missing_m
         load_environment(EnvironmentSpec(plugin="generic_plugin:echo"))
 
 
+def test_an_openenv_environment_served_by_the_projects_service_is_unavailable_when_its_server_is_gone(server):
+    """spec.environment.server serving the plugin: the project's service (service.py) runs the adapter and the
+    trainer reaches it over HTTP (remote.py). The OpenEnv server dying under an episode is the infrastructure's fault
+    there too: the service answers 503 (retried, then EnvironmentUnavailable: played again), not 422, which the
+    trainer scores as the model's fault with errorReward."""
+    from echo_env import EchoEnv
+
+    from grpolora.workers.environments.remote import EnvironmentService
+    from grpolora.workers.environments.service import build_app
+    from tests.workers.rewardserver import AppServer
+
+    factory = openenv_environment(EchoEnv, server.url)
+    service = AppServer(build_app(factory)).start()
+    client = EnvironmentService(service.url, timeout_seconds=10.0, retries=1)
+    try:
+        episode, opening = reset_when_free(client, Prompt("a"))
+        assert opening.messages == [{"role": "user", "content": READY}]
+        server.kill()
+        try:
+            with pytest.raises(EnvironmentUnavailable, match=r"step\(\): .*HTTP 503: .*ConnectionClosed"):
+                episode.step({"role": "assistant", "content": "hello"})
+        finally:
+            server.start()
+        episode.close()
+    finally:
+        client.close()
+        service.stop()
+        factory.close()
+
+
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from grpolora.api.spec import EnvironmentSpec
+from grpolora.workers.environments.agent import load_agent
 from grpolora.workers.environments.base import (
     Environment,
     EnvironmentFactory,
@@ -46,6 +47,8 @@ def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> Environ
     called once to check that what it makes has reset and step. Raises TaskError naming the field."""
     if spec.remote:
         return _service(spec)
+    if spec.agent is not None:  # its players (agent.py), the function imported now
+        return load_agent(spec.agent, root)
     if spec.builtin is not None:
         if spec.builtin not in BUILTIN_ENVIRONMENTS:
             valid = ", ".join(BUILTIN_ENVIRONMENTS)

@@ -238,3 +238,6 @@ class Episode:
     spec.environment.errorReward, and is scored (no refuge from a low reward)."""
     turn_rewards: list[float | None] | None = None
     """The reward the environment gave each assistant turn (None: none for that turn); None where it gave none."""
+    segments: int | None = None
+    """An agent's episode (spec.environment.agent): the segments of its session (the last is the sample; a rewritten
+    history began the others, which train on nothing); None for an environment's episode."""

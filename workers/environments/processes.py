@@ -254,6 +254,10 @@ class ProcessEnvironment:
     def step(self, message: Any) -> Any:
         return self._worker.call("step", self._eid, message, self._timeout)
 
+    def play(self, call: Any, timeout: float) -> Any:
+        """An agent's run (agent.AgentPlayer.play), `timeout` seconds at most: past it the process is ended."""
+        return self._worker.call("play", self._eid, call, timeout)
+
     def close(self) -> None:
         if self._worker.dead is None:
             self._worker.call("close", self._eid, None, self._timeout)

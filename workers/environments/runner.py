@@ -8,6 +8,10 @@ spec.environment.stepTimeoutSeconds (a built-in's or plugin's run in environment
 are the model's (scored with errorReward) or the infrastructure's (the episode played again; a step whose every
 episode fails so waits within outageSeconds), never a silent refuge from a low reward.
 
+An agent (spec.environment.agent) is an episode too, played by the agent's own code in an environment process against
+a chat session on the episode's replica (agent.py): the same rounds, replays, outage wait and sample (_completion);
+its whole run is bounded by maxTurns x stepTimeoutSeconds, its calls by the session's bounds on the replica.
+
 A call that times out on a thread here cannot be stopped (Python threads are not killable): its own thread is left
 to finish and its answer is dropped; an environment process is ended instead.
 """
@@ -17,15 +21,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 from grpolora.api.constants import MAX_EPISODE_TURNS
 from grpolora.api.spec import EnvironmentSpec
+from grpolora.workers.environments.agent import AgentCall, checked_return, session_sample
 from grpolora.workers.environments.base import (
     EnvironmentFactory,
+    EnvironmentFault,
     EnvironmentUnavailable,
     InvalidAction,
     Message,
@@ -39,6 +46,7 @@ from grpolora.workers.environments.base import (
 from grpolora.workers.environments.episode import ChatDelta, Episode, EpisodeTokens
 from grpolora.workers.environments.tools import ToolCallParser
 from grpolora.workers.remote_service import AuthRefused
+from grpolora.workers.sync.control import StaleIncarnation
 from grpolora.workers.tasks import Prompt
 from grpolora.workers.trainer.rollout import Completion, Sampling
 
@@ -46,6 +54,30 @@ log = logging.getLogger(__name__)
 
 TurnGenerate = Callable[[int, list[list[int]], Sampling, list[int]], list[Completion]]
 """(replica, each episode's ids so far, sampling with n = 1, one seed per episode) -> one Completion per episode."""
+
+
+class SessionHost(Protocol):
+    """Where an agent's sessions are opened and closed (the trainer's RolloutClient)."""
+
+    token: str
+
+    def open_session(self, replica: int, sid: str, bounds: dict[str, Any]) -> tuple[str, int]:
+        """Open session `sid` on `replica` with SessionBounds: (its OpenAI base URL, its adapter version)."""
+        ...
+
+    def close_session(self, replica: int, sid: str) -> dict[str, Any]:
+        """Close it: its record."""
+        ...
+
+
+@dataclass(frozen=True)
+class _AgentRound:
+    """What every agent episode of one play shares."""
+
+    sessions: SessionHost
+    sampling: Sampling
+    version: int
+    replicas: Sequence[int]
 
 
 @dataclass(frozen=True)
@@ -115,6 +147,8 @@ class _Live:
     fault: str | None = None  # what the environment raised at the model's message (scored with errorReward)
     turn_rewards: dict[int, float] = field(default_factory=dict)  # assistant turn (from 1) -> the reward its step gave
     attempts: int = 0  # plays begun again on a fresh environment after an infrastructure fault
+    returned: float | None = None  # an agent's own reward (the episode's return as it is), or errorReward
+    segments: int | None = None  # an agent's session: its segments (the last is the sample); None: no agent
 
     def end(self, *, error: str | None = None, truncated: bool = False) -> None:
         self.ended, self.error, self.truncated = True, error, truncated
@@ -131,8 +165,11 @@ class EpisodeRunner:
     def __init__(
         self, factory: EnvironmentFactory, delta: ChatDelta, limits: EpisodeLimits, *, workers: int = 8,
         tool_parser: ToolCallParser | None = None, name: str = "the environment", lockstep: bool = False,
+        agent: bool = False,
     ):  # fmt: skip
         self.factory = factory
+        # The factory makes agents' players (agent.py): each episode is an agent's run against a chat session.
+        self.agent = agent
         # Episodes advance on their own by default: each its next turn as soon as its environment has answered (the
         # replicas batch whatever requests are in flight). Lockstep (every live episode's turn t, then every step,
         # then turn t + 1) is kept for the benchmark that compares the two (bench/episodes_async.py).
@@ -155,16 +192,21 @@ class EpisodeRunner:
         replicas: Sequence[int],
         *,
         version: int,
+        sessions: SessionHost | None = None,
     ) -> list[list[EpisodeCompletion]]:
         """`sampling.n` episodes per prompt, spread over `replicas`, on adapter `version` (what `generate` asks
         for); `fallback_ids` (each prompt's ids as the task renders it) stand in as the opening of an episode whose
-        environment failed to open it, and `version` as the version of one that generated nothing."""
+        environment failed to open it, and `version` as the version of one that generated nothing. An agent's
+        episodes open their sessions on `sessions` instead of calling `generate`."""
         if not replicas:
             raise ValueError("no replica to run episodes on")
+        if self.agent and sessions is None:
+            raise ValueError("an agent's episodes need the replicas' sessions")
         started = time.monotonic()
         pause = 1.0
         while True:
-            groups = self._play(prompts, fallback_ids, seeds, sampling, generate, replicas)
+            agents = _AgentRound(sessions, sampling, version, replicas) if self.agent and sessions else None
+            groups = self._play(prompts, fallback_ids, seeds, sampling, generate, replicas, agents)
             lost = [e for group in groups for e in group if e.error is not None]
             if len(lost) < sum(len(group) for group in groups):
                 return [[self._completion(e, version) for e in group] for group in groups]
@@ -182,7 +224,8 @@ class EpisodeRunner:
             pause = min(pause * 2, 30.0)
 
     def _play(self, prompts: Sequence[Prompt], fallback_ids: Sequence[list[int]], seeds: Sequence[int],
-              sampling: Sampling, generate: TurnGenerate, replicas: Sequence[int]) -> list[list[_Live]]:  # fmt: skip
+              sampling: Sampling, generate: TurnGenerate, replicas: Sequence[int],
+              agents: _AgentRound | None = None) -> list[list[_Live]]:  # fmt: skip
         """One play of the round's episodes, each to its end (an episode that meets an infrastructure fault begins
         again on a fresh environment, episodeRetries times at most, and ends with the fault after that)."""
         episodes = [
@@ -192,6 +235,11 @@ class EpisodeRunner:
         ]
         # Made in order (a factory may count its environments), then reset all at once, as steps are.
         made = [_Call.now(self.factory) for _ in episodes]
+        if agents is not None:  # each agent runs on its own, from its session's opening to its close
+            with ThreadPoolExecutor(max_workers=max(len(episodes), 1), thread_name_prefix="agent") as drivers:
+                list(drivers.map(lambda item: self._agent(*item, agents), zip(episodes, made, strict=True)))
+            _close_all([e.env for e in episodes if e.env is not None])
+            return [episodes[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
         list(self._pool.map(lambda item: self._open(*item), zip(episodes, made, strict=True)))
         if self.lockstep:
             while live := [e for e in episodes if not e.ended]:
@@ -227,9 +275,11 @@ class EpisodeRunner:
                 f"({self.limits.max_episode_tokens})"
             )
 
-    def _lost(self, episode: _Live, env: Any, exc: BaseException) -> None:
-        """An infrastructure fault (`exc`): the episode begins again on a fresh environment, or, past
-        episodeRetries, ends with the fault (unscorable: no sample of the model's own doing)."""
+    def _lost(
+        self, episode: _Live, env: Any, exc: BaseException, again: Callable[[_Live, Any], None] | None = None
+    ) -> None:
+        """An infrastructure fault (`exc`): the episode begins again on a fresh environment (`again`, default
+        _open), or, past episodeRetries, ends with the fault (unscorable: no sample of the model's own doing)."""
         if env is not None:
             _close_all([env])
         reason = fault_reason(exc)
@@ -240,7 +290,73 @@ class EpisodeRunner:
             return
         episode.attempts += 1
         log.info("an episode begins again on a fresh environment (play %d): %s", episode.attempts + 1, reason)
-        self._open(episode, _Call.now(self.factory))
+        (again or self._open)(episode, _Call.now(self.factory))
+
+    def _agent(self, episode: _Live, made: tuple[Any, BaseException | None], round: _AgentRound) -> None:
+        """A play of an agent's episode: its session opened on its replica with the episode's bounds, the agent run
+        in its environment process (maxTurns x stepTimeoutSeconds at most, the process ended past it), the session
+        closed and its last segment taken as the episode's tokens. The replica's or the process's failure plays the
+        episode again (_lost, on the next replica); what the agent raised otherwise, or a return that is no reward,
+        is its own: scored with errorReward. A call the session refused past its bounds truncates the episode."""
+        started = time.perf_counter()
+        env, error = made
+        sid, opened = f"agent-{uuid.uuid4().hex}", False
+        limits = self.limits
+        try:
+            if error is not None:
+                raise error
+            bounds = {
+                "adapter_version": round.version,
+                "max_calls": limits.max_turns,
+                "max_tokens": limits.max_episode_tokens - limits.margin,
+                "max_new_tokens": min(limits.max_new_tokens, round.sampling.max_tokens),
+                "temperature": round.sampling.temperature,
+                "top_p": round.sampling.top_p,
+                "top_k": round.sampling.top_k,
+                "seed": episode.seed,
+            }
+            base_url, version = round.sessions.open_session(episode.replica, sid, bounds)
+            opened = True
+            seconds = limits.max_turns * limits.step_timeout_seconds
+            call = AgentCall(episode.prompt, base_url, round.sessions.token, version, seconds)
+            try:
+                returned, raised = env.play(call, seconds), None
+            except EnvironmentUnavailable:
+                raise
+            except Exception as exc:  # the agent's own exception (EnvironmentRaised from its process)
+                returned, raised = None, exc
+            record = round.sessions.close_session(episode.replica, sid)
+            opened = False
+            sample = session_sample(record)
+        except (AuthRefused, StaleIncarnation):
+            raise
+        except Exception as exc:  # the process died or ran past its time, the replica failed: the infrastructure's
+            episode.seconds += time.perf_counter() - started
+            if opened:
+                _forget(round.sessions, episode.replica, sid)
+            if episode.replica in round.replicas:  # played again on the next replica: this one may be what failed
+                episode.replica = round.replicas[(round.replicas.index(episode.replica) + 1) % len(round.replicas)]
+            self._lost(episode, env, exc, again=lambda e, again_made: self._agent(e, again_made, round))
+            return
+        episode.seconds += time.perf_counter() - started
+        episode.env = env
+        if sample is not None:
+            episode.tokens, episode.messages, episode.turns = sample.tokens, sample.messages, sample.calls
+            episode.versions, episode.text = [sample.version] * sample.calls, sample.text
+            episode.tool_calls = sum(m.get("role") == "tool" for m in sample.messages)
+            episode.segments = sample.dropped_segments + 1
+        else:
+            episode.tokens, episode.segments = EpisodeTokens(list(episode.fallback)), 0
+        episode.end(truncated=sample is not None and sample.truncated)
+        try:
+            if sample is None and raised is None:
+                raise EnvironmentFault("the agent made no call to the model")
+            if raised is not None and not episode.truncated:  # past its bounds the agent fails as it may: truncated
+                raise raised
+            episode.returned = checked_return(returned)
+        except Exception as exc:
+            episode.fault = fault_reason(exc)
+            episode.returned = limits.error_reward
 
     def _drive(self, episode: _Live, sampling: Sampling, generate: TurnGenerate) -> None:
         """One episode to its end on its own: a turn, then its environment's answer, then its next turn."""
@@ -344,7 +460,10 @@ class EpisodeRunner:
             fault=e.fault,
             turn_rewards=[e.turn_rewards.get(t) for t in range(1, e.turns + 1)] if e.turn_rewards else None,
             error=e.error,
-            reward=episode_return(e.turn_rewards, self.limits.discount) if e.error is None else None,
+            reward=None if e.error is not None else (
+                e.returned if e.returned is not None else episode_return(e.turn_rewards, self.limits.discount)
+            ),
+            segments=e.segments,
             truncated=e.truncated,
             environment_seconds=e.seconds,
         )
@@ -398,6 +517,14 @@ class _Call:
         if self._error is not None:
             raise self._error
         return self._value
+
+
+def _forget(sessions: SessionHost, replica: int, sid: str) -> None:
+    """Close a session whose episode is played again (its record trains on nothing); the replica may be gone."""
+    try:
+        sessions.close_session(replica, sid)
+    except Exception as exc:
+        log.info("closing an agent's session %s on replica %d: %s", sid, replica, exc)
 
 
 def _close_all(environments: list[Any]) -> None:

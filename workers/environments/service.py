@@ -13,6 +13,9 @@ file, else GRPOLORA_ENVIRONMENT_TOKEN, as the operator and `grpolora run` give a
 GRPOLORA_ENVIRONMENT_PORT. GET /health answers 200 once it serves: the readiness both launchers wait for. The
 client closes each episode when it ends; past `max_episodes` open at once the oldest is dropped (a trainer that died
 never closes its own), and a step of it gets 404.
+
+An environment that raises EnvironmentUnavailable (what it needs is gone: an adapter's own server) gets 503 instead:
+retried, then the episode is played again, as from the trainer's own environment processes.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from grpolora.api import contract
 from grpolora.workers.environments.base import (
     Environment,
     EnvironmentFactory,
+    EnvironmentUnavailable,
     InvalidAction,
     Reply,
     checked_messages,
@@ -116,6 +120,8 @@ def build_app(factory: EnvironmentFactory, *, token: str | None = None, max_epis
     def environment_call(fn, *args):
         try:
             return fn(*args)
+        except EnvironmentUnavailable as exc:  # what the environment needs is gone (an adapter's own server): the
+            raise HTTPException(503, str(exc)) from None  # client retries, then plays the episode again
         except Exception as exc:  # the environment's own failure: the episode's, reported to the client
             raise HTTPException(422, fault_reason(exc)) from None
 

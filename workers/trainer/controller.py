@@ -130,9 +130,10 @@ class Controller:
         limits = EpisodeLimits.of(env, self.spec.grpo.max_new_tokens, model_length, margin)
         parser = ToolCallParser(env.tool_parser, self.ctx.policy.tokenizer) if env.tool_parser else None
         # A built-in's or plugin's code runs in processes of its own (a bad plugin fails here, in the first one).
+        # An agent runs there too (an agent's sessions parse its calls on the replicas: no parser here).
         factory = load_environment(env) if env.remote else EnvironmentProcesses(env).start()
-        name = env.builtin or env.plugin or env.url or "the environment"
-        return EpisodeRunner(factory, delta, limits, tool_parser=parser, name=name)
+        name = env.builtin or env.plugin or env.url or env.agent or "the environment"
+        return EpisodeRunner(factory, delta, limits, tool_parser=parser, name=name, agent=env.agent is not None)
 
     def _prompt_stream(self) -> Iterator[Prompt]:
         # The stream is deterministic for the seed; a resumed run skips what it already consumed.

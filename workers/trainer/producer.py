@@ -167,14 +167,15 @@ def episode_round(
     seeds: list[int],
 ) -> list[list[Completion]]:
     """`sampling.n` episodes per prompt on the live version (a rollout round or an evaluation), each turn a request
-    to the episode's replica; again from scratch on the re-formed group when every replica failed, as a round."""
+    to the episode's replica (an agent's: a chat session there); again from scratch on the re-formed group when every
+    replica failed, as a round."""
 
     def run(version: int, replicas: list[int]) -> list[list[Completion]]:
         def turn(replica: int, ids: list[list[int]], turn_sampling: Sampling, turn_seeds: list[int]):
             answers = rollouts.generate(ids, turn_sampling, version=version, replicas=[replica], seeds=turn_seeds)
             return [samples[0] for samples in answers]
 
-        return episodes.run(prompts, prompt_ids, seeds, sampling, turn, replicas, version=version)
+        return episodes.run(prompts, prompt_ids, seeds, sampling, turn, replicas, version=version, sessions=rollouts)
 
     return on_live_replicas(sender, run)
 

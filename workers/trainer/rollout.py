@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 
@@ -86,6 +87,7 @@ class RolloutClient:
         one refuses them (StaleIncarnation: this trainer must stop), and serves a version number only under
         weights this incarnation published. None: no trainer (an evaluation, a benchmark), not fenced."""
         self.endpoints = list(endpoints)
+        self.token = token  # an agent's client authenticates its session's calls with it (runner.SessionHost)
         self.incarnation = incarnation
         self._endpoint_of = endpoint_of
         self._client = httpx.Client(headers={TOKEN_HEADER: f"Bearer {token}"}, timeout=timeout_seconds)
@@ -189,6 +191,32 @@ class RolloutClient:
                 raise _VersionGone(live)
         if response.status_code in (400, 413, 422):
             raise RequestRefused(f"inference replica {replica} refused the request: {response.text[:2000]}")
+        response.raise_for_status()
+        return response.json()
+
+    def open_session(self, replica: int, sid: str, bounds: dict[str, Any]) -> tuple[str, int]:
+        """Open an agent's chat session `sid` on `replica` with SessionBounds (workers/inference/sessions.py):
+        (the base URL of its OpenAI API, the adapter version it is pinned to). A replica that has moved past the
+        bounds' version pins it to its live one instead, as generate serves it (the episode is accounted with the
+        version that generated it). httpx.HTTPError where the replica fails; StaleIncarnation as generate."""
+        body = dict(bounds) | ({"incarnation": self.incarnation} if self.incarnation is not None else {})
+        url = f"{self._url(replica)}/sessions/{sid}"
+        response = self._client.post(url, json=body)
+        if refusal_named(response) is StaleIncarnation:
+            raise StaleIncarnation(f"inference replica {replica}: {response.json().get('detail', response.text)}")
+        asked = body.get("adapter_version")
+        if response.status_code == 409 and asked is not None:
+            live = self._live_version(replica)
+            if live is not None and live > asked:
+                log.info("rollout: replica %d serves version %d, no longer %d (an agent's session)", replica, live,
+                         asked)  # fmt: skip
+                response = self._client.post(url, json=body | {"adapter_version": None})
+        response.raise_for_status()
+        return f"{url}/v1", int(response.json()["adapter_version"])
+
+    def close_session(self, replica: int, sid: str) -> dict[str, Any]:
+        """Close session `sid` on `replica`: its record (segments, calls, what was refused)."""
+        response = self._client.post(f"{self._url(replica)}/sessions/{sid}/close")
         response.raise_for_status()
         return response.json()
 

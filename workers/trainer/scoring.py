@@ -297,7 +297,17 @@ def episode_figures(rollouts: Rollouts) -> dict[str, float | int]:
         "episode_tool_errors": sum(e.tool_errors for e in episodes),
         "environment_seconds": sum(e.environment_seconds for e in episodes),
         **turn_reward_figures(episodes),
+        **agent_figures(episodes),
     }
+
+
+def agent_figures(episodes: list[Episode]) -> dict[str, int]:
+    """An agent's sessions (spec.environment.agent): the segments that train on nothing (the agent rewrote its
+    history; the last segment is the sample)."""
+    sessions = [e.segments for e in episodes if e.segments is not None]
+    if not sessions:
+        return {}
+    return {"agent_segments_dropped": sum(max(segments - 1, 0) for segments in sessions)}
 
 
 def turn_reward_figures(episodes: list[Episode]) -> dict[str, float]:
