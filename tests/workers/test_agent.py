@@ -186,7 +186,7 @@ def test_an_agent_past_its_time_is_ended_and_played_again(agents, replica, token
     assert completion.episode.error is None and completion.episode.reward == 0.5
 
 
-def test_a_5xx_from_the_session_plays_the_episode_again_and_past_episode_retries_it_is_unscorable(
+def test_a_5xx_from_the_session_plays_the_episode_again_and_a_step_all_lost_so_waits_out_outage_seconds(
     agents, replica, tokenizer
 ):
     replica.failures = 1
@@ -231,3 +231,15 @@ def test_an_agent_that_is_no_async_function_is_refused_naming_the_field(agents):
 
 def test_session_sample_of_a_session_without_calls_is_none():
     assert session_sample({"segments": [], "adapter_version": 1, "calls": [], "refused": None}) is None
+
+
+def test_an_agent_with_the_reference_on_the_replicas_is_refused_at_validation():
+    """The replicas score a reference only for /v1/generate, not a session's calls: refused, naming the field."""
+    from grpolora.api.load import InvalidJob, parse_job
+    from tests.helpers import job_doc
+
+    with pytest.raises(InvalidJob) as refused:
+        parse_job(job_doc(environment={"agent": "agents_mod:follow_up"},
+                          grpo={"referenceFrom": "inference", "klCoef": 0.05, "temperature": 1.0}))  # fmt: skip
+    assert "grpo.referenceFrom" in str(refused.value) and "agent" in str(refused.value)
+    parse_job(job_doc(environment={"agent": "agents_mod:follow_up"}, grpo={"klCoef": 0.05}))  # the trainer's: fine
