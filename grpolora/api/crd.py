@@ -21,7 +21,6 @@ from grpolora.api.spec import (
     RolloutPoolSpec,
     cel_rule,
     max_job_name_length,
-    runtime_fields,
 )
 from grpolora.api.status import JobStatus, PoolStatus
 
@@ -58,9 +57,10 @@ def crd() -> dict[str, Any]:
     # No server-side defaults in the sections a runtime may set: the API server would write them into every job, and
     # a default written there would then win over the runtime's value as if the job had set it (grpolora.api.runtime
     # merges before defaults). A job on a pool (inference.poolRef) must leave `inference` unset besides. The models
-    # apply the defaults to the merged spec; the descriptions say them.
-    for field in runtime_fields():
-        _defaults_described(spec_schema["properties"][field])
+    # apply the defaults to the merged spec; the descriptions say them. Of `environment`, a runtime sets only where
+    # its server runs (GRPOLoraRuntimeSpec.environment): the rest keeps its defaults.
+    runtime_schema = structural(GRPOLoraRuntimeSpec.model_json_schema(by_alias=True, mode="validation"))
+    _defaults_described_where(spec_schema, runtime_schema)
     column = _printer_column
     return _custom_resource(
         kind=c.KIND,
@@ -151,12 +151,29 @@ def runtime_crd(kind: str = c.RUNTIME_KIND) -> dict[str, Any]:
     )
 
 
-def _defaults_described(schema: dict[str, Any]) -> None:
-    """Every `default:` under `schema` removed, and said in its field's description instead (kubectl explain)."""
+def _defaults_described_where(schema: dict[str, Any], runtime: dict[str, Any]) -> None:
+    """_defaults_described on every field of `schema` (the job's spec) that `runtime` (a runtime's spec) has too:
+    a section the runtime has whole loses every default, one it has in part only those of that part."""
+    for name, part in (runtime.get("properties") or {}).items():
+        own = schema["properties"][name]
+        if set(part.get("properties") or {}) < set(own.get("properties") or {}):
+            _default_described(own)
+            _defaults_described_where(own, part)
+        else:
+            _defaults_described(own)
+
+
+def _default_described(schema: dict[str, Any]) -> None:
+    """The `default:` of this field (not its children's) removed and said in its description instead."""
     if "default" in schema:
         value = schema.pop("default")
         written = value if isinstance(value, str) else json.dumps(value)
         schema["description"] = f"{schema.get('description', '')} Default: {written}.".lstrip()
+
+
+def _defaults_described(schema: dict[str, Any]) -> None:
+    """Every `default:` under `schema` removed, and said in its field's description instead (kubectl explain)."""
+    _default_described(schema)
     for child in (schema.get("properties") or {}).values():
         _defaults_described(child)
     if isinstance(schema.get("items"), dict):

@@ -11,7 +11,9 @@ runtime's items with `$patch: delete` on an item with its key (a toleration: the
 the runtime's list with an item `{$patch: replace}`, as a strategic merge patch says it; deleting an item the
 runtime does not have is an error. Any other list, and any value (`null` too), the job sets replaces the
 runtime's. A job on a RolloutPool (spec.inference.poolRef) takes its servers from the pool, so the runtime's
-`inference` is left out for it.
+`inference` is left out for it. A runtime's `environment.server` (where environment servers run: image, resources,
+placement, env) merges into a job's spec.environment.server by the same rules (its `env` by name, its `tolerations`
+as a union), and only into a job that runs one: a runtime never turns a job's environment into a served one.
 
 Merged as written, before defaults: a default is no choice of the job's, so it must not hide the runtime's value.
 The models apply the defaults to the merged spec (grpolora.api.spec), and the CRD carries no `default:` on these
@@ -34,6 +36,8 @@ UNION: Final = ""
 ROLES: Final = (c.ROLE_TRAINER, c.ROLE_INFERENCE)
 ROLE_LISTS: Final = {"env": "name", "tolerations": UNION}
 """The lists of a role's spec that merge, and their keys; a podTemplate's merge by overlay.MERGE_KEYS."""
+ENVIRONMENT_SERVER: Final = ("environment", "server")
+"""Where a runtime's environment server fields are; its lists merge as a role's (ROLE_LISTS)."""
 
 
 class MergeError(ValueError):
@@ -72,6 +76,8 @@ def _list_key(at: tuple[str, ...]) -> str | None:
     """The merge key of the list at `at` (UNION for a union), or None for a list replaced whole."""
     if len(at) == 2 and at[0] in ROLES:
         return ROLE_LISTS.get(at[1])
+    if len(at) == 3 and at[:2] == ENVIRONMENT_SERVER:
+        return ROLE_LISTS.get(at[2])
     if len(at) > 2 and at[0] in ROLES and at[1] == "podTemplate":
         return overlay.MERGE_KEYS.get(at[-1])
     return None
@@ -126,6 +132,8 @@ def resolve_spec(runtime_spec: Mapping[str, Any], job_spec: Mapping[str, Any], w
     base = dict(runtime_spec)
     if ((job_spec.get("inference") or {}).get("poolRef")) is not None:
         base.pop("inference", None)
+    if ((job_spec.get("environment") or {}).get("server")) is None:
+        base.pop("environment", None)  # no server of its own: nothing of the runtime's to place
     merged = merge(base, job_spec)
     errors = [e for role in ROLES for e in _service_account_changed(role, base, job_spec, merged, where)]
     if errors:

@@ -877,30 +877,16 @@ _ENVIRONMENT_PROCESSES = 4
 _ENVIRONMENT_MEMORY_MIB = 4096
 
 
-class EnvironmentServerSpec(SpecModel):
-    """The environment as a role the operator runs beside the trainer and the replicas: a workload of `replicas`
-    pods and a Service in front of them, which the job's trainer reaches as its environment service (reset, step and
-    close over HTTP, docs/tasks.md). Only the job's own pods may reach it (a NetworkPolicy), and its pods reach
-    nothing unless `egress` opens it. Its pods count in the job's Kueue Workload, its readiness in the job's status,
-    and it goes with the job. `grpolora run` starts the same command on the local machine."""
+class EnvironmentServerPlacement(SpecModel):
+    """Where and as what the environment server's pods run: the fields of spec.environment.server that a runtime may
+    set too (GRPOLoraRuntime spec.environment.server), as it sets the roles' (grpolora.api.runtime). What the server
+    is (its command, args, port, replicas and egress) is the job's own."""
 
     image: str | None = None
     """Container image; defaults to the project's CPU worker image, whose `python -m
     grpolora.workers.environments.service` serves a built-in or plugin environment."""
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] | None = None
     """Image pull policy of the server container."""
-    command: list[NonEmptyStr] | None = None
-    """The container's command (its entrypoint). Unset: `python -m grpolora.workers.environments.service
-    --environment <builtin or plugin> --port <port>` serves the job's own `builtin` or `plugin`. A server of your own
-    (any language) speaks the same protocol, listens on `port` ($GRPOLORA_ENVIRONMENT_PORT), answers GET /health
-    without the token once it serves (the pods' readiness probe), and reads the job's token from the file
-    $GRPOLORA_ENVIRONMENT_TOKEN_FILE (GRPOLORA_ENVIRONMENT_TOKEN in `grpolora run`)."""
-    args: list[str] = Field(default_factory=list)
-    """Arguments of the command (unset `command`: added after the service's own flags)."""
-    replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
-    """Server pods; the trainer pins each episode to one of them (GRPOLORA_ENVIRONMENT_URL lists each pod's URL)."""
-    port: Port = 8000
-    """The port the server listens on (the Service's port too)."""
     resources: KubeObject = Field(default_factory=dict)
     """ResourceRequirements of the server container."""
     node_selector: dict[str, str] = Field(default_factory=dict)
@@ -911,9 +897,6 @@ class EnvironmentServerSpec(SpecModel):
     """A RuntimeClass for sandboxed tools: gVisor (`gvisor`) or Kata Containers (`kata`), as the cluster names them."""
     env: list[KubeObject] = Field(default_factory=list)
     """Extra environment variables (EnvVar objects) of the server container."""
-    egress: list[KubeObject] = Field(default_factory=list)
-    """NetworkPolicyEgressRules the server's pods may use. Empty (the default): no egress at all, not even DNS; a
-    server whose tools fetch from the internet opens what they need here."""
 
     @field_validator("resources")
     @classmethod
@@ -924,11 +907,6 @@ class EnvironmentServerSpec(SpecModel):
     @classmethod
     def _kube_tolerations(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return kube_checked(value, "Toleration")
-
-    @field_validator("egress")
-    @classmethod
-    def _kube_egress(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return kube_checked(value, "NetworkPolicyEgressRule")
 
     @field_validator("env")
     @classmethod
@@ -944,6 +922,35 @@ class EnvironmentServerSpec(SpecModel):
                 errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
         raise_if_any(errors)
         return kube_checked(value, "EnvVar")
+
+
+class EnvironmentServerSpec(EnvironmentServerPlacement):
+    """The environment as a role the operator runs beside the trainer and the replicas: a workload of `replicas`
+    pods and a Service in front of them, which the job's trainer reaches as its environment service (reset, step and
+    close over HTTP, docs/tasks.md). Only the job's own pods may reach it (a NetworkPolicy), and its pods reach
+    nothing unless `egress` opens it. Its pods count in the job's Kueue Workload, its readiness in the job's status,
+    and it goes with the job. `grpolora run` starts the same command on the local machine."""
+
+    command: list[NonEmptyStr] | None = None
+    """The container's command (its entrypoint). Unset: `python -m grpolora.workers.environments.service
+    --environment <builtin or plugin> --port <port>` serves the job's own `builtin` or `plugin`. A server of your own
+    (any language) speaks the same protocol, listens on `port` ($GRPOLORA_ENVIRONMENT_PORT), answers GET /health
+    without the token once it serves (the pods' readiness probe), and reads the job's token from the file
+    $GRPOLORA_ENVIRONMENT_TOKEN_FILE (GRPOLORA_ENVIRONMENT_TOKEN in `grpolora run`)."""
+    args: list[str] = Field(default_factory=list)
+    """Arguments of the command (unset `command`: added after the service's own flags)."""
+    replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)
+    """Server pods; the trainer pins each episode to one of them (GRPOLORA_ENVIRONMENT_URL lists each pod's URL)."""
+    port: Port = 8000
+    """The port the server listens on (the Service's port too)."""
+    egress: list[KubeObject] = Field(default_factory=list)
+    """NetworkPolicyEgressRules the server's pods may use. Empty (the default): no egress at all, not even DNS; a
+    server whose tools fetch from the internet opens what they need here."""
+
+    @field_validator("egress")
+    @classmethod
+    def _kube_egress(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return kube_checked(value, "NetworkPolicyEgressRule")
 
 
 def _environment_rules() -> list[dict[str, str]]:
@@ -1910,6 +1917,14 @@ class RolloutPool(_Named, BaseModel):
 # ---- Runtimes: where and how jobs run, set once by a platform team ---------------------------------------------
 
 
+class RuntimeEnvironmentSpec(SpecModel):
+    """What a runtime sets of its jobs' spec.environment: where an environment server runs, never what it is."""
+
+    server: EnvironmentServerPlacement | None = None
+    """As a job's spec.environment.server's image, imagePullPolicy, resources, nodeSelector, tolerations,
+    runtimeClassName and env (e.g. a sandbox node pool under gVisor for every job's tools)."""
+
+
 class GRPOLoraRuntimeSpec(SpecModel):
     """The sections of a GRPOLoraJob's spec that say where and how it runs, with the job's own models (so the same
     fields, bounds and checks); a job that names the runtime (spec.runtimeRef) sets only what it changes. Every
@@ -1929,6 +1944,10 @@ class GRPOLoraRuntimeSpec(SpecModel):
     """As a job's spec.podSecurity."""
     output: OutputSpec | None = None
     """As a job's spec.output: where results go (e.g. a PersistentVolumeClaim)."""
+    environment: RuntimeEnvironmentSpec | None = None
+    """Where the environment servers of its jobs run (spec.environment.server's image, resources and placement):
+    merged only into a job that runs one (its spec.environment has a `server`); what the environment is stays the
+    job's."""
 
     @model_validator(mode="after")
     def _no_pool_ref(self) -> GRPOLoraRuntimeSpec:

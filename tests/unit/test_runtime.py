@@ -10,10 +10,18 @@ import pytest
 import yaml
 
 from grpolora.api import constants as c
-from grpolora.api.crd import CRDS, crd
+from grpolora.api import contract
+from grpolora.api.crd import CRDS, crd, runtime_crd
 from grpolora.api.load import InvalidJob, parse_job, parse_runtime
 from grpolora.api.runtime import merge, resolve
-from grpolora.api.spec import GRPOLoraJobSpec, GRPOLoraRuntimeSpec, runtime_fields
+from grpolora.api.spec import (
+    EnvironmentServerPlacement,
+    EnvironmentServerSpec,
+    GRPOLoraJobSpec,
+    GRPOLoraRuntimeSpec,
+    RuntimeEnvironmentSpec,
+    runtime_fields,
+)
 from grpolora.api.status import JobStatus
 from tests.helpers import ROOT, job_doc, not_checked_lines
 from tests.unit.test_cli import grpolora
@@ -213,10 +221,19 @@ def test_a_runtime_cannot_name_a_pool():
 
 def test_the_runtime_fields_have_the_job_specs_own_types():
     for name, field in GRPOLoraRuntimeSpec.model_fields.items():
+        if name == "environment":
+            continue  # where its server runs, not what it is: below
         job_field = GRPOLoraJobSpec.model_fields[name]
         own = job_field.annotation
         assert field.annotation in (own | None, own), name
-    assert runtime_fields() == ("trainer", "inference", "sync", "scheduling", "networkPolicy", "podSecurity", "output")
+    assert runtime_fields() == (
+        "trainer", "inference", "sync", "scheduling", "networkPolicy", "podSecurity", "output", "environment"
+    )  # fmt: skip
+    # Of spec.environment, a runtime sets the server's placement, with the job's own model for those fields.
+    assert set(RuntimeEnvironmentSpec.model_fields) == {"server"}
+    assert RuntimeEnvironmentSpec.model_fields["server"].annotation == EnvironmentServerPlacement | None
+    assert issubclass(EnvironmentServerSpec, EnvironmentServerPlacement)
+    assert set(EnvironmentServerPlacement.model_fields) == set(SERVER_PLACEMENT)
 
 
 # ---- CRDs ------------------------------------------------------------------------------------------------
@@ -229,10 +246,29 @@ def _defaults(schema: dict[str, Any], path: str = "") -> list[str]:
     return found
 
 
+SERVER_PLACEMENT = ("image", "image_pull_policy", "resources", "node_selector", "tolerations", "runtime_class_name",
+                    "env")  # fmt: skip
+"""What a runtime sets of spec.environment.server (EnvironmentServerPlacement): where and as what its pods run."""
+
+
+def _runtime_part(schema: dict[str, Any], field: str) -> dict[str, Any]:
+    """The part of a job spec section's schema a runtime sets: the whole section, or of `environment` the server's
+    placement fields."""
+    if field != "environment":
+        return schema[field]
+    server = schema["environment"]["properties"]["server"]["properties"]
+    runtime_server = runtime_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"][
+        "properties"]["environment"]["properties"]["server"]["properties"]  # fmt: skip
+    return {"properties": {name: server[name] for name in runtime_server}}
+
+
 def test_the_job_crd_sets_no_defaults_on_fields_a_runtime_may_set_and_describes_them():
     spec = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
     for field in runtime_fields():
-        assert _defaults(spec[field]) == [], field
+        assert _defaults(_runtime_part(spec, field)) == [], field
+    # The rest of spec.environment is the job's alone: its defaults stay (the CEL rules read them as written).
+    environment = spec["environment"]["properties"]
+    assert environment["retries"]["default"] == 2 and environment["server"]["properties"]["replicas"]["default"] == 1
     replicas = spec["trainer"]["properties"]["replicas"]
     assert replicas["description"].endswith("Default: 1.")
     # Fields runtimes do not set keep their server-side defaults.
@@ -252,6 +288,11 @@ def test_runtime_crds_carry_the_job_fields_bounds_and_no_defaults(kind: str, sco
     assert set(schema["properties"]) == set(runtime_fields())
     assert _defaults(schema) == []
     for field in runtime_fields():
+        if field == "environment":
+            own = schema["properties"][field]["properties"]["server"]
+            jobs = _runtime_part(job_spec["properties"], field)
+            assert own["properties"] == jobs["properties"]
+            continue
         own, jobs = schema["properties"][field], job_spec["properties"][field]
         assert {**own, "description": ""} == {**jobs, "description": ""}, field
 
@@ -500,3 +541,80 @@ def test_a_runtime_names_the_gpu_resource_of_its_jobs():
     resolved = resolve(parse_job(on_runtime(trainer={"gpusPerReplica": 1})), runtime).spec
     assert resolved.trainer.gpu_resource == "nvidia.com/mig-3g.40gb"
     assert resolved.inference.gpu_resource == c.DEFAULT_GPU_RESOURCE
+
+
+# ---- where a job's environment server runs ---------------------------------------------------------------
+
+
+SANDBOX = {"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}
+SANDBOX_SERVER = {
+    "image": "registry.local/sandbox:1",
+    "runtimeClassName": "gvisor",
+    "nodeSelector": {"pool": "sandbox", "zone": "a"},
+    "tolerations": [SANDBOX],
+    "resources": {"requests": {"cpu": "2", "memory": "4Gi"}},
+    "env": [{"name": "PIP_INDEX_URL", "value": "http://mirror"}, {"name": "LEVEL", "value": "1"}],
+}
+
+
+def test_a_runtime_places_a_jobs_environment_server_and_the_job_wins_field_by_field():
+    runtime = parse_runtime(runtime_doc(environment={"server": SANDBOX_SERVER}))
+    job = parse_job(on_runtime(environment={
+        "builtin": "calculator",
+        "server": {"replicas": 2, "nodeSelector": {"zone": "b"}, "tolerations": [SPOT],
+                   "env": [{"name": "LEVEL", "value": "3"}], "resources": {"requests": {"memory": "8Gi"}}},
+    }))  # fmt: skip
+    server = resolve(job, runtime).spec.environment.server
+    assert server is not None
+    assert (server.image, server.runtime_class_name, server.replicas) == ("registry.local/sandbox:1", "gvisor", 2)
+    assert server.node_selector == {"pool": "sandbox", "zone": "b"}
+    assert server.tolerations == [SANDBOX, SPOT]  # a union, the runtime's first
+    assert server.env == [{"name": "PIP_INDEX_URL", "value": "http://mirror"}, {"name": "LEVEL", "value": "3"}]
+    assert server.resources == {"requests": {"cpu": "2", "memory": "8Gi"}}
+
+
+def test_a_runtimes_environment_server_reaches_only_a_job_that_runs_one():
+    """A runtime places servers; it never turns a job's environment into a served one (nor gives a job one)."""
+    runtime = parse_runtime(runtime_doc(environment={"server": SANDBOX_SERVER}, trainer={"image": "t:1"}))
+    in_process = resolve(parse_job(on_runtime(environment={"builtin": "calculator"})), runtime).spec
+    assert in_process.environment is not None and in_process.environment.server is None
+    assert in_process.environment.processes == 4 and in_process.trainer.image == "t:1"
+    assert resolve(parse_job(on_runtime()), runtime).spec.environment is None
+    own = parse_job(on_runtime(environment={"server": {"command": ["/serve"]}}))
+    assert resolve(own, runtime).spec.environment.server.runtime_class_name == "gvisor"
+
+
+def test_a_runtime_sets_where_a_server_runs_never_what_it_is():
+    for field in ("command", "args", "replicas", "port", "egress"):
+        with pytest.raises(InvalidJob) as caught:
+            parse_runtime(runtime_doc(environment={"server": {field: []}}))
+        (problem,) = caught.value.problems
+        assert problem.path == f"spec.environment.server.{field}"
+        assert "valid fields: image, imagePullPolicy, resources, nodeSelector, tolerations, runtimeClassName, env" in (
+            problem.message
+        )
+    with pytest.raises(InvalidJob) as caught:
+        parse_runtime(runtime_doc(environment={"builtin": "calculator"}))
+    assert [p.path for p in caught.value.problems] == ["spec.environment.builtin"]
+    with pytest.raises(InvalidJob) as caught:  # the job's own checks, on the runtime's fields
+        parse_runtime(runtime_doc(environment={"server": {"env": [{"name": contract.ENVIRONMENT_PORT, "value": "1"}]}}))
+    assert [p.path for p in caught.value.problems] == ["spec.environment.server.env[0].name"]
+
+
+def test_render_places_the_environment_servers_pods_where_the_runtime_says(tmp_path, capsys):
+    from grpolora.cli import main
+
+    runtime = runtime_doc(environment={"server": SANDBOX_SERVER})
+    job = on_runtime(environment={"builtin": "calculator", "server": {"replicas": 2, "tolerations": [SPOT]}})
+    path = tmp_path / "both.yaml"
+    path.write_text(yaml.safe_dump_all([runtime, job], sort_keys=False))
+    assert main(["render", str(path)]) == 0, capsys.readouterr().err
+    objects = list(yaml.safe_load_all(capsys.readouterr().out))
+    [server] = [o for o in objects if o["kind"] == "StatefulSet" and o["metadata"]["name"].endswith("-env")]
+    pod = server["spec"]["template"]["spec"]
+    assert server["spec"]["replicas"] == 2
+    assert (pod["runtimeClassName"], pod["nodeSelector"]) == ("gvisor", {"pool": "sandbox", "zone": "a"})
+    assert SANDBOX in pod["tolerations"] and SPOT in pod["tolerations"]
+    [container] = pod["containers"]
+    assert container["image"] == "registry.local/sandbox:1"
+    assert {"name": "PIP_INDEX_URL", "value": "http://mirror"} in container["env"]
