@@ -164,6 +164,75 @@ def test_a_full_server_and_a_server_gone_are_unavailable_and_close_frees_the_ses
     factory.close()
 
 
+def test_the_mappings_a_plugin_may_give_instead_of_the_defaults(echo_env):
+    """`action`, `observation` (a field or a function), `reset` and `role`, on the Environment class in-process;
+    reset's keyword arguments reach it only where its signature names them (the template's reset takes none)."""
+    from echo_env import EchoAction
+    from echo_env.server.echo_env_environment import EchoEnvironment
+
+    asked = []
+
+    class Seeded(EchoEnvironment):
+        def reset(self, seed=None):
+            asked.append(seed)
+            return super().reset()
+
+    factory = openenv_environment(
+        Seeded,
+        action=lambda message: EchoAction(message=message["content"].upper()),
+        observation=lambda obs: [{"role": "tool", "content": obs.echoed_message, "name": "echo"}],
+        reset=lambda prompt: {"seed": prompt.meta["seed"], "difficulty": "ignored: not reset's"},
+    )
+    episode = factory()
+    assert episode.reset(Prompt("a", meta={"seed": 7})).messages == [{"role": "tool", "content": READY, "name": "echo"}]
+    assert episode.step({"role": "assistant", "content": "hi"}) == Reply([{"role": "tool", "content": "HI",
+                                                                          "name": "echo"}], False, 0.2)  # fmt: skip
+    assert asked == [7]
+    by_field = openenv_environment(EchoEnvironment, observation="message_length", role="tool")()
+    by_field.reset(Prompt("a"))
+    assert by_field.step({"role": "assistant", "content": "four"}).messages == [{"role": "tool", "content": "4"}]
+    with pytest.raises(ValueError, match="EchoAction has no field 'text'; its fields: metadata, message"):
+        openenv_environment(EchoEnvironment, action="text")
+    with pytest.raises(ValueError, match="base_url is for an OpenEnv client class"):
+        openenv_environment(EchoEnvironment, "http://127.0.0.1:1")
+
+
+def test_the_job_servers_command_serves_an_openenv_environment(echo_env):
+    """spec.environment.server with no command and `plugin`: what its pods run (python -m
+    grpolora.workers.environments.service --environment <plugin>), here with the OpenEnv Environment class in the
+    server's own process, played through the trainer's client of a job's server."""
+    from grpolora.workers.environments.remote import EnvironmentService
+
+    port = free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "grpolora.workers.environments.service", "--environment", "echo_plugin:echo_here",
+         "--host", "127.0.0.1", "--port", str(port)],
+        cwd=echo_env, env={**os.environ, "PYTHONPATH": str(echo_env), "PYTHONSAFEPATH": "1", "ECHO_URL": "unused"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    client = EnvironmentService(f"http://127.0.0.1:{port}", timeout_seconds=10.0, retries=0)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # ready once its /health answers, as the pod's readiness probe waits
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert process.poll() is None and time.monotonic() < deadline, "the service did not start"
+            time.sleep(0.1)
+        episode = client()
+        assert episode.reset(Prompt("a")).messages == [{"role": "user", "content": READY}]
+        assert episode.step({"role": "assistant", "content": "hello"}) == Reply(
+            [{"role": "user", "content": "hello"}], False, 0.5
+        )
+        episode.close()
+    finally:
+        client.close()
+        process.kill()
+        process.wait(10)
+
+
 def test_a_text_the_servers_action_refuses_is_the_models_mistake_and_a_missing_mapping_fails_the_load(
     echo_env, server, monkeypatch
 ):
