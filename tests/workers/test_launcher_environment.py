@@ -76,6 +76,17 @@ def test_a_server_that_exits_at_once_fails_the_job_with_its_command_and_output(t
     run.stop()
 
 
+def test_a_servers_env_from_the_cluster_is_said_to_be_unset_here(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(local, "POLL_SECONDS", 0.01)
+    secret = {"name": "API_KEY", "valueFrom": {"secretKeyRef": {"name": "tools", "key": "key"}}}
+    job = served_job(env=[secret, {"name": "MODE", "value": "x"}])
+    run = HealthAtStart(tmp_path, [job], [{}, {"demo trainer 0": 0}])
+    run.start()
+    run.wait()
+    err = capsys.readouterr().err
+    assert "warning: spec.environment.server.env: API_KEY come from the cluster (valueFrom), which is not here" in err
+
+
 def test_a_server_lost_while_the_job_runs_is_started_again(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(local, "POLL_SECONDS", 0.01)
     run = HealthAtStart(tmp_path, [served_job()], [{}, {}, {"demo trainer 0": 0}])

@@ -124,6 +124,12 @@ def server_processes(spec: EnvironmentSpec, ports: Sequence[int], token: str) ->
     return found
 
 
+def unset_here(spec: EnvironmentSpec) -> list[str]:
+    """The server's `env` names that `grpolora run` leaves unset: those with a valueFrom (a Secret, a ConfigMap or
+    a field of the cluster's)."""
+    return [var["name"] for var in spec.server.env if "value" not in var] if spec.server else []
+
+
 class EnvironmentServers:
     """A job's environment server processes on this machine: start() them and wait until each is ready, urls for
     the trainer, revive() one that exited, stop() them all."""

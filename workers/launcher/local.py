@@ -61,7 +61,7 @@ from grpolora.api.pool import (
 )
 from grpolora.api.spec import GRPOLoraJob, RolloutPool
 from grpolora.api.status import TrainerStatus
-from grpolora.workers.launcher.environment_servers import EnvironmentServerFailed, EnvironmentServers
+from grpolora.workers.launcher.environment_servers import EnvironmentServerFailed, EnvironmentServers, unset_here
 from grpolora.workers.launcher.liveness import LIVENESS_FAILURES, Liveness, health_url
 from grpolora.workers.launcher.progress import Progress
 from grpolora.workers.launcher.results import plot, read_metrics, summarize
@@ -435,6 +435,10 @@ class LocalRun:
         spec = job.job.spec.environment
         if spec is None or spec.server is None or job.environment is not None:
             return
+        unset = unset_here(spec)
+        if unset:
+            job.note(f"grpolora run: warning: spec.environment.server.env: {', '.join(unset)} come from the "
+                     "cluster (valueFrom), which is not here; the servers see them if you export them")  # fmt: skip
         ports = free_ports(spec.server.replicas)
         job.environment = EnvironmentServers(spec, job.run_dir / "logs", job.token, ports=ports)
         job.environment.launch()
