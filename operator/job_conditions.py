@@ -56,6 +56,9 @@ def status_of(
     spec, place, phase = where.job_plan.spec, where.place, course.phase
     tj, sts = observed.trainer_job, observed.inference
     wanted = phase not in (*TERMINAL, "Suspended")
+    environment = readiness.environment_replicas(spec, observed.environment)
+    if environment is not None and not wanted:
+        environment = RoleReplicas(desired=0, ready=environment.ready)
     counts = ReplicaCounts(
         trainer=RoleReplicas(
             desired=spec.trainer.replicas if wanted else 0,
@@ -65,6 +68,7 @@ def status_of(
         inference=RoleReplicas(desired=spec.inference.replicas if wanted else 0, ready=obs.statefulset_ready(sts))
         if place is None
         else RoleReplicas(desired=place.desired if wanted else 0, ready=place.ready),
+        environment=environment,
     )
     pods = _pods_condition(wanted, phase, counts, observed)
     if overdue is not None and wanted:
@@ -130,7 +134,7 @@ def status_of(
         message=message,
         reason=reason,
         progress=f"{progress.step or 0}/{spec.grpo.steps}",
-        ready=f"{counts.trainer.ready + counts.inference.ready}/{counts.trainer.desired + counts.inference.desired}",
+        ready=f"{sum(r.ready for r in _roles(counts))}/{sum(r.desired for r in _roles(counts))}",
         observed_generation=view.generation,
         conditions=cond.merge(old.conditions, wants, now=stamp, generation=view.generation),
         **progress.status_fields(),
@@ -147,7 +151,12 @@ def status_of(
         token_digest=course.token_digest,
     )
     serving = readiness.serving_replicas(spec, sts, place)
-    return status, wanted and readiness.makes_progress(counts.trainer.ready, counts.trainer.desired, serving)
+    progress_made = readiness.makes_progress(counts.trainer.ready, counts.trainer.desired, serving, environment)
+    return status, wanted and progress_made
+
+
+def _roles(counts: ReplicaCounts) -> tuple[RoleReplicas, ...]:
+    return (counts.trainer, counts.inference, *((counts.environment,) if counts.environment is not None else ()))
 
 
 def _pending_message(
@@ -276,8 +285,7 @@ def _rendezvous(job_plan: JobPlan, epoch: int) -> RendezvousStatus:
 def _pods_condition(wanted: bool, phase: str, counts: ReplicaCounts, observed: Observed) -> cond.Want:
     if not wanted:
         return cond.Want(names.PODS_READY, "False", names.R_NO_WORKLOADS, f"no pods: the job is {phase.lower()}")
-    t, i = counts.trainer, counts.inference
-    summary = f"trainer {t.ready}/{t.desired} ready, inference {i.ready}/{i.desired} ready"
+    summary = readiness.summary(counts)
     if readiness.all_ready(counts):
         return cond.Want(names.PODS_READY, "True", names.R_ALL_READY, summary)
     # Pods never created (FailedCreate) or stuck mounting say more than the pods' own "ContainerCreating".

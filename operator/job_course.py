@@ -45,8 +45,8 @@ class Course:
     """Pods of a previous trainer Job taken as lost in this pass, and when (a Warning event)."""
     release: tuple[ChildRef, ...] = ()
     fence: tuple[str, ...] = ()
-    wanted_kinds: tuple[str, ...] = ()
-    """The workloads to create (built by _workloads_to_create, once Kueue's additions are known)."""
+    wanted_roles: tuple[str, ...] = ()
+    """The roles whose workloads to create (built by _workloads_to_create, once Kueue's additions are known)."""
     deletes: tuple[ChildRef, ...] = ()
     requeue: float | None = None
     active_since: str | None = None
@@ -71,7 +71,7 @@ def course_of(
     """Finished, re-keyed, released (suspended, not admitted by Kueue, not attached to its pool), or running (the
     trainer's restarts and failures: _running_course)."""
     spec = where.job_plan.spec
-    tj, sts = observed.trainer_job, observed.inference
+    tj = observed.trainer_job
     finished = is_finished(old)
     restarts = old.trainer_restarts or 0
     # A token Secret re-made with a new token (deleted by hand): pods keep the token they started with, so the job
@@ -83,7 +83,7 @@ def course_of(
         and observed.token != old.token_digest
         and not finished
     )
-    pods_left = tj is not None or sts is not None
+    pods_left = any(workload is not None for workload in observed.workloads)
     course = Course(
         phase=old.phase if finished and old.phase else "Pending",
         completion=old.completion_time,
@@ -108,7 +108,7 @@ def course_of(
         return dataclasses.replace(
             course,
             phase="Running" if old.phase == "Running" else "Pending",
-            deletes=tuple(_release(tj, sts)),
+            deletes=tuple(_release(observed)),
             rekey_note=note,
             restart_note=note,
             requeue=REPLACE_RECHECK_SECONDS,
@@ -120,7 +120,7 @@ def course_of(
         return dataclasses.replace(
             course,
             phase="Suspended" if spec.suspend else "Pending",
-            deletes=tuple(_release(tj, sts)),
+            deletes=tuple(_release(observed)),
             active_since=None,
         )
     course = dataclasses.replace(course, active_since=old.active_since or cond.rfc3339(now))
@@ -135,38 +135,43 @@ def _running_course(
     progress: obs.Progress,
     now: datetime.datetime,
 ) -> Course:
-    """A job that should run: its trainer Job's course (_trainer_course), then its StatefulSet and its phase."""
-    blocked_kinds = {ref.kind for ref in observed.blocked}
-    if blocked_kinds:
+    """A job that should run: its trainer Job's course (_trainer_course), then its StatefulSets (the inference
+    servers', the environment server's) and its phase."""
+    blocked = {ref.name for ref in observed.blocked}
+    if blocked:
         course = dataclasses.replace(course, requeue=REPLACE_RECHECK_SECONDS)
-    course = _trainer_course(where, observed, course, blocked_kinds, progress, now)
+    course = _trainer_course(where, observed, course, blocked, progress, now)
     if course.phase in TERMINAL:
         return course
-    wanted_kinds = course.wanted_kinds
-    sts, report = observed.inference, observed.trainer
-    if sts is None and "StatefulSet" not in blocked_kinds and where.job_plan.inference is not None:
-        wanted_kinds += ("StatefulSet",)
-    elif sts is not None and obs.deleting(sts) and where.job_plan.inference is not None:
-        course = _leaving_statefulset(course, sts, observed.pods, now)
+    wanted_roles = course.wanted_roles
+    report = observed.trainer
+    plan = where.job_plan
+    for role, sts in ((plan.inference, observed.inference), (plan.environment, observed.environment)):
+        if role is None:
+            continue
+        if sts is None and role.workload_name not in blocked:
+            wanted_roles += (role.role,)
+        elif sts is not None and obs.deleting(sts):
+            course = _leaving_statefulset(course, sts, role.role, observed.pods, now)
     alive = report is not None and report.phase in ("Starting", "Running")
     phase: JobPhase = "Running" if alive or old.phase == "Running" else "Pending"
-    return dataclasses.replace(course, wanted_kinds=wanted_kinds, phase=phase)
+    return dataclasses.replace(course, wanted_roles=wanted_roles, phase=phase)
 
 
 def _trainer_course(
     where: JobPlacement,
     observed: Observed,
     course: Course,
-    blocked_kinds: set[str],
+    blocked: set[str],
     progress: obs.Progress,
     now: datetime.datetime,
 ) -> Course:
     """The trainer Job's course: created, replaced after a committed restart, succeeded, or failed (restarted, or
-    the job fails)."""
+    the job fails). `blocked`: names of children still held by a deleted job of the same name."""
     spec = where.job_plan.spec
     stamp = cond.rfc3339(now)
     tj, report = observed.trainer_job, observed.trainer
-    if tj is None and "Job" in blocked_kinds:
+    if tj is None and where.job_plan.trainer.workload_name in blocked:
         return course  # the previous job's trainer Job is still being collected
     if tj is not None and obs.restart_attempt(tj) < course.restarts:
         # Committed restart: delete the stale Job (in the foreground: it stays until its pods are gone) and
@@ -205,7 +210,7 @@ def _trainer_course(
                 course, fence=fence, lost_note=note, waiting_pods=note, requeue=REPLACE_RECHECK_SECONDS
             )
     if tj is None:
-        return dataclasses.replace(course, wanted_kinds=(*course.wanted_kinds, "Job"))
+        return dataclasses.replace(course, wanted_roles=(*course.wanted_roles, c.ROLE_TRAINER))
     if obs.job_succeeded(tj) or (report is not None and report.phase == "Succeeded"):
         return dataclasses.replace(
             course,
@@ -282,20 +287,23 @@ def _pods_of(workload: K8sObject, role: str, pods: Sequence[K8sObject]) -> list[
     ]
 
 
-def _leaving_statefulset(course: Course, sts: K8sObject, pods: Sequence[K8sObject], now: datetime.datetime) -> Course:
-    """The job's inference StatefulSet being deleted (in the foreground: a suspend, an eviction, a re-key) while the
-    job wants one again: a server pod on a lost node would hold it for as long as the node object stays, and the job
-    would run with no replicas at all. Once each of its pods has stopped or is lost (obs.pod_gone_for_replacement),
-    it is released as a leaving trainer Job is (_leaving_trainer): deleted again in the Background, its lost pods
-    out of the job's Services; the next pass creates the StatefulSet. Its pod of a lost pod's name waits for that
-    name (a StatefulSet never makes a pod whose name is taken); the others run."""
-    left = _pods_of(sts, c.ROLE_INFERENCE, pods)
+def _leaving_statefulset(
+    course: Course, sts: K8sObject, role: str, pods: Sequence[K8sObject], now: datetime.datetime
+) -> Course:
+    """The job's inference (or environment server) StatefulSet being deleted (in the foreground: a suspend, an
+    eviction, a re-key) while the job wants one again: a server pod on a lost node would hold it for as long as the
+    node object stays, and the job would run with no replicas (or no environment) at all. Once each of its pods has
+    stopped or is lost (obs.pod_gone_for_replacement), it is released as a leaving trainer Job is (_leaving_trainer):
+    deleted again in the Background, its lost pods out of the job's Services; the next pass creates the StatefulSet.
+    Its pod of a lost pod's name waits for that name (a StatefulSet never makes a pod whose name is taken); the
+    others run."""
+    left = _pods_of(sts, role, pods)
     holding, lost, fence = _stale_pods(left, now)
     requeue = REPLACE_RECHECK_SECONDS if course.requeue is None else min(course.requeue, REPLACE_RECHECK_SECONDS)
     if holding or not left or not lost:
         return dataclasses.replace(course, requeue=requeue)
     note = (
-        f"{_lost_details(lost)}: the inference StatefulSet is deleted again in the background (its foreground "
+        f"{_lost_details(lost)}: the {role} StatefulSet is deleted again in the background (its foreground "
         "deletion waits for as long as a lost pod stays) and the lost pods are taken out of the job's Services"
     )
     lost_note = f"{course.lost_note}; {note}" if course.lost_note else note
@@ -323,13 +331,17 @@ def released_while_deleting(
         if workload is None or not obs.deleting(workload):
             continue
         leaving = True
-        role = c.ROLE_TRAINER if workload.get("kind") == "Job" else c.ROLE_INFERENCE
-        left = _pods_of(workload, role, pods)
+        left = _pods_of(workload, _role_of(workload), pods)
         holding, lost, lost_fence = _stale_pods(left, now)
         if left and lost and not holding:
             release += (ChildRef(str(workload.get("kind")), workload["metadata"]["name"]),)
             fence += lost_fence
     return release, fence, leaving
+
+
+def _role_of(workload: K8sObject) -> str:
+    """The role whose pods a workload of the job runs (its role label, as builders.labels sets it)."""
+    return str(((workload.get("metadata") or {}).get("labels") or {}).get(c.LABEL_ROLE, ""))
 
 
 def _stale_pods(
@@ -399,7 +411,8 @@ def startup_deadline(
     if overdue is None or spec.scheduling.on_startup_deadline != "Fail":
         return overdue, course, build
     assert tj is not None  # overdue only with a trainer Job
-    if readiness.makes_progress(readiness.trainer_ranks_up(tj), spec.trainer.replicas, serving):
+    environment = readiness.environment_replicas(spec, observed.environment)
+    if readiness.makes_progress(readiness.trainer_ranks_up(tj), spec.trainer.replicas, serving, environment):
         return overdue, course, build
     deletes = course.deletes
     if tj is not None and not obs.deleting(tj):
@@ -453,14 +466,16 @@ def failed_now(course: Course, observed: Observed, stamp: str, reason: str, mess
 
 
 def release_at_end(
-    spec: GRPOLoraJobSpec, course: Course, sts: K8sObject | None, now: datetime.datetime
+    spec: GRPOLoraJobSpec, course: Course, servers: Sequence[K8sObject | None], now: datetime.datetime
 ) -> tuple[Course, bool]:
-    """A finished job releases its inference GPUs, and is deleted once ttlSecondsAfterFinished has passed (True)."""
+    """A finished job releases its inference GPUs and its environment server (`servers`: their StatefulSets), and
+    is deleted once ttlSecondsAfterFinished has passed (True)."""
     if not course.finished:
         return course, False
     deletes = course.deletes
-    if sts is not None and not obs.deleting(sts):
-        deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)  # release the inference GPUs
+    for sts in servers:
+        if sts is not None and not obs.deleting(sts):
+            deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)  # release the inference GPUs
     requeue, delete_job = course.requeue, False
     left = ttl_left(spec, course.completion, now)
     if left is not None:
@@ -469,10 +484,14 @@ def release_at_end(
     return dataclasses.replace(course, deletes=deletes, requeue=requeue), delete_job
 
 
-def _release(tj: K8sObject | None, sts: K8sObject | None) -> list[ChildRef]:
-    """Delete both workloads (those not already leaving): no pod of the job holds a GPU, or an old token, after."""
-    found = (("Job", tj), ("StatefulSet", sts))
-    return [ChildRef(kind, obj["metadata"]["name"]) for kind, obj in found if obj is not None and not obs.deleting(obj)]
+def _release(observed: Observed) -> list[ChildRef]:
+    """Delete every workload (those not already leaving): no pod of the job holds a GPU, or an old token, after."""
+    kinds = ("Job", "StatefulSet", "StatefulSet")  # as Observed.workloads lists them
+    return [
+        ChildRef(kind, obj["metadata"]["name"])
+        for kind, obj in zip(kinds, observed.workloads, strict=True)
+        if obj is not None and not obs.deleting(obj)
+    ]
 
 
 def _failed_reason(old: JobStatus) -> str:
@@ -509,12 +528,13 @@ def _startup_overdue(
     if deadline == 0 or phase not in ("Pending", "Running") or tj is None or serving is None:
         return None
     trainer_up = readiness.trainer_ranks_up(tj)
+    environment = readiness.environment_replicas(spec, observed.environment)
+    trainer = RoleReplicas(desired=spec.trainer.replicas, ready=trainer_up)
+    counts = ReplicaCounts(trainer=trainer, inference=serving, environment=environment)
     if (
-        readiness.makes_progress(trainer_up, spec.trainer.replicas, serving)
+        readiness.makes_progress(trainer_up, spec.trainer.replicas, serving, environment)
         if on_pool
-        else readiness.all_ready(
-            ReplicaCounts(trainer=RoleReplicas(desired=spec.trainer.replicas, ready=trainer_up), inference=serving)
-        )
+        else readiness.all_ready(counts)
     ):
         return None
     since = cond.find(old.conditions, names.PODS_READY)
@@ -523,7 +543,7 @@ def _startup_overdue(
     if (now - _parse_time(since.last_transition_time)).total_seconds() < deadline:
         return None
     why = observed.warnings[0] if observed.warnings else obs.why_not_ready(observed.pods)
-    ready = f"trainer {trainer_up}/{spec.trainer.replicas} ready, inference {serving.ready}/{serving.desired} ready"
+    ready = readiness.summary(counts)
     detail = f"{why.reason}: {why.message}" if why is not None else "no reason reported"
     return f"pods not all ready {deadline}s (spec.scheduling.startupDeadlineSeconds) after they were created: {ready}; {detail}"  # noqa: E501
 

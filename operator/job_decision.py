@@ -64,6 +64,13 @@ class Observed:
     token: str | None = None
     """Fingerprint of the token in the job's token Secret (grpolora.api.pool.token_fingerprint), as the last full
     pass read or made it; None: not known (the pods' token is then taken as current)."""
+    environment: K8sObject | None = None
+    """The environment server's StatefulSet (spec.environment.server only; None = absent)."""
+
+    @property
+    def workloads(self) -> tuple[K8sObject | None, ...]:
+        """The job's workloads as read: trainer Job, inference StatefulSet, environment StatefulSet (None: absent)."""
+        return (self.trainer_job, self.inference, self.environment)
 
 
 @dataclass(frozen=True)

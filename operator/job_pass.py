@@ -130,15 +130,16 @@ class JobPass:
     async def _leaving_workloads(self, view: JobView) -> rec.Observed:
         """For a job being deleted: its own workloads, and its pods (as they are now) while one of them is leaving."""
         workloads = child_names(view.name)
-        trainer_job, inference = await asyncio.gather(
-            self._workload(kube.JOB, view.namespace, workloads["trainer"]),
-            self._workload(kube.STATEFULSET, view.namespace, workloads["inference"]),
+        found = await asyncio.gather(
+            self._workload(kube.JOB, view.namespace, workloads[c.ROLE_TRAINER]),
+            self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_INFERENCE]),
+            self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_ENVIRONMENT]),
         )
-        ours = [w if w is not None and obs.controller_uid(w) == view.uid else None for w in (trainer_job, inference)]
+        ours = [w if w is not None and obs.controller_uid(w) == view.uid else None for w in found]
         pods: list[dict[str, Any]] = []
         if any(w is not None and obs.deleting(w) for w in ours):
             pods = await self._pods_of_job(view, fresh=True)
-        return rec.Observed(ours[0], ours[1], tuple(pods))
+        return rec.Observed(ours[0], ours[1], tuple(pods), environment=ours[2])
 
     async def _pods_of_job(self, view: JobView, *, fresh: bool) -> list[dict[str, Any]]:
         """The job's pods, from the listing of the operator's pods in its namespace (shared by its jobs)."""
@@ -160,10 +161,15 @@ class JobPass:
             return rec.Observed()
         workloads = child_names(view.name)
         on_pool = view.job.spec.inference.pool_ref is not None
-        trainer_job, inference = await asyncio.gather(
+        server = view.job.spec.environment.server if view.job.spec.environment is not None else None
+        trainer_job, inference, environment = await asyncio.gather(
             self._workload(kube.JOB, view.namespace, workloads["trainer"]),
             # A job on a pool has no StatefulSet of its own.
             _none() if on_pool else self._workload(kube.STATEFULSET, view.namespace, workloads["inference"]),
+            # (One left by a spec.environment.server since removed is no concern: the spec is locked while running.)
+            _none()
+            if server is None
+            else self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_ENVIRONMENT]),
         )
         # A workload of a deleted job of the same name is not this job's: its state (e.g. Complete) says nothing.
         if trainer_job is not None and obs.controller_uid(trainer_job) != view.uid:
@@ -172,17 +178,23 @@ class JobPass:
         if inference is not None and obs.controller_uid(inference) != view.uid:
             blocked.append(rec.ChildRef("StatefulSet", workloads["inference"]))
             inference = None
+        if environment is not None and obs.controller_uid(environment) != view.uid:
+            blocked.append(rec.ChildRef("StatefulSet", workloads[c.ROLE_ENVIRONMENT]))
+            environment = None
         spec = view.job.spec
         pods: list[dict[str, Any]] = []
         warnings: tuple[obs.NotReady, ...] = ()
-        not_ready = readiness.trainer_ranks_up(trainer_job) < spec.trainer.replicas or (
-            not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas
+        not_ready = (
+            readiness.trainer_ranks_up(trainer_job) < spec.trainer.replicas
+            or (not on_pool and obs.statefulset_ready(inference) < spec.inference.replicas)
+            or (server is not None and obs.statefulset_ready(environment) < server.replicas)
         )
         running = not spec.suspend and not is_finished(old)
         # A workload being deleted: which of its pods are still active says when the quota can go back
         # (job_queue._nothing_active), as they are now (a listing taken before they ran would show none).
-        leaving = any(w is not None and obs.deleting(w) for w in (trainer_job, inference))
-        if (running and (trainer_job or inference) and not_ready) or leaving:
+        present = [w for w in (trainer_job, inference, environment) if w is not None]
+        leaving = any(obs.deleting(w) for w in present)
+        if (running and present and not_ready) or leaving:
             # The trainer Job failed: its pods say why (a termination message written as it failed, likely after the
             # shared listing was taken), and the job's failure is final, so they are listed as they are now.
             failed = job_failure.job_failed(trainer_job) or leaving
@@ -190,8 +202,9 @@ class JobPass:
                 self._pods_of_job(view, fresh=failed),
                 self._listing(kube.EVENT, view.namespace, {}, fields={"type": "Warning"}),
             )
-            desired = {"Job": spec.trainer.replicas, "StatefulSet": spec.inference.replicas}
-            present = [w for w in (trainer_job, inference) if w is not None]
+            desired = {workloads["trainer"]: spec.trainer.replicas, workloads["inference"]: spec.inference.replicas}
+            if server is not None:
+                desired[workloads[c.ROLE_ENVIRONMENT]] = server.replicas
             warnings = obs.pod_warnings(events, present, pods, desired)
         claims = (await self._claims(job, view) if full else job.claims) if running else {}
         queue_workload = None
@@ -217,6 +230,7 @@ class JobPass:
             queue_api_missing=job.queue_api_missing,
             pool=pool,
             token=job.token,
+            environment=environment,
         )
 
     async def _pool_view(self, view: JobView, *, full: bool) -> pools.PoolView:

@@ -133,7 +133,7 @@ def _nothing_active(observed: Observed) -> bool:
     none of its pods is active (obs.pod_active; the pass lists them while a workload is being deleted). Kueue's own
     integrations give an evicted Workload's quota back at this point (reconciler.go: once !job.IsActive()), not once
     the pods are gone: one stuck Terminating on a lost node would hold the quota for as long as it stays."""
-    for workload in (observed.trainer_job, observed.inference):
+    for workload in observed.workloads:
         if workload is not None and not obs.deleting(workload):
             return False
     return not any(obs.pod_active(pod) for pod in observed.pods)

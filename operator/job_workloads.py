@@ -30,8 +30,9 @@ def children(
     admitted: Mapping[str, kueue.PodSetInfo] | None = None,
     priority: tuple[str, int] | None = None,
 ) -> tuple[list[K8sObject], dict[str, K8sObject]]:
-    """(the objects kept while suspended, the workloads by kind), exactly as `grpolora render` builds them, with
-    what Kueue's admission adds to the workloads' pod templates (raises kueue.PodSetConflict)."""
+    """(the objects kept while suspended, the workloads by role), exactly as `grpolora render` builds them, with
+    what Kueue's admission adds to the workloads' pod templates (raises kueue.PodSetConflict). By role, not kind:
+    the inference servers and the environment server are both StatefulSets."""
     objects = builders.build_children(
         job_plan,
         owner_uid=uid,
@@ -41,7 +42,7 @@ def children(
         priority=priority,
     )
     kept = [o for o in objects if o["kind"] not in WORKLOAD_KINDS]
-    return kept, {o["kind"]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
+    return kept, {o["metadata"]["labels"][c.LABEL_ROLE]: o for o in objects if o["kind"] in WORKLOAD_KINDS}
 
 
 def with_restart_attempt(trainer_job: K8sObject, attempt: int, incarnation: int | None = None) -> K8sObject:
@@ -75,7 +76,7 @@ def workloads_to_create(
 ) -> tuple[Course, Build]:
     """The workloads the course wants, with what Kueue's admission adds to their pod templates; a conflict with the
     admission fails the job."""
-    if not course.wanted_kinds:
+    if not course.wanted_roles:
         return course, Build()
     placed = _placed_workloads(where.job_plan, view.uid, where.queue, observed)
     if isinstance(placed, kueue.PodSetConflict):
@@ -91,13 +92,13 @@ def workloads_to_create(
             read_flavors=placed.unread, flavor_wait=placed.message
         )
     incarnation = course.incarnation
-    if "Job" in course.wanted_kinds:
+    if c.ROLE_TRAINER in course.wanted_roles:
         # Every new trainer Job is a new incarnation, whatever replaced the last one (names.INCARNATION_ANNOTATION).
         incarnation = 0 if course.incarnation is None else course.incarnation + 1
         course = dataclasses.replace(course, incarnation=incarnation)
     creates = tuple(
-        with_restart_attempt(placed[kind], course.restarts, incarnation) if kind == "Job" else placed[kind]
-        for kind in course.wanted_kinds
+        with_restart_attempt(placed[role], course.restarts, incarnation) if role == c.ROLE_TRAINER else placed[role]
+        for role in course.wanted_roles
     )
     return course, Build(creates=creates)
 
@@ -112,7 +113,7 @@ class _FlavorsMissing:
 def _placed_workloads(
     job_plan: JobPlan, uid: str, queue: str | None, observed: Observed
 ) -> dict[str, K8sObject] | kueue.PodSetConflict | _FlavorsMissing:
-    """The workloads by kind with what Kueue's admission adds (grpolora.operator.kueue); or why they cannot be built
+    """The workloads by role with what Kueue's admission adds (grpolora.operator.kueue); or why they cannot be built
     yet (ResourceFlavors to read, or one that does not exist), or the conflict that keeps them from starting."""
     workload = observed.queue_workload if queue is not None else None
     wanted = kueue.flavor_names(workload)

@@ -12,6 +12,7 @@ import secrets
 from collections.abc import Mapping
 from typing import Any, Final
 
+from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan, child_names
 from grpolora.api.pool import token_fingerprint
 from grpolora.operator import builders, kube, names
@@ -42,10 +43,14 @@ class JobWrites:
     """The Controller's part that carries out a job pass's decision. Its state is set in Controller.__init__."""
 
     async def _withdraw_workloads(self, job: Tracked, view: JobView) -> None:
-        """A job that failed to start keeps no workload: the trainer Job and StatefulSet are created side by side, so
-        the refusal of one leaves the other running (its GPUs held for a Failed job). Deleted in the foreground."""
+        """A job that failed to start keeps no workload: the trainer Job and StatefulSets are created side by side, so
+        the refusal of one leaves the others running (GPUs held for a Failed job). Deleted in the foreground."""
         workloads = child_names(view.name)
-        for kind, name in ((kube.JOB, workloads["trainer"]), (kube.STATEFULSET, workloads["inference"])):
+        for kind, name in (
+            (kube.JOB, workloads[c.ROLE_TRAINER]),
+            (kube.STATEFULSET, workloads[c.ROLE_INFERENCE]),
+            (kube.STATEFULSET, workloads[c.ROLE_ENVIRONMENT]),
+        ):
             self.cache.pop((kind.kind, view.namespace, name), None)  # just created: read from the API
             found = await self._workload(kind, view.namespace, name)
             if found is None or obs.controller_uid(found) != view.uid or obs.deleting(found):

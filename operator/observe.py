@@ -316,7 +316,8 @@ def _newer(use_report: bool, reported: Any, previous: Any) -> Any:
 def pod_warnings(
     events: Sequence[K8sObject], workloads: Sequence[K8sObject], pods: Sequence[K8sObject], desired: Mapping[str, int]
 ) -> tuple[NotReady, ...]:
-    """Why pods are missing or stuck, from Warning events (names.POD_WARNING_REASONS), most telling first.
+    """Why pods are missing or stuck, from Warning events (names.POD_WARNING_REASONS), most telling first. `desired`:
+    the pods each workload wants, by its name.
 
     FailedCreate counts only for a workload that has fewer pods than it wants, mount failures only for a pod still
     waiting to start, and an event about an older object of the same name (another uid) not at all.
@@ -325,7 +326,7 @@ def pod_warnings(
     for workload in workloads:
         meta = workload.get("metadata") or {}
         have = sum(1 for pod in pods if _owned_by(pod, meta.get("uid")))
-        if have < desired.get(workload.get("kind", ""), 0):
+        if have < desired.get(meta.get("name", ""), 0):
             live[(workload.get("kind", ""), meta.get("name", ""))] = meta.get("uid", "")
     for pod in pods:
         waiting = [

@@ -168,7 +168,7 @@ def _decide(view: JobView, old: JobStatus, observed: Observed, now: datetime.dat
     course, build = workloads_to_create(view, where, observed, course, stamp)
     overdue, course, build = startup_deadline(where, old, observed, course, build, now, stamp)
     course, build = active_deadline(spec, observed, course, build, now, stamp)
-    course, delete_job = release_at_end(spec, course, observed.inference, now)
+    course, delete_job = release_at_end(spec, course, (observed.inference, observed.environment), now)
     status, pods_ready = status_of(
         view, old, observed, where, course, progress, admission, volumes, overdue, build, stamp
     )
@@ -208,13 +208,13 @@ def _needs(view: JobView, observed: Observed, course: Course, build: Build) -> N
     """What must be read before the workloads this pass creates (or would, once their flavors are read) are
     created: the job's owner again (not on a new job's first pass, whose body is fresh), the flavors, the trainer
     pods left of its name, the Secrets it names. Each only once: what the observation holds is not asked again."""
-    creating = course.wanted_kinds if build.creates or build.read_flavors else ()
+    creating = course.wanted_roles if build.creates or build.read_flavors else ()
     if not creating:
         return Needs()
     return Needs(
         owner=view.record_applied is None and observed.owner_deleting is None,
         flavors=build.read_flavors,
-        trainer_pods="Job" in creating and observed.trainer_pods_left is None,
+        trainer_pods=c.ROLE_TRAINER in creating and observed.trainer_pods_left is None,
         secrets=not observed.secrets_checked,
     )
 
@@ -223,7 +223,7 @@ def decide_deleting(view: JobView, old: JobStatus, observed: Observed, now: date
     """A job being deleted: nothing is created or written for it, but its workloads that lost pods hold in the
     garbage collector's foreground deletion are released (job_course.released_while_deleting); it is looked at again
     while any of them is leaving."""
-    release, fence, leaving = released_while_deleting((observed.trainer_job, observed.inference), observed.pods, now)
+    release, fence, leaving = released_while_deleting(observed.workloads, observed.pods, now)
     return Decision(
         status=old,
         release=release,
@@ -252,7 +252,10 @@ def decide_refused(
     children exist every field may change). A transient failure keeps the phase and is retried.
     """
     stamp = cond.rfc3339(now)
-    what = f"{_KIND_WORDS.get(refusal.kind, refusal.kind)} {refusal.name}"
+    words = _KIND_WORDS.get(refusal.kind, refusal.kind)
+    if refusal.kind == "StatefulSet" and refusal.name.endswith(f"-{c.ENVIRONMENT_WORKLOAD_SUFFIX}"):
+        words = "environment server StatefulSet"  # (`<job>-env`: never an inference StatefulSet's name)
+    what = f"{words} {refusal.name}"
     if refusal.transient:
         message = f"retrying: the Kubernetes API failed to create the {what}: {refusal.message}"
         return _retrying(

@@ -150,6 +150,8 @@ class ReplicaCounts(_Wire):
     """Trainer pods."""
     inference: RoleReplicas = Field(default_factory=RoleReplicas)
     """Inference pods."""
+    environment: RoleReplicas | None = None
+    """The environment server's pods (spec.environment.server only): ready once they answer GET /health."""
 
 
 class RendezvousStatus(_Wire):

@@ -108,7 +108,7 @@ def test_a_new_job_gets_both_workloads_exactly_as_rendered():
     decision = decide(view, JobStatus(), Observed(), NOW)
     assert kinds(decision.create) == ["Job", "StatefulSet"]
     _, rendered = children(plan(view.job), uid="uid-1", token="unused")
-    assert list(decision.create) == [rendered["Job"], rendered["StatefulSet"]]
+    assert list(decision.create) == [rendered[c.ROLE_TRAINER], rendered[c.ROLE_INFERENCE]]
     assert decision.status.phase == "Pending"
     assert condition(decision, names.CREATED) == ("True", names.R_CHILDREN_CREATED)
     assert condition(decision, names.PODS_READY) == ("False", names.R_WAITING_FOR_PODS)

@@ -1,0 +1,189 @@
+"""spec.environment.server as a role the operator runs (issue 48), walked with the real operator against the emulator:
+its StatefulSet `<job>-env`, headless Service, PodDisruptionBudget and NetworkPolicy created as `grpolora render`
+builds them, its readiness in the job's status and PodsReady, a lost server pod over several passes, suspend and
+resume with a pod on a lost node, Kueue's pod sets and eviction, and deletion with the job.
+
+What the real components do, which the tests play (as test_lost_node.py and test_kueue.py do; nothing copied):
+- The StatefulSet controller writes status.readyReplicas from its pods' Ready condition (pkg/controller/statefulset/
+  stateful_set_control.go updateStatus: isRunningAndReady), and makes a pod of a lost pod's name only once that
+  pod is gone (its identity is the name: stateful_set_control.go processReplica waits on a terminating pod). The
+  tests write readyReplicas as it would (Cluster.set_status) and make pods as it does (Cluster.run_pod_of).
+- The kubelet of a lost node never confirms a pod's end (Emulator.lost_nodes), so the pod stays Terminating and, with
+  blockOwnerDeletion, holds its StatefulSet's foreground deletion (pkg/controller/garbagecollector
+  processDeletingDependentsItem); a second DELETE in the Background drops the foregroundDeletion finalizer
+  (apiserver registry/store.go deletionFinalizersForGarbageCollection), as test_lost_node.py cites. Kubernetes 1.33.
+- The garbage collector deletes every child whose owner (ownerReferences, controller true) is gone (the emulator's
+  collect_garbage).
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+from grpolora.api import constants as c
+from grpolora.api.load import parse_job
+from grpolora.api.plan import plan
+from grpolora.operator import names
+from grpolora.operator.builders import build_children
+from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
+from grpolora.testing.kube_emulator import CRD_RESOURCE as CRD
+from grpolora.testing.kube_emulator import Cluster
+from tests.helpers import job_doc
+from tests.operator.harness import OperatorThread, wait_for
+from tests.operator.kueue_double import FakeKueue, find
+from tests.operator.test_kueue import queued
+from tests.operator.test_lost_node import LOST_NODE, clock_at, deadline_of
+from tests.operator.test_operator import RESOURCE_OF, as_sent, phase
+
+STS = "apps/v1/statefulsets"
+SERVER = {"builtin": "calculator", "server": {"replicas": 2, "resources": {"requests": {"cpu": "1", "memory": "1Gi"}}}}
+
+
+def served(**spec: Any) -> dict[str, Any]:
+    return job_doc(environment=SERVER, **spec)
+
+
+def environment(cluster: Cluster) -> dict[str, Any]:
+    return (cluster.status("demo").get("replicas") or {}).get("environment") or {}
+
+
+def pods_ready(cluster: Cluster) -> dict[str, Any]:
+    return cluster.condition("demo", names.PODS_READY)
+
+
+def statefulsets_created(cluster: Cluster, name: str) -> int:
+    return len([k for k in cluster.emulator.created if k[0] == "statefulsets" and k[-1] == name])
+
+
+async def up(cluster: Cluster, env_ready: int = 2) -> None:
+    """The Job and StatefulSet controllers: the trainer pod runs, the replica is ready, `env_ready` server pods."""
+    await cluster.set_status("batch/v1/jobs", "demo-trainer", {"active": 1, "ready": 1})
+    await cluster.set_status(STS, "demo-inference", {"replicas": 1, "readyReplicas": 1})
+    await cluster.set_status(STS, "demo-env", {"replicas": 2, "readyReplicas": env_ready})
+
+
+async def passes(operator: OperatorThread, count: int) -> None:
+    before = operator.passes()
+    await wait_for(lambda: operator.passes() >= before + count, f"{count} passes of the operator")
+
+
+async def test_the_server_is_created_as_rendered_counted_in_readiness_survives_a_lost_pod_and_goes_with_the_job(
+    cluster, operator, trainer
+):
+    await cluster.apply(served())
+    await wait_for(lambda: cluster.get(STS, "demo-env"), "the environment server's StatefulSet")
+    await wait_for(lambda: cluster.get(STS, "demo-inference"), "the inference StatefulSet beside it")
+    job = cluster.job("demo")
+    token = cluster.get("v1/secrets", "demo-grpolora-token")["stringData"]["token"]
+    for obj in build_children(plan(parse_job(served())), owner_uid=job["metadata"]["uid"], token=token):
+        actual = cluster.get(RESOURCE_OF[obj["kind"]], obj["metadata"]["name"])
+        assert actual is not None, f"missing {obj['kind']} {obj['metadata']['name']}"
+        assert as_sent(actual) == obj, f"{obj['kind']} {obj['metadata']['name']} differs from `grpolora render`"
+    for kind in ("Service", "NetworkPolicy", "PodDisruptionBudget"):
+        assert cluster.get(RESOURCE_OF[kind], "demo-env") is not None, kind
+    await wait_for(lambda: environment(cluster) == {"desired": 2, "ready": 0}, "status.replicas.environment")
+
+    # Ready: every role's pods, the server's included.
+    trainer.report = {"phase": "Running", "totalSteps": 3, "syncMembers": [0], "step": 1}
+    await up(cluster)
+    await wait_for(lambda: pods_ready(cluster).get("status") == "True", "PodsReady")
+    assert environment(cluster) == {"desired": 2, "ready": 2} and cluster.status("demo")["ready"] == "4/4"
+    await wait_for(lambda: phase(cluster) == "Running", "Running")
+
+    # A server pod lost (its node gone): the StatefulSet controller counts one ready, and cannot make a pod of its
+    # name while it stays. The job runs on with the other server, over several passes: nothing is deleted or made.
+    lost = await cluster.run_pod_of(STS, "demo-env", 0, node=LOST_NODE)
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.delete_pod(lost)
+    await up(cluster, env_ready=1)
+    await wait_for(lambda: pods_ready(cluster).get("status") == "False", "PodsReady False")
+    assert "environment 1/2 ready" in pods_ready(cluster)["message"]
+    for _ in range(3):
+        await passes(operator, 2)
+        assert phase(cluster) == "Running" and environment(cluster) == {"desired": 2, "ready": 1}
+        assert statefulsets_created(cluster, "demo-env") == 1 and cluster.get(STS, "demo-env") is not None
+        assert cluster.get("v1/pods", lost) is not None, "only its node or an admin removes the lost pod"
+    # Its node comes back and confirms; the controller makes the pod again and it turns ready.
+    cluster.emulator.lost_nodes.discard(LOST_NODE)
+    await cluster.emulator.end_grace_periods()
+    await up(cluster, env_ready=2)
+    await wait_for(lambda: pods_ready(cluster).get("status") == "True", "PodsReady again")
+
+    # Deleted with the job: the collector removes every child of it, the server's too.
+    await cluster.delete_job("demo")
+    await wait_for(lambda: cluster.get(CRD, "demo") is None, "the job removed")
+    await wait_for(lambda: cluster.get(STS, "demo-env") is None, "the server's StatefulSet collected", timeout=15)
+    for kind in ("Service", "NetworkPolicy", "PodDisruptionBudget"):
+        await wait_for(lambda k=kind: cluster.get(RESOURCE_OF[k], "demo-env") is None, f"the server's {kind} collected")
+
+
+async def test_suspend_removes_the_server_and_a_pod_on_a_lost_node_does_not_hold_its_return(cluster, operator):
+    """Suspend deletes the server's StatefulSet in the foreground with the other workloads; a server pod on a lost
+    node holds it there. On resume the job wanted it again: it is released as the inference StatefulSet is (deleted
+    again in the Background once the pod is past its lost deadline, the pod fenced out of the job's Services) and
+    made again; before that deadline nothing is released."""
+    await cluster.apply(served())
+    await wait_for(lambda: cluster.get(STS, "demo-env"), "the children")
+    lost = await cluster.run_pod_of(STS, "demo-env", 0, node=LOST_NODE)
+    await cluster.run_pod_of(STS, "demo-env", 1, node="cpu-node-1")
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.patch_spec("demo", {"suspend": True})
+    await wait_for(lambda: phase(cluster) == "Suspended", "Suspended")
+    await wait_for(lambda: cluster.get(STS, "demo-inference") is None, "the inference StatefulSet gone")
+    await wait_for(lambda: (cluster.get("v1/pods", lost) or {}).get("metadata", {}).get("deletionTimestamp"), "lost")
+    held = cluster.get(STS, "demo-env")
+    assert held is not None and held["metadata"]["finalizers"] == ["foregroundDeletion"]
+    assert environment(cluster).get("desired") == 0
+
+    lost_at = deadline_of(cluster.get("v1/pods", lost)) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    assert operator.controller is not None
+    operator.controller.clock = clock_at(lost_at - datetime.timedelta(seconds=5))
+    await cluster.patch_spec("demo", {"suspend": False})
+    await wait_for(lambda: statefulsets_created(cluster, "demo-inference") == 2, "the inference StatefulSet again")
+    for _ in range(3):
+        await passes(operator, 1)
+        assert statefulsets_created(cluster, "demo-env") == 1, "released while not lost"
+
+    operator.controller.clock = clock_at(lost_at + datetime.timedelta(seconds=1))
+    await wait_for(lambda: statefulsets_created(cluster, "demo-env") == 2, "the server's StatefulSet made again")
+    fresh = cluster.get(STS, "demo-env")
+    assert fresh is not None and not fresh["metadata"].get("deletionTimestamp")
+    assert c.LABEL_JOB_UID not in cluster.get("v1/pods", lost)["metadata"]["labels"], "still in its Service"
+
+
+async def test_a_job_deleted_in_the_foreground_is_not_held_by_a_lost_server_pod(cluster, operator):
+    await cluster.apply(served())
+    await wait_for(lambda: cluster.get(STS, "demo-env"), "the children")
+    lost = await cluster.run_pod_of(STS, "demo-env", 0, node=LOST_NODE)
+    cluster.emulator.lost_nodes.add(LOST_NODE)
+    await cluster.delete_job("demo", cascade="Foreground")
+    await wait_for(lambda: (cluster.get("v1/pods", lost) or {}).get("metadata", {}).get("deletionTimestamp"), "lost")
+    lost_at = deadline_of(cluster.get("v1/pods", lost)) + datetime.timedelta(seconds=POD_LOST_AFTER_SECONDS)
+    assert operator.controller is not None
+    operator.controller.clock = clock_at(lost_at - datetime.timedelta(seconds=5))
+    await passes(operator, 3)
+    assert cluster.get(CRD, "demo") is not None and cluster.get(STS, "demo-env") is not None
+
+    operator.controller.clock = clock_at(lost_at + datetime.timedelta(seconds=1))
+    await wait_for(lambda: cluster.get(CRD, "demo") is None, "the job removed", timeout=15)
+    assert cluster.get(STS, "demo-env") is None and statefulsets_created(cluster, "demo-env") == 1
+
+
+async def test_kueue_admits_the_server_as_a_third_pod_set_and_an_eviction_removes_it(cluster, operator):
+    async with FakeKueue(cluster, capacity=1) as kueue:
+        await cluster.apply(queued(environment=SERVER))
+        await wait_for(lambda: kueue.workload("demo"), "the Kueue Workload")
+        sets = kueue.workload("demo")["spec"]["podSets"]
+        assert [(s["name"], s["count"]) for s in sets] == [("trainer", 1), ("inference", 1), ("environment", 2)]
+        assert sets[2]["template"]["spec"]["containers"][0]["resources"] == SERVER["server"]["resources"]
+        await wait_for(lambda: cluster.get(STS, "demo-env"), "the server, once admitted")
+        template = cluster.get(STS, "demo-env")["spec"]["template"]
+        assert template["metadata"]["labels"]["kueue.x-k8s.io/podset"] == "environment"
+
+        # Evicted: every workload goes, the server's too, and only then is the quota given back.
+        await kueue.add_workload("urgent", priority=100)
+        await kueue.preempt("demo", by="urgent")
+        await wait_for(lambda: cluster.get(STS, "demo-env") is None, "the server released")
+        await wait_for(lambda: kueue.admissions == ["demo", "urgent"], "the preemptor admitted")
+        assert find(kueue.workload("demo"), "QuotaReserved")["status"] == "False"
