@@ -33,6 +33,7 @@ from grpolora.workers.models import resolve_model
 from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.trainer.main import exit_code
 from grpolora.workers.trainer.rollout import Sampling
+from tests.helpers import example
 from tests.workers.test_episodes import PROMPT, ScriptedReplicas, _runner
 
 TOKEN = "env-s3cret"
@@ -76,9 +77,11 @@ def tokenizer():
 
 @pytest.fixture(scope="module")
 def two_servers(tmp_path_factory):
-    """Two processes of the project's service serving the calculator, as `grpolora run` starts them for
-    `server: {replicas: 2}`."""
-    servers = EnvironmentServers(served(replicas=2), tmp_path_factory.mktemp("logs"), TOKEN, ports=free_ports(2))
+    """Two processes of the project's service serving the calculator, as `grpolora run` starts them for the example
+    job's `server: {replicas: 2}`."""
+    spec = EnvironmentSpec.model_validate(example("calculator-server.yaml")["spec"]["environment"])
+    assert spec.builtin == "calculator" and spec.server is not None and spec.server.replicas == 2
+    servers = EnvironmentServers(spec, tmp_path_factory.mktemp("logs"), TOKEN, ports=free_ports(2))
     servers.start()
     yield servers
     servers.stop()
