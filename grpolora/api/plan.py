@@ -483,19 +483,25 @@ def _environment_role(
 
 
 def environment_server_command(
-    environment: EnvironmentSpec, *, port: int, token_file: str | None, python: str = "python"
+    environment: EnvironmentSpec,
+    *,
+    port: int | str,
+    token_file: str | None,
+    host: str | None = None,
+    python: str = "python",
 ) -> tuple[list[str], list[str]]:
     """(command, args) of an environment server: the server's own `command` and `args`, or with none the project's
-    service of the job's `builtin` or `plugin` on `port`, reading the job's token from `token_file` (None: from
-    GRPOLORA_ENVIRONMENT_TOKEN, as a local run passes it), then the server's `args`. The operator's pods and `grpolora
-    run` start the same one (`python`: the interpreter, `python` on the worker image's PATH)."""
+    service of the job's `builtin` or `plugin` on `host` (None: the service's default, every address) and `port`,
+    reading the job's token from `token_file` (None: from GRPOLORA_ENVIRONMENT_TOKEN, as a local run passes it), then
+    the server's `args`. The operator's pods and `grpolora run` (workers/launcher/environment_servers.py) start the
+    same one (`python`: the interpreter, `python` on the worker image's PATH)."""
     server = environment.server
     assert server is not None, "spec.environment.server is not set"
     if server.command is not None:
         return list(server.command), list(server.args)
     served = environment.builtin or environment.plugin
     assert served is not None, "a server with no command serves a builtin or plugin (spec validation)"
-    args = ["--environment", served, "--port", str(port)]
+    args = ["--environment", served, *(("--host", host) if host is not None else ()), "--port", str(port)]
     if token_file is not None:
         args += ["--token-file", token_file]
     return [python, "-m", SERVICE_MODULE], [*args, *server.args]

@@ -33,11 +33,11 @@ from pathlib import Path
 import httpx
 
 from grpolora.api import contract
+from grpolora.api.plan import SERVICE_MODULE, environment_server_command
 from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.lifetime import die_with_parent
 
 FIELD = "spec.environment.server"
-SERVICE_MODULE = "grpolora.workers.environments.service"
 READY_SECONDS = 120.0
 """How long `grpolora run` waits for a server's first 200 from GET /health (a plugin importing a heavy library)."""
 POLL_SECONDS = 0.1
@@ -110,14 +110,11 @@ def server_processes(spec: EnvironmentSpec, ports: Sequence[int], token: str) ->
     found = []
     for port in ports:
         env = own | {contract.ENVIRONMENT_PORT: str(port), contract.ENVIRONMENT_TOKEN: token}
-        if server.command is None:
-            served = spec.builtin or spec.plugin
-            assert served is not None  # the spec requires a kind to serve, or a command
-            command = ["python", "-m", SERVICE_MODULE, "--environment", served, "--host", "127.0.0.1", "--port",
-                       f"$({contract.ENVIRONMENT_PORT})"]  # fmt: skip
-        else:
-            command = list(server.command)
-        argv = [expand(part, env) for part in [*command, *server.args]]
+        # The pods' command (grpolora.api.plan, one source), on loopback; its port expanded below as a pod's would be.
+        command, args = environment_server_command(
+            spec, port=f"$({contract.ENVIRONMENT_PORT})", token_file=None, host="127.0.0.1"
+        )
+        argv = [expand(part, env) for part in [*command, *args]]
         if argv[0] in ("python", "python3"):
             argv[0] = sys.executable
         found.append(ServerProcess(tuple(argv), env, port))
