@@ -162,7 +162,8 @@ class JobPlan:
     environment: RolePlan | None = None
     """spec.environment.server's pods (a StatefulSet of the job's own, also on a RolloutPool); None without one."""
     environment_endpoints: tuple[str, ...] = ()
-    """The base URL of each environment server pod, in pod order (the trainer's GRPOLORA_ENVIRONMENT_URL)."""
+    """The base URL of each environment server pod, in pod order (the trainer's GRPOLORA_ENVIRONMENT_URL); empty on the
+    loopback network, where `grpolora run` gives the trainer the URLs of the processes it started."""
 
     @property
     def roles(self) -> tuple[RolePlan, ...]:
@@ -386,7 +387,9 @@ def plan(
     # prompts and episodes with it, a job's own servers its chat sessions (workers/inference/sessions.py).
     server = spec.environment.server if spec.environment is not None else None
     environment_endpoints: tuple[str, ...] = ()
-    if server is not None:
+    if server is not None and cluster:
+        # Locally `grpolora run` starts the servers on free ports and gives the trainer their URLs itself
+        # (workers/launcher/environment_servers.py): port + i could be an inference replica's.
         environment_endpoints = _endpoints(
             network, names[c.ROLE_ENVIRONMENT], namespace, server.port, server.replicas
         )
@@ -395,7 +398,7 @@ def plan(
         *((EnvVar(env.SECRETS_DIR, SECRETS_MOUNT),) if cluster and trainer_secrets(spec) else ()),
         # One URL per server pod: the trainer pins each episode to one (its reset, steps and close reach the server
         # that holds it), which a load-balancing Service would not.
-        *((EnvVar(env.ENVIRONMENT_URL, ",".join(environment_endpoints)),) if server is not None else ()),
+        *((EnvVar(env.ENVIRONMENT_URL, ",".join(environment_endpoints)),) if environment_endpoints else ()),
     )
     if cluster and spec.task.chat_template_from:
         common += (EnvVar(env.CHAT_TEMPLATE_FILE, f"{CHAT_TEMPLATE_MOUNT}/{CHAT_TEMPLATE_NAME}"),)
