@@ -292,7 +292,8 @@ def test_a_session_the_trainer_opened_is_pinned_bounded_and_sampled_as_the_job_s
     assert [a.choices[0].message.content for a in (first, second)] == ["m11", "m11"]  # version 1's adapter
     assert [(r.temperature, r.top_p, r.top_k, r.max_tokens, r.seed) for r in asked] == [(0.5, 0.9, 5, 3, 7),
                                                                                           (0.5, 0.9, 5, 3, 8)]
-    assert refused.status_code == 400 and "spec.environment.maxTurns" in refused.response.text
+    # In the client's own words too (OpenAI's `error.message`): an agent's log says why, not just "Error code: 400".
+    assert refused.status_code == 400 and "spec.environment.maxTurns" in str(refused)
     with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         record = http.post(f"{served.url}/sessions/agent-1/close").json()
     assert "maxTurns" in record["refused"] and len(record["calls"]) == 2

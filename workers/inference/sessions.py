@@ -42,9 +42,11 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 from fastapi import FastAPI, HTTPException, Request, Response
-from fastapi.exception_handlers import request_validation_exception_handler
+from fastapi.exception_handlers import http_exception_handler, request_validation_exception_handler
 from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from grpolora.api.spec import GRPOLoraJobSpec
 from grpolora.workers.environments.base import EnvironmentFault, Message, Opening
@@ -356,6 +358,18 @@ def add_session_routes(
         return await request_validation_exception_handler(http, exc)
 
     app.add_exception_handler(RequestValidationError, refused_body)
+
+    async def openai_error(http: Request, exc: Exception) -> Response:
+        """A session's refusal as OpenAI's clients read one (`error.message`, which they put in the exception's text:
+        an agent's log says why, not only the status), beside FastAPI's `detail`; elsewhere FastAPI's own answer."""
+        assert isinstance(exc, StarletteHTTPException)
+        if not http.url.path.startswith(SESSIONS_PATH + "/"):
+            return await http_exception_handler(http, exc)
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        error = {"message": str(exc.detail), "type": kind, "code": exc.status_code}
+        return JSONResponse({"detail": exc.detail, "error": error}, status_code=exc.status_code, headers=exc.headers)
+
+    app.add_exception_handler(StarletteHTTPException, openai_error)
 
     @app.post(SESSIONS_PATH + "/{sid}" + CHAT_PATH)
     @counted
