@@ -298,7 +298,8 @@ def best_effort_roles(job: GRPOLoraJob) -> list[str]:
     """The spec paths of the roles whose pods would be BestEffort: no container (the worker, sidecars and init
     containers of podTemplate) requests or limits cpu or memory. Kubernetes' rule (pkg/apis/core/helper/qos/qos.go,
     ComputePodQOS: only cpu and memory, non-zero, in requests or limits); such pods are evicted first under node
-    pressure. A job on a RolloutPool has no inference pods of its own."""
+    pressure. A job on a RolloutPool has no inference pods of its own; spec.environment.server's pods (one
+    container, no podTemplate) count too."""
     roles = [("spec.trainer", job.spec.trainer)]
     if job.spec.inference.pool_ref is None:
         roles.append(("spec.inference", job.spec.inference))
@@ -311,6 +312,9 @@ def best_effort_roles(job: GRPOLoraJob) -> list[str]:
         ]
         if not any(_sets_qos_resource(resources) for resources in containers):
             found.append(path)
+    server = job.spec.environment.server if job.spec.environment is not None else None
+    if server is not None and not _sets_qos_resource(server.resources):
+        found.append("spec.environment.server")
     return found
 
 

@@ -115,3 +115,21 @@ def test_a_job_being_deleted_watches_its_leaving_server():
     leaving = env_sts(0, uid="sts-uid", deletionTimestamp="2026-01-01T11:59:00Z", finalizers=["foregroundDeletion"])
     decision = decide_deleting(view(), running_status(), Observed(environment=leaving), NOW)
     assert decision.requeue_after is not None and not decision.idle
+
+
+def test_a_server_without_requests_is_warned_of_as_best_effort():
+    """Its pods run BestEffort (evicted first under node pressure), as `grpolora validate` says of the other roles."""
+    from grpolora.api.load import best_effort_roles, parse_job
+    from tests.helpers import job_doc
+
+    sized = {"requests": {"cpu": "1", "memory": "1Gi"}}
+    job = parse_job(
+        job_doc(trainer={"resources": sized}, inference={"resources": sized}, environment=SERVER)
+    )
+    assert best_effort_roles(job) == ["spec.environment.server"]
+    served = {**SERVER, "server": {**SERVER["server"], "resources": sized}}
+    sized_job = parse_job(job_doc(trainer={"resources": sized}, inference={"resources": sized}, environment=served))
+    assert best_effort_roles(sized_job) == []
+    decision = decide(view(), JobStatus(), Observed(), NOW)
+    found = next(k for k in decision.status.conditions if k.type == names.PODS_BEST_EFFORT)
+    assert "spec.environment.server.resources" in found.message
