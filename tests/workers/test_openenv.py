@@ -29,6 +29,45 @@ from grpolora.workers.trainer.rollout import Sampling
 
 READY = "Echo Env environment ready!"  # what the template's EchoEnvironment.reset says
 
+# An MCP environment as OpenEnv's own are written (its repository's envs/echo_env: an MCPEnvironment whose FastMCP
+# server holds the tools, served with CallToolAction as its action class), with openenv-core's helpers only.
+ADDER = textwrap.dedent("""
+    from fastmcp import FastMCP
+    from openenv.core.env_server.http_server import create_fastapi_app
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.mcp_types import CallToolAction, CallToolObservation
+    from openenv.core.env_server.types import Observation, State
+
+
+    class AdderEnvironment(MCPEnvironment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self):
+            tools = FastMCP("adder")
+
+            @tools.tool()
+            def add(a: int, b: int) -> int:
+                \"\"\"a + b\"\"\"
+                return a + b
+
+            super().__init__(tools)
+            self._state = State()
+
+        def reset(self, seed=None, episode_id=None, **kwargs):
+            self._state = State(episode_id=episode_id)
+            return Observation()
+
+        def _step_impl(self, action, timeout_s=None, **kwargs):
+            return Observation(done=True)
+
+        @property
+        def state(self):
+            return self._state
+
+
+    app = create_fastapi_app(AdderEnvironment, CallToolAction, CallToolObservation, max_concurrent_envs=4)
+""")
+
 
 @pytest.fixture(scope="module")
 def echo_env(tmp_path_factory):
@@ -49,6 +88,7 @@ def echo_env(tmp_path_factory):
         echo_here = openenv_environment(EchoEnvironment)  # the same environment in the plugin's process
         """)
     )
+    (root / "adder_env.py").write_text(ADDER)
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
@@ -231,6 +271,55 @@ def test_the_job_servers_command_serves_an_openenv_environment(echo_env):
         client.close()
         process.kill()
         process.wait(10)
+
+
+def call(name: str, arguments: str) -> dict:
+    return {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call-1", "type": "function", "function": {"name": name, "arguments": arguments}}]}  # fmt: skip
+
+
+def test_an_mcp_environment_lists_its_tools_and_answers_each_call_in_process_and_through_its_server(echo_env):
+    """An MCP environment (OpenEnv's MCPToolClient, or the MCPEnvironment class in-process): its tools reach the
+    chat template at reset (ListToolsAction, in OpenAI's form), each tool call of the assistant's is a CallToolAction
+    answered by a tool message with the call's id, a call it cannot make is answered with the error, and a message
+    without calls ends the episode. Its reset says nothing (MCPToolClient keeps no field of a reset's observation):
+    the episode opens with the task's prompt."""
+    from adder_env import AdderEnvironment, app
+    from openenv.core.mcp_client import MCPToolClient
+
+    from tests.workers.rewardserver import AppServer
+
+    served = AppServer(app).start()
+    prompt = Prompt("What is 2 + 3?", system="Use the tools.")
+    played = []
+    try:
+        for factory in (openenv_environment(MCPToolClient, served.url), openenv_environment(AdderEnvironment)):
+            episode = factory()
+            played.append((
+                episode.reset(prompt),
+                episode.step(call("add", '{"a": 2, "b": 3}')),
+                episode.step(call("mul", '{"a": 2, "b": 3}')),
+                episode.step(call("add", '{"a": 2,')),
+                episode.step({"role": "assistant", "content": "Answer: 5"}),
+            ))  # fmt: skip
+            episode.close()
+            factory.close()
+    finally:
+        served.stop()
+    assert played[0] == played[1]
+    opening, added, unknown, unreadable, answered = played[0]
+    system, user = {"role": "system", "content": "Use the tools."}, {"role": "user", "content": prompt.text}
+    assert opening.messages == [system, user]
+    [tool] = opening.tools
+    assert (tool["type"], tool["function"]["name"], tool["function"]["description"]) == ("function", "add", "a + b")
+    assert tool["function"]["parameters"]["required"] == ["a", "b"]
+    assert added == Reply([{"role": "tool", "content": "5", "name": "add", "tool_call_id": "call-1"}], False, None)
+    assert unknown.messages == [{"role": "tool", "content": "error: Unknown tool: 'mul'", "name": "mul",
+                                 "tool_call_id": "call-1"}]  # fmt: skip
+    assert unreadable.messages[0]["content"].startswith("error: the arguments of 'add' are not JSON")
+    assert answered == Reply([], True, None)  # the task's reward scores "Answer: 5"
+    with pytest.raises(ValueError, match="an MCP environment's actions are the assistant's tool calls"):
+        openenv_environment(AdderEnvironment, action="a")
 
 
 def test_a_text_the_servers_action_refuses_is_the_models_mistake_and_a_missing_mapping_fails_the_load(

@@ -24,10 +24,12 @@ and the job says `environment: {plugin: my_module:echo}`. Two ways to reach the 
 The mapping, both ways: reset(prompt) calls the environment's reset with `reset(prompt)` as keyword arguments
 (default: a `seed`, the prompt's `seed` column or a CRC of its text, so the episodes of a group play the same game;
 an environment's reset takes the ones its signature names, as OpenEnv's server filters them), and its observation
-becomes the opening; step(message) makes the action from the assistant message with `action` (default: the
-content into the Action class's one required text field), and the observation it gets becomes the messages to
-append (`observation`: default its one text field, or else its fields as JSON), its reward the turn's and its done
-the episode's end.
+becomes the opening (one that says nothing: the task's prompt); step(message) makes the action from the assistant
+message with `action` (default: the content into the Action class's one required text field), and the observation
+it gets becomes the messages to append (`observation`: default its one text field, or else its fields as JSON), its
+reward the turn's and its done the episode's end. An MCP environment (OpenEnv's MCPToolClient, or an MCPEnvironment
+class) is a tool environment instead: its tools (ListToolsAction) reach the chat template at reset, and each tool
+call of the assistant's (spec.environment.toolParser) is one CallToolAction, answered by a tool message.
 
 Faults, as base.py has them: a server that cannot be reached, closes the connection, times out or is full
 (CAPACITY_REACHED, a session it cannot make) is EnvironmentUnavailable: the episode is played again on a fresh
@@ -52,6 +54,9 @@ from typing import Any
 try:
     from openenv.core.env_client import EnvClient
     from openenv.core.env_server.interfaces import Environment as OpenEnvEnvironmentBase
+    from openenv.core.env_server.mcp_environment import MCPEnvironment
+    from openenv.core.env_server.mcp_types import CallToolAction, ListToolsAction
+    from openenv.core.mcp_client import MCPClientBase
 except ImportError as err:  # an optional dependency: only jobs that use OpenEnv need it
     raise ImportError(
         f"grpolora.workers.environments.openenv needs OpenEnv's client: pip install openenv-core ({err})"
@@ -92,6 +97,7 @@ def openenv_environment(
     action: str | ActionMap | None = None,
     observation: str | ObservationMap | None = None,
     reset: ResetArgs | None = None,
+    tools: list[dict[str, Any]] | None = None,
     role: str = "user",
     timeout_seconds: float = 60.0,
 ) -> OpenEnvFactory:
@@ -107,9 +113,12 @@ def openenv_environment(
     else its fields as JSON.
     `reset`: the reset's keyword arguments from the task's Prompt. Default: {"seed": the prompt's `seed` meta, or a
     CRC-32 of its text}.
+    `tools`: tool specs for the chat template (OpenAI's form). An MCP environment's (an MCPToolClient, or an
+    MCPEnvironment class) are listed from it at each reset, and its steps are the assistant's tool calls (one
+    CallToolAction each, answered by a tool message); a message without calls ends the episode.
     `timeout_seconds`: a client's connection and each answer at most (the trainer's stepTimeoutSeconds bounds them
     too)."""
-    return OpenEnvFactory(env, base_url, action=action, observation=observation, reset=reset, role=role,
+    return OpenEnvFactory(env, base_url, action=action, observation=observation, reset=reset, tools=tools, role=role,
                           timeout_seconds=timeout_seconds)  # fmt: skip
 
 
@@ -119,7 +128,7 @@ class OpenEnvFactory:
 
     def __init__(self, env: type | Callable[[], Any], base_url: str | Sequence[str] | None, *,
                  action: str | ActionMap | None, observation: str | ObservationMap | None, reset: ResetArgs | None,
-                 role: str, timeout_seconds: float):  # fmt: skip
+                 tools: list[dict[str, Any]] | None, role: str, timeout_seconds: float):  # fmt: skip
         self.remote = inspect.isclass(env) and issubclass(env, EnvClient)
         name = getattr(env, "__name__", repr(env))
         where = f"openenv_environment({name})"
@@ -139,13 +148,25 @@ class OpenEnvFactory:
             raise ValueError(f"{where}: role {role!r}; valid: user, tool, system")
         if not timeout_seconds > 0:
             raise ValueError(f"{where}: timeout_seconds must be > 0, got {timeout_seconds!r}")
-        self.env, self.role, self.timeout_seconds = env, role, float(timeout_seconds)
-        self.to_action = _action_map(action, _action_type(env, self.remote), where)
+        self.env, self.role, self.timeout_seconds, self.tools = env, role, float(timeout_seconds), tools
+        # An MCP environment's actions are tool calls (openenv-core's mcp_types: ListToolsAction, CallToolAction).
+        self.mcp = inspect.isclass(env) and issubclass(env, MCPClientBase if self.remote else MCPEnvironment)
+        if self.mcp and action is not None:
+            raise ValueError(f"{where}: an MCP environment's actions are the assistant's tool calls; no action=")
+        self.to_action = None if self.mcp else _action_map(action, _action_type(env, self.remote), where)
         self.to_messages = _observation_map(observation, role)
+        self.default_observation = observation is None
         self.reset_args = reset or default_reset_args
         self._next = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_lock = threading.Lock()
+
+    def says_nothing(self, observation: Any) -> bool:
+        """An observation with no field of its own (done, reward and metadata aside), read the default way: the
+        episode opens with the task's prompt instead. OpenEnv's MCPToolClient parses every other observation so (its
+        _parse_result keeps tools and tool results only), and its server never sends metadata (serialize_observation
+        leaves it out)."""
+        return self.default_observation and not _fields(observation)
 
     def __call__(self) -> OpenEnvEpisode:
         if self.remote:
@@ -179,15 +200,47 @@ class OpenEnvEpisode:
         observation, _reward, done = self._session.reset(self._factory.reset_args(prompt))
         if done:
             raise EnvironmentFault("reset(): the OpenEnv environment says its episode is already over")
-        return Opening(self._factory.to_messages(observation))
+        tools = self._factory.tools
+        if tools is None and self._factory.mcp:
+            listed, _reward, _done = self._session.step(ListToolsAction())
+            tools = [_tool_spec(tool) for tool in getattr(listed, "tools", None) or []]
+        if self._factory.says_nothing(observation):  # e.g. MCPToolClient's reset, which keeps no field of its own
+            return Opening(prompt_messages(prompt), tools)
+        return Opening(self._factory.to_messages(observation), tools)
 
     def step(self, message: Message) -> Reply:
+        if self._factory.mcp:
+            return self._call_tools(message)
+        assert self._factory.to_action is not None  # every other kind has one
         try:
             act = self._factory.to_action(message)
         except pydantic.ValidationError as exc:  # the model's text does not make an action: its mistake
             raise InvalidAction(_validation_summary(exc)) from None
         observation, reward, done = self._session.step(act)
         return Reply([] if done else self._factory.to_messages(observation), bool(done), reward)
+
+    def _call_tools(self, message: Message) -> Reply:
+        """Each of the message's tool calls as a CallToolAction, answered by a tool message with its call's id; the
+        turn's reward sums theirs. A message without calls is the final answer: the episode ends (spec.task's reward
+        scores it unless a call gave one)."""
+        answers, rewards, done = [], [], False
+        for name, arguments, call_id in _tool_calls(message):
+            answer: Message = {"role": "tool", "content": "", "name": name}
+            if call_id is not None:
+                answer["tool_call_id"] = call_id
+            if isinstance(arguments, str):  # arguments that are not a JSON object: the model's mistake, answered
+                answer["content"] = f"error: {arguments}"
+            else:
+                observation, reward, done = self._session.step(CallToolAction(tool_name=name, arguments=arguments))
+                answer["content"] = _tool_result(observation)
+                if reward is not None:
+                    rewards.append(reward)
+            answers.append(answer)
+            if done:
+                break
+        if not answers:
+            return Reply(done=True)
+        return Reply([] if done else answers, done, sum(rewards) if rewards else None)
 
     def close(self) -> None:
         self._session.close()
@@ -278,6 +331,17 @@ def _accepted(fn: Callable[..., Any], kwargs: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in kwargs.items() if k in names}
 
 
+def prompt_messages(prompt: Prompt) -> list[Message]:
+    """The task's prompt as a conversation: its chat row's messages, or its text as the user's; its system prompt
+    first where it has one."""
+    messages: list[Message] = [dict(m) for m in prompt.messages] if prompt.messages else []
+    if not messages:
+        messages = [{"role": "user", "content": prompt.text}]
+    if prompt.system and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": prompt.system})
+    return messages
+
+
 def default_reset_args(prompt: Prompt) -> dict[str, Any]:
     """The prompt's `seed` column, else a CRC-32 of its text: the episodes of a group play the same game (OpenEnv's
     ResetRequest takes a seed >= 0)."""
@@ -331,6 +395,45 @@ def _text_field(action_type: type | None, where: str) -> str:
         raise ValueError(f"{where}: {action_type.__name__} needs {', '.join(required) or 'no field'}, not one text "
                          "field; pass action= (a function from the assistant message to an action)")  # fmt: skip
     return text[0]
+
+
+def _tool_calls(message: Message) -> list[tuple[str, dict[str, Any] | str, str | None]]:
+    """(name, arguments or why they are unusable, call id) of each OpenAI-form tool call of the message."""
+    calls = []
+    for call in message.get("tool_calls") or []:
+        function = call.get("function") or {}
+        name, arguments = str(function.get("name") or ""), function.get("arguments") or "{}"
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except ValueError:
+                arguments = f"the arguments of {name!r} are not JSON: {arguments[:200]!r}"
+        if not isinstance(arguments, dict | str):
+            arguments = f"the arguments of {name!r} are not a JSON object"
+        calls.append((name, arguments, call.get("id")))
+    return calls
+
+
+def _tool_spec(tool: Any) -> dict[str, Any]:
+    """An MCP tool (openenv-core mcp_types.Tool) as the chat template takes a tool: OpenAI's function form."""
+    fields = _fields(tool)
+    parameters = fields.get("input_schema") or {"type": "object", "properties": {}}
+    function = {"name": fields.get("name", ""), "description": fields.get("description", ""), "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+def _tool_result(observation: Any) -> str:
+    """A CallToolObservation as the tool message's text: its error, or its result (FastMCP's CallToolResult gives
+    the tool's return value as `data`, in-process as an attribute and over the wire as a key)."""
+    error = getattr(observation, "error", None)
+    if error is not None:
+        return f"error: {getattr(error, 'message', error)}"
+    result = getattr(observation, "result", None)
+    if hasattr(result, "data"):
+        result = result.data
+    elif isinstance(result, Mapping) and "data" in result:
+        result = result["data"]
+    return "" if result is None else _as_text(result)
 
 
 def _observation_map(observation: str | ObservationMap | None, role: str) -> Callable[[Any], list[Message]]:
