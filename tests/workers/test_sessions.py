@@ -450,7 +450,7 @@ def test_a_session_forgotten_idle_is_counted_with_its_calls_and_tokens():
     old = sessions.open(job, "old", 0)
     sample = Sample([4, 5], [-0.1, -0.2], "", "stop")
     _answered(old, Segment(EpisodeTokens([1, 2, 3]), [], None), None, [1, 2, 3], sample)
-    metrics.session_opened(job)  # what the route does once a session's first call is answered
+    sessions.answered(old)  # what the route does as a call is answered: the first counts the session as opened
     old.used = time.monotonic() - 60
     sessions.open(job, "new", 0)
     assert value("grpolora_inference_sessions_open") == 0
@@ -461,3 +461,62 @@ def test_a_session_forgotten_idle_is_counted_with_its_calls_and_tokens():
     sessions.get(job, "new").used = time.monotonic() - 60
     sessions.open(job, "newer", 0)  # "new" answered nothing: no figure
     assert value("grpolora_inference_sessions_closed_total", reason="idle") == 1
+
+
+def test_a_detached_jobs_sessions_go_with_it_and_a_job_attached_again_finds_none(tokenizer, tmp_path):
+    """A RolloutPool's server (the real pool app and attachment list, MarkingEngine for vLLM): job B opens a session,
+    is detached (its token refused, its versions unloaded), then attached again under the same name. Its old session,
+    pinned to a version the server no longer holds, must not be found again, and the open-sessions gauge must not
+    count it (nor go below zero once it left)."""
+    from grpolora.api.pool import Attachments, write_attachments
+    from grpolora.testing.servers import pool_attachment, tiny_cpu_pool
+    from grpolora.workers.inference.app import create_pool_app
+    from grpolora.workers.inference.tenants import pool_tenants
+    from tests.workers.fakeengine import MarkingEngine
+
+    tokens = {"team/a": "token-of-a", "team/b": "token-of-b"}
+    pool = tiny_cpu_pool(name="shared", namespace="team")
+    jobs_file = tmp_path / "jobs.json"
+
+    def attach(*jobs: str) -> None:
+        write_attachments(jobs_file, Attachments(pool=pool.name, jobs=[pool_attachment(j, tokens[j]) for j in jobs]))
+
+    attach("team/a", "team/b")
+    engine = MarkingEngine()
+    engine.get_tokenizer = lambda: tokenizer
+    attachments = pool_tenants(
+        engine,
+        pool.pool.spec,
+        pool=pool.name,
+        jobs_file=jobs_file,
+        receiver=lambda book, key, job: AdapterReceiver(book, replica_index=0, fingerprint="fp", key=key, name=job),
+        join_grace_seconds=0,
+    )
+    as_b = {"Authorization": f"Bearer {tokens['team/b']}"}
+    chat = {"model": "policy", "messages": [user("Hi")], "max_tokens": 1}
+
+    def wait_for(condition, what: str) -> None:
+        import time
+
+        deadline = time.monotonic() + 20
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    with AppThread(create_pool_app(engine, attachments, version_wait_seconds=1)) as served:
+        engine.limits = EngineLimits(max_model_len=2048, vocab_size=len(tokenizer))
+        answer = httpx.post(f"{served.url}/sessions/old/v1/chat/completions", json=chat, headers=as_b)
+        assert answer.status_code == 200
+        assert figures(served.url, "team/b")["grpolora_inference_sessions_open{}"] == 1
+        attach("team/a")
+        wait_for(lambda: "grpolora_inference_sessions_open{}" not in figures(served.url, "team/b"), "B's series gone")
+        attach("team/a", "team/b")
+        wait_for(
+            lambda: httpx.post(f"{served.url}/sessions/new/v1/chat/completions", json=chat, headers=as_b).status_code
+            == 200,
+            "B attached again",
+        )
+        old = httpx.get(f"{served.url}/sessions/old", headers=as_b)
+        open_now = figures(served.url, "team/b")["grpolora_inference_sessions_open{}"]
+    assert old.status_code == 404, old.text
+    assert open_now == 1  # "new" alone

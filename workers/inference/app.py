@@ -446,13 +446,16 @@ def build_app(
             ],
         )
 
-    add_session_routes(
+    sessions = add_session_routes(
         app,
         engine,
         caller,
         chat or (lambda: SessionChat(ChatDelta(engine.tokenizer()))),  # the model's own template
         version_wait_seconds=version_wait_seconds,
     )
+    # A detached job's sessions go with it: its token is refused, its versions unloaded, and a job attached again
+    # under its name (a new trainer) must not find them.
+    tenants.on_detach.append(sessions.forget_job)
 
     @app.get(STATE_PATH, response_model=MemberState)
     async def sync_state(http: Request) -> MemberState:

@@ -73,7 +73,8 @@ SESSIONS_OPENED = Counter(
 )
 SESSIONS_CLOSED = Counter(
     "grpolora_inference_sessions_closed_total",
-    "Chat sessions that left this server, by reason (closed: by its client; idle: forgotten idle to make room)",
+    "Chat sessions that left this server, by reason (closed: by its client; idle: forgotten idle to make room; "
+    "detached: their job was detached from this server)",
     [JOB, "reason"],
     registry=REGISTRY,
 )
@@ -111,7 +112,7 @@ request the session cannot serve (4xx: its body, the model's length, its templat
 the trainer opened the session with (maxTurns, maxEpisodeTokens: the episode is truncated), `version_unavailable` its
 adapter version not served here, `pinned` a version other than the session's, `full` no room for another session,
 `error` the server's own failure (5xx)."""
-SESSION_LEAVE_REASONS = ("closed", "idle")
+SESSION_LEAVE_REASONS = ("closed", "idle", "detached")
 BY_JOB = {  # every metric, with its label names (in declaration order)
     ADAPTER_VERSION: (JOB,),
     GENERATED_TOKENS: (JOB,),

@@ -182,6 +182,7 @@ class Session:
     used: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call of a session at a time, in arrival order
     pending: int = 0  # calls under way
+    counted: bool = False  # in the open sessions' figures (Sessions.answered)
     bounds: SessionBounds | None = None  # a session the trainer opened for an agent
     refused: str | None = None  # why a call past the bounds was refused (the episode is truncated)
 
@@ -269,6 +270,17 @@ class Sessions:
             _left(session, "closed")
         return session
 
+    def answered(self, session: Session) -> None:
+        """A call of `session` was answered: the first counts it as opened, if it is still held."""
+        if not session.counted and self._sessions.get((session.job, session.id)) is session:
+            session.counted = True
+            metrics.session_opened(session.job)
+
+    def forget_job(self, job: str) -> None:
+        """Forget every session of a job (detached from this server)."""
+        for key in [key for key in self._sessions if key[0] == job]:
+            _left(self._sessions.pop(key), "detached")
+
     def discard(self, session: Session) -> None:
         if self._sessions.get((session.job, session.id)) is session:
             del self._sessions[(session.job, session.id)]
@@ -278,8 +290,8 @@ class Sessions:
 
 
 def _left(session: Session, reason: str) -> None:
-    """Count a session that leaves, if it counted as opened (an answered call; metrics.session_opened)."""
-    if session.calls:
+    """Count a session that leaves, if it counted as opened (Sessions.answered)."""
+    if session.counted:
         metrics.session_left(
             session.job,
             reason,
@@ -410,8 +422,7 @@ def add_session_routes(
                         else:
                             message = {"role": "assistant", "content": sample.text}
                         _answered(session, segment, turn, prompt, sample)
-                        if len(session.calls) == 1:
-                            metrics.session_opened(session.job)
+                        sessions.answered(session)
                         segment.messages = [*messages, normal(message)]
                 finally:
                     session.pending -= 1

@@ -186,6 +186,7 @@ class Tenants:
         self.default_job = default_job  # a job's own server: the job a request that names none is about
         self._releasing: set[asyncio.Task[None]] = set()  # detached jobs whose adapters are being unloaded
         self.started = False  # false while the engine starts: every guarded path answers 503
+        self.on_detach: list[Callable[[str], None]] = []  # told a job's name as it is detached (its chat sessions go)
 
     def __iter__(self):
         return iter(list(self._by_job.values()))
@@ -221,6 +222,8 @@ class Tenants:
         folder removed. Returns that task."""
         tenant = self._by_job.pop(job)
         log.info("detaching job %s", job)
+        for forget in self.on_detach:
+            forget(job)
         task = asyncio.create_task(self._release(tenant))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
