@@ -89,6 +89,23 @@ def echo_env(tmp_path_factory):
         """)
     )
     (root / "adder_env.py").write_text(ADDER)
+    (root / "bye_env.py").write_text(
+        textwrap.dedent("""
+        from echo_env.models import EchoAction, EchoObservation
+        from echo_env.server.echo_env_environment import EchoEnvironment
+        from openenv.core.env_server.http_server import create_fastapi_app
+
+
+        class ByeEnvironment(EchoEnvironment):  # the template's echo, which ends at "bye"
+            def step(self, action):
+                observation = super().step(action)
+                observation.done = action.message == "bye"
+                return observation
+
+
+        app = create_fastapi_app(ByeEnvironment, EchoAction, EchoObservation, max_concurrent_envs=1)
+        """)
+    )
     sys.path.insert(0, str(root))
     yield root
     sys.path.remove(str(root))
@@ -320,6 +337,29 @@ def test_an_mcp_environment_lists_its_tools_and_answers_each_call_in_process_and
     assert answered == Reply([], True, None)  # the task's reward scores "Answer: 5"
     with pytest.raises(ValueError, match="an MCP environment's actions are the assistant's tool calls"):
         openenv_environment(AdderEnvironment, action="a")
+
+
+def test_an_episode_that_ends_frees_its_server_session_before_the_runner_closes_it(echo_env):
+    """The runner closes a step's environments once every episode of the step has ended; an OpenEnv server holds
+    max_concurrent_envs sessions. An episode the environment ended gives its session back at once, so the next
+    episode opens on a one-session server while the ended one is not yet closed."""
+    from bye_env import app
+    from echo_env import EchoEnv
+
+    from tests.workers.rewardserver import AppServer
+
+    served = AppServer(app).start()
+    factory = openenv_environment(EchoEnv, served.url)
+    try:
+        ended, _ = reset_when_free(factory, Prompt("a"))
+        assert ended.step({"role": "assistant", "content": "bye"}) == Reply([], True, pytest.approx(0.3))
+        after, opening = reset_when_free(factory, Prompt("b"))  # refused until the ended one's session is gone
+        assert opening.messages == [{"role": "user", "content": READY}]
+        after.close()
+        ended.close()  # the runner's close, later: nothing left to close
+    finally:
+        factory.close()
+        served.stop()
 
 
 def test_a_text_the_servers_action_refuses_is_the_models_mistake_and_a_missing_mapping_fails_the_load(

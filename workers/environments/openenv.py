@@ -44,6 +44,7 @@ import asyncio
 import inspect
 import itertools
 import json
+import logging
 import re
 import threading
 import typing
@@ -73,6 +74,8 @@ from grpolora.workers.environments.base import (
     Reply,
 )
 from grpolora.workers.tasks.base import Prompt
+
+log = logging.getLogger(__name__)
 
 ActionMap = Callable[[Message], Any]
 ObservationMap = Callable[[Any], "str | list[Message]"]
@@ -217,7 +220,9 @@ class OpenEnvEpisode:
         except pydantic.ValidationError as exc:  # the model's text does not make an action: its mistake
             raise InvalidAction(_validation_summary(exc)) from None
         observation, reward, done = self._session.step(act)
-        return Reply([] if done else self._factory.to_messages(observation), bool(done), reward)
+        if done:
+            return self._ended(Reply([], True, reward))
+        return Reply(self._factory.to_messages(observation), False, reward)
 
     def _call_tools(self, message: Message) -> Reply:
         """Each of the message's tool calls as a CallToolAction, answered by a tool message with its call's id; the
@@ -238,9 +243,18 @@ class OpenEnvEpisode:
             answers.append(answer)
             if done:
                 break
-        if not answers:
-            return Reply(done=True)
-        return Reply([] if done else answers, done, sum(rewards) if rewards else None)
+        if not answers or done:
+            return self._ended(Reply([], True, sum(rewards) if rewards else None))
+        return Reply(answers, False, sum(rewards) if rewards else None)
+
+    def _ended(self, reply: Reply) -> Reply:
+        """The episode is over: its session ends now rather than when the runner closes the step's environments
+        (after every episode of the step has ended), so that a server with few sessions serves the next ones."""
+        try:
+            self._session.close()
+        except Exception as exc:  # the episode is over either way
+            log.info("closing an ended OpenEnv episode: %s: %s", type(exc).__name__, exc)
+        return reply
 
     def close(self) -> None:
         self._session.close()
@@ -305,7 +319,8 @@ class _LocalSession:
         return _result(self._env.step(act), "step")
 
     def close(self) -> None:
-        if callable(close := getattr(self._env, "close", None)):
+        env, self._env = self._env, None  # once: an ended episode's is closed at once, and again by the runner
+        if callable(close := getattr(env, "close", None)):
             close()
 
 
