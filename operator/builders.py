@@ -34,6 +34,7 @@ from grpolora.api.plan import (
     JobPlan,
     PoolPlan,
     RolePlan,
+    child_names,
 )
 from grpolora.api.pool import JOBS_FILE_KEY, REPLICAS_FILE_KEY, Attachments, PoolReplicas
 from grpolora.api.spec import NetworkPolicySpec
@@ -289,7 +290,7 @@ def environment_network_policy(plan: JobPlan) -> K8sObject:
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
-        "metadata": _metadata(plan, role.workload_name, role.role),
+        "metadata": _metadata(plan, child_names(plan.name)["environmentNetworkPolicy"], role.role),
         "spec": {
             "podSelector": {"matchLabels": selector(plan, role.role)},
             "policyTypes": ["Ingress", "Egress"],

@@ -198,10 +198,13 @@ def child_names(job_name: str) -> dict[str, str]:
     return {
         c.ROLE_TRAINER: f"{job_name}-{c.ROLE_TRAINER}",
         c.ROLE_INFERENCE: f"{job_name}-{c.ROLE_INFERENCE}",
-        # spec.environment.server's StatefulSet, headless Service, PodDisruptionBudget and NetworkPolicy.
+        # spec.environment.server's StatefulSet, headless Service and PodDisruptionBudget.
         c.ROLE_ENVIRONMENT: f"{job_name}-{c.ENVIRONMENT_WORKLOAD_SUFFIX}",
         "token": f"{job_name}{c.TOKEN_SECRET_SUFFIX}",
         "networkPolicy": job_name,
+        # Its NetworkPolicy: with a dot, which a NetworkPolicy's name (a DNS subdomain) may hold and a job's (an RFC
+        # 1035 label) may not, so that it is never the NetworkPolicy of a job named `<job>-env`.
+        "environmentNetworkPolicy": f"{job_name}.{c.ENVIRONMENT_WORKLOAD_SUFFIX}",
     }
 
 

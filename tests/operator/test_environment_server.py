@@ -80,8 +80,8 @@ async def test_the_server_is_created_as_rendered_counted_in_readiness_survives_a
         actual = cluster.get(RESOURCE_OF[obj["kind"]], obj["metadata"]["name"])
         assert actual is not None, f"missing {obj['kind']} {obj['metadata']['name']}"
         assert as_sent(actual) == obj, f"{obj['kind']} {obj['metadata']['name']} differs from `grpolora render`"
-    for kind in ("Service", "NetworkPolicy", "PodDisruptionBudget"):
-        assert cluster.get(RESOURCE_OF[kind], "demo-env") is not None, kind
+    for kind, name in (("Service", "demo-env"), ("NetworkPolicy", "demo.env"), ("PodDisruptionBudget", "demo-env")):
+        assert cluster.get(RESOURCE_OF[kind], name) is not None, kind
     await wait_for(lambda: environment(cluster) == {"desired": 2, "ready": 0}, "status.replicas.environment")
 
     # Ready: every role's pods, the server's included.
@@ -114,8 +114,8 @@ async def test_the_server_is_created_as_rendered_counted_in_readiness_survives_a
     await cluster.delete_job("demo")
     await wait_for(lambda: cluster.get(CRD, "demo") is None, "the job removed")
     await wait_for(lambda: cluster.get(STS, "demo-env") is None, "the server's StatefulSet collected", timeout=15)
-    for kind in ("Service", "NetworkPolicy", "PodDisruptionBudget"):
-        await wait_for(lambda k=kind: cluster.get(RESOURCE_OF[k], "demo-env") is None, f"the server's {kind} collected")
+    for kind, name in (("Service", "demo-env"), ("NetworkPolicy", "demo.env"), ("PodDisruptionBudget", "demo-env")):
+        await wait_for(lambda k=kind, n=name: cluster.get(RESOURCE_OF[k], n) is None, f"the server's {kind} collected")
 
 
 async def test_suspend_removes_the_server_and_a_pod_on_a_lost_node_does_not_hold_its_return(cluster, operator):
@@ -187,3 +187,21 @@ async def test_kueue_admits_the_server_as_a_third_pod_set_and_an_eviction_remove
         await wait_for(lambda: cluster.get(STS, "demo-env") is None, "the server released")
         await wait_for(lambda: kueue.admissions == ["demo", "urgent"], "the preemptor admitted")
         assert find(kueue.workload("demo"), "QuotaReserved")["status"] == "False"
+
+
+async def test_a_job_named_like_another_jobs_server_gets_its_own_network_policy(cluster, operator):
+    """A job's NetworkPolicy is named after the job; had the server's been `<job>-env`, the jobs `calc` and
+    `calc-env` of one namespace would both want the NetworkPolicy `calc-env`, and the second would wait for ever
+    for "a deleted job of the same name" to leave it. The server's is `<job>.env`: a dot, which NetworkPolicy names
+    (DNS subdomains) allow and job names (RFC 1035 labels) do not."""
+    for name, environment_ in (("calc", SERVER), ("calc-env", None)):
+        doc = job_doc(environment=environment_) if environment_ else job_doc()
+        doc["metadata"]["name"] = name
+        await cluster.apply(doc)
+    for name in ("calc", "calc-env"):
+        await wait_for(
+            lambda n=name: cluster.condition(n, names.CREATED).get("status") == "True", f"{name}'s children created"
+        )
+    policies = cluster.objects("networking.k8s.io/v1/networkpolicies")
+    owners = {name: obj["metadata"]["ownerReferences"][0]["name"] for name, obj in policies.items()}
+    assert owners == {"calc": "calc", "calc.env": "calc", "calc-env": "calc-env"}, owners

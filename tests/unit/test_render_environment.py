@@ -105,7 +105,7 @@ def test_network_policies_admit_only_the_trainer_to_the_server_and_keep_the_serv
     }
     other_job = {**pods["trainer"], c.LABEL_JOB: "other", JOB_UID_LABEL: "u-2"}
 
-    mine = objects[("NetworkPolicy", "calc-env")]["spec"]
+    mine = objects[("NetworkPolicy", "calc.env")]["spec"]
     assert mine["policyTypes"] == ["Ingress", "Egress"] and mine["egress"] == []
     assert [role for role, labels in pods.items() if _matches(mine["podSelector"], labels)] == ["environment"]
     (rule,) = mine["ingress"]
@@ -124,13 +124,13 @@ def test_network_policies_admit_only_the_trainer_to_the_server_and_keep_the_serv
     ]
     # spec.networkPolicy.enabled false drops the job's policy, never the sandbox's.
     off = children(served() | {"spec": {**served()["spec"], "networkPolicy": {"enabled": False}}})
-    assert [name for kind, name in off if kind == "NetworkPolicy"] == ["job-env"]
+    assert [name for kind, name in off if kind == "NetworkPolicy"] == ["job.env"]
 
 
 def test_egress_is_what_the_spec_opens():
     dns = {"to": [{"namespaceSelector": {}}], "ports": [{"port": 53, "protocol": "UDP"}]}
     objects = children(served(egress=[dns]))
-    assert objects[("NetworkPolicy", "job-env")]["spec"]["egress"] == [dns]
+    assert objects[("NetworkPolicy", "job.env")]["spec"]["egress"] == [dns]
 
 
 def test_every_object_validates_and_the_kueue_workload_has_a_third_pod_set():
@@ -179,7 +179,7 @@ def test_a_job_on_a_rollout_pool_keeps_its_own_server():
     job_plan = plan(parse_job(doc), pool=RolloutPool.model_validate(pool))
     objects = by_kind(build_children(job_plan, owner_uid="u", token="t"))
     assert ("StatefulSet", "job-env") in objects and ("StatefulSet", "job-inference") not in objects
-    assert ("NetworkPolicy", "job-env") in objects
+    assert ("NetworkPolicy", "job.env") in objects
 
 
 def test_render_cli_prints_the_server(tmp_path, capsys):
@@ -188,4 +188,4 @@ def test_render_cli_prints_the_server(tmp_path, capsys):
     code, out, err = run(capsys, "render", str(path))
     assert code == 0, err
     rendered = {(o["kind"], o["metadata"]["name"]) for o in yaml.safe_load_all(out) if o}
-    assert {("StatefulSet", "job-env"), ("Service", "job-env"), ("NetworkPolicy", "job-env")} <= rendered
+    assert {("StatefulSet", "job-env"), ("Service", "job-env"), ("NetworkPolicy", "job.env")} <= rendered
