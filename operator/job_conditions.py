@@ -27,7 +27,10 @@ if TYPE_CHECKING:
 
 def suspended_message(spec: GRPOLoraJobSpec) -> str:
     """What suspension removes and what it really keeps (checkpoints only on a PVC)."""
-    removed = "suspended: the trainer Job and inference StatefulSet are removed; the Secret, Services, NetworkPolicy"
+    workloads = "the trainer Job and inference StatefulSet are"
+    if spec.environment is not None and spec.environment.server is not None:
+        workloads = "the trainer Job, inference StatefulSet and environment server StatefulSet are"
+    removed = f"suspended: {workloads} removed; the Secret, Services, NetworkPolicy"
     if spec.checkpoint.pvc is not None:
         return (
             f"{removed} and the checkpoints in claim {spec.checkpoint.pvc.claim_name} are kept. Set "

@@ -133,3 +133,9 @@ def test_a_server_without_requests_is_warned_of_as_best_effort():
     decision = decide(view(), JobStatus(), Observed(), NOW)
     found = next(k for k in decision.status.conditions if k.type == names.PODS_BEST_EFFORT)
     assert "spec.environment.server.resources" in found.message
+
+
+def test_the_suspend_message_names_the_server_among_what_is_removed():
+    observed = Observed(trainer_job(active=1), statefulset(1), environment=env_sts(2))
+    suspended = decide(view(suspend=True), running_status(), observed, NOW)
+    assert "environment server" in (suspended.status.message or "")
