@@ -243,3 +243,22 @@ def test_an_agent_with_the_reference_on_the_replicas_is_refused_at_validation():
                           grpo={"referenceFrom": "inference", "klCoef": 0.05, "temperature": 1.0}))  # fmt: skip
     assert "grpo.referenceFrom" in str(refused.value) and "agent" in str(refused.value)
     parse_job(job_doc(environment={"agent": "agents_mod:follow_up"}, grpo={"klCoef": 0.05}))  # the trainer's: fine
+
+
+def test_when_no_replica_opens_a_session_the_round_is_lost_to_the_replicas_not_the_environment(tokenizer):
+    """Every replica gone (nothing listens): ReplicasLost, which the producer answers by re-forming the sync group
+    and playing the round again (producer.on_live_replicas), as for /v1/generate; not an environment outage, which
+    would wait outageSeconds and then fail the run naming the environment."""
+    from grpolora.workers.trainer.rollout import ReplicasLost
+    from tests.workers.syncfakes import free_port
+
+    runner = EpisodeRunner(lambda: object(), ChatDelta(tokenizer), LIMITS, agent=True, name="agents_mod:follow_up")
+    client = RolloutClient([f"http://127.0.0.1:{free_port()}"], TOKEN, timeout_seconds=2)
+    try:
+        with pytest.raises(ReplicasLost) as lost:
+            runner.run([Prompt("7 * 1", answer="7")], [[1, 2, 3]], [100], Sampling(n=2, temperature=1.0, top_p=1.0,
+                       max_tokens=16), lambda *_: [], [0], version=1, sessions=client)  # fmt: skip
+    finally:
+        runner.close()
+        client.close()
+    assert "ConnectError" in str(lost.value)

@@ -27,6 +27,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import httpx
+
 from grpolora.api.constants import MAX_EPISODE_TURNS
 from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.environments.agent import AgentCall, checked_return, session_sample
@@ -48,7 +50,7 @@ from grpolora.workers.environments.tools import ToolCallParser
 from grpolora.workers.remote_service import AuthRefused
 from grpolora.workers.sync.control import StaleIncarnation
 from grpolora.workers.tasks import Prompt
-from grpolora.workers.trainer.rollout import Completion, Sampling
+from grpolora.workers.trainer.rollout import Completion, ReplicasLost, Sampling
 
 log = logging.getLogger(__name__)
 
@@ -149,6 +151,7 @@ class _Live:
     attempts: int = 0  # plays begun again on a fresh environment after an infrastructure fault
     returned: float | None = None  # an agent's own reward (the episode's return as it is), or errorReward
     segments: int | None = None  # an agent's session: its segments (the last is the sample); None: no agent
+    replica_lost: bool = False  # the last play failed at opening or closing its session: the replica's fault
 
     def end(self, *, error: str | None = None, truncated: bool = False) -> None:
         self.ended, self.error, self.truncated = True, error, truncated
@@ -210,6 +213,10 @@ class EpisodeRunner:
             lost = [e for group in groups for e in group if e.error is not None]
             if len(lost) < sum(len(group) for group in groups):
                 return [[self._completion(e, version) for e in group] for group in groups]
+            if agents is not None and all(e.replica_lost for e in lost):
+                # No replica opened or closed a session: the replicas are gone, not the environment. The producer
+                # re-forms the sync group (waiting for replacements) and plays the round again, as for /v1/generate.
+                raise ReplicasLost(f"every replica failed the agents' sessions; the last error: {lost[-1].error}")
             # Every episode met an infrastructure fault (the environment is down or restarting): wait for it.
             waited = time.monotonic() - started
             if waited + pause > self.limits.outage_seconds:
@@ -332,6 +339,7 @@ class EpisodeRunner:
             raise
         except Exception as exc:  # the process died or ran past its time, the replica failed: the infrastructure's
             episode.seconds += time.perf_counter() - started
+            episode.replica_lost = isinstance(exc, httpx.HTTPError)
             if opened:
                 _forget(round.sessions, episode.replica, sid)
             if episode.replica in round.replicas:  # played again on the next replica: this one may be what failed
