@@ -3,7 +3,8 @@ from OpenEnv's reset/step to spec.environment's plugin shape (base.py). It runs 
 in the trainer's environment processes (processes.py), or in the project's environment service (service.py) when a
 job's spec.environment.server serves the plugin. A module beside the job names the environment in one line:
 
-    from echo_env import EchoEnv, EchoEnvironment                       # an OpenEnv environment package
+    from echo_env import EchoEnv                                        # `openenv init echo_env`'s client
+    from echo_env.server.echo_env_environment import EchoEnvironment   # and its server's Environment class
     from grpolora.workers.environments.openenv import openenv_environment
 
     echo = openenv_environment(EchoEnv, "http://echo-env.rl.svc:8000")  # its client: a server that runs elsewhere
