@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -219,6 +220,11 @@ def test_a_full_server_and_a_server_gone_are_unavailable_and_close_frees_the_ses
     finally:
         server.start()
     factory.close()
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections (the kernel's backlog), says nothing
+        mute = openenv_environment(EchoEnv, f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_seconds=0.5)
+        with pytest.raises(EnvironmentUnavailable, match=r"reset\(\): .*ConnectionError: .*(timed out|Timeout)"):
+            mute().reset(Prompt("e"))
+        mute.close()
 
 
 def test_the_mappings_a_plugin_may_give_instead_of_the_defaults(echo_env):

@@ -42,6 +42,7 @@ errorReward.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import inspect
 import itertools
 import json
@@ -185,7 +186,12 @@ class OpenEnvFactory:
                 self._loop = asyncio.new_event_loop()
                 threading.Thread(target=self._loop.run_forever, name="openenv-clients", daemon=True).start()
             loop = self._loop
-        return asyncio.run_coroutine_threadsafe(coroutine, loop).result()
+        future = asyncio.run_coroutine_threadsafe(coroutine, loop)
+        try:  # the client bounds its connection and each answer by timeout_seconds; this bounds the rest (a loop
+            return future.result(2 * self.timeout_seconds + CLOSE_SECONDS)  # stopped under a call) as a timeout
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise TimeoutError(f"no answer within {2 * self.timeout_seconds + CLOSE_SECONDS:g} s") from None
 
     def close(self) -> None:
         with self._loop_lock:
