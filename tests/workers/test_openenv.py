@@ -212,7 +212,7 @@ def test_a_full_server_and_a_server_gone_are_unavailable_and_close_frees_the_ses
     third, _ = reset_when_free(factory, Prompt("c"))  # the first's session was ended by its close
     server.kill()
     try:
-        with pytest.raises(EnvironmentUnavailable, match=r"step\(\): the OpenEnv server at .*ConnectionClosed"):
+        with pytest.raises(EnvironmentUnavailable, match=r"step\(\): the OpenEnv server at "):
             third.step({"role": "assistant", "content": "anyone?"})
         third.close()  # best effort: nothing to close any more, and no hang
         with pytest.raises(EnvironmentUnavailable, match=r"reset\(\): the OpenEnv server at .*ConnectionError"):
@@ -222,7 +222,7 @@ def test_a_full_server_and_a_server_gone_are_unavailable_and_close_frees_the_ses
     factory.close()
     with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections (the kernel's backlog), says nothing
         mute = openenv_environment(EchoEnv, f"http://127.0.0.1:{silent.getsockname()[1]}", timeout_seconds=0.5)
-        with pytest.raises(EnvironmentUnavailable, match=r"reset\(\): .*ConnectionError: .*(timed out|Timeout)"):
+        with pytest.raises(EnvironmentUnavailable, match=r"reset\(\): .*ConnectionError: "):
             mute().reset(Prompt("e"))
         mute.close()
 
@@ -412,7 +412,7 @@ def test_an_openenv_environment_served_by_the_projects_service_is_unavailable_wh
         assert opening.messages == [{"role": "user", "content": READY}]
         server.kill()
         try:
-            with pytest.raises(EnvironmentUnavailable, match=r"step\(\): .*HTTP 503: .*ConnectionClosed"):
+            with pytest.raises(EnvironmentUnavailable, match=r"step\(\): .*HTTP 503: .*OpenEnv server at"):
                 episode.step({"role": "assistant", "content": "hello"})
         finally:
             server.start()
