@@ -32,7 +32,7 @@ from grpolora.testing.kube_emulator import Cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, wait_for
 from tests.operator.kueue_double import FakeKueue, find
-from tests.operator.test_kueue import queued
+from tests.operator.test_kueue import add_flavor, queued
 from tests.operator.test_lost_node import LOST_NODE, clock_at, deadline_of
 from tests.operator.test_operator import RESOURCE_OF, as_sent, phase
 
@@ -171,22 +171,35 @@ async def test_a_job_deleted_in_the_foreground_is_not_held_by_a_lost_server_pod(
 
 
 async def test_kueue_admits_the_server_as_a_third_pod_set_and_an_eviction_removes_it(cluster, operator):
-    async with FakeKueue(cluster, capacity=1) as kueue:
+    """The server's pods are the Workload's third pod set (`environment`, `replicas` pods): admitted with the others
+    or not at all, placed by their own ResourceFlavor (a sandbox node pool's labels and taint go on its pods only),
+    and removed with the others on an eviction, the quota given back once they are inactive."""
+    sandbox = {"key": "sandbox", "operator": "Exists", "effect": "NoSchedule"}
+    await add_flavor(cluster, "default", {})
+    await add_flavor(cluster, "gvisor-nodes", {"sandbox.example.com/runtime": "gvisor"}, [sandbox])
+    async with FakeKueue(cluster) as kueue:
         await cluster.apply(queued(environment=SERVER))
         await wait_for(lambda: kueue.workload("demo"), "the Kueue Workload")
         sets = kueue.workload("demo")["spec"]["podSets"]
         assert [(s["name"], s["count"]) for s in sets] == [("trainer", 1), ("inference", 1), ("environment", 2)]
         assert sets[2]["template"]["spec"]["containers"][0]["resources"] == SERVER["server"]["resources"]
+        assert cluster.get(STS, "demo-env") is None, "not before Kueue admits the job"
+
+        flavors = {"trainer": {"cpu": "default"}, "inference": {"cpu": "default"}}
+        await kueue.admit("demo", {**flavors, "environment": {"cpu": "gvisor-nodes"}})
         await wait_for(lambda: cluster.get(STS, "demo-env"), "the server, once admitted")
         template = cluster.get(STS, "demo-env")["spec"]["template"]
         assert template["metadata"]["labels"]["kueue.x-k8s.io/podset"] == "environment"
+        assert template["spec"]["nodeSelector"] == {"sandbox.example.com/runtime": "gvisor"}
+        assert sandbox in template["spec"]["tolerations"]
+        inference = cluster.get(STS, "demo-inference")["spec"]["template"]["spec"]
+        assert "nodeSelector" not in inference and sandbox not in (inference.get("tolerations") or [])
 
-        # Evicted: every workload goes, the server's too, and only then is the quota given back.
-        await kueue.add_workload("urgent", priority=100)
-        await kueue.preempt("demo", by="urgent")
+        # Evicted: every workload goes, the server's too, and then the quota is given back.
+        await kueue.evict("demo")
         await wait_for(lambda: cluster.get(STS, "demo-env") is None, "the server released")
-        await wait_for(lambda: kueue.admissions == ["demo", "urgent"], "the preemptor admitted")
-        assert find(kueue.workload("demo"), "QuotaReserved")["status"] == "False"
+        await wait_for(lambda: find(kueue.workload("demo"), "QuotaReserved")["status"] == "False", "the quota back")
+        assert cluster.get(STS, "demo-inference") is None and cluster.get("batch/v1/jobs", "demo-trainer") is None
 
 
 async def test_a_job_named_like_another_jobs_server_gets_its_own_network_policy(cluster, operator):
