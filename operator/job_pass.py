@@ -130,10 +130,13 @@ class JobPass:
     async def _leaving_workloads(self, view: JobView) -> rec.Observed:
         """For a job being deleted: its own workloads, and its pods (as they are now) while one of them is leaving."""
         workloads = child_names(view.name)
+        assert view.job is not None
+        served = view.job.spec.environment is not None and view.job.spec.environment.server is not None
         found = await asyncio.gather(
             self._workload(kube.JOB, view.namespace, workloads[c.ROLE_TRAINER]),
             self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_INFERENCE]),
-            self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_ENVIRONMENT]),
+            # (Not read for a job without a server: its spec is the applied one, which cannot have changed.)
+            self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_ENVIRONMENT]) if served else _none(),
         )
         ours = [w if w is not None and obs.controller_uid(w) == view.uid else None for w in found]
         pods: list[dict[str, Any]] = []
