@@ -5,9 +5,11 @@ resume with a pod on a lost node, Kueue's pod sets and eviction, and deletion wi
 
 What the real components do, which the tests play (as test_lost_node.py and test_kueue.py do; nothing copied):
 - The StatefulSet controller writes status.readyReplicas from its pods' Ready condition (pkg/controller/statefulset/
-  stateful_set_control.go updateStatus: isRunningAndReady), and makes a pod of a lost pod's name only once that
-  pod is gone (its identity is the name: stateful_set_control.go processReplica waits on a terminating pod). The
-  tests write readyReplicas as it would (Cluster.set_status) and make pods as it does (Cluster.run_pod_of).
+  stateful_set_control.go computeReplicaStatus: isRunningAndReady; Kubernetes 1.33), which the node lifecycle
+  controller sets False on the pods of an unreachable node (pkg/controller/nodelifecycle, MarkPodsNotReady), and
+  makes a pod of a lost pod's name only once that pod is gone (its identity is the name: processReplica skips a
+  terminating pod). The tests write readyReplicas as it would (Cluster.set_status) and make pods as it does
+  (Cluster.run_pod_of).
 - The kubelet of a lost node never confirms a pod's end (Emulator.lost_nodes), so the pod stays Terminating and, with
   blockOwnerDeletion, holds its StatefulSet's foreground deletion (pkg/controller/garbagecollector
   processDeletingDependentsItem); a second DELETE in the Background drops the foregroundDeletion finalizer
