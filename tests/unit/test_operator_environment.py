@@ -139,3 +139,24 @@ def test_the_suspend_message_names_the_server_among_what_is_removed():
     observed = Observed(trainer_job(active=1), statefulset(1), environment=env_sts(2))
     suspended = decide(view(suspend=True), running_status(), observed, NOW)
     assert "environment server" in (suspended.status.message or "")
+
+
+def test_the_startup_deadline_fails_a_job_with_no_server_ready_and_only_reports_one_with_one():
+    """Every trainer rank and replica up, the server's pods not (an image that cannot be pulled, a RuntimeClass no
+    node has): past spec.scheduling.startupDeadlineSeconds the job cannot play an episode, so it fails and gives its
+    pods back; with one server pod ready it trains, and the deadline is only reported."""
+    job_view = view(scheduling={"startupDeadlineSeconds": 600})
+    first = decide(job_view, JobStatus(), Observed(), NOW)
+
+    def after(env_ready: int):
+        observed = Observed(trainer_job(active=1, ready=1), statefulset(1), environment=env_sts(env_ready))
+        return decide(job_view, first.status, observed, NOW + datetime.timedelta(seconds=601))
+
+    none_ready = after(0)
+    assert none_ready.status.phase == "Failed"
+    assert condition(none_ready, names.FAILED) == ("True", names.R_STARTUP_DEADLINE)
+    assert "environment 0/2 ready" in (none_ready.status.message or "")
+    assert ChildRef("StatefulSet", "demo-env") in none_ready.delete
+    one_ready = after(1)
+    assert one_ready.status.phase != "Failed"
+    assert condition(one_ready, names.PODS_READY) == ("False", names.R_STARTUP_DEADLINE)
