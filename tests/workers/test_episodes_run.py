@@ -15,12 +15,14 @@ every seed had calls (1 to 5 of 8), the second steps' first two episodes of a pr
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +48,10 @@ def shrunk() -> tuple[dict, dict]:
     # Qwen3's own chat template (ChatML, as SmolLM2's, but it rewrites an earlier assistant turn once a message
     # follows, and sends a tool's answer as a user turn's <tool_response>): issue 46's check that episodes go on.
     spec["task"]["chatTemplate"] = "qwen3"
+    # The calculator served by the job's own environment server (issue 48), as grpolora run starts it: 2 processes
+    # of the project's service, each episode pinned to one (the environment processes beside the trainer keep their
+    # end-to-end run in the agent example's, test_agent_run).
+    spec["environment"]["server"] = {"replicas": 2}
     serving = {key: spec["inference"][key] for key in ("replicas", "gpusPerReplica", "kvCacheGiB", "maxModelLen")}
     spec["inference"] = {"poolRef": {"name": POOL_NAME}}
     pool = {
@@ -66,6 +72,8 @@ class EpisodesRun:
     samples: list[dict]
     server_log: str
     trainer_log: str
+    environment_logs: list[str]
+    left: list[str]  # processes of the run's session still there once `grpolora run` exited
 
 
 @pytest.fixture(scope="module")
@@ -85,10 +93,15 @@ def episodes_run(tmp_path_factory) -> EpisodesRun:
         cwd=tmp,
         start_new_session=True,
     )
+    left = []
     try:
         out, err = proc.communicate(timeout=600)
+        # What Ray stops at ray.shutdown() may take a moment to go: wait for the session to empty, 15 s at most.
+        deadline = time.monotonic() + 15
+        while (left := _session_processes(proc.pid)) and time.monotonic() < deadline:
+            time.sleep(0.2)
     finally:
-        if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
     result = subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
     assert result.returncode == 0, result.stderr[-8000:]
@@ -100,7 +113,25 @@ def episodes_run(tmp_path_factory) -> EpisodesRun:
         [json.loads(line) for line in (folder / "samples.jsonl").read_text().splitlines()],
         (run_dir / "logs" / "inference-0.log").read_text(),
         (folder / "logs" / "trainer-0.log").read_text(),
+        [(folder / "logs" / f"environment-{i}.log").read_text() for i in range(2)],
+        left,
     )
+
+
+def _session_processes(sid: int) -> list[str]:
+    """`pid name` of each live process of session `sid` (the run's, started with start_new_session)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        name, fields = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z":  # field 6 of proc(5), the session id
+            found.append(f"{entry} {name}")
+    return found
 
 
 def test_the_calculator_example_runs_to_the_end_on_a_pool(episodes_run):
@@ -111,6 +142,15 @@ def test_the_calculator_example_runs_to_the_end_on_a_pool(episodes_run):
     # Its rollouts came from the pool's replica, under its own adapter versions.
     assert f"serving job default/{NAME}" in episodes_run.server_log
     assert f"default/{NAME}: adapter version 1 live" in episodes_run.server_log
+
+
+def test_the_environment_server_served_the_episodes_and_left_nothing_behind(episodes_run):
+    """Both processes of the job's environment server reset and stepped episodes (uvicorn's access log), and
+    nothing the run started outlived it: not a server, nor a worker."""
+    for log in episodes_run.environment_logs:
+        assert '"POST /reset HTTP/1.1" 200' in log and '"POST /step HTTP/1.1" 200' in log, log[-2000:]
+        assert " 401 " not in log and " 404 " not in log
+    assert episodes_run.left == []
 
 
 def test_episodes_take_more_than_one_turn(episodes_run):
