@@ -63,8 +63,10 @@ def _merge(under: Mapping[str, Any], over: Mapping[str, Any], at: tuple[str, ...
     for key, value in over.items():
         below, here = merged.get(key), (*at, key)
         key_of_items = _list_key(here)
-        if isinstance(below, Mapping) and isinstance(value, Mapping):
-            merged[key] = _merge(below, value, here, errors)
+        if isinstance(value, Mapping) and isinstance(below, Mapping | None):
+            # A section the runtime does not set merges onto nothing: its lists' directives still apply (a delete
+            # finds nothing, an error; a replace leaves the job's items), and none reaches the merged spec.
+            merged[key] = _merge(below or {}, value, here, errors)
         elif key_of_items is not None and isinstance(value, list) and isinstance(below, list | None):
             merged[key] = _merge_list(below or [], value, key_of_items, here, errors)
         else:

@@ -115,6 +115,20 @@ def test_deleting_what_the_runtime_does_not_set_is_an_error_naming_the_item():
     )
 
 
+def test_a_directive_on_a_section_the_runtime_does_not_set_is_read_as_on_an_empty_list():
+    """A runtime without `trainer` has no env to delete from: the delete is the typo it is elsewhere, and a
+    `{$patch: replace}` leaves the job's own items (the directives were kept in the merged spec, where the pods'
+    env would have carried them)."""
+    runtime = parse_runtime(runtime_doc(sync={"backend": "gloo"}))
+    job = parse_job(on_runtime(trainer={"env": [{"name": "A", "$patch": "delete"}]}))
+    with pytest.raises(InvalidJob) as caught:
+        resolve(job, runtime)
+    assert [p.path for p in caught.value.problems] == ["spec.trainer.env[0]"]
+    assert "the runtime has none (it has: none)" in caught.value.problems[0].message
+    job = parse_job(on_runtime(trainer={"env": [{"$patch": "replace"}, {"name": "B", "value": "1"}]}))
+    assert resolve(job, runtime).spec.trainer.env == [{"name": "B", "value": "1"}]
+
+
 def test_a_patch_directive_needs_a_runtime_and_a_known_verb():
     with pytest.raises(InvalidJob) as caught:
         parse_job(job_doc(trainer={"env": [{"name": "A", "$patch": "delete"}]}))
