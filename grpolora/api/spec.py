@@ -906,7 +906,8 @@ class EnvironmentServerPlacement(SpecModel):
     @field_validator("tolerations")
     @classmethod
     def _kube_tolerations(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return kube_checked(value, "Toleration")
+        kube_checked(overlay.without_directives(value), "Toleration")
+        return value
 
     @field_validator("env")
     @classmethod
@@ -915,13 +916,33 @@ class EnvironmentServerPlacement(SpecModel):
 
         errors = []
         for i, var in enumerate(value):
+            if set(var) == {overlay.PATCH}:  # {$patch: replace}: a directive, not a variable
+                continue
             name = var.get("name")
             if not isinstance(name, str) or not name:
                 errors.append((f"[{i}].name", "every env entry needs a `name`"))
             elif name in CONTRACT_NAMES:
                 errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
         raise_if_any(errors)
-        return kube_checked(value, "EnvVar")
+        kube_checked(overlay.without_directives(value), "EnvVar")
+        return value
+
+    def patch_directives(self) -> list[tuple[str, Any]]:
+        """(path, verb) of each `$patch` in env and tolerations: a job's word on its runtime's lists, as a role's
+        (RoleSpec.patch_directives)."""
+        return [*overlay.directives(self.env, "env"), *overlay.directives(self.tolerations, "tolerations")]
+
+    @model_validator(mode="after")
+    def _patch_verbs(self) -> EnvironmentServerPlacement:
+        raise_if_any(
+            [
+                (path, f"`{verb}`: use `delete` (drop the runtime's item) or `replace` (the job's list replaces the "
+                 "runtime's whole)")
+                for path, verb in self.patch_directives()
+                if verb not in overlay.PATCH_VERBS
+            ]
+        )  # fmt: skip
+        return self
 
 
 class EnvironmentServerSpec(EnvironmentServerPlacement):
@@ -1713,6 +1734,13 @@ class GRPOLoraJobSpec(SpecModel):
                      "(spec.runtimeRef): remove the item")
                     for path, _ in role_spec.patch_directives()
                 ]  # fmt: skip
+        server = self.environment.server if self.environment is not None else None
+        if self.runtime_ref is None and server is not None:
+            errors += [
+                (f"environment.server.{path}", "drops an item of a runtime's list, and this job names no runtime "
+                 "(spec.runtimeRef): remove the item")
+                for path, _ in server.patch_directives()
+            ]  # fmt: skip
         raise_if_any(errors)
         return self
 
@@ -1957,11 +1985,12 @@ class GRPOLoraRuntimeSpec(SpecModel):
         raise_if_any(
             [
                 (f"{role}.{path}", "a runtime's lists are what jobs merge with; `$patch` belongs in a job")
-                for role, role_spec in (("trainer", self.trainer), ("inference", self.inference))
+                for role, role_spec in (("trainer", self.trainer), ("inference", self.inference),
+                                        ("environment.server", self.environment and self.environment.server))
                 if role_spec is not None
                 for path, _ in role_spec.patch_directives()
             ]
-        )
+        )  # fmt: skip
         return self
 
 

@@ -632,3 +632,35 @@ def test_render_places_the_environment_servers_pods_where_the_runtime_says(tmp_p
     [container] = pod["containers"]
     assert container["image"] == "registry.local/sandbox:1"
     assert {"name": "PIP_INDEX_URL", "value": "http://mirror"} in container["env"]
+
+
+def test_a_job_drops_or_replaces_the_runtimes_server_env_and_tolerations_as_a_roles():
+    runtime = parse_runtime(runtime_doc(environment={"server": SANDBOX_SERVER}))
+    job = parse_job(on_runtime(environment={"builtin": "calculator", "server": {
+        "tolerations": [{**SANDBOX, "$patch": "delete"}],
+        "env": [{"$patch": "replace"}, {"name": "OWN", "value": "1"}],
+    }}))  # fmt: skip
+    server = resolve(job, runtime).spec.environment.server
+    assert server.tolerations == [] and server.env == [{"name": "OWN", "value": "1"}]
+    with pytest.raises(InvalidJob) as caught:  # nothing of the runtime's to drop
+        resolve(parse_job(on_runtime(environment={"builtin": "calculator", "server": {
+            "env": [{"name": "NOT_THERE", "$patch": "delete"}]}})), runtime)  # fmt: skip
+    assert [p.path for p in caught.value.problems] == ["spec.environment.server.env[0]"]
+    assert "(it has: PIP_INDEX_URL, LEVEL)" in caught.value.problems[0].message
+
+
+def test_server_directives_need_a_job_on_a_runtime_and_a_known_verb():
+    server = {"env": [{"name": "A", "$patch": "delete"}]}
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(job_doc(environment={"builtin": "calculator", "server": server}))
+    assert [(p.path, p.message) for p in caught.value.problems] == [
+        ("spec.environment.server.env[0].$patch", "drops an item of a runtime's list, and this job names no runtime "
+         "(spec.runtimeRef): remove the item")
+    ]  # fmt: skip
+    with pytest.raises(InvalidJob) as caught:
+        parse_runtime(runtime_doc(environment={"server": server}))
+    assert [p.path for p in caught.value.problems] == ["spec.environment.server.env[0].$patch"]
+    with pytest.raises(InvalidJob) as caught:
+        parse_job(on_runtime(environment={"builtin": "calculator", "server": {"tolerations": [{**SANDBOX,
+                                                                                                "$patch": "drop"}]}}))
+    assert [p.path for p in caught.value.problems] == ["spec.environment.server.tolerations[0].$patch"]
