@@ -1,8 +1,9 @@
 """`grpolora run` of examples/calculator-episodes.yaml end to end (issue 39's check: "a run of the built-in example to
 the end on CPUs, with turns per episode above 1; with a pool and with k = 1"), in one run: the example as its file
 says, shrunk to 2 steps of 2 prompts x 2 episodes, pipelined (grpo.maxStaleness 1) and served by a RolloutPool's
-replica (the example's serving fields moved onto the pool). SmolLM2-135M plays the episodes against the built-in
-calculator; the suite's other end-to-end runs use the random tiny Llama, whose every turn runs to maxNewTokens
+replica (the example's serving fields moved onto the pool), and the environment served by the job's own server
+(issue 48: two processes grpolora run starts). SmolLM2-135M plays the episodes against the built-in calculator; the
+suite's other end-to-end runs use the random tiny Llama, whose every turn runs to maxNewTokens
 (finish_reason `length`, which ends an episode): their episodes could only be single turns. The job renders with
 Qwen3's own chat template (spec.task.chatTemplate: qwen3, issue 46), which is not prefix-preserving: every episode
 failed under it before environment turns became suffixes.
