@@ -88,8 +88,8 @@ class Replica:
     """A job's own replica serving version 1 (mark 11), its engine answering "Answer: 7" and <|im_end|> (finish
     stop, logprob -0.25 each), or failing the next `failures` calls (a 500, as a dead engine answers)."""
 
-    def __init__(self, served: FakeServer, tokenizer):
-        self.served, self.failures, self.prompts = served, 0, []
+    def __init__(self, served: FakeServer, tokenizer, sender):
+        self.served, self.sender, self.failures, self.prompts = served, sender, 0, []
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.ids = tokenizer("Answer: 7", add_special_tokens=False)["input_ids"] + [end]
 
@@ -113,7 +113,7 @@ def replica(tokenizer):
         try:
             sender.form_group()
             assert sender.send(marked(11), {}).version == 1
-            yield Replica(served, tokenizer)
+            yield Replica(served, tokenizer, sender)
         finally:
             sender.close()
 
@@ -262,3 +262,19 @@ def test_when_no_replica_opens_a_session_the_round_is_lost_to_the_replicas_not_t
         runner.close()
         client.close()
     assert "ConnectError" in str(lost.value)
+
+
+def test_a_session_asked_for_a_version_the_replica_no_longer_keeps_is_pinned_to_its_live_one(replica):
+    """As /v1/generate serves a request that asked for a version the replica moved past (RolloutClient.generate):
+    the trainer opens the session on the live version, and the episode is accounted with the version it got."""
+    sender = replica.sender
+    assert [sender.send(marked(mark), {}).version for mark in (22, 33, 44)] == [2, 3, 4]
+    client = RolloutClient([replica.served.url], TOKEN, timeout_seconds=10)
+    bounds = {"max_calls": 1, "max_tokens": 64, "max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0}
+    try:
+        url, version = client.open_session(0, "behind", bounds | {"adapter_version": 1})
+        assert (url, version) == (f"{replica.served.url}/sessions/behind/v1", 4)
+        assert client.open_session(0, "live", bounds | {"adapter_version": 4})[1] == 4
+        assert client.close_session(0, "behind")["adapter_version"] == 4
+    finally:
+        client.close()
