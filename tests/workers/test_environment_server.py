@@ -189,6 +189,50 @@ def test_new_episodes_go_to_the_least_loaded_server_and_avoid_one_that_just_fail
     factory.close()
 
 
+def test_a_lost_server_sends_new_episodes_to_the_other_until_it_is_back(tmp_path, monkeypatch):
+    """A pod lost and replaced, walked through: the episodes it held fail as unavailable (played again by the
+    runner, on a fresh environment), new ones go to the other server while the lost one is avoided, and once it is
+    back and the avoidance over, episodes spread over both again."""
+    from grpolora.workers.environments.base import EnvironmentUnavailable, close_environment
+
+    servers = EnvironmentServers(served(replicas=2), tmp_path, TOKEN, ports=free_ports(2))
+    servers.start()
+    try:
+        monkeypatch.setenv(contract.ENVIRONMENT_URL, ",".join(servers.urls))
+        monkeypatch.setenv(contract.ENVIRONMENT_TOKEN, TOKEN)
+        spec = {"builtin": "calculator", "server": {"replicas": 2}, "stepTimeoutSeconds": 2, "retries": 1}
+        factory = load_environment(EnvironmentSpec.model_validate(spec))
+        first, second = servers.urls
+        held = factory(), factory()
+        assert [env.url for env in held] == [first, second]
+        for env in held:
+            env.reset(PROMPT)
+        servers._running[0].kill()
+        servers._running[0].wait()
+        with pytest.raises(EnvironmentUnavailable, match="cannot reach it"):
+            held[0].step({"role": "assistant", "content": "Answer: 84"})
+        close_environment(held[0])  # as the runner closes a lost play's environment: its close fails, logged
+        replayed = [factory() for _ in range(3)]  # the lost episode played again, and more
+        assert [env.url for env in replayed] == [second] * 3
+        for env in replayed:
+            env.reset(PROMPT)
+            assert env.step({"role": "assistant", "content": "Answer: 84"}).done
+            env.close()
+        assert held[1].step({"role": "assistant", "content": "Answer: 84"}).done  # the other's own went on
+        held[1].close()
+        assert servers.revive()[0].startswith("environment server 0 exited with code -9; started it again")
+        factory._failed_at[first] -= AVOID_SECONDS  # the avoidance over
+        again = [factory() for _ in range(2)]
+        assert sorted(env.url for env in again) == [first, second]
+        for env in again:
+            env.reset(PROMPT)
+            assert env.step({"role": "assistant", "content": "Answer: 84"}).done
+            env.close()
+        factory.close()
+    finally:
+        servers.stop()
+
+
 def test_a_job_plays_its_episodes_over_both_servers(tokenizer, trainer_env):
     script = {0: ["<calc>12*7</calc>", "Answer: 84"], 1: ["Answer: 80"], 2: ["Answer: 84"], 3: ["<calc>1+1</calc>",
               "Answer: 84"]}  # fmt: skip
