@@ -278,3 +278,17 @@ def test_a_session_asked_for_a_version_the_replica_no_longer_keeps_is_pinned_to_
         assert client.close_session(0, "behind")["adapter_version"] == 4
     finally:
         client.close()
+
+
+def test_an_agent_whose_first_call_cannot_fit_is_unscorable_not_the_models_fault(agents, replica, tokenizer):
+    """The agent's opening alone fills maxEpisodeTokens: the session refuses its first call, and nothing was generated
+    to score. As an episode whose opening leaves no room: unscorable (error), never errorReward for the model; the
+    round's other episode plays as usual."""
+    limits = EpisodeLimits(max_turns=3, max_episode_tokens=80, max_new_tokens=4, step_timeout_seconds=10.0,
+                           error_reward=-1.0)  # fmt: skip
+    long = "Add these up: " + " + ".join(["7"] * 40)
+    (short,), (refused,) = play(agents, replica, tokenizer, "follow_up", limits, prompts=("7 * 1", long))
+    assert short.episode.error is None and short.episode.turns == 2
+    episode = refused.episode
+    assert "maxEpisodeTokens" in episode.error and episode.fault is None and episode.reward is None
+    assert refused.token_ids == [] and len(replica.prompts) == 2  # the short episode's two calls alone

@@ -355,6 +355,9 @@ class EpisodeRunner:
             episode.segments = sample.dropped_segments + 1
         else:
             episode.tokens, episode.segments = EpisodeTokens(list(episode.fallback)), 0
+            if record.get("refused") is not None:  # its first call could not fit: nothing to score, as an opening
+                episode.end(error=f"the agent's first call was refused: {record['refused']}")  # that leaves no room
+                return
         episode.end(truncated=sample is not None and sample.truncated)
         try:
             if sample is None and raised is None:
