@@ -13,9 +13,11 @@ they are in the server's image).
 
 A server is ready when its GET /health answers 200-399 (the kubelet's rule for an HTTP probe); the trainer starts only
 once every one is, and gets their base URLs in pod order in GRPOLORA_ENVIRONMENT_URL. A server that exits before, or
-is not ready within READY_SECONDS, fails the run with the end of its log. A server that exits while the job runs is
+is not ready within READY_SECONDS, fails its job with the end of its log. A server that exits while the job runs is
 started again on its port (as its pod would be), RESTARTS times at most. Every process runs in its own process group,
-tied to this process (lifetime.die_with_parent), and stop() ends each group: nothing is left behind.
+and stop() (at the job's end, however it ends) ends each group: nothing is left behind. A `grpolora run` killed
+outright runs no stop(): then the process it started gets SIGKILL from the kernel (lifetime.die_with_parent), though
+not what that process started in turn.
 """
 
 from __future__ import annotations
