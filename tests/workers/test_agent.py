@@ -292,3 +292,15 @@ def test_an_agent_whose_first_call_cannot_fit_is_unscorable_not_the_models_fault
     episode = refused.episode
     assert "maxEpisodeTokens" in episode.error and episode.fault is None and episode.reward is None
     assert refused.token_ids == [] and len(replica.prompts) == 2  # the short episode's two calls alone
+    assert episode.segments == 0  # an agent's all the same: its step reports agent_segments_dropped
+
+
+def test_an_agents_step_reports_its_figures_even_when_every_session_was_lost():
+    """agent_segments_dropped is in every agent step's record (0 where none dropped), lost episodes included, so a
+    tracker's series has no holes."""
+    from grpolora.workers.environments.episode import Episode
+    from grpolora.workers.trainer.scoring import agent_figures
+
+    lost = Episode(opening=[1], loss_mask=[], messages=[], turns=0, tool_calls=0, error="gone", segments=0)
+    assert agent_figures([lost]) == {"agent_segments_dropped": 0}
+    assert agent_figures([Episode(opening=[1], loss_mask=[], messages=[], turns=0, tool_calls=0)]) == {}

@@ -308,6 +308,7 @@ class EpisodeRunner:
         started = time.perf_counter()
         env, error = made
         sid, opened = f"agent-{uuid.uuid4().hex}", False
+        episode.segments = episode.segments or 0  # an agent's, whatever befalls it (its step's figures say so)
         limits = self.limits
         try:
             if error is not None:
