@@ -35,6 +35,7 @@ from grpolora.api.plan import (
     PoolPlan,
     RolePlan,
     child_names,
+    token_secret_data,
 )
 from grpolora.api.pool import JOBS_FILE_KEY, REPLICAS_FILE_KEY, Attachments, PoolReplicas
 from grpolora.api.spec import NetworkPolicySpec
@@ -185,12 +186,14 @@ def _metadata(plan: Plan, name: str, role: str | None = None) -> dict[str, Any]:
 
 
 def token_secret(plan: JobPlan, token: str) -> K8sObject:
+    """The job's token and the environment server's, derived from it (grpolora.api.plan.token_secret_data): the
+    server's pods mount only theirs (they run model-driven code), the trainer and inference pods only the job's."""
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": _metadata(plan, plan.token_secret),
         "type": "Opaque",
-        "stringData": {c.TOKEN_SECRET_KEY: token},
+        "stringData": token_secret_data(token),
     }
 
 

@@ -64,6 +64,9 @@ STATEFULSET_REVISION_HASH_SUFFIX: Final = 11
 INDEXED_JOB_HOSTNAME_SUFFIX: Final = 5
 
 TOKEN_SECRET_KEY: Final = "token"
+# The environment server's token (grpolora.api.pool.environment_token), a second key of the job's token Secret: the
+# server's pods mount this key only, never the job's token.
+ENVIRONMENT_TOKEN_SECRET_KEY: Final = "environment-token"
 # The Secrets the operator makes (grpolora.api.plan.child_names, pool_child_names): a job's token
 # (`<job>-grpolora-token`) and a pool's attachment list (`<pool>-pool-jobs`: each attached job's token digest and sync
 # MAC key). No job may name one: with another job's token it would act as that job (see grpolora.api.spec.SecretName).

@@ -75,8 +75,10 @@ CHAT_TEMPLATE_FILE: Final = "GRPOLORA_CHAT_TEMPLATE_FILE"  # spec.task.chatTempl
 # run`) runs for the job, comma-separated, in pod order (its headless Service's per-pod names: an episode's reset,
 # steps and close must reach the one server that holds it, so the trainer pins each episode to one URL rather than
 # letting a Service spread its calls); the trainer reaches the environment there (or an agent its sandbox). The
-# server's own pods get ENVIRONMENT_TOKEN_FILE: the job's token, which every call to it must carry as a bearer token
-# (a server of the project's, python -m grpolora.workers.environments.service, reads it; ENVIRONMENT_TOKEN locally).
+# server's own pods get ENVIRONMENT_TOKEN_FILE: the environment token, which every call to it must carry as a bearer
+# token (a server of the project's, python -m grpolora.workers.environments.service, reads it; ENVIRONMENT_TOKEN
+# locally). It is derived from the job's token (grpolora.api.pool.environment_token), never the job's token itself:
+# the server runs model-driven code, and the job's token opens the replicas; the trainer derives it from its own.
 ENVIRONMENT_URL: Final = "GRPOLORA_ENVIRONMENT_URL"
 ENVIRONMENT_TOKEN: Final = "GRPOLORA_ENVIRONMENT_TOKEN"
 ENVIRONMENT_TOKEN_FILE: Final = "GRPOLORA_ENVIRONMENT_TOKEN_FILE"

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from grpolora.api import constants as c
 from grpolora.api import contract as env
-from grpolora.api.pool import JOBS_FILE_KEY, PoolReplicas, bind, fit_errors
+from grpolora.api.pool import JOBS_FILE_KEY, PoolReplicas, bind, environment_token, fit_errors
 from grpolora.api.spec import (
     EnvironmentServerSpec,
     EnvironmentSpec,
@@ -186,11 +186,17 @@ class JobPlan:
             if var.replica_index:
                 values[var.name] = str(index)
             elif var.secret is not None:
-                values[var.name] = token
+                values[var.name] = token_secret_data(token)[var.secret[1]]
             else:
                 assert var.value is not None
                 values[var.name] = var.value
         return values
+
+
+def token_secret_data(token: str) -> dict[str, str]:
+    """The keys of a job's token Secret (`<job>-grpolora-token`): the job's token, and the environment server's
+    token derived from it (the only key the server's pods mount). A local run passes the same values."""
+    return {c.TOKEN_SECRET_KEY: token, c.ENVIRONMENT_TOKEN_SECRET_KEY: environment_token(token)}
 
 
 def child_names(job_name: str) -> dict[str, str]:
@@ -453,9 +459,10 @@ SERVICE_MODULE = "grpolora.workers.environments.service"
 def _environment_role(
     network: Network, workload: str, namespace: str, server: EnvironmentServerSpec, token_secret: str
 ) -> RolePlan:
-    """spec.environment.server's role: its pods get the job's token (a file in a cluster, the value locally), which
-    every call to them carries as a bearer token, and their port, and nothing else of the contract: they see no spec,
-    no model, no rendezvous (a sandbox knows as little of the job as it can)."""
+    """spec.environment.server's role: its pods get the environment token (grpolora.api.pool.environment_token,
+    derived from the job's: a file of the token Secret's environment key in a cluster, the value locally), which every
+    call to them carries as a bearer token, and their port, and nothing else of the contract: they see no spec, no
+    model, no rendezvous, not the job's token (a sandbox knows as little of the job as it can)."""
     return RolePlan(
         role=c.ROLE_ENVIRONMENT,
         replicas=server.replicas,
@@ -467,7 +474,7 @@ def _environment_role(
         env=(
             EnvVar(
                 env.ENVIRONMENT_TOKEN,
-                secret=(token_secret, c.TOKEN_SECRET_KEY),
+                secret=(token_secret, c.ENVIRONMENT_TOKEN_SECRET_KEY),
                 secret_file=env.ENVIRONMENT_TOKEN_FILE,
             ),
             # A server's own command reads it, or names it as $(GRPOLORA_ENVIRONMENT_PORT) (Kubernetes expands it).
@@ -498,9 +505,9 @@ def environment_server_command(
 ) -> tuple[list[str], list[str]]:
     """(command, args) of an environment server: the server's own `command` and `args`, or with none the project's
     service of the job's `builtin` or `plugin` on `host` (None: the service's default, every address) and `port`,
-    reading the job's token from `token_file` (None: from GRPOLORA_ENVIRONMENT_TOKEN, as a local run passes it), then
-    the server's `args`. The operator's pods and `grpolora run` (workers/launcher/environment_servers.py) start the
-    same one (`python`: the interpreter, `python` on the worker image's PATH)."""
+    reading the environment token from `token_file` (None: from GRPOLORA_ENVIRONMENT_TOKEN, as a local run passes it),
+    then the server's `args`. The operator's pods and `grpolora run` (workers/launcher/environment_servers.py) start
+    the same one (`python`: the interpreter, `python` on the worker image's PATH)."""
     server = environment.server
     assert server is not None, "spec.environment.server is not set"
     if server.command is not None:

@@ -42,6 +42,7 @@ JOBS_FILE_KEY = "jobs.json"
 REPLICAS_FILE_KEY = "replicas.json"
 """Key of the pool's replicas (PoolReplicas) in the same Secret; the file beside the attachment list."""
 SYNC_HEADER_PURPOSE = b"grpolora sync round header"
+ENVIRONMENT_TOKEN_PURPOSE = b"grpolora.dev/environment-server"
 
 
 def auth_digest(token: str) -> str:
@@ -62,6 +63,17 @@ def sync_key(token: str) -> bytes:
     """The MAC key of a job's sync rounds (header and payload), derived from its token (one secret, a key per
     purpose; the purpose string names the header, where it was first used, and stays so that keys do not change)."""
     return hmac.new(token.encode(), SYNC_HEADER_PURPOSE, hashlib.sha256).digest()
+
+
+def environment_token(token: str) -> str:
+    """The bearer token of a job's environment server (spec.environment.server), derived from the job's token: hex
+    HMAC-SHA256 of ENVIRONMENT_TOKEN_PURPOSE keyed by it. The server runs model-driven code in a sandbox, so it holds
+    this token, not the job's: the trainer, which holds the job's, derives it to call the server, and the inference
+    servers, which accept only the job's token (or its digest), refuse it. What the server holds gives no way back to
+    the job's token, nor to its sync key. The operator writes it beside the job's token in the job's token Secret
+    (key c.ENVIRONMENT_TOKEN_SECRET_KEY, the only key the server's pods mount); `grpolora run` gives it to the
+    server's processes."""
+    return hmac.new(token.encode(), ENVIRONMENT_TOKEN_PURPOSE, hashlib.sha256).hexdigest()
 
 
 def job_key(namespace: str, name: str) -> str:

@@ -956,8 +956,9 @@ class EnvironmentServerSpec(EnvironmentServerPlacement):
     """The container's command (its entrypoint). Unset: `python -m grpolora.workers.environments.service
     --environment <builtin or plugin> --port <port>` serves the job's own `builtin` or `plugin`. A server of your own
     (any language) speaks the same protocol, listens on `port` ($GRPOLORA_ENVIRONMENT_PORT), answers GET /health
-    without the token once it serves (the pods' readiness probe), and reads the job's token from the file
-    $GRPOLORA_ENVIRONMENT_TOKEN_FILE (GRPOLORA_ENVIRONMENT_TOKEN in `grpolora run`)."""
+    without the token once it serves (the pods' readiness probe), and reads the token every other call carries from
+    the file $GRPOLORA_ENVIRONMENT_TOKEN_FILE (GRPOLORA_ENVIRONMENT_TOKEN in `grpolora run`): one derived from the
+    job's token for this server, not the job's token."""
     args: list[str] = Field(default_factory=list)
     """Arguments of the command (unset `command`: added after the service's own flags)."""
     replicas: int = Field(default=1, gt=0, le=c.MAX_REPLICAS)

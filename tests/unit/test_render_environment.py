@@ -14,6 +14,7 @@ from grpolora.api import constants as c
 from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.plan import LoopbackNetwork, environment_server_command, plan
+from grpolora.api.pool import environment_token
 from grpolora.api.spec import RolloutPool
 from grpolora.operator.builders import JOB_UID_LABEL, build_children
 from tests.helpers import job_doc
@@ -70,7 +71,7 @@ def test_server_of_two_replicas_renders_a_statefulset_a_service_and_a_network_po
     assert container["args"] == ["--environment", "calculator", "--port", "8000", "--token-file", token_file]
     assert container["resources"] == SERVER["resources"]
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": 8000}
-    # The job's token as a file; no other Secret, no model, no spec.
+    # The environment token as a file; no other Secret, no model, no spec.
     assert env_of(sts) == {contract.ENVIRONMENT_TOKEN_FILE: token_file, contract.ENVIRONMENT_PORT: "8000"}
     (secret_volume,) = [v for v in pod["volumes"] if "secret" in v]
     assert secret_volume["secret"]["secretName"] == "calc-grpolora-token"
@@ -89,6 +90,29 @@ def test_server_of_two_replicas_renders_a_statefulset_a_service_and_a_network_po
         "http://calc-env-0.calc-env.team-a.svc:8000,http://calc-env-1.calc-env.team-a.svc:8000"
     )
     assert contract.ENVIRONMENT_URL not in env_of(inference)
+
+
+def test_the_server_pods_hold_the_environment_token_and_never_the_jobs():
+    """The server runs model-driven code: its pods mount only the token Secret's environment key (a token derived from
+    the job's, which the inference servers refuse), not the job's token, with which a compromised server could call
+    the replicas' control and generate endpoints. The trainer mounts the job's token and derives the server's."""
+    objects = children(served())
+    secret = objects[("Secret", "job-grpolora-token")]
+    assert secret["stringData"] == {
+        c.TOKEN_SECRET_KEY: "tok",
+        c.ENVIRONMENT_TOKEN_SECRET_KEY: environment_token("tok"),
+    }
+    assert environment_token("tok") != "tok" and len(environment_token("tok")) == 64
+
+    def secret_items(workload: dict[str, Any]) -> list[tuple[str, str]]:
+        volumes = workload["spec"]["template"]["spec"]["volumes"]
+        secrets = [v["secret"] for v in volumes if "secret" in v]
+        return [(secret["secretName"], item["key"]) for secret in secrets for item in secret["items"]]
+
+    env_key, job_key = [("job-grpolora-token", key) for key in (c.ENVIRONMENT_TOKEN_SECRET_KEY, c.TOKEN_SECRET_KEY)]
+    assert secret_items(objects[("StatefulSet", "job-env")]) == [env_key]
+    assert secret_items(objects[("Job", "job-trainer")]) == [job_key]
+    assert secret_items(objects[("StatefulSet", "job-inference")]) == [job_key]
 
 
 def test_network_policies_admit_only_the_trainer_to_the_server_and_keep_the_server_out_of_the_job():
@@ -159,7 +183,7 @@ def test_own_command_runs_as_written_and_local_runs_get_their_urls_from_the_laun
     local = plan(parse_job(doc), LoopbackNetwork())
     assert contract.ENVIRONMENT_URL not in local.env_for("trainer", 0, token="t") and not local.environment_endpoints
     assert local.env_for("environment", 1, token="t") == {
-        contract.ENVIRONMENT_TOKEN: "t",
+        contract.ENVIRONMENT_TOKEN: environment_token("t"),
         contract.ENVIRONMENT_PORT: "9000",
     }
     environment = parse_job(served(args=["--max-episodes", "64"])).spec.environment

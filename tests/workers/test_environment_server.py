@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from grpolora.api import contract
+from grpolora.api.pool import environment_token
 from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.environments import check_environment, load_environment
 from grpolora.workers.environments.remote import AVOID_SECONDS, EnvironmentService
@@ -36,7 +37,7 @@ from grpolora.workers.trainer.rollout import Sampling
 from tests.helpers import example
 from tests.workers.test_episodes import PROMPT, ScriptedReplicas, _runner
 
-TOKEN = "env-s3cret"
+TOKEN = "job-s3cret"  # the job's token: the trainer's; its environment servers hold environment_token(TOKEN)
 
 
 def served(**server) -> EnvironmentSpec:
@@ -89,9 +90,12 @@ def two_servers(tmp_path_factory):
 
 @pytest.fixture
 def trainer_env(monkeypatch, two_servers):
-    """The trainer's environment as `grpolora run` gives it: the URLs and the token."""
+    """The trainer's environment as `grpolora run` gives it: the servers' URLs and the job's token (from which the
+    trainer derives the servers')."""
     monkeypatch.setenv(contract.ENVIRONMENT_URL, ",".join(two_servers.urls))
-    monkeypatch.setenv(contract.ENVIRONMENT_TOKEN, TOKEN)
+    monkeypatch.setenv(contract.TOKEN, TOKEN)
+    monkeypatch.delenv(contract.TOKEN_FILE, raising=False)
+    monkeypatch.delenv(contract.ENVIRONMENT_TOKEN, raising=False)
     return two_servers
 
 
@@ -135,7 +139,8 @@ def test_the_default_command_serves_the_jobs_kind_and_an_own_command_gets_its_po
          "127.0.0.1", "--port", str(port), "--max-episodes", "64")
         for port in (8101, 8102)
     ]  # fmt: skip
-    assert default[1].env == {contract.ENVIRONMENT_PORT: "8102", contract.ENVIRONMENT_TOKEN: "t"}
+    # The environment token, never the job's: the server runs model-driven code (grpolora.api.pool.environment_token).
+    assert default[1].env == {contract.ENVIRONMENT_PORT: "8102", contract.ENVIRONMENT_TOKEN: environment_token("t")}
     assert default[1].url == "http://127.0.0.1:8102"
     own = EnvironmentSpec.model_validate(
         {
@@ -149,7 +154,8 @@ def test_the_default_command_serves_the_jobs_kind_and_an_own_command_gets_its_po
     )  # fmt: skip
     [process] = server_processes(own, [8200], "t")
     assert process.argv == (sys.executable, "-m", "my_env.serve", "--listen=:8200", "--mode=sandbox", "$(MODE)")
-    assert process.env == {"MODE": "sandbox", contract.ENVIRONMENT_PORT: "8200", contract.ENVIRONMENT_TOKEN: "t"}
+    assert process.env == {"MODE": "sandbox", contract.ENVIRONMENT_PORT: "8200",
+                           contract.ENVIRONMENT_TOKEN: environment_token("t")}  # fmt: skip
 
 
 # ---- the trainer's client: episodes pinned to one server each -----------------------------------------------------
@@ -199,7 +205,7 @@ def test_a_lost_server_sends_new_episodes_to_the_other_until_it_is_back(tmp_path
     servers.start()
     try:
         monkeypatch.setenv(contract.ENVIRONMENT_URL, ",".join(servers.urls))
-        monkeypatch.setenv(contract.ENVIRONMENT_TOKEN, TOKEN)
+        monkeypatch.setenv(contract.TOKEN, TOKEN)
         spec = {"builtin": "calculator", "server": {"replicas": 2}, "stepTimeoutSeconds": 2, "retries": 1}
         factory = load_environment(EnvironmentSpec.model_validate(spec))
         first, second = servers.urls
@@ -246,15 +252,25 @@ def test_a_job_plays_its_episodes_over_both_servers(tokenizer, trainer_env):
     runner.close()
 
 
-def test_the_server_needs_the_jobs_token(trainer_env, monkeypatch, tmp_path):
-    monkeypatch.delenv(contract.ENVIRONMENT_TOKEN)
+def test_the_server_needs_the_environment_token_and_refuses_the_jobs(trainer_env, monkeypatch, tmp_path):
+    """The server holds a token derived from the job's (it runs model-driven code: with the job's token a compromised
+    server could call the replicas' generate and control endpoints). It refuses the job's token itself; the trainer,
+    which holds the job's, derives the server's and is let in."""
+    url = trainer_env.urls[0]
+    body = {"episode": "auth", "prompt": {"text": "What is 1+1?"}}
+    assert environment_token(TOKEN) != TOKEN
+    assert httpx.post(f"{url}/reset", json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 401
+    bearer = {"Authorization": f"Bearer {environment_token(TOKEN)}"}
+    assert httpx.post(f"{url}/reset", json=body, headers=bearer).status_code == 200
+    httpx.post(f"{url}/close", json={"episode": "auth"}, headers=bearer)
+
     monkeypatch.setenv(contract.TOKEN, "not-the-token")
     env = load_environment(served(replicas=2))()
     with pytest.raises(AuthRefused, match=r"^spec.environment.server: .*/reset refused the job's credentials: HTTP "
                        "401") as refused:  # fmt: skip
         env.reset(PROMPT)
     assert exit_code(refused.value) == contract.EXIT_INVALID_SPEC
-    # In a trainer pod: the job's token as a file (GRPOLORA_TOKEN_FILE), the same token its server holds.
+    # In a trainer pod: the job's token as a file (GRPOLORA_TOKEN_FILE), from which the server's is derived.
     (tmp_path / "token").write_text(TOKEN + "\n")
     monkeypatch.setenv(contract.TOKEN_FILE, str(tmp_path / "token"))
     env = load_environment(served(replicas=2))()

@@ -14,9 +14,11 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
+from grpolora.api.pool import environment_token
 from grpolora.workers.inference import app as app_module
 from grpolora.workers.inference.app import MAX_BODY_BYTES, create_app
 from grpolora.workers.inference.metrics import TokenRate
+from grpolora.workers.inference.sessions import CHAT_PATH, SESSIONS_PATH
 from grpolora.workers.sync import wire
 from grpolora.workers.sync.control import JOIN_PATH, POOL_PATH, PREPARE_PATH, REFUSAL_HEADER, STATE_PATH
 from grpolora.workers.sync.receiver import AdapterReceiver
@@ -222,8 +224,15 @@ GUARDED = [
     ("get", POOL_PATH, None),
     ("post", JOIN_PATH, {}),
     ("post", PREPARE_PATH, {}),
+    ("post", f"{SESSIONS_PATH}/s1", {}),
+    ("post", f"{SESSIONS_PATH}/s1{CHAT_PATH}", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("get", f"{SESSIONS_PATH}/s1", None),
+    ("post", f"{SESSIONS_PATH}/s1/close", {}),
 ]
-WRONG = [None, "Bearer wrong", f"bearer {TOKEN}", TOKEN, f"Bearer {TOKEN}x", f"Basic {TOKEN}"]
+# The last: the job's environment server's token (derived from the job's, grpolora.api.pool.environment_token). The
+# server runs model-driven code; holding that token it must reach no replica's generate, sessions or control.
+WRONG = [None, "Bearer wrong", f"bearer {TOKEN}", TOKEN, f"Bearer {TOKEN}x", f"Basic {TOKEN}",
+         f"Bearer {environment_token(TOKEN)}"]  # fmt: skip
 
 
 @pytest.mark.parametrize(("method", "path", "body"), GUARDED, ids=[p for _, p, _ in GUARDED])

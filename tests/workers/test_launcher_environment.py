@@ -10,6 +10,7 @@ import httpx
 
 from grpolora.api import contract
 from grpolora.api.load import parse_job
+from grpolora.api.pool import environment_token
 from grpolora.api.status import TrainerStatus
 from grpolora.workers.launcher import local
 from tests.helpers import job_doc
@@ -48,7 +49,11 @@ def test_the_trainer_starts_once_every_server_is_ready_and_the_servers_stop_with
     [job] = run.jobs
     urls = run.trainer_env[contract.ENVIRONMENT_URL].split(",")
     assert len(set(urls)) == 2 and run.health == [200, 200]
-    assert run.trainer_env[contract.ENVIRONMENT_TOKEN] == job.token
+    # The trainer has the job's token and derives the servers' from it; the servers hold only theirs.
+    assert run.trainer_env[contract.TOKEN] == job.token and contract.ENVIRONMENT_TOKEN not in run.trainer_env
+    servers = job.environment.processes
+    assert [p.env[contract.ENVIRONMENT_TOKEN] for p in servers] == [environment_token(job.token)] * 2
+    assert all(job.token not in p.env.values() for p in servers)
     pids = server_pids(run)
     assert len(pids) == 2 and all(alive(pid) for pid in pids)
     assert [(tmp_path / "logs" / f"environment-{i}.log").exists() for i in (0, 1)] == [True, True]

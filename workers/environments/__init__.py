@@ -42,9 +42,10 @@ FIELD = "spec.environment.plugin"
 
 def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> EnvironmentFactory:
     """The factory of a validated spec.environment: a built-in's class, a service's client (its headers read from
-    the mounted Secret now; for the job's own `server`, its URLs and the job's token from the env contract), or the
-    plugin's factory, imported (from sys.path or `root`, default the current directory, as reward plugins are) and
-    called once to check that what it makes has reset and step. Raises TaskError naming the field."""
+    the mounted Secret now; for the job's own `server`, its URLs from the env contract and the environment token,
+    derived from the job's), or the plugin's factory, imported (from sys.path or `root`, default the current
+    directory, as reward plugins are) and called once to check that what it makes has reset and step. Raises
+    TaskError naming the field."""
     if spec.remote:
         return _service(spec)
     if spec.agent is not None:  # its players (agent.py), the function imported now
@@ -73,7 +74,8 @@ def load_environment(spec: EnvironmentSpec, root: Path | None = None) -> Environ
 
 def _service(spec: EnvironmentSpec) -> EnvironmentService:
     """The client of `url`, or of the job's own environment server (GRPOLORA_ENVIRONMENT_URL, one URL per process
-    or pod, each episode pinned to one), whose calls carry the job's token as a bearer token."""
+    or pod, each episode pinned to one), whose calls carry the environment token (derived from the job's: remote.
+    server_token) as a bearer token."""
     try:
         headers = secret_values(spec.headers_from.secret_name, "") if spec.headers_from else {}
     except SecretError as err:  # mounted in the trainer pod; not there where `grpolora validate` runs
@@ -82,8 +84,8 @@ def _service(spec: EnvironmentSpec) -> EnvironmentService:
     if spec.url is not None:
         return EnvironmentService(spec.url, timeout_seconds=timeout, retries=spec.retries, headers=headers)
     if any(name.lower() == "authorization" for name in headers):
-        raise TaskError("spec.environment.headersFrom", "its key `Authorization` would replace the job's token, "
-                        "which every call to the job's own environment server carries; remove that key")  # fmt: skip
+        raise TaskError("spec.environment.headersFrom", "its key `Authorization` would replace the environment "
+                        "token, which every call to the job's own server carries; remove that key")  # fmt: skip
     try:
         urls = server_urls()
     except ValueError as err:

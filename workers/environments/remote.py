@@ -16,8 +16,9 @@ spec.environment.server: the same protocol, served by the job's own environment 
 (GRPOLORA_ENVIRONMENT_URL names each, docs/contract.md). An episode's state lives in the one server that reset it,
 so each episode is pinned to one URL for its reset, steps and close (a load-balancing Service in between would send
 its steps elsewhere); new episodes go to the server holding the fewest open ones (round-robin among equals),
-avoiding for a while one that just failed a call while others have not. Every call carries the job's token as a
-bearer token.
+avoiding for a while one that just failed a call while others have not. Every call carries the environment token
+as a bearer token: derived from the job's (grpolora.api.pool.environment_token), which the server never holds, since
+it runs model-driven code and the job's token opens the replicas' generate and control endpoints.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Any
 import httpx
 
 from grpolora.api import contract
+from grpolora.api.pool import environment_token
 from grpolora.workers import remote_service
 from grpolora.workers.environments.base import EnvironmentFault, EnvironmentUnavailable, Message, Opening, Reply
 from grpolora.workers.tasks.base import Prompt
@@ -157,16 +159,14 @@ def server_urls(environ: Mapping[str, str] | None = None) -> list[str]:
 
 
 def server_token(environ: Mapping[str, str] | None = None) -> str | None:
-    """The job's token, which every call to its environment server carries: GRPOLORA_ENVIRONMENT_TOKEN, else the
-    file GRPOLORA_ENVIRONMENT_TOKEN_FILE names, else the job's own (GRPOLORA_TOKEN_FILE's file, GRPOLORA_TOKEN:
-    the same token, as a trainer pod holds it); None when none is set."""
+    """The environment token, which every call to the job's environment server carries, derived from the job's
+    token as the trainer holds it (GRPOLORA_TOKEN_FILE's file in a pod, else GRPOLORA_TOKEN); None when neither is
+    set. Not GRPOLORA_ENVIRONMENT_TOKEN(_FILE): those are the server's own."""
     env = os.environ if environ is None else environ
-    if env.get(contract.ENVIRONMENT_TOKEN):
-        return env[contract.ENVIRONMENT_TOKEN]
-    for name in (contract.ENVIRONMENT_TOKEN_FILE, contract.TOKEN_FILE):
-        if env.get(name):
-            return Path(env[name]).read_text(encoding="utf-8").strip() or None
-    return env.get(contract.TOKEN) or None
+    token = env.get(contract.TOKEN) or None
+    if env.get(contract.TOKEN_FILE):
+        token = Path(env[contract.TOKEN_FILE]).read_text(encoding="utf-8").strip() or None
+    return None if token is None else environment_token(token)
 
 
 class RemoteEnvironment:

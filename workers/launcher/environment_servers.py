@@ -2,14 +2,15 @@
 server's pods, from the same command. Run by the `grpolora run` driver process (workers/launcher/local.py).
 
 Each of `replicas` processes gets a free port of this machine in GRPOLORA_ENVIRONMENT_PORT (a pod gets
-spec.environment.server.port there), the job's token in GRPOLORA_ENVIRONMENT_TOKEN, and the `value`s of the server's
-`env`. Its argv is the server's `command` and `args` with `$(NAME)` references expanded from that environment by
-Kubernetes' own rule (a pod's command and args are expanded so: kubernetes/third_party/forked/golang/expansion/
-expand.go: `$(NAME)` becomes the variable's value, `$$` is a `$`, an unknown name stays as written), so a server of
-your own takes its port as `--port $(GRPOLORA_ENVIRONMENT_PORT)` in both places, or reads the variable. Without a
-`command`, the project's service serves the job's `builtin` or `plugin` (workers/environments/service.py). A command
-starting with `python` runs on this run's interpreter (where the project and the job's plugins are installed, as
-they are in the server's image).
+spec.environment.server.port there), the environment token in GRPOLORA_ENVIRONMENT_TOKEN (derived from the job's,
+grpolora.api.pool.environment_token: the server runs model-driven code, so it never holds the job's token), and the
+`value`s of the server's `env`. Its argv is the server's `command` and `args` with `$(NAME)` references expanded
+from that environment by Kubernetes' own rule (a pod's command and args are expanded so: kubernetes/third_party/
+forked/golang/expansion/expand.go: `$(NAME)` becomes the variable's value, `$$` is a `$`, an unknown name stays as
+written), so a server of your own takes its port as `--port $(GRPOLORA_ENVIRONMENT_PORT)` in both places, or reads
+the variable. Without a `command`, the project's service serves the job's `builtin` or `plugin` (workers/
+environments/service.py). A command starting with `python` runs on this run's interpreter (where the project and the
+job's plugins are installed, as they are in the server's image).
 
 A server is ready when its GET /health answers 200-399 (the kubelet's rule for an HTTP probe); the trainer starts only
 once every one is, and gets their base URLs in pod order in GRPOLORA_ENVIRONMENT_URL. A server that exits before, or
@@ -36,6 +37,7 @@ import httpx
 
 from grpolora.api import contract
 from grpolora.api.plan import SERVICE_MODULE, environment_server_command
+from grpolora.api.pool import environment_token
 from grpolora.api.spec import EnvironmentSpec
 from grpolora.workers.lifetime import die_with_parent
 
@@ -104,14 +106,15 @@ def describe_command(spec: EnvironmentSpec) -> str:
 
 
 def server_processes(spec: EnvironmentSpec, ports: Sequence[int], token: str) -> list[ServerProcess]:
-    """What `grpolora run` starts for `spec` (a job's spec.environment with a server), one process per port."""
+    """What `grpolora run` starts for `spec` (a job's spec.environment with a server), one process per port; `token`:
+    the job's, from which the servers' is derived (they get that one only, as the operator's pods do)."""
     server = spec.server
     assert server is not None and len(ports) == server.replicas
     # Only `value`s: a valueFrom names a Secret, ConfigMap or field of a cluster, which this machine has not.
     own = {var["name"]: str(var["value"]) for var in server.env if "value" in var}
     found = []
     for port in ports:
-        env = own | {contract.ENVIRONMENT_PORT: str(port), contract.ENVIRONMENT_TOKEN: token}
+        env = own | {contract.ENVIRONMENT_PORT: str(port), contract.ENVIRONMENT_TOKEN: environment_token(token)}
         # The pods' command (grpolora.api.plan, one source), on loopback; its port expanded below as a pod's would be.
         command, args = environment_server_command(
             spec, port=f"$({contract.ENVIRONMENT_PORT})", token_file=None, host="127.0.0.1"

@@ -445,12 +445,13 @@ class LocalRun:
 
     def _environment_env(self, job: JobRun) -> dict[str, str]:
         """What the job's trainer is told of its environment server, once every process of it is ready: its URLs
-        and the job's token (docs/contract.md). EnvironmentServerFailed when one exits or is never ready."""
+        (docs/contract.md; the trainer derives the servers' token from the job's, which it has already).
+        EnvironmentServerFailed when one exits or is never ready."""
         self._launch_environment(job)
         if job.environment is None:
             return {}
         job.environment.wait_ready()
-        return {contract.ENVIRONMENT_URL: ",".join(job.environment.urls), contract.ENVIRONMENT_TOKEN: job.token}
+        return {contract.ENVIRONMENT_URL: ",".join(job.environment.urls)}
 
     def _start_trainers(self, job: JobRun) -> None:
         assert job.plan is not None
