@@ -7,6 +7,7 @@ then the events. grpolora.operator.job_pass reads and decides; this module carri
 from __future__ import annotations
 
 import asyncio
+import base64
 import logging
 import secrets
 from collections.abc import Mapping
@@ -14,7 +15,7 @@ from typing import Any, Final
 
 from grpolora.api import constants as c
 from grpolora.api.plan import JobPlan, child_names
-from grpolora.api.pool import token_fingerprint
+from grpolora.api.pool import environment_token, token_fingerprint
 from grpolora.operator import builders, kube, names
 from grpolora.operator import observe as obs
 from grpolora.operator import pool_reconcile as pr
@@ -135,11 +136,26 @@ class JobWrites:
             if existing is not None and obj["kind"] == "Secret":
                 token = pr.token_of(existing)
                 job.token = token_fingerprint(token) if token else None
+                if token and job_plan.environment is not None:
+                    await self._environment_key(job, existing, token)
             return None
 
         job.queue_api_missing = False
         found = await asyncio.gather(*(ensure(obj) for obj in kept))
         return [ref for ref in found if ref is not None]
+
+    async def _environment_key(self, job: Tracked, secret: Mapping[str, Any], token: str) -> None:
+        """The token Secret's environment key (the only one the environment server's pods mount), written from the
+        token the Secret holds where it is missing or is not that token's: a Secret made by a release before it
+        existed (an operator upgraded over a running job), or one whose token was changed in place (which re-keys
+        the job; its new pods need the new token's key). The Secret is otherwise never rewritten."""
+        want = environment_token(token)
+        if pr.token_of(secret, c.ENVIRONMENT_TOKEN_SECRET_KEY) == want:
+            return
+        patch = {"data": {c.ENVIRONMENT_TOKEN_SECRET_KEY: base64.b64encode(want.encode()).decode()}}
+        name = secret["metadata"]["name"]
+        if await self.client.patch(kube.SECRET, job.namespace, name, patch):
+            logger.info("%s/%s: wrote the environment server's token into Secret %s", job.namespace, job.name, name)
 
     async def _priority(self, job_plan: JobPlan) -> tuple[str, int] | None:
         """(PriorityClass, value) for the job's Kueue Workload, as Kueue's integrations find it

@@ -296,12 +296,13 @@ def _still_valid(entry: Attachment, found: Candidate) -> bool:
     return entry.uid == found.uid and (not found.token or entry.fingerprint == found.token)
 
 
-def token_of(secret: Mapping[str, Any]) -> str | None:
-    """A job's token from its Secret (`data`, base64, as a real API server returns it; `stringData` as written)."""
-    written = (secret.get("stringData") or {}).get(c.TOKEN_SECRET_KEY)
+def token_of(secret: Mapping[str, Any], key: str = c.TOKEN_SECRET_KEY) -> str | None:
+    """A job's token (or another key) from its Secret (`data`, base64, as a real API server returns it; `stringData`
+    as written)."""
+    written = (secret.get("stringData") or {}).get(key)
     if written:
         return str(written)
-    encoded = (secret.get("data") or {}).get(c.TOKEN_SECRET_KEY)
+    encoded = (secret.get("data") or {}).get(key)
     return base64.b64decode(encoded).decode() if encoded else None
 
 

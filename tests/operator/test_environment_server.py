@@ -20,17 +20,19 @@ What the real components do, which the tests play (as test_lost_node.py and test
 
 from __future__ import annotations
 
+import base64
 import datetime
 from typing import Any
 
 from grpolora.api import constants as c
 from grpolora.api.load import parse_job
 from grpolora.api.plan import plan
+from grpolora.api.pool import environment_token
 from grpolora.operator import names
 from grpolora.operator.builders import build_children
 from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
 from grpolora.testing.kube_emulator import CRD_RESOURCE as CRD
-from grpolora.testing.kube_emulator import Cluster
+from grpolora.testing.kube_emulator import NAMESPACE, Cluster
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, wait_for
 from tests.operator.kueue_double import FakeKueue, find
@@ -220,3 +222,34 @@ async def test_a_job_named_like_another_jobs_server_gets_its_own_network_policy(
     policies = cluster.objects("networking.k8s.io/v1/networkpolicies")
     owners = {name: obj["metadata"]["ownerReferences"][0]["name"] for name, obj in policies.items()}
     assert owners == {"calc": "calc", "calc.env": "calc", "calc-env": "calc-env"}, owners
+
+
+def _secret_data(cluster: Cluster) -> dict[str, str]:
+    """The job's token Secret as a real API server returns it: `data`, base64-decoded (stringData is write-only; the
+    emulator keeps what was written, so both are read)."""
+    secret = cluster.get("v1/secrets", "demo-grpolora-token") or {}
+    decoded = {key: base64.b64decode(value).decode() for key, value in (secret.get("data") or {}).items()}
+    return decoded | dict(secret.get("stringData") or {})
+
+
+async def test_a_token_secret_made_before_the_environment_key_gains_it_and_nothing_is_rekeyed(cluster, operator):
+    """An operator upgraded over a running job: its token Secret was made by a release that wrote the job's token
+    only, and the server's pods (made again by a resume, a restart) mount its key environment-token, without which
+    the kubelet cannot start them. A pass adds the key, derived from the token the Secret holds; the token stays, so
+    the job is not re-keyed and no workload is made again, over several passes."""
+    await cluster.apply(served())
+    await wait_for(lambda: cluster.get(STS, "demo-env"), "the children")
+    token = _secret_data(cluster)[c.TOKEN_SECRET_KEY]
+    # As an earlier release left it, read back from a real API server: `data` with one key.
+    path = f"/api/v1/namespaces/{NAMESPACE}/secrets/demo-grpolora-token"
+    encoded = base64.b64encode(token.encode()).decode()
+    await cluster._call("PATCH", path, {"stringData": None, "data": {c.TOKEN_SECRET_KEY: encoded}})
+    assert _secret_data(cluster) == {c.TOKEN_SECRET_KEY: token}
+    await up(cluster)
+    want = {c.TOKEN_SECRET_KEY: token, c.ENVIRONMENT_TOKEN_SECRET_KEY: environment_token(token)}
+    await wait_for(lambda: _secret_data(cluster) == want, "the environment token added to the job's Secret")
+    for _ in range(3):
+        await passes(operator, 2)
+        assert _secret_data(cluster) == want
+        assert statefulsets_created(cluster, "demo-env") == 1 and statefulsets_created(cluster, "demo-inference") == 1
+        assert cluster.condition("demo", names.PROGRESSING).get("reason") != names.R_REKEYING

@@ -34,7 +34,7 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: ["grpolora.dev"]
   resources: ["grpolorajobs/finalizers", "rolloutpools/finalizers"]
   verbs: ["update"]
-# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted. A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and rewrites its attachment-list Secret as jobs attach and detach (patch). The Secrets a job names are read before its pods are created, to refuse the operator's own (its managed-by label)
+# the per-job token Secret, created once; read by name to check that it is this job's (its owner's uid) and re-created if deleted; one an earlier release made gains the environment server's key (patch). A RolloutPool reads the token Secrets of the jobs it attaches (for their digest) and rewrites its attachment-list Secret as jobs attach and detach (patch). The Secrets a job names are read before its pods are created, to refuse the operator's own (its managed-by label)
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
