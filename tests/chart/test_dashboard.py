@@ -43,6 +43,10 @@ GAUGES_AND_COUNTERS = {
     "grpolora_inference_generated_tokens_total",
     "grpolora_inference_requests_total",
     "grpolora_inference_sync_failures_total",
+    "grpolora_inference_sessions_open",
+    "grpolora_inference_sessions_opened_total",
+    "grpolora_inference_sessions_closed_total",
+    "grpolora_inference_session_calls_total",
     *VLLM_SERIES,
     *POOL_SERIES,
 }
@@ -52,6 +56,9 @@ HISTOGRAMS = {
     "grpolora_trainer_phase_seconds",
     "grpolora_inference_request_seconds",
     "grpolora_inference_adapter_activation_seconds",
+    "grpolora_inference_session_call_seconds",
+    "grpolora_inference_calls_per_session",
+    "grpolora_inference_tokens_per_session",
 }
 KNOWN = GAUGES_AND_COUNTERS | {f"{h}_{suffix}" for h in HISTOGRAMS for suffix in ("bucket", "sum", "count")}
 # What a platform engineer must see on it (issue 6): sync rounds, sync seconds and bytes, step, reward, KL,
@@ -78,6 +85,10 @@ REQUIRED = {
     "grpolora_pool_jobs_waiting",
     "grpolora_pool_lora_slots",
     "grpolora_pool_lora_slots_free",
+    # Agents' chat sessions on the replicas (issue 48): how many, how they end, their calls' outcomes and latency.
+    "grpolora_inference_sessions_open",
+    "grpolora_inference_session_calls_total",
+    "grpolora_inference_session_call_seconds_bucket",
 }
 PROMQL_FUNCTIONS = {"sum", "rate", "increase", "histogram_quantile", "max", "min", "avg", "count", "label_values"}
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "offset"}
