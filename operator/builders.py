@@ -449,20 +449,7 @@ def trainer_job(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sO
 def inference_statefulset(plan: Plan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
     role = plan.inference
     assert role is not None, "a job on a RolloutPool has no inference StatefulSet of its own"
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "StatefulSet",
-        "metadata": _metadata(plan, role.workload_name, role.role),
-        "spec": {
-            "serviceName": role.service_name,
-            "replicas": role.replicas,
-            "podManagementPolicy": "Parallel",
-            "selector": {"matchLabels": selector(plan, role.role)},
-            "template": _pod_template(
-                plan, role, pod_spec.build_pod_spec(plan, role, restart_policy="Always"), admitted
-            ),
-        },
-    }
+    return _statefulset(plan, role, pod_spec.build_pod_spec(plan, role, restart_policy="Always"), admitted)
 
 
 def environment_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = None) -> K8sObject:
@@ -470,6 +457,11 @@ def environment_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = N
     headless Service, a lost pod replaced under its name), started in parallel."""
     role = plan.environment
     assert role is not None, "the job has no spec.environment.server"
+    return _statefulset(plan, role, pod_spec.environment_pod_spec(plan, role), admitted)
+
+
+def _statefulset(plan: Plan, role: RolePlan, spec: K8sObject, admitted: kueue.PodSetInfo | None) -> K8sObject:
+    """A role's servers: stable per-pod names under its headless Service, all started at once (Parallel)."""
     return {
         "apiVersion": "apps/v1",
         "kind": "StatefulSet",
@@ -479,7 +471,7 @@ def environment_statefulset(plan: JobPlan, admitted: kueue.PodSetInfo | None = N
             "replicas": role.replicas,
             "podManagementPolicy": "Parallel",
             "selector": {"matchLabels": selector(plan, role.role)},
-            "template": _pod_template(plan, role, pod_spec.environment_pod_spec(plan, role), admitted),
+            "template": _pod_template(plan, role, spec, admitted),
         },
     }
 

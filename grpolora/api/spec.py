@@ -170,6 +170,25 @@ def kube_checked(value: Any, type_name: str) -> Any:
     return value
 
 
+def checked_env(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A pod's extra env (EnvVar objects, `$patch` directives aside), as a role's or an environment server's: each
+    with a name, none of the contract's (the operator sets those), each a valid EnvVar."""
+    from grpolora.api.contract import ALL as CONTRACT_NAMES  # the contract module imports this one
+
+    errors = []
+    for i, var in enumerate(value):
+        if set(var) == {overlay.PATCH}:  # {$patch: replace}: a directive, not a variable
+            continue
+        name = var.get("name")
+        if not isinstance(name, str) or not name:
+            errors.append((f"[{i}].name", "every env entry needs a `name`"))
+        elif name in CONTRACT_NAMES:
+            errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
+    raise_if_any(errors)
+    kube_checked(overlay.without_directives(value), "EnvVar")
+    return value
+
+
 class PvcRef(SpecModel):
     claim_name: NonEmptyStr
     """Name of a PersistentVolumeClaim in the job's namespace."""
@@ -912,20 +931,7 @@ class EnvironmentServerPlacement(SpecModel):
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from grpolora.api.contract import ALL as CONTRACT_NAMES  # the contract module imports this one
-
-        errors = []
-        for i, var in enumerate(value):
-            if set(var) == {overlay.PATCH}:  # {$patch: replace}: a directive, not a variable
-                continue
-            name = var.get("name")
-            if not isinstance(name, str) or not name:
-                errors.append((f"[{i}].name", "every env entry needs a `name`"))
-            elif name in CONTRACT_NAMES:
-                errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
-        raise_if_any(errors)
-        kube_checked(overlay.without_directives(value), "EnvVar")
-        return value
+        return checked_env(value)
 
     def patch_directives(self) -> list[tuple[str, Any]]:
         """(path, verb) of each `$patch` in env and tolerations: a job's word on its runtime's lists, as a role's
@@ -1299,20 +1305,7 @@ class RoleSpec(SpecModel):
     @field_validator("env")
     @classmethod
     def _env_names(cls, value: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        from grpolora.api.contract import ALL as CONTRACT_NAMES  # the contract module imports this one
-
-        errors = []
-        for i, var in enumerate(value):
-            if set(var) == {overlay.PATCH}:  # {$patch: replace}: a directive, not a variable
-                continue
-            name = var.get("name")
-            if not isinstance(name, str) or not name:
-                errors.append((f"[{i}].name", "every env entry needs a `name`"))
-            elif name in CONTRACT_NAMES:
-                errors.append((f"[{i}].name", f"{name} is set by the operator (docs/contract.md); choose another"))
-        raise_if_any(errors)
-        kube_checked(overlay.without_directives(value), "EnvVar")
-        return value
+        return checked_env(value)
 
 
 class TrainerSpec(RoleSpec):
