@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 import time
 
 import httpx
@@ -404,5 +405,50 @@ def test_a_server_that_exits_while_the_job_runs_is_started_again_on_its_port(tmp
         assert said.startswith("environment server 0 exited with code -9; started it again (restart 1 of 3)")
         assert open_episodes(servers.urls) == [0]  # ready again, on the same URL
         assert "--- grpolora run: exited with code -9; restart 1 ---" in servers.log(0).read_text()
+    finally:
+        servers.stop()
+
+
+def test_a_restarted_server_that_exits_before_it_is_ready_is_started_again_within_the_budget(tmp_path):
+    """A restart's process that exits before it answers /health (a crash at start, its port taken meanwhile) spends
+    one restart of the budget, as a pod's container restarts, rather than failing the job with restarts left."""
+    # Each start counts itself in a file: starts 1 and 3 serve /health, every other exits at once with code 3.
+    script = textwrap.dedent("""
+        import http.server, pathlib, sys
+        count = pathlib.Path(sys.argv[2])
+        started = int(count.read_text()) + 1 if count.exists() else 1
+        count.write_text(str(started))
+        if started not in (1, 3):
+            sys.exit(3)
+
+        class Health(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.end_headers()
+
+        http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+    """)
+    count = tmp_path / "starts"
+    spec = EnvironmentSpec.model_validate(
+        {"server": {"command": ["python", "-c", script], "args": ["$(GRPOLORA_ENVIRONMENT_PORT)", str(count)]}}
+    )
+    servers = EnvironmentServers(spec, tmp_path, TOKEN, ports=free_ports(1))
+    servers.start()
+    try:
+        servers._running[0].kill()
+        servers._running[0].wait()
+        said = servers.revive()  # start 2 exits before it is ready, start 3 serves
+        assert [line.split(";")[1].strip() for line in said] == [
+            "started it again (restart 1 of 3)",
+            "started it again (restart 2 of 3)",
+        ]
+        assert said[1].startswith("environment server 0 exited with code 3;")
+        assert servers.restarts == [2] and count.read_text() == "3"
+        assert httpx.get(f"{servers.urls[0]}/health").status_code == 200  # ready
+        servers._running[0].kill()
+        servers._running[0].wait()
+        with pytest.raises(EnvironmentServerFailed, match=r"server 0 exited with code 3 after 3 restarts"):
+            servers.revive()  # start 4 exits: the budget is spent
+        assert servers.restarts == [3] and count.read_text() == "4"
     finally:
         servers.stop()

@@ -193,19 +193,24 @@ class EnvironmentServers:
             self.stop()
             raise
 
-    def wait_ready(self) -> None:
+    def wait_ready(self, *, restart: bool = False) -> list[str]:
         """Until every server answers GET /health with 200-399; EnvironmentServerFailed when one exits first or is
-        not ready within ready_seconds."""
+        not ready within ready_seconds. With `restart`, one that exits first is started again instead, within its
+        budget of RESTARTS (a line per restart, returned)."""
         deadline = time.monotonic() + self.ready_seconds
         waiting = set(range(len(self.processes)))
+        said: list[str] = []
         with httpx.Client(timeout=2.0) as client:
             while waiting:
                 for index in sorted(waiting):
+                    if restart and (code := self._exit_code(index)) is not None:
+                        said.append(self._restart(index, code))
+                        continue  # its new process is looked at in the next round
                     self._check_alive(index, "before it was ready")
                     if _ready(client, self.processes[index].url):
                         waiting.discard(index)
                 if not waiting:
-                    return
+                    return said
                 if time.monotonic() > deadline:
                     index = min(waiting)
                     raise EnvironmentServerFailed(
@@ -215,10 +220,14 @@ class EnvironmentServers:
                         f"{self.log(index)}:\n{self._tail(index)}"
                     )
                 time.sleep(POLL_SECONDS)
+        return said
+
+    def _exit_code(self, index: int) -> int | None:
+        running = self._running[index]
+        return running.poll() if running is not None else None
 
     def _check_alive(self, index: int, when: str) -> None:
-        running = self._running[index]
-        code = running.poll() if running is not None else None
+        code = self._exit_code(index)
         if code is not None:
             raise EnvironmentServerFailed(
                 f"{describe_command(self.spec)}: server {index} exited with code {code} {when}; end of "
@@ -227,27 +236,30 @@ class EnvironmentServers:
 
     def revive(self) -> list[str]:
         """Start again each server that exited (on its port, as a pod comes back under its name), RESTARTS times
-        each at most, and wait until it is ready; a line per restart for the run's output. EnvironmentServerFailed
-        past the budget."""
-        said = []
-        for index, running in enumerate(self._running):
-            code = running.poll() if running is not None else None
-            if code is None:
-                continue
-            if self.restarts[index] >= RESTARTS:
-                self._check_alive(index, f"after {RESTARTS} restarts")
-            self.restarts[index] += 1
-            _signal_group(running.pid, signal.SIGKILL)  # what it started and left behind
-            with self.log(index).open("a") as log:
-                log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[index]} ---\n")
-            self._running[index] = self._spawn(index)
-            said.append(
-                f"environment server {index} exited with code {code}; started it again (restart "
-                f"{self.restarts[index]} of {RESTARTS}); log: {self.log(index)}"
-            )
+        each at most, and wait until it is ready (one that exits again before it is ready is started again, within
+        the same budget); a line per restart for the run's output. EnvironmentServerFailed past the budget."""
+        said = [self._restart(index, code) for index in range(len(self.processes))
+                if (code := self._exit_code(index)) is not None]  # fmt: skip
         if said:
-            self.wait_ready()
+            said += self.wait_ready(restart=True)
         return said
+
+    def _restart(self, index: int, code: int) -> str:
+        """Start server `index`, which exited with `code`, again: the line saying so, or EnvironmentServerFailed past
+        its budget."""
+        running = self._running[index]
+        assert running is not None
+        if self.restarts[index] >= RESTARTS:
+            self._check_alive(index, f"after {RESTARTS} restarts")
+        self.restarts[index] += 1
+        _signal_group(running.pid, signal.SIGKILL)  # what it started and left behind
+        with self.log(index).open("a") as log:
+            log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[index]} ---\n")
+        self._running[index] = self._spawn(index)
+        return (
+            f"environment server {index} exited with code {code}; started it again (restart "
+            f"{self.restarts[index]} of {RESTARTS}); log: {self.log(index)}"
+        )
 
     def stop(self) -> None:
         """Every server's process group: SIGTERM, STOP_SECONDS for them all, then SIGKILL."""
