@@ -202,9 +202,9 @@ class Scheduler:
         if job is not None and job.task is not None and job.task is not asyncio.current_task():
             job.task.cancel()
         # Its children as last seen (tombstones included): a job of this name made later reads them from the API.
-        workloads = child_names(name)
+        # Every name child_names gives (its environment server's too); one that is not of a watched kind is in none.
         for kind in WATCHED:
-            for child in (workloads["trainer"], workloads["inference"], name):
+            for child in child_names(name).values():
                 self.cache.pop((kind.kind, namespace, child), None)
                 self.tombstones.pop((kind.kind, namespace, child), None)
         self.metrics.forget_job(namespace, name)

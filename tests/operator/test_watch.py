@@ -222,6 +222,29 @@ async def test_tombstones_of_workloads_go_with_their_job():
     _stop_monitors(controller)
 
 
+async def test_tombstones_of_an_environment_servers_children_go_with_their_job():
+    """The same for the children of spec.environment.server (its StatefulSet, Service and PodDisruptionBudget
+    `<job>-env`, its NetworkPolicy `<job>.env`): seen gone while the job was followed (a foreground deletion collects
+    them before the job), they are dropped when the job goes, as its other children are."""
+    controller = Controller(client=None, trainer=None, metrics=Metrics())  # type: ignore[arg-type]
+    labels = {c.LABEL_JOB: "demo"}
+    children = [
+        ("StatefulSet", "demo-env"),
+        ("Service", "demo-env"),
+        ("PodDisruptionBudget", "demo-env"),
+        ("NetworkPolicy", "demo.env"),
+    ]
+    controller._track({"metadata": {"name": "demo", "namespace": "ns", "uid": "u1"}})
+    for kind, name in children:
+        meta = {"name": name, "namespace": "ns", "labels": labels}
+        controller.workload_event(kind, "DELETED", {"kind": kind, "metadata": meta})
+        assert controller.cache[(kind, "ns", name)] is None, "a followed job's tombstone is kept"
+    controller.forget("ns", "demo")
+    left = [*controller.cache, *controller.tombstones]
+    assert left == [], f"kept after their job went: {left}"
+    _stop_monitors(controller)
+
+
 def _stop_monitors(controller: Controller) -> None:
     """Cancel the monitors the events started (the tests above have no API to pass against)."""
     for job in controller.jobs.values():
