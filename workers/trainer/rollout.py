@@ -182,13 +182,7 @@ class RolloutClient:
             body["top_k"] = sampling.top_k
         if sampling.stop:
             body["stop"] = list(sampling.stop)
-        response = self._client.post(f"{self._url(replica)}/v1/generate", json=body)
-        if refusal_named(response) is StaleIncarnation:  # a newer trainer of this job took over: stop, as on sync
-            raise StaleIncarnation(f"inference replica {replica}: {response.json().get('detail', response.text)}")
-        if response.status_code == 409 and version is not None:
-            live = self._live_version(replica)
-            if live is not None and live > version:
-                raise _VersionGone(live)
+        response = self._refusals(replica, self._client.post(f"{self._url(replica)}/v1/generate", json=body), version)
         if response.status_code in (400, 413, 422):
             raise RequestRefused(f"inference replica {replica} refused the request: {response.text[:2000]}")
         response.raise_for_status()
@@ -201,16 +195,13 @@ class RolloutClient:
         version that generated it). httpx.HTTPError where the replica fails; StaleIncarnation as generate."""
         body = dict(bounds) | ({"incarnation": self.incarnation} if self.incarnation is not None else {})
         url = f"{self._url(replica)}/sessions/{sid}"
-        response = self._client.post(url, json=body)
-        if refusal_named(response) is StaleIncarnation:
-            raise StaleIncarnation(f"inference replica {replica}: {response.json().get('detail', response.text)}")
         asked = body.get("adapter_version")
-        if response.status_code == 409 and asked is not None:
-            live = self._live_version(replica)
-            if live is not None and live > asked:
-                log.info("rollout: replica %d serves version %d, no longer %d (an agent's session)", replica, live,
-                         asked)  # fmt: skip
-                response = self._client.post(url, json=body | {"adapter_version": None})
+        try:
+            response = self._refusals(replica, self._client.post(url, json=body), asked)
+        except _VersionGone as gone:
+            log.info("rollout: replica %d serves version %d, no longer %d (an agent's session)", replica, gone.live,
+                     asked)  # fmt: skip
+            response = self._refusals(replica, self._client.post(url, json=body | {"adapter_version": None}), None)
         response.raise_for_status()
         return f"{url}/v1", int(response.json()["adapter_version"])
 
@@ -219,6 +210,18 @@ class RolloutClient:
         response = self._client.post(f"{self._url(replica)}/sessions/{sid}/close")
         response.raise_for_status()
         return response.json()
+
+    def _refusals(self, replica: int, response: httpx.Response, version: int | None) -> httpx.Response:
+        """`response`, unless it is a refusal every request of the trainer to a replica meets: a newer trainer of this
+        job took over (StaleIncarnation: stop, as on sync), or the replica moved past `version` (_VersionGone: ask
+        again for its live one)."""
+        if refusal_named(response) is StaleIncarnation:
+            raise StaleIncarnation(f"inference replica {replica}: {response.json().get('detail', response.text)}")
+        if response.status_code == 409 and version is not None:
+            live = self._live_version(replica)
+            if live is not None and live > version:
+                raise _VersionGone(live)
+        return response
 
     def _live_version(self, replica: int) -> int | None:
         try:
