@@ -22,6 +22,7 @@ import pytest
 from grpolora.api import contract
 from grpolora.api.pool import environment_token
 from grpolora.api.spec import EnvironmentSpec
+from grpolora.testing.servers import alive
 from grpolora.workers.environments import check_environment, load_environment
 from grpolora.workers.environments.remote import AVOID_SECONDS, EnvironmentService
 from grpolora.workers.launcher.environment_servers import (
@@ -37,22 +38,13 @@ from grpolora.workers.trainer.main import exit_code
 from grpolora.workers.trainer.rollout import Sampling
 from tests.helpers import example
 from tests.workers.test_episodes import PROMPT, ScriptedReplicas, _runner
+from tests.workers.test_remote_environment import wait_for
 
 TOKEN = "job-s3cret"  # the job's token: the trainer's; its environment servers hold environment_token(TOKEN)
 
 
 def served(**server) -> EnvironmentSpec:
     return EnvironmentSpec.model_validate({"builtin": "calculator", "server": server})
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie (exited, not yet reaped by its parent) is gone too.
-    with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().split(") ", 1)[1][0] != "Z"
 
 
 def group_members(pgid: int) -> list[int]:
@@ -98,14 +90,6 @@ def trainer_env(monkeypatch, two_servers):
     monkeypatch.delenv(contract.TOKEN_FILE, raising=False)
     monkeypatch.delenv(contract.ENVIRONMENT_TOKEN, raising=False)
     return two_servers
-
-
-def wait_for(predicate, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def open_episodes(urls: list[str]) -> list[int]:
@@ -302,7 +286,7 @@ def test_the_service_takes_its_port_and_token_file_from_a_pods_environment(tmp_p
             except httpx.HTTPError:
                 return False
 
-        wait_for(ready, "the service to answer /health")
+        wait_for(ready, "the service to answer /health", timeout=30)
         body = {"episode": "e", "prompt": {"text": "What is 1+1?"}}
         assert httpx.post(f"{url}/reset", json=body).status_code == 401
         bearer = {"Authorization": f"Bearer {TOKEN}"}
@@ -382,7 +366,8 @@ def test_a_server_that_never_answers_health_fails_within_the_bound_and_is_stoppe
     servers = EnvironmentServers(spec, tmp_path, TOKEN, ports=[port], ready_seconds=1.0)
     servers.launch()
     [process] = servers._running
-    wait_for(lambda: "listening" in servers.log(0).read_text(), "the server's child started and its line written")
+    started = "the server's child started and its line written"
+    wait_for(lambda: "listening" in servers.log(0).read_text(), started, timeout=30)
     with pytest.raises(EnvironmentServerFailed) as failed:
         servers.start()  # waits, fails, stops
     assert f"did not answer GET http://127.0.0.1:{port}/health with 200 within 1 s" in str(failed.value)

@@ -12,9 +12,10 @@ from grpolora.api import contract
 from grpolora.api.load import parse_job
 from grpolora.api.pool import environment_token
 from grpolora.api.status import TrainerStatus
+from grpolora.testing.servers import alive
 from grpolora.workers.launcher import local
 from tests.helpers import job_doc
-from tests.workers.test_environment_server import alive, group_members
+from tests.workers.test_environment_server import group_members
 from tests.workers.test_launcher_wait import ScriptedRun, pool, pool_job
 
 CALCULATOR = {"builtin": "calculator", "maxEpisodeTokens": 1024}
