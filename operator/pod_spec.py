@@ -138,6 +138,12 @@ def build_pod_spec(plan: Plan, role: RolePlan, *, restart_policy: str, subdomain
     }
     if subdomain:
         pod["subdomain"] = subdomain
+    return _placed(pod, plan, placement)
+
+
+def _placed(pod: dict[str, Any], plan: Plan, placement: Placement) -> dict[str, Any]:
+    """`pod` with where the role's placement puts it: its nodeSelector, tolerations, affinity, the cluster's image
+    pull Secrets and the job's PriorityClass (every role's pods, the environment server's too)."""
     if placement.node_selector:
         pod["nodeSelector"] = dict(placement.node_selector)
     if placement.tolerations:
@@ -195,15 +201,7 @@ def environment_pod_spec(plan: JobPlan, role: RolePlan) -> dict[str, Any]:
     }
     if server.runtime_class_name:
         pod["runtimeClassName"] = server.runtime_class_name
-    if placement.node_selector:
-        pod["nodeSelector"] = dict(placement.node_selector)
-    if placement.tolerations:
-        pod["tolerations"] = [copy.deepcopy(dict(t)) for t in placement.tolerations]
-    if placement.image_pull_secrets:
-        pod["imagePullSecrets"] = [{"name": name} for name in placement.image_pull_secrets]
-    if plan.spec.scheduling.priority_class_name:  # the job's pods share one (its Kueue Workload ranks by it)
-        pod["priorityClassName"] = plan.spec.scheduling.priority_class_name
-    return pod
+    return _placed(pod, plan, placement)
 
 
 def _one_volume_per_claim(volumes: list[dict[str, Any]], mounts: list[dict[str, Any]]) -> None:
