@@ -27,11 +27,13 @@ GENERATED_TOKENS = Counter(
 REQUESTS = Counter(
     "grpolora_inference_requests_total", "Generate requests by outcome", [JOB, "status"], registry=REGISTRY
 )
+CALL_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+"""A generate request's and a session call's latency alike (one request to the engine each), so the two compare."""
 REQUEST_SECONDS = Histogram(
     "grpolora_inference_request_seconds",
     "Generate request latency",
     [JOB],
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    buckets=CALL_SECONDS_BUCKETS,
     registry=REGISTRY,
 )
 ACTIVATION_SECONDS = Histogram(
@@ -103,7 +105,7 @@ SESSION_CALL_SECONDS = Histogram(
     "grpolora_inference_session_call_seconds",
     "Latency of an answered chat completion call (the route's own time: rendering, generation, parsing)",
     [JOB],
-    buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300),
+    buckets=CALL_SECONDS_BUCKETS,
     registry=REGISTRY,
 )
 SESSION_CALL_STATUSES = ("ok", "invalid", "limit", "version_unavailable", "pinned", "full", "error")
@@ -172,6 +174,16 @@ def forget(job: str) -> None:
 def session_opened(job: str) -> None:
     SESSIONS_OPENED.labels(job=job).inc()
     SESSIONS_OPEN.labels(job=job).inc()
+
+
+def session_call(job: str, status: str, seconds: float | None = None) -> None:
+    """A session's chat call by outcome (SESSION_CALL_STATUSES), among the server's requests too; `seconds`: an
+    answered call's latency."""
+    SESSION_CALLS.labels(job=job, status=status).inc()
+    REQUESTS.labels(job=job, status=status).inc()
+    if seconds is not None:
+        SESSION_CALL_SECONDS.labels(job=job).observe(seconds)
+        REQUEST_SECONDS.labels(job=job).observe(seconds)
 
 
 def session_left(job: str, reason: str, *, calls: int, tokens: int, generated: int) -> None:

@@ -346,15 +346,9 @@ def add_session_routes(
             try:
                 answer = await route(http=http, **kwargs)
             except Exception as exc:
-                status = call_status(exc)
-                metrics.SESSION_CALLS.labels(job=job, status=status).inc()
-                metrics.REQUESTS.labels(job=job, status=status).inc()
+                metrics.session_call(job, call_status(exc))
                 raise
-            seconds = time.perf_counter() - started
-            metrics.SESSION_CALLS.labels(job=job, status="ok").inc()
-            metrics.REQUESTS.labels(job=job, status="ok").inc()
-            metrics.SESSION_CALL_SECONDS.labels(job=job).observe(seconds)
-            metrics.REQUEST_SECONDS.labels(job=job).observe(seconds)
+            metrics.session_call(job, "ok", time.perf_counter() - started)
             return answer
 
         return call
@@ -364,8 +358,7 @@ def add_session_routes(
         counts as `invalid`; every refused body is answered as FastAPI's own handler does."""
         path = http.url.path
         if path.startswith(SESSIONS_PATH + "/") and path.endswith(CHAT_PATH):  # a guarded path: its caller is known
-            metrics.SESSION_CALLS.labels(job=caller(http).job, status="invalid").inc()
-            metrics.REQUESTS.labels(job=caller(http).job, status="invalid").inc()
+            metrics.session_call(caller(http).job, "invalid")
         assert isinstance(exc, RequestValidationError)
         return await request_validation_exception_handler(http, exc)
 
