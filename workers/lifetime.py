@@ -31,6 +31,13 @@ def name_this_thread(name: str) -> None:
     prctl(PR_SET_NAME, name.encode()[:15])
 
 
+def signal_group(pgid: int, sig: int) -> None:
+    """Send `sig` to process group `pgid` (a child started with start_new_session=True: its pid), if any of it is
+    left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
 def die_with_parent(expected_parent: int | None = None) -> None:
     """This process gets SIGKILL when its parent exits; if `expected_parent` is already gone, it exits now.
 

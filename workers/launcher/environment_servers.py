@@ -39,7 +39,7 @@ from grpolora.api import contract
 from grpolora.api.plan import SERVICE_MODULE, environment_server_command
 from grpolora.api.pool import environment_token
 from grpolora.api.spec import EnvironmentSpec
-from grpolora.workers.lifetime import die_with_parent
+from grpolora.workers.lifetime import die_with_parent, signal_group
 
 FIELD = "spec.environment.server"
 READY_SECONDS = 120.0
@@ -252,7 +252,7 @@ class EnvironmentServers:
         if self.restarts[index] >= RESTARTS:
             self._check_alive(index, f"after {RESTARTS} restarts")
         self.restarts[index] += 1
-        _signal_group(running.pid, signal.SIGKILL)  # what it started and left behind
+        signal_group(running.pid, signal.SIGKILL)  # what it started and left behind
         with self.log(index).open("a") as log:
             log.write(f"\n--- grpolora run: exited with code {code}; restart {self.restarts[index]} ---\n")
         self._running[index] = self._spawn(index)
@@ -265,13 +265,13 @@ class EnvironmentServers:
         """Every server's process group: SIGTERM, STOP_SECONDS for them all, then SIGKILL."""
         running = [p for p in self._running if p is not None]
         for process in running:
-            _signal_group(process.pid, signal.SIGTERM)
+            signal_group(process.pid, signal.SIGTERM)
         deadline = time.monotonic() + STOP_SECONDS
         for process in running:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.wait(max(deadline - time.monotonic(), 0.0))
         for process in running:
-            _signal_group(process.pid, signal.SIGKILL)  # whatever of its group is left
+            signal_group(process.pid, signal.SIGKILL)  # whatever of its group is left
             process.wait()
         self._running = [None] * len(self.processes)
 
@@ -288,8 +288,3 @@ def _ready(client: httpx.Client, url: str) -> bool:
         return 200 <= client.get(f"{url}/health").status_code < 400
     except httpx.HTTPError:
         return False
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)

@@ -66,7 +66,7 @@ from grpolora.workers.launcher.liveness import LIVENESS_FAILURES, Liveness, heal
 from grpolora.workers.launcher.progress import Progress
 from grpolora.workers.launcher.results import plot, read_metrics, summarize
 from grpolora.workers.launcher.run_files import read_run_files, run_problems
-from grpolora.workers.lifetime import die_with_parent
+from grpolora.workers.lifetime import die_with_parent, signal_group
 from grpolora.workers.tracking import SAMPLES_FILE
 
 POLL_SECONDS = 1.0
@@ -196,21 +196,16 @@ def _worker_actor_class():
             for requests that can never finish)."""
             if self.proc.poll() is None:
                 if whole_group:
-                    _signal_group(self.proc.pid, signal.SIGTERM)
+                    signal_group(self.proc.pid, signal.SIGTERM)
                 else:
                     with contextlib.suppress(ProcessLookupError):
                         self.proc.send_signal(signal.SIGTERM)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self.proc.wait(grace)
-            _signal_group(self.proc.pid, signal.SIGKILL)
+            signal_group(self.proc.pid, signal.SIGKILL)
             return self.proc.wait()
 
     return WorkerProcess
-
-
-def _signal_group(pid: int, sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pid, sig)
 
 
 JobState = Literal["waiting", "running", "succeeded", "failed"]
@@ -694,7 +689,7 @@ class LocalRun:
         for live in lives:
             ray.kill(live.actor)
             if live.group is not None:
-                _signal_group(live.group, signal.SIGKILL)
+                signal_group(live.group, signal.SIGKILL)
             self._live.remove(live)
 
     def stop(self) -> None:
