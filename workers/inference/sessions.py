@@ -169,7 +169,6 @@ class Segment:
     tools: list[dict[str, Any]] | None
     generated: list[int] = field(default_factory=list)  # the last assistant turn's ids
     calls: int = 0
-    finishes: list[str | None] = field(default_factory=list)  # each call's finish reason
 
 
 @dataclass
@@ -201,9 +200,9 @@ class Session:
                     "mask": s.tokens.mask,
                     "calls": s.calls,
                     "messages": s.messages,
-                    "finish_reasons": s.finishes,
+                    "finish_reasons": [c["finish_reason"] for c in self.calls if c["segment"] == index],
                 }
-                for s in self.segments
+                for index, s in enumerate(self.segments)
             ],
             "calls": self.calls,
             "refused": self.refused,
@@ -538,7 +537,6 @@ def _answered(session: Session, segment: Segment, turn: list[int] | None, prompt
     segment.tokens.add_assistant(ids, logprobs, None)
     segment.generated = ids
     segment.calls += 1
-    segment.finishes.append(sample.finish_reason)
     session.calls.append(
         {
             "segment": len(session.segments) - 1,
