@@ -260,17 +260,16 @@ def network_policy(plan: JobPlan, operator_namespace: str = c.DEFAULT_OPERATOR_N
     if plan.pool is not None:
         peers.append({"podSelector": {"matchLabels": pool_selector(plan.pool)}})
     # The operator polls trainer rank 0's /status (unauthenticated).
-    policy = _network_policy(
+    return _network_policy(
         plan,
         plan.name,
         [{"from": peers}],
         operator_namespace,
+        pods=_job_pods(plan),
         operator_port=spec.trainer.status_port,
         http_ports=[r.ports["http"] for r in plan.roles if r is not plan.environment],
         policy=spec.network_policy,
     )
-    policy["spec"]["podSelector"] = _job_pods(plan)
-    return policy
 
 
 def _job_pods(plan: JobPlan) -> dict[str, Any]:
@@ -318,6 +317,7 @@ def pool_network_policy(
         plan.inference.workload_name,
         [{"from": trainers}] if trainers else [],
         operator_namespace,
+        pods={"matchLabels": selector(plan)},
         operator_port=http,
         http_ports=[http],
         policy=plan.pool.spec.network_policy,
@@ -330,10 +330,13 @@ def _network_policy(
     ingress: list[dict[str, Any]],
     operator_namespace: str,
     *,
+    pods: dict[str, Any],
     operator_port: int,
     http_ports: list[int],
     policy: NetworkPolicySpec,
 ) -> K8sObject:
+    """The NetworkPolicy `name` of the pods `pods` selects: `ingress`, the operator's pods on `operator_port`, and
+    spec.networkPolicy.metricsFrom on the HTTP ports."""
     ingress = [
         *ingress,
         # From the operator's pods in its own namespace only, not from any pod elsewhere that copies its label.
@@ -358,7 +361,7 @@ def _network_policy(
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": _metadata(plan, name),
-        "spec": {"podSelector": {"matchLabels": selector(plan)}, "policyTypes": ["Ingress"], "ingress": ingress},
+        "spec": {"podSelector": pods, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 
