@@ -260,40 +260,33 @@ def test_the_mappings_a_plugin_may_give_instead_of_the_defaults(echo_env):
         openenv_environment(EchoEnvironment, "http://127.0.0.1:1")
 
 
-def test_the_job_servers_command_serves_an_openenv_environment(echo_env):
-    """spec.environment.server with no command and `plugin`: what its pods run (python -m
-    grpolora.workers.environments.service --environment <plugin>), here with the OpenEnv Environment class in the
-    server's own process, played through the trainer's client of a job's server."""
-    from grpolora.workers.environments.remote import EnvironmentService
+def test_the_job_servers_command_serves_an_openenv_environment(echo_env, tmp_path, monkeypatch):
+    """spec.environment.server with no command and `plugin`: what `grpolora run` starts for it (the pods' command,
+    python -m grpolora.workers.environments.service --environment <plugin>, ready once its /health answers), here
+    with the OpenEnv Environment class in the server's own process, played through the trainer's client of a job's
+    server (its URLs and the job's token as the trainer gets them)."""
+    from grpolora.api import contract
+    from grpolora.workers.launcher.environment_servers import EnvironmentServers
 
-    port = free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "grpolora.workers.environments.service", "--environment", "echo_plugin:echo_here",
-         "--host", "127.0.0.1", "--port", str(port)],
-        cwd=echo_env, env={**os.environ, "PYTHONPATH": str(echo_env), "PYTHONSAFEPATH": "1", "ECHO_URL": "unused"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    client = EnvironmentService(f"http://127.0.0.1:{port}", timeout_seconds=10.0, retries=0)
+    # The plugin's module is beside the test's data, as a job's is in the server's image.
+    env = [{"name": "PYTHONPATH", "value": str(echo_env)}, {"name": "ECHO_URL", "value": "unused"}]
+    spec = EnvironmentSpec.model_validate({"plugin": "echo_plugin:echo_here", "server": {"env": env}})
+    servers = EnvironmentServers(spec, tmp_path, "job-token", ports=[free_port()])
+    servers.start()
     try:
-        deadline = time.monotonic() + 60
-        while True:  # ready once its /health answers, as the pod's readiness probe waits
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert process.poll() is None and time.monotonic() < deadline, "the service did not start"
-            time.sleep(0.1)
+        monkeypatch.setenv(contract.ENVIRONMENT_URL, ",".join(servers.urls))
+        monkeypatch.setenv(contract.TOKEN, "job-token")
+        monkeypatch.delenv(contract.TOKEN_FILE, raising=False)
+        client = load_environment(spec)
         episode = client()
         assert episode.reset(Prompt("a")).messages == [{"role": "user", "content": READY}]
         assert episode.step({"role": "assistant", "content": "hello"}) == Reply(
             [{"role": "user", "content": "hello"}], False, 0.5
         )
         episode.close()
-    finally:
         client.close()
-        process.kill()
-        process.wait(10)
+    finally:
+        servers.stop()
 
 
 def call(name: str, arguments: str) -> dict:
