@@ -203,12 +203,14 @@ class EpisodeRunner:
         episodes open their sessions on `sessions` instead of calling `generate`."""
         if not replicas:
             raise ValueError("no replica to run episodes on")
-        if self.agent and sessions is None:
-            raise ValueError("an agent's episodes need the replicas' sessions")
+        agents = None
+        if self.agent:
+            if sessions is None:
+                raise ValueError("an agent's episodes need the replicas' sessions")
+            agents = _AgentRound(sessions, sampling, version, replicas)
         started = time.monotonic()
         pause = 1.0
         while True:
-            agents = _AgentRound(sessions, sampling, version, replicas) if self.agent and sessions else None
             groups = self._play(prompts, fallback_ids, seeds, sampling, generate, replicas, agents)
             lost = [e for group in groups for e in group if e.error is not None]
             if len(lost) < sum(len(group) for group in groups):
