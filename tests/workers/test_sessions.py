@@ -252,12 +252,8 @@ def bounds(**overrides) -> dict:
             "seed": 7} | overrides  # fmt: skip
 
 
-def test_a_session_the_trainer_opened_is_pinned_bounded_and_sampled_as_the_job_samples(replica, tokenizer):
-    """The trainer opens an agent's session before the agent runs: its version is pinned then, each call samples with
-    the job's temperature, top-p and top-k and seed + call whatever the agent asks, generates at most maxNewTokens,
-    and a call past maxTurns is refused (400, naming the limit) and recorded, the session kept for its record."""
-    served, sender = replica
-    assert sender.send(marked(11), {}).version == 1
+def requests_of(served) -> list:
+    """Every SamplingRequest the replica's engine is given from now on (the marking engine still answers them)."""
     asked: list = []
     engine = served.engine._engine
     marking = engine.generate
@@ -267,6 +263,16 @@ def test_a_session_the_trainer_opened_is_pinned_bounded_and_sampled_as_the_job_s
         return await marking(prompt_token_ids, request, lora)
 
     engine.generate = generate
+    return asked
+
+
+def test_a_session_the_trainer_opened_is_pinned_bounded_and_sampled_as_the_job_samples(replica, tokenizer):
+    """The trainer opens an agent's session before the agent runs: its version is pinned then, each call samples with
+    the job's temperature, top-p and top-k and seed + call whatever the agent asks, generates at most maxNewTokens,
+    and a call past maxTurns is refused (400, naming the limit) and recorded, the session kept for its record."""
+    served, sender = replica
+    assert sender.send(marked(11), {}).version == 1
+    asked = requests_of(served)
     with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         opened = http.post(f"{served.url}/sessions/agent-1", json=bounds(adapter_version=1))
         assert opened.status_code == 200 and opened.json()["adapter_version"] == 1
@@ -308,15 +314,7 @@ def test_a_bounded_sessions_calls_end_where_max_episode_tokens_does(replica, tok
     served, sender = replica
     assert sender.send(marked(11), {}).version == 1
     opening = ChatDelta(tokenizer).opening(Opening([user("Hi")]))
-    asked: list = []
-    engine = served.engine._engine
-    marking = engine.generate
-
-    async def generate(prompt_token_ids, request, lora):
-        asked.append(request.max_tokens)
-        return await marking(prompt_token_ids, request, lora)
-
-    engine.generate = generate
+    asked = requests_of(served)
     with httpx.Client(headers={"Authorization": f"Bearer {TOKEN}"}) as http:
         room = bounds(max_calls=8, max_tokens=len(opening) + 2, max_new_tokens=48)
         assert http.post(f"{served.url}/sessions/agent-2", json=room).status_code == 200
@@ -330,7 +328,7 @@ def test_a_bounded_sessions_calls_end_where_max_episode_tokens_does(replica, tok
         refused = call(chat)
         assert refused.status_code == 400 and "spec.environment.maxEpisodeTokens" in refused.text
         record = http.get(f"{served.url}/sessions/agent-2").json()
-    assert asked == [2] and "maxEpisodeTokens" in record["refused"]
+    assert [request.max_tokens for request in asked] == [2] and "maxEpisodeTokens" in record["refused"]
 
 
 def figures(url: str, job: str) -> dict[str, float]:
