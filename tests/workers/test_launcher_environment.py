@@ -120,3 +120,40 @@ def test_on_a_pool_a_jobs_failing_server_ends_that_job_only(tmp_path, monkeypatc
     assert [name for name, _ in run.started] == ["shared-pool inference 0", "b trainer 0"]
     status = TrainerStatus.model_validate_json((tmp_path / "a" / "status.json").read_text())
     assert "exited with code 4 before it was ready" in status.message
+
+
+class KernelPorts:
+    """A socket whose bind to port 0 gets the next of `ports`: the kernel may give a port it gave before, free both
+    times as nothing has bound it yet (Linux's inet_csk_find_open_port starts at a random offset in
+    ip_local_port_range on each call). Binding a given port always succeeds (every port is free)."""
+
+    def __init__(self, ports):
+        self.ports = iter(ports)
+
+    def socket(self):
+        outer = self
+
+        class Probe:
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *exc):
+                return False
+
+            def bind(self, address):
+                self.port = next(outer.ports) if address[1] == 0 else address[1]
+
+            def getsockname(self):
+                return ("127.0.0.1", self.port)
+
+        return Probe()
+
+
+def test_a_port_handed_out_is_not_handed_out_again(monkeypatch):
+    """The run picks every port before anything binds one (the plan's, then its environment servers'), so a port the
+    kernel gives twice must not go to two processes: one of them could never listen."""
+    monkeypatch.setattr(local, "_handed_out", set())
+    monkeypatch.setattr(local, "socket", KernelPorts([41001, 41001, 41002, 41002, 41001, 41003, 41010]))
+    assert local.free_ports(2) == [41001, 41002]
+    assert local.free_ports(1) == [41003]
+    assert local.free_ports(3, consecutive=True) == [41010, 41011, 41012]

@@ -110,18 +110,27 @@ class _Live:
     liveness: Liveness | None = None  # an inference server's liveness probe, made at its first check
 
 
+_handed_out: set[int] = set()
+"""Ports free_ports gave in this process: a run picks them all before anything binds one (its plan's, then its
+environment servers'), and the kernel's bind to port 0 may give a port again while nothing has bound it."""
+
+
 def free_ports(count: int, *, consecutive: bool = False) -> list[int]:
-    """Ports nobody listens on now (the run binds them moments later)."""
-    for _ in range(100):
+    """Ports nobody listens on now and not handed out before in this process (the run binds them moments later)."""
+    found: list[int] = []
+    for _ in range(100 * count):  # tries
+        if len(found) == count:
+            break
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             first = probe.getsockname()[1]
         candidates = list(range(first, first + count)) if consecutive else [first]
-        if all(_is_free(p) for p in candidates):
-            if consecutive:
-                return candidates
-            return [first, *free_ports(count - 1)] if count > 1 else [first]
-    raise RuntimeError(f"no {count} free ports found")
+        if all(p not in _handed_out and _is_free(p) for p in candidates):
+            _handed_out.update(candidates)
+            found += candidates
+    if len(found) < count:
+        raise RuntimeError(f"no {count} free ports found")
+    return found
 
 
 def _is_free(port: int) -> bool:
