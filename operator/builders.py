@@ -286,8 +286,8 @@ def environment_network_policy(plan: JobPlan) -> K8sObject:
     call it) on the server's port only, and egress only where spec.environment.server.egress opens it (empty: none,
     not even DNS; answers to admitted connections still flow). Not switched off by spec.networkPolicy.enabled: a
     sandbox is closed unless its own spec opens it."""
-    role = plan.environment
-    assert role is not None and plan.spec.environment is not None and plan.spec.environment.server is not None
+    role, server = plan.environment, plan.spec.environment_server
+    assert role is not None and server is not None
     trainers = {"podSelector": {"matchLabels": selector(plan, c.ROLE_TRAINER)}}
     return {
         "apiVersion": "networking.k8s.io/v1",
@@ -297,7 +297,7 @@ def environment_network_policy(plan: JobPlan) -> K8sObject:
             "podSelector": {"matchLabels": selector(plan, role.role)},
             "policyTypes": ["Ingress", "Egress"],
             "ingress": [{"from": [trainers], "ports": [{"port": role.ports["http"], "protocol": "TCP"}]}],
-            "egress": copy.deepcopy(plan.spec.environment.server.egress),
+            "egress": copy.deepcopy(server.egress),
         },
     }
 

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 def suspended_message(spec: GRPOLoraJobSpec) -> str:
     """What suspension removes and what it really keeps (checkpoints only on a PVC)."""
     workloads = "the trainer Job and inference StatefulSet are"
-    if spec.environment is not None and spec.environment.server is not None:
+    if spec.environment_server is not None:
         workloads = "the trainer Job, inference StatefulSet and environment server StatefulSet are"
     removed = f"suspended: {workloads} removed; the Secret, Services, NetworkPolicy"
     if spec.checkpoint.pvc is not None:

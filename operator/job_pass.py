@@ -131,7 +131,7 @@ class JobPass:
         """For a job being deleted: its own workloads, and its pods (as they are now) while one of them is leaving."""
         workloads = child_names(view.name)
         assert view.job is not None
-        served = view.job.spec.environment is not None and view.job.spec.environment.server is not None
+        served = view.job.spec.environment_server is not None
         found = await asyncio.gather(
             self._workload(kube.JOB, view.namespace, workloads[c.ROLE_TRAINER]),
             self._workload(kube.STATEFULSET, view.namespace, workloads[c.ROLE_INFERENCE]),
@@ -164,7 +164,7 @@ class JobPass:
             return rec.Observed()
         workloads = child_names(view.name)
         on_pool = view.job.spec.inference.pool_ref is not None
-        server = view.job.spec.environment.server if view.job.spec.environment is not None else None
+        server = view.job.spec.environment_server
         trainer_job, inference, environment = await asyncio.gather(
             self._workload(kube.JOB, view.namespace, workloads["trainer"]),
             # A job on a pool has no StatefulSet of its own.

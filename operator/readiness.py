@@ -40,7 +40,7 @@ def serving_replicas(
 
 def environment_replicas(spec: GRPOLoraJobSpec, sts: K8sObject | None) -> RoleReplicas | None:
     """The environment server's pods (its StatefulSet's ready ones); None for a job without spec.environment.server."""
-    server = spec.environment.server if spec.environment is not None else None
+    server = spec.environment_server
     return None if server is None else RoleReplicas(desired=server.replicas, ready=obs.statefulset_ready(sts))
 
 

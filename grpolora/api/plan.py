@@ -394,7 +394,7 @@ def plan(
     # In a cluster the dataset volume and the Secrets are mounted, in trainer pods only (the servers read neither);
     # a local run reads the user's own paths. The chat template's key is mounted in both: the trainer renders
     # prompts and episodes with it, a job's own servers its chat sessions (workers/inference/sessions.py).
-    server = spec.environment.server if spec.environment is not None else None
+    server = spec.environment_server
     environment_endpoints: tuple[str, ...] = ()
     if server is not None and cluster:
         # Locally `grpolora run` starts the servers on free ports and gives the trainer their URLs itself

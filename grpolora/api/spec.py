@@ -1728,7 +1728,7 @@ class GRPOLoraJobSpec(SpecModel):
                      "(spec.runtimeRef): remove the item")
                     for path, _ in role_spec.patch_directives()
                 ]  # fmt: skip
-        server = self.environment.server if self.environment is not None else None
+        server = self.environment_server
         if self.runtime_ref is None and server is not None:
             errors += [
                 (f"environment.server.{path}", "drops an item of a runtime's list, and this job names no runtime "
@@ -1780,6 +1780,11 @@ class GRPOLoraJobSpec(SpecModel):
             references = pod_secret_references(role_spec.env, role_spec.pod_template)
             found += [(f"{role}.{path}", name) for path, name in references]
         return found
+
+    @property
+    def environment_server(self) -> EnvironmentServerSpec | None:
+        """spec.environment.server: the environment server the job runs of its own (None: it runs none)."""
+        return self.environment.server if self.environment is not None else None
 
     @property
     def sync_backend(self) -> Literal["nccl", "gloo"]:
