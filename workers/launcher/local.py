@@ -702,15 +702,15 @@ class LocalRun:
             self._live.remove(live)
 
     def stop(self) -> None:
-        """Every trainer first (each records where it stopped), then every inference replica at once."""
+        """Every trainer first (each records where it stopped), then what the trainers used: their environment
+        servers, then every inference replica at once."""
         import ray
 
-        for role in ("trainer", "inference"):
-            self._stop_workers([live for live in self._live if live.worker.role == role])
-            if role == "trainer":  # what the trainers used: their environment servers
-                for job in self.jobs:
-                    if job.environment is not None:
-                        job.environment.stop()
+        self._stop_workers([live for live in self._live if live.worker.role == "trainer"])
+        for job in self.jobs:
+            if job.environment is not None:
+                job.environment.stop()
+        self._stop_workers([live for live in self._live if live.worker.role == "inference"])
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
