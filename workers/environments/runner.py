@@ -247,16 +247,15 @@ class EpisodeRunner:
         if agents is not None:  # each agent runs on its own, from its session's opening to its close
             with ThreadPoolExecutor(max_workers=max(len(episodes), 1), thread_name_prefix="agent") as drivers:
                 list(drivers.map(lambda item: self._agent(*item, agents), zip(episodes, made, strict=True)))
-            _close_all([e.env for e in episodes if e.env is not None])
-            return [episodes[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
-        list(self._pool.map(lambda item: self._open(*item), zip(episodes, made, strict=True)))
-        if self.lockstep:
-            while live := [e for e in episodes if not e.ended]:
-                self._generate_turn(live, sampling, generate)
-                self._environment_turn([e for e in live if not e.ended])
         else:
-            with ThreadPoolExecutor(max_workers=max(len(episodes), 1), thread_name_prefix="episode") as drivers:
-                list(drivers.map(lambda e: self._drive(e, sampling, generate), episodes))
+            list(self._pool.map(lambda item: self._open(*item), zip(episodes, made, strict=True)))
+            if self.lockstep:
+                while live := [e for e in episodes if not e.ended]:
+                    self._generate_turn(live, sampling, generate)
+                    self._environment_turn([e for e in live if not e.ended])
+            else:
+                with ThreadPoolExecutor(max_workers=max(len(episodes), 1), thread_name_prefix="episode") as drivers:
+                    list(drivers.map(lambda e: self._drive(e, sampling, generate), episodes))
         _close_all([e.env for e in episodes if e.env is not None])
         return [episodes[p * sampling.n : (p + 1) * sampling.n] for p in range(len(prompts))]
 
