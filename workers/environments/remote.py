@@ -103,18 +103,17 @@ class EnvironmentService:
         route: str,
         body: dict[str, Any],
         *,
-        url: str | None = None,
+        url: str,
         retries: int | None = None,
         timeout_seconds: float | None = None,
     ) -> dict[str, Any]:
-        """POST `body` to <url>/<route> (`url` one of self.urls, the first by default) within stepTimeoutSeconds (or
+        """POST `body` to <url>/<route> (`url` one of self.urls: the episode's) within stepTimeoutSeconds (or
         `timeout_seconds`); the answer's JSON object, or EnvironmentFault (AuthRefused for refused credentials)."""
-        base = self.urls[0] if url is None else url
         try:
-            return self._call(f"{base}/{route}", route, body, retries, timeout_seconds)
+            return self._call(f"{url}/{route}", route, body, retries, timeout_seconds)
         except EnvironmentUnavailable:
             with self._lock:
-                self._failed_at[base] = time.monotonic()
+                self._failed_at[url] = time.monotonic()
             raise
 
     def _call(
@@ -174,9 +173,8 @@ class RemoteEnvironment:
 
     CLOSE_SECONDS = 2.0
 
-    def __init__(self, service: EnvironmentService, url: str | None = None):
-        self._service = service
-        self.url = service.urls[0] if url is None else url
+    def __init__(self, service: EnvironmentService, url: str):
+        self._service, self.url = service, url  # pinned by the service, which counts it there until close()
         self.episode = uuid.uuid4().hex
         self._turn = 0
         self._closed = False
