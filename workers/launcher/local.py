@@ -774,7 +774,7 @@ def run(files: str | Sequence[str], *, run_dir: str | None = None, ray_address: 
             (job.run_dir / "metrics.jsonl").unlink(missing_ok=True)  # a fresh run; with checkpoints the job resumes
     if pool is None:
         (job,) = jobs
-        server = job.spec.environment.server if job.spec.environment else None
+        server = job.spec.environment_server
         servers = f" + {server.replicas} environment server(s)" if server else ""
         print(
             f"grpolora run: {job.name}: {job.spec.trainer.replicas} trainer + {job.spec.inference.replicas} "
