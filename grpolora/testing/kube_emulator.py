@@ -11,14 +11,15 @@ deletion as the API server, the garbage collector and the kubelet do it (see `Em
 `Emulator._begin_deletion`): propagation policies Background and Foreground, finalizers, Terminating pods; the
 optimistic-concurrency precondition of a patch that carries `metadata.resourceVersion` (409 Conflict when the
 object changed since, as a real server answers); the scale subresource of a CRD that declares one (RolloutPools:
-`kubectl scale`); mutating admission webhooks that a test installs
-(`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a record of every (verb, group,
-resource) a client other than the test itself sent, for the RBAC check.
+`kubectl scale`); a Secret's stringData stored as data, never read back (`as_stored`); mutating admission
+webhooks that a test installs (`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a
+record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import copy
 import datetime
@@ -188,6 +189,8 @@ class Emulator(kmock.KubernetesEmulator):
                 return self._pod_log(request)
             if request.subresource == "scale" and str(request.resource.plural) in self._scale_paths:
                 return await self._scale(request, self._scale_paths[str(request.resource.plural)])
+            if _is_secret_write(request):
+                _string_data_as_data(request.data)
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
                 for webhook in self.webhooks:
@@ -819,6 +822,34 @@ def _labels_match(obj: Mapping[str, Any], requirements: list[tuple[str, str, str
     return True
 
 
+def _is_secret_write(request: kmock.Request) -> bool:
+    return (
+        request.action in (kmock.action.CREATE, kmock.action.UPDATE)
+        and isinstance(request.data, dict)
+        and not request.resource.group
+        and str(request.resource.plural) == "secrets"
+    )
+
+
+def as_stored(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """`obj` as the API server stores it: for a Secret, its stringData merged into data (_string_data_as_data)."""
+    stored = copy.deepcopy(dict(obj))
+    if obj.get("kind") == "Secret" and obj.get("apiVersion") == "v1":
+        _string_data_as_data(stored)
+    return stored
+
+
+def _string_data_as_data(secret: dict[str, Any]) -> None:
+    """A Secret (or a patch of one) as the API server stores it: stringData is write-only, merged into data (base64),
+    its keys winning, when the v1 object is decoded (pkg/apis/core/v1/conversion.go, Convert_v1_Secret_To_core_Secret;
+    Kubernetes 1.33), and "never output when reading from the API" (the Secret v1 API reference, stringData). A
+    patch's `stringData: null` removes nothing."""
+    written = secret.pop("stringData", None)
+    if written:
+        encoded = {key: base64.b64encode(str(value).encode()).decode() for key, value in written.items()}
+        secret["data"] = {**(secret.get("data") or {}), **encoded}
+
+
 def _patch_between(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
     """The JSON merge patch that turns `old` into `new` (null for what `new` leaves out)."""
     patch: dict[str, Any] = {key: None for key in old if key not in new}
@@ -965,6 +996,11 @@ class Cluster:
         if key not in self.emulator.objects or self.emulator.objects[key].deleted:
             return None
         return self.emulator.objects[key].raw
+
+    def secret_data(self, name: str, namespace: str = NAMESPACE) -> dict[str, str]:
+        """A Secret's keys as a client reads them from the API server: its `data`, decoded ({} when absent)."""
+        secret = self.get("v1/secrets", name, namespace) or {}
+        return {key: base64.b64decode(value).decode() for key, value in (secret.get("data") or {}).items()}
 
     def job(self, name: str, namespace: str = NAMESPACE) -> dict[str, Any]:
         found = self.get(CRD_RESOURCE, name, namespace)

@@ -225,3 +225,22 @@ async def test_a_pools_scale_subresource_reads_and_writes_its_replicas_as_kubect
         status, refused = await send(cluster, "PATCH", f"{path}/scale", {"spec": {"replicas": 0}})
         assert status == 422 and "spec.replicas" in refused["message"]
         assert cluster.get(f"{c.GROUP}/{c.VERSION}/{c.POOL_PLURAL}", "shared")["spec"]["replicas"] == 3
+
+
+async def test_a_secrets_string_data_is_stored_as_data_and_never_read_back():
+    """stringData is write-only: the API server decodes a v1 Secret into its internal form by merging stringData
+    into data, base64 on the wire, stringData's keys winning (Kubernetes pkg/apis/core/v1/conversion.go,
+    Convert_v1_Secret_To_core_Secret; v1.33), on a create and on a patch alike. A client that read stringData back
+    from the emulator read what a real API server never returns (the operator reads the job's token from data)."""
+    secrets = f"/api/v1/namespaces/{NAMESPACE}/secrets"
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "type": "Opaque"}
+    secret |= {"data": {"a": "b2xk", "b": "Yg=="}, "stringData": {"a": "new", "c": "c"}}
+    async with running_cluster(authorize=None) as cluster:
+        status, _ = await send(cluster, "POST", secrets, secret)
+        assert status < 300
+        stored = cluster.get("v1/secrets", "s")
+        assert "stringData" not in stored and stored["data"] == {"a": "bmV3", "b": "Yg==", "c": "Yw=="}
+        status, body = await send(cluster, "PATCH", f"{secrets}/s", {"stringData": {"d": "d"}})
+        assert status < 300 and "stringData" not in body
+        stored = cluster.get("v1/secrets", "s")
+        assert "stringData" not in stored and stored["data"] == {"a": "bmV3", "b": "Yg==", "c": "Yw==", "d": "ZA=="}

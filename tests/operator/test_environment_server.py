@@ -20,7 +20,6 @@ What the real components do, which the tests play (as test_lost_node.py and test
 
 from __future__ import annotations
 
-import base64
 import datetime
 from typing import Any
 
@@ -32,7 +31,7 @@ from grpolora.operator import names
 from grpolora.operator.builders import build_children
 from grpolora.operator.observe import POD_LOST_AFTER_SECONDS
 from grpolora.testing.kube_emulator import CRD_RESOURCE as CRD
-from grpolora.testing.kube_emulator import NAMESPACE, Cluster
+from grpolora.testing.kube_emulator import NAMESPACE, Cluster, as_stored
 from tests.helpers import job_doc
 from tests.operator.harness import OperatorThread, wait_for
 from tests.operator.kueue_double import FakeKueue, find
@@ -79,11 +78,11 @@ async def test_the_server_is_created_as_rendered_counted_in_readiness_survives_a
     await wait_for(lambda: cluster.get(STS, "demo-env"), "the environment server's StatefulSet")
     await wait_for(lambda: cluster.get(STS, "demo-inference"), "the inference StatefulSet beside it")
     job = cluster.job("demo")
-    token = cluster.get("v1/secrets", "demo-grpolora-token")["stringData"]["token"]
+    token = cluster.secret_data("demo-grpolora-token")["token"]
     for obj in build_children(plan(parse_job(served())), owner_uid=job["metadata"]["uid"], token=token):
         actual = cluster.get(RESOURCE_OF[obj["kind"]], obj["metadata"]["name"])
         assert actual is not None, f"missing {obj['kind']} {obj['metadata']['name']}"
-        assert as_sent(actual) == obj, f"{obj['kind']} {obj['metadata']['name']} differs from `grpolora render`"
+        assert as_sent(actual) == as_stored(obj), f"{obj['kind']} {obj['metadata']['name']} differs from the render"
     for kind, name in (("Service", "demo-env"), ("NetworkPolicy", "demo.env"), ("PodDisruptionBudget", "demo-env")):
         assert cluster.get(RESOURCE_OF[kind], name) is not None, kind
     await wait_for(lambda: environment(cluster) == {"desired": 2, "ready": 0}, "status.replicas.environment")
@@ -225,11 +224,8 @@ async def test_a_job_named_like_another_jobs_server_gets_its_own_network_policy(
 
 
 def _secret_data(cluster: Cluster) -> dict[str, str]:
-    """The job's token Secret as a real API server returns it: `data`, base64-decoded (stringData is write-only; the
-    emulator keeps what was written, so both are read)."""
-    secret = cluster.get("v1/secrets", "demo-grpolora-token") or {}
-    decoded = {key: base64.b64decode(value).decode() for key, value in (secret.get("data") or {}).items()}
-    return decoded | dict(secret.get("stringData") or {})
+    """The job's token Secret as a real API server returns it (`data`, decoded; stringData is write-only)."""
+    return cluster.secret_data("demo-grpolora-token")
 
 
 async def test_a_token_secret_made_before_the_environment_key_gains_it_and_nothing_is_rekeyed(cluster, operator):
@@ -240,10 +236,9 @@ async def test_a_token_secret_made_before_the_environment_key_gains_it_and_nothi
     await cluster.apply(served())
     await wait_for(lambda: cluster.get(STS, "demo-env"), "the children")
     token = _secret_data(cluster)[c.TOKEN_SECRET_KEY]
-    # As an earlier release left it, read back from a real API server: `data` with one key.
+    # As an earlier release left it: `data` with one key.
     path = f"/api/v1/namespaces/{NAMESPACE}/secrets/demo-grpolora-token"
-    encoded = base64.b64encode(token.encode()).decode()
-    await cluster._call("PATCH", path, {"stringData": None, "data": {c.TOKEN_SECRET_KEY: encoded}})
+    await cluster._call("PATCH", path, {"data": {c.ENVIRONMENT_TOKEN_SECRET_KEY: None}})
     assert _secret_data(cluster) == {c.TOKEN_SECRET_KEY: token}
     await up(cluster)
     want = {c.TOKEN_SECRET_KEY: token, c.ENVIRONMENT_TOKEN_SECRET_KEY: environment_token(token)}

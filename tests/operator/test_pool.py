@@ -301,7 +301,7 @@ async def test_a_re_keyed_job_gets_its_attachment_renewed_before_its_trainer_com
     before = trainer(cluster, "job-a")["metadata"]["uid"]
     await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/secrets/job-a-grpolora-token")
     await wait_for(lambda: cluster.get("v1/secrets", "job-a-grpolora-token"), "the token Secret re-made")
-    token = cluster.get("v1/secrets", "job-a-grpolora-token")["stringData"]["token"]
+    token = cluster.secret_data("job-a-grpolora-token")["token"]
     await wait_for(lambda: (trainer(cluster, "job-a") or {}).get("metadata", {}).get("uid") not in (None, before),
                    "a new trainer Job", timeout=15)  # fmt: skip
     assert auth_of(cluster, "job-a") == auth_digest(token), "the trainer came back before the pool knew its token"
