@@ -475,7 +475,7 @@ def release_at_end(
     deletes = course.deletes
     for sts in servers:
         if sts is not None and not obs.deleting(sts):
-            deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)  # release the inference GPUs
+            deletes += (ChildRef("StatefulSet", sts["metadata"]["name"]),)
     requeue, delete_job = course.requeue, False
     left = ttl_left(spec, course.completion, now)
     if left is not None:
