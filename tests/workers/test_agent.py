@@ -9,14 +9,15 @@ exception, a call past the session's bounds."""
 from __future__ import annotations
 
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from grpolora.api.spec import EnvironmentSpec
-from grpolora.workers.environments.agent import load_agent, session_sample
+from grpolora.workers.environments.agent import AgentCall, load_agent, session_sample
 from grpolora.workers.environments.base import Opening
 from grpolora.workers.environments.episode import ChatDelta
-from grpolora.workers.environments.processes import EnvironmentProcesses
+from grpolora.workers.environments.processes import CALL_THREADS, EnvironmentProcesses
 from grpolora.workers.environments.runner import EnvironmentOutage, EpisodeLimits, EpisodeRunner
 from grpolora.workers.inference.vllm_engine import EngineLimits, Sample
 from grpolora.workers.models import resolve_model
@@ -73,6 +74,13 @@ async def rewrites(prompt, client):
     return None
 
 def not_async(prompt, client):
+    return 1.0
+
+import threading
+TOGETHER = threading.Barrier(int(os.environ.get("AGENTS_TOGETHER", "1")))
+
+async def together(prompt, client):
+    TOGETHER.wait(timeout=20)  # blocks its own thread (its own event loop): every agent of the process at once
     return 1.0
 '''
 
@@ -227,6 +235,22 @@ def test_an_agent_that_is_no_async_function_is_refused_naming_the_field(agents):
     assert "spec.environment.agent" in str(refused.value) and "async def not_async(prompt, client)" in str(
         refused.value
     )
+
+
+def test_an_environment_process_runs_more_agents_at_once_than_its_pool_of_call_threads(agents, monkeypatch):
+    """An agent's play holds its call for the whole run, so a process's short-call pool (256 threads) must not queue
+    it: its time runs from the send, and one queued past it ended the process and every agent in it. Here 257 agents
+    of one process each wait for all the others (a barrier): they return together only if all run at once."""
+    count = CALL_THREADS + 1
+    monkeypatch.setenv("AGENTS_TOGETHER", str(count))  # the environment process inherits it
+    processes = EnvironmentProcesses(EnvironmentSpec(agent="agents_mod:together", processes=1), root=agents).start()
+    call = AgentCall(Prompt("7 * 1", answer="7"), "http://127.0.0.1:9/sessions/s/v1", TOKEN, 1, 30.0)
+    try:
+        players = [processes() for _ in range(count)]
+        with ThreadPoolExecutor(max_workers=count) as drivers:
+            assert list(drivers.map(lambda player: player.play(call, 30.0), players)) == [1.0] * count
+    finally:
+        processes.close()
 
 
 def test_session_sample_of_a_session_without_calls_is_none():

@@ -33,6 +33,10 @@ from grpolora.workers.tasks.base import TaskError
 
 log = logging.getLogger(__name__)
 
+CALL_THREADS = 256
+"""An environment process's threads for reset, step, make and close calls (short ones; the trainer bounds each by
+stepTimeoutSeconds from its send, queued or not). An agent's play holds its call for the whole run: it gets a thread
+of its own, so more agents than this run at once (every episode of a step whose environment is an agent)."""
 START_SECONDS = 120.0  # a process's start and its factory's import at most (a plugin may import a large library)
 # A new interpreter, not a fork of the trainer (which would copy its threads' locks, torch's and NCCL's, in whatever
 # state) and not multiprocessing's spawn (which imports the parent's __main__ again: the trainer's, torch and vLLM
@@ -102,13 +106,16 @@ def _serve(conn: Connection, spec_json: str, root: str | None, memory_mib: int) 
             except Exception:  # an answer that does not pickle
                 conn.send((call, "raised", Raised("PicklingError", f"{op}() answered what cannot be sent back")))
 
-    with ThreadPoolExecutor(max_workers=256, thread_name_prefix="environment") as calls:
+    with ThreadPoolExecutor(max_workers=CALL_THREADS, thread_name_prefix="environment") as calls:
         while True:
             try:
                 call, op, eid, argument = conn.recv()
             except (EOFError, OSError):
                 return
-            calls.submit(run, call, op, eid, argument)
+            if op == "play":  # an agent's whole run: never queued behind the pool (its time runs from the send)
+                threading.Thread(target=run, args=(call, op, eid, argument), name="agent", daemon=True).start()
+            else:
+                calls.submit(run, call, op, eid, argument)
 
 
 class _Worker:
