@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import copy
 import logging
 import secrets
 from collections.abc import Mapping
@@ -138,6 +139,8 @@ class JobWrites:
                 job.token = token_fingerprint(token) if token else None
                 if token and job_plan.environment is not None:
                     await self._environment_key(job, existing, token)
+            if existing is not None and obj["kind"] == "NetworkPolicy":
+                await self._policy_as_built(job, existing, obj)
             return None
 
         job.queue_api_missing = False
@@ -156,6 +159,21 @@ class JobWrites:
         name = secret["metadata"]["name"]
         if await self.client.patch(kube.SECRET, job.namespace, name, patch):
             logger.info("%s/%s: wrote the environment server's token into Secret %s", job.namespace, job.name, name)
+
+    async def _policy_as_built(self, job: Tracked, existing: Mapping[str, Any], built: Mapping[str, Any]) -> None:
+        """A NetworkPolicy of the job's (its own, its environment server's) brought to what the spec it runs with
+        builds: the other kept children are made once, but a spec may change as a whole until the job has started
+        (a create refused first), and these are the fence of the job's pods and of a sandbox that runs model-written
+        code (its egress closed by the new spec, its pods left out of the job's). Past that, it puts back a
+        hand-edited one. Written only where it differs (policy_rewrite)."""
+        patch = policy_rewrite(existing, built)
+        if patch is None:
+            return
+        name = built["metadata"]["name"]
+        written = await self.client.patch(kube.NETWORK_POLICY, job.namespace, name, patch)
+        if written is not None:
+            self._remember((kube.NETWORK_POLICY.kind, job.namespace, name), dict(written), written)
+            logger.warning("%s/%s: NetworkPolicy %s rewritten as its spec builds it", job.namespace, job.name, name)
 
     async def _priority(self, job_plan: JobPlan) -> tuple[str, int] | None:
         """(PriorityClass, value) for the job's Kueue Workload, as Kueue's integrations find it
@@ -292,3 +310,28 @@ class JobWrites:
             logger.info("%s/%s: deleted after ttlSecondsAfterFinished", job.namespace, job.name)
             raise Gone(f"{job.namespace}/{job.name}")
         return queue_written
+
+
+def policy_rewrite(current: Mapping[str, Any], built: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The merge patch that makes a stored NetworkPolicy's spec the built one (None: it is already): lists are
+    replaced whole by a merge patch, and a key the built spec lacks is removed. Compared as the API server returns
+    it, so that nothing is written again at every pass: a port's protocol TCP when unset (pkg/apis/networking/v1/
+    defaults.go SetDefaults_NetworkPolicyPort), an empty list or object left out (the fields' omitempty: `egress:
+    []`, the sandbox's default, reads back as no egress key; k8s.io/api/networking/v1 types.go)."""
+    stored, wanted = dict(current.get("spec") or {}), copy.deepcopy(dict(built["spec"]))
+    for direction in ("ingress", "egress"):
+        for rule in wanted.get(direction) or []:
+            for port in rule.get("ports") or []:
+                port.setdefault("protocol", "TCP")
+    if _as_read(stored) == _as_read(wanted):
+        return None
+    return {"spec": {key: wanted.get(key) for key in (*wanted, *(k for k in stored if k not in wanted))}}
+
+
+def _as_read(value: Any) -> Any:
+    """`value` without the empty lists and objects (and nulls) in its objects, which the API server omits."""
+    if isinstance(value, Mapping):
+        return {key: _as_read(item) for key, item in value.items() if item not in (None, [], {})}
+    if isinstance(value, list):
+        return [_as_read(item) for item in value]
+    return value

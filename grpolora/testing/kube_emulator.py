@@ -11,9 +11,10 @@ deletion as the API server, the garbage collector and the kubelet do it (see `Em
 `Emulator._begin_deletion`): propagation policies Background and Foreground, finalizers, Terminating pods; the
 optimistic-concurrency precondition of a patch that carries `metadata.resourceVersion` (409 Conflict when the
 object changed since, as a real server answers); the scale subresource of a CRD that declares one (RolloutPools:
-`kubectl scale`); a Secret's stringData stored as data, never read back (`as_stored`); mutating admission
-webhooks that a test installs (`Emulator.webhooks`, e.g. Kueue's Job webhook in the tests' Kueue double); and a
-record of every (verb, group, resource) a client other than the test itself sent, for the RBAC check.
+`kubectl scale`); a Secret's stringData stored as data, never read back (`as_stored`); a NetworkPolicy port's
+default protocol; mutating admission webhooks that a test installs (`Emulator.webhooks`, e.g. Kueue's Job webhook
+in the tests' Kueue double); and a record of every (verb, group, resource) a client other than the test itself
+sent, for the RBAC check.
 """
 
 from __future__ import annotations
@@ -191,6 +192,8 @@ class Emulator(kmock.KubernetesEmulator):
                 return await self._scale(request, self._scale_paths[str(request.resource.plural)])
             if _is_secret_write(request):
                 _string_data_as_data(request.data)
+            if _is_write_of(request, "networking.k8s.io", "networkpolicies"):
+                _network_policy_defaults(request.data)
             if request.action == kmock.action.CREATE and isinstance(request.data, dict):
                 self._on_create(request)
                 for webhook in self.webhooks:
@@ -822,13 +825,26 @@ def _labels_match(obj: Mapping[str, Any], requirements: list[tuple[str, str, str
     return True
 
 
-def _is_secret_write(request: kmock.Request) -> bool:
+def _is_write_of(request: kmock.Request, group: str, plural: str) -> bool:
     return (
         request.action in (kmock.action.CREATE, kmock.action.UPDATE)
         and isinstance(request.data, dict)
-        and not request.resource.group
-        and str(request.resource.plural) == "secrets"
+        and str(request.resource.group or "") == group
+        and str(request.resource.plural) == plural
     )
+
+
+def _is_secret_write(request: kmock.Request) -> bool:
+    return _is_write_of(request, "", "secrets")
+
+
+def _network_policy_defaults(policy: dict[str, Any]) -> None:
+    """A NetworkPolicy (or a patch of one) with the API server's defaults: a port's protocol is TCP when unset
+    (pkg/apis/networking/v1/defaults.go SetDefaults_NetworkPolicyPort; Kubernetes 1.33), so a read returns it."""
+    for direction in ("ingress", "egress"):
+        for rule in (policy.get("spec") or {}).get(direction) or []:
+            for port in (rule or {}).get("ports") or []:
+                port.setdefault("protocol", "TCP")
 
 
 def as_stored(obj: Mapping[str, Any]) -> dict[str, Any]:

@@ -248,3 +248,57 @@ async def test_a_token_secret_made_before_the_environment_key_gains_it_and_nothi
         assert _secret_data(cluster) == want
         assert statefulsets_created(cluster, "demo-env") == 1 and statefulsets_created(cluster, "demo-inference") == 1
         assert cluster.condition("demo", names.PROGRESSING).get("reason") != names.R_REKEYING
+
+
+NETWORK_POLICIES = "networking.k8s.io/v1/networkpolicies"
+OPEN_EGRESS = [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443}]}]
+STORED_EGRESS = [{"to": [{"ipBlock": {"cidr": "0.0.0.0/0"}}], "ports": [{"port": 443, "protocol": "TCP"}]}]
+
+
+async def _full_pass(cluster: Cluster, operator: OperatorThread) -> None:
+    """A full pass, as a kept child's deletion wakes one (drift repair): one of the job's Services deleted."""
+    before = operator.passes()
+    await cluster._call("DELETE", f"/api/v1/namespaces/{NAMESPACE}/services/demo-trainer")
+    await wait_for(lambda: operator.passes() > before and cluster.get("v1/services", "demo-trainer"), "a full pass")
+
+
+async def test_a_spec_fixed_after_a_refused_start_closes_the_servers_egress_and_leaves_its_pods_out(cluster, operator):
+    """A create refused before the job started (here its trainer Job, by a policy) fails it without Created, and
+    its spec may then change as a whole; its kept children were made from the first spec. The NetworkPolicies, the
+    sandbox's only fence, follow the spec the job runs with: the server's egress closed by the fix is closed (it kept
+    0.0.0.0/0), and a server added by the fix is left out of the job's NetworkPolicy (its pods were the job's
+    peers on every port). A NetworkPolicy already as built is not written again, over several full passes (its
+    egress port without a protocol, which a real API server defaults to TCP, too)."""
+    from tests.operator.test_refusals import deny_jobs
+
+    cluster.emulator.webhooks.append(deny_jobs)
+    doc = job_doc(environment={"builtin": "calculator"})
+    await cluster.apply(doc)
+    await wait_for(lambda: cluster.condition("demo", names.FAILED).get("reason") == names.R_CREATE_REFUSED, "Failed")
+    assert "matchExpressions" not in cluster.get(NETWORK_POLICIES, "demo")["spec"]["podSelector"]
+    cluster.emulator.webhooks.remove(deny_jobs)
+    server = {"replicas": 1, "resources": SERVER["server"]["resources"], "egress": OPEN_EGRESS}
+    await cluster.patch_spec("demo", {"environment": {"server": server}})
+    await wait_for(lambda: cluster.get(STS, "demo-env"), "the server, once the spec is fixed")
+    assert cluster.get(NETWORK_POLICIES, "demo.env")["spec"]["egress"] == STORED_EGRESS
+    job_pods = cluster.get(NETWORK_POLICIES, "demo")["spec"]["podSelector"]
+    assert job_pods["matchExpressions"] == [{"key": c.LABEL_ROLE, "operator": "NotIn", "values": ["environment"]}]
+
+    cluster.emulator.webhooks.append(deny_jobs)  # refused again: the egress is closed by the next fix
+    await cluster.delete_job("demo")
+    await wait_for(
+        lambda: cluster.get(CRD, "demo") is None and cluster.get(NETWORK_POLICIES, "demo.env") is None, "gone"
+    )
+    await cluster.apply(job_doc(environment={"builtin": "calculator", "server": server}))
+    await wait_for(lambda: cluster.condition("demo", names.FAILED).get("reason") == names.R_CREATE_REFUSED, "Failed")
+    assert cluster.get(NETWORK_POLICIES, "demo.env")["spec"]["egress"] == STORED_EGRESS
+    cluster.emulator.webhooks.remove(deny_jobs)
+    await cluster.patch_spec("demo", {"environment": {"server": {"egress": []}}})
+    await wait_for(lambda: cluster.get("batch/v1/jobs", "demo-trainer"), "the trainer Job, once the spec is fixed")
+    await wait_for(lambda: cluster.get(NETWORK_POLICIES, "demo.env")["spec"]["egress"] == [], "the egress closed")
+
+    start = len(cluster.emulator.log)
+    for _ in range(3):
+        await _full_pass(cluster, operator)
+    written = [e for e in cluster.emulator.log[start:] if e[0] == "patch" and e[1] == "networkpolicies"]
+    assert written == [], "a NetworkPolicy as built is written again"

@@ -160,3 +160,29 @@ def test_the_startup_deadline_fails_a_job_with_no_server_ready_and_only_reports_
     one_ready = after(1)
     assert one_ready.status.phase != "Failed"
     assert condition(one_ready, names.PODS_READY) == ("False", names.R_STARTUP_DEADLINE)
+
+
+def test_a_network_policy_as_the_api_server_returns_it_is_not_written_again():
+    """policy_rewrite compares what a real API server returns: a port's protocol defaulted to TCP, the sandbox's
+    `egress: []` read back as no egress key (omitempty). A changed egress is written whole, and a key the built spec
+    lacks removed."""
+    from grpolora.operator.builders import environment_network_policy
+    from grpolora.operator.job_writes import policy_rewrite
+
+    open_egress = [{"to": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "ports": [{"port": 443}]}]
+    job_view = applied_view(environment={"builtin": "calculator", "server": {"egress": open_egress}})
+    assert job_view.job is not None
+    built = environment_network_policy(plan(job_view.job))
+    stored = {"spec": {**built["spec"], "egress": [{**open_egress[0], "ports": [{"port": 443, "protocol": "TCP"}]}]}}
+    assert policy_rewrite(stored, built) is None
+
+    closed = applied_view(environment={"builtin": "calculator", "server": {}})
+    assert closed.job is not None
+    built_closed = environment_network_policy(plan(closed.job))
+    assert built_closed["spec"]["egress"] == []
+    read_back = {"spec": {key: value for key, value in built_closed["spec"].items() if key != "egress"}}
+    assert policy_rewrite(read_back, built_closed) is None
+    rewrite = policy_rewrite(stored, built_closed)
+    assert rewrite is not None and rewrite["spec"]["egress"] == []
+    extra = {"spec": {**built_closed["spec"], "somethingElse": {"x": 1}}}
+    assert policy_rewrite(extra, built_closed) == {"spec": {**built_closed["spec"], "somethingElse": None}}

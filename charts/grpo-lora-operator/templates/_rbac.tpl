@@ -42,7 +42,7 @@ Peering rules (kopf.dev): only with peering.enabled; KopfPeering per namespace, 
 - apiGroups: [""]
   resources: ["services"]
   verbs: ["get", "list", "watch", "create", "patch"]
-# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods; followed by a watch and listed once per resync as the Services are, read to check its owner. A RolloutPool's admits exactly its attached jobs' trainers: rewritten as they change (patch)
+# the per-job NetworkPolicy that admits sync and control traffic only from the job's own pods, and its environment server's; followed by a watch and listed once per resync as the Services are, read to check its owner, rewritten where it is not as the job's spec builds it (patch). A RolloutPool's admits exactly its attached jobs' trainers: rewritten as they change (patch)
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch"]
