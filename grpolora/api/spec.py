@@ -189,6 +189,16 @@ def checked_env(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return value
 
 
+def patch_verb_problems(directives: list[tuple[str, Any]]) -> list[tuple[str, str]]:
+    """(path, problem) of each `$patch` directive (path, verb) whose verb is not one a job may say."""
+    return [
+        (path, f"`{verb}`: use `delete` (drop the runtime's item) or `replace` (the job's list replaces the runtime's "
+         "whole)")
+        for path, verb in directives
+        if verb not in overlay.PATCH_VERBS
+    ]  # fmt: skip
+
+
 class PvcRef(SpecModel):
     claim_name: NonEmptyStr
     """Name of a PersistentVolumeClaim in the job's namespace."""
@@ -940,14 +950,7 @@ class EnvironmentServerPlacement(SpecModel):
 
     @model_validator(mode="after")
     def _patch_verbs(self) -> EnvironmentServerPlacement:
-        raise_if_any(
-            [
-                (path, f"`{verb}`: use `delete` (drop the runtime's item) or `replace` (the job's list replaces the "
-                 "runtime's whole)")
-                for path, verb in self.patch_directives()
-                if verb not in overlay.PATCH_VERBS
-            ]
-        )  # fmt: skip
+        raise_if_any(patch_verb_problems(self.patch_directives()))
         return self
 
 
@@ -1287,14 +1290,7 @@ class RoleSpec(SpecModel):
 
     @model_validator(mode="after")
     def _patch_verbs(self) -> RoleSpec:
-        raise_if_any(
-            [
-                (path, f"`{verb}`: use `delete` (drop the runtime's item) or `replace` (the job's list replaces the "
-                 "runtime's whole)")
-                for path, verb in self.patch_directives()
-                if verb not in overlay.PATCH_VERBS
-            ]
-        )  # fmt: skip
+        raise_if_any(patch_verb_problems(self.patch_directives()))
         return self
 
     @field_validator("affinity")
